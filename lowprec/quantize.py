@@ -1,0 +1,334 @@
+"""Quantize tensors to the formats of `lowprec.formats`, with statistics, on any device.
+
+Every granularity goes through one code path. The operand is viewed as 2-D
+`(rows, K)` (K, the last dimension, is the GEMM's reduction dimension) and then as
+blocks `(rows/r, r, K/c, c)`: a tensor-wise scale is one block covering everything, a
+row-wise scale is blocks of `(1, K)`, Float8BlockScaling is `(1, 128)` / `(128, 128)`,
+MX is `(1, 32)` with E8M0 scales, NVFP4 is `(1, 16)` / `(16, 16)` with E4M3 scales under
+an FP32 tensor scale. Per block: amax over finite values, a scale, `x * scale`
+saturated to the format's max and rounded to its grid (nearest-even, or stochastic
+with a seeded generator), and the dequantized value `q / scale`.
+
+Rounding to a grid is done in FP32 arithmetic on any device (PyTorch has no FP4
+dtype and no float8 arithmetic on CPU): the step at `|v|` is
+`2**(max(exponent(|v|), min_normal_exp) - mantissa_bits)` and `round(|v| / step)`
+is exact, so the result equals a hardware cast bit for bit (tested against
+`torch.float8_e4m3fn` / `float8_e5m2` on every BF16 value).
+
+Non-finite inputs: scales are computed from finite values only, so one NaN never
+turns a scale into NaN. NaN stays NaN. +-Inf stays +-Inf in E5M2 (which encodes
+Inf) and becomes NaN in E4M3 and E2M1 (which do not). PyTorch's own E4M3 cast
+saturates Inf to 448; we do not, because a saturated Inf hides a fault that the
+monitors must see. Every non-finite input is counted in the statistics.
+
+Statistics (`QuantStats`) are tensors on the input's device, packed in one vector,
+computed in the same pass and never read on the host here: amax, saturated count
+(scaled values beyond what round-to-nearest would still have mapped to max),
+underflow count (non-zero inputs that became zero), squared error, signal power,
+non-finite count, element count.
+
+`fused=True` runs the same function through `torch.compile`, which fuses the passes
+into one or two loops (see docs/performance.md); `fused=False` is plain eager PyTorch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lowprec.formats import E4M3, ElementFormat, QuantSpec, Rounding, ScaleEncoding, Scaling
+from lowprec.hadamard import RandomHadamard
+
+__all__ = ["QuantStats", "Quantized", "quantize", "fake_quantize", "round_to_grid",
+           "operand_blocks", "check_fits"]
+
+_EPS = 1e-12                       # amax floor for FP32 scales (torchao's choice)
+_NVFP4_TENSOR_RANGE = 6.0 * 448.0  # E2M1 max times E4M3 max
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+class QuantStats:
+    """Quantization statistics of one operand, packed in one float64 tensor (no host sync)."""
+
+    FIELDS = ("amax", "saturated", "underflow", "sq_error", "signal_power", "nonfinite", "numel")
+
+    def __init__(self, packed: torch.Tensor):
+        if packed.shape != (len(self.FIELDS),):
+            raise ValueError(f"QuantStats expects a vector of {len(self.FIELDS)}, got {tuple(packed.shape)}")
+        self.packed = packed
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        fields = type(self).FIELDS
+        if name in fields:
+            return self.packed[fields.index(name)]
+        raise AttributeError(name)
+
+    def to_dict(self) -> dict[str, float]:
+        """Host values (this syncs), plus derived fractions and SQNR in dB."""
+        v = dict(zip(self.FIELDS, self.packed.tolist()))
+        n = max(v["numel"], 1.0)
+        v["saturated_frac"] = v["saturated"] / n
+        v["underflow_frac"] = v["underflow"] / n
+        v["rel_mse"] = v["sq_error"] / v["signal_power"] if v["signal_power"] > 0 else 0.0
+        v["sqnr_db"] = (10 * math.log10(v["signal_power"] / v["sq_error"])
+                        if v["sq_error"] > 0 and v["signal_power"] > 0 else math.inf)
+        return v
+
+    def __repr__(self) -> str:
+        return f"QuantStats({', '.join(f'{k}={x:.4g}' for k, x in zip(self.FIELDS, self.packed.tolist()))})"
+
+
+@dataclass
+class Quantized:
+    """A quantized operand: `values` on the element grid in the scaled domain.
+
+    `values` has the shape of the 2-D operand view (float32, exact grid points),
+    `scale` / `scale_inv` have one entry per block, shaped `(rows/r, 1, K/c, 1)`.
+    `amax` is the operand's amax over finite values (what a delayed-scaling history
+    records). `dequantize()` returns the operand's shape (in the Hadamard domain when the spec
+    applies the transform: both GEMM operands are transformed, so it cancels).
+    """
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    scale_inv: torch.Tensor
+    spec: QuantSpec
+    shape: torch.Size
+    amax: torch.Tensor
+    stats: QuantStats | None = None
+
+    def dequantize(self) -> torch.Tensor:
+        r, c = _block_of(self.spec, self.values.shape)
+        vb = _as_blocks(self.values, (r, c))
+        out = _dequant_blocks(vb, self.scale, self.scale_inv, self.spec)
+        return out.reshape(self.shape)
+
+    def to_storage(self) -> torch.Tensor:
+        """The values as PyTorch's float8 dtype (E4M3/E5M2 only), for torch._scaled_mm."""
+        dt = self.spec.element.torch_dtype
+        if dt is None:
+            raise TypeError(f"{self.spec.element.name} has no PyTorch storage dtype; use .values")
+        return self.values.to(dt)
+
+
+def round_to_grid(v: torch.Tensor, elem: ElementFormat, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """Round FP32 `v` to `elem`'s grid, saturating at +-max; NaN stays NaN.
+
+    Nearest-even when `noise` is None, else stochastic: floor(|v|/step + noise) with
+    noise uniform in [0, 1). Infinities saturate here; callers decide their fate.
+    """
+    a = v.abs().clamp(max=elem.max)
+    expo = (a.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**floor(log2 a), 0 for FP32 subnormals
+    step = expo.clamp(min=elem.min_normal) * (2.0 ** -elem.mantissa_bits)
+    n = torch.round(a / step) if noise is None else torch.floor(a / step + noise)
+    return torch.copysign(n * step, v)
+
+
+def operand_blocks(spec: QuantSpec, shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+    """The (rows, cols) block of `spec` for an operand of `shape` (2-D view)."""
+    rows, k = _view2d_shape(shape)
+    return _block_of(spec, (rows, k))
+
+
+def check_fits(spec: QuantSpec, shape: torch.Size | tuple[int, ...], what: str = "tensor") -> None:
+    """Raise ValueError if an operand of `shape` cannot be cut into `spec`'s blocks."""
+    rows, k = _view2d_shape(shape)
+    r, c = _block_of(spec, (rows, k))
+    bad = []
+    if k % c:
+        bad.append(f"its last (reduction) dimension {k} is not a multiple of {c}")
+    if rows % r:
+        bad.append(f"its {rows} rows (all leading dimensions together) are not a multiple of {r}")
+    if spec.hadamard and k % 16:
+        bad.append(f"the Hadamard transform needs the last dimension ({k}) to be a multiple of 16")
+    if bad:
+        raise ValueError(
+            f"{what} of shape {tuple(shape)} does not fit {spec.element.name} blocks of "
+            f"{r}x{c}: {'; '.join(bad)}. Pad that dimension, keep this layer in a format "
+            f"with smaller blocks (e.g. fp8_tensorwise or fp8_rowwise), or in bf16.")
+
+
+def quantize(x: torch.Tensor, spec: QuantSpec, *, amax: torch.Tensor | float | None = None,
+             scale: torch.Tensor | float | None = None, generator: torch.Generator | None = None,
+             hadamard: RandomHadamard | None = None, stats: bool = False, fused: bool = False,
+             validate: bool = True) -> Quantized:
+    """Quantize `x` (any float dtype, any device) as `spec` says.
+
+    amax: use this instead of the tensor's own (e.g. reduced over a shard group);
+        for NVFP4 it is the tensor amax behind the FP32 tensor scale.
+    scale: the scale for Scaling.DELAYED (from an `AmaxHistory`); required there.
+    generator: random source for stochastic rounding (seeded, on x's device).
+    hadamard: the transform to apply when spec.hadamard (default: seed 0).
+    stats: attach QuantStats (device tensors, no sync).
+    validate: check a user-given amax/scale is finite and positive (syncs if on GPU).
+    """
+    if not x.is_floating_point():
+        raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")
+    check_fits(spec, x.shape)
+    x2 = x.reshape(_view2d_shape(x.shape)).float()
+    if spec.hadamard:
+        x2 = (hadamard or RandomHadamard(0)).apply(x2)
+    amax_t = _given(amax, "amax", x2.device, validate, allow_zero=True)
+    scale_t = _given(scale, "scale", x2.device, validate, allow_zero=False)
+    if spec.scaling is Scaling.DELAYED and scale_t is None:
+        raise ValueError("Scaling.DELAYED needs scale= (from an AmaxHistory); "
+                         "for a scale from the tensor itself use Scaling.TENSOR")
+    noise = None
+    if spec.rounding is Rounding.STOCHASTIC:
+        noise = torch.rand(x2.shape, generator=generator, device=x2.device, dtype=torch.float32)
+    block = _block_of(spec, x2.shape)
+    fn = _compiled_core(spec) if fused else _core
+    values, sc, sc_inv, amax_out, packed = fn(x2, spec, block, amax_t, scale_t, noise, stats)
+    return Quantized(values, sc, sc_inv, spec, x.shape, amax_out,
+                     QuantStats(packed) if stats else None)
+
+
+def fake_quantize(x: torch.Tensor, spec: QuantSpec, *, stats: bool = False, **kw):
+    """quantize() then dequantize(), back in x's shape, dtype and (Hadamard-inverted) domain.
+
+    Returns the tensor, or (tensor, QuantStats) when stats=True.
+    """
+    hadamard = kw.get("hadamard") or (RandomHadamard(0) if spec.hadamard else None)
+    kw["hadamard"] = hadamard
+    q = quantize(x, spec, stats=stats, **kw)
+    out = q.dequantize()
+    if spec.hadamard:
+        out = hadamard.invert(out.reshape(_view2d_shape(x.shape))).reshape(x.shape)
+    out = out.to(x.dtype)
+    return (out, q.stats) if stats else out
+
+
+# ----------------------------------------------------------------------------- internals
+
+
+def _view2d_shape(shape) -> tuple[int, int]:
+    shape = tuple(shape)
+    if len(shape) == 0:
+        return (1, 1)
+    k = shape[-1]
+    return (math.prod(shape[:-1]) if len(shape) > 1 else 1, k)
+
+
+def _block_of(spec: QuantSpec, shape2d) -> tuple[int, int]:
+    rows, k = shape2d
+    if spec.scaling in (Scaling.TENSOR, Scaling.DELAYED):
+        return (max(rows, 1), max(k, 1))
+    if spec.scaling is Scaling.ROW:
+        return (1, max(k, 1))
+    return spec.block
+
+
+def _as_blocks(x2: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    rows, k = x2.shape
+    r, c = block
+    return x2.reshape(rows // r, r, k // c, c)
+
+
+def _given(v, what: str, device, validate: bool, allow_zero: bool) -> torch.Tensor | None:
+    if v is None:
+        return None
+    t = torch.as_tensor(v, dtype=torch.float32, device=device)
+    if validate:
+        bad = ~torch.isfinite(t) | (t < 0 if allow_zero else t <= 0)
+        if bool(bad.any()):
+            raise ValueError(
+                f"{what} must be finite and {'>= 0' if allow_zero else '> 0'}, got "
+                f"{t.flatten()[:4].tolist()}: a non-finite {what} would make every quantized "
+                f"value NaN. Compute amax over finite values (quantize does this itself when "
+                f"amax is not given) or reset the amax history.")
+    return t
+
+
+def _finite_amax(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fin = torch.isfinite(xb)
+    ax = torch.where(fin, xb.abs(), 0.0)
+    return fin, ax, ax.amax(dim=(1, 3), keepdim=True)
+
+
+def _scales(spec: QuantSpec, bamax: torch.Tensor, ax: torch.Tensor, amax_t, scale_t):
+    """(scale, scale_inv) per block; x * scale is on the element grid's range."""
+    elem = spec.element
+    enc = spec.scale_encoding
+    if spec.scaling is Scaling.DELAYED:
+        s = scale_t.reshape(1, 1, 1, 1).expand_as(bamax)
+        return s, 1.0 / s
+    if enc is ScaleEncoding.E4M3_FP32:
+        tamax = ax.amax() if amax_t is None else amax_t
+        s_enc = torch.where(tamax > 0, _NVFP4_TENSOR_RANGE / tamax, 1.0).clamp(max=_FP32_MAX)
+        sb = round_to_grid((bamax / elem.max) * s_enc, E4M3)       # E4M3 block decode scale
+        scale = torch.where(sb > 0, s_enc / sb, 0.0)
+        return scale, sb / s_enc
+    if enc is ScaleEncoding.E8M0:
+        a = bamax.clamp(min=2.0 ** -126)
+        e = ((a.view(torch.int32) >> 23) & 0xFF) - 127 - elem.max_exp      # OCP: floor(log2 amax) - emax
+        if spec.mx_scale_rounding == "ceil":
+            e = e + (a > elem.max * torch.exp2(e.float())).to(e.dtype)
+        e = torch.where(bamax > 0, e, -127).clamp(-127, 127)
+        x_scale = torch.exp2(e.float())                                   # the E8M0 value
+        return 1.0 / x_scale, x_scale
+    amax = bamax if amax_t is None else amax_t.reshape(-1, 1, 1, 1).expand_as(bamax)
+    scale = elem.max / amax.clamp(min=_EPS)
+    if enc is ScaleEncoding.POW2:
+        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)  # round down to 2**k
+    return scale, 1.0 / scale
+
+
+def _overflow_threshold(elem: ElementFormat) -> float:
+    """|v| beyond which clamping changed the result: round-to-nearest without saturation
+    would have left max (half the top binade's step above it)."""
+    return elem.max + 0.5 * 2.0 ** (elem.max_exp - elem.mantissa_bits)
+
+
+def _dequant_blocks(vb, scale, scale_inv, spec: QuantSpec):
+    if spec.scale_encoding is ScaleEncoding.E4M3_FP32:
+        return vb * scale_inv        # blocks whose E4M3 scale underflowed have scale 0
+    return vb / scale
+
+
+def _core(x2: torch.Tensor, spec: QuantSpec, block, amax_t, scale_t, noise, want_stats: bool):
+    elem = spec.element
+    xb = _as_blocks(x2, block)
+    fin, ax, bamax = _finite_amax(xb)
+    scale, scale_inv = _scales(spec, bamax, ax, amax_t, scale_t)
+    v = xb * scale
+    nb = None if noise is None else _as_blocks(noise, block)
+    q = round_to_grid(v, elem, nb)
+    if elem.has_inf:
+        q = torch.where(fin, q, xb)                  # NaN stays NaN, Inf stays Inf
+    else:
+        q = torch.where(fin, q, float("nan"))        # no Inf encoding: NaN
+    values = q.reshape(x2.shape)
+    amax = ax.amax()
+    if not want_stats:
+        return values, scale, scale_inv, amax, None
+    dq = _dequant_blocks(q, scale, scale_inv, spec)
+    err = torch.where(fin, xb - dq, 0.0)
+    packed = torch.stack([
+        amax.double(),
+        (fin & (v.abs() > _overflow_threshold(elem))).sum().double(),
+        (fin & (xb != 0) & (q == 0)).sum().double(),
+        (err * err).sum(dtype=torch.float64),
+        (ax * ax).sum(dtype=torch.float64),
+        (~fin).sum().double(),
+        torch.tensor(float(x2.numel()), dtype=torch.float64, device=x2.device),
+    ])
+    return values, scale, scale_inv, amax, packed
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_core(spec: QuantSpec):
+    """`_core` through torch.compile, one compiled graph per spec (memoised)."""
+    compiled = torch.compile(_core, dynamic=True, fullgraph=True)
+
+    def run(*args):
+        try:
+            return compiled(*args)
+        except Exception as e:  # compilation needs a C++ compiler on CPU, Triton on GPU
+            raise RuntimeError(
+                f"fused quantization of {spec.element.name}/{spec.scaling.value} could not be "
+                f"compiled by torch.compile ({type(e).__name__}: {e}). Use fused=False (eager), "
+                f"or install a C++ compiler (CPU) / Triton (GPU).") from e
+    return run
