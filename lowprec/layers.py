@@ -1,0 +1,329 @@
+"""The precision-switchable linear layer and its three quantized GEMMs.
+
+`PrecisionLinear` replaces an `nn.Linear` (or a Hugging Face GPT-2 `Conv1D`, whose
+weight is stored transposed) and holds the *same* Parameter objects, so an optimizer
+built before the swap keeps working and switching format never allocates parameters.
+It subclasses `nn.Linear` so that tensor-parallel styles (ColwiseParallel /
+RowwiseParallel) and FSDP2 treat it as the linear layer it is.
+
+Its format can change at any step (`set_format`). In a low-precision format, the
+forward and backward run as Transformer Engine runs them, three GEMMs each with
+quantized operands and FP32 accumulation:
+
+    fprop  y  = x  @ w^T      operands (input, weight)
+    dgrad  dx = dy @ w        operands (grad_output, weight^T)
+    wgrad  dw = dy^T @ x      operands (grad_output_wgrad, input_wgrad), K = tokens
+
+Every operand is quantized along the GEMM's reduction dimension (the last dimension
+of the 2-D view), so 1x128, MX and NVFP4 blocks follow the right axis in each GEMM.
+The statistics of input, weight and grad_output are kept as device tensors in
+`layer.stats` for the monitors. In `bf16`, operands are rounded to BF16 and the GEMM
+accumulates in FP32 (BF16 arithmetic is emulated; on a BF16 model it is a no-op).
+
+Distributed: a tensor-wise amax must be the amax of the whole tensor, so when an
+operand is a DTensor shard its amax is all-reduced (MAX) over the mesh dimensions it
+is sharded on, and activations/gradients are also reduced over `amax_group` (the
+data-parallel group) when one is given: the numerics then equal a single process's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lowprec.delayed import AmaxHistory
+from lowprec.formats import Format, QuantSpec, ScaleEncoding, Scaling
+from lowprec.hadamard import RandomHadamard
+from lowprec.quantize import QuantStats, quantize
+
+__all__ = ["PrecisionLinear", "linear_weight_view"]
+
+_HISTORY_ROLE = {"input": "input", "input_wgrad": "input", "weight": "weight",
+                 "grad_output": "grad_output", "grad_output_wgrad": "grad_output"}
+_ACTIVATION_ROLES = ("input", "input_wgrad", "grad_output", "grad_output_wgrad")
+
+
+def linear_weight_view(module: nn.Module) -> torch.Tensor:
+    """The (out, in) weight of an nn.Linear or a transformers Conv1D (stored (in, out))."""
+    return module.weight.t() if type(module).__name__ == "Conv1D" else module.weight
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.4
+        return None
+    return DTensor
+
+
+class PrecisionLinear(nn.Linear):
+    """A linear layer whose GEMMs run in a switchable `Format` on a given backend."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, fmt: Format, backend, *,
+                 fqn: str = "", transposed_weight: bool = False, seed: int = 0,
+                 amax_group=None, emulate_bf16: bool = True, fused: bool = False):
+        nn.Module.__init__(self)
+        out_f, in_f = (weight.shape[1], weight.shape[0]) if transposed_weight else weight.shape
+        self.in_features, self.out_features = int(in_f), int(out_f)
+        self.weight = weight  # the same Parameter objects: no copy, no new allocation
+        self.bias = bias
+        self.fqn = fqn
+        self.transposed_weight = transposed_weight
+        self.backend = backend
+        self.amax_group = amax_group
+        self.emulate_bf16 = emulate_bf16
+        self.fused = fused
+        self.collect_stats = True
+        self.seed = int(seed)
+        self.generator = torch.Generator(device=weight.device).manual_seed(self.seed)
+        self.hadamard = RandomHadamard(self.seed)
+        self.stats: dict[str, QuantStats] = {}
+        self.histories: dict[str, AmaxHistory] = {}
+        self.format = fmt
+        self._reset_histories()
+
+    @classmethod
+    def from_module(cls, module: nn.Module, fmt: Format, backend, **kw) -> "PrecisionLinear":
+        transposed = type(module).__name__ == "Conv1D"
+        return cls(module.weight, module.bias, fmt, backend, transposed_weight=transposed, **kw)
+
+    # ------------------------------------------------------------------ format switching
+    def set_format(self, fmt: Format) -> None:
+        """Switch to `fmt`. Parameters are untouched; a delayed-scaling history starts fresh."""
+        if fmt is self.format:
+            return
+        self.format = fmt
+        self.stats = {}
+        self._reset_histories()
+
+    def _reset_histories(self) -> None:
+        self.histories = {}
+        cfg = self.format.delayed
+        if cfg is None:
+            return
+        for role, spec in self.format.specs().items():
+            key = _HISTORY_ROLE[role]
+            if spec.scaling is Scaling.DELAYED and key not in self.histories:
+                self.histories[key] = AmaxHistory(cfg, spec.element, self.weight.device)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.t() if self.transposed_weight else self.weight
+        if self.format.is_high_precision:
+            if self.emulate_bf16 and x.dtype == torch.float32:
+                b = None if self.bias is None else _bf16(self.bias)
+                return F.linear(_bf16(x), _bf16(w), b)
+            return F.linear(x, w, self.bias)
+        return _QuantizedLinearFn.apply(x, w, self.bias, self, self.format)
+
+    def quantize_operand(self, t: torch.Tensor, fmt: Format, role: str):
+        """Quantize one 2-D operand (local tensor) for `role`; high precision if no spec."""
+        spec: QuantSpec | None = getattr(fmt, role)
+        if spec is None:
+            return _bf16(t) if self.emulate_bf16 and t.dtype == torch.float32 else t
+        amax = scale = None
+        hist = self.histories.get(_HISTORY_ROLE[role]) if spec.scaling is Scaling.DELAYED else None
+        if hist is not None:
+            scale = hist.scale()
+        elif _needs_global_amax(spec):
+            amax = self._global_amax(t, role)
+        q = quantize(t, spec, amax=amax, scale=scale, generator=self.generator,
+                     hadamard=self.hadamard, stats=self.collect_stats, fused=self.fused,
+                     validate=False)
+        if hist is not None and role in ("input", "weight", "grad_output"):
+            hist.record(self._reduce_max(q.amax, role))
+        if q.stats is not None and role in ("input", "weight", "grad_output"):
+            self.stats[role] = q.stats
+        return q
+
+    # ------------------------------------------------------------------ distributed amax
+    def _global_amax(self, t: torch.Tensor, role: str) -> torch.Tensor | None:
+        groups = self._amax_groups(role)
+        if not groups:
+            return None
+        local = torch.where(torch.isfinite(t), t.abs(), 0.0).amax().float()
+        return self._reduce_max(local, role)
+
+    def _reduce_max(self, amax: torch.Tensor, role: str) -> torch.Tensor:
+        for g in self._amax_groups(role):
+            amax = amax.clone()
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=g)
+        return amax
+
+    def _amax_groups(self, role: str) -> list:
+        groups = list(getattr(self, "_shard_groups", {}).get(role, ()))
+        if self.amax_group is not None and role in _ACTIVATION_ROLES:
+            groups.append(self.amax_group)
+        return groups
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, format={self.format.name}, "
+                f"backend={getattr(self.backend, 'name', self.backend)}")
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).to(t.dtype)
+
+
+def _needs_global_amax(spec: QuantSpec) -> bool:
+    """Whether the scale depends on the amax of the whole tensor."""
+    return spec.scaling is Scaling.TENSOR or spec.scale_encoding is ScaleEncoding.E4M3_FP32
+
+
+# ---------------------------------------------------------------------- DTensor plumbing
+
+def _to_local_2d(t: torch.Tensor):
+    """(local 2-D tensor, mesh, placements in 2-D terms) for a tensor or DTensor."""
+    DTensor = _dtensor_type()
+    if DTensor is None or not isinstance(t, DTensor):
+        return t.reshape(-1, t.shape[-1]), None, None
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    placements = []
+    for p in t.placements:
+        if isinstance(p, Shard):
+            dim = p.dim % t.ndim
+            placements.append(Shard(1 if dim == t.ndim - 1 else 0))
+        elif isinstance(p, (Replicate, Partial)):
+            if isinstance(p, Partial):
+                raise ValueError("PrecisionLinear got a Partial DTensor operand; redistribute it "
+                                 "to Replicate or Shard first")
+            placements.append(Replicate())
+    local = t.to_local()
+    return local.reshape(-1, local.shape[-1]), t.device_mesh, tuple(placements)
+
+
+def _t_placements(pl):
+    from torch.distributed.tensor import Shard
+    return None if pl is None else tuple(Shard(1 - p.dim) if p.is_shard() else p for p in pl)
+
+
+def _gemm_placements(pa, pb, mesh):
+    """Placements of a @ b^T from the operands' placements, per mesh dimension."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    if pa is None and pb is None:
+        return None
+    n = mesh.ndim
+    pa = pa or (Replicate(),) * n
+    pb = pb or (Replicate(),) * n
+    out = []
+    for a, b in zip(pa, pb):
+        sa = a.dim if a.is_shard() else None
+        sb = b.dim if b.is_shard() else None
+        if sa is None and sb is None:
+            out.append(Replicate())
+        elif sa == 1 and sb == 1:
+            out.append(Partial())
+        elif sa is None and sb == 0:
+            out.append(Shard(1))
+        elif sa == 0 and sb is None:
+            out.append(Shard(0))
+        else:
+            raise ValueError(f"unsupported sharding for a quantized GEMM: {a} x {b}^T")
+    return tuple(out)
+
+
+def _shard_groups(mesh, placements) -> list:
+    if mesh is None:
+        return []
+    return [mesh.get_group(i) for i, p in enumerate(placements) if p.is_shard()]
+
+
+class _QuantizedLinearFn(torch.autograd.Function):
+    """fprop / dgrad / wgrad with quantized operands (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, layer: PrecisionLinear, fmt: Format):
+        x2, mesh_x, px = _to_local_2d(x)
+        w2, mesh_w, pw = _to_local_2d(w)
+        mesh = mesh_x or mesh_w
+        layer._shard_groups = {
+            "input": _shard_groups(mesh, px), "weight": _shard_groups(mesh, pw),
+            "input_wgrad": _shard_groups(mesh, px)}
+        qx = layer.quantize_operand(x2, fmt, "input")
+        qw = layer.quantize_operand(w2, fmt, "weight")
+        y = layer.backend.gemm(qx, qw)
+        out_pl = _gemm_placements(px, pw, mesh) if mesh is not None else None
+        if bias is not None:
+            b = bias.to_local() if hasattr(bias, "to_local") else bias
+            if out_pl is not None:  # a Partial output: only one rank of that group adds it
+                for i, p in enumerate(out_pl):
+                    if p.is_partial() and mesh.get_local_rank(i) != 0:
+                        b = torch.zeros_like(b)
+            y = y + b.float()
+        x_local_shape = x.to_local().shape if mesh_x is not None else x.shape
+        ctx.save_for_backward(x2, w2)
+        ctx.layer, ctx.fmt, ctx.has_bias = layer, fmt, bias is not None
+        ctx.meta = (x_local_shape, x.dtype, mesh, px, pw)
+        y = y.to(x.dtype)
+        if mesh is None:
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        return _wrap(y, mesh, out_pl, x_local_shape)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x2, w2 = ctx.saved_tensors
+        layer, fmt = ctx.layer, ctx.fmt
+        x_shape, x_dtype, mesh, px, pw = ctx.meta
+        g2, _, pg = _to_local_2d(gy)
+        layer._shard_groups = {
+            "grad_output": _shard_groups(mesh, pg), "grad_output_wgrad": _shard_groups(mesh, pg),
+            "weight": _shard_groups(mesh, pw), "input_wgrad": _shard_groups(mesh, px)}
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            qg = layer.quantize_operand(g2, fmt, "grad_output")
+            qwt = layer.quantize_operand(w2.t(), fmt, "weight")
+            dx = layer.backend.gemm(qg, qwt).to(x_dtype)
+            dx = _wrap(dx, mesh, _gemm_placements(pg, _t_placements(pw), mesh) if mesh else None,
+                       x_shape)
+        if ctx.needs_input_grad[1]:
+            gt, xt = _pad_tokens(g2.t(), x2.t(), fmt)
+            qgt = layer.quantize_operand(gt, fmt, "grad_output_wgrad")
+            qxt = layer.quantize_operand(xt, fmt, "input_wgrad")
+            dw = layer.backend.gemm(qgt, qxt).to(w2.dtype)
+            if mesh is not None:
+                dw = _wrap(dw, mesh, _gemm_placements(_t_placements(pg), _t_placements(px), mesh),
+                           None)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g2.float().sum(0)
+            if mesh is not None:
+                from torch.distributed.tensor import DTensor, Replicate, Shard
+                pl = tuple(Shard(0) if p.is_shard() and p.dim == 1 else Replicate() for p in pg)
+                db = DTensor.from_local(db, mesh, pl, run_check=False)
+        return dx, dw, db, None, None
+
+
+def _pad_tokens(gt: torch.Tensor, xt: torch.Tensor, fmt: Format):
+    """Zero-pad the token dimension of the wgrad operands to a whole number of blocks.
+
+    The token count is a property of the batch, not of the layer, so it cannot be
+    checked when the plan is made; zeros change neither an amax nor the GEMM result.
+    """
+    multiple = 1
+    for spec in (fmt.grad_output_wgrad, fmt.input_wgrad):
+        if spec is not None and spec.scaling is Scaling.BLOCK:
+            multiple = math.lcm(multiple, spec.block[1])
+        if spec is not None and spec.hadamard:
+            multiple = math.lcm(multiple, 16)
+    pad = (-gt.shape[1]) % multiple
+    if pad:
+        gt, xt = F.pad(gt, (0, pad)), F.pad(xt, (0, pad))
+    return gt, xt
+
+
+def _wrap(t, mesh, placements, x_shape):
+    """Reshape a local 2-D result to x's local leading dims and wrap it as a DTensor."""
+    if mesh is None:
+        return t.reshape(x_shape)
+    from torch.distributed.tensor import DTensor
+    if x_shape is not None:
+        lead = x_shape[:-1]
+        t = t.reshape(*lead, t.shape[-1])
+        placements = tuple(type(p)(t.ndim - 1) if p.is_shard() and p.dim == 1 else p
+                           for p in placements)
+    return DTensor.from_local(t, mesh, placements, run_check=False)
+

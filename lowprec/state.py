@@ -1,0 +1,188 @@
+"""`prepare(model, plan) -> PrecisionState`: swap linear layers in, then switch them at runtime.
+
+`prepare` resolves the plan against the model (`lowprec.plan.resolve`), replaces every
+linear layer that is not kept in high precision by a `PrecisionLinear` holding the same
+Parameter objects, and returns the `PrecisionState` that knows every site: its FQN,
+its current format and its ladder (the formats it may fall back through). Everything
+the controller and the monitors do to the model goes through this object; there is no
+global precision state anywhere.
+
+`state_dict()` holds only strings, integers and tensors (formats by name, delayed-scaling
+histories, stochastic-rounding generator states), so checkpoints load with
+`torch.load(..., weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from lowprec.backends import get_backend
+from lowprec.formats import Format, get_format, suggest
+from lowprec.layers import PrecisionLinear
+
+__all__ = ["Site", "PrecisionState", "prepare"]
+
+
+@dataclass
+class Site:
+    """One switchable layer: where it is, what it runs in now, where it may fall back to."""
+
+    fqn: str
+    module: PrecisionLinear
+    ladder: tuple[Format, ...]
+    reason: str = ""
+
+    @property
+    def format(self) -> Format:
+        return self.module.format
+
+    @property
+    def flops_per_token(self) -> int:
+        """Multiply-adds of the three GEMMs per token (2 * in * out each)."""
+        return 6 * self.module.in_features * self.module.out_features
+
+
+class PrecisionState:
+    """The sites of a prepared model and their formats; switching never touches parameters."""
+
+    def __init__(self, sites: Iterable[Site], backend, kept_high_precision: Iterable[tuple[str, str]] = ()):
+        self.sites: dict[str, Site] = {s.fqn: s for s in sites}
+        self.backend = backend
+        self.kept_high_precision = dict(kept_high_precision)  # fqn -> reason, not swapped
+
+    # ------------------------------------------------------------------ queries
+    def site(self, fqn: str) -> Site:
+        try:
+            return self.sites[fqn]
+        except KeyError:
+            raise KeyError(f"no precision site {fqn!r}.{suggest(fqn, list(self.sites))} "
+                           f"{len(self.sites)} sites exist, e.g. {', '.join(list(self.sites)[:4])}") from None
+
+    def formats(self) -> dict[str, str]:
+        """fqn -> current format name (the precision map)."""
+        return {fqn: s.format.name for fqn, s in self.sites.items()}
+
+    def flops_share(self) -> dict[str, float]:
+        """Share of GEMM FLOPs per format over the switchable sites (kept layers excluded)."""
+        total = sum(s.flops_per_token for s in self.sites.values()) or 1
+        share: dict[str, float] = {}
+        for s in self.sites.values():
+            share[s.format.name] = share.get(s.format.name, 0.0) + s.flops_per_token / total
+        return share
+
+    def stats(self) -> dict[str, dict]:
+        """fqn -> {role: QuantStats} from the last step (device tensors, no sync)."""
+        return {fqn: dict(s.module.stats) for fqn, s in self.sites.items() if s.module.stats}
+
+    # ------------------------------------------------------------------ switching
+    def set_format(self, fqns: str | Iterable[str], fmt: Format | str) -> list[str]:
+        """Switch sites to `fmt`; returns the FQNs that changed. Validates before changing any."""
+        fmt = get_format(fmt)
+        names = [fqns] if isinstance(fqns, str) else list(fqns)
+        sites = [self.site(n) for n in names]
+        ok, why = self.backend.supports(fmt)
+        if not ok:
+            raise ValueError(f"cannot switch {names[:3]} to {fmt.name}: {why}")
+        from lowprec.quantize import check_fits
+        for s in sites:
+            w = (s.module.out_features, s.module.in_features)
+            for role, spec in fmt.specs().items():
+                if role == "weight":
+                    check_fits(spec, w, what=f"weight of {s.fqn}")
+        changed = []
+        for s in sites:
+            if s.format is not fmt:
+                s.module.set_format(fmt)
+                changed.append(s.fqn)
+        return changed
+
+    @contextlib.contextmanager
+    def high_precision(self, fqns: Iterable[str] | None = None) -> Iterator[None]:
+        """Run the same weights in bf16 inside the block; formats are restored on exit."""
+        names = list(self.sites) if fqns is None else list(fqns)
+        saved = {n: self.site(n).format for n in names}
+        bf16 = get_format("bf16")
+        try:
+            for n in names:
+                self.sites[n].module.set_format(bf16)
+            yield
+        finally:
+            for n, f in saved.items():
+                self.sites[n].module.set_format(f)
+
+    def collect_stats(self, enabled: bool) -> None:
+        for s in self.sites.values():
+            s.module.collect_stats = enabled
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict:
+        out = {}
+        for fqn, s in self.sites.items():
+            m = s.module
+            out[fqn] = {
+                "format": m.format.name,
+                "histories": {k: h.state_dict() for k, h in m.histories.items()},
+                "generator": m.generator.get_state(),
+            }
+        return {"version": 1, "sites": out}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != 1:
+            raise ValueError(f"unknown PrecisionState version {state.get('version')!r}; expected 1")
+        missing = set(self.sites) - set(state["sites"])
+        extra = set(state["sites"]) - set(self.sites)
+        if missing or extra:
+            raise ValueError(f"precision state does not match this model: missing sites "
+                             f"{sorted(missing)[:5]}, unknown sites {sorted(extra)[:5]}; prepare "
+                             f"the model with the plan the checkpoint was written with")
+        for fqn, st in state["sites"].items():
+            get_format(st["format"])  # validate every name before changing anything
+        for fqn, st in state["sites"].items():
+            m = self.sites[fqn].module
+            m.set_format(get_format(st["format"]))
+            for k, h in st["histories"].items():
+                m.histories[k].load_state_dict(h)
+            m.generator.set_state(st["generator"])
+
+    def __repr__(self) -> str:
+        share = ", ".join(f"{k} {v:.0%}" for k, v in self.flops_share().items())
+        return f"PrecisionState({len(self.sites)} sites, backend={self.backend.name}, FLOPs: {share})"
+
+
+def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_name, _, child = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0) -> PrecisionState:
+    """Swap the plan's linear layers for PrecisionLinear (same parameters) in place.
+
+    amax_group: the data-parallel process group over which tensor-wise amaxes of
+        activations and gradients are reduced (so that the numerics equal a single
+        process's); None for a single process or when that is not wanted.
+    seed: base seed of each site's stochastic-rounding generator and Hadamard signs.
+    """
+    from lowprec.plan import resolve  # noqa: local import keeps `import lowprec` light
+
+    backend = get_backend(plan.backend)
+    if plan.backend == "te":
+        from lowprec.backends.te import require_te
+        require_te()
+    resolved = resolve(model, plan, supported=backend.supports)
+    sites, kept = [], []
+    for i, sp in enumerate(resolved):
+        if sp.kept_high_precision:
+            kept.append((sp.fqn, sp.reason))
+            continue
+        layer = PrecisionLinear.from_module(
+            sp.module, sp.format, backend, fqn=sp.fqn, seed=seed * 1_000_003 + i,
+            amax_group=amax_group, fused=getattr(plan, "fused", False))
+        _set_submodule(model, sp.fqn, layer)
+        sites.append(Site(sp.fqn, layer, tuple(sp.ladder), sp.reason))
+    return PrecisionState(sites, backend, kept)
