@@ -29,6 +29,8 @@ non-finite count, element count.
 
 `fused=True` runs the same function through `torch.compile`, which fuses the passes
 into one or two loops (see docs/performance.md); `fused=False` is plain eager PyTorch.
+Only tensor-wise and delayed scaling are fused; row and block scalings always run the
+eager path (their symbolic block shapes do not compile on CUDA yet).
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ __all__ = ["QuantStats", "Quantized", "quantize", "fake_quantize", "round_to_gri
 _EPS = 1e-12                       # amax floor for FP32 scales (torchao's choice)
 _NVFP4_TENSOR_RANGE = 6.0 * 448.0  # E2M1 max times E4M3 max
 _FP32_MAX = torch.finfo(torch.float32).max
+# Scalings whose fused kernel compiles with dynamic shapes on CPU and CUDA alike. Row and
+# block scalings take the eager path even with fused=True: with a symbolic block width,
+# Inductor's CUDA codegen fails (CantSplit) on torch 2.11, see docs/performance.md.
+_FUSABLE = (Scaling.TENSOR, Scaling.DELAYED)
 
 
 class QuantStats:
@@ -180,7 +186,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, amax: torch.Tensor | float | N
     if spec.rounding is Rounding.STOCHASTIC:
         noise = torch.rand(x2.shape, generator=generator, device=x2.device, dtype=torch.float32)
     block = _block_of(spec, x2.shape)
-    fn = _compiled_core(spec) if fused else _core
+    fn = _compiled_core(spec) if fused and spec.scaling in _FUSABLE else _core
     values, sc, sc_inv, amax_out, packed = fn(x2, spec, block, amax_t, scale_t, noise, stats)
     return Quantized(values, sc, sc_inv, spec, x.shape, amax_out,
                      QuantStats(packed) if stats else None)
@@ -257,7 +263,10 @@ def _scales(spec: QuantSpec, bamax: torch.Tensor, ax: torch.Tensor, amax_t, scal
         return s, 1.0 / s
     if enc is ScaleEncoding.E4M3_FP32:
         tamax = ax.amax() if amax_t is None else amax_t
-        s_enc = torch.where(tamax > 0, _NVFP4_TENSOR_RANGE / tamax, 1.0).clamp(max=_FP32_MAX)
+        # full_like(...) / t, not a Python float / t: PyTorch computes `float / tensor` as
+        # reciprocal(t) * float, which is 1 ulp off the quotient for about a quarter of inputs.
+        s_enc = torch.where(tamax > 0, torch.full_like(tamax, _NVFP4_TENSOR_RANGE) / tamax,
+                            1.0).clamp(max=_FP32_MAX)
         sb = round_to_grid((bamax / elem.max) * s_enc, E4M3)       # E4M3 block decode scale
         scale = torch.where(sb > 0, s_enc / sb, 0.0)
         return scale, sb / s_enc
@@ -270,7 +279,8 @@ def _scales(spec: QuantSpec, bamax: torch.Tensor, ax: torch.Tensor, amax_t, scal
         x_scale = torch.exp2(e.float())                                   # the E8M0 value
         return 1.0 / x_scale, x_scale
     amax = bamax if amax_t is None else amax_t.reshape(-1, 1, 1, 1).expand_as(bamax)
-    scale = elem.max / amax.clamp(min=_EPS)
+    amax = amax.clamp(min=_EPS)
+    scale = torch.full_like(amax, elem.max) / amax        # correctly rounded (see s_enc above)
     if enc is ScaleEncoding.POW2:
         scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)  # round down to 2**k
     return scale, 1.0 / scale

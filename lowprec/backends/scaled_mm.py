@@ -53,8 +53,8 @@ class ScaledMMBackend:
         if row_a != (b.spec.scaling is Scaling.ROW):  # mixed: expand the tensor-wise one
             sa = sa.expand(a.values.shape[0], 1).contiguous() if not row_a else sa
             sb = sb.reshape(1, 1).expand(1, b.values.shape[0]).contiguous() if row_a else sb
-        qa = a.to_storage()
-        qb = b.to_storage()
+        qa = a.to_storage().contiguous()   # cuBLASLt: row-major a, column-major b
+        qb = b.to_storage().contiguous()
         cuda_rowwise = a.values.is_cuda and sa.dim() == 2
         out_dtype = torch.bfloat16 if cuda_rowwise else torch.float32
         out = torch._scaled_mm(qa, qb.t(), scale_a=sa.float(), scale_b=sb.float(), out_dtype=out_dtype)
