@@ -9,6 +9,7 @@ from lowprec.formats import (E2M1, E4M3, E5M2, E8M0, FORMATS, DelayedScalingConf
                              get_format)
 from lowprec.hadamard import RandomHadamard
 from lowprec.quantize import QuantStats, Quantized, fake_quantize, quantize, round_to_grid
+from lowprec.state import PrecisionState, Site, prepare
 
 __version__ = "0.1.0"
 
@@ -16,4 +17,5 @@ __all__ = [
     "E2M1", "E4M3", "E5M2", "E8M0", "FORMATS", "DelayedScalingConfig", "ElementFormat", "Format",
     "QuantSpec", "Rounding", "ScaleEncoding", "Scaling", "format_names", "get_format",
     "RandomHadamard", "QuantStats", "Quantized", "fake_quantize", "quantize", "round_to_grid",
+    "PrecisionState", "Site", "prepare",
 ]

@@ -177,7 +177,7 @@ def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0) -> Precis
     resolved = resolve(model, plan, supported=backend.supports)
     sites, kept = [], []
     for i, sp in enumerate(resolved):
-        if sp.kept_high_precision:
+        if sp.reason.startswith("keep_high_precision"):
             kept.append((sp.fqn, sp.reason))
             continue
         layer = PrecisionLinear.from_module(

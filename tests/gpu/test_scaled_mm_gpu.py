@@ -28,8 +28,10 @@ def test_quantize_cuda_equals_cpu(name):
 
 @pytest.mark.parametrize("fmt", ["fp8_tensorwise", "fp8_delayed", "fp8_rowwise"])
 def test_torch_backend_matches_emulated_on_cuda(fmt):
-    """Same quantized operands; only the GEMM's accumulation order (and, for row-wise on
-    cuBLAS, a BF16 output) differs, so the results agree to FP32/BF16 rounding."""
+    """Same quantized operands; only the GEMM's accumulation differs. Hopper's FP8 tensor
+    cores accumulate with fewer bits than FP32 (DeepSeek-V3, arXiv 2412.19437, measured
+    about 14), which gave relative differences of about 1e-4 on an H100 here; row-wise
+    GEMMs on cuBLAS also return BF16."""
     torch.manual_seed(0)
     base = nn.Linear(1024, 512, device="cuda")
     x = torch.randn(4, 256, 1024, device="cuda", requires_grad=True)
@@ -41,7 +43,7 @@ def test_torch_backend_matches_emulated_on_cuda(fmt):
         y = layer(x)
         y.backward(g)
         res[be] = (y.detach(), x.grad.clone(), base.weight.grad.clone())
-    tol = 1e-2 if fmt == "fp8_rowwise" else 1e-5
+    tol = 1e-2 if fmt == "fp8_rowwise" else 1e-3
     for a, b in zip(res["emulated"], res["torch"]):
         assert ((a - b).norm() / b.norm()).item() < tol
 
