@@ -43,7 +43,7 @@ class Site:
 
     @property
     def flops_per_token(self) -> int:
-        """Multiply-adds of the three GEMMs per token (2 * in * out each)."""
+        """FLOPs of the three GEMMs per token (2 * in * out each)."""
         return 6 * self.module.in_features * self.module.out_features
 
 
@@ -124,11 +124,10 @@ class PrecisionState:
         out = {}
         for fqn, s in self.sites.items():
             m = s.module
-            out[fqn] = {
-                "format": m.format.name,
-                "histories": {k: h.state_dict() for k, h in m.histories.items()},
-                "generator": m.generator.get_state(),
-            }
+            out[fqn] = {"format": m.format.name,
+                        "histories": {k: h.state_dict() for k, h in getattr(m, "histories", {}).items()}}
+            if hasattr(m, "generator"):  # TE sites keep their own RNG and FP8 state
+                out[fqn]["generator"] = m.generator.get_state()
         return {"version": 1, "sites": out}
 
     def load_state_dict(self, state: dict) -> None:
@@ -147,7 +146,8 @@ class PrecisionState:
             m.set_format(get_format(st["format"]))
             for k, h in st["histories"].items():
                 m.histories[k].load_state_dict(h)
-            m.generator.set_state(st["generator"])
+            if "generator" in st:
+                m.generator.set_state(st["generator"])
 
     def __repr__(self) -> str:
         share = ", ".join(f"{k} {v:.0%}" for k, v in self.flops_share().items())
@@ -180,9 +180,12 @@ def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0) -> Precis
         if sp.reason.startswith("keep_high_precision"):
             kept.append((sp.fqn, sp.reason))
             continue
-        layer = PrecisionLinear.from_module(
-            sp.module, sp.format, backend, fqn=sp.fqn, seed=seed * 1_000_003 + i,
-            amax_group=amax_group, fused=getattr(plan, "fused", False))
+        if plan.backend == "te":
+            layer = backend.make_site(sp.module, sp.format, name=sp.fqn, amax_reduction_group=amax_group)
+        else:
+            layer = PrecisionLinear.from_module(
+                sp.module, sp.format, backend, fqn=sp.fqn, seed=seed * 1_000_003 + i,
+                amax_group=amax_group, fused=plan.fused)
         _set_submodule(model, sp.fqn, layer)
         sites.append(Site(sp.fqn, layer, tuple(sp.ladder), sp.reason))
     return PrecisionState(sites, backend, kept)

@@ -27,7 +27,8 @@ class Backend(Protocol):
         """(True, "") if this backend can run `fmt`, else (False, why and what to do)."""
 
     def gemm(self, a, b) -> torch.Tensor:
-        """a @ b.T in FP32 for two `Quantized` operands (or plain tensors), K last in both."""
+        """a @ b.T in FP32 for two `Quantized` operands (or plain tensors), K last in both.
+        (`te` has no gemm: its sites are whole te.Linear modules, built by `make_site`.)"""
 
 
 def get_backend(name: str) -> "Backend":
