@@ -1,0 +1,73 @@
+"""`lowprec plan CONFIG`: the table on a real config, and clear failures with exit code 2."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT = ROOT / "experiments" / "configs" / "default.yaml"
+
+
+def run_plan(config: Path):
+    return subprocess.run([sys.executable, "-m", "lowprec.cli", "plan", str(config)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_plan_prints_every_linear_layer_with_format_ladder_and_reason():
+    out = run_plan(DEFAULT)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["FQN", "shape", "(out", "x", "in)", "format", "ladder", "why"]
+    rows = {line.split()[0]: line for line in lines[2:]}
+    assert len(rows) == 4 * 4 + 1  # 4 blocks x (qkv, proj, fc, proj) + lm_head
+    assert "nvfp4 -> fp8_tensorwise -> bf16" in rows["blocks.1.mlp.fc"]
+    assert "rule middle_mlp_fp4" in rows["blocks.2.mlp.proj"]
+    assert "rule mlp_fp8" in rows["blocks.0.mlp.fc"] and "fp8_tensorwise" in rows["blocks.0.mlp.fc"]
+    assert "keep_high_precision" in rows["lm_head"] and "bf16" in rows["lm_head"]
+    assert "384 x 128" in rows["blocks.3.attn.qkv"]
+
+
+def _variant(tmp_path, mutate) -> Path:
+    cfg = yaml.safe_load(DEFAULT.read_text())
+    mutate(cfg)
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def test_rule_matching_nothing_fails_with_nearest_fqns(tmp_path):
+    def bad(cfg):
+        cfg["precision"]["rules"][0]["select"] = {"fqns": ["blocks.0.mlp.fcc"]}
+    out = run_plan(_variant(tmp_path, bad))
+    assert out.returncode == 2
+    assert "precision.rules[0]" in out.stderr and "blocks.0.mlp.fc" in out.stderr
+
+
+def test_format_the_backend_cannot_run_fails(tmp_path):
+    def bad(cfg):
+        cfg["precision"]["backend"] = "torch"
+    out = run_plan(_variant(tmp_path, bad))
+    assert out.returncode == 2
+    assert "nvfp4" in out.stderr and "emulated" in out.stderr
+
+
+def test_shape_not_divisible_by_block_fails(tmp_path):
+    def bad(cfg):
+        cfg["model"]["args"]["d_model"] = 80  # not a multiple of the MX block of 32
+        cfg["model"]["args"]["n_head"] = 4
+        cfg["precision"]["rules"][0]["format"] = "mxfp8"
+        cfg["precision"]["rules"][0]["ladder"] = ["mxfp8", "bf16"]
+        cfg["precision"]["rules"] = cfg["precision"]["rules"][:1]
+    out = run_plan(_variant(tmp_path, bad))
+    assert out.returncode == 2
+    assert "blocks.0.mlp" in out.stderr and "32" in out.stderr and "80" in out.stderr
+
+
+def test_unknown_format_lists_known_ones(tmp_path):
+    def bad(cfg):
+        cfg["precision"]["rules"][0]["format"] = "fp8_tensorwse"
+    out = run_plan(_variant(tmp_path, bad))
+    assert out.returncode == 2
+    assert "fp8_tensorwise" in out.stderr and "nvfp4" in out.stderr
