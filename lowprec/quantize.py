@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from dataclasses import dataclass
 
 import torch
@@ -268,7 +269,9 @@ def _scales(spec: QuantSpec, bamax: torch.Tensor, ax: torch.Tensor, amax_t, scal
         s_enc = torch.where(tamax > 0, torch.full_like(tamax, _NVFP4_TENSOR_RANGE) / tamax,
                             1.0).clamp(max=_FP32_MAX)
         sb = round_to_grid((bamax / elem.max) * s_enc, E4M3)       # E4M3 block decode scale
-        scale = torch.where(sb > 0, s_enc / sb, 0.0)
+        # at most FP32 max, as Transformer Engine clamps it: for a tensor amax below ~1e-35,
+        # s_enc is FP32 max and s_enc / sb overflows; an infinite scale turns 0 into NaN
+        scale = torch.where(sb > 0, s_enc / sb, 0.0).clamp(max=_FP32_MAX)
         return scale, sb / s_enc
     if enc is ScaleEncoding.E8M0:
         a = bamax.clamp(min=2.0 ** -126)
@@ -290,6 +293,15 @@ def _overflow_threshold(elem: ElementFormat) -> float:
     """|v| beyond which clamping changed the result: round-to-nearest without saturation
     would have left max (half the top binade's step above it)."""
     return elem.max + 0.5 * 2.0 ** (elem.max_exp - elem.mantissa_bits)
+
+
+def _saturated(a: torch.Tensor, elem: ElementFormat) -> torch.Tensor:
+    """|v| = a that round-to-nearest-even (unbounded) would take past max. The tie at the
+    threshold goes past max when max's mantissa is odd (E5M2 57344, E2M1 6: PyTorch's
+    E5M2 cast gives inf there), and back to max when it is even (E4M3 448)."""
+    odd = round((elem.max / 2.0**elem.max_exp - 1) * 2**elem.mantissa_bits) % 2 == 1
+    thr = _overflow_threshold(elem)
+    return a >= thr if odd else a > thr
 
 
 def _dequant_blocks(vb, scale, scale_inv, spec: QuantSpec):
@@ -316,12 +328,15 @@ def _core(x2: torch.Tensor, spec: QuantSpec, block, amax_t, scale_t, noise, want
         return values, scale, scale_inv, amax, None
     dq = _dequant_blocks(q, scale, scale_inv, spec)
     err = torch.where(fin, xb - dq, 0.0)
+    norm = amax.clamp(min=torch.finfo(torch.float32).tiny)
     packed = torch.stack([
         amax.double(),
-        (fin & (v.abs() > _overflow_threshold(elem))).sum().double(),
+        (fin & _saturated(v.abs(), elem)).sum().double(),
         (fin & (xb != 0) & (q == 0)).sum().double(),
-        (err * err).sum(dtype=torch.float64),
-        (ax * ax).sum(dtype=torch.float64),
+        # squares of values scaled by amax: FP32 squares overflow above ~1.8e19 and flush
+        # to zero below ~1e-23; the sums are FP64 and the amax**2 is put back in FP64
+        ((err / norm) ** 2).sum(dtype=torch.float64) * norm.double() ** 2,
+        ((ax / norm) ** 2).sum(dtype=torch.float64) * norm.double() ** 2,
         (~fin).sum().double(),
         torch.tensor(float(x2.numel()), dtype=torch.float64, device=x2.device),
     ])
@@ -331,7 +346,13 @@ def _core(x2: torch.Tensor, spec: QuantSpec, block, amax_t, scale_t, noise, want
 @functools.lru_cache(maxsize=None)
 def _compiled_core(spec: QuantSpec):
     """`_core` through torch.compile, one compiled graph per spec (memoised)."""
-    compiled = torch.compile(_core, dynamic=True, fullgraph=True)
+    # dynamic=None: the first shape compiles static (fastest loops); a second shape of the
+    # same spec recompiles once with symbolic sizes, which then serves every shape. Dynamo
+    # keeps its cache (and its recompile limit) per code object, so each spec gets a copy
+    # of `_core`'s code: specs do not evict each other or exhaust one shared limit.
+    code = _core.__code__.replace(co_name=f"_core_{spec.element.name}_{spec.scaling.value}")
+    fn = types.FunctionType(code, _core.__globals__, code.co_name, _core.__defaults__)
+    compiled = torch.compile(fn, dynamic=None, fullgraph=True)
 
     def run(*args):
         try:
