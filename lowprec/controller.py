@@ -1,0 +1,352 @@
+"""The staged-rollout controller: promote stages, fall back on instability, never flap.
+
+`RolloutController` is a state machine over *sites* (layer FQNs), each with a ladder of
+formats from low to high precision (`nvfp4 -> fp8_tensorwise -> bf16`). It never touches
+a model: `observe(step, signals)` takes the host-side `Signals` of a check (see
+`lowprec.monitor`) and returns a `Decision` (continue / skip the step / rewind) with the
+format changes and the `Event`s that explain them; `apply_decision(state, decision)`
+carries the changes out on a `PrecisionState`. Its tests feed it signal sequences and
+need no model.
+
+Rules, in the order they are applied at each check:
+
+1. NaN/Inf in the loss or gradients: the step is skipped; the sites whose own
+   statistics saw NaN/Inf fall back one rung; if none did, the newest stage rolls back.
+2. A site whose own signals cross their thresholds (saturated fraction, underflow,
+   SQNR) for `site_patience` checks in a row falls back one rung up its ladder.
+3. A global signal (loss or grad-norm spike, an unexpectedly large value, the loss gap
+   to the baseline) with no single site to blame rolls back the newest stage, and with
+   `rewind` on, asks the loop to restore the last good checkpoint and skip batches.
+4. A site that failed `quarantine_after` times is quarantined: it never goes below its
+   current format again in this run. Other fallen-back sites retry their stage's format
+   after `cooldown_steps`.
+5. The next stage is promoted once everything has been stable for `min_steps` and the
+   evaluation gate (a callable, when given) passes.
+
+Decisions are deterministic functions of the inputs (sites are visited in a fixed
+order), so every rank that sees the same `Signals` decides the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from lowprec.events import Event, EventKind
+from lowprec.formats import FORMATS
+from lowprec.monitor import LargeValueDetector, LossGapDetector, MonitorConfig, Signals, SpikeDetector
+
+_FORWARD_ROLES = ("input", "weight", "output")
+
+__all__ = ["Stage", "ControllerConfig", "Decision", "RolloutController", "apply_decision"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A named set of sites promoted together to `format` (a format name)."""
+
+    name: str
+    sites: tuple[str, ...]
+    format: str
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    min_steps: int = 100
+    cooldown_steps: int = 200
+    quarantine_after: int = 2
+    rewind: bool = False
+    rewind_skip_batches: int = 0
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("min_steps", "cooldown_steps", "rewind_skip_batches"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.quarantine_after < 1:
+            raise ValueError(f"quarantine_after must be >= 1, got {self.quarantine_after}")
+
+
+@dataclass
+class Decision:
+    action: str = "continue"                         # continue | skip_step | rewind
+    changes: dict[str, str] = field(default_factory=dict)   # site -> new format
+    events: list[Event] = field(default_factory=list)
+    skip_batches: int = 0
+
+    @property
+    def rewind(self) -> bool:
+        return self.action == "rewind"
+
+
+def _bits(name: str) -> int:
+    return FORMATS[name].rank
+
+
+class RolloutController:
+    """Stages, fallbacks, rollbacks, cooldowns and quarantine over a set of sites."""
+
+    def __init__(self, ladders: dict[str, tuple[str, ...]], initial: dict[str, str],
+                 stages: list[Stage], config: ControllerConfig = ControllerConfig(), *,
+                 baseline: dict[int, float] | None = None,
+                 gate: Callable[[int], object] | None = None):
+        for s in stages:
+            for site in s.sites:
+                if site not in ladders:
+                    raise ValueError(f"stage {s.name!r} names site {site!r}, which is not a site")
+                if s.format not in ladders[site]:
+                    raise ValueError(f"stage {s.name!r} puts {site!r} in {s.format}, which is not on its "
+                                     f"ladder {' -> '.join(ladders[site])}; add it to the ladder")
+        self.ladders = {k: tuple(v) for k, v in ladders.items()}
+        self.order = list(self.ladders)   # forward order: the order the caller lists sites in
+        for site, fmt in initial.items():
+            if site in self.ladders and fmt not in self.ladders[site]:
+                raise ValueError(f"site {site!r} starts in {fmt}, which is not on its ladder "
+                                 f"{' -> '.join(self.ladders[site])}")
+        self.initial = dict(initial)
+        self.current = dict(initial)
+        self.stages = list(stages)
+        self.config = config
+        self.gate = gate
+        mc = config.monitor
+        self.loss_spike = SpikeDetector(mc.spike_window, mc.spike_sigmas, mc.spike_min_history)
+        self.grad_spike = SpikeDetector(mc.spike_window, mc.spike_sigmas, mc.spike_min_history)
+        self.loss_large = LargeValueDetector(mc.large_factor, mc.large_warmup)
+        self.grad_large = LargeValueDetector(mc.large_factor, mc.large_warmup)
+        self.loss_gap = (LossGapDetector(baseline, mc.loss_gap, mc.loss_gap_smoothing)
+                         if baseline and mc.loss_gap is not None else None)
+        self.promoted = 0                     # stages promoted so far
+        self.stable_since = 0                 # step of the last change or instability
+        self.stage_of: dict[str, str] = {}    # site -> name of the stage that promoted it
+        self.target: dict[str, str] = {}      # site -> format its stage wants
+        self.failures: dict[str, int] = {}
+        self.strikes: dict[str, int] = {}
+        self.floor: dict[str, str] = {}       # quarantined site -> lowest format allowed
+        self.retry_at: dict[str, int] = {}    # fallen-back site -> step it may retry
+        self.before_stage: dict[str, str] = {}  # site -> format before its stage promoted it
+        self.stage_failures: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ helpers
+    def _up(self, site: str) -> str | None:
+        """The next format up the ladder (higher precision), or None at the top."""
+        cur_bits = _bits(self.current[site])
+        for f in self.ladders[site]:
+            if _bits(f) > cur_bits:
+                return f
+        return None
+
+    def _move(self, sites: list[str], to: dict[str, str], kind: str, step: int, reason: str,
+              evidence: dict, decision: Decision, stage: str | None = None) -> None:
+        moved = [s for s in sites if to.get(s) and to[s] != self.current[s]]
+        if not moved:
+            return
+        frm = {s: self.current[s] for s in moved}
+        for s in moved:
+            self.current[s] = to[s]
+            decision.changes[s] = to[s]
+        decision.events.append(Event(step, kind, tuple(moved), frm, {s: to[s] for s in moved}, reason,
+                                     evidence, stage))
+
+    def _fallback(self, site: str, step: int, reason: str, evidence: dict, decision: Decision) -> None:
+        up = self._up(site)
+        if up is None:
+            return
+        self._move([site], {site: up}, EventKind.FALLBACK, step, reason, evidence, decision,
+                   self.stage_of.get(site))
+        self.failures[site] = self.failures.get(site, 0) + 1
+        self.strikes[site] = 0
+        if self.failures[site] >= self.config.quarantine_after and site not in self.floor:
+            self.floor[site] = up
+            self.retry_at.pop(site, None)
+            decision.events.append(Event(step, EventKind.QUARANTINE, (site,), {}, {}, (
+                f"failed {self.failures[site]} times; stays at {up} or above for the rest of the run"),
+                {"failures": self.failures[site]}, self.stage_of.get(site)))
+        elif site not in self.floor:
+            self.retry_at[site] = step + self.config.cooldown_steps
+
+    def _rollback_newest(self, step: int, reason: str, evidence: dict, decision: Decision) -> bool:
+        if self.promoted == 0:
+            return False
+        stage = self.stages[self.promoted - 1]
+        self.promoted -= 1
+        to = {}
+        for s in stage.sites:
+            if self.stage_of.get(s) == stage.name:
+                before = self.before_stage.pop(s, self.current[s])
+                if _bits(before) > _bits(self.current[s]):
+                    to[s] = before
+                self.stage_of.pop(s, None)
+                self.target.pop(s, None)
+                self.retry_at.pop(s, None)
+        self._move(list(stage.sites), to, EventKind.ROLLBACK, step, reason, evidence, decision, stage.name)
+        self.stage_failures[stage.name] = self.stage_failures.get(stage.name, 0) + 1
+        if self.stage_failures[stage.name] >= self.config.quarantine_after:
+            held = [s for s in stage.sites if s not in self.floor]
+            for s in held:
+                self.floor[s] = self.current[s]
+            if held:
+                decision.events.append(Event(step, EventKind.QUARANTINE, tuple(held), {}, {}, (
+                    f"stage {stage.name} rolled back {self.stage_failures[stage.name]} times; its sites "
+                    f"stay at their current formats"), {"rollbacks": self.stage_failures[stage.name]},
+                    stage.name))
+        return True
+
+    # ------------------------------------------------------------------ the decision
+    def observe(self, step: int, signals: Signals) -> Decision:
+        d = Decision()
+        mc = self.config.monitor
+        # 1. non-finite: the loop's per-step guard (observe_step) already skipped those
+        # steps; here the blame. Forward operands only: in the backward every gradient is
+        # NaN once the loss is. The first site in forward order whose input, weight or
+        # output is non-finite is the origin; its consumers inherit the NaN.
+        if signals.step_nonfinite:
+            d.action = "skip_step"
+        blamed: list[str] = []
+        nan_sites = [s for s in self.order if s in signals.sites and _bits(self.current[s]) < 16 and
+                     any(signals.sites[s].nonfinite.get(r, 0) > 0 for r in _FORWARD_ROLES)]
+        if nan_sites:
+            site = nan_sites[0]
+            blamed.append(site)
+            sig = signals.sites[site]
+            self._fallback(site, step, "NaN/Inf in this site's forward operands",
+                           {f"{r}/nonfinite": v for r, v in sig.nonfinite.items() if v > 0}, d)
+        # 2. per-site thresholds; several sites crossing at once usually share one cause
+        # (an overflow entering a layer saturates its consumers too): the first in
+        # forward order falls back, the others are looked at again at the next check.
+        for site in self.order if not blamed else ():
+            sig = signals.sites.get(site)
+            if sig is None or _bits(self.current[site]) >= 16:
+                continue
+            crossed = {f"{r}/saturated_frac": v for r, v in sig.saturated_frac.items() if v > mc.max_saturated_frac}
+            if mc.max_underflow_frac is not None:
+                crossed.update({f"{r}/underflow_frac": v for r, v in sig.underflow_frac.items()
+                                if v > mc.max_underflow_frac})
+            if mc.min_sqnr_db is not None:
+                crossed.update({f"{r}/sqnr_db": v for r, v in sig.sqnr_db.items() if v < mc.min_sqnr_db})
+            if not crossed:
+                self.strikes[site] = 0
+                continue
+            self.strikes[site] = self.strikes.get(site, 0) + 1
+            if self.strikes[site] >= mc.site_patience and not blamed:
+                blamed.append(site)
+                self._fallback(site, step, f"site thresholds crossed for {self.strikes[site]} checks", crossed, d)
+        # 3. global signals
+        fired = self._global_signals(step, signals)
+        if signals.nonfinite and not blamed:
+            fired.insert(0, ("nan_inf", {"losses": signals.losses, "grad_norms": signals.grad_norms}))
+        if fired and not blamed:
+            reason = ", ".join(name for name, _ in fired)
+            evidence = {name: ev for name, ev in fired}
+            rolled = self._rollback_newest(step, f"global signal: {reason}", evidence, d)
+            if self.config.rewind and (rolled or signals.nonfinite):
+                d.action = "rewind"
+                d.skip_batches = self.config.rewind_skip_batches
+                d.events.append(Event(step, EventKind.REWIND, (), {}, {}, f"rewind after {reason}",
+                                      {"skip_batches": d.skip_batches}))
+        if d.events:
+            self.stable_since = step
+            return d
+        # 4. retries after cooldown
+        due = [s for s in self.order if s in self.retry_at and step >= self.retry_at[s]]
+        if due:
+            to = {s: self.target[s] for s in due if s in self.target}
+            for s in due:
+                self.retry_at.pop(s)
+            self._move(due, to, EventKind.RETRY, step, "cooldown over", {}, d)
+        # 5. promotion
+        if step - self.stable_since >= self.config.min_steps and self.promoted < len(self.stages):
+            self._promote(step, d)
+        if d.events:
+            self.stable_since = step
+        return d
+
+    def _global_signals(self, step: int, signals: Signals) -> list[tuple[str, dict]]:
+        fired = []
+        first = signals.step - len(signals.losses) + 1
+        for i, (loss, norm) in enumerate(zip(signals.losses, signals.grad_norms)):
+            for name, det, v in (("loss_spike", self.loss_spike, loss), ("grad_norm_spike", self.grad_spike, norm),
+                                 ("loss_large", self.loss_large, loss), ("grad_norm_large", self.grad_large, norm)):
+                hit, ev = det.update(v)
+                if hit and name not in dict(fired):
+                    fired.append((name, {**ev, "step": first + i}))
+            if self.loss_gap is not None:
+                hit, ev = self.loss_gap.update(first + i, loss)
+                if hit and "loss_gap" not in dict(fired):
+                    fired.append(("loss_gap", {**ev, "step": first + i}))
+        return fired
+
+    def _promote(self, step: int, d: Decision) -> None:
+        stage = self.stages[self.promoted]
+        if self.gate is not None:
+            result = self.gate(step)
+            verdict = getattr(result, "verdict", str(result))
+            d.events.append(Event(step, EventKind.GATE, (), {}, {}, f"gate before {stage.name}: {verdict}",
+                                  {"verdict": verdict, "detail": str(getattr(result, "reason", ""))}, stage.name))
+            if verdict == "regress":
+                self._rollback_newest(step, "evaluation gate regressed", {"verdict": verdict}, d)
+                return
+            if verdict != "pass":
+                return  # inconclusive: hold, ask again after another min_steps
+        self.promoted += 1
+        to = {}
+        for s in stage.sites:
+            fmt = stage.format
+            if s in self.floor and _bits(fmt) < _bits(self.floor[s]):
+                fmt = self.floor[s]
+            if _bits(fmt) < _bits(self.current[s]):
+                to[s] = fmt
+                self.before_stage[s] = self.current[s]
+            self.stage_of[s] = stage.name
+            self.target[s] = fmt
+        self._move(list(stage.sites), to, EventKind.PROMOTE, step, f"stable for {step - self.stable_since} "
+                   f"steps", {"min_steps": self.config.min_steps}, d, stage.name)
+
+    def observe_step(self, step: int, loss: float, grad_norm: float) -> Decision:
+        """A per-step guard between checks: skip the step on NaN/Inf (no other rule runs)."""
+        import math
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            return Decision()
+        return Decision("skip_step", events=[Event(step, EventKind.SKIP_STEP, (), {}, {},
+                                                   "NaN/Inf in loss or gradients",
+                                                   {"loss": loss, "grad_norm": grad_norm})])
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict:
+        return {"version": 1, "current": dict(self.current), "promoted": self.promoted,
+                "stable_since": self.stable_since, "stage_of": dict(self.stage_of),
+                "target": dict(self.target), "failures": dict(self.failures), "strikes": dict(self.strikes),
+                "floor": dict(self.floor), "retry_at": dict(self.retry_at),
+                "before_stage": dict(self.before_stage), "stage_failures": dict(self.stage_failures),
+                "detectors": {"loss_spike": self.loss_spike.state_dict(), "grad_spike": self.grad_spike.state_dict(),
+                              "loss_large": self.loss_large.state_dict(), "grad_large": self.grad_large.state_dict(),
+                              "loss_gap": self.loss_gap.state_dict() if self.loss_gap else None}}
+
+    def load_state_dict(self, s: dict) -> None:
+        if s.get("version") != 1:
+            raise ValueError(f"unknown controller state version {s.get('version')!r}; expected 1")
+        unknown = set(s["current"]) - set(self.ladders)
+        if unknown:
+            raise ValueError(f"controller state names sites this model lacks: {sorted(unknown)[:5]}")
+        self.current = dict(s["current"])
+        self.promoted, self.stable_since = int(s["promoted"]), int(s["stable_since"])
+        for name in ("stage_of", "target", "failures", "strikes", "floor", "retry_at", "before_stage",
+                     "stage_failures"):
+            setattr(self, name, dict(s[name]))
+        det = s["detectors"]
+        self.loss_spike.load_state_dict(det["loss_spike"])
+        self.grad_spike.load_state_dict(det["grad_spike"])
+        self.loss_large.load_state_dict(det["loss_large"])
+        self.grad_large.load_state_dict(det["grad_large"])
+        if self.loss_gap is not None and det["loss_gap"] is not None:
+            self.loss_gap.load_state_dict(det["loss_gap"])
+
+
+def apply_decision(state, decision: Decision) -> list[str]:
+    """Carry a decision's format changes out on a PrecisionState; returns the changed FQNs."""
+    changed = []
+    by_format: dict[str, list[str]] = {}
+    for site, fmt in decision.changes.items():
+        by_format.setdefault(fmt, []).append(site)
+    for fmt, sites in by_format.items():
+        changed += state.set_format(sites, fmt)
+    return changed

@@ -1,0 +1,133 @@
+"""Controller events: what was decided, when, about which sites, and on what evidence.
+
+An `Event` is the unit of record for every precision decision: a stage promotion, a
+site's fallback, a stage rollback, a rewind, a quarantine, a gate verdict. Events are
+plain data (strings, ints, floats), written one JSON object per line to an append-only
+`EventLog` (flushed and fsynced per event, so a killed run loses none it reported), and
+handed to the tracker. Replaying the events over the initial precision map gives the map
+at any step (`replay`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+__all__ = ["EventKind", "Event", "EventLog", "replay", "read_events"]
+
+
+class EventKind:
+    """The kinds of events (strings, so the JSONL log stays readable)."""
+
+    PROMOTE = "promote"          # a stage's sites moved down to its target format
+    FALLBACK = "fallback"        # one site moved one rung up its ladder (its own signals)
+    ROLLBACK = "rollback"        # a stage's sites moved back up (a global signal)
+    RETRY = "retry"              # a site re-promoted after its cooldown
+    QUARANTINE = "quarantine"    # a site may no longer go below its current format
+    REWIND = "rewind"            # training restarts from a checkpoint, skipping batches
+    SKIP_STEP = "skip_step"      # the optimizer step was skipped (non-finite loss/grads)
+    GATE = "gate"                # an evaluation gate's verdict
+    ALL = (PROMOTE, FALLBACK, ROLLBACK, RETRY, QUARANTINE, REWIND, SKIP_STEP, GATE)
+    CHANGES_FORMATS = (PROMOTE, FALLBACK, ROLLBACK, RETRY)
+
+
+def _clean(v):
+    """JSON-safe evidence: floats stay floats (NaN/Inf as strings), containers recurse."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, dict):
+        return {str(k): _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+@dataclass(frozen=True)
+class Event:
+    step: int
+    kind: str
+    sites: tuple[str, ...] = ()
+    from_format: dict[str, str] = field(default_factory=dict)   # site -> format before
+    to_format: dict[str, str] = field(default_factory=dict)     # site -> format after
+    reason: str = ""
+    evidence: dict = field(default_factory=dict)
+    stage: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in EventKind.ALL:
+            raise ValueError(f"unknown event kind {self.kind!r}; known: {', '.join(EventKind.ALL)}")
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["sites"] = list(self.sites)
+        d["evidence"] = _clean(self.evidence)
+        return json.dumps(d, sort_keys=True, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Event":
+        return cls(step=int(d["step"]), kind=d["kind"], sites=tuple(d.get("sites", ())),
+                   from_format=dict(d.get("from_format", {})), to_format=dict(d.get("to_format", {})),
+                   reason=d.get("reason", ""), evidence=dict(d.get("evidence", {})), stage=d.get("stage"))
+
+    def summary(self) -> str:
+        moves = ", ".join(f"{s}: {self.from_format.get(s, '?')}->{self.to_format.get(s, '?')}"
+                          for s in self.sites[:3] if s in self.to_format)
+        more = f" (+{len(self.sites) - 3} more)" if len(self.sites) > 3 else ""
+        return f"step {self.step} {self.kind}{' ' + self.stage if self.stage else ''}: {moves}{more} [{self.reason}]"
+
+
+class EventLog:
+    """Append-only JSONL file of events; each append is flushed and fsynced."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def append(self, events: Iterable[Event]) -> None:
+        lines = "".join(e.to_json() + "\n" for e in events)
+        if not lines:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(lines)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read(self) -> list[Event]:
+        return read_events(self.path)
+
+
+def read_events(path: str | os.PathLike) -> list[Event]:
+    """Events of a JSONL log; a torn last line (a process killed mid-write) is ignored."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    out = []
+    lines = p.read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(Event.from_dict(json.loads(line)))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{p}: line {i + 1} is not a JSON event: {line[:80]!r}") from None
+    return out
+
+
+def replay(initial: dict[str, str], events: Iterable[Event], until_step: int | None = None) -> dict[str, str]:
+    """The precision map (site -> format name) after the events up to `until_step` (inclusive)."""
+    current = dict(initial)
+    for e in events:
+        if until_step is not None and e.step > until_step:
+            break
+        if e.kind in EventKind.CHANGES_FORMATS:
+            for site, fmt in e.to_format.items():
+                if site not in current:
+                    raise KeyError(f"event at step {e.step} names site {site!r}, which the initial map lacks")
+                current[site] = fmt
+    return current

@@ -1,0 +1,278 @@
+"""Stability signals: collected on the device every step, read on the host every check.
+
+`Monitor` keeps, on the device and without host syncs, the per-step loss and global
+grad norm of the current check window and the quantizer statistics of every site
+(input, weight, grad_output; summed counts and max amax). Every `check_every` steps,
+`Monitor.check()` packs all of it into one vector, combines it across ranks with one
+collective (an all-gather of that vector, then sum / max / mean per field on every
+rank, so every rank holds identical numbers), reads it on the host once, and returns
+`Signals`: plain floats the controller decides on.
+
+The detectors are the published ones, as presets:
+
+* `SpikeDetector`: a value above mean + 6 sigma of the last 128 values (OLMo-core's
+  stability monitor), for loss and grad norm;
+* `LargeValueDetector`: at least 10x the max of the first 100 values (Megatron-LM's
+  rerun state machine);
+* `LossGapDetector`: the relative gap between the smoothed loss and a baseline loss
+  curve (DeepSeek-V3 kept it under 0.25% for FP8);
+* NaN/Inf in the loss or gradients is always fatal for the step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["MonitorConfig", "Signals", "SiteSignals", "Monitor", "SpikeDetector",
+           "LargeValueDetector", "LossGapDetector", "ROLES"]
+
+ROLES = ("input", "weight", "output", "grad_output")  # output: only its non-finite count is used
+_N = 7  # QuantStats fields: amax, saturated, underflow, sq_error, signal_power, nonfinite, numel
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """Thresholds and detector presets (the defaults are the published ones)."""
+
+    check_every: int = 10
+    stats_every_step: bool = False      # False: quantizer statistics on check steps only
+    spike_window: int = 128
+    spike_sigmas: float = 6.0
+    spike_min_history: int = 16         # no spike verdicts before this many values
+    large_factor: float = 10.0
+    large_warmup: int = 100
+    loss_gap: float | None = 0.0025     # relative gap to the baseline curve; None: off
+    loss_gap_smoothing: float = 0.9     # EMA factor of the smoothed loss
+    max_saturated_frac: float = 1e-3
+    max_underflow_frac: float | None = None
+    min_sqnr_db: float | None = None
+    site_patience: int = 2              # checks in a row above a site threshold
+
+    def __post_init__(self) -> None:
+        if self.check_every < 1:
+            raise ValueError(f"check_every must be >= 1, got {self.check_every}")
+        if self.spike_window < 2 or self.spike_sigmas <= 0:
+            raise ValueError("spike_window must be >= 2 and spike_sigmas > 0")
+        if self.site_patience < 1:
+            raise ValueError(f"site_patience must be >= 1, got {self.site_patience}")
+        if not 0 <= self.loss_gap_smoothing < 1:
+            raise ValueError(f"loss_gap_smoothing must be in [0, 1), got {self.loss_gap_smoothing}")
+
+
+@dataclass
+class SiteSignals:
+    """One site's signals over a check window, per operand role."""
+
+    amax: dict[str, float] = field(default_factory=dict)
+    saturated_frac: dict[str, float] = field(default_factory=dict)
+    underflow_frac: dict[str, float] = field(default_factory=dict)
+    rel_mse: dict[str, float] = field(default_factory=dict)
+    sqnr_db: dict[str, float] = field(default_factory=dict)
+    nonfinite: dict[str, float] = field(default_factory=dict)
+
+    def flat(self) -> dict[str, float]:
+        """`role/stat` -> value, for logging."""
+        out = {}
+        for stat in ("amax", "saturated_frac", "underflow_frac", "rel_mse", "sqnr_db", "nonfinite"):
+            for role, v in getattr(self, stat).items():
+                out[f"{role}/{stat}"] = v
+        return out
+
+
+@dataclass
+class Signals:
+    """What one check saw: per-step loss and grad norm, and per-site quantizer signals."""
+
+    step: int
+    losses: list[float]
+    grad_norms: list[float]
+    sites: dict[str, SiteSignals] = field(default_factory=dict)
+
+    @property
+    def nonfinite(self) -> bool:
+        """Any step of the window had a non-finite loss or grad norm."""
+        return any(not math.isfinite(v) for v in self.losses + self.grad_norms)
+
+    @property
+    def step_nonfinite(self) -> bool:
+        """The last step of the window (the one being decided on) is non-finite."""
+        return bool(self.losses) and not (math.isfinite(self.losses[-1]) and math.isfinite(self.grad_norms[-1]))
+
+
+def site_signals_from_packed(rows: dict[str, list[float]]) -> SiteSignals:
+    """SiteSignals from {role: [amax, saturated, underflow, sq_error, power, nonfinite, numel]}."""
+    s = SiteSignals()
+    for role, (amax, sat, und, err, power, nonfin, numel) in rows.items():
+        if numel <= 0:
+            continue
+        s.amax[role] = amax
+        s.saturated_frac[role] = sat / numel
+        s.underflow_frac[role] = und / numel
+        s.rel_mse[role] = err / power if power > 0 else 0.0
+        s.sqnr_db[role] = 10 * math.log10(power / err) if err > 0 and power > 0 else math.inf
+        s.nonfinite[role] = nonfin
+    return s
+
+
+class Monitor:
+    """Collects signals on the device; `check()` reads them with one collective per check."""
+
+    def __init__(self, state, config: MonitorConfig, *, group=None):
+        self.state = state
+        self.config = config
+        self.group = group
+        self.sites = list(state.sites)
+        dev = next(iter(state.sites.values())).module.weight.device if state.sites else torch.device("cpu")
+        self.device = dev
+        self._losses: list[torch.Tensor] = []
+        self._norms: list[torch.Tensor] = []
+        self._acc = torch.zeros(len(self.sites), len(ROLES), _N, dtype=torch.float64, device=dev)
+
+    def wants_stats(self, step: int) -> bool:
+        """Whether step `step` should compute quantizer statistics (set on the layers)."""
+        return self.config.stats_every_step or (step + 1) % self.config.check_every == 0
+
+    def before_step(self, step: int) -> None:
+        self.state.collect_stats(self.wants_stats(step))
+
+    def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """After backward: keep this step's loss, grad norm and site statistics (no sync)."""
+        self._losses.append(loss.detach().reshape(()).double())
+        self._norms.append(grad_norm.detach().reshape(()).double().to(loss.device))
+        if not self.wants_stats(step):
+            return
+        for i, fqn in enumerate(self.sites):
+            stats = self.state.sites[fqn].module.stats
+            for j, role in enumerate(ROLES):
+                st = stats.get(role)
+                if st is None:
+                    continue
+                p = st.packed.to(self._acc.device)
+                row = self._acc[i, j]
+                row[0] = torch.maximum(row[0], p[0])
+                row[1:] += p[1:]
+            stats.clear()
+
+    def is_check_step(self, step: int) -> bool:
+        return (step + 1) % self.config.check_every == 0
+
+    def check(self, step: int) -> Signals:
+        """Pack, combine across ranks (one all-gather), read once, reset the window."""
+        n_steps = len(self._losses)
+        steps = torch.stack([torch.stack(self._losses), torch.stack(self._norms)]) if n_steps else \
+            torch.zeros(2, 0, dtype=torch.float64, device=self._acc.device)
+        packed = torch.cat([self._acc.flatten(), steps.flatten().to(self._acc.device)])
+        if self.group is not None or (dist.is_available() and dist.is_initialized()):
+            world = dist.get_world_size(self.group)
+            gathered = [torch.empty_like(packed) for _ in range(world)]
+            dist.all_gather(gathered, packed, group=self.group)
+            allp = torch.stack(gathered)
+        else:
+            allp = packed.unsqueeze(0)
+        host = allp.cpu()
+        acc = host[:, :self._acc.numel()].reshape(-1, len(self.sites), len(ROLES), _N)
+        site_rows = torch.cat([acc[..., :1].amax(0), acc[..., 1:].sum(0)], dim=-1)
+        per_step = host[:, self._acc.numel():].reshape(-1, 2, n_steps)
+        losses = per_step[:, 0].mean(0).tolist()          # data-parallel ranks: the global mean
+        norms = per_step[:, 1].amax(0).tolist()           # already reduced; max guards against drift
+        sites = {}
+        for i, fqn in enumerate(self.sites):
+            rows = {role: site_rows[i, j].tolist() for j, role in enumerate(ROLES) if site_rows[i, j, 6] > 0}
+            if rows:
+                sites[fqn] = site_signals_from_packed(rows)
+        self._losses, self._norms = [], []
+        self._acc.zero_()
+        return Signals(step=step, losses=losses, grad_norms=norms, sites=sites)
+
+
+class SpikeDetector:
+    """A value above mean + `sigmas` standard deviations of the last `window` values."""
+
+    def __init__(self, window: int = 128, sigmas: float = 6.0, min_history: int = 16):
+        self.window, self.sigmas, self.min_history = window, sigmas, min_history
+        self.values: deque[float] = deque(maxlen=window)
+
+    def update(self, value: float) -> tuple[bool, dict]:
+        """(is_spike, evidence); non-finite values are not added (NaN is handled apart)."""
+        if not math.isfinite(value):
+            return False, {}
+        spike, evidence = False, {}
+        if len(self.values) >= self.min_history:
+            n = len(self.values)
+            mean = sum(self.values) / n
+            std = math.sqrt(sum((v - mean) ** 2 for v in self.values) / max(n - 1, 1))
+            limit = mean + self.sigmas * std
+            spike = value > limit
+            evidence = {"value": value, "mean": mean, "std": std, "limit": limit, "window": n}
+        if not spike:
+            self.values.append(value)
+        return spike, evidence
+
+    def state_dict(self) -> dict:
+        return {"values": list(self.values)}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.values = deque(s["values"], maxlen=self.window)
+
+
+class LargeValueDetector:
+    """At least `factor` x the max of the first `warmup` values (Megatron-LM)."""
+
+    def __init__(self, factor: float = 10.0, warmup: int = 100):
+        self.factor, self.warmup = factor, warmup
+        self.seen = 0
+        self.reference = 0.0
+
+    def update(self, value: float) -> tuple[bool, dict]:
+        if not math.isfinite(value):
+            return False, {}
+        if self.seen < self.warmup:
+            self.seen += 1
+            self.reference = max(self.reference, value)
+            return False, {}
+        limit = self.factor * self.reference
+        return value >= limit, {"value": value, "reference_max": self.reference, "limit": limit}
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen, "reference": self.reference}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.seen, self.reference = int(s["seen"]), float(s["reference"])
+
+
+class LossGapDetector:
+    """Relative gap between the EMA-smoothed loss and a baseline curve {step: loss}."""
+
+    def __init__(self, baseline: dict[int, float], threshold: float, smoothing: float = 0.9):
+        self.baseline = dict(sorted(baseline.items()))
+        self.threshold, self.smoothing = threshold, smoothing
+        self.ema: float | None = None
+        self.base_ema: float | None = None
+
+    def _baseline_at(self, step: int) -> float | None:
+        if step in self.baseline:
+            return self.baseline[step]
+        before = [s for s in self.baseline if s <= step]
+        return self.baseline[before[-1]] if before else None
+
+    def update(self, step: int, loss: float) -> tuple[bool, dict]:
+        base = self._baseline_at(step)
+        if base is None or not math.isfinite(loss):
+            return False, {}
+        a = self.smoothing
+        self.ema = loss if self.ema is None else a * self.ema + (1 - a) * loss
+        self.base_ema = base if self.base_ema is None else a * self.base_ema + (1 - a) * base
+        gap = (self.ema - self.base_ema) / abs(self.base_ema)
+        return gap > self.threshold, {"smoothed_loss": self.ema, "baseline": self.base_ema, "gap": gap,
+                                      "threshold": self.threshold}
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema, "base_ema": self.base_ema}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.ema, self.base_ema = s["ema"], s["base_ema"]

@@ -1,0 +1,209 @@
+"""RolloutController fed with signal sequences: no model needed."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowprec.controller import ControllerConfig, RolloutController, Stage
+from lowprec.events import EventKind, replay
+from lowprec.formats import FORMATS
+from lowprec.monitor import MonitorConfig, Signals, SiteSignals
+
+SITES = [f"blocks.{b}.{m}" for b in range(3) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
+LADDER = ("nvfp4", "fp8_tensorwise", "bf16")
+STAGES = [Stage("mlp_fp8", tuple(s for s in SITES if ".mlp." in s), "fp8_tensorwise"),
+          Stage("attn_fp8", tuple(s for s in SITES if ".attn." in s), "fp8_tensorwise"),
+          Stage("mid_mlp_fp4", ("blocks.1.mlp.fc", "blocks.1.mlp.proj"), "nvfp4")]
+CHECK = 10
+
+
+def make(**kw):
+    mon = MonitorConfig(check_every=CHECK, spike_min_history=8, large_warmup=20)
+    cfg = ControllerConfig(min_steps=kw.pop("min_steps", 30), cooldown_steps=kw.pop("cooldown", 50),
+                           quarantine_after=kw.pop("quarantine_after", 2), rewind=kw.pop("rewind", False),
+                           rewind_skip_batches=5, monitor=mon)
+    return RolloutController({s: LADDER for s in SITES}, {s: "bf16" for s in SITES}, STAGES, cfg, **kw)
+
+
+def healthy_site(sat=0.0, nonfinite=0.0, role="input"):
+    s = SiteSignals()
+    for r in ("input", "weight", "grad_output"):
+        s.amax[r], s.saturated_frac[r], s.underflow_frac[r] = 3.0, 0.0, 0.001
+        s.rel_mse[r], s.sqnr_db[r], s.nonfinite[r] = 1e-3, 30.0, 0.0
+    s.saturated_frac[role] = sat
+    s.nonfinite[role] = nonfinite
+    return s
+
+
+def signals(step, loss=2.0, norm=1.0, sites=None, lowprec_sites=SITES):
+    losses = [loss - 1e-3 * i for i in range(CHECK)]
+    norms = [norm] * CHECK
+    return Signals(step, losses, norms, sites if sites is not None else {s: healthy_site() for s in lowprec_sites})
+
+
+def run(ctl, seq):
+    """Feed (step, Signals) pairs; returns all events."""
+    events = []
+    for step, sig in seq:
+        events += ctl.observe(step, sig).events
+    return events
+
+
+def test_stages_promote_in_order_after_min_steps():
+    ctl = make()
+    events = run(ctl, [(s, signals(s)) for s in range(9, 200, CHECK)])
+    promos = [e for e in events if e.kind == EventKind.PROMOTE]
+    assert [e.stage for e in promos] == ["mlp_fp8", "attn_fp8", "mid_mlp_fp4"]
+    assert promos[0].step >= 30 and promos[1].step - promos[0].step >= 30
+    assert ctl.current["blocks.1.mlp.fc"] == "nvfp4" and ctl.current["blocks.0.mlp.fc"] == "fp8_tensorwise"
+    assert ctl.current["blocks.2.attn.qkv"] == "fp8_tensorwise"
+
+
+def test_saturated_site_falls_back_one_rung_after_patience():
+    ctl = make()
+    run(ctl, [(s, signals(s)) for s in range(9, 200, CHECK)])
+    bad = {s: healthy_site() for s in SITES}
+    bad["blocks.1.mlp.fc"] = healthy_site(sat=0.05)
+    d1 = ctl.observe(209, signals(209, sites=bad))
+    assert not d1.changes  # first strike
+    d2 = ctl.observe(219, signals(219, sites=bad))
+    assert d2.changes == {"blocks.1.mlp.fc": "fp8_tensorwise"}
+    ev = [e for e in d2.events if e.kind == EventKind.FALLBACK][0]
+    assert ev.sites == ("blocks.1.mlp.fc",) and ev.evidence["input/saturated_frac"] == 0.05
+    assert ev.from_format == {"blocks.1.mlp.fc": "nvfp4"}
+
+
+def test_first_site_in_forward_order_is_blamed_for_nan():
+    ctl = make()
+    run(ctl, [(s, signals(s)) for s in range(9, 80, CHECK)])  # mlp + attn at fp8
+    sites = {s: healthy_site() for s in SITES}
+    sites["blocks.1.mlp.fc"] = healthy_site(nonfinite=4, role="output")
+    sites["blocks.1.mlp.proj"] = healthy_site(nonfinite=4, role="input")   # the consumer
+    sig = signals(89, sites=sites)
+    sig.losses[-1] = math.nan
+    d = ctl.observe(89, sig)
+    assert d.action == "skip_step"
+    assert d.changes == {"blocks.1.mlp.fc": "bf16"}
+
+
+def test_loss_spike_rolls_back_newest_stage_and_rewinds():
+    ctl = make(rewind=True)
+    run(ctl, [(s, signals(s)) for s in range(9, 80, CHECK)])
+    assert ctl.promoted == 2
+    sig = signals(89)
+    sig.losses[-1] = 50.0
+    d = ctl.observe(89, sig)
+    kinds = [e.kind for e in d.events]
+    assert EventKind.ROLLBACK in kinds and EventKind.REWIND in kinds
+    assert d.action == "rewind" and d.skip_batches == 5
+    assert all(ctl.current[s] == "bf16" for s in STAGES[1].sites)
+    assert all(ctl.current[s] == "fp8_tensorwise" for s in STAGES[0].sites)
+    assert "loss_spike" in [e for e in d.events if e.kind == EventKind.ROLLBACK][0].reason
+
+
+def test_quarantined_site_never_goes_below_its_floor_and_cooldown_retries():
+    ctl = make(quarantine_after=2, cooldown=20)
+    run(ctl, [(s, signals(s)) for s in range(9, 200, CHECK)])
+    site = "blocks.1.mlp.fc"
+    bad = {s: healthy_site() for s in SITES}
+    bad[site] = healthy_site(sat=0.5)
+    step = 209
+    run(ctl, [(step, signals(step, sites=bad)), (step + 10, signals(step + 10, sites=bad))])
+    assert ctl.current[site] == "fp8_tensorwise" and site not in ctl.floor
+    events = run(ctl, [(s, signals(s)) for s in range(step + 20, step + 60, CHECK)])
+    assert [e.kind for e in events] == [EventKind.RETRY] and ctl.current[site] == "nvfp4"
+    run(ctl, [(s, signals(s, sites=bad)) for s in range(step + 60, step + 80, CHECK)])
+    assert ctl.floor[site] == "fp8_tensorwise"
+    run(ctl, [(s, signals(s)) for s in range(step + 80, step + 400, CHECK)])
+    assert ctl.current[site] == "fp8_tensorwise"
+
+
+def test_gate_regression_rolls_back_and_inconclusive_holds():
+    verdicts = iter(["pass", "inconclusive", "regress"])
+
+    class V:
+        def __init__(self, v):
+            self.verdict, self.reason = v, "test"
+
+    ctl = make(gate=lambda step: V(next(verdicts)))
+    events = run(ctl, [(s, signals(s)) for s in range(9, 110, CHECK)])
+    gates = [e.evidence["verdict"] for e in events if e.kind == EventKind.GATE]
+    assert gates == ["pass", "inconclusive", "regress"]
+    assert [e.kind for e in events if e.kind in (EventKind.PROMOTE, EventKind.ROLLBACK)] == \
+        [EventKind.PROMOTE, EventKind.ROLLBACK]
+
+
+def test_loss_gap_to_baseline_fires():
+    ctl = make(baseline={s: 2.0 for s in range(0, 400)})
+    run(ctl, [(s, signals(s)) for s in range(9, 80, CHECK)])
+    d = ctl.observe(89, signals(89, loss=2.3))
+    assert any("loss_gap" in e.reason for e in d.events if e.kind == EventKind.ROLLBACK)
+
+
+def test_unknown_stage_site_and_off_ladder_format_are_errors():
+    with pytest.raises(ValueError, match="not a site"):
+        RolloutController({"a": LADDER}, {"a": "bf16"}, [Stage("s", ("b",), "nvfp4")])
+    with pytest.raises(ValueError, match="not on its ladder"):
+        RolloutController({"a": ("fp8_tensorwise", "bf16")}, {"a": "bf16"}, [Stage("s", ("a",), "nvfp4")])
+
+
+# ---------------------------------------------------------------- property tests
+
+site_event = st.tuples(st.sampled_from(SITES), st.sampled_from(["sat", "nan", "ok"]))
+check = st.tuples(st.lists(site_event, max_size=3), st.sampled_from(["ok", "ok", "ok", "spike", "nan"]))
+
+
+def _sequence(spec):
+    seq = []
+    for i, (site_events, glob) in enumerate(spec):
+        step = 9 + CHECK * i
+        sites = {s: healthy_site() for s in SITES}
+        for site, kind in site_events:
+            sites[site] = healthy_site(sat=0.2) if kind == "sat" else \
+                healthy_site(nonfinite=1, role="output") if kind == "nan" else healthy_site()
+        sig = signals(step, sites=sites)
+        if glob == "spike":
+            sig.losses[-1] = 1e3
+        elif glob == "nan":
+            sig.grad_norms[-1] = math.inf
+        seq.append((step, sig))
+    return seq
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(check, min_size=5, max_size=40), st.booleans())
+def test_invariants_hold_for_any_signal_sequence(spec, rewind):
+    seq = _sequence(spec)
+    a = make(rewind=rewind, min_steps=20, cooldown=30)
+    initial = dict(a.current)
+    floors: dict[str, str] = {}
+    events = []
+    for step, sig in seq:
+        d = a.observe(step, sig)
+        events += d.events
+        for s, f in a.current.items():
+            assert f in LADDER                                  # never off (below) its ladder
+            if s in floors:
+                assert FORMATS[f].rank >= FORMATS[floors[s]].rank  # quarantined: never below floor
+        floors.update(a.floor)
+        assert replay(initial, events) == a.current             # replay reproduces the map
+    b = make(rewind=rewind, min_steps=20, cooldown=30)
+    assert [e.to_json() for step, sig in seq for e in b.observe(step, sig).events] == \
+        [e.to_json() for e in events]                           # same inputs, same events
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(check, min_size=6, max_size=30), st.integers(1, 5))
+def test_state_dict_resume_gives_the_same_events(spec, cut):
+    seq = _sequence(spec)
+    cut = min(cut, len(seq) - 1)
+    full = make()
+    whole = [e.to_json() for step, sig in seq for e in full.observe(step, sig).events]
+    first = make()
+    head = [e.to_json() for step, sig in seq[:cut] for e in first.observe(step, sig).events]
+    second = make()
+    second.load_state_dict(first.state_dict())
+    tail = [e.to_json() for step, sig in seq[cut:] for e in second.observe(step, sig).events]
+    assert head + tail == whole
