@@ -151,8 +151,8 @@ def test_backend_registry_gives_the_te_backend():
     backend = get_backend("te")
     assert backend.name == "te"
     assert backend.supports("fp8_rowwise")[0] is False
-    with pytest.raises(NotImplementedError):
-        backend.gemm(torch.zeros(1, 1), torch.zeros(1, 1))
+    assert not hasattr(backend, "gemm")  # te sites are whole te.Linear modules (make_site)
+    assert callable(backend.make_site)
 
 
 class _StandInLinear(torch.nn.Module):
