@@ -261,7 +261,7 @@ def _scales(spec: QuantSpec, bamax: torch.Tensor, ax: torch.Tensor, amax_t, scal
     enc = spec.scale_encoding
     if spec.scaling is Scaling.DELAYED:
         s = scale_t.reshape(1, 1, 1, 1).expand_as(bamax)
-        return s, 1.0 / s
+        return s, _div(1.0, s)
     if enc is ScaleEncoding.E4M3_FP32:
         tamax = ax.amax() if amax_t is None else amax_t
         # full_like(...) / t, not a Python float / t: PyTorch computes `float / tensor` as
@@ -283,10 +283,17 @@ def _scales(spec: QuantSpec, bamax: torch.Tensor, ax: torch.Tensor, amax_t, scal
         return 1.0 / x_scale, x_scale
     amax = bamax if amax_t is None else amax_t.reshape(-1, 1, 1, 1).expand_as(bamax)
     amax = amax.clamp(min=_EPS)
-    scale = torch.full_like(amax, elem.max) / amax        # correctly rounded (see s_enc above)
+    scale = _div(elem.max, amax)
     if enc is ScaleEncoding.POW2:
         scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)  # round down to 2**k
-    return scale, 1.0 / scale
+    return scale, _div(1.0, scale)
+
+
+def _div(num: float, den: torch.Tensor) -> torch.Tensor:
+    """num / den correctly rounded to FP32 on every device, eager or fused: divided in FP64
+    (IEEE everywhere; Triton's FP32 division is approximate, up to 2 ulp) and rounded once
+    to FP32 (double rounding through FP64 is innocuous for a quotient: 53 >= 2 * 24 + 2)."""
+    return (torch.full_like(den, num, dtype=torch.float64) / den.double()).float()
 
 
 def _overflow_threshold(elem: ElementFormat) -> float:
@@ -328,15 +335,13 @@ def _core(x2: torch.Tensor, spec: QuantSpec, block, amax_t, scale_t, noise, want
         return values, scale, scale_inv, amax, None
     dq = _dequant_blocks(q, scale, scale_inv, spec)
     err = torch.where(fin, xb - dq, 0.0)
-    norm = amax.clamp(min=torch.finfo(torch.float32).tiny)
     packed = torch.stack([
         amax.double(),
         (fin & _saturated(v.abs(), elem)).sum().double(),
         (fin & (xb != 0) & (q == 0)).sum().double(),
-        # squares of values scaled by amax: FP32 squares overflow above ~1.8e19 and flush
-        # to zero below ~1e-23; the sums are FP64 and the amax**2 is put back in FP64
-        ((err / norm) ** 2).sum(dtype=torch.float64) * norm.double() ** 2,
-        ((ax / norm) ** 2).sum(dtype=torch.float64) * norm.double() ** 2,
+        # squared in FP64: FP32 squares overflow above ~1.8e19 and flush to 0 below ~1e-23
+        torch.linalg.vector_norm(err, dtype=torch.float64).square(),
+        torch.linalg.vector_norm(ax, dtype=torch.float64).square(),
         (~fin).sum().double(),
         torch.tensor(float(x2.numel()), dtype=torch.float64, device=x2.device),
     ])
