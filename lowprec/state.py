@@ -128,6 +128,7 @@ class PrecisionState:
                         "histories": {k: h.state_dict() for k, h in getattr(m, "histories", {}).items()}}
             if hasattr(m, "generator"):  # TE sites keep their own RNG and FP8 state
                 out[fqn]["generator"] = m.generator.get_state()
+                out[fqn]["seed"] = m.seed  # also fixes the Hadamard signs
         return {"version": 1, "sites": out}
 
     def load_state_dict(self, state: dict) -> None:
@@ -141,6 +142,12 @@ class PrecisionState:
                              f"the model with the plan the checkpoint was written with")
         for fqn, st in state["sites"].items():
             get_format(st["format"])  # validate every name before changing anything
+            seed = getattr(self.sites[fqn].module, "seed", None)
+            if "seed" in st and seed is not None and int(st["seed"]) != seed:
+                raise ValueError(
+                    f"site {fqn!r} was saved with seed {int(st['seed'])} but is prepared with seed {seed}: "
+                    f"its Hadamard signs and stochastic rounding would differ. Call prepare(..., seed=...) "
+                    f"with the seed of the run that wrote the checkpoint")
         for fqn, st in state["sites"].items():
             m = self.sites[fqn].module
             m.set_format(get_format(st["format"]))

@@ -1,0 +1,400 @@
+"""Atomic checkpoints of a training run: model, optimizer, precision, controller, data, RNG.
+
+A run killed at any moment (SIGKILL, OOM killer, node loss) must resume from its last
+*complete* checkpoint and go on exactly as if it had never stopped. So a checkpoint only
+ever appears under its final name once every byte of it is on disk:
+
+    single process    torch.save -> step_00000120.pt.tmp, flush, fsync,
+                      os.replace -> step_00000120.pt, fsync the directory
+    sharded / ranks   dcp.save (fsyncs every file) + one rank_RRRRR.pt per rank
+                      -> step_00000120.tmp/, barrier, rank 0 fsyncs and renames it
+                      -> step_00000120/, fsyncs the directory, barrier
+
+`torch.distributed.checkpoint` is used whenever a parameter is a DTensor (FSDP2, tensor
+parallel) or more than one rank runs: every rank then writes its own shards and its own
+RNG and precision state (each rank's RNG differs). `save_checkpoint` is then collective.
+
+A checkpoint holds the model and optimizer state dicts, the `PrecisionState` (formats,
+delayed-scaling histories, stochastic-rounding generators), the controller's state, the
+data position (whatever the caller's sampler needs, e.g. its generator state and the
+batches consumed), free-form `extra`, and the RNG states: torch CPU, CUDA when it is
+initialised, Python's `random` and NumPy's legacy global generator. Everything is plain
+data that loads with `torch.load(weights_only=True)`; saving checks it and names an
+offending entry, rather than leaving the surprise for the resume.
+
+`latest_checkpoint` ignores temporary names (`*.tmp`) and, newest first, opens each
+candidate cheaply (`torch.load(mmap=True)`: the zip directory and the small pickle, not
+the tensor data; for a directory, `.metadata` and rank 0's file) and skips one that does
+not open. Under the protocol above a final name is complete by construction; the check
+catches files cut short by a copy or a full disk, with a warning.
+
+Saving step s then removes checkpoints beyond the newest `keep`, a killed writer's
+temporaries, and checkpoints of steps after s: a rewind abandoned them, and resuming into
+them would undo it. One writer (one run) per directory.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints"]
+
+FORMAT, VERSION = "lowprec.checkpoint", 1
+_FINAL = re.compile(r"^step_(\d{8,})(\.pt)?$")
+_TEMP = re.compile(r"^step_\d{8,}(\.pt)?(\.old)?\.tmp$")
+_PLAIN = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.Size, torch.dtype,
+          torch.device, torch.Tensor, nn.Parameter)
+
+
+# ----------------------------------------------------------------------------- saving
+
+def save_checkpoint(directory: str | os.PathLike, step: int, *, model: nn.Module,
+                    optimizer: torch.optim.Optimizer, precision=None, controller=None,
+                    data_state: dict | None = None, extra: dict | None = None, keep: int | None = 3,
+                    _before_replace: Callable[[Path], None] | None = None) -> Path:
+    """Write `directory/step_{step:08d}.pt` (or the `step_{step:08d}/` DCP directory) atomically;
+    `step` is the step to resume at (steps completed so far).
+
+    precision: the `PrecisionState` from `prepare`; controller: anything with state_dict().
+    keep: how many checkpoints to keep (newest by step); None keeps all.
+    _before_replace: test hook, called with the complete temporary path just before it is
+        renamed to its final name (on rank 0 for a directory).
+    Returns the final path. Collective when the model is sharded or several ranks run.
+    """
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be >= 1 or None (keep all), got {keep!r}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    local = {"format": FORMAT, "version": VERSION, "step": step, "world_size": _world()[1],
+             "precision": None if precision is None else precision.state_dict(),
+             "controller": None if controller is None else controller.state_dict(),
+             "data": None if data_state is None else dict(data_state), "extra": extra,
+             "rng": _rng_state()}
+    _check_plain(local, "checkpoint")
+    if _distributed(model):
+        return _save_dcp(directory, step, model, optimizer, local, keep, _before_replace)
+    payload = {**local, "model": model.state_dict(), "optim": optimizer.state_dict()}
+    _check_plain({"model": payload["model"], "optim": payload["optim"]}, "checkpoint")
+    final, tmp = directory / f"step_{step:08d}.pt", directory / f"step_{step:08d}.pt.tmp"
+    _write(tmp, payload)
+    if _before_replace is not None:
+        _before_replace(tmp)
+    os.replace(tmp, final)
+    _fsync_dir(directory)
+    _prune(directory, step, keep)
+    return final
+
+
+def _save_dcp(directory: Path, step: int, model, optimizer, local: dict, keep, before_replace) -> Path:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    rank, _ = _world()
+    final, tmp = directory / f"step_{step:08d}", directory / f"step_{step:08d}.tmp"
+    if rank == 0 and tmp.exists():
+        shutil.rmtree(tmp)  # a killed writer's leftovers
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd},
+             storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    _write(tmp / f"rank_{rank:05d}.pt", local)
+    _barrier()  # every rank's files are on disk
+    if rank == 0:
+        _fsync_dir(tmp)
+        if before_replace is not None:
+            before_replace(tmp)
+        aside = None
+        if final.exists():  # the same step after a rewind; a kill between the renames leaves
+            # the older checkpoints, and the previous step N under a temporary name
+            aside = directory / f"step_{step:08d}.old.tmp"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
+        os.replace(tmp, final)
+        _fsync_dir(directory)
+        if aside is not None:
+            shutil.rmtree(aside)
+        _prune(directory, step, keep)
+    _barrier()  # nobody returns before the checkpoint is visible
+    return final
+
+
+def _write(path: Path, obj: Any) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename durable: fsync the directory entry (POSIX; skipped where unsupported)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # e.g. Windows cannot open a directory
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prune(directory: Path, step: int, keep: int | None) -> None:
+    found = list_checkpoints(directory)
+    stale = [p for p in directory.iterdir() if _TEMP.match(p.name)]  # a killed writer's
+    stale += [p for s, p in found if s > step]  # a timeline abandoned by a rewind
+    older = [p for s, p in found if s <= step]
+    stale += older[:-keep] if keep is not None else []
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def _check_plain(obj: Any, where: str) -> None:
+    """Fail now, naming the entry, if `obj` would not load with torch.load(weights_only=True)."""
+    if type(obj) in (dict, OrderedDict):
+        for k, v in obj.items():
+            if type(k) not in _PLAIN:
+                raise TypeError(f"{where} has a key of type {type(k).__name__} ({k!r}); use str or int keys")
+            _check_plain(v, f"{where}[{k!r}]")
+    elif type(obj) in (list, tuple, set):
+        for i, v in enumerate(obj):
+            _check_plain(v, f"{where}[{i}]")
+    elif type(obj) not in _PLAIN:
+        raise TypeError(
+            f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which "
+            f"torch.load(weights_only=True) refuses; state_dict() must hold only tensors, numbers, "
+            f"strings, None and lists/tuples/dicts of them (convert enums to .value, arrays to "
+            f"tensors, objects to dicts)")
+
+
+# ----------------------------------------------------------------------------- finding
+
+def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint under its final name, oldest first (not verified)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in directory.iterdir()  # step_N.pt files, step_N dirs
+                  if (m := _FINAL.match(p.name)) and p.is_dir() != bool(m.group(2)))
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint in `directory`, or None. Temporaries are ignored; a
+    candidate that does not open (torn by a copy or a full disk) is skipped with a warning."""
+    for _, p in reversed(list_checkpoints(directory)):
+        try:
+            _read_header(p / "rank_00000.pt" if p.is_dir() else p, mmap=True)
+            if p.is_dir() and not (p / ".metadata").is_file():
+                raise ValueError("no .metadata file")
+            return p
+        except Exception as e:  # noqa: BLE001 - any failure means "not usable"
+            warnings.warn(f"skipping checkpoint {p}: it does not open ({e})", stacklevel=2)
+    return None
+
+
+def _read_header(path: Path, mmap: bool = False) -> dict:
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:
+        raise ValueError(f"{path} is not a complete lowprec checkpoint: torch.load failed "
+                         f"({type(e).__name__}: {str(e)[:200]}). It may be torn (cut short); "
+                         f"latest_checkpoint(directory) skips such files") from e
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a lowprec checkpoint (no format={FORMAT!r} entry); "
+                         f"write checkpoints with lowprec.checkpoint.save_checkpoint")
+    if payload.get("version") != VERSION:
+        raise ValueError(f"{path} has checkpoint version {payload.get('version')!r}; this lowprec "
+                         f"reads version {VERSION}")
+    return payload
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    precision=None, controller=None, restore_rng: bool = True) -> dict:
+    """Restore a checkpoint written by `save_checkpoint` into live objects.
+
+    Model, optimizer, the parts present and the RNG devices are checked against the
+    checkpoint before anything is changed. Returns {"step", "data_state",
+    "extra", "path"}: resume the loop at `step` and reposition the data with `data_state`.
+    Collective for a checkpoint directory (sharded or multi-rank runs).
+    """
+    path = Path(path)
+    if not path.exists():
+        found = [p.name for _, p in list_checkpoints(path.parent)]
+        raise FileNotFoundError(
+            f"no checkpoint at {path}; {path.parent} holds {found or 'no checkpoints'}. "
+            f"Use latest_checkpoint({str(path.parent)!r}) to find the newest complete one")
+    if path.is_dir():  # dcp.load plans (and checks every key and shape) before it reads
+        payload = _load_dcp(path, model, optimizer, restore_rng, precision, controller)
+    else:
+        if _distributed(model):
+            raise ValueError(f"{path} is a single-process checkpoint but this model is sharded or "
+                             f"runs on several ranks; resume it in one process, or save sharded "
+                             f"runs with save_checkpoint (which writes a directory)")
+        payload = _read_header(path)
+        _check_parts(payload, path, precision, controller)
+        _check_model(payload["model"], model, path)
+        _check_optim(payload["optim"], optimizer, path)
+    if restore_rng:
+        _check_rng(payload["rng"], path)
+    if precision is not None:  # validates sites and format names before switching any
+        try:
+            precision.load_state_dict(payload["precision"])
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"precision state in {path} does not fit: {e}") from e
+    if controller is not None:
+        controller.load_state_dict(payload["controller"])
+    if not path.is_dir():
+        model.load_state_dict(payload["model"])
+        optimizer.load_state_dict(payload["optim"])
+    if restore_rng:
+        _restore_rng(payload["rng"])
+    return {"step": payload["step"], "data_state": payload["data"], "extra": payload["extra"],
+            "path": path}
+
+
+def _load_dcp(path: Path, model, optimizer, restore_rng: bool, precision, controller) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    rank, world = _world()
+    own = path / f"rank_{rank:05d}.pt"
+    local = _read_header(own if own.is_file() else path / "rank_00000.pt")
+    if restore_rng and (local["world_size"] != world or not own.is_file()):
+        raise ValueError(f"{path} was written by {local['world_size']} ranks, this run has {world}: "
+                         f"per-rank RNG states cannot be restored. Resume with {local['world_size']} "
+                         f"ranks, or pass restore_rng=False (model and optimizer are resharded)")
+    _check_parts(local, path, precision, controller)
+    if restore_rng:
+        _check_rng(local["rng"], path)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        failures = getattr(e, "failures", None)
+        cause = next(iter(failures.values())) if failures else e  # rank -> (exception, trace)
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        raise ValueError(f"{path} does not fit this model/optimizer ({type(cause).__name__}: "
+                         f"{str(cause)[:300]}); build the model with the config that wrote it, prepare "
+                         f"and shard it the same way, and create the same optimizer") from e
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return local
+
+
+def _check_parts(payload: dict, path: Path, precision, controller) -> None:
+    for key, given, how in (("precision", precision, "the PrecisionState returned by prepare()"),
+                            ("controller", controller, "the rollout controller")):
+        if payload[key] is not None and given is None:
+            raise ValueError(f"{path} holds {key} state but no {key}= was given; pass {how}, as "
+                             f"the run that wrote it did, or the run will not continue as it was")
+        if payload[key] is None and given is not None:
+            raise ValueError(f"{path} holds no {key} state (it was saved without {key}=) but a "
+                             f"{key} was given; pass {key}=None or resume from a checkpoint that has one")
+
+
+def _check_model(saved: dict, model: nn.Module, path: Path) -> None:
+    live = model.state_dict()
+    missing = sorted(set(live) - set(saved))
+    unknown = sorted(set(saved) - set(live))
+    shapes = [f"{k} (checkpoint {tuple(saved[k].shape)}, model {tuple(live[k].shape)})"
+              for k in live if k in saved and isinstance(saved[k], torch.Tensor)
+              and saved[k].shape != live[k].shape]
+    if missing or unknown or shapes:
+        raise ValueError(f"{path} does not fit this model: keys missing from the checkpoint "
+                         f"{missing[:5]}, keys the model lacks {unknown[:5]}, shapes that differ "
+                         f"{shapes[:5]}; build the model with the config that wrote the checkpoint "
+                         f"(and prepare it with the same plan) before loading")
+
+
+def _check_optim(saved: dict, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    want = [len(g["params"]) for g in optimizer.param_groups]
+    got = [len(g["params"]) for g in saved.get("param_groups", [])]
+    if want != got:
+        raise ValueError(f"{path} has optimizer parameter groups of sizes {got}, this optimizer "
+                         f"has {want}; create the optimizer over the same parameters and groups "
+                         f"as the run that wrote the checkpoint")
+
+
+# ----------------------------------------------------------------------------- RNG
+
+def _rng_state() -> dict:
+    version, internal, gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
+                        "gauss_next": gauss}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    np = _numpy()
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state["numpy"] = {"bit_generator": name, "keys": torch.from_numpy(keys.astype("int64")),
+                          "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    return state
+
+
+def _check_rng(state: dict, path: Path) -> None:
+    fix = "or pass restore_rng=False (the run then does not continue bit for bit)"
+    if "cuda" in state and (not torch.cuda.is_available()
+                            or torch.cuda.device_count() != len(state["cuda"])):
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ValueError(f"{path} holds RNG states of {len(state['cuda'])} CUDA devices, this "
+                         f"process has {have}; resume on the same devices {fix}")
+    if "numpy" in state and _numpy() is None:
+        raise ValueError(f"{path} holds NumPy's RNG state but NumPy is not installed; install it {fix}")
+
+
+def _restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
+    if "numpy" in state:
+        n, np = state["numpy"], _numpy()
+        np.random.set_state((n["bit_generator"], n["keys"].numpy().astype("uint32"), n["pos"],
+                             n["has_gauss"], n["cached_gaussian"]))
+
+
+def _numpy():
+    try:
+        import numpy
+        return numpy
+    except ImportError:
+        return None
+
+
+# ----------------------------------------------------------------------------- distributed
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _distributed(model: nn.Module) -> bool:
+    """Sharded parameters (DTensor: FSDP2, tensor parallel) or several ranks: use DCP."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        DTensor = ()
+    return _world()[1] > 1 or any(isinstance(p, DTensor) for p in model.parameters())
