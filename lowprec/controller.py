@@ -15,7 +15,8 @@ Rules, in the order they are applied at each check:
 2. A site whose own signals cross their thresholds (saturated fraction, underflow,
    SQNR) for `site_patience` checks in a row falls back one rung up its ladder.
 3. A global signal (loss or grad-norm spike, an unexpectedly large value, the loss gap
-   to the baseline) with no single site to blame rolls back the newest stage, and with
+   to the baseline) while some site's thresholds are crossed (before its patience ran
+   out) blames that site; with no site to blame it rolls back the newest stage, and with
    `rewind` on, asks the loop to restore the last good checkpoint and skip batches.
 4. A site that failed `quarantine_after` times is quarantined: it never goes below its
    current format again in this run. Other fallen-back sites retry their stage's format
@@ -213,6 +214,7 @@ class RolloutController:
         # 2. per-site thresholds; several sites crossing at once usually share one cause
         # (an overflow entering a layer saturates its consumers too): the first in
         # forward order falls back, the others are looked at again at the next check.
+        suspects: list[tuple[str, dict]] = []
         for site in self.order if not blamed else ():
             sig = signals.sites.get(site)
             if sig is None or _bits(self.current[site]) >= 16:
@@ -226,6 +228,7 @@ class RolloutController:
             if not crossed:
                 self.strikes[site] = 0
                 continue
+            suspects.append((site, crossed))
             self.strikes[site] = self.strikes.get(site, 0) + 1
             if self.strikes[site] >= mc.site_patience and not blamed:
                 blamed.append(site)
@@ -234,6 +237,13 @@ class RolloutController:
         fired = self._global_signals(step, signals)
         if signals.nonfinite and not blamed:
             fired.insert(0, ("nan_inf", {"losses": signals.losses, "grad_norms": signals.grad_norms}))
+        if fired and not blamed and suspects:
+            # a global signal while a site's own thresholds are crossed: that site is to blame
+            site, crossed = suspects[0]
+            blamed.append(site)
+            names = ", ".join(name for name, _ in fired)
+            self._fallback(site, step, f"{names} while this site's thresholds are crossed",
+                           {**crossed, **{name: ev for name, ev in fired}}, d)
         if fired and not blamed:
             reason = ", ".join(name for name, _ in fired)
             evidence = {name: ev for name, ev in fired}

@@ -132,13 +132,40 @@ class Monitor:
         self._losses: list[torch.Tensor] = []
         self._norms: list[torch.Tensor] = []
         self._acc = torch.zeros(len(self.sites), len(ROLES), _N, dtype=torch.float64, device=dev)
+        self._forced: int | None = None   # a step that must collect statistics and check
+        self._collecting = False
+        # each site's output: only whether it is finite (the origin of a NaN is the first
+        # site, in forward order, whose inputs are finite and whose output is not)
+        self._hooks = [s.module.register_forward_hook(self._output_hook) for s in state.sites.values()]
+
+    def _output_hook(self, module, args, output) -> None:
+        if not self._collecting or not isinstance(output, torch.Tensor):
+            return
+        from lowprec.quantize import QuantStats
+        out = output.to_local() if hasattr(output, "to_local") else output
+        nonfinite = (~torch.isfinite(out.detach())).sum().double()
+        zero = torch.zeros((), dtype=torch.float64, device=nonfinite.device)
+        numel = torch.full((), float(out.numel()), dtype=torch.float64, device=nonfinite.device)
+        module.stats["output"] = QuantStats(torch.stack([zero, zero, zero, zero, zero, nonfinite, numel]))
+
+    def close(self) -> None:
+        """Remove the output hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def force_check(self, step: int) -> None:
+        """Make `step` collect statistics and be a check step (after a NaN/Inf step, so
+        that the next check can see which site it comes from)."""
+        self._forced = step
 
     def wants_stats(self, step: int) -> bool:
         """Whether step `step` should compute quantizer statistics (set on the layers)."""
-        return self.config.stats_every_step or (step + 1) % self.config.check_every == 0
+        return self.config.stats_every_step or self.is_check_step(step)
 
     def before_step(self, step: int) -> None:
-        self.state.collect_stats(self.wants_stats(step))
+        self._collecting = self.wants_stats(step)
+        self.state.collect_stats(self._collecting)
 
     def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """After backward: keep this step's loss, grad norm and site statistics (no sync)."""
@@ -159,7 +186,7 @@ class Monitor:
             stats.clear()
 
     def is_check_step(self, step: int) -> bool:
-        return (step + 1) % self.config.check_every == 0
+        return (step + 1) % self.config.check_every == 0 or step == self._forced
 
     def check(self, step: int) -> Signals:
         """Pack, combine across ranks (one all-gather), read once, reset the window."""
@@ -187,6 +214,7 @@ class Monitor:
                 sites[fqn] = site_signals_from_packed(rows)
         self._losses, self._norms = [], []
         self._acc.zero_()
+        self._forced = None
         return Signals(step=step, losses=losses, grad_norms=norms, sites=sites)
 
 

@@ -15,9 +15,10 @@ format, ladder and reason (`format_plan_table` prints them) and checks what need
 
 * Precedence: keep_high_precision beats every rule; among rules the LAST match wins (as in
   CSS or torchtitan: general rules first, refinements after); otherwise `default`.
-* Ladders rise strictly in `Format.rank`. The rule's format is prepended if missing and
-  bf16 appended if missing, so every fallback ends in high precision; no ladder means
-  `[format, bf16]`; a format out of order is an error.
+* Ladders rise strictly in `Format.rank`. The rule's format is prepended if it is not on
+  the ladder and bf16 appended if missing, so every fallback ends in high precision; no
+  ladder means `[format, bf16]`; a format out of order is an error. The rule's format may
+  sit above the ladder's bottom (a site starting in bf16 that a rollout will promote).
 * Blocks (`first_layers` / `last_layers`): the integer path component right after the
   outermost `nn.ModuleList` (or integer-keyed `nn.ModuleDict`) in the FQN, as in
   `h.3.mlp.c_fc` or `layers.3.mlp.up_proj`, counted in that container. Nested lists (MoE
@@ -196,8 +197,10 @@ def _format(v: Any, path: str) -> Format:
 
 
 def make_ladder(fmt: Format, ladder: tuple[Format, ...] = ()) -> tuple[Format, ...]:
-    """The normalized ladder: starts with `fmt`, ends with bf16, rank strictly increasing."""
-    out = tuple(ladder) if ladder and ladder[0] == fmt else (fmt, *ladder)
+    """The normalized ladder: holds `fmt` (prepended if missing), ends with bf16, rank strictly
+    increasing. `fmt` may sit above the bottom: a site that starts in bf16 with the ladder
+    nvfp4 -> fp8_tensorwise -> bf16 is what a staged rollout promotes down that ladder."""
+    out = tuple(ladder) if ladder and fmt in ladder else (fmt, *ladder)
     out = out if out[-1] == BF16 else (*out, BF16)
     for lo, hi in zip(out, out[1:]):
         if hi.rank <= lo.rank:

@@ -1,0 +1,202 @@
+"""Train the small GPT on Shakespeare with a precision plan and the rollout controller.
+
+    python -m experiments.train experiments/configs/default.yaml --out runs/default
+
+The loop is what README.md shows: build the plan and the controller from the config,
+call `session.after_backward` after backward, obey its decision (skip the step, or
+rewind to the last good checkpoint and skip batches). Faults can be injected for tests
+and demonstrations (`Injection`): a NaN in one site's output, one site's input scaled by
+1e4 (an overflow), a learning-rate spike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from experiments.data import Batches, split_texts, tokens_of
+from experiments.model import build_gpt
+from lowprec import prepare
+from lowprec.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from lowprec.plan import PrecisionPlan
+from lowprec.rollout import RolloutSession, build_controller, parse_rollout
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 16
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup: int = 20
+    grad_clip: float = 1.0
+    seed: int = 0
+    ckpt_every: int = 50
+    max_train_bytes: int | None = 2_000_000
+
+
+@dataclass(frozen=True)
+class Injection:
+    """A fault: kind in {"nan", "overflow", "lr_spike"}, on `site`, for iterations [start, stop)
+    (loop passes: after a rewind the step counter goes back, time does not).
+
+    "nan" and "overflow" model faults that come from running the site in low precision:
+    they fire only while the site's format is not high precision (a fallback cures them).
+    "overflow" fires every `every`-th step, like intermittent activation outliers.
+    """
+
+    kind: str
+    start: int
+    stop: int
+    site: str = ""
+    factor: float = 1e4
+    every: int = 1
+
+    def active(self, step: int, module=None) -> bool:
+        low = module is None or not module.format.is_high_precision
+        return self.start <= step < self.stop and (step - self.start) % self.every == 0 and low
+
+
+@dataclass
+class RunResult:
+    losses: list[float] = field(default_factory=list)
+    events: list = field(default_factory=list)
+    formats: dict[int, dict[str, str]] = field(default_factory=dict)   # check step -> precision map
+    flops_share: dict[int, dict[str, float]] = field(default_factory=dict)
+    seconds_per_step: float = 0.0
+    nonfinite_params: bool = False
+    rewinds: int = 0
+
+
+def load(path: str | Path) -> dict:
+    return yaml.safe_load(Path(path).read_text())
+
+
+def _install(model, inj: list[Injection], step_ref: list[int]):
+    hooks = []
+    for j in inj:
+        if j.kind == "lr_spike":
+            continue
+        module = model.get_submodule(j.site)
+        if j.kind == "nan":
+            def hook(mod, args, out, j=j):
+                if j.active(step_ref[0], mod):
+                    out = out.clone()
+                    out[..., 0] = float("nan")
+                    return out
+            hooks.append(module.register_forward_hook(hook, prepend=True))
+        elif j.kind == "overflow":
+            def pre(mod, args, j=j):
+                if j.active(step_ref[0], mod):
+                    return (args[0] * j.factor,) + tuple(args[1:])
+            hooks.append(module.register_forward_pre_hook(pre))
+        else:
+            raise ValueError(f"unknown injection kind {j.kind!r}: nan, overflow, lr_spike")
+    return hooks
+
+
+def train(cfg: dict, out_dir: str | Path, *, injections: list[Injection] = (), controller: bool = True,
+          steps: int | None = None, baseline: dict[int, float] | None = None, resume: bool = False) -> RunResult:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tc = TrainConfig(**(cfg.get("train") or {}))
+    n_steps = steps if steps is not None else tc.steps
+    torch.manual_seed(tc.seed)
+    model = build_gpt(**cfg["model"].get("args", {}))
+    plan = PrecisionPlan.from_dict(cfg["precision"])
+    state = prepare(model, plan, seed=tc.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+    train_files, _ = split_texts()
+    data = Batches(tokens_of(train_files, tc.max_train_bytes), tc.batch_size, model.cfg.block_size, seed=tc.seed)
+    session = None
+    if controller and cfg.get("rollout"):
+        ctl = build_controller(parse_rollout(cfg["rollout"]), state, model, baseline=baseline)
+        session = RolloutSession(state, ctl, event_log=out / "events.jsonl")
+    step_ref = [0]
+    hooks = _install(model, list(injections), step_ref)
+    lr_spikes = [j for j in injections if j.kind == "lr_spike"]
+    ckpt_dir = out / "checkpoints"
+    res = RunResult()
+    step = 0
+    if resume and (last := latest_checkpoint(ckpt_dir)) is not None:
+        info = load_checkpoint(last, model=model, optimizer=opt, precision=state, controller=session)
+        data.load_state_dict(info["data_state"])
+        step = info["step"]
+        res.losses = list(info["extra"]["losses"])
+    t0 = time.perf_counter()
+    first = step
+    iteration = 0   # counts every loop pass, rewinds included: faults happen once, in time
+    while step < n_steps:
+        step_ref[0] = iteration
+        iteration += 1
+        if step % tc.ckpt_every == 0:
+            save_checkpoint(ckpt_dir, step, model=model, optimizer=opt, precision=state, controller=session,
+                            data_state=data.state_dict(), extra={"losses": list(res.losses)}, keep=5)
+        lr = tc.lr * min(1.0, (step + 1) / tc.warmup)
+        lr *= math.prod(j.factor for j in lr_spikes if j.active(step_ref[0]))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        if session is not None:
+            session.before_step(step)
+        x, y = data.next()
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        decision = session.after_backward(step, loss, gnorm) if session is not None else None
+        if decision is not None and decision.rewind:
+            good = [(s, p) for s, p in list_checkpoints(ckpt_dir) if s <= step - 2 * session.monitor.config.check_every]
+            if good:
+                back, path = good[-1]
+                # model, optimizer and data come back; the precision map and the controller's
+                # memory of what went wrong stay as they are now
+                info = load_checkpoint(path, model=model, optimizer=opt, restore_rng=False)
+                data.load_state_dict(info["data_state"])
+                data.skip(step - back + decision.skip_batches)
+                res.losses = res.losses[:back]
+                res.rewinds += 1
+                step = back
+                continue
+        if decision is not None and decision.action in ("skip_step", "rewind"):
+            opt.zero_grad(set_to_none=True)
+        else:
+            opt.step()
+        res.losses.append(loss.item())
+        if (session is not None and session.monitor.is_check_step(step)) or step == n_steps - 1:
+            res.formats[step] = state.formats()
+            res.flops_share[step] = state.flops_share()
+        step += 1
+    res.seconds_per_step = (time.perf_counter() - t0) / max(n_steps - first, 1)
+    res.nonfinite_params = any(not torch.isfinite(p).all() for p in model.parameters())
+    for h in hooks:
+        h.remove()
+    if session is not None:
+        res.events = session.events
+    (out / "losses.json").write_text(json.dumps(res.losses))
+    return res
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("config")
+    p.add_argument("--out", default="runs/train")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--no-controller", action="store_true")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    args = p.parse_args(argv)
+    res = train(load(args.config), args.out, controller=not args.no_controller, steps=args.steps,
+                resume=args.resume)
+    print(f"final loss {res.losses[-1]:.4f}, {len(res.events)} events, {res.seconds_per_step * 1e3:.0f} ms/step")
+    for e in res.events:
+        print(" ", e.summary())
+
+
+if __name__ == "__main__":
+    main()

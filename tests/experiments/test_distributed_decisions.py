@@ -1,0 +1,89 @@
+"""Two gloo ranks, a fault on one of them: both ranks take the same decisions.
+
+Rank 1 alone sees a NaN in one site's output. The grad norm after DDP's all-reduce is
+non-finite on both ranks, so both skip the step; the monitor's check combines the
+signals of both ranks with one all-gather, so both blame the same site, and their
+event logs are identical.
+"""
+
+import json
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from experiments.data import Batches, split_texts, tokens_of
+from experiments.model import build_gpt
+from experiments.train import Injection
+from lowprec import prepare
+from lowprec.plan import PrecisionPlan
+from lowprec.rollout import RolloutSession, build_controller, parse_rollout
+
+SITE = "blocks.1.mlp.fc"
+PLAN = {"backend": "emulated", "keep_high_precision": [{"fqns": ["lm_head"]}],
+        "rules": [{"name": "blocks", "select": {"glob": "blocks.*"}, "format": "bf16",
+                   "ladder": ["fp8_tensorwise", "bf16"]}]}
+ROLLOUT = {"check_every": 5, "min_steps": 0, "thresholds": {"spike_min_history": 30},
+           "stages": [{"name": "all", "select": {"glob": "blocks.*"}, "format": "fp8_tensorwise"}]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = build_gpt(vocab_size=256, block_size=32, n_layer=2, n_head=2, d_model=32)
+        state = prepare(model, PrecisionPlan.from_dict(PLAN), amax_group=dist.group.WORLD)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ctl = build_controller(parse_rollout(ROLLOUT), state, model)
+        session = RolloutSession(state, ctl, event_log=f"{out_dir}/events_rank{rank}.jsonl")
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        data = Batches(tokens_of(split_texts()[0], 200_000), 8, 32, seed=0, rank=rank, world=world)
+        fault = Injection("nan", 20, 1000, SITE)
+        site = model.get_submodule(SITE)
+        step_ref = [0]
+
+        def inject(mod, args, out):
+            if rank == 1 and fault.active(step_ref[0], mod):
+                out = out.clone()
+                out[..., 0] = float("nan")
+                return out
+        site.register_forward_hook(inject, prepend=True)
+        for step in range(40):
+            step_ref[0] = step
+            session.before_step(step)
+            x, y = data.next()
+            opt.zero_grad()
+            _, loss = ddp(x, y)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+            decision = session.after_backward(step, loss, gn)
+            if decision.action == "continue":
+                opt.step()
+        finite = all(torch.isfinite(p).all() for p in model.parameters())
+        with open(f"{out_dir}/result_rank{rank}.json", "w") as f:
+            json.dump({"formats": state.formats(), "finite": bool(finite)}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_decide_the_same_when_only_one_sees_the_fault(tmp_path):
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    logs = [(tmp_path / f"events_rank{r}.jsonl").read_text() for r in range(2)]
+    assert logs[0] == logs[1] and logs[0]
+    events = [json.loads(line) for line in logs[0].splitlines()]
+    falls = [e for e in events if e["kind"] in ("fallback", "rollback")]
+    assert falls and falls[0]["kind"] == "fallback" and falls[0]["sites"] == [SITE]
+    assert falls[0]["step"] <= 20 + 2 * 5
+    results = [json.loads((tmp_path / f"result_rank{r}.json").read_text()) for r in range(2)]
+    assert results[0] == results[1]
+    assert results[0]["formats"][SITE] == "bf16" and results[0]["finite"]
