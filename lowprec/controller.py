@@ -211,11 +211,14 @@ class RolloutController:
             sig = signals.sites[site]
             self._fallback(site, step, "NaN/Inf in this site's forward operands",
                            {f"{r}/nonfinite": v for r, v in sig.nonfinite.items() if v > 0}, d)
-        # 2. per-site thresholds; several sites crossing at once usually share one cause
-        # (an overflow entering a layer saturates its consumers too): the first in
-        # forward order falls back, the others are looked at again at the next check.
-        suspects: list[tuple[str, dict]] = []
-        for site in self.order if not blamed else ():
+        # 2. per-site thresholds. Several sites crossing at once usually share one cause:
+        # an overflow entering a layer saturates its consumers too, and a gradient
+        # overflow flows backwards. So one site falls back per check: the first in forward
+        # order with a forward operand (input, weight) crossing, else the last in forward
+        # order (first in backward order) with grad_output crossing. The others are looked
+        # at again at the next check.
+        suspects: list[tuple[tuple[int, int], str, dict]] = []
+        for i, site in enumerate(self.order if not blamed else ()):
             sig = signals.sites.get(site)
             if sig is None or _bits(self.current[site]) >= 16:
                 continue
@@ -228,11 +231,16 @@ class RolloutController:
             if not crossed:
                 self.strikes[site] = 0
                 continue
-            suspects.append((site, crossed))
             self.strikes[site] = self.strikes.get(site, 0) + 1
-            if self.strikes[site] >= mc.site_patience and not blamed:
-                blamed.append(site)
-                self._fallback(site, step, f"site thresholds crossed for {self.strikes[site]} checks", crossed, d)
+            forward = any(k.split("/")[0] in _FORWARD_ROLES for k in crossed)
+            suspects.append(((0, i) if forward else (1, -i), site, crossed))
+        suspects.sort(key=lambda t: t[0])
+        due = [(site, crossed) for _, site, crossed in suspects if self.strikes[site] >= mc.site_patience]
+        if due:
+            site, crossed = due[0]
+            blamed.append(site)
+            self._fallback(site, step, f"site thresholds crossed for {self.strikes[site]} checks", crossed, d)
+        suspects = [(site, crossed) for _, site, crossed in suspects]
         # 3. global signals
         fired = self._global_signals(step, signals)
         if signals.nonfinite and not blamed:

@@ -72,7 +72,11 @@ def test_nan_in_one_site_output_demotes_exactly_that_site(tmp_path):
 
 
 def test_overflow_in_one_site_demotes_exactly_that_site(tmp_path):
-    cfg = config(**{"precision.rules": [{"name": "blocks", "select": {"glob": "blocks.*"}, "format": "bf16",
+    # Delayed scaling adapts one step after an overflow (the amax enters its history), so
+    # the saturation lives in that one step: statistics must be collected on every step.
+    # Delayed-scaling E5M2 gradients saturate ~0.4% of values now and then in this small
+    # run (gradients grow faster than the history's max); 1% separates that from the fault.
+    cfg = config(**{"rollout.stats_every_step": True, "rollout.thresholds.max_saturated_frac": 1e-2,"precision.rules": [{"name": "blocks", "select": {"glob": "blocks.*"}, "format": "bf16",
                                          "ladder": ["fp8_delayed", "bf16"]}],
                     "rollout.stages": [{"name": "all_fp8", "select": {"glob": "blocks.*"}, "format": "fp8_delayed"}]})
     res = train(cfg, tmp_path, injections=[Injection("overflow", 40, 200, SITE, factor=1e4, every=3)])
