@@ -157,7 +157,8 @@ def train(cfg: dict, out_dir: str | Path, *, injections: list[Injection] = (), c
                 back, path = good[-1]
                 # model, optimizer and data come back; the precision map and the controller's
                 # memory of what went wrong stay as they are now
-                info = load_checkpoint(path, model=model, optimizer=opt, restore_rng=False)
+                info = load_checkpoint(path, model=model, optimizer=opt, restore_rng=False,
+                                       keep_current=("precision", "controller"))
                 data.load_state_dict(info["data_state"])
                 data.skip(step - back + decision.skip_batches)
                 res.losses = res.losses[:back]

@@ -221,8 +221,13 @@ def _read_header(path: Path, mmap: bool = False) -> dict:
 # ----------------------------------------------------------------------------- loading
 
 def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    precision=None, controller=None, restore_rng: bool = True) -> dict:
+                    precision=None, controller=None, restore_rng: bool = True,
+                    keep_current: tuple[str, ...] = ()) -> dict:
     """Restore a checkpoint written by `save_checkpoint` into live objects.
+
+    keep_current: parts ("precision", "controller") the checkpoint holds that are
+        deliberately not restored; a rewind keeps the precision map and the controller's
+        memory of what went wrong, and restores only model, optimizer and data position.
 
     Model, optimizer, the parts present and the RNG devices are checked against the
     checkpoint before anything is changed. Returns {"step", "data_state",
@@ -236,14 +241,14 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
             f"no checkpoint at {path}; {path.parent} holds {found or 'no checkpoints'}. "
             f"Use latest_checkpoint({str(path.parent)!r}) to find the newest complete one")
     if path.is_dir():  # dcp.load plans (and checks every key and shape) before it reads
-        payload = _load_dcp(path, model, optimizer, restore_rng, precision, controller)
+        payload = _load_dcp(path, model, optimizer, restore_rng, precision, controller, keep_current)
     else:
         if _distributed(model):
             raise ValueError(f"{path} is a single-process checkpoint but this model is sharded or "
                              f"runs on several ranks; resume it in one process, or save sharded "
                              f"runs with save_checkpoint (which writes a directory)")
         payload = _read_header(path)
-        _check_parts(payload, path, precision, controller)
+        _check_parts(payload, path, precision, controller, keep_current)
         _check_model(payload["model"], model, path)
         _check_optim(payload["optim"], optimizer, path)
     if restore_rng:
@@ -264,7 +269,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
             "path": path}
 
 
-def _load_dcp(path: Path, model, optimizer, restore_rng: bool, precision, controller) -> dict:
+def _load_dcp(path: Path, model, optimizer, restore_rng: bool, precision, controller, keep_current=()) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -276,7 +281,7 @@ def _load_dcp(path: Path, model, optimizer, restore_rng: bool, precision, contro
         raise ValueError(f"{path} was written by {local['world_size']} ranks, this run has {world}: "
                          f"per-rank RNG states cannot be restored. Resume with {local['world_size']} "
                          f"ranks, or pass restore_rng=False (model and optimizer are resharded)")
-    _check_parts(local, path, precision, controller)
+    _check_parts(local, path, precision, controller, keep_current)
     if restore_rng:
         _check_rng(local["rng"], path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -294,9 +299,16 @@ def _load_dcp(path: Path, model, optimizer, restore_rng: bool, precision, contro
     return local
 
 
-def _check_parts(payload: dict, path: Path, precision, controller) -> None:
+def _check_parts(payload: dict, path: Path, precision, controller, keep_current=()) -> None:
+    unknown = set(keep_current) - {"precision", "controller"}
+    if unknown:
+        raise ValueError(f"keep_current names {sorted(unknown)}; it takes 'precision' and 'controller'")
     for key, given, how in (("precision", precision, "the PrecisionState returned by prepare()"),
                             ("controller", controller, "the rollout controller")):
+        if key in keep_current:
+            if given is not None:
+                raise ValueError(f"{key}= was given and keep_current names {key!r}: choose one")
+            continue
         if payload[key] is not None and given is None:
             raise ValueError(f"{path} holds {key} state but no {key}= was given; pass {how}, as "
                              f"the run that wrote it did, or the run will not continue as it was")
