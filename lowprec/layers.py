@@ -36,15 +36,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec.delayed import AmaxHistory
-from lowprec.formats import Format, QuantSpec, ScaleEncoding, Scaling
+from lowprec.formats import Format, QuantSpec, Rounding, ScaleEncoding, Scaling
 from lowprec.hadamard import RandomHadamard
-from lowprec.quantize import QuantStats, quantize
+from lowprec.quantize import QuantStats, Quantized, quantize
 
 __all__ = ["PrecisionLinear", "linear_weight_view"]
 
 _HISTORY_ROLE = {"input": "input", "input_wgrad": "input", "weight": "weight",
                  "grad_output": "grad_output", "grad_output_wgrad": "grad_output"}
 _ACTIVATION_ROLES = ("input", "input_wgrad", "grad_output", "grad_output_wgrad")
+_STATS_ROLES = ("input", "weight", "grad_output")  # the operands whose statistics are kept
 
 
 def linear_weight_view(module: nn.Module) -> torch.Tensor:
@@ -132,11 +133,11 @@ class PrecisionLinear(nn.Linear):
         elif _needs_global_amax(spec):
             amax = self._global_amax(t, role)
         q = quantize(t, spec, amax=amax, scale=scale, generator=self.generator,
-                     hadamard=self.hadamard, stats=self.collect_stats, fused=self.fused,
-                     validate=False)
-        if hist is not None and role in ("input", "weight", "grad_output"):
+                     hadamard=self.hadamard, stats=self.collect_stats and role in _STATS_ROLES,
+                     fused=self.fused, validate=False)
+        if hist is not None and role in _STATS_ROLES:
             hist.record(self._reduce_max(q.amax, role))
-        if q.stats is not None and role in ("input", "weight", "grad_output"):
+        if q.stats is not None and role in _STATS_ROLES:
             self.stats[role] = q.stats
         return q
 
@@ -228,7 +229,7 @@ def _gemm_placements(pa, pb, mesh):
 
 
 def _shard_groups(mesh, placements) -> list:
-    if mesh is None:
+    if mesh is None or placements is None:
         return []
     return [mesh.get_group(i) for i, p in enumerate(placements) if p.is_shard()]
 
@@ -240,6 +241,12 @@ class _QuantizedLinearFn(torch.autograd.Function):
     def forward(ctx, x, w, bias, layer: PrecisionLinear, fmt: Format):
         x2, mesh_x, px = _to_local_2d(x)
         w2, mesh_w, pw = _to_local_2d(w)
+        if (mesh_x is None) != (mesh_w is None):
+            kinds = ["DTensor" if m is not None else "plain" for m in (mesh_x, mesh_w)]
+            raise TypeError(
+                f"PrecisionLinear {layer.fqn!r} got a {kinds[0]} input and a {kinds[1]} weight; "
+                f"as in DTensor's own operators, convert both to DTensors on one mesh (a "
+                f"tensor-parallel style does this for the input) or neither")
         mesh = mesh_x or mesh_w
         layer._shard_groups = {
             "input": _shard_groups(mesh, px), "weight": _shard_groups(mesh, pw),
@@ -256,13 +263,21 @@ class _QuantizedLinearFn(torch.autograd.Function):
                         b = torch.zeros_like(b)
             y = y + b.float()
         x_local_shape = x.to_local().shape if mesh_x is not None else x.shape
-        ctx.save_for_backward(x2, w2)
+        # Layout-invariant quantizations are reused, transposed, by the backward GEMMs
+        # (see _transposable); the input itself is then not needed there.
+        ctx.qx = (qx if _transposable(fmt.input, fmt.input_wgrad, qx)
+                  and x2.shape[0] % _token_multiple(fmt) == 0 else None)
+        ctx.qw = qw if _transposable(fmt.weight, fmt.weight, qw) else None
+        ctx.save_for_backward(None if ctx.qx is not None else x2, w2)
         ctx.layer, ctx.fmt, ctx.has_bias = layer, fmt, bias is not None
         ctx.meta = (x_local_shape, x.dtype, mesh, px, pw)
         y = y.to(x.dtype)
         if mesh is None:
             return y.reshape(*x.shape[:-1], y.shape[-1])
-        return _wrap(y, mesh, out_pl, x_local_shape)
+        # global shapes: from_local would assume even shards; x's leading placements
+        # tell which dim a row shard is (a sequence-sharded input is Shard(1), not Shard(0))
+        ctx.global_shapes = (x.shape, w.shape, None if bias is None else bias.shape, x.placements)
+        return _wrap(y, mesh, out_pl, x_local_shape, (*x.shape[:-1], w.shape[0]), x.placements)
 
     @staticmethod
     def backward(ctx, gy):
@@ -273,27 +288,44 @@ class _QuantizedLinearFn(torch.autograd.Function):
         layer._shard_groups = {
             "grad_output": _shard_groups(mesh, pg), "grad_output_wgrad": _shard_groups(mesh, pg),
             "weight": _shard_groups(mesh, pw), "input_wgrad": _shard_groups(mesh, px)}
-        dx = dw = db = None
+        dx = dw = db = qg = None
         if ctx.needs_input_grad[0]:
             qg = layer.quantize_operand(g2, fmt, "grad_output")
-            qwt = layer.quantize_operand(w2.t(), fmt, "weight")
+            qwt = (_transpose(ctx.qw) if ctx.qw is not None
+                   else layer.quantize_operand(w2.t(), fmt, "weight"))
             dx = layer.backend.gemm(qg, qwt).to(x_dtype)
-            dx = _wrap(dx, mesh, _gemm_placements(pg, _t_placements(pw), mesh) if mesh else None,
-                       x_shape)
+            if mesh is None:
+                dx = dx.reshape(x_shape)
+            else:
+                gx, _, _, x_pl = ctx.global_shapes
+                dx = _wrap(dx, mesh, _gemm_placements(pg, _t_placements(pw), mesh), x_shape,
+                           gx, x_pl)
         if ctx.needs_input_grad[1]:
-            gt, xt = _pad_tokens(g2.t(), x2.t(), fmt)
-            qgt = layer.quantize_operand(gt, fmt, "grad_output_wgrad")
-            qxt = layer.quantize_operand(xt, fmt, "input_wgrad")
+            # the forward's / dgrad's quantizations, transposed, where that is exact
+            # and the token dimension needs no padding (checked in forward for qx)
+            reuse_g = (g2.shape[0] % _token_multiple(fmt) == 0
+                       and _transposable(fmt.grad_output, fmt.grad_output_wgrad, qg))
+            if ctx.qx is not None:
+                qgt = (_transpose(qg) if reuse_g
+                       else layer.quantize_operand(g2.t(), fmt, "grad_output_wgrad"))
+                qxt = _transpose(ctx.qx)
+            else:
+                gt, xt = _pad_tokens(g2.t(), x2.t(), fmt)
+                qgt = (_transpose(qg) if reuse_g
+                       else layer.quantize_operand(gt, fmt, "grad_output_wgrad"))
+                qxt = layer.quantize_operand(xt, fmt, "input_wgrad")
             dw = layer.backend.gemm(qgt, qxt).to(w2.dtype)
             if mesh is not None:
                 dw = _wrap(dw, mesh, _gemm_placements(_t_placements(pg), _t_placements(px), mesh),
-                           None)
+                           None, ctx.global_shapes[1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g2.float().sum(0)
             if mesh is not None:
-                from torch.distributed.tensor import DTensor, Replicate, Shard
-                pl = tuple(Shard(0) if p.is_shard() and p.dim == 1 else Replicate() for p in pg)
-                db = DTensor.from_local(db, mesh, pl, run_check=False)
+                from torch.distributed.tensor import Partial, Replicate, Shard
+                # columns sharded: a shard of the bias; rows (tokens) sharded: a partial sum
+                pl = tuple(Replicate() if not p.is_shard() else Shard(0) if p.dim == 1
+                           else Partial() for p in pg)
+                db = _wrap(db, mesh, pl, None, ctx.global_shapes[2])
         return dx, dw, db, None, None
 
 
@@ -303,27 +335,66 @@ def _pad_tokens(gt: torch.Tensor, xt: torch.Tensor, fmt: Format):
     The token count is a property of the batch, not of the layer, so it cannot be
     checked when the plan is made; zeros change neither an amax nor the GEMM result.
     """
+    pad = (-gt.shape[1]) % _token_multiple(fmt)
+    if pad:
+        gt, xt = F.pad(gt, (0, pad)), F.pad(xt, (0, pad))
+    return gt, xt
+
+
+def _token_multiple(fmt: Format) -> int:
+    """The multiple of which the wgrad operands' token dimension must be."""
     multiple = 1
     for spec in (fmt.grad_output_wgrad, fmt.input_wgrad):
         if spec is not None and spec.scaling is Scaling.BLOCK:
             multiple = math.lcm(multiple, spec.block[1])
         if spec is not None and spec.hadamard:
             multiple = math.lcm(multiple, 16)
-    pad = (-gt.shape[1]) % multiple
-    if pad:
-        gt, xt = F.pad(gt, (0, pad)), F.pad(xt, (0, pad))
-    return gt, xt
+    return multiple
 
 
-def _wrap(t, mesh, placements, x_shape):
-    """Reshape a local 2-D result to x's local leading dims and wrap it as a DTensor."""
-    if mesh is None:
-        return t.reshape(x_shape)
-    from torch.distributed.tensor import DTensor
-    if x_shape is not None:
-        lead = x_shape[:-1]
-        t = t.reshape(*lead, t.shape[-1])
-        placements = tuple(type(p)(t.ndim - 1) if p.is_shard() and p.dim == 1 else p
-                           for p in placements)
-    return DTensor.from_local(t, mesh, placements, run_check=False)
+def _transposable(spec: QuantSpec | None, spec_t: QuantSpec | None, q) -> bool:
+    """Whether quantizing the transpose with `spec_t` gives exactly the transpose of `q`
+    (`spec`'s quantization of the operand), so the backward can reuse `q`.
 
+    True when both specs are the same and layout-invariant: one scale from the tensor's
+    current amax (Scaling.TENSOR; DELAYED is not, its scale moves as the forward records
+    its amax), or square 2-D blocks (128x128, NVFP4's 16x16 weights), rounded to nearest
+    (stochastic rounding would draw other noise) without a Hadamard transform. Amaxes
+    are maxima, so every scale and every element comes out bit for bit the same.
+    """
+    if spec is None or spec != spec_t or not isinstance(q, Quantized):
+        return False
+    if spec.rounding is not Rounding.NEAREST_EVEN or spec.hadamard:
+        return False
+    return spec.scaling is Scaling.TENSOR or (
+        spec.scaling is Scaling.BLOCK and spec.block[0] == spec.block[1])
+
+
+def _transpose(q: Quantized) -> Quantized:
+    """The transpose of a 2-D `Quantized` (blocks are square or the whole tensor)."""
+    return Quantized(q.values.t(), q.scale.permute(2, 1, 0, 3), q.scale_inv.permute(2, 1, 0, 3),
+                     q.spec, torch.Size((q.shape[1], q.shape[0])), q.amax, None)
+
+
+def _wrap(t, mesh, placements, lead_shape, global_shape, lead_placements=None):
+    """Wrap a local result as a DTensor of `global_shape` (uneven shards included).
+
+    With `lead_shape` (x's local shape), a 2-D result is reshaped to x's local leading
+    dims plus its columns, and its 2-D placements are put back in x's terms: Shard(1)
+    (columns) is the last dim, Shard(0) (rows) the leading dim that x is sharded on
+    along that mesh dim (`lead_placements`, x's own placements).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+    if lead_shape is not None:
+        t = t.reshape(*lead_shape[:-1], t.shape[-1])
+        out = []
+        for i, p in enumerate(placements):
+            if p.is_shard() and p.dim == 1:
+                p = Shard(t.ndim - 1)
+            elif p.is_shard() and lead_placements is not None and lead_placements[i].is_shard():
+                p = Shard(lead_placements[i].dim % t.ndim)
+            out.append(p)
+        placements = tuple(out)
+    shape = torch.Size(global_shape)
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
