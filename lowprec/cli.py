@@ -1,4 +1,6 @@
-"""The `lowprec` command line: `lowprec plan CONFIG` (more commands land with their features).
+"""The `lowprec` command line: `lowprec plan CONFIG`, `report RUN_ID`, `ui`, `sync RUN_DIR`.
+
+(`report`, `ui` and `sync` live in lowprec.cli_tracking; more commands land with their features.)
 
 `plan` builds the config's model (its `model.factory`, "package.module:function", with
 `model.args`), resolves the `precision:` section against it and prints every linear
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p_plan = sub.add_parser("plan", help="print the precision plan of a config's model")
     p_plan.add_argument("config", help="training config YAML with model: and precision: sections")
     p_plan.set_defaults(func=_cmd_plan)
+    from lowprec.cli_tracking import add_tracking_commands  # report, ui, sync
+    add_tracking_commands(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,117 @@
+"""`lowprec report | ui | sync`: the command-line side of tracking (registered by lowprec.cli).
+
+    lowprec report RUN_ID [--tracking-uri URI] [--out DIR] [--baseline-run RUN_ID]
+        reads a run from MLflow and writes the rollout pictures (lowprec.report) as PNGs.
+    lowprec ui [--tracking-uri sqlite:///mlflow.db] [--port 5000] [--artifacts-destination URI]
+        starts `mlflow server` on that store, bound to 127.0.0.1 only (Ctrl+C stops it).
+    lowprec sync RUN_DIR [--tracking-uri URI] [--timeout S]
+        sends what a tracker's buffer dir still holds (the server was away); exit 0 when
+        nothing is left, 1 when the server still does not take it, 2 on unusable input.
+
+The tracking URI defaults to $MLFLOW_TRACKING_URI, else `sqlite:///mlflow.db` (the local
+store `Tracker` users get by default). MLflow and matplotlib are imported by the commands.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["add_tracking_commands", "default_tracking_uri", "ui_command"]
+
+
+def default_tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+
+
+def add_tracking_commands(sub) -> None:
+    p = sub.add_parser("report", help="draw a run's precision timeline, loss, signals and evals as PNGs")
+    p.add_argument("run_id", help="MLflow run id")
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI "
+                   "or sqlite:///mlflow.db)")
+    p.add_argument("--out", default=None, help="output folder (default: report-<first 8 of RUN_ID>)")
+    p.add_argument("--baseline-run", default=None, help="run whose train/loss is the baseline curve "
+                   "(default: the run's own train/baseline_loss, if logged)")
+    p.set_defaults(func=_cmd_report)
+
+    p = sub.add_parser("ui", help="start the MLflow UI on a local store, bound to 127.0.0.1")
+    p.add_argument("--tracking-uri", default=None, help="backend store (default: $MLFLOW_TRACKING_URI or "
+                   "sqlite:///mlflow.db)")
+    p.add_argument("--port", type=int, default=5000)
+    p.add_argument("--artifacts-destination", default=None, help="where proxied artifacts go "
+                   "(default: MLflow's ./mlartifacts)")
+    p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    p.set_defaults(func=_cmd_ui)
+
+    p = sub.add_parser("sync", help="send a tracker's buffered records (kept while the server was away)")
+    p.add_argument("run_dir", help="the tracker's buffer_dir (holds outbox.jsonl and run.json)")
+    p.add_argument("--tracking-uri", default=None, help="send there instead of the URI in run.json")
+    p.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
+    p.set_defaults(func=_cmd_sync)
+
+
+def _cmd_report(args) -> int:
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from lowprec.report import render_report
+    from lowprec.report_sources import from_mlflow
+
+    uri = args.tracking_uri or default_tracking_uri()
+    out = Path(args.out or f"report-{args.run_id[:8]}")
+    try:
+        data = from_mlflow(MlflowClient(uri), args.run_id, baseline_run=args.baseline_run)
+    except MlflowException as e:
+        print(f"lowprec report: cannot read run {args.run_id!r} from {uri}: {e.message}", file=sys.stderr)
+        return 2
+    if not data.initial and not data.metrics:
+        print(f"lowprec report: run {args.run_id} has no precision map and no train/eval metrics: "
+              f"was it logged by lowprec.tracking.Tracker?", file=sys.stderr)
+        return 2
+    for path in render_report(data, out):
+        print(path)
+    return 0
+
+
+def ui_command(tracking_uri: str, port: int, artifacts_destination: str | None = None) -> list[str]:
+    """The `mlflow server` command line `lowprec ui` runs (one worker, localhost only)."""
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tracking_uri,
+           "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    if artifacts_destination:
+        cmd += ["--artifacts-destination", artifacts_destination]
+    return cmd
+
+
+def _cmd_ui(args) -> int:
+    uri = args.tracking_uri or default_tracking_uri()
+    if uri.startswith(("http://", "https://")):
+        print(f"lowprec ui: {uri} is a server already; open it in a browser. `lowprec ui` serves a local "
+              f"store such as sqlite:///mlflow.db", file=sys.stderr)
+        return 2
+    cmd = ui_command(uri, args.port, args.artifacts_destination)
+    if args.dry_run:
+        print(" ".join(cmd))
+        return 0
+    # Job consumers are not needed to browse runs and cost start-up time (see FACTS.md).
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    print(f"lowprec ui: http://127.0.0.1:{args.port} (store {uri}); Ctrl+C stops it", file=sys.stderr)
+    try:
+        return subprocess.run(cmd, env=env).returncode
+    except KeyboardInterrupt:
+        return 0
+
+
+def _cmd_sync(args) -> int:
+    from lowprec.outbox import sync_run_dir
+
+    try:
+        res = sync_run_dir(args.run_dir, tracking_uri=args.tracking_uri, timeout=args.timeout)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"lowprec sync: {e}", file=sys.stderr)
+        return 2
+    print(f"lowprec sync: sent {res.sent} records, {res.rejected} refused by the server "
+          f"(see {Path(args.run_dir) / 'rejected.jsonl'}), {res.pending} still buffered"
+          + (f": {res.error}" if res.error else ""))
+    return 0 if res.pending == 0 else 1

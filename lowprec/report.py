@@ -1,0 +1,186 @@
+"""Pictures of a rollout (matplotlib, Agg, no pyplot state): what ran in which format when, and why.
+
+`render_report(data, out_dir)` writes, from a `lowprec.report_sources.ReportData`:
+
+* `precision_timeline.png`: layers down, steps across, a colour per format; a triangle
+  where a site fell back (numbered, the reasons listed under the plot), a cross where it
+  was quarantined, dashed lines at rewinds and rollbacks, dotted lines at promotions,
+  gate verdicts along the top; under it the share of GEMM FLOPs per format over time.
+* `loss.png`: training loss against the baseline curve and their relative gap, with the
+  events marked.
+* `fallback_signals.png`: for each site that fell back, the signal that triggered it (from
+  the event's evidence), its threshold and the moment of the fallback.
+* `evals.png`: eval results per checkpoint with 95% intervals (±1.96 stderr, or the
+  logged `_ci_low`/`_ci_high`), gate verdicts marked.
+
+The timeline (lowprec.report_timeline) is built for a 30-layer model (120+ sites); the
+events are numbered the same way on every picture. Pictures whose data is missing are
+skipped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lowprec.events import EventKind
+from lowprec.report_sources import ReportData, fallback_sites, signals_of
+from lowprec.report_timeline import (EVENT_STYLE, FORMAT_COLORS, new_figure, numbered_events, reason_text,
+                                     timeline_figure)
+
+__all__ = ["render_report", "timeline_figure", "loss_figure", "signals_figure", "evals_figure", "FORMAT_COLORS"]
+
+
+# ------------------------------------------------------------------ loss, signals, evals
+def _mark_events(ax, data: ReportData, kinds=(EventKind.FALLBACK, EventKind.ROLLBACK, EventKind.REWIND,
+                                              EventKind.PROMOTE), labels: bool = False) -> None:
+    """Vertical lines at events (one legend entry per kind); numbered as on the timeline."""
+    seen, num, at_step = set(), {}, {}
+    for k, e, s in numbered_events(data):
+        num.setdefault(id(e), []).append(str(k))
+    top = ax.get_xaxis_transform()
+    for e in data.events:  # one label per step: events at the same step share it
+        if e.kind in kinds:
+            at_step.setdefault(e.step, []).extend(num.get(id(e), []) or [e.stage or e.kind])
+    if labels:
+        for step, texts in at_step.items():
+            color = next(EVENT_STYLE[e.kind][0] for e in data.events if e.step == step and e.kind in kinds)
+            ax.text(step, 1.01, ",".join(dict.fromkeys(texts)), transform=top, fontsize=7, color=color,
+                    ha="center", va="bottom")
+    for e in data.events:
+        if e.kind not in kinds:
+            continue
+        color, ls = EVENT_STYLE[e.kind]
+        ax.axvline(e.step, color=color, ls=ls, lw=1, alpha=0.8, label=None if e.kind in seen else e.kind)
+        seen.add(e.kind)
+        back = e.evidence.get("to_step", e.evidence.get("checkpoint_step"))
+        if e.kind == EventKind.REWIND and isinstance(back, (int, float)) and back < e.step:
+            ax.axvspan(back, e.step, facecolor="none", edgecolor=color, hatch="////", lw=0, alpha=0.35,
+                       label=None if "rewound" in seen else "rewound (redone)")
+            seen.add("rewound")
+
+
+def loss_figure(data: ReportData):
+    loss = data.metrics.get("train/loss")
+    if not loss:
+        return None
+    fig = new_figure(11, 6)
+    ax, gax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1.4])
+    ax.plot(*zip(*loss), lw=1, color="#08519c", label="loss")
+    if data.baseline:
+        ax.plot(*zip(*data.baseline), lw=1, color="#636363", ls="--", label="baseline")
+        base = dict(data.baseline)
+        gap = [(s, 100 * (v - base[s]) / base[s]) for s, v in loss if base.get(s)]
+        if gap:
+            gax.plot(*zip(*gap), lw=1, color="#a50f15")
+        gax.axhline(0, color="#636363", lw=0.8)
+    else:
+        gax.text(0.5, 0.5, "no baseline curve (log train/baseline_loss or pass --baseline-run)",
+                 ha="center", va="center", transform=gax.transAxes, fontsize=8, color="#636363")
+    gax.set_ylabel("gap to baseline\n(% of baseline)", fontsize=8)
+    _mark_events(ax, data, labels=True)
+    _mark_events(gax, data)
+    ax.set_ylabel("training loss")
+    ax.set_title(f"{data.run_name}: loss against the baseline; events numbered as on the timeline",
+                 loc="left", fontsize=11, pad=14)
+    ax.legend(fontsize=8, ncol=4)
+    gax.set_xlabel("step")
+    return fig
+
+
+def signals_figure(data: ReportData):
+    import textwrap
+
+    sites = fallback_sites(data.events)[:12]
+    if not sites:
+        return None
+    cols = min(3, len(sites))
+    rows = -(-len(sites) // cols)
+    fig = new_figure(4.6 * cols, 3.1 * rows)
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax, site in zip(axes, sites):
+        ev = next(e for e in data.events if e.kind == EventKind.FALLBACK and site in e.sites)
+        sigs = signals_of(ev, site, data.thresholds)
+        keys = [f"signal/{site}/{g['role']}/{g['signal']}" for g in sigs]
+        keys = [k for k in dict.fromkeys(keys) if k in data.metrics]
+        if not sigs:  # no named signal in the evidence: the usual suspects
+            keys = [k for k in data.metrics if k.startswith(f"signal/{site}/")
+                    and k.endswith(("/saturated_frac", "/underflow_frac", "/nonfinite"))]
+        for k in sorted(keys):
+            ax.plot(*zip(*data.metrics[k]), lw=1, marker=".", ms=3, label="/".join(k.rsplit("/", 2)[-2:]))
+        for thr in sorted({float(g["threshold"]) for g in sigs if "threshold" in g}):
+            ax.axhline(thr, color="#a50f15", ls="--", lw=1, label="threshold")
+        seen = set()
+        for e in data.events:
+            if site in e.sites and e.kind in (EventKind.FALLBACK, EventKind.QUARANTINE, EventKind.RETRY,
+                                              EventKind.ROLLBACK, EventKind.PROMOTE):
+                ax.axvline(e.step, color=EVENT_STYLE[e.kind][0], lw=1, ls=EVENT_STYLE[e.kind][1],
+                           label=None if e.kind in seen else e.kind)
+                seen.add(e.kind)
+        title = (f"{site}: {ev.from_format.get(site, '?')} -> {ev.to_format.get(site, '?')} at step {ev.step}\n"
+                 + textwrap.shorten(reason_text(ev, site, data.thresholds), 70))
+        ax.set_title(title, fontsize=8, loc="left")
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=6)
+        if not keys:
+            ax.text(0.5, 0.5, f"signal/{site}/... not logged", ha="center", va="center",
+                    transform=ax.transAxes, fontsize=8)
+    for ax in axes[len(sites):]:
+        ax.axis("off")
+    more = f" (first 12 of {len(fallback_sites(data.events))} sites)" if len(fallback_sites(data.events)) > 12 else ""
+    fig.suptitle(f"{data.run_name}: the signals that triggered fallbacks{more}", fontsize=11, x=0.01, ha="left")
+    return fig
+
+
+def _eval_series(metrics: dict) -> dict[str, tuple[list, list, list]]:
+    out = {}
+    for k, pts in metrics.items():
+        if not k.startswith("eval/") or k.endswith(("_stderr", "_ci_low", "_ci_high")):
+            continue
+        se, lo, hi = dict(metrics.get(k + "_stderr", [])), dict(metrics.get(k + "_ci_low", [])), dict(metrics.get(k + "_ci_high", []))
+        ys = [v for _, v in pts]
+        low = [v - (v - lo[s] if s in lo else 1.96 * se.get(s, 0.0)) for s, v in pts]
+        high = [v + (hi[s] - v if s in hi else 1.96 * se.get(s, 0.0)) for s, v in pts]
+        out[k[len("eval/"):]] = ([s for s, _ in pts], ys, [(y - a, b - y) for y, a, b in zip(ys, low, high)])
+    return out
+
+
+def evals_figure(data: ReportData):
+    series = _eval_series(data.metrics)
+    if not series:
+        return None
+    cols = min(3, len(series))
+    rows = -(-len(series) // cols)
+    fig = new_figure(4.3 * cols, 2.9 * rows)
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax, (name, (steps, ys, err)) in zip(axes, sorted(series.items())):
+        ax.errorbar(steps, ys, yerr=list(zip(*err)), fmt="o-", ms=4, lw=1, capsize=3, color="#08519c")
+        top = ax.get_xaxis_transform()
+        for e in data.events:
+            if e.kind == EventKind.GATE:
+                v = str(e.evidence.get("verdict", e.reason))
+                color = "#006d2c" if v == "pass" else "#a50f15"
+                ax.axvline(e.step, color=color, ls="-.", lw=0.9)
+                ax.text(e.step, 1.01, v, transform=top, fontsize=7, color=color, ha="center", va="bottom")
+        _mark_events(ax, data, (EventKind.ROLLBACK, EventKind.REWIND))
+        ax.set_title(f"{name} (95% interval)", fontsize=9, loc="left", pad=12)
+        ax.tick_params(labelsize=7)
+        ax.set_xlabel("step", fontsize=8)
+    for ax in axes[len(series):]:
+        ax.axis("off")
+    fig.suptitle(f"{data.run_name}: evals per checkpoint, gate verdicts dash-dotted, rewinds dashed", fontsize=11, x=0.01, ha="left")
+    return fig
+
+
+def render_report(data: ReportData, out_dir: str | Path) -> list[Path]:
+    """Write every picture the data allows as PNG into `out_dir`; returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, make in (("precision_timeline", timeline_figure), ("loss", loss_figure),
+                       ("fallback_signals", signals_figure), ("evals", evals_figure)):
+        fig = make(data)
+        if fig is not None:
+            path = out / f"{name}.png"
+            fig.savefig(path)
+            written.append(path)
+    return written

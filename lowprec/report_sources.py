@@ -1,0 +1,208 @@
+"""What a rollout report is drawn from, read from a tracker's buffer dir or from an MLflow run.
+
+`ReportData` holds the precision map at the first logged step, the controller events, and
+the metric histories the pictures need: everything under `train/`, `eval/` and
+`precision/`, and the `signal/<site>/...` series of the sites that fell back (not the
+thousands of others). `from_run_dir` reads the tracker's local journal (what `finish`
+draws, even with the server away); `from_mlflow` reads a run through `MlflowClient`
+(what `lowprec report RUN_ID` draws). The same events also give the run's compact
+`lowprec.*` tags, its Markdown note and the rows of its events table (`events_tags`,
+`events_table`), so the MLflow page and the pictures can never disagree.
+
+Evidence a fallback carries, so that the report can plot the signal that triggered it:
+the controller's `{"input/saturated_frac": 0.031, ...}` (role/stat -> value; the
+threshold then comes from the logged config's `rollout.thresholds`), or an explicit
+`{"signal": "saturated_frac", "role": "input", "value": 0.031, "threshold": 0.01}`,
+either directly or per site (`{"blocks.3.mlp.fc": {...}}`). A gate event carries
+`{"verdict": "pass" | "regress" | "inconclusive", ...}`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from lowprec.events import Event, EventKind, read_events
+from lowprec.tracking_records import BASELINE_LOSS, flatten_config
+
+__all__ = ["ReportData", "from_run_dir", "from_mlflow", "events_table", "events_tags", "signals_of",
+           "fallback_sites", "STATS"]
+
+Series = list[tuple[int, float]]
+_KEPT_PREFIXES = ("train/", "eval/", "precision/")
+STATS = ("amax", "saturated_frac", "underflow_frac", "rel_mse", "sqnr_db", "nonfinite")
+# rollout.thresholds keys (lowprec.monitor.MonitorConfig) -> the stat they bound
+THRESHOLD_KEYS = {"max_saturated_frac": "saturated_frac", "max_underflow_frac": "underflow_frac",
+                  "min_sqnr_db": "sqnr_db"}
+
+
+@dataclass
+class ReportData:
+    run_name: str
+    initial: dict[str, str]                              # site -> format at initial_step
+    initial_step: int = 0
+    events: list[Event] = field(default_factory=list)
+    metrics: dict[str, Series] = field(default_factory=dict)  # key -> [(step, value)] by step
+    baseline: Series = field(default_factory=list)       # baseline loss curve, if any
+    thresholds: dict[str, float] = field(default_factory=dict)  # stat -> configured threshold
+
+    @property
+    def last_step(self) -> int:
+        steps = [s for series in self.metrics.values() for s, _ in series[-1:]] + [e.step for e in self.events]
+        return max(steps, default=self.initial_step)
+
+
+def fallback_sites(events: list[Event]) -> list[str]:
+    """Sites that fell back on their own signals, in order of first fallback."""
+    seen: dict[str, None] = {}
+    for e in events:
+        if e.kind == EventKind.FALLBACK:
+            seen.update(dict.fromkeys(e.sites))
+    return list(seen)
+
+
+def signals_of(event: Event, site: str, thresholds: dict[str, float] | None = None) -> list[dict]:
+    """The signals an event's evidence names for `site`: [{role, signal, value, threshold?}]."""
+    ev = event.evidence.get(site) if isinstance(event.evidence.get(site), dict) else event.evidence
+    if not isinstance(ev, dict):
+        return []
+    if "signal" in ev:
+        return [dict(ev)]
+    out = []
+    for key, v in ev.items():
+        role, _, stat = str(key).partition("/")
+        if stat in STATS and isinstance(v, (int, float)):
+            item = {"role": role, "signal": stat, "value": v}
+            if thresholds and stat in thresholds:
+                item["threshold"] = thresholds[stat]
+            out.append(item)
+    return out
+
+
+def _thresholds(flat_params: dict[str, str]) -> dict[str, float]:
+    out = {}
+    for key, stat in THRESHOLD_KEYS.items():
+        v = flat_params.get(f"rollout.thresholds.{key}")
+        try:
+            out[stat] = float(v)
+        except (TypeError, ValueError):
+            pass
+    return out
+
+
+def _wanted(key: str, sites: set[str]) -> bool:
+    if key.startswith(_KEPT_PREFIXES):
+        return True
+    return key.startswith("signal/") and key[len("signal/"):].rsplit("/", 2)[0] in sites
+
+
+# ------------------------------------------------------------------ run dir (local journal)
+def from_run_dir(run_dir: str | os.PathLike) -> ReportData:
+    d = Path(run_dir)
+    info = json.loads((d / "run.json").read_text()) if (d / "run.json").exists() else {}
+    events = read_events(d / "events.jsonl")
+    pmap = json.loads((d / "files" / "precision_map.json").read_text()) if (d / "files" / "precision_map.json").exists() else {}
+    sites = set(fallback_sites(events))
+    points: dict[str, dict[int, float]] = {}
+    journal = d / "outbox.jsonl"
+    if journal.exists():
+        with open(journal) as f:
+            for line in f:
+                if '"op":"metrics"' not in line:
+                    continue
+                for k, v, _ts, step in json.loads(line)["metrics"]:
+                    if _wanted(k, sites):
+                        points.setdefault(k, {})[int(step)] = float(v)  # the latest value of a step wins
+    metrics = {k: sorted(v.items()) for k, v in points.items()}
+    cfg_file = d / "files" / "config.yaml"
+    thresholds = {}
+    if cfg_file.exists():
+        thresholds = _thresholds(flatten_config(yaml.safe_load(cfg_file.read_text()) or {}))
+    return ReportData(info.get("run_name", d.name), pmap.get("initial", {}), pmap.get("initial_step", 0),
+                      events, metrics, metrics.get(BASELINE_LOSS, []), thresholds)
+
+
+# ------------------------------------------------------------------ MLflow run
+def from_mlflow(client, run_id: str, baseline_run: str | None = None) -> ReportData:
+    """Read a run (and optionally a baseline run's `train/loss`) through an MlflowClient."""
+    run = client.get_run(run_id)
+    with tempfile.TemporaryDirectory() as tmp:
+        names = {a.path for a in client.list_artifacts(run_id)}
+        events, pmap = [], {}
+        if "events.jsonl" in names:
+            events = read_events(client.download_artifacts(run_id, "events.jsonl", tmp))
+        if "precision_map.json" in names:
+            pmap = json.loads(Path(client.download_artifacts(run_id, "precision_map.json", tmp)).read_text())
+    sites = set(fallback_sites(events))
+    metrics = {}
+    for key in run.data.metrics:
+        if _wanted(key, sites):
+            hist = {m.step: m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)}
+            metrics[key] = sorted(hist.items())
+    baseline = metrics.get(BASELINE_LOSS, [])
+    if baseline_run:
+        hist = {m.step: m.value for m in client.get_metric_history(baseline_run, "train/loss")}
+        baseline = sorted(hist.items())
+    return ReportData(run.info.run_name or run_id, pmap.get("initial", {}), pmap.get("initial_step", 0),
+                      events, metrics, baseline, _thresholds(run.data.params))
+
+
+# ------------------------------------------------------------------ events as table and tags
+EVENT_COLUMNS = ["step", "kind", "stage", "sites", "from", "to", "reason", "evidence"]
+
+
+def _moves(e: Event, which: dict[str, str]) -> str:
+    fmts = sorted(set(which.values()))
+    return fmts[0] if len(fmts) == 1 else ", ".join(f"{s}={f}" for s, f in which.items())
+
+
+def events_table(events: list[Event]) -> dict:
+    """Rows of the `events.json` table artifact (MLflow's `log_table` layout, orient=split)."""
+    rows = [[e.step, e.kind, e.stage or "", ", ".join(e.sites), _moves(e, e.from_format), _moves(e, e.to_format),
+             e.reason, json.dumps(json.loads(e.to_json())["evidence"], sort_keys=True)] for e in events]
+    return {"columns": EVENT_COLUMNS, "data": rows}
+
+
+def events_tags(events: list[Event], run_name: str = "") -> dict[str, str]:
+    """Compact, filterable run tags (`tags.lowprec.fallbacks > '0'`) and the run's note."""
+    by = {k: [e for e in events if e.kind == k] for k in EventKind.ALL}
+    promoted = [e.stage or "?" for e in by[EventKind.PROMOTE]]
+    fb_sites = [f"{s}@{e.step}" for e in by[EventKind.FALLBACK] for s in e.sites]
+    quarantined = sorted({s for e in by[EventKind.QUARANTINE] for s in e.sites})
+    gates = [f"step {e.step}{' ' + e.stage if e.stage else ''}: {e.evidence.get('verdict', e.reason)}"
+             for e in by[EventKind.GATE]]
+    tags = {
+        "lowprec.stage": promoted[-1] if promoted else "none",
+        "lowprec.stages_promoted": ", ".join(promoted) or "none",
+        "lowprec.fallbacks": str(len(fb_sites)),
+        "lowprec.fallback_sites": ", ".join(fb_sites) or "none",
+        "lowprec.rollbacks": str(len(by[EventKind.ROLLBACK])),
+        "lowprec.rewinds": str(len(by[EventKind.REWIND])),
+        "lowprec.quarantined": ", ".join(quarantined) or "none",
+        "lowprec.gate": str(by[EventKind.GATE][-1].evidence.get("verdict", "?")) if gates else "none",
+        "lowprec.gates": "; ".join(gates) or "none",
+        "mlflow.loggedArtifacts": json.dumps([{"path": "events.json", "type": "table"}]),
+    }
+    tags["mlflow.note.content"] = _note(events, tags, run_name)
+    return tags
+
+
+def _note(events: list[Event], tags: dict[str, str], run_name: str) -> str:
+    head = (f"**lowprec rollout {run_name}**: stage reached **{tags['lowprec.stage']}**, "
+            f"{tags['lowprec.fallbacks']} fallbacks, {tags['lowprec.rollbacks']} rollbacks, "
+            f"{tags['lowprec.rewinds']} rewinds, quarantined: {tags['lowprec.quarantined']}, "
+            f"last gate: {tags['lowprec.gate']}.\n\n"
+            "Events (all in the `events.json` table and `events.jsonl`; pictures in `report/`):\n\n"
+            "| step | kind | stage | sites | to | reason |\n|---:|---|---|---|---|---|\n")
+    rows = []
+    for e in events[-40:]:
+        sites = ", ".join(e.sites[:3]) + (f" (+{len(e.sites) - 3})" if len(e.sites) > 3 else "")
+        rows.append(f"| {e.step} | {e.kind} | {e.stage or ''} | {sites} | {_moves(e, e.to_format)} | "
+                    f"{e.reason.replace('|', '/')} |")
+    more = f"\n\n({len(events) - 40} earlier events not shown)" if len(events) > 40 else ""
+    return head + "\n".join(rows) + more

@@ -1,0 +1,375 @@
+"""MLflow tracking for a rollout, on rank 0, that never blocks or crashes training.
+
+    tracker = Tracker("sqlite:///mlflow.db", "rollout", "gpt-fp8", rank=rank, buffer_dir="runs/gpt-fp8/tracking")
+    tracker.log_config(cfg)                                    # params (flattened) + config.yaml
+    tracker.log_precision(0, state.formats(), state.flops_share())
+    tracker.log_metrics(step, {"train/loss": loss, "train/grad_norm": gn})
+    tracker.log_signals(step, state.stats())                   # signal/<site>/<role>/<stat>
+    tracker.log_events(controller_events)                      # events table + lowprec.* tags
+    tracker.log_eval(step, {"hellaswag": {"acc": .31, "acc_stderr": .01}})
+    tracker.finish("FINISHED")                                 # report PNGs, final map, end
+
+Why it looks like this:
+* Explicit run ids through `MlflowClient`; MLflow's fluent "active run" (a process global)
+  is never used, and MLflow is imported only by the sender thread, not by `import lowprec`.
+* The training thread only turns its arguments into small records and puts them on a
+  bounded queue. A journal thread appends them to `outbox.jsonl` in `buffer_dir` (fsynced);
+  a sender thread sends the journal to MLflow (`lowprec.outbox`). A slow or absent server
+  stalls only the sender: records stay in the journal and go out when `/health` answers
+  again, on `sync()`, or with `lowprec sync RUN_DIR` from another process. Each metric point
+  keeps the timestamp it was recorded with, so a resend is never a second point.
+* Every public method catches its own errors (logged as warnings): tracking is never the
+  reason a training run dies. Only a full queue (the local disk stalled) makes a caller wait.
+* Ranks other than 0 get a tracker whose methods do nothing, so call sites need no `if`.
+* Restarting with the same `buffer_dir` continues the same MLflow run (resume after a crash).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from lowprec.events import Event, EventLog
+from lowprec.outbox import Outbox, SendResult, server_answers
+from lowprec.report import render_report
+from lowprec.report_sources import events_table, events_tags, from_run_dir
+from lowprec.tracking_records import (BASELINE_LOSS, MAX_TAG_VALUE, SIGNAL_STATS, PrecisionMapLog, chunk,
+                                      eval_metrics, fit_value, flatten_config, merge, metric_key, now_ms,
+                                      signal_metrics)
+
+__all__ = ["Tracker", "flatten_config", "metric_key", "SIGNAL_STATS", "BASELINE_LOSS"]
+
+log = logging.getLogger("lowprec.tracking")
+
+
+def _never_raises(fn):
+    """Tracking errors become warnings (at most one per method), never training failures."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        if not self.enabled:
+            return None
+        try:
+            return fn(self, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            if fn.__name__ not in self._warned:
+                self._warned.add(fn.__name__)
+                log.warning("lowprec tracking: %s failed (%s: %s); training goes on", fn.__name__,
+                            type(e).__name__, e)
+            return None
+    return wrapper
+
+
+class Tracker:
+    """One MLflow run, logged from rank 0 through a durable local outbox (see module doc)."""
+
+    def __init__(self, tracking_uri: str, experiment: str, run_name: str, *, rank: int = 0,
+                 buffer_dir: str | os.PathLike, run_id: str | None = None, tags: Mapping[str, str] | None = None,
+                 queue_size: int = 65536, flush_interval_s: float = 1.0, probe_timeout_s: float = 2.0,
+                 retry_max_s: float = 30.0, signal_stats: Iterable[str] = SIGNAL_STATS):
+        self.enabled = rank == 0
+        self._warned: set[str] = set()
+        self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
+        if not self.enabled:
+            return
+        self.run_dir = Path(buffer_dir)
+        self.files = self.run_dir / "files"          # snapshots the outbox uploads
+        self.files.mkdir(parents=True, exist_ok=True)
+        self.outbox = Outbox(self.run_dir, writer=True)
+        self.signal_stats = tuple(signal_stats)
+        self.flush_interval_s, self.probe_timeout_s, self.retry_max_s = flush_interval_s, probe_timeout_s, retry_max_s
+        self._event_log = EventLog(self.run_dir / "events.jsonl")
+        self._events: list[Event] = self._event_log.read()           # journal thread only
+        self._precision = PrecisionMapLog(self._read_json(self.files / "precision_map.json"))
+        self._config: dict = {}
+        if (self.files / "config.yaml").exists():  # resuming a run
+            self._config = yaml.safe_load((self.files / "config.yaml").read_text()) or {}
+        info = self.outbox.info
+        if info.get("uid") and info.get("tracking_uri") not in (None, tracking_uri):
+            raise ValueError(f"{self.run_dir} belongs to a run tracked at {info['tracking_uri']}; "
+                             f"use another buffer_dir for {tracking_uri}")
+        if not info.get("uid"):  # a new run
+            uid = uuid.uuid4().hex
+            self.outbox.write_info(uid=uid, tracking_uri=tracking_uri, experiment=experiment, run_name=run_name)
+            if run_id:
+                self.outbox.write_info(run_id=run_id)
+            else:
+                self.outbox.append([{"op": "create_run", "experiment": experiment, "run_name": run_name,
+                                     "uid": uid, "start_time": now_ms(), "tags": dict(tags or {})}])
+        elif run_id and run_id != info.get("run_id"):
+            raise ValueError(f"{self.run_dir} already tracks run {info.get('run_id')}, not {run_id}")
+        self._queue: queue.Queue = queue.Queue(queue_size)
+        self._stop, self._wake = threading.Event(), threading.Event()
+        self._next_try, self._backoff, self.online, self.last_error = 0.0, 0.0, None, ""
+        self._finished = False
+        self._journal = threading.Thread(target=self._journal_loop, name="lowprec-journal", daemon=True)
+        self._sender = threading.Thread(target=self._sender_loop, name="lowprec-sender", daemon=True)
+        self._journal.start()
+        self._sender.start()
+
+    @staticmethod
+    def _read_json(p: Path) -> dict:
+        return json.loads(p.read_text()) if p.exists() else {}
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run id, once the run exists on the server (None on ranks other than 0)."""
+        return self.outbox.info.get("run_id") if self.enabled else None
+
+    # ------------------------------------------------------------------ public API
+    @_never_raises
+    def log_config(self, cfg: Mapping) -> None:
+        """The config as params (`precision.rules.0.format`) and as `config.yaml`. Calling it
+        again adds sections (config.yaml holds them all); a param logged before with another
+        value is refused by MLflow (it goes to rejected.jsonl, nothing else is held up)."""
+        params = flatten_config(cfg)
+        merge(self._config, json.loads(json.dumps(dict(cfg), default=str)))
+        text = yaml.safe_dump(self._config, sort_keys=False)
+        recs = [{"op": "params", "params": dict(chunk_)} for chunk_ in chunk(list(params.items()), 100)]
+        self._put(("file", "config.yaml", text, recs))
+
+    @_never_raises
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Per-step metrics under the given names (`train/loss`, `train/grad_norm`, ...)."""
+        ts = now_ms()
+        rows = [[metric_key(k), float(v), ts, int(step)] for k, v in metrics.items() if v is not None]
+        if rows:
+            self._put(("records", [{"op": "metrics", "metrics": rows}]))
+
+    @_never_raises
+    def log_signals(self, step: int, signals: Any) -> None:
+        """Per-site signals as `signal/<site>/<role>/<stat>` (the shapes `signal_metrics` takes:
+        `PrecisionState.stats()`, the monitor's `Signals`, {site: SiteSignals})."""
+        self.log_metrics(step, signal_metrics(signals, self.signal_stats))
+
+    @_never_raises
+    def log_precision(self, step: int, state_formats: Mapping[str, str], flops_share: Mapping[str, float]) -> None:
+        """GEMM FLOP share per format (`precision/flops_share/<format>`, 0 once a format is
+        gone) and the precision map (`precision_map.json`, tag) when it changed."""
+        self._put(("precision", int(step), dict(state_formats), {k: float(v) for k, v in flops_share.items()},
+                   now_ms()))
+
+    @_never_raises
+    def log_events(self, events: Iterable[Event]) -> None:
+        """Controller events: `events.jsonl`, the `events.json` table, `lowprec.*` tags, the run note."""
+        events = list(events)
+        for e in events:
+            if not isinstance(e, Event):
+                raise TypeError(f"log_events takes lowprec.events.Event objects, got {type(e).__name__}")
+        if events:
+            self._put(("events", events))
+
+    @_never_raises
+    def log_eval(self, step: int, results: Mapping[str, Any]) -> None:
+        """Eval results as `eval/<task>/<metric>` ({task: {metric: value}}, lm-eval's
+        `acc,none` / `acc_stderr,none` keys accepted) and a line in `evals.jsonl`."""
+        flat = eval_metrics(results)
+        self.log_metrics(step, flat)
+        line = json.dumps({"step": int(step), "results": results}, default=str)
+        self._put(("append", "evals.jsonl", line))
+
+    @_never_raises
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        """A file or folder, copied into the buffer now (so later changes don't matter)."""
+        src = Path(path)
+        dst = self.files / "artifacts" / uuid.uuid4().hex[:8] / src.name
+        dst.parent.mkdir(parents=True)
+        shutil.copytree(src, dst) if src.is_dir() else shutil.copy2(src, dst)
+        rel = str(dst.relative_to(self.run_dir))
+        if src.is_dir():
+            artifact_path = f"{artifact_path}/{src.name}" if artifact_path else src.name
+        self._put(("records", [{"op": "artifact", "file": rel, "artifact_path": artifact_path}]))
+
+    @_never_raises
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait (at most `timeout` s) until everything logged so far is sent; True if it was."""
+        if self._finished:  # no sender thread any more: send from here
+            return self.sync(timeout).pending == 0
+        deadline = time.monotonic() + timeout
+        if not self._journal_flush(timeout):
+            return False
+        self._next_try = 0.0
+        self._wake.set()
+        while self.outbox.n_pending() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.outbox.n_pending() == 0
+
+    @_never_raises
+    def sync(self, timeout: float | None = None) -> SendResult:
+        """Send the buffer now (also after `finish`); returns what was sent and what is left."""
+        from mlflow.tracking import MlflowClient
+        if not self._finished:
+            self._journal_flush(timeout or 30.0)
+        if not server_answers(self.tracking_uri, self.probe_timeout_s):
+            return SendResult(0, 0, self.outbox.n_pending(), f"{self.tracking_uri} does not answer")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self.outbox.send(MlflowClient(self.tracking_uri), deadline)
+
+    def status(self) -> dict:
+        if not self.enabled:
+            return {"enabled": False}
+        return {"enabled": True, "run_id": self.run_id, "pending": self.outbox.n_pending(),
+                "online": self.online, "last_error": self.last_error, "queued": self._queue.qsize()}
+
+    @_never_raises
+    def finish(self, status: str = "FINISHED", timeout: float = 30.0, report: bool = True) -> dict:
+        """Report pictures, final precision map, the run's end; waits at most `timeout` s for
+        the server. What could not be sent stays in `buffer_dir` for `sync`."""
+        if self._finished:
+            return self.status()
+        self._journal_flush(timeout)
+        if report:
+            try:
+                out = self.files / "report"
+                render_report(from_run_dir(self.run_dir), out)
+                self._put(("records", [{"op": "artifact", "file": "files/report", "artifact_path": "report"}]))
+            except Exception as e:  # noqa: BLE001
+                log.warning("lowprec tracking: report pictures failed (%s: %s)", type(e).__name__, e)
+        self._put(("records", [{"op": "terminate", "status": status, "end_time": now_ms()}]))
+        self.flush(timeout)
+        self._finished = True
+        self._stop.set()
+        self._queue.put(None)
+        self._wake.set()
+        self._journal.join(timeout=5)
+        self._sender.join(timeout=1)
+        st = self.status()
+        if st["pending"]:
+            log.warning("lowprec tracking: %d records could not be sent (%s); they are kept in %s: "
+                        "send them with `lowprec sync %s`", st["pending"], self.last_error, self.run_dir, self.run_dir)
+        return st
+
+    def __enter__(self) -> "Tracker":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.finish("FAILED" if exc_type else "FINISHED")
+
+    # ------------------------------------------------------------------ threads
+    def _put(self, item) -> None:
+        if self._finished:
+            raise RuntimeError("the tracker is finished; create a new Tracker (same buffer_dir resumes the run)")
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            log.warning("lowprec tracking: queue full (local disk slow?); waiting for the journal")
+            self._queue.put(item)
+
+    def _journal_flush(self, timeout: float) -> bool:
+        if not self._journal.is_alive():
+            return True
+        done = threading.Event()
+        self._put(("flush", done))
+        return done.wait(timeout)
+
+    def _journal_loop(self) -> None:
+        """Drain the queue in batches: one journal append (one fsync) per batch."""
+        while True:
+            items = [self._queue.get()]
+            while len(items) < 1000 and items[-1] is not None:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            recs, flushed = [], []
+            for item in items:
+                if item is None:
+                    continue
+                if item[0] == "flush":
+                    flushed.append(item[1])
+                    continue
+                try:
+                    recs += self._records(item)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("lowprec tracking: could not journal a %s record (%s: %s)", item[0],
+                                type(e).__name__, e)
+            try:
+                self.outbox.append(recs)
+            except Exception as e:  # noqa: BLE001 - the disk: nothing to do but say so
+                log.warning("lowprec tracking: could not write %s (%s: %s)", self.outbox.path, type(e).__name__, e)
+            for done in flushed:  # set only once what came before them is in the journal
+                done.set()
+            if items[-1] is None:
+                return
+
+    def _write(self, name: str, text: str) -> str:
+        p = self.files / name
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, p)  # the sender reads either the old or the new file, never half of one
+        return f"files/{name}"
+
+    def _records(self, item) -> list[dict]:
+        """The outbox records of one queued item (writing the files they upload)."""
+        kind = item[0]
+        if kind == "records":
+            return item[1]
+        if kind == "file":
+            _, name, text, recs = item
+            return recs + [{"op": "artifact", "file": self._write(name, text), "artifact_path": None}]
+        if kind == "append":
+            _, name, line = item
+            with open(self.files / name, "a") as f:
+                f.write(line + "\n")
+            return [{"op": "artifact", "file": f"files/{name}", "artifact_path": None}]
+        if kind == "events":
+            self._event_log.append(item[1])
+            self._events.extend(item[1])
+            tags = events_tags(self._events, self.run_name)
+            return [{"op": "artifact", "artifact_path": None,
+                     "file": self._write("events.jsonl", "".join(e.to_json() + "\n" for e in self._events))},
+                    {"op": "artifact", "artifact_path": None,
+                     "file": self._write("events.json", json.dumps(events_table(self._events)))},
+                    {"op": "tags", "tags": {k: fit_value(v, MAX_TAG_VALUE, "events.json") for k, v in tags.items()}}]
+        if kind == "precision":
+            return self._precision_records(*item[1:])
+        raise ValueError(f"unknown journal item {kind!r}")
+
+    def _precision_records(self, step: int, formats: dict, share: dict, ts: int) -> list[dict]:
+        rows, tags = self._precision.update(step, formats, share)
+        recs: list[dict] = [{"op": "metrics", "metrics": [[k, v, ts, st] for k, v, st in rows]}]
+        if tags is not None:  # the map changed: its file and its tags
+            recs += [{"op": "artifact", "artifact_path": None,
+                      "file": self._write("precision_map.json", json.dumps(self._precision.data, indent=1))},
+                     {"op": "tags", "tags": tags}]
+        return recs
+
+    def _sender_loop(self) -> None:
+        try:
+            from mlflow.tracking import MlflowClient  # imported here: only rank 0's sender needs MLflow
+            client = MlflowClient(self.tracking_uri)
+        except Exception as e:  # noqa: BLE001 - no MLflow, a bad URI: keep journaling, send never
+            self.online, self.last_error = False, f"{type(e).__name__}: {e}"
+            log.warning("lowprec tracking: cannot create an MLflow client for %s (%s); records stay in %s",
+                        self.tracking_uri, self.last_error, self.run_dir)
+            return
+        while not self._stop.is_set():
+            self._wake.wait(self.flush_interval_s)
+            self._wake.clear()
+            if not self.outbox.n_pending() or time.monotonic() < self._next_try:
+                continue
+            res = None
+            if server_answers(self.tracking_uri, self.probe_timeout_s):
+                try:
+                    res = self.outbox.send(client)
+                except Exception as e:  # noqa: BLE001 - e.g. the local disk
+                    res = SendResult(0, 0, self.outbox.n_pending(), f"{type(e).__name__}: {e}")
+            if res is not None and not res.error:
+                self.online, self._backoff, self.last_error = True, 0.0, ""
+                continue
+            if self.online is not False:
+                log.warning("lowprec tracking: %s is not taking records (%s); buffering in %s",
+                            self.tracking_uri, res.error if res else "no answer", self.run_dir)
+            self.online, self.last_error = False, res.error if res else "no answer from /health"
+            self._backoff = min(max(2 * self._backoff, 0.5), self.retry_max_s)
+            self._next_try = time.monotonic() + self._backoff

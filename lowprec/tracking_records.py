@@ -1,0 +1,167 @@
+"""What the tracker's inputs become in MLflow: names, params, metric rows, the precision map.
+
+Pure functions and one small bookkeeping class, no I/O and no MLflow import, so that the
+naming rules can be read (and tested) in one place:
+
+* names: MLflow accepts letters, digits, `_ - . / : space`, no `..`/`.`/empty path parts,
+  250 characters (`metric_key`; a longer name keeps a hash of the whole so it stays unique);
+* config: nested keys joined by dots, list indices as parts (`precision.rules.0.format`, since
+  MLflow refuses `[0]`), values as YAML would print them, cut to 6,000 characters
+  (`flatten_config`);
+* signals: `signal/<site>/<role>/<stat>` from any of the shapes the monitor and
+  `PrecisionState.stats()` produce, QuantStats read from the device in one transfer;
+* evals: `eval/<task>/<metric>`, lm-eval's `acc,none` written `acc`;
+* the precision map over time: initial, changes, final, and the FLOP share per format,
+  with a format that disappeared logged as 0 rather than left at its last value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import time
+from typing import Any, Mapping
+
+__all__ = ["SIGNAL_STATS", "BASELINE_LOSS", "MAX_KEY", "MAX_PARAM_VALUE", "MAX_TAG_VALUE", "now_ms",
+           "metric_key", "fit_value", "flatten_config", "signal_metrics", "eval_metrics", "merge", "chunk",
+           "PrecisionMapLog"]
+
+SIGNAL_STATS = ("amax", "saturated_frac", "underflow_frac", "rel_mse", "sqnr_db", "nonfinite")
+BASELINE_LOSS = "train/baseline_loss"
+MAX_KEY, MAX_PARAM_VALUE, MAX_TAG_VALUE = 250, 6000, 8000
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def metric_key(name: str) -> str:
+    """An MLflow-valid metric/param name: allowed characters only, no empty or dot path parts."""
+    name = re.sub(r"[^/\w.\- :]", "_", str(name))
+    key = "/".join(p for p in name.split("/") if p not in ("", ".", "..")) or "_"
+    if len(key) <= MAX_KEY:
+        return key
+    return key[:MAX_KEY - 9] + "~" + hashlib.sha1(key.encode()).hexdigest()[:8]
+
+
+def fit_value(v: str, limit: int, where: str) -> str:
+    """`v`, or its start with a note saying how long it was and where the whole is."""
+    if len(v) <= limit:
+        return v
+    note = f" ...[{len(v)} chars, truncated; full value in {where}]"
+    return v[:limit - len(note)] + note
+
+
+def flatten_config(cfg: Mapping, prefix: str = "") -> dict[str, str]:
+    """`{"precision": {"rules": [{"format": "nvfp4"}]}}` -> `{"precision.rules.0.format": "nvfp4"}`."""
+    out: dict[str, str] = {}
+
+    def walk(v: Any, key: str) -> None:
+        if isinstance(v, Mapping) and v:
+            for k, x in v.items():
+                walk(x, f"{key}.{k}" if key else str(k))
+        elif isinstance(v, (list, tuple)) and v:
+            for i, x in enumerate(v):
+                walk(x, f"{key}.{i}" if key else str(i))
+        else:
+            text = v if isinstance(v, str) else json.dumps(v, default=str)
+            out[metric_key(key)] = fit_value(text, MAX_PARAM_VALUE, "config.yaml")
+
+    walk(dict(cfg), prefix)
+    return out
+
+
+def _quantstats_dicts(sites: Mapping[str, Any]) -> dict[tuple[str, str], dict]:
+    """All QuantStats among the sites' roles, read to the host in one transfer."""
+    found = [(site, role, q) for site, per in sites.items() if isinstance(per, Mapping)
+             for role, q in per.items() if hasattr(q, "packed") and hasattr(q, "to_dict")]
+    if not found:
+        return {}
+    import torch
+    rows = torch.stack([q.packed.detach().double() for _, _, q in found]).cpu()
+    return {(site, role): type(q)(row).to_dict() for (site, role, q), row in zip(found, rows)}
+
+
+def signal_metrics(signals: Any, stats: tuple[str, ...] = SIGNAL_STATS) -> dict[str, float]:
+    """`signal/<site>/<role>/<stat>` -> value. Takes `PrecisionState.stats()` ({site: {role:
+    QuantStats | dict}}), the monitor's `Signals` (its `.sites`), or {site: SiteSignals |
+    {"role/stat": value}}. A +inf SQNR (no quantization error at all) is left out."""
+    sites = getattr(signals, "sites", signals)
+    host = _quantstats_dicts(sites)
+    out = {}
+    for site, per in sites.items():
+        if hasattr(per, "flat"):                          # lowprec.monitor.SiteSignals
+            flat = {k: float(v) for k, v in per.flat().items()}
+        else:
+            flat = {}
+            for key, v in per.items():
+                v = host.get((site, key), v)
+                if isinstance(v, Mapping):
+                    flat.update({f"{key}/{s}": float(x) for s, x in v.items() if isinstance(x, (int, float))})
+                elif v is not None:
+                    flat[str(key)] = float(v)
+        for key, v in flat.items():
+            stat = key.rpartition("/")[2]
+            if stat in stats and not (stat == "sqnr_db" and math.isinf(v)):
+                out[f"signal/{site}/{key}"] = v
+    return out
+
+
+def eval_metrics(results: Mapping[str, Any]) -> dict[str, float]:
+    """{task: {metric: value}} (lm-eval's `acc,none`, `acc_stderr,none` too) -> `eval/<task>/<metric>`."""
+    out = {}
+    for task, v in results.items():
+        if isinstance(v, Mapping):
+            for m, x in v.items():
+                if isinstance(x, (int, float)) and not isinstance(x, bool):
+                    out[f"eval/{task}/{str(m).replace(',none', '').replace(',', '_')}"] = float(x)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[f"eval/{task}"] = float(v)
+    return out
+
+
+def merge(into: dict, new: Mapping) -> dict:
+    """Deep-merge `new` into `into` (sections logged later add to earlier ones)."""
+    for k, v in new.items():
+        if isinstance(v, Mapping) and isinstance(into.get(k), dict):
+            merge(into[k], v)
+        else:
+            into[k] = v
+    return into
+
+
+def chunk(items: list, n: int):
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
+
+
+class PrecisionMapLog:
+    """The precision map over time, as saved in `precision_map.json`:
+    {initial_step, initial, changes: [{step, formats}], step, final, flops_share, flops_formats}."""
+
+    def __init__(self, saved: dict | None = None):
+        self.data = dict(saved or {})
+        self.formats_seen: set[str] = set(self.data.get("flops_formats", []))
+
+    def update(self, step: int, formats: dict[str, str], share: dict[str, float]) -> tuple[list, dict | None]:
+        """FLOP-share metric rows [key, value, step] and, when the map changed, the tags to set."""
+        self.formats_seen |= set(share)
+        rows = [[f"precision/flops_share/{f}", share.get(f, 0.0), step] for f in sorted(self.formats_seen)]
+        d = self.data
+        if not d:
+            d.update(initial_step=step, initial=dict(formats), changes=[])
+        changed = {s: f for s, f in formats.items() if d.get("final", d["initial"]).get(s) != f}
+        if not changed and "final" in d:
+            return rows, None
+        if changed:
+            d["changes"].append({"step": step, "formats": changed})
+        d.update(step=step, final=dict(formats), flops_share=dict(share), flops_formats=sorted(self.formats_seen))
+        by_fmt: dict[str, list[str]] = {}
+        for s, f in formats.items():
+            by_fmt.setdefault(f, []).append(s)
+        summary = " | ".join(f"{f}({len(s)}): {', '.join(s)}" for f, s in sorted(by_fmt.items()))
+        shares = ", ".join(f"{f} {v:.1%}" for f, v in sorted(share.items(), key=lambda kv: -kv[1]))
+        return rows, {"lowprec.precision_map": fit_value(summary, MAX_TAG_VALUE, "precision_map.json"),
+                      "lowprec.flops_share": shares}
