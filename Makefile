@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/python experiments/bench_quantize.py
+	$(VENV)/bin/python -m experiments.run_default
 
 # The MLflow UI screenshot test needs Debian's chromium: installed here where it is missing
 # and apt-get can (root); otherwise that test skips and says why.

@@ -103,7 +103,10 @@ def _install(model, inj: list[Injection], step_ref: list[int]):
 
 
 def train(cfg: dict, out_dir: str | Path, *, injections: list[Injection] = (), controller: bool = True,
-          steps: int | None = None, baseline: dict[int, float] | None = None, resume: bool = False) -> RunResult:
+          steps: int | None = None, baseline: dict[int, float] | None = None, resume: bool = False,
+          tracker=None) -> RunResult:
+    """Train as `cfg` says; `tracker` (a lowprec.tracking.Tracker) gets config, metrics,
+    signals, events and the precision map; `baseline` is a {step: loss} curve."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tc = TrainConfig(**(cfg.get("train") or {}))
@@ -118,7 +121,11 @@ def train(cfg: dict, out_dir: str | Path, *, injections: list[Injection] = (), c
     session = None
     if controller and cfg.get("rollout"):
         ctl = build_controller(parse_rollout(cfg["rollout"]), state, model, baseline=baseline)
-        session = RolloutSession(state, ctl, event_log=out / "events.jsonl")
+        session = RolloutSession(state, ctl, event_log=out / "events.jsonl",
+                                 on_events=tracker.log_events if tracker is not None else None)
+    if tracker is not None:
+        tracker.log_config(cfg)
+        tracker.log_precision(0, state.formats(), state.flops_share())
     step_ref = [0]
     hooks = _install(model, list(injections), step_ref)
     lr_spikes = [j for j in injections if j.kind == "lr_spike"]
@@ -170,9 +177,19 @@ def train(cfg: dict, out_dir: str | Path, *, injections: list[Injection] = (), c
         else:
             opt.step()
         res.losses.append(loss.item())
-        if (session is not None and session.monitor.is_check_step(step)) or step == n_steps - 1:
+        checked = session is not None and session.monitor.is_check_step(step)
+        if checked or step == n_steps - 1:
             res.formats[step] = state.formats()
             res.flops_share[step] = state.flops_share()
+        if tracker is not None:
+            metrics = {"train/loss": res.losses[-1], "train/grad_norm": float(gnorm), "train/lr": lr}
+            if baseline and step in baseline:
+                metrics["train/baseline_loss"] = baseline[step]
+            tracker.log_metrics(step, metrics)
+            if checked and session.last_signals is not None:
+                tracker.log_signals(step, session.last_signals)
+            if checked or decision is not None and decision.changes:
+                tracker.log_precision(step, state.formats(), state.flops_share())
         step += 1
     res.seconds_per_step = (time.perf_counter() - t0) / max(n_steps - first, 1)
     res.nonfinite_params = any(not torch.isfinite(p).all() for p in model.parameters())
