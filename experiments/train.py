@@ -40,6 +40,7 @@ class TrainConfig:
     seed: int = 0
     ckpt_every: int = 50
     max_train_bytes: int | None = 2_000_000
+    log_every: int = 10   # tracked metrics: every N steps (the mean over those steps), and at check steps
 
 
 @dataclass(frozen=True)
@@ -181,10 +182,13 @@ def train(cfg: dict, out_dir: str | Path, *, injections: list[Injection] = (), c
         if checked or step == n_steps - 1:
             res.formats[step] = state.formats()
             res.flops_share[step] = state.flops_share()
-        if tracker is not None:
-            metrics = {"train/loss": res.losses[-1], "train/grad_norm": float(gnorm), "train/lr": lr}
+        if tracker is not None and ((step + 1) % tc.log_every == 0 or checked or step == n_steps - 1):
+            window = res.losses[-tc.log_every:]
+            metrics = {"train/loss": sum(window) / len(window), "train/loss_last": res.losses[-1],
+                       "train/grad_norm": float(gnorm), "train/lr": lr}
             if baseline and step in baseline:
-                metrics["train/baseline_loss"] = baseline[step]
+                metrics["train/baseline_loss"] = sum(baseline.get(s, baseline[step]) for s in
+                                                     range(step - len(window) + 1, step + 1)) / len(window)
             tracker.log_metrics(step, metrics)
             if checked and session.last_signals is not None:
                 tracker.log_signals(step, session.last_signals)
