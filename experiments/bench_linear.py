@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--variants", nargs="*", default=None,
-                   help="subset of: torch:fp8_tensorwise torch:fp8_rowwise emulated:fp8_tensorwise ...")
+                   help="BACKEND:FORMAT[:fused][:nostats], e.g. torch:fp8_tensorwise:fused:nostats")
     args = p.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -85,10 +85,11 @@ def main(argv=None) -> None:
         for v in variants:
             backend, fmt, *rest = v.split(":")
             fused = "fused" in rest
+            stats = "nostats" not in rest
             try:
                 layer = PrecisionLinear.from_module(base, get_format(fmt), get_backend(backend), fused=fused)
-                layer.collect_stats = True
-                rows.append((f"lowprec {backend} {fmt}{' fused' if fused else ''} (+stats)",
+                layer.collect_stats = stats
+                rows.append((f"lowprec {backend} {fmt}{' fused' if fused else ''}{' +stats' if stats else ''}",
                              timed(step(layer), args.repeats, args.warmup, cuda)))
             except Exception as e:  # report, keep measuring the others
                 rows.append((f"lowprec {backend} {fmt}{' fused' if fused else ''}: FAILED "
