@@ -127,11 +127,21 @@ def round_to_grid(v: torch.Tensor, elem: ElementFormat, noise: torch.Tensor | No
     Nearest-even when `noise` is None, else stochastic: floor(|v|/step + noise) with
     noise uniform in [0, 1). Infinities saturate here; callers decide their fate.
     """
-    a = v.abs().clamp(max=elem.max)
-    expo = (a.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**floor(log2 a), 0 for FP32 subnormals
-    step = expo.clamp(min=elem.min_normal) * (2.0 ** -elem.mantissa_bits)
-    n = torch.round(a / step) if noise is None else torch.floor(a / step + noise)
-    return torch.copysign(n * step, v)
+    return _round_abs(v.abs(), v, elem, noise)
+
+
+def _round_abs(a: torch.Tensor, sign: torch.Tensor, elem: ElementFormat,
+               noise: torch.Tensor | None = None) -> torch.Tensor:
+    """round_to_grid of a value whose magnitude is `a` and whose sign is `sign`'s.
+
+    The same operations as written out in round_to_grid, in place on fresh temporaries:
+    on CPU a new large tensor costs more than the pass that fills it.
+    """
+    a = a.clamp(max=elem.max)
+    step = (a.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**floor(log2 a), 0 for FP32 subnormals
+    step = step.clamp_(min=elem.min_normal).mul_(2.0 ** -elem.mantissa_bits)
+    n = a.div_(step).round_() if noise is None else a.div_(step).add_(noise).floor_()
+    return torch.copysign(n.mul_(step), sign)
 
 
 def operand_blocks(spec: QuantSpec, shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
@@ -250,8 +260,11 @@ def _given(v, what: str, device, validate: bool, allow_zero: bool) -> torch.Tens
 
 
 def _finite_amax(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    fin = torch.isfinite(xb)
-    ax = torch.where(fin, xb.abs(), 0.0)
+    """(finite mask, |x| with 0 where not finite, block amaxes), in three passes
+    (`torch.isfinite` alone takes four on CPU: x == x, abs, != inf, and)."""
+    a = xb.abs()
+    fin = a < float("inf")               # False for NaN and +-Inf
+    ax = a.nan_to_num_(0.0, 0.0, 0.0)
     return fin, ax, ax.amax(dim=(1, 3), keepdim=True)
 
 
@@ -322,27 +335,32 @@ def _core(x2: torch.Tensor, spec: QuantSpec, block, amax_t, scale_t, noise, want
     xb = _as_blocks(x2, block)
     fin, ax, bamax = _finite_amax(xb)
     scale, scale_inv = _scales(spec, bamax, ax, amax_t, scale_t)
-    v = xb * scale
+    # |x * scale| where x is finite (scales are >= 0, and |a*b| = |a|*|b| in IEEE
+    # arithmetic); the sign comes from x; non-finite positions are overwritten below
+    av = ax * scale
     nb = None if noise is None else _as_blocks(noise, block)
-    q = round_to_grid(v, elem, nb)
+    q = _round_abs(av, xb, elem, nb)
     if elem.has_inf:
         q = torch.where(fin, q, xb)                  # NaN stays NaN, Inf stays Inf
     else:
         q = torch.where(fin, q, float("nan"))        # no Inf encoding: NaN
     values = q.reshape(x2.shape)
-    amax = ax.amax()
+    amax = bamax.amax()                              # the max of the block maxima
     if not want_stats:
         return values, scale, scale_inv, amax, None
     dq = _dequant_blocks(q, scale, scale_inv, spec)
     err = torch.where(fin, xb - dq, 0.0)
     packed = torch.stack([
         amax.double(),
-        (fin & _saturated(v.abs(), elem)).sum().double(),
-        (fin & (xb != 0) & (q == 0)).sum().double(),
+        # counted with count_nonzero (sum would copy the mask to int64); av and ax are 0
+        # where x is not finite, so they need no `fin &`: av = 0 never saturates, and
+        # ax != 0 is "finite and non-zero"
+        _saturated(av, elem).count_nonzero().double(),
+        ((ax != 0) & (q == 0)).count_nonzero().double(),
         # squared in FP64: FP32 squares overflow above ~1.8e19 and flush to 0 below ~1e-23
         torch.linalg.vector_norm(err, dtype=torch.float64).square(),
         torch.linalg.vector_norm(ax, dtype=torch.float64).square(),
-        (~fin).sum().double(),
+        (x2.numel() - fin.count_nonzero()).double(),
         torch.tensor(float(x2.numel()), dtype=torch.float64, device=x2.device),
     ])
     return values, scale, scale_inv, amax, packed
