@@ -1,0 +1,50 @@
+"""The loss curve of a baseline run stored in MLflow (`rollout.baseline.mlflow_run`).
+
+`lowprec run` logs every run's per-step losses as the artifact `losses.json`; a later
+run names the baseline by run id, or by run name (the newest FINISHED run of that name
+in the config's experiment). MLflow is imported here, when a baseline is read.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from lowprec.configparse import ConfigError
+
+__all__ = ["losses_of_run", "LOSSES_ARTIFACT"]
+
+LOSSES_ARTIFACT = "losses.json"
+_WHERE = "rollout.baseline.mlflow_run"
+
+
+def _find_run(client, experiment: str, ref: str):
+    from mlflow.exceptions import MlflowException
+    try:
+        return client.get_run(ref)
+    except MlflowException:
+        pass
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise ConfigError(_WHERE, f"no run {ref!r}: the store has no experiment {experiment!r} (tracking.experiment)")
+    runs = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{ref}' and "
+                              f"attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"],
+                              max_results=1)
+    if not runs:
+        raise ConfigError(_WHERE, f"no FINISHED run with id or name {ref!r} in experiment {experiment!r}; train the "
+                          f"baseline first (e.g. `lowprec run CONFIG --as-baseline --run-name {ref}`)")
+    return runs[0]
+
+
+def losses_of_run(tracking_uri: str, experiment: str, ref: str) -> list[float]:
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(tracking_uri)
+    run = _find_run(client, experiment, ref)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            local = client.download_artifacts(run.info.run_id, LOSSES_ARTIFACT, tmp)
+        except Exception as e:  # noqa: BLE001 - MLflow raises several kinds for a missing artifact
+            raise ConfigError(_WHERE, f"run {run.info.run_id} has no {LOSSES_ARTIFACT} artifact ({type(e).__name__}); "
+                              f"name a run that `lowprec run` trained") from None
+        return json.loads(Path(local).read_text())

@@ -1,0 +1,122 @@
+"""Evaluation checkpoints in the training loop, behind two small protocols.
+
+The runtime does not know what is evaluated or how a verdict is reached. It takes:
+
+* an `Evaluator`: `evaluate(mode) -> EvalOutcome` (per task: metrics; per example:
+  scores, for paired statistics) and the `tasks` it produces;
+* a `GateChecker`: `check(baseline, candidate) -> GateOutcome` (a `Verdict` and a
+  reason) and the `metrics` it gates (`eval/<task>/<metric>`).
+
+Implementations are found by name through Python entry points, so lowprec never imports
+them: the group `lowprec.evaluators` (`eval.evaluator` in a config; the repository's
+`eval_suites` declares `lm_eval`) and `lowprec.gate_checkers` (`default`: the gate files
+of the repository's `gates`). Each entry point is a class; `check_config(eval_config)`, when
+it has one, validates a config before step 0.
+
+`EvalCheckpoints` runs them: every `eval.every` steps, before every stage promotion (the
+controller's `gate(step)`) and at the end; the model as it is and, where any layer runs
+below high precision, the same weights under `state.high_precision()` (`eval_hp/...`);
+the in-loop gate compares the two, so the cost of precision is measured directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Protocol
+
+__all__ = ["EvalOutcome", "Evaluator", "GateChecker", "EvalCheckpoints", "load_entry_point"]
+
+EVALUATORS, GATE_CHECKERS = "lowprec.evaluators", "lowprec.gate_checkers"
+
+
+@dataclass
+class EvalOutcome:
+    results: dict[str, dict[str, float]]             # task -> metric -> value
+    samples: dict[str, Any] = field(default_factory=dict)   # task -> per-example scores
+    seconds: float = 0.0
+
+
+class Evaluator(Protocol):
+    tasks: tuple[str, ...]
+
+    def evaluate(self, mode: str) -> EvalOutcome: ...
+
+
+class GateChecker(Protocol):
+    metrics: tuple[str, ...]
+
+    def check(self, baseline: EvalOutcome, candidate: EvalOutcome) -> Any: ...
+
+
+def load_entry_point(group: str, name: str):
+    """The object an installed package declares as `name` in entry point group `group`."""
+    found = {ep.name: ep for ep in entry_points(group=group)}
+    if name not in found:
+        from lowprec.formats import suggest
+        have = ", ".join(sorted(found)) or "none are installed"
+        raise LookupError(f"no {group} entry point named {name!r}.{suggest(name, list(found))} Installed: {have}. "
+                          f"A package provides one in its pyproject.toml under "
+                          f"[project.entry-points.\"{group}\"]")
+    return found[name].load()
+
+
+class _NoGate:
+    verdict = "pass"
+    reason = "no in-loop gate file configured"
+
+
+class EvalCheckpoints:
+    """The periodic, pre-promotion and end-of-run evals of one training run."""
+
+    def __init__(self, config, evaluator: Evaluator, checker: GateChecker | None, state, *, tracker=None):
+        self.config, self.evaluator, self.checker, self.state, self.tracker = config, evaluator, checker, state, tracker
+        for metric in checker.metrics if checker is not None else ():
+            parts = metric.split("/")
+            if len(parts) != 3 or parts[0] != "eval" or parts[1] not in evaluator.tasks:
+                raise ValueError(f"eval.gates gates {metric!r}, which the evaluator does not produce (its tasks: "
+                                 f"{', '.join(evaluator.tasks)}); gate on eval/<task>/<metric> of those tasks")
+        self.history: list[dict] = []   # one entry per eval: step, mode, verdict, results, results_hp
+        self.last: EvalOutcome | None = None
+
+    def due(self, step: int) -> bool:
+        return self.config.every > 0 and step > 0 and step % self.config.every == 0
+
+    def evaluate(self, step: int, mode: str | None = None):
+        """Evaluate now (and in high precision where that differs), log, gate; returns the
+        in-loop gate's outcome (None without a gate)."""
+        mode = mode or self.config.mode
+        self.state.collect_stats(False)   # evals feed no quantizer statistics (the session turns them back on)
+        current = self.evaluator.evaluate(mode)
+        self.last = current
+        low = any(not s.format.is_high_precision for s in self.state.sites.values())
+        hp = None
+        if self.config.high_precision:
+            if low:
+                with self.state.high_precision():
+                    hp = self.evaluator.evaluate(mode)
+            else:
+                hp = current   # every layer is in high precision already: the same numbers
+        if self.tracker is not None:
+            self.tracker.log_eval(step, current.results, samples=current.samples, prefix="eval")
+            if hp is not None:
+                self.tracker.log_eval(step, hp.results, samples=hp.samples, prefix="eval_hp")
+            seconds = current.seconds + (hp.seconds if hp is not None and hp is not current else 0.0)
+            self.tracker.log_metrics(step, {"time/eval_seconds": seconds})
+        outcome = None
+        if self.checker is not None and hp is not None:
+            outcome = self.checker.check(hp, current)
+        verdict = getattr(outcome, "verdict", None)
+        self.history.append({"step": step, "mode": mode, "verdict": None if verdict is None else str(
+            getattr(verdict, "value", verdict)), "reason": getattr(outcome, "reason", ""),
+            "results": current.results, "results_hp": hp.results if hp is not None else None,
+            "seconds": current.seconds})
+        return outcome
+
+    def gate(self, step: int):
+        """The controller's `gate(step)`: evaluate now and say whether precision costs too much."""
+        outcome = self.evaluate(step)
+        return _NoGate() if outcome is None else outcome
+
+    def final(self, step: int):
+        return self.evaluate(step, self.config.final_mode)

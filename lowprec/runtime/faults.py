@@ -1,0 +1,156 @@
+"""Injected faults, to see the controller act: `lowprec run --inject KIND:SITE:START:STOP[:FACTOR[:EVERY]]`.
+
+Kinds:
+
+* `nan`: NaN in the first output column of `SITE` (a fault of low precision: it fires
+  only while the site runs below high precision, so a fallback cures it);
+* `overflow`: `SITE`'s input scaled by FACTOR (1e4), every EVERY-th step (intermittent
+  activation outliers; also only below high precision);
+* `lr_spike`: the learning rate times FACTOR (no site);
+* `loss_spike`: the loss, and so its gradients, times FACTOR (no site; a data fault).
+
+START and STOP count loop iterations, not steps: after a rewind the step counter goes
+back, time does not, so a fault happens once, as a real one would.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import nn
+
+__all__ = ["FaultKind", "Injection", "parse_injection", "Faults"]
+
+
+class FaultKind(str, Enum):
+    NAN = "nan"
+    OVERFLOW = "overflow"
+    LR_SPIKE = "lr_spike"
+    LOSS_SPIKE = "loss_spike"
+
+    @property
+    def needs_site(self) -> bool:
+        return self in (FaultKind.NAN, FaultKind.OVERFLOW)
+
+
+@dataclass(frozen=True)
+class Injection:
+    """A fault of `kind` for iterations [start, stop) (see the module docstring)."""
+
+    kind: FaultKind
+    start: int
+    stop: int
+    site: str = ""
+    factor: float = 1e4
+    every: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", FaultKind(self.kind))
+        if self.start < 0 or self.stop <= self.start or self.every < 1:
+            raise ValueError(f"a fault needs 0 <= START < STOP and EVERY >= 1, got {self.start}:{self.stop}"
+                             f" every {self.every}")
+        if self.kind.needs_site and not self.site:
+            raise ValueError(f"a {self.kind.value} fault names a site (a module FQN), e.g. "
+                             f"{self.kind.value}:blocks.1.mlp.fc:40:60")
+
+    def active(self, iteration: int, module=None) -> bool:
+        low = module is None or not module.format.is_high_precision
+        return self.start <= iteration < self.stop and (iteration - self.start) % self.every == 0 and low
+
+
+def parse_injection(text: str) -> Injection:
+    """`KIND:SITE:START:STOP[:FACTOR[:EVERY]]`; lr_spike and loss_spike leave SITE empty."""
+    parts = text.split(":")
+    try:
+        if len(parts) < 4 or len(parts) > 6:
+            raise ValueError(f"{len(parts)} fields")
+        kind, site, start, stop = parts[:4]
+        extra: list = [float(parts[4])] if len(parts) > 4 else []
+        extra += [int(parts[5])] if len(parts) > 5 else []
+        return Injection(FaultKind(kind), int(start), int(stop), site, *extra)
+    except ValueError as e:
+        kinds = ", ".join(k.value for k in FaultKind)
+        raise ValueError(f"--inject {text!r}: expected KIND:SITE:START:STOP[:FACTOR[:EVERY]] with KIND one of "
+                         f"{kinds}, e.g. nan:blocks.1.mlp.fc:40:200 or loss_spike::60:61:100 ({e})") from None
+
+
+def _nan_first_column(out: torch.Tensor) -> torch.Tensor:
+    """`out` with NaN in its first column; a DTensor output gets it on the rank(s) that hold
+    global column 0 (a partial sum: on every rank, NaN either way)."""
+    if getattr(out, "device_mesh", None) is None:
+        out = out.clone()
+        out[..., 0] = float("nan")
+        return out
+    from torch.distributed.tensor import DTensor
+    local = out.to_local().clone()
+    last = out.ndim - 1
+    if all(not (p.is_shard() and p.dim % out.ndim == last) or out.device_mesh.get_local_rank(i) == 0
+           for i, p in enumerate(out.placements)):
+        local[..., 0] = float("nan")
+    return DTensor.from_local(local, out.device_mesh, out.placements, run_check=False,
+                              shape=out.shape, stride=out.stride())
+
+
+def _scale_loss(out, factor: float):
+    if isinstance(out, torch.Tensor):
+        return out * factor
+    if isinstance(out, tuple) and out and isinstance(out[-1], torch.Tensor):
+        return out[:-1] + (out[-1] * factor,)
+    if getattr(out, "loss", None) is not None:   # a Hugging Face ModelOutput
+        out.loss = out.loss * factor
+        return out
+    raise TypeError(f"loss_spike: cannot find the loss in a {type(out).__name__} output")
+
+
+class Faults:
+    """Injections installed as hooks on `module` (this rank's part of the model).
+
+    `tick(iteration)` before each loop pass; `lr_factor()` is the product of the active
+    learning-rate spikes. Sites that live on other ranks (pipeline stages) are ignored here.
+    """
+
+    def __init__(self, module: nn.Module, injections: list[Injection] | tuple = (), *, root: bool = True):
+        self.injections = list(injections)
+        self.iteration = 0
+        self._hooks = []
+        names = dict(module.named_modules())
+        for j in self.injections:
+            if j.kind is FaultKind.NAN and j.site in names:
+                self._hooks.append(names[j.site].register_forward_hook(self._nan_hook(j), prepend=True))
+            elif j.kind is FaultKind.OVERFLOW and j.site in names:
+                self._hooks.append(names[j.site].register_forward_pre_hook(self._overflow_hook(j)))
+            elif j.kind is FaultKind.LOSS_SPIKE and root:
+                self._hooks.append(module.register_forward_hook(self._loss_hook(j)))
+
+    def _nan_hook(self, j: Injection):
+        def hook(mod, args, out):
+            if j.active(self.iteration, mod):
+                return _nan_first_column(out)
+        return hook
+
+    def _overflow_hook(self, j: Injection):
+        def pre(mod, args):
+            if j.active(self.iteration, mod):
+                return (args[0] * j.factor,) + tuple(args[1:])
+        return pre
+
+    def _loss_hook(self, j: Injection):
+        def hook(mod, args, out):
+            if j.active(self.iteration):
+                return _scale_loss(out, j.factor)
+        return hook
+
+    def tick(self, iteration: int) -> None:
+        self.iteration = iteration
+
+    def lr_factor(self) -> float:
+        return math.prod(j.factor for j in self.injections if j.kind is FaultKind.LR_SPIKE
+                         and j.active(self.iteration))
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

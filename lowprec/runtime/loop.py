@@ -1,0 +1,183 @@
+"""The one training loop: one process, DP x TP, or pipeline stages; the engine is an argument.
+
+    result = train(train_cfg, engine, state, data, controller=ctl, out_dir="runs/x",
+                   tracker=tracker, evals=evals, rollout=rollout_cfg)
+
+Each step: draw the batch, `engine.forward_backward`, and `Session.step` (clip by the
+engine's global norm, decide, step / skip / rewind). Around it: the learning-rate schedule
+(linear warmup, a `LambdaLR`, so a rewind restores it), checkpoints every
+`train.ckpt_every` steps (atomic; `resume=True` continues from the newest), eval
+checkpoints (periodic, before promotions through the controller's gate, at the end; a
+periodic verdict goes to `Session.after_eval`), tracking (means over `train.log_every`
+steps, the signals and the precision map at check steps, every event) and injected
+faults (`lowprec.runtime.faults`). Rewinds go to in-memory snapshots or, with
+`rollout.rewind.source: disk`, to the checkpoints; both work under pipeline parallelism,
+since each rank restores its own stage.
+
+Every rank runs this loop with the same decisions (the session combines statistics
+across ranks); rank 0 writes losses.json, grad_norms.json and summary.json in `out_dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lowprec.runtime.engine import Engine
+from lowprec.runtime.faults import Faults, Injection
+from lowprec.runtime.session import Session
+from lowprec.runtime.snapshots import DiskSnapshots, MemorySnapshots
+
+__all__ = ["RunResult", "train", "warmup_schedule"]
+
+
+@dataclass
+class RunResult:
+    losses: list[float] = field(default_factory=list)          # per step, as finally trained
+    grad_norms: list[float] = field(default_factory=list)
+    events: list = field(default_factory=list)
+    formats: dict[int, dict[str, str]] = field(default_factory=dict)        # check step -> precision map
+    flops_share: dict[int, dict[str, float]] = field(default_factory=dict)
+    seconds_per_step: float = 0.0
+    passes: int = 0               # loop passes, rewound ones included
+    rewinds: int = 0
+    skipped: int = 0
+    nonfinite_params: bool = False
+    evals: list[dict] = field(default_factory=list)
+    final_eval: object = None
+
+    def summary(self) -> dict:
+        return {"steps": len(self.losses), "passes": self.passes, "rewinds": self.rewinds,
+                "skipped_steps": self.skipped, "events": len(self.events),
+                "seconds_per_step": self.seconds_per_step, "nonfinite_params": self.nonfinite_params,
+                "formats": self.formats[max(self.formats)] if self.formats else {}}
+
+
+def warmup_schedule(optimizer: torch.optim.Optimizer, warmup: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup to the optimizer's lr over `warmup` steps, then constant."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / warmup))
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=None, rollout=None,
+          sites: list[str] | None = None, group=None, tracker=None, evals=None,
+          baseline: dict[int, float] | None = None, resume: bool = False, faults: list[Injection] | tuple = (),
+          steps: int | None = None, checkpoints: bool = True) -> "RunResult":
+    """Train `engine`'s model for `steps` (default `tc.steps`) as the train section `tc` says.
+
+    controller: a RolloutController (None: the plan as it is, no decisions); rollout: its
+    parsed section (for the rewind source and snapshot cadence). sites/group: as Session.
+    """
+    from lowprec.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rank = _rank()
+    n_steps = tc.steps if steps is None else steps
+    opt = torch.optim.AdamW(engine.params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+    sched = warmup_schedule(opt, tc.warmup)
+    ckpt_dir = out / "checkpoints"
+    rewind = getattr(rollout, "rewind", None)
+    snapshots = None
+    if controller is not None and controller.config.rewind and getattr(rewind, "source", "memory") == "disk":
+        snapshots = DiskSnapshots(ckpt_dir, engine.module, opt, margin=2 * controller.config.monitor.check_every,
+                                  scheduler=sched, data=data)
+    world_suffix = "" if rank == 0 and not (group is not None or sites is not None) else f".rank{rank}"
+    session = Session(engine.module, opt, state, controller, scheduler=sched, data=data, snapshots=snapshots,
+                      clip=lambda: engine.clip_grad_norm(tc.grad_clip), sites=sites, group=group,
+                      event_log=out / f"events{world_suffix}.jsonl" if controller is not None else None,
+                      on_events=tracker.log_events if tracker is not None else None,
+                      **({"snapshot_every": rewind.snapshot_every, "snapshot_keep": rewind.keep}
+                         if hasattr(rewind, "snapshot_every") else {}))
+    res = RunResult()
+    iteration = 0   # loop passes, rewinds included: injected faults happen once, in time
+    if resume and (last := latest_checkpoint(ckpt_dir)) is not None:
+        info = load_checkpoint(last, model=engine.module, optimizer=opt, precision=state, controller=session)
+        data.load_state_dict(info["data_state"])
+        extra = info["extra"] or {}
+        sched.load_state_dict(extra["scheduler"])
+        res.losses, res.grad_norms = list(extra["losses"]), list(extra["grad_norms"])
+        iteration = int(extra["iteration"])
+        session.step_index = info["step"]
+        if isinstance(session.snapshots, MemorySnapshots):
+            session.snapshots.take(info["step"])
+    if tracker is not None:
+        tracker.log_precision(session.step_index, state.formats(), state.flops_share())
+    injected = Faults(engine.module, faults)
+    first = session.step_index
+    t0 = time.perf_counter()
+    try:
+        while session.step_index < n_steps:
+            step = session.step_index
+            injected.tick(iteration)
+            iteration += 1
+            if checkpoints and step % tc.ckpt_every == 0:
+                save_checkpoint(ckpt_dir, step, model=engine.module, optimizer=opt, precision=state,
+                                controller=session, data_state=data.state_dict(), keep=tc.ckpt_keep,
+                                extra={"losses": list(res.losses), "grad_norms": list(res.grad_norms),
+                                       "scheduler": sched.state_dict(), "iteration": iteration - 1})
+            if (factor := injected.lr_factor()) != 1.0:
+                for g in opt.param_groups:
+                    g["lr"] *= factor
+            lr = opt.param_groups[0]["lr"]
+            x, y = data.next()
+            loss = engine.forward_backward(x, y)
+            out_step = session.step(loss)
+            res.passes += 1
+            if out_step.rewound_to is not None:
+                back = out_step.rewound_to
+                res.losses, res.grad_norms = res.losses[:back], res.grad_norms[:back]
+                res.rewinds += 1
+                continue
+            res.losses.append(loss.item())
+            res.grad_norms.append(float(out_step.grad_norm))
+            checked = session.is_check_step(step)
+            if checked or step == n_steps - 1:
+                res.formats[step] = state.formats() if sites is None else dict(controller.current)
+                res.flops_share[step] = state.flops_share()
+            if tracker is not None:
+                _track(tracker, tc, res, step, n_steps, lr, checked, session, out_step, state, baseline)
+            if evals is not None and evals.due(step + 1) and step + 1 < n_steps:
+                outcome = evals.evaluate(step + 1)   # after step+1 updates; the controller hears the verdict
+                if outcome is not None and session.after_eval(step + 1, outcome).changes and tracker is not None:
+                    tracker.log_precision(step + 1, state.formats(), state.flops_share())
+                session._prepare(session.step_index)
+    finally:
+        injected.remove()
+        session.close()
+    res.seconds_per_step = (time.perf_counter() - t0) / max(n_steps - first, 1)
+    if evals is not None:
+        evals.final(n_steps)
+        res.evals, res.final_eval = evals.history, evals.last
+    res.nonfinite_params = any(not torch.isfinite(p.detach()).all() for p in engine.params)
+    res.events, res.skipped = session.events, session.skipped
+    if rank == 0:
+        (out / "losses.json").write_text(json.dumps(res.losses))
+        (out / "grad_norms.json").write_text(json.dumps(res.grad_norms))
+        (out / "summary.json").write_text(json.dumps(res.summary(), indent=1))
+    return res
+
+
+def _track(tracker, tc, res: RunResult, step: int, n_steps: int, lr: float, checked: bool, session, out_step,
+           state, baseline) -> None:
+    if not ((step + 1) % tc.log_every == 0 or checked or step == n_steps - 1):
+        return
+    window = res.losses[-tc.log_every:]
+    metrics = {"train/loss": sum(window) / len(window), "train/loss_last": res.losses[-1],
+               "train/grad_norm": res.grad_norms[-1], "train/lr": lr}
+    if baseline and step in baseline:
+        metrics["train/baseline_loss"] = sum(baseline.get(s, baseline[step]) for s in
+                                             range(step - len(window) + 1, step + 1)) / len(window)
+    tracker.log_metrics(step, metrics)
+    if checked and session.last_signals is not None:
+        tracker.log_signals(step, session.last_signals)
+    if checked or out_step.decision.changes:
+        tracker.log_precision(step, state.formats(), state.flops_share())

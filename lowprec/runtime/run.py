@@ -1,0 +1,180 @@
+"""`lowprec run CONFIG` and `lowprec plan CONFIG`: one set of checks, then train or print.
+
+`prepare_run(config)` does everything `run` does before step 0, and `plan` calls exactly
+it: the config is parsed and typed (`lowprec.config.RunConfig`), the model factory is
+imported and called (it must be the user's own code and return an `nn.Module`), the
+precision plan is resolved against the model and prepared, the rollout's stages are
+resolved to sites, the loss-gap baseline is read, the data factory is called, the
+evaluator and the in-loop gate are found through their entry points and checked. A config
+that `run` would reject is rejected by `plan` with the same message (exit 2).
+
+`run` then trains through the one loop (`lowprec.runtime.loop`), tracks the run in MLflow
+(the config, metrics, signals, the precision map, events, evals, `losses.json`), and prints
+a summary: the loss, its gap to the baseline, the FLOP share per format, every event.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import sysconfig
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from lowprec.configparse import ConfigError
+
+__all__ = ["PreparedRun", "prepare_run", "load_factory", "high_precision_baseline", "run"]
+
+
+@dataclass
+class PreparedRun:
+    config: Any                      # RunConfig
+    model: nn.Module
+    state: Any                       # PrecisionState
+    controller: Any                  # RolloutController | None
+    data: Any                        # BatchSource
+    baseline: dict[int, float] | None
+    evaluator: Any = None
+    checker: Any = None
+
+
+def _stdlib_dirs() -> list[Path]:
+    paths = sysconfig.get_paths()
+    return [Path(paths[k]).resolve() for k in ("stdlib", "platstdlib") if k in paths]
+
+
+def load_factory(spec: str, what: str, search_paths: list[Path] = ()) -> Callable:
+    """`package.module:function` from the user's own code (not the standard library, not a
+    builtin), importable from `search_paths` (the config's folder, the working directory)."""
+    mod_name, sep, fn_name = str(spec).partition(":")
+    if not sep or not mod_name or not fn_name:
+        raise ConfigError(what, f"expected 'package.module:function', found {spec!r}")
+    for p in reversed([str(Path(p).resolve()) for p in search_paths]):
+        if p not in sys.path:
+            sys.path.append(p)   # after the installed packages: a config never shadows them
+    top = mod_name.split(".")[0]
+    if top in sys.builtin_module_names or top in getattr(sys, "stdlib_module_names", ()):
+        raise ConfigError(what, f"{spec!r} names the standard library ({top}); a factory must be a function of "
+                          f"your own code, e.g. mymodels:build (mymodels.py beside the config)")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ConfigError(what, f"cannot import {mod_name!r} ({e}); the module must be importable from the "
+                          f"config's folder, the working directory or the installed packages") from None
+    file = getattr(module, "__file__", None)
+    if file is None or any(Path(file).resolve().is_relative_to(d) and "site-packages" not in Path(file).parts
+                           for d in _stdlib_dirs()):
+        raise ConfigError(what, f"{spec!r} is not your own code (it is part of Python); point it at a function "
+                          f"in your own module")
+    fn = getattr(module, fn_name, None)
+    if fn is None or not callable(fn) or isinstance(fn, type(len)):
+        raise ConfigError(what, f"{mod_name} has no function {fn_name!r}")
+    return fn
+
+
+def _call(fn: Callable, args: dict, what: str):
+    try:
+        return fn(**args)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{what}.args", f"{fn.__module__}.{fn.__name__}({', '.join(args)}) failed: {e}") from None
+
+
+def _search_paths(cfg) -> list[Path]:
+    src = getattr(cfg, "source", None)
+    return [p for p in (Path(src).parent if src and src != "<dict>" else None, Path.cwd()) if p is not None]
+
+
+def read_baseline(cfg) -> dict[int, float] | None:
+    """The loss curve `rollout.baseline` names: a losses file, or an MLflow run's losses.json."""
+    b = getattr(cfg.rollout, "baseline", None) if cfg.rollout is not None else None
+    if b is None:
+        return None
+    if getattr(b, "losses", None):
+        p = Path(b.losses)
+        cands = [p] if p.is_absolute() else [q / p for q in _search_paths(cfg)]
+        found = next((c for c in cands if c.is_file()), None)
+        if found is None:
+            raise ConfigError("rollout.baseline.losses", f"{b.losses!r} not found (looked at "
+                              f"{', '.join(map(str, cands))}); give the losses.json a run wrote")
+        return _curve(json.loads(found.read_text()), "rollout.baseline.losses")
+    from lowprec.runtime.baseline import losses_of_run
+    return _curve(losses_of_run(_tracking_uri(cfg), cfg.tracking.experiment, b.mlflow_run), "rollout.baseline.mlflow_run")
+
+
+def _curve(data, where: str) -> dict[int, float]:
+    if isinstance(data, list):
+        return {i: float(v) for i, v in enumerate(data)}
+    if isinstance(data, dict):
+        return {int(k): float(v) for k, v in data.items()}
+    raise ConfigError(where, f"a loss curve is a JSON list (one loss per step) or {{step: loss}}; found "
+                      f"{type(data).__name__}")
+
+
+def _tracking_uri(cfg) -> str:
+    uri = getattr(cfg.tracking, "uri", None) if cfg.tracking is not None else None
+    return uri or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def high_precision_baseline(cfg):
+    """The same run with every site held in bf16, no rollout and no in-loop gate."""
+    from lowprec.plan import PrecisionPlan
+    d = cfg.precision.to_dict()
+    for rule in d.get("rules", []):
+        rule["format"], rule["ladder"] = "bf16", ["bf16"]
+    ev = cfg.eval
+    if ev is not None:
+        ev = replace(ev, every=0, high_precision=False, gates=None)
+    return replace(cfg, precision=PrecisionPlan.from_dict(d), rollout=None, eval=ev)
+
+
+def prepare_run(cfg, *, controller: bool = True, with_data: bool = True) -> PreparedRun:
+    """Everything before step 0 (see the module docstring); raises ConfigError."""
+    from lowprec.rollout import build_controller
+    from lowprec.runtime.data import as_batch_source
+    from lowprec.state import prepare
+
+    paths = _search_paths(cfg)
+    tc = cfg.train
+    torch.manual_seed(tc.seed)
+    model = _call(load_factory(cfg.model.factory, "model.factory", paths), dict(cfg.model.args or {}), "model")
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model.factory", f"{cfg.model.factory} returned a {type(model).__name__}, not a "
+                          f"torch.nn.Module")
+    try:
+        state = prepare(model, cfg.precision, seed=tc.seed)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError("precision", str(e)) from None
+    ctl = None
+    if controller and cfg.rollout is not None:
+        ctl = build_controller(cfg.rollout, state, model, baseline=read_baseline(cfg))
+    data = None
+    if with_data:
+        if cfg.data is None:
+            raise ConfigError("data", "`lowprec run` needs a `data:` section with factory (returning a 1-D "
+                              "token tensor or a batch source) and block_size; see docs/config.md")
+        raw = _call(load_factory(cfg.data.factory, "data.factory", paths), dict(cfg.data.args or {}), "data")
+        try:
+            data = as_batch_source(raw, batch_size=tc.batch_size, block_size=cfg.data.block_size, seed=tc.seed)
+        except (TypeError, ValueError) as e:
+            raise ConfigError("data.factory", str(e)) from None
+    prepared = PreparedRun(cfg, model, state, ctl, data, ctl.loss_gap and read_baseline(cfg) if ctl else None)
+    if cfg.eval is not None:
+        from lowprec.runtime.evals import EVALUATORS, GATE_CHECKERS, load_entry_point
+        try:
+            ev_cls = load_entry_point(EVALUATORS, cfg.eval.evaluator)
+            if hasattr(ev_cls, "check_config"):
+                ev_cls.check_config(cfg.eval)
+            max_len = cfg.data.block_size if cfg.data is not None else 256
+            prepared.evaluator = ev_cls(cfg.eval, model, max_length=max_len)
+            if cfg.eval.gates:
+                prepared.checker = load_entry_point(GATE_CHECKERS, "default")(cfg.eval.gates)
+        except (LookupError, ValueError, KeyError, FileNotFoundError) as e:
+            raise ConfigError("eval", str(e).strip("'\"")) from None
+    return prepared

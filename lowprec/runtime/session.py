@@ -1,0 +1,246 @@
+"""`Session`: what a training loop holds to get the staged rollout, the monitors, skips and rewinds.
+
+    session = Session.from_yaml("rollout.yaml", model, optimizer, scheduler=scheduler)
+    for x, y in batches:
+        loss = model(x, y)
+        loss.backward()
+        session.step(loss)        # clip, decide, then step / skip / rewind, schedule, zero grads
+
+`step(loss)` does what the decision says, itself: it clips the gradients (or takes the
+caller's grad norm), feeds the monitor (one host read per step: the NaN/Inf guard;
+everything else once per check), asks the controller, applies format changes, and then
+steps the optimizer, or skips the step (the optimizer never sees the gradients: AdamW's
+moments and step count stay as they were), or rewinds: model, optimizer, scheduler and
+RNG go back to a snapshot (`lowprec.runtime.snapshots`), the data simply goes on (the
+batches in between are skipped, and `skip_batches` more when the data source can skip).
+The loop has no rewind code: it reads `session.step_index` if it counts steps.
+
+The same object drives `lowprec run`'s loop (`lowprec.runtime.loop`) under one process,
+DP x TP and pipeline stages: `clip` is then the engine's global-norm clip, `sites` every
+site of the model (a pipeline rank holds some), and every rank decides alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from lowprec.controller import Decision, RolloutController, apply_decision
+from lowprec.events import Event, EventKind, EventLog
+from lowprec.monitor import Monitor
+from lowprec.runtime.snapshots import MemorySnapshots, Snapshots
+
+__all__ = ["Session", "StepResult"]
+
+
+@dataclass
+class StepResult:
+    """What `Session.step` did with one step."""
+
+    step: int                          # the step this call concluded
+    decision: Decision
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    applied: bool = False              # the optimizer stepped
+    rewound_to: int | None = None      # training goes on from this step (a rewind)
+    events: list[Event] = field(default_factory=list)
+
+    @property
+    def action(self):
+        return self.decision.action
+
+
+def _default_clip(model: nn.Module, max_norm: float | None) -> Callable[[], torch.Tensor]:
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def clip() -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(params, math.inf if max_norm is None else max_norm)
+    return clip
+
+
+class Session:
+    """Monitor + controller + snapshots around one training loop (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, state, controller:
+                 RolloutController | None = None, *, scheduler=None, data=None,
+                 snapshots: Snapshots | None = None, max_grad_norm: float | None = 1.0,
+                 clip: Callable[[], torch.Tensor] | None = None, sites: list[str] | None = None,
+                 group=None, event_log: str | Path | None = None,
+                 on_events: Callable[[list[Event]], None] | None = None, start_step: int = 0,
+                 snapshot_every: int = 20, snapshot_keep: int = 2):
+        """state: the PrecisionState of `lowprec.prepare(model, plan)` (this rank's sites).
+        controller: from `lowprec.rollout.build_controller`; None runs the plan as it is
+            (no statistics, no decisions: every step is applied).
+        snapshots: where rewinds go back to; default, when the controller may rewind,
+            in-memory snapshots every `snapshot_every` steps, `snapshot_keep` of them.
+        clip: returns the (global) grad norm after clipping; default clip_grad_norm_ over
+            the model's parameters with `max_norm` (None: measure, do not clip).
+        sites: every site of the model in forward order, when `state` holds only this
+            rank's (a pipeline stage); group: the process group the monitor combines over.
+        """
+        self.model, self.optimizer, self.state = model, optimizer, state
+        self.controller, self.scheduler, self.data = controller, scheduler, data
+        self.clip = clip or _default_clip(model, max_grad_norm)
+        self.step_index = start_step
+        self.events: list[Event] = []
+        self.last_signals = None
+        self.rewinds = 0
+        self.skipped = 0
+        self.log = EventLog(event_log) if event_log is not None else None
+        self.on_events = on_events
+        self.monitor = None
+        self._remote: set[str] = set()
+        if controller is not None:
+            self.monitor = Monitor(state, controller.config.monitor, group=group, sites=sites)
+            self._remote = set(sites or ()) - set(state.sites)
+            if snapshots is None and controller.config.rewind:
+                snapshots = MemorySnapshots(model, optimizer, every=snapshot_every, keep=snapshot_keep,
+                                            margin=self.rewind_margin, scheduler=scheduler, data=data)
+        else:
+            state.collect_stats(False)   # no monitor reads them: quantize without statistics
+        self.snapshots = snapshots
+        if self.snapshots is not None:
+            self.snapshots.after_step(start_step)
+        self._prepare(start_step)
+
+    @property
+    def rewind_margin(self) -> int:
+        """How far before the step that noticed a fault a rewind must go: two checks."""
+        return 0 if self.controller is None else 2 * self.controller.config.monitor.check_every
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def build(cls, model: nn.Module, optimizer: torch.optim.Optimizer, plan, rollout=None, *, seed: int = 0,
+              baseline: dict[int, float] | None = None, gate=None, **kwargs) -> "Session":
+        """prepare(model, plan) and a controller from the parsed `rollout:` section."""
+        from lowprec.rollout import build_controller
+        from lowprec.state import prepare
+        state = prepare(model, plan, seed=seed)
+        controller = None if rollout is None else build_controller(rollout, state, model, baseline=baseline,
+                                                                   gate=gate)
+        return cls(model, optimizer, state, controller, **_snapshot_kwargs(rollout, kwargs))
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs) -> "Session":
+        """Build from a YAML file's `precision:` and (optional) `rollout:` sections."""
+        from lowprec.config import read_yaml
+        from lowprec.plan import PrecisionPlan
+        from lowprec.rollout import parse_rollout
+        d = read_yaml(path)
+        if "precision" not in d:
+            from lowprec.configparse import ConfigError
+            raise ConfigError("precision", f"{path} has no `precision:` section; a session needs one "
+                              f"(and optionally `rollout:`), see docs/config.md")
+        plan = PrecisionPlan.from_dict(d["precision"])
+        rollout = parse_rollout(d["rollout"]) if d.get("rollout") else None
+        return cls.build(model, optimizer, plan, rollout, **kwargs)
+
+    # ------------------------------------------------------------------ the step
+    def _prepare(self, step: int) -> None:
+        if self.monitor is not None:
+            self.monitor.before_step(step)   # statistics on check steps only
+
+    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> StepResult:
+        """Conclude the current step after backward: see the module docstring."""
+        s = self.step_index
+        if grad_norm is None:
+            grad_norm = self.clip()
+        decision = self._decide(s, loss, grad_norm)
+        result = StepResult(s, decision, loss.detach(), grad_norm, events=list(decision.events))
+        if decision.action == "rewind" and self.snapshots is not None:
+            back = self.snapshots.restore(s, decision.skip_batches)
+            if back is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+                self.rewinds += 1
+                self.step_index = result.rewound_to = back
+                self._prepare(back)
+                return result
+        if decision.action == "continue":
+            self.optimizer.step()
+            result.applied = True
+        else:   # skip_step, or a rewind with nothing to go back to: the weights never see it
+            self.skipped += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.step_index = s + 1
+        if self.snapshots is not None:
+            self.snapshots.after_step(s + 1)
+        self._prepare(s + 1)
+        return result
+
+    def is_check_step(self, step: int) -> bool:
+        return self.monitor is not None and self.monitor.is_check_step(step)
+
+    def _decide(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> Decision:
+        if self.controller is None:
+            return Decision()
+        mon = self.monitor
+        mon.record(step, loss, grad_norm)
+        # the one host read of every step: after gradient reduction the norm is the same on
+        # every rank (a NaN loss makes the gradients NaN too), so all ranks branch alike
+        finite = bool(torch.isfinite(grad_norm.detach()).all())
+        decision = Decision() if finite else self.controller.observe_step(step, math.nan, math.nan)
+        if not finite and not mon.is_check_step(step):
+            mon.force_check(step + 1)   # the next step collects statistics: blame the origin
+        if mon.is_check_step(step):
+            signals = mon.check(step)
+            self.last_signals = signals
+            checked = self.controller.observe(step, signals)
+            decision.changes.update(checked.changes)
+            decision.events += checked.events
+            decision.skip_batches = checked.skip_batches
+            if checked.action == "rewind" or (checked.action == "skip_step" and decision.action == "continue"):
+                decision.action = checked.action
+        return self._carry_out(decision)
+
+    def after_eval(self, step: int, result: Any) -> Decision:
+        """Report a periodic evaluation's gate outcome (`.verdict`, `.reason`); a regression
+        rolls the newest stage back. Same on every rank if `result` is."""
+        if self.controller is None:
+            return Decision()
+        decision = self._carry_out(self.controller.observe_gate(step, result))
+        self._prepare(self.step_index)   # evals switch statistics off
+        return decision
+
+    def _carry_out(self, decision: Decision) -> Decision:
+        if decision.changes:
+            local = {s: f for s, f in decision.changes.items() if s not in self._remote}
+            apply_decision(self.state, decision if len(local) == len(decision.changes) else Decision(changes=local))
+        if decision.events:
+            self.events += decision.events
+            if self.log is not None:
+                self.log.append(decision.events)
+            if self.on_events is not None:
+                self.on_events(decision.events)
+        return decision
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict:
+        return {"controller": None if self.controller is None else self.controller.state_dict(),
+                "step": self.step_index, "rewinds": self.rewinds, "skipped": self.skipped}
+
+    def load_state_dict(self, s: dict) -> None:
+        if self.controller is not None and s.get("controller") is not None:
+            self.controller.load_state_dict(s["controller"])
+        self.step_index = int(s.get("step", self.step_index))
+        self.rewinds, self.skipped = int(s.get("rewinds", 0)), int(s.get("skipped", 0))
+        self._prepare(self.step_index)
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+
+
+def _snapshot_kwargs(rollout, kwargs: dict) -> dict:
+    """Snapshot cadence from the rollout's `rewind:` settings unless the caller gave it."""
+    rw = getattr(rollout, "rewind", None)
+    if rw is not None and hasattr(rw, "snapshot_every"):
+        kwargs.setdefault("snapshot_every", rw.snapshot_every)
+        kwargs.setdefault("snapshot_keep", rw.keep)
+    return kwargs

@@ -1,0 +1,177 @@
+"""Where a rewind goes back to: bounded in-memory snapshots, or the run's disk checkpoints.
+
+A rewind restores the model, the optimizer, the learning-rate scheduler, the RNG states
+and the data position of an earlier step, and leaves the precision map and the
+controller's memory of what went wrong as they are now (so the run does not walk into
+the same fault again). Two sources share one small interface (`Snapshots`):
+
+* `MemorySnapshots`: every `every` steps a copy of this rank's state is kept in memory
+  (at most `keep` of them, oldest dropped first), on the parameters' device or on the
+  CPU. Under tensor or pipeline parallelism each rank keeps its own shards and stage, so
+  nothing is gathered and no checkpoint folder is needed.
+* `DiskSnapshots`: the run's checkpoints (`lowprec.checkpoint`), written at the
+  loop's checkpoint cadence; a rewind loads the newest one old enough.
+
+`restore(step, skip_batches)` picks the newest snapshot at least `margin` steps before
+`step` (a fault is usually noticed a check or two after it began), restores it, skips the
+batches the decision asks for past the current data position, and returns the step to
+continue from; None when there is no such snapshot.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections import deque
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+__all__ = ["Snapshots", "MemorySnapshots", "DiskSnapshots", "rng_state", "set_rng_state"]
+
+
+class Snapshots(Protocol):
+    def after_step(self, step: int) -> None:
+        """Called with the number of completed steps; keeps a snapshot when one is due."""
+
+    def restore(self, step: int, skip_batches: int) -> int | None:
+        """Go back to the newest snapshot old enough for a fault seen at `step`."""
+
+
+def rng_state() -> dict:
+    """Torch (CPU, and CUDA when initialised), Python and NumPy random states."""
+    out = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+        out["numpy"] = np.random.get_state()
+    except ImportError:  # numpy is optional for users of the session
+        pass
+    return out
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+        np.random.set_state(state["numpy"])
+
+
+def _copy_tensors(obj, device: torch.device | None):
+    """A deep copy in which every tensor is a fresh clone (optionally moved to `device`)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if device is not None and not hasattr(t, "to_local"):
+            return t.to(device, copy=True)
+        return t.clone()
+    if isinstance(obj, dict):
+        return type(obj)((k, _copy_tensors(v, device)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copy_tensors(v, device) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class _Snapshot:
+    __slots__ = ("step", "model", "optimizer", "scheduler", "data", "rng")
+
+    def __init__(self, step, model, optimizer, scheduler, data, rng):
+        self.step, self.model, self.optimizer = step, model, optimizer
+        self.scheduler, self.data, self.rng = scheduler, data, rng
+
+
+class MemorySnapshots:
+    """Every `every` steps a copy of model, optimizer, scheduler, data position and RNG."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, every: int, keep: int = 2,
+                 margin: int = 0, scheduler=None, data=None, to_cpu: bool = False):
+        if every < 1 or keep < 1:
+            raise ValueError(f"snapshots need every >= 1 and keep >= 1, got every={every}, keep={keep}")
+        self.model, self.optimizer, self.scheduler, self.data = model, optimizer, scheduler, data
+        self.every, self.keep, self.margin = every, keep, margin
+        self.device = torch.device("cpu") if to_cpu else None
+        self.kept: deque[_Snapshot] = deque(maxlen=keep)
+
+    @property
+    def steps(self) -> list[int]:
+        return [s.step for s in self.kept]
+
+    def nbytes(self) -> int:
+        """Memory the kept snapshots hold in tensors (model and optimizer state)."""
+        def size(o) -> int:
+            if isinstance(o, torch.Tensor):
+                t = o.to_local() if hasattr(o, "to_local") else o
+                return t.numel() * t.element_size()
+            if isinstance(o, dict):
+                return sum(size(v) for v in o.values())
+            if isinstance(o, (list, tuple)):
+                return sum(size(v) for v in o)
+            return 0
+        return sum(size(s.model) + size(s.optimizer) for s in self.kept)
+
+    def take(self, step: int) -> None:
+        """Keep a snapshot of the state after `step` completed steps (replaces one at that step)."""
+        while self.kept and self.kept[-1].step >= step:
+            self.kept.pop()   # a rewind went back before it: the newer ones are abandoned
+        self.kept.append(_Snapshot(
+            step, _copy_tensors(self.model.state_dict(), self.device),
+            _copy_tensors(self.optimizer.state_dict(), self.device),
+            copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
+            copy.deepcopy(self.data.state_dict()) if self.data is not None else None,
+            rng_state()))
+
+    def after_step(self, step: int) -> None:
+        if step % self.every == 0:
+            self.take(step)
+
+    def restore(self, step: int, skip_batches: int) -> int | None:
+        good = [s for s in self.kept if s.step <= step - self.margin]
+        if not good:
+            return None
+        snap = good[-1]
+        while self.kept[-1] is not snap:
+            self.kept.pop()
+        self.model.load_state_dict(snap.model)   # copies into the live parameters
+        self.optimizer.load_state_dict(_copy_tensors(snap.optimizer, None))
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(copy.deepcopy(snap.scheduler))
+        set_rng_state(snap.rng)
+        if self.data is not None:
+            # the data does not go back: the batches between the snapshot and now are
+            # skipped, and `skip_batches` more after them
+            if hasattr(self.data, "skip"):
+                self.data.skip(skip_batches)
+        return snap.step
+
+
+class DiskSnapshots:
+    """Rewinds through the run's checkpoint folder (written by the loop at its cadence)."""
+
+    def __init__(self, directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 margin: int = 0, scheduler=None, data=None):
+        self.directory = Path(directory)
+        self.model, self.optimizer, self.scheduler, self.data = model, optimizer, scheduler, data
+        self.margin = margin
+
+    def after_step(self, step: int) -> None:
+        """The loop writes the checkpoints (they are also what --resume reads)."""
+
+    def restore(self, step: int, skip_batches: int) -> int | None:
+        from lowprec.checkpoint import list_checkpoints, load_checkpoint
+        good = [(s, p) for s, p in list_checkpoints(self.directory) if s <= step - self.margin]
+        if not good:
+            return None
+        back, path = good[-1]
+        info = load_checkpoint(path, model=self.model, optimizer=self.optimizer, restore_rng=True,
+                               keep_current=("precision", "controller"))
+        extra = info.get("extra") or {}
+        if self.scheduler is not None and extra.get("scheduler") is not None:
+            self.scheduler.load_state_dict(extra["scheduler"])
+        if self.data is not None and hasattr(self.data, "skip"):
+            self.data.skip(skip_batches)   # as MemorySnapshots: the data goes on, it does not go back
+        return back
