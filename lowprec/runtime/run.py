@@ -151,9 +151,9 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True) -> Prep
         raise
     except ValueError as e:
         raise ConfigError("precision", str(e)) from None
-    ctl = None
+    ctl, baseline = None, read_baseline(cfg)
     if controller and cfg.rollout is not None:
-        ctl = build_controller(cfg.rollout, state, model, baseline=read_baseline(cfg))
+        ctl = build_controller(cfg.rollout, state, model, baseline=baseline)
     data = None
     if with_data:
         if cfg.data is None:
@@ -164,7 +164,7 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True) -> Prep
             data = as_batch_source(raw, batch_size=tc.batch_size, block_size=cfg.data.block_size, seed=tc.seed)
         except (TypeError, ValueError) as e:
             raise ConfigError("data.factory", str(e)) from None
-    prepared = PreparedRun(cfg, model, state, ctl, data, ctl.loss_gap and read_baseline(cfg) if ctl else None)
+    prepared = PreparedRun(cfg, model, state, ctl, data, baseline)
     if cfg.eval is not None:
         from lowprec.runtime.evals import EVALUATORS, GATE_CHECKERS, load_entry_point
         try:
@@ -178,3 +178,73 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True) -> Prep
         except (LookupError, ValueError, KeyError, FileNotFoundError) as e:
             raise ConfigError("eval", str(e).strip("'\"")) from None
     return prepared
+
+
+def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool = False, faults=(),
+                   print_summary: bool = True) -> int:
+    """Train a prepared run through the one loop, tracked in MLflow; returns the exit status."""
+    from lowprec.runtime.engine import SingleProcess
+    from lowprec.runtime.evals import EvalCheckpoints
+    from lowprec.runtime.loop import train
+
+    cfg = prepared.config
+    out.mkdir(parents=True, exist_ok=True)
+    tracker = None
+    if cfg.tracking.enabled:
+        from lowprec.tracking.tracker import Tracker
+        tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, name, buffer_dir=out / "tracking")
+        tracker.log_config(cfg.to_dict())
+    evals = None
+    if prepared.evaluator is not None:
+        evals = EvalCheckpoints(cfg.eval, prepared.evaluator, prepared.checker, prepared.state, tracker=tracker)
+        if prepared.controller is not None and prepared.checker is not None:
+            prepared.controller.gate = evals.gate
+    status = "FAILED"
+    try:
+        res = train(cfg.train, SingleProcess(prepared.model, cfg.train.microbatches), prepared.state, prepared.data,
+                    out_dir=out, controller=prepared.controller, rollout=cfg.rollout, tracker=tracker, evals=evals,
+                    baseline=prepared.baseline, resume=resume, faults=faults)
+        status = "FINISHED"
+    finally:
+        if tracker is not None:
+            if status == "FINISHED":
+                from lowprec.runtime.baseline import LOSSES_ARTIFACT
+                tracker.log_artifact(out / LOSSES_ARTIFACT)
+            tracker.finish(status)
+    run_id = tracker.run_id if tracker is not None else None
+    if run_id:
+        (out / "run_id").write_text(run_id + "\n")
+    if print_summary:
+        print(summary_text(name, res, prepared, out, run_id, _tracking_uri(cfg)))
+    return 0
+
+
+def summary_text(name: str, res, prepared: PreparedRun, out: Path, run_id: str | None, uri: str) -> str:
+    """The run in a few lines: loss and its gap to the baseline, evals, FLOPs, events, where it is."""
+    tail = min(50, len(res.losses))
+    mean = sum(res.losses[-tail:]) / max(tail, 1)
+    lines = [f"run {name}: {len(res.losses)} steps, {res.seconds_per_step * 1e3:.0f} ms/step, "
+             f"{res.rewinds} rewinds, {res.skipped} skipped steps, {len(res.events)} events"]
+    line = f"  loss (mean of the last {tail} steps) {mean:.4f}"
+    base = prepared.baseline
+    first = len(res.losses) - tail
+    if base and all(s in base for s in range(first, len(res.losses))):
+        bl = sum(base[s] for s in range(first, len(res.losses))) / max(tail, 1)
+        line += f"; baseline {bl:.4f}; gap {(mean - bl) / bl:+.2%}"
+    lines.append(line)
+    if res.flops_share:
+        share = res.flops_share[max(res.flops_share)]
+        lines.append("  GEMM FLOPs at the end: " + ", ".join(f"{k} {v:.0%}" for k, v in
+                                                           sorted(share.items(), key=lambda kv: -kv[1])))
+    if res.final_eval is not None:
+        for task, metrics in sorted(res.final_eval.results.items()):
+            shown = ", ".join(f"{m} {v:.4f}" for m, v in sorted(metrics.items())
+                              if isinstance(v, float) and not m.endswith("_stderr"))
+            lines.append(f"  eval {task}: {shown}")
+    for e in res.events:
+        lines.append("  " + e.summary())
+    lines.append(f"  files: {out}")
+    if run_id:
+        lines.append(f"  MLflow run {run_id} in {uri}")
+        lines.append(f"  UI: lowprec ui --tracking-uri {uri}    pictures: lowprec report {run_id} --tracking-uri {uri}")
+    return "\n".join(lines)

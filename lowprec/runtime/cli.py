@@ -1,0 +1,114 @@
+"""`lowprec run CONFIG` and `lowprec plan CONFIG` (registered by lowprec.cli).
+
+    lowprec plan CONFIG                      validate the whole config as `run` does; print the plan
+    lowprec run CONFIG [--out DIR] [--resume] [--steps N] [--inject KIND:SITE:START:STOP]
+                       [--as-baseline] [--run-name NAME] [--no-controller]
+
+Exit status 0 when it trained (or the plan is usable), 2 on a config or input that cannot be
+used: the message names the config path, what was found, what is allowed and the fix.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from lowprec.configparse import ConfigError
+
+__all__ = ["register"]
+
+EXIT_OK, EXIT_UNUSABLE = 0, 2
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="validate a training config exactly as `run` does and print its precision plan")
+    p.add_argument("config", help="training config YAML (see docs/config.md)")
+    p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("run", help="train a config: staged rollout, monitors, fallbacks, evals, MLflow tracking")
+    p.add_argument("config", help="training config YAML (see docs/config.md)")
+    p.add_argument("--out", default=None, help="run folder: checkpoints, events, losses (default runs/<name>-<time>)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p.add_argument("--steps", type=int, default=None, help="override train.steps")
+    p.add_argument("--run-name", default=None, help="override tracking.run_name")
+    p.add_argument("--as-baseline", action="store_true",
+                   help="train the config's high-precision baseline: every site bf16, no rollout, no in-loop gate")
+    p.add_argument("--no-controller", action="store_true", help="run the plan as it is: no promotions, no fallbacks")
+    p.add_argument("--inject", action="append", default=[], metavar="KIND:SITE:START:STOP[:FACTOR[:EVERY]]",
+                   help="inject a fault (nan, overflow, lr_spike, loss_spike) to see the controller act; repeatable")
+    p.set_defaults(func=_cmd_run)
+
+
+def _load(path: str, args=None):
+    from lowprec.config import RunConfig
+    cfg = RunConfig.from_yaml(path)
+    if args is not None:
+        if args.steps is not None:
+            if args.steps < 1:
+                raise ConfigError("--steps", f"must be >= 1, got {args.steps}")
+            cfg = replace(cfg, train=replace(cfg.train, steps=args.steps))
+        if args.run_name:
+            cfg = replace(cfg, tracking=replace(cfg.tracking, run_name=args.run_name))
+        if args.as_baseline:
+            from lowprec.runtime.run import high_precision_baseline
+            cfg = high_precision_baseline(cfg)
+    return cfg
+
+
+def _fail(cmd: str, e: Exception) -> int:
+    print(f"lowprec {cmd}: {e}", file=sys.stderr)
+    return EXIT_UNUSABLE
+
+
+def _cmd_plan(args) -> int:
+    from lowprec.runtime.run import prepare_run
+    try:
+        cfg = _load(args.config)
+        prepared = prepare_run(cfg)
+    except (ConfigError, ValueError, TypeError) as e:
+        return _fail("plan", e)
+    print(_table(prepared))
+    if prepared.controller is not None:
+        print("\nrollout stages:")
+        for st in prepared.controller.stages:
+            print(f"  {st.name}: {len(st.sites)} sites -> {st.format}")
+    return EXIT_OK
+
+
+def _table(prepared) -> str:
+    from lowprec.plan import SitePlan, format_plan_table
+    from lowprec.formats import get_format
+    state, bf16 = prepared.state, get_format("bf16")
+    sites = {f: SitePlan(f, s.module, s.format, s.ladder, s.reason) for f, s in state.sites.items()}
+    sites.update({f: SitePlan(f, prepared.model.get_submodule(f), bf16, (bf16,), why)
+                  for f, why in state.kept_high_precision.items()})
+    order = [f for f, _ in prepared.model.named_modules() if f in sites]
+    return format_plan_table([sites[f] for f in order])
+
+
+def _cmd_run(args) -> int:
+    from lowprec.runtime.faults import parse_injection
+    from lowprec.runtime.run import prepare_run
+    try:
+        cfg = _load(args.config, args)
+        faults = [parse_injection(t) for t in args.inject]
+        name = cfg.tracking.run_name or Path(args.config).stem
+        out = Path(args.out) if args.out else Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        ckpts = out / "checkpoints"
+        if args.resume and not args.out:
+            raise ConfigError("--resume", "needs --out DIR: the folder of the run to continue")
+        if not args.resume and ckpts.is_dir() and any(ckpts.iterdir()):
+            raise ConfigError("--out", f"{out} holds an earlier run's checkpoints; continue it with --resume, or "
+                              f"give a new --out")
+        prepared = prepare_run(cfg, controller=not args.no_controller)
+        names = dict(prepared.model.named_modules())
+        bad = [j.site for j in faults if j.kind.needs_site and j.site not in names]
+        if bad:
+            raise ConfigError("--inject", f"names no module of the model: {bad}; sites: "
+                              f"{', '.join(list(prepared.state.sites)[:6])} ...")
+    except (ConfigError, ValueError, TypeError) as e:
+        return _fail("run", e)
+    from lowprec.runtime.run import train_prepared
+    return train_prepared(prepared, out, name=name, resume=args.resume, faults=faults)
