@@ -1,0 +1,48 @@
+"""The `lm_eval` evaluator of lowprec's training runtime (entry point `lowprec.evaluators`).
+
+`lowprec run` finds it by the config's `eval.evaluator: lm_eval` and never imports this
+package itself. It runs an eval suite (`eval.suite`) with lm-eval over local data on the
+model being trained, in the fast subset or the full set, and returns per-task metrics and
+per-example scores (`lowprec.runtime.evals.EvalOutcome`). `tasks` are the suite's tasks
+whose data is present here, so a gate on an absent task fails before step 0.
+"""
+
+from __future__ import annotations
+
+from lowprec.runtime.evals import EvalOutcome
+
+from eval_suites.suite import get_suite, run_suite
+from eval_suites.tasks import prepare_tasks
+from eval_suites.tokenizers import ByteTokenizer
+
+__all__ = ["LMEvalEvaluator"]
+
+
+class LMEvalEvaluator:
+    """lm-eval tasks of one suite on a byte-level (or given) tokenizer."""
+
+    def __init__(self, config, model, *, max_length: int, tokenizer=None, forward=None):
+        self.check_config(config)
+        self.config, self.model = config, model
+        self.max_length = max_length
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.forward = forward or model
+        suite = get_suite(config.suite)
+        prepared = prepare_tasks(suite.tasks)
+        if not prepared.ready:
+            raise ValueError(f"eval.suite {config.suite!r}: no task has its data here: "
+                             + "; ".join(f"{t}: {why}" for t, why in prepared.skipped.items()))
+        self.tasks = tuple(prepared.ready)
+        self.skipped = dict(prepared.skipped)
+
+    @staticmethod
+    def check_config(config) -> None:
+        try:
+            get_suite(config.suite)
+        except KeyError as e:
+            raise ValueError(f"eval.suite: {e.args[0]}") from None
+
+    def evaluate(self, mode: str) -> EvalOutcome:
+        r = run_suite(self.config.suite, self.forward, self.tokenizer, self.max_length, mode=mode,
+                      batch_size=self.config.batch_size, model=self.model)
+        return EvalOutcome(r.results, r.samples, r.seconds)
