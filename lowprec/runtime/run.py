@@ -28,7 +28,8 @@ from torch import nn
 
 from lowprec.configparse import ConfigError
 
-__all__ = ["PreparedRun", "prepare_run", "load_factory", "high_precision_baseline", "run"]
+__all__ = ["PreparedRun", "prepare_run", "load_factory", "high_precision_baseline", "execute", "run_config",
+           "train_prepared", "summary_text"]
 
 
 @dataclass
@@ -180,13 +181,44 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True) -> Prep
     return prepared
 
 
-def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool = False, faults=(),
-                   print_summary: bool = True) -> int:
-    """Train a prepared run through the one loop, tracked in MLflow; returns the exit status."""
+def execute(prepared: PreparedRun, out: str | Path, *, tracker=None, resume: bool = False, faults=(),
+            steps: int | None = None):
+    """Train a prepared run through the one loop (single process); returns its RunResult."""
     from lowprec.runtime.engine import SingleProcess
     from lowprec.runtime.evals import EvalCheckpoints
     from lowprec.runtime.loop import train
 
+    cfg = prepared.config
+    evals = None
+    if prepared.evaluator is not None:
+        evals = EvalCheckpoints(cfg.eval, prepared.evaluator, prepared.checker, prepared.state, tracker=tracker)
+        if prepared.controller is not None and prepared.checker is not None:
+            prepared.controller.gate = evals.gate
+    return train(cfg.train, SingleProcess(prepared.model, cfg.train.microbatches), prepared.state, prepared.data,
+                 out_dir=out, controller=prepared.controller, rollout=cfg.rollout, tracker=tracker, evals=evals,
+                 baseline=prepared.baseline, resume=resume, faults=faults, steps=steps)
+
+
+def run_config(config, out_dir: str | Path, *, faults=(), controller: bool = True, steps: int | None = None,
+               resume: bool = False, tracker=None):
+    """Train a config (a RunConfig, a dict of sections, or a YAML path) in this process, as
+    `lowprec run` does without its tracking; pass a `lowprec.tracking.tracker.Tracker` to track."""
+    from lowprec.config import RunConfig
+    if isinstance(config, (str, Path)):
+        cfg = RunConfig.from_yaml(config)
+    elif isinstance(config, dict):
+        cfg = RunConfig.from_dict(config)
+    else:
+        cfg = config
+    if tracker is not None:
+        tracker.log_config(cfg.to_dict())
+    return execute(prepare_run(cfg, controller=controller), Path(out_dir), tracker=tracker, resume=resume,
+                   faults=faults, steps=steps)
+
+
+def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool = False, faults=(),
+                   print_summary: bool = True) -> int:
+    """`lowprec run`: train a prepared run tracked in MLflow, print the summary; the exit status."""
     cfg = prepared.config
     out.mkdir(parents=True, exist_ok=True)
     tracker = None
@@ -194,16 +226,9 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
         from lowprec.tracking.tracker import Tracker
         tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, name, buffer_dir=out / "tracking")
         tracker.log_config(cfg.to_dict())
-    evals = None
-    if prepared.evaluator is not None:
-        evals = EvalCheckpoints(cfg.eval, prepared.evaluator, prepared.checker, prepared.state, tracker=tracker)
-        if prepared.controller is not None and prepared.checker is not None:
-            prepared.controller.gate = evals.gate
     status = "FAILED"
     try:
-        res = train(cfg.train, SingleProcess(prepared.model, cfg.train.microbatches), prepared.state, prepared.data,
-                    out_dir=out, controller=prepared.controller, rollout=cfg.rollout, tracker=tracker, evals=evals,
-                    baseline=prepared.baseline, resume=resume, faults=faults)
+        res = execute(prepared, out, tracker=tracker, resume=resume, faults=faults)
         status = "FINISHED"
     finally:
         if tracker is not None:

@@ -99,6 +99,11 @@ class Session:
             self.monitor = Monitor(state, controller.config.monitor, group=group, sites=sites)
             self._remote = set(sites or ()) - set(state.sites)
             if snapshots is None and controller.config.rewind:
+                if snapshot_every * (snapshot_keep - 1) < self.rewind_margin:
+                    raise ValueError(
+                        f"rollout.rewind: {snapshot_keep} snapshots every {snapshot_every} steps never reach "
+                        f"{self.rewind_margin} steps back (two checks, where a rewind goes); keep at least "
+                        f"{-(-self.rewind_margin // snapshot_every) + 1} snapshots or take them more often")
                 snapshots = MemorySnapshots(model, optimizer, every=snapshot_every, keep=snapshot_keep,
                                             margin=self.rewind_margin, scheduler=scheduler, data=data)
         else:
@@ -128,12 +133,11 @@ class Session:
     @classmethod
     def from_yaml(cls, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs) -> "Session":
         """Build from a YAML file's `precision:` and (optional) `rollout:` sections."""
-        from lowprec.config import read_yaml
+        from lowprec.configparse import ConfigError
         from lowprec.plan import PrecisionPlan
         from lowprec.rollout import parse_rollout
-        d = read_yaml(path)
+        d = _read_yaml(path)
         if "precision" not in d:
-            from lowprec.configparse import ConfigError
             raise ConfigError("precision", f"{path} has no `precision:` section; a session needs one "
                               f"(and optionally `rollout:`), see docs/config.md")
         plan = PrecisionPlan.from_dict(d["precision"])
@@ -235,6 +239,22 @@ class Session:
     def close(self) -> None:
         if self.monitor is not None:
             self.monitor.close()
+
+
+def _read_yaml(path: str | Path) -> dict:
+    import yaml
+
+    from lowprec.configparse import ConfigError
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(str(p), "no such config file")
+    try:
+        d = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(str(p), f"not valid YAML: {e}") from None
+    if not isinstance(d, dict):
+        raise ConfigError(str(p), f"expected a mapping of sections, found {type(d).__name__}")
+    return d
 
 
 def _snapshot_kwargs(rollout, kwargs: dict) -> dict:

@@ -1,0 +1,18 @@
+"""The rollout runtime: `Session` for your own loop; `train` (the one loop) and `run_config` for lowprec's.
+
+    from lowprec.runtime import Session
+    session = Session.from_yaml("lowprec.yaml", model, optimizer, scheduler=scheduler)
+    ...
+    loss.backward()
+    session.step(loss)
+
+Modules: `session` (Session), `snapshots` (in-memory and disk rewinds), `loop` (train),
+`engine` (the engine protocol, one process), `data` (token batches), `faults` (injected
+faults), `evals` (eval checkpoints, evaluator and gate protocols), `run` (a config, end to
+end), `cli` (`lowprec run`, `lowprec plan`). Importing this package imports no MLflow.
+"""
+
+from lowprec.runtime.faults import FaultKind, Injection, parse_injection
+from lowprec.runtime.session import Session, StepResult
+
+__all__ = ["Session", "StepResult", "Injection", "FaultKind", "parse_injection"]

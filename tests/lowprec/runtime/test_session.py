@@ -1,0 +1,125 @@
+"""A user's own loop with `Session`, on a Hugging Face Llama (not the reference GPT).
+
+The loop below is a plain PyTorch loop plus one call, `session.step(loss)`: it has no
+rewind, skip or format-switching code. An injected loss spike (a data fault: the loss and
+its gradients x1000 for one step) after a stage was promoted makes the controller roll
+the stage back and rewind; the model, optimizer and scheduler after the rewind must equal,
+bit for bit, the copy the test itself took when the session reached that step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lowprec.runtime.faults import FaultKind, Faults, Injection
+from lowprec.runtime.session import Session
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = """
+precision:
+  backend: emulated
+  default: bf16
+  keep_high_precision: [{fqns: [lm_head]}]
+  rules:
+    - {name: layers, select: {glob: "model.layers.*"}, format: bf16, ladder: [fp8_tensorwise, bf16]}
+rollout:
+  check_every: 5
+  min_steps: 10
+  cooldown_steps: 100
+  rewind: {enabled: true, skip_batches: 2, snapshot_every: 5, keep: 4}
+  thresholds: {max_saturated_frac: 1.0, spike_min_history: 8}
+  stages:
+    - {name: mlp_fp8, select: {glob: "model.layers.*.mlp.*"}, format: fp8_tensorwise}
+"""
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _state(model, opt, sched) -> dict:
+    return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "optim": copy.deepcopy(opt.state_dict()), "sched": copy.deepcopy(sched.state_dict())}
+
+
+def _assert_equal(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def test_user_loop_rewinds_to_the_snapshot_bit_for_bit(tmp_path):
+    (tmp_path / "lowprec.yaml").write_text(CONFIG)
+    model = _llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 5))
+    session = Session.from_yaml(tmp_path / "lowprec.yaml", model, opt, scheduler=sched,
+                                event_log=tmp_path / "events.jsonl")
+    faults = Faults(model, [Injection(FaultKind.LOSS_SPIKE, start=27, stop=28, factor=1000.0)])
+    gen = torch.Generator().manual_seed(1)
+    taken: dict[int, dict] = {}          # the test's own copies, at every snapshot step
+    rewinds = []
+
+    # ---- the user's loop: nothing but forward, backward and session.step
+    for iteration in range(45):
+        if session.step_index % 5 == 0:
+            taken[session.step_index] = _state(model, opt, sched)
+        faults.tick(iteration)
+        ids = torch.randint(0, 96, (4, 16), generator=gen)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        result = session.step(loss)
+        if result.rewound_to is not None:
+            rewinds.append((result.step, result.rewound_to, _state(model, opt, sched)))
+    # ----
+
+    kinds = [e.kind for e in session.events]
+    assert "promote" in kinds and "rollback" in kinds and "rewind" in kinds, kinds
+    assert len(rewinds) == 1
+    at, back, after = rewinds[0]
+    assert back % 5 == 0 and back <= at - 10      # two checks back, on a snapshot step
+    _assert_equal(taken[back], after, "state after the rewind")
+    # after the rollback every site is back in bf16, and training went on from there
+    assert set(session.state.formats().values()) == {"bf16"}
+    assert session.step_index == 45 - (at + 1 - back)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_skip_step_leaves_adamw_untouched():
+    """A non-finite gradient: the optimizer never steps (AdamW's moments and step count stay)."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    from lowprec.plan import PrecisionPlan
+    from lowprec.rollout import parse_rollout
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plan = PrecisionPlan.from_dict({"backend": "emulated", "default": "fp8_tensorwise"})
+    rollout = parse_rollout({"check_every": 4, "stages": [{"name": "all", "select": {"glob": "*"},
+                                                            "format": "fp8_tensorwise"}]})
+    session = Session.build(model, opt, plan, rollout)
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        model(x).pow(2).mean().backward()
+        assert session.step(model(x).pow(2).mean().detach()).applied
+    before = _state(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0))
+    out = model(x).pow(2).mean() * float("nan")
+    out.backward()
+    result = session.step(out)
+    assert not result.applied and result.action == "skip_step"
+    _assert_equal(before["model"], _state(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0))["model"])
+    _assert_equal(before["optim"], copy.deepcopy(opt.state_dict()))
+    assert all(p.grad is None for p in model.parameters())
