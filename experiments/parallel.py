@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from experiments.train import forward_backward
+from lowprec.runtime.engine import forward_backward
 
 __all__ = ["ParallelConfig", "DataTensorParallel", "Pipeline", "GPTStage", "stage_bounds",
            "local_state", "grad_norm", "clip_"]
@@ -180,6 +180,7 @@ class DataTensorParallel:
 
     def __init__(self, model: nn.Module, mesh, microbatches: int):
         self.model, self.mesh, self.microbatches = model, mesh, microbatches
+        self.module = model
         self.dp, self.tp = mesh["dp"].size(), mesh["tp"].size()
         self.dp_group = mesh.get_group("dp")
         self.tp_group = mesh.get_group("tp")
