@@ -41,6 +41,7 @@ from typing import Any, Callable
 import torch.nn as nn
 import yaml
 
+from lowprec.configparse import ConfigError
 from lowprec.formats import FORMATS, Format, format_names, get_format, suggest
 from lowprec.quantize import check_layer_fits
 
@@ -54,17 +55,13 @@ RULE_KEYS = ("name", "select", "format", "ladder")
 PLAN_KEYS = ("backend", "default", "keep_high_precision", "rules", "fused")
 
 
-class PlanError(ValueError):
-    """A plan that cannot be used; `path` says where in the config (`precision.rules[1].format`)."""
+class PlanError(ConfigError):
+    """A plan that cannot be used; `path` says where in the config (`precision.rules[1].format`).
+
+    A ConfigError (`except ConfigError` catches it with every other config problem)."""
 
     def __init__(self, path: str, message: str):
-        self.path, self.message = path, message
-        super().__init__(f"{path}: {message}")
-
-    def under(self, prefix: str) -> "PlanError":
-        """This error with `prefix` in front of its path, unless the path already starts with it."""
-        return PlanError(self.path if self.path.startswith(prefix) else f"{prefix}.{self.path}".rstrip("."),
-                         self.message)
+        super().__init__(path, message)
 
 
 def _expect(ok: bool, v: Any, path: str, wanted: str, hint: str = "") -> Any:
