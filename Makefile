@@ -12,11 +12,23 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-.PHONY: setup run test bench
+.PHONY: setup run test test-fast bench
 setup: $(STAMP)
 
+# The main job: the default config's BF16 baseline, then its staged rollout (the loss-gap
+# baseline is that run, by name), then the CI gate between the two; tracked in ./mlflow.db.
+CONFIG ?= experiments/configs/default.yaml
 run: $(STAMP)
-	$(VENV)/bin/python -m experiments.run_default
+	@out=runs/main/$$(date +%Y%m%d-%H%M%S); \
+	$(VENV)/bin/lowprec run $(CONFIG) --as-baseline --run-name bf16-baseline --out $$out/bf16-baseline && \
+	$(VENV)/bin/lowprec run $(CONFIG) --out $$out/staged-rollout && \
+	{ $(VENV)/bin/lowprec gate --baseline $$(cat $$out/bf16-baseline/run_id) \
+	    --candidate $$(cat $$out/staged-rollout/run_id) --gates gates/default.yaml \
+	    --markdown $$out/gate.md --junit $$out/gate.xml; code=$$?; \
+	  echo "Gate verdict (exit $$code): $$(case $$code in 0) echo pass;; 1) echo REGRESSION;; *) echo unusable input;; esac)"; \
+	  echo "Open the UI: $(VENV)/bin/lowprec ui   (then http://127.0.0.1:5000)"; \
+	  echo "Pictures:    $(VENV)/bin/lowprec report $$(cat $$out/staged-rollout/run_id) --out $$out/report"; \
+	  [ $$code -le 1 ]; }
 
 # The MLflow UI screenshot test needs Debian's chromium: installed here where it is missing
 # and apt-get can (root); otherwise that test skips and says why.
@@ -28,6 +40,10 @@ test: $(STAMP)
 		echo "chromium could not be installed; the screenshot test will skip"; \
 	fi
 	$(VENV)/bin/python -m pytest -q -x --durations=15
+
+# For iteration: everything but the slow tests (under 2 minutes).
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -x -m "not slow"
 
 bench: $(STAMP)
 	$(VENV)/bin/python experiments/bench_quantize.py
