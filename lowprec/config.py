@@ -74,7 +74,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """`train:` steps, batches, optimizer (AdamW with linear warmup and cosine decay), checkpoints."""
+    """`train:` steps, batches, the optimizer (AdamW, linear learning-rate warmup), checkpoints, logging."""
     steps: int = 300
     batch_size: int = 16
     lr: float = 3e-3
