@@ -12,7 +12,8 @@ Every problem is a `ConfigError` whose `path` says where (`train.lr`,
 `rollout.stages[1].format`) and whose message says what was found, what is allowed and
 the fix. The checks, the same for every section:
 
-* unknown keys, with a did-you-mean and the allowed keys; missing required keys, named;
+* unknown keys, with a did-you-mean and the allowed keys (`check_keys`, also for sections
+  parsed by hand); missing required keys, named;
 * types from the field annotations: `int`, `float`, `bool`, `str`, `X | None`,
   `Literal[...]`, Enum subclasses (by value), nested dataclasses, `list[T]`,
   `tuple[T, ...]`, `dict[str, T]`, `Any`. A bool is never a number and a number never a
@@ -38,7 +39,7 @@ from typing import Any, TypeVar
 
 from lowprec.formats import suggest
 
-__all__ = ["ConfigError", "parse", "to_data", "describe_type"]
+__all__ = ["ConfigError", "parse", "check_keys", "to_data", "describe_type", "found"]
 
 T = TypeVar("T")
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
@@ -140,16 +141,16 @@ def _convert(tp: Any, v: Any, path: str) -> Any:
     if _is_union(tp):
         if v is None and type(None) in args:
             return None
-        options = [a for a in args if a is not type(None)]
+        options, hints = [a for a in args if a is not type(None)], []
         for a in options:
             try:
                 return _convert(a, v, path)
-            except _Mismatch:
-                continue
+            except _Mismatch as m:
+                hints.append(m.hint)
             except ConfigError:
                 if len(options) == 1:
                     raise
-        raise _Mismatch()
+        raise _Mismatch(next((h for h in hints if h), ""))
     if origin is typing.Literal:
         if any(v == a and type(v) is type(a) for a in args):
             return v
@@ -216,17 +217,23 @@ def _value(tp: Any, v: Any, path: str) -> Any:
         raise ConfigError(path, f"expected {describe_type(tp)}, found {found(v)}{m.hint}") from None
 
 
+def check_keys(data: Any, allowed: list[str], path: str) -> Mapping:
+    """`data` if it is a mapping whose keys are all in `allowed`; else a ConfigError (with a did-you-mean)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(path, f"expected a mapping with keys {', '.join(allowed)}, found {found(data)}")
+    for k in data:
+        if k not in allowed:
+            raise ConfigError(f"{path}.{k}" if path else str(k),
+                              f"unknown key {k!r}.{suggest(str(k), allowed)} Allowed keys: {', '.join(allowed)}.")
+    return data
+
+
 def parse(cls: type[T], data: Any, path: str) -> T:
     """A `cls` (a dataclass) from the mapping `data`, every field checked; ConfigError at `path` if not."""
     if isinstance(data, cls):
         return data
     fields = _init_fields(cls)
-    if not isinstance(data, Mapping):
-        raise ConfigError(path, f"expected a mapping with keys {', '.join(fields)}, found {found(data)}")
-    for k in data:
-        if k not in fields:
-            raise ConfigError(f"{path}.{k}" if path else str(k),
-                              f"unknown key {k!r}.{suggest(str(k), list(fields))} Allowed keys: {', '.join(fields)}.")
+    check_keys(data, list(fields), path)
     missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]
     if missing:
