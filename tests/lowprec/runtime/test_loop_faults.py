@@ -1,4 +1,4 @@
-"""Fault injection on a real small transformer training on Shakespeare.
+"""Fault injection on a real small transformer training on Shakespeare, through the one loop.
 
 Each fault is detected within two checks; the NaN and the overflow demote exactly the
 site they were injected into; the learning-rate spike rolls back the newest stage and
@@ -10,7 +10,8 @@ import copy
 
 import pytest
 
-from experiments.train import Injection, train
+from lowprec.runtime import Injection
+from lowprec.runtime.run import run_config
 from lowprec.events import EventKind
 
 CHECK = 10
@@ -18,8 +19,8 @@ SITE = "blocks.1.mlp.fc"
 BASE = {
     "model": {"factory": "experiments.model:build_gpt",
               "args": {"vocab_size": 256, "block_size": 64, "n_layer": 2, "n_head": 2, "d_model": 64}},
-    "train": {"steps": 120, "batch_size": 8, "lr": 3e-3, "warmup": 10, "ckpt_every": 10, "seed": 0,
-              "max_train_bytes": 400_000},
+    "data": {"factory": "experiments.data:shakespeare_tokens", "args": {"max_bytes": 400_000}, "block_size": 64},
+    "train": {"steps": 120, "batch_size": 8, "lr": 3e-3, "warmup": 10, "ckpt_every": 10, "seed": 0},
     "precision": {"backend": "emulated", "keep_high_precision": [{"fqns": ["lm_head"]}],
                   "rules": [{"name": "blocks", "select": {"glob": "blocks.*"}, "format": "bf16",
                              "ladder": ["fp8_tensorwise", "bf16"]}]},
@@ -28,6 +29,7 @@ BASE = {
                                "spike_min_history": 30},  # the first steps' grad norms swing widely
                 "stages": [{"name": "mlp_fp8", "select": {"glob": "blocks.*.mlp.*"}, "format": "fp8_tensorwise"},
                            {"name": "attn_fp8", "select": {"glob": "blocks.*.attn.*"}, "format": "fp8_tensorwise"}]},
+    "tracking": {"enabled": False},
 }
 
 
@@ -48,7 +50,7 @@ def changes(res):
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
-    return train(config(), tmp_path_factory.mktemp("clean"))
+    return run_config(config(), tmp_path_factory.mktemp("clean"))
 
 
 def test_clean_run_promotes_both_stages_and_falls_back_nowhere(clean):
@@ -58,7 +60,7 @@ def test_clean_run_promotes_both_stages_and_falls_back_nowhere(clean):
 
 
 def test_nan_in_one_site_output_demotes_exactly_that_site(tmp_path):
-    res = train(config(), tmp_path, injections=[Injection("nan", 40, 200, SITE)])
+    res = run_config(config(), tmp_path, faults=[Injection("nan", 40, 200, SITE)])
     falls = changes(res)
     assert falls, "no fallback"
     first = falls[0]
@@ -79,7 +81,7 @@ def test_overflow_in_one_site_demotes_exactly_that_site(tmp_path):
     cfg = config(**{"rollout.stats_every_step": True, "rollout.thresholds.max_saturated_frac": 1e-2,"precision.rules": [{"name": "blocks", "select": {"glob": "blocks.*"}, "format": "bf16",
                                          "ladder": ["fp8_delayed", "bf16"]}],
                     "rollout.stages": [{"name": "all_fp8", "select": {"glob": "blocks.*"}, "format": "fp8_delayed"}]})
-    res = train(cfg, tmp_path, injections=[Injection("overflow", 40, 200, SITE, factor=1e4, every=3)])
+    res = run_config(cfg, tmp_path, faults=[Injection("overflow", 40, 200, SITE, factor=1e4, every=3)])
     falls = changes(res)
     assert falls and falls[0].kind == EventKind.FALLBACK and falls[0].sites == (SITE,)
     assert falls[0].step <= 40 + 2 * CHECK
@@ -93,7 +95,7 @@ def test_lr_spike_rolls_back_rewinds_and_recovers(tmp_path, clean):
     # run, whose spread hides a spike; OLMo's 128 is meant for long runs.
     cfg = config(**{"rollout.rewind": {"enabled": True, "skip_batches": 5},
                     "rollout.thresholds.spike_window": 32})
-    res = train(cfg, tmp_path, injections=[Injection("lr_spike", 60, 64, factor=100.0)])
+    res = run_config(cfg, tmp_path, faults=[Injection("lr_spike", 60, 64, factor=100.0)])
     kinds = [e.kind for e in res.events]
     assert EventKind.ROLLBACK in kinds and EventKind.REWIND in kinds
     rb = next(e for e in res.events if e.kind == EventKind.ROLLBACK)
