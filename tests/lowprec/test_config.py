@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import lowprec.rollout
 from lowprec.config import DataConfig, EvalConfig, ModelConfig, RunConfig, TrackingConfig, TrainConfig
@@ -192,3 +194,47 @@ def test_to_dict_round_trips():
     assert yaml.safe_load(yaml.safe_dump(d)) == d    # plain data
     assert RunConfig.from_dict(d) == c
     assert d["train"]["lr"] == 0.003 and d["eval"]["gates"] == str(ROOT / "gates" / "inloop.yaml")
+
+
+# --- property: a default config with random keys replaced, added or removed loads or is a ConfigError ---
+
+_junk = st.recursive(st.none() | st.booleans() | st.integers(-3, 400) | st.floats(allow_nan=True)
+                     | st.sampled_from(["3e-3", "fast", "", "bf16", "fp8_tensorwise", "blocks.*", "a.b:c", "128"]),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                     max_leaves=8)
+
+
+def _paths(node, prefix=()) -> list[tuple]:
+    out = [prefix] if prefix else []
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        out += _paths(v, (*prefix, k))
+    return out
+
+
+_DEFAULT_PATHS = _paths(default_dict())
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(_DEFAULT_PATHS), st.sampled_from(["set", "del", "add"]), _junk,
+                          st.sampled_from(["steps", "lr", "factory", "gates", "mode", "glob", "format", "x"])),
+                max_size=3))
+def test_mutated_configs_load_or_raise_config_error(edits):
+    d = default_dict()
+    for path, op, value, new_key in edits:
+        parent = d
+        try:
+            for k in path[:-1]:
+                parent = parent[k]
+            if op == "set":
+                parent[path[-1]] = value
+            elif op == "del":
+                del parent[path[-1]]
+            elif isinstance(parent[path[-1]], dict):
+                parent[path[-1]][new_key] = value
+        except (KeyError, IndexError, TypeError):
+            continue   # an earlier edit removed or replaced this path
+    try:
+        RunConfig.from_dict(d, source=str(DEFAULT))
+    except ConfigError as e:
+        assert e.path and str(e).startswith(f"{e.path}: ")
