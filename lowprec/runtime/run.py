@@ -161,6 +161,9 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True) -> Prep
             raise ConfigError("data", "`lowprec run` needs a `data:` section with factory (returning a 1-D "
                               "token tensor or a batch source) and block_size; see docs/config.md")
         raw = _call(load_factory(cfg.data.factory, "data.factory", paths), dict(cfg.data.args or {}), "data")
+        if isinstance(raw, torch.Tensor) and cfg.data.block_size is None:
+            raise ConfigError("data.block_size", f"{cfg.data.factory} returns a token tensor, which is cut into "
+                              f"windows of block_size tokens: give data.block_size (e.g. the model's context length)")
         try:
             data = as_batch_source(raw, batch_size=tc.batch_size, block_size=cfg.data.block_size, seed=tc.seed)
         except (TypeError, ValueError) as e:
