@@ -1,4 +1,5 @@
-"""Two gloo ranks, a fault on one of them: both ranks take the same decisions.
+"""A user's DDP loop with `Session`, on two gloo ranks, a fault on one of them: both ranks
+take the same decisions.
 
 Rank 1 alone sees a NaN in one site's output. The grad norm after DDP's all-reduce is
 non-finite on both ranks, so both skip the step; the monitor's check combines the
@@ -14,12 +15,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from experiments.data import Batches, split_texts, tokens_of
+from experiments.data import split_texts, tokens_of
 from experiments.model import build_gpt
-from experiments.train import Injection
 from lowprec import prepare
 from lowprec.plan import PrecisionPlan
-from lowprec.rollout import RolloutSession, build_controller, parse_rollout
+from lowprec.rollout import build_controller, parse_rollout
+from lowprec.runtime import Injection, Session
+from lowprec.runtime.data import TokenBatches
 
 SITE = "blocks.1.mlp.fc"
 PLAN = {"backend": "emulated", "keep_high_precision": [{"fqns": ["lm_head"]}],
@@ -44,9 +46,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         state = prepare(model, PrecisionPlan.from_dict(PLAN), amax_group=dist.group.WORLD)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         ctl = build_controller(parse_rollout(ROLLOUT), state, model)
-        session = RolloutSession(state, ctl, event_log=f"{out_dir}/events_rank{rank}.jsonl")
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-        data = Batches(tokens_of(split_texts()[0], 200_000), 8, 32, seed=0, rank=rank, world=world)
+        session = Session(ddp, opt, state, ctl, max_grad_norm=1.0, event_log=f"{out_dir}/events_rank{rank}.jsonl")
+        data = TokenBatches(tokens_of(split_texts()[0], 200_000), 8, 32, seed=0, rank=rank, world=world)
         fault = Injection("nan", 20, 1000, SITE)
         site = model.get_submodule(SITE)
         step_ref = [0]
@@ -57,17 +59,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 out[..., 0] = float("nan")
                 return out
         site.register_forward_hook(inject, prepend=True)
-        for step in range(40):
+        for step in range(40):   # the user's loop: forward, backward, session.step
             step_ref[0] = step
-            session.before_step(step)
             x, y = data.next()
-            opt.zero_grad()
             _, loss = ddp(x, y)
             loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
-            decision = session.after_backward(step, loss, gn)
-            if decision.action == "continue":
-                opt.step()
+            session.step(loss)
         finite = all(torch.isfinite(p).all() for p in model.parameters())
         with open(f"{out_dir}/result_rank{rank}.json", "w") as f:
             json.dump({"formats": state.formats(), "finite": bool(finite)}, f)
