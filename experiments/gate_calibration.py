@@ -27,25 +27,27 @@ import json
 import random
 from pathlib import Path
 
-from experiments.run_default import baseline_config
-from experiments.train import load, train
+from dataclasses import replace
+
+from lowprec.config import RunConfig
+from lowprec.runtime.run import high_precision_baseline, run_config
 from gates import GateSpec, Scores, check_all
 from gates.gate import HIGHER_IS_BETTER, REGRESS
 
 
-def seed_run(cfg: dict, seed: int, out: Path, steps: int | None) -> dict:
+def seed_run(cfg: RunConfig, seed: int, out: Path, steps: int | None) -> dict:
     """Train and evaluate one seed (or read what an earlier call left in `out`)."""
     path = out / f"seed{seed}.json"
     if path.is_file():
         return json.loads(path.read_text())
-    run_cfg = baseline_config(cfg)
-    run_cfg["train"] = {**run_cfg.get("train", {}), "seed": seed}
-    run_cfg["eval"] = {**run_cfg.get("eval", {}), "every": 0, "high_precision": False, "gates": None,
-                       "final_mode": "full"}
-    res = train(run_cfg, out / f"seed{seed}", steps=steps)
+    base = high_precision_baseline(cfg)
+    run_cfg = replace(base, train=replace(base.train, seed=seed), eval=replace(base.eval, final_mode="full"),
+                      tracking=replace(base.tracking, enabled=False))
+    res = run_config(run_cfg, out / f"seed{seed}", steps=steps)
     ev = res.final_eval
+    n = {task: len(next(iter(per.values()), {})) for task, per in ev.samples.items()}
     data = {"seed": seed, "final_loss": sum(res.losses[-50:]) / len(res.losses[-50:]),
-            "results": ev.results, "samples": ev.samples, "n": ev.n}
+            "results": ev.results, "samples": ev.samples, "n": n}
     path.write_text(json.dumps(data))
     return data
 
@@ -82,7 +84,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = load(args.config)
+    cfg = RunConfig.from_yaml(args.config)
     spec = GateSpec.from_yaml(args.gates)
     runs = {s: seed_run(cfg, s, out, args.steps) for s in args.seeds}
     scores = {s: Scores.from_eval(r["results"], r["samples"], source=f"seed {s}") for s, r in runs.items()}

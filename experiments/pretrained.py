@@ -18,8 +18,8 @@ to any YAML with a `precision:` section. The baseline is itself a dequantized Q4
 with the config's plan and its rollout controller on, printing the loss, the controller's
 events, the share of GEMM FLOPs per format, held-out loss before and after, and seconds
 per step; `--baseline` first runs the same steps in BF16 without the controller and gives
-the rollout that loss curve (the controller's loss-gap check). It reuses experiments.train's
-TrainConfig, learning-rate schedule and forward/backward; there are no checkpoints (a
+the rollout that loss curve (the controller's loss-gap check). Its loop is a user's loop
+with lowprec.runtime.Session; there are no checkpoints (a
 rewind decision skips the step instead). `step-time` times one training step with every
 plan site in BF16, FP8 and NVFP4.
 

@@ -3,12 +3,11 @@
     python -m experiments.pretrained finetune [--steps 32] [--baseline] [--config experiments/configs/smollm2_rollout.yaml]
 
 The config is a training config like experiments/configs/default.yaml: `model:` (the
-factory experiments.smollm2:load_model), `train:` (experiments.train.TrainConfig),
+factory experiments.smollm2:load_model), `train:` (lowprec.config.TrainConfig),
 `finetune:` (FinetuneSettings: sequence length, held-out batches), `precision:` and
-`rollout:`. The loop is experiments.train's (its learning-rate schedule and
-forward/backward are reused): `session.before_step`, forward and backward, clip,
-`session.after_backward`, obey the decision. Without checkpoints a "rewind" decision
-skips the step (the config turns rewinds off). The text is the Shakespeare training
+`rollout:`. The loop is a user's loop with `lowprec.runtime.Session`: forward and
+backward, `session.step(loss)` (which clips, decides, steps or skips, and keeps the
+warmup schedule). The config turns rewinds off (a 135M model's snapshots cost 1.6 GB). The text is the Shakespeare training
 split of experiments.data, tokenized with SmolLM2's own tokenizer; the held-out loss
 is measured on the held-out plays before and after, in the final precision map and with
 the same weights in high precision.
@@ -16,18 +15,22 @@ the same weights in high precision.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
+import yaml
 import torch.nn.functional as F
 from torch import nn
 
 from experiments import smollm2
 from experiments.data import Batches, split_texts
-from experiments.train import TrainConfig, backward_and_decide, forward_backward, load, lr_at
+from lowprec.config import TrainConfig
+from lowprec.configparse import parse as parse_section
+from lowprec.runtime.engine import forward_backward
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "smollm2_rollout.yaml"
 _KEYS = ("model", "train", "finetune", "precision", "rollout")
@@ -37,6 +40,8 @@ _KEYS = ("model", "train", "finetune", "precision", "rollout")
 class FinetuneSettings:
     seq_len: int = 64        # tokens per sequence
     eval_batches: int = 4    # held-out batches (of train.batch_size sequences) before and after
+    max_train_bytes: int | None = 300_000   # of the Shakespeare training split
+    loss_gap: float = 0.02   # the controller's loss-gap threshold when a baseline curve is given
 
     def __post_init__(self) -> None:
         if self.seq_len < 2 or self.eval_batches < 0:
@@ -58,7 +63,7 @@ class FinetuneResult:
 
 
 class CausalLMLoss(nn.Module):
-    """`(logits, loss) = module(x, y)`, the shape experiments.train.forward_backward expects."""
+    """`(logits, loss) = module(x, y)`, the shape lowprec.runtime.engine.forward_backward expects."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
@@ -96,7 +101,8 @@ def parse(cfg: dict) -> tuple[TrainConfig, FinetuneSettings]:
     if unknown or "precision" not in cfg or "rollout" not in cfg:
         raise ValueError(f"a fine-tune config has the sections {', '.join(_KEYS)} (precision and rollout "
                          f"required); found {', '.join(map(str, cfg))}. See {DEFAULT_CONFIG.name}")
-    return TrainConfig(**(cfg.get("train") or {})), FinetuneSettings(**(cfg.get("finetune") or {}))
+    return (parse_section(TrainConfig, cfg.get("train") or {}, "train"),
+            parse_section(FinetuneSettings, cfg.get("finetune") or {}, "finetune"))
 
 
 def finetune(cfg: dict, out_dir: str | Path, *, steps: int | None = None, controller: bool = True,
@@ -105,7 +111,9 @@ def finetune(cfg: dict, out_dir: str | Path, *, steps: int | None = None, contro
     `baseline` ({step: loss}, e.g. the same run in BF16) turns the controller's loss-gap check on."""
     from lowprec import prepare
     from lowprec.plan import PrecisionPlan
-    from lowprec.rollout import RolloutSession, build_controller, parse_rollout
+    from lowprec.rollout import build_controller, parse_rollout
+    from lowprec.runtime.loop import warmup_schedule
+    from lowprec.runtime.session import Session
 
     tc, fs = parse(cfg)
     n_steps = tc.steps if steps is None else steps
@@ -115,7 +123,7 @@ def finetune(cfg: dict, out_dir: str | Path, *, steps: int | None = None, contro
     torch.manual_seed(tc.seed)
     t0 = time.perf_counter()
     lm, tokenizer = smollm2.load_model(), smollm2.load_tokenizer()
-    train_tokens, held_tokens = shakespeare_tokens(tokenizer, tc.max_train_bytes)
+    train_tokens, held_tokens = shakespeare_tokens(tokenizer, fs.max_train_bytes)
     log(f"loaded the model in {time.perf_counter() - t0:.0f} s; {len(train_tokens)} training tokens, "
         f"{len(held_tokens)} held-out tokens")
     state = prepare(lm, PrecisionPlan.from_dict(cfg["precision"]), seed=tc.seed)
@@ -124,29 +132,36 @@ def finetune(cfg: dict, out_dir: str | Path, *, steps: int | None = None, contro
     data = Batches(train_tokens, tc.batch_size, fs.seq_len, seed=tc.seed)
     held = Batches(held_tokens, tc.batch_size, fs.seq_len, seed=tc.seed + 1)
     held_batches = [held.batch(i) for i in range(fs.eval_batches)]
-    session = None
+    ctl = None
     if controller:
-        ctl = build_controller(parse_rollout(cfg["rollout"]), state, lm, baseline=baseline)
-        session = RolloutSession(state, ctl, event_log=out / "events.jsonl",
-                                 on_events=lambda evs: [log("  event " + e.summary()) for e in evs])
+        rollout = dict(cfg["rollout"])
+        if baseline is not None:   # the loss gap to the same steps in BF16, from a file the config names
+            curve = out / "baseline_losses.json"
+            curve.write_text(json.dumps([baseline[i] for i in sorted(baseline)]))
+            rollout["baseline"] = {"losses": str(curve)}
+            rollout["thresholds"] = {**(rollout.get("thresholds") or {}), "loss_gap": fs.loss_gap}
+        ctl = build_controller(parse_rollout(rollout), state, lm, baseline=baseline)
+    sched = warmup_schedule(opt, tc.warmup)
+    session = Session(model, opt, state, ctl, scheduler=sched, max_grad_norm=tc.grad_clip,
+                      event_log=out / "events.jsonl" if ctl is not None else None,
+                      on_events=lambda evs: [log("  event " + e.summary()) for e in evs])
     res = FinetuneResult()
     state.collect_stats(False)
     res.heldout_before = mean_loss(model, held_batches)
     log(f"held-out loss before: {res.heldout_before:.4f} ({fs.eval_batches} batches of "
         f"{tc.batch_size} x {fs.seq_len} tokens)")
+    session.resume_statistics()
     t_loop = time.perf_counter()
-    for step in range(n_steps):
+    for step in range(n_steps):   # a user's loop: forward, backward, session.step
         t_step = time.perf_counter()
-        lr = lr_at(tc, step)
-        loss, gnorm, decision = backward_and_decide(model, opt, data, session, tc, step, lr)
-        if decision is not None and decision.action in ("skip_step", "rewind"):
-            opt.zero_grad(set_to_none=True)
-            res.skipped_steps += 1
-        else:
-            opt.step()
+        lr = opt.param_groups[0]["lr"]
+        x, y = data.next()
+        loss = forward_backward(model, x, y)
+        result = session.step(loss)
+        res.skipped_steps += not result.applied
         res.losses.append(float(loss))
         share = ", ".join(f"{k} {v:.0%}" for k, v in sorted(state.flops_share().items()))
-        log(f"step {step:3d}  loss {res.losses[-1]:.4f}  grad norm {float(gnorm):.3f}  lr {lr:.2e}  "
+        log(f"step {step:3d}  loss {res.losses[-1]:.4f}  grad norm {float(result.grad_norm):.3f}  lr {lr:.2e}  "
             f"{time.perf_counter() - t_step:.1f} s  [{share}]")
     res.seconds_per_step = (time.perf_counter() - t_loop) / max(n_steps, 1)
     state.collect_stats(False)
@@ -154,7 +169,7 @@ def finetune(cfg: dict, out_dir: str | Path, *, steps: int | None = None, contro
     with state.high_precision():
         res.heldout_after_hp = mean_loss(model, held_batches)
     res.flops_share, res.formats = state.flops_share(), state.formats()
-    res.events = list(session.events) if session is not None else []
+    res.events = list(session.events)
     return res
 
 
@@ -204,7 +219,7 @@ def main_finetune(config: str | Path, out: str | Path, steps: int | None, contro
                   with_baseline: bool = False) -> FinetuneResult:
     """The fine-tune, printed; with_baseline first runs the same steps with the plan's starting
     formats and no controller (BF16 here), and gives the rollout that loss curve to watch."""
-    cfg, rows = load(config), []
+    cfg, rows = yaml.safe_load(Path(config).read_text()), []
     base = None
     if with_baseline:
         print("baseline: the same fine-tune with the plan's starting formats, no controller", flush=True)

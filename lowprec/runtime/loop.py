@@ -149,7 +149,7 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
                 outcome = evals.evaluate(step + 1)   # after step+1 updates; the controller hears the verdict
                 if outcome is not None and session.after_eval(step + 1, outcome).changes and tracker is not None:
                     tracker.log_precision(step + 1, state.formats(), state.flops_share())
-                session._prepare(session.step_index)
+                session.resume_statistics()
     finally:
         injected.remove()
         session.close()

@@ -148,6 +148,13 @@ class Session:
     def _prepare(self, step: int) -> None:
         if self.monitor is not None:
             self.monitor.before_step(step)   # statistics on check steps only
+        else:
+            self.state.collect_stats(False)
+
+    def resume_statistics(self) -> None:
+        """After something switched quantizer statistics off (an evaluation), set them as the
+        current step wants them (on for check steps only)."""
+        self._prepare(self.step_index)
 
     def step(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> StepResult:
         """Conclude the current step after backward: see the module docstring."""
@@ -209,7 +216,7 @@ class Session:
         if self.controller is None:
             return Decision()
         decision = self._carry_out(self.controller.observe_gate(step, result))
-        self._prepare(self.step_index)   # evals switch statistics off
+        self.resume_statistics()   # evals switch statistics off
         return decision
 
     def _carry_out(self, decision: Decision) -> Decision:

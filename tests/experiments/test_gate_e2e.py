@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.train import train
+from lowprec.runtime.run import run_config
 from lowprec.tracking import Tracker
 
 pytestmark = pytest.mark.slow
@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 CFG = {
     "model": {"factory": "experiments.model:build_gpt",
               "args": {"vocab_size": 256, "block_size": 64, "n_layer": 2, "n_head": 2, "d_model": 64}},
+    "data": {"factory": "experiments.data:shakespeare_tokens", "args": {"max_bytes": 2_000_000}, "block_size": 64},
     "train": {"steps": 150, "batch_size": 16, "lr": 3e-3, "warmup": 10, "ckpt_every": 1000, "seed": 0},
     "precision": {"backend": "emulated", "rules": [
         {"name": "every_linear", "select": {"module_type": "Linear"}, "format": "bf16"}]},
@@ -59,7 +60,7 @@ def store(tmp_path_factory):
                       ("fp8", _config("fp8_tensorwise", "bf16")),
                       ("fp4_planted", _config("fp4_tensorwise", "fp4_tensorwise"))):
         tracker = Tracker(uri, "gate-e2e", name, buffer_dir=root / name / "tracking")
-        res = train(cfg, root / name, controller=False, tracker=tracker)
+        res = run_config(cfg, root / name, controller=False, tracker=tracker)
         tracker.finish("FINISHED")
         runs[name] = (tracker.run_id, res)
     gates = root / "gates.yaml"
