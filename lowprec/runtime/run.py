@@ -40,8 +40,7 @@ class PreparedRun:
     controller: Any                  # RolloutController | None
     data: Any                        # BatchSource
     baseline: dict[int, float] | None
-    evaluator: Any = None
-    checker: Any = None
+    evals: Any = None                # EvalCheckpoints, when the config has an eval: section
 
 
 def _stdlib_dirs() -> list[Path]:
@@ -170,15 +169,18 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True) -> Prep
             raise ConfigError("data.factory", str(e)) from None
     prepared = PreparedRun(cfg, model, state, ctl, data, baseline)
     if cfg.eval is not None:
-        from lowprec.runtime.evals import EVALUATORS, GATE_CHECKERS, load_entry_point
+        from lowprec.runtime.evals import EVALUATORS, GATE_CHECKERS, EvalCheckpoints, load_entry_point
         try:
             ev_cls = load_entry_point(EVALUATORS, cfg.eval.evaluator)
             if hasattr(ev_cls, "check_config"):
                 ev_cls.check_config(cfg.eval)
-            max_len = cfg.data.block_size if cfg.data is not None else 256
-            prepared.evaluator = ev_cls(cfg.eval, model, max_length=max_len)
-            if cfg.eval.gates:
-                prepared.checker = load_entry_point(GATE_CHECKERS, "default")(cfg.eval.gates)
+            max_len = cfg.data.block_size if cfg.data is not None and cfg.data.block_size else 256
+            evaluator = ev_cls(cfg.eval, model, max_length=max_len)
+            checker = load_entry_point(GATE_CHECKERS, "default")(cfg.eval.gates) if cfg.eval.gates else None
+            # checks that the gate's metrics are ones the evaluator produces here
+            prepared.evals = EvalCheckpoints(cfg.eval, evaluator, checker, state)
+        except ConfigError:
+            raise
         except (LookupError, ValueError, KeyError, FileNotFoundError) as e:
             raise ConfigError("eval", str(e).strip("'\"")) from None
     return prepared
@@ -188,14 +190,13 @@ def execute(prepared: PreparedRun, out: str | Path, *, tracker=None, resume: boo
             steps: int | None = None):
     """Train a prepared run through the one loop (single process); returns its RunResult."""
     from lowprec.runtime.engine import SingleProcess
-    from lowprec.runtime.evals import EvalCheckpoints
     from lowprec.runtime.loop import train
 
     cfg = prepared.config
-    evals = None
-    if prepared.evaluator is not None:
-        evals = EvalCheckpoints(cfg.eval, prepared.evaluator, prepared.checker, prepared.state, tracker=tracker)
-        if prepared.controller is not None and prepared.checker is not None:
+    evals = prepared.evals
+    if evals is not None:
+        evals.tracker = tracker
+        if prepared.controller is not None and evals.checker is not None:
             prepared.controller.gate = evals.gate
     return train(cfg.train, SingleProcess(prepared.model, cfg.train.microbatches), prepared.state, prepared.data,
                  out_dir=out, controller=prepared.controller, rollout=cfg.rollout, tracker=tracker, evals=evals,

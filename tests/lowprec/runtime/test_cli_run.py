@@ -1,0 +1,141 @@
+"""`lowprec plan` and `lowprec run` reject the same configs, with the same message, exit 2.
+
+`plan` promises to validate a config exactly as `run` does before step 0. Every bad config
+below is walked through both commands (in process, for speed; two of them again as real
+subprocesses, to see the exit code and that no traceback reaches the user).
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lowprec.cli import main
+
+MODEL = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab, width):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x, y):
+        h = self.embed(x)
+        h = h + self.down(F.gelu(self.up(h)))
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def build(vocab=64, width=32):
+    return TinyLM(vocab, width)
+
+
+def tokens(n=4000):
+    return torch.arange(n) % 64
+'''
+
+GOOD = {
+    "model": {"factory": "tinylm:build", "args": {"vocab": 64, "width": 32}},
+    "data": {"factory": "tinylm:tokens", "block_size": 16},
+    "train": {"steps": 4, "batch_size": 4, "warmup": 2, "ckpt_every": 2, "log_every": 2},
+    "precision": {"backend": "emulated", "default": "bf16", "keep_high_precision": [{"fqns": ["head"]}],
+                  "rules": [{"name": "mlp", "select": {"fqns": ["up", "down"]}, "format": "bf16",
+                             "ladder": ["fp8_tensorwise", "bf16"]}]},
+    "rollout": {"check_every": 2, "min_steps": 2,
+                "stages": [{"name": "mlp", "select": {"fqns": ["up", "down"]}, "format": "fp8_tensorwise"}]},
+    "tracking": {"enabled": False},
+}
+
+# name: (change, a piece of the message)
+BAD = {
+    "string_lr": ({"train.lr": "fast"}, "train.lr"),
+    "zero_steps": ({"train.steps": 0}, "train.steps"),
+    "unknown_section": ({"trian": {}}, "trian"),
+    "stdlib_factory": ({"model.factory": "os:system"}, "standard library"),
+    "missing_function": ({"model.factory": "tinylm:nope"}, "nope"),
+    "missing_module": ({"model.factory": "no_such_module:build"}, "no_such_module"),
+    "bad_model_arg_type": ({"model.args": {"vocab": 64, "width": "wide"}}, "model.args"),
+    "unknown_model_arg": ({"model.args": {"vocab": 64, "colour": 1}}, "colour"),
+    "not_a_module": ({"model.factory": "tinylm:tokens"}, "not a torch.nn.Module"),
+    "unknown_format": ({"precision.rules": [{"name": "mlp", "select": {"fqns": ["up"]}, "format": "fp9"}]}, "fp9"),
+    "stage_selects_nothing": ({"rollout.stages": [{"name": "x", "select": {"glob": "nothing.*"},
+                                                   "format": "fp8_tensorwise"}]}, "selects no"),
+    "stage_format_off_ladder": ({"rollout.stages": [{"name": "x", "select": {"fqns": ["up"]}, "format": "nvfp4"}]},
+                                "ladder"),
+    "missing_baseline_file": ({"rollout.baseline": {"losses": "missing.json"}}, "missing.json"),
+    "loss_gap_without_baseline": ({"rollout.thresholds": {"loss_gap": 0.01}}, "baseline"),
+    "missing_data_function": ({"data.factory": "tinylm:nothing"}, "nothing"),
+    "no_block_size": ({"data": {"factory": "tinylm:tokens"}}, "data.block_size"),
+    "missing_gate_file": ({"eval": {"suite": "shakespeare", "gates": "no_such_gates.yaml"}}, "no_such_gates.yaml"),
+    "unknown_suite": ({"eval": {"suite": "no_such_suite", "gates": None}}, "no_such_suite"),
+    "unknown_evaluator": ({"eval": {"evaluator": "no_such_evaluator", "gates": None}}, "no_such_evaluator"),
+    "gate_on_absent_task": ({"eval": {"suite": "shakespeare", "gates": "absent_task_gates.yaml"}}, "no_such_task"),
+    "empty_experiment": ({"tracking": {"experiment": ""}}, "tracking.experiment"),
+}
+
+
+def _config(change: dict) -> dict:
+    cfg = copy.deepcopy(GOOD)
+    for path, value in change.items():
+        node = cfg
+        *head, last = path.split(".")
+        for k in head:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return cfg
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    (tmp_path / "tinylm.py").write_text(MODEL)
+    (tmp_path / "absent_task_gates.yaml").write_text(
+        "gates:\n  - {metric: eval/no_such_task/bits_per_byte, direction: lower_is_better, "
+        "max_regression: {relative: 0.03}}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_the_good_config_plans_and_runs(project, capsys):
+    (project / "good.yaml").write_text(yaml.safe_dump(GOOD))
+    assert main(["plan", "good.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "up" in out and "fp8_tensorwise" in out and "rollout stages" in out
+    assert main(["run", "good.yaml", "--out", "run"]) == 0
+    assert (project / "run" / "losses.json").is_file()
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_plan_and_run_reject_the_same_bad_config(project, capsys, name):
+    change, expected = BAD[name]
+    path = project / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(_config(change)))
+    assert main(["plan", str(path)]) == 2
+    plan_err = capsys.readouterr().err
+    assert main(["run", str(path), "--out", str(project / "out")]) == 2
+    run_err = capsys.readouterr().err
+    assert expected in plan_err, plan_err
+    assert plan_err.replace("lowprec plan:", "") == run_err.replace("lowprec run:", "")
+    assert not (project / "out" / "checkpoints").exists()   # nothing was trained or written
+
+
+@pytest.mark.parametrize("name", ["string_lr", "stdlib_factory"])
+def test_as_a_subprocess_no_traceback(project, name):
+    path = project / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(_config(BAD[name][0])))
+    for cmd in ("plan", "run"):
+        p = subprocess.run([sys.executable, "-m", "lowprec.cli", cmd, str(path)], cwd=project,
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        assert p.stderr.startswith(f"lowprec {cmd}: ")
+    assert not (project / "runs").exists()
