@@ -10,6 +10,9 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0
 	$(VENV)/bin/pip install -q -e '.[dev]'
+	@# a build leaves lowprec.egg-info here; from this folder it would shadow the installed
+	@# metadata (and its entry points) once pyproject.toml changes
+	rm -rf lowprec.egg-info
 	touch $(STAMP)
 
 .PHONY: setup run test test-fast bench

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -77,9 +78,17 @@ tracking: {uri: "sqlite:///TMP/mlflow.db", experiment: wheel-test, run_name: my-
 
 
 def test_wheel_in_a_fresh_venv_runs_a_users_config(tmp_path):
+    # build from a copy of the tracked files: what a release builds, and no build output left here
+    src = tmp_path / "src"
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    for f in filter(None, files):
+        rel = Path(f.decode())
+        if (ROOT / rel).is_file():
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, src / rel)
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
-                    str(ROOT)], check=True, capture_output=True, timeout=300)
+                    str(src)], check=True, capture_output=True, timeout=300)
     wheel = next(dist.glob("lowprec-*.whl"))
     venv = tmp_path / "venv"
     subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(venv)],
