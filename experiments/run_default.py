@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from experiments.train import load, train
-from lowprec.tracking import Tracker
+from lowprec.tracking.tracker import Tracker
 
 
 def baseline_config(cfg: dict) -> dict:

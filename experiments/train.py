@@ -215,7 +215,7 @@ def _install(model, inj: list[Injection], step_ref: list[int]):
 def train(cfg: dict, out_dir: str | Path, *, injections: list[Injection] = (), controller: bool = True,
           steps: int | None = None, baseline: dict[int, float] | None = None, resume: bool = False,
           tracker=None) -> RunResult:
-    """Train as `cfg` says; `tracker` (a lowprec.tracking.Tracker) gets config, metrics,
+    """Train as `cfg` says; `tracker` (a lowprec.tracking.tracker.Tracker) gets config, metrics,
     signals, events and the precision map; `baseline` is a {step: loss} curve."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ from gates.report import junit_xml, markdown, table
 from gates.runs import load_scores, open_client
 from gates.spec import GateSpec
 
-from lowprec.cli_tracking import default_tracking_uri
+from lowprec.tracking.cli import default_tracking_uri
 
 __all__ = ["GateArgs", "run", "main", "EXIT_PASS", "EXIT_REGRESS", "EXIT_UNUSABLE"]
 

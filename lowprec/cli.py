@@ -1,6 +1,6 @@
 """The `lowprec` command line: `lowprec plan CONFIG`, `gate`, `report RUN_ID`, `ui`, `sync RUN_DIR`.
 
-(`report`, `ui` and `sync` live in lowprec.cli_tracking; more commands land with their features.)
+(`report`, `ui` and `sync` live in lowprec.tracking.cli; more commands land with their features.)
 
 `gate` compares a candidate run with a baseline run stored in MLflow (exit 0 pass, 1
 regression, 2 unusable input). Its arguments are declared here; the work is done by the
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("config", help="training config YAML with model: and precision: sections")
     p_plan.set_defaults(func=_cmd_plan)
     _add_gate_command(sub)
-    from lowprec.cli_tracking import add_tracking_commands  # report, ui, sync
+    from lowprec.tracking.cli import add_tracking_commands  # report, ui, sync
     add_tracking_commands(sub)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -1,7 +1,7 @@
 """`lowprec report | ui | sync`: the command-line side of tracking (registered by lowprec.cli).
 
     lowprec report RUN_ID [--tracking-uri URI] [--out DIR] [--baseline-run RUN_ID]
-        reads a run from MLflow and writes the rollout pictures (lowprec.report) as PNGs.
+        reads a run from MLflow and writes the rollout pictures (lowprec.tracking.report) as PNGs.
     lowprec ui [--tracking-uri sqlite:///mlflow.db] [--port 5000] [--artifacts-destination URI]
         starts `mlflow server` on that store, bound to 127.0.0.1 only (Ctrl+C stops it).
     lowprec sync RUN_DIR [--tracking-uri URI] [--timeout S]
@@ -55,8 +55,8 @@ def _cmd_report(args) -> int:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from lowprec.report import render_report
-    from lowprec.report_sources import from_mlflow
+    from lowprec.tracking.report import render_report
+    from lowprec.tracking.report_sources import from_mlflow
 
     uri = args.tracking_uri or default_tracking_uri()
     out = Path(args.out or f"report-{args.run_id[:8]}")
@@ -67,7 +67,7 @@ def _cmd_report(args) -> int:
         return 2
     if not data.initial and not data.metrics:
         print(f"lowprec report: run {args.run_id} has no precision map and no train/eval metrics: "
-              f"was it logged by lowprec.tracking.Tracker?", file=sys.stderr)
+              f"was it logged by lowprec.tracking.tracker.Tracker?", file=sys.stderr)
         return 2
     for path in render_report(data, out):
         print(path)
@@ -103,7 +103,7 @@ def _cmd_ui(args) -> int:
 
 
 def _cmd_sync(args) -> int:
-    from lowprec.outbox import sync_run_dir
+    from lowprec.tracking.outbox import sync_run_dir
 
     try:
         res = sync_run_dir(args.run_dir, tracking_uri=args.tracking_uri, timeout=args.timeout)
