@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["add_tracking_commands", "default_tracking_uri", "ui_command"]
+__all__ = ["add_commands", "default_tracking_uri", "ui_command"]
 
 
 def default_tracking_uri() -> str:
@@ -27,7 +27,8 @@ def default_tracking_uri() -> str:
     return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
-def add_tracking_commands(sub) -> None:
+def add_commands(sub) -> None:
+    """Register `report`, `ui` and `sync` on lowprec's subparsers (a registrar of lowprec.cli)."""
     p = sub.add_parser("report", help="draw a run's precision timeline, loss, signals and evals as PNGs")
     p.add_argument("run_id", help="MLflow run id")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: sqlite:///<cwd>/mlflow.db)")
