@@ -67,8 +67,12 @@ def evaluate(args: GateArgs) -> tuple[GateSummary, str, str]:
     return summarize(check_all(spec, base, cand)), base.source, cand.source
 
 
-def run(args: GateArgs, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """The whole command; returns the exit status."""
+def run(args: GateArgs, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """The whole command; returns the exit status. `out`/`err` default to sys.stdout/sys.stderr
+    as they are at the call (not at import: this module is loaded whenever `lowprec` builds its
+    parser, possibly while a caller has redirected them)."""
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
     if args.inconclusive not in ("pass", "fail"):
         print(f"lowprec gate: --inconclusive must be pass or fail, got {args.inconclusive!r}", file=err)
         return EXIT_UNUSABLE
