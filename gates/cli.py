@@ -3,8 +3,9 @@
     lowprec gate --baseline RUN --candidate RUN --gates FILE [--tracking-uri URI] [--step N]
                  [--markdown FILE] [--junit FILE] [--inconclusive {pass,fail}]
 
-The arguments are declared in lowprec.cli (so that `lowprec --help` stays fast); this module
-does the work when the command runs: it reads the gate file (gates.spec), each run's eval
+`register(subparsers)` adds the command to `lowprec`'s parser: pyproject.toml declares it in
+the entry point group `lowprec.commands` (`gate = "gates.cli:register"`), which lowprec.cli
+reads, so lowprec never imports gates. When the command runs, this module reads the gate file (gates.spec), each run's eval
 metrics and per-example scores (gates.runs), checks every gate (gates.gate), prints the table,
 appends Markdown to `--markdown` (append, so `$GITHUB_STEP_SUMMARY` keeps what other steps
 wrote) and writes JUnit XML to `--junit`.
@@ -28,9 +29,9 @@ from gates.report import junit_xml, markdown, table
 from gates.runs import load_scores, open_client
 from gates.spec import GateSpec
 
-from lowprec.cli_tracking import default_tracking_uri
+from lowprec.tracking.cli import default_tracking_uri
 
-__all__ = ["GateArgs", "run", "main", "EXIT_PASS", "EXIT_REGRESS", "EXIT_UNUSABLE"]
+__all__ = ["GateArgs", "register", "run", "main", "EXIT_PASS", "EXIT_REGRESS", "EXIT_UNUSABLE"]
 
 EXIT_PASS, EXIT_REGRESS, EXIT_UNUSABLE = 0, 1, 2
 
@@ -66,8 +67,12 @@ def evaluate(args: GateArgs) -> tuple[GateSummary, str, str]:
     return summarize(check_all(spec, base, cand)), base.source, cand.source
 
 
-def run(args: GateArgs, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """The whole command; returns the exit status."""
+def run(args: GateArgs, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """The whole command; returns the exit status. `out`/`err` default to sys.stdout/sys.stderr
+    as they are at the call (not at import: this module is loaded whenever `lowprec` builds its
+    parser, possibly while a caller has redirected them)."""
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
     if args.inconclusive not in ("pass", "fail"):
         print(f"lowprec gate: --inconclusive must be pass or fail, got {args.inconclusive!r}", file=err)
         return EXIT_UNUSABLE
@@ -96,5 +101,28 @@ def run(args: GateArgs, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> i
 
 
 def main(ns) -> int:
-    """Entry from lowprec.cli's `gate` handler (an argparse Namespace)."""
+    """The `gate` command's handler: an argparse Namespace with GateArgs' fields."""
     return run(GateArgs.from_namespace(ns))
+
+
+def register(sub) -> None:
+    """Add `gate` to lowprec's subparsers (the `lowprec.commands` entry point)."""
+    p = sub.add_parser("gate", help="compare a candidate run with a baseline run, gate by gate (exit 0 pass, "
+                       "1 regression, 2 unusable input)",
+                       description="Compare a candidate run's eval metrics with a baseline run's, stored in "
+                       "MLflow, against the gates of a gate file (see docs/gates.md). Exit status: 0 pass, "
+                       "1 regression, 2 unusable input.")
+    p.add_argument("--baseline", required=True, metavar="RUN", help="baseline MLflow run id (or unique run name)")
+    p.add_argument("--candidate", required=True, metavar="RUN", help="candidate MLflow run id (or unique run name)")
+    p.add_argument("--gates", required=True, metavar="FILE", help="gate file (YAML), e.g. gates/default.yaml")
+    p.add_argument("--tracking-uri", default=None, metavar="URI",
+                   help="MLflow tracking URI (default: sqlite:///<current directory>/mlflow.db)")
+    p.add_argument("--step", type=int, default=None, metavar="N",
+                   help="compare the evals at step N in both runs (default: each run's last step at which "
+                   "every gated metric was evaluated)")
+    p.add_argument("--markdown", default=None, metavar="FILE",
+                   help="append a Markdown summary to FILE (e.g. \"$GITHUB_STEP_SUMMARY\")")
+    p.add_argument("--junit", default=None, metavar="FILE", help="write JUnit XML (one testcase per gate) to FILE")
+    p.add_argument("--inconclusive", choices=("pass", "fail"), default="pass",
+                   help="whether an inconclusive gate fails the command (default: pass; in JUnit it is skipped)")
+    p.set_defaults(func=main)

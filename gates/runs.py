@@ -4,7 +4,7 @@
     scores = load_scores("http://127.0.0.1:5000", run_id, metrics=spec.metrics, step=300)
 
 Values and stderrs are the run's metrics (`eval/<task>/<metric>` and `..._stderr`, as
-`lowprec.tracking.Tracker.log_eval` logs them) at one step: the given one, or by default the
+`lowprec.tracking.tracker.Tracker.log_eval` logs them) at one step: the given one, or by default the
 last step at which every requested metric has a value (metrics evaluated at different steps are
 never mixed). Per-example scores come from the artifact that `log_eval(..., samples=...)` wrote
 for that step, `evals/<prefix>_step<NNNNNN>.json`; a run without it is compared by stderr.
@@ -29,8 +29,8 @@ from typing import Iterable
 
 from gates.errors import GateInputError
 from gates.scores import STDERR_SUFFIX, MetricScores, Scores, missing_metric_message
-from lowprec.outbox import server_answers
-from lowprec.tracking_records import eval_artifact_name
+from lowprec.tracking.outbox import server_answers
+from lowprec.tracking.records import eval_artifact_name
 
 __all__ = ["open_client", "resolve_run", "load_scores", "recent_runs"]
 

@@ -9,8 +9,8 @@ reads a stored run into the same object):
     # samples = {task: {metric: {example key: score}}}               (optional)
     scores.get("eval/heldout_shakespeare/bits_per_byte")              # -> MetricScores
 
-Metric names are `<prefix>/<task>/<metric>`, named exactly as `lowprec.tracking.Tracker.log_eval`
-logs them (the naming rule lives in `lowprec.tracking_records`), so a gate file written against
+Metric names are `<prefix>/<task>/<metric>`, named exactly as `lowprec.tracking.tracker.Tracker.log_eval`
+logs them (the naming rule lives in `lowprec.tracking.records`), so a gate file written against
 MLflow runs works unchanged in the loop. `prefix` is `eval` for the model as it runs and
 `eval_hp` for the same weights in high precision; to gate the model against its own
 high-precision eval, build the baseline with `prefix="eval"` from the high-precision results.
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from gates.errors import GateInputError, suggest
-from lowprec.tracking_records import eval_metric_name, eval_metrics
+from lowprec.tracking.records import eval_metric_name, eval_metrics
 
 __all__ = ["MetricScores", "Scores", "STDERR_SUFFIX"]
 

@@ -1,29 +1,31 @@
-"""The `lowprec` command line: `lowprec plan CONFIG`, `gate`, `report RUN_ID`, `ui`, `sync RUN_DIR`.
+"""The `lowprec` command line: `plan`, `report`, `ui`, `sync`, and the commands other packages register.
 
-(`report`, `ui` and `sync` live in lowprec.cli_tracking; more commands land with their features.)
-
-`gate` compares a candidate run with a baseline run stored in MLflow (exit 0 pass, 1
-regression, 2 unusable input). Its arguments are declared here; the work is done by the
-`gates` package, imported inside `_cmd_gate` only. That handler is the one place where
-lowprec reaches `gates` (imports otherwise flow `gates -> lowprec`): `lowprec gate` is the
-command the design names, and `import lowprec` never loads gates.
+The subcommands come from registrars, functions `register(subparsers)` that add one or
+more commands: the built-ins listed in `BUILTIN_REGISTRARS` (`plan` here; `report`, `ui`,
+`sync` from lowprec.tracking.cli), then every entry point in the group `lowprec.commands`
+that an installed package declares. The `gates` package declares `gate` that way
+(`gate = "gates.cli:register"` in pyproject.toml), so lowprec never imports gates: imports
+flow one way, `gates -> lowprec`.
 
 `plan` builds the config's model (its `model.factory`, "package.module:function", with
 `model.args`), resolves the `precision:` section against it and prints every linear
 layer: FQN, shape, format now, ladder, and why. A plan that cannot be used exits with
-status 2 and the error (which names the config path, what was found, and the fix).
-"""
+status 2 and the error (which names the config path, what was found, and the fix)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any, Callable
 
 import yaml
 
-__all__ = ["main", "load_config", "build_model"]
+from lowprec.tracking import cli as tracking_cli
+
+__all__ = ["main", "build_parser", "load_config", "build_model", "BUILTIN_REGISTRARS", "ENTRY_POINT_GROUP"]
 
 
 class ConfigError(ValueError):
@@ -81,43 +83,58 @@ def _cmd_plan(args) -> int:
     return 0
 
 
-def _cmd_gate(args) -> int:
-    from gates.cli import main as gate_main  # the one place lowprec reaches gates (see the module doc)
-    return gate_main(args)
+def add_plan_command(sub) -> None:
+    p = sub.add_parser("plan", help="print the precision plan of a config's model")
+    p.add_argument("config", help="training config YAML with model: and precision: sections")
+    p.set_defaults(func=_cmd_plan)
 
 
-def _add_gate_command(sub) -> None:
-    p = sub.add_parser("gate", help="compare a candidate run with a baseline run, gate by gate (exit 0 pass, "
-                       "1 regression, 2 unusable input)",
-                       description="Compare a candidate run's eval metrics with a baseline run's, stored in "
-                       "MLflow, against the gates of a gate file (see docs/gates.md). Exit status: 0 pass, "
-                       "1 regression, 2 unusable input.")
-    p.add_argument("--baseline", required=True, metavar="RUN", help="baseline MLflow run id (or unique run name)")
-    p.add_argument("--candidate", required=True, metavar="RUN", help="candidate MLflow run id (or unique run name)")
-    p.add_argument("--gates", required=True, metavar="FILE", help="gate file (YAML), e.g. gates/default.yaml")
-    p.add_argument("--tracking-uri", default=None, metavar="URI",
-                   help="MLflow tracking URI (default: sqlite:///<current directory>/mlflow.db)")
-    p.add_argument("--step", type=int, default=None, metavar="N",
-                   help="compare the evals at step N in both runs (default: each run's last step at which "
-                   "every gated metric was evaluated)")
-    p.add_argument("--markdown", default=None, metavar="FILE",
-                   help="append a Markdown summary to FILE (e.g. \"$GITHUB_STEP_SUMMARY\")")
-    p.add_argument("--junit", default=None, metavar="FILE", help="write JUnit XML (one testcase per gate) to FILE")
-    p.add_argument("--inconclusive", choices=("pass", "fail"), default="pass",
-                   help="whether an inconclusive gate fails the command (default: pass; in JUnit it is skipped)")
-    p.set_defaults(func=_cmd_gate)
+Registrar = Callable[[Any], None]  # register(subparsers): adds one or more subcommands
+
+# The commands lowprec itself ships, in `--help` order. Another built-in is one more entry here.
+BUILTIN_REGISTRARS: tuple[Registrar, ...] = (
+    add_plan_command,
+    tracking_cli.add_commands,  # report, ui, sync
+)
+
+ENTRY_POINT_GROUP = "lowprec.commands"
+
+
+def _plugin_registrars(taken: set[str]) -> list[Registrar]:
+    """Every `register(subparsers)` declared in the entry point group `lowprec.commands`, by name.
+
+    A command that cannot be loaded, or whose name a built-in already uses, is left out with
+    a warning on stderr: one broken package does not take the other commands down with it.
+    """
+    found = []
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        where = f"entry point {ep.name} = {ep.value!r} (group {ENTRY_POINT_GROUP!r})"
+        if ep.name in taken:
+            print(f"lowprec: ignoring {where}: `{ep.name}` is already a lowprec command; "
+                  f"rename the entry point in the package that declares it", file=sys.stderr)
+            continue
+        try:
+            register = ep.load()
+        except Exception as e:  # noqa: BLE001 - any error in someone else's import
+            print(f"lowprec: cannot load the `{ep.name}` command ({where}): {type(e).__name__}: {e}; "
+                  f"reinstall the package that declares it, or uninstall it", file=sys.stderr)
+            continue
+        found.append(register)
+    return found
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lowprec", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for register in BUILTIN_REGISTRARS:
+        register(sub)
+    for register in _plugin_registrars(set(sub.choices)):
+        register(sub)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lowprec", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_plan = sub.add_parser("plan", help="print the precision plan of a config's model")
-    p_plan.add_argument("config", help="training config YAML with model: and precision: sections")
-    p_plan.set_defaults(func=_cmd_plan)
-    _add_gate_command(sub)
-    from lowprec.cli_tracking import add_tracking_commands  # report, ui, sync
-    add_tracking_commands(sub)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

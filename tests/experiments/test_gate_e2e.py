@@ -4,7 +4,7 @@ A small GPT is trained on Shakespeare three times with the same seed and data: i
 baseline), with every block's linear layers in FP8 (tensor-wise current scaling: the
 candidate that should pass), and with every linear layer in FP4 E2M1 with one scale per
 tensor and none of the NVFP4 tricks (the planted regression). Each run is tracked with
-lowprec.tracking.Tracker and ends with the full `shakespeare` eval suite (held-out plays,
+lowprec.tracking.tracker.Tracker and ends with the full `shakespeare` eval suite (held-out plays,
 cloze) logged with per-example scores. The gate command is run as a real subprocess, so
 its exit codes are the ones CI sees.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from lowprec.runtime.run import run_config
-from lowprec.tracking import Tracker
+from lowprec.tracking.tracker import Tracker
 
 pytestmark = pytest.mark.slow
 

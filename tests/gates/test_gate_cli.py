@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lowprec.outbox import sync_run_dir
-from lowprec.tracking import Tracker
+from lowprec.tracking.outbox import sync_run_dir
+from lowprec.tracking.tracker import Tracker
 
 LOWPREC = Path(sys.executable).with_name("lowprec")
 N = 400

@@ -72,3 +72,27 @@ def test_unknown_format_lists_known_ones(tmp_path):
     out = run_plan(_variant(tmp_path, bad))
     assert out.returncode == 2
     assert "fp8_tensorwise" in out.stderr and "nvfp4" in out.stderr
+
+
+def test_help_lists_builtin_and_entry_point_commands():
+    out = subprocess.run([sys.executable, "-m", "lowprec.cli", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for command in ("plan", "report", "ui", "sync", "gate"):  # gate: gates' `lowprec.commands` entry point
+        assert f"\n    {command} " in out.stdout, out.stdout
+
+
+def test_a_broken_or_clashing_entry_point_is_left_out_with_a_warning(monkeypatch, capsys):
+    from importlib.metadata import EntryPoint
+
+    import lowprec.cli as cli
+
+    eps = [EntryPoint("broken", "no_such_module_for_lowprec_tests:register", cli.ENTRY_POINT_GROUP),
+           EntryPoint("plan", "gates.cli:register", cli.ENTRY_POINT_GROUP)]
+    monkeypatch.setattr(cli, "entry_points", lambda group: [e for e in eps if e.group == group])
+    parser = cli.build_parser()
+    err = capsys.readouterr().err
+    assert "cannot load the `broken` command" in err and "no_such_module_for_lowprec_tests" in err
+    assert "`plan` is already a lowprec command" in err
+    assert "broken" not in parser._subparsers._group_actions[0].choices
+    assert cli.main(["plan", str(ROOT / "no-such.yaml")]) == 2  # the built-in still works

@@ -12,9 +12,9 @@ import pytest
 
 from lowprec.cli import main
 from lowprec.events import Event, EventKind, replay
-from lowprec.report import FORMAT_COLORS, render_report
-from lowprec.report_sources import ReportData, events_table, events_tags, from_mlflow, from_run_dir, signals_of
-from lowprec.tracking import Tracker
+from lowprec.tracking.report import FORMAT_COLORS, render_report
+from lowprec.tracking.report_sources import ReportData, events_table, events_tags, from_mlflow, from_run_dir, signals_of
+from lowprec.tracking.tracker import Tracker
 from tracking_helpers import mlflow_services, png_colors, sqlite_store  # noqa: F401
 
 FAST = dict(flush_interval_s=0.2, retry_max_s=1.0, probe_timeout_s=1.0)

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from lowprec.events import EventKind
-from lowprec.outbox import Outbox
-from lowprec.tracking import Tracker
-from lowprec.tracking_records import MAX_KEY, MAX_PARAM_VALUE, flatten_config, metric_key
+from lowprec.tracking.outbox import Outbox
+from lowprec.tracking.records import MAX_KEY, MAX_PARAM_VALUE, flatten_config, metric_key
+from lowprec.tracking.tracker import Tracker
 from tracking_helpers import (FALLBACK_SITE, MlflowServer, free_port, mlflow_services, png_colors,  # noqa: F401
                               replay, run_and_record, sqlite_store)
 
@@ -64,7 +64,9 @@ def test_rank_other_than_zero_does_nothing(tmp_path):
 
 def test_tracking_modules_do_not_import_mlflow_or_matplotlib():
     code = textwrap.dedent("""
-        import sys, lowprec, lowprec.tracking, lowprec.tracking_records, lowprec.outbox, lowprec.report, lowprec.cli
+        import sys, lowprec, lowprec.tracking
+        import lowprec.tracking.tracker, lowprec.tracking.records, lowprec.tracking.outbox, lowprec.tracking.report
+        import lowprec.tracking.report_sources, lowprec.tracking.report_timeline, lowprec.tracking.cli, lowprec.cli
         print(sorted(m for m in ("mlflow", "matplotlib") if m in sys.modules))
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -15,7 +15,7 @@ Why it looks like this:
   is never used, and MLflow is imported only by the sender thread, not by `import lowprec`.
 * The training thread only turns its arguments into small records and puts them on a
   bounded queue. A journal thread appends them to `outbox.jsonl` in `buffer_dir` (fsynced);
-  a sender thread sends the journal to MLflow (`lowprec.outbox`). A slow or absent server
+  a sender thread sends the journal to MLflow (`lowprec.tracking.outbox`). A slow or absent server
   stalls only the sender: records stay in the journal and go out when `/health` answers
   again, on `sync()`, or with `lowprec sync RUN_DIR` from another process. Each metric point
   keeps the timestamp it was recorded with, so a resend is never a second point.
@@ -42,12 +42,12 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from lowprec.events import Event, EventLog
-from lowprec.outbox import Outbox, SendResult, server_answers
-from lowprec.report import render_report
-from lowprec.report_sources import events_table, events_tags, from_run_dir
-from lowprec.tracking_records import (BASELINE_LOSS, EVAL_PREFIX, MAX_TAG_VALUE, SIGNAL_STATS, PrecisionMapLog,
+from lowprec.tracking.outbox import Outbox, SendResult, server_answers
+from lowprec.tracking.records import (BASELINE_LOSS, EVAL_PREFIX, MAX_TAG_VALUE, SIGNAL_STATS, PrecisionMapLog,
                                       chunk, eval_artifact_name, eval_metric_name, eval_metrics, eval_samples,
                                       fit_value, flatten_config, merge, metric_key, now_ms, signal_metrics)
+from lowprec.tracking.report import render_report
+from lowprec.tracking.report_sources import events_table, events_tags, from_run_dir
 
 __all__ = ["Tracker", "flatten_config", "metric_key", "SIGNAL_STATS", "BASELINE_LOSS"]
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from lowprec.events import Event, EventKind, read_events
-from lowprec.tracking_records import BASELINE_LOSS, flatten_config
+from lowprec.tracking.records import BASELINE_LOSS, flatten_config
 
 __all__ = ["ReportData", "from_run_dir", "from_mlflow", "events_table", "events_tags", "signals_of",
            "fallback_sites", "STATS"]

@@ -1,7 +1,7 @@
 """`lowprec report | ui | sync`: the command-line side of tracking (registered by lowprec.cli).
 
     lowprec report RUN_ID [--tracking-uri URI] [--out DIR] [--baseline-run RUN_ID]
-        reads a run from MLflow and writes the rollout pictures (lowprec.report) as PNGs.
+        reads a run from MLflow and writes the rollout pictures (lowprec.tracking.report) as PNGs.
     lowprec ui [--tracking-uri sqlite:///mlflow.db] [--port 5000] [--artifacts-destination URI]
         starts `mlflow server` on that store, bound to 127.0.0.1 only (Ctrl+C stops it).
     lowprec sync RUN_DIR [--tracking-uri URI] [--timeout S]
@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["add_tracking_commands", "default_tracking_uri", "ui_command"]
+__all__ = ["add_commands", "default_tracking_uri", "ui_command"]
 
 
 def default_tracking_uri() -> str:
@@ -27,7 +27,8 @@ def default_tracking_uri() -> str:
     return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
-def add_tracking_commands(sub) -> None:
+def add_commands(sub) -> None:
+    """Register `report`, `ui` and `sync` on lowprec's subparsers (a registrar of lowprec.cli)."""
     p = sub.add_parser("report", help="draw a run's precision timeline, loss, signals and evals as PNGs")
     p.add_argument("run_id", help="MLflow run id")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: sqlite:///<cwd>/mlflow.db)")
@@ -55,8 +56,8 @@ def _cmd_report(args) -> int:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from lowprec.report import render_report
-    from lowprec.report_sources import from_mlflow
+    from lowprec.tracking.report import render_report
+    from lowprec.tracking.report_sources import from_mlflow
 
     uri = args.tracking_uri or default_tracking_uri()
     out = Path(args.out or f"report-{args.run_id[:8]}")
@@ -67,7 +68,7 @@ def _cmd_report(args) -> int:
         return 2
     if not data.initial and not data.metrics:
         print(f"lowprec report: run {args.run_id} has no precision map and no train/eval metrics: "
-              f"was it logged by lowprec.tracking.Tracker?", file=sys.stderr)
+              f"was it logged by lowprec.tracking.tracker.Tracker?", file=sys.stderr)
         return 2
     for path in render_report(data, out):
         print(path)
@@ -103,7 +104,7 @@ def _cmd_ui(args) -> int:
 
 
 def _cmd_sync(args) -> int:
-    from lowprec.outbox import sync_run_dir
+    from lowprec.tracking.outbox import sync_run_dir
 
     try:
         res = sync_run_dir(args.run_dir, tracking_uri=args.tracking_uri, timeout=args.timeout)

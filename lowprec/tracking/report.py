@@ -1,6 +1,6 @@
 """Pictures of a rollout (matplotlib, Agg, no pyplot state): what ran in which format when, and why.
 
-`render_report(data, out_dir)` writes, from a `lowprec.report_sources.ReportData`:
+`render_report(data, out_dir)` writes, from a `lowprec.tracking.report_sources.ReportData`:
 
 * `precision_timeline.png`: layers down, steps across, a colour per format; a triangle
   where a site fell back (numbered, the reasons listed under the plot), a cross where it
@@ -13,7 +13,7 @@
 * `evals.png`: eval results per checkpoint with 95% intervals (±1.96 stderr, or the
   logged `_ci_low`/`_ci_high`), gate verdicts marked.
 
-The timeline (lowprec.report_timeline) is built for a 30-layer model (120+ sites); the
+The timeline (lowprec.tracking.report_timeline) is built for a 30-layer model (120+ sites); the
 events are numbered the same way on every picture. Pictures whose data is missing are
 skipped.
 """
@@ -23,8 +23,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from lowprec.events import EventKind
-from lowprec.report_sources import ReportData, fallback_sites, signals_of
-from lowprec.report_timeline import (EVENT_STYLE, FORMAT_COLORS, new_figure, numbered_events, reason_text,
+from lowprec.tracking.report_sources import ReportData, fallback_sites, signals_of
+from lowprec.tracking.report_timeline import (EVENT_STYLE, FORMAT_COLORS, new_figure, numbered_events, reason_text,
                                      timeline_figure)
 
 __all__ = ["render_report", "timeline_figure", "loss_figure", "signals_figure", "evals_figure", "FORMAT_COLORS"]

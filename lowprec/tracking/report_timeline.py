@@ -9,7 +9,7 @@ so that none overlap; under it the share of GEMM FLOPs per format over time.
 Made for a 30-layer model (120+ sites): one row per site, grouped and labelled by block
 with the row order inside a block in the axis label (every row named when there are 40 or
 fewer), white lines between blocks, one mesh for all cells (fast to draw). The helpers here
-(colours, event styles, numbering) are shared with the other pictures in lowprec.report.
+(colours, event styles, numbering) are shared with the other pictures in lowprec.tracking.report.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 
 from lowprec.events import Event, EventKind, replay
-from lowprec.report_sources import ReportData, signals_of
+from lowprec.tracking.report_sources import ReportData, signals_of
 
 __all__ = ["timeline_figure", "FORMAT_COLORS", "EVENT_STYLE", "new_figure", "numbered_events", "reason_text"]
 
