@@ -66,7 +66,7 @@ BAD = {
     "missing_module": ({"model.factory": "no_such_module:build"}, "no_such_module"),
     "bad_model_arg_type": ({"model.args": {"vocab": 64, "width": "wide"}}, "model.args"),
     "unknown_model_arg": ({"model.args": {"vocab": 64, "colour": 1}}, "colour"),
-    "not_a_module": ({"model.factory": "tinylm:tokens"}, "not a torch.nn.Module"),
+    "not_a_module": ({"model": {"factory": "tinylm:tokens"}}, "not a torch.nn.Module"),
     "unknown_format": ({"precision.rules": [{"name": "mlp", "select": {"fqns": ["up"]}, "format": "fp9"}]}, "fp9"),
     "stage_selects_nothing": ({"rollout.stages": [{"name": "x", "select": {"glob": "nothing.*"},
                                                    "format": "fp8_tensorwise"}]}, "selects no"),
