@@ -19,6 +19,7 @@ import torch
 from experiments.data import Batches, split_texts, tokens_of
 from experiments.model import build_gpt
 from lowprec import prepare
+from lowprec.controller import Action
 from lowprec.plan import PrecisionPlan
 from lowprec.rollout import RolloutSession, build_controller, parse_rollout
 
@@ -54,7 +55,7 @@ def run(model, opt, session, data, start: int, n: int) -> float:
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if session is not None:
             d = session.after_backward(step, loss, gn)
-            if d.action != "continue":
+            if d.action is not Action.CONTINUE:
                 continue
         opt.step()
     return time.perf_counter() - t0

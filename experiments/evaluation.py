@@ -24,7 +24,8 @@ from pathlib import Path
 
 from eval_suites import ByteTokenizer, EvalResult, get_suite, run_suite
 from gates import GateSpec, Scores, check_all, summarize
-from gates.gate import PASS, GateSummary
+from gates.gate import GateSummary
+from lowprec.verdicts import Verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,7 +127,7 @@ class EvalCheckpoints:
         if self.spec is not None and hp is not None:
             summary = summarize(check_all(self.spec, Scores.from_eval(hp.results, hp.samples, source="high precision"),
                                           Scores.from_eval(current.results, current.samples, source="as trained")))
-        self.history.append({"step": step, "mode": mode, "verdict": summary.verdict if summary else None,
+        self.history.append({"step": step, "mode": mode, "verdict": summary.verdict.value if summary else None,
                              "reason": summary.reason if summary else "", "results": current.results,
                              "results_hp": hp.results if hp is not None else None,
                              "seconds": current.seconds})
@@ -136,7 +137,7 @@ class EvalCheckpoints:
         """The controller's `gate(step)`: evaluate now and say whether precision costs too much."""
         summary = self.evaluate(step)
         if summary is None:
-            return GateSummary(PASS, "no in-loop gate file configured", ())
+            return GateSummary(Verdict.PASS, "no in-loop gate file configured", ())
         return summary
 
     def final(self, step: int) -> GateSummary | None:

@@ -104,6 +104,7 @@ def finetune(cfg: dict, out_dir: str | Path, *, steps: int | None = None, contro
     """Fine-tune as `cfg` says; events go to out_dir/events.jsonl and, as they happen, to `log`.
     `baseline` ({step: loss}, e.g. the same run in BF16) turns the controller's loss-gap check on."""
     from lowprec import prepare
+    from lowprec.controller import Action
     from lowprec.plan import PrecisionPlan
     from lowprec.rollout import RolloutSession, build_controller, parse_rollout
 
@@ -139,7 +140,7 @@ def finetune(cfg: dict, out_dir: str | Path, *, steps: int | None = None, contro
         t_step = time.perf_counter()
         lr = lr_at(tc, step)
         loss, gnorm, decision = backward_and_decide(model, opt, data, session, tc, step, lr)
-        if decision is not None and decision.action in ("skip_step", "rewind"):
+        if decision is not None and decision.action in (Action.SKIP_STEP, Action.REWIND):
             opt.zero_grad(set_to_none=True)
             res.skipped_steps += 1
         else:
@@ -165,6 +166,7 @@ def step_times(formats: tuple[str, ...] = ("bf16", "fp8_tensorwise", "nvfp4"), *
     The formats are interleaved rep by rep, and the minimum is kept, so that a busy machine
     disturbs the comparison as little as it can."""
     from lowprec import prepare
+    from lowprec.controller import Action
     from lowprec.plan import PrecisionPlan
 
     smollm2.require()

@@ -27,6 +27,7 @@ from experiments.evaluation import EvalCheckpoints, EvalConfig
 from experiments.model import build_gpt
 from lowprec import prepare
 from lowprec.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from lowprec.controller import Action
 from lowprec.plan import PrecisionPlan
 from lowprec.rollout import RolloutSession, build_controller, parse_rollout
 
@@ -271,7 +272,7 @@ def train(cfg: dict, out_dir: str | Path, *, injections: list[Injection] = (), c
                 res.rewinds += 1
                 step = back
                 continue
-        if decision is not None and decision.action in ("skip_step", "rewind"):
+        if decision is not None and decision.action in (Action.SKIP_STEP, Action.REWIND):
             opt.zero_grad(set_to_none=True)
         else:
             opt.step()

@@ -46,6 +46,7 @@ from experiments.train import (Injection, TrainConfig, _install, load, lr_at, pa
                                train_batches)
 from lowprec import prepare
 from lowprec.checkpoint import save_checkpoint
+from lowprec.controller import Action
 from lowprec.plan import PrecisionPlan
 from lowprec.rollout import RolloutSession, build_controller, parse_rollout
 
@@ -141,7 +142,7 @@ def train_parallel(cfg: dict, out_dir: str | Path, par: ParallelConfig, *, steps
             rewinds += 1
             step = back
             continue
-        if decision.action == "continue":
+        if decision.action is Action.CONTINUE:
             opt.step()
         else:   # skip_step, or a rewind with no checkpoint to go back to
             opt.zero_grad(set_to_none=True)

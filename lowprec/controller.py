@@ -30,16 +30,33 @@ order), so every rank that sees the same `Signals` decides the same thing.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Callable
 
 from lowprec.events import Event, EventKind
 from lowprec.formats import FORMATS
 from lowprec.monitor import LargeValueDetector, LossGapDetector, MonitorConfig, Signals, SpikeDetector
+from lowprec.verdicts import GateOutcome, Verdict
 
 _FORWARD_ROLES = ("input", "weight", "output")
 
-__all__ = ["Stage", "ControllerConfig", "Decision", "RolloutController", "apply_decision"]
+__all__ = ["Action", "Stage", "ControllerConfig", "Decision", "RolloutController", "apply_decision"]
+
+
+class Action(str, enum.Enum):
+    """What the training loop does with this step: step the optimizer, skip it (zero the
+    gradients), or restore the last good state and skip `Decision.skip_batches` batches."""
+
+    CONTINUE = "continue"
+    SKIP_STEP = "skip_step"
+    REWIND = "rewind"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 @dataclass(frozen=True)
@@ -70,14 +87,14 @@ class ControllerConfig:
 
 @dataclass
 class Decision:
-    action: str = "continue"                         # continue | skip_step | rewind
+    action: Action = Action.CONTINUE
     changes: dict[str, str] = field(default_factory=dict)   # site -> new format
     events: list[Event] = field(default_factory=list)
     skip_batches: int = 0
 
     @property
     def rewind(self) -> bool:
-        return self.action == "rewind"
+        return self.action == Action.REWIND
 
 
 def _bits(name: str) -> int:
@@ -90,7 +107,7 @@ class RolloutController:
     def __init__(self, ladders: dict[str, tuple[str, ...]], initial: dict[str, str],
                  stages: list[Stage], config: ControllerConfig = ControllerConfig(), *,
                  baseline: dict[int, float] | None = None,
-                 gate: Callable[[int], object] | None = None):
+                 gate: Callable[[int], GateOutcome] | None = None):
         for s in stages:
             for site in s.sites:
                 if site not in ladders:
@@ -201,7 +218,7 @@ class RolloutController:
         # NaN once the loss is. The first site in forward order whose input, weight or
         # output is non-finite is the origin; its consumers inherit the NaN.
         if signals.step_nonfinite:
-            d.action = "skip_step"
+            d.action = Action.SKIP_STEP
         blamed: list[str] = []
         nan_sites = [s for s in self.order if s in signals.sites and _bits(self.current[s]) < 16 and
                      any(signals.sites[s].nonfinite.get(r, 0) > 0 for r in _FORWARD_ROLES)]
@@ -257,7 +274,7 @@ class RolloutController:
             evidence = {name: ev for name, ev in fired}
             rolled = self._rollback_newest(step, f"global signal: {reason}", evidence, d)
             if self.config.rewind and (rolled or signals.nonfinite):
-                d.action = "rewind"
+                d.action = Action.REWIND
                 d.skip_batches = self.config.rewind_skip_batches
                 d.events.append(Event(step, EventKind.REWIND, (), {}, {}, f"rewind after {reason}",
                                       {"skip_batches": d.skip_batches}))
@@ -293,20 +310,24 @@ class RolloutController:
                     fired.append(("loss_gap", {**ev, "step": first + i}))
         return fired
 
-    def _gate_event(self, step: int, result, what: str, stage: str | None, d: Decision) -> str:
-        verdict = str(getattr(result, "verdict", result))
-        d.events.append(Event(step, EventKind.GATE, (), {}, {}, f"gate {what}: {verdict}",
-                              {"verdict": verdict, "detail": str(getattr(result, "reason", ""))}, stage))
+    def _gate_event(self, step: int, result: GateOutcome, what: str, stage: str | None, d: Decision) -> Verdict:
+        try:
+            verdict = Verdict(result.verdict)
+        except ValueError:
+            raise ValueError(f"the gate answered verdict {result.verdict!r}; a gate answers one of "
+                             f"{', '.join(v.value for v in Verdict)}") from None
+        d.events.append(Event(step, EventKind.GATE, (), {}, {}, f"gate {what}: {verdict.value}",
+                              {"verdict": verdict.value, "detail": str(result.reason)}, stage))
         return verdict
 
-    def observe_gate(self, step: int, result) -> Decision:
-        """An evaluation checkpoint's verdict (an object with `.verdict` in pass / regress /
-        inconclusive and `.reason`), from a periodic eval outside a promotion. A regression
-        rolls the newest promoted stage back; the verdict is recorded as a GATE event."""
+    def observe_gate(self, step: int, result: GateOutcome) -> Decision:
+        """An evaluation checkpoint's gate outcome (`.verdict`, `.reason`), from a periodic
+        eval outside a promotion. A regression rolls the newest promoted stage back; the
+        verdict is recorded as a GATE event."""
         d = Decision()
         verdict = self._gate_event(step, result, "at eval checkpoint", None, d)
-        if verdict == "regress":
-            self._rollback_newest(step, "evaluation gate regressed", {"verdict": verdict}, d)
+        if verdict is Verdict.REGRESS:
+            self._rollback_newest(step, "evaluation gate regressed", {"verdict": verdict.value}, d)
             self.stable_since = step
         return d
 
@@ -314,10 +335,10 @@ class RolloutController:
         stage = self.stages[self.promoted]
         if self.gate is not None:
             verdict = self._gate_event(step, self.gate(step), f"before {stage.name}", stage.name, d)
-            if verdict == "regress":
-                self._rollback_newest(step, "evaluation gate regressed", {"verdict": verdict}, d)
+            if verdict is Verdict.REGRESS:
+                self._rollback_newest(step, "evaluation gate regressed", {"verdict": verdict.value}, d)
                 return
-            if verdict != "pass":
+            if verdict is not Verdict.PASS:
                 return  # inconclusive: hold, ask again after another min_steps
         self.promoted += 1
         to = {}
@@ -345,7 +366,7 @@ class RolloutController:
         import math
         if math.isfinite(loss) and math.isfinite(grad_norm):
             return Decision()
-        return Decision("skip_step", events=[Event(step, EventKind.SKIP_STEP, (), {}, {},
+        return Decision(Action.SKIP_STEP, events=[Event(step, EventKind.SKIP_STEP, (), {}, {},
                                                    "NaN/Inf in loss or gradients",
                                                    {"loss": loss, "grad_norm": grad_norm})])
 

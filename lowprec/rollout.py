@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from lowprec.controller import ControllerConfig, Decision, RolloutController, Stage, apply_decision
+from lowprec.controller import Action, ControllerConfig, Decision, RolloutController, Stage, apply_decision
 from lowprec.events import Event, EventLog
 from lowprec.formats import format_names, get_format
 from lowprec.monitor import Monitor, MonitorConfig
@@ -150,7 +150,8 @@ class RolloutSession:
             decision.changes.update(checked.changes)
             decision.events += checked.events
             decision.skip_batches = checked.skip_batches
-            if checked.action == "rewind" or (checked.action == "skip_step" and decision.action == "continue"):
+            if checked.action == Action.REWIND or (checked.action == Action.SKIP_STEP and
+                                                   decision.action == Action.CONTINUE):
                 decision.action = checked.action
         return self._carry_out(decision)
 

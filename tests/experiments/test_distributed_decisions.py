@@ -18,6 +18,7 @@ from experiments.data import Batches, split_texts, tokens_of
 from experiments.model import build_gpt
 from experiments.train import Injection
 from lowprec import prepare
+from lowprec.controller import Action
 from lowprec.plan import PrecisionPlan
 from lowprec.rollout import RolloutSession, build_controller, parse_rollout
 
@@ -66,7 +67,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             loss.backward()
             gn = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
             decision = session.after_backward(step, loss, gn)
-            if decision.action == "continue":
+            if decision.action is Action.CONTINUE:
                 opt.step()
         finite = all(torch.isfinite(p).all() for p in model.parameters())
         with open(f"{out_dir}/result_rank{rank}.json", "w") as f:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowprec.controller import ControllerConfig, RolloutController, Stage
+from lowprec.controller import Action, ControllerConfig, RolloutController, Stage
 from lowprec.events import EventKind, replay
 from lowprec.formats import FORMATS
 from lowprec.monitor import MonitorConfig, Signals, SiteSignals
@@ -84,7 +84,7 @@ def test_first_site_in_forward_order_is_blamed_for_nan():
     sig = signals(89, sites=sites)
     sig.losses[-1] = math.nan
     d = ctl.observe(89, sig)
-    assert d.action == "skip_step"
+    assert d.action is Action.SKIP_STEP
     assert d.changes == {"blocks.1.mlp.fc": "bf16"}
 
 
@@ -97,7 +97,7 @@ def test_loss_spike_rolls_back_newest_stage_and_rewinds():
     d = ctl.observe(89, sig)
     kinds = [e.kind for e in d.events]
     assert EventKind.ROLLBACK in kinds and EventKind.REWIND in kinds
-    assert d.action == "rewind" and d.skip_batches == 5
+    assert d.action is Action.REWIND and d.skip_batches == 5
     assert all(ctl.current[s] == "bf16" for s in STAGES[1].sites)
     assert all(ctl.current[s] == "fp8_tensorwise" for s in STAGES[0].sites)
     assert "loss_spike" in [e for e in d.events if e.kind == EventKind.ROLLBACK][0].reason
@@ -251,3 +251,15 @@ def test_state_dict_resume_gives_the_same_events(spec, cut):
     second.load_state_dict(first.state_dict())
     tail = [e.to_json() for step, sig in seq[cut:] for e in second.observe(step, sig).events]
     assert head + tail == whole
+
+
+def test_actions_and_verdicts_are_str_enums_that_print_their_values():
+    from lowprec.verdicts import Verdict
+    assert Action.SKIP_STEP == "skip_step" and f"{Action.REWIND}" == "rewind" and str(Verdict.PASS) == "pass"
+    assert Verdict("regress") is Verdict.REGRESS
+
+    class Odd:
+        verdict, reason = "maybe", "?"
+
+    with pytest.raises(ValueError, match="answered verdict 'maybe'; a gate answers one of pass, regress"):
+        make().observe_gate(5, Odd())
