@@ -37,7 +37,8 @@ def build(check_every: int, monitored: bool, args):
     if monitored:
         rollout = {"check_every": check_every, "min_steps": 10**9,
                    "stages": [{"name": "s", "select": {"glob": "blocks.*"}, "format": "fp8_tensorwise"}]}
-        session = RolloutSession(state, build_controller(parse_rollout(rollout), state, model))
+        spec = parse_rollout(rollout)
+        session = RolloutSession(state, build_controller(spec, state, model), monitor=spec.monitor)
     else:
         state.collect_stats(False)
     return model, opt, session

@@ -127,8 +127,9 @@ def finetune(cfg: dict, out_dir: str | Path, *, steps: int | None = None, contro
     held_batches = [held.batch(i) for i in range(fs.eval_batches)]
     session = None
     if controller:
-        ctl = build_controller(parse_rollout(cfg["rollout"]), state, lm, baseline=baseline)
-        session = RolloutSession(state, ctl, event_log=out / "events.jsonl",
+        spec = parse_rollout(cfg["rollout"])
+        ctl = build_controller(spec, state, lm, baseline=baseline)
+        session = RolloutSession(state, ctl, monitor=spec.monitor, event_log=out / "events.jsonl",
                                  on_events=lambda evs: [log("  event " + e.summary()) for e in evs])
     res = FinetuneResult()
     state.collect_stats(False)

@@ -235,8 +235,9 @@ def train(cfg: dict, out_dir: str | Path, *, injections: list[Injection] = (), c
     session = None
     if controller and cfg.get("rollout"):
         gate = evals.gate if evals is not None and evals.spec is not None else None
-        ctl = build_controller(parse_rollout(cfg["rollout"]), state, model, baseline=baseline, gate=gate)
-        session = RolloutSession(state, ctl, event_log=out / "events.jsonl",
+        spec = parse_rollout(cfg["rollout"])
+        ctl = build_controller(spec, state, model, baseline=baseline, gate=gate)
+        session = RolloutSession(state, ctl, monitor=spec.monitor, event_log=out / "events.jsonl",
                                  on_events=tracker.log_events if tracker is not None else None)
     if session is None:
         state.collect_stats(False)   # no monitor reads them: quantize without statistics

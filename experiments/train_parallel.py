@@ -96,7 +96,8 @@ def train_parallel(cfg: dict, out_dir: str | Path, par: ParallelConfig, *, steps
         state = prepare(model, PrecisionPlan.from_dict(cfg["precision"]), seed=tc.seed,
                         amax_group=mesh.get_group("dp") if par.dp > 1 else None)
         data = train_batches(tc, model.cfg.block_size, rank=dp_rank, world=par.dp)
-    ctl = build_controller(_rollout_spec(cfg, par, rank), state, model)   # every site, forward order
+    spec = _rollout_spec(cfg, par, rank)
+    ctl = build_controller(spec, state, model)   # every site, forward order
     all_sites = list(ctl.order)
     ckpt_dir = out / "checkpoints"
     if ctl.config.rewind and ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
@@ -109,7 +110,8 @@ def train_parallel(cfg: dict, out_dir: str | Path, par: ParallelConfig, *, steps
     else:
         engine = DataTensorParallel(model, mesh, tc.microbatches)
         local = model
-    session = RolloutSession(state, ctl, event_log=out / f"events.rank{rank}.jsonl", sites=all_sites)
+    session = RolloutSession(state, ctl, monitor=spec.monitor, event_log=out / f"events.rank{rank}.jsonl",
+                             sites=all_sites)
     opt = torch.optim.AdamW(engine.params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     names = {n for n, _ in local.named_modules()}
     faults = [j for j in injections if j.kind == "lr_spike" or j.site in names]   # this rank's sites

@@ -36,12 +36,13 @@ from typing import Callable
 
 from lowprec.events import Event, EventKind
 from lowprec.formats import FORMATS
-from lowprec.monitor import LargeValueDetector, LossGapDetector, MonitorConfig, Signals, SpikeDetector
+from lowprec.detectors import LargeValueDetector, LossGapDetector, SpikeDetector, Thresholds
+from lowprec.monitor import Signals
 from lowprec.verdicts import GateOutcome, Verdict
 
 _FORWARD_ROLES = ("input", "weight", "output")
 
-__all__ = ["Action", "Stage", "ControllerConfig", "Decision", "RolloutController", "apply_decision"]
+__all__ = ["Action", "Stage", "Thresholds", "ControllerConfig", "Decision", "RolloutController", "apply_decision"]
 
 
 class Action(str, enum.Enum):
@@ -70,12 +71,15 @@ class Stage:
 
 @dataclass(frozen=True)
 class ControllerConfig:
+    """The rules' parameters: stability before a promotion, cooldown, quarantine, rewind, and
+    the thresholds and detector presets (`lowprec.detectors.Thresholds`)."""
+
     min_steps: int = 100
     cooldown_steps: int = 200
     quarantine_after: int = 2
     rewind: bool = False
     rewind_skip_batches: int = 0
-    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    thresholds: Thresholds = field(default_factory=Thresholds)
 
     def __post_init__(self) -> None:
         for name in ("min_steps", "cooldown_steps", "rewind_skip_batches"):
@@ -126,13 +130,16 @@ class RolloutController:
         self.stages = list(stages)
         self.config = config
         self.gate = gate
-        mc = config.monitor
-        self.loss_spike = SpikeDetector(mc.spike_window, mc.spike_sigmas, mc.spike_min_history)
-        self.grad_spike = SpikeDetector(mc.spike_window, mc.spike_sigmas, mc.spike_min_history)
-        self.loss_large = LargeValueDetector(mc.large_factor, mc.large_warmup)
-        self.grad_large = LargeValueDetector(mc.large_factor, mc.large_warmup)
-        self.loss_gap = (LossGapDetector(baseline, mc.loss_gap, mc.loss_gap_smoothing)
-                         if baseline and mc.loss_gap is not None else None)
+        th = config.thresholds
+        self.loss_spike = SpikeDetector(th.spike_window, th.spike_sigmas, th.spike_min_history)
+        self.grad_spike = SpikeDetector(th.spike_window, th.spike_sigmas, th.spike_min_history)
+        self.loss_large = LargeValueDetector(th.large_factor, th.large_warmup)
+        self.grad_large = LargeValueDetector(th.large_factor, th.large_warmup)
+        if th.loss_gap is not None and not baseline:
+            raise ValueError(f"thresholds.loss_gap is {th.loss_gap} but no baseline loss curve was given: "
+                             "pass baseline={step: loss} (rollout.baseline in a config) or set loss_gap to None")
+        self.loss_gap = LossGapDetector(baseline, th.loss_gap, th.loss_gap_smoothing) \
+            if baseline and th.loss_gap is not None else None
         self.promoted = 0                     # stages promoted so far
         self.stable_since = 0                 # step of the last change or instability
         self.stage_of: dict[str, str] = {}    # site -> name of the stage that promoted it
@@ -212,7 +219,7 @@ class RolloutController:
     # ------------------------------------------------------------------ the decision
     def observe(self, step: int, signals: Signals) -> Decision:
         d = Decision()
-        mc = self.config.monitor
+        th = self.config.thresholds
         # 1. non-finite: the loop's per-step guard (observe_step) already skipped those
         # steps; here the blame. Forward operands only: in the backward every gradient is
         # NaN once the loss is. The first site in forward order whose input, weight or
@@ -239,12 +246,12 @@ class RolloutController:
             sig = signals.sites.get(site)
             if sig is None or _bits(self.current[site]) >= 16:
                 continue
-            crossed = {f"{r}/saturated_frac": v for r, v in sig.saturated_frac.items() if v > mc.max_saturated_frac}
-            if mc.max_underflow_frac is not None:
+            crossed = {f"{r}/saturated_frac": v for r, v in sig.saturated_frac.items() if v > th.max_saturated_frac}
+            if th.max_underflow_frac is not None:
                 crossed.update({f"{r}/underflow_frac": v for r, v in sig.underflow_frac.items()
-                                if v > mc.max_underflow_frac})
-            if mc.min_sqnr_db is not None:
-                crossed.update({f"{r}/sqnr_db": v for r, v in sig.sqnr_db.items() if v < mc.min_sqnr_db})
+                                if v > th.max_underflow_frac})
+            if th.min_sqnr_db is not None:
+                crossed.update({f"{r}/sqnr_db": v for r, v in sig.sqnr_db.items() if v < th.min_sqnr_db})
             if not crossed:
                 self.strikes[site] = 0
                 continue
@@ -252,7 +259,7 @@ class RolloutController:
             forward = any(k.split("/")[0] in _FORWARD_ROLES for k in crossed)
             suspects.append(((0, i) if forward else (1, -i), site, crossed))
         suspects.sort(key=lambda t: t[0])
-        due = [(site, crossed) for _, site, crossed in suspects if self.strikes[site] >= mc.site_patience]
+        due = [(site, crossed) for _, site, crossed in suspects if self.strikes[site] >= th.site_patience]
         if due:
             site, crossed = due[0]
             blamed.append(site)

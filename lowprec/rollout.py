@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from lowprec.controller import Action, ControllerConfig, Decision, RolloutController, Stage, apply_decision
+from lowprec.detectors import Thresholds
 from lowprec.events import Event, EventLog
 from lowprec.formats import format_names, get_format
 from lowprec.monitor import Monitor, MonitorConfig
@@ -35,14 +36,15 @@ __all__ = ["RolloutSpec", "parse_rollout", "build_controller", "RolloutSession"]
 
 _KEYS = ("check_every", "min_steps", "cooldown_steps", "quarantine_after", "rewind", "thresholds", "stages",
          "stats_every_step")
-_THRESHOLDS = tuple(f.name for f in fields(MonitorConfig) if f.name not in ("check_every", "stats_every_step"))
+_THRESHOLDS = tuple(f.name for f in fields(Thresholds))
 
 
 class RolloutSpec:
     """The parsed `rollout:` section: a ControllerConfig and stages with typed selectors."""
 
-    def __init__(self, config: ControllerConfig, stages: list[tuple[str, object, str]]):
+    def __init__(self, config: ControllerConfig, stages: list[tuple[str, object, str]], monitor: MonitorConfig):
         self.config = config
+        self.monitor = monitor
         self.stages = stages  # (name, Selector, format name)
 
 
@@ -65,11 +67,11 @@ def parse_rollout(d: dict, path: str = "rollout") -> RolloutSpec:
     _unknown(rewind, ("enabled", "skip_batches"), f"{path}.rewind")
     try:
         mon = MonitorConfig(check_every=int(d.get("check_every", 10)),
-                            stats_every_step=bool(d.get("stats_every_step", False)), **thr)
+                            stats_every_step=bool(d.get("stats_every_step", False)))
         cfg = ControllerConfig(min_steps=int(d.get("min_steps", 100)), cooldown_steps=int(d.get("cooldown_steps", 200)),
                                quarantine_after=int(d.get("quarantine_after", 2)),
                                rewind=bool(rewind.get("enabled", False)),
-                               rewind_skip_batches=int(rewind.get("skip_batches", 0)), monitor=mon)
+                               rewind_skip_batches=int(rewind.get("skip_batches", 0)), thresholds=Thresholds(**thr))
     except (TypeError, ValueError) as e:
         raise PlanError(path, str(e)) from None
     stages = []
@@ -87,7 +89,7 @@ def parse_rollout(d: dict, path: str = "rollout") -> RolloutSpec:
         stages.append((str(s.get("name", f"stage{i}")), selection_from_dict(s["select"], f"{p}.select"), fmt))
     if not stages:
         raise PlanError(f"{path}.stages", f"a rollout needs at least one stage; formats: {', '.join(format_names())}")
-    return RolloutSpec(cfg, stages)
+    return RolloutSpec(cfg, stages, mon)
 
 
 def build_controller(spec: RolloutSpec, state, model: torch.nn.Module, *, baseline: dict[int, float] | None = None,
@@ -108,7 +110,8 @@ def build_controller(spec: RolloutSpec, state, model: torch.nn.Module, *, baseli
 class RolloutSession:
     """Monitor + controller + event log around one training loop (see README.md)."""
 
-    def __init__(self, state, controller: RolloutController, *, event_log: str | Path | None = None,
+    def __init__(self, state, controller: RolloutController, *, monitor: MonitorConfig = MonitorConfig(),
+                 event_log: str | Path | None = None,
                  group=None, on_events: Callable[[list[Event]], None] | None = None,
                  sites: list[str] | None = None):
         """sites: every site of the model in forward order, when `state` holds only this
@@ -116,7 +119,7 @@ class RolloutSession:
         ranks, and decisions about the other ranks' sites change nothing here."""
         self.state = state
         self.controller = controller
-        self.monitor = Monitor(state, controller.config.monitor, group=group, sites=sites)
+        self.monitor = Monitor(state, monitor, group=group, sites=sites)
         self._remote = set(sites or ()) - set(state.sites)   # sites that live on other ranks
         self.log = EventLog(event_log) if event_log is not None else None
         self.on_events = on_events

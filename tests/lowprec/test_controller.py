@@ -1,15 +1,16 @@
 """RolloutController fed with signal sequences: no model needed."""
 
 import math
+import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowprec.controller import Action, ControllerConfig, RolloutController, Stage
+from lowprec.controller import Action, ControllerConfig, RolloutController, Stage, Thresholds
 from lowprec.events import EventKind, replay
 from lowprec.formats import FORMATS
-from lowprec.monitor import MonitorConfig, Signals, SiteSignals
+from lowprec.monitor import Signals, SiteSignals
 
 SITES = [f"blocks.{b}.{m}" for b in range(3) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
 LADDER = ("nvfp4", "fp8_tensorwise", "bf16")
@@ -20,10 +21,10 @@ CHECK = 10
 
 
 def make(**kw):
-    mon = MonitorConfig(check_every=CHECK, spike_min_history=8, large_warmup=20)
+    th = Thresholds(spike_min_history=8, large_warmup=20, loss_gap=kw.pop("loss_gap", None))
     cfg = ControllerConfig(min_steps=kw.pop("min_steps", 30), cooldown_steps=kw.pop("cooldown", 50),
                            quarantine_after=kw.pop("quarantine_after", 2), rewind=kw.pop("rewind", False),
-                           rewind_skip_batches=5, monitor=mon)
+                           rewind_skip_batches=5, thresholds=th)
     return RolloutController({s: LADDER for s in SITES}, {s: "bf16" for s in SITES}, STAGES, cfg, **kw)
 
 
@@ -180,10 +181,22 @@ def test_a_promotion_does_not_bypass_a_fallen_back_sites_cooldown():
 
 
 def test_loss_gap_to_baseline_fires():
-    ctl = make(baseline={s: 2.0 for s in range(0, 400)})
+    ctl = make(baseline={s: 2.0 for s in range(0, 400)}, loss_gap=0.0025)
     run(ctl, [(s, signals(s)) for s in range(9, 80, CHECK)])
     d = ctl.observe(89, signals(89, loss=2.3))
     assert any("loss_gap" in e.reason for e in d.events if e.kind == EventKind.ROLLBACK)
+
+
+def test_loss_gap_needs_a_baseline_and_thresholds_are_checked():
+    with pytest.raises(ValueError, match="loss_gap is 0.01 but no baseline loss curve was given"):
+        make(loss_gap=0.01)
+    assert make(baseline={0: 2.0}).loss_gap is None           # a curve without loss_gap: off
+    for bad, words in (({"spike_window": 1}, "spike_window: must be >= 2"),
+                       ({"loss_gap": 0.0}, "loss_gap: must be > 0"),
+                       ({"spike_min_history": 200}, "<= spike_window (128)"),
+                       ({"max_saturated_frac": 2.0}, "max_saturated_frac: must be a fraction")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            Thresholds(**bad)
 
 
 def test_unknown_stage_site_and_off_ladder_format_are_errors():
