@@ -2,16 +2,18 @@
 
 `RolloutController` is a state machine over *sites* (layer FQNs), each with a ladder of
 formats from low to high precision (`nvfp4 -> fp8_tensorwise -> bf16`). It never touches
-a model: `observe(step, signals)` takes the host-side `Signals` of a check (see
-`lowprec.monitor`) and returns a `Decision` (continue / skip the step / rewind) with the
-format changes and the `Event`s that explain them; `apply_decision(state, decision)`
-carries the changes out on a `PrecisionState`. Its tests feed it signal sequences and
-need no model.
+a model: `observe_step(step, finite, signals)` takes, every step, whether the step's
+loss and grad norm are finite (one bool the loop reads on the host) and, on a check
+step, the host-side `Signals` of the check (see `lowprec.monitor`), and returns a
+`Decision` (continue / skip the step / rewind) with the format changes and the `Event`s
+that explain them; `apply_decision(state, decision)` carries the changes out on a
+`PrecisionState`. Its tests feed it signal sequences and need no model.
 
-Rules, in the order they are applied at each check:
+A non-finite step is skipped, always, and only here (`observe_step`). The rules below,
+applied at each check (`observe`) in this order, decide what to change:
 
-1. NaN/Inf in the loss or gradients: the step is skipped; the sites whose own
-   statistics saw NaN/Inf fall back one rung; if none did, the newest stage rolls back.
+1. NaN/Inf in the loss or gradients during the window: the sites whose own statistics
+   saw NaN/Inf fall back one rung; if none did, the newest stage rolls back.
 2. A site whose own signals cross their thresholds (saturated fraction, underflow,
    SQNR) for `site_patience` checks in a row falls back one rung up its ladder.
 3. A global signal (loss or grad-norm spike, an unexpectedly large value, the loss gap
@@ -217,15 +219,35 @@ class RolloutController:
         return True
 
     # ------------------------------------------------------------------ the decision
+    def observe_step(self, step: int, finite: bool, signals: Signals | None = None) -> Decision:
+        """The decision for one training step, after backward and before optimizer.step().
+
+        `finite`: the step's loss and grad norm are finite. When they are not, the step is
+        skipped (a SKIP_STEP event), whatever else happens: the one NaN guard. `signals`:
+        the check's Signals on a check step (None between checks); the rules of `observe`
+        then add format changes and may turn the skip into a rewind."""
+        d = Decision()
+        if not finite:
+            d.action = Action.SKIP_STEP
+            d.events.append(Event(step, EventKind.SKIP_STEP, (), {}, {}, "NaN/Inf in loss or gradients",
+                                  {"finite": False}))
+        if signals is not None:
+            checked = self.observe(step, signals)
+            d.changes.update(checked.changes)
+            d.events += checked.events
+            if checked.action is Action.REWIND:
+                d.action, d.skip_batches = Action.REWIND, checked.skip_batches
+        return d
+
     def observe(self, step: int, signals: Signals) -> Decision:
+        """One check: the rules (see the module docstring) over the window's Signals. The
+        action is CONTINUE or REWIND; skipping a non-finite step is `observe_step`'s."""
         d = Decision()
         th = self.config.thresholds
-        # 1. non-finite: the loop's per-step guard (observe_step) already skipped those
-        # steps; here the blame. Forward operands only: in the backward every gradient is
-        # NaN once the loss is. The first site in forward order whose input, weight or
-        # output is non-finite is the origin; its consumers inherit the NaN.
-        if signals.step_nonfinite:
-            d.action = Action.SKIP_STEP
+        # 1. non-finite: observe_step skipped those steps; here the blame. Forward operands
+        # only: in the backward every gradient is NaN once the loss is. The first site in
+        # forward order whose input, weight or output is non-finite is the origin; its
+        # consumers inherit the NaN.
         blamed: list[str] = []
         nan_sites = [s for s in self.order if s in signals.sites and _bits(self.current[s]) < 16 and
                      any(signals.sites[s].nonfinite.get(r, 0) > 0 for r in _FORWARD_ROLES)]
@@ -367,15 +389,6 @@ class RolloutController:
             self.target[s] = fmt
         self._move(list(stage.sites), to, EventKind.PROMOTE, step, f"stable for {step - self.stable_since} "
                    f"steps", {"min_steps": self.config.min_steps}, d, stage.name)
-
-    def observe_step(self, step: int, loss: float, grad_norm: float) -> Decision:
-        """A per-step guard between checks: skip the step on NaN/Inf (no other rule runs)."""
-        import math
-        if math.isfinite(loss) and math.isfinite(grad_norm):
-            return Decision()
-        return Decision(Action.SKIP_STEP, events=[Event(step, EventKind.SKIP_STEP, (), {}, {},
-                                                   "NaN/Inf in loss or gradients",
-                                                   {"loss": loss, "grad_norm": grad_norm})])
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict:

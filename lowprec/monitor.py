@@ -74,11 +74,6 @@ class Signals:
         """Any step of the window had a non-finite loss or grad norm."""
         return any(not math.isfinite(v) for v in self.losses + self.grad_norms)
 
-    @property
-    def step_nonfinite(self) -> bool:
-        """The last step of the window (the one being decided on) is non-finite."""
-        return bool(self.losses) and not (math.isfinite(self.losses[-1]) and math.isfinite(self.grad_norms[-1]))
-
 
 def site_signals_from_packed(rows: dict[str, list[float]]) -> SiteSignals:
     """SiteSignals from {role: [amax, saturated, underflow, sq_error, power, nonfinite, numel]}."""

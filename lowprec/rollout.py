@@ -18,14 +18,13 @@ returned Decision (see README.md). Selectors are the plan's typed selectors.
 
 from __future__ import annotations
 
-import math
 from dataclasses import fields
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from lowprec.controller import Action, ControllerConfig, Decision, RolloutController, Stage, apply_decision
+from lowprec.controller import ControllerConfig, Decision, RolloutController, Stage, apply_decision
 from lowprec.detectors import Thresholds
 from lowprec.events import Event, EventLog
 from lowprec.formats import format_names, get_format
@@ -132,31 +131,24 @@ class RolloutSession:
     def after_backward(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> Decision:
         """Call after backward (and gradient clipping), before optimizer.step().
 
-        Returns a Decision: "skip_step" (zero the grads, do not step), "rewind" (restore
-        the last good checkpoint, skip `skip_batches` batches) or "continue".
-        Reads one bool per step on the host (the NaN/Inf guard, as GradScaler does),
-        everything else once per check. The guard looks at the grad norm: after gradient
-        reduction it is the same on every rank (a NaN loss makes the gradients NaN too),
-        so every rank takes the same branch and calls the same collectives.
+        Returns a Decision: SKIP_STEP (zero the grads, do not step), REWIND (restore the
+        last good state, skip `skip_batches` batches) or CONTINUE. Reads one bool per step
+        on the host (is the grad norm finite, as GradScaler does) and hands it to the
+        controller, which decides; everything else is read once per check. The bool comes
+        from the grad norm: after gradient reduction it is the same on every rank (a NaN
+        loss makes the gradients NaN too), so every rank takes the same branch and calls
+        the same collectives.
         """
         self.monitor.record(step, loss, grad_norm)
         finite = bool(torch.isfinite(grad_norm.detach()).all())
-        decision = Decision() if finite else self.controller.observe_step(step, math.nan, math.nan)
         if not finite and not self.monitor.is_check_step(step):
             # no statistics were collected this step: check on the next one, with statistics,
             # so that a persistent fault is blamed on the site it comes from
             self.monitor.force_check(step + 1)
+        signals = None
         if self.monitor.is_check_step(step):
-            signals = self.monitor.check(step)
-            self.last_signals = signals
-            checked = self.controller.observe(step, signals)
-            decision.changes.update(checked.changes)
-            decision.events += checked.events
-            decision.skip_batches = checked.skip_batches
-            if checked.action == Action.REWIND or (checked.action == Action.SKIP_STEP and
-                                                   decision.action == Action.CONTINUE):
-                decision.action = checked.action
-        return self._carry_out(decision)
+            signals = self.last_signals = self.monitor.check(step)
+        return self._carry_out(self.controller.observe_step(step, finite, signals))
 
     def after_eval(self, step: int, result) -> Decision:
         """Report a periodic evaluation checkpoint's gate result (`.verdict`, `.reason`);

@@ -84,9 +84,30 @@ def test_first_site_in_forward_order_is_blamed_for_nan():
     sites["blocks.1.mlp.proj"] = healthy_site(nonfinite=4, role="input")   # the consumer
     sig = signals(89, sites=sites)
     sig.losses[-1] = math.nan
-    d = ctl.observe(89, sig)
+    d = ctl.observe_step(89, False, sig)
     assert d.action is Action.SKIP_STEP
     assert d.changes == {"blocks.1.mlp.fc": "bf16"}
+    assert [e.kind for e in d.events] == [EventKind.SKIP_STEP, EventKind.FALLBACK]
+
+
+def test_the_one_nan_guard_is_observe_step():
+    """A non-finite step is skipped by observe_step, between checks too; a check alone
+    (observe) blames and may rewind, but never decides the skip."""
+    ctl = make(rewind=True)
+    run(ctl, [(s, signals(s)) for s in range(9, 40, CHECK)])   # mlp_fp8 promoted
+    d = ctl.observe_step(41, False)
+    assert d.action is Action.SKIP_STEP and not d.changes
+    assert [(e.kind, e.reason) for e in d.events] == [(EventKind.SKIP_STEP, "NaN/Inf in loss or gradients")]
+    assert ctl.observe_step(42, True).action is Action.CONTINUE and not ctl.observe_step(42, True).events
+    sig = signals(49)
+    sig.grad_norms[2] = math.inf                                # step 42 of the window
+    checked = ctl.observe(49, sig)
+    assert checked.action is Action.REWIND and EventKind.SKIP_STEP not in [e.kind for e in checked.events]
+    ctl2 = make(rewind=True)
+    run(ctl2, [(s, signals(s)) for s in range(9, 40, CHECK)])
+    merged = ctl2.observe_step(49, False, sig)                   # a non-finite check step that rewinds
+    assert merged.action is Action.REWIND and merged.skip_batches == 5
+    assert [e.kind for e in merged.events][:2] == [EventKind.SKIP_STEP, EventKind.ROLLBACK]
 
 
 def test_loss_spike_rolls_back_newest_stage_and_rewinds():
