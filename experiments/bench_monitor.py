@@ -38,7 +38,7 @@ def build(check_every: int, monitored: bool, args):
         rollout = {"check_every": check_every, "min_steps": 10**9,
                    "stages": [{"name": "s", "select": {"glob": "blocks.*"}, "format": "fp8_tensorwise"}]}
         spec = parse_rollout(rollout)
-        session = RolloutSession(state, build_controller(spec, state, model), monitor=spec.monitor)
+        session = RolloutSession(state, build_controller(spec, state, model), monitor=spec.monitor_config())
     else:
         state.collect_stats(False)
     return model, opt, session

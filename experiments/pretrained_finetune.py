@@ -27,7 +27,7 @@ from torch import nn
 
 from experiments import smollm2
 from experiments.data import Batches, split_texts
-from experiments.train import TrainConfig, backward_and_decide, forward_backward, load, lr_at
+from experiments.train import TrainConfig, backward_and_decide, forward_backward, load, lr_at, rollout_section
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "smollm2_rollout.yaml"
 _KEYS = ("model", "train", "finetune", "precision", "rollout")
@@ -106,7 +106,7 @@ def finetune(cfg: dict, out_dir: str | Path, *, steps: int | None = None, contro
     from lowprec import prepare
     from lowprec.controller import Action
     from lowprec.plan import PrecisionPlan
-    from lowprec.rollout import RolloutSession, build_controller, parse_rollout
+    from lowprec.rollout import RolloutSession, build_controller
 
     tc, fs = parse(cfg)
     n_steps = tc.steps if steps is None else steps
@@ -127,9 +127,9 @@ def finetune(cfg: dict, out_dir: str | Path, *, steps: int | None = None, contro
     held_batches = [held.batch(i) for i in range(fs.eval_batches)]
     session = None
     if controller:
-        spec = parse_rollout(cfg["rollout"])
-        ctl = build_controller(spec, state, lm, baseline=baseline)
-        session = RolloutSession(state, ctl, monitor=spec.monitor, event_log=out / "events.jsonl",
+        rollout = rollout_section(cfg, baseline)
+        ctl = build_controller(rollout, state, lm, baseline=baseline)
+        session = RolloutSession(state, ctl, monitor=rollout.monitor_config(), event_log=out / "events.jsonl",
                                  on_events=lambda evs: [log("  event " + e.summary()) for e in evs])
     res = FinetuneResult()
     state.collect_stats(False)

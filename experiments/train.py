@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from lowprec import prepare
 from lowprec.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from lowprec.controller import Action
 from lowprec.plan import PrecisionPlan
-from lowprec.rollout import RolloutSession, build_controller, parse_rollout
+from lowprec.rollout import RolloutConfig, RolloutSession, build_controller, parse_rollout
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,17 @@ class RunResult:
 
 def load(path: str | Path) -> dict:
     return yaml.safe_load(Path(path).read_text())
+
+
+def rollout_section(cfg: dict, baseline: dict[int, float] | None = None) -> RolloutConfig:
+    """The config's rollout section. Its loss gap needs the baseline's loss curve, passed in
+    code (experiments.run_default) or in the file `rollout.baseline` names; with neither at
+    hand (python -m experiments.train on its own) the loss gap is off (docs/results.md)."""
+    rollout = parse_rollout(cfg["rollout"])
+    named = rollout.baseline.losses if rollout.baseline is not None else None
+    if baseline is None and rollout.thresholds.loss_gap is not None and not (named and Path(named).is_file()):
+        rollout = dataclasses.replace(rollout, thresholds=dataclasses.replace(rollout.thresholds, loss_gap=None))
+    return rollout
 
 
 def parse_injection(text: str) -> Injection:
@@ -235,9 +247,9 @@ def train(cfg: dict, out_dir: str | Path, *, injections: list[Injection] = (), c
     session = None
     if controller and cfg.get("rollout"):
         gate = evals.gate if evals is not None and evals.spec is not None else None
-        spec = parse_rollout(cfg["rollout"])
-        ctl = build_controller(spec, state, model, baseline=baseline, gate=gate)
-        session = RolloutSession(state, ctl, monitor=spec.monitor, event_log=out / "events.jsonl",
+        rollout = rollout_section(cfg, baseline)
+        ctl = build_controller(rollout, state, model, baseline=baseline, gate=gate)
+        session = RolloutSession(state, ctl, monitor=rollout.monitor_config(), event_log=out / "events.jsonl",
                                  on_events=tracker.log_events if tracker is not None else None)
     if session is None:
         state.collect_stats(False)   # no monitor reads them: quantize without statistics

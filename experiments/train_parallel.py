@@ -43,25 +43,25 @@ import torch.distributed as dist
 from experiments.model import build_gpt
 from experiments.parallel import DataTensorParallel, ParallelConfig, Pipeline, local_state
 from experiments.train import (Injection, TrainConfig, _install, load, lr_at, parse_injection, rewind,
-                               train_batches)
+                               rollout_section, train_batches)
 from lowprec import prepare
 from lowprec.checkpoint import save_checkpoint
 from lowprec.controller import Action
 from lowprec.plan import PrecisionPlan
-from lowprec.rollout import RolloutSession, build_controller, parse_rollout
+from lowprec.rollout import RolloutConfig, RolloutSession, build_controller
 
 __all__ = ["train_parallel", "main"]
 
 
-def _rollout_spec(cfg: dict, par: ParallelConfig, rank: int):
+def _rollout_spec(cfg: dict, par: ParallelConfig, rank: int) -> RolloutConfig:
     """The rollout section; under pipeline parallelism with rewinds off (see the docstring)."""
-    spec = parse_rollout(cfg["rollout"])
-    if par.pp > 1 and spec.config.rewind:
+    spec = rollout_section(cfg)
+    if par.pp > 1 and spec.rewind.enabled:
         if rank == 0:
             print("note: rewinds are off under pipeline parallelism (the stages' sharded checkpoints "
                   "do not restore the optimizer yet); the controller rolls stages back without "
                   "rewinding", flush=True)
-        spec.config = dataclasses.replace(spec.config, rewind=False)
+        spec = dataclasses.replace(spec, rewind=dataclasses.replace(spec.rewind, enabled=False))
     return spec
 
 
@@ -110,8 +110,8 @@ def train_parallel(cfg: dict, out_dir: str | Path, par: ParallelConfig, *, steps
     else:
         engine = DataTensorParallel(model, mesh, tc.microbatches)
         local = model
-    session = RolloutSession(state, ctl, monitor=spec.monitor, event_log=out / f"events.rank{rank}.jsonl",
-                             sites=all_sites)
+    session = RolloutSession(state, ctl, monitor=spec.monitor_config(),
+                             event_log=out / f"events.rank{rank}.jsonl", sites=all_sites)
     opt = torch.optim.AdamW(engine.params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     names = {n for n, _ in local.named_modules()}
     faults = [j for j in injections if j.kind == "lr_spike" or j.site in names]   # this rank's sites

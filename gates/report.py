@@ -65,8 +65,9 @@ def markdown(summary: GateSummary, baseline: str, candidate: str) -> str:
 
 def junit_xml(summary: GateSummary, baseline: str, candidate: str, inconclusive_fails: bool = False) -> str:
     results = summary.results
-    failures = sum(r.verdict == Verdict.REGRESS or (inconclusive_fails and r.verdict == Verdict.INCONCLUSIVE) for r in results)
-    skipped = sum(r.verdict == Verdict.INCONCLUSIVE for r in results) if not inconclusive_fails else 0
+    failing = {Verdict.REGRESS, Verdict.INCONCLUSIVE} if inconclusive_fails else {Verdict.REGRESS}
+    failures = sum(r.verdict in failing for r in results)
+    skipped = sum(r.verdict is Verdict.INCONCLUSIVE for r in results) if not inconclusive_fails else 0
     attrs = {"name": "lowprec gate", "tests": str(len(results)), "failures": str(failures), "errors": "0",
              "skipped": str(skipped)}
     root = ET.Element("testsuites", attrs)
@@ -76,7 +77,7 @@ def junit_xml(summary: GateSummary, baseline: str, candidate: str, inconclusive_
         ET.SubElement(props, "property", {"name": k, "value": v})
     for r in results:
         case = ET.SubElement(suite, "testcase", {"classname": "lowprec.gate", "name": r.metric, "time": "0"})
-        if r.verdict == Verdict.REGRESS or (inconclusive_fails and r.verdict == Verdict.INCONCLUSIVE):
+        if r.verdict in failing:
             ET.SubElement(case, "failure", {"message": r.reason, "type": r.verdict.value}).text = r.reason
         elif r.verdict == Verdict.INCONCLUSIVE:
             ET.SubElement(case, "skipped", {"message": r.reason})

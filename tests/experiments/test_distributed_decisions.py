@@ -46,7 +46,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         spec = parse_rollout(ROLLOUT)
         ctl = build_controller(spec, state, model)
-        session = RolloutSession(state, ctl, monitor=spec.monitor, event_log=f"{out_dir}/events_rank{rank}.jsonl")
+        session = RolloutSession(state, ctl, monitor=spec.monitor_config(),
+                                 event_log=f"{out_dir}/events_rank{rank}.jsonl")
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
         data = Batches(tokens_of(split_texts()[0], 200_000), 8, 32, seed=0, rank=rank, world=world)
         fault = Injection("nan", 20, 1000, SITE)
