@@ -2,7 +2,7 @@
 
 The small GPT with every block's linear layers in FP8 (emulated) trains on Shakespeare
 twice, alternating in chunks so that machine noise hits both alike: once plain (no
-statistics, no monitor), once with a RolloutSession at the given `check_every`
+statistics, no monitor), once with a Session at the given `check_every`
 (statistics on check steps, the per-step NaN guard, one collective and one host read
 per check). Prints the mean time per step of each and the overhead.
 
@@ -20,7 +20,8 @@ from experiments.data import Batches, split_texts, tokens_of
 from experiments.model import build_gpt
 from lowprec import prepare
 from lowprec.plan import PrecisionPlan
-from lowprec.rollout import RolloutSession, build_controller, parse_rollout
+from lowprec.rollout import build_controller, parse_rollout
+from lowprec.runtime import Session
 
 PLAN = {"backend": "emulated", "keep_high_precision": [{"fqns": ["lm_head"]}],
         "rules": [{"name": "blocks", "select": {"glob": "blocks.*"}, "format": "fp8_tensorwise"}]}
@@ -36,7 +37,9 @@ def build(check_every: int, monitored: bool, args):
     if monitored:
         rollout = {"check_every": check_every, "min_steps": 10**9,
                    "stages": [{"name": "s", "select": {"glob": "blocks.*"}, "format": "fp8_tensorwise"}]}
-        session = RolloutSession(state, build_controller(parse_rollout(rollout), state, model))
+        spec = parse_rollout(rollout)
+        session = Session(model, opt, state, build_controller(spec, state, model), monitor=spec.monitor_config(),
+                          max_grad_norm=1.0)
     else:
         state.collect_stats(False)
     return model, opt, session
@@ -45,18 +48,15 @@ def build(check_every: int, monitored: bool, args):
 def run(model, opt, session, data, start: int, n: int) -> float:
     t0 = time.perf_counter()
     for step in range(start, start + n):
-        if session is not None:
-            session.before_step(step)
         x, y = data.batch(step)
-        opt.zero_grad(set_to_none=True)
         _, loss = model(x, y)
         loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if session is not None:
-            d = session.after_backward(step, loss, gn)
-            if d.action != "continue":
-                continue
-        opt.step()
+            session.step(loss)           # clip, decide, step (or skip), zero the grads
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     return time.perf_counter() - t0
 
 

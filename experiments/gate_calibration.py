@@ -32,7 +32,8 @@ from dataclasses import replace
 from lowprec.config import RunConfig
 from lowprec.runtime.run import high_precision_baseline, run_config
 from gates import GateSpec, Scores, check_all
-from gates.gate import HIGHER_IS_BETTER, REGRESS
+from gates.gate import HIGHER_IS_BETTER
+from lowprec.verdicts import Verdict
 
 
 def seed_run(cfg: RunConfig, seed: int, out: Path, steps: int | None) -> dict:
@@ -99,10 +100,10 @@ def main(argv=None) -> None:
         res = check_all(spec, scores[b], scores[c])
         cells = []
         for r in res:
-            alarms[r.metric] += r.verdict == REGRESS
+            alarms[r.metric] += r.verdict is Verdict.REGRESS
             cells.append(f"{r.delta:+.4f} [{r.interval[0]:+.4f}, {r.interval[1]:+.4f}] {r.verdict}"
-                         if r.interval else r.verdict)
-        any_alarm += any(r.verdict == REGRESS for r in res)
+                         if r.interval else r.verdict.value)
+        any_alarm += any(r.verdict is Verdict.REGRESS for r in res)
         print(f"| {b} -> {c} | " + " | ".join(cells) + " |")
     print()
     print("| gate | tolerance | false alarms |")
@@ -122,7 +123,7 @@ def main(argv=None) -> None:
             for i, (b, c) in enumerate(pairs):
                 bad = planted(runs[c]["samples"], g.metric, d, g.direction, seed=i)
                 cand = Scores.from_eval(runs[c]["results"], bad, source=f"seed {c} with a drop")
-                hit += g.check(scores[b], cand).verdict == REGRESS
+                hit += g.check(scores[b], cand).verdict is Verdict.REGRESS
             cells.append(f"{hit}/{len(pairs)} ({hit / len(pairs):.0%})")
         print(f"| {g.metric} | " + " | ".join(cells) + " |")
     print("\nFinal training loss (mean of the last 50 steps) per seed: "

@@ -4,7 +4,7 @@
     spec = GateSpec.from_yaml("gates/default.yaml")
     summary = summarize(check_all(spec, Scores.from_eval(base_results, base_samples),
                                   Scores.from_eval(cand_results, cand_samples)))
-    summary.verdict, summary.reason        # "pass" | "regress" | "inconclusive"
+    summary.verdict, summary.reason        # Verdict.PASS | .REGRESS | .INCONCLUSIVE (lowprec.verdicts)
 
 Modules: `spec` (gate files), `scores` (what is compared), `stats` (intervals), `gate` (verdicts),
 `runs` (MLflow runs -> Scores), `report` (table, Markdown, JUnit), `cli` (`lowprec gate`).
@@ -13,11 +13,12 @@ The in-memory API needs no MLflow (the rollout controller uses it in the trainin
 """
 
 from gates.errors import GateInputError, GateSpecError
-from gates.gate import (HIGHER_IS_BETTER, INCONCLUSIVE, LOWER_IS_BETTER, PASS, REGRESS, Gate, GateResult, GateSummary,
-                        Tolerance, check_all, step_gate, summarize)
+from gates.gate import (HIGHER_IS_BETTER, LOWER_IS_BETTER, Gate, GateResult, GateSummary, Tolerance, check_all,
+                        step_gate, summarize)
 from gates.scores import MetricScores, Scores
 from gates.spec import GateSpec
+from lowprec.verdicts import Verdict
 
 __all__ = ["GateSpec", "Gate", "Tolerance", "GateResult", "GateSummary", "Scores", "MetricScores", "check_all",
-           "summarize", "step_gate", "GateSpecError", "GateInputError", "PASS", "REGRESS", "INCONCLUSIVE",
+           "summarize", "step_gate", "GateSpecError", "GateInputError", "Verdict",
            "LOWER_IS_BETTER", "HIGHER_IS_BETTER"]

@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import TextIO
 
 from gates.errors import GateInputError, GateSpecError
-from gates.gate import INCONCLUSIVE, PASS, REGRESS, GateSummary, check_all, summarize
+from gates.gate import GateSummary, check_all, summarize
 from gates.report import junit_xml, markdown, table
 from gates.runs import load_scores, open_client
 from gates.spec import GateSpec
 
 from lowprec.tracking.cli import default_tracking_uri
+from lowprec.verdicts import Verdict
 
 __all__ = ["GateArgs", "register", "run", "main", "EXIT_PASS", "EXIT_REGRESS", "EXIT_UNUSABLE"]
 
@@ -83,7 +84,7 @@ def run(args: GateArgs, out: TextIO | None = None, err: TextIO | None = None) ->
         return EXIT_UNUSABLE
     print(f"baseline:  {base}\ncandidate: {cand}\n", file=out)
     print(table(summary.results), file=out)
-    print(f"\nlowprec gate: {summary.verdict.upper()}: {summary.reason}", file=out)
+    print(f"\nlowprec gate: {summary.verdict.value.upper()}: {summary.reason}", file=out)
     fail_inconclusive = args.inconclusive == "fail"
     try:
         if args.markdown:
@@ -94,9 +95,9 @@ def run(args: GateArgs, out: TextIO | None = None, err: TextIO | None = None) ->
     except OSError as e:
         print(f"lowprec gate: cannot write the report: {e}", file=err)
         return EXIT_UNUSABLE
-    if summary.verdict == REGRESS or (summary.verdict == INCONCLUSIVE and fail_inconclusive):
+    if summary.verdict is Verdict.REGRESS or (summary.verdict is Verdict.INCONCLUSIVE and fail_inconclusive):
         return EXIT_REGRESS
-    assert summary.verdict in (PASS, INCONCLUSIVE)
+    assert summary.verdict in (Verdict.PASS, Verdict.INCONCLUSIVE)
     return EXIT_PASS
 
 

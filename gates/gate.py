@@ -2,7 +2,7 @@
 
     gate = Gate("eval/heldout_shakespeare/bits_per_byte", LOWER_IS_BETTER, Tolerance("relative", 0.02))
     result = gate.check(baseline, candidate)        # Scores -> GateResult
-    result.verdict, result.reason                   # "pass" | "regress" | "inconclusive", one sentence
+    result.verdict, result.reason                   # a Verdict (pass | regress | inconclusive), one sentence
 
 The quantity tested is the *regression* r, in the metric's units, oriented so that positive
 means worse: r = candidate - baseline for `lower_is_better`, baseline - candidate for
@@ -30,7 +30,8 @@ per-example mean and can differ slightly from the aggregate difference shown nex
 
 `check_all(spec, baseline, candidate)` runs every gate of a file; `summarize(results)` gives the
 overall verdict (any regress -> regress; else any inconclusive -> inconclusive; else pass), the
-object the rollout controller's `gate(step)` callable returns (it reads `.verdict`, `.reason`).
+object the rollout controller's `gate(step)` callable returns (a `lowprec.verdicts.GateOutcome`:
+it reads `.verdict`, `.reason`). Verdicts are `lowprec.verdicts.Verdict` members, str-valued.
 """
 
 from __future__ import annotations
@@ -42,13 +43,12 @@ from typing import Callable, Iterable
 from gates.errors import GateSpecError, suggest
 from gates.scores import MetricScores, Scores
 from gates.stats import normal_interval, paired_bootstrap_interval, paired_differences
+from lowprec.verdicts import Verdict
 
-__all__ = ["PASS", "REGRESS", "INCONCLUSIVE", "VERDICTS", "LOWER_IS_BETTER", "HIGHER_IS_BETTER", "DIRECTIONS",
+__all__ = ["LOWER_IS_BETTER", "HIGHER_IS_BETTER", "DIRECTIONS",
            "PAIRED_BOOTSTRAP", "STDERR", "STATISTICS", "Tolerance", "Gate", "GateResult", "GateSummary",
            "check_all", "summarize", "step_gate"]
 
-PASS, REGRESS, INCONCLUSIVE = "pass", "regress", "inconclusive"
-VERDICTS = (PASS, REGRESS, INCONCLUSIVE)
 LOWER_IS_BETTER, HIGHER_IS_BETTER = "lower_is_better", "higher_is_better"
 DIRECTIONS = (LOWER_IS_BETTER, HIGHER_IS_BETTER)
 PAIRED_BOOTSTRAP, STDERR = "paired_bootstrap", "stderr"
@@ -111,7 +111,7 @@ class GateResult:
     units; `allowed` is the allowed regression in the same units; `n` the paired examples (None
     for the stderr statistic); `statistic` what was used (`paired_bootstrap` or `stderr`)."""
 
-    verdict: str
+    verdict: Verdict
     metric: str
     delta: float | None
     interval: tuple[float, float] | None
@@ -126,7 +126,8 @@ class GateResult:
     confidence: float | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Plain data (the verdict as its string value)."""
+        return {**asdict(self), "verdict": self.verdict.value}
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ class GateSummary:
     """All gates together: `verdict` (any regress -> regress; else any inconclusive ->
     inconclusive; else pass), a one-line `reason`, and every GateResult."""
 
-    verdict: str
+    verdict: Verdict
     reason: str
     results: tuple[GateResult, ...]
 
@@ -177,11 +178,11 @@ class Gate:
         base = dict(metric=self.metric, baseline_value=b.value, candidate_value=c.value, allowed=allowed,
                     tolerance=tol, direction=self.direction, confidence=self.confidence)
         if not math.isfinite(c.value):
-            return GateResult(REGRESS, delta=None, interval=None, n=None, statistic="none", **base,
+            return GateResult(Verdict.REGRESS, delta=None, interval=None, n=None, statistic="none", **base,
                               reason=f"{self.metric}: the candidate's value is {c.value} (baseline {b.value:.4g}), "
                                      f"which counts as a regression beyond any tolerance ({tol}).")
         if not math.isfinite(b.value):
-            return GateResult(INCONCLUSIVE, delta=None, interval=None, n=None, statistic="none", **base,
+            return GateResult(Verdict.INCONCLUSIVE, delta=None, interval=None, n=None, statistic="none", **base,
                               reason=f"{self.metric}: the baseline's value is {b.value}, so there is nothing "
                                      f"to compare against; re-evaluate the baseline.")
         if self.statistic == PAIRED_BOOTSTRAP and b.samples is not None and c.samples is not None:
@@ -199,7 +200,7 @@ class Gate:
                 if counts[k]]
         left_out = f"; left out: {', '.join(left)}" if left else ""
         if n < self.min_samples:
-            return GateResult(INCONCLUSIVE, delta=None, interval=None, n=n, statistic=PAIRED_BOOTSTRAP, **base,
+            return GateResult(Verdict.INCONCLUSIVE, delta=None, interval=None, n=n, statistic=PAIRED_BOOTSTRAP, **base,
                               reason=f"{self.metric}: only {n} paired examples (keys in both runs{left_out}), "
                                      f"fewer than min_samples {self.min_samples}; evaluate both runs on the "
                                      f"same, larger example set.")
@@ -213,7 +214,7 @@ class Gate:
         delta = sign * (c.value - b.value)
         if se_b is None or se_c is None:
             lacking = " and ".join(name for name, se in (("baseline", se_b), ("candidate", se_c)) if se is None)
-            return GateResult(INCONCLUSIVE, delta=delta, interval=None, n=None, statistic=STDERR, **base,
+            return GateResult(Verdict.INCONCLUSIVE, delta=delta, interval=None, n=None, statistic=STDERR, **base,
                               reason=f"{self.metric}: regression {delta:+.4g} but the {lacking} has neither a "
                                      f"stderr ({self.metric}_stderr) nor per-example scores, so no interval can "
                                      f"be formed; log them with the eval results.")
@@ -229,11 +230,11 @@ class Gate:
         what = (f"{self.metric}: regression {delta:+.4g} ({pct} interval [{lo:+.4g}, {hi:+.4g}], "
                 f"{how}; + = worse, {self.direction.replace('_', ' ')})")
         if lo > allowed:
-            verdict, says = REGRESS, f"lies wholly above the allowed regression {base['tolerance']}"
+            verdict, says = Verdict.REGRESS, f"lies wholly above the allowed regression {base['tolerance']}"
         elif hi <= allowed:
-            verdict, says = PASS, f"lies wholly at or below the allowed regression {base['tolerance']}"
+            verdict, says = Verdict.PASS, f"lies wholly at or below the allowed regression {base['tolerance']}"
         else:
-            verdict, says = INCONCLUSIVE, (f"straddles the allowed regression {base['tolerance']}; more "
+            verdict, says = Verdict.INCONCLUSIVE, (f"straddles the allowed regression {base['tolerance']}; more "
                                            f"examples would narrow it")
         return GateResult(verdict, delta=delta, interval=(lo, hi), n=n, statistic=statistic, **base,
                           reason=f"{what} {says}.")
@@ -249,14 +250,16 @@ def summarize(results: Iterable[GateResult]) -> GateSummary:
     """The overall verdict and a one-line reason naming the gates that did not pass."""
     results = tuple(results)
     if not results:
-        return GateSummary(INCONCLUSIVE, "no gates were checked", results)
-    by = {v: [r for r in results if r.verdict == v] for v in VERDICTS}
-    verdict = REGRESS if by[REGRESS] else INCONCLUSIVE if by[INCONCLUSIVE] else PASS
-    counts = ", ".join(f"{len(by[v])} {v}" for v in (REGRESS, INCONCLUSIVE, PASS) if by[v])
-    if verdict == PASS:
-        return GateSummary(PASS, f"all {len(results)} gates pass", results)
+        return GateSummary(Verdict.INCONCLUSIVE, "no gates were checked", results)
+    by = {v: [r for r in results if r.verdict == v] for v in Verdict}
+    verdict = Verdict.REGRESS if by[Verdict.REGRESS] else Verdict.INCONCLUSIVE if by[Verdict.INCONCLUSIVE] \
+        else Verdict.PASS
+    counts = ", ".join(f"{len(by[v])} {v.value}" for v in (Verdict.REGRESS, Verdict.INCONCLUSIVE, Verdict.PASS)
+                       if by[v])
+    if verdict is Verdict.PASS:
+        return GateSummary(Verdict.PASS, f"all {len(results)} gates pass", results)
     first = by[verdict][0]
-    return GateSummary(verdict, f"{counts} of {len(results)} gates; first {verdict}: {first.reason}", results)
+    return GateSummary(verdict, f"{counts} of {len(results)} gates; first {verdict.value}: {first.reason}", results)
 
 
 def step_gate(spec, baseline: Scores | Callable[[int], Scores], evaluate: Callable[[int], Scores]

@@ -13,12 +13,13 @@ from __future__ import annotations
 import math
 import xml.etree.ElementTree as ET
 
-from gates.gate import INCONCLUSIVE, PASS, REGRESS, GateResult, GateSummary
+from gates.gate import GateResult, GateSummary
+from lowprec.verdicts import Verdict
 
 __all__ = ["table", "markdown", "junit_xml", "HEADERS"]
 
 HEADERS = ("metric", "baseline", "candidate", "delta (+ = worse)", "interval", "tolerance", "n", "verdict")
-_MARK = {PASS: "pass", REGRESS: "REGRESS", INCONCLUSIVE: "inconclusive"}
+_MARK = {Verdict.PASS: "pass", Verdict.REGRESS: "REGRESS", Verdict.INCONCLUSIVE: "inconclusive"}
 
 
 def _num(x: float | None, signed: bool = False) -> str:
@@ -32,7 +33,7 @@ def _num(x: float | None, signed: bool = False) -> str:
 def _row(r: GateResult) -> tuple[str, ...]:
     interval = "-" if r.interval is None else f"[{_num(r.interval[0], True)}, {_num(r.interval[1], True)}]"
     return (r.metric, _num(r.baseline_value), _num(r.candidate_value), _num(r.delta, True), interval,
-            r.tolerance or "-", "-" if r.n is None else str(r.n), _MARK.get(r.verdict, r.verdict))
+            r.tolerance or "-", "-" if r.n is None else str(r.n), _MARK[r.verdict])
 
 
 def table(results: list[GateResult] | tuple[GateResult, ...]) -> str:
@@ -40,7 +41,7 @@ def table(results: list[GateResult] | tuple[GateResult, ...]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(HEADERS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines + [""] + [f"- {r.verdict}: {r.reason}" for r in results])
+    return "\n".join(lines + [""] + [f"- {r.verdict.value}: {r.reason}" for r in results])
 
 
 def _md_cell(s: str) -> str:
@@ -48,35 +49,37 @@ def _md_cell(s: str) -> str:
 
 
 def markdown(summary: GateSummary, baseline: str, candidate: str) -> str:
-    icon = {PASS: ":white_check_mark:", REGRESS: ":x:", INCONCLUSIVE: ":grey_question:"}[summary.verdict]
-    out = [f"### {icon} lowprec gate: {summary.verdict}", "",
+    icon = {Verdict.PASS: ":white_check_mark:", Verdict.REGRESS: ":x:", Verdict.INCONCLUSIVE: ":grey_question:"}[
+        summary.verdict]
+    out = [f"### {icon} lowprec gate: {summary.verdict.value}", "",
            f"Baseline: {_md_cell(baseline)}  ", f"Candidate: {_md_cell(candidate)}", "",
            "| " + " | ".join(HEADERS) + " |", "|" + "|".join("---" for _ in HEADERS) + "|"]
     for r in summary.results:
         cells = list(_row(r))
         cells[0] = f"`{cells[0]}`"
-        cells[-1] = f"**{cells[-1]}**" if r.verdict != PASS else cells[-1]
+        cells[-1] = f"**{cells[-1]}**" if r.verdict is not Verdict.PASS else cells[-1]
         out.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
-    out += [""] + [f"- **{r.verdict}**: {_md_cell(r.reason)}" for r in summary.results] + [""]
+    out += [""] + [f"- **{r.verdict.value}**: {_md_cell(r.reason)}" for r in summary.results] + [""]
     return "\n".join(out) + "\n"
 
 
 def junit_xml(summary: GateSummary, baseline: str, candidate: str, inconclusive_fails: bool = False) -> str:
     results = summary.results
-    failures = sum(r.verdict == REGRESS or (inconclusive_fails and r.verdict == INCONCLUSIVE) for r in results)
-    skipped = sum(r.verdict == INCONCLUSIVE for r in results) if not inconclusive_fails else 0
+    failing = {Verdict.REGRESS, Verdict.INCONCLUSIVE} if inconclusive_fails else {Verdict.REGRESS}
+    failures = sum(r.verdict in failing for r in results)
+    skipped = sum(r.verdict is Verdict.INCONCLUSIVE for r in results) if not inconclusive_fails else 0
     attrs = {"name": "lowprec gate", "tests": str(len(results)), "failures": str(failures), "errors": "0",
              "skipped": str(skipped)}
     root = ET.Element("testsuites", attrs)
     suite = ET.SubElement(root, "testsuite", attrs)
     props = ET.SubElement(suite, "properties")
-    for k, v in (("baseline", baseline), ("candidate", candidate), ("verdict", summary.verdict)):
+    for k, v in (("baseline", baseline), ("candidate", candidate), ("verdict", summary.verdict.value)):
         ET.SubElement(props, "property", {"name": k, "value": v})
     for r in results:
         case = ET.SubElement(suite, "testcase", {"classname": "lowprec.gate", "name": r.metric, "time": "0"})
-        if r.verdict == REGRESS or (inconclusive_fails and r.verdict == INCONCLUSIVE):
-            ET.SubElement(case, "failure", {"message": r.reason, "type": r.verdict}).text = r.reason
-        elif r.verdict == INCONCLUSIVE:
+        if r.verdict in failing:
+            ET.SubElement(case, "failure", {"message": r.reason, "type": r.verdict.value}).text = r.reason
+        elif r.verdict == Verdict.INCONCLUSIVE:
             ET.SubElement(case, "skipped", {"message": r.reason})
         ET.SubElement(case, "system-out").text = r.reason
     ET.indent(root)

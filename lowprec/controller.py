@@ -2,16 +2,18 @@
 
 `RolloutController` is a state machine over *sites* (layer FQNs), each with a ladder of
 formats from low to high precision (`nvfp4 -> fp8_tensorwise -> bf16`). It never touches
-a model: `observe(step, signals)` takes the host-side `Signals` of a check (see
-`lowprec.monitor`) and returns a `Decision` (continue / skip the step / rewind) with the
-format changes and the `Event`s that explain them; `apply_decision(state, decision)`
-carries the changes out on a `PrecisionState`. Its tests feed it signal sequences and
-need no model.
+a model: `observe_step(step, finite, signals)` takes, every step, whether the step's
+loss and grad norm are finite (one bool the loop reads on the host) and, on a check
+step, the host-side `Signals` of the check (see `lowprec.monitor`), and returns a
+`Decision` (continue / skip the step / rewind) with the format changes and the `Event`s
+that explain them; `apply_decision(state, decision)` carries the changes out on a
+`PrecisionState`. Its tests feed it signal sequences and need no model.
 
-Rules, in the order they are applied at each check:
+A non-finite step is skipped, always, and only here (`observe_step`). The rules below,
+applied at each check (`observe`) in this order, decide what to change:
 
-1. NaN/Inf in the loss or gradients: the step is skipped; the sites whose own
-   statistics saw NaN/Inf fall back one rung; if none did, the newest stage rolls back.
+1. NaN/Inf in the loss or gradients during the window: the sites whose own statistics
+   saw NaN/Inf fall back one rung; if none did, the newest stage rolls back.
 2. A site whose own signals cross their thresholds (saturated fraction, underflow,
    SQNR) for `site_patience` checks in a row falls back one rung up its ladder.
 3. A global signal (loss or grad-norm spike, an unexpectedly large value, the loss gap
@@ -30,16 +32,34 @@ order), so every rank that sees the same `Signals` decides the same thing.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Callable
 
 from lowprec.events import Event, EventKind
 from lowprec.formats import FORMATS
-from lowprec.monitor import LargeValueDetector, LossGapDetector, MonitorConfig, Signals, SpikeDetector
+from lowprec.detectors import LargeValueDetector, LossGapDetector, SpikeDetector, Thresholds
+from lowprec.monitor import Signals
+from lowprec.verdicts import GateOutcome, Verdict
 
 _FORWARD_ROLES = ("input", "weight", "output")
 
-__all__ = ["Stage", "ControllerConfig", "Decision", "RolloutController", "apply_decision"]
+__all__ = ["Action", "Stage", "Thresholds", "ControllerConfig", "Decision", "RolloutController", "apply_decision"]
+
+
+class Action(str, enum.Enum):
+    """What the training loop does with this step: step the optimizer, skip it (zero the
+    gradients), or restore the last good state and skip `Decision.skip_batches` batches."""
+
+    CONTINUE = "continue"
+    SKIP_STEP = "skip_step"
+    REWIND = "rewind"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 @dataclass(frozen=True)
@@ -53,12 +73,15 @@ class Stage:
 
 @dataclass(frozen=True)
 class ControllerConfig:
+    """The rules' parameters: stability before a promotion, cooldown, quarantine, rewind, and
+    the thresholds and detector presets (`lowprec.detectors.Thresholds`)."""
+
     min_steps: int = 100
     cooldown_steps: int = 200
     quarantine_after: int = 2
     rewind: bool = False
     rewind_skip_batches: int = 0
-    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    thresholds: Thresholds = field(default_factory=Thresholds)
 
     def __post_init__(self) -> None:
         for name in ("min_steps", "cooldown_steps", "rewind_skip_batches"):
@@ -70,14 +93,14 @@ class ControllerConfig:
 
 @dataclass
 class Decision:
-    action: str = "continue"                         # continue | skip_step | rewind
+    action: Action = Action.CONTINUE
     changes: dict[str, str] = field(default_factory=dict)   # site -> new format
     events: list[Event] = field(default_factory=list)
     skip_batches: int = 0
 
     @property
     def rewind(self) -> bool:
-        return self.action == "rewind"
+        return self.action == Action.REWIND
 
 
 def _bits(name: str) -> int:
@@ -90,7 +113,7 @@ class RolloutController:
     def __init__(self, ladders: dict[str, tuple[str, ...]], initial: dict[str, str],
                  stages: list[Stage], config: ControllerConfig = ControllerConfig(), *,
                  baseline: dict[int, float] | None = None,
-                 gate: Callable[[int], object] | None = None):
+                 gate: Callable[[int], GateOutcome] | None = None):
         for s in stages:
             for site in s.sites:
                 if site not in ladders:
@@ -109,13 +132,16 @@ class RolloutController:
         self.stages = list(stages)
         self.config = config
         self.gate = gate
-        mc = config.monitor
-        self.loss_spike = SpikeDetector(mc.spike_window, mc.spike_sigmas, mc.spike_min_history)
-        self.grad_spike = SpikeDetector(mc.spike_window, mc.spike_sigmas, mc.spike_min_history)
-        self.loss_large = LargeValueDetector(mc.large_factor, mc.large_warmup)
-        self.grad_large = LargeValueDetector(mc.large_factor, mc.large_warmup)
-        self.loss_gap = (LossGapDetector(baseline, mc.loss_gap, mc.loss_gap_smoothing)
-                         if baseline and mc.loss_gap is not None else None)
+        th = config.thresholds
+        self.loss_spike = SpikeDetector(th.spike_window, th.spike_sigmas, th.spike_min_history)
+        self.grad_spike = SpikeDetector(th.spike_window, th.spike_sigmas, th.spike_min_history)
+        self.loss_large = LargeValueDetector(th.large_factor, th.large_warmup)
+        self.grad_large = LargeValueDetector(th.large_factor, th.large_warmup)
+        if th.loss_gap is not None and not baseline:
+            raise ValueError(f"thresholds.loss_gap is {th.loss_gap} but no baseline loss curve was given: "
+                             "pass baseline={step: loss} (rollout.baseline in a config) or set loss_gap to None")
+        self.loss_gap = LossGapDetector(baseline, th.loss_gap, th.loss_gap_smoothing) \
+            if baseline and th.loss_gap is not None else None
         self.promoted = 0                     # stages promoted so far
         self.stable_since = 0                 # step of the last change or instability
         self.stage_of: dict[str, str] = {}    # site -> name of the stage that promoted it
@@ -193,15 +219,35 @@ class RolloutController:
         return True
 
     # ------------------------------------------------------------------ the decision
-    def observe(self, step: int, signals: Signals) -> Decision:
+    def observe_step(self, step: int, finite: bool, signals: Signals | None = None) -> Decision:
+        """The decision for one training step, after backward and before optimizer.step().
+
+        `finite`: the step's loss and grad norm are finite. When they are not, the step is
+        skipped (a SKIP_STEP event), whatever else happens: the one NaN guard. `signals`:
+        the check's Signals on a check step (None between checks); the rules of `observe`
+        then add format changes and may turn the skip into a rewind."""
         d = Decision()
-        mc = self.config.monitor
-        # 1. non-finite: the loop's per-step guard (observe_step) already skipped those
-        # steps; here the blame. Forward operands only: in the backward every gradient is
-        # NaN once the loss is. The first site in forward order whose input, weight or
-        # output is non-finite is the origin; its consumers inherit the NaN.
-        if signals.step_nonfinite:
-            d.action = "skip_step"
+        if not finite:
+            d.action = Action.SKIP_STEP
+            d.events.append(Event(step, EventKind.SKIP_STEP, (), {}, {}, "NaN/Inf in loss or gradients",
+                                  {"finite": False}))
+        if signals is not None:
+            checked = self.observe(step, signals)
+            d.changes.update(checked.changes)
+            d.events += checked.events
+            if checked.action is Action.REWIND:
+                d.action, d.skip_batches = Action.REWIND, checked.skip_batches
+        return d
+
+    def observe(self, step: int, signals: Signals) -> Decision:
+        """One check: the rules (see the module docstring) over the window's Signals. The
+        action is CONTINUE or REWIND; skipping a non-finite step is `observe_step`'s."""
+        d = Decision()
+        th = self.config.thresholds
+        # 1. non-finite: observe_step skipped those steps; here the blame. Forward operands
+        # only: in the backward every gradient is NaN once the loss is. The first site in
+        # forward order whose input, weight or output is non-finite is the origin; its
+        # consumers inherit the NaN.
         blamed: list[str] = []
         nan_sites = [s for s in self.order if s in signals.sites and _bits(self.current[s]) < 16 and
                      any(signals.sites[s].nonfinite.get(r, 0) > 0 for r in _FORWARD_ROLES)]
@@ -222,12 +268,12 @@ class RolloutController:
             sig = signals.sites.get(site)
             if sig is None or _bits(self.current[site]) >= 16:
                 continue
-            crossed = {f"{r}/saturated_frac": v for r, v in sig.saturated_frac.items() if v > mc.max_saturated_frac}
-            if mc.max_underflow_frac is not None:
+            crossed = {f"{r}/saturated_frac": v for r, v in sig.saturated_frac.items() if v > th.max_saturated_frac}
+            if th.max_underflow_frac is not None:
                 crossed.update({f"{r}/underflow_frac": v for r, v in sig.underflow_frac.items()
-                                if v > mc.max_underflow_frac})
-            if mc.min_sqnr_db is not None:
-                crossed.update({f"{r}/sqnr_db": v for r, v in sig.sqnr_db.items() if v < mc.min_sqnr_db})
+                                if v > th.max_underflow_frac})
+            if th.min_sqnr_db is not None:
+                crossed.update({f"{r}/sqnr_db": v for r, v in sig.sqnr_db.items() if v < th.min_sqnr_db})
             if not crossed:
                 self.strikes[site] = 0
                 continue
@@ -235,7 +281,7 @@ class RolloutController:
             forward = any(k.split("/")[0] in _FORWARD_ROLES for k in crossed)
             suspects.append(((0, i) if forward else (1, -i), site, crossed))
         suspects.sort(key=lambda t: t[0])
-        due = [(site, crossed) for _, site, crossed in suspects if self.strikes[site] >= mc.site_patience]
+        due = [(site, crossed) for _, site, crossed in suspects if self.strikes[site] >= th.site_patience]
         if due:
             site, crossed = due[0]
             blamed.append(site)
@@ -257,7 +303,7 @@ class RolloutController:
             evidence = {name: ev for name, ev in fired}
             rolled = self._rollback_newest(step, f"global signal: {reason}", evidence, d)
             if self.config.rewind and (rolled or signals.nonfinite):
-                d.action = "rewind"
+                d.action = Action.REWIND
                 d.skip_batches = self.config.rewind_skip_batches
                 d.events.append(Event(step, EventKind.REWIND, (), {}, {}, f"rewind after {reason}",
                                       {"skip_batches": d.skip_batches}))
@@ -293,20 +339,24 @@ class RolloutController:
                     fired.append(("loss_gap", {**ev, "step": first + i}))
         return fired
 
-    def _gate_event(self, step: int, result, what: str, stage: str | None, d: Decision) -> str:
-        verdict = str(getattr(result, "verdict", result))
-        d.events.append(Event(step, EventKind.GATE, (), {}, {}, f"gate {what}: {verdict}",
-                              {"verdict": verdict, "detail": str(getattr(result, "reason", ""))}, stage))
+    def _gate_event(self, step: int, result: GateOutcome, what: str, stage: str | None, d: Decision) -> Verdict:
+        try:
+            verdict = Verdict(result.verdict)
+        except ValueError:
+            raise ValueError(f"the gate answered verdict {result.verdict!r}; a gate answers one of "
+                             f"{', '.join(v.value for v in Verdict)}") from None
+        d.events.append(Event(step, EventKind.GATE, (), {}, {}, f"gate {what}: {verdict.value}",
+                              {"verdict": verdict.value, "detail": str(result.reason)}, stage))
         return verdict
 
-    def observe_gate(self, step: int, result) -> Decision:
-        """An evaluation checkpoint's verdict (an object with `.verdict` in pass / regress /
-        inconclusive and `.reason`), from a periodic eval outside a promotion. A regression
-        rolls the newest promoted stage back; the verdict is recorded as a GATE event."""
+    def observe_gate(self, step: int, result: GateOutcome) -> Decision:
+        """An evaluation checkpoint's gate outcome (`.verdict`, `.reason`), from a periodic
+        eval outside a promotion. A regression rolls the newest promoted stage back; the
+        verdict is recorded as a GATE event."""
         d = Decision()
         verdict = self._gate_event(step, result, "at eval checkpoint", None, d)
-        if verdict == "regress":
-            self._rollback_newest(step, "evaluation gate regressed", {"verdict": verdict}, d)
+        if verdict is Verdict.REGRESS:
+            self._rollback_newest(step, "evaluation gate regressed", {"verdict": verdict.value}, d)
             self.stable_since = step
         return d
 
@@ -314,10 +364,10 @@ class RolloutController:
         stage = self.stages[self.promoted]
         if self.gate is not None:
             verdict = self._gate_event(step, self.gate(step), f"before {stage.name}", stage.name, d)
-            if verdict == "regress":
-                self._rollback_newest(step, "evaluation gate regressed", {"verdict": verdict}, d)
+            if verdict is Verdict.REGRESS:
+                self._rollback_newest(step, "evaluation gate regressed", {"verdict": verdict.value}, d)
                 return
-            if verdict != "pass":
+            if verdict is not Verdict.PASS:
                 return  # inconclusive: hold, ask again after another min_steps
         self.promoted += 1
         to = {}
@@ -339,15 +389,6 @@ class RolloutController:
             self.target[s] = fmt
         self._move(list(stage.sites), to, EventKind.PROMOTE, step, f"stable for {step - self.stable_since} "
                    f"steps", {"min_steps": self.config.min_steps}, d, stage.name)
-
-    def observe_step(self, step: int, loss: float, grad_norm: float) -> Decision:
-        """A per-step guard between checks: skip the step on NaN/Inf (no other rule runs)."""
-        import math
-        if math.isfinite(loss) and math.isfinite(grad_norm):
-            return Decision()
-        return Decision("skip_step", events=[Event(step, EventKind.SKIP_STEP, (), {}, {},
-                                                   "NaN/Inf in loss or gradients",
-                                                   {"loss": loss, "grad_norm": grad_norm})])
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict:

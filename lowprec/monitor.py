@@ -9,28 +9,19 @@ rank, so every rank holds identical numbers), reads it on the host once, and ret
 `Signals`: plain floats the controller decides on. Ranks that hold different sites
 (pipeline stages) all pack every site of the model (`sites=`), zeros for the others'.
 
-The detectors are the published ones, as presets:
-
-* `SpikeDetector`: a value above mean + 6 sigma of the last 128 values (OLMo-core's
-  stability monitor), for loss and grad norm;
-* `LargeValueDetector`: at least 10x the max of the first 100 values (Megatron-LM's
-  rerun state machine);
-* `LossGapDetector`: the relative gap between the smoothed loss and a baseline loss
-  curve (DeepSeek-V3 kept it under 0.25% for FP8);
-* NaN/Inf in the loss or gradients is always fatal for the step.
+The monitor only collects: what counts as an instability (thresholds, spike and
+large-value detectors, the loss gap) is the controller's (`lowprec.detectors`).
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["MonitorConfig", "Signals", "SiteSignals", "Monitor", "SpikeDetector",
-           "LargeValueDetector", "LossGapDetector", "ROLES"]
+__all__ = ["MonitorConfig", "Signals", "SiteSignals", "Monitor", "ROLES"]
 
 ROLES = ("input", "weight", "output", "grad_output")  # output: only its non-finite count is used
 _N = 7  # QuantStats fields: amax, saturated, underflow, sq_error, signal_power, nonfinite, numel
@@ -38,31 +29,15 @@ _N = 7  # QuantStats fields: amax, saturated, underflow, sq_error, signal_power,
 
 @dataclass(frozen=True)
 class MonitorConfig:
-    """Thresholds and detector presets (the defaults are the published ones)."""
+    """When to collect: the host reads the signals every `check_every` steps; quantizer
+    statistics are gathered on check steps only unless `stats_every_step`."""
 
     check_every: int = 10
-    stats_every_step: bool = False      # False: quantizer statistics on check steps only
-    spike_window: int = 128
-    spike_sigmas: float = 6.0
-    spike_min_history: int = 16         # no spike verdicts before this many values
-    large_factor: float = 10.0
-    large_warmup: int = 100
-    loss_gap: float | None = 0.0025     # relative gap to the baseline curve; None: off
-    loss_gap_smoothing: float = 0.9     # EMA factor of the smoothed loss
-    max_saturated_frac: float = 1e-3
-    max_underflow_frac: float | None = None
-    min_sqnr_db: float | None = None
-    site_patience: int = 2              # checks in a row above a site threshold
+    stats_every_step: bool = False
 
     def __post_init__(self) -> None:
         if self.check_every < 1:
             raise ValueError(f"check_every must be >= 1, got {self.check_every}")
-        if self.spike_window < 2 or self.spike_sigmas <= 0:
-            raise ValueError("spike_window must be >= 2 and spike_sigmas > 0")
-        if self.site_patience < 1:
-            raise ValueError(f"site_patience must be >= 1, got {self.site_patience}")
-        if not 0 <= self.loss_gap_smoothing < 1:
-            raise ValueError(f"loss_gap_smoothing must be in [0, 1), got {self.loss_gap_smoothing}")
 
 
 @dataclass
@@ -98,11 +73,6 @@ class Signals:
     def nonfinite(self) -> bool:
         """Any step of the window had a non-finite loss or grad norm."""
         return any(not math.isfinite(v) for v in self.losses + self.grad_norms)
-
-    @property
-    def step_nonfinite(self) -> bool:
-        """The last step of the window (the one being decided on) is non-finite."""
-        return bool(self.losses) and not (math.isfinite(self.losses[-1]) and math.isfinite(self.grad_norms[-1]))
 
 
 def site_signals_from_packed(rows: dict[str, list[float]]) -> SiteSignals:
@@ -227,91 +197,3 @@ class Monitor:
         self._acc.zero_()
         self._forced = None
         return Signals(step=step, losses=losses, grad_norms=norms, sites=sites)
-
-
-class SpikeDetector:
-    """A value above mean + `sigmas` standard deviations of the last `window` values."""
-
-    def __init__(self, window: int = 128, sigmas: float = 6.0, min_history: int = 16):
-        self.window, self.sigmas, self.min_history = window, sigmas, min_history
-        self.values: deque[float] = deque(maxlen=window)
-
-    def update(self, value: float) -> tuple[bool, dict]:
-        """(is_spike, evidence); non-finite values are not added (NaN is handled apart)."""
-        if not math.isfinite(value):
-            return False, {}
-        spike, evidence = False, {}
-        if len(self.values) >= self.min_history:
-            n = len(self.values)
-            mean = sum(self.values) / n
-            std = math.sqrt(sum((v - mean) ** 2 for v in self.values) / max(n - 1, 1))
-            limit = mean + self.sigmas * std
-            spike = value > limit
-            evidence = {"value": value, "mean": mean, "std": std, "limit": limit, "window": n}
-        if not spike:
-            self.values.append(value)
-        return spike, evidence
-
-    def state_dict(self) -> dict:
-        return {"values": list(self.values)}
-
-    def load_state_dict(self, s: dict) -> None:
-        self.values = deque(s["values"], maxlen=self.window)
-
-
-class LargeValueDetector:
-    """At least `factor` x the max of the first `warmup` values (Megatron-LM)."""
-
-    def __init__(self, factor: float = 10.0, warmup: int = 100):
-        self.factor, self.warmup = factor, warmup
-        self.seen = 0
-        self.reference = 0.0
-
-    def update(self, value: float) -> tuple[bool, dict]:
-        if not math.isfinite(value):
-            return False, {}
-        if self.seen < self.warmup:
-            self.seen += 1
-            self.reference = max(self.reference, value)
-            return False, {}
-        limit = self.factor * self.reference
-        return value >= limit, {"value": value, "reference_max": self.reference, "limit": limit}
-
-    def state_dict(self) -> dict:
-        return {"seen": self.seen, "reference": self.reference}
-
-    def load_state_dict(self, s: dict) -> None:
-        self.seen, self.reference = int(s["seen"]), float(s["reference"])
-
-
-class LossGapDetector:
-    """Relative gap between the EMA-smoothed loss and a baseline curve {step: loss}."""
-
-    def __init__(self, baseline: dict[int, float], threshold: float, smoothing: float = 0.9):
-        self.baseline = dict(sorted(baseline.items()))
-        self.threshold, self.smoothing = threshold, smoothing
-        self.ema: float | None = None
-        self.base_ema: float | None = None
-
-    def _baseline_at(self, step: int) -> float | None:
-        if step in self.baseline:
-            return self.baseline[step]
-        before = [s for s in self.baseline if s <= step]
-        return self.baseline[before[-1]] if before else None
-
-    def update(self, step: int, loss: float) -> tuple[bool, dict]:
-        base = self._baseline_at(step)
-        if base is None or not math.isfinite(loss):
-            return False, {}
-        a = self.smoothing
-        self.ema = loss if self.ema is None else a * self.ema + (1 - a) * loss
-        self.base_ema = base if self.base_ema is None else a * self.base_ema + (1 - a) * base
-        gap = (self.ema - self.base_ema) / abs(self.base_ema)
-        return gap > self.threshold, {"smoothed_loss": self.ema, "baseline": self.base_ema, "gap": gap,
-                                      "threshold": self.threshold}
-
-    def state_dict(self) -> dict:
-        return {"ema": self.ema, "base_ema": self.base_ema}
-
-    def load_state_dict(self, s: dict) -> None:
-        self.ema, self.base_ema = s["ema"], s["base_ema"]

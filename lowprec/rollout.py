@@ -1,178 +1,215 @@
-"""The `rollout:` section of a training config, and the few lines a training loop needs.
+"""The `rollout:` section of a config as typed objects, and the few lines a training loop needs.
 
     rollout:
       check_every: 10            # read signals on the host every N steps
+      stats_every_step: false    # quantizer statistics on check steps only
       min_steps: 100             # stable steps before the next stage
       cooldown_steps: 200        # before a fallen-back site retries
       quarantine_after: 2        # failures before a site stays where it is
-      rewind: {enabled: true, skip_batches: 20}
-      thresholds: {max_saturated_frac: 1.0e-3, site_patience: 2, loss_gap: 0.0025}
+      rewind: {enabled: true, skip_batches: 20, source: memory, snapshot_every: 20, keep: 2}
+      thresholds: {max_saturated_frac: 1.0e-3, site_patience: 2, loss_gap: 0.03}
+      baseline: {losses: runs/bf16/losses.json}      # or {mlflow_run: RUN}; loss_gap needs it
       stages:
         - {name: mlp_fp8,  select: {glob: "blocks.*.mlp.*"},  format: fp8_tensorwise}
         - {name: attn_fp8, select: {glob: "blocks.*.attn.*"}, format: fp8_tensorwise}
 
-`RolloutSession` ties a PrecisionState, a Monitor, a RolloutController and an event log
-together; a training loop calls `before_step` and `after_backward` and obeys the
-returned Decision (see README.md). Selectors are the plan's typed selectors.
+`parse_rollout(d)` gives a `RolloutConfig` (frozen dataclasses, parsed by
+`lowprec.configparse.parse`: every problem a ConfigError with its path, e.g.
+`rollout.stages[1].format`). `RolloutConfig.controller_config()` and `.monitor_config()`
+are what the controller and the monitor take; `build_controller` resolves the stages'
+selectors (the plan's typed selectors) against the prepared model.
+
+What a training loop holds is `lowprec.runtime.Session` (monitor, controller, snapshots).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
-from dataclasses import fields
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Literal
 
 import torch
 
-from lowprec.controller import ControllerConfig, Decision, RolloutController, Stage, apply_decision
-from lowprec.events import Event, EventLog
+from lowprec.configparse import ConfigError, check_keys, parse
+from lowprec.controller import ControllerConfig, RolloutController, Stage
+from lowprec.detectors import Thresholds
 from lowprec.formats import format_names, get_format
-from lowprec.monitor import Monitor, MonitorConfig
-from lowprec.plan import ModelInfo, PlanError, selection_from_dict
+from lowprec.monitor import MonitorConfig
+from lowprec.plan import ModelInfo, PlanError, Selector, selection_from_dict
+from lowprec.verdicts import GateOutcome
 
-__all__ = ["RolloutSpec", "parse_rollout", "build_controller", "RolloutSession"]
-
-_KEYS = ("check_every", "min_steps", "cooldown_steps", "quarantine_after", "rewind", "thresholds", "stages",
-         "stats_every_step")
-_THRESHOLDS = tuple(f.name for f in fields(MonitorConfig) if f.name not in ("check_every", "stats_every_step"))
+__all__ = ["RewindConfig", "BaselineConfig", "StageConfig", "RolloutConfig", "parse_rollout", "read_losses",
+           "build_controller"]
 
 
-class RolloutSpec:
-    """The parsed `rollout:` section: a ControllerConfig and stages with typed selectors."""
+@dataclass(frozen=True)
+class RewindConfig:
+    """Whether and how an instability goes back to the last good state."""
 
-    def __init__(self, config: ControllerConfig, stages: list[tuple[str, object, str]]):
-        self.config = config
-        self.stages = stages  # (name, Selector, format name)
+    enabled: bool = False
+    skip_batches: int = 0                          # batches skipped after a rewind
+    source: Literal["memory", "disk"] = "memory"   # in-memory snapshots, or the checkpoints
+    snapshot_every: int = 20                       # steps between in-memory snapshots
+    keep: int = 2                                  # in-memory snapshots kept
+
+    def __post_init__(self) -> None:
+        for name, lo in (("skip_batches", 0), ("snapshot_every", 1), ("keep", 1)):
+            if getattr(self, name) < lo:
+                raise ConfigError(name, f"must be >= {lo}, got {getattr(self, name)}")
 
 
-def _unknown(d: dict, allowed, path: str) -> None:
-    from lowprec.formats import suggest
-    for k in d:
-        if k not in allowed:
-            raise PlanError(path, f"unknown key {k!r}.{suggest(str(k), list(allowed))} Allowed: {', '.join(allowed)}")
+@dataclass(frozen=True)
+class BaselineConfig:
+    """The loss curve `thresholds.loss_gap` compares with: exactly one of a JSON file of
+    losses by step, or an MLflow run (id or unique name) whose `train/loss` is the curve."""
+
+    losses: str | None = None
+    mlflow_run: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("losses", "mlflow_run") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"name exactly one baseline, {{losses: FILE}} or {{mlflow_run: RUN}}; "
+                             f"found {' and '.join(given) if given else 'neither'}")
+        for k in given:
+            if not getattr(self, k).strip():
+                raise ConfigError(k, "is empty; name a losses file or an MLflow run")
 
 
-def parse_rollout(d: dict, path: str = "rollout") -> RolloutSpec:
-    if not isinstance(d, dict):
-        raise PlanError(path, f"expected a mapping, found {type(d).__name__}")
-    _unknown(d, _KEYS, path)
-    thr = d.get("thresholds") or {}
-    _unknown(thr, _THRESHOLDS, f"{path}.thresholds")
-    rewind = d.get("rewind") or {}
-    if isinstance(rewind, bool):
-        rewind = {"enabled": rewind}
-    _unknown(rewind, ("enabled", "skip_batches"), f"{path}.rewind")
-    try:
-        mon = MonitorConfig(check_every=int(d.get("check_every", 10)),
-                            stats_every_step=bool(d.get("stats_every_step", False)), **thr)
-        cfg = ControllerConfig(min_steps=int(d.get("min_steps", 100)), cooldown_steps=int(d.get("cooldown_steps", 200)),
-                               quarantine_after=int(d.get("quarantine_after", 2)),
-                               rewind=bool(rewind.get("enabled", False)),
-                               rewind_skip_batches=int(rewind.get("skip_batches", 0)), monitor=mon)
-    except (TypeError, ValueError) as e:
-        raise PlanError(path, str(e)) from None
-    stages = []
-    for i, s in enumerate(d.get("stages") or []):
-        p = f"{path}.stages[{i}]"
-        if not isinstance(s, dict):
-            raise PlanError(p, f"expected a mapping with name, select, format; found {s!r}")
-        _unknown(s, ("name", "select", "format"), p)
-        if "select" not in s or "format" not in s:
-            raise PlanError(p, "a stage needs `select:` and `format:`")
+@dataclass(frozen=True)
+class StageConfig:
+    """Sites promoted together: those `select` matches, to `format`."""
+
+    name: str
+    select: dict[str, Any]
+    format: str
+
+    def __post_init__(self) -> None:
+        if not self.name.strip():
+            raise ConfigError("name", "is empty; name the stage (it appears in events and pictures)")
+        selection_from_dict(self.select, "select")
         try:
-            fmt = get_format(s["format"]).name
+            fmt = get_format(self.format)
         except ValueError as e:
-            raise PlanError(f"{p}.format", str(e)) from None
-        stages.append((str(s.get("name", f"stage{i}")), selection_from_dict(s["select"], f"{p}.select"), fmt))
-    if not stages:
-        raise PlanError(f"{path}.stages", f"a rollout needs at least one stage; formats: {', '.join(format_names())}")
-    return RolloutSpec(cfg, stages)
+            raise ConfigError("format", str(e)) from None
+        object.__setattr__(self, "format", fmt.name)
+
+    @property
+    def selector(self) -> Selector:
+        return selection_from_dict(self.select, "select")
 
 
-def build_controller(spec: RolloutSpec, state, model: torch.nn.Module, *, baseline: dict[int, float] | None = None,
-                     gate: Callable[[int], object] | None = None) -> RolloutController:
-    """Resolve the stages' selectors against the prepared model's sites."""
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """The `rollout:` section (see the module docstring; docs/config.md lists every key)."""
+
+    check_every: int = 10
+    stats_every_step: bool = False
+    min_steps: int = 100
+    cooldown_steps: int = 200
+    quarantine_after: int = 2
+    rewind: RewindConfig = dataclasses.field(default_factory=RewindConfig)
+    thresholds: Thresholds = dataclasses.field(default_factory=Thresholds)
+    baseline: BaselineConfig | None = None
+    stages: tuple[StageConfig, ...]
+
+    def __post_init__(self) -> None:
+        for name, lo in (("check_every", 1), ("min_steps", 0), ("cooldown_steps", 0), ("quarantine_after", 1)):
+            if getattr(self, name) < lo:
+                raise ConfigError(name, f"must be >= {lo}, got {getattr(self, name)}")
+        if not self.stages:
+            raise ConfigError("stages", f"a rollout needs at least one stage, e.g. {{name: mlp_fp8, select: "
+                                        f"{{glob: \"blocks.*.mlp.*\"}}, format: fp8_tensorwise}}; "
+                                        f"formats: {', '.join(format_names())}")
+        seen: set[str] = set()
+        for i, st in enumerate(self.stages):
+            if st.name in seen:
+                raise ConfigError(f"stages[{i}].name", f"stage name {st.name!r} is used twice; name each stage once")
+            seen.add(st.name)
+        if self.thresholds.loss_gap is not None and self.baseline is None:
+            raise ConfigError("thresholds.loss_gap", (
+                f"is {self.thresholds.loss_gap}, but there is no baseline loss curve to compare with: name it "
+                "in rollout.baseline ({losses: FILE} or {mlflow_run: RUN}) or remove loss_gap"))
+
+    def controller_config(self) -> ControllerConfig:
+        return ControllerConfig(min_steps=self.min_steps, cooldown_steps=self.cooldown_steps,
+                                quarantine_after=self.quarantine_after, rewind=self.rewind.enabled,
+                                rewind_skip_batches=self.rewind.skip_batches, thresholds=self.thresholds)
+
+    def monitor_config(self) -> MonitorConfig:
+        return MonitorConfig(check_every=self.check_every, stats_every_step=self.stats_every_step)
+
+
+def parse_rollout(d: Any, path: str = "rollout") -> RolloutConfig:
+    """The `rollout:` mapping as a RolloutConfig; a ConfigError naming the path if it cannot be.
+
+    Besides the generic rules (`lowprec.configparse.parse`): `rewind: true` / `false` mean
+    `{enabled: true}` / `{enabled: false}`, an empty `rewind:` or `thresholds:` means the
+    defaults, and a stage without a name is called `stage<i>` after its position."""
+    if isinstance(d, RolloutConfig):
+        return d
+    data = dict(check_keys(d, [f.name for f in dataclasses.fields(RolloutConfig)], path))
+    for key in ("rewind", "thresholds"):
+        if key in data and data[key] is None:
+            del data[key]
+    if isinstance(data.get("rewind"), bool):
+        data["rewind"] = {"enabled": data["rewind"]}
+    if isinstance(data.get("stages"), (list, tuple)):
+        data["stages"] = [{"name": f"stage{i}", **s} if isinstance(s, Mapping) and "name" not in s else s
+                          for i, s in enumerate(data["stages"])]
+    return parse(RolloutConfig, data, path)
+
+
+def read_losses(path: str | Path, where: str = "rollout.baseline.losses") -> dict[int, float]:
+    """A baseline loss curve {step: loss} from a JSON file: a list (index = step, as a
+    training run's losses.json) or a mapping {step: loss}. Non-finite losses are left out."""
+    p = Path(path)
+    try:
+        raw = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(where, f"no such file {str(p)!r} (from {Path.cwd()}); train the baseline first "
+                                 "or point at its losses file") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(where, f"cannot read {str(p)!r} as JSON: {e}") from None
+    items = enumerate(raw) if isinstance(raw, list) else raw.items() if isinstance(raw, dict) else None
+    try:
+        curve = {int(k): float(v) for k, v in items}
+    except (TypeError, ValueError):
+        curve = None
+    if curve is None:
+        raise ConfigError(where, f"{str(p)!r} holds neither a list of losses nor a mapping {{step: loss}}")
+    curve = {k: v for k, v in curve.items() if math.isfinite(v)}
+    if not curve:
+        raise ConfigError(where, f"{str(p)!r} holds no finite loss")
+    return curve
+
+
+def build_controller(rollout: RolloutConfig, state, model: torch.nn.Module, *,
+                     baseline: dict[int, float] | None = None,
+                     gate: Callable[[int], GateOutcome] | None = None) -> RolloutController:
+    """The controller over `state`'s sites (every site of the model, in forward order):
+    the stages' selectors resolved against the prepared model. `baseline` ({step: loss})
+    is the loss-gap curve; without it, a `baseline: {losses: FILE}` is read here, and a
+    `baseline: {mlflow_run: RUN}` must be resolved by the caller and passed as `baseline`."""
     info = ModelInfo.of(model)
     stages = []
-    for i, (name, sel, fmt) in enumerate(spec.stages):
+    for i, st in enumerate(rollout.stages):
+        sel = st.selector
         sites = tuple(f for f, s in state.sites.items() if sel.matches(f, s.module, info))
         if not sites:
-            raise PlanError(f"rollout.stages[{i}].select", f"stage {name!r} ({sel.describe()}) selects no "
+            raise PlanError(f"rollout.stages[{i}].select", f"stage {st.name!r} ({sel.describe()}) selects no "
                             f"precision site; sites: {', '.join(list(state.sites)[:6])} ...")
-        stages.append(Stage(name, sites, fmt))
+        stages.append(Stage(st.name, sites, st.format))
+    if baseline is None and rollout.thresholds.loss_gap is not None:
+        if rollout.baseline is None or rollout.baseline.losses is None:
+            raise ConfigError("rollout.baseline", (
+                "thresholds.loss_gap needs the baseline's loss curve: a run named by mlflow_run is read by the "
+                "caller (pass baseline={step: loss} to build_controller); or name a losses file"))
+        baseline = read_losses(rollout.baseline.losses)
     ladders = {f: tuple(x.name for x in s.ladder) for f, s in state.sites.items()}
-    return RolloutController(ladders, state.formats(), stages, spec.config, baseline=baseline, gate=gate)
-
-
-class RolloutSession:
-    """Monitor + controller + event log around one training loop (see README.md)."""
-
-    def __init__(self, state, controller: RolloutController, *, event_log: str | Path | None = None,
-                 group=None, on_events: Callable[[list[Event]], None] | None = None,
-                 sites: list[str] | None = None):
-        """sites: every site of the model in forward order, when `state` holds only this
-        rank's (a pipeline stage): the monitor then combines all sites' statistics across
-        ranks, and decisions about the other ranks' sites change nothing here."""
-        self.state = state
-        self.controller = controller
-        self.monitor = Monitor(state, controller.config.monitor, group=group, sites=sites)
-        self._remote = set(sites or ()) - set(state.sites)   # sites that live on other ranks
-        self.log = EventLog(event_log) if event_log is not None else None
-        self.on_events = on_events
-        self.events: list[Event] = []
-        self.last_signals = None
-
-    def before_step(self, step: int) -> None:
-        self.monitor.before_step(step)
-
-    def after_backward(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> Decision:
-        """Call after backward (and gradient clipping), before optimizer.step().
-
-        Returns a Decision: "skip_step" (zero the grads, do not step), "rewind" (restore
-        the last good checkpoint, skip `skip_batches` batches) or "continue".
-        Reads one bool per step on the host (the NaN/Inf guard, as GradScaler does),
-        everything else once per check. The guard looks at the grad norm: after gradient
-        reduction it is the same on every rank (a NaN loss makes the gradients NaN too),
-        so every rank takes the same branch and calls the same collectives.
-        """
-        self.monitor.record(step, loss, grad_norm)
-        finite = bool(torch.isfinite(grad_norm.detach()).all())
-        decision = Decision() if finite else self.controller.observe_step(step, math.nan, math.nan)
-        if not finite and not self.monitor.is_check_step(step):
-            # no statistics were collected this step: check on the next one, with statistics,
-            # so that a persistent fault is blamed on the site it comes from
-            self.monitor.force_check(step + 1)
-        if self.monitor.is_check_step(step):
-            signals = self.monitor.check(step)
-            self.last_signals = signals
-            checked = self.controller.observe(step, signals)
-            decision.changes.update(checked.changes)
-            decision.events += checked.events
-            decision.skip_batches = checked.skip_batches
-            if checked.action == "rewind" or (checked.action == "skip_step" and decision.action == "continue"):
-                decision.action = checked.action
-        return self._carry_out(decision)
-
-    def after_eval(self, step: int, result) -> Decision:
-        """Report a periodic evaluation checkpoint's gate result (`.verdict`, `.reason`);
-        a regression rolls the newest stage back. Same on every rank if `result` is."""
-        return self._carry_out(self.controller.observe_gate(step, result))
-
-    def _carry_out(self, decision: Decision) -> Decision:
-        if decision.changes:
-            local = {s: f for s, f in decision.changes.items() if s not in self._remote}
-            apply_decision(self.state, decision if len(local) == len(decision.changes) else Decision(changes=local))
-        if decision.events:
-            self.events += decision.events
-            if self.log is not None:
-                self.log.append(decision.events)
-            if self.on_events is not None:
-                self.on_events(decision.events)
-        return decision
-
-    def state_dict(self) -> dict:
-        return {"controller": self.controller.state_dict()}
-
-    def load_state_dict(self, s: dict) -> None:
-        self.controller.load_state_dict(s["controller"])
+    return RolloutController(ladders, state.formats(), stages, rollout.controller_config(), baseline=baseline,
+                             gate=gate)

@@ -85,18 +85,18 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     opt = torch.optim.AdamW(engine.params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     sched = warmup_schedule(opt, tc.warmup)
     ckpt_dir = out / "checkpoints"
-    rewind = getattr(rollout, "rewind", None)
     snapshots = None
-    if controller is not None and controller.config.rewind and getattr(rewind, "source", "memory") == "disk":
-        snapshots = DiskSnapshots(ckpt_dir, engine.module, opt, margin=2 * controller.config.monitor.check_every,
+    if controller is not None and controller.config.rewind and rollout.rewind.source == "disk":
+        snapshots = DiskSnapshots(ckpt_dir, engine.module, opt, margin=2 * rollout.check_every,
                                   scheduler=sched, data=data)
     world_suffix = "" if rank == 0 and not (group is not None or sites is not None) else f".rank{rank}"
     session = Session(engine.module, opt, state, controller, scheduler=sched, data=data, snapshots=snapshots,
+                      monitor=rollout.monitor_config() if rollout is not None else None,
                       clip=lambda: engine.clip_grad_norm(tc.grad_clip), sites=sites, group=group,
                       event_log=out / f"events{world_suffix}.jsonl" if controller is not None else None,
                       on_events=tracker.log_events if tracker is not None else None,
-                      **({"snapshot_every": rewind.snapshot_every, "snapshot_keep": rewind.keep}
-                         if hasattr(rewind, "snapshot_every") else {}))
+                      **({"snapshot_every": rollout.rewind.snapshot_every, "snapshot_keep": rollout.rewind.keep}
+                         if rollout is not None else {}))
     res = RunResult()
     iteration = 0   # loop passes, rewinds included: injected faults happen once, in time
     if resume and (last := latest_checkpoint(ckpt_dir)) is not None:

@@ -16,7 +16,6 @@ a summary: the loss, its gap to the baseline, the FLOP share per format, every e
 from __future__ import annotations
 
 import importlib
-import json
 import sys
 import sysconfig
 from dataclasses import dataclass, replace
@@ -90,29 +89,23 @@ def _search_paths(cfg) -> list[Path]:
 
 
 def read_baseline(cfg) -> dict[int, float] | None:
-    """The loss curve `rollout.baseline` names: a losses file, or an MLflow run's losses.json."""
-    b = getattr(cfg.rollout, "baseline", None) if cfg.rollout is not None else None
+    """The loss curve `rollout.baseline` names: a losses file (beside the config, or from the
+    working directory), or an MLflow run's losses.json."""
+    from lowprec.rollout import read_losses
+    b = cfg.rollout.baseline if cfg.rollout is not None else None
     if b is None:
         return None
-    if getattr(b, "losses", None):
+    if b.losses is not None:
         p = Path(b.losses)
         cands = [p] if p.is_absolute() else [q / p for q in _search_paths(cfg)]
         found = next((c for c in cands if c.is_file()), None)
         if found is None:
             raise ConfigError("rollout.baseline.losses", f"{b.losses!r} not found (looked at "
                               f"{', '.join(map(str, cands))}); give the losses.json a run wrote")
-        return _curve(json.loads(found.read_text()), "rollout.baseline.losses")
+        return read_losses(found)
     from lowprec.runtime.baseline import losses_of_run
-    return _curve(losses_of_run(_tracking_uri(cfg), cfg.tracking.experiment, b.mlflow_run), "rollout.baseline.mlflow_run")
-
-
-def _curve(data, where: str) -> dict[int, float]:
-    if isinstance(data, list):
-        return {i: float(v) for i, v in enumerate(data)}
-    if isinstance(data, dict):
-        return {int(k): float(v) for k, v in data.items()}
-    raise ConfigError(where, f"a loss curve is a JSON list (one loss per step) or {{step: loss}}; found "
-                      f"{type(data).__name__}")
+    curve = losses_of_run(_tracking_uri(cfg), cfg.tracking.experiment, b.mlflow_run)
+    return {i: float(v) for i, v in enumerate(curve) if v == v and abs(float(v)) != float("inf")}
 
 
 def _tracking_uri(cfg) -> str:

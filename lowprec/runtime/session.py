@@ -30,9 +30,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lowprec.controller import Decision, RolloutController, apply_decision
-from lowprec.events import Event, EventKind, EventLog
-from lowprec.monitor import Monitor
+from lowprec.controller import Action, Decision, RolloutController, apply_decision
+from lowprec.events import Event, EventLog
+from lowprec.monitor import Monitor, MonitorConfig
 from lowprec.runtime.snapshots import MemorySnapshots, Snapshots
 
 __all__ = ["Session", "StepResult"]
@@ -67,7 +67,7 @@ class Session:
     """Monitor + controller + snapshots around one training loop (see the module docstring)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, state, controller:
-                 RolloutController | None = None, *, scheduler=None, data=None,
+                 RolloutController | None = None, *, monitor: MonitorConfig | None = None, scheduler=None, data=None,
                  snapshots: Snapshots | None = None, max_grad_norm: float | None = 1.0,
                  clip: Callable[[], torch.Tensor] | None = None, sites: list[str] | None = None,
                  group=None, event_log: str | Path | None = None,
@@ -76,6 +76,7 @@ class Session:
         """state: the PrecisionState of `lowprec.prepare(model, plan)` (this rank's sites).
         controller: from `lowprec.rollout.build_controller`; None runs the plan as it is
             (no statistics, no decisions: every step is applied).
+        monitor: when the signals are read (the rollout's `monitor_config()`).
         snapshots: where rewinds go back to; default, when the controller may rewind,
             in-memory snapshots every `snapshot_every` steps, `snapshot_keep` of them.
         clip: returns the (global) grad norm after clipping; default clip_grad_norm_ over
@@ -95,8 +96,9 @@ class Session:
         self.on_events = on_events
         self.monitor = None
         self._remote: set[str] = set()
+        self.monitor_config = monitor or MonitorConfig()
         if controller is not None:
-            self.monitor = Monitor(state, controller.config.monitor, group=group, sites=sites)
+            self.monitor = Monitor(state, self.monitor_config, group=group, sites=sites)
             self._remote = set(sites or ()) - set(state.sites)
             if snapshots is None and controller.config.rewind:
                 if snapshot_every * (snapshot_keep - 1) < self.rewind_margin:
@@ -116,7 +118,7 @@ class Session:
     @property
     def rewind_margin(self) -> int:
         """How far before the step that noticed a fault a rewind must go: two checks."""
-        return 0 if self.controller is None else 2 * self.controller.config.monitor.check_every
+        return 0 if self.controller is None else 2 * self.monitor_config.check_every
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -128,6 +130,8 @@ class Session:
         state = prepare(model, plan, seed=seed)
         controller = None if rollout is None else build_controller(rollout, state, model, baseline=baseline,
                                                                    gate=gate)
+        if rollout is not None:
+            kwargs.setdefault("monitor", rollout.monitor_config())
         return cls(model, optimizer, state, controller, **_snapshot_kwargs(rollout, kwargs))
 
     @classmethod
@@ -163,7 +167,7 @@ class Session:
             grad_norm = self.clip()
         decision = self._decide(s, loss, grad_norm)
         result = StepResult(s, decision, loss.detach(), grad_norm, events=list(decision.events))
-        if decision.action == "rewind" and self.snapshots is not None:
+        if decision.action is Action.REWIND and self.snapshots is not None:
             back = self.snapshots.restore(s, decision.skip_batches)
             if back is not None:
                 self.optimizer.zero_grad(set_to_none=True)
@@ -171,7 +175,7 @@ class Session:
                 self.step_index = result.rewound_to = back
                 self._prepare(back)
                 return result
-        if decision.action == "continue":
+        if decision.action is Action.CONTINUE:
             self.optimizer.step()
             result.applied = True
         else:   # skip_step, or a rewind with nothing to go back to: the weights never see it
@@ -196,19 +200,12 @@ class Session:
         # the one host read of every step: after gradient reduction the norm is the same on
         # every rank (a NaN loss makes the gradients NaN too), so all ranks branch alike
         finite = bool(torch.isfinite(grad_norm.detach()).all())
-        decision = Decision() if finite else self.controller.observe_step(step, math.nan, math.nan)
         if not finite and not mon.is_check_step(step):
             mon.force_check(step + 1)   # the next step collects statistics: blame the origin
+        signals = None
         if mon.is_check_step(step):
-            signals = mon.check(step)
-            self.last_signals = signals
-            checked = self.controller.observe(step, signals)
-            decision.changes.update(checked.changes)
-            decision.events += checked.events
-            decision.skip_batches = checked.skip_batches
-            if checked.action == "rewind" or (checked.action == "skip_step" and decision.action == "continue"):
-                decision.action = checked.action
-        return self._carry_out(decision)
+            signals = self.last_signals = mon.check(step)
+        return self._carry_out(self.controller.observe_step(step, finite, signals))
 
     def after_eval(self, step: int, result: Any) -> Decision:
         """Report a periodic evaluation's gate outcome (`.verdict`, `.reason`); a regression
@@ -266,8 +263,7 @@ def _read_yaml(path: str | Path) -> dict:
 
 def _snapshot_kwargs(rollout, kwargs: dict) -> dict:
     """Snapshot cadence from the rollout's `rewind:` settings unless the caller gave it."""
-    rw = getattr(rollout, "rewind", None)
-    if rw is not None and hasattr(rw, "snapshot_every"):
-        kwargs.setdefault("snapshot_every", rw.snapshot_every)
-        kwargs.setdefault("snapshot_keep", rw.keep)
+    if rollout is not None:
+        kwargs.setdefault("snapshot_every", rollout.rewind.snapshot_every)
+        kwargs.setdefault("snapshot_keep", rollout.rewind.keep)
     return kwargs

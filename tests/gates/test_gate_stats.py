@@ -19,9 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gates.stats as gstats
-from gates import (HIGHER_IS_BETTER, INCONCLUSIVE, LOWER_IS_BETTER, PASS, REGRESS, Gate, GateInputError, MetricScores,
-                   Scores, Tolerance, check_all, summarize)
+from gates import (HIGHER_IS_BETTER, LOWER_IS_BETTER, Gate, GateInputError, MetricScores, Scores, Tolerance, check_all,
+                   summarize)
 from gates.stats import normal_interval, paired_bootstrap_interval, z_value
+from lowprec.verdicts import Verdict
 
 FAST = settings(max_examples=40, deadline=None)
 
@@ -88,9 +89,9 @@ def test_identical_runs_never_regress(scores, tol, direction, kind, confidence, 
     for statistic in ("paired_bootstrap", "stderr"):
         g = _gate(direction, Tolerance(kind, tol), statistic=statistic, confidence=confidence, min_samples=1)
         r = g.check(s, s)
-        assert r.verdict != REGRESS, r.reason
+        assert r.verdict != Verdict.REGRESS, r.reason
         if statistic == "paired_bootstrap":
-            assert r.verdict == PASS and r.delta == 0 and r.interval == (0.0, 0.0)
+            assert r.verdict == Verdict.PASS and r.delta == 0 and r.interval == (0.0, 0.0)
 
 
 @FAST
@@ -108,10 +109,10 @@ def test_a_shift_beyond_tolerance_plus_margin_regresses_and_one_below_passes(see
     g = _gate(direction, Tolerance("absolute", tol), min_samples=100)
     bad = _scores(dict(zip(keys, base + jitter + worse * (tol + margin + extra))))
     r = g.check(b, bad)
-    assert r.verdict == REGRESS and r.n == n, r.reason
+    assert r.verdict == Verdict.REGRESS and r.n == n, r.reason
     assert "eval/t/m" in r.reason and "regression" in r.reason and f"{tol:.4g}" in r.reason
     good = _scores(dict(zip(keys, base + jitter + worse * (tol - margin - extra))))
-    assert g.check(b, good).verdict == PASS
+    assert g.check(b, good).verdict == Verdict.PASS
 
 
 def test_relative_tolerance_direction_and_stderr_fallback():
@@ -122,23 +123,24 @@ def test_relative_tolerance_direction_and_stderr_fallback():
     assert r.statistic == "stderr" and r.allowed == pytest.approx(0.05) and r.delta == pytest.approx(0.1)
     half = z_value(0.95) * math.hypot(0.01, 0.01)
     assert r.interval == pytest.approx((0.1 - half, 0.1 + half))
-    assert r.verdict == REGRESS and "no per-example scores in the baseline and candidate" in r.reason
-    assert g.check(c, b).verdict == PASS       # the other way round it improved
-    assert Gate("eval/t/acc", HIGHER_IS_BETTER, Tolerance("absolute", 0.09)).check(b, c).verdict == INCONCLUSIVE
+    assert r.verdict == Verdict.REGRESS and "no per-example scores in the baseline and candidate" in r.reason
+    assert g.check(c, b).verdict == Verdict.PASS       # the other way round it improved
+    loose = Gate("eval/t/acc", HIGHER_IS_BETTER, Tolerance("absolute", 0.09))
+    assert loose.check(b, c).verdict == Verdict.INCONCLUSIVE
 
 
 def test_inconclusive_cases_say_why():
     keys = {f"k{i}": float(i % 2) for i in range(40)}
     g = _gate(min_samples=50)
     r = g.check(_scores(keys), _scores({**keys, "extra": 1.0}))
-    assert r.verdict == INCONCLUSIVE and r.n == 40 and "fewer than min_samples 50" in r.reason
+    assert r.verdict == Verdict.INCONCLUSIVE and r.n == 40 and "fewer than min_samples 50" in r.reason
     assert "1 only candidate" in r.reason
     no_se = Scores({"eval/t/m": MetricScores(1.0)})
     r = g.check(no_se, no_se)
-    assert r.verdict == INCONCLUSIVE and "neither a stderr" in r.reason
+    assert r.verdict == Verdict.INCONCLUSIVE and "neither a stderr" in r.reason
     nan = Scores({"eval/t/m": MetricScores(math.nan, 0.1)})
     ok = Scores({"eval/t/m": MetricScores(1.0, 0.1)})
-    assert g.check(ok, nan).verdict == REGRESS and g.check(nan, ok).verdict == INCONCLUSIVE
+    assert g.check(ok, nan).verdict == Verdict.REGRESS and g.check(nan, ok).verdict == Verdict.INCONCLUSIVE
     with pytest.raises(GateInputError, match=r"no metric 'eval/t/x'.*Did you mean 'eval/t/m'"):
         Gate("eval/t/x", LOWER_IS_BETTER, Tolerance("absolute", 0)).check(ok, ok)
 
@@ -150,10 +152,10 @@ def test_summary_rule():
                     "eval/c/m": MetricScores(1.1, 0.5)})
     tol = Tolerance("absolute", 0.01)
     pass_, regress, unsure = (Gate(f"eval/{t}/m", LOWER_IS_BETTER, tol) for t in "abc")
-    assert summarize(check_all([pass_], ok, worse)).verdict == PASS
-    assert summarize(check_all([pass_, unsure], ok, worse)).verdict == INCONCLUSIVE
+    assert summarize(check_all([pass_], ok, worse)).verdict == Verdict.PASS
+    assert summarize(check_all([pass_, unsure], ok, worse)).verdict == Verdict.INCONCLUSIVE
     s = summarize(check_all([pass_, unsure, regress], ok, worse))
-    assert s.verdict == REGRESS and "eval/b/m" in s.reason and len(s.results) == 3
+    assert s.verdict == Verdict.REGRESS and "eval/b/m" in s.reason and len(s.results) == 3
 
 
 def test_scores_from_eval_shapes():

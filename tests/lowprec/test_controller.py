@@ -1,15 +1,16 @@
 """RolloutController fed with signal sequences: no model needed."""
 
 import math
+import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowprec.controller import ControllerConfig, RolloutController, Stage
+from lowprec.controller import Action, ControllerConfig, RolloutController, Stage, Thresholds
 from lowprec.events import EventKind, replay
 from lowprec.formats import FORMATS
-from lowprec.monitor import MonitorConfig, Signals, SiteSignals
+from lowprec.monitor import Signals, SiteSignals
 
 SITES = [f"blocks.{b}.{m}" for b in range(3) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
 LADDER = ("nvfp4", "fp8_tensorwise", "bf16")
@@ -20,10 +21,10 @@ CHECK = 10
 
 
 def make(**kw):
-    mon = MonitorConfig(check_every=CHECK, spike_min_history=8, large_warmup=20)
+    th = Thresholds(spike_min_history=8, large_warmup=20, loss_gap=kw.pop("loss_gap", None))
     cfg = ControllerConfig(min_steps=kw.pop("min_steps", 30), cooldown_steps=kw.pop("cooldown", 50),
                            quarantine_after=kw.pop("quarantine_after", 2), rewind=kw.pop("rewind", False),
-                           rewind_skip_batches=5, monitor=mon)
+                           rewind_skip_batches=5, thresholds=th)
     return RolloutController({s: LADDER for s in SITES}, {s: "bf16" for s in SITES}, STAGES, cfg, **kw)
 
 
@@ -83,9 +84,30 @@ def test_first_site_in_forward_order_is_blamed_for_nan():
     sites["blocks.1.mlp.proj"] = healthy_site(nonfinite=4, role="input")   # the consumer
     sig = signals(89, sites=sites)
     sig.losses[-1] = math.nan
-    d = ctl.observe(89, sig)
-    assert d.action == "skip_step"
+    d = ctl.observe_step(89, False, sig)
+    assert d.action is Action.SKIP_STEP
     assert d.changes == {"blocks.1.mlp.fc": "bf16"}
+    assert [e.kind for e in d.events] == [EventKind.SKIP_STEP, EventKind.FALLBACK]
+
+
+def test_the_one_nan_guard_is_observe_step():
+    """A non-finite step is skipped by observe_step, between checks too; a check alone
+    (observe) blames and may rewind, but never decides the skip."""
+    ctl = make(rewind=True)
+    run(ctl, [(s, signals(s)) for s in range(9, 40, CHECK)])   # mlp_fp8 promoted
+    d = ctl.observe_step(41, False)
+    assert d.action is Action.SKIP_STEP and not d.changes
+    assert [(e.kind, e.reason) for e in d.events] == [(EventKind.SKIP_STEP, "NaN/Inf in loss or gradients")]
+    assert ctl.observe_step(42, True).action is Action.CONTINUE and not ctl.observe_step(42, True).events
+    sig = signals(49)
+    sig.grad_norms[2] = math.inf                                # step 42 of the window
+    checked = ctl.observe(49, sig)
+    assert checked.action is Action.REWIND and EventKind.SKIP_STEP not in [e.kind for e in checked.events]
+    ctl2 = make(rewind=True)
+    run(ctl2, [(s, signals(s)) for s in range(9, 40, CHECK)])
+    merged = ctl2.observe_step(49, False, sig)                   # a non-finite check step that rewinds
+    assert merged.action is Action.REWIND and merged.skip_batches == 5
+    assert [e.kind for e in merged.events][:2] == [EventKind.SKIP_STEP, EventKind.ROLLBACK]
 
 
 def test_loss_spike_rolls_back_newest_stage_and_rewinds():
@@ -97,7 +119,7 @@ def test_loss_spike_rolls_back_newest_stage_and_rewinds():
     d = ctl.observe(89, sig)
     kinds = [e.kind for e in d.events]
     assert EventKind.ROLLBACK in kinds and EventKind.REWIND in kinds
-    assert d.action == "rewind" and d.skip_batches == 5
+    assert d.action is Action.REWIND and d.skip_batches == 5
     assert all(ctl.current[s] == "bf16" for s in STAGES[1].sites)
     assert all(ctl.current[s] == "fp8_tensorwise" for s in STAGES[0].sites)
     assert "loss_spike" in [e for e in d.events if e.kind == EventKind.ROLLBACK][0].reason
@@ -180,10 +202,22 @@ def test_a_promotion_does_not_bypass_a_fallen_back_sites_cooldown():
 
 
 def test_loss_gap_to_baseline_fires():
-    ctl = make(baseline={s: 2.0 for s in range(0, 400)})
+    ctl = make(baseline={s: 2.0 for s in range(0, 400)}, loss_gap=0.0025)
     run(ctl, [(s, signals(s)) for s in range(9, 80, CHECK)])
     d = ctl.observe(89, signals(89, loss=2.3))
     assert any("loss_gap" in e.reason for e in d.events if e.kind == EventKind.ROLLBACK)
+
+
+def test_loss_gap_needs_a_baseline_and_thresholds_are_checked():
+    with pytest.raises(ValueError, match="loss_gap is 0.01 but no baseline loss curve was given"):
+        make(loss_gap=0.01)
+    assert make(baseline={0: 2.0}).loss_gap is None           # a curve without loss_gap: off
+    for bad, words in (({"spike_window": 1}, "spike_window: must be >= 2"),
+                       ({"loss_gap": 0.0}, "loss_gap: must be > 0"),
+                       ({"spike_min_history": 200}, "<= spike_window (128)"),
+                       ({"max_saturated_frac": 2.0}, "max_saturated_frac: must be a fraction")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            Thresholds(**bad)
 
 
 def test_unknown_stage_site_and_off_ladder_format_are_errors():
@@ -251,3 +285,15 @@ def test_state_dict_resume_gives_the_same_events(spec, cut):
     second.load_state_dict(first.state_dict())
     tail = [e.to_json() for step, sig in seq[cut:] for e in second.observe(step, sig).events]
     assert head + tail == whole
+
+
+def test_actions_and_verdicts_are_str_enums_that_print_their_values():
+    from lowprec.verdicts import Verdict
+    assert Action.SKIP_STEP == "skip_step" and f"{Action.REWIND}" == "rewind" and str(Verdict.PASS) == "pass"
+    assert Verdict("regress") is Verdict.REGRESS
+
+    class Odd:
+        verdict, reason = "maybe", "?"
+
+    with pytest.raises(ValueError, match="answered verdict 'maybe'; a gate answers one of pass, regress"):
+        make().observe_gate(5, Odd())

@@ -1,0 +1,153 @@
+"""What counts as an instability: the controller's thresholds and detectors.
+
+`Thresholds` is the `rollout.thresholds` section: the per-site limits (saturated and
+underflow fractions, SQNR) and the presets of the global detectors. The detectors are
+the published ones:
+
+* `SpikeDetector`: a value above mean + 6 sigma of the last 128 values (OLMo-core's
+  stability monitor), for loss and grad norm;
+* `LargeValueDetector`: at least 10x the max of the first 100 values (Megatron-LM's
+  rerun state machine);
+* `LossGapDetector`: the relative gap between the smoothed loss and a baseline loss
+  curve (DeepSeek-V3 kept it under 0.25% for FP8); off unless `loss_gap` is set and a
+  baseline curve is given.
+
+NaN/Inf in the loss or gradients is no detector's business: the controller skips such a
+step outright (`RolloutController.observe_step`). The detectors ignore non-finite values.
+The controller owns the detectors (their state rides in its `state_dict`); the monitor
+only collects the numbers they read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from lowprec.configparse import ConfigError
+
+__all__ = ["Thresholds", "SpikeDetector", "LargeValueDetector", "LossGapDetector"]
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The controller's thresholds and detector presets (the defaults are the published ones)."""
+
+    max_saturated_frac: float = 1e-3            # a site above this saturated fraction is crossing
+    max_underflow_frac: float | None = None     # the same for values flushed to zero; None: off
+    min_sqnr_db: float | None = None            # a site below this SQNR (dB) is crossing; None: off
+    site_patience: int = 2                      # checks in a row crossing before a site falls back
+    spike_window: int = 128
+    spike_sigmas: float = 6.0
+    spike_min_history: int = 16                 # no spike verdicts before this many values
+    large_factor: float = 10.0
+    large_warmup: int = 100
+    loss_gap: float | None = None               # relative gap to the baseline curve; None: off
+    loss_gap_smoothing: float = 0.9             # EMA factor of the smoothed losses
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, allowed: str) -> None:
+            if not ok:
+                raise ConfigError(name, f"must be {allowed}, got {getattr(self, name)!r}")
+
+        need(0 <= self.max_saturated_frac <= 1, "max_saturated_frac", "a fraction in [0, 1] (1e-3: 0.1%)")
+        need(self.max_underflow_frac is None or 0 <= self.max_underflow_frac <= 1, "max_underflow_frac",
+             "a fraction in [0, 1], or null (off)")
+        need(self.site_patience >= 1, "site_patience", ">= 1")
+        need(self.spike_window >= 2, "spike_window", ">= 2")
+        need(self.spike_sigmas > 0, "spike_sigmas", "> 0")
+        need(2 <= self.spike_min_history <= self.spike_window, "spike_min_history",
+             f">= 2 (a standard deviation needs two values) and <= spike_window ({self.spike_window})")
+        need(self.large_factor > 1, "large_factor", "> 1 (a multiple of the largest early value)")
+        need(self.large_warmup >= 1, "large_warmup", ">= 1")
+        need(self.loss_gap is None or self.loss_gap > 0, "loss_gap",
+             "> 0 (a relative gap: 0.03 is 3%), or null (off)")
+        need(0 <= self.loss_gap_smoothing < 1, "loss_gap_smoothing", "in [0, 1) (0: no smoothing)")
+
+
+class SpikeDetector:
+    """A value above mean + `sigmas` standard deviations of the last `window` values."""
+
+    def __init__(self, window: int = 128, sigmas: float = 6.0, min_history: int = 16):
+        self.window, self.sigmas, self.min_history = window, sigmas, min_history
+        self.values: deque[float] = deque(maxlen=window)
+
+    def update(self, value: float) -> tuple[bool, dict]:
+        """(is_spike, evidence); non-finite values are not added (NaN is handled apart)."""
+        if not math.isfinite(value):
+            return False, {}
+        spike, evidence = False, {}
+        if len(self.values) >= self.min_history:
+            n = len(self.values)
+            mean = sum(self.values) / n
+            std = math.sqrt(sum((v - mean) ** 2 for v in self.values) / max(n - 1, 1))
+            limit = mean + self.sigmas * std
+            spike = value > limit
+            evidence = {"value": value, "mean": mean, "std": std, "limit": limit, "window": n}
+        if not spike:
+            self.values.append(value)
+        return spike, evidence
+
+    def state_dict(self) -> dict:
+        return {"values": list(self.values)}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.values = deque(s["values"], maxlen=self.window)
+
+
+class LargeValueDetector:
+    """At least `factor` x the max of the first `warmup` values (Megatron-LM)."""
+
+    def __init__(self, factor: float = 10.0, warmup: int = 100):
+        self.factor, self.warmup = factor, warmup
+        self.seen = 0
+        self.reference = 0.0
+
+    def update(self, value: float) -> tuple[bool, dict]:
+        if not math.isfinite(value):
+            return False, {}
+        if self.seen < self.warmup:
+            self.seen += 1
+            self.reference = max(self.reference, value)
+            return False, {}
+        limit = self.factor * self.reference
+        return value >= limit, {"value": value, "reference_max": self.reference, "limit": limit}
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen, "reference": self.reference}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.seen, self.reference = int(s["seen"]), float(s["reference"])
+
+
+class LossGapDetector:
+    """Relative gap between the EMA-smoothed loss and a baseline curve {step: loss}."""
+
+    def __init__(self, baseline: dict[int, float], threshold: float, smoothing: float = 0.9):
+        self.baseline = dict(sorted(baseline.items()))
+        self.threshold, self.smoothing = threshold, smoothing
+        self.ema: float | None = None
+        self.base_ema: float | None = None
+
+    def _baseline_at(self, step: int) -> float | None:
+        if step in self.baseline:
+            return self.baseline[step]
+        before = [s for s in self.baseline if s <= step]
+        return self.baseline[before[-1]] if before else None
+
+    def update(self, step: int, loss: float) -> tuple[bool, dict]:
+        base = self._baseline_at(step)
+        if base is None or not math.isfinite(loss):
+            return False, {}
+        a = self.smoothing
+        self.ema = loss if self.ema is None else a * self.ema + (1 - a) * loss
+        self.base_ema = base if self.base_ema is None else a * self.base_ema + (1 - a) * base
+        gap = (self.ema - self.base_ema) / abs(self.base_ema)
+        return gap > self.threshold, {"smoothed_loss": self.ema, "baseline": self.base_ema, "gap": gap,
+                                      "threshold": self.threshold}
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema, "base_ema": self.base_ema}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.ema, self.base_ema = s["ema"], s["base_ema"]
