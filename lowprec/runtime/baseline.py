@@ -38,6 +38,11 @@ def _find_run(client, experiment: str, ref: str):
 
 
 def losses_of_run(tracking_uri: str, experiment: str, ref: str) -> list[float]:
+    if tracking_uri.startswith("sqlite:///"):
+        db = Path(tracking_uri[len("sqlite:///"):])
+        if not db.is_file():   # asking MLflow would create an empty store
+            raise ConfigError(_WHERE, f"no run {ref!r}: there is no tracking store at {db} (tracking.uri); train "
+                              f"the baseline first, e.g. `lowprec run CONFIG --as-baseline --run-name {ref}`")
     from mlflow.tracking import MlflowClient
     client = MlflowClient(tracking_uri)
     run = _find_run(client, experiment, ref)

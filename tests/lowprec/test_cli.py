@@ -1,5 +1,6 @@
 """`lowprec plan CONFIG`: the table on a real config, and clear failures with exit code 2."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +16,12 @@ def run_plan(config: Path):
                           capture_output=True, text=True, timeout=120)
 
 
-def test_plan_prints_every_linear_layer_with_format_ladder_and_reason():
-    out = run_plan(DEFAULT)
+def test_plan_prints_every_linear_layer_with_format_ladder_and_reason(tmp_path):
+    out = run_plan(_variant(tmp_path, lambda cfg: None))
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    table, stages = out.stdout.split("\n\n")
+    assert "mlp_fp8: 8 sites -> fp8_tensorwise" in stages and "middle_mlp_nvfp4: 4 sites -> nvfp4" in stages
+    lines = table.splitlines()
     assert lines[0].split() == ["FQN", "shape", "(out", "x", "in)", "format", "ladder", "why"]
     rows = {line.split()[0]: line for line in lines[2:]}
     assert len(rows) == 4 * 4 + 1  # 4 blocks x (qkv, proj, fc, proj) + lm_head
@@ -31,7 +34,11 @@ def test_plan_prints_every_linear_layer_with_format_ladder_and_reason():
 
 
 def _variant(tmp_path, mutate) -> Path:
+    """The default config changed by `mutate`, its loss-gap baseline a losses file (the
+    default names an MLflow run that the main job trains first)."""
     cfg = yaml.safe_load(DEFAULT.read_text())
+    (tmp_path / "bf16_losses.json").write_text(json.dumps([2.5] * 300))
+    cfg["rollout"]["baseline"] = {"losses": "bf16_losses.json"}
     mutate(cfg)
     p = tmp_path / "cfg.yaml"
     p.write_text(yaml.safe_dump(cfg))
