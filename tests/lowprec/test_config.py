@@ -38,7 +38,9 @@ def test_default_config_loads():
     assert isinstance(c.precision, PrecisionPlan) and c.precision.rules[1].name == "middle_mlp"
     assert c.rollout is not None
     assert c.eval.every == 150 and c.eval.gates == str(ROOT / "gates" / "inloop.yaml")
-    assert c.tracking == TrackingConfig() and c.source == str(DEFAULT)
+    assert c.tracking == TrackingConfig(experiment="lowprec-default", run_name="staged-rollout")
+    assert c.source == str(DEFAULT)
+    assert c.rollout.baseline.mlflow_run == "bf16-baseline" and c.rollout.thresholds.loss_gap == 0.03
 
 
 def test_train_defaults_and_ckpt_keep():
