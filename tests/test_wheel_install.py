@@ -70,7 +70,7 @@ rollout:
   min_steps: 10
   cooldown_steps: 100
   rewind: {enabled: true, skip_batches: 2, snapshot_every: 5, keep: 4}
-  thresholds: {max_saturated_frac: 1.0, spike_min_history: 8}
+  thresholds: {max_saturated_frac: 1.0, spike_min_history: 20, spike_sigmas: 8.0}
   stages:
     - {name: up_fp8, select: {glob: "layers.*.up"}, format: fp8_tensorwise}
 tracking: {uri: "sqlite:///TMP/mlflow.db", experiment: wheel-test, run_name: my-run}
@@ -118,7 +118,7 @@ def test_wheel_in_a_fresh_venv_runs_a_users_config(tmp_path):
                           timeout=300)
     assert plan.returncode == 0, plan.stderr
     assert "layers.0.up" in plan.stdout
-    run = subprocess.run([lowprec, "run", "config.yaml", "--out", "run", "--inject", "loss_spike::34:35:1000"],
+    run = subprocess.run([lowprec, "run", "config.yaml", "--out", "run", "--inject", "loss_spike::40:41:1000"],
                          cwd=user, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "Traceback" not in run.stderr
@@ -126,6 +126,9 @@ def test_wheel_in_a_fresh_venv_runs_a_users_config(tmp_path):
     events = [json.loads(line) for line in (user / "run" / "events.jsonl").read_text().splitlines()]
     kinds = [e["kind"] for e in events]
     assert kinds.index("promote") < kinds.index("rollback") < kinds.index("rewind"), kinds
+    rollback = events[kinds.index("rollback")]
+    assert rollback["evidence"]["loss_spike"]["step"] == 40, rollback   # the injected spike, nothing else
+    assert kinds.count("rollback") == 1 and kinds.count("rewind") == 1
     losses = json.loads((user / "run" / "losses.json").read_text())
     assert len(losses) == 60 and all(v == v for v in losses)
 
