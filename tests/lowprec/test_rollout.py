@@ -44,7 +44,7 @@ def test_the_section_parses_into_frozen_dataclasses_and_round_trips():
     assert r.controller_config() == ControllerConfig(min_steps=10, rewind=True, rewind_skip_batches=20,
                                                      thresholds=r.thresholds)
     assert r.monitor_config() == MonitorConfig(check_every=5)
-    assert parse_rollout(to_data(r)) == r and parse_rollout(r) is r
+    assert isinstance(r, RolloutConfig) and parse_rollout(to_data(r)) == r and parse_rollout(r) is r
     with pytest.raises(AttributeError):
         r.check_every = 1   # frozen
 
