@@ -27,7 +27,7 @@ import yaml
 
 from lowprec.configparse import ConfigError, check_keys, found, parse, to_data
 from lowprec.plan import PrecisionPlan
-from lowprec.rollout import parse_rollout
+from lowprec.rollout import RolloutConfig, parse_rollout
 
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "EvalConfig", "TrackingConfig",
            "RunConfig", "SECTIONS"]
@@ -160,7 +160,7 @@ class RunConfig:
     precision: PrecisionPlan
     data: DataConfig | None = None
     train: TrainConfig = field(default_factory=TrainConfig)
-    rollout: Any = None                 # lowprec.rollout's parsed section, or None: no rollout
+    rollout: RolloutConfig | None = None   # None: no rollout: the plan's formats for the whole run
     eval: EvalConfig | None = None      # None: no evaluation checkpoints
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     source: str = field(default="<dict>", compare=False)   # the file it came from
