@@ -221,6 +221,7 @@ def never_killed(tmp_path_factory):
     return losses
 
 
+@pytest.mark.slow   # checkpoint_worker.py in fresh processes, killed and resumed
 def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path, never_killed):
     ck = tmp_path / "ck"
     killed, saved = run_worker(ck, *RUN, "--kill-on-save", "9", expect_kill=True)
@@ -238,6 +239,7 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_pat
     assert not torn.exists()  # the next save cleared the killed writer's temporary
 
 
+@pytest.mark.slow   # checkpoint_worker.py in fresh processes, killed and resumed
 def test_sigkill_at_a_random_moment_resumes_from_the_last_complete_checkpoint(tmp_path, never_killed):
     """Checkpoint every step and kill from outside at a random time: wherever it lands (in
     a write, between writes), the resumed run repeats the never-killed losses."""
@@ -262,6 +264,7 @@ def test_sigkill_at_a_random_moment_resumes_from_the_last_complete_checkpoint(tm
     assert resumed == {s: never_killed[s] for s in range(start, STEPS)}
 
 
+@pytest.mark.slow   # checkpoint_worker.py in fresh processes, killed and resumed
 def test_sharded_fsdp2_checkpoint_survives_sigkill_and_resumes_identically(tmp_path, gloo):
     """FSDP2 over 2 gloo ranks: torch.distributed.checkpoint into step_N.tmp/, renamed by rank 0.
     Rank 0 dies while checkpoint 9 is not yet renamed; the resumed run (from 6) repeats
@@ -360,6 +363,7 @@ def test_a_checkpoint_before_the_first_step_changes_nothing(tmp_path, gloo):
                 dist.destroy_process_group()
 
 
+@pytest.mark.slow   # two gloo ranks of checkpoint_worker.py in fresh processes
 def test_sharded_checkpoint_of_pipeline_stages_restores_each_stage(tmp_path, gloo):
     """Two gloo ranks holding different parameters (pipeline stages, see checkpoint_worker.py
     --pp-round-trip): after save, two more steps and load, each rank has its own saved

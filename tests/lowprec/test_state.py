@@ -161,6 +161,7 @@ RESUME_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow   # two fresh processes, each importing torch and training 20 steps
 def test_checkpoint_resumes_bit_identically_in_a_fresh_process(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(RESUME_SCRIPT.format(root=str(ROOT), tests=str(Path(__file__).parent)))

@@ -178,6 +178,7 @@ def test_server_run_has_everything_over_rest_and_renders_in_the_ui(server, tmp_p
     shutil.copy(shot, tmp_path.parent / "run_page_latest.png")  # kept next to the test's tmp dirs to look at
 
 
+@pytest.mark.slow   # stops and restarts the MLflow server while the run paces its steps
 def test_server_stopped_mid_run_then_restarted_loses_nothing(server, tmp_path):
     tracker = Tracker(server.url, "lowprec-tests", "restart-run", buffer_dir=tmp_path / "run", **FAST)
     seen = {}
