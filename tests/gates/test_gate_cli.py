@@ -21,6 +21,8 @@ import pytest
 from lowprec.tracking.outbox import sync_run_dir
 from lowprec.tracking.tracker import Tracker
 
+pytestmark = pytest.mark.slow   # `lowprec gate` as a real process per test (mlflow import: seconds each)
+
 LOWPREC = Path(sys.executable).with_name("lowprec")
 N = 400
 FAST = dict(flush_interval_s=0.2, retry_max_s=1.0, probe_timeout_s=0.5)

@@ -51,7 +51,7 @@ from experiments.model import build_gpt  # noqa: E402
 from lowprec import prepare  # noqa: E402
 from lowprec.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from lowprec.plan import PrecisionPlan  # noqa: E402
-from test_state import MODEL, corpus_bytes  # noqa: E402
+from small_gpt import MODEL, corpus_bytes  # noqa: E402
 
 PLAN = {
     "backend": "emulated",

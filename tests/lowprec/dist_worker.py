@@ -42,7 +42,7 @@ for _p in (str(ROOT), str(HERE)):
 from experiments.model import build_gpt  # noqa: E402
 from lowprec import prepare  # noqa: E402
 from lowprec.plan import PrecisionPlan  # noqa: E402
-from test_state import batches, corpus_bytes  # noqa: E402
+from small_gpt import batches, corpus_bytes  # noqa: E402
 
 MODEL = dict(vocab_size=256, block_size=16, n_layer=2, n_head=2, d_model=32)
 BATCH, SEQ, STEPS, LR, DATA_SEED = 4, 16, 20, 1e-3, 0

@@ -22,7 +22,7 @@ from experiments.model import build_gpt
 from lowprec import prepare
 from lowprec.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from lowprec.plan import PrecisionPlan
-from test_state import MODEL, batches, corpus_bytes
+from small_gpt import MODEL, batches, corpus_bytes
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "checkpoint_worker.py"
@@ -221,6 +221,7 @@ def never_killed(tmp_path_factory):
     return losses
 
 
+@pytest.mark.slow   # checkpoint_worker.py in fresh processes, killed and resumed
 def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path, never_killed):
     ck = tmp_path / "ck"
     killed, saved = run_worker(ck, *RUN, "--kill-on-save", "9", expect_kill=True)
@@ -238,6 +239,7 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_pat
     assert not torn.exists()  # the next save cleared the killed writer's temporary
 
 
+@pytest.mark.slow   # checkpoint_worker.py in fresh processes, killed and resumed
 def test_sigkill_at_a_random_moment_resumes_from_the_last_complete_checkpoint(tmp_path, never_killed):
     """Checkpoint every step and kill from outside at a random time: wherever it lands (in
     a write, between writes), the resumed run repeats the never-killed losses."""
@@ -262,13 +264,11 @@ def test_sigkill_at_a_random_moment_resumes_from_the_last_complete_checkpoint(tm
     assert resumed == {s: never_killed[s] for s in range(start, STEPS)}
 
 
-def test_sharded_fsdp2_checkpoint_survives_sigkill_and_resumes_identically(tmp_path):
+@pytest.mark.slow   # checkpoint_worker.py in fresh processes, killed and resumed
+def test_sharded_fsdp2_checkpoint_survives_sigkill_and_resumes_identically(tmp_path, gloo):
     """FSDP2 over 2 gloo ranks: torch.distributed.checkpoint into step_N.tmp/, renamed by rank 0.
     Rank 0 dies while checkpoint 9 is not yet renamed; the resumed run (from 6) repeats
     the losses the killed run computed for steps 6-8 before it was killed."""
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this build")
     ck = tmp_path / "ck"
     killed, saved = run_worker(ck, "--fsdp", *RUN, "--kill-on-save", "9", expect_kill=True)
     assert saved == [3, 6] and sorted(killed) == list(range(9))
@@ -283,12 +283,10 @@ def test_sharded_fsdp2_checkpoint_survives_sigkill_and_resumes_identically(tmp_p
     assert sorted(p.name for p in ck.iterdir()) == ["step_00000006", "step_00000009", "step_00000012"]
 
 
-def test_directory_checkpoint_of_a_sharded_model_in_one_process(tmp_path):
+def test_directory_checkpoint_of_a_sharded_model_in_one_process(tmp_path, gloo):
     """The DCP path without subprocesses: FSDP2 on a 1-rank gloo group. Saving the same step
     again (after a rewind) replaces the directory and drops the abandoned later one."""
-    dist = torch.distributed
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this build")
+    dist = gloo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -323,16 +321,14 @@ def test_directory_checkpoint_of_a_sharded_model_in_one_process(tmp_path):
         dist.destroy_process_group()
 
 
-def test_a_checkpoint_before_the_first_step_changes_nothing(tmp_path):
+def test_a_checkpoint_before_the_first_step_changes_nothing(tmp_path, gloo):
     """torch's get_state_dict (the sharded path) creates missing optimizer state with a
     zero-lr step, which set AdamW's step count to 1: the first real step then ran with the
     bias correction of a second one. Saving at step 0 (a file in one process, a directory
     for FSDP2 on a 1-rank gloo group) must leave the optimizer without state, and so must
     a rewind to that checkpoint: the parameters after 3 steps equal, bit for bit, those of
     a run that never checkpointed."""
-    dist = torch.distributed
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this build")
+    dist = gloo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -367,14 +363,12 @@ def test_a_checkpoint_before_the_first_step_changes_nothing(tmp_path):
                 dist.destroy_process_group()
 
 
-def test_sharded_checkpoint_of_pipeline_stages_restores_each_stage(tmp_path):
+@pytest.mark.slow   # two gloo ranks of checkpoint_worker.py in fresh processes
+def test_sharded_checkpoint_of_pipeline_stages_restores_each_stage(tmp_path, gloo):
     """Two gloo ranks holding different parameters (pipeline stages, see checkpoint_worker.py
     --pp-round-trip): after save, two more steps and load, each rank has its own saved
     parameters and optimizer state back (a single param_groups entry kept once for all
     ranks used to give a stage the other's parameter list, and no betas)."""
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this build")
     out = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "ck"), "--pp-round-trip"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -71,10 +71,7 @@ def _launch(cmd: list[str], log: Path) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    import torch.distributed as dist
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this build")
+def runs(tmp_path_factory, gloo):
     d = tmp_path_factory.mktemp("distributed")
     commands = {
         "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone",

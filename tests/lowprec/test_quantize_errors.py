@@ -9,11 +9,8 @@ non-finite entries were not there; the statistics count the non-finite entries.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,18 +19,8 @@ from lowprec import (E2M1, E4M3, E5M2, FORMATS, QuantSpec, RandomHadamard, Round
                      fake_quantize, format_names, get_format, quantize)
 from lowprec.quantize import operand_blocks
 
+import quant_reference as ref
 
-def _load_reference():
-    name = "lowprec_tests_reference"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("reference.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-ref = _load_reference()
 REF_ELEM = {"e4m3": ref.E4M3, "e5m2": ref.E5M2, "e2m1": ref.E2M1}
 
 

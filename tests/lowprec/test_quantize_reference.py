@@ -1,4 +1,4 @@
-"""lowprec.quantize against the slow scalar reference in reference.py (written from the specs).
+"""lowprec.quantize against the slow scalar reference in quant_reference.py (written from the specs).
 
 Values (scaled domain), per-block encode/decode scales and dequantized outputs must be
 equal bit for bit, with one exception: NVFP4's dequantized output. The definition
@@ -11,10 +11,7 @@ the same FP32 scale in both, so there is nothing to allow.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,20 +19,8 @@ import torch
 import lowprec
 from lowprec import ScaleEncoding, Scaling, get_format, quantize
 
+import quant_reference as ref
 
-def _load_reference():
-    # Loaded by path under a unique name: a bare `import reference` could pick up another
-    # test folder's module of the same name.
-    name = "lowprec_tests_reference"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("reference.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-ref = _load_reference()
 REF_ELEM = {"e4m3": ref.E4M3, "e5m2": ref.E5M2, "e2m1": ref.E2M1}
 
 

@@ -15,7 +15,7 @@ from lowprec.events import Event, EventKind, replay
 from lowprec.tracking.report import FORMAT_COLORS, render_report
 from lowprec.tracking.report_sources import ReportData, events_table, events_tags, from_mlflow, from_run_dir, signals_of
 from lowprec.tracking.tracker import Tracker
-from tracking_helpers import mlflow_services, png_colors, sqlite_store  # noqa: F401
+from tracking_helpers import png_colors
 
 FAST = dict(flush_interval_s=0.2, retry_max_s=1.0, probe_timeout_s=1.0)
 # The MLflow store template and the server test_tracking.py uses start now, in the background.
@@ -128,7 +128,7 @@ def feed(tracker: Tracker, data: ReportData) -> None:
             tracker.log_precision(step, current, share)
 
 
-def test_lowprec_report_reads_the_run_back_from_mlflow(tmp_path):
+def test_lowprec_report_reads_the_run_back_from_mlflow(tmp_path, sqlite_store):
     from mlflow.tracking import MlflowClient
 
     data = thirty_layer_rollout()

@@ -12,6 +12,7 @@ from torch import nn
 from experiments.model import build_gpt
 from lowprec import prepare
 from lowprec.plan import PrecisionPlan
+from small_gpt import MODEL, batches, corpus_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAN = {
@@ -20,25 +21,6 @@ PLAN = {
     "rules": [{"name": "all", "select": {"glob": "blocks.*"}, "format": "fp8_tensorwise",
                "ladder": ["fp8_tensorwise", "bf16"]}],
 }
-MODEL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, d_model=64)
-
-
-def corpus_bytes(n: int = 200_000) -> torch.Tensor:
-    """Byte tokens of real text: a Shakespeare play from ../shared/data when present, else
-    this repository's own README and sources (real English text, always present)."""
-    play = ROOT.parent / "shared" / "data" / "corpora" / "shakespeare" / "hamlet_gut.txt"
-    if play.is_file():
-        data = play.read_bytes()[:n]
-    else:
-        data = b"".join(p.read_bytes() for p in sorted(ROOT.rglob("*.py")))[:n]
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-
-
-def batches(tokens, steps, batch=8, t=32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        ix = torch.randint(0, len(tokens) - t - 1, (batch,), generator=g)
-        yield (torch.stack([tokens[i:i + t] for i in ix]), torch.stack([tokens[i + 1:i + t + 1] for i in ix]))
 
 
 def test_prepare_swaps_linears_and_keeps_parameter_objects():
@@ -146,7 +128,8 @@ def test_state_dict_loads_with_weights_only(tmp_path):
 RESUME_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
-    from test_state import MODEL, PLAN, batches, corpus_bytes
+    from small_gpt import MODEL, batches, corpus_bytes
+    from test_state import PLAN
     from experiments.model import build_gpt
     from lowprec import prepare
     from lowprec.plan import PrecisionPlan
@@ -178,6 +161,7 @@ RESUME_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow   # two fresh processes, each importing torch and training 20 steps
 def test_checkpoint_resumes_bit_identically_in_a_fresh_process(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(RESUME_SCRIPT.format(root=str(ROOT), tests=str(Path(__file__).parent)))

@@ -2,7 +2,7 @@
 the tests start, stop in the middle of a run and restart. Everything is checked through
 MLflow's REST API with plain HTTP; the run page is rendered by headless Chromium.
 
-One server serves the session (starting one takes 10-25 s; `mlflow_services` launches it
+One server serves the session (starting one takes 10-25 s; `mlflow_services`, conftest.py, launches it
 when the first module that uses it starts, test_report.py, and the tests here wait for it). The rollout is real (a small
 GPT prepared with lowprec, trained on text bytes), trained once; the other tests replay its
 tracker calls step by step. Its events are constructed (tracking_helpers.run_rollout)
@@ -25,8 +25,7 @@ from lowprec.events import EventKind
 from lowprec.tracking.outbox import Outbox
 from lowprec.tracking.records import MAX_KEY, MAX_PARAM_VALUE, flatten_config, metric_key
 from lowprec.tracking.tracker import Tracker
-from tracking_helpers import (FALLBACK_SITE, MlflowServer, free_port, mlflow_services, png_colors,  # noqa: F401
-                              replay, run_and_record, sqlite_store)
+from tracking_helpers import FALLBACK_SITE, MlflowServer, png_colors, replay, run_and_record
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -88,7 +87,7 @@ def test_outbox_keeps_order_cuts_a_torn_line_and_reads_in_chunks(tmp_path):
 
 
 # ------------------------------------------------------------------ (a) SQLite store
-def test_sqlite_store_gets_config_metrics_signals_events_and_report(tmp_path):
+def test_sqlite_store_gets_config_metrics_signals_events_and_report(tmp_path, sqlite_store):
     from mlflow.tracking import MlflowClient
 
     uri = sqlite_store(tmp_path / "store")
@@ -179,6 +178,7 @@ def test_server_run_has_everything_over_rest_and_renders_in_the_ui(server, tmp_p
     shutil.copy(shot, tmp_path.parent / "run_page_latest.png")  # kept next to the test's tmp dirs to look at
 
 
+@pytest.mark.slow   # stops and restarts the MLflow server while the run paces its steps
 def test_server_stopped_mid_run_then_restarted_loses_nothing(server, tmp_path):
     tracker = Tracker(server.url, "lowprec-tests", "restart-run", buffer_dir=tmp_path / "run", **FAST)
     seen = {}
@@ -207,7 +207,7 @@ def test_server_stopped_mid_run_then_restarted_loses_nothing(server, tmp_path):
     assert run["info"]["status"] == "FINISHED"
 
 
-def test_server_away_at_start_then_lowprec_sync_sends_the_buffer(server, tmp_path):
+def test_server_away_at_start_then_lowprec_sync_sends_the_buffer(server, tmp_path, free_port):
     """The run cannot even be created; training goes on; `lowprec sync RUN_DIR` sends it all."""
     dead = f"http://127.0.0.1:{free_port()}"
     tracker = Tracker(dead, "lowprec-tests", "offline-run", buffer_dir=tmp_path / "run", **FAST)

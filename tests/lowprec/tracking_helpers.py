@@ -1,5 +1,6 @@
 """Shared by the tracking and report tests: a short, real rollout driven into a Tracker, an
-MLflow server the tests start and stop, a migrated SQLite store, and REST/PNG helpers.
+MLflow server the tests start and stop, a migrated SQLite store, and REST/PNG helpers
+(conftest.py makes the server and the store fixtures).
 
 The rollout is a small GPT prepared with lowprec and trained on text bytes; the promotion,
 fallback and gate events are constructed here (the controller gets wired in later), with
@@ -12,24 +13,21 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
 import torch
 
 from experiments.model import build_gpt
 from lowprec import prepare
 from lowprec.events import Event, EventKind
 from lowprec.plan import PrecisionPlan
-from test_state import batches, corpus_bytes
+from small_gpt import batches, corpus_bytes
 
 MLFLOW = Path(sys.executable).with_name("mlflow")
 MODEL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, d_model=32)
@@ -179,64 +177,33 @@ def replay(tracker, steps: int = 10, on_step=None, step_seconds: float = 0.0) ->
 
 
 # ------------------------------------------------------------------ MLflow server and stores
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class SqliteTemplate:
+    """An empty SQLite store with MLflow's tables, created in the background (10-20 s) in
+    `dir`; `copy_to(dir)` waits for it and returns a migrated store's URI."""
 
+    def __init__(self, dir: Path):
+        self.path = dir / "mlflow.db"
+        code = f"from mlflow.tracking import MlflowClient; MlflowClient('sqlite:///{self.path}').search_experiments()"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
-_TEMPLATE: dict[str, object] = {}
+    def copy_to(self, dir: Path) -> str:
+        """A SQLite store URI in `dir`, from the migrated template."""
+        if self.proc.wait(timeout=300) != 0:
+            raise RuntimeError(f"creating the MLflow SQLite store failed: {self.proc.stderr.read().decode()[-2000:]}")
+        dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(self.path, dir / "mlflow.db")
+        return f"sqlite:///{dir}/mlflow.db"
 
-
-def start_sqlite_template() -> None:
-    """Start creating an empty SQLite store with MLflow's tables (10-20 s) in the background."""
-    if "proc" not in _TEMPLATE:
-        d = Path(tempfile.mkdtemp(prefix="lowprec-mlflow-template-"))
-        code = f"from mlflow.tracking import MlflowClient; MlflowClient('sqlite:///{d}/mlflow.db').search_experiments()"
-        _TEMPLATE.update(path=d / "mlflow.db", proc=subprocess.Popen([sys.executable, "-c", code],
-                                                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-
-
-def migrated_sqlite() -> Path:
-    """The empty, migrated SQLite store (copy it, don't write to it)."""
-    start_sqlite_template()
-    proc = _TEMPLATE["proc"]
-    if proc.wait(timeout=300) != 0:
-        raise RuntimeError(f"creating the MLflow SQLite store failed: {proc.stderr.read().decode()[-2000:]}")
-    return _TEMPLATE["path"]
-
-
-def sqlite_store(dir: Path) -> str:
-    """A SQLite store URI in `dir`, from the migrated template."""
-    dir.mkdir(parents=True, exist_ok=True)
-    shutil.copy(migrated_sqlite(), dir / "mlflow.db")
-    return f"sqlite:///{dir}/mlflow.db"
-
-
-_SERVER: dict[str, "MlflowServer"] = {}
-
-
-@pytest.fixture(scope="session")
-def mlflow_services(tmp_path_factory):
-    """Starts, without waiting, the SQLite template and one `mlflow server` for the session
-    (both take 10-25 s); used by every module that needs either, so that they warm up
-    while earlier tests run. Tests call `.wait()` on the server before using it."""
-    start_sqlite_template()
-    if "server" not in _SERVER:
-        _SERVER["server"] = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
-        _SERVER["server"].start(wait=False)
-    yield _SERVER["server"]
-    _SERVER["server"].stop()  # idempotent: each module that imports this fixture tears it down
-    if "proc" in _TEMPLATE:
-        _TEMPLATE.pop("proc").wait(timeout=300)
-        shutil.rmtree(_TEMPLATE.pop("path").parent, ignore_errors=True)
+    def close(self) -> None:
+        self.proc.wait(timeout=300)
+        self.proc.stderr.close()
 
 
 class MlflowServer:
     """`mlflow server` on 127.0.0.1 (SQLite backend, proxied artifacts), stoppable and restartable."""
 
-    def __init__(self, root: Path):
-        self.root, self.port = root, free_port()
+    def __init__(self, root: Path, port: int):
+        self.root, self.port = root, port
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         root.mkdir(parents=True, exist_ok=True)

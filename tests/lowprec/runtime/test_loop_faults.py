@@ -14,6 +14,8 @@ from lowprec.runtime import Injection
 from lowprec.runtime.run import run_config
 from lowprec.events import EventKind
 
+pytestmark = pytest.mark.slow   # four 120-step training runs: minutes on 2 cores
+
 CHECK = 10
 SITE = "blocks.1.mlp.fc"
 BASE = {

@@ -8,7 +8,6 @@ event logs are identical.
 """
 
 import json
-import socket
 
 import pytest
 import torch
@@ -29,12 +28,6 @@ PLAN = {"backend": "emulated", "keep_high_precision": [{"fqns": ["lm_head"]}],
                    "ladder": ["fp8_tensorwise", "bf16"]}]}
 ROLLOUT = {"check_every": 5, "min_steps": 0, "thresholds": {"spike_min_history": 30},
            "stages": [{"name": "all", "select": {"glob": "blocks.*"}, "format": "fp8_tensorwise"}]}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -73,8 +66,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks_decide_the_same_when_only_one_sees_the_fault(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+def test_two_ranks_decide_the_same_when_only_one_sees_the_fault(tmp_path, free_port, gloo):
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     logs = [(tmp_path / f"events_rank{r}.jsonl").read_text() for r in range(2)]
     assert logs[0] == logs[1] and logs[0]
     events = [json.loads(line) for line in logs[0].splitlines()]
