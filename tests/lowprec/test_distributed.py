@@ -149,12 +149,15 @@ def test_without_amax_reduction_the_gradients_differ(runs, variant):
 def test_layer_on_batch_and_sequence_sharded_inputs(runs):
     """A DTensor input sharded on a leading dim (the batch, or the sequence as sequence
     parallelism shards it), evenly or not: the output and its gradient keep that
-    placement and the global shape, and y, dx, dw and db equal the single process's."""
+    placement and the global shape, and y, dx, dw and db equal the single process's: within
+    1e-6 (the GEMM of a shard's rows is the same arithmetic per row, but MKL picks its kernel
+    by the number of rows, and with AVX-512 kernels their sums differ in the last bits:
+    measured 5e-8 on this machine, 2026-11-23; bit for bit with AVX2 kernels)."""
     cases = {k: v for k, v in runs["layer"].items() if k != "mixed"}
     assert len(cases) == 4
     for case, r in cases.items():
         dim = case[-2]
         assert r["placements"] == [f"(Shard(dim={dim}),)"] * 2, (case, r)
-        assert r["y"] == 0 and r["dx"] == 0, (case, r)        # row-local: bit for bit
+        assert r["y"] < 1e-6 and r["dx"] < 1e-6, (case, r)    # row-local: the same products
         assert r["dw"] < 1e-6 and r["db"] < 1e-6, (case, r)   # sums over the shards
     assert "convert both to DTensors" in runs["layer"]["mixed"]

@@ -23,9 +23,14 @@ def _run(layer, x, g):
 
 
 @pytest.mark.parametrize("fmt", ["fp8_tensorwise", "fp8_delayed", "fp8_rowwise"])
-def test_emulated_and_torch_backends_are_bit_exact_on_cpu(fmt):
+def test_emulated_and_torch_backends_agree_on_cpu(fmt):
     """On CPU, torch._scaled_mm computes (a*scale_a) @ (b*scale_b) in FP32, which is what
-    the emulated GEMM does: forward output and all gradients agree bit for bit."""
+    the emulated GEMM does (a float32 matmul of the dequantized operands): the same
+    quantized operands, the same products. Bit for bit with AVX2 kernels
+    (ATEN_CPU_CAPABILITY=avx2); with AVX-512 the two kernels sum in another order and
+    differ in the last bits (measured: 3.6e-7 on outputs of magnitude ~1, fp8_tensorwise
+    forward, 2026-11-23), so the bound is 1e-6 of the output's scale: far below one FP8
+    grid step (2^-3 relative), which any quantization difference would produce."""
     torch.manual_seed(0)
     base = nn.Linear(64, 48)
     x, g = torch.randn(3, 16, 64), torch.randn(3, 16, 48)
@@ -33,7 +38,8 @@ def test_emulated_and_torch_backends_are_bit_exact_on_cpu(fmt):
                 for _ in range(2)] for be in ("emulated", "torch")}  # 2 steps: delayed uses history
     for a, b in zip(res["emulated"], res["torch"]):
         for u, v in zip(a, b):
-            assert torch.equal(u, v)
+            assert u.shape == v.shape and u.dtype == v.dtype
+            assert (u - v).abs().max() <= 1e-6 * u.abs().max()
 
 
 @pytest.mark.parametrize("fmt", LOW)
