@@ -1,5 +1,7 @@
 """Sharding the small GPT for `experiments/train_parallel.py`: DP x TP, and pipeline stages.
 
+(FSDP2, the third mode, needs nothing GPT-specific: `lowprec.runtime.fsdp.FullyShardedDP`.)
+
 Two engines, each with `forward_backward(x, y) -> loss` and `clip_grad_norm(max_norm)`,
 that give every rank the global batch-mean loss and the global gradient norm:
 
@@ -39,25 +41,37 @@ __all__ = ["ParallelConfig", "DataTensorParallel", "Pipeline", "GPTStage", "stag
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Ranks per dimension: data x tensor parallel, or pipeline stages (not combined here)."""
+    """Ranks per dimension: data x tensor parallel, pipeline stages, or FSDP2 (not combined here)."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    fsdp: int = 1
 
     def __post_init__(self) -> None:
-        if min(self.dp, self.tp, self.pp) < 1:
-            raise ValueError(f"--dp, --tp and --pp must be >= 1, got {self.dp}, {self.tp}, {self.pp}")
+        if min(self.dp, self.tp, self.pp, self.fsdp) < 1:
+            raise ValueError(f"--dp, --tp, --pp and --fsdp must be >= 1, got {self.dp}, {self.tp}, {self.pp}, "
+                             f"{self.fsdp}")
         if self.pp > 1 and self.dp * self.tp > 1:
             raise ValueError(f"pipeline parallel (--pp {self.pp}) runs alone here; --dp/--tp must be 1, "
                              f"got --dp {self.dp} --tp {self.tp}")
+        if self.fsdp > 1 and self.dp * self.tp * self.pp > 1:
+            raise ValueError(f"FSDP2 (--fsdp {self.fsdp}) runs alone here; --dp/--tp/--pp must be 1, "
+                             f"got --dp {self.dp} --tp {self.tp} --pp {self.pp}")
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.fsdp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that each read their own rows of the global batch."""
+        return self.dp * self.fsdp
 
     @property
     def mode(self) -> str:
+        if self.fsdp > 1:
+            return f"fsdp{self.fsdp}"
         return f"pp{self.pp}" if self.pp > 1 else f"dp{self.dp}xtp{self.tp}"
 
 

@@ -1,11 +1,13 @@
-"""The reference experiment under torchrun: data x tensor parallel, or pipeline parallel.
+"""The reference experiment under torchrun: data x tensor parallel, pipeline parallel, or FSDP2.
 
     torchrun --nproc-per-node 4 -m experiments.train_parallel CONFIG --dp 2 --tp 2 --out DIR
     torchrun --nproc-per-node 2 -m experiments.train_parallel CONFIG --pp 2 --out DIR
+    torchrun --nproc-per-node 2 -m experiments.train_parallel CONFIG --fsdp 2 --out DIR
 
 The same config, precision plan and rollout controller as `lowprec run CONFIG`, through
 the same loop (`lowprec.runtime.loop.train`); only the engine differs: the sharding of
-`experiments/parallel.py` (the reference GPT's tensor-parallel plan and pipeline stages).
+`experiments/parallel.py` (the reference GPT's tensor-parallel plan and pipeline stages) or
+`lowprec.runtime.fsdp.FullyShardedDP` (FSDP2, for any model).
 Every rank runs one controller fed with the same global loss and gradient norm and the
 monitor's combined statistics (one all-gather per check), so every rank takes the same
 decisions; each writes them to `DIR/events.rank<R>.jsonl`. Rank 0 writes `DIR/losses.json`,
@@ -14,12 +16,14 @@ decisions; each writes them to `DIR/events.rank<R>.jsonl`. Rank 0 writes `DIR/lo
 DP x TP: `prepare(..., amax_group=<dp group>)`; tensor-wise amaxes of the DTensor shards
 are reduced over the tp group by PrecisionLinear itself, so the numerics are the single
 process's. Every dp rank reads rows dp_rank::dp of the same global batch.
+FSDP2: `prepare(..., amax_group=<the world>)` first (same Parameters), then `fully_shard`
+on every block and the root; every rank reads rows rank::world of the global batch.
 PP: each rank prepares the whole model (so that the plan's and the rollout's selectors
 see all of it), builds the controller over all sites, then keeps its own stage; the
 monitor packs every site's row.
 
 Rewinds: in-memory snapshots by default (each rank its shards or its stage: nothing is
-gathered), under DP x TP and pipeline parallelism alike; with `rollout.rewind.source: disk`
+gathered), under DP x TP, FSDP2 and pipeline parallelism alike; with `rollout.rewind.source: disk`
 sharded checkpoints (`torch.distributed.checkpoint`) every `train.ckpt_every` steps.
 """
 
@@ -39,6 +43,7 @@ from lowprec.config import RunConfig
 from lowprec.rollout import build_controller
 from lowprec.runtime.data import as_batch_source
 from lowprec.runtime.faults import parse_injection
+from lowprec.runtime.fsdp import FullyShardedDP
 from lowprec.runtime.loop import train
 from lowprec.runtime.run import load_factory, read_baseline
 from lowprec.state import prepare
@@ -57,9 +62,9 @@ def train_parallel(cfg: RunConfig | dict, out_dir: str | Path, par: ParallelConf
     if microbatches is not None:
         rc = replace(rc, train=replace(rc.train, microbatches=microbatches))
     tc = rc.train
-    if tc.batch_size % (tc.microbatches * par.dp):
-        raise ValueError(f"train.batch_size ({tc.batch_size}) must be a multiple of microbatches x dp "
-                         f"({tc.microbatches} x {par.dp})")
+    if tc.batch_size % (tc.microbatches * par.data_ranks):
+        raise ValueError(f"train.batch_size ({tc.batch_size}) must be a multiple of microbatches x data-parallel "
+                         f"ranks ({tc.microbatches} x {par.data_ranks})")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [Path.cwd()]
@@ -72,6 +77,12 @@ def train_parallel(cfg: RunConfig | dict, out_dir: str | Path, par: ParallelConf
     if par.pp > 1:
         state = prepare(model, rc.precision, seed=tc.seed)
         data = as_batch_source(tokens, batch_size=tc.batch_size, block_size=rc.data.block_size, seed=tc.seed)
+    elif par.fsdp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (par.fsdp,), mesh_dim_names=("dp",))
+        state = prepare(model, rc.precision, seed=tc.seed, amax_group=mesh.get_group())
+        data = as_batch_source(tokens, batch_size=tc.batch_size, block_size=rc.data.block_size, seed=tc.seed,
+                               rank=rank, world=par.fsdp)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (par.dp, par.tp), mesh_dim_names=("dp", "tp"))
@@ -84,6 +95,8 @@ def train_parallel(cfg: RunConfig | dict, out_dir: str | Path, par: ParallelConf
         engine = Pipeline(model, rank, par.pp, tc.microbatches)
         state = local_state(state, [f for f, _ in engine.module.named_modules() if f in state.sites])
         del model   # this rank keeps its stage's modules only
+    elif par.fsdp > 1:
+        engine = FullyShardedDP(model, mesh_or_group=mesh, microbatches=tc.microbatches)
     else:
         engine = DataTensorParallel(model, mesh, tc.microbatches)
     disk = ctl.config.rewind and rc.rollout.rewind.source == "disk"
@@ -106,6 +119,7 @@ def main(argv=None) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (alone, without --dp/--tp)")
+    p.add_argument("--fsdp", type=int, default=1, help="FSDP2 ranks (alone, without --dp/--tp/--pp)")
     p.add_argument("--out", default="runs/train_parallel")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--microbatches", type=int, default=None,
@@ -115,7 +129,7 @@ def main(argv=None) -> None:
                    help="a fault (nan, overflow, lr_spike, loss_spike) as in `lowprec run`; repeatable")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per process")
     args = p.parse_args(argv)
-    par = ParallelConfig(args.dp, args.tp, args.pp)
+    par = ParallelConfig(args.dp, args.tp, args.pp, args.fsdp)
     if "RANK" not in os.environ:
         raise SystemExit(f"start this under torchrun: torchrun --nproc-per-node {par.world} -m "
                          f"experiments.train_parallel {args.config} ...")

@@ -7,9 +7,10 @@
     session.step(loss)
 
 Modules: `session` (Session), `snapshots` (in-memory and disk rewinds), `loop` (train),
-`engine` (the engine protocol, one process), `data` (token batches), `faults` (injected
-faults), `evals` (eval checkpoints, evaluator and gate protocols), `run` (a config, end to
-end), `cli` (`lowprec run`, `lowprec plan`). Importing this package imports no MLflow.
+`engine` (the engine protocol, one process), `fsdp` (FullyShardedDP: FSDP2 for any model),
+`data` (token batches), `faults` (injected faults), `evals` (eval checkpoints, evaluator
+and gate protocols), `run` (a config, end to end), `cli` (`lowprec run`, `lowprec plan`).
+Importing this package imports no MLflow.
 """
 
 from lowprec.runtime.faults import FaultKind, Injection, parse_injection

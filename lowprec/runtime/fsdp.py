@@ -1,0 +1,178 @@
+"""Fully sharded data parallel (FSDP2): an engine for the one training loop, for any model.
+
+    state = prepare(model, plan, amax_group=group)      # first: it swaps nn.Linear, same Parameters
+    engine = FullyShardedDP(model, mesh_or_group=group, microbatches=2)
+    train(tc, engine, state, data, ...)                 # data: this rank's rows of the global batch
+
+`FullyShardedDP` applies `torch.distributed.fsdp.fully_shard` to each block of the model
+(default: every direct child, holding parameters, of a top-level `nn.ModuleList` or
+`nn.ModuleDict`: `blocks.3`, `model.layers.3`; or the modules a `shard(fqn, module)`
+predicate picks, innermost first), then to the root, which takes every parameter left
+(embeddings, final norm, head). Each parameter becomes a DTensor sharded on dim 0 over the
+data-parallel ranks, and so do its gradient and the optimizer's state.
+
+Why prepare first: PrecisionLinear holds the nn.Linear's own Parameters; fully_shard then
+replaces them with their shards on the same modules. In a block's forward FSDP2 has
+gathered the whole weight, so a PrecisionLinear quantizes the same plain tensor as one
+process (a DTensor weight would meet a plain input and be refused with a TypeError), and
+the weight's statistics are the whole tensor's. Activations and gradients are this rank's
+rows: `prepare(..., amax_group=<the dp group>)` reduces their tensor-wise amaxes over the
+ranks, so each scale is the global batch's. The engine refuses PrecisionLinear sites
+without an amax group when there is more than one rank.
+
+Gradients: each rank's loss is divided by microbatches x ranks and FSDP2's reduce-scatter
+is a plain SUM (divide factor 1: gloo has neither AVG nor PREMUL_SUM), so the summed
+shards are the gradients of the global batch mean. Microbatches accumulate unsharded
+gradients locally and reduce once, after the last one (chunk k of every rank together
+is one process's chunk k: each rank holds rows rank::world). `clip_grad_norm` forms the
+norm as `torch.nn.utils.clip_grad_norm_` does in one process (per-parameter norms, a
+sharded one from its shards' summed squares: one all-reduce, then the norm of those) and
+returns it as a plain tensor, equal on every rank.
+
+Snapshots and checkpoints see the sharded state: `model.state_dict()` holds DTensor shards
+and `load_state_dict` copies into them in place, so each rank snapshots and restores its
+own shards (`lowprec.runtime.snapshots`), and `lowprec.checkpoint` writes DCP checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lowprec.runtime.engine import loss_of
+
+__all__ = ["FullyShardedDP", "block_modules"]
+
+ShardSelector = Callable[[str, nn.Module], bool]
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The default units: direct children, holding parameters, of every `nn.ModuleList` /
+    `nn.ModuleDict` not nested inside another one (a Transformer's blocks)."""
+    found: list[tuple[str, nn.Module]] = []
+
+    def walk(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            fqn = f"{prefix}{name}"
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                found.extend((f"{fqn}.{n}", c) for n, c in child.named_children() if _has_params(c))
+            else:
+                walk(f"{fqn}.", child)
+
+    walk("", model)
+    return found
+
+
+def _mesh_of(mesh_or_group, model: nn.Module):
+    from torch.distributed.device_mesh import DeviceMesh
+    if isinstance(mesh_or_group, DeviceMesh):
+        if mesh_or_group.ndim != 1:
+            raise ValueError(f"FullyShardedDP takes a 1-D mesh (the data-parallel ranks), got a "
+                             f"{mesh_or_group.ndim}-D one {mesh_or_group.mesh_dim_names}; pass mesh[\"dp\"]")
+        return mesh_or_group
+    if mesh_or_group is None or isinstance(mesh_or_group, dist.ProcessGroup):
+        if not dist.is_initialized():
+            raise RuntimeError("FullyShardedDP needs an initialised process group "
+                               "(torch.distributed.init_process_group, e.g. under torchrun)")
+        group = mesh_or_group or dist.group.WORLD
+        device = next(model.parameters()).device
+        return DeviceMesh.from_group(group, device.type)
+    raise TypeError(f"mesh_or_group must be a 1-D DeviceMesh or a ProcessGroup, got {type(mesh_or_group).__name__}")
+
+
+class FullyShardedDP:
+    """FSDP2 over a 1-D mesh or process group; see the module docstring.
+
+    shard: a predicate `(fqn, module) -> bool` over `model.named_modules()` choosing the
+        modules sharded as units before the root; default `block_modules`.
+    reshard_after_forward: free the gathered weights of each unit after its forward and
+        gather them again in backward (FSDP2's default; False keeps them, ZeRO-2 like).
+    """
+
+    def __init__(self, model: nn.Module, *, mesh_or_group=None, microbatches: int = 1,
+                 shard: ShardSelector | None = None, reshard_after_forward: bool = True):
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+        if isinstance(model, FSDPModule):
+            raise ValueError(f"{type(model).__name__} is already fully sharded; give FullyShardedDP the "
+                             f"model after lowprec.prepare and before fully_shard")
+        self.mesh = _mesh_of(mesh_or_group, model)
+        self.group = self.mesh.get_group()
+        self.world = self.mesh.size()
+        self.microbatches = microbatches
+        self._check_amax_groups(model)
+        if shard is None:
+            units = block_modules(model)
+        else:
+            units = [(n, m) for n, m in model.named_modules() if n and shard(n, m) and _has_params(m)]
+        self.units = [n for n, _ in units]
+        for _, unit in reversed(units):   # inner units before the modules that hold them
+            fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):   # per unit: a plain SUM of the loss/world gradients
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
+        self.module = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def _check_amax_groups(self, model: nn.Module) -> None:
+        from lowprec.layers import PrecisionLinear
+        if self.world == 1:
+            return
+        bare = [m.fqn for m in model.modules() if isinstance(m, PrecisionLinear) and m.amax_group is None]
+        if bare:
+            raise ValueError(f"{len(bare)} PrecisionLinear sites ({', '.join(bare[:3])}, ...) have no amax group; "
+                             f"each of {self.world} ranks would scale its own rows. Prepare with "
+                             f"lowprec.prepare(model, plan, amax_group=<the data-parallel group>)")
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x, y: this rank's rows of the global batch. Returns the global batch-mean loss
+        (detached), the same on every rank; the gradients are reduced and sharded."""
+        n = self.microbatches
+        scale = n * self.world
+        chunks = list(zip(x.tensor_split(n), y.tensor_split(n))) if n > 1 else [(x, y)]
+        total = None
+        for k, (xc, yc) in enumerate(chunks):
+            if n > 1:   # accumulate locally; reduce-scatter after the last microbatch only
+                self.module.set_requires_gradient_sync(k == n - 1)
+            loss = loss_of(self.module(xc, yc))
+            part = loss / scale if scale != 1 else loss
+            part.backward()
+            total = part.detach() if total is None else total + part.detach()
+        if self.world > 1:
+            dist.all_reduce(total, group=self.group)
+        return total
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        """Clip by the global gradient norm as clip_grad_norm_ does; returns the norm before."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        if not local:
+            return torch.zeros(())
+        norms = torch._foreach_norm(local, 2.0)
+        mine = self.mesh.get_local_rank() == 0
+        squares = torch.stack([n.float() * n.float() if _sharded(g) or mine else torch.zeros((), dtype=torch.float32)
+                               for g, n in zip(grads, norms)])
+        if self.world > 1:
+            dist.all_reduce(squares, group=self.group)
+        total = torch.linalg.vector_norm(squares.sqrt(), 2.0)
+        coef = torch.clamp((math.inf if max_norm is None else max_norm) / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(local, coef)
+        return total
+
+
+def _sharded(t: torch.Tensor) -> bool:
+    """A DTensor sharded over the mesh (FSDP2's Shard(0)); a replicated one counts once."""
+    return any(p.is_shard() for p in getattr(t, "placements", ()))
