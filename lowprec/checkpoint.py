@@ -223,6 +223,12 @@ def _read_header(path: Path, mmap: bool = False) -> dict:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:
+        if "Weights only load failed" in str(e):   # torch's UnpicklingError: not torn, refused as unsafe
+            what = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln), "objects, not plain data")
+            raise ValueError(f"{path} was refused, not loaded: it is an unsafe pickle ({what}); unpickling it "
+                             f"could run arbitrary code. lowprec loads only plain data (tensors, numbers, "
+                             f"strings, containers: torch.load(weights_only=True)); write checkpoints with "
+                             f"lowprec.checkpoint.save_checkpoint") from None
         raise ValueError(f"{path} is not a complete lowprec checkpoint: torch.load failed "
                          f"({type(e).__name__}: {str(e)[:200]}). It may be torn (cut short); "
                          f"latest_checkpoint(directory) skips such files") from e
