@@ -12,12 +12,15 @@ wrote) and writes JUnit XML to `--junit`.
 
 Exit status: 0 every gate passes (inconclusive ones too, unless `--inconclusive fail`),
 1 a gate regressed (or was inconclusive under `--inconclusive fail`), 2 the input cannot be
-used (a bad gate file, a missing run or metric, a store that does not answer) - the message on
-stderr, no traceback.
+used (a bad gate file, a missing run or metric, a store that does not answer, a run that did
+not finish, evals at different steps or of different modes or suites without --step, a
+--markdown/--junit path that cannot be written, checked before any run is read) - the message
+on stderr, no traceback.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +29,7 @@ from typing import TextIO
 from gates.errors import GateInputError, GateSpecError
 from gates.gate import GateSummary, check_all, summarize
 from gates.report import junit_xml, markdown, table
-from gates.runs import load_scores, open_client
+from gates.runs import check_comparable, load_scores, open_client
 from gates.spec import GateSpec
 
 from lowprec.tracking.cli import default_tracking_uri
@@ -65,7 +68,21 @@ def evaluate(args: GateArgs) -> tuple[GateSummary, str, str]:
     client = open_client(uri)
     base = load_scores(uri, args.baseline, metrics=spec.metrics, step=args.step, client=client)
     cand = load_scores(uri, args.candidate, metrics=spec.metrics, step=args.step, client=client)
+    check_comparable(base, cand, step_named=args.step is not None)
     return summarize(check_all(spec, base, cand)), base.source, cand.source
+
+
+def output_problem(path: str) -> str | None:
+    """Why `path` cannot be written (or appended to), or None; creates nothing."""
+    p = Path(path)
+    if p.is_dir():
+        return "is a folder, not a file"
+    if p.exists():
+        return None if os.access(p, os.W_OK) else "exists and is not writable"
+    parent = p.parent
+    if not parent.is_dir():
+        return f"its folder {parent} does not exist"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"its folder {parent} is not writable"
 
 
 def run(args: GateArgs, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -77,6 +94,12 @@ def run(args: GateArgs, out: TextIO | None = None, err: TextIO | None = None) ->
     if args.inconclusive not in ("pass", "fail"):
         print(f"lowprec gate: --inconclusive must be pass or fail, got {args.inconclusive!r}", file=err)
         return EXIT_UNUSABLE
+    for flag, path in (("--markdown", args.markdown), ("--junit", args.junit)):
+        problem = output_problem(path) if path else None
+        if problem:   # before any run is read: a long evaluation never ends in a write that cannot happen
+            print(f"lowprec gate: {flag} {path}: {problem}; nothing was read or written. Pass a file in a "
+                  f"folder that exists and that you can write to", file=err)
+            return EXIT_UNUSABLE
     try:
         summary, base, cand = evaluate(args)
     except (GateSpecError, GateInputError) as e:

@@ -13,7 +13,11 @@ Every problem is a `GateInputError` that says what was asked and what exists: a 
 that does not answer (a SQLite file that is not there is reported, never created), a run id
 that is not in the store (with the most recent runs listed; a unique run *name* is accepted
 too), a metric the run never logged (with a did-you-mean and the metrics under that prefix), a
-step at which a metric has no value. MLflow is imported by the functions, not by this module.
+step at which a metric has no value. `check_comparable` refuses two runs whose evals are not
+of one kind: a run that did not finish (MLflow status not FINISHED), evals at different steps,
+of different modes (`eval_mode/<prefix>`: a fast in-loop eval against a full final one) or
+suites (the artifact's `suite`, else the `eval.suite` param), unless --step names the step.
+MLflow is imported by the functions, not by this module.
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ from gates.scores import STDERR_SUFFIX, MetricScores, Scores, missing_metric_mes
 from lowprec.tracking.outbox import server_answers
 from lowprec.tracking.records import eval_artifact_name
 
-__all__ = ["open_client", "resolve_run", "load_scores", "recent_runs"]
+__all__ = ["open_client", "resolve_run", "load_scores", "recent_runs", "check_comparable"]
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
+MODE_METRIC = "eval_mode/"   # + prefix: 1 full, 0 fast at the eval's step (Tracker.log_eval(mode=...))
+SUITE_PARAM = "eval.suite"   # the config's eval.suite, as `lowprec run` logs it
 
 
 def open_client(tracking_uri: str, timeout: float = 5.0):
@@ -126,8 +132,10 @@ def _steps(h: dict[int, float]) -> str:
     return ", ".join(map(str, s)) if len(s) <= 10 else ", ".join(map(str, s[:4] + ["..."] + s[-4:]))
 
 
-def _samples(client, run_id: str, prefixes: set[str], step: int, source: str) -> dict[str, dict[str, float]]:
-    """Per-example scores by full metric name, from the eval artifacts of `step` (if any)."""
+def _samples(client, run_id: str, prefixes: set[str], step: int, source: str,
+             kinds: dict[str, dict] | None = None) -> dict[str, dict[str, float]]:
+    """Per-example scores by full metric name, from the eval artifacts of `step` (if any); the
+    artifacts' `mode` and `suite` (where recorded) go into `kinds[prefix]`."""
     try:
         listed = {a.path for a in client.list_artifacts(run_id, "evals")}
     except Exception:  # noqa: BLE001 - no artifacts folder: no samples
@@ -143,6 +151,8 @@ def _samples(client, run_id: str, prefixes: set[str], step: int, source: str) ->
                 with contextlib.redirect_stderr(io.StringIO()):
                     local = client.download_artifacts(run_id, name, tmp)
                 doc = json.loads(Path(local).read_text())
+                if kinds is not None:
+                    kinds[prefix] = {k: doc[k] for k in ("mode", "suite") if isinstance(doc.get(k), str)}
                 samples = doc["samples"]
                 for task, per in samples.items():
                     for metric, ex in per.items():
@@ -174,11 +184,49 @@ def load_scores(tracking_uri: str, run_ref: str, *, metrics: Iterable[str] | Non
                 raise GateInputError(missing_metric_message(m, logged, source))
     histories = {m: _history(client, run_id, m) for m in wanted}
     at = _pick_step(histories, step, source)
-    samples = _samples(client, run_id, {m.split("/", 1)[0] for m in wanted}, at, source)
+    prefixes = {m.split("/", 1)[0] for m in wanted}
+    kinds: dict[str, dict] = {}
+    samples = _samples(client, run_id, prefixes, at, source, kinds)
+    for p in sorted(prefixes):   # the kind of eval at `at`: the mode metric, else the artifact; the suite param
+        kind = kinds.setdefault(p, {})
+        if MODE_METRIC + p in run.data.metrics:
+            flag = _history(client, run_id, MODE_METRIC + p).get(at)
+            if flag is not None:
+                kind["mode"] = "full" if flag >= 0.5 else "fast"
+        if "suite" not in kind and isinstance(run.data.params.get(SUITE_PARAM), str):
+            kind["suite"] = run.data.params[SUITE_PARAM]
     out = {}
     for m in wanted:
         se = _history(client, run_id, m + STDERR_SUFFIX).get(at) if m + STDERR_SUFFIX in run.data.metrics else None
         out[m] = MetricScores(histories[m][at], se if se is not None and math.isfinite(se) and se >= 0 else None,
                               samples.get(m))
     return Scores(out, source=f"{source} at step {at}", step=at,
-                  extra={"run_id": run_id, "run_name": name, "tracking_uri": tracking_uri})
+                  extra={"run_id": run_id, "run_name": name, "tracking_uri": tracking_uri,
+                         "status": run.info.status, "kinds": kinds, "describe": source})
+
+
+def check_comparable(baseline: Scores, candidate: Scores, step_named: bool) -> None:
+    """A GateInputError unless the two runs' evals can be compared: both runs finished, their
+    evals are at one step, of one mode (fast in-loop / full final) and of one suite. A step named
+    with --step lifts the first three (the user chose the evals); different suites never compare."""
+    problems = []
+    for role, s in (("baseline", baseline), ("candidate", candidate)):
+        status = s.extra.get("status")
+        if status is not None and status != "FINISHED" and not step_named:
+            problems.append(f"the {role} {s.extra.get('describe', s.source)} did not finish (MLflow status "
+                            f"{status}): its last eval, at step {s.step}, may be an in-loop one of a run cut short")
+    if baseline.step != candidate.step and not step_named:
+        problems.append(f"the baseline's evals are at step {baseline.step} and the candidate's at step "
+                        f"{candidate.step}: evals at different steps are not compared")
+    bk, ck = baseline.extra.get("kinds", {}), candidate.extra.get("kinds", {})
+    for prefix in sorted(set(bk) & set(ck)):
+        for what in ("mode", "suite"):
+            b, c = bk[prefix].get(what), ck[prefix].get(what)
+            if b is not None and c is not None and b != c and (what == "suite" or not step_named):
+                problems.append(f"the baseline's {prefix} eval at step {baseline.step} is of {what} {b!r}, the "
+                                f"candidate's at step {candidate.step} of {what} {c!r}")
+    if problems:
+        fix = ("evaluate both runs on one suite" if step_named else
+               "gate two finished runs (a run killed half-way stays RUNNING; resume it to the end), or name the "
+               "step to compare in both runs with --step N")
+        raise GateInputError("refusing to compare: " + "; ".join(problems) + f". Fix: {fix}")

@@ -98,9 +98,10 @@ class EvalCheckpoints:
             else:
                 hp = current   # every layer is in high precision already: the same numbers
         if self.tracker is not None:
-            self.tracker.log_eval(step, current.results, samples=current.samples, prefix="eval")
+            kind = dict(mode=mode, suite=getattr(self.config, "suite", None))   # the gate compares only evals of one kind
+            self.tracker.log_eval(step, current.results, samples=current.samples, prefix="eval", **kind)
             if hp is not None:
-                self.tracker.log_eval(step, hp.results, samples=hp.samples, prefix="eval_hp")
+                self.tracker.log_eval(step, hp.results, samples=hp.samples, prefix="eval_hp", **kind)
             seconds = current.seconds + (hp.seconds if hp is not None and hp is not current else 0.0)
             self.tracker.log_metrics(step, {"time/eval_seconds": seconds})
         outcome = None

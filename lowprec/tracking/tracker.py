@@ -172,21 +172,30 @@ class Tracker:
 
     @_never_raises
     def log_eval(self, step: int, results: Mapping[str, Any], samples: Mapping[str, Any] | None = None,
-                 prefix: str = "eval") -> None:
+                 prefix: str = "eval", mode: str | None = None, suite: str | None = None) -> None:
         """Eval results as `<prefix>/<task>/<metric>` metrics ({task: {metric: value, metric_stderr:
         se}}, lm-eval's `acc,none` / `acc_stderr,none` keys accepted) and a line in `evals.jsonl`.
         `prefix` is `eval` for the model as it runs, `eval_hp` for the same weights in high precision.
+        `mode` ("fast": an in-loop eval, "full": the final one) is also the metric
+        `eval_mode/<prefix>` (1 full, 0 fast) at `step`, and `mode` and `suite` are kept in the line
+        and the artifact, so that `lowprec gate` never compares evals of different kinds.
         With `samples` ({task: {metric: {example key: score}}}, the per-example scores a paired
         gate needs) the call is also kept whole, as the artifact `evals/<prefix>_step<NNNNNN>.json`
-        ({step, prefix, results, samples}; written to the buffer first, like every record)."""
+        ({step, prefix, mode, suite, results, samples}; written to the buffer first, like every record)."""
         if not isinstance(prefix, str) or not EVAL_PREFIX.fullmatch(prefix):
             raise ValueError(f"log_eval prefix must be one path part of letters, digits, '_', '-', '.' "
                              f"(such as 'eval' or 'eval_hp'), got {prefix!r}")
-        self.log_metrics(step, eval_metrics(results, prefix))
-        line = json.dumps({"step": int(step), "prefix": prefix, "results": results}, default=str)
+        if mode not in (None, "fast", "full"):
+            raise ValueError(f"log_eval mode must be 'fast', 'full' or None, got {mode!r}")
+        metrics = eval_metrics(results, prefix)
+        if mode is not None:
+            metrics[f"eval_mode/{prefix}"] = 1.0 if mode == "full" else 0.0
+        self.log_metrics(step, metrics)
+        kind = {k: v for k, v in (("mode", mode), ("suite", suite)) if v is not None}
+        line = json.dumps({"step": int(step), "prefix": prefix, **kind, "results": results}, default=str)
         self._put(("append", "evals.jsonl", line))
         if samples is not None:
-            doc = {"step": int(step), "prefix": prefix,
+            doc = {"step": int(step), "prefix": prefix, **kind,
                    "results": {t: {eval_metric_name(m): v for m, v in r.items()} if isinstance(r, Mapping) else r
                                for t, r in results.items()},
                    "samples": eval_samples(samples)}

@@ -1,0 +1,139 @@
+"""`lowprec gate` refuses what it must not compare, and checks its output paths first (issue 12).
+
+Runs in a real SQLite store: a baseline logged with lowprec's Tracker (a fast eval at step 5,
+the final full eval at step 10, `log_eval(mode=, suite=)`), and candidates written with
+MlflowClient the way a run would leave them: one killed half-way (still RUNNING, last eval at
+step 9), one whose last eval is a fast one, one evaluated on another suite, one good.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lowprec.tracking.tracker import Tracker
+
+LOWPREC = Path(sys.executable).with_name("lowprec")
+GATES = """
+gates:
+  - metric: eval/t/acc
+    direction: higher_is_better
+    max_regression: {absolute: 0.5}
+"""
+FAST = dict(flush_interval_s=0.2, retry_max_s=1.0, probe_timeout_s=0.5)
+
+
+def _results(acc: float) -> dict:
+    return {"t": {"acc": acc, "acc_stderr": 0.01}}
+
+
+def _client_run(client, exp_id: str, name: str, evals: list[tuple[int, str]], *, finished: bool = True,
+                suite: str = "default") -> str:
+    run = client.create_run(exp_id, run_name=name)
+    rid = run.info.run_id
+    client.log_param(rid, "eval.suite", suite)
+    for step, mode in evals:
+        client.log_metric(rid, "eval/t/acc", 0.6, step=step)
+        client.log_metric(rid, "eval/t/acc_stderr", 0.01, step=step)
+        client.log_metric(rid, "eval_mode/eval", 1.0 if mode == "full" else 0.0, step=step)
+    if finished:
+        client.set_terminated(rid, "FINISHED")
+    return rid
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    from mlflow.tracking import MlflowClient
+
+    root = tmp_path_factory.mktemp("gate-refusals")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    client.search_experiments()
+    tracker = Tracker(uri, "refusals", "baseline", buffer_dir=root / "baseline", **FAST)
+    tracker.log_config({"eval": {"suite": "default"}})
+    tracker.log_eval(5, _results(0.6), samples=None, mode="fast", suite="default")
+    tracker.log_eval(10, _results(0.6), samples={"t": {"acc": {"a": 1.0, "b": 0.0}}}, mode="full", suite="default")
+    assert tracker.finish("FINISHED", timeout=120, report=False)["pending"] == 0
+    exp = client.get_experiment_by_name("refusals").experiment_id
+    runs = {"baseline": tracker.run_id,
+            "killed": _client_run(client, exp, "killed", [(5, "fast"), (9, "fast")], finished=False),
+            "fastend": _client_run(client, exp, "fastend", [(5, "fast"), (10, "fast")]),
+            "othersuite": _client_run(client, exp, "othersuite", [(10, "full")], suite="other"),
+            "good": _client_run(client, exp, "good", [(5, "fast"), (10, "full")])}
+    gates = root / "gates.yaml"
+    gates.write_text(GATES)
+    return {"uri": uri, "root": root, "gates": str(gates), "client": client, **runs}
+
+
+def _args(store, candidate: str, *extra: str) -> list[str]:
+    return ["gate", "--baseline", store["baseline"], "--candidate", store[candidate], "--gates", store["gates"],
+            "--tracking-uri", store["uri"], *extra]
+
+
+def _gate(store, candidate: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(LOWPREC), *_args(store, candidate, *extra)], capture_output=True, text=True,
+                          timeout=180, cwd=store["root"])
+
+
+def test_log_eval_records_mode_and_suite(store):
+    client = store["client"]
+    hist = {m.step: m.value for m in client.get_metric_history(store["baseline"], "eval_mode/eval")}
+    assert hist == {5: 0.0, 10: 1.0}
+    doc = json.loads(Path(client.download_artifacts(store["baseline"], "evals/eval_step000010.json",
+                                                    str(store["root"]))).read_text())
+    assert doc["mode"] == "full" and doc["suite"] == "default"
+
+
+def test_killed_candidate_is_refused(store):
+    p = _gate(store, "killed")
+    assert p.returncode == 2, p.stdout + p.stderr
+    err = p.stderr
+    assert "Traceback" not in err and err.startswith("lowprec gate: refusing to compare")
+    assert "did not finish (MLflow status RUNNING)" in err and "step 9" in err and "--step" in err
+    assert "at step 10 and the candidate's at step 9" in err
+    assert p.stdout == ""
+
+
+def test_fast_eval_is_not_compared_with_a_full_one(store):
+    p = _gate(store, "fastend")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "of mode 'full'" in p.stderr and "of mode 'fast'" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_other_suite_refused_even_at_a_named_step(store, capsys):
+    from lowprec.cli import main
+
+    for extra in ((), ("--step", "10")):
+        assert main(_args(store, "othersuite", *extra)) == 2
+        err = capsys.readouterr().err
+        assert "of suite 'default'" in err and "of suite 'other'" in err
+
+
+def test_good_candidate_passes_and_a_named_step_lifts_the_refusal(store, capsys):
+    from lowprec.cli import main
+
+    assert main(_args(store, "good")) == 0
+    assert "at step 10" in capsys.readouterr().out
+    assert main(_args(store, "killed", "--step", "5")) == 0     # the user chose the evals to compare
+    assert main(_args(store, "fastend", "--step", "5")) == 0
+
+
+@pytest.mark.parametrize("flag", ["--junit", "--markdown"])
+def test_unwritable_output_fails_before_reading_any_run(tmp_path, flag):
+    missing_db = tmp_path / "none.db"
+    gates = tmp_path / "g.yaml"
+    gates.write_text(GATES)
+    target = tmp_path / "no" / "such" / "out.xml" if flag == "--junit" else tmp_path   # a folder, not a file
+    p = subprocess.run([str(LOWPREC), "gate", "--baseline", "a" * 32, "--candidate", "b" * 32, "--gates", str(gates),
+                        "--tracking-uri", f"sqlite:///{missing_db}", flag, str(target)],
+                       capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.startswith(f"lowprec gate: {flag} {target}: ") and "Traceback" not in p.stderr
+    assert ("does not exist" if flag == "--junit" else "is a folder") in p.stderr
+    assert "tracking store" not in p.stderr                       # no run was looked for
+    assert not missing_db.exists() and not (tmp_path / "no").exists()
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["g.yaml"]
