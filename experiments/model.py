@@ -26,6 +26,12 @@ class GPTConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "mlp_ratio"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model {self.d_model} must be a multiple of n_head {self.n_head}")
 
