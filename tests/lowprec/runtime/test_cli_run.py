@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
@@ -80,6 +79,7 @@ BAD = {
     "unknown_suite": ({"eval": {"suite": "no_such_suite", "gates": None}}, "no_such_suite"),
     "unknown_evaluator": ({"eval": {"evaluator": "no_such_evaluator", "gates": None}}, "no_such_evaluator"),
     "gate_on_absent_task": ({"eval": {"suite": "shakespeare", "gates": "absent_task_gates.yaml"}}, "no_such_task"),
+    "snapshots_too_few": ({"rollout.rewind": {"enabled": True, "snapshot_every": 2, "keep": 1}}, "rollout.rewind.keep"),
     "empty_experiment": ({"tracking": {"experiment": ""}}, "tracking.experiment"),
 }
 
