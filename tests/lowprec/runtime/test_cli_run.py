@@ -179,3 +179,33 @@ def test_resume_skips_a_corrupt_checkpoint_and_exits_2_when_all_are(project, cap
     for name in ("step_00000000.pt", "step_00000002.pt", "step_00000004.pt"):
         assert name in p.stderr
     assert _tree(project) == before   # nothing written, nothing removed
+
+
+def test_the_loss_that_caused_a_rewind_is_tracked_under_its_own_names(project):
+    from lowprec.events import EventKind
+    from lowprec.runtime.faults import parse_injection
+    from lowprec.runtime.run import run_config
+
+    class Tracker:
+        def __init__(self):
+            self.metrics = []
+
+        def log_metrics(self, step, metrics):
+            self.metrics.append((step, dict(metrics)))
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    cfg = _config({"train.steps": 20, "train.log_every": 1, "rollout.check_every": 2,
+                   "rollout.rewind": {"enabled": True, "snapshot_every": 2, "keep": 4},
+                   "rollout.thresholds": {"spike_min_history": 4}})
+    tracker = Tracker()
+    res = run_config(cfg, project / "out", tracker=tracker, faults=[parse_injection("loss_spike::12:13:1000")])
+    rewinds = [e.step for e in res.events if e.kind is EventKind.REWIND]
+    assert res.rewinds >= 1 and rewinds
+    logged = [(s, m) for s, m in tracker.metrics if "train/loss_rewound" in m]
+    assert sorted(s for s, _ in logged) == sorted(set(rewinds))        # once per step that rewound
+    for s, m in logged:
+        assert set(m) == {"train/loss_rewound", "train/rewound_to"} and m["train/rewound_to"] < s
+    # the redone step logs train/loss again; the rewound loss never shares a name with it
+    assert not any("train/loss_rewound" in m and "train/loss" in m for _, m in tracker.metrics)
