@@ -215,8 +215,19 @@ def run_config(config, out_dir: str | Path, *, faults=(), controller: bool = Tru
 
 def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool = False, faults=(),
                    print_summary: bool = True) -> int:
-    """`lowprec run`: train a prepared run tracked in MLflow, print the summary; the exit status."""
+    """`lowprec run`: train a prepared run tracked in MLflow, print the summary; the exit status
+    (2, with nothing written, when resuming finds checkpoints and every one is corrupt)."""
+    import warnings
+    from lowprec.checkpoint import NoUsableCheckpointError, checkpoint_to_resume
     cfg = prepared.config
+    if resume:
+        try:
+            with warnings.catch_warnings():   # the error names every one; the loop warns on skipping
+                warnings.simplefilter("ignore")
+                checkpoint_to_resume(out / "checkpoints")
+        except NoUsableCheckpointError as e:
+            print(f"lowprec run: --resume: {e}", file=sys.stderr)
+            return 2
     out.mkdir(parents=True, exist_ok=True)
     tracker = None
     if cfg.tracking.enabled:
@@ -227,6 +238,9 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
     try:
         res = execute(prepared, out, tracker=tracker, resume=resume, faults=faults)
         status = "FINISHED"
+    except NoUsableCheckpointError as e:   # went bad between the check above and the loop
+        print(f"lowprec run: --resume: {e}", file=sys.stderr)
+        return 2
     finally:
         if tracker is not None:
             if status == "FINISHED":
