@@ -1,12 +1,17 @@
 """`lowprec report | ui | sync`: the command-line side of tracking (registered by lowprec.cli).
 
-    lowprec report RUN_ID [--tracking-uri URI] [--out DIR] [--baseline-run RUN_ID]
+    lowprec report RUN_ID [--tracking-uri URI] [--out DIR] [--baseline-run RUN_ID] [--timeout S]
         reads a run from MLflow and writes the rollout pictures (lowprec.tracking.report) as PNGs.
     lowprec ui [--tracking-uri sqlite:///mlflow.db] [--port 5000] [--artifacts-destination URI]
         starts `mlflow server` on that store, bound to 127.0.0.1 only (Ctrl+C stops it).
     lowprec sync RUN_DIR [--tracking-uri URI] [--timeout S]
         sends what a tracker's buffer dir still holds (the server was away); exit 0 when
-        nothing is left, 1 when the server still does not take it, 2 on unusable input.
+        nothing is left, 1 when the server still does not take it, 2 on unusable input or a
+        server that does not answer.
+
+`report` and `sync` give the store --timeout seconds in all (60 by default,
+`lowprec.tracking.deadline`): a server that answers /health but never the API is an exit 2
+that names it, not a wait of many minutes.
 
 The tracking URI defaults to `sqlite:///<cwd>/mlflow.db` (the local store `make run`
 writes); pass `--tracking-uri` for another store or a server. MLflow and matplotlib are imported by the commands.
@@ -14,10 +19,13 @@ writes); pass `--tracking-uri` for another store or a server. MLflow and matplot
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from lowprec.tracking.deadline import DEFAULT_TIMEOUT_S, Deadline, NoAnswer
 
 __all__ = ["add_commands", "default_tracking_uri", "ui_command"]
 
@@ -35,6 +43,7 @@ def add_commands(sub) -> None:
     p.add_argument("--out", default=None, help="output folder (default: report-<first 8 of RUN_ID>)")
     p.add_argument("--baseline-run", default=None, help="run whose train/loss is the baseline curve "
                    "(default: the run's own train/baseline_loss, if logged)")
+    _timeout_arg(p)
     p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("ui", help="start the MLflow UI on a local store, bound to 127.0.0.1")
@@ -48,8 +57,14 @@ def add_commands(sub) -> None:
     p = sub.add_parser("sync", help="send a tracker's buffered records (kept while the server was away)")
     p.add_argument("run_dir", help="the tracker's buffer_dir (holds outbox.jsonl and run.json)")
     p.add_argument("--tracking-uri", default=None, help="send there instead of the URI in run.json")
-    p.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
+    _timeout_arg(p)
     p.set_defaults(func=_cmd_sync)
+
+
+def _timeout_arg(p) -> None:
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                   help=f"give up (exit 2) when the tracking store has not answered in S seconds "
+                   f"(default {DEFAULT_TIMEOUT_S:g})")
 
 
 def _cmd_report(args) -> int:
@@ -62,9 +77,14 @@ def _cmd_report(args) -> int:
     uri = args.tracking_uri or default_tracking_uri()
     out = Path(args.out or f"report-{args.run_id[:8]}")
     try:
-        data = from_mlflow(MlflowClient(uri), args.run_id, baseline_run=args.baseline_run)
+        dl = Deadline(args.timeout, f"the tracking store {uri}")
+        data = dl.run(f"reading run {args.run_id}", from_mlflow, MlflowClient(uri), args.run_id,
+                      baseline_run=args.baseline_run)
     except MlflowException as e:
         print(f"lowprec report: cannot read run {args.run_id!r} from {uri}: {e.message}", file=sys.stderr)
+        return 2
+    except (NoAnswer, ValueError) as e:
+        print(f"lowprec report: {e}", file=sys.stderr)
         return 2
     if not data.initial and not data.metrics:
         print(f"lowprec report: run {args.run_id} has no precision map and no train/eval metrics: "
@@ -104,12 +124,23 @@ def _cmd_ui(args) -> int:
 
 
 def _cmd_sync(args) -> int:
-    from lowprec.tracking.outbox import sync_run_dir
+    import mlflow.tracking  # noqa: F401 - imported here, not in the time given to the store
 
+    from lowprec.tracking.outbox import RUN_INFO, Outbox, sync_run_dir
+
+    info = Path(args.run_dir) / RUN_INFO
     try:
-        res = sync_run_dir(args.run_dir, tracking_uri=args.tracking_uri, timeout=args.timeout)
+        uri = args.tracking_uri or (json.loads(info.read_text()).get("tracking_uri") if info.is_file() else None)
+        dl = Deadline(args.timeout, f"the tracking store {uri}")
+        # sending stops between requests a little before the deadline; a request hung past it is NoAnswer
+        res = dl.run("sending the buffered records", sync_run_dir, args.run_dir, tracking_uri=args.tracking_uri,
+                     timeout=0.9 * args.timeout)
     except (FileNotFoundError, ValueError) as e:
         print(f"lowprec sync: {e}", file=sys.stderr)
+        return 2
+    except NoAnswer as e:
+        print(f"lowprec sync: {e}; {Outbox(args.run_dir).n_pending()} records stay buffered in {args.run_dir}",
+              file=sys.stderr)
         return 2
     print(f"lowprec sync: sent {res.sent} records, {res.rejected} refused by the server "
           f"(see {Path(args.run_dir) / 'rejected.jsonl'}), {res.pending} still buffered"
