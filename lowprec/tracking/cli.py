@@ -3,7 +3,9 @@
     lowprec report RUN_ID [--tracking-uri URI] [--out DIR] [--baseline-run RUN_ID] [--timeout S]
         reads a run from MLflow and writes the rollout pictures (lowprec.tracking.report) as PNGs.
     lowprec ui [--tracking-uri sqlite:///mlflow.db] [--port 5000] [--artifacts-destination URI]
-        starts `mlflow server` on that store, bound to 127.0.0.1 only (Ctrl+C stops it).
+        starts `mlflow server` on that store, bound to 127.0.0.1 only, in a process group of its
+        own; Ctrl+C, SIGTERM or SIGHUP stop the whole group. A SQLite store that does not exist
+        is an exit 2 (no empty mlflow.db is created and served).
     lowprec sync RUN_DIR [--tracking-uri URI] [--timeout S]
         sends what a tracker's buffer dir still holds (the server was away); exit 0 when
         nothing is left, 1 when the server still does not take it, 2 on unusable input or a
@@ -21,8 +23,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from lowprec.tracking.deadline import DEFAULT_TIMEOUT_S, Deadline, NoAnswer
@@ -114,13 +118,64 @@ def _cmd_ui(args) -> int:
     if args.dry_run:
         print(" ".join(cmd))
         return 0
+    db = _sqlite_file(uri)
+    if db is not None and not db.is_file():
+        print(f"lowprec ui: there is no tracking store at {db} ({uri}); `lowprec run` creates one where it "
+              f"runs (tracking.uri, default ./mlflow.db): run there, or pass --tracking-uri with the store "
+              f"your runs were logged to", file=sys.stderr)
+        return 2
     # Job consumers are not needed to browse runs and cost start-up time (see FACTS.md).
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     print(f"lowprec ui: http://127.0.0.1:{args.port} (store {uri}); Ctrl+C stops it", file=sys.stderr)
+    return _serve(cmd, env)
+
+
+def _sqlite_file(uri: str) -> Path | None:
+    if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
+        return None
+    return Path(uri[len("sqlite:///"):])
+
+
+class _Stop(Exception):
+    pass
+
+
+def _serve(cmd: list[str], env: dict) -> int:
+    """Run the server in a process group of its own until it ends or this process is told to
+    stop (Ctrl+C, SIGTERM, SIGHUP); then stop the whole group (its workers too)."""
+    def stop(signum, frame):
+        raise _Stop()
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    proc = None
     try:
-        return subprocess.run(cmd, env=env).returncode
-    except KeyboardInterrupt:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        return proc.wait()
+    except (KeyboardInterrupt, _Stop):
         return 0
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if proc is not None:
+            _stop_group(proc)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, SIGKILL to what is left after 10 s."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        try:  # the leader is gone; its workers may not be
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
 
 
 def _cmd_sync(args) -> int:
