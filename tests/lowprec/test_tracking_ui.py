@@ -29,8 +29,13 @@ def _lowprec(cwd: Path, *args: str, **kw) -> subprocess.Popen:
 
 
 def test_no_store_is_an_error_and_creates_nothing(tmp_path):
-    p = _lowprec(tmp_path, "ui", "--port", "5999")
-    _, err = p.communicate(timeout=120)
+    p = _lowprec(tmp_path, "ui", "--port", str(_free_port()), start_new_session=True)
+    try:
+        _, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:   # it serves (an empty store it created): stop what it started
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        pytest.fail("lowprec ui served a folder that has no store")
     assert p.returncode == 2 and "Traceback" not in err, err
     assert err.startswith(f"lowprec ui: there is no tracking store at {tmp_path / 'mlflow.db'}"), err
     assert list(tmp_path.iterdir()) == []   # no mlflow.db, no mlruns, no mlartifacts
