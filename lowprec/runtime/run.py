@@ -232,7 +232,9 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
     tracker = None
     if cfg.tracking.enabled:
         from lowprec.tracking.tracker import Tracker
-        tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, name, buffer_dir=out / "tracking")
+        # resume: the MLflow run of a killed `lowprec run` is continued (never a finished one)
+        tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, name, buffer_dir=out / "tracking",
+                          resume=resume)
         tracker.log_config(cfg.to_dict())
     status = "FAILED"
     try:
@@ -282,5 +284,7 @@ def summary_text(name: str, res, prepared: PreparedRun, out: Path, run_id: str |
     lines.append(f"  files: {out}")
     if run_id:
         lines.append(f"  MLflow run {run_id} in {uri}")
-        lines.append(f"  UI: lowprec ui --tracking-uri {uri}    pictures: lowprec report {run_id} --tracking-uri {uri}")
+        # `lowprec ui` serves a local store; a server is opened in a browser as it is
+        ui = uri if uri.startswith(("http://", "https://")) else f"lowprec ui --tracking-uri {uri}"
+        lines.append(f"  UI: {ui}    pictures: lowprec report {run_id} --tracking-uri {uri}")
     return "\n".join(lines)
