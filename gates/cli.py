@@ -1,7 +1,7 @@
 """`lowprec gate`: compare a candidate run with a baseline run stored in MLflow, gate by gate.
 
     lowprec gate --baseline RUN --candidate RUN --gates FILE [--tracking-uri URI] [--step N]
-                 [--markdown FILE] [--junit FILE] [--inconclusive {pass,fail}]
+                 [--markdown FILE] [--junit FILE] [--inconclusive {pass,fail}] [--timeout S]
 
 `register(subparsers)` adds the command to `lowprec`'s parser: pyproject.toml declares it in
 the entry point group `lowprec.commands` (`gate = "gates.cli:register"`), which lowprec.cli
@@ -12,10 +12,10 @@ wrote) and writes JUnit XML to `--junit`.
 
 Exit status: 0 every gate passes (inconclusive ones too, unless `--inconclusive fail`),
 1 a gate regressed (or was inconclusive under `--inconclusive fail`), 2 the input cannot be
-used (a bad gate file, a missing run or metric, a store that does not answer, a run that did
-not finish, evals at different steps or of different modes or suites without --step, a
---markdown/--junit path that cannot be written, checked before any run is read) - the message
-on stderr, no traceback.
+used (a bad gate file, a missing run or metric, a store that does not answer within --timeout,
+60 s by default, a run that did not finish, evals at different steps or of different modes or
+suites without --step, a --markdown/--junit path that cannot be written, checked before any
+run is read) - the message on stderr, no traceback.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from gates.runs import check_comparable, load_scores, open_client
 from gates.spec import GateSpec
 
 from lowprec.tracking.cli import default_tracking_uri
+from lowprec.tracking.deadline import DEFAULT_TIMEOUT_S, Deadline, NoAnswer
 from lowprec.verdicts import Verdict
 
 __all__ = ["GateArgs", "register", "run", "main", "EXIT_PASS", "EXIT_REGRESS", "EXIT_UNUSABLE"]
@@ -52,6 +53,7 @@ class GateArgs:
     markdown: str | None = None
     junit: str | None = None
     inconclusive: str = "pass"
+    timeout: float = DEFAULT_TIMEOUT_S   # seconds for every read from the tracking store together
 
     @classmethod
     def from_namespace(cls, ns) -> "GateArgs":
@@ -65,9 +67,16 @@ def evaluate(args: GateArgs) -> tuple[GateSummary, str, str]:
     if args.step is not None and args.step < 0:
         raise GateInputError(f"--step must be >= 0, got {args.step}")
     uri = args.tracking_uri or default_tracking_uri()
-    client = open_client(uri)
-    base = load_scores(uri, args.baseline, metrics=spec.metrics, step=args.step, client=client)
-    cand = load_scores(uri, args.candidate, metrics=spec.metrics, step=args.step, client=client)
+    try:
+        dl = Deadline(args.timeout, f"the tracking store {uri}")
+    except ValueError as e:
+        raise GateInputError(str(e)) from None
+    import mlflow.tracking  # noqa: F401 - imported here, not in the time given to the store
+    client = dl.run("opening it (listing experiments)", open_client, uri)
+    base = dl.run(f"reading the baseline run {args.baseline}", load_scores, uri, args.baseline,
+                  metrics=spec.metrics, step=args.step, client=client)
+    cand = dl.run(f"reading the candidate run {args.candidate}", load_scores, uri, args.candidate,
+                  metrics=spec.metrics, step=args.step, client=client)
     check_comparable(base, cand, step_named=args.step is not None)
     return summarize(check_all(spec, base, cand)), base.source, cand.source
 
@@ -102,7 +111,7 @@ def run(args: GateArgs, out: TextIO | None = None, err: TextIO | None = None) ->
             return EXIT_UNUSABLE
     try:
         summary, base, cand = evaluate(args)
-    except (GateSpecError, GateInputError) as e:
+    except (GateSpecError, GateInputError, NoAnswer) as e:
         print(f"lowprec gate: {e}", file=err)
         return EXIT_UNUSABLE
     print(f"baseline:  {base}\ncandidate: {cand}\n", file=out)
@@ -149,4 +158,7 @@ def register(sub) -> None:
     p.add_argument("--junit", default=None, metavar="FILE", help="write JUnit XML (one testcase per gate) to FILE")
     p.add_argument("--inconclusive", choices=("pass", "fail"), default="pass",
                    help="whether an inconclusive gate fails the command (default: pass; in JUnit it is skipped)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                   help=f"give up (exit 2) when the tracking store has not answered all reads in S seconds "
+                   f"(default {DEFAULT_TIMEOUT_S:g})")
     p.set_defaults(func=main)

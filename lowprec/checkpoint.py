@@ -25,15 +25,22 @@ state is keyed by parameter FQN (`flatten_optimizer_state_dict`), so ranks that 
 different parameters (pipeline stages) each get their own back; an optimizer that has not
 stepped yet is saved, and restored, without state, as `optimizer.state_dict()` does.
 
-`latest_checkpoint` ignores temporary names (`*.tmp`) and, newest first, opens each
-candidate cheaply (`torch.load(mmap=True)`: the zip directory and the small pickle, not
-the tensor data; for a directory, `.metadata` and rank 0's file) and skips one that does
-not open. Under the protocol above a final name is complete by construction; the check
-catches files cut short by a copy or a full disk, with a warning.
+Every checkpoint carries checksums written atomically with it (`lowprec.integrity`): a
+file holds the SHA-256 of each tensor and of the whole payload, a directory a
+`manifest.json` of its files' SHA-256. `load_checkpoint` verifies them before it changes
+anything and refuses a corrupt checkpoint (`CorruptCheckpointError`, naming the file and
+the tensors). `latest_checkpoint` ignores temporary names (`*.tmp`) and, newest first,
+verifies each candidate (reading every byte) and skips, with a warning naming it, one that
+does not open (cut short by a copy or a full disk) or does not match its checksums.
+`checkpoint_to_resume` tells "no checkpoint" (None) from "every checkpoint is bad"
+(`NoUsableCheckpointError`, naming each one and why).
 
-Saving step s then removes checkpoints beyond the newest `keep`, a killed writer's
-temporaries, and checkpoints of steps after s: a rewind abandoned them, and resuming into
-them would undo it. One writer (one run) per directory.
+Saving step s then removes checkpoints beyond the newest `keep` and a killed writer's
+temporaries. Checkpoints of steps after s belong to a timeline that a rewind (or a resume
+that fell back past a corrupt checkpoint) abandoned: resuming into them would undo the
+rewind, yet the rewind may have gone further back than needed, so they are not deleted but
+moved to `abandoned/` (out of reach of `latest_checkpoint`, rewinds and pruning; a later
+abandonment of the same step replaces its file there). One writer (one run) per directory.
 """
 
 from __future__ import annotations
@@ -50,9 +57,15 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints"]
+from lowprec.integrity import CorruptCheckpointError, payload_integrity, verify_manifest, verify_payload, \
+    write_manifest
 
-FORMAT, VERSION = "lowprec.checkpoint", 1
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "verify_checkpoint",
+           "checkpoint_to_resume", "CorruptCheckpointError", "NoUsableCheckpointError", "ABANDONED"]
+
+FORMAT, VERSION = "lowprec.checkpoint", 2
+_READS = (1, 2)   # version 1: written before checksums, loaded unverified
+ABANDONED = "abandoned"
 _FINAL = re.compile(r"^step_(\d{8,})(\.pt)?$")
 _TEMP = re.compile(r"^step_\d{8,}(\.pt)?(\.old)?\.tmp$")
 _PLAIN = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.Size, torch.dtype,
@@ -90,6 +103,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, *, model: nn.Module
         return _save_dcp(directory, step, model, optimizer, local, keep, _before_replace)
     payload = {**local, "model": model.state_dict(), "optim": optimizer.state_dict()}
     _check_plain({"model": payload["model"], "optim": payload["optim"]}, "checkpoint")
+    payload["integrity"] = payload_integrity(payload)
     final, tmp = directory / f"step_{step:08d}.pt", directory / f"step_{step:08d}.pt.tmp"
     _write(tmp, payload)
     if _before_replace is not None:
@@ -120,6 +134,7 @@ def _save_dcp(directory: Path, step: int, model, optimizer, local: dict, keep, b
     _write(tmp / f"rank_{rank:05d}.pt", {**local, "dcp_optim": {"flat": True, "has_state": not fresh}})
     _barrier()  # every rank's files are on disk
     if rank == 0:
+        write_manifest(tmp)   # the SHA-256 of every rank's files
         _fsync_dir(tmp)
         if before_replace is not None:
             before_replace(tmp)
@@ -169,11 +184,23 @@ def _fsync_dir(directory: Path) -> None:
 def _prune(directory: Path, step: int, keep: int | None) -> None:
     found = list_checkpoints(directory)
     stale = [p for p in directory.iterdir() if _TEMP.match(p.name)]  # a killed writer's
-    stale += [p for s, p in found if s > step]  # a timeline abandoned by a rewind
     older = [p for s, p in found if s <= step]
     stale += older[:-keep] if keep is not None else []
+    newer = [p for s, p in found if s > step]  # a timeline abandoned by a rewind: kept aside
+    if newer:
+        aside = directory / ABANDONED
+        aside.mkdir(exist_ok=True)
+        for p in newer:
+            _remove(aside / p.name)
+            os.replace(p, aside / p.name)
+        _fsync_dir(aside)
+        _fsync_dir(directory)
     for p in stale:
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        _remove(p)
+
+
+def _remove(p: Path) -> None:
+    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
 def _check_plain(obj: Any, where: str) -> None:
@@ -205,18 +232,60 @@ def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
                   if (m := _FINAL.match(p.name)) and p.is_dir() != bool(m.group(2)))
 
 
-def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint in `directory`, or None. Temporaries are ignored; a
-    candidate that does not open (torn by a copy or a full disk) is skipped with a warning."""
+class NoUsableCheckpointError(ValueError):
+    """The directory holds checkpoints, and not one of them can be loaded."""
+
+    def __init__(self, directory: Path, bad: list[tuple[Path, Exception]]):
+        self.directory, self.bad = Path(directory), [p for p, _ in bad]
+        why = "; ".join(f"{p.name}: {e}" for p, e in bad)
+        super().__init__(f"every checkpoint in {directory} is unusable ({len(bad)}): {why}. Nothing to resume "
+                         f"from: restore a checkpoint from a copy, or start the run afresh in a new folder")
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict:
+    """Read `path` and check it against its checksums (every byte); its header (rank 0's for
+    a directory). Raises CorruptCheckpointError (torn, damaged, checksums differ) or
+    ValueError (not a lowprec checkpoint, another version)."""
+    path = Path(path)
+    if path.is_dir():
+        header = _read_header(path / "rank_00000.pt", mmap=True)
+        if header["version"] >= 2:
+            verify_manifest(path)
+        elif not (path / ".metadata").is_file():
+            raise CorruptCheckpointError(path, "it has no .metadata file")
+        return header
+    header = _read_header(path, mmap=True)
+    if header["version"] >= 2:
+        verify_payload(header, path)
+    return header
+
+
+def _scan(directory) -> tuple[Path | None, list[tuple[Path, Exception]]]:
+    """The newest checkpoint that verifies, and the newer ones that did not (with why)."""
+    bad = []
     for _, p in reversed(list_checkpoints(directory)):
         try:
-            _read_header(p / "rank_00000.pt" if p.is_dir() else p, mmap=True)
-            if p.is_dir() and not (p / ".metadata").is_file():
-                raise ValueError("no .metadata file")
-            return p
+            verify_checkpoint(p)
+            return p, bad
         except Exception as e:  # noqa: BLE001 - any failure means "not usable"
-            warnings.warn(f"skipping checkpoint {p}: it does not open ({e})", stacklevel=2)
-    return None
+            bad.append((p, e))
+            warnings.warn(f"skipping checkpoint {p}: {e}", stacklevel=3)
+    return None, bad
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The newest checkpoint in `directory` that opens and matches its checksums, or None.
+    Temporaries are ignored; a bad candidate is skipped with a warning naming it."""
+    return _scan(directory)[0]
+
+
+def checkpoint_to_resume(directory: str | os.PathLike) -> Path | None:
+    """As latest_checkpoint, but None only when `directory` holds no checkpoint at all;
+    when it holds some and every one is bad, NoUsableCheckpointError names them."""
+    good, bad = _scan(directory)
+    if good is None and bad:
+        raise NoUsableCheckpointError(Path(directory), bad)
+    return good
 
 
 def _read_header(path: Path, mmap: bool = False) -> dict:
@@ -225,19 +294,18 @@ def _read_header(path: Path, mmap: bool = False) -> dict:
     except Exception as e:
         if "Weights only load failed" in str(e):   # torch's UnpicklingError: not torn, refused as unsafe
             what = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln), "objects, not plain data")
-            raise ValueError(f"{path} was refused, not loaded: it is an unsafe pickle ({what}); unpickling it "
-                             f"could run arbitrary code. lowprec loads only plain data (tensors, numbers, "
-                             f"strings, containers: torch.load(weights_only=True)); write checkpoints with "
-                             f"lowprec.checkpoint.save_checkpoint") from None
-        raise ValueError(f"{path} is not a complete lowprec checkpoint: torch.load failed "
-                         f"({type(e).__name__}: {str(e)[:200]}). It may be torn (cut short); "
-                         f"latest_checkpoint(directory) skips such files") from e
+            raise CorruptCheckpointError(path, f"it was refused, not loaded: it is an unsafe pickle ({what}), not "
+                                               f"plain data, and unpickling it could run arbitrary code (lowprec "
+                                               f"loads checkpoints with torch.load(weights_only=True) only)") from None
+        raise CorruptCheckpointError(path, f"it is not a complete lowprec checkpoint: torch.load failed "
+                                           f"({type(e).__name__}: {str(e)[:200]}); it may be torn (cut short) "
+                                           f"or damaged") from e
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{path} is not a lowprec checkpoint (no format={FORMAT!r} entry); "
                          f"write checkpoints with lowprec.checkpoint.save_checkpoint")
-    if payload.get("version") != VERSION:
+    if payload.get("version") not in _READS:
         raise ValueError(f"{path} has checkpoint version {payload.get('version')!r}; this lowprec "
-                         f"reads version {VERSION}")
+                         f"reads versions {list(_READS)}")
     return payload
 
 
@@ -264,6 +332,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
             f"no checkpoint at {path}; {path.parent} holds {found or 'no checkpoints'}. "
             f"Use latest_checkpoint({str(path.parent)!r}) to find the newest complete one")
     if path.is_dir():  # dcp.load plans (and checks every key and shape) before it reads
+        verify_checkpoint(path)
         payload = _load_dcp(path, model, optimizer, restore_rng, precision, controller, keep_current)
     else:
         if _distributed(model):
@@ -271,6 +340,8 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
                              f"runs on several ranks; resume it in one process, or save sharded "
                              f"runs with save_checkpoint (which writes a directory)")
         payload = _read_header(path)
+        if payload["version"] >= 2:
+            verify_payload(payload, path)
         _check_parts(payload, path, precision, controller, keep_current)
         _check_model(payload["model"], model, path)
         _check_optim(payload["optim"], optimizer, path)

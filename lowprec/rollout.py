@@ -125,6 +125,12 @@ class RolloutConfig:
             raise ConfigError("stages", f"a rollout needs at least one stage, e.g. {{name: mlp_fp8, select: "
                                         f"{{glob: \"blocks.*.mlp.*\"}}, format: fp8_tensorwise}}; "
                                         f"formats: {', '.join(format_names())}")
+        rw, back = self.rewind, 2 * self.check_every   # a rewind goes two checks back
+        if rw.enabled and rw.source == "memory" and rw.snapshot_every * (rw.keep - 1) < back:
+            raise ConfigError("rewind.keep", (
+                f"{rw.keep} snapshots every {rw.snapshot_every} steps never reach {back} steps back (two checks "
+                f"of check_every {self.check_every}, where a rewind goes); keep at least "
+                f"{-(-back // rw.snapshot_every) + 1}, or set rewind.snapshot_every lower"))
         seen: set[str] = set()
         for i, st in enumerate(self.stages):
             if st.name in seen:

@@ -102,6 +102,9 @@ def _cmd_run(args) -> int:
         if not args.resume and ckpts.is_dir() and any(ckpts.iterdir()):
             raise ConfigError("--out", f"{out} holds an earlier run's checkpoints; continue it with --resume, or "
                               f"give a new --out")
+        if cfg.tracking.enabled:  # the run folder's MLflow run: continued only by --resume, never once finished
+            from lowprec.tracking.resume import check_buffer
+            check_buffer(out / "tracking", resume=args.resume)
         prepared = prepare_run(cfg, controller=not args.no_controller)
         names = dict(prepared.model.named_modules())
         bad = [j.site for j in faults if j.kind.needs_site and j.site not in names]

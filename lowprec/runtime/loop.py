@@ -12,7 +12,10 @@ periodic verdict goes to `Session.after_eval`), tracking (means over `train.log_
 steps, the signals and the precision map at check steps, every event) and injected
 faults (`lowprec.runtime.faults`). Rewinds go to in-memory snapshots or, with
 `rollout.rewind.source: disk`, to the checkpoints; both work under pipeline parallelism,
-since each rank restores its own stage.
+since each rank restores its own stage. The loss that caused a rewind is logged as
+`train/loss_rewound` (with `train/rewound_to`, the step it went back to) at the step where
+it was seen. Resuming when every checkpoint is corrupt raises NoUsableCheckpointError
+rather than starting again at step 0.
 
 Every rank runs this loop with the same decisions (the session combines statistics
 across ranks); rank 0 writes losses.json, grad_norms.json and summary.json in `out_dir`.
@@ -76,7 +79,7 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     controller: a RolloutController (None: the plan as it is, no decisions); rollout: its
     parsed section (for the rewind source and snapshot cadence). sites/group: as Session.
     """
-    from lowprec.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from lowprec.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -99,13 +102,16 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
                          if rollout is not None else {}))
     res = RunResult()
     iteration = 0   # loop passes, rewinds included: injected faults happen once, in time
-    if resume and (last := latest_checkpoint(ckpt_dir)) is not None:
+    rewinds_logged: set[int] = set()   # steps whose rewind is in the tracker (once per step)
+    # resume: None = no checkpoint yet (start at 0); every checkpoint bad: NoUsableCheckpointError
+    if resume and (last := checkpoint_to_resume(ckpt_dir)) is not None:
         info = load_checkpoint(last, model=engine.module, optimizer=opt, precision=state, controller=session)
         data.load_state_dict(info["data_state"])
         extra = info["extra"] or {}
         sched.load_state_dict(extra["scheduler"])
         res.losses, res.grad_norms = list(extra["losses"]), list(extra["grad_norms"])
         iteration = int(extra["iteration"])
+        rewinds_logged = set(extra.get("rewinds_logged", ()))
         session.step_index = info["step"]
         if isinstance(session.snapshots, MemorySnapshots):
             session.snapshots.take(info["step"])
@@ -123,7 +129,8 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
                 save_checkpoint(ckpt_dir, step, model=engine.module, optimizer=opt, precision=state,
                                 controller=session, data_state=data.state_dict(), keep=tc.ckpt_keep,
                                 extra={"losses": list(res.losses), "grad_norms": list(res.grad_norms),
-                                       "scheduler": sched.state_dict(), "iteration": iteration - 1})
+                                       "scheduler": sched.state_dict(), "iteration": iteration - 1,
+                                       "rewinds_logged": sorted(rewinds_logged)})
             if (factor := injected.lr_factor()) != 1.0:
                 for g in opt.param_groups:
                     g["lr"] *= factor
@@ -136,6 +143,9 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
                 back = out_step.rewound_to
                 res.losses, res.grad_norms = res.losses[:back], res.grad_norms[:back]
                 res.rewinds += 1
+                if tracker is not None and step not in rewinds_logged:
+                    _track_rewind(tracker, step, loss.item(), back)
+                    rewinds_logged.add(step)
                 continue
             res.losses.append(loss.item())
             res.grad_norms.append(float(out_step.grad_norm))
@@ -164,6 +174,14 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
         (out / "grad_norms.json").write_text(json.dumps(res.grad_norms))
         (out / "summary.json").write_text(json.dumps(res.summary(), indent=1))
     return res
+
+
+def _track_rewind(tracker, step: int, loss: float, back: int) -> None:
+    """The loss that made the run rewind, at the step it was seen, under names of their own:
+    the redone step logs `train/loss` and `train/loss_last` again, and one metric with two
+    values at one step draws as a vertical stroke in MLflow. Once per step (the first
+    rewind there; events.jsonl lists every one)."""
+    tracker.log_metrics(step, {"train/loss_rewound": loss, "train/rewound_to": back})
 
 
 def _track(tracker, tc, res: RunResult, step: int, n_steps: int, lr: float, checked: bool, session, out_step,

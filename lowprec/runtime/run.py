@@ -218,18 +218,34 @@ def run_config(config, out_dir: str | Path, *, faults=(), controller: bool = Tru
 
 def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool = False, faults=(),
                    print_summary: bool = True) -> int:
-    """`lowprec run`: train a prepared run tracked in MLflow, print the summary; the exit status."""
+    """`lowprec run`: train a prepared run tracked in MLflow, print the summary; the exit status
+    (2, with nothing written, when resuming finds checkpoints and every one is corrupt)."""
+    import warnings
+    from lowprec.checkpoint import NoUsableCheckpointError, checkpoint_to_resume
     cfg = prepared.config
+    if resume:
+        try:
+            with warnings.catch_warnings():   # the error names every one; the loop warns on skipping
+                warnings.simplefilter("ignore")
+                checkpoint_to_resume(out / "checkpoints")
+        except NoUsableCheckpointError as e:
+            print(f"lowprec run: --resume: {e}", file=sys.stderr)
+            return 2
     out.mkdir(parents=True, exist_ok=True)
     tracker = None
     if cfg.tracking.enabled:
         from lowprec.tracking.tracker import Tracker
-        tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, name, buffer_dir=out / "tracking")
+        # resume: the MLflow run of a killed `lowprec run` is continued (never a finished one)
+        tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, name, buffer_dir=out / "tracking",
+                          resume=resume)
         tracker.log_config(cfg.to_dict())
     status = "FAILED"
     try:
         res = execute(prepared, out, tracker=tracker, resume=resume, faults=faults)
         status = "FINISHED"
+    except NoUsableCheckpointError as e:   # went bad between the check above and the loop
+        print(f"lowprec run: --resume: {e}", file=sys.stderr)
+        return 2
     finally:
         if tracker is not None:
             if status == "FINISHED":
@@ -271,5 +287,7 @@ def summary_text(name: str, res, prepared: PreparedRun, out: Path, run_id: str |
     lines.append(f"  files: {out}")
     if run_id:
         lines.append(f"  MLflow run {run_id} in {uri}")
-        lines.append(f"  UI: lowprec ui --tracking-uri {uri}    pictures: lowprec report {run_id} --tracking-uri {uri}")
+        # `lowprec ui` serves a local store; a server is opened in a browser as it is
+        ui = uri if uri.startswith(("http://", "https://")) else f"lowprec ui --tracking-uri {uri}"
+        lines.append(f"  UI: {ui}    pictures: lowprec report {run_id} --tracking-uri {uri}")
     return "\n".join(lines)

@@ -10,7 +10,8 @@ the same fault again). Two sources share one small interface (`Snapshots`):
   CPU. Under tensor or pipeline parallelism each rank keeps its own shards and stage, so
   nothing is gathered and no checkpoint folder is needed.
 * `DiskSnapshots`: the run's checkpoints (`lowprec.checkpoint`), written at the
-  loop's checkpoint cadence; a rewind loads the newest one old enough.
+  loop's checkpoint cadence; a rewind loads the newest one old enough that matches its
+  checksums (a corrupt one is skipped with a warning naming it).
 
 `restore(step, skip_batches)` picks the newest snapshot at least `margin` steps before
 `step` (a fault is usually noticed a check or two after it began), restores it, skips the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import random
+import warnings
 from collections import deque
 from pathlib import Path
 from typing import Protocol
@@ -162,13 +164,16 @@ class DiskSnapshots:
         """The loop writes the checkpoints (they are also what --resume reads)."""
 
     def restore(self, step: int, skip_batches: int) -> int | None:
-        from lowprec.checkpoint import list_checkpoints, load_checkpoint
-        good = [(s, p) for s, p in list_checkpoints(self.directory) if s <= step - self.margin]
-        if not good:
+        from lowprec.checkpoint import CorruptCheckpointError, list_checkpoints, load_checkpoint
+        for back, path in reversed([(s, p) for s, p in list_checkpoints(self.directory) if s <= step - self.margin]):
+            try:   # verified before anything changes: a corrupt one is skipped for the next older
+                info = load_checkpoint(path, model=self.model, optimizer=self.optimizer, restore_rng=True,
+                                       keep_current=("precision", "controller"))
+                break
+            except CorruptCheckpointError as e:
+                warnings.warn(f"rewind: skipping checkpoint {path}: {e}", stacklevel=2)
+        else:
             return None
-        back, path = good[-1]
-        info = load_checkpoint(path, model=self.model, optimizer=self.optimizer, restore_rng=True,
-                               keep_current=("precision", "controller"))
         extra = info.get("extra") or {}
         if self.scheduler is not None and extra.get("scheduler") is not None:
             self.scheduler.load_state_dict(extra["scheduler"])

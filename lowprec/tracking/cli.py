@@ -1,12 +1,19 @@
 """`lowprec report | ui | sync`: the command-line side of tracking (registered by lowprec.cli).
 
-    lowprec report RUN_ID [--tracking-uri URI] [--out DIR] [--baseline-run RUN_ID]
+    lowprec report RUN_ID [--tracking-uri URI] [--out DIR] [--baseline-run RUN_ID] [--timeout S]
         reads a run from MLflow and writes the rollout pictures (lowprec.tracking.report) as PNGs.
     lowprec ui [--tracking-uri sqlite:///mlflow.db] [--port 5000] [--artifacts-destination URI]
-        starts `mlflow server` on that store, bound to 127.0.0.1 only (Ctrl+C stops it).
+        starts `mlflow server` on that store, bound to 127.0.0.1 only, in a process group of its
+        own; Ctrl+C, SIGTERM or SIGHUP stop the whole group. A SQLite store that does not exist
+        is an exit 2 (no empty mlflow.db is created and served).
     lowprec sync RUN_DIR [--tracking-uri URI] [--timeout S]
         sends what a tracker's buffer dir still holds (the server was away); exit 0 when
-        nothing is left, 1 when the server still does not take it, 2 on unusable input.
+        nothing is left, 1 when the server still does not take it, 2 on unusable input or a
+        server that does not answer.
+
+`report` and `sync` give the store --timeout seconds in all (60 by default,
+`lowprec.tracking.deadline`): a server that answers /health but never the API is an exit 2
+that names it, not a wait of many minutes.
 
 The tracking URI defaults to `sqlite:///<cwd>/mlflow.db` (the local store `make run`
 writes); pass `--tracking-uri` for another store or a server. MLflow and matplotlib are imported by the commands.
@@ -14,10 +21,15 @@ writes); pass `--tracking-uri` for another store or a server. MLflow and matplot
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from lowprec.tracking.deadline import DEFAULT_TIMEOUT_S, Deadline, NoAnswer
 
 __all__ = ["add_commands", "default_tracking_uri", "ui_command"]
 
@@ -35,6 +47,7 @@ def add_commands(sub) -> None:
     p.add_argument("--out", default=None, help="output folder (default: report-<first 8 of RUN_ID>)")
     p.add_argument("--baseline-run", default=None, help="run whose train/loss is the baseline curve "
                    "(default: the run's own train/baseline_loss, if logged)")
+    _timeout_arg(p)
     p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("ui", help="start the MLflow UI on a local store, bound to 127.0.0.1")
@@ -48,8 +61,14 @@ def add_commands(sub) -> None:
     p = sub.add_parser("sync", help="send a tracker's buffered records (kept while the server was away)")
     p.add_argument("run_dir", help="the tracker's buffer_dir (holds outbox.jsonl and run.json)")
     p.add_argument("--tracking-uri", default=None, help="send there instead of the URI in run.json")
-    p.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
+    _timeout_arg(p)
     p.set_defaults(func=_cmd_sync)
+
+
+def _timeout_arg(p) -> None:
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                   help=f"give up (exit 2) when the tracking store has not answered in S seconds "
+                   f"(default {DEFAULT_TIMEOUT_S:g})")
 
 
 def _cmd_report(args) -> int:
@@ -62,9 +81,14 @@ def _cmd_report(args) -> int:
     uri = args.tracking_uri or default_tracking_uri()
     out = Path(args.out or f"report-{args.run_id[:8]}")
     try:
-        data = from_mlflow(MlflowClient(uri), args.run_id, baseline_run=args.baseline_run)
+        dl = Deadline(args.timeout, f"the tracking store {uri}")
+        data = dl.run(f"reading run {args.run_id}", from_mlflow, MlflowClient(uri), args.run_id,
+                      baseline_run=args.baseline_run)
     except MlflowException as e:
         print(f"lowprec report: cannot read run {args.run_id!r} from {uri}: {e.message}", file=sys.stderr)
+        return 2
+    except (NoAnswer, ValueError) as e:
+        print(f"lowprec report: {e}", file=sys.stderr)
         return 2
     if not data.initial and not data.metrics:
         print(f"lowprec report: run {args.run_id} has no precision map and no train/eval metrics: "
@@ -94,22 +118,84 @@ def _cmd_ui(args) -> int:
     if args.dry_run:
         print(" ".join(cmd))
         return 0
+    db = _sqlite_file(uri)
+    if db is not None and not db.is_file():
+        print(f"lowprec ui: there is no tracking store at {db} ({uri}); `lowprec run` creates one where it "
+              f"runs (tracking.uri, default ./mlflow.db): run there, or pass --tracking-uri with the store "
+              f"your runs were logged to", file=sys.stderr)
+        return 2
     # Job consumers are not needed to browse runs and cost start-up time (see FACTS.md).
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     print(f"lowprec ui: http://127.0.0.1:{args.port} (store {uri}); Ctrl+C stops it", file=sys.stderr)
+    return _serve(cmd, env)
+
+
+def _sqlite_file(uri: str) -> Path | None:
+    if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
+        return None
+    return Path(uri[len("sqlite:///"):])
+
+
+class _Stop(Exception):
+    pass
+
+
+def _serve(cmd: list[str], env: dict) -> int:
+    """Run the server in a process group of its own until it ends or this process is told to
+    stop (Ctrl+C, SIGTERM, SIGHUP); then stop the whole group (its workers too)."""
+    def stop(signum, frame):
+        raise _Stop()
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    proc = None
     try:
-        return subprocess.run(cmd, env=env).returncode
-    except KeyboardInterrupt:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        return proc.wait()
+    except (KeyboardInterrupt, _Stop):
         return 0
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if proc is not None:
+            _stop_group(proc)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, SIGKILL to what is left after 10 s."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        try:  # the leader is gone; its workers may not be
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
 
 
 def _cmd_sync(args) -> int:
-    from lowprec.tracking.outbox import sync_run_dir
+    import mlflow.tracking  # noqa: F401 - imported here, not in the time given to the store
 
+    from lowprec.tracking.outbox import RUN_INFO, Outbox, sync_run_dir
+
+    info = Path(args.run_dir) / RUN_INFO
     try:
-        res = sync_run_dir(args.run_dir, tracking_uri=args.tracking_uri, timeout=args.timeout)
+        uri = args.tracking_uri or (json.loads(info.read_text()).get("tracking_uri") if info.is_file() else None)
+        dl = Deadline(args.timeout, f"the tracking store {uri}")
+        # sending stops between requests a little before the deadline; a request hung past it is NoAnswer
+        res = dl.run("sending the buffered records", sync_run_dir, args.run_dir, tracking_uri=args.tracking_uri,
+                     timeout=0.9 * args.timeout)
     except (FileNotFoundError, ValueError) as e:
         print(f"lowprec sync: {e}", file=sys.stderr)
+        return 2
+    except NoAnswer as e:
+        print(f"lowprec sync: {e}; {Outbox(args.run_dir).n_pending()} records stay buffered in {args.run_dir}",
+              file=sys.stderr)
         return 2
     print(f"lowprec sync: sent {res.sent} records, {res.rejected} refused by the server "
           f"(see {Path(args.run_dir) / 'rejected.jsonl'}), {res.pending} still buffered"

@@ -15,6 +15,7 @@ Records are plain JSON, one per line, `{"seq": n, "op": ...}`:
     metrics     {"metrics": [[key, value, timestamp_ms, step], ...]}
     artifact    {"file": path relative to the run dir, "artifact_path": dir in the run or null}
     terminate   {"status", "end_time"}
+    reopen      {}   (a FAILED run continued with resume=True: RUNNING again)
 
 The journal is kept after sending: it is the run's complete local record (the report that
 `Tracker.finish` draws is read from it). Sending twice does no harm and is avoided: a metric point carries the timestamp it was
@@ -311,6 +312,8 @@ def _apply(client, box: Outbox, records: list[dict]) -> None:
             client.log_artifact(run_id, str(path), rec.get("artifact_path"))
     elif op == "terminate":
         client.set_terminated(run_id, records[0]["status"], end_time=records[0]["end_time"])
+    elif op == "reopen":
+        client.update_run(run_id, status="RUNNING")
     else:
         raise ValueError(f"unknown outbox record op {op!r}")
 

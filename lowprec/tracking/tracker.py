@@ -22,7 +22,11 @@ Why it looks like this:
 * Every public method catches its own errors (logged as warnings): tracking is never the
   reason a training run dies. Only a full queue (the local disk stalled) makes a caller wait.
 * Ranks other than 0 get a tracker whose methods do nothing, so call sites need no `if`.
-* Restarting with the same `buffer_dir` continues the same MLflow run (resume after a crash).
+* A `buffer_dir` holds one run. A new Tracker on a folder that holds a run continues it only
+  with `resume=True` and only when it did not finish (killed, or ended FAILED: it is set RUNNING
+  again); a finished run, or any run without `resume=True`, is a `BufferInUseError` that names
+  the run and the fix (`lowprec.tracking.resume`): nothing is ever continued by accident. A
+  continued run does not log again the metric points and events its journal already holds.
 """
 
 from __future__ import annotations
@@ -48,8 +52,9 @@ from lowprec.tracking.records import (BASELINE_LOSS, EVAL_PREFIX, MAX_TAG_VALUE,
                                       fit_value, flatten_config, merge, metric_key, now_ms, signal_metrics)
 from lowprec.tracking.report import render_report
 from lowprec.tracking.report_sources import events_table, events_tags, from_run_dir
+from lowprec.tracking.resume import BufferInUseError, ResumeFilter, RunState, check_buffer
 
-__all__ = ["Tracker", "flatten_config", "metric_key", "SIGNAL_STATS", "BASELINE_LOSS"]
+__all__ = ["Tracker", "BufferInUseError", "flatten_config", "metric_key", "SIGNAL_STATS", "BASELINE_LOSS"]
 
 log = logging.getLogger("lowprec.tracking")
 
@@ -75,7 +80,8 @@ class Tracker:
     """One MLflow run, logged from rank 0 through a durable local outbox (see module doc)."""
 
     def __init__(self, tracking_uri: str, experiment: str, run_name: str, *, rank: int = 0,
-                 buffer_dir: str | os.PathLike, run_id: str | None = None, tags: Mapping[str, str] | None = None,
+                 buffer_dir: str | os.PathLike, resume: bool = False, run_id: str | None = None,
+                 tags: Mapping[str, str] | None = None,
                  queue_size: int = 65536, flush_interval_s: float = 1.0, probe_timeout_s: float = 2.0,
                  retry_max_s: float = 30.0, signal_stats: Iterable[str] = SIGNAL_STATS):
         self.enabled = rank == 0
@@ -84,6 +90,11 @@ class Tracker:
         if not self.enabled:
             return
         self.run_dir = Path(buffer_dir)
+        info = json.loads((self.run_dir / "run.json").read_text()) if (self.run_dir / "run.json").is_file() else {}
+        if info.get("uid") and info.get("tracking_uri") not in (None, tracking_uri):
+            raise ValueError(f"{self.run_dir} belongs to a run tracked at {info['tracking_uri']}; "
+                             f"use another buffer_dir for {tracking_uri}")
+        state = check_buffer(self.run_dir, resume)   # BufferInUseError: not to be continued
         self.files = self.run_dir / "files"          # snapshots the outbox uploads
         self.files.mkdir(parents=True, exist_ok=True)
         self.outbox = Outbox(self.run_dir, writer=True)
@@ -96,10 +107,8 @@ class Tracker:
         if (self.files / "config.yaml").exists():  # resuming a run
             self._config = yaml.safe_load((self.files / "config.yaml").read_text()) or {}
         info = self.outbox.info
-        if info.get("uid") and info.get("tracking_uri") not in (None, tracking_uri):
-            raise ValueError(f"{self.run_dir} belongs to a run tracked at {info['tracking_uri']}; "
-                             f"use another buffer_dir for {tracking_uri}")
-        if not info.get("uid"):  # a new run
+        self._resume: ResumeFilter | None = None
+        if state is RunState.NONE:  # a new run
             uid = uuid.uuid4().hex
             self.outbox.write_info(uid=uid, tracking_uri=tracking_uri, experiment=experiment, run_name=run_name)
             if run_id:
@@ -107,8 +116,16 @@ class Tracker:
             else:
                 self.outbox.append([{"op": "create_run", "experiment": experiment, "run_name": run_name,
                                      "uid": uid, "start_time": now_ms(), "tags": dict(tags or {})}])
-        elif run_id and run_id != info.get("run_id"):
-            raise ValueError(f"{self.run_dir} already tracks run {info.get('run_id')}, not {run_id}")
+        else:  # resume=True on a run that did not finish
+            if run_id and run_id != info.get("run_id"):
+                raise ValueError(f"{self.run_dir} already tracks run {info.get('run_id')}, not {run_id}")
+            self._resume = ResumeFilter.from_journal(self.outbox, self._events)
+            if not info.get("run_id") and not self.outbox.path.exists():  # killed before journaling create_run
+                self.outbox.append([{"op": "create_run", "experiment": info.get("experiment", experiment),
+                                     "run_name": info.get("run_name", run_name), "uid": info["uid"],
+                                     "start_time": now_ms(), "tags": dict(tags or {})}])
+            if state is RunState.FAILED:
+                self.outbox.append([{"op": "reopen"}])
         self._queue: queue.Queue = queue.Queue(queue_size)
         self._stop, self._wake = threading.Event(), threading.Event()
         self._next_try, self._backoff, self.online, self.last_error = 0.0, 0.0, None, ""
@@ -281,7 +298,7 @@ class Tracker:
     # ------------------------------------------------------------------ threads
     def _put(self, item) -> None:
         if self._finished:
-            raise RuntimeError("the tracker is finished; create a new Tracker (same buffer_dir resumes the run)")
+            raise RuntimeError("the tracker is finished; a new run needs a new Tracker with another buffer_dir")
         try:
             self._queue.put_nowait(item)
         except queue.Full:
@@ -317,6 +334,8 @@ class Tracker:
                     log.warning("lowprec tracking: could not journal a %s record (%s: %s)", item[0],
                                 type(e).__name__, e)
             try:
+                if self._resume is not None:
+                    recs = self._resume.records(recs)
                 self.outbox.append(recs)
             except Exception as e:  # noqa: BLE001 - the disk: nothing to do but say so
                 log.warning("lowprec tracking: could not write %s (%s: %s)", self.outbox.path, type(e).__name__, e)
@@ -351,8 +370,11 @@ class Tracker:
                 f.write(line + "\n")
             return [{"op": "artifact", "file": f"files/{name}", "artifact_path": None}]
         if kind == "events":
-            self._event_log.append(item[1])
-            self._events.extend(item[1])
+            events = self._resume.events(item[1]) if self._resume is not None else item[1]
+            if not events:
+                return []
+            self._event_log.append(events)
+            self._events.extend(events)
             tags = events_tags(self._events, self.run_name)
             return [{"op": "artifact", "artifact_path": None,
                      "file": self._write("events.jsonl", "".join(e.to_json() + "\n" for e in self._events))},

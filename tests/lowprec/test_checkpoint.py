@@ -132,7 +132,7 @@ def test_state_that_would_not_load_weights_only_is_refused_before_writing(tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
-def test_pruning_keeps_the_newest_and_drops_an_abandoned_future(tmp_path):
+def test_pruning_keeps_the_newest_and_moves_an_abandoned_future_aside(tmp_path):
     model, opt, _ = make()
     for step in range(1, 6):
         save_checkpoint(tmp_path, step, model=model, optimizer=opt, keep=2)
@@ -143,6 +143,11 @@ def test_pruning_keeps_the_newest_and_drops_an_abandoned_future(tmp_path):
     save_checkpoint(tmp_path, 5, model=model, optimizer=opt, keep=None)  # rewound to step 5
     assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 5]
     assert latest_checkpoint(tmp_path).name == "step_00000005.pt"
+    # the abandoned step 6 is kept, out of reach of resume and of pruning
+    assert [p.name for p in (tmp_path / "abandoned").iterdir()] == ["step_00000006.pt"]
+    save_checkpoint(tmp_path, 0, model=model, optimizer=opt, keep=1)  # a rewind all the way back
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [0]
+    assert sorted(p.name for p in (tmp_path / "abandoned").iterdir()) == [f"step_0000000{i}.pt" for i in (4, 5, 6)]
 
 
 def test_latest_ignores_temporaries_and_torn_files(tmp_path):
@@ -285,7 +290,7 @@ def test_sharded_fsdp2_checkpoint_survives_sigkill_and_resumes_identically(tmp_p
 
 def test_directory_checkpoint_of_a_sharded_model_in_one_process(tmp_path, gloo):
     """The DCP path without subprocesses: FSDP2 on a 1-rank gloo group. Saving the same step
-    again (after a rewind) replaces the directory and drops the abandoned later one."""
+    again (after a rewind) replaces the directory and moves the abandoned later one aside."""
     dist = gloo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -304,8 +309,9 @@ def test_directory_checkpoint_of_a_sharded_model_in_one_process(tmp_path, gloo):
         save_checkpoint(ck, 1, model=model, optimizer=opt, precision=state)
         save_checkpoint(ck, 2, model=model, optimizer=opt, precision=state)
         path = save_checkpoint(ck, 1, model=model, optimizer=opt, precision=state, data_state={"again": 1})
-        assert sorted(p.name for p in ck.iterdir()) == ["step_00000001"] and path == ck / "step_00000001"
-        assert {".metadata", "rank_00000.pt"} <= {p.name for p in path.iterdir()}
+        assert sorted(p.name for p in ck.iterdir()) == ["abandoned", "step_00000001"] and path == ck / "step_00000001"
+        assert [p.name for p in (ck / "abandoned").iterdir()] == ["step_00000002"]
+        assert {".metadata", "rank_00000.pt", "manifest.json"} <= {p.name for p in path.iterdir()}
         assert latest_checkpoint(ck) == path
         expected = train(model, opt, data[1:2])
 
@@ -375,3 +381,95 @@ def test_sharded_checkpoint_of_pipeline_stages_restores_each_stage(tmp_path, glo
     assert sorted(ln for ln in out.stdout.splitlines() if ln.startswith("PP_OK")) == ["PP_OK 0 14", "PP_OK 1 15"]
     assert {p.name for p in (tmp_path / "ck" / "step_00000002").iterdir()} >= {".metadata", "rank_00000.pt",
                                                                               "rank_00001.pt"}
+
+
+# ----------------------------------------------------------------------------- integrity
+
+def flip_bit_in(path: Path, tensor: torch.Tensor) -> None:
+    """Flip one bit of `tensor`'s stored bytes inside `path` (a low mantissa bit of an element)."""
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    data = bytearray(path.read_bytes())
+    at = data.find(raw[:256])
+    assert at >= 0 and data.find(raw[:256], at + 1) < 0, "the tensor's bytes are not in the file once"
+    data[at + 100] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_bit_in_a_weight_is_refused_skipped_and_resume_uses_the_previous_one(tmp_path):
+    from lowprec.checkpoint import CorruptCheckpointError
+    from lowprec.runtime.snapshots import DiskSnapshots
+
+    model, opt, _ = make()
+    three = save_checkpoint(tmp_path, 3, model=model, optimizer=opt)
+    with torch.no_grad():
+        model.tok_emb.weight.add_(0.01)
+    five = save_checkpoint(tmp_path, 5, model=model, optimizer=opt)
+    flip_bit_in(five, model.tok_emb.weight)
+
+    model2, opt2, _ = make(seed=9)
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    with pytest.raises(CorruptCheckpointError, match=r"step_00000005.pt is corrupt.*model/tok_emb.weight"):
+        load_checkpoint(five, model=model2, optimizer=opt2)
+    assert all(torch.equal(before[k], v) for k, v in model2.state_dict().items())  # nothing changed
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step_00000005.pt.*corrupt"):
+        assert latest_checkpoint(tmp_path) == three
+    assert load_checkpoint(three, model=model2, optimizer=opt2)["step"] == 3
+    # a rewind to disk skips it too, and the save that follows keeps it (aside), not deletes it
+    rewind = DiskSnapshots(tmp_path, model2, opt2)
+    with pytest.warns(UserWarning, match=r"rewind: skipping checkpoint .*step_00000005.pt"):
+        assert rewind.restore(10, skip_batches=0) == 3
+    save_checkpoint(tmp_path, 3, model=model2, optimizer=opt2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [3]
+    assert (tmp_path / "abandoned" / "step_00000005.pt").is_file()
+
+
+def test_a_flipped_bit_outside_the_tensors_is_refused(tmp_path):
+    from lowprec.checkpoint import CorruptCheckpointError
+    model, opt, _ = make()
+    path = save_checkpoint(tmp_path, 3, model=model, optimizer=opt, extra={"losses": [2.5, 2.25]})
+    data = bytearray(path.read_bytes())
+    at = data.find(torch.tensor(2.25, dtype=torch.float64).numpy().tobytes()[::-1])  # pickle: big-endian
+    assert at >= 0
+    data[at + 7] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="non-tensor contents"):
+        load_checkpoint(path, model=model, optimizer=opt)
+
+
+def test_every_checkpoint_corrupt_is_not_the_same_as_none(tmp_path):
+    from lowprec.checkpoint import NoUsableCheckpointError, checkpoint_to_resume
+    assert checkpoint_to_resume(tmp_path) is None
+    model, opt, _ = make()
+    paths = [save_checkpoint(tmp_path, s, model=model, optimizer=opt) for s in (1, 2)]
+    for p in paths:
+        flip_bit_in(p, model.tok_emb.weight)
+    with pytest.warns(UserWarning):
+        assert latest_checkpoint(tmp_path) is None
+    with pytest.warns(UserWarning), \
+            pytest.raises(NoUsableCheckpointError, match=r"every checkpoint.*step_00000002.pt.*step_00000001.pt"):
+        checkpoint_to_resume(tmp_path)
+
+
+def test_a_flipped_bit_in_a_directory_checkpoint_is_refused_naming_the_file(tmp_path, gloo):
+    dist = gloo
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from lowprec.checkpoint import CorruptCheckpointError
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model, _, state = make()
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ck = tmp_path / "ck"
+        one = save_checkpoint(ck, 1, model=model, optimizer=opt, precision=state)
+        two = save_checkpoint(ck, 2, model=model, optimizer=opt, precision=state)
+        shard = next(p for p in two.iterdir() if p.suffix == ".distcp")
+        flip_bit_in(shard, model.tok_emb.weight.to_local())
+        with pytest.raises(CorruptCheckpointError, match=rf"step_00000002 is corrupt.*{shard.name} \(SHA-256"):
+            load_checkpoint(two, model=model, optimizer=opt, precision=state)
+        with pytest.warns(UserWarning, match=r"skipping checkpoint .*step_00000002 .*corrupt"):
+            assert latest_checkpoint(ck) == one
+        assert load_checkpoint(one, model=model, optimizer=opt, precision=state)["step"] == 1
+    finally:
+        dist.destroy_process_group()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
@@ -80,6 +79,7 @@ BAD = {
     "unknown_suite": ({"eval": {"suite": "no_such_suite", "gates": None}}, "no_such_suite"),
     "unknown_evaluator": ({"eval": {"evaluator": "no_such_evaluator", "gates": None}}, "no_such_evaluator"),
     "gate_on_absent_task": ({"eval": {"suite": "shakespeare", "gates": "absent_task_gates.yaml"}}, "no_such_task"),
+    "snapshots_too_few": ({"rollout.rewind": {"enabled": True, "snapshot_every": 2, "keep": 1}}, "rollout.rewind.keep"),
     "empty_experiment": ({"tracking": {"experiment": ""}}, "tracking.experiment"),
 }
 
@@ -139,3 +139,73 @@ def test_as_a_subprocess_no_traceback(project, name):
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
         assert p.stderr.startswith(f"lowprec {cmd}: ")
     assert not (project / "runs").exists()
+
+
+def _flip_a_weight_bit(path: Path) -> None:
+    import torch
+    w = torch.load(path, weights_only=True)["model"]["embed.weight"]
+    raw = w.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    data = bytearray(path.read_bytes())
+    at = data.find(raw[:256])
+    assert at >= 0
+    data[at + 100] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+
+
+def test_resume_skips_a_corrupt_checkpoint_and_exits_2_when_all_are(project, capsys):
+    (project / "good.yaml").write_text(yaml.safe_dump(_config({"train.steps": 6})))
+    assert main(["run", "good.yaml", "--out", "run"]) == 0
+    ckpts = sorted((project / "run" / "checkpoints").glob("step_*.pt"))
+    assert [p.name for p in ckpts] == ["step_00000000.pt", "step_00000002.pt", "step_00000004.pt"]
+    full = (project / "run" / "losses.json").read_text()
+
+    _flip_a_weight_bit(ckpts[-1])   # the newest: resume goes back to step 2 and redoes the rest
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step_00000004.pt"):
+        assert main(["run", "good.yaml", "--out", "run", "--resume"]) == 0
+    assert (project / "run" / "losses.json").read_text() == full   # the same losses, bit for bit
+    assert (project / "run" / "checkpoints" / "abandoned" / "step_00000004.pt").is_file()  # kept aside
+
+    for p in sorted((project / "run" / "checkpoints").glob("step_*.pt")):
+        _flip_a_weight_bit(p)
+    before = _tree(project)
+    p = subprocess.run([sys.executable, "-m", "lowprec.cli", "run", "good.yaml", "--out", "run", "--resume"],
+                       cwd=project, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith("lowprec run: --resume: every checkpoint in run/checkpoints is unusable"), p.stderr
+    for name in ("step_00000000.pt", "step_00000002.pt", "step_00000004.pt"):
+        assert name in p.stderr
+    assert _tree(project) == before   # nothing written, nothing removed
+
+
+def test_the_loss_that_caused_a_rewind_is_tracked_under_its_own_names(project):
+    from lowprec.events import EventKind
+    from lowprec.runtime.faults import parse_injection
+    from lowprec.runtime.run import run_config
+
+    class Tracker:
+        def __init__(self):
+            self.metrics = []
+
+        def log_metrics(self, step, metrics):
+            self.metrics.append((step, dict(metrics)))
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    cfg = _config({"train.steps": 20, "train.log_every": 1, "rollout.check_every": 2,
+                   "rollout.rewind": {"enabled": True, "snapshot_every": 2, "keep": 4},
+                   "rollout.thresholds": {"spike_min_history": 4}})
+    tracker = Tracker()
+    res = run_config(cfg, project / "out", tracker=tracker, faults=[parse_injection("loss_spike::12:13:1000")])
+    rewinds = [e.step for e in res.events if e.kind is EventKind.REWIND]
+    assert res.rewinds >= 1 and rewinds
+    logged = [(s, m) for s, m in tracker.metrics if "train/loss_rewound" in m]
+    assert sorted(s for s, _ in logged) == sorted(set(rewinds))        # once per step that rewound
+    for s, m in logged:
+        assert set(m) == {"train/loss_rewound", "train/rewound_to"} and m["train/rewound_to"] < s
+    # the redone step logs train/loss again; the rewound loss never shares a name with it
+    assert not any("train/loss_rewound" in m and "train/loss" in m for _, m in tracker.metrics)
