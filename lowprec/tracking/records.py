@@ -87,10 +87,16 @@ def _quantstats_dicts(sites: Mapping[str, Any]) -> dict[tuple[str, str], dict]:
     return {(site, role): type(q)(row).to_dict() for (site, role, q), row in zip(found, rows)}
 
 
+# What the monitor never measures, left out rather than logged as zeros: a site's output is
+# only checked for non-finite values (lowprec.monitor's output hook), never quantized.
+UNMEASURED = {"output": frozenset({"amax", "saturated_frac", "underflow_frac", "rel_mse", "sqnr_db"})}
+
+
 def signal_metrics(signals: Any, stats: tuple[str, ...] = SIGNAL_STATS) -> dict[str, float]:
     """`signal/<site>/<role>/<stat>` -> value. Takes `PrecisionState.stats()` ({site: {role:
     QuantStats | dict}}), the monitor's `Signals` (its `.sites`), or {site: SiteSignals |
-    {"role/stat": value}}. A +inf SQNR (no quantization error at all) is left out."""
+    {"role/stat": value}}. A +inf SQNR (no quantization error at all) is left out, and so is
+    what is never measured (`UNMEASURED`: of a site's output, only `nonfinite`)."""
     sites = getattr(signals, "sites", signals)
     host = _quantstats_dicts(sites)
     out = {}
@@ -106,7 +112,9 @@ def signal_metrics(signals: Any, stats: tuple[str, ...] = SIGNAL_STATS) -> dict[
                 elif v is not None:
                     flat[str(key)] = float(v)
         for key, v in flat.items():
-            stat = key.rpartition("/")[2]
+            role, _, stat = key.rpartition("/")
+            if role.rpartition("/")[2] in UNMEASURED and stat in UNMEASURED[role.rpartition("/")[2]]:
+                continue
             if stat in stats and not (stat == "sqnr_db" and math.isinf(v)):
                 out[f"signal/{site}/{key}"] = v
     return out

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from lowprec.events import EventKind
 from lowprec.tracking.report_sources import ReportData, fallback_sites, signals_of
-from lowprec.tracking.report_timeline import (EVENT_STYLE, FORMAT_COLORS, new_figure, numbered_events, reason_text,
-                                     timeline_figure)
+from lowprec.tracking.report_timeline import (EVENT_STYLE, FORMAT_COLORS, REWOUND_COLOR, fit_title, new_figure,
+                                              numbered_events, reason_text, shade_rewound, timeline_figure)
 
 __all__ = ["render_report", "timeline_figure", "loss_figure", "signals_figure", "evals_figure", "FORMAT_COLORS"]
 
@@ -52,11 +52,8 @@ def _mark_events(ax, data: ReportData, kinds=(EventKind.FALLBACK, EventKind.ROLL
         color, ls = EVENT_STYLE[e.kind]
         ax.axvline(e.step, color=color, ls=ls, lw=1, alpha=0.8, label=None if e.kind in seen else e.kind)
         seen.add(e.kind)
-        back = e.evidence.get("to_step", e.evidence.get("checkpoint_step"))
-        if e.kind == EventKind.REWIND and isinstance(back, (int, float)) and back < e.step:
-            ax.axvspan(back, e.step, facecolor="none", edgecolor=color, hatch="////", lw=0, alpha=0.35,
-                       label=None if "rewound" in seen else "rewound (redone)")
-            seen.add("rewound")
+    if EventKind.REWIND in kinds:
+        shade_rewound(ax, data, label="rewound (redone)", alpha=0.35)
 
 
 def loss_figure(data: ReportData):
@@ -77,11 +74,15 @@ def loss_figure(data: ReportData):
         gax.text(0.5, 0.5, "no baseline curve (log train/baseline_loss or pass --baseline-run)",
                  ha="center", va="center", transform=gax.transAxes, fontsize=8, color="#636363")
     gax.set_ylabel("gap to baseline\n(% of baseline)", fontsize=8)
+    rewound = data.metrics.get("train/loss_rewound")
+    if rewound:   # the loss that made the run rewind (never in train/loss: those steps were redone)
+        ax.plot(*zip(*rewound), ls="", marker="X", ms=8, mfc=REWOUND_COLOR, mec="white",
+                label="loss that caused a rewind", zorder=5)
     _mark_events(ax, data, labels=True)
     _mark_events(gax, data)
     ax.set_ylabel("training loss")
-    ax.set_title(f"{data.run_name}: loss against the baseline; events numbered as on the timeline",
-                 loc="left", fontsize=11, pad=14)
+    ax.set_title(fit_title(f"{data.run_name}: loss against the baseline; events numbered as on the timeline",
+                           10.2, 11), loc="left", fontsize=11, pad=14)
     ax.legend(fontsize=8, ncol=4)
     gax.set_xlabel("step")
     return fig
@@ -124,8 +125,8 @@ def signals_figure(data: ReportData):
                 ax.axvline(e.step, color=EVENT_STYLE[e.kind][0], lw=1, ls=EVENT_STYLE[e.kind][1],
                            label=None if e.kind in seen else e.kind)
                 seen.add(e.kind)
-        title = (f"{site}: {ev.from_format.get(site, '?')} -> {ev.to_format.get(site, '?')} at step {ev.step}\n"
-                 + textwrap.shorten(reason_text(ev, site, data.thresholds), 70))
+        title = fit_title(f"{site}: {ev.from_format.get(site, '?')} -> {ev.to_format.get(site, '?')} at step {ev.step}",
+                          3.9, 8) + "\n" + textwrap.shorten(reason_text(ev, site, data.thresholds), 60)
         ax.set_title(title, fontsize=8, loc="left")
         ax.tick_params(labelsize=7)
         ax.legend(fontsize=6)
@@ -133,14 +134,24 @@ def signals_figure(data: ReportData):
             ax.text(0.5, 0.5, f"signal/{site}/... not logged", ha="center", va="center",
                     transform=ax.transAxes, fontsize=8)
     more = f" (first 12 of {len(fallback_sites(data.events))} sites)" if len(fallback_sites(data.events)) > 12 else ""
-    fig.suptitle(f"{data.run_name}: the signals that triggered fallbacks{more}", fontsize=11, x=0.01, ha="left")
+    fig.suptitle(fit_title(f"{data.run_name}: the signals that triggered fallbacks{more}", 4.4 * len(axes[:3]), 11),
+                 fontsize=11, x=0.01, ha="left")
     return fig
+
+
+def is_eval_metric(key: str) -> bool:
+    """An eval result: `eval/<task>/<metric>`, not its stderr or interval, not how long the eval
+    took (`eval/seconds` in older runs, `time/*` now) and not `eval_mode/*`."""
+    name = key[len("eval/"):] if key.startswith("eval/") else ""
+    last = name.rsplit("/", 1)[-1]
+    return bool(name) and not last.endswith(("_stderr", "_ci_low", "_ci_high")) and \
+        last not in ("seconds", "time", "duration") and not last.endswith(("_seconds", "_time"))
 
 
 def _eval_series(metrics: dict) -> dict[str, tuple[list, list, list]]:
     out = {}
     for k, pts in metrics.items():
-        if not k.startswith("eval/") or k.endswith(("_stderr", "_ci_low", "_ci_high")):
+        if not is_eval_metric(k):
             continue
         se, lo, hi = dict(metrics.get(k + "_stderr", [])), dict(metrics.get(k + "_ci_low", [])), dict(metrics.get(k + "_ci_high", []))
         ys = [v for _, v in pts]
@@ -156,6 +167,7 @@ def evals_figure(data: ReportData):
         return None
     fig, axes = _panels(len(series), 4.3, 2.9)
     for ax, (name, (steps, ys, err)) in zip(axes, sorted(series.items())):
+        interval = any(a or b for a, b in err)
         ax.errorbar(steps, ys, yerr=list(zip(*err)), fmt="o-", ms=4, lw=1, capsize=3, color="#08519c",
                     label="as trained")
         hp = data.metrics.get(f"eval_hp/{name}")
@@ -171,10 +183,12 @@ def evals_figure(data: ReportData):
                 ax.axvline(e.step, color=color, ls="-.", lw=0.9)
                 ax.text(e.step, 1.01, v, transform=top, fontsize=7, color=color, ha="center", va="bottom")
         _mark_events(ax, data, (EventKind.ROLLBACK, EventKind.REWIND))
-        ax.set_title(f"{name} (95% interval)", fontsize=9, loc="left", pad=12)
+        ax.set_title(fit_title(f"{name} (95% interval)" if interval else f"{name} (no interval logged)", 3.9, 9),
+                     fontsize=9, loc="left", pad=12)
         ax.tick_params(labelsize=7)
         ax.set_xlabel("step", fontsize=8)
-    fig.suptitle(f"{data.run_name}: evals per checkpoint, gate verdicts dash-dotted, rewinds dashed", fontsize=11, x=0.01, ha="left")
+    fig.suptitle(fit_title(f"{data.run_name}: evals per checkpoint, gate verdicts dash-dotted, rewinds dashed",
+                           4.1 * len(axes[:3]), 11), fontsize=11, x=0.01, ha="left")
     return fig
 
 

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import yaml
 
-from lowprec.events import Event, EventKind, read_events
+from lowprec.events import Event, EventKind, read_events, replay
 from lowprec.tracking.records import BASELINE_LOSS, flatten_config
 
 __all__ = ["ReportData", "from_run_dir", "from_mlflow", "events_table", "events_tags", "signals_of",
-           "fallback_sites", "STATS"]
+           "fallback_sites", "rewinds", "precision_history", "flops_share_steps", "STATS"]
 
 Series = list[tuple[int, float]]
 _KEPT_PREFIXES = ("train/", "eval/", "eval_hp/", "precision/")
@@ -98,7 +98,97 @@ def _thresholds(flat_params: dict[str, str]) -> dict[str, float]:
 def _wanted(key: str, sites: set[str]) -> bool:
     if key.startswith(_KEPT_PREFIXES):
         return True
-    return key.startswith("signal/") and key[len("signal/"):].rsplit("/", 2)[0] in sites
+    if not key.startswith("signal/"):
+        return False
+    site, role, stat = (key[len("signal/"):].rsplit("/", 2) + ["", ""])[:3]
+    # a site's output is only checked for non-finite values: older runs logged zeros for the rest
+    return site in sites and (role != "output" or stat == "nonfinite")
+
+
+# ------------------------------------------------------------------ precision history
+def rewinds(data: ReportData) -> list[tuple[int, int]]:
+    """(step that rewound, step it went back to), in order: from the REWIND events' evidence
+    (`to_step`/`checkpoint_step`) or else the `train/rewound_to` metric logged at that step."""
+    logged = {s: int(v) for s, v in data.metrics.get("train/rewound_to", [])}
+    out = []
+    for e in data.events:
+        if e.kind != EventKind.REWIND:
+            continue
+        back = e.evidence.get("to_step", e.evidence.get("checkpoint_step", logged.get(e.step)))
+        if isinstance(back, (int, float)) and back <= e.step:
+            out.append((e.step, int(back)))
+    seen = {s for s, _ in out}
+    return out + [(s, b) for s, b in sorted(logged.items()) if s not in seen and b <= s]
+
+
+def precision_history(data: ReportData) -> list[tuple[int, dict[str, str]]]:
+    """The precision map along the final trajectory: [(first step, {site: format})], steps
+    increasing. A format change holds from its step on; a rewind to step B drops what the
+    abandoned steps from B on had, and the redone steps run in the map of the moment of the
+    rewind (a rewind keeps the precision map), later changes of those steps replacing it."""
+    back_of = {}
+    for step, back in rewinds(data):
+        back_of.setdefault(step, []).append(back)
+    segments: list[tuple[int, dict[str, str]]] = [(data.initial_step, dict(data.initial))]
+
+    def start(step: int, formats: dict[str, str]) -> None:
+        while segments and segments[-1][0] >= step and len(segments) > 1:
+            segments.pop()
+        if segments[-1][0] >= step:
+            segments[-1] = (max(step, data.initial_step), formats)
+        else:
+            segments.append((step, formats))
+
+    used: dict[int, int] = {}
+    for e in data.events:
+        if e.kind in EventKind.CHANGES_FORMATS:
+            start(e.step, replay(segments[-1][1], [e]))
+        elif e.kind == EventKind.REWIND and back_of.get(e.step):
+            k = used.get(e.step, 0)
+            back = back_of[e.step][min(k, len(back_of[e.step]) - 1)]
+            used[e.step] = k + 1
+            start(back, dict(segments[-1][1]))
+    # merge neighbours with the same map
+    out: list[tuple[int, dict[str, str]]] = []
+    for step, fm in segments:
+        if not out or out[-1][1] != fm:
+            out.append((step, fm))
+    return out
+
+
+def formats_at(history: list[tuple[int, dict[str, str]]], step: int) -> dict[str, str]:
+    cur = history[0][1]
+    for s, fm in history:
+        if s > step:
+            break
+        cur = fm
+    return cur
+
+
+def flops_share_steps(data: ReportData, history: list[tuple[int, dict[str, str]]] | None = None
+                      ) -> tuple[list[int], dict[str, list[float]]]:
+    """The GEMM FLOP share per format over the same history the timeline draws: one value per
+    history segment (steps = the segments' first steps), each the share logged at the latest
+    logged step inside the segment (the redone value where a step was logged twice), else the
+    share logged anywhere for the same map; a segment with neither is left at 0."""
+    history = history or precision_history(data)
+    share = {k.rsplit("/", 1)[1]: dict(v) for k, v in data.metrics.items() if k.startswith("precision/flops_share/")}
+    if not share:
+        return [], {}
+    logged = sorted({s for v in share.values() for s in v})
+    by_map: dict[tuple, dict[str, float]] = {}
+    for s in logged:
+        by_map[tuple(sorted(formats_at(history, s).items()))] = {f: v.get(s, 0.0) for f, v in share.items()}
+    steps, ys = [], {f: [] for f in share}
+    bounds = [s for s, _ in history[1:]] + [float("inf")]
+    for (first, fm), end in zip(history, bounds):
+        inside = [s for s in logged if first <= s < end]
+        vals = ({f: v.get(inside[-1], 0.0) for f, v in share.items()} if inside
+                else by_map.get(tuple(sorted(fm.items())), {}))
+        steps.append(first)
+        for f in share:
+            ys[f].append(vals.get(f, 0.0))
+    return steps, ys
 
 
 # ------------------------------------------------------------------ run dir (local journal)

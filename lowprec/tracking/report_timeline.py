@@ -17,9 +17,10 @@ from __future__ import annotations
 import re
 
 from lowprec.events import Event, EventKind, replay
-from lowprec.tracking.report_sources import ReportData, signals_of
+from lowprec.tracking.report_sources import ReportData, flops_share_steps, precision_history, rewinds, signals_of
 
-__all__ = ["timeline_figure", "FORMAT_COLORS", "EVENT_STYLE", "new_figure", "numbered_events", "reason_text"]
+__all__ = ["timeline_figure", "FORMAT_COLORS", "EVENT_STYLE", "new_figure", "numbered_events", "reason_text",
+           "shade_rewound", "fit_title"]
 
 # Higher precision lighter/cooler, lower precision darker/warmer; FP8 blues-greens, FP4 oranges-reds.
 FORMAT_COLORS = {"bf16": "#d9d9d9", "fp8_delayed": "#9ecae1", "fp8_tensorwise": "#4292c6",
@@ -36,6 +37,14 @@ _BLOCK = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
 def new_figure(w: float, h: float):
     from matplotlib.figure import Figure
     return Figure(figsize=(w, h), dpi=110, layout="constrained")
+
+
+def fit_title(text: str, width_in: float, fontsize: float) -> str:
+    """`text` wrapped to lines that fit `width_in` inches at `fontsize` points (a character
+    is at most about 0.62 em wide in the default sans-serif font)."""
+    import textwrap
+    chars = max(12, int(width_in * 72 / (fontsize * 0.62)))
+    return "\n".join(textwrap.fill(line, chars, break_long_words=True) for line in text.split("\n"))
 
 
 def _color(fmt: str, order: list[str]) -> str:
@@ -71,16 +80,12 @@ def _rows(sites: list[str]) -> tuple[list[str], list[tuple[str, int, int]]]:
     return sites, groups
 
 
-def _format_grid(data: ReportData, sites: list[str], fmts: list[str], last: int):
-    """Column edges (steps) and a sites x columns matrix of format indices; changes in step order."""
-    changes = sorted((e for e in data.events if e.kind in EventKind.CHANGES_FORMATS), key=lambda e: e.step)
-    edges = sorted({data.initial_step, last} | {e.step for e in changes if data.initial_step < e.step < last})
-    grid, current, k = [], dict(data.initial), 0
-    for x in edges[:-1]:
-        while k < len(changes) and changes[k].step <= x:
-            current = replay(current, [changes[k]])
-            k += 1
-        grid.append([fmts.index(current[s]) for s in sites])
+def _format_grid(data: ReportData, sites: list[str], fmts: list[str], last: int, history):
+    """Column edges (steps) and a sites x columns matrix of format indices, from the precision
+    history of the final trajectory (`report_sources.precision_history`)."""
+    starts = [(max(s, data.initial_step), fm) for s, fm in history if s < last]
+    edges = [s for s, _ in starts] + [last]
+    grid = [[fmts.index(fm[s]) for s in sites] for _, fm in starts]
     return edges, [list(col) for col in zip(*grid)]
 
 
@@ -106,7 +111,8 @@ def timeline_figure(data: ReportData):
     last = max(data.last_step, data.initial_step + 1)
     fmts = list(dict.fromkeys(list(data.initial.values()) + [f for e in data.events for f in e.to_format.values()]))
     n = len(sites)
-    share = {k.rsplit("/", 1)[1]: v for k, v in data.metrics.items() if k.startswith("precision/flops_share/")}
+    history = precision_history(data)
+    share_steps, share = flops_share_steps(data, history)
     notes = _notes(data)
     shown = notes[:30] + ([f"    ... {len(notes) - 30} more in the events.json table"] if len(notes) > 30 else [])
     heights = [0.55, max(3.0, 0.075 * n), 1.1 if share else 0.0, 0.3 + 0.15 * max(len(shown), 1)]
@@ -114,7 +120,7 @@ def timeline_figure(data: ReportData):
     gs = fig.add_gridspec(4, 1, height_ratios=heights, hspace=0.02)
     ax = fig.add_subplot(gs[1])
     strip = fig.add_subplot(gs[0], sharex=ax)
-    edges, grid = _format_grid(data, sites, fmts, last)
+    edges, grid = _format_grid(data, sites, fmts, last, history)
     cmap = ListedColormap([_color(f, fmts) for f in fmts])
     ax.pcolormesh(edges, range(n + 1), grid, cmap=cmap, norm=BoundaryNorm(range(len(fmts) + 1), len(fmts)))
     # Few sites: every row named. Many: one label per block, thin white lines between blocks,
@@ -133,7 +139,7 @@ def timeline_figure(data: ReportData):
     ax.set_xlim(data.initial_step, last)
     _draw_markers(ax, data, row)
     _draw_strip(strip, ax, data, last)
-    kinds = {e.kind for e in data.events}
+    kinds = {e.kind for e in data.events} | ({EventKind.REWIND} if rewinds(data) else set())
     handles = [Patch(facecolor=_color(f, fmts), edgecolor="#999999", label=f) for f in fmts] + [h for k, h in (
         (EventKind.FALLBACK, Line2D([], [], ls="", marker="^", ms=8, mfc="white", mec="black", label="fallback (numbered)")),
         (EventKind.QUARANTINE, Line2D([], [], ls="", marker="X", ms=8, mfc="black", mec="white", label="quarantined")),
@@ -147,11 +153,9 @@ def timeline_figure(data: ReportData):
     ax.set_xlabel("step", fontsize=9)
     if share:
         sax = fig.add_subplot(gs[2], sharex=ax)
-        steps = sorted({s for v in share.values() for s, _ in v})
+        # the same history as the timeline above: one value per precision map, held to its end
         order = [f for f in fmts if f in share] + [f for f in share if f not in fmts]
-        ys = [[dict(share[f]).get(s, 0.0) for s in steps] for f in order]
-        if steps[-1] < last:  # the share holds until the next change: draw it to the end
-            steps, ys = steps + [last], [y + y[-1:] for y in ys]
+        steps, ys = share_steps + [last], [share[f] + share[f][-1:] for f in order]
         sax.stackplot(steps, ys, colors=[_color(f, order) for f in order], step="post")
         sax.set_ylim(0, 1)
         sax.set_ylabel("GEMM FLOP\nshare", fontsize=8)
@@ -161,7 +165,8 @@ def timeline_figure(data: ReportData):
     tax.axis("off")
     tax.text(0, 1, "\n".join(shown) if shown else "no fallbacks, rollbacks or rewinds", va="top", ha="left",
              fontsize=8, family="monospace", transform=tax.transAxes)
-    fig.suptitle(f"{data.run_name}: precision of each of {n} sites over training", fontsize=11, x=0.01, ha="left")
+    fig.suptitle(fit_title(f"{data.run_name}: precision of each of {n} sites over training", 12.5, 11),
+                 fontsize=11, x=0.01, ha="left")
     return fig
 
 
@@ -211,14 +216,12 @@ def _draw_markers(ax, data: ReportData, row) -> None:
         if s is None:
             color, ls = EVENT_STYLE[e.kind]
             ax.axvline(e.step, color=color, ls=ls, lw=1.4, zorder=4)
-            back = e.evidence.get("to_step", e.evidence.get("checkpoint_step"))
-            if e.kind == EventKind.REWIND and isinstance(back, (int, float)) and back < e.step:
-                ax.axvspan(back, e.step, facecolor="none", edgecolor=color, hatch="////", lw=0, zorder=3)
             continue
         ax.plot(e.step, row[s] + 0.5, marker="^", ms=8, mfc="white", mec="black", mew=1.0, zorder=5)
         ax.annotate(str(k), (e.step, row[s] + 0.5), xytext=(6, 0), textcoords="offset points", fontsize=7.5,
                     fontweight="bold", va="center", zorder=6,
                     bbox=dict(boxstyle="round,pad=0.12", fc="white", ec="none", alpha=0.85))
+    shade_rewound(ax, data, zorder=3)
     for e in data.events:
         if e.kind == EventKind.QUARANTINE:
             # Shifted left: a quarantine usually comes with a fallback at the same step and spot.
@@ -228,6 +231,19 @@ def _draw_markers(ax, data: ReportData, row) -> None:
                         transform=shifted)
         elif e.kind in (EventKind.PROMOTE, EventKind.RETRY):
             ax.axvline(e.step, color=EVENT_STYLE[e.kind][0], ls=":", lw=1.2, zorder=4)
+
+
+REWOUND_COLOR = "#67000d"
+
+
+def shade_rewound(ax, data: ReportData, label: str | None = None, **kw) -> bool:
+    """Hatch the steps each rewind went back over (its target to the step that rewound),
+    from the REWIND events and `train/rewound_to`; True when there was one."""
+    spans = [(back, step) for step, back in rewinds(data) if back < step]
+    for i, (back, step) in enumerate(spans):
+        ax.axvspan(back, step, facecolor="none", edgecolor=REWOUND_COLOR, hatch="////", lw=0,
+                   label=label if i == 0 else None, **kw)
+    return bool(spans)
 
 
 def _draw_strip(strip, ax, data: ReportData, last: int) -> None:
