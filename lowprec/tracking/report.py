@@ -7,11 +7,16 @@
   was quarantined, dashed lines at rewinds and rollbacks, dotted lines at promotions,
   gate verdicts along the top; under it the share of GEMM FLOPs per format over time.
 * `loss.png`: training loss against the baseline curve and their relative gap, with the
-  events marked.
+  events marked, the rewound (redone) steps hatched and the loss that caused each rewind
+  (`train/loss_rewound`, never in `train/loss`) as a cross.
 * `fallback_signals.png`: for each site that fell back, the signal that triggered it (from
   the event's evidence), its threshold and the moment of the fallback.
 * `evals.png`: eval results per checkpoint with 95% intervals (±1.96 stderr, or the
-  logged `_ci_low`/`_ci_high`), gate verdicts marked.
+  logged `_ci_low`/`_ci_high`), gate verdicts marked; eval results only (`is_eval_metric`:
+  not how long an eval took, not `eval_mode/*`).
+
+Titles are wrapped to the width of what they stand over (`fit_title`): a long run name never
+runs off the picture.
 
 The timeline (lowprec.tracking.report_timeline) is built for a 30-layer model (120+ sites); the
 events are numbered the same way on every picture. Pictures whose data is missing are

@@ -9,6 +9,12 @@ draws, even with the server away); `from_mlflow` reads a run through `MlflowClie
 `lowprec.*` tags, its Markdown note and the rows of its events table (`events_tags`,
 `events_table`), so the MLflow page and the pictures can never disagree.
 
+`precision_history` is the precision map at each step of the final trajectory (after a
+rewind, the redone steps in the map they were redone in; the rewinds from the REWIND events
+and `train/rewound_to`, `rewinds`); the timeline and the FLOP-share panel are both drawn from
+it (`flops_share_steps`), so they cannot contradict each other. A site's `output` signals
+other than `nonfinite` are never measured and not read (older runs logged them as zeros).
+
 Evidence a fallback carries, so that the report can plot the signal that triggered it:
 the controller's `{"input/saturated_frac": 0.031, ...}` (role/stat -> value; the
 threshold then comes from the logged config's `rollout.thresholds`), or an explicit

@@ -203,6 +203,9 @@ def _notes(data: ReportData) -> list[str]:
                             if isinstance(v, dict) or key in ("to_step", "checkpoint_step", "skip_batches",
                                                               "value", "threshold"))
             what = f"{len(e.sites)} sites of {e.stage or '?'} up" if e.kind == EventKind.ROLLBACK else "training"
+            if e.kind == EventKind.REWIND and "to_step" not in e.evidence and "checkpoint_step" not in e.evidence:
+                back = dict(data.metrics.get("train/rewound_to", [])).get(e.step)
+                what += f" back to step {int(back)}" if back is not None else ""
             out.append(f"{k:>2}  step {e.step:<6} {e.kind:<9} {what}  ({e.reason}{extra})")
     for e in data.events:
         if e.kind == EventKind.QUARANTINE:

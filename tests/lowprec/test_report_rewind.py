@@ -83,6 +83,8 @@ def test_rewound_steps_are_hatched_and_the_rewound_loss_is_marked():
     _drawn(tfig)
     mesh_ax = next(a for a in tfig.axes if any(type(c).__name__ == "QuadMesh" for c in a.collections))
     assert (10, 20) in _hatched_spans(mesh_ax)
+    from lowprec.tracking.report_timeline import _notes
+    assert any("rewind" in n and "back to step 10" in n for n in _notes(data))
 
 
 def test_eval_durations_and_modes_are_not_eval_metrics():
@@ -123,6 +125,11 @@ def test_an_output_amax_that_is_never_measured_is_not_logged():
     assert not [k for k in got if "/output/" in k and not k.endswith("/nonfinite")]
     assert got["signal/blocks.0.mlp.fc/input/amax"] == 3.5
     assert got["signal/blocks.0.mlp.fc/grad_output/amax"] == 0.25
+    # an older run's zeros are not read back for the pictures either
+    from lowprec.tracking.report_sources import _wanted
+    site = {"blocks.0.mlp.fc"}
+    assert not _wanted("signal/blocks.0.mlp.fc/output/amax", site)
+    assert _wanted("signal/blocks.0.mlp.fc/output/nonfinite", site) and _wanted("signal/blocks.0.mlp.fc/input/amax", site)
 
 
 def test_render_report_after_a_rewind_writes_the_pictures(tmp_path):
