@@ -19,10 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import postgres_helpers
 from lowprec.tracking.tracker import Tracker
 from tracking_helpers import check_run_over_rest, recorded_rollout, replay
-
-pytestmark = pytest.mark.slow   # a PostgreSQL cluster, an MLflow server and `lowprec gate` processes
 
 LOWPREC = Path(sys.executable).with_name("lowprec")
 STEPS, HOLD = 10, 5        # the live runs keep logging at step HOLD until the gates are done
@@ -78,6 +77,14 @@ def _gate(url: str, baseline: str, candidate: str, gates: Path) -> subprocess.Po
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=gates.parent)
 
 
+def test_without_postgresql_the_skip_says_why_and_how(monkeypatch):
+    monkeypatch.setattr(postgres_helpers, "bindir", lambda: None)
+    why = postgres_helpers.missing()
+    assert why.startswith("PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb)")
+    assert "apt-get install -y -q postgresql" in why and "make test" in why
+
+
+@pytest.mark.slow   # a PostgreSQL cluster, an MLflow server and `lowprec gate` processes
 def test_two_runs_log_at_once_while_gates_read_the_postgres_backed_server(mlflow_postgres, tmp_path):
     server = mlflow_postgres
     assert server.backend_store_uri.startswith("postgresql+psycopg2://")
