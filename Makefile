@@ -33,14 +33,23 @@ run: $(STAMP)
 	  echo "Pictures:    $(VENV)/bin/lowprec report $$(cat $$out/staged-rollout/run_id) --out $$out/report"; \
 	  [ $$code -le 1 ]; }
 
-# The MLflow UI screenshot test needs Debian's chromium: installed here where it is missing
-# and apt-get can (root); otherwise that test skips and says why.
+# The MLflow UI screenshot test needs Debian's chromium, and the PostgreSQL-backed tracking
+# test Debian's postgresql: installed here where missing and apt-get can (root); otherwise
+# those tests skip and say why.
 test: $(STAMP)
 	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then \
 		echo "installing chromium for the MLflow UI screenshot test"; \
 		( DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
 		  ( apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 ) ) || \
 		echo "chromium could not be installed; the screenshot test will skip"; \
+	fi
+	@# The tracking tests against a PostgreSQL-backed MLflow server need Debian's postgresql
+	@# (the test starts a private cluster on 127.0.0.1); likewise installed where it can be.
+	@if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing postgresql for the PostgreSQL-backed tracking test"; \
+		( DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null 2>&1 || \
+		  ( apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null 2>&1 ) ) || \
+		echo "postgresql could not be installed; the PostgreSQL tracking test will skip"; \
 	fi
 	$(VENV)/bin/python -m pytest -q -x --durations=15
 

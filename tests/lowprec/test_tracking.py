@@ -25,7 +25,7 @@ from lowprec.events import EventKind
 from lowprec.tracking.outbox import Outbox
 from lowprec.tracking.records import MAX_KEY, MAX_PARAM_VALUE, flatten_config, metric_key
 from lowprec.tracking.tracker import Tracker
-from tracking_helpers import FALLBACK_SITE, MlflowServer, png_colors, replay, run_and_record
+from tracking_helpers import FALLBACK_SITE, check_run_over_rest, png_colors, replay, run_and_record
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -128,34 +128,12 @@ def test_sqlite_store_gets_config_metrics_signals_events_and_report(tmp_path, sq
 
 
 # ------------------------------------------------------------------ (b, c) a real server
-def _check_run_over_rest(server: MlflowServer, run_id: str, steps: list[int], events, report: bool = False) -> dict:
-    run = server.get("/api/2.0/mlflow/runs/get", run_id=run_id)["run"]
-    params = {p["key"]: p["value"] for p in run["data"].get("params", [])}
-    tags = {t["key"]: t["value"] for t in run["data"].get("tags", [])}
-    metrics = {m["key"] for m in run["data"].get("metrics", [])}
-    assert params["precision.rules.0.format"] == "fp8_tensorwise" and params["train.lr"] == "0.003"
-    for key in ("train/loss", "train/grad_norm", "train/baseline_loss"):
-        hist = server.history(run_id, key)
-        assert sorted(m["step"] for m in hist) == steps, key  # every step, each once
-    assert {f"signal/{FALLBACK_SITE}/input/saturated_frac", "precision/flops_share/nvfp4",
-            "eval/next_byte/acc"} <= metrics
-    lines = server.raw("/get-artifact", path="events.jsonl", run_uuid=run_id).decode().splitlines()
-    assert [json.loads(x)["kind"] for x in lines] == [e.kind for e in events]
-    table = json.loads(server.raw("/get-artifact", path="events.json", run_uuid=run_id))
-    assert table["columns"][:3] == ["step", "kind", "stage"] and len(table["data"]) == len(events)
-    files = {f["path"] for f in server.get("/api/2.0/mlflow/artifacts/list", run_id=run_id)["files"]}
-    assert {"config.yaml", "events.jsonl", "events.json", "precision_map.json"} <= files
-    assert ("report" in files) == report
-    assert tags["lowprec.fallbacks"] == "1" and tags["lowprec.quarantined"] == "none"
-    return run
-
-
 def test_server_run_has_everything_over_rest_and_renders_in_the_ui(server, tmp_path):
     tracker = Tracker(server.url, "lowprec-tests", "server-run", buffer_dir=tmp_path / "run", **FAST)
     r = replay(tracker, STEPS)
     assert tracker.finish("FINISHED", timeout=60)["pending"] == 0
     assert [e.kind for e in r.events] == [EventKind.PROMOTE, EventKind.PROMOTE, EventKind.FALLBACK, EventKind.GATE]
-    run = _check_run_over_rest(server, tracker.run_id, list(range(STEPS)), r.events, report=True)
+    run = check_run_over_rest(server, tracker.run_id, list(range(STEPS)), r.events, report=True)
     assert run["info"]["status"] == "FINISHED"
     png = server.raw("/get-artifact", path="report/precision_timeline.png", run_uuid=tracker.run_id)
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
@@ -203,7 +181,7 @@ def test_server_stopped_mid_run_then_restarted_loses_nothing(server, tmp_path):
     assert max(r.log_seconds) < 1.0, sorted(r.log_seconds)[-5:]  # training never waited for the server
     assert tracker.finish("FINISHED", timeout=60, report=False)["pending"] == 0
     assert tracker.sync(timeout=30).pending == 0
-    run = _check_run_over_rest(server, tracker.run_id, list(range(STEPS)), r.events)
+    run = check_run_over_rest(server, tracker.run_id, list(range(STEPS)), r.events)
     assert run["info"]["status"] == "FINISHED"
 
 
@@ -219,7 +197,7 @@ def test_server_away_at_start_then_lowprec_sync_sends_the_buffer(server, tmp_pat
     from lowprec.cli import main
     assert main(["sync", str(tmp_path / "run"), "--tracking-uri", server.url]) == 0
     info = json.loads((tmp_path / "run" / "run.json").read_text())
-    run = _check_run_over_rest(server, info["run_id"], list(range(STEPS)), r.events)
+    run = check_run_over_rest(server, info["run_id"], list(range(STEPS)), r.events)
     assert run["info"]["status"] == "FINISHED" and run["info"]["run_name"] == "offline-run"
     assert main(["sync", str(tmp_path / "run"), "--tracking-uri", server.url]) == 0  # nothing left, nothing twice
     assert sorted(m["step"] for m in server.history(info["run_id"], "train/loss")) == list(range(STEPS))

@@ -29,7 +29,9 @@ from lowprec.events import Event, EventKind
 from lowprec.plan import PrecisionPlan
 from small_gpt import batches, corpus_bytes
 
-MLFLOW = Path(sys.executable).with_name("mlflow")
+# `python -m mlflow`: this interpreter's MLflow (and its database drivers), whatever the
+# `mlflow` script's shebang says (a copied virtual environment keeps the original's)
+MLFLOW = [sys.executable, "-m", "mlflow"]
 MODEL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, d_model=32)
 CONFIG = {
     "model": {"factory": "experiments.model:build_gpt", "args": MODEL},
@@ -200,10 +202,12 @@ class SqliteTemplate:
 
 
 class MlflowServer:
-    """`mlflow server` on 127.0.0.1 (SQLite backend, proxied artifacts), stoppable and restartable."""
+    """`mlflow server` on 127.0.0.1 (SQLite backend unless `backend_store_uri` names another,
+    e.g. postgresql://; proxied artifacts), stoppable and restartable."""
 
-    def __init__(self, root: Path, port: int):
+    def __init__(self, root: Path, port: int, backend_store_uri: str | None = None):
         self.root, self.port = root, port
+        self.backend_store_uri = backend_store_uri or f"sqlite:///{root}/mlflow.db"
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         root.mkdir(parents=True, exist_ok=True)
@@ -211,7 +215,7 @@ class MlflowServer:
     def start(self, timeout: float = 90.0, wait: bool = True) -> None:
         """Launch the server (it creates its store the first time); `wait` until it answers."""
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        cmd = [str(MLFLOW), "server", "--backend-store-uri", f"sqlite:///{self.root}/mlflow.db",
+        cmd = [*MLFLOW, "server", "--backend-store-uri", self.backend_store_uri,
                "--artifacts-destination", f"file://{self.root}/artifacts", "--host", "127.0.0.1",
                "--port", str(self.port), "--workers", "1"]
         self.log = open(self.root / "server.log", "ab")
@@ -268,6 +272,30 @@ class MlflowServer:
             token = page.get("next_page_token")
             if not token:
                 return out
+
+
+def check_run_over_rest(server: MlflowServer, run_id: str, steps: list[int], events, report: bool = False) -> dict:
+    """A run logged from the recorded rollout, read back over REST: params, every metric step
+    once, its events once (in order), artifacts, tags; returns the run."""
+    run = server.get("/api/2.0/mlflow/runs/get", run_id=run_id)["run"]
+    params = {p["key"]: p["value"] for p in run["data"].get("params", [])}
+    tags = {t["key"]: t["value"] for t in run["data"].get("tags", [])}
+    metrics = {m["key"] for m in run["data"].get("metrics", [])}
+    assert params["precision.rules.0.format"] == "fp8_tensorwise" and params["train.lr"] == "0.003"
+    for key in ("train/loss", "train/grad_norm", "train/baseline_loss"):
+        hist = server.history(run_id, key)
+        assert sorted(m["step"] for m in hist) == steps, key  # every step, each once
+    assert {f"signal/{FALLBACK_SITE}/input/saturated_frac", "precision/flops_share/nvfp4",
+            "eval/next_byte/acc"} <= metrics
+    lines = server.raw("/get-artifact", path="events.jsonl", run_uuid=run_id).decode().splitlines()
+    assert [json.loads(x)["kind"] for x in lines] == [e.kind for e in events]
+    table = json.loads(server.raw("/get-artifact", path="events.json", run_uuid=run_id))
+    assert table["columns"][:3] == ["step", "kind", "stage"] and len(table["data"]) == len(events)
+    files = {f["path"] for f in server.get("/api/2.0/mlflow/artifacts/list", run_id=run_id)["files"]}
+    assert {"config.yaml", "events.jsonl", "events.json", "precision_map.json"} <= files
+    assert ("report" in files) == report
+    assert tags["lowprec.fallbacks"] == "1" and tags["lowprec.quarantined"] == "none"
+    return run
 
 
 # ------------------------------------------------------------------ PNG
