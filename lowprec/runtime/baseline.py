@@ -43,6 +43,15 @@ def losses_of_run(tracking_uri: str, experiment: str, ref: str) -> list[float]:
         if not db.is_file():   # asking MLflow would create an empty store
             raise ConfigError(_WHERE, f"no run {ref!r}: there is no tracking store at {db} (tracking.uri); train "
                               f"the baseline first, e.g. `lowprec run CONFIG --as-baseline --run-name {ref}`")
+    from lowprec.tracking.deadline import DEFAULT_TIMEOUT_S, Deadline, NoAnswer
+    deadline = Deadline(DEFAULT_TIMEOUT_S, f"the tracking store {tracking_uri}")
+    try:
+        return deadline.run(f"reading the baseline run {ref!r}", _read, tracking_uri, experiment, ref)
+    except NoAnswer as e:
+        raise ConfigError(_WHERE, str(e)) from None
+
+
+def _read(tracking_uri: str, experiment: str, ref: str) -> list[float]:
     from mlflow.tracking import MlflowClient
     client = MlflowClient(tracking_uri)
     run = _find_run(client, experiment, ref)

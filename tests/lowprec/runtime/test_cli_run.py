@@ -209,3 +209,18 @@ def test_the_loss_that_caused_a_rewind_is_tracked_under_its_own_names(project):
         assert set(m) == {"train/loss_rewound", "train/rewound_to"} and m["train/rewound_to"] < s
     # the redone step logs train/loss again; the rewound loss never shares a name with it
     assert not any("train/loss_rewound" in m and "train/loss" in m for _, m in tracker.metrics)
+
+
+def test_loss_gap_baseline_named_by_mlflow_run(project, capsys):
+    """The baseline run trained with --as-baseline is found by name in the store; its losses
+    become the candidate's loss-gap curve (the make run flow, on a tiny model)."""
+    cfg = _config({"tracking": {"uri": f"sqlite:///{project}/mlflow.db", "experiment": "gap"},
+                   "rollout.thresholds": {"loss_gap": 0.5}, "rollout.baseline": {"mlflow_run": "base"}})
+    (project / "gap.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["plan", "gap.yaml"]) == 2                        # no store yet: said, nothing created
+    assert "no tracking store" in capsys.readouterr().err and not (project / "mlflow.db").exists()
+    assert main(["run", "gap.yaml", "--as-baseline", "--run-name", "base", "--out", "base"]) == 0
+    capsys.readouterr()
+    assert main(["run", "gap.yaml", "--out", "cand"]) == 0
+    out = capsys.readouterr().out
+    assert "baseline" in out and "gap" in out and (project / "cand" / "run_id").is_file()
