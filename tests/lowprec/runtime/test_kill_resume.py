@@ -1,0 +1,205 @@
+"""A kill-and-resume campaign (issue 12, "What it must show"): `lowprec run` killed with SIGKILL
+at N = 20 random moments, each followed by `lowprec run CONFIG --out DIR --resume`, ends as an
+uninterrupted run does: losses.json equal bit for bit, one MLflow run (the same id throughout)
+that is FINISHED, every `train/loss` step in its metric history exactly once, every event once
+in events.jsonl and in MLflow.
+
+The moments (seeded) are chosen three ways: a wall-time offset after the process starts, a
+checkpoint being written (a `*.tmp` in the checkpoint folder), and the tracker's journal
+growing (`outbox.jsonl`) or being sent (`outbox.ack` changing). The run is tiny (40 steps,
+a checkpoint every 3 steps, a rollout stage promoted at step 8); the campaign takes about
+two minutes on two cores, most of it Python start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lowprec.events import EventKind
+
+N_KILLS = 20
+STEPS = 40
+SEED = 12
+
+MODEL = '''
+import time
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab, width):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x, y):
+        time.sleep(0.1)   # a step long enough to be killed in
+        h = self.embed(x)
+        h = h + self.down(F.gelu(self.up(h)))
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def build(vocab=64, width=32):
+    return TinyLM(vocab, width)
+
+
+def tokens(n=4000):
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 64, (n,), generator=g)
+'''
+
+
+def _config(uri: str, experiment: str) -> dict:
+    return {
+        "model": {"factory": "killlm:build", "args": {"vocab": 64, "width": 32}},
+        "data": {"factory": "killlm:tokens", "block_size": 16},
+        "train": {"steps": STEPS, "batch_size": 4, "warmup": 2, "ckpt_every": 3, "log_every": 2},
+        "precision": {"backend": "emulated", "default": "bf16", "keep_high_precision": [{"fqns": ["head"]}],
+                      "rules": [{"name": "mlp", "select": {"fqns": ["up", "down"]}, "format": "bf16",
+                                 "ladder": ["fp8_tensorwise", "bf16"]}]},
+        "rollout": {"check_every": 4, "min_steps": 4,
+                    "stages": [{"name": "mlp", "select": {"fqns": ["up", "down"]}, "format": "fp8_tensorwise"}]},
+        "tracking": {"uri": uri, "experiment": experiment, "run_name": "k"},
+    }
+
+
+def _start(cwd: Path, out: str, resume: bool) -> subprocess.Popen:
+    args = [sys.executable, "-m", "lowprec.cli", "run", "run.yaml", "--out", out] + (["--resume"] if resume else [])
+    return subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except FileNotFoundError:
+        return -1
+
+
+def _mtime(p: Path) -> int:
+    try:
+        return p.stat().st_mtime_ns
+    except FileNotFoundError:
+        return -1
+
+
+def _kill_at(p: subprocess.Popen, out: Path, how: str, rng: random.Random, give_up: float) -> bool:
+    """Wait for the moment `how` names, SIGKILL the process; False when it ended first."""
+    ckpts, journal, ack = out / "checkpoints", out / "tracking" / "outbox.jsonl", out / "tracking" / "outbox.ack"
+    t0, started = time.monotonic(), None
+    offset = rng.uniform(0.0, 1.2)   # after the process first writes to its journal (start-up done)
+    skip = rng.randrange(0, 3)   # let a few such moments pass first
+    size, stamp = _size(journal), _mtime(ack)
+    first = size
+    while p.poll() is None:
+        now = time.monotonic() - t0
+        if how == "time":
+            if started is None and _size(journal) != first:
+                started = now
+            hit = started is not None and now >= started + offset
+        elif how == "checkpoint":
+            hit = ckpts.is_dir() and any(q.name.endswith(".tmp") for q in ckpts.iterdir())
+        elif how == "journal":
+            hit = (s := _size(journal)) != size
+            size = s
+        else:   # "ack": the outbox was sent to the store
+            hit = (m := _mtime(ack)) != stamp
+            stamp = m
+        if hit and skip > 0:
+            skip -= 1
+            hit = False
+        if hit or now > give_up:
+            p.send_signal(signal.SIGKILL)
+            p.communicate(timeout=60)
+            return True
+        time.sleep(0.0005 if how == "checkpoint" else 0.002)
+    return False
+
+
+def _finish(p: subprocess.Popen) -> None:
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0, stderr[-3000:]
+
+
+def _progress(out: Path) -> str:
+    """Where the run was when killed: newest checkpoint, last journaled train/loss step."""
+    ckpts = sorted(q.name for q in (out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
+    journal = out / "tracking" / "outbox.jsonl"
+    steps = [m[3] for x in (journal.read_text().splitlines() if journal.exists() else []) if x.endswith("}")
+             for m in json.loads(x).get("metrics", []) if m[0] == "train/loss"]
+    return f"{ckpts[-1] if ckpts else '-'} loss@{max(steps, default=-1)}"
+
+
+def _ended(p: subprocess.Popen) -> None:
+    """The last `--resume`: it trains to the end, or finds the run finished (killed after its
+    end was sent: refused, exit 2, nothing written)."""
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0 or (p.returncode == 2 and "which finished" in stderr), stderr[-3000:]
+
+
+def _events_jsonl(out: Path) -> list[tuple]:
+    rows = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines() if x.strip()]
+    return [(r["step"], r["kind"], tuple(r.get("sites", ())), r.get("stage")) for r in rows]
+
+
+@pytest.mark.slow   # about 15 `lowprec run` processes
+def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_path, sqlite_store):
+    from mlflow.tracking import MlflowClient
+    uri = sqlite_store(tmp_path / "store")
+    (tmp_path / "killlm.py").write_text(MODEL)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(_config(uri, "kill")))
+
+    _finish(_start(tmp_path, "ref", resume=False))   # the uninterrupted reference
+    ref = tmp_path / "ref"
+    assert any(e[1] == EventKind.PROMOTE for e in _events_jsonl(ref)), "the rollout must promote a stage"
+
+    out, rng = tmp_path / "out", random.Random(SEED)
+    kinds = ["time", "checkpoint", "journal", "ack"]
+    kills, resume, log = 0, False, []
+    while kills < N_KILLS:
+        how = kinds[kills % len(kinds)] if kills < len(kinds) else rng.choice(kinds)
+        p = _start(tmp_path, "out", resume)
+        if not _kill_at(p, out, how, rng, give_up=30.0):
+            _ended(p)
+            break   # it finished before the moment came
+        kills, resume = kills + 1, True
+        log.append((how, _progress(out)))
+    else:
+        _ended(_start(tmp_path, "out", resume=True))
+    print("kills:", log)
+    assert kills >= N_KILLS // 2, log
+
+    assert (out / "losses.json").read_bytes() == (ref / "losses.json").read_bytes()
+    assert json.loads((out / "losses.json").read_text()) == json.loads((ref / "losses.json").read_text())
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("kill")
+    runs = {r.info.run_id: r for r in client.search_runs([exp.experiment_id])}
+    ref_id = (ref / "run_id").read_text().strip()
+    run_id = json.loads((out / "tracking" / "run.json").read_text())["run_id"]
+    assert set(runs) == {ref_id, run_id}, "one MLflow run for the killed run, the same id throughout"
+    if (out / "run_id").exists():   # absent when killed after the run ended, before it was written
+        assert (out / "run_id").read_text().strip() == run_id
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    for key in ("train/loss", "train/loss_last", "train/grad_norm"):
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        ref_steps = [m.step for m in client.get_metric_history(ref_id, key)]
+        assert sorted(steps) == sorted(ref_steps) and len(set(steps)) == len(steps), (key, log)
+        vals = {m.step: m.value for m in client.get_metric_history(run_id, key)}
+        assert vals == {m.step: m.value for m in client.get_metric_history(ref_id, key)}, (key, log)
+    events = _events_jsonl(out)
+    assert events == _events_jsonl(ref), log
+    assert len(set(events)) == len(events)
+    mlflow_events = Path(client.download_artifacts(run_id, "events.jsonl", str(tmp_path / "dl")))
+    assert _events_jsonl(mlflow_events.parent) == events, log
