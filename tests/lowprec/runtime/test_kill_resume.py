@@ -44,26 +44,28 @@ class TinyLM(nn.Module):
         self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
         self.head = nn.Linear(width, vocab)
 
-    def forward(self, x, y):
-        time.sleep(0.1)   # a step long enough to be killed in
+    def forward(self, x, y=None):
         h = self.embed(x)
         h = h + self.down(F.gelu(self.up(h)))
+        if y is None:   # the evaluator's call: logits
+            return self.head(h)
+        time.sleep(0.1)   # a training step long enough to be killed in
         return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
 
 
-def build(vocab=64, width=32):
+def build(vocab=256, width=32):
     return TinyLM(vocab, width)
 
 
 def tokens(n=4000):
     g = torch.Generator().manual_seed(0)
-    return torch.randint(0, 64, (n,), generator=g)
+    return torch.randint(0, 256, (n,), generator=g)
 '''
 
 
 def _config(uri: str, experiment: str) -> dict:
     return {
-        "model": {"factory": "killlm:build", "args": {"vocab": 64, "width": 32}},
+        "model": {"factory": "killlm:build", "args": {"vocab": 256, "width": 32}},
         "data": {"factory": "killlm:tokens", "block_size": 16},
         "train": {"steps": STEPS, "batch_size": 4, "warmup": 2, "ckpt_every": 3, "log_every": 2},
         "precision": {"backend": "emulated", "default": "bf16", "keep_high_precision": [{"fqns": ["head"]}],
@@ -71,6 +73,8 @@ def _config(uri: str, experiment: str) -> dict:
                                  "ladder": ["fp8_tensorwise", "bf16"]}]},
         "rollout": {"check_every": 4, "min_steps": 4,
                     "stages": [{"name": "mlp", "select": {"fqns": ["up", "down"]}, "format": "fp8_tensorwise"}]},
+        "eval": {"suite": "shakespeare", "every": 16, "mode": "fast", "final_mode": "fast", "gates": None,
+                 "high_precision": False, "batch_size": 8},
         "tracking": {"uri": uri, "experiment": experiment, "run_name": "k"},
     }
 
@@ -101,15 +105,16 @@ def _kill_at(p: subprocess.Popen, out: Path, how: str, rng: random.Random, give_
     offset = rng.uniform(0.0, 1.2)   # after the process first writes to its journal (start-up done)
     skip = rng.randrange(0, 3)   # let a few such moments pass first
     size, stamp = _size(journal), _mtime(ack)
-    first = size
+    first, writing = size, set()
     while p.poll() is None:
         now = time.monotonic() - t0
         if how == "time":
             if started is None and _size(journal) != first:
                 started = now
             hit = started is not None and now >= started + offset
-        elif how == "checkpoint":
-            hit = ckpts.is_dir() and any(q.name.endswith(".tmp") for q in ckpts.iterdir())
+        elif how == "checkpoint":   # a checkpoint being written (each write counted once)
+            tmps = {q.name for q in ckpts.iterdir() if q.name.endswith(".tmp")} if ckpts.is_dir() else set()
+            hit, writing = bool(tmps - writing), tmps
         elif how == "journal":
             hit = (s := _size(journal)) != size
             size = s
@@ -192,7 +197,7 @@ def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_p
         assert (out / "run_id").read_text().strip() == run_id
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
-    for key in ("train/loss", "train/loss_last", "train/grad_norm"):
+    for key in ("train/loss", "train/loss_last", "train/grad_norm", "eval/heldout_shakespeare/bits_per_byte"):
         steps = [m.step for m in client.get_metric_history(run_id, key)]
         ref_steps = [m.step for m in client.get_metric_history(ref_id, key)]
         assert sorted(steps) == sorted(ref_steps) and len(set(steps)) == len(steps), (key, log)
@@ -201,5 +206,70 @@ def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_p
     events = _events_jsonl(out)
     assert events == _events_jsonl(ref), log
     assert len(set(events)) == len(events)
+    evals = Path(client.download_artifacts(run_id, "evals.jsonl", str(tmp_path / "dl")))
+    ref_evals = Path(client.download_artifacts(ref_id, "evals.jsonl", str(tmp_path / "dl_ref")))
+    assert [json.loads(x)["step"] for x in evals.read_text().splitlines()] == \
+        [json.loads(x)["step"] for x in ref_evals.read_text().splitlines()] == [16, 32, STEPS], log
+    key = "eval/heldout_shakespeare/bits_per_byte"
+    assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [16, 32, STEPS], log
     mlflow_events = Path(client.download_artifacts(run_id, "events.jsonl", str(tmp_path / "dl")))
     assert _events_jsonl(mlflow_events.parent) == events, log
+
+
+# ------------------------------------------------------------------ what the campaign found, on its own
+DEAD = "http://127.0.0.1:9"   # nothing listens: records stay in the journal
+FAST = dict(flush_interval_s=0.2, retry_max_s=1.0, probe_timeout_s=0.5)
+
+
+def test_resume_sends_a_finished_run_whose_end_was_not_sent(tmp_path, sqlite_store, capsys):
+    """Killed after the run's end was journaled, before it was sent: the MLflow run said RUNNING
+    and `--resume` refused the finished run, so nothing could close it. Now `--resume` sends it."""
+    from mlflow.tracking import MlflowClient
+    from lowprec.cli import main
+    from lowprec.tracking.tracker import Tracker
+    uri = sqlite_store(tmp_path / "store")
+    out = tmp_path / "out"
+    t = Tracker(DEAD, "kill", "k", buffer_dir=out / "tracking", **FAST)
+    for s in range(3):
+        t.log_metrics(s, {"train/loss": float(s)})
+    assert t.finish("FINISHED", timeout=0.5, report=False)["pending"] > 0   # journaled, not sent
+    cfg = _config(DEAD, "kill")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["run", str(tmp_path / "run.yaml"), "--out", str(out), "--resume"]) == 2   # still no server
+    assert "were not sent" in capsys.readouterr().err and not (out / "run_id").exists()
+
+    info = json.loads((out / "tracking" / "run.json").read_text())   # the server is back, at another address
+    (out / "tracking" / "run.json").write_text(json.dumps({**info, "tracking_uri": uri}))
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(_config(uri, "kill")))
+    assert main(["run", str(tmp_path / "run.yaml"), "--out", str(out), "--resume"]) == 0
+    assert "nothing was trained" in capsys.readouterr().out
+    run_id = (out / "run_id").read_text().strip()
+    client = MlflowClient(uri)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [0, 1, 2]
+    assert main(["run", str(tmp_path / "run.yaml"), "--out", str(out), "--resume"]) == 2   # all sent: refused
+    assert "which finished" in capsys.readouterr().err
+
+
+def test_a_redone_eval_is_kept_once_in_evals_jsonl(tmp_path):
+    """A run killed after an eval resumes from an earlier checkpoint and evaluates again: the
+    line was appended to evals.jsonl twice (the metrics were filtered, the log was not)."""
+    import subprocess as sp
+    import textwrap
+    from lowprec.tracking.tracker import Tracker
+    buf = tmp_path / "tracking"
+    code = textwrap.dedent(f"""
+        import os, signal
+        from lowprec.tracking.tracker import Tracker
+        t = Tracker({DEAD!r}, "e", "k", buffer_dir={str(buf)!r})
+        t.log_eval(4, {{"task": {{"acc": 0.5}}}}, mode="fast", suite="s")
+        t._journal_flush(30)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    p = sp.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    t = Tracker(DEAD, "e", "k", buffer_dir=buf, resume=True, **FAST)
+    t.log_eval(4, {"task": {"acc": 0.5}}, mode="fast", suite="s")     # redone
+    t.log_eval(8, {"task": {"acc": 0.6}}, mode="fast", suite="s")     # new
+    t.finish("FINISHED", timeout=0.5, report=False)
+    assert [json.loads(x)["step"] for x in (buf / "files" / "evals.jsonl").read_text().splitlines()] == [4, 8]
