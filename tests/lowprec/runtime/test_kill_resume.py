@@ -177,7 +177,7 @@ def _events_jsonl(out: Path) -> list[tuple]:
     return [(r["step"], r["kind"], tuple(r.get("sites", ())), r.get("stage")) for r in rows]
 
 
-@pytest.mark.slow   # about 15 `lowprec run` processes
+@pytest.mark.slow   # 22 `lowprec run` processes, about two minutes
 def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_path, sqlite_store):
     from mlflow.tracking import MlflowClient
     uri = sqlite_store(tmp_path / "store")
@@ -201,7 +201,7 @@ def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_p
         log.append((how, _progress(out)))
     else:
         _ended(_start(tmp_path, "out", resume=True))
-    print("kills:", log)
+    print("kills:", *log, sep="\n  ")
     assert kills >= N_KILLS * 3 // 4, log   # all of them, unless the run ended first
 
     assert (out / "losses.json").read_bytes() == (ref / "losses.json").read_bytes()
