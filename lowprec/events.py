@@ -96,6 +96,15 @@ class EventLog:
             f.flush()
             os.fsync(f.fileno())
 
+    def rewrite(self, events: Iterable[Event]) -> None:
+        """Replace the file with exactly `events` (atomically: a temporary file, fsynced, renamed)."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("".join(e.to_json() + "\n" for e in events))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
     def read(self) -> list[Event]:
         return read_events(self.path)
 

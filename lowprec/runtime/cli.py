@@ -88,6 +88,29 @@ def _table(prepared) -> str:
     return format_plan_table([sites[f] for f in order])
 
 
+def _send_finished(out: Path) -> int | None:
+    """`--resume` of a run that finished but was killed before its last records reached MLflow
+    (its end among them: the MLflow run still says RUNNING): send them, as `lowprec sync` would,
+    and exit 0 (2 when the server does not take them); None when there is nothing to send."""
+    from lowprec.tracking.outbox import Outbox, sync_run_dir
+    from lowprec.tracking.resume import RunState, buffered_run
+    buf = out / "tracking"
+    state, info = buffered_run(buf)
+    if state is not RunState.FINISHED or Outbox(buf).n_pending() == 0:
+        return None
+    res = sync_run_dir(buf, timeout=60)
+    run_id = Outbox(buf).read_info().get("run_id")
+    if res.pending:
+        print(f"lowprec run: --resume: {out} holds a finished run whose last {res.pending} records were not sent "
+              f"({res.error}); send them with `lowprec sync {buf}`", file=sys.stderr)
+        return EXIT_UNUSABLE
+    if run_id:
+        (out / "run_id").write_text(run_id + "\n")
+    print(f"lowprec run: {out} holds a run that had finished (MLflow run {run_id}); its last records were "
+          f"sent now, nothing was trained")
+    return EXIT_OK
+
+
 def _cmd_run(args) -> int:
     from lowprec.runtime.faults import parse_injection
     from lowprec.runtime.run import prepare_run
@@ -104,6 +127,8 @@ def _cmd_run(args) -> int:
                               f"give a new --out")
         if cfg.tracking.enabled:  # the run folder's MLflow run: continued only by --resume, never once finished
             from lowprec.tracking.resume import check_buffer
+            if args.resume and (sent := _send_finished(out)) is not None:
+                return sent
             check_buffer(out / "tracking", resume=args.resume)
         prepared = prepare_run(cfg, controller=not args.no_controller)
         names = dict(prepared.model.named_modules())

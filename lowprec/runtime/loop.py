@@ -112,6 +112,7 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
         res.losses, res.grad_norms = list(extra["losses"]), list(extra["grad_norms"])
         iteration = int(extra["iteration"])
         rewinds_logged = set(extra.get("rewinds_logged", ()))
+        res.passes, res.rewinds = int(extra.get("passes", 0)), int(extra.get("rewinds", 0))   # the summary's
         session.step_index = info["step"]
         if isinstance(session.snapshots, MemorySnapshots):
             session.snapshots.take(info["step"])
@@ -130,7 +131,8 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
                                 controller=session, data_state=data.state_dict(), keep=tc.ckpt_keep,
                                 extra={"losses": list(res.losses), "grad_norms": list(res.grad_norms),
                                        "scheduler": sched.state_dict(), "iteration": iteration - 1,
-                                       "rewinds_logged": sorted(rewinds_logged)})
+                                       "rewinds_logged": sorted(rewinds_logged), "passes": res.passes,
+                                       "rewinds": res.rewinds})
             if (factor := injected.lr_factor()) != 1.0:
                 for g in opt.param_groups:
                     g["lr"] *= factor

@@ -22,6 +22,8 @@ site of the model (a pipeline rank holds some), and every rank decides alike.
 
 from __future__ import annotations
 
+import json
+
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,13 +233,18 @@ class Session:
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict:
         return {"controller": None if self.controller is None else self.controller.state_dict(),
-                "step": self.step_index, "rewinds": self.rewinds, "skipped": self.skipped}
+                "step": self.step_index, "rewinds": self.rewinds, "skipped": self.skipped,
+                "events": [e.to_json() for e in self.events]}
 
     def load_state_dict(self, s: dict) -> None:
         if self.controller is not None and s.get("controller") is not None:
             self.controller.load_state_dict(s["controller"])
         self.step_index = int(s.get("step", self.step_index))
         self.rewinds, self.skipped = int(s.get("rewinds", 0)), int(s.get("skipped", 0))
+        if "events" in s:   # resumed: the events up to the checkpoint; the event log says the same
+            self.events = [Event.from_dict(json.loads(x)) for x in s["events"]]
+            if self.log is not None:
+                self.log.rewrite(self.events)   # a killed run's later events are redone, not kept twice
         self._prepare(self.step_index)
 
     def close(self) -> None:

@@ -16,7 +16,8 @@ after ending the run.
 
 A continued run redoes the steps since its newest checkpoint; `ResumeFilter` drops, once, each
 metric point and event that the journal already holds, until the run passes the step where it
-stopped (after that, a rewind's redone steps are logged as in a run that never stopped).
+stopped (after that, a rewind's redone steps are logged as in a run that never stopped), and each
+line of an appended log (`evals.jsonl`: a redone eval) that the buffer's file already holds.
 """
 
 from __future__ import annotations
@@ -96,10 +97,12 @@ def check_buffer(buffer_dir: str | os.PathLike, resume: bool) -> RunState:
 class ResumeFilter:
     """Drops the metric points and events a continued run logs again (see the module doc)."""
 
-    def __init__(self, steps: dict[str, set[int]], events: dict[tuple, int]):
+    def __init__(self, steps: dict[str, set[int]], events: dict[tuple, int], files: Path | None = None):
         self._steps = steps     # metric key -> steps in the journal, until the run passes them
         self._top = {k: max(v) for k, v in steps.items() if v}
         self._events = events   # (step, kind, sites, stage) -> how many the journal holds
+        self._files = files     # the buffer's files/ (appended logs such as evals.jsonl)
+        self._lines: dict[str, dict] = {}   # file name -> line key -> how many the file holds
 
     @classmethod
     def from_journal(cls, outbox: Outbox, events) -> "ResumeFilter":
@@ -116,7 +119,7 @@ class ResumeFilter:
         counts: dict[tuple, int] = {}
         for e in events:
             counts[_event_key(e)] = counts.get(_event_key(e), 0) + 1
-        return cls(steps, counts)
+        return cls(steps, counts, outbox.dir / "files")
 
     def records(self, recs: list[dict]) -> list[dict]:
         """The records with metric points the journal already holds taken out."""
@@ -142,6 +145,23 @@ class ResumeFilter:
             return False
         return True
 
+    def line(self, name: str, line: str) -> bool:
+        """Whether a line for the appended file `name` (e.g. evals.jsonl) is new: a line with the
+        same step and prefix that the file already holds is dropped, once (a redone eval)."""
+        if name not in self._lines:
+            p = self._files / name if self._files is not None else None
+            counts: dict = {}
+            if p is not None and p.is_file():
+                for old in p.read_text().splitlines():
+                    if old.strip():
+                        counts[_line_key(old)] = counts.get(_line_key(old), 0) + 1
+            self._lines[name] = counts
+        counts, k = self._lines[name], _line_key(line)
+        if counts.get(k):
+            counts[k] -= 1
+            return False
+        return True
+
     def events(self, events: list) -> list:
         out = []
         for e in events:
@@ -155,3 +175,11 @@ class ResumeFilter:
 
 def _event_key(e) -> tuple:
     return (int(e.step), e.kind, tuple(e.sites), e.stage)
+
+
+def _line_key(line: str):
+    try:
+        d = json.loads(line)
+    except ValueError:
+        return line
+    return (d.get("step"), d.get("prefix")) if isinstance(d, dict) and "step" in d else line

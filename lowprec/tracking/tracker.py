@@ -366,8 +366,9 @@ class Tracker:
             return self._records(("file", name, json.dumps(obj, default=str), []))
         if kind == "append":
             _, name, line = item
-            with open(self.files / name, "a") as f:
-                f.write(line + "\n")
+            if self._resume is None or self._resume.line(name, line):   # a redone eval's line is there
+                with open(self.files / name, "a") as f:
+                    f.write(line + "\n")
             return [{"op": "artifact", "file": f"files/{name}", "artifact_path": None}]
         if kind == "events":
             events = self._resume.events(item[1]) if self._resume is not None else item[1]

@@ -1,0 +1,323 @@
+"""A kill-and-resume campaign (issue 12, "What it must show"): `lowprec run` killed with SIGKILL
+at N = 20 random moments, each followed by `lowprec run CONFIG --out DIR --resume`, ends as an
+uninterrupted run does: losses.json equal bit for bit, one MLflow run (the same id throughout)
+that is FINISHED, every `train/loss` step in its metric history exactly once, every event once
+in events.jsonl and in MLflow.
+
+The moments (seeded) are chosen three ways: a wall-time offset after the process starts, a
+checkpoint being written (a `*.tmp` in the checkpoint folder), an eval checkpoint running
+(the step before it logged), and the tracker's journal growing (`outbox.jsonl`) or being sent
+(`outbox.ack` changing). The run is tiny (48 steps,
+a checkpoint every 3 steps, a rollout stage promoted at step 7, lm-eval evals of the
+`shakespeare` suite in fast mode at steps 16, 32 and 48); the test takes about two minutes
+on two cores, most of it Python start-up. evals.jsonl and the eval metrics are checked too.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lowprec.events import EventKind
+
+N_KILLS = 20
+STEPS = 48
+SEED = 12
+EVAL_AFTER = (15, 31, STEPS - 1)   # the steps after which an eval runs (eval.every 16, the final one)
+
+MODEL = '''
+import time
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab, width):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x, y=None):
+        h = self.embed(x)
+        h = h + self.down(F.gelu(self.up(h)))
+        if y is None:   # the evaluator's call: logits
+            return self.head(h)
+        time.sleep(0.25)   # a training step long enough to be killed in
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def build(vocab=256, width=32):
+    return TinyLM(vocab, width)
+
+
+def tokens(n=4000):
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 256, (n,), generator=g)
+'''
+
+
+def _config(uri: str, experiment: str) -> dict:
+    return {
+        "model": {"factory": "killlm:build", "args": {"vocab": 256, "width": 32}},
+        "data": {"factory": "killlm:tokens", "block_size": 16},
+        "train": {"steps": STEPS, "batch_size": 4, "warmup": 2, "ckpt_every": 3, "log_every": 2},
+        "precision": {"backend": "emulated", "default": "bf16", "keep_high_precision": [{"fqns": ["head"]}],
+                      "rules": [{"name": "mlp", "select": {"fqns": ["up", "down"]}, "format": "bf16",
+                                 "ladder": ["fp8_tensorwise", "bf16"]}]},
+        "rollout": {"check_every": 4, "min_steps": 4,
+                    "stages": [{"name": "mlp", "select": {"fqns": ["up", "down"]}, "format": "fp8_tensorwise"}]},
+        "eval": {"suite": "shakespeare", "every": 16, "mode": "fast", "final_mode": "fast", "gates": None,
+                 "high_precision": False, "batch_size": 8},
+        "tracking": {"uri": uri, "experiment": experiment, "run_name": "k"},
+    }
+
+
+def _start(cwd: Path, out: str, resume: bool) -> subprocess.Popen:
+    args = [sys.executable, "-m", "lowprec.cli", "run", "run.yaml", "--out", out] + (["--resume"] if resume else [])
+    return subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except FileNotFoundError:
+        return -1
+
+
+def _mtime(p: Path) -> int:
+    try:
+        return p.stat().st_mtime_ns
+    except FileNotFoundError:
+        return -1
+
+
+def _kill_at(p: subprocess.Popen, out: Path, how: str, rng: random.Random, give_up: float) -> bool:
+    """Wait for the moment `how` names, SIGKILL the process; False when it ended first."""
+    ckpts, journal, ack = out / "checkpoints", out / "tracking" / "outbox.jsonl", out / "tracking" / "outbox.ack"
+    t0, started, alive = time.monotonic(), None, None
+    offset = rng.uniform(0.0, 1.2)   # after the process first writes to its journal (start-up done)
+    skip = rng.randrange(0, 2 if how == "ack" else 3)   # let a few such moments pass first
+    size, stamp = _size(journal), _mtime(ack)
+    first, writing = size, set()
+    while p.poll() is None:
+        now = time.monotonic() - t0
+        if how == "time":
+            if started is None and _size(journal) != first:
+                started = now
+            hit = started is not None and now >= started + offset
+        elif how == "checkpoint":   # a checkpoint being written (each write counted once)
+            tmps = {q.name for q in ckpts.iterdir() if q.name.endswith(".tmp")} if ckpts.is_dir() else set()
+            hit, writing = bool(tmps - writing), tmps
+        elif how == "journal":
+            hit = (s := _size(journal)) != size
+            size = s
+        elif how == "eval":   # the step before an eval checkpoint is logged: the eval runs now
+            if alive is None and _size(journal) != first:
+                alive = now
+            if started is None and alive is not None and _last_loss_step(journal) in EVAL_AFTER:
+                started = now
+            # no eval within two seconds: a plain moment (so that one life does not run far)
+            hit = now >= started + offset / 3 if started is not None else alive is not None and now > alive + 2
+        else:   # "ack": the outbox was sent to the store
+            hit = (m := _mtime(ack)) != stamp
+            stamp = m
+        if hit and skip > 0:
+            skip -= 1
+            hit = False
+        if hit or now > give_up:
+            p.send_signal(signal.SIGKILL)
+            p.communicate(timeout=60)
+            return True
+        time.sleep({"checkpoint": 0.0005, "eval": 0.02}.get(how, 0.002))
+    return False
+
+
+def _last_loss_step(journal: Path) -> int:
+    try:
+        lines = journal.read_bytes().splitlines()[-6:]
+    except FileNotFoundError:
+        return -1
+    steps = [m[3] for x in lines if x.endswith(b"}") for m in json.loads(x).get("metrics", ()) if m[0] == "train/loss"]
+    return steps[-1] if steps else -1
+
+
+def _finish(p: subprocess.Popen) -> None:
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0, stderr[-3000:]
+
+
+def _progress(out: Path) -> str:
+    """Where the run was when killed: newest checkpoint, last journaled train/loss step."""
+    ckpts = sorted(q.name for q in (out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
+    journal = out / "tracking" / "outbox.jsonl"
+    steps = [m[3] for x in (journal.read_text().splitlines() if journal.exists() else []) if x.endswith("}")
+             for m in json.loads(x).get("metrics", []) if m[0] == "train/loss"]
+    return f"{ckpts[-1] if ckpts else '-'} loss@{max(steps, default=-1)}"
+
+
+def _ended(p: subprocess.Popen) -> None:
+    """The last `--resume`: it trains to the end, or finds the run finished (killed after its
+    end was sent: refused, exit 2, nothing written)."""
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0 or (p.returncode == 2 and "which finished" in stderr), stderr[-3000:]
+
+
+def _events_jsonl(out: Path) -> list[tuple]:
+    rows = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines() if x.strip()]
+    return [(r["step"], r["kind"], tuple(r.get("sites", ())), r.get("stage")) for r in rows]
+
+
+@pytest.mark.slow   # 22 `lowprec run` processes, about two minutes
+def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_path, sqlite_store):
+    from mlflow.tracking import MlflowClient
+    uri = sqlite_store(tmp_path / "store")
+    (tmp_path / "killlm.py").write_text(MODEL)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(_config(uri, "kill")))
+
+    _finish(_start(tmp_path, "ref", resume=False))   # the uninterrupted reference
+    ref = tmp_path / "ref"
+    assert any(e[1] == EventKind.PROMOTE for e in _events_jsonl(ref)), "the rollout must promote a stage"
+
+    out, rng = tmp_path / "out", random.Random(SEED)
+    kinds = ["time", "checkpoint", "journal", "ack", "eval"]
+    kills, resume, log = 0, False, []
+    while kills < N_KILLS:
+        how = kinds[kills % len(kinds)] if kills < len(kinds) else rng.choice(kinds)
+        p = _start(tmp_path, "out", resume)
+        if not _kill_at(p, out, how, rng, give_up=15.0):
+            _ended(p)
+            break   # it finished before the moment came
+        kills, resume = kills + 1, True
+        log.append((how, _progress(out)))
+    else:
+        _ended(_start(tmp_path, "out", resume=True))
+    print("kills:", *log, sep="\n  ")
+    assert kills >= N_KILLS * 3 // 4, log   # all of them, unless the run ended first
+
+    assert (out / "losses.json").read_bytes() == (ref / "losses.json").read_bytes()
+    assert (out / "grad_norms.json").read_bytes() == (ref / "grad_norms.json").read_bytes()
+    summary, ref_summary = (json.loads((d / "summary.json").read_text()) for d in (out, ref))
+    assert {**summary, "seconds_per_step": 0} == {**ref_summary, "seconds_per_step": 0}, log
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("kill")
+    runs = {r.info.run_id: r for r in client.search_runs([exp.experiment_id])}
+    ref_id = (ref / "run_id").read_text().strip()
+    run_id = json.loads((out / "tracking" / "run.json").read_text())["run_id"]
+    assert set(runs) == {ref_id, run_id}, "one MLflow run for the killed run, the same id throughout"
+    if (out / "run_id").exists():   # absent when killed after the run ended, before it was written
+        assert (out / "run_id").read_text().strip() == run_id
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    for key in ("train/loss", "train/loss_last", "train/grad_norm", "eval/heldout_shakespeare/bits_per_byte"):
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        ref_steps = [m.step for m in client.get_metric_history(ref_id, key)]
+        assert sorted(steps) == sorted(ref_steps) and len(set(steps)) == len(steps), (key, log)
+        vals = {m.step: m.value for m in client.get_metric_history(run_id, key)}
+        assert vals == {m.step: m.value for m in client.get_metric_history(ref_id, key)}, (key, log)
+    events = _events_jsonl(out)
+    assert events == _events_jsonl(ref), log
+    assert len(set(events)) == len(events)
+    evals = Path(client.download_artifacts(run_id, "evals.jsonl", str(tmp_path / "dl")))
+    ref_evals = Path(client.download_artifacts(ref_id, "evals.jsonl", str(tmp_path / "dl_ref")))
+    assert [json.loads(x)["step"] for x in evals.read_text().splitlines()] == \
+        [json.loads(x)["step"] for x in ref_evals.read_text().splitlines()] == [16, 32, STEPS], log
+    key = "eval/heldout_shakespeare/bits_per_byte"
+    assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [16, 32, STEPS], log
+    mlflow_events = Path(client.download_artifacts(run_id, "events.jsonl", str(tmp_path / "dl")))
+    assert _events_jsonl(mlflow_events.parent) == events, log
+
+
+# ------------------------------------------------------------------ what the campaign found, on its own
+DEAD = "http://127.0.0.1:9"   # nothing listens: records stay in the journal
+FAST = dict(flush_interval_s=0.2, retry_max_s=1.0, probe_timeout_s=0.5)
+
+
+def test_resume_sends_a_finished_run_whose_end_was_not_sent(tmp_path, sqlite_store, capsys):
+    """Killed after the run's end was journaled, before it was sent: the MLflow run said RUNNING
+    and `--resume` refused the finished run, so nothing could close it. Now `--resume` sends it."""
+    from mlflow.tracking import MlflowClient
+    from lowprec.cli import main
+    from lowprec.tracking.tracker import Tracker
+    uri = sqlite_store(tmp_path / "store")
+    out = tmp_path / "out"
+    t = Tracker(DEAD, "kill", "k", buffer_dir=out / "tracking", **FAST)
+    for s in range(3):
+        t.log_metrics(s, {"train/loss": float(s)})
+    assert t.finish("FINISHED", timeout=0.5, report=False)["pending"] > 0   # journaled, not sent
+    cfg = _config(DEAD, "kill")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["run", str(tmp_path / "run.yaml"), "--out", str(out), "--resume"]) == 2   # still no server
+    assert "were not sent" in capsys.readouterr().err and not (out / "run_id").exists()
+
+    info = json.loads((out / "tracking" / "run.json").read_text())   # the server is back, at another address
+    (out / "tracking" / "run.json").write_text(json.dumps({**info, "tracking_uri": uri}))
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(_config(uri, "kill")))
+    assert main(["run", str(tmp_path / "run.yaml"), "--out", str(out), "--resume"]) == 0
+    assert "nothing was trained" in capsys.readouterr().out
+    run_id = (out / "run_id").read_text().strip()
+    client = MlflowClient(uri)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [0, 1, 2]
+    assert main(["run", str(tmp_path / "run.yaml"), "--out", str(out), "--resume"]) == 2   # all sent: refused
+    assert "which finished" in capsys.readouterr().err
+
+
+def test_a_redone_eval_is_kept_once_in_evals_jsonl(tmp_path):
+    """A run killed after an eval resumes from an earlier checkpoint and evaluates again: the
+    line was appended to evals.jsonl twice (the metrics were filtered, the log was not)."""
+    import subprocess as sp
+    import textwrap
+    from lowprec.tracking.tracker import Tracker
+    buf = tmp_path / "tracking"
+    code = textwrap.dedent(f"""
+        import os, signal
+        from lowprec.tracking.tracker import Tracker
+        t = Tracker({DEAD!r}, "e", "k", buffer_dir={str(buf)!r})
+        t.log_eval(4, {{"task": {{"acc": 0.5}}}}, mode="fast", suite="s")
+        t._journal_flush(30)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    p = sp.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    t = Tracker(DEAD, "e", "k", buffer_dir=buf, resume=True, **FAST)
+    t.log_eval(4, {"task": {"acc": 0.5}}, mode="fast", suite="s")     # redone
+    t.log_eval(8, {"task": {"acc": 0.6}}, mode="fast", suite="s")     # new
+    t.finish("FINISHED", timeout=0.5, report=False)
+    assert [json.loads(x)["step"] for x in (buf / "files" / "evals.jsonl").read_text().splitlines()] == [4, 8]
+
+
+def test_a_resumed_session_keeps_each_event_once_in_its_log(tmp_path):
+    """A run killed after an event (a promotion at step 7) resumes from a checkpoint before it and
+    makes the same decision again: the event log held it twice. The checkpoint keeps the events
+    so far; resuming rewrites the log to them (the later ones are redone)."""
+    import torch
+    from lowprec.events import Event, read_events
+    from lowprec.runtime.session import Session
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = tmp_path / "events.jsonl"
+
+    class NoSites:   # a precision state with nothing to quantize
+        def collect_stats(self, on):
+            pass
+
+    first = Session(model, opt, NoSites(), None, event_log=log)
+    early, late = Event(2, EventKind.SKIP_STEP, (), reason="early"), Event(7, EventKind.SKIP_STEP, (), reason="late")
+    first.events.append(early)
+    first.log.append([early])
+    saved = first.state_dict()                     # the checkpoint at step 3
+    first.events.append(late)
+    first.log.append([late])                       # then killed
+    again = Session(model, opt, NoSites(), None, event_log=log)
+    again.load_state_dict(saved)
+    assert again.events == [early] and read_events(log) == [early]
