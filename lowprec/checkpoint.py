@@ -60,7 +60,8 @@ from torch import nn
 from lowprec.integrity import CorruptCheckpointError, payload_integrity, verify_manifest, verify_payload, \
     write_manifest
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "verify_checkpoint",
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "rng_state",
+           "restore_rng_state", "verify_checkpoint",
            "checkpoint_to_resume", "CorruptCheckpointError", "NoUsableCheckpointError", "ABANDONED"]
 
 FORMAT, VERSION = "lowprec.checkpoint", 2
@@ -97,7 +98,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, *, model: nn.Module
              "precision": None if precision is None else precision.state_dict(),
              "controller": None if controller is None else controller.state_dict(),
              "data": None if data_state is None else dict(data_state), "extra": extra,
-             "rng": _rng_state()}
+             "rng": rng_state()}
     _check_plain(local, "checkpoint")
     if _distributed(model):
         return _save_dcp(directory, step, model, optimizer, local, keep, _before_replace)
@@ -358,7 +359,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
         model.load_state_dict(payload["model"])
         optimizer.load_state_dict(payload["optim"])
     if restore_rng:
-        _restore_rng(payload["rng"])
+        restore_rng_state(payload["rng"])
     return {"step": payload["step"], "data_state": payload["data"], "extra": payload["extra"],
             "path": path}
 
@@ -442,7 +443,8 @@ def _check_optim(saved: dict, optimizer: torch.optim.Optimizer, path: Path) -> N
 
 # ----------------------------------------------------------------------------- RNG
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
+    """Torch (CPU; CUDA when initialised), Python and NumPy random states, as plain tensors and numbers."""
     version, internal, gauss = random.getstate()
     state = {"torch": torch.get_rng_state(),
              "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
@@ -468,7 +470,8 @@ def _check_rng(state: dict, path: Path) -> None:
         raise ValueError(f"{path} holds NumPy's RNG state but NumPy is not installed; install it {fix}")
 
 
-def _restore_rng(state: dict) -> None:
+def restore_rng_state(state: dict) -> None:
+    """Put back what `rng_state` took."""
     torch.set_rng_state(state["torch"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])

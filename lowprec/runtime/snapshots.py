@@ -22,7 +22,6 @@ continue from; None when there is no such snapshot.
 from __future__ import annotations
 
 import copy
-import random
 import warnings
 from collections import deque
 from pathlib import Path
@@ -31,7 +30,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-__all__ = ["Snapshots", "MemorySnapshots", "DiskSnapshots", "rng_state", "set_rng_state"]
+from lowprec.checkpoint import (CorruptCheckpointError, list_checkpoints, load_checkpoint, restore_rng_state,
+                                rng_state)
+
+__all__ = ["Snapshots", "MemorySnapshots", "DiskSnapshots"]
 
 
 class Snapshots(Protocol):
@@ -40,29 +42,6 @@ class Snapshots(Protocol):
 
     def restore(self, step: int, skip_batches: int) -> int | None:
         """Go back to the newest snapshot old enough for a fault seen at `step`."""
-
-
-def rng_state() -> dict:
-    """Torch (CPU, and CUDA when initialised), Python and NumPy random states."""
-    out = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-        out["numpy"] = np.random.get_state()
-    except ImportError:  # numpy is optional for users of the session
-        pass
-    return out
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-        np.random.set_state(state["numpy"])
 
 
 def _copy_tensors(obj, device: torch.device | None):
@@ -142,7 +121,7 @@ class MemorySnapshots:
         self.optimizer.load_state_dict(_copy_tensors(snap.optimizer, None))
         if self.scheduler is not None:
             self.scheduler.load_state_dict(copy.deepcopy(snap.scheduler))
-        set_rng_state(snap.rng)
+        restore_rng_state(snap.rng)
         if self.data is not None:
             # the data does not go back: the batches between the snapshot and now are
             # skipped, and `skip_batches` more after them
@@ -164,7 +143,6 @@ class DiskSnapshots:
         """The loop writes the checkpoints (they are also what --resume reads)."""
 
     def restore(self, step: int, skip_batches: int) -> int | None:
-        from lowprec.checkpoint import CorruptCheckpointError, list_checkpoints, load_checkpoint
         for back, path in reversed([(s, p) for s, p in list_checkpoints(self.directory) if s <= step - self.margin]):
             try:   # verified before anything changes: a corrupt one is skipped for the next older
                 info = load_checkpoint(path, model=self.model, optimizer=self.optimizer, restore_rng=True,
