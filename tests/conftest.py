@@ -7,7 +7,9 @@ folder's own fixtures live in its conftest.py (tests/lowprec/conftest.py: MLflow
 
 from __future__ import annotations
 
+import shutil
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -31,3 +33,13 @@ def gloo():
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this build")
     return dist
+
+
+@pytest.fixture(scope="session")
+def tiny_lm():
+    """`tiny_lm(folder, name="tinylm")`: copies tests/tiny_lm.py, a user's own model and data
+    module, into `folder` as `<name>.py`; returns `name` (for `model.factory: <name>:build`)."""
+    def write(folder: Path, name: str = "tinylm") -> str:
+        shutil.copy(Path(__file__).with_name("tiny_lm.py"), Path(folder) / f"{name}.py")
+        return name
+    return write

@@ -7,7 +7,6 @@ SIGKILL then resumed with `--resume`, as subprocesses.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -110,31 +109,6 @@ def test_a_failed_run_is_reopened_and_closed_finished(tmp_path, sqlite_store):
 
 
 # ------------------------------------------------------------------ `lowprec run`, killed and resumed
-SLOW_MODEL = '''
-import time
-import torch
-from torch import nn
-import torch.nn.functional as F
-
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab, width):
-        super().__init__()
-        self.embed, self.head = nn.Embedding(vocab, width), nn.Linear(width, vocab)
-        self.up = nn.Linear(width, width)
-
-    def forward(self, x, y):
-        time.sleep(0.3)   # slow enough to be killed in the middle
-        return F.cross_entropy(self.head(self.up(self.embed(x))).flatten(0, 1), y.flatten())
-
-
-def build(vocab=64, width=16):
-    return TinyLM(vocab, width)
-
-
-def tokens(n=4000):
-    return torch.arange(n) % 64
-'''
 STEPS = 12
 
 
@@ -148,11 +122,12 @@ def _tree(d: Path) -> dict:
 
 
 @pytest.mark.slow   # three `lowprec run` processes
-def test_lowprec_run_killed_then_resumed_continues_and_closes_the_same_run(tmp_path, sqlite_store):
+def test_lowprec_run_killed_then_resumed_continues_and_closes_the_same_run(tmp_path, sqlite_store, tiny_lm):
     from mlflow.tracking import MlflowClient
     uri = sqlite_store(tmp_path / "store")
-    (tmp_path / "slowlm.py").write_text(SLOW_MODEL)
-    cfg = {"model": {"factory": "slowlm:build"}, "data": {"factory": "slowlm:tokens", "block_size": 8},
+    tiny_lm(tmp_path, "slowlm")
+    cfg = {"model": {"factory": "slowlm:build", "args": {"width": 16, "step_seconds": 0.3}},
+           "data": {"factory": "slowlm:tokens", "block_size": 8},
            "train": {"steps": STEPS, "batch_size": 2, "warmup": 1, "ckpt_every": 4, "log_every": 1},
            "precision": {"backend": "emulated", "default": "bf16", "rules": []},
            "tracking": {"uri": uri, "experiment": "killed", "run_name": "k"}}

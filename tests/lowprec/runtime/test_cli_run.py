@@ -10,38 +10,12 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
 from lowprec.cli import main
-
-MODEL = '''
-import torch
-from torch import nn
-import torch.nn.functional as F
-
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab, width):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, x, y):
-        h = self.embed(x)
-        h = h + self.down(F.gelu(self.up(h)))
-        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
-
-
-def build(vocab=64, width=32):
-    return TinyLM(vocab, width)
-
-
-def tokens(n=4000):
-    return torch.arange(n) % 64
-'''
 
 GOOD = {
     "model": {"factory": "tinylm:build", "args": {"vocab": 64, "width": 32}},
@@ -96,8 +70,8 @@ def _config(change: dict) -> dict:
 
 
 @pytest.fixture
-def project(tmp_path, monkeypatch):
-    (tmp_path / "tinylm.py").write_text(MODEL)
+def project(tmp_path, monkeypatch, tiny_lm):
+    tiny_lm(tmp_path)
     (tmp_path / "absent_task_gates.yaml").write_text(
         "gates:\n  - {metric: eval/no_such_task/bits_per_byte, direction: lower_is_better, "
         "max_regression: {relative: 0.03}}\n")

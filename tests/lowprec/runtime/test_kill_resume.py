@@ -33,43 +33,10 @@ STEPS = 48
 SEED = 12
 EVAL_AFTER = (15, 31, STEPS - 1)   # the steps after which an eval runs (eval.every 16, the final one)
 
-MODEL = '''
-import time
-import torch
-from torch import nn
-import torch.nn.functional as F
-
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab, width):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, x, y=None):
-        h = self.embed(x)
-        h = h + self.down(F.gelu(self.up(h)))
-        if y is None:   # the evaluator's call: logits
-            return self.head(h)
-        time.sleep(0.25)   # a training step long enough to be killed in
-        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
-
-
-def build(vocab=256, width=32):
-    return TinyLM(vocab, width)
-
-
-def tokens(n=4000):
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, 256, (n,), generator=g)
-'''
-
-
 def _config(uri: str, experiment: str) -> dict:
     return {
-        "model": {"factory": "killlm:build", "args": {"vocab": 256, "width": 32}},
-        "data": {"factory": "killlm:tokens", "block_size": 16},
+        "model": {"factory": "killlm:build", "args": {"vocab": 256, "width": 32, "step_seconds": 0.25}},
+        "data": {"factory": "killlm:tokens", "args": {"vocab": 256, "seed": 0}, "block_size": 16},
         "train": {"steps": STEPS, "batch_size": 4, "warmup": 2, "ckpt_every": 3, "log_every": 2},
         "precision": {"backend": "emulated", "default": "bf16", "keep_high_precision": [{"fqns": ["head"]}],
                       "rules": [{"name": "mlp", "select": {"fqns": ["up", "down"]}, "format": "bf16",
@@ -178,10 +145,10 @@ def _events_jsonl(out: Path) -> list[tuple]:
 
 
 @pytest.mark.slow   # 22 `lowprec run` processes, about two minutes
-def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_path, sqlite_store):
+def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_path, sqlite_store, tiny_lm):
     from mlflow.tracking import MlflowClient
     uri = sqlite_store(tmp_path / "store")
-    (tmp_path / "killlm.py").write_text(MODEL)
+    tiny_lm(tmp_path, "killlm")
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(_config(uri, "kill")))
 
     _finish(_start(tmp_path, "ref", resume=False))   # the uninterrupted reference
