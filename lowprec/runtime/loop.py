@@ -30,9 +30,10 @@ from pathlib import Path
 
 import torch
 
+from lowprec.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from lowprec.runtime.engine import Engine
 from lowprec.runtime.faults import Faults, Injection
-from lowprec.runtime.session import Session
+from lowprec.runtime.session import Session, rollout_settings
 from lowprec.runtime.snapshots import DiskSnapshots, MemorySnapshots
 
 __all__ = ["RunResult", "train", "warmup_schedule"]
@@ -79,8 +80,6 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     controller: a RolloutController (None: the plan as it is, no decisions); rollout: its
     parsed section (for the rewind source and snapshot cadence). sites/group: as Session.
     """
-    from lowprec.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rank = _rank()
@@ -94,12 +93,10 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
                                   scheduler=sched, data=data)
     world_suffix = "" if rank == 0 and not (group is not None or sites is not None) else f".rank{rank}"
     session = Session(engine.module, opt, state, controller, scheduler=sched, data=data, snapshots=snapshots,
-                      monitor=rollout.monitor_config() if rollout is not None else None,
                       clip=lambda: engine.clip_grad_norm(tc.grad_clip), sites=sites, group=group,
                       event_log=out / f"events{world_suffix}.jsonl" if controller is not None else None,
                       on_events=tracker.log_events if tracker is not None else None,
-                      **({"snapshot_every": rollout.rewind.snapshot_every, "snapshot_keep": rollout.rewind.keep}
-                         if rollout is not None else {}))
+                      **rollout_settings(rollout))
     res = RunResult()
     iteration = 0   # loop passes, rewinds included: injected faults happen once, in time
     rewinds_logged: set[int] = set()   # steps whose rewind is in the tracker (once per step)

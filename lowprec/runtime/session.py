@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,7 +37,7 @@ from lowprec.events import Event, EventLog
 from lowprec.monitor import Monitor, MonitorConfig
 from lowprec.runtime.snapshots import MemorySnapshots, Snapshots
 
-__all__ = ["Session", "StepResult"]
+__all__ = ["Session", "StepResult", "rollout_settings"]
 
 
 @dataclass
@@ -50,11 +50,14 @@ class StepResult:
     grad_norm: torch.Tensor
     applied: bool = False              # the optimizer stepped
     rewound_to: int | None = None      # training goes on from this step (a rewind)
-    events: list[Event] = field(default_factory=list)
 
     @property
     def action(self):
         return self.decision.action
+
+    @property
+    def events(self) -> list[Event]:
+        return self.decision.events
 
 
 def _default_clip(model: nn.Module, max_norm: float | None) -> Callable[[], torch.Tensor]:
@@ -132,9 +135,7 @@ class Session:
         state = prepare(model, plan, seed=seed)
         controller = None if rollout is None else build_controller(rollout, state, model, baseline=baseline,
                                                                    gate=gate)
-        if rollout is not None:
-            kwargs.setdefault("monitor", rollout.monitor_config())
-        return cls(model, optimizer, state, controller, **_snapshot_kwargs(rollout, kwargs))
+        return cls(model, optimizer, state, controller, **{**rollout_settings(rollout), **kwargs})
 
     @classmethod
     def from_yaml(cls, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs) -> "Session":
@@ -168,7 +169,7 @@ class Session:
         if grad_norm is None:
             grad_norm = self.clip()
         decision = self._decide(s, loss, grad_norm)
-        result = StepResult(s, decision, loss.detach(), grad_norm, events=list(decision.events))
+        result = StepResult(s, decision, loss.detach(), grad_norm)
         if decision.action is Action.REWIND and self.snapshots is not None:
             back = self.snapshots.restore(s, decision.skip_batches)
             if back is not None:
@@ -268,9 +269,10 @@ def _read_yaml(path: str | Path) -> dict:
     return d
 
 
-def _snapshot_kwargs(rollout, kwargs: dict) -> dict:
-    """Snapshot cadence from the rollout's `rewind:` settings unless the caller gave it."""
-    if rollout is not None:
-        kwargs.setdefault("snapshot_every", rollout.rewind.snapshot_every)
-        kwargs.setdefault("snapshot_keep", rollout.rewind.keep)
-    return kwargs
+def rollout_settings(rollout) -> dict:
+    """What a Session takes from a parsed `rollout:` section: when signals are read and the
+    snapshot cadence (keyword arguments of `Session`; empty for no rollout)."""
+    if rollout is None:
+        return {}
+    return {"monitor": rollout.monitor_config(), "snapshot_every": rollout.rewind.snapshot_every,
+            "snapshot_keep": rollout.rewind.keep}
