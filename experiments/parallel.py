@@ -20,7 +20,7 @@ that give every rank the global batch-mean loss and the global gradient norm:
 
 The gradient norm is computed as `torch.nn.utils.clip_grad_norm_` computes it on one
 process: the norm of the vector of per-parameter norms, in the model's parameter order;
-a sharded parameter's norm comes from its shards' summed squares.
+a sharded parameter's norm comes from its shards' summed squares (`lowprec.runtime.gradnorm`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec.runtime.engine import forward_backward
+from lowprec.runtime.gradnorm import clip_, grad_norm, local_grad
 
 __all__ = ["ParallelConfig", "DataTensorParallel", "Pipeline", "GPTStage", "stage_bounds",
            "local_state", "grad_norm", "clip_"]
@@ -85,61 +86,10 @@ def local_state(state, fqns):
 
 # ----------------------------------------------------------------------------- gradients
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local tensor of a gradient; a partial sum (Partial placement) is refused, since
-    its local values are not this rank's share of the gradient."""
-    if not hasattr(t, "to_local"):
-        return t
-    if any(p.is_partial() for p in t.placements):
-        raise ValueError(f"a gradient has placements {t.placements}; reduce it (redistribute to "
-                         f"Replicate or Shard) before the data-parallel reduction and the norm")
-    return t.to_local()
-
-
-def _sharded(t: torch.Tensor) -> bool:
-    return any(p.is_shard() for p in getattr(t, "placements", ()))
-
-
-@torch.no_grad()
-def grad_norm(slots: list[torch.Tensor | None], whole: list[bool], group) -> torch.Tensor:
-    """The global 2-norm of the gradients of all parameters of the model.
-
-    slots: per parameter of the whole model, in its order, this rank's gradient (a DTensor
-        shard, a whole tensor) or None where the parameter lives on another rank.
-    whole: per slot, whether this rank contributes that whole tensor's norm (one rank per
-        replicated parameter). A sharded gradient contributes its shard's squared norm.
-    One SUM all-reduce over `group` combines them; every rank gets the same number.
-    """
-    local = [_local(g) for g in slots if g is not None]
-    norms = iter(torch._foreach_norm(local, 2.0)) if local else iter(())
-    n = len(slots)
-    packed = torch.zeros(2 * n, dtype=torch.float32)
-    for i, g in enumerate(slots):
-        if g is None:
-            continue
-        v = next(norms).float()
-        if _sharded(g):
-            packed[n + i] = v * v
-        elif whole[i]:
-            packed[i] = v
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(packed, group=group)
-    per_param = packed[:n] + packed[n:].sqrt()
-    return torch.linalg.vector_norm(per_param, 2.0)
-
-
-@torch.no_grad()
-def clip_(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
-    """Scale the gradients by min(max_norm / (total + 1e-6), 1), as clip_grad_norm_ does."""
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        _local(g).mul_(coef)
-
-
 @torch.no_grad()
 def _all_reduce_grads(params: list[nn.Parameter], group) -> None:
     """SUM the local gradients over `group` in one flat bucket."""
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    grads = [local_grad(p.grad) for p in params if p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

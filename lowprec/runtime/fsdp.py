@@ -36,7 +36,6 @@ own shards (`lowprec.runtime.snapshots`), and `lowprec.checkpoint` writes DCP ch
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -44,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowprec.runtime.engine import loss_of
+from lowprec.runtime.gradnorm import clip_, grad_norm
 
 __all__ = ["FullyShardedDP", "block_modules"]
 
@@ -158,21 +158,10 @@ class FullyShardedDP:
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         """Clip by the global gradient norm as clip_grad_norm_ does; returns the norm before."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        if not local:
+        if not grads:
             return torch.zeros(())
-        norms = torch._foreach_norm(local, 2.0)
-        mine = self.mesh.get_local_rank() == 0
-        squares = torch.stack([n.float() * n.float() if _sharded(g) or mine else torch.zeros((), dtype=torch.float32)
-                               for g, n in zip(grads, norms)])
-        if self.world > 1:
-            dist.all_reduce(squares, group=self.group)
-        total = torch.linalg.vector_norm(squares.sqrt(), 2.0)
-        coef = torch.clamp((math.inf if max_norm is None else max_norm) / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(local, coef)
+        # a shard counts on every rank, a replicated gradient once (on the first rank)
+        group = self.group if self.world > 1 else None
+        total = grad_norm(grads, [self.mesh.get_local_rank() == 0] * len(grads), group)
+        clip_(grads, total, max_norm)
         return total
-
-
-def _sharded(t: torch.Tensor) -> bool:
-    """A DTensor sharded over the mesh (FSDP2's Shard(0)); a replicated one counts once."""
-    return any(p.is_shard() for p in getattr(t, "placements", ()))
