@@ -36,9 +36,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import Callable
 
+from lowprec.anomaly import Anomaly, StepDetectors
+from lowprec.attribution import Attribution
 from lowprec.events import Event, EventKind
 from lowprec.formats import FORMATS
-from lowprec.detectors import LargeValueDetector, LossGapDetector, SpikeDetector, Thresholds
+from lowprec.detectors import LossGapDetector, Thresholds
 from lowprec.monitor import Signals
 from lowprec.verdicts import GateOutcome, Verdict
 
@@ -81,9 +83,12 @@ class ControllerConfig:
     quarantine_after: int = 2
     rewind: bool = False
     rewind_skip_batches: int = 0
+    persist_steps: int = 2       # anomalous steps in a row (not precision's) before a rewind
     thresholds: Thresholds = field(default_factory=Thresholds)
 
     def __post_init__(self) -> None:
+        if self.persist_steps < 1:
+            raise ValueError(f"persist_steps must be >= 1, got {self.persist_steps}")
         for name in ("min_steps", "cooldown_steps", "rewind_skip_batches"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -133,10 +138,7 @@ class RolloutController:
         self.config = config
         self.gate = gate
         th = config.thresholds
-        self.loss_spike = SpikeDetector(th.spike_window, th.spike_sigmas, th.spike_min_history)
-        self.grad_spike = SpikeDetector(th.spike_window, th.spike_sigmas, th.spike_min_history)
-        self.loss_large = LargeValueDetector(th.large_factor, th.large_warmup)
-        self.grad_large = LargeValueDetector(th.large_factor, th.large_warmup)
+        self.detectors = StepDetectors(th)
         if th.loss_gap is not None and not baseline:
             raise ValueError(f"thresholds.loss_gap is {th.loss_gap} but no baseline loss curve was given: "
                              "pass baseline={step: loss} (rollout.baseline in a config) or set loss_gap to None")
@@ -152,6 +154,9 @@ class RolloutController:
         self.retry_at: dict[str, int] = {}    # fallen-back site -> step it may retry
         self.before_stage: dict[str, str] = {}  # site -> format before its stage promoted it
         self.stage_failures: dict[str, int] = {}
+        self.pending: list[tuple[str, dict]] = []   # anomalies no replay explained: for the next check
+        self.streak = 0                       # consecutive anomalous steps that were not precision's
+        self.last_anomaly = -2                # step of the last such anomaly
 
     # ------------------------------------------------------------------ helpers
     def _up(self, site: str) -> str | None:
@@ -219,18 +224,34 @@ class RolloutController:
         return True
 
     # ------------------------------------------------------------------ the decision
-    def observe_step(self, step: int, finite: bool, signals: Signals | None = None) -> Decision:
+    def detect(self, step: int, loss: float, grad_norm: float) -> Anomaly | None:
+        """This step's global anomaly, if any (see `lowprec.anomaly`); call once per step with
+        the host values of the loss and the global grad norm, before `observe_step`."""
+        return self.detectors.observe(step, loss, grad_norm)
+
+    def replay_candidates(self) -> tuple[list[str], list[list[str]]]:
+        """What a replay may put in high precision: the low-precision sites in forward
+        order, and the groups to try first (the promoted stages, newest first, then the
+        sites that were low precision before any stage)."""
+        low = [s for s in self.order if _bits(self.current[s]) < 16]
+        groups = [[s for s in self.stages[i].sites if self.stage_of.get(s) == self.stages[i].name]
+                  for i in reversed(range(self.promoted))]
+        groups.append([s for s in low if s not in self.stage_of])
+        return low, [g for g in groups if g]
+
+    def observe_step(self, step: int, anomaly: Anomaly | None = None, signals: Signals | None = None,
+                     attribution: Attribution | None = None) -> Decision:
         """The decision for one training step, after backward and before optimizer.step().
 
-        `finite`: the step's loss and grad norm are finite. When they are not, the step is
-        skipped (a SKIP_STEP event), whatever else happens: the one NaN guard. `signals`:
-        the check's Signals on a check step (None between checks); the rules of `observe`
-        then add format changes and may turn the skip into a rewind."""
+        anomaly: `detect`'s verdict for this step. An anomalous step is never applied.
+        With `attribution` (the replays of `lowprec.attribution`), it is decided now: the
+        sites blamed fall back, or, when precision is not to blame, nothing is demoted and
+        a loss anomaly that persists for `persist_steps` steps rewinds. Without one (no
+        replay was possible), the anomaly waits for the next check's rules.
+        signals: the check's Signals on a check step (None between checks)."""
         d = Decision()
-        if not finite:
-            d.action = Action.SKIP_STEP
-            d.events.append(Event(step, EventKind.SKIP_STEP, (), {}, {}, "NaN/Inf in loss or gradients",
-                                  {"finite": False}))
+        if anomaly is not None:
+            self._on_anomaly(step, anomaly, attribution, d)
         if signals is not None:
             checked = self.observe(step, signals)
             d.changes.update(checked.changes)
@@ -238,6 +259,48 @@ class RolloutController:
             if checked.action is Action.REWIND:
                 d.action, d.skip_batches = Action.REWIND, checked.skip_batches
         return d
+
+    def _on_anomaly(self, step: int, a: Anomaly, attribution: Attribution | None, d: Decision) -> None:
+        d.action = Action.SKIP_STEP
+        if attribution is None:
+            if not a.nonfinite:   # NaN reaches the check through the window's losses
+                self.pending.append((a.names, {**a.to_evidence(), "step": step}))
+            d.events.append(Event(step, EventKind.SKIP_STEP, (), {}, {}, f"{a.names}: step skipped",
+                                  {"finite": not a.nonfinite, **a.to_evidence()}))
+            return
+        for r in attribution.replays:
+            d.events.append(Event(step, EventKind.REPLAY, r.high_precision, {}, {}, (
+                f"replayed with {len(r.high_precision)} site(s) in high precision: "
+                f"{'still ' + a.names if r.anomalous else 'clean'}"), r.to_evidence()))
+        evidence = {**a.to_evidence(), **attribution.evidence}
+        if attribution.precision_to_blame:
+            for site in attribution.blamed:
+                self._fallback(site, step, f"{a.names} gone when replayed with this site in high precision",
+                               evidence, d)
+            d.events.append(Event(step, EventKind.SKIP_STEP, (), {}, {}, (
+                f"{a.names}: precision to blame ({len(attribution.blamed)} site(s))"), evidence))
+            self.streak = 0
+            self.stable_since = step
+            return
+        self.streak = self.streak + 1 if step - self.last_anomaly == 1 else 1
+        self.last_anomaly = step
+        d.events.append(Event(step, EventKind.SKIP_STEP, (), {}, {}, (
+            f"{a.names} persists with every site in high precision: not precision, nothing demoted"),
+            {**evidence, "streak": self.streak}))
+        if not a.loss_is_off or self.streak < self.config.persist_steps:
+            return
+        self.streak = 0
+        if self.config.rewind:
+            d.action, d.skip_batches = Action.REWIND, self.config.rewind_skip_batches
+            d.events.append(Event(step, EventKind.REWIND, (), {}, {}, (
+                f"rewind: {a.names} for {self.config.persist_steps} steps in a row, not precision's"),
+                {"skip_batches": d.skip_batches, **a.to_evidence()}))
+        elif not a.nonfinite:   # nothing to go back to: the new level becomes the normal one
+            d.action = Action.CONTINUE
+            self.detectors.accept_level()
+            d.events.append(Event(step, EventKind.ACCEPT, (), {}, {}, (
+                f"{a.names} for {self.config.persist_steps} steps in a row and rewind is off: "
+                "the step is applied and the detectors start over"), a.to_evidence()))
 
     def observe(self, step: int, signals: Signals) -> Decision:
         """One check: the rules (see the module docstring) over the window's Signals. The
@@ -325,15 +388,12 @@ class RolloutController:
         return d
 
     def _global_signals(self, step: int, signals: Signals) -> list[tuple[str, dict]]:
-        fired = []
-        first = signals.step - len(signals.losses) + 1
-        for i, (loss, norm) in enumerate(zip(signals.losses, signals.grad_norms)):
-            for name, det, v in (("loss_spike", self.loss_spike, loss), ("grad_norm_spike", self.grad_spike, norm),
-                                 ("loss_large", self.loss_large, loss), ("grad_norm_large", self.grad_large, norm)):
-                hit, ev = det.update(v)
-                if hit and name not in dict(fired):
-                    fired.append((name, {**ev, "step": first + i}))
-            if self.loss_gap is not None:
+        """The anomalies left for this check (no replay explained them), then the loss gap
+        over the window's losses."""
+        fired, self.pending = list(self.pending), []
+        if self.loss_gap is not None:
+            first = signals.step - len(signals.losses) + 1
+            for i, loss in enumerate(signals.losses):
                 hit, ev = self.loss_gap.update(first + i, loss)
                 if hit and "loss_gap" not in dict(fired):
                     fired.append(("loss_gap", {**ev, "step": first + i}))
@@ -397,8 +457,9 @@ class RolloutController:
                 "target": dict(self.target), "failures": dict(self.failures), "strikes": dict(self.strikes),
                 "floor": dict(self.floor), "retry_at": dict(self.retry_at),
                 "before_stage": dict(self.before_stage), "stage_failures": dict(self.stage_failures),
-                "detectors": {"loss_spike": self.loss_spike.state_dict(), "grad_spike": self.grad_spike.state_dict(),
-                              "loss_large": self.loss_large.state_dict(), "grad_large": self.grad_large.state_dict(),
+                "pending": [[name, ev] for name, ev in self.pending], "streak": self.streak,
+                "last_anomaly": self.last_anomaly,
+                "detectors": {**self.detectors.state_dict(),
                               "loss_gap": self.loss_gap.state_dict() if self.loss_gap else None}}
 
     def load_state_dict(self, s: dict) -> None:
@@ -412,11 +473,10 @@ class RolloutController:
         for name in ("stage_of", "target", "failures", "strikes", "floor", "retry_at", "before_stage",
                      "stage_failures"):
             setattr(self, name, dict(s[name]))
+        self.pending = [(name, ev) for name, ev in s.get("pending", [])]   # absent before per-step detection
+        self.streak, self.last_anomaly = int(s.get("streak", 0)), int(s.get("last_anomaly", -2))
         det = s["detectors"]
-        self.loss_spike.load_state_dict(det["loss_spike"])
-        self.grad_spike.load_state_dict(det["grad_spike"])
-        self.loss_large.load_state_dict(det["loss_large"])
-        self.grad_large.load_state_dict(det["grad_large"])
+        self.detectors.load_state_dict(det)
         if self.loss_gap is not None and det["loss_gap"] is not None:
             self.loss_gap.load_state_dict(det["loss_gap"])
 

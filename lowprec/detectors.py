@@ -72,19 +72,21 @@ class SpikeDetector:
         self.window, self.sigmas, self.min_history = window, sigmas, min_history
         self.values: deque[float] = deque(maxlen=window)
 
-    def update(self, value: float) -> tuple[bool, dict]:
-        """(is_spike, evidence); non-finite values are not added (NaN is handled apart)."""
-        if not math.isfinite(value):
+    def test(self, value: float) -> tuple[bool, dict]:
+        """(is_spike, evidence) against the current history, remembering nothing. Non-finite
+        values are no spike (NaN is handled apart)."""
+        if not math.isfinite(value) or len(self.values) < self.min_history:
             return False, {}
-        spike, evidence = False, {}
-        if len(self.values) >= self.min_history:
-            n = len(self.values)
-            mean = sum(self.values) / n
-            std = math.sqrt(sum((v - mean) ** 2 for v in self.values) / max(n - 1, 1))
-            limit = mean + self.sigmas * std
-            spike = value > limit
-            evidence = {"value": value, "mean": mean, "std": std, "limit": limit, "window": n}
-        if not spike:
+        n = len(self.values)
+        mean = sum(self.values) / n
+        std = math.sqrt(sum((v - mean) ** 2 for v in self.values) / max(n - 1, 1))
+        limit = mean + self.sigmas * std
+        return value > limit, {"value": value, "mean": mean, "std": std, "limit": limit, "window": n}
+
+    def update(self, value: float) -> tuple[bool, dict]:
+        """`test`, then a finite value that is no spike joins the history."""
+        spike, evidence = self.test(value)
+        if not spike and math.isfinite(value):
             self.values.append(value)
         return spike, evidence
 
@@ -103,15 +105,20 @@ class LargeValueDetector:
         self.seen = 0
         self.reference = 0.0
 
-    def update(self, value: float) -> tuple[bool, dict]:
-        if not math.isfinite(value):
-            return False, {}
-        if self.seen < self.warmup:
-            self.seen += 1
-            self.reference = max(self.reference, value)
+    def test(self, value: float) -> tuple[bool, dict]:
+        """(is_large, evidence), remembering nothing; nothing is large during the warmup."""
+        if not math.isfinite(value) or self.seen < self.warmup:
             return False, {}
         limit = self.factor * self.reference
         return value >= limit, {"value": value, "reference_max": self.reference, "limit": limit}
+
+    def update(self, value: float) -> tuple[bool, dict]:
+        """`test`; during the warmup a finite value raises the reference instead."""
+        if math.isfinite(value) and self.seen < self.warmup:
+            self.seen += 1
+            self.reference = max(self.reference, value)
+            return False, {}
+        return self.test(value)
 
     def state_dict(self) -> dict:
         return {"seen": self.seen, "reference": self.reference}

@@ -29,9 +29,11 @@ class EventKind:
     RETRY = "retry"              # a site re-promoted after its cooldown
     QUARANTINE = "quarantine"    # a site may no longer go below its current format
     REWIND = "rewind"            # training restarts from a checkpoint, skipping batches
-    SKIP_STEP = "skip_step"      # the optimizer step was skipped (non-finite loss/grads)
+    SKIP_STEP = "skip_step"      # the optimizer step was skipped (an anomalous step)
     GATE = "gate"                # an evaluation gate's verdict
-    ALL = (PROMOTE, FALLBACK, ROLLBACK, RETRY, QUARANTINE, REWIND, SKIP_STEP, GATE)
+    REPLAY = "replay"            # an anomalous step replayed with `sites` in high precision
+    ACCEPT = "accept"            # a persistent anomaly accepted as the new normal (no rewind)
+    ALL = (PROMOTE, FALLBACK, ROLLBACK, RETRY, QUARANTINE, REWIND, SKIP_STEP, GATE, REPLAY, ACCEPT)
     CHANGES_FORMATS = (PROMOTE, FALLBACK, ROLLBACK, RETRY)
 
 

@@ -166,6 +166,12 @@ class Monitor:
                 row[1:] += p[1:]
             stats.clear()
 
+    def discard(self, step: int) -> None:
+        """Leave step `step` out of the window: its site statistics are dropped unread (a
+        step that was replayed and decided on its own)."""
+        for site in self.state.sites.values():
+            site.module.stats.clear()
+
     def is_check_step(self, step: int) -> bool:
         return (step + 1) % self.config.check_every == 0 or step == self._forced
 
@@ -185,7 +191,7 @@ class Monitor:
         host = allp.cpu()
         acc = host[:, :self._acc.numel()].reshape(-1, len(self.sites), len(ROLES), _N)
         site_rows = torch.cat([acc[..., :1].amax(0), acc[..., 1:].sum(0)], dim=-1)
-        per_step = host[:, self._acc.numel():].reshape(-1, 2, n_steps)
+        per_step = host[:, self._acc.numel():].reshape(host.shape[0], 2, n_steps)
         losses = per_step[:, 0].mean(0).tolist()          # data-parallel ranks: the global mean
         norms = per_step[:, 1].amax(0).tolist()           # already reduced; max guards against drift
         sites = {}

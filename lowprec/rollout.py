@@ -7,6 +7,7 @@
       cooldown_steps: 200        # before a fallen-back site retries
       quarantine_after: 2        # failures before a site stays where it is
       rewind: {enabled: true, skip_batches: 20, source: memory, snapshot_every: 20, keep: 2}
+      attribution: {replay: true, max_replays: 8, persist_steps: 2}   # anomalous steps: replays
       thresholds: {max_saturated_frac: 1.0e-3, site_patience: 2, loss_gap: 0.03}
       baseline: {losses: runs/bf16/losses.json}      # or {mlflow_run: RUN}; loss_gap needs it
       stages:
@@ -42,7 +43,7 @@ from lowprec.monitor import MonitorConfig
 from lowprec.plan import ModelInfo, PlanError, Selector, selection_from_dict
 from lowprec.verdicts import GateOutcome
 
-__all__ = ["RewindConfig", "BaselineConfig", "StageConfig", "RolloutConfig", "parse_rollout", "read_losses",
+__all__ = ["RewindConfig", "AttributionConfig", "BaselineConfig", "StageConfig", "RolloutConfig", "parse_rollout", "read_losses",
            "build_controller"]
 
 
@@ -60,6 +61,22 @@ class RewindConfig:
         for name, lo in (("skip_batches", 0), ("snapshot_every", 1), ("keep", 1)):
             if getattr(self, name) < lo:
                 raise ConfigError(name, f"must be >= {lo}, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class AttributionConfig:
+    """What happens at an anomalous step (NaN/Inf, a loss or grad-norm spike): replays that
+    find whether precision is to blame (`lowprec.attribution`), and when a fault that is not
+    precision's rewinds."""
+
+    replay: bool = True          # replay anomalous steps (needs the loop's closure)
+    max_replays: int = 8         # replays per anomalous step, at most
+    persist_steps: int = 2       # anomalous loss this many steps in a row (not precision's): rewind
+
+    def __post_init__(self) -> None:
+        for name in ("max_replays", "persist_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)} (replay: false turns replays off)")
 
 
 @dataclass(frozen=True)
@@ -113,6 +130,7 @@ class RolloutConfig:
     cooldown_steps: int = 200
     quarantine_after: int = 2
     rewind: RewindConfig = dataclasses.field(default_factory=RewindConfig)
+    attribution: AttributionConfig = dataclasses.field(default_factory=AttributionConfig)
     thresholds: Thresholds = dataclasses.field(default_factory=Thresholds)
     baseline: BaselineConfig | None = None
     stages: tuple[StageConfig, ...]
@@ -144,7 +162,8 @@ class RolloutConfig:
     def controller_config(self) -> ControllerConfig:
         return ControllerConfig(min_steps=self.min_steps, cooldown_steps=self.cooldown_steps,
                                 quarantine_after=self.quarantine_after, rewind=self.rewind.enabled,
-                                rewind_skip_batches=self.rewind.skip_batches, thresholds=self.thresholds)
+                                rewind_skip_batches=self.rewind.skip_batches,
+                                persist_steps=self.attribution.persist_steps, thresholds=self.thresholds)
 
     def monitor_config(self) -> MonitorConfig:
         return MonitorConfig(check_every=self.check_every, stats_every_step=self.stats_every_step)
@@ -159,7 +178,7 @@ def parse_rollout(d: Any, path: str = "rollout") -> RolloutConfig:
     if isinstance(d, RolloutConfig):
         return d
     data = dict(check_keys(d, [f.name for f in dataclasses.fields(RolloutConfig)], path))
-    for key in ("rewind", "thresholds"):
+    for key in ("rewind", "attribution", "thresholds"):
         if key in data and data[key] is None:
             del data[key]
     if isinstance(data.get("rewind"), bool):

@@ -136,7 +136,7 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
             lr = opt.param_groups[0]["lr"]
             x, y = data.next()
             loss = engine.forward_backward(x, y)
-            out_step = session.step(loss)
+            out_step = session.step(loss, closure=lambda: engine.forward_backward(x, y))
             res.passes += 1
             if out_step.rewound_to is not None:
                 back = out_step.rewound_to

@@ -2,15 +2,24 @@
 
     session = Session.from_yaml("rollout.yaml", model, optimizer, scheduler=scheduler)
     for x, y in batches:
-        loss = model(x, y)
-        loss.backward()
-        session.step(loss)        # clip, decide, then step / skip / rewind, schedule, zero grads
+        def closure():
+            loss = model(x, y)
+            loss.backward()
+            return loss
+        loss = closure()
+        session.step(loss, closure)   # clip, decide, then step / skip / rewind, schedule, zero grads
 
-`step(loss)` does what the decision says, itself: it clips the gradients (or takes the
-caller's grad norm), feeds the monitor (one host read per step: the NaN/Inf guard;
-everything else once per check), asks the controller, applies format changes, and then
-steps the optimizer, or skips the step (the optimizer never sees the gradients: AdamW's
-moments and step count stay as they were), or rewinds: model, optimizer, scheduler and
+`step(loss, closure)` does what the decision says, itself: it clips the gradients (or
+takes the caller's grad norm), reads the loss and the global grad norm on the host (one
+read per step) and looks for a global anomaly (NaN/Inf, loss or grad-norm spike,
+`lowprec.anomaly`). An anomalous step is never applied; with a `closure` (the step's
+forward and backward again, as `torch.optim.Optimizer.step(closure)` takes it) it is
+first replayed with sites in high precision (`lowprec.attribution`, at most
+`max_replays` times): the sites whose precision caused it fall back, and a fault that
+precision did not cause demotes nothing. Everything else (the quantizer statistics and
+their rules) is read once per check. Then format changes are applied, and the optimizer
+steps, or the step is skipped (the optimizer never sees the gradients: AdamW's moments
+and step count stay as they were), or the run rewinds: model, optimizer, scheduler and
 RNG go back to a snapshot (`lowprec.runtime.snapshots`), the data simply goes on (the
 batches in between are skipped, and `skip_batches` more when the data source can skip).
 The loop has no rewind code: it reads `session.step_index` if it counts steps.
@@ -30,11 +39,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from lowprec.anomaly import Anomaly
+from lowprec.attribution import Attribution, Replay, attribute
 from lowprec.controller import Action, Decision, RolloutController, apply_decision
 from lowprec.events import Event, EventLog
 from lowprec.monitor import Monitor, MonitorConfig
+from lowprec.runtime.replay import StepReplayer
 from lowprec.runtime.snapshots import MemorySnapshots, Snapshots
 
 __all__ = ["Session", "StepResult", "rollout_settings"]
@@ -50,6 +63,8 @@ class StepResult:
     grad_norm: torch.Tensor
     applied: bool = False              # the optimizer stepped
     rewound_to: int | None = None      # training goes on from this step (a rewind)
+    anomaly: Anomaly | None = None     # this step's global anomaly, if any
+    attribution: Attribution | None = None   # the replays that explained it, if any
 
     @property
     def action(self):
@@ -77,7 +92,7 @@ class Session:
                  clip: Callable[[], torch.Tensor] | None = None, sites: list[str] | None = None,
                  group=None, event_log: str | Path | None = None,
                  on_events: Callable[[list[Event]], None] | None = None, start_step: int = 0,
-                 snapshot_every: int = 20, snapshot_keep: int = 2):
+                 snapshot_every: int = 20, snapshot_keep: int = 2, max_replays: int = 8):
         """state: the PrecisionState of `lowprec.prepare(model, plan)` (this rank's sites).
         controller: from `lowprec.rollout.build_controller`; None runs the plan as it is
             (no statistics, no decisions: every step is applied).
@@ -88,6 +103,8 @@ class Session:
             the model's parameters with `max_norm` (None: measure, do not clip).
         sites: every site of the model in forward order, when `state` holds only this
             rank's (a pipeline stage); group: the process group the monitor combines over.
+        max_replays: replays per anomalous step to find whether precision is to blame (0:
+            none; anomalies then wait for the next check's statistics).
         """
         self.model, self.optimizer, self.state = model, optimizer, state
         self.controller, self.scheduler, self.data = controller, scheduler, data
@@ -100,8 +117,14 @@ class Session:
         self.log = EventLog(event_log) if event_log is not None else None
         self.on_events = on_events
         self.monitor = None
+        self.group = group
+        self.max_replays = max_replays
+        self.replayer: StepReplayer | None = None
         self._remote: set[str] = set()
         self.monitor_config = monitor or MonitorConfig()
+        if controller is not None and max_replays > 0:
+            self.replayer = StepReplayer(state, optimizer, self._measure)
+            self.replayer.attach(model)
         if controller is not None:
             self.monitor = Monitor(state, self.monitor_config, group=group, sites=sites)
             self._remote = set(sites or ()) - set(state.sites)
@@ -153,6 +176,8 @@ class Session:
 
     # ------------------------------------------------------------------ the step
     def _prepare(self, step: int) -> None:
+        if self.replayer is not None:
+            self.replayer.arm()
         if self.monitor is not None:
             self.monitor.before_step(step)   # statistics on check steps only
         else:
@@ -163,13 +188,18 @@ class Session:
         current step wants them (on for check steps only)."""
         self._prepare(self.step_index)
 
-    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> StepResult:
-        """Conclude the current step after backward: see the module docstring."""
+    def step(self, loss: torch.Tensor, closure: Callable[[], torch.Tensor] | None = None, *,
+             grad_norm: torch.Tensor | None = None) -> StepResult:
+        """Conclude the current step after backward: see the module docstring.
+
+        closure: runs this step's forward and backward again on the same batch and returns
+        the loss (for replays; without it an anomaly waits for the next check).
+        grad_norm: the global grad norm when the caller clipped already."""
         s = self.step_index
         if grad_norm is None:
             grad_norm = self.clip()
-        decision = self._decide(s, loss, grad_norm)
-        result = StepResult(s, decision, loss.detach(), grad_norm)
+        result = StepResult(s, Decision(), loss.detach(), grad_norm)
+        decision = result.decision = self._decide(s, loss, grad_norm, closure, result)
         if decision.action is Action.REWIND and self.snapshots is not None:
             back = self.snapshots.restore(s, decision.skip_batches)
             if back is not None:
@@ -195,20 +225,52 @@ class Session:
     def is_check_step(self, step: int) -> bool:
         return self.monitor is not None and self.monitor.is_check_step(step)
 
-    def _decide(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> Decision:
+    def _measure(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> tuple[float, float]:
+        """(loss, grad norm) on the host, the same on every rank: the one host read of a step.
+        Under data parallelism the loss is each rank's: the mean over ranks (one small
+        all-gather; the grad norm is global already, its max guards against drift)."""
+        if grad_norm is None:
+            grad_norm = self.clip()
+        v = torch.stack([loss.detach().reshape(()).double(), grad_norm.detach().reshape(()).double().to(loss.device)])
+        if self.group is not None or (dist.is_available() and dist.is_initialized()):
+            parts = [torch.empty_like(v) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(parts, v, group=self.group)
+            every = torch.stack(parts)
+            v = torch.stack([every[:, 0].mean(), every[:, 1].amax()])
+        loss_h, norm_h = v.tolist()
+        return loss_h, norm_h
+
+    def _decide(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, closure, result: StepResult) -> Decision:
         if self.controller is None:
             return Decision()
-        mon = self.monitor
-        mon.record(step, loss, grad_norm)
-        # the one host read of every step: after gradient reduction the norm is the same on
-        # every rank (a NaN loss makes the gradients NaN too), so all ranks branch alike
-        finite = bool(torch.isfinite(grad_norm.detach()).all())
-        if not finite and not mon.is_check_step(step):
-            mon.force_check(step + 1)   # the next step collects statistics: blame the origin
+        mon, ctl = self.monitor, self.controller
+        # every rank reads the same two numbers, so every rank branches (and replays) alike
+        anomaly = result.anomaly = ctl.detect(step, *self._measure(loss, grad_norm))
+        attribution = None
+        if anomaly is not None and closure is not None and self.replayer is not None:
+            attribution = result.attribution = self._attribute(closure)
+        if attribution is None:
+            mon.record(step, loss, grad_norm)
+            if anomaly is not None and not mon.is_check_step(step):
+                mon.force_check(step + 1)   # the next step collects statistics: blame by them
+        else:
+            mon.discard(step)   # a replayed step is decided: its statistics and loss stay out of the window
         signals = None
         if mon.is_check_step(step):
             signals = self.last_signals = mon.check(step)
-        return self._carry_out(self.controller.observe_step(step, finite, signals))
+        return self._carry_out(ctl.observe_step(step, anomaly, signals, attribution))
+
+    def _attribute(self, closure: Callable[[], torch.Tensor]) -> Attribution:
+        ctl = self.controller
+        low, groups = ctl.replay_candidates()
+
+        def run(sites: tuple[str, ...]) -> Replay:
+            loss, norm = self.replayer.replay(closure, sites)
+            return Replay(sites, loss, norm, ctl.detectors.anomalous(loss, norm))
+        try:
+            return attribute(low, groups, run, self.max_replays) if low else Attribution(False, (), ())
+        finally:
+            self.replayer.finish()
 
     def after_eval(self, step: int, result: Any) -> Decision:
         """Report a periodic evaluation's gate outcome (`.verdict`, `.reason`); a regression
@@ -251,6 +313,8 @@ class Session:
     def close(self) -> None:
         if self.monitor is not None:
             self.monitor.close()
+        if self.replayer is not None:
+            self.replayer.close()
 
 
 def _read_yaml(path: str | Path) -> dict:
@@ -275,4 +339,5 @@ def rollout_settings(rollout) -> dict:
     if rollout is None:
         return {}
     return {"monitor": rollout.monitor_config(), "snapshot_every": rollout.rewind.snapshot_every,
-            "snapshot_keep": rollout.rewind.keep}
+            "snapshot_keep": rollout.rewind.keep,
+            "max_replays": rollout.attribution.max_replays if rollout.attribution.replay else 0}

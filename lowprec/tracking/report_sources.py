@@ -279,6 +279,8 @@ def events_tags(events: list[Event], run_name: str = "") -> dict[str, str]:
         "lowprec.fallback_sites": ", ".join(fb_sites) or "none",
         "lowprec.rollbacks": str(len(by[EventKind.ROLLBACK])),
         "lowprec.rewinds": str(len(by[EventKind.REWIND])),
+        "lowprec.skipped_steps": str(len(by[EventKind.SKIP_STEP])),
+        "lowprec.replays": str(len(by[EventKind.REPLAY])),
         "lowprec.quarantined": ", ".join(quarantined) or "none",
         "lowprec.gate": str(by[EventKind.GATE][-1].evidence.get("verdict", "?")) if gates else "none",
         "lowprec.gates": "; ".join(gates) or "none",

@@ -30,7 +30,8 @@ _EXTRA = ["#807dba", "#e7298a", "#a6761d", "#66a61e", "#e6ab02"]
 EVENT_STYLE = {EventKind.PROMOTE: ("#238b45", ":"), EventKind.ROLLBACK: ("#cb181d", "--"),
                EventKind.REWIND: ("#67000d", "--"), EventKind.SKIP_STEP: ("#969696", ":"),
                EventKind.FALLBACK: ("#cb181d", "-"), EventKind.RETRY: ("#6a51a3", ":"),
-               EventKind.QUARANTINE: ("#000000", "-"), EventKind.GATE: ("#08519c", "-.")}
+               EventKind.QUARANTINE: ("#000000", "-"), EventKind.GATE: ("#08519c", "-."),
+               EventKind.REPLAY: ("#fdae6b", ":"), EventKind.ACCEPT: ("#737373", "-.")}
 _BLOCK = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
 
 

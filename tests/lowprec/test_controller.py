@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lowprec.anomaly import AnomalyKind
 from lowprec.controller import Action, ControllerConfig, RolloutController, Stage, Thresholds
 from lowprec.events import EventKind, replay
 from lowprec.formats import FORMATS
@@ -44,11 +45,29 @@ def signals(step, loss=2.0, norm=1.0, sites=None, lowprec_sites=SITES):
     return Signals(step, losses, norms, sites if sites is not None else {s: healthy_site() for s in lowprec_sites})
 
 
+def feed(ctl, step, sig, attribution=None):
+    """One check window, step by step as a loop feeds it: each step's loss and grad norm
+    through `detect`, the check's Signals at its last step. Returns the merged Decision."""
+    merged = None
+    first = step - len(sig.losses) + 1
+    for i, (loss, norm) in enumerate(zip(sig.losses, sig.grad_norms)):
+        s = first + i
+        d = ctl.observe_step(s, ctl.detect(s, loss, norm), sig if s == step else None, attribution)
+        if merged is None:
+            merged = d
+        else:
+            merged.events += d.events
+            merged.changes.update(d.changes)
+            if d.action is not Action.CONTINUE and s == step:
+                merged.action, merged.skip_batches = d.action, d.skip_batches
+    return merged
+
+
 def run(ctl, seq):
     """Feed (step, Signals) pairs; returns all events."""
     events = []
     for step, sig in seq:
-        events += ctl.observe(step, sig).events
+        events += feed(ctl, step, sig).events
     return events
 
 
@@ -67,9 +86,9 @@ def test_saturated_site_falls_back_one_rung_after_patience():
     run(ctl, [(s, signals(s)) for s in range(9, 200, CHECK)])
     bad = {s: healthy_site() for s in SITES}
     bad["blocks.1.mlp.fc"] = healthy_site(sat=0.05)
-    d1 = ctl.observe(209, signals(209, sites=bad))
+    d1 = feed(ctl, 209, signals(209, sites=bad))
     assert not d1.changes  # first strike
-    d2 = ctl.observe(219, signals(219, sites=bad))
+    d2 = feed(ctl, 219, signals(219, sites=bad))
     assert d2.changes == {"blocks.1.mlp.fc": "fp8_tensorwise"}
     ev = [e for e in d2.events if e.kind == EventKind.FALLBACK][0]
     assert ev.sites == ("blocks.1.mlp.fc",) and ev.evidence["input/saturated_frac"] == 0.05
@@ -84,39 +103,39 @@ def test_first_site_in_forward_order_is_blamed_for_nan():
     sites["blocks.1.mlp.proj"] = healthy_site(nonfinite=4, role="input")   # the consumer
     sig = signals(89, sites=sites)
     sig.losses[-1] = math.nan
-    d = ctl.observe_step(89, False, sig)
+    d = ctl.observe_step(89, ctl.detect(89, math.nan, 1.0), sig)
     assert d.action is Action.SKIP_STEP
     assert d.changes == {"blocks.1.mlp.fc": "bf16"}
     assert [e.kind for e in d.events] == [EventKind.SKIP_STEP, EventKind.FALLBACK]
 
 
-def test_the_one_nan_guard_is_observe_step():
-    """A non-finite step is skipped by observe_step, between checks too; a check alone
-    (observe) blames and may rewind, but never decides the skip."""
+def test_an_anomalous_step_is_never_applied_between_checks_too():
+    """Without replays: a non-finite step is skipped at its own step; the check blames and
+    may rewind, but the skip is the step's."""
     ctl = make(rewind=True)
     run(ctl, [(s, signals(s)) for s in range(9, 40, CHECK)])   # mlp_fp8 promoted
-    d = ctl.observe_step(41, False)
+    a = ctl.detect(41, 2.0, math.nan)
+    assert a is not None and a.kinds == (AnomalyKind.NONFINITE,)
+    d = ctl.observe_step(41, a)
     assert d.action is Action.SKIP_STEP and not d.changes
-    assert [(e.kind, e.reason) for e in d.events] == [(EventKind.SKIP_STEP, "NaN/Inf in loss or gradients")]
-    assert ctl.observe_step(42, True).action is Action.CONTINUE and not ctl.observe_step(42, True).events
+    assert [(e.kind, e.reason) for e in d.events] == [(EventKind.SKIP_STEP, "nan_inf: step skipped")]
+    assert ctl.detect(42, 2.0, 1.0) is None
+    assert ctl.observe_step(42).action is Action.CONTINUE and not ctl.observe_step(42).events
     sig = signals(49)
     sig.grad_norms[2] = math.inf                                # step 42 of the window
     checked = ctl.observe(49, sig)
     assert checked.action is Action.REWIND and EventKind.SKIP_STEP not in [e.kind for e in checked.events]
-    ctl2 = make(rewind=True)
-    run(ctl2, [(s, signals(s)) for s in range(9, 40, CHECK)])
-    merged = ctl2.observe_step(49, False, sig)                   # a non-finite check step that rewinds
-    assert merged.action is Action.REWIND and merged.skip_batches == 5
-    assert [e.kind for e in merged.events][:2] == [EventKind.SKIP_STEP, EventKind.ROLLBACK]
 
 
-def test_loss_spike_rolls_back_newest_stage_and_rewinds():
+def test_a_loss_spike_without_replays_skips_its_step_and_rolls_back_at_the_check():
     ctl = make(rewind=True)
     run(ctl, [(s, signals(s)) for s in range(9, 80, CHECK)])
     assert ctl.promoted == 2
     sig = signals(89)
-    sig.losses[-1] = 50.0
-    d = ctl.observe(89, sig)
+    sig.losses[-3] = 50.0                                       # step 87
+    d = feed(ctl, 89, sig)
+    skip = [e for e in d.events if e.kind == EventKind.SKIP_STEP]
+    assert [e.step for e in skip] == [87] and "loss_spike" in skip[0].reason
     kinds = [e.kind for e in d.events]
     assert EventKind.ROLLBACK in kinds and EventKind.REWIND in kinds
     assert d.action is Action.REWIND and d.skip_batches == 5
@@ -259,7 +278,7 @@ def test_invariants_hold_for_any_signal_sequence(spec, rewind):
     floors: dict[str, str] = {}
     events = []
     for step, sig in seq:
-        d = a.observe(step, sig)
+        d = feed(a, step, sig)
         events += d.events
         for s, f in a.current.items():
             assert f in LADDER                                  # never off (below) its ladder
@@ -268,7 +287,7 @@ def test_invariants_hold_for_any_signal_sequence(spec, rewind):
         floors.update(a.floor)
         assert replay(initial, events) == a.current             # replay reproduces the map
     b = make(rewind=rewind, min_steps=20, cooldown=30)
-    assert [e.to_json() for step, sig in seq for e in b.observe(step, sig).events] == \
+    assert [e.to_json() for step, sig in seq for e in feed(b, step, sig).events] == \
         [e.to_json() for e in events]                           # same inputs, same events
 
 
@@ -278,12 +297,12 @@ def test_state_dict_resume_gives_the_same_events(spec, cut):
     seq = _sequence(spec)
     cut = min(cut, len(seq) - 1)
     full = make()
-    whole = [e.to_json() for step, sig in seq for e in full.observe(step, sig).events]
+    whole = [e.to_json() for step, sig in seq for e in feed(full, step, sig).events]
     first = make()
-    head = [e.to_json() for step, sig in seq[:cut] for e in first.observe(step, sig).events]
+    head = [e.to_json() for step, sig in seq[:cut] for e in feed(first, step, sig).events]
     second = make()
     second.load_state_dict(first.state_dict())
-    tail = [e.to_json() for step, sig in seq[cut:] for e in second.observe(step, sig).events]
+    tail = [e.to_json() for step, sig in seq[cut:] for e in feed(second, step, sig).events]
     assert head + tail == whole
 
 

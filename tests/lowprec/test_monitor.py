@@ -113,9 +113,8 @@ def test_check_returns_the_windows_losses_and_grad_norms_in_order_and_resets():
     assert len(sig.losses) == 1 and sig.sites["0"].amax["input"] < big / 10   # the amax max was reset
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="Monitor.check reshapes an empty window to (-1, 2, 0), which torch rejects")
 def test_check_of_an_empty_window_returns_no_steps():
+    # a check step whose only step was replayed and decided on its own leaves an empty window
     _, state = prepared()
     sig = monitor(state).check(0)   # nothing recorded
     assert sig.losses == [] and sig.grad_norms == [] and sig.sites == {}

@@ -1,9 +1,10 @@
 """Fault injection on a real small transformer training on Shakespeare, through the one loop.
 
-Each fault is detected within two checks; the NaN and the overflow demote exactly the
-site they were injected into; the learning-rate spike rolls back the newest stage and
-rewinds, and the loss comes back to within 5% of the uninjected run's. No NaN reaches
-the weights.
+Each fault is acted on at the step it occurs (per-step detection) and attributed by
+replaying the step with sites in high precision: the NaN and the overflow (faults of low
+precision) demote exactly the site they were injected into; the learning-rate spike
+(not precision's) demotes nothing, rewinds, and the loss comes back to within 5% of the
+uninjected run's. No NaN reaches the weights.
 """
 
 import copy
@@ -68,8 +69,11 @@ def test_nan_in_one_site_output_demotes_exactly_that_site(tmp_path):
     first = falls[0]
     assert first.kind == EventKind.FALLBACK and first.sites == (SITE,)
     assert first.to_format == {SITE: "bf16"}
-    assert first.step <= 40 + 2 * CHECK
+    assert first.step == 40                      # the step it occurs: no waiting for a check
+    assert first.evidence["precision_to_blame"] and first.evidence["replays"] <= 8
     assert len(falls) == 1
+    replays = [e for e in res.events if e.kind == EventKind.REPLAY and e.step == 40]
+    assert replays and all(e.evidence["anomalous"] == (SITE not in e.sites) for e in replays)
     assert any(e.kind == EventKind.SKIP_STEP for e in res.events)
     assert not res.nonfinite_params
     assert res.formats[max(res.formats)][SITE] == "bf16"
@@ -87,22 +91,25 @@ def test_overflow_in_one_site_demotes_exactly_that_site(tmp_path):
     falls = changes(res)
     assert falls and falls[0].kind == EventKind.FALLBACK and falls[0].sites == (SITE,)
     assert falls[0].step <= 40 + 2 * CHECK
-    assert any(k.endswith("saturated_frac") for k in falls[0].evidence)
+    assert falls[0].evidence.get("precision_to_blame") or any(k.endswith("saturated_frac")
+                                                              for k in falls[0].evidence)
     assert [e.sites for e in falls] == [(SITE,)]
     assert not res.nonfinite_params
 
 
-def test_lr_spike_rolls_back_rewinds_and_recovers(tmp_path, clean):
+def test_lr_spike_demotes_nothing_rewinds_and_recovers(tmp_path, clean):
     # A 32-value window: the default 128 still holds the steep early descent of this short
     # run, whose spread hides a spike; OLMo's 128 is meant for long runs.
     cfg = config(**{"rollout.rewind": {"enabled": True, "skip_batches": 5},
                     "rollout.thresholds.spike_window": 32})
     res = run_config(cfg, tmp_path, faults=[Injection("lr_spike", 60, 64, factor=100.0)])
     kinds = [e.kind for e in res.events]
-    assert EventKind.ROLLBACK in kinds and EventKind.REWIND in kinds
-    rb = next(e for e in res.events if e.kind == EventKind.ROLLBACK)
-    assert rb.step <= 64 + 2 * CHECK
-    assert res.rewinds >= 1
+    assert not changes(res), [(e.step, e.kind, e.sites) for e in changes(res)]   # precision is not to blame
+    assert EventKind.REWIND in kinds and res.rewinds >= 1
+    first = next(e for e in res.events if e.kind == EventKind.SKIP_STEP)
+    assert 60 < first.step <= 64 and "not precision" in first.reason   # the step after the first bad update
+    rw = next(e for e in res.events if e.kind == EventKind.REWIND)
+    assert rw.step <= first.step + 2
     recovered_by = 119
     tail = sum(res.losses[recovered_by - 9:recovered_by + 1]) / 10
     ref = sum(clean.losses[recovered_by - 9:recovered_by + 1]) / 10
