@@ -2,24 +2,32 @@
 
 `RolloutController` is a state machine over *sites* (layer FQNs), each with a ladder of
 formats from low to high precision (`nvfp4 -> fp8_tensorwise -> bf16`). It never touches
-a model: `observe_step(step, finite, signals)` takes, every step, whether the step's
-loss and grad norm are finite (one bool the loop reads on the host) and, on a check
-step, the host-side `Signals` of the check (see `lowprec.monitor`), and returns a
+a model. Every step, `detect(step, loss, grad_norm)` looks at the two numbers the loop
+reads on the host for a global anomaly (`lowprec.anomaly`: NaN/Inf, loss or grad-norm
+spike, large value), and `observe_step(step, anomaly, signals, attribution)` returns a
 `Decision` (continue / skip the step / rewind) with the format changes and the `Event`s
 that explain them; `apply_decision(state, decision)` carries the changes out on a
-`PrecisionState`. Its tests feed it signal sequences and need no model.
+`PrecisionState`. Its tests feed it numbers and need no model.
 
-A non-finite step is skipped, always, and only here (`observe_step`). The rules below,
-applied at each check (`observe`) in this order, decide what to change:
+An anomalous step is never applied, and it is decided at its own step. With the replays
+of `lowprec.attribution` (the session replays the step with sites in high precision):
+the sites whose precision caused it fall back one rung each, nothing else moves; when
+the anomaly persists with every site in high precision, precision is not to blame and
+nothing is demoted (the step is skipped; a loss anomaly on `persist_steps` steps in a row
+rewinds, or, with rewind off, is accepted as the new level). Without replays (no
+closure), the anomaly is handed to the next check's rules.
+
+The rules below, applied at each check (`observe`) in this order, decide what to change
+from the check window's statistics:
 
 1. NaN/Inf in the loss or gradients during the window: the sites whose own statistics
    saw NaN/Inf fall back one rung; if none did, the newest stage rolls back.
 2. A site whose own signals cross their thresholds (saturated fraction, underflow,
    SQNR) for `site_patience` checks in a row falls back one rung up its ladder.
-3. A global signal (loss or grad-norm spike, an unexpectedly large value, the loss gap
-   to the baseline) while some site's thresholds are crossed (before its patience ran
-   out) blames that site; with no site to blame it rolls back the newest stage, and with
-   `rewind` on, asks the loop to restore the last good checkpoint and skip batches.
+3. A global signal no replay explained (an anomaly handed over, the loss gap to the
+   baseline) while some site's thresholds are crossed (before its patience ran out)
+   blames that site; with no site to blame it rolls back the newest stage, and with
+   `rewind` on, asks the loop to restore the last good state and skip batches.
 4. A site that failed `quarantine_after` times is quarantined: it never goes below its
    current format again in this run. Other fallen-back sites retry their stage's format
    after `cooldown_steps`.
@@ -27,7 +35,7 @@ applied at each check (`observe`) in this order, decide what to change:
    evaluation gate (a callable, when given) passes.
 
 Decisions are deterministic functions of the inputs (sites are visited in a fixed
-order), so every rank that sees the same `Signals` decides the same thing.
+order), so every rank that sees the same numbers (and replays alike) decides the same.
 """
 
 from __future__ import annotations
@@ -102,6 +110,7 @@ class Decision:
     changes: dict[str, str] = field(default_factory=dict)   # site -> new format
     events: list[Event] = field(default_factory=list)
     skip_batches: int = 0
+    rewind_before: int | None = None   # a rewind goes to a state of at most this step (None: two checks back)
 
     @property
     def rewind(self) -> bool:
@@ -256,7 +265,7 @@ class RolloutController:
             checked = self.observe(step, signals)
             d.changes.update(checked.changes)
             d.events += checked.events
-            if checked.action is Action.REWIND:
+            if checked.action is Action.REWIND and d.action is not Action.REWIND:
                 d.action, d.skip_batches = Action.REWIND, checked.skip_batches
         return d
 
@@ -291,7 +300,9 @@ class RolloutController:
             return
         self.streak = 0
         if self.config.rewind:
+            # the first anomalous step of the streak saw weights the step before it wrote
             d.action, d.skip_batches = Action.REWIND, self.config.rewind_skip_batches
+            d.rewind_before = step - self.config.persist_steps
             d.events.append(Event(step, EventKind.REWIND, (), {}, {}, (
                 f"rewind: {a.names} for {self.config.persist_steps} steps in a row, not precision's"),
                 {"skip_batches": d.skip_batches, **a.to_evidence()}))

@@ -12,10 +12,11 @@ the published ones:
   curve (DeepSeek-V3 kept it under 0.25% for FP8); off unless `loss_gap` is set and a
   baseline curve is given.
 
-NaN/Inf in the loss or gradients is no detector's business: the controller skips such a
-step outright (`RolloutController.observe_step`). The detectors ignore non-finite values.
-The controller owns the detectors (their state rides in its `state_dict`); the monitor
-only collects the numbers they read.
+NaN/Inf in the loss or gradients is no detector's business (`lowprec.anomaly` flags it);
+the detectors ignore non-finite values. `test(value)` asks without remembering (for
+replays), `update(value)` also lets a normal value into the history. The spike and
+large-value detectors run on every step (`lowprec.anomaly.StepDetectors`), the loss gap at
+each check; the controller owns them all (their state rides in its `state_dict`).
 """
 
 from __future__ import annotations

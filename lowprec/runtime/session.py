@@ -201,7 +201,7 @@ class Session:
         result = StepResult(s, Decision(), loss.detach(), grad_norm)
         decision = result.decision = self._decide(s, loss, grad_norm, closure, result)
         if decision.action is Action.REWIND and self.snapshots is not None:
-            back = self.snapshots.restore(s, decision.skip_batches)
+            back = self.snapshots.restore(s, decision.skip_batches, before=decision.rewind_before)
             if back is not None:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.rewinds += 1

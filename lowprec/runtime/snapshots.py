@@ -13,8 +13,9 @@ the same fault again). Two sources share one small interface (`Snapshots`):
   loop's checkpoint cadence; a rewind loads the newest one old enough that matches its
   checksums (a corrupt one is skipped with a warning naming it).
 
-`restore(step, skip_batches)` picks the newest snapshot at least `margin` steps before
-`step` (a fault is usually noticed a check or two after it began), restores it, skips the
+`restore(step, skip_batches, before)` picks the newest snapshot at least `margin` steps
+before `step` (a fault a check noticed began up to two checks earlier), or at most at
+`before` (a fault detected per step, whose first anomalous step is known), restores it, skips the
 batches the decision asks for past the current data position, and returns the step to
 continue from; None when there is no such snapshot.
 """
@@ -40,8 +41,9 @@ class Snapshots(Protocol):
     def after_step(self, step: int) -> None:
         """Called with the number of completed steps; keeps a snapshot when one is due."""
 
-    def restore(self, step: int, skip_batches: int) -> int | None:
-        """Go back to the newest snapshot old enough for a fault seen at `step`."""
+    def restore(self, step: int, skip_batches: int, before: int | None = None) -> int | None:
+        """Go back to the newest snapshot old enough for a fault seen at `step` (at most
+        `step - margin`, or at most `before` when the decision knows where the fault began)."""
 
 
 def _copy_tensors(obj, device: torch.device | None):
@@ -110,8 +112,9 @@ class MemorySnapshots:
         if step % self.every == 0:
             self.take(step)
 
-    def restore(self, step: int, skip_batches: int) -> int | None:
-        good = [s for s in self.kept if s.step <= step - self.margin]
+    def restore(self, step: int, skip_batches: int, before: int | None = None) -> int | None:
+        limit = step - self.margin if before is None else before
+        good = [s for s in self.kept if s.step <= limit]
         if not good:
             return None
         snap = good[-1]
@@ -142,8 +145,9 @@ class DiskSnapshots:
     def after_step(self, step: int) -> None:
         """The loop writes the checkpoints (they are also what --resume reads)."""
 
-    def restore(self, step: int, skip_batches: int) -> int | None:
-        for back, path in reversed([(s, p) for s, p in list_checkpoints(self.directory) if s <= step - self.margin]):
+    def restore(self, step: int, skip_batches: int, before: int | None = None) -> int | None:
+        limit = step - self.margin if before is None else before
+        for back, path in reversed([(s, p) for s, p in list_checkpoints(self.directory) if s <= limit]):
             try:   # verified before anything changes: a corrupt one is skipped for the next older
                 info = load_checkpoint(path, model=self.model, optimizer=self.optimizer, restore_rng=True,
                                        keep_current=("precision", "controller"))

@@ -2,9 +2,11 @@
 take the same decisions.
 
 Rank 1 alone sees a NaN in one site's output. The grad norm after DDP's all-reduce is
-non-finite on both ranks, so both skip the step; the monitor's check combines the
-signals of both ranks with one all-gather, so both blame the same site, and their
-event logs are identical.
+non-finite on both ranks, so both skip the step. With the loop's closure, both replay
+the step with the same sets of sites in high precision (the replays' losses and grad
+norms are combined across ranks like the step's) and blame the same site at the step the
+fault occurs; without it, the monitor's check combines the signals of both ranks with
+one all-gather, so both blame the same site there. Their event logs are identical.
 """
 
 import json
@@ -30,7 +32,7 @@ ROLLOUT = {"check_every": 5, "min_steps": 0, "thresholds": {"spike_min_history":
            "stages": [{"name": "all", "select": {"glob": "blocks.*"}, "format": "fp8_tensorwise"}]}
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, replay: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -55,9 +57,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         for step in range(40):   # the user's loop: forward, backward, session.step
             step_ref[0] = step
             x, y = data.next()
-            _, loss = ddp(x, y)
-            loss.backward()
-            session.step(loss)
+
+            def closure():
+                _, loss = ddp(x, y)
+                loss.backward()
+                return loss
+            session.step(closure(), closure if replay else None)
         finite = all(torch.isfinite(p).all() for p in model.parameters())
         with open(f"{out_dir}/result_rank{rank}.json", "w") as f:
             json.dump({"formats": state.formats(), "finite": bool(finite)}, f)
@@ -66,14 +71,22 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks_decide_the_same_when_only_one_sees_the_fault(tmp_path, free_port, gloo):
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize("replay", [True, False], ids=["replays", "statistics"])
+def test_two_ranks_decide_the_same_when_only_one_sees_the_fault(tmp_path, free_port, gloo, replay):
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), replay), nprocs=2, join=True)
     logs = [(tmp_path / f"events_rank{r}.jsonl").read_text() for r in range(2)]
     assert logs[0] == logs[1] and logs[0]
     events = [json.loads(line) for line in logs[0].splitlines()]
     falls = [e for e in events if e["kind"] in ("fallback", "rollback")]
     assert falls and falls[0]["kind"] == "fallback" and falls[0]["sites"] == [SITE]
     assert falls[0]["step"] <= 20 + 2 * 5
+    replays = [e for e in events if e["kind"] == "replay"]
+    if replay:
+        assert falls[0]["step"] == 20 and falls[0]["evidence"]["precision_to_blame"]
+        assert replays and all(e["step"] == 20 for e in replays)
+        assert all(e["evidence"]["anomalous"] == (SITE not in e["sites"]) for e in replays)
+    else:
+        assert not replays
     results = [json.loads((tmp_path / f"result_rank{r}.json").read_text()) for r in range(2)]
     assert results[0] == results[1]
     assert results[0]["formats"][SITE] == "bf16" and results[0]["finite"]

@@ -1,0 +1,265 @@
+"""Benchmark: does the controller blame precision only when precision is to blame, and the right site?
+
+A campaign of planted faults on the reference model (the default config's small GPT on
+Shakespeare, the default staged rollout: every block's linear layers in FP8, the middle
+MLPs in NVFP4, `lm_head` in BF16). The model is first trained for WARM steps (all three
+stages promote); every fault then starts from that same state (model, optimizer,
+controller, RNG), is planted at step FAULT_AT and the run goes on to step END.
+
+Precision faults (they live in the quantized path only, so a replay in high precision
+removes them), each on a site drawn from the low-precision sites:
+  * `scale`: the site's dequantization scale off by 2^k (a corrupt scale_inv), 2 steps;
+  * `flush`: the scale computed from an amax 2^16 too large, so FP8/FP4 flush the operand
+    to zero (a layer's activations shrunk below the format's range), 2 steps;
+  * `saturate`: the scale from an amax 2^8 too small, so the operand saturates at the
+    format's max (outliers beyond a stale delayed-scaling amax), 2 steps;
+  * `fp4`: the site quantized in FP4 E2M1 with one scale per tensor (a too aggressive
+    format on a layer), 10 steps.
+Other faults (precision is not to blame): `lr_spike` (learning rate x100 for 3 steps),
+`garbage` (one batch of uniformly random bytes), `nan_input` (NaN in the token embeddings
+for one step), `grad_spike` (the loss, and so every gradient, x1000 for one step).
+
+The seeds, sites and kinds are fixed below, before any run (no tuning on the campaign).
+Prints, per fault, the step it was first acted on, the sites that fell back or rolled
+back, the actions, the replays and their cost, then the totals.
+
+    python -m experiments.attribution_bench                 # the campaign, replays on
+    python -m experiments.attribution_bench --no-replay     # the same faults, statistics rules only
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from experiments.data import Batches, shakespeare_tokens
+from experiments.model import build_gpt
+from lowprec.events import EventKind
+from lowprec.formats import get_format
+from lowprec.plan import PrecisionPlan
+from lowprec.quantize import quantize
+from lowprec.rollout import parse_rollout
+from lowprec.runtime import Session
+
+WARM, FAULT_AT, END = 160, 165, 175
+PRECISION_KINDS = ("scale", "flush", "saturate", "fp4")
+OTHER_KINDS = ("lr_spike", "garbage", "nan_input", "grad_spike")
+SEEDS = {kind: list(range(100 * i, 100 * i + 6)) for i, kind in enumerate(PRECISION_KINDS)} | \
+        {kind: list(range(1000 + 100 * i, 1000 + 100 * i + 5)) for i, kind in enumerate(OTHER_KINDS)}
+DURATION = {"scale": 2, "flush": 2, "saturate": 2, "fp4": 10, "lr_spike": 3, "garbage": 1, "nan_input": 1,
+            "grad_spike": 1}
+
+PLAN = {"backend": "emulated", "default": "bf16", "keep_high_precision": [{"fqns": ["lm_head"]}],
+        "rules": [{"name": "blocks", "select": {"glob": "blocks.*"}, "format": "bf16",
+                   "ladder": ["fp8_tensorwise", "bf16"]},
+                  {"name": "middle_mlp", "select": {"regex": r"blocks\.[12]\.mlp\..*"}, "format": "bf16",
+                   "ladder": ["nvfp4", "fp8_tensorwise", "bf16"]}]}
+ROLLOUT = {"check_every": 10, "min_steps": 30, "cooldown_steps": 1000, "quarantine_after": 2,
+           "rewind": {"enabled": True, "skip_batches": 5, "snapshot_every": 20, "keep": 2},
+           "thresholds": {"max_saturated_frac": 1e-3, "site_patience": 2},
+           "stages": [{"name": "mlp_fp8", "select": {"glob": "blocks.*.mlp.*"}, "format": "fp8_tensorwise"},
+                      {"name": "attn_fp8", "select": {"glob": "blocks.*.attn.*"}, "format": "fp8_tensorwise"},
+                      {"name": "middle_mlp_nvfp4", "select": {"regex": r"blocks\.[12]\.mlp\..*"},
+                       "format": "nvfp4"}]}
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    seed: int
+    site: str = ""
+
+    @property
+    def precision(self) -> bool:
+        return self.kind in PRECISION_KINDS
+
+    def active(self, step: int) -> bool:
+        return FAULT_AT <= step < FAULT_AT + DURATION[self.kind]
+
+
+def campaign(sites: list[str]) -> list[Fault]:
+    """The faults, from the seeds above: a precision fault's site is drawn with its seed."""
+    out = []
+    for kind in PRECISION_KINDS + OTHER_KINDS:
+        for seed in SEEDS[kind]:
+            site = random.Random(seed).choice(sites) if kind in PRECISION_KINDS else ""
+            out.append(Fault(kind, seed, site))
+    return out
+
+
+class Planted:
+    """Installs one fault on the model for the steps it is active (`step` is set by the loop)."""
+
+    def __init__(self, fault: Fault, model, state, opt):
+        self.fault, self.model, self.state, self.opt = fault, model, state, opt
+        self.step = 0
+        self.hooks = []
+        self.saved_quantize = None
+        if fault.precision:
+            module = state.sites[fault.site].module
+            self.saved_quantize = module.quantize_operand
+            module.quantize_operand = self._quantize(module, self.saved_quantize)
+        elif fault.kind == "nan_input":
+            self.hooks.append(model.tok_emb.register_forward_hook(self._nan_embedding))
+        elif fault.kind == "grad_spike":
+            self.hooks.append(model.register_forward_hook(self._scale_loss))
+
+    def _quantize(self, module, original):
+        fault = self.fault
+        fp4 = get_format("fp4_tensorwise")
+
+        def quantize_operand(t, fmt, role):
+            if not fault.active(self.step) or role not in ("input", "weight", "grad_output", "input_wgrad",
+                                                           "grad_output_wgrad"):
+                return original(t, fmt, role)
+            if fault.kind == "fp4":
+                return original(t, fp4, role)
+            spec = getattr(fmt, role)
+            if spec is None:
+                return original(t, fmt, role)
+            if fault.kind == "scale":
+                q = original(t, fmt, role)
+                return type(q)(q.values, q.scale * 2.0 ** -12, q.scale_inv * 2.0 ** 12, q.spec, q.shape, q.amax)
+            amax = torch.where(torch.isfinite(t), t.abs(), 0.0).amax().float()
+            amax = amax * (2.0 ** 16 if fault.kind == "flush" else 2.0 ** -8)
+            return quantize(t, spec, amax=amax, generator=module.generator, hadamard=module.hadamard,
+                            stats=False, validate=False)
+        return quantize_operand
+
+    def _nan_embedding(self, mod, args, out):
+        if self.fault.active(self.step):
+            out = out.clone()
+            out[0, 0, 0] = float("nan")
+            return out
+
+    def _scale_loss(self, mod, args, out):
+        if self.fault.active(self.step):
+            return out[0], out[1] * 1000.0
+
+    def batch(self, data, step):
+        x, y = data.next()
+        if self.fault.kind == "garbage" and self.fault.active(step):
+            g = torch.Generator().manual_seed(self.fault.seed)
+            x = torch.randint(0, 256, x.shape, generator=g)
+            y = torch.randint(0, 256, y.shape, generator=g)
+        return x, y
+
+    def lr_factor(self, step):
+        return 100.0 if self.fault.kind == "lr_spike" and self.fault.active(step) else 1.0
+
+    def remove(self):
+        for h in self.hooks:
+            h.remove()
+        if self.saved_quantize is not None:
+            del self.state.sites[self.fault.site].module.quantize_operand
+
+
+def build(replay: bool):
+    torch.manual_seed(0)
+    model = build_gpt(vocab_size=256, block_size=128, n_layer=4, n_head=4, d_model=128)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    rollout = parse_rollout({**ROLLOUT, "attribution": {"replay": replay}})
+    session = Session.build(model, opt, PrecisionPlan.from_dict(PLAN), rollout)
+    return model, opt, session
+
+
+def train(model, session, data, steps, planted=None, lr=3e-3, warmup=20):
+    times = []
+    while session.step_index < steps:
+        step = session.step_index
+        if planted is not None:
+            planted.step = step
+        factor = planted.lr_factor(step) if planted is not None else 1.0
+        for g in session.optimizer.param_groups:
+            g["lr"] = lr * min(1.0, (step + 1) / warmup) * factor
+        x, y = planted.batch(data, step) if planted is not None else data.next()
+
+        def closure():
+            _, loss = model(x, y)
+            loss.backward()
+            return loss
+        t0 = time.perf_counter()
+        loss = closure()
+        result = session.step(loss, closure)
+        times.append((step, time.perf_counter() - t0, len(result.attribution.replays) if result.attribution else 0))
+    return times
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--no-replay", action="store_true", help="statistics rules only (the controller before replays)")
+    p.add_argument("--limit", type=int, default=0, help="run only the first N faults (a smoke test)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    data = Batches(shakespeare_tokens(2_000_000), 16, 128, seed=0)
+    model, opt, session = build(not args.no_replay)
+    t0 = time.perf_counter()
+    train(model, session, data, WARM)
+    warm_s = time.perf_counter() - t0
+    low = [s for s, f in session.controller.current.items() if f != "bf16"]
+    print(f"# warm-up: {WARM} steps in {warm_s:.0f} s; promoted {session.controller.promoted} stages; "
+          f"{len(low)} low-precision sites; replays {'on' if not args.no_replay else 'off'}")
+    warm = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
+            "session": copy.deepcopy(session.state_dict()), "precision": copy.deepcopy(session.state.state_dict()),
+            "data": data.state_dict(), "rng": torch.get_rng_state()}
+    session.close()
+    faults = campaign(low)[: args.limit or None]
+    print("| # | fault | seed | site | acted at | blamed | actions | replays | replay s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for i, fault in enumerate(faults):
+        model, opt, session = build(not args.no_replay)
+        model.load_state_dict(warm["model"])
+        opt.load_state_dict(warm["opt"])
+        session.state.load_state_dict(warm["precision"])
+        session.load_state_dict(warm["session"])
+        session.events = []
+        session.snapshots.kept.clear()
+        session.snapshots.take(WARM)
+        data.load_state_dict(warm["data"])
+        torch.set_rng_state(warm["rng"])
+        planted = Planted(fault, model, session.state, opt)
+        try:
+            times = train(model, session, data, END, planted)
+        finally:
+            planted.remove()
+            session.close()
+        ev = [e for e in session.events if e.step >= FAULT_AT]
+        acted = [e for e in ev if e.kind in (EventKind.SKIP_STEP, EventKind.FALLBACK, EventKind.ROLLBACK,
+                                             EventKind.REWIND)]
+        blamed = sorted({s for e in ev if e.kind in (EventKind.FALLBACK, EventKind.ROLLBACK) for s in e.sites})
+        actions = sorted({e.kind for e in acted})
+        plain = sorted(t for _, t, n in times if n == 0)
+        median = plain[len(plain) // 2]
+        replays = sum(n for _, _, n in times)
+        replay_s = sum(t - median for _, t, n in times if n)
+        first = min((e.step for e in acted), default=None)
+        if fault.precision:
+            ok = blamed == [fault.site]
+        else:
+            ok = not blamed
+        rows.append((fault, first, blamed, ok, replays, replay_s, sum(1 for _, _, n in times if n)))
+        print(f"| {i} | {fault.kind} | {fault.seed} | {fault.site or '-'} | {first if first is not None else '-'} | "
+              f"{', '.join(blamed) or '-'} | {', '.join(actions) or '-'} | {replays} | {replay_s:.2f} |", flush=True)
+    prec = [r for r in rows if r[0].precision]
+    other = [r for r in rows if not r[0].precision]
+    anomalies = sum(r[6] for r in rows)
+    print()
+    print(f"precision faults attributed to exactly the planted site: {sum(r[3] for r in prec)}/{len(prec)}")
+    print(f"other faults that demoted a site: {sum(not r[3] for r in other)}/{len(other)}")
+    on_time = [r for r in rows if r[1] is not None and r[1] <= FAULT_AT + (1 if r[0].kind == 'lr_spike' else 0)]
+    print(f"faults acted on at the step they show (the fault's step; the step after for lr_spike): "
+          f"{len(on_time)}/{len(rows)}")
+    if anomalies:
+        print(f"replays: {sum(r[4] for r in rows)} over {anomalies} replayed steps "
+              f"({sum(r[4] for r in rows) / anomalies:.1f} per anomaly), "
+              f"{sum(r[5] for r in rows) / anomalies:.2f} s per anomaly (a plain step: {median:.2f} s)")
+
+
+if __name__ == "__main__":
+    main()
