@@ -49,10 +49,14 @@ def run(model, opt, session, data, start: int, n: int) -> float:
     t0 = time.perf_counter()
     for step in range(start, start + n):
         x, y = data.batch(step)
-        _, loss = model(x, y)
-        loss.backward()
+
+        def closure():
+            _, loss = model(x, y)
+            loss.backward()
+            return loss
+        loss = closure()
         if session is not None:
-            session.step(loss)           # clip, decide, step (or skip), zero the grads
+            session.step(loss, closure)  # clip, decide, step (or skip), zero the grads
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()

@@ -6,7 +6,7 @@ The config is a training config like experiments/configs/default.yaml: `model:` 
 factory experiments.smollm2:load_model), `train:` (lowprec.config.TrainConfig),
 `finetune:` (FinetuneSettings: sequence length, held-out batches), `precision:` and
 `rollout:`. The loop is a user's loop with `lowprec.runtime.Session`: forward and
-backward, `session.step(loss)` (which clips, decides, steps or skips, and keeps the
+backward, `session.step(loss, closure)` (which clips, decides, steps or skips, and keeps the
 warmup schedule). The config turns rewinds off (a 135M model's snapshots cost 1.6 GB). The text is the Shakespeare training
 split of experiments.data, tokenized with SmolLM2's own tokenizer; the held-out loss
 is measured on the held-out plays before and after, in the final precision map and with
@@ -157,7 +157,7 @@ def finetune(cfg: dict, out_dir: str | Path, *, steps: int | None = None, contro
         lr = opt.param_groups[0]["lr"]
         x, y = data.next()
         loss = forward_backward(model, x, y)
-        result = session.step(loss)
+        result = session.step(loss, lambda: forward_backward(model, x, y))
         res.skipped_steps += not result.applied
         res.losses.append(float(loss))
         share = ", ".join(f"{k} {v:.0%}" for k, v in sorted(state.flops_share().items()))

@@ -3,8 +3,8 @@
     from lowprec.runtime import Session
     session = Session.from_yaml("lowprec.yaml", model, optimizer, scheduler=scheduler)
     ...
-    loss.backward()
-    session.step(loss)
+    loss = closure()            # forward and backward of this step
+    session.step(loss, closure) # the closure replays an anomalous step with sites in high precision
 
 Modules: `session` (Session), `snapshots` (in-memory and disk rewinds), `loop` (train),
 `engine` (the engine protocol, one process), `fsdp` (FullyShardedDP: FSDP2 for any model),

@@ -174,7 +174,7 @@ def test_the_loss_that_caused_a_rewind_is_tracked_under_its_own_names(project):
                    "rollout.rewind": {"enabled": True, "snapshot_every": 2, "keep": 4},
                    "rollout.thresholds": {"spike_min_history": 4}})
     tracker = Tracker()
-    res = run_config(cfg, project / "out", tracker=tracker, faults=[parse_injection("loss_spike::12:13:1000")])
+    res = run_config(cfg, project / "out", tracker=tracker, faults=[parse_injection("loss_spike::12:14:1000")])
     rewinds = [e.step for e in res.events if e.kind is EventKind.REWIND]
     assert res.rewinds >= 1 and rewinds
     logged = [(s, m) for s, m in tracker.metrics if "train/loss_rewound" in m]

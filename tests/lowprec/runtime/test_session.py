@@ -1,10 +1,17 @@
 """A user's own loop with `Session`, on a Hugging Face Llama (not the reference GPT).
 
-The loop below is a plain PyTorch loop plus one call, `session.step(loss)`: it has no
-rewind, skip or format-switching code. An injected loss spike (a data fault: the loss and
-its gradients x1000 for one step) after a stage was promoted makes the controller roll
-the stage back and rewind; the model, optimizer and scheduler after the rewind must equal,
-bit for bit, the copy the test itself took when the session reached that step.
+The loop below is a plain PyTorch loop plus one call, `session.step(loss[, closure])`: it
+has no rewind, skip or format-switching code. An injected loss spike (a data fault: the
+loss and its gradients x1000) after a stage was promoted:
+
+* without a closure (no replays), the next check rolls the stage back and rewinds two
+  checks back;
+* with a closure, the step is replayed with the low-precision sites in high precision, the
+  spike persists, so precision is not to blame: nothing is demoted, the first step is
+  skipped and the second rewinds to the state before the spike began.
+
+Either way the model, optimizer and scheduler after the rewind must equal, bit for bit,
+the copy the test itself took when the session reached that step.
 """
 
 from __future__ import annotations
@@ -98,6 +105,41 @@ def test_user_loop_rewinds_to_the_snapshot_bit_for_bit(tmp_path):
     # after the rollback every site is back in bf16, and training went on from there
     assert set(session.state.formats().values()) == {"bf16"}
     assert session.step_index == 45 - (at + 1 - back)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_user_loop_with_a_closure_demotes_nothing_for_a_data_fault_and_rewinds_before_it(tmp_path):
+    (tmp_path / "lowprec.yaml").write_text(CONFIG)
+    model = _llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 5))
+    session = Session.from_yaml(tmp_path / "lowprec.yaml", model, opt, scheduler=sched)
+    faults = Faults(model, [Injection(FaultKind.LOSS_SPIKE, start=27, stop=29, factor=1000.0)])
+    gen = torch.Generator().manual_seed(1)
+    taken: dict[int, dict] = {}
+    results = []
+    for iteration in range(40):
+        if session.step_index % 5 == 0:
+            taken[session.step_index] = _state(model, opt, sched)
+        faults.tick(iteration)
+        ids = torch.randint(0, 96, (4, 16), generator=gen)
+
+        def closure():
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            return loss
+        result = session.step(closure(), closure)
+        results.append(result)
+        if result.rewound_to is not None:
+            after = _state(model, opt, sched)
+    kinds = [e.kind for e in session.events]
+    assert "promote" in kinds and "rollback" not in kinds and "fallback" not in kinds, kinds
+    first, second = results[27], results[28]
+    assert first.action == "skip_step" and not first.attribution.precision_to_blame
+    assert len(first.attribution.replays) == 1          # one replay, every low-precision site in bf16
+    assert second.action == "rewind" and second.rewound_to == 25   # the snapshot before the spike began (27)
+    _assert_equal(taken[25], after, "state after the rewind")
+    assert "fp8_tensorwise" in session.state.formats().values()   # the promoted stage stays
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
