@@ -38,7 +38,7 @@ from torch import nn
 from lowprec.delayed import AmaxHistory
 from lowprec.formats import Format, QuantSpec, Rounding, ScaleEncoding, Scaling
 from lowprec.hadamard import RandomHadamard
-from lowprec.quantize import QuantStats, Quantized, quantize
+from lowprec.quantize import QuantStats, Quantized, quantize, saturates
 
 __all__ = ["PrecisionLinear", "linear_weight_view"]
 
@@ -83,6 +83,11 @@ class PrecisionLinear(nn.Linear):
         self.generator = torch.Generator(device=weight.device).manual_seed(self.seed)
         self.hadamard = RandomHadamard(self.seed)
         self.stats: dict[str, QuantStats] = {}
+        # steps, since the monitor last read them, in which a delayed-scaling operand (input,
+        # weight, grad_output) saturated past twice the format's max while full statistics
+        # were off: one tiny device op
+        # per such operand, so a one-step overflow between checks is not missed
+        self.overflow_steps = torch.zeros(len(_STATS_ROLES), dtype=torch.float64, device=weight.device)
         self.histories: dict[str, AmaxHistory] = {}
         self.format = fmt
         self._reset_histories()
@@ -136,7 +141,12 @@ class PrecisionLinear(nn.Linear):
                      hadamard=self.hadamard, stats=self.collect_stats and role in _STATS_ROLES,
                      fused=self.fused, validate=False)
         if hist is not None and role in _STATS_ROLES:
-            hist.record(self._reduce_max(q.amax, role))
+            amax = self._reduce_max(q.amax, role)
+            if not self.collect_stats:
+                i = _STATS_ROLES.index(role)
+                # past twice the format's max: the largest values lose more than half their size
+                self.overflow_steps[i] += saturates(amax * scale * 0.5, spec.element).to(torch.float64)
+            hist.record(amax)
         if q.stats is not None and role in _STATS_ROLES:
             self.stats[role] = q.stats
         return q

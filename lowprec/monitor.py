@@ -8,6 +8,10 @@ collective (an all-gather of that vector, then sum / max / mean per field on eve
 rank, so every rank holds identical numbers), reads it on the host once, and returns
 `Signals`: plain floats the controller decides on. Ranks that hold different sites
 (pipeline stages) all pack every site of the model (`sites=`), zeros for the others'.
+Between checks, when full statistics are off, each layer still counts on the device the
+steps in which a delayed-scaling operand saturated (`SiteSignals.overflow_steps`), so a
+one-step overflow is not missed; NaN/Inf anywhere reaches the loss or the grad norm,
+which are looked at every step (`lowprec.anomaly`).
 
 The monitor only collects: what counts as an instability (thresholds, spike and
 large-value detectors, the loss gap) is the controller's (`lowprec.detectors`).
@@ -24,6 +28,7 @@ import torch.distributed as dist
 __all__ = ["MonitorConfig", "Signals", "SiteSignals", "Monitor", "ROLES"]
 
 ROLES = ("input", "weight", "output", "grad_output")  # output: only its non-finite count is used
+_COUNTED = ("input", "weight", "grad_output")   # PrecisionLinear.overflow_steps, in this order
 _N = 7  # QuantStats fields: amax, saturated, underflow, sq_error, signal_power, nonfinite, numel
 
 
@@ -50,11 +55,14 @@ class SiteSignals:
     rel_mse: dict[str, float] = field(default_factory=dict)
     sqnr_db: dict[str, float] = field(default_factory=dict)
     nonfinite: dict[str, float] = field(default_factory=dict)
+    # steps of the window, with full statistics off, in which a delayed-scaling operand saturated
+    overflow_steps: dict[str, float] = field(default_factory=dict)
 
     def flat(self) -> dict[str, float]:
         """`role/stat` -> value, for logging."""
         out = {}
-        for stat in ("amax", "saturated_frac", "underflow_frac", "rel_mse", "sqnr_db", "nonfinite"):
+        for stat in ("amax", "saturated_frac", "underflow_frac", "rel_mse", "sqnr_db", "nonfinite",
+                     "overflow_steps"):
             for role, v in getattr(self, stat).items():
                 out[f"{role}/{stat}"] = v
         return out
@@ -172,6 +180,19 @@ class Monitor:
         for site in self.state.sites.values():
             site.module.stats.clear()
 
+    def _overflow_steps(self) -> torch.Tensor:
+        """Every site's between-check overflow counts (zeros for other ranks' sites), taken
+        and reset: one stack of small device tensors per check, no sync."""
+        rows = [getattr(self.state.sites[f].module, "overflow_steps", None) if f in self.state.sites else None
+                for f in self.sites]
+        zero = torch.zeros(len(_COUNTED), dtype=torch.float64, device=self._acc.device)
+        out = torch.stack([zero if r is None else r.to(self._acc.device) for r in rows]) if rows else \
+            torch.zeros(0, len(_COUNTED), dtype=torch.float64, device=self._acc.device)
+        for r in rows:
+            if r is not None:
+                r.zero_()
+        return out
+
     def is_check_step(self, step: int) -> bool:
         return (step + 1) % self.config.check_every == 0 or step == self._forced
 
@@ -180,7 +201,8 @@ class Monitor:
         n_steps = len(self._losses)
         steps = torch.stack([torch.stack(self._losses), torch.stack(self._norms)]) if n_steps else \
             torch.zeros(2, 0, dtype=torch.float64, device=self._acc.device)
-        packed = torch.cat([self._acc.flatten(), steps.flatten().to(self._acc.device)])
+        overflow = self._overflow_steps()
+        packed = torch.cat([self._acc.flatten(), overflow.flatten(), steps.flatten().to(self._acc.device)])
         if self.group is not None or (dist.is_available() and dist.is_initialized()):
             world = dist.get_world_size(self.group)
             gathered = [torch.empty_like(packed) for _ in range(world)]
@@ -191,14 +213,17 @@ class Monitor:
         host = allp.cpu()
         acc = host[:, :self._acc.numel()].reshape(-1, len(self.sites), len(ROLES), _N)
         site_rows = torch.cat([acc[..., :1].amax(0), acc[..., 1:].sum(0)], dim=-1)
-        per_step = host[:, self._acc.numel():].reshape(host.shape[0], 2, n_steps)
+        n_acc, n_over = self._acc.numel(), overflow.numel()
+        between = host[:, n_acc:n_acc + n_over].reshape(-1, *overflow.shape).amax(0)   # ranks count alike
+        per_step = host[:, n_acc + n_over:].reshape(host.shape[0], 2, n_steps)
         losses = per_step[:, 0].mean(0).tolist()          # data-parallel ranks: the global mean
         norms = per_step[:, 1].amax(0).tolist()           # already reduced; max guards against drift
         sites = {}
         for i, fqn in enumerate(self.sites):
             rows = {role: site_rows[i, j].tolist() for j, role in enumerate(ROLES) if site_rows[i, j, 6] > 0}
-            if rows:
+            if rows or between[i].any():
                 sites[fqn] = site_signals_from_packed(rows)
+                sites[fqn].overflow_steps = {r: v for r, v in zip(_COUNTED, between[i].tolist()) if v > 0}
         self._losses, self._norms = [], []
         self._acc.zero_()
         self._forced = None

@@ -341,6 +341,12 @@ def _saturated(a: torch.Tensor, elem: ElementFormat) -> torch.Tensor:
     return a >= thr if odd else a > thr
 
 
+def saturates(a: torch.Tensor, elem: ElementFormat) -> torch.Tensor:
+    """Whether a scaled magnitude `a` saturates in `elem` (a bool tensor, no sync): what the
+    statistics count as saturated, for callers that only have an amax times its scale."""
+    return _saturated(a, elem)
+
+
 def _dequant_blocks(vb, scale, scale_inv, spec: QuantSpec):
     if spec.scale_encoding is ScaleEncoding.E4M3_FP32:
         return vb * scale_inv        # blocks whose E4M3 scale underflowed have scale 0

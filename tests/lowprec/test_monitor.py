@@ -212,3 +212,26 @@ def test_pipeline_stages_each_see_every_sites_statistics(fake_dist):
     assert sig.sites["0"].amax["input"] == pytest.approx(amax(x), rel=1e-2)
     assert sig.sites["2"].amax["input"] == pytest.approx(amax(h), rel=1e-2)
     assert sig.losses == [1.5] and sig.grad_norms == [3.0]
+
+
+# ------------------------------------------------------------------ between checks
+def test_a_one_step_delayed_scaling_overflow_between_checks_is_counted():
+    """fp8_delayed: the scale comes from the amax history, so an input 1000x larger than the
+    history saturates in that one step; statistics are off there (not a check step), yet the
+    check reports it for the site and the role where it happened, and only once."""
+    model, state = prepared("fp8_delayed")
+    mon = monitor(state, check_every=5)
+    for step in range(5):                                  # history fills with amax ~3
+        train_step(mon, model, step, inputs(seed=step))
+    first = mon.check(4)
+    assert all(not s.overflow_steps for s in first.sites.values())
+    for step in range(5, 10):
+        train_step(mon, model, step, inputs(scale=1000.0 if step == 6 else 1.0, seed=step))
+        if step == 6:
+            assert not state.sites["0"].module.collect_stats   # step 6 is no check step
+    sig = mon.check(9)
+    assert sig.sites["0"].overflow_steps == {"input": 1.0}
+    assert sig.sites["0"].flat()["input/overflow_steps"] == 1.0
+    for step in range(10, 15):
+        train_step(mon, model, step, inputs(seed=step))
+    assert not mon.check(14).sites["0"].overflow_steps     # read once, then reset
