@@ -115,7 +115,9 @@ class Session:
             none; anomalies then wait for the next check's statistics).
         lr_probe: the learning-rate probe run at the start of its check steps (needs a
             controller); default, when `lr_probe_config` (the rollout's `lr_probe`) is enabled,
-            `LRProbe.for_model` on `held_batch` (x, y), a batch training never draws.
+            `LRProbe.for_model` on `held_batch` (x, y), a batch training never draws, the same
+            on every rank (the probe's number is not combined across ranks, and every rank
+            must decide alike).
         """
         self.model, self.optimizer, self.state = model, optimizer, state
         self.controller, self.scheduler, self.data = controller, scheduler, data
