@@ -156,6 +156,7 @@ class Session:
             self.snapshots.after_step(start_step)
         self.lr_probe = lr_probe
         self.lr_probe_result: ProbeResult | None = None   # the newest probe
+        self._probed: tuple[int, int] | None = None         # (step, rewinds) it ran at
         if lr_probe is None and controller is not None and lr_probe_config is not None and lr_probe_config.enabled:
             self.lr_probe = _probe_from_config(lr_probe_config, model, optimizer, state, self.clip, held_batch)
         self._prepare(start_step)
@@ -210,9 +211,9 @@ class Session:
             return
         if not probe.is_due((step + 1) // mon.config.check_every):
             return
-        if self.lr_probe_result is not None and self.lr_probe_result.step == step:
+        if self._probed == (step, self.rewinds):
             return   # _prepare again at the same step (after an evaluation): same weights, same answer
-        self.lr_probe_result = probe(step)
+        self.lr_probe_result, self._probed = probe(step), (step, self.rewinds)   # a rewind back here probes again
 
     def _lr_sensitivity(self, step: int) -> float | None:
         """The sensitivity the probe measured at the start of `step`, None if it did not run there."""
@@ -345,7 +346,7 @@ class Session:
             self.events = [Event.from_dict(json.loads(x)) for x in s["events"]]
             if self.log is not None:
                 self.log.rewrite(self.events)   # a killed run's later events are redone, not kept twice
-        self.lr_probe_result = None   # other weights now: a due probe runs again
+        self._probed = None   # other weights now: a due probe runs again
         self._prepare(self.step_index)
 
     def close(self) -> None:
