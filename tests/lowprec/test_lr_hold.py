@@ -22,7 +22,7 @@ def make(hold_rise=0.04, min_steps=20):
 
 
 def check(ctl, step, sens=None):
-    return ctl.observe_step(step, True, Signals(step, [2.0] * 10, [1.0] * 10, lr_sensitivity=sens))
+    return ctl.observe_step(step, signals=Signals(step, [2.0] * 10, [1.0] * 10, lr_sensitivity=sens))
 
 
 def test_rising_is_the_newest_value_above_the_median_of_the_ones_before_by_more_than_hold_rise():
