@@ -32,10 +32,11 @@ from the check window's statistics:
    current format again in this run. Other fallen-back sites retry their stage's format
    after `cooldown_steps`.
 5. The next stage is promoted once everything has been stable for `min_steps` and the
-   evaluation gate (a callable, when given) passes, and the learning-rate sensitivity
-   (`Signals.lr_sensitivity`, from `lowprec.runtime.lrprobe`, when the probe runs) is not
-   rising (`lr_sensitivity_rising`); otherwise the promotion is held (a HOLD event) and
-   asked again after another `min_steps`.
+   evaluation gate (a callable, when given) passes, and the newest learning-rate
+   sensitivity (`Signals.lr_sensitivity`, from `lowprec.runtime.lrprobe`, when the probe
+   runs) is not above its hold level (`lr_hold_level`: above 0, or risen above its recent
+   median); otherwise the promotion is held (a HOLD event) and asked again after another
+   `min_steps`.
 
 Decisions are deterministic functions of the inputs (sites are visited in a fixed
 order), so every rank that sees the same numbers (and replays alike) decides the same.
@@ -60,9 +61,9 @@ from lowprec.verdicts import GateOutcome, Verdict
 _FORWARD_ROLES = ("input", "weight", "output")
 
 __all__ = ["Action", "Stage", "Thresholds", "ControllerConfig", "Decision", "RolloutController", "apply_decision",
-           "lr_sensitivity_rising", "LR_HISTORY"]
+           "lr_hold_level", "lr_sensitivity_hold", "LR_HISTORY"]
 
-LR_HISTORY = 4   # earlier LR-probe results a new one is compared with (lr_sensitivity_rising)
+LR_HISTORY = 4   # earlier LR-probe results a new one is compared with (lr_hold_level)
 
 
 class Action(str, enum.Enum):
@@ -101,7 +102,8 @@ class ControllerConfig:
     rewind_skip_batches: int = 0
     persist_steps: int = 2       # anomalous steps in a row (not precision's) before a rewind
     thresholds: Thresholds = field(default_factory=Thresholds)
-    lr_hold_rise: float | None = None   # rise of the LR sensitivity that holds a promotion; None: never held
+    lr_hold_rise: float | None = None    # rise of the LR sensitivity that holds a promotion; None: off
+    lr_hold_above: float | None = None   # LR sensitivity above which a promotion is held; None: off
 
     def __post_init__(self) -> None:
         if self.persist_steps < 1:
@@ -130,22 +132,40 @@ def _bits(name: str) -> int:
     return FORMATS[name].rank
 
 
-def lr_sensitivity_rising(history: list[tuple[int, float]], hold_rise: float) -> tuple[bool, dict]:
-    """Whether the learning-rate sensitivity is rising, and the evidence.
+def lr_hold_level(history: list[tuple[int, float]], hold_rise: float | None,
+                  hold_above: float | None) -> tuple[float | None, dict]:
+    """The level above which the newest LR sensitivity in `history` ((step, sensitivity) of
+    the probes so far, oldest first) holds a promotion, and how it was found.
 
-    `history`: (step, sensitivity) of the LR probes so far, oldest first. Rising: the newest
-    value exceeds the median of the `LR_HISTORY` finite values before it by more than
-    `hold_rise` (an infinite newest value, a virtual step that diverged, exceeds any). Judged
-    only once `LR_HISTORY` earlier probes exist; a NaN is never rising (nothing to compare)."""
-    if len(history) <= LR_HISTORY:
+    The lower of `hold_above` (a sensitivity above 0 means that even on the batch its
+    gradient came from, the doubled step lowers the loss less than the halved one: the lr is
+    past the locally best step size) and the median of the `LR_HISTORY` finite values before
+    the newest plus `hold_rise` (the sensitivity rose); that second one only once
+    `LR_HISTORY` earlier probes exist. None of them (both off, or too few probes): None."""
+    levels, how = [], {}
+    if hold_above is not None:
+        levels.append(hold_above)
+        how["hold_above"] = hold_above
+    earlier = [v for _, v in history[-LR_HISTORY - 1:-1] if math.isfinite(v)]
+    if hold_rise is not None and len(history) > LR_HISTORY and earlier:
+        ref = statistics.median(earlier)
+        levels.append(ref + hold_rise)
+        how.update(median_before=ref, hold_rise=hold_rise)
+    return (min(levels) if levels else None), how
+
+
+def lr_sensitivity_hold(history: list[tuple[int, float]], hold_rise: float | None,
+                        hold_above: float | None) -> tuple[bool, dict]:
+    """Whether the newest LR sensitivity holds a promotion (it is above `lr_hold_level`; an
+    infinite one, a virtual step that diverged, is above any level, a NaN above none), and
+    the evidence."""
+    if not history:
         return False, {}
     step, latest = history[-1]
-    earlier = [v for _, v in history[-LR_HISTORY - 1:-1] if math.isfinite(v)]
-    if not earlier or math.isnan(latest):
+    level, how = lr_hold_level(history, hold_rise, hold_above)
+    if level is None or math.isnan(latest):
         return False, {}
-    ref = statistics.median(earlier)
-    return latest - ref > hold_rise, {"lr_sensitivity": latest, "probe_step": step, "median_before": ref,
-                                      "hold_rise": hold_rise}
+    return latest > level, {"lr_sensitivity": latest, "probe_step": step, "hold_level": level, **how}
 
 
 class RolloutController:
@@ -467,14 +487,12 @@ class RolloutController:
 
     def _promote(self, step: int, d: Decision) -> None:
         stage = self.stages[self.promoted]
-        if self.config.lr_hold_rise is not None:
-            rising, ev = lr_sensitivity_rising(self.lr_history, self.config.lr_hold_rise)
-            if rising:   # hold, as an inconclusive gate does: asked again after another min_steps
-                d.events.append(Event(step, EventKind.HOLD, (), {}, {}, (
-                    f"promotion of {stage.name} held: LR sensitivity {ev['lr_sensitivity']:.4g} rose by more than "
-                    f"{ev['hold_rise']:g} above the median {ev['median_before']:.4g} of the {LR_HISTORY} probes "
-                    f"before it"), ev, stage.name))
-                return
+        held, ev = lr_sensitivity_hold(self.lr_history, self.config.lr_hold_rise, self.config.lr_hold_above)
+        if held:   # hold, as an inconclusive gate does: asked again after another min_steps
+            d.events.append(Event(step, EventKind.HOLD, (), {}, {}, (
+                f"promotion of {stage.name} held: LR sensitivity {ev['lr_sensitivity']:.4g} (probe at step "
+                f"{ev['probe_step']}) is above its hold level {ev['hold_level']:.4g}"), ev, stage.name))
+            return
         if self.gate is not None:
             verdict = self._gate_event(step, self.gate(step), f"before {stage.name}", stage.name, d)
             if verdict is Verdict.REGRESS:

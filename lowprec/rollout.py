@@ -9,7 +9,7 @@
       rewind: {enabled: true, skip_batches: 20, source: memory, snapshot_every: 20, keep: 2}
       attribution: {replay: true, max_replays: 8, persist_steps: 2}   # anomalous steps: replays
       thresholds: {max_saturated_frac: 1.0e-3, site_patience: 2, loss_gap: 0.03}
-      lr_probe: {enabled: true, every_checks: 5, factors: [2.0, 0.5], hold_rise: 0.04}
+      lr_probe: {enabled: true, every_checks: 5, factors: [2.0, 0.5], hold_above: 0.0, hold_rise: 0.04}
       baseline: {losses: runs/bf16/losses.json}      # or {mlflow_run: RUN}; loss_gap needs it
       stages:
         - {name: mlp_fp8,  select: {glob: "blocks.*.mlp.*"},  format: fp8_tensorwise}
@@ -84,12 +84,14 @@ class AttributionConfig:
 class LRProbeConfig:
     """The learning-rate sensitivity probe (`lowprec.runtime.lrprobe`): every `every_checks`
     checks, the held batch's loss after a virtual step at each lr factor; a sensitivity
-    that rose by more than `hold_rise` holds the next promotion (`RolloutController._promote`)."""
+    above `hold_above`, or risen by more than `hold_rise` above the median of the probes
+    before, holds the next promotion (`lowprec.controller.lr_hold_level`)."""
 
     enabled: bool = False
     every_checks: int = 5                        # probe at every this-many-th check
     factors: tuple[float, ...] = (2.0, 0.5)      # lr multipliers: one above 1, one below
-    hold_rise: float = 0.04                      # rise of (L_up - L_down) / |L0| that holds a promotion
+    hold_above: float | None = 0.0               # (L_up - L_down) / |L0| above this holds a promotion
+    hold_rise: float | None = 0.04               # so does a rise by more than this (above the recent median)
 
     def __post_init__(self) -> None:
         if self.every_checks < 1:
@@ -98,8 +100,10 @@ class LRProbeConfig:
         if len(f) < 2 or len(set(f)) != len(f) or min(f) <= 0 or not min(f) < 1 < max(f):
             raise ConfigError("factors", f"must be distinct positive lr multipliers, one above 1 and one below, "
                                          f"e.g. [2.0, 0.5]; got {list(f)}")
-        if not (math.isfinite(self.hold_rise) and self.hold_rise >= 0):
-            raise ConfigError("hold_rise", f"must be a finite number >= 0, got {self.hold_rise}")
+        if self.hold_rise is not None and not (math.isfinite(self.hold_rise) and self.hold_rise >= 0):
+            raise ConfigError("hold_rise", f"must be a finite number >= 0 (or null: off), got {self.hold_rise}")
+        if self.hold_above is not None and not math.isfinite(self.hold_above):
+            raise ConfigError("hold_above", f"must be a finite number (or null: off), got {self.hold_above}")
 
 
 @dataclass(frozen=True)
@@ -188,7 +192,8 @@ class RolloutConfig:
                                 quarantine_after=self.quarantine_after, rewind=self.rewind.enabled,
                                 rewind_skip_batches=self.rewind.skip_batches,
                                 persist_steps=self.attribution.persist_steps, thresholds=self.thresholds,
-                                lr_hold_rise=self.lr_probe.hold_rise if self.lr_probe.enabled else None)
+                                lr_hold_rise=self.lr_probe.hold_rise if self.lr_probe.enabled else None,
+                                lr_hold_above=self.lr_probe.hold_above if self.lr_probe.enabled else None)
 
     def monitor_config(self) -> MonitorConfig:
         return MonitorConfig(check_every=self.check_every, stats_every_step=self.stats_every_step)

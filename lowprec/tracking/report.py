@@ -12,9 +12,9 @@
 * `fallback_signals.png`: for each site that fell back, the signal that triggered it (from
   the event's evidence), its threshold and the moment of the fallback.
 * `lr_sensitivity.png`: the learning-rate probe's sensitivity (`train/lr_sensitivity`, see
-  `lowprec.runtime.lrprobe`) at each probe, the level above which a promotion is held (the
-  median of the probes before plus `rollout.lr_probe.hold_rise`), the holds and the other
-  stage events, and under it the learning rate.
+  `lowprec.runtime.lrprobe`) at each probe, the level above which a promotion is held
+  (`rollout.lr_probe.hold_above`, or the median of the probes before plus `hold_rise`: the
+  lower), the holds and the other stage events, and under it the learning rate.
 * `evals.png`: eval results per checkpoint with 95% intervals (±1.96 stderr, or the
   logged `_ci_low`/`_ci_high`), gate verdicts marked; eval results only (`is_eval_metric`:
   not how long an eval took, not `eval_mode/*`).
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lowprec.controller import LR_HISTORY, lr_sensitivity_rising
+from lowprec.controller import LR_HISTORY, lr_hold_level
 from lowprec.events import EventKind
 from lowprec.tracking.records import LR_SENSITIVITY
 from lowprec.tracking.report_sources import ReportData, fallback_sites, signals_of
@@ -151,14 +151,15 @@ def signals_figure(data: ReportData):
     return fig
 
 
-def hold_levels(points: list[tuple[int, float]], hold_rise: float) -> list[tuple[int, float]]:
-    """(step, level) for each probe that had LR_HISTORY probes before it: above the level, the
-    controller holds a promotion (`lowprec.controller.lr_sensitivity_rising`)."""
+def hold_levels(points: list[tuple[int, float]], hold_rise: float | None,
+                hold_above: float | None) -> list[tuple[int, float]]:
+    """(step, level) at each probe that has one: above it, the controller holds a promotion
+    (`lowprec.controller.lr_hold_level`)."""
     out = []
-    for i in range(LR_HISTORY, len(points)):
-        _, ev = lr_sensitivity_rising(points[i - LR_HISTORY:i + 1], hold_rise)
-        if ev:
-            out.append((points[i][0], ev["median_before"] + hold_rise))
+    for i in range(len(points)):
+        level, _ = lr_hold_level(points[:i + 1], hold_rise, hold_above)
+        if level is not None:
+            out.append((points[i][0], level))
     return out
 
 
@@ -170,10 +171,12 @@ def lr_sensitivity_figure(data: ReportData):
     ax, lax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1.2])
     ax.plot(*zip(*points), "o-", ms=3, lw=1, color="#08519c", label="sensitivity (L_up - L_down) / |L0|")
     ax.axhline(0, color="#636363", lw=0.8)
-    rise = data.thresholds.get("lr_hold_rise")
-    if rise is not None and (levels := hold_levels(points, rise)):
+    rise, above = data.thresholds.get("lr_hold_rise"), data.thresholds.get("lr_hold_above")
+    if levels := hold_levels(points, rise, above):
+        what = " or ".join(([f"{above:g}"] if above is not None else []) +
+                           ([f"median of the {LR_HISTORY} probes before + {rise:g}"] if rise is not None else []))
         ax.plot(*zip(*levels), color="#d94801", ls="--", lw=0.8, marker="_", ms=12,
-                label=f"hold level: median of the {LR_HISTORY} probes before + {rise:g}")
+                label=f"hold level: {what} (the lower)" if " or " in what else f"hold level: {what}")
     diverged = [s for s, v in points if v == float("inf")]   # the larger virtual step's loss was not finite
     if diverged:
         ax.plot(diverged, [0.98] * len(diverged), ls="", marker="^", ms=8, color="#a50f15",

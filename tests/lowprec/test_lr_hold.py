@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from lowprec.controller import LR_HISTORY, ControllerConfig, RolloutController, Stage, lr_sensitivity_rising
+from lowprec.controller import (LR_HISTORY, ControllerConfig, RolloutController, Stage, lr_hold_level,
+                                lr_sensitivity_hold)
 from lowprec.events import EventKind
 from lowprec.monitor import Signals
 from lowprec.rollout import parse_rollout
@@ -15,8 +16,8 @@ SITES = ["a", "b"]
 LADDER = ("fp8_tensorwise", "bf16")
 
 
-def make(hold_rise=0.04, min_steps=20):
-    cfg = ControllerConfig(min_steps=min_steps, lr_hold_rise=hold_rise)
+def make(hold_rise=0.04, hold_above=0.0, min_steps=20):
+    cfg = ControllerConfig(min_steps=min_steps, lr_hold_rise=hold_rise, lr_hold_above=hold_above)
     return RolloutController({s: LADDER for s in SITES}, {s: "bf16" for s in SITES},
                              [Stage("first", ("a",), "fp8_tensorwise"), Stage("second", ("b",), "fp8_tensorwise")], cfg)
 
@@ -25,44 +26,68 @@ def check(ctl, step, sens=None):
     return ctl.observe_step(step, signals=Signals(step, [2.0] * 10, [1.0] * 10, lr_sensitivity=sens))
 
 
-def test_rising_is_the_newest_value_above_the_median_of_the_ones_before_by_more_than_hold_rise():
-    h = [(i, v) for i, v in enumerate([-0.02, -0.03, -0.01, -0.02])]
-    assert lr_sensitivity_rising(h, 0.04) == (False, {})                      # not judged before LR_HISTORY + 1
+def history(*values):
+    return [(10 * i + 9, v) for i, v in enumerate(values)]
+
+
+def test_the_hold_level_is_the_lower_of_hold_above_and_the_recent_median_plus_hold_rise():
     assert LR_HISTORY == 4
-    median = -0.02   # of -0.02, -0.03, -0.01, -0.02
-    rising, ev = lr_sensitivity_rising(h + [(4, median + 0.0401)], 0.04)
-    assert rising and ev == {"lr_sensitivity": median + 0.0401, "probe_step": 4, "median_before": median,
-                             "hold_rise": 0.04}
-    assert not lr_sensitivity_rising(h + [(4, median + 0.0399)], 0.04)[0]
-    assert lr_sensitivity_rising(h + [(4, math.inf)], 0.04)[0]               # the larger virtual step diverged
-    assert not lr_sensitivity_rising(h + [(4, math.nan)], 0.04)[0]
-    # only the LR_HISTORY values before the newest count, and non-finite ones among them do not
-    old = [(0, 5.0)] + [(i + 1, v) for i, v in enumerate([math.inf, -0.02, -0.02, -0.02])]
-    assert lr_sensitivity_rising(old + [(5, 0.03)], 0.04)[1]["median_before"] == -0.02
+    four = history(-0.02, -0.03, -0.01, -0.02)             # median -0.02
+    # hold_above applies from the first probe; the rise once four probes came before
+    assert lr_hold_level(four[:1], 0.04, 0.0) == (0.0, {"hold_above": 0.0})
+    assert lr_hold_level(four, 0.04, None) == (None, {})
+    level, how = lr_hold_level(four + [(49, 0.5)], 0.04, 0.1)
+    assert level == pytest.approx(-0.02 + 0.04) and how == {"hold_above": 0.1, "median_before": -0.02,
+                                                            "hold_rise": 0.04}
+    assert lr_hold_level(four + [(49, 0.5)], 0.04, 0.0)[0] == 0.0
+    assert lr_hold_level(four + [(49, 0.5)], None, None) == (None, {})
+    # only the four values before the newest count, and non-finite ones among them do not
+    assert lr_hold_level(history(5.0, math.inf, -0.02, -0.02, -0.02, 0.03), 0.04, None)[1]["median_before"] == -0.02
 
 
-def test_a_rising_sensitivity_holds_the_promotion_until_it_stops_rising():
+def test_a_sensitivity_above_its_level_holds_an_infinite_one_too_a_nan_never():
+    four = history(-0.02, -0.03, -0.01, -0.02)
+    held, ev = lr_sensitivity_hold(four + [(49, 0.0201)], 0.04, None)   # rose 0.0401 above the median
+    assert held and ev == {"lr_sensitivity": 0.0201, "probe_step": 49, "hold_level": pytest.approx(0.02),
+                           "median_before": -0.02, "hold_rise": 0.04}
+    assert not lr_sensitivity_hold(four + [(49, 0.0199)], 0.04, None)[0]
+    assert lr_sensitivity_hold(four[:1] + [(19, 0.001)], 0.04, 0.0)[0]    # above 0: held with two probes
+    assert not lr_sensitivity_hold(four[:1] + [(19, -0.001)], 0.04, 0.0)[0]
+    assert lr_sensitivity_hold(four + [(49, math.inf)], 0.04, 0.0)[0]       # the larger virtual step diverged
+    assert not lr_sensitivity_hold(four + [(49, math.nan)], 0.04, 0.0)[0]
+    assert lr_sensitivity_hold([], 0.04, 0.0) == (False, {})
+
+
+def test_the_promotion_waits_until_the_sensitivity_is_back_below_its_level():
     ctl = make()
     for i, v in enumerate([-0.02, -0.02, -0.021, -0.019]):   # probes at checks 9, 19, 29, 39
-        d = check(ctl, 10 * i + 9, v)
-    assert ctl.promoted == 1   # promoted at 29 (min_steps 20), before any judgement was possible
-    d = check(ctl, 49, 0.05)   # rose 0.07 above the median of the four before it
+        check(ctl, 10 * i + 9, v)
+    assert ctl.promoted == 1   # at 29 (min_steps 20)
+    d = check(ctl, 49, 0.05)   # the next promotion is due at 49: the probe of this check is above 0
     held = [e for e in d.events if e.kind == EventKind.HOLD]
     assert len(held) == 1 and not d.changes and ctl.promoted == 1
     e = held[0]
     assert e.stage == "second" and e.evidence["lr_sensitivity"] == 0.05 and e.evidence["probe_step"] == 49
-    assert e.evidence["median_before"] == pytest.approx(-0.02) and "LR sensitivity" in e.reason
+    assert e.evidence["hold_level"] == 0.0 and "LR sensitivity 0.05" in e.reason
     assert ctl.stable_since == 49   # asked again after another min_steps, as an inconclusive gate
     assert not check(ctl, 59).events   # no probe at this check, too soon anyway
-    d = check(ctl, 69)                 # due again; the newest probe (49) still rose: held again
+    d = check(ctl, 69)                 # due again; the newest probe (49) is still above: held again
     assert [e.kind for e in d.events] == [EventKind.HOLD]
-    assert not check(ctl, 79, 0.05).events   # the probes level off at the new value
-    d = check(ctl, 89, 0.05)   # 0.05 is 0.0345 above the median of (-0.021, -0.019, 0.05, 0.05): not rising
+    assert not check(ctl, 79, -0.01).events
+    d = check(ctl, 89, -0.012)   # below 0 and 0.008 above the median of (-0.021, -0.019, 0.05, -0.01)
     assert [e.kind for e in d.events] == [EventKind.PROMOTE] and ctl.promoted == 2
 
 
-def test_without_hold_rise_the_sensitivity_never_holds():
-    ctl = make(hold_rise=None)
+def test_a_rise_alone_holds_with_hold_above_off():
+    ctl = make(hold_above=None)
+    for i, v in enumerate([-0.05, -0.05, -0.05, -0.05]):
+        check(ctl, 10 * i + 9, v)
+    d = check(ctl, 49, -0.005)   # below 0 but 0.045 above the median
+    assert [e.kind for e in d.events] == [EventKind.HOLD] and d.events[0].evidence["median_before"] == -0.05
+
+
+def test_without_hold_levels_the_sensitivity_never_holds():
+    ctl = make(hold_rise=None, hold_above=None)
     for i, v in enumerate([-0.02] * 4 + [5.0]):
         check(ctl, 10 * i + 9, v)
     assert ctl.promoted == 2
@@ -84,7 +109,9 @@ def test_the_probe_history_rides_in_the_state_dict():
 
 def test_the_rollout_section_turns_the_hold_on_with_the_probe():
     stages = [{"select": {"glob": "*"}, "format": "fp8_tensorwise"}]
-    assert parse_rollout({"stages": stages}).controller_config().lr_hold_rise is None
-    on = parse_rollout({"stages": stages, "lr_probe": {"enabled": True, "hold_rise": 0.1}})
-    assert on.controller_config().lr_hold_rise == 0.1
-    assert parse_rollout({"stages": stages, "lr_probe": True}).lr_probe.enabled
+    off = parse_rollout({"stages": stages}).controller_config()
+    assert off.lr_hold_rise is None and off.lr_hold_above is None
+    on = parse_rollout({"stages": stages, "lr_probe": {"enabled": True, "hold_rise": 0.1, "hold_above": None}})
+    assert on.controller_config().lr_hold_rise == 0.1 and on.controller_config().lr_hold_above is None
+    default = parse_rollout({"stages": stages, "lr_probe": True}).controller_config()
+    assert (default.lr_hold_rise, default.lr_hold_above) == (0.04, 0.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from lowprec.controller import lr_sensitivity_rising
+from lowprec.controller import lr_sensitivity_hold
 from lowprec.events import Event, EventKind
 from lowprec.monitor import Signals
 from lowprec.tracking.records import LR_SENSITIVITY
@@ -17,18 +17,21 @@ PROBES = [(9, -0.02), (19, -0.021), (29, -0.018), (39, -0.02), (49, 0.01), (59, 
 
 
 def test_hold_levels_are_where_the_controller_holds():
-    levels = dict(hold_levels(PROBES, 0.04))
-    assert list(levels) == [49, 59, 69, 79]   # from the fifth probe on
-    assert levels[49] == -0.02 + 0.04       # median of the four before
-    for i, (step, v) in enumerate(PROBES):
-        if step in levels:   # above the level exactly when the controller's rule says rising
-            assert (v > levels[step]) == lr_sensitivity_rising(PROBES[:i + 1], 0.04)[0]
+    rise_only = dict(hold_levels(PROBES, 0.04, None))
+    assert list(rise_only) == [49, 59, 69, 79]   # from the fifth probe on
+    assert rise_only[49] == -0.02 + 0.04         # median of the four before
+    both = dict(hold_levels(PROBES, 0.04, 0.0))
+    assert list(both) == [s for s, _ in PROBES] and both[9] == 0.0 and both[49] == 0.0
+    for levels, rise, above in ((rise_only, 0.04, None), (both, 0.04, 0.0)):
+        for i, (step, v) in enumerate(PROBES):
+            if step in levels:   # above the level exactly when the controller holds
+                assert (v > levels[step]) == lr_sensitivity_hold(PROBES[:i + 1], rise, above)[0]
 
 
 def test_the_tracker_logs_the_sensitivity_and_the_report_draws_it(tmp_path, free_port):
     tracker = Tracker(f"http://127.0.0.1:{free_port()}", "lowprec-tests", "lr-probe", buffer_dir=tmp_path / "run",
                       **FAST)
-    tracker.log_config({"rollout": {"lr_probe": {"enabled": True, "hold_rise": 0.04}}})
+    tracker.log_config({"rollout": {"lr_probe": {"enabled": True, "hold_rise": 0.04, "hold_above": 0.0}}})
     for step in range(9, 80, 10):   # a check every 10 steps, the probe at every one of them here
         sens = dict(PROBES).get(step)
         tracker.log_signals(step, Signals(step, [2.0], [1.0], lr_sensitivity=sens))
@@ -39,7 +42,7 @@ def test_the_tracker_logs_the_sensitivity_and_the_report_draws_it(tmp_path, free
     tracker.finish("FINISHED", timeout=2)
     data = from_run_dir(tmp_path / "run")
     assert data.metrics[LR_SENSITIVITY] == PROBES
-    assert data.thresholds["lr_hold_rise"] == 0.04
+    assert data.thresholds["lr_hold_rise"] == 0.04 and data.thresholds["lr_hold_above"] == 0.0
     assert [e.kind for e in data.events] == [EventKind.HOLD]
     assert (tmp_path / "run" / "files" / "report" / "lr_sensitivity.png").is_file()   # the tracker's own report
 

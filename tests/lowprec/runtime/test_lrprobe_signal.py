@@ -3,14 +3,17 @@
 A small GPT (2 blocks, width 64) trains on Shakespeare bytes with AdamW at lr 1e-3; after 60
 steps the lr grows by 6% a step, until the training loss spikes (the first loss above 1.3x
 the lowest before it, or a non-finite one). The LR probe runs every 5 steps on a held batch
-(`lowprec.runtime.lrprobe`), and "rising" is the controller's rule
-(`lowprec.controller.lr_sensitivity_rising`, hold_rise 0.04, the default). The rule must
-fire at least two probes (10 steps) before the spike; at a constant lr it never fires and
-the loss never spikes in the same 200 steps.
+(`lowprec.runtime.lrprobe`), and the signal crosses its hold level by the controller's rule
+(`lowprec.controller.lr_sensitivity_hold` with rollout.lr_probe's defaults: above 0, or
+0.04 above the median of the 4 probes before). It must cross at least two probes (10
+steps) before the spike; at a constant lr it never crosses and the loss never spikes in
+the same 200 steps.
 
-Measured when this test was written (seeds 0-5, 6% a step): rising at steps 100-120, the
-spike at 144-155 (31-54 steps later); at 3% a step (seeds 0-2): rising at 155-205, the
-spike at 232-240; at a constant lr (seeds 0-3): neither in 200 steps.
+Measured when this test was written (seeds 0-5, 6% a step): the sensitivity above 0 at
+steps 100-115, risen by 0.04 at 100-120, the spike at 144-155 (34-54 steps after the first
+crossing); at 3% a step (seeds 0-2): crossing at 155-205, the spike at 232-240; at a
+constant lr 1e-3 (seeds 0-3): neither in 200 steps, the sensitivity at most -0.005 (seed 0:
+800 steps, the same).
 """
 
 from __future__ import annotations
@@ -22,14 +25,14 @@ import torch
 
 from experiments.data import shakespeare_tokens
 from experiments.model import build_gpt
-from lowprec.controller import lr_sensitivity_rising
+from lowprec.controller import lr_sensitivity_hold
 from lowprec.rollout import LRProbeConfig
 from lowprec.runtime.data import TokenBatches
 from lowprec.runtime.lrprobe import LRProbe
 
 pytestmark = pytest.mark.slow   # three training runs of up to 200 steps: about 6 s on one thread
 
-HOLD_RISE = LRProbeConfig().hold_rise
+DEFAULTS = LRProbeConfig()
 EVERY = 5
 
 
@@ -43,7 +46,8 @@ def one_thread():
 
 
 def first_rise_and_spike(seed: int, growth: float, steps: int = 200, flat: int = 60, lr0: float = 1e-3):
-    """(first step at which the probe's sensitivity is rising, first step whose loss spikes); None: never."""
+    """(first step at which the probe's sensitivity is above its hold level, first step whose loss
+    spikes); None: never."""
     torch.manual_seed(seed)
     tokens = shakespeare_tokens(200_000)
     model = build_gpt(vocab_size=256, block_size=32, n_layer=2, n_head=2, d_model=64)
@@ -62,7 +66,7 @@ def first_rise_and_spike(seed: int, growth: float, steps: int = 200, flat: int =
             g["lr"] = lr0 * growth ** max(0, step - flat)
         if step % EVERY == 0:
             history.append((step, probe(step).sensitivity))
-            if rise is None and lr_sensitivity_rising(history, HOLD_RISE)[0]:
+            if rise is None and lr_sensitivity_hold(history, DEFAULTS.hold_rise, DEFAULTS.hold_above)[0]:
                 rise = step
         x, y = data.next()
         loss = model(x, y)[1]
