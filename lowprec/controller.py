@@ -32,7 +32,11 @@ from the check window's statistics:
    current format again in this run. Other fallen-back sites retry their stage's format
    after `cooldown_steps`.
 5. The next stage is promoted once everything has been stable for `min_steps` and the
-   evaluation gate (a callable, when given) passes.
+   evaluation gate (a callable, when given) passes, and the newest learning-rate
+   sensitivity (`Signals.lr_sensitivity`, from `lowprec.runtime.lrprobe`, when the probe
+   runs) is not above its hold level (`lr_hold_level`: above 0, or risen above its recent
+   median); otherwise the promotion is held (a HOLD event) and asked again after another
+   `min_steps`.
 
 Decisions are deterministic functions of the inputs (sites are visited in a fixed
 order), so every rank that sees the same numbers (and replays alike) decides the same.
@@ -41,6 +45,8 @@ order), so every rank that sees the same numbers (and replays alike) decides the
 from __future__ import annotations
 
 import enum
+import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -54,7 +60,10 @@ from lowprec.verdicts import GateOutcome, Verdict
 
 _FORWARD_ROLES = ("input", "weight", "output")
 
-__all__ = ["Action", "Stage", "Thresholds", "ControllerConfig", "Decision", "RolloutController", "apply_decision"]
+__all__ = ["Action", "Stage", "Thresholds", "ControllerConfig", "Decision", "RolloutController", "apply_decision",
+           "lr_hold_level", "lr_sensitivity_hold", "LR_HISTORY"]
+
+LR_HISTORY = 4   # earlier LR-probe results a new one is compared with (lr_hold_level)
 
 
 class Action(str, enum.Enum):
@@ -93,6 +102,8 @@ class ControllerConfig:
     rewind_skip_batches: int = 0
     persist_steps: int = 2       # anomalous steps in a row (not precision's) before a rewind
     thresholds: Thresholds = field(default_factory=Thresholds)
+    lr_hold_rise: float | None = None    # rise of the LR sensitivity that holds a promotion; None: off
+    lr_hold_above: float | None = None   # LR sensitivity above which a promotion is held; None: off
 
     def __post_init__(self) -> None:
         if self.persist_steps < 1:
@@ -119,6 +130,42 @@ class Decision:
 
 def _bits(name: str) -> int:
     return FORMATS[name].rank
+
+
+def lr_hold_level(history: list[tuple[int, float]], hold_rise: float | None,
+                  hold_above: float | None) -> tuple[float | None, dict]:
+    """The level above which the newest LR sensitivity in `history` ((step, sensitivity) of
+    the probes so far, oldest first) holds a promotion, and how it was found.
+
+    The lower of `hold_above` (a sensitivity above 0 means that even on the batch its
+    gradient came from, the doubled step lowers the loss less than the halved one: the lr is
+    past the locally best step size) and the median of the `LR_HISTORY` finite values before
+    the newest plus `hold_rise` (the sensitivity rose); that second one only once
+    `LR_HISTORY` earlier probes exist. None of them (both off, or too few probes): None."""
+    levels, how = [], {}
+    if hold_above is not None:
+        levels.append(hold_above)
+        how["hold_above"] = hold_above
+    earlier = [v for _, v in history[-LR_HISTORY - 1:-1] if math.isfinite(v)]
+    if hold_rise is not None and len(history) > LR_HISTORY and earlier:
+        ref = statistics.median(earlier)
+        levels.append(ref + hold_rise)
+        how.update(median_before=ref, hold_rise=hold_rise)
+    return (min(levels) if levels else None), how
+
+
+def lr_sensitivity_hold(history: list[tuple[int, float]], hold_rise: float | None,
+                        hold_above: float | None) -> tuple[bool, dict]:
+    """Whether the newest LR sensitivity holds a promotion (it is above `lr_hold_level`; an
+    infinite one, a virtual step that diverged, is above any level, a NaN above none), and
+    the evidence."""
+    if not history:
+        return False, {}
+    step, latest = history[-1]
+    level, how = lr_hold_level(history, hold_rise, hold_above)
+    if level is None or math.isnan(latest):
+        return False, {}
+    return latest > level, {"lr_sensitivity": latest, "probe_step": step, "hold_level": level, **how}
 
 
 class RolloutController:
@@ -166,6 +213,7 @@ class RolloutController:
         self.pending: list[tuple[str, dict]] = []   # anomalies no replay explained: for the next check
         self.streak = 0                       # consecutive anomalous steps that were not precision's
         self.last_anomaly = -2                # step of the last such anomaly
+        self.lr_history: list[tuple[int, float]] = []   # (step, LR sensitivity) of the last probes
 
     # ------------------------------------------------------------------ helpers
     def _up(self, site: str) -> str | None:
@@ -318,6 +366,7 @@ class RolloutController:
         action is CONTINUE or REWIND; skipping a non-finite step is `observe_step`'s."""
         d = Decision()
         th = self.config.thresholds
+        self.record_lr_sensitivity(step, signals.lr_sensitivity)
         # 1. non-finite: observe_step skipped those steps; here the blame. Forward operands
         # only: in the backward every gradient is NaN once the loss is. The first site in
         # forward order whose input, weight or output is non-finite is the origin; its
@@ -431,8 +480,19 @@ class RolloutController:
             self.stable_since = step
         return d
 
+    def record_lr_sensitivity(self, step: int, value: float | None) -> None:
+        """Keep an LR probe's sensitivity (None: no probe at this check) for the promotion hold."""
+        if value is not None:
+            self.lr_history = [*self.lr_history, (int(step), float(value))][-(LR_HISTORY + 1):]
+
     def _promote(self, step: int, d: Decision) -> None:
         stage = self.stages[self.promoted]
+        held, ev = lr_sensitivity_hold(self.lr_history, self.config.lr_hold_rise, self.config.lr_hold_above)
+        if held:   # hold, as an inconclusive gate does: asked again after another min_steps
+            d.events.append(Event(step, EventKind.HOLD, (), {}, {}, (
+                f"promotion of {stage.name} held: LR sensitivity {ev['lr_sensitivity']:.4g} (probe at step "
+                f"{ev['probe_step']}) is above its hold level {ev['hold_level']:.4g}"), ev, stage.name))
+            return
         if self.gate is not None:
             verdict = self._gate_event(step, self.gate(step), f"before {stage.name}", stage.name, d)
             if verdict is Verdict.REGRESS:
@@ -469,7 +529,7 @@ class RolloutController:
                 "floor": dict(self.floor), "retry_at": dict(self.retry_at),
                 "before_stage": dict(self.before_stage), "stage_failures": dict(self.stage_failures),
                 "pending": [[name, ev] for name, ev in self.pending], "streak": self.streak,
-                "last_anomaly": self.last_anomaly,
+                "last_anomaly": self.last_anomaly, "lr_history": [[s, v] for s, v in self.lr_history],
                 "detectors": {**self.detectors.state_dict(),
                               "loss_gap": self.loss_gap.state_dict() if self.loss_gap else None}}
 
@@ -486,6 +546,7 @@ class RolloutController:
             setattr(self, name, dict(s[name]))
         self.pending = [(name, ev) for name, ev in s.get("pending", [])]   # absent before per-step detection
         self.streak, self.last_anomaly = int(s.get("streak", 0)), int(s.get("last_anomaly", -2))
+        self.lr_history = [(int(st), float(v)) for st, v in s.get("lr_history", ())]   # absent before the probe
         det = s["detectors"]
         self.detectors.load_state_dict(det)
         if self.loss_gap is not None and det["loss_gap"] is not None:

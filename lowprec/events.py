@@ -33,7 +33,8 @@ class EventKind:
     GATE = "gate"                # an evaluation gate's verdict
     REPLAY = "replay"            # an anomalous step replayed with `sites` in high precision
     ACCEPT = "accept"            # a persistent anomaly accepted as the new normal (no rewind)
-    ALL = (PROMOTE, FALLBACK, ROLLBACK, RETRY, QUARANTINE, REWIND, SKIP_STEP, GATE, REPLAY, ACCEPT)
+    HOLD = "hold"                # a promotion held back (the learning-rate sensitivity is rising)
+    ALL = (PROMOTE, FALLBACK, ROLLBACK, RETRY, QUARANTINE, REWIND, SKIP_STEP, GATE, REPLAY, ACCEPT, HOLD)
     CHANGES_FORMATS = (PROMOTE, FALLBACK, ROLLBACK, RETRY)
 
 

@@ -70,12 +70,14 @@ class SiteSignals:
 
 @dataclass
 class Signals:
-    """What one check saw: per-step loss and grad norm, and per-site quantizer signals."""
+    """What one check saw: per-step loss and grad norm, and per-site quantizer signals;
+    `lr_sensitivity` is the LR probe's (`lowprec.runtime.lrprobe`) when it ran for this check."""
 
     step: int
     losses: list[float]
     grad_norms: list[float]
     sites: dict[str, SiteSignals] = field(default_factory=dict)
+    lr_sensitivity: float | None = None
 
     @property
     def nonfinite(self) -> bool:

@@ -9,6 +9,7 @@
       rewind: {enabled: true, skip_batches: 20, source: memory, snapshot_every: 20, keep: 2}
       attribution: {replay: true, max_replays: 8, persist_steps: 2}   # anomalous steps: replays
       thresholds: {max_saturated_frac: 1.0e-3, site_patience: 2, loss_gap: 0.03}
+      lr_probe: {enabled: true, every_checks: 5, factors: [2.0, 0.5], hold_above: 0.0, hold_rise: 0.04}
       baseline: {losses: runs/bf16/losses.json}      # or {mlflow_run: RUN}; loss_gap needs it
       stages:
         - {name: mlp_fp8,  select: {glob: "blocks.*.mlp.*"},  format: fp8_tensorwise}
@@ -43,8 +44,8 @@ from lowprec.monitor import MonitorConfig
 from lowprec.plan import ModelInfo, PlanError, Selector, selection_from_dict
 from lowprec.verdicts import GateOutcome
 
-__all__ = ["RewindConfig", "AttributionConfig", "BaselineConfig", "StageConfig", "RolloutConfig", "parse_rollout", "read_losses",
-           "build_controller"]
+__all__ = ["RewindConfig", "AttributionConfig", "LRProbeConfig", "BaselineConfig", "StageConfig", "RolloutConfig",
+           "parse_rollout", "read_losses", "build_controller"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,32 @@ class AttributionConfig:
         for name in ("max_replays", "persist_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)} (replay: false turns replays off)")
+
+
+@dataclass(frozen=True)
+class LRProbeConfig:
+    """The learning-rate sensitivity probe (`lowprec.runtime.lrprobe`): every `every_checks`
+    checks, the held batch's loss after a virtual step at each lr factor; a sensitivity
+    above `hold_above`, or risen by more than `hold_rise` above the median of the probes
+    before, holds the next promotion (`lowprec.controller.lr_hold_level`)."""
+
+    enabled: bool = False
+    every_checks: int = 5                        # probe at every this-many-th check
+    factors: tuple[float, ...] = (2.0, 0.5)      # lr multipliers: one above 1, one below
+    hold_above: float | None = 0.0               # (L_up - L_down) / |L0| above this holds a promotion
+    hold_rise: float | None = 0.04               # so does a rise by more than this (above the recent median)
+
+    def __post_init__(self) -> None:
+        if self.every_checks < 1:
+            raise ConfigError("every_checks", f"must be >= 1, got {self.every_checks}")
+        f = self.factors
+        if len(f) < 2 or len(set(f)) != len(f) or min(f) <= 0 or not min(f) < 1 < max(f):
+            raise ConfigError("factors", f"must be distinct positive lr multipliers, one above 1 and one below, "
+                                         f"e.g. [2.0, 0.5]; got {list(f)}")
+        if self.hold_rise is not None and not (math.isfinite(self.hold_rise) and self.hold_rise >= 0):
+            raise ConfigError("hold_rise", f"must be a finite number >= 0 (or null: off), got {self.hold_rise}")
+        if self.hold_above is not None and not math.isfinite(self.hold_above):
+            raise ConfigError("hold_above", f"must be a finite number (or null: off), got {self.hold_above}")
 
 
 @dataclass(frozen=True)
@@ -132,6 +159,7 @@ class RolloutConfig:
     rewind: RewindConfig = dataclasses.field(default_factory=RewindConfig)
     attribution: AttributionConfig = dataclasses.field(default_factory=AttributionConfig)
     thresholds: Thresholds = dataclasses.field(default_factory=Thresholds)
+    lr_probe: LRProbeConfig = dataclasses.field(default_factory=LRProbeConfig)
     baseline: BaselineConfig | None = None
     stages: tuple[StageConfig, ...]
 
@@ -163,7 +191,9 @@ class RolloutConfig:
         return ControllerConfig(min_steps=self.min_steps, cooldown_steps=self.cooldown_steps,
                                 quarantine_after=self.quarantine_after, rewind=self.rewind.enabled,
                                 rewind_skip_batches=self.rewind.skip_batches,
-                                persist_steps=self.attribution.persist_steps, thresholds=self.thresholds)
+                                persist_steps=self.attribution.persist_steps, thresholds=self.thresholds,
+                                lr_hold_rise=self.lr_probe.hold_rise if self.lr_probe.enabled else None,
+                                lr_hold_above=self.lr_probe.hold_above if self.lr_probe.enabled else None)
 
     def monitor_config(self) -> MonitorConfig:
         return MonitorConfig(check_every=self.check_every, stats_every_step=self.stats_every_step)
@@ -172,17 +202,19 @@ class RolloutConfig:
 def parse_rollout(d: Any, path: str = "rollout") -> RolloutConfig:
     """The `rollout:` mapping as a RolloutConfig; a ConfigError naming the path if it cannot be.
 
-    Besides the generic rules (`lowprec.configparse.parse`): `rewind: true` / `false` mean
-    `{enabled: true}` / `{enabled: false}`, an empty `rewind:` or `thresholds:` means the
-    defaults, and a stage without a name is called `stage<i>` after its position."""
+    Besides the generic rules (`lowprec.configparse.parse`): `rewind: true` / `false` and
+    `lr_probe: true` / `false` mean `{enabled: true}` / `{enabled: false}`, an empty `rewind:`,
+    `thresholds:` or `lr_probe:` means the defaults, and a stage without a name is called
+    `stage<i>` after its position."""
     if isinstance(d, RolloutConfig):
         return d
     data = dict(check_keys(d, [f.name for f in dataclasses.fields(RolloutConfig)], path))
-    for key in ("rewind", "attribution", "thresholds"):
+    for key in ("rewind", "attribution", "thresholds", "lr_probe"):
         if key in data and data[key] is None:
             del data[key]
-    if isinstance(data.get("rewind"), bool):
-        data["rewind"] = {"enabled": data["rewind"]}
+    for key in ("rewind", "lr_probe"):
+        if isinstance(data.get(key), bool):
+            data[key] = {"enabled": data[key]}
     if isinstance(data.get("stages"), (list, tuple)):
         data["stages"] = [{"name": f"stage{i}", **s} if isinstance(s, Mapping) and "name" not in s else s
                           for i, s in enumerate(data["stages"])]

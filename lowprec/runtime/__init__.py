@@ -8,12 +8,14 @@
 
 Modules: `session` (Session), `snapshots` (in-memory and disk rewinds), `loop` (train),
 `engine` (the engine protocol, one process), `fsdp` (FullyShardedDP: FSDP2 for any model),
-`data` (token batches), `faults` (injected faults), `evals` (eval checkpoints, evaluator
+`data` (token batches), `lrprobe` (LRProbe: the loss after a virtual step at lr x2 / x0.5),
+`faults` (injected faults), `evals` (eval checkpoints, evaluator
 and gate protocols), `run` (a config, end to end), `cli` (`lowprec run`, `lowprec plan`).
 Importing this package imports no MLflow.
 """
 
 from lowprec.runtime.faults import FaultKind, Injection, parse_injection
+from lowprec.runtime.lrprobe import LRProbe, ProbeResult
 from lowprec.runtime.session import Session, StepResult
 
-__all__ = ["Session", "StepResult", "Injection", "FaultKind", "parse_injection"]
+__all__ = ["Session", "StepResult", "LRProbe", "ProbeResult", "Injection", "FaultKind", "parse_injection"]

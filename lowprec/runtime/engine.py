@@ -7,6 +7,8 @@ asks it for a step's loss and the global gradient norm:
     engine.params                     this rank's parameters (what the optimizer steps)
     engine.forward_backward(x, y)     forward and backward of one batch; the global batch-mean loss
     engine.clip_grad_norm(max_norm)   clip by the global gradient norm; returns it (before clipping)
+    engine.loss(x, y)                 optional: the global batch-mean loss of a forward without
+                                      gradients (the LR probe, `lowprec.runtime.lrprobe`, needs it)
 
 `SingleProcess` is the engine of one process, with gradient accumulation over row
 chunks. Data x tensor parallel (DTensor) and pipeline engines follow the same protocol;
@@ -83,3 +85,15 @@ class SingleProcess:
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(self.params, math.inf if max_norm is None else max_norm)
+
+    @torch.no_grad()
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The batch-mean loss without gradients, in the row chunks `forward_backward` uses."""
+        n = self.microbatches
+        chunks = zip(x.tensor_split(n), y.tensor_split(n)) if n > 1 else [(x, y)]
+        total = None
+        for xc, yc in chunks:
+            part = loss_of(self.module(xc, yc)).detach()
+            part = part / n if n > 1 else part
+            total = part if total is None else total + part
+        return total

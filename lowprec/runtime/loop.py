@@ -31,7 +31,9 @@ from pathlib import Path
 import torch
 
 from lowprec.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
+from lowprec.runtime.data import TokenBatches
 from lowprec.runtime.engine import Engine
+from lowprec.runtime.lrprobe import LRProbe
 from lowprec.runtime.faults import Faults, Injection
 from lowprec.runtime.session import Session, rollout_settings
 from lowprec.runtime.snapshots import DiskSnapshots, MemorySnapshots
@@ -91,11 +93,12 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     if controller is not None and controller.config.rewind and rollout.rewind.source == "disk":
         snapshots = DiskSnapshots(ckpt_dir, engine.module, opt, margin=2 * rollout.check_every,
                                   scheduler=sched, data=data)
+    lr_probe = _lr_probe(rollout, controller, engine, opt, state, data, tc)
     world_suffix = "" if rank == 0 and not (group is not None or sites is not None) else f".rank{rank}"
     session = Session(engine.module, opt, state, controller, scheduler=sched, data=data, snapshots=snapshots,
                       clip=lambda: engine.clip_grad_norm(tc.grad_clip), sites=sites, group=group,
                       event_log=out / f"events{world_suffix}.jsonl" if controller is not None else None,
-                      on_events=tracker.log_events if tracker is not None else None,
+                      on_events=tracker.log_events if tracker is not None else None, lr_probe=lr_probe,
                       **rollout_settings(rollout))
     res = RunResult()
     iteration = 0   # loop passes, rewinds included: injected faults happen once, in time
@@ -173,6 +176,35 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
         (out / "grad_norms.json").write_text(json.dumps(res.grad_norms))
         (out / "summary.json").write_text(json.dumps(res.summary(), indent=1))
     return res
+
+
+HELD_SEED_OFFSET = 7919   # the LR probe's held batch: a TokenBatches of seed train.seed + this
+
+
+def _lr_probe(rollout, controller, engine: Engine, opt, state, data, tc) -> LRProbe | None:
+    """`rollout.lr_probe`'s probe through the engine, on a held batch that leaves the training
+    stream alone: with `TokenBatches` data, batch 0 of another TokenBatches over the same
+    tokens (seed + HELD_SEED_OFFSET); any other batch source must have `held_batch()`,
+    returning this rank's (x, y) of a batch that training never draws."""
+    if controller is None or rollout is None or not rollout.lr_probe.enabled:
+        return None
+    from lowprec.configparse import ConfigError
+    if isinstance(data, TokenBatches):
+        held = TokenBatches(data.tokens, data.batch_size, data.block_size, seed=data.seed + HELD_SEED_OFFSET,
+                            rank=data.rank, world=data.world).batch(0)
+    elif callable(getattr(data, "held_batch", None)):
+        held = data.held_batch()
+    else:
+        raise ConfigError("rollout.lr_probe", (
+            f"is enabled, and the probe needs a held batch that the {type(data).__name__} batch source cannot give: "
+            f"give it a held_batch() method returning (x, y), a batch training never draws, or set "
+            f"lr_probe.enabled: false"))
+    cfg = rollout.lr_probe
+    try:
+        return LRProbe.for_engine(engine, opt, held, state=state, clip=lambda: engine.clip_grad_norm(tc.grad_clip),
+                                  factors=cfg.factors, every_checks=cfg.every_checks)
+    except (TypeError, ValueError) as e:
+        raise ConfigError("rollout.lr_probe", str(e)) from None
 
 
 def _track_rewind(tracker, step: int, loss: float, back: int) -> None:

@@ -24,6 +24,11 @@ RNG go back to a snapshot (`lowprec.runtime.snapshots`), the data simply goes on
 batches in between are skipped, and `skip_batches` more when the data source can skip).
 The loop has no rewind code: it reads `session.step_index` if it counts steps.
 
+With `rollout.lr_probe` on (or an `lr_probe=` given), every `every_checks`-th check step
+starts with the learning-rate probe (`lowprec.runtime.lrprobe`: a virtual step at lr x2
+and x0.5 on a held batch, everything restored), before the step's batch; its sensitivity
+reaches the controller in that check's `Signals.lr_sensitivity`.
+
 The same object drives `lowprec run`'s loop (`lowprec.runtime.loop`) under one process,
 DP x TP and pipeline stages: `clip` is then the engine's global-norm clip, `sites` every
 site of the model (a pipeline rank holds some), and every rank decides alike.
@@ -47,6 +52,7 @@ from lowprec.attribution import Attribution, Replay, attribute
 from lowprec.controller import Action, Decision, RolloutController, apply_decision
 from lowprec.events import Event, EventLog
 from lowprec.monitor import Monitor, MonitorConfig
+from lowprec.runtime.lrprobe import LRProbe, ProbeResult
 from lowprec.runtime.replay import StepReplayer
 from lowprec.runtime.snapshots import MemorySnapshots, Snapshots
 
@@ -92,7 +98,9 @@ class Session:
                  clip: Callable[[], torch.Tensor] | None = None, sites: list[str] | None = None,
                  group=None, event_log: str | Path | None = None,
                  on_events: Callable[[list[Event]], None] | None = None, start_step: int = 0,
-                 snapshot_every: int = 20, snapshot_keep: int = 2, max_replays: int = 8):
+                 snapshot_every: int = 20, snapshot_keep: int = 2, max_replays: int = 8,
+                 lr_probe: LRProbe | None = None, lr_probe_config=None,
+                 held_batch: tuple[torch.Tensor, torch.Tensor] | None = None):
         """state: the PrecisionState of `lowprec.prepare(model, plan)` (this rank's sites).
         controller: from `lowprec.rollout.build_controller`; None runs the plan as it is
             (no statistics, no decisions: every step is applied).
@@ -105,6 +113,11 @@ class Session:
             rank's (a pipeline stage); group: the process group the monitor combines over.
         max_replays: replays per anomalous step to find whether precision is to blame (0:
             none; anomalies then wait for the next check's statistics).
+        lr_probe: the learning-rate probe run at the start of its check steps (needs a
+            controller); default, when `lr_probe_config` (the rollout's `lr_probe`) is enabled,
+            `LRProbe.for_model` on `held_batch` (x, y), a batch training never draws, the same
+            on every rank (the probe's number is not combined across ranks, and every rank
+            must decide alike).
         """
         self.model, self.optimizer, self.state = model, optimizer, state
         self.controller, self.scheduler, self.data = controller, scheduler, data
@@ -141,6 +154,11 @@ class Session:
         self.snapshots = snapshots
         if self.snapshots is not None:
             self.snapshots.after_step(start_step)
+        self.lr_probe = lr_probe
+        self.lr_probe_result: ProbeResult | None = None   # the newest probe
+        self._probed: tuple[int, int] | None = None         # (step, rewinds) it ran at
+        if lr_probe is None and controller is not None and lr_probe_config is not None and lr_probe_config.enabled:
+            self.lr_probe = _probe_from_config(lr_probe_config, model, optimizer, state, self.clip, held_batch)
         self._prepare(start_step)
 
     @property
@@ -176,12 +194,31 @@ class Session:
 
     # ------------------------------------------------------------------ the step
     def _prepare(self, step: int) -> None:
+        self._probe_lr(step)   # before arm(): the probe's forwards must not take the step-start hook
         if self.replayer is not None:
             self.replayer.arm()
         if self.monitor is not None:
             self.monitor.before_step(step)   # statistics on check steps only
         else:
             self.state.collect_stats(False)
+
+    # ---- the LR probe (lowprec.runtime.lrprobe): at the start of its check steps, no gradients yet
+    def _probe_lr(self, step: int) -> None:
+        """Run the LR probe if `step` is one of its check steps (every `every_checks`-th
+        regular check, forced checks not counted) and it has not run for this step yet."""
+        probe, mon = self.lr_probe, self.monitor
+        if probe is None or mon is None or (step + 1) % mon.config.check_every != 0:
+            return
+        if not probe.is_due((step + 1) // mon.config.check_every):
+            return
+        if self._probed == (step, self.rewinds):
+            return   # _prepare again at the same step (after an evaluation): same weights, same answer
+        self.lr_probe_result, self._probed = probe(step), (step, self.rewinds)   # a rewind back here probes again
+
+    def _lr_sensitivity(self, step: int) -> float | None:
+        """The sensitivity the probe measured at the start of `step`, None if it did not run there."""
+        r = self.lr_probe_result
+        return r.sensitivity if r is not None and r.step == step else None
 
     def resume_statistics(self) -> None:
         """After something switched quantizer statistics off (an evaluation), set them as the
@@ -258,6 +295,7 @@ class Session:
         signals = None
         if mon.is_check_step(step):
             signals = self.last_signals = mon.check(step)
+            signals.lr_sensitivity = self._lr_sensitivity(step)
         return self._carry_out(ctl.observe_step(step, anomaly, signals, attribution))
 
     def _attribute(self, closure: Callable[[], torch.Tensor]) -> Attribution:
@@ -308,6 +346,7 @@ class Session:
             self.events = [Event.from_dict(json.loads(x)) for x in s["events"]]
             if self.log is not None:
                 self.log.rewrite(self.events)   # a killed run's later events are redone, not kept twice
+        self._probed = None   # other weights now: a due probe runs again
         self._prepare(self.step_index)
 
     def close(self) -> None:
@@ -334,10 +373,24 @@ def _read_yaml(path: str | Path) -> dict:
 
 
 def rollout_settings(rollout) -> dict:
-    """What a Session takes from a parsed `rollout:` section: when signals are read and the
-    snapshot cadence (keyword arguments of `Session`; empty for no rollout)."""
+    """What a Session takes from a parsed `rollout:` section: when signals are read, the
+    snapshot cadence and the LR probe's settings (keyword arguments of `Session`; empty for
+    no rollout)."""
     if rollout is None:
         return {}
     return {"monitor": rollout.monitor_config(), "snapshot_every": rollout.rewind.snapshot_every,
             "snapshot_keep": rollout.rewind.keep,
-            "max_replays": rollout.attribution.max_replays if rollout.attribution.replay else 0}
+            "max_replays": rollout.attribution.max_replays if rollout.attribution.replay else 0,
+            "lr_probe_config": rollout.lr_probe}
+
+
+def _probe_from_config(cfg, model: nn.Module, optimizer: torch.optim.Optimizer, state, clip,
+                       held_batch) -> LRProbe:
+    from lowprec.configparse import ConfigError
+    if held_batch is None:
+        raise ConfigError("rollout.lr_probe", (
+            "is enabled, and the probe needs a held batch: pass held_batch=(x, y), a batch training never "
+            "draws, to Session (or Session.from_yaml / build), or lr_probe=LRProbe(...); or set "
+            "lr_probe.enabled: false"))
+    return LRProbe.for_model(model, optimizer, held_batch, state=state, clip=clip, factors=cfg.factors,
+                             every_checks=cfg.every_checks)

@@ -11,6 +11,10 @@
   (`train/loss_rewound`, never in `train/loss`) as a cross.
 * `fallback_signals.png`: for each site that fell back, the signal that triggered it (from
   the event's evidence), its threshold and the moment of the fallback.
+* `lr_sensitivity.png`: the learning-rate probe's sensitivity (`train/lr_sensitivity`, see
+  `lowprec.runtime.lrprobe`) at each probe, the level above which a promotion is held
+  (`rollout.lr_probe.hold_above`, or the median of the probes before plus `hold_rise`: the
+  lower), the holds and the other stage events, and under it the learning rate.
 * `evals.png`: eval results per checkpoint with 95% intervals (±1.96 stderr, or the
   logged `_ci_low`/`_ci_high`), gate verdicts marked; eval results only (`is_eval_metric`:
   not how long an eval took, not `eval_mode/*`).
@@ -27,12 +31,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lowprec.controller import LR_HISTORY, lr_hold_level
 from lowprec.events import EventKind
+from lowprec.tracking.records import LR_SENSITIVITY
 from lowprec.tracking.report_sources import ReportData, fallback_sites, signals_of
 from lowprec.tracking.report_timeline import (EVENT_STYLE, FORMAT_COLORS, REWOUND_COLOR, fit_title, new_figure,
                                               numbered_events, reason_text, shade_rewound, timeline_figure)
 
-__all__ = ["render_report", "timeline_figure", "loss_figure", "signals_figure", "evals_figure", "FORMAT_COLORS"]
+__all__ = ["render_report", "timeline_figure", "loss_figure", "signals_figure", "lr_sensitivity_figure", "evals_figure",
+           "FORMAT_COLORS", "hold_levels"]
 
 
 # ------------------------------------------------------------------ loss, signals, evals
@@ -144,6 +151,55 @@ def signals_figure(data: ReportData):
     return fig
 
 
+def hold_levels(points: list[tuple[int, float]], hold_rise: float | None,
+                hold_above: float | None) -> list[tuple[int, float]]:
+    """(step, level) at each probe that has one: above it, the controller holds a promotion
+    (`lowprec.controller.lr_hold_level`)."""
+    out = []
+    for i in range(len(points)):
+        level, _ = lr_hold_level(points[:i + 1], hold_rise, hold_above)
+        if level is not None:
+            out.append((points[i][0], level))
+    return out
+
+
+def lr_sensitivity_figure(data: ReportData):
+    points = data.metrics.get(LR_SENSITIVITY)
+    if not points:
+        return None
+    fig = new_figure(11, 5.5)
+    ax, lax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1.2])
+    ax.plot(*zip(*points), "o-", ms=3, lw=1, color="#08519c", label="sensitivity (L_up - L_down) / |L0|")
+    ax.axhline(0, color="#636363", lw=0.8)
+    rise, above = data.thresholds.get("lr_hold_rise"), data.thresholds.get("lr_hold_above")
+    if levels := hold_levels(points, rise, above):
+        what = " or ".join(([f"{above:g}"] if above is not None else []) +
+                           ([f"median of the {LR_HISTORY} probes before + {rise:g}"] if rise is not None else []))
+        ax.plot(*zip(*levels), color="#d94801", ls="--", lw=0.8, marker="_", ms=12,
+                label=f"hold level: {what} (the lower)" if " or " in what else f"hold level: {what}")
+    diverged = [s for s, v in points if v == float("inf")]   # the larger virtual step's loss was not finite
+    if diverged:
+        ax.plot(diverged, [0.98] * len(diverged), ls="", marker="^", ms=8, color="#a50f15",
+                transform=ax.get_xaxis_transform(), label="larger step diverged (inf)")
+    held = [e for e in data.events if e.kind == EventKind.HOLD]
+    for i, e in enumerate(held):
+        ax.axvline(e.step, color="#d94801", ls="-.", lw=1, label=None if i else "promotion held")
+    _mark_events(ax, data, (EventKind.PROMOTE, EventKind.ROLLBACK, EventKind.REWIND))
+    ax.set_ylabel("LR sensitivity", fontsize=9)
+    ax.legend(fontsize=8)
+    lr = data.metrics.get("train/lr")
+    if lr:
+        lax.plot(*zip(*lr), lw=1, color="#636363")
+    else:
+        lax.text(0.5, 0.5, "no train/lr logged", ha="center", va="center", transform=lax.transAxes, fontsize=8,
+                 color="#636363")
+    lax.set_ylabel("learning rate", fontsize=8)
+    lax.set_xlabel("step")
+    ax.set_title(fit_title(f"{data.run_name}: sensitivity of the held loss to the learning rate (above 0: a "
+                           f"larger step hurts more than a smaller one)", 10.2, 11), loc="left", fontsize=11)
+    return fig
+
+
 def is_eval_metric(key: str) -> bool:
     """An eval result: `eval/<task>/<metric>`, not its stderr or interval, not how long the eval
     took (`eval/seconds` in older runs, `time/*` now) and not `eval_mode/*`."""
@@ -203,7 +259,8 @@ def render_report(data: ReportData, out_dir: str | Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, make in (("precision_timeline", timeline_figure), ("loss", loss_figure),
-                       ("fallback_signals", signals_figure), ("evals", evals_figure)):
+                       ("fallback_signals", signals_figure), ("lr_sensitivity", lr_sensitivity_figure),
+                       ("evals", evals_figure)):
         fig = make(data)
         if fig is not None:
             path = out / f"{name}.png"

@@ -91,9 +91,15 @@ def signals_of(event: Event, site: str, thresholds: dict[str, float] | None = No
 
 
 def _thresholds(flat_params: dict[str, str]) -> dict[str, float]:
+    """stat -> its threshold from the logged config; `lr_hold_rise` and `lr_hold_above` are
+    `rollout.lr_probe.hold_rise` and `.hold_above` (only when the probe was enabled)."""
     out = {}
-    for key, stat in THRESHOLD_KEYS.items():
-        v = flat_params.get(f"rollout.thresholds.{key}")
+    keys = {f"rollout.thresholds.{key}": stat for key, stat in THRESHOLD_KEYS.items()}
+    if str(flat_params.get("rollout.lr_probe.enabled")).lower() == "true":
+        keys["rollout.lr_probe.hold_rise"] = "lr_hold_rise"
+        keys["rollout.lr_probe.hold_above"] = "lr_hold_above"
+    for key, stat in keys.items():
+        v = flat_params.get(key)
         try:
             out[stat] = float(v)
         except (TypeError, ValueError):

@@ -31,7 +31,8 @@ EVENT_STYLE = {EventKind.PROMOTE: ("#238b45", ":"), EventKind.ROLLBACK: ("#cb181
                EventKind.REWIND: ("#67000d", "--"), EventKind.SKIP_STEP: ("#969696", ":"),
                EventKind.FALLBACK: ("#cb181d", "-"), EventKind.RETRY: ("#6a51a3", ":"),
                EventKind.QUARANTINE: ("#000000", "-"), EventKind.GATE: ("#08519c", "-."),
-               EventKind.REPLAY: ("#fdae6b", ":"), EventKind.ACCEPT: ("#737373", "-.")}
+               EventKind.REPLAY: ("#fdae6b", ":"), EventKind.ACCEPT: ("#737373", "-."),
+               EventKind.HOLD: ("#d94801", "-.")}
 _BLOCK = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
 
 
@@ -266,6 +267,8 @@ def _draw_strip(strip, ax, data: ReportData, last: int) -> None:
         elif e.kind == EventKind.GATE:
             v = str(e.evidence.get("verdict", e.reason))
             items.append((e.step, f"gate {e.stage + ' ' if e.stage else ''}{v}", "#006d2c" if v == "pass" else "#a50f15"))
+        elif e.kind == EventKind.HOLD:
+            items.append((e.step, f"hold {e.stage or ''}".strip(), color))
     for x, lvl, text, color in _place_labels(items, last - data.initial_step):
         strip.text(x, lvl + 0.5, text, fontsize=7.5, color=color, va="center", ha="left", clip_on=False,
                    bbox=dict(boxstyle="round,pad=0.15", fc="white", ec=color, lw=0.6))

@@ -47,9 +47,10 @@ import yaml
 
 from lowprec.events import Event, EventLog
 from lowprec.tracking.outbox import Outbox, SendResult, server_answers
-from lowprec.tracking.records import (BASELINE_LOSS, EVAL_PREFIX, MAX_TAG_VALUE, SIGNAL_STATS, PrecisionMapLog,
-                                      chunk, eval_artifact_name, eval_metric_name, eval_metrics, eval_samples,
-                                      fit_value, flatten_config, merge, metric_key, now_ms, signal_metrics)
+from lowprec.tracking.records import (BASELINE_LOSS, EVAL_PREFIX, LR_SENSITIVITY, MAX_TAG_VALUE, SIGNAL_STATS,
+                                      PrecisionMapLog, chunk, eval_artifact_name, eval_metric_name, eval_metrics,
+                                      eval_samples, fit_value, flatten_config, merge, metric_key, now_ms,
+                                      signal_metrics)
 from lowprec.tracking.report import render_report
 from lowprec.tracking.report_sources import events_table, events_tags, from_run_dir
 from lowprec.tracking.resume import BufferInUseError, ResumeFilter, RunState, check_buffer
@@ -167,8 +168,13 @@ class Tracker:
     @_never_raises
     def log_signals(self, step: int, signals: Any) -> None:
         """Per-site signals as `signal/<site>/<role>/<stat>` (the shapes `signal_metrics` takes:
-        `PrecisionState.stats()`, the monitor's `Signals`, {site: SiteSignals})."""
-        self.log_metrics(step, signal_metrics(signals, self.signal_stats))
+        `PrecisionState.stats()`, the monitor's `Signals`, {site: SiteSignals}); a `Signals`'
+        LR-probe sensitivity, when the probe ran for that check, as `train/lr_sensitivity`."""
+        metrics = signal_metrics(signals, self.signal_stats)
+        lr = getattr(signals, "lr_sensitivity", None)
+        if lr is not None:
+            metrics[LR_SENSITIVITY] = float(lr)
+        self.log_metrics(step, metrics)
 
     @_never_raises
     def log_precision(self, step: int, state_formats: Mapping[str, str], flops_share: Mapping[str, float]) -> None:
