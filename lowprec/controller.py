@@ -14,8 +14,8 @@ applied at each check (`observe`) in this order, decide what to change:
 
 1. NaN/Inf in the loss or gradients during the window: the sites whose own statistics
    saw NaN/Inf fall back one rung; if none did, the newest stage rolls back.
-2. A site whose own signals cross their thresholds (saturated fraction, underflow,
-   SQNR) for `site_patience` checks in a row falls back one rung up its ladder.
+2. A site whose own signals cross their thresholds (saturated fraction, underflow as a
+   fraction of values or of the operand's energy, SQNR) for `site_patience` checks in a row falls back one rung up its ladder.
 3. A global signal (loss or grad-norm spike, an unexpectedly large value, the loss gap
    to the baseline) while some site's thresholds are crossed (before its patience ran
    out) blames that site; with no site to blame it rolls back the newest stage, and with
@@ -272,6 +272,9 @@ class RolloutController:
             if th.max_underflow_frac is not None:
                 crossed.update({f"{r}/underflow_frac": v for r, v in sig.underflow_frac.items()
                                 if v > th.max_underflow_frac})
+            if th.max_underflow_energy is not None:
+                crossed.update({f"{r}/underflow_energy_frac": v for r, v in sig.underflow_energy_frac.items()
+                                if v > th.max_underflow_energy})
             if th.min_sqnr_db is not None:
                 crossed.update({f"{r}/sqnr_db": v for r, v in sig.sqnr_db.items() if v < th.min_sqnr_db})
             if not crossed:
