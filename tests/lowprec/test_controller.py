@@ -99,6 +99,47 @@ def test_underflow_energy_threshold_ignores_flushed_values_that_hold_no_energy()
             assert d.events[0].evidence == {key: getattr(site_signals, key.split("/")[1])["grad_output"]}
 
 
+def _crossing(ctl, bad: dict, steps=(209, 219)):
+    """Feed checks where the sites of `bad` have those signals; the last check's decision."""
+    sites = {s: healthy_site() for s in SITES}
+    sites.update(bad)
+    return [ctl.observe(s, signals(s, sites=sites)) for s in steps][-1]
+
+
+def test_sites_with_independent_evidence_fall_back_in_the_same_check():
+    """Flushed energy on a grad_output, SQNR on an input, saturation on a weight: each is the
+    site's own operand against its format, so all three fall back at once."""
+    ctl = make(thresholds={"max_underflow_energy": 0.05, "min_sqnr_db": 10.0})
+    run(ctl, [(s, signals(s)) for s in range(9, 200, CHECK)])
+    low_sqnr = healthy_site()
+    low_sqnr.sqnr_db["input"] = 3.0
+    bad = {"blocks.0.mlp.fc": healthy_site(role="grad_output", underflow_energy=0.3),
+           "blocks.1.attn.qkv": low_sqnr,
+           "blocks.2.mlp.proj": healthy_site(sat=0.2, role="weight")}
+    d = _crossing(ctl, bad)
+    assert set(d.changes) == set(bad)
+    fallbacks = [e for e in d.events if e.kind == EventKind.FALLBACK]
+    assert [e.sites for e in fallbacks] == [("blocks.0.mlp.fc",), ("blocks.1.attn.qkv",), ("blocks.2.mlp.proj",)]
+    assert fallbacks[1].evidence == {"input/sqnr_db": 3.0} and "own operand" in fallbacks[1].reason
+
+
+def test_inherited_saturation_falls_back_one_site_per_check():
+    """Saturated inputs of two sites may share one cause (the first's overflow reaching the
+    second): the first in forward order falls back, the other at the next check; a site with
+    its own evidence in the same check goes first, and then no inherited one falls back."""
+    ctl = make()
+    run(ctl, [(s, signals(s)) for s in range(9, 200, CHECK)])
+    bad = {"blocks.0.mlp.fc": healthy_site(sat=0.2), "blocks.2.mlp.fc": healthy_site(sat=0.2)}
+    assert list(_crossing(ctl, bad).changes) == ["blocks.0.mlp.fc"]
+    assert list(_crossing(ctl, bad, steps=(229,)).changes) == ["blocks.2.mlp.fc"]
+
+    ctl = make()
+    run(ctl, [(s, signals(s)) for s in range(9, 200, CHECK)])
+    own = {**bad, "blocks.1.mlp.proj": healthy_site(sat=0.2, role="weight")}
+    assert list(_crossing(ctl, own).changes) == ["blocks.1.mlp.proj"]
+    assert list(_crossing(ctl, own, steps=(229,)).changes) == ["blocks.0.mlp.fc"]
+
+
 def test_first_site_in_forward_order_is_blamed_for_nan():
     ctl = make()
     run(ctl, [(s, signals(s)) for s in range(9, 80, CHECK)])  # mlp + attn at fp8
