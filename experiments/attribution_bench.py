@@ -25,6 +25,7 @@ back, the actions, the replays and their cost, then the totals.
 
     python -m experiments.attribution_bench                 # the campaign, replays on
     python -m experiments.attribution_bench --no-replay     # the same faults, statistics rules only
+    python -m experiments.attribution_bench --kinds lr_spike,garbage --per-kind 2   # a subset
 """
 
 from __future__ import annotations
@@ -193,7 +194,9 @@ def train(model, session, data, steps, planted=None, lr=3e-3, warmup=20):
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--no-replay", action="store_true", help="statistics rules only (the controller before replays)")
-    p.add_argument("--limit", type=int, default=0, help="run only the first N faults (a smoke test)")
+    p.add_argument("--kinds", default=",".join(PRECISION_KINDS + OTHER_KINDS),
+                   help="comma-separated fault kinds to run (default: all)")
+    p.add_argument("--per-kind", type=int, default=0, help="run only the first N seeds of each kind (0: all)")
     args = p.parse_args(argv)
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     data = Batches(shakespeare_tokens(2_000_000), 16, 128, seed=0)
@@ -208,7 +211,13 @@ def main(argv=None) -> None:
             "session": copy.deepcopy(session.state_dict()), "precision": copy.deepcopy(session.state.state_dict()),
             "data": data.state_dict(), "rng": torch.get_rng_state()}
     session.close()
-    faults = campaign(low)[: args.limit or None]
+    kinds = args.kinds.split(",")
+    unknown = sorted(set(kinds) - set(PRECISION_KINDS + OTHER_KINDS))
+    if unknown:
+        p.error(f"unknown fault kinds {unknown}; kinds: {', '.join(PRECISION_KINDS + OTHER_KINDS)}")
+    faults = [f for f in campaign(low) if f.kind in kinds]
+    if args.per_kind:
+        faults = [f for f in faults if SEEDS[f.kind].index(f.seed) < args.per_kind]
     print("| # | fault | seed | site | acted at | blamed | actions | replays | replay s |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []

@@ -22,8 +22,13 @@ from the check window's statistics:
 
 1. NaN/Inf in the loss or gradients during the window: the sites whose own statistics
    saw NaN/Inf fall back one rung; if none did, the newest stage rolls back.
-2. A site whose own signals cross their thresholds (saturated fraction, underflow,
-   SQNR) for `site_patience` checks in a row falls back one rung up its ladder.
+2. A site whose own signals cross their thresholds (saturated fraction, underflow as a
+   fraction of values or of the operand's energy, SQNR) for `site_patience` checks in a
+   row falls back one rung up its ladder. Every site whose evidence is its own (any
+   crossing on its weight; SQNR or flushed energy on any operand) falls back in the same
+   check; of the sites with only saturation or flushed-value counts on an input or
+   grad_output, which may be inherited from another site's overflow, one per check and
+   only when no site fell back on its own evidence.
 3. A global signal no replay explained (an anomaly handed over, the loss gap to the
    baseline) while some site's thresholds are crossed (before its patience ran out)
    blames that site; with no site to blame it rolls back the newest stage, and with
@@ -58,12 +63,22 @@ from lowprec.detectors import LossGapDetector, Thresholds
 from lowprec.monitor import Signals
 from lowprec.verdicts import GateOutcome, Verdict
 
-_FORWARD_ROLES = ("input", "weight", "output")
-
 __all__ = ["Action", "Stage", "Thresholds", "ControllerConfig", "Decision", "RolloutController", "apply_decision",
            "lr_hold_level", "lr_sensitivity_hold", "LR_HISTORY"]
 
 LR_HISTORY = 4   # earlier LR-probe results a new one is compared with (lr_hold_level)
+
+_FORWARD_ROLES = ("input", "weight", "output")
+# per-site signals that measure a site's own operand against its format, whatever other
+# sites do (a crossing of these is independent evidence; rule 2)
+_INTRINSIC_STATS = ("sqnr_db", "underflow_energy_frac")
+
+
+def _intrinsic(key: str) -> bool:
+    """Whether a crossed `role/stat` is independent evidence against its site: anything on
+    the weight, SQNR or flushed energy on any operand."""
+    role, _, stat = key.partition("/")
+    return role == "weight" or stat in _INTRINSIC_STATS
 
 
 class Action(str, enum.Enum):
@@ -380,12 +395,17 @@ class RolloutController:
             sig = signals.sites[site]
             self._fallback(site, step, "NaN/Inf in this site's forward operands",
                            {f"{r}/nonfinite": v for r, v in sig.nonfinite.items() if v > 0}, d)
-        # 2. per-site thresholds. Several sites crossing at once usually share one cause:
-        # an overflow entering a layer saturates its consumers too, and a gradient
-        # overflow flows backwards. So one site falls back per check: the first in forward
-        # order with a forward operand (input, weight) crossing, else the last in forward
-        # order (first in backward order) with grad_output crossing. The others are looked
-        # at again at the next check.
+        # 2. per-site thresholds. Evidence intrinsic to a site's own operand against its
+        # format is independent of the other sites: any crossing on its weight, and an SQNR
+        # or flushed-energy crossing on any operand (the format is too coarse for the values
+        # the site gets). Every site with such evidence whose patience ran out falls back in
+        # this check. Saturation (or the count of flushed values) on an input or grad_output
+        # may be inherited: an overflow entering a layer saturates its consumers too, and a
+        # gradient overflow flows backwards. Of the sites with only such evidence, one falls
+        # back per check, and only when no site fell back on independent evidence (it may be
+        # the cause): the first in forward order with input crossing, else the last in
+        # forward order (first in backward order) with grad_output crossing. The others are
+        # looked at again at the next check.
         suspects: list[tuple[tuple[int, int], str, dict]] = []
         for i, site in enumerate(self.order if not blamed else ()):
             sig = signals.sites.get(site)
@@ -395,8 +415,13 @@ class RolloutController:
             if th.max_underflow_frac is not None:
                 crossed.update({f"{r}/underflow_frac": v for r, v in sig.underflow_frac.items()
                                 if v > th.max_underflow_frac})
+            if th.max_underflow_energy is not None:
+                crossed.update({f"{r}/underflow_energy_frac": v for r, v in sig.underflow_energy_frac.items()
+                                if v > th.max_underflow_energy})
             if th.min_sqnr_db is not None:
                 crossed.update({f"{r}/sqnr_db": v for r, v in sig.sqnr_db.items() if v < th.min_sqnr_db})
+            # delayed scaling saturated past twice its max in a step between checks (statistics off)
+            crossed.update({f"{r}/overflow_steps": v for r, v in sig.overflow_steps.items() if v > 0})
             if not crossed:
                 self.strikes[site] = 0
                 continue
@@ -405,10 +430,12 @@ class RolloutController:
             suspects.append(((0, i) if forward else (1, -i), site, crossed))
         suspects.sort(key=lambda t: t[0])
         due = [(site, crossed) for _, site, crossed in suspects if self.strikes[site] >= th.site_patience]
-        if due:
-            site, crossed = due[0]
+        independent = sorted(((site, crossed) for site, crossed in due if any(map(_intrinsic, crossed))),
+                             key=lambda t: self.order.index(t[0]))   # in forward order
+        for site, crossed in independent or due[:1]:
             blamed.append(site)
-            self._fallback(site, step, f"site thresholds crossed for {self.strikes[site]} checks", crossed, d)
+            self._fallback(site, step, f"site thresholds crossed for {self.strikes[site]} checks"
+                           f"{' (its own operand against its format)' if independent else ''}", crossed, d)
         suspects = [(site, crossed) for _, site, crossed in suspects]
         # 3. global signals
         fired = self._global_signals(step, signals)

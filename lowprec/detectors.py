@@ -1,7 +1,7 @@
 """What counts as an instability: the controller's thresholds and detectors.
 
-`Thresholds` is the `rollout.thresholds` section: the per-site limits (saturated and
-underflow fractions, SQNR) and the presets of the global detectors. The detectors are
+`Thresholds` is the `rollout.thresholds` section: the per-site limits (saturated
+fraction, underflow as a fraction of values or of energy, SQNR) and the presets of the global detectors. The detectors are
 the published ones:
 
 * `SpikeDetector`: a value above mean + 6 sigma of the last 128 values (OLMo-core's
@@ -36,6 +36,9 @@ class Thresholds:
 
     max_saturated_frac: float = 1e-3            # a site above this saturated fraction is crossing
     max_underflow_frac: float | None = None     # the same for values flushed to zero; None: off
+    # the share of an operand's energy (sum of squares) flushed to zero: the underflow that
+    # does harm (flushing many tiny values costs little energy); None: off
+    max_underflow_energy: float | None = None
     min_sqnr_db: float | None = None            # a site below this SQNR (dB) is crossing; None: off
     site_patience: int = 2                      # checks in a row crossing before a site falls back
     spike_window: int = 128
@@ -54,6 +57,8 @@ class Thresholds:
         need(0 <= self.max_saturated_frac <= 1, "max_saturated_frac", "a fraction in [0, 1] (1e-3: 0.1%)")
         need(self.max_underflow_frac is None or 0 <= self.max_underflow_frac <= 1, "max_underflow_frac",
              "a fraction in [0, 1], or null (off)")
+        need(self.max_underflow_energy is None or 0 <= self.max_underflow_energy <= 1, "max_underflow_energy",
+             "a fraction in [0, 1] of an operand's energy (0.01: 1%), or null (off)")
         need(self.site_patience >= 1, "site_patience", ">= 1")
         need(self.spike_window >= 2, "spike_window", ">= 2")
         need(self.spike_sigmas > 0, "spike_sigmas", "> 0")

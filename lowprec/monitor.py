@@ -25,11 +25,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from lowprec.quantize import QuantStats
+
 __all__ = ["MonitorConfig", "Signals", "SiteSignals", "Monitor", "ROLES"]
 
 ROLES = ("input", "weight", "output", "grad_output")  # output: only its non-finite count is used
 _COUNTED = ("input", "weight", "grad_output")   # PrecisionLinear.overflow_steps, in this order
-_N = 7  # QuantStats fields: amax, saturated, underflow, sq_error, signal_power, nonfinite, numel
+_N = len(QuantStats.FIELDS)   # the packing: amax, saturated, underflow, sq_error, signal_power,
+_NUMEL = QuantStats.FIELDS.index("numel")              # nonfinite, numel, underflow_energy
+_NONFINITE = QuantStats.FIELDS.index("nonfinite")
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,9 @@ class SiteSignals:
     amax: dict[str, float] = field(default_factory=dict)
     saturated_frac: dict[str, float] = field(default_factory=dict)
     underflow_frac: dict[str, float] = field(default_factory=dict)
+    # the share of the operand's energy (sum of squares) in the values flushed to zero:
+    # what underflow costs, where underflow_frac counts values however small
+    underflow_energy_frac: dict[str, float] = field(default_factory=dict)
     rel_mse: dict[str, float] = field(default_factory=dict)
     sqnr_db: dict[str, float] = field(default_factory=dict)
     nonfinite: dict[str, float] = field(default_factory=dict)
@@ -61,8 +68,8 @@ class SiteSignals:
     def flat(self) -> dict[str, float]:
         """`role/stat` -> value, for logging."""
         out = {}
-        for stat in ("amax", "saturated_frac", "underflow_frac", "rel_mse", "sqnr_db", "nonfinite",
-                     "overflow_steps"):
+        for stat in ("amax", "saturated_frac", "underflow_frac", "underflow_energy_frac", "rel_mse", "sqnr_db",
+                     "nonfinite", "overflow_steps"):
             for role, v in getattr(self, stat).items():
                 out[f"{role}/{stat}"] = v
         return out
@@ -86,14 +93,16 @@ class Signals:
 
 
 def site_signals_from_packed(rows: dict[str, list[float]]) -> SiteSignals:
-    """SiteSignals from {role: [amax, saturated, underflow, sq_error, power, nonfinite, numel]}."""
+    """SiteSignals from {role: [amax, saturated, underflow, sq_error, power, nonfinite, numel,
+    underflow_energy]} (QuantStats.FIELDS)."""
     s = SiteSignals()
-    for role, (amax, sat, und, err, power, nonfin, numel) in rows.items():
+    for role, (amax, sat, und, err, power, nonfin, numel, und_energy) in rows.items():
         if numel <= 0:
             continue
         s.amax[role] = amax
         s.saturated_frac[role] = sat / numel
         s.underflow_frac[role] = und / numel
+        s.underflow_energy_frac[role] = und_energy / power if power > 0 else 0.0
         s.rel_mse[role] = err / power if power > 0 else 0.0
         s.sqnr_db[role] = 10 * math.log10(power / err) if err > 0 and power > 0 else math.inf
         s.nonfinite[role] = nonfin
@@ -130,12 +139,13 @@ class Monitor:
     def _output_hook(self, module, args, output) -> None:
         if not self._collecting or not isinstance(output, torch.Tensor):
             return
-        from lowprec.quantize import QuantStats
         out = output.to_local() if hasattr(output, "to_local") else output
-        nonfinite = (~torch.isfinite(out.detach())).sum().double()
-        zero = torch.zeros((), dtype=torch.float64, device=nonfinite.device)
-        numel = torch.full((), float(out.numel()), dtype=torch.float64, device=nonfinite.device)
-        module.stats["output"] = QuantStats(torch.stack([zero, zero, zero, zero, zero, nonfinite, numel]))
+        # x * 0 is 0 for a finite x and NaN for NaN and +-Inf: one float pass and one count
+        # (torch.isfinite takes four passes on CPU)
+        packed = torch.zeros(_N, dtype=torch.float64, device=out.device)
+        packed[_NONFINITE] = (out.detach() * 0).count_nonzero()
+        packed[_NUMEL] = out.numel()
+        module.stats["output"] = QuantStats(packed)
 
     def close(self) -> None:
         """Remove the output hooks."""
@@ -162,19 +172,25 @@ class Monitor:
         self._norms.append(grad_norm.detach().reshape(()).double().to(loss.device))
         if not self.wants_stats(step):
             return
+        rows, packed = [], []
         for i, fqn in enumerate(self.sites):
             if fqn not in self.state.sites:
                 continue   # another rank's site (pipeline stage): its row stays zero here
             stats = self.state.sites[fqn].module.stats
             for j, role in enumerate(ROLES):
                 st = stats.get(role)
-                if st is None:
-                    continue
-                p = st.packed.to(self._acc.device)
-                row = self._acc[i, j]
-                row[0] = torch.maximum(row[0], p[0])
-                row[1:] += p[1:]
+                if st is not None:
+                    rows.append(i * len(ROLES) + j)
+                    packed.append(st.packed)
             stats.clear()
+        if not rows:
+            return
+        # one update of the window for all sites and roles (each (site, role) once)
+        p = torch.stack(packed).to(self._acc.device)
+        acc = self._acc.view(-1, _N)
+        idx = torch.tensor(rows, device=acc.device)
+        acc[idx, :1] = torch.maximum(acc[idx, :1], p[:, :1])
+        acc[idx, 1:] += p[:, 1:]
 
     def discard(self, step: int) -> None:
         """Leave step `step` out of the window: its site statistics are dropped unread (a
@@ -222,7 +238,7 @@ class Monitor:
         norms = per_step[:, 1].amax(0).tolist()           # already reduced; max guards against drift
         sites = {}
         for i, fqn in enumerate(self.sites):
-            rows = {role: site_rows[i, j].tolist() for j, role in enumerate(ROLES) if site_rows[i, j, 6] > 0}
+            rows = {role: site_rows[i, j].tolist() for j, role in enumerate(ROLES) if site_rows[i, j, _NUMEL] > 0}
             if rows or between[i].any():
                 sites[fqn] = site_signals_from_packed(rows)
                 sites[fqn].overflow_steps = {r: v for r, v in zip(_COUNTED, between[i].tolist()) if v > 0}

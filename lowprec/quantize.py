@@ -25,7 +25,9 @@ Statistics (`QuantStats`) are tensors on the input's device, packed in one vecto
 computed in the same pass and never read on the host here: amax, saturated count
 (scaled values beyond what round-to-nearest would still have mapped to max),
 underflow count (non-zero inputs that became zero), squared error, signal power,
-non-finite count, element count.
+non-finite count, element count, underflow energy (the sum of x**2 over the inputs
+that were flushed to zero: divided by the signal power, the share of the operand's
+energy lost to underflow, which measures harm where the count does not).
 
 `fused=True` runs the same function through `torch.compile`, which fuses the passes
 into one or two loops (see docs/performance.md); `fused=False` is plain eager PyTorch.
@@ -60,7 +62,8 @@ _FUSABLE = (Scaling.TENSOR, Scaling.DELAYED)
 class QuantStats:
     """Quantization statistics of one operand, packed in one float64 tensor (no host sync)."""
 
-    FIELDS = ("amax", "saturated", "underflow", "sq_error", "signal_power", "nonfinite", "numel")
+    FIELDS = ("amax", "saturated", "underflow", "sq_error", "signal_power", "nonfinite", "numel",
+              "underflow_energy")
 
     def __init__(self, packed: torch.Tensor):
         if packed.shape != (len(self.FIELDS),):
@@ -79,6 +82,7 @@ class QuantStats:
         n = max(v["numel"], 1.0)
         v["saturated_frac"] = v["saturated"] / n
         v["underflow_frac"] = v["underflow"] / n
+        v["underflow_energy_frac"] = v["underflow_energy"] / v["signal_power"] if v["signal_power"] > 0 else 0.0
         v["rel_mse"] = v["sq_error"] / v["signal_power"] if v["signal_power"] > 0 else 0.0
         v["sqnr_db"] = (10 * math.log10(v["signal_power"] / v["sq_error"])
                         if v["sq_error"] > 0 and v["signal_power"] > 0 else math.inf)
@@ -132,16 +136,21 @@ def round_to_grid(v: torch.Tensor, elem: ElementFormat, noise: torch.Tensor | No
 
 def _round_abs(a: torch.Tensor, sign: torch.Tensor, elem: ElementFormat,
                noise: torch.Tensor | None = None) -> torch.Tensor:
-    """round_to_grid of a value whose magnitude is `a` and whose sign is `sign`'s.
+    """round_to_grid of a value whose magnitude is `a` and whose sign is `sign`'s."""
+    return torch.copysign(_round_magnitude(a, elem, noise), sign)
 
-    The same operations as written out in round_to_grid, in place on fresh temporaries:
-    on CPU a new large tensor costs more than the pass that fills it.
+
+def _round_magnitude(a: torch.Tensor, elem: ElementFormat, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """`a` (>= 0) rounded to `elem`'s grid and saturated: a new tensor, >= 0, 0 where `a` is 0.
+
+    The operations in place on one fresh temporary: on CPU a new large tensor costs more
+    than the pass that fills it.
     """
     a = a.clamp(max=elem.max)
     step = (a.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**floor(log2 a), 0 for FP32 subnormals
     step = step.clamp_(min=elem.min_normal).mul_(2.0 ** -elem.mantissa_bits)
     n = a.div_(step).round_() if noise is None else a.div_(step).add_(noise).floor_()
-    return torch.copysign(n.mul_(step), sign)
+    return n.mul_(step)
 
 
 def operand_blocks(spec: QuantSpec, shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
@@ -362,7 +371,8 @@ def _core(x2: torch.Tensor, spec: QuantSpec, block, amax_t, scale_t, noise, want
     # arithmetic); the sign comes from x; non-finite positions are overwritten below
     av = ax * scale
     nb = None if noise is None else _as_blocks(noise, block)
-    q = _round_abs(av, xb, elem, nb)
+    qa = _round_magnitude(av, elem, nb)              # |q|, 0 where x is not finite
+    q = torch.copysign(qa, xb)
     if elem.has_inf:
         q = torch.where(fin, q, xb)                  # NaN stays NaN, Inf stays Inf
     else:
@@ -371,22 +381,38 @@ def _core(x2: torch.Tensor, spec: QuantSpec, block, amax_t, scale_t, noise, want
     amax = bamax.amax()                              # the max of the block maxima
     if not want_stats:
         return values, scale, scale_inv, amax, None
-    dq = _dequant_blocks(q, scale, scale_inv, spec)
-    err = torch.where(fin, xb - dq, 0.0)
-    packed = torch.stack([
+    return values, scale, scale_inv, amax, _stats(xb, fin, ax, av, qa, scale, scale_inv, amax, spec)
+
+
+def _stats(xb, fin, ax, av, qa, scale, scale_inv, amax, spec: QuantSpec) -> torch.Tensor:
+    """The packed QuantStats, from magnitudes: ax = |x|, av = |x * scale|, qa = |q|, all 0
+    where x is not finite (so nothing here needs the finite mask but the non-finite count).
+
+    Float arithmetic instead of boolean masks where it can (on CPU a comparison, a `where`
+    or a float-times-mask costs several float passes). Since q has x's sign, |x - dq| =
+    | |x| - |dq| |; sign(qa) is 1 where q != 0 and 0 where q == 0 (qa >= 0), and q != 0
+    implies x != 0, so (sign(qa) - 1) * |x| is -|x| exactly where a non-zero x became 0.
+    """
+    err = _dequant_blocks(qa, scale, scale_inv, spec).sub_(ax)    # |dq| - |x|
+    flushed = torch.sign(qa).sub_(1.0).mul_(ax)                   # -|x| where flushed to 0, else 0
+    n = xb.numel()
+    return torch.stack([
         amax.double(),
-        # counted with count_nonzero (sum would copy the mask to int64); av and ax are 0
-        # where x is not finite, so they need no `fin &`: av = 0 never saturates, and
-        # ax != 0 is "finite and non-zero"
-        _saturated(av, elem).count_nonzero().double(),
-        ((ax != 0) & (q == 0)).count_nonzero().double(),
-        # squared in FP64: FP32 squares overflow above ~1.8e19 and flush to 0 below ~1e-23
-        torch.linalg.vector_norm(err, dtype=torch.float64).square(),
-        torch.linalg.vector_norm(ax, dtype=torch.float64).square(),
-        (x2.numel() - fin.count_nonzero()).double(),
-        torch.tensor(float(x2.numel()), dtype=torch.float64, device=x2.device),
+        # av is 0 where x is not finite, and 0 never saturates
+        _saturated(av, spec.element).count_nonzero().double(),
+        # a sum of -1s and 0s: exact in FP32 while the count is below 2**24
+        flushed.sign().sum().double().neg(),
+        _sum_squares(err),
+        _sum_squares(ax),
+        (n - fin.count_nonzero()).double(),
+        torch.full((), float(n), dtype=torch.float64, device=xb.device),
+        _sum_squares(flushed),
     ])
-    return values, scale, scale_inv, amax, packed
+
+
+def _sum_squares(t: torch.Tensor) -> torch.Tensor:
+    """sum(t**2) in FP64: FP32 squares overflow above ~1.8e19 and flush to 0 below ~1e-23."""
+    return torch.linalg.vector_norm(t, dtype=torch.float64).square()
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,7 +31,8 @@ __all__ = ["SIGNAL_STATS", "BASELINE_LOSS", "LR_SENSITIVITY", "MAX_KEY", "MAX_PA
            "eval_samples", "eval_artifact_name", "EVAL_PREFIX", "merge", "chunk",
            "PrecisionMapLog"]
 
-SIGNAL_STATS = ("amax", "saturated_frac", "underflow_frac", "rel_mse", "sqnr_db", "nonfinite")
+SIGNAL_STATS = ("amax", "saturated_frac", "underflow_frac", "underflow_energy_frac", "rel_mse", "sqnr_db",
+                "nonfinite")
 BASELINE_LOSS = "train/baseline_loss"
 LR_SENSITIVITY = "train/lr_sensitivity"   # the LR probe's (L_x2 - L_x0.5) / |L0| (lowprec.runtime.lrprobe)
 MAX_KEY, MAX_PARAM_VALUE, MAX_TAG_VALUE = 250, 6000, 8000
@@ -90,7 +91,8 @@ def _quantstats_dicts(sites: Mapping[str, Any]) -> dict[tuple[str, str], dict]:
 
 # What the monitor never measures, left out rather than logged as zeros: a site's output is
 # only checked for non-finite values (lowprec.monitor's output hook), never quantized.
-UNMEASURED = {"output": frozenset({"amax", "saturated_frac", "underflow_frac", "rel_mse", "sqnr_db"})}
+UNMEASURED = {"output": frozenset({"amax", "saturated_frac", "underflow_frac", "underflow_energy_frac", "rel_mse",
+                                   "sqnr_db"})}
 
 
 def signal_metrics(signals: Any, stats: tuple[str, ...] = SIGNAL_STATS) -> dict[str, float]:

@@ -125,7 +125,7 @@ def signals_figure(data: ReportData):
         keys = [k for k in dict.fromkeys(keys) if k in data.metrics]
         if not sigs:  # no named signal in the evidence: the usual suspects
             keys = [k for k in data.metrics if k.startswith(f"signal/{site}/")
-                    and k.endswith(("/saturated_frac", "/underflow_frac", "/nonfinite"))]
+                    and k.endswith(("/saturated_frac", "/underflow_frac", "/underflow_energy_frac", "/nonfinite"))]
         for k in sorted(keys):
             ax.plot(*zip(*data.metrics[k]), lw=1, marker=".", ms=3, label="/".join(k.rsplit("/", 2)[-2:]))
         for thr in sorted({float(g["threshold"]) for g in sigs if "threshold" in g}):

@@ -41,10 +41,10 @@ __all__ = ["ReportData", "from_run_dir", "from_mlflow", "events_table", "events_
 
 Series = list[tuple[int, float]]
 _KEPT_PREFIXES = ("train/", "eval/", "eval_hp/", "precision/")
-STATS = ("amax", "saturated_frac", "underflow_frac", "rel_mse", "sqnr_db", "nonfinite")
+STATS = ("amax", "saturated_frac", "underflow_frac", "underflow_energy_frac", "rel_mse", "sqnr_db", "nonfinite")
 # rollout.thresholds keys (lowprec.detectors.Thresholds) -> the stat they bound
 THRESHOLD_KEYS = {"max_saturated_frac": "saturated_frac", "max_underflow_frac": "underflow_frac",
-                  "min_sqnr_db": "sqnr_db"}
+                  "max_underflow_energy": "underflow_energy_frac", "min_sqnr_db": "sqnr_db"}
 
 
 @dataclass

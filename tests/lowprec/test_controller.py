@@ -22,20 +22,24 @@ CHECK = 10
 
 
 def make(**kw):
-    th = Thresholds(spike_min_history=8, large_warmup=20, loss_gap=kw.pop("loss_gap", None))
+    th = Thresholds(spike_min_history=8, large_warmup=20, loss_gap=kw.pop("loss_gap", None),
+                    **kw.pop("thresholds", {}))
     cfg = ControllerConfig(min_steps=kw.pop("min_steps", 30), cooldown_steps=kw.pop("cooldown", 50),
                            quarantine_after=kw.pop("quarantine_after", 2), rewind=kw.pop("rewind", False),
                            rewind_skip_batches=5, thresholds=th)
     return RolloutController({s: LADDER for s in SITES}, {s: "bf16" for s in SITES}, STAGES, cfg, **kw)
 
 
-def healthy_site(sat=0.0, nonfinite=0.0, role="input"):
+def healthy_site(sat=0.0, nonfinite=0.0, role="input", underflow=0.001, underflow_energy=1e-6):
     s = SiteSignals()
     for r in ("input", "weight", "grad_output"):
         s.amax[r], s.saturated_frac[r], s.underflow_frac[r] = 3.0, 0.0, 0.001
+        s.underflow_energy_frac[r] = 1e-6
         s.rel_mse[r], s.sqnr_db[r], s.nonfinite[r] = 1e-3, 30.0, 0.0
     s.saturated_frac[role] = sat
     s.nonfinite[role] = nonfinite
+    s.underflow_frac[role] = underflow
+    s.underflow_energy_frac[role] = underflow_energy
     return s
 
 
@@ -93,6 +97,66 @@ def test_saturated_site_falls_back_one_rung_after_patience():
     ev = [e for e in d2.events if e.kind == EventKind.FALLBACK][0]
     assert ev.sites == ("blocks.1.mlp.fc",) and ev.evidence["input/saturated_frac"] == 0.05
     assert ev.from_format == {"blocks.1.mlp.fc": "nvfp4"}
+
+
+def test_underflow_energy_threshold_ignores_flushed_values_that_hold_no_energy():
+    """lm_head's logit gradients: 61% flushed but 1e-6 of the energy (the docs/results.md case)
+    crosses the count threshold and not the energy one; 20% of the energy flushed crosses."""
+    harmless = healthy_site(role="grad_output", underflow=0.61, underflow_energy=1e-6)
+    harmful = healthy_site(role="grad_output", underflow=0.3, underflow_energy=0.2)
+    for thresholds, site_signals, falls in (({"max_underflow_frac": 0.5}, harmless, True),
+                                            ({"max_underflow_energy": 0.05}, harmless, False),
+                                            ({"max_underflow_energy": 0.05}, harmful, True)):
+        ctl = make(thresholds=thresholds)
+        run(ctl, [(s, signals(s)) for s in range(9, 200, CHECK)])
+        sites = {s: healthy_site() for s in SITES}
+        sites["blocks.1.mlp.fc"] = site_signals
+        d = [ctl.observe(s, signals(s, sites=sites)) for s in (209, 219)][-1]
+        assert bool(d.changes) is falls, thresholds
+        if falls:
+            key = "grad_output/" + ("underflow_frac" if "max_underflow_frac" in thresholds else "underflow_energy_frac")
+            assert d.events[0].evidence == {key: getattr(site_signals, key.split("/")[1])["grad_output"]}
+
+
+def _crossing(ctl, bad: dict, steps=(209, 219)):
+    """Feed checks where the sites of `bad` have those signals; the last check's decision."""
+    sites = {s: healthy_site() for s in SITES}
+    sites.update(bad)
+    return [ctl.observe(s, signals(s, sites=sites)) for s in steps][-1]
+
+
+def test_sites_with_independent_evidence_fall_back_in_the_same_check():
+    """Flushed energy on a grad_output, SQNR on an input, saturation on a weight: each is the
+    site's own operand against its format, so all three fall back at once."""
+    ctl = make(thresholds={"max_underflow_energy": 0.05, "min_sqnr_db": 10.0})
+    run(ctl, [(s, signals(s)) for s in range(9, 200, CHECK)])
+    low_sqnr = healthy_site()
+    low_sqnr.sqnr_db["input"] = 3.0
+    bad = {"blocks.0.mlp.fc": healthy_site(role="grad_output", underflow_energy=0.3),
+           "blocks.1.attn.qkv": low_sqnr,
+           "blocks.2.mlp.proj": healthy_site(sat=0.2, role="weight")}
+    d = _crossing(ctl, bad)
+    assert set(d.changes) == set(bad)
+    fallbacks = [e for e in d.events if e.kind == EventKind.FALLBACK]
+    assert [e.sites for e in fallbacks] == [("blocks.0.mlp.fc",), ("blocks.1.attn.qkv",), ("blocks.2.mlp.proj",)]
+    assert fallbacks[1].evidence == {"input/sqnr_db": 3.0} and "own operand" in fallbacks[1].reason
+
+
+def test_inherited_saturation_falls_back_one_site_per_check():
+    """Saturated inputs of two sites may share one cause (the first's overflow reaching the
+    second): the first in forward order falls back, the other at the next check; a site with
+    its own evidence in the same check goes first, and then no inherited one falls back."""
+    ctl = make()
+    run(ctl, [(s, signals(s)) for s in range(9, 200, CHECK)])
+    bad = {"blocks.0.mlp.fc": healthy_site(sat=0.2), "blocks.2.mlp.fc": healthy_site(sat=0.2)}
+    assert list(_crossing(ctl, bad).changes) == ["blocks.0.mlp.fc"]
+    assert list(_crossing(ctl, bad, steps=(229,)).changes) == ["blocks.2.mlp.fc"]
+
+    ctl = make()
+    run(ctl, [(s, signals(s)) for s in range(9, 200, CHECK)])
+    own = {**bad, "blocks.1.mlp.proj": healthy_site(sat=0.2, role="weight")}
+    assert list(_crossing(ctl, own).changes) == ["blocks.1.mlp.proj"]
+    assert list(_crossing(ctl, own, steps=(229,)).changes) == ["blocks.0.mlp.fc"]
 
 
 def test_first_site_in_forward_order_is_blamed_for_nan():
@@ -234,7 +298,8 @@ def test_loss_gap_needs_a_baseline_and_thresholds_are_checked():
     for bad, words in (({"spike_window": 1}, "spike_window: must be >= 2"),
                        ({"loss_gap": 0.0}, "loss_gap: must be > 0"),
                        ({"spike_min_history": 200}, "<= spike_window (128)"),
-                       ({"max_saturated_frac": 2.0}, "max_saturated_frac: must be a fraction")):
+                       ({"max_saturated_frac": 2.0}, "max_saturated_frac: must be a fraction"),
+                       ({"max_underflow_energy": -0.1}, "max_underflow_energy: must be a fraction in [0, 1]")):
         with pytest.raises(ValueError, match=re.escape(words)):
             Thresholds(**bad)
 

@@ -16,7 +16,7 @@ import lowprec.monitor
 from lowprec import prepare
 from lowprec.monitor import ROLES, Monitor, MonitorConfig
 from lowprec.plan import PrecisionPlan
-from lowprec.quantize import QuantStats
+from lowprec.quantize import QuantStats, quantize
 
 BATCH, D_IN, D_HID, D_OUT = 4, 32, 64, 32
 
@@ -87,6 +87,29 @@ def test_stats_every_step_collects_on_every_step():
         train_step(mon, model, step, x)
     sig = mon.check(2)
     assert sig.sites["0"].amax["input"] == pytest.approx(max(amax(x) for x in xs), rel=1e-2)
+
+
+def test_underflow_energy_is_the_windows_flushed_share_of_the_energy():
+    """Half of every input tiny: most of those values are flushed to zero but they hold a
+    negligible share of the energy. Over a window of two steps the monitor sums the flushed
+    energy and the signal power of both (expected: from the inputs and their quantized values)."""
+    model, state = prepared()
+    mon = monitor(state, check_every=2, stats_every_step=True)
+    spec = state.site("0").module.format.input
+    flushed_energy = power = flushed = 0.0
+    for step in range(2):
+        x = inputs(seed=step)
+        x[:, D_IN // 2:] *= 2.0 ** -30
+        zero = (x != 0) & (quantize(x, spec).values == 0)
+        flushed += zero.sum().item()
+        flushed_energy += (x[zero].double() ** 2).sum().item()
+        power += (x.double() ** 2).sum().item()
+        train_step(mon, model, step, x)
+    sig = mon.check(1).sites["0"]
+    assert sig.underflow_frac["input"] == flushed / (2 * x.numel()) >= 0.5
+    assert sig.underflow_energy_frac["input"] == pytest.approx(flushed_energy / power, rel=1e-9)
+    assert 0 < sig.underflow_energy_frac["input"] < 1e-15
+    assert sig.flat()["input/underflow_energy_frac"] == sig.underflow_energy_frac["input"]
 
 
 # ------------------------------------------------------------------ the check window

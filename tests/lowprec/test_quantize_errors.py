@@ -17,7 +17,7 @@ import torch
 
 from lowprec import (E2M1, E4M3, E5M2, FORMATS, QuantSpec, RandomHadamard, Rounding, Scaling,
                      fake_quantize, format_names, get_format, quantize)
-from lowprec.quantize import operand_blocks
+from lowprec.quantize import QuantStats, operand_blocks
 
 import quant_reference as ref
 
@@ -290,6 +290,8 @@ def test_stats_of_known_content(elem):
     if elem is E5M2:      # the independent oracle: PyTorch's non-saturating cast
         assert saturated == int(torch.isinf(x[fin].to(torch.float8_e5m2).float()).sum())
     assert stats.underflow.item() == 3
+    flushed = torch.tensor([tiny / 2, -tiny / 4, 1e-40], dtype=torch.float32).double()
+    torch.testing.assert_close(stats.underflow_energy, (flushed ** 2).sum(), rtol=1e-12, atol=0.0)
     assert stats.nonfinite.item() == 3
     assert stats.numel.item() == len(vals)
     assert stats.amax.item() == x[fin].abs().max().item()
@@ -322,7 +324,9 @@ def test_stats_against_direct_computation(spec):
     rows, k = x.shape
     v = (xt.reshape(rows // block[0], block[0], k // block[1], block[1]) * q.scale).reshape(x.shape)
     assert st.saturated.item() == _direct_saturated(v, spec.element)
-    assert st.underflow.item() == int(((xt != 0) & (q.values == 0)).sum())
+    flushed = (xt != 0) & (q.values == 0)
+    assert st.underflow.item() == int(flushed.sum())
+    torch.testing.assert_close(st.underflow_energy, (xt[flushed].double() ** 2).sum(), rtol=1e-6, atol=0.0)
     dq = q.dequantize()
     torch.testing.assert_close(st.sq_error, ((xt.double() - dq.double()) ** 2).sum(), rtol=1e-5, atol=0.0)
     torch.testing.assert_close(st.signal_power, (xt.double() ** 2).sum(), rtol=1e-6, atol=0.0)
@@ -331,6 +335,61 @@ def test_stats_against_direct_computation(spec):
     assert st.nonfinite.item() == 0 and st.numel.item() == x.numel()
     if spec.scaling is Scaling.DELAYED:
         assert st.saturated.item() > 0
+    # the rows span 2**-30 to 2**10: every format with one scale per tensor or row flushes some
+    d = st.to_dict()
+    assert d["underflow_energy_frac"] == pytest.approx(d["underflow_energy"] / d["signal_power"])
+    assert 0 <= d["underflow_energy_frac"] <= 1
+
+
+@pytest.mark.parametrize("elem", [E4M3, E5M2, E2M1], ids=lambda e: e.name)
+def test_underflow_of_every_bf16_value(elem):
+    """Delayed scaling with scale 1 on every finite BF16 value: a value is flushed exactly
+    when the reference (quant_reference.round_rne, written from the bit layouts) rounds it
+    to zero; the underflow count and energy are those values' count and sum of squares."""
+    spec = QuantSpec(elem, Scaling.DELAYED)
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    x = x[torch.isfinite(x)]
+    r = REF_ELEM[elem.name]
+    flushed = [v for v in x.tolist() if v != 0 and ref.round_rne(v, r) == 0]
+    assert len(flushed) > 1000       # the BF16 values below half the smallest subnormal
+    _, st = fake_quantize(x.reshape(1, -1), spec, scale=1.0, stats=True)
+    assert st.underflow.item() == len(flushed)
+    assert st.underflow_energy.item() == pytest.approx(math.fsum(v * v for v in flushed), rel=1e-12)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_underflow_energy_of_tiny_and_large_values(spec):
+    """Half of each row tiny (2**-40 of the rest): a scale per tensor or row flushes the tiny
+    half, whose energy is a negligible share; the fraction of flushed values is not."""
+    g = torch.Generator().manual_seed(6)
+    r, c = spec.block if spec.scaling is Scaling.BLOCK else (1, 1)
+    shape = (max(r, 16), max(2 * c, 64))
+    x = (torch.rand(shape, generator=g) + 3.0) * torch.randint(0, 2, shape, generator=g).mul(2).sub(1)
+    x[:, shape[1] // 2:] *= 2.0 ** -40
+    kw = {"scale": spec.element.max / x.abs().max().item()} if spec.scaling is Scaling.DELAYED else {}
+    q = quantize(x, spec, stats=True, **kw)
+    xt = RandomHadamard(0).apply(x) if spec.hadamard else x
+    flushed = (xt != 0) & (q.values == 0)
+    d = q.stats.to_dict()
+    expected = (xt[flushed].double() ** 2).sum() / (xt.double() ** 2).sum()
+    assert d["underflow_energy_frac"] == pytest.approx(expected.item(), rel=1e-6, abs=0.0)
+    assert d["underflow_frac"] == flushed.sum().item() / x.numel()
+    if spec.scaling in (Scaling.TENSOR, Scaling.DELAYED, Scaling.ROW) and not spec.hadamard:
+        assert d["underflow_frac"] == 0.5 and d["underflow_energy_frac"] < 1e-20
+
+
+def test_stats_fused_equal_eager():
+    """fused=True (torch.compile) computes the same statistics as eager, NaN and Inf included."""
+    fmt = get_format("fp8_tensorwise")
+    for spec in (fmt.input, fmt.grad_output):
+        x = torch.full((255, 256), 0.5)       # the shape the other fused tests compile for
+        x[:4, :64] = _with_non_finite(spec)
+        x[8:16] *= 1e-9                         # flushed to zero
+        x[20, :7] = 1e4                         # with this amax, 0.5 is on the grid for neither
+        eager = quantize(x, spec, stats=True).stats
+        fused = quantize(x, spec, stats=True, fused=True).stats
+        assert eager.underflow.item() > 0 and eager.underflow_energy.item() > 0
+        torch.testing.assert_close(fused.packed, eager.packed, rtol=1e-12, atol=0.0)
 
 
 def test_stats_live_on_the_input_device():
@@ -344,7 +403,7 @@ def test_stats_live_on_the_input_device():
             kw = {"scale": torch.tensor(2.0, device=device)} if spec.scaling is Scaling.DELAYED else {}
             out, stats = fake_quantize(x, spec, stats=True, validate=device != "meta", **kw)
             assert isinstance(stats.packed, torch.Tensor)
-            assert stats.packed.device.type == device and stats.packed.shape == (7,)
+            assert stats.packed.device.type == device and stats.packed.shape == (len(QuantStats.FIELDS),)
             assert out.device.type == device
 
 
