@@ -49,138 +49,26 @@ order), so every rank that sees the same numbers (and replays alike) decides the
 
 from __future__ import annotations
 
-import enum
-import math
-import statistics
-from dataclasses import dataclass, field
 from typing import Callable
 
 from lowprec.anomaly import Anomaly, StepDetectors
 from lowprec.attribution import Attribution
+from lowprec.decisions import Action, ControllerConfig, Decision, Stage, apply_decision
+from lowprec.detectors import (LR_HISTORY, LossGapDetector, Thresholds, intrinsic, lr_hold_level,
+                               lr_sensitivity_hold)
 from lowprec.events import Event, EventKind
 from lowprec.formats import FORMATS
-from lowprec.detectors import LossGapDetector, Thresholds
 from lowprec.monitor import Signals
 from lowprec.verdicts import GateOutcome, Verdict
 
 __all__ = ["Action", "Stage", "Thresholds", "ControllerConfig", "Decision", "RolloutController", "apply_decision",
            "lr_hold_level", "lr_sensitivity_hold", "LR_HISTORY"]
 
-LR_HISTORY = 4   # earlier LR-probe results a new one is compared with (lr_hold_level)
-
 _FORWARD_ROLES = ("input", "weight", "output")
-# per-site signals that measure a site's own operand against its format, whatever other
-# sites do (a crossing of these is independent evidence; rule 2)
-_INTRINSIC_STATS = ("sqnr_db", "underflow_energy_frac")
-
-
-def _intrinsic(key: str) -> bool:
-    """Whether a crossed `role/stat` is independent evidence against its site: anything on
-    the weight, SQNR or flushed energy on any operand."""
-    role, _, stat = key.partition("/")
-    return role == "weight" or stat in _INTRINSIC_STATS
-
-
-class Action(str, enum.Enum):
-    """What the training loop does with this step: step the optimizer, skip it (zero the
-    gradients), or restore the last good state and skip `Decision.skip_batches` batches."""
-
-    CONTINUE = "continue"
-    SKIP_STEP = "skip_step"
-    REWIND = "rewind"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-
-@dataclass(frozen=True)
-class Stage:
-    """A named set of sites promoted together to `format` (a format name)."""
-
-    name: str
-    sites: tuple[str, ...]
-    format: str
-
-
-@dataclass(frozen=True)
-class ControllerConfig:
-    """The rules' parameters: stability before a promotion, cooldown, quarantine, rewind, and
-    the thresholds and detector presets (`lowprec.detectors.Thresholds`)."""
-
-    min_steps: int = 100
-    cooldown_steps: int = 200
-    quarantine_after: int = 2
-    rewind: bool = False
-    rewind_skip_batches: int = 0
-    persist_steps: int = 2       # anomalous steps in a row (not precision's) before a rewind
-    thresholds: Thresholds = field(default_factory=Thresholds)
-    lr_hold_rise: float | None = None    # rise of the LR sensitivity that holds a promotion; None: off
-    lr_hold_above: float | None = None   # LR sensitivity above which a promotion is held; None: off
-
-    def __post_init__(self) -> None:
-        if self.persist_steps < 1:
-            raise ValueError(f"persist_steps must be >= 1, got {self.persist_steps}")
-        for name in ("min_steps", "cooldown_steps", "rewind_skip_batches"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.quarantine_after < 1:
-            raise ValueError(f"quarantine_after must be >= 1, got {self.quarantine_after}")
-
-
-@dataclass
-class Decision:
-    action: Action = Action.CONTINUE
-    changes: dict[str, str] = field(default_factory=dict)   # site -> new format
-    events: list[Event] = field(default_factory=list)
-    skip_batches: int = 0
-    rewind_before: int | None = None   # a rewind goes to a state of at most this step (None: two checks back)
-
-    @property
-    def rewind(self) -> bool:
-        return self.action == Action.REWIND
 
 
 def _bits(name: str) -> int:
     return FORMATS[name].rank
-
-
-def lr_hold_level(history: list[tuple[int, float]], hold_rise: float | None,
-                  hold_above: float | None) -> tuple[float | None, dict]:
-    """The level above which the newest LR sensitivity in `history` ((step, sensitivity) of
-    the probes so far, oldest first) holds a promotion, and how it was found.
-
-    The lower of `hold_above` (a sensitivity above 0 means that even on the batch its
-    gradient came from, the doubled step lowers the loss less than the halved one: the lr is
-    past the locally best step size) and the median of the `LR_HISTORY` finite values before
-    the newest plus `hold_rise` (the sensitivity rose); that second one only once
-    `LR_HISTORY` earlier probes exist. None of them (both off, or too few probes): None."""
-    levels, how = [], {}
-    if hold_above is not None:
-        levels.append(hold_above)
-        how["hold_above"] = hold_above
-    earlier = [v for _, v in history[-LR_HISTORY - 1:-1] if math.isfinite(v)]
-    if hold_rise is not None and len(history) > LR_HISTORY and earlier:
-        ref = statistics.median(earlier)
-        levels.append(ref + hold_rise)
-        how.update(median_before=ref, hold_rise=hold_rise)
-    return (min(levels) if levels else None), how
-
-
-def lr_sensitivity_hold(history: list[tuple[int, float]], hold_rise: float | None,
-                        hold_above: float | None) -> tuple[bool, dict]:
-    """Whether the newest LR sensitivity holds a promotion (it is above `lr_hold_level`; an
-    infinite one, a virtual step that diverged, is above any level, a NaN above none), and
-    the evidence."""
-    if not history:
-        return False, {}
-    step, latest = history[-1]
-    level, how = lr_hold_level(history, hold_rise, hold_above)
-    if level is None or math.isnan(latest):
-        return False, {}
-    return latest > level, {"lr_sensitivity": latest, "probe_step": step, "hold_level": level, **how}
 
 
 class RolloutController:
@@ -411,17 +299,7 @@ class RolloutController:
             sig = signals.sites.get(site)
             if sig is None or _bits(self.current[site]) >= 16:
                 continue
-            crossed = {f"{r}/saturated_frac": v for r, v in sig.saturated_frac.items() if v > th.max_saturated_frac}
-            if th.max_underflow_frac is not None:
-                crossed.update({f"{r}/underflow_frac": v for r, v in sig.underflow_frac.items()
-                                if v > th.max_underflow_frac})
-            if th.max_underflow_energy is not None:
-                crossed.update({f"{r}/underflow_energy_frac": v for r, v in sig.underflow_energy_frac.items()
-                                if v > th.max_underflow_energy})
-            if th.min_sqnr_db is not None:
-                crossed.update({f"{r}/sqnr_db": v for r, v in sig.sqnr_db.items() if v < th.min_sqnr_db})
-            # delayed scaling saturated past twice its max in a step between checks (statistics off)
-            crossed.update({f"{r}/overflow_steps": v for r, v in sig.overflow_steps.items() if v > 0})
+            crossed = th.crossed(sig)
             if not crossed:
                 self.strikes[site] = 0
                 continue
@@ -430,7 +308,7 @@ class RolloutController:
             suspects.append(((0, i) if forward else (1, -i), site, crossed))
         suspects.sort(key=lambda t: t[0])
         due = [(site, crossed) for _, site, crossed in suspects if self.strikes[site] >= th.site_patience]
-        independent = sorted(((site, crossed) for site, crossed in due if any(map(_intrinsic, crossed))),
+        independent = sorted(((site, crossed) for site, crossed in due if any(map(intrinsic, crossed))),
                              key=lambda t: self.order.index(t[0]))   # in forward order
         for site, crossed in independent or due[:1]:
             blamed.append(site)
@@ -578,14 +456,3 @@ class RolloutController:
         self.detectors.load_state_dict(det)
         if self.loss_gap is not None and det["loss_gap"] is not None:
             self.loss_gap.load_state_dict(det["loss_gap"])
-
-
-def apply_decision(state, decision: Decision) -> list[str]:
-    """Carry a decision's format changes out on a PrecisionState; returns the changed FQNs."""
-    changed = []
-    by_format: dict[str, list[str]] = {}
-    for site, fmt in decision.changes.items():
-        by_format.setdefault(fmt, []).append(site)
-    for fmt, sites in by_format.items():
-        changed += state.set_format(sites, fmt)
-    return changed

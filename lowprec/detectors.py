@@ -10,7 +10,9 @@ the published ones:
   rerun state machine);
 * `LossGapDetector`: the relative gap between the smoothed loss and a baseline loss
   curve (DeepSeek-V3 kept it under 0.25% for FP8); off unless `loss_gap` is set and a
-  baseline curve is given.
+  baseline curve is given;
+* `lr_sensitivity_hold`: whether the newest learning-rate sensitivity of the LR probe
+  (`lowprec.runtime.lrprobe`) is above its hold level, which holds the next promotion.
 
 NaN/Inf in the loss or gradients is no detector's business (`lowprec.anomaly` flags it);
 the detectors ignore non-finite values. `test(value)` asks without remembering (for
@@ -22,12 +24,14 @@ each check; the controller owns them all (their state rides in its `state_dict`)
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
 from lowprec.configparse import ConfigError
 
-__all__ = ["Thresholds", "SpikeDetector", "LargeValueDetector", "LossGapDetector"]
+__all__ = ["Thresholds", "intrinsic", "SpikeDetector", "LargeValueDetector", "LossGapDetector", "LR_HISTORY", "lr_hold_level",
+           "lr_sensitivity_hold"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,35 @@ class Thresholds:
         need(self.loss_gap is None or self.loss_gap > 0, "loss_gap",
              "> 0 (a relative gap: 0.03 is 3%), or null (off)")
         need(0 <= self.loss_gap_smoothing < 1, "loss_gap_smoothing", "in [0, 1) (0: no smoothing)")
+
+
+    def crossed(self, sig) -> dict[str, float]:
+        """A site's `SiteSignals` (one check window) that cross these thresholds, as
+        `role/stat` -> value (empty: none)."""
+        out = {f"{r}/saturated_frac": v for r, v in sig.saturated_frac.items() if v > self.max_saturated_frac}
+        if self.max_underflow_frac is not None:
+            out.update({f"{r}/underflow_frac": v for r, v in sig.underflow_frac.items()
+                        if v > self.max_underflow_frac})
+        if self.max_underflow_energy is not None:
+            out.update({f"{r}/underflow_energy_frac": v for r, v in sig.underflow_energy_frac.items()
+                        if v > self.max_underflow_energy})
+        if self.min_sqnr_db is not None:
+            out.update({f"{r}/sqnr_db": v for r, v in sig.sqnr_db.items() if v < self.min_sqnr_db})
+        # delayed scaling saturated past twice its max in a step between checks (statistics off)
+        out.update({f"{r}/overflow_steps": v for r, v in sig.overflow_steps.items() if v > 0})
+        return out
+
+
+# per-site signals that measure a site's own operand against its format, whatever other
+# sites do (a crossing of these is independent evidence; the controller's rule 2)
+_INTRINSIC_STATS = ("sqnr_db", "underflow_energy_frac")
+
+
+def intrinsic(key: str) -> bool:
+    """Whether a crossed `role/stat` is independent evidence against its site: anything on
+    the weight, SQNR or flushed energy on any operand."""
+    role, _, stat = key.partition("/")
+    return role == "weight" or stat in _INTRINSIC_STATS
 
 
 class SpikeDetector:
@@ -164,3 +197,42 @@ class LossGapDetector:
 
     def load_state_dict(self, s: dict) -> None:
         self.ema, self.base_ema = s["ema"], s["base_ema"]
+
+
+LR_HISTORY = 4   # earlier LR-probe results a new one is compared with (lr_hold_level)
+
+
+def lr_hold_level(history: list[tuple[int, float]], hold_rise: float | None,
+                  hold_above: float | None) -> tuple[float | None, dict]:
+    """The level above which the newest LR sensitivity in `history` ((step, sensitivity) of
+    the probes so far, oldest first) holds a promotion, and how it was found.
+
+    The lower of `hold_above` (a sensitivity above 0 means that even on the batch its
+    gradient came from, the doubled step lowers the loss less than the halved one: the lr is
+    past the locally best step size) and the median of the `LR_HISTORY` finite values before
+    the newest plus `hold_rise` (the sensitivity rose); that second one only once
+    `LR_HISTORY` earlier probes exist. None of them (both off, or too few probes): None."""
+    levels, how = [], {}
+    if hold_above is not None:
+        levels.append(hold_above)
+        how["hold_above"] = hold_above
+    earlier = [v for _, v in history[-LR_HISTORY - 1:-1] if math.isfinite(v)]
+    if hold_rise is not None and len(history) > LR_HISTORY and earlier:
+        ref = statistics.median(earlier)
+        levels.append(ref + hold_rise)
+        how.update(median_before=ref, hold_rise=hold_rise)
+    return (min(levels) if levels else None), how
+
+
+def lr_sensitivity_hold(history: list[tuple[int, float]], hold_rise: float | None,
+                        hold_above: float | None) -> tuple[bool, dict]:
+    """Whether the newest LR sensitivity holds a promotion (it is above `lr_hold_level`; an
+    infinite one, a virtual step that diverged, is above any level, a NaN above none), and
+    the evidence."""
+    if not history:
+        return False, {}
+    step, latest = history[-1]
+    level, how = lr_hold_level(history, hold_rise, hold_above)
+    if level is None or math.isnan(latest):
+        return False, {}
+    return latest > level, {"lr_sensitivity": latest, "probe_step": step, "hold_level": level, **how}
