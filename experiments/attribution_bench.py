@@ -134,8 +134,12 @@ class Planted:
                 return type(q)(q.values, q.scale * 2.0 ** -12, q.scale_inv * 2.0 ** 12, q.spec, q.shape, q.amax)
             amax = torch.where(torch.isfinite(t), t.abs(), 0.0).amax().float()
             amax = amax * (2.0 ** 16 if fault.kind == "flush" else 2.0 ** -8)
-            return quantize(t, spec, amax=amax, generator=module.generator, hadamard=module.hadamard,
-                            stats=False, validate=False)
+            counted = module.collect_stats and role in ("input", "weight", "grad_output")
+            q = quantize(t, spec, amax=amax, generator=module.generator, hadamard=module.hadamard,
+                         stats=counted, validate=False)
+            if counted:   # the monitors see the faulty quantization as they see any other
+                module.stats[role] = q.stats
+            return q
         return quantize_operand
 
     def _nan_embedding(self, mod, args, out):
@@ -202,9 +206,11 @@ def main(argv=None) -> None:
     p.add_argument("--no-replay", action="store_true", help="statistics rules only (the controller before replays)")
     p.add_argument("--kinds", default=",".join(PRECISION_KINDS + OTHER_KINDS),
                    help="comma-separated fault kinds to run (default: all)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1: immune to the oversubscription of a shared machine)")
     p.add_argument("--per-kind", type=int, default=0, help="run only the first N seeds of each kind (0: all)")
     args = p.parse_args(argv)
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    torch.set_num_threads(args.threads)
     data = Batches(shakespeare_tokens(2_000_000), 16, 128, seed=0)
     model, opt, session = build(not args.no_replay)
     t0 = time.perf_counter()
