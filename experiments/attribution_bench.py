@@ -85,8 +85,10 @@ class Fault:
     def precision(self) -> bool:
         return self.kind in PRECISION_KINDS
 
-    def active(self, step: int) -> bool:
-        return FAULT_AT <= step < FAULT_AT + DURATION[self.kind]
+    def active(self, time: int) -> bool:
+        """At loop pass `time` (counted like steps from WARM, rewinds included: after a rewind
+        the step counter goes back, time does not, so a fault happens once, as a real one)."""
+        return FAULT_AT <= time < FAULT_AT + DURATION[self.kind]
 
 
 def campaign(sites: list[str]) -> list[Fault]:
@@ -100,7 +102,8 @@ def campaign(sites: list[str]) -> list[Fault]:
 
 
 class Planted:
-    """Installs one fault on the model for the steps it is active (`step` is set by the loop)."""
+    """Installs one fault on the model for the loop passes it is active (`step` is the pass,
+    set by the loop)."""
 
     def __init__(self, fault: Fault, model, state, opt):
         self.fault, self.model, self.state, self.opt = fault, model, state, opt
@@ -181,14 +184,16 @@ def build(replay: bool):
 
 def train(model, session, data, steps, planted=None, lr=3e-3, warmup=20):
     times = []
+    time_ = session.step_index
     while session.step_index < steps:
         step = session.step_index
         if planted is not None:
-            planted.step = step
-        factor = planted.lr_factor(step) if planted is not None else 1.0
+            planted.step = time_
+        time_ += 1
+        factor = planted.lr_factor(planted.step) if planted is not None else 1.0
         for g in session.optimizer.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / warmup) * factor
-        x, y = planted.batch(data, step) if planted is not None else data.next()
+        x, y = planted.batch(data, planted.step) if planted is not None else data.next()
 
         def closure():
             _, loss = model(x, y)
@@ -264,7 +269,8 @@ def main(argv=None) -> None:
             ok = blamed == [fault.site]
         else:
             ok = not blamed
-        rows.append((fault, first, blamed, ok, replays, replay_s, sum(1 for _, _, n in times if n)))
+        first_skip = min((e.step for e in ev if e.kind == EventKind.SKIP_STEP), default=None)
+        rows.append((fault, first, blamed, ok, replays, replay_s, sum(1 for _, _, n in times if n), first_skip))
         print(f"| {i} | {fault.kind} | {fault.seed} | {fault.site or '-'} | {first if first is not None else '-'} | "
               f"{', '.join(blamed) or '-'} | {', '.join(actions) or '-'} | {replays} | {replay_s:.2f} |", flush=True)
     prec = [r for r in rows if r[0].precision]
@@ -273,9 +279,10 @@ def main(argv=None) -> None:
     print()
     print(f"precision faults attributed to exactly the planted site: {sum(r[3] for r in prec)}/{len(prec)}")
     print(f"other faults that demoted a site: {sum(not r[3] for r in other)}/{len(other)}")
-    on_time = [r for r in rows if r[1] is not None and r[1] <= FAULT_AT + (1 if r[0].kind == 'lr_spike' else 0)]
-    print(f"faults acted on at the step they show (the fault's step; the step after for lr_spike): "
-          f"{len(on_time)}/{len(rows)}")
+    anomalous = [r for r in rows if r[7] is not None]
+    on_time = [r for r in anomalous if r[7] <= FAULT_AT + (1 if r[0].kind == "lr_spike" else 0)]
+    print(f"faults that made a step anomalous: {len(anomalous)}/{len(rows)}; acted on at the step the anomaly "
+          f"showed (the fault's first step; the one after for lr_spike): {len(on_time)}/{len(anomalous)}")
     if anomalies:
         print(f"replays: {sum(r[4] for r in rows)} over {anomalies} replayed steps "
               f"({sum(r[4] for r in rows) / anomalies:.1f} per anomaly), "
