@@ -16,10 +16,15 @@ All four run the one loop of `lowprec.runtime.loop` with rewinds to in-memory sn
 (every 5 steps; each rank keeps its own shards or its own pipeline stage).
 
 Decisions: every rank's event log holds its reference's events (step, kind, sites,
-formats, stage, reason), in order: the promotion at step 9, the two skipped NaN steps and
-the fallback of exactly the injected site at step 13, the rollback of the attention stage
-at step 24 with a rewind to step 10, and its promotion again at step 29. In the pipeline the NaN site lives on stage 1 only, so stage 0 decides on
-statistics it gets through the monitor's all-gather.
+formats, stage, reason), in order: the promotion at step 9; at step 12, the NaN step
+replayed five times with sets of sites in high precision (all of them, the newest stage,
+the MLPs, then halves) and the fallback of exactly the injected site, the step skipped;
+at steps 20 and 21 the learning-rate spike's loss spike, replayed once each with every
+site in high precision, still there: not precision's, nothing demoted, step 20 skipped
+and step 21 rewinding to the snapshot before the spike. Every rank replays the same sets
+(the replays' losses and grad norms are the global ones). In the pipeline the NaN site
+lives on stage 1 only, so stage 0 replays through the pipeline and decides on the loss
+the last stage broadcasts.
 
 Losses, and why these bounds:
 
@@ -141,9 +146,11 @@ def test_the_single_process_run_decides_something(runs):
     name = "single"
     events = [json.loads(line) for line in runs[name]["logs"][0].splitlines()]
     kinds = [(e["step"], e["kind"]) for e in events]
-    assert kinds == [(9, "promote"), (12, "skip_step"), (13, "skip_step"), (13, "fallback"),
-                     (24, "rollback"), (24, "rewind"), (29, "promote")], kinds
-    assert events[3]["sites"] == [SITE] and events[3]["to_format"] == {SITE: "bf16"}
+    assert kinds == [(9, "promote"), *[(12, "replay")] * 5, (12, "fallback"), (12, "skip_step"),
+                     (20, "replay"), (20, "skip_step"), (21, "replay"), (21, "skip_step"), (21, "rewind")], kinds
+    fallback = events[6]
+    assert fallback["sites"] == [SITE] and fallback["to_format"] == {SITE: "bf16"}
+    assert [e["sites"] for e in events[1:6] if not e["evidence"]["anomalous"]][-1] == [SITE]
     assert len(runs[name]["losses"]) == 30
 
 
