@@ -387,32 +387,53 @@ def _core(x2: torch.Tensor, spec: QuantSpec, block, amax_t, scale_t, noise, want
 def _stats(xb, fin, ax, av, qa, scale, scale_inv, amax, spec: QuantSpec) -> torch.Tensor:
     """The packed QuantStats, from magnitudes: ax = |x|, av = |x * scale|, qa = |q|, all 0
     where x is not finite (so nothing here needs the finite mask but the non-finite count).
+    Overwrites ax, av and qa, which the caller no longer needs.
 
-    Float arithmetic instead of boolean masks where it can (on CPU a comparison, a `where`
-    or a float-times-mask costs several float passes). Since q has x's sign, |x - dq| =
-    | |x| - |dq| |; sign(qa) is 1 where q != 0 and 0 where q == 0 (qa >= 0), and q != 0
-    implies x != 0, so (sign(qa) - 1) * |x| is -|x| exactly where a non-zero x became 0.
+    On a check step the statistics cost about as much as the quantization itself, so they
+    take float passes in place on those three buffers (on CPU a new large tensor, a
+    boolean mask or a `where` costs several passes):
+
+    * q has x's sign, so |x - dq| = | |x| - |dq| |;
+    * sign(qa) is 1 where q != 0 and 0 where q == 0, and q != 0 implies x != 0, so
+      (sign(qa) - 1) * |x| is -|x| exactly where a non-zero x was flushed to zero;
+    * sums of squares of magnitudes divided by e = 2**floor(log2 amax) (exact): they are
+      below 2, so their FP32 squares do not overflow, and what flushes in a square is
+      below 2**-150 of amax**2, a share of the signal power no statistic can show; the
+      sums are scaled back in FP64 (an FP32 square of |x| itself overflows above ~1.8e19
+      and flushes below ~1e-23). The counts come from the unscaled values.
     """
-    err = _dequant_blocks(qa, scale, scale_inv, spec).sub_(ax)    # |dq| - |x|
-    flushed = torch.sign(qa).sub_(1.0).mul_(ax)                   # -|x| where flushed to 0, else 0
     n = xb.numel()
-    return torch.stack([
-        amax.double(),
-        # av is 0 where x is not finite, and 0 never saturates
-        _saturated(av, spec.element).count_nonzero().double(),
-        # a sum of -1s and 0s: exact in FP32 while the count is below 2**24
-        flushed.sign().sum().double().neg(),
-        _sum_squares(err),
-        _sum_squares(ax),
-        (n - fin.count_nonzero()).double(),
-        torch.full((), float(n), dtype=torch.float64, device=xb.device),
-        _sum_squares(flushed),
-    ])
+    saturated = _saturated(av, spec.element).count_nonzero()     # av is 0 where x is not finite
+    nonfinite = n - fin.count_nonzero()
+    e = (amax.clamp(min=2.0 ** -126).view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**floor(log2 amax)
+    flushed = torch.sign(qa, out=av).sub_(1.0).mul_(ax)           # -|x| where flushed, else 0
+    err = _dequant_blocks_(qa, scale, scale_inv, spec).sub_(ax).div_(e)   # (|dq| - |x|) / e
+    sq_error = _sum_squares(err)
+    underflow = torch.sign(flushed, out=err).sum().neg()   # -1s and 0s: exact below 2**24 values
+    power = _sum_squares(ax.div_(e))                                # |x| / e is in [0, 2)
+    energy = _sum_squares(flushed.div_(e))
+    sq_error, power, energy = torch.stack([sq_error, power, energy]) * e.double().square()
+    saturated, nonfinite = torch.stack([saturated, nonfinite]).double()
+    numel = torch.full((), float(n), dtype=torch.float64, device=xb.device)
+    return torch.stack([amax.double(), saturated, underflow.double(), sq_error, power, nonfinite, numel, energy])
 
 
 def _sum_squares(t: torch.Tensor) -> torch.Tensor:
-    """sum(t**2) in FP64: FP32 squares overflow above ~1.8e19 and flush to 0 below ~1e-23."""
-    return torch.linalg.vector_norm(t, dtype=torch.float64).square()
+    """sum(t**2) as FP64; overwrites t. Eager: squared in place and summed in FP32 by
+    `sum`'s cascade summation, accurate to a few FP32 ulps (an FP64 sum first copies the
+    tensor to FP64; the FP32 `vector_norm` adds small terms to large ones in one running
+    sum per lane and loses them: 2e-5 of a sum of 7 large and 65,000 small squares).
+    Compiled: accumulated in FP64, which the fused loop does in registers at no cost."""
+    if torch.compiler.is_compiling():
+        return torch.linalg.vector_norm(t, dtype=torch.float64).square()
+    return t.square_().sum().double()
+
+
+def _dequant_blocks_(vb, scale, scale_inv, spec: QuantSpec):
+    """_dequant_blocks in place on vb."""
+    if spec.scale_encoding is ScaleEncoding.E4M3_FP32:
+        return vb.mul_(scale_inv)
+    return vb.div_(scale)
 
 
 @functools.lru_cache(maxsize=None)
