@@ -4,7 +4,10 @@ The small GPT with every block's linear layers in FP8 (emulated) trains on Shake
 twice, alternating in chunks so that machine noise hits both alike: once plain (no
 statistics, no monitor), once with a Session at the given `check_every`
 (statistics on check steps, the per-step NaN guard, one collective and one host read
-per check). Prints the mean time per step of each and the overhead.
+per check). Prints the mean time per step of each and the overhead, in wall-clock time
+and in this process's CPU time (all threads): on a shared machine the CPU time is the
+steadier of the two, since other jobs' load stretches wall-clock time but not the work
+done here.
 
     python -m experiments.bench_monitor --steps 200 --check-every 10
 """
@@ -45,8 +48,9 @@ def build(check_every: int, monitored: bool, args):
     return model, opt, session
 
 
-def run(model, opt, session, data, start: int, n: int) -> float:
-    t0 = time.perf_counter()
+def run(model, opt, session, data, start: int, n: int) -> tuple[float, float]:
+    """(wall-clock seconds, CPU seconds of this process) for steps start .. start + n - 1."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for step in range(start, start + n):
         x, y = data.batch(step)
 
@@ -61,7 +65,7 @@ def run(model, opt, session, data, start: int, n: int) -> float:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def main(argv=None) -> None:
@@ -80,18 +84,21 @@ def main(argv=None) -> None:
     mon = build(args.check_every, True, args)
     for m in (plain, mon):  # warm-up (and compile, when fused)
         run(*m, data, 0, args.chunk)
-    t_plain = t_mon = 0.0
+    t_plain = t_mon = c_plain = c_mon = 0.0
     for start in range(args.chunk, args.chunk + args.steps, args.chunk):
-        t_plain += run(*plain, data, start, args.chunk)
-        t_mon += run(*mon, data, start, args.chunk)
+        t, c = run(*plain, data, start, args.chunk)
+        t_plain, c_plain = t_plain + t, c_plain + c
+        t, c = run(*mon, data, start, args.chunk)
+        t_mon, c_mon = t_mon + t, c_mon + c
     n = args.steps
     print(f"# {args.n_layer} layers, d_model {args.d_model}, {args.batch_size}x{args.block_size} tokens, "
           f"fp8_tensorwise emulated{' fused' if args.fused else ''}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {n} steps each, alternating chunks of {args.chunk}")
-    print("| variant | ms/step | ratio |")
-    print("|---|---|---|")
-    print(f"| no monitor | {t_plain / n * 1e3:.1f} | 1.000 |")
-    print(f"| monitor, check_every={args.check_every} | {t_mon / n * 1e3:.1f} | {t_mon / t_plain:.3f} |")
+    print("| variant | ms/step | ratio | CPU ms/step | CPU ratio |")
+    print("|---|---|---|---|---|")
+    print(f"| no monitor | {t_plain / n * 1e3:.1f} | 1.000 | {c_plain / n * 1e3:.1f} | 1.000 |")
+    print(f"| monitor, check_every={args.check_every} | {t_mon / n * 1e3:.1f} | {t_mon / t_plain:.3f} | "
+          f"{c_mon / n * 1e3:.1f} | {c_mon / c_plain:.3f} |")
 
 
 if __name__ == "__main__":
