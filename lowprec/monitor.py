@@ -133,11 +133,14 @@ class Monitor:
         self._forced: int | None = None   # a step that must collect statistics and check
         self._collecting = False
         # each site's output: only whether it is finite (the origin of a NaN is the first
-        # site, in forward order, whose inputs are finite and whose output is not)
+        # site, in forward order, whose inputs are finite and whose output is not). Only
+        # where the check's statistics must find it: a session that replays anomalous steps
+        # finds the origin by replay and turns this off (`count_outputs`)
+        self.count_outputs = True
         self._hooks = [s.module.register_forward_hook(self._output_hook) for s in state.sites.values()]
 
     def _output_hook(self, module, args, output) -> None:
-        if not self._collecting or not isinstance(output, torch.Tensor):
+        if not (self._collecting and self.count_outputs) or not isinstance(output, torch.Tensor):
             return
         out = output.to_local() if hasattr(output, "to_local") else output
         # x * 0 is 0 for a finite x and NaN for NaN and +-Inf: one float pass and one count

@@ -233,6 +233,10 @@ class Session:
         the loss (for replays; without it an anomaly waits for the next check).
         grad_norm: the global grad norm when the caller clipped already."""
         s = self.step_index
+        if self.monitor is not None:
+            # with a closure an anomalous step is replayed, which finds a NaN's origin: the
+            # monitor need not count non-finite outputs on the next check steps
+            self.monitor.count_outputs = closure is None or self.replayer is None
         if grad_norm is None:
             grad_norm = self.clip()
         result = StepResult(s, Decision(), loss.detach(), grad_norm)

@@ -170,6 +170,11 @@ def test_a_nan_in_one_sites_output_is_counted_for_that_site():
     assert sig.sites["0"].nonfinite["output"] == 0
     assert sig.nonfinite                                  # the loss is NaN too
 
+    mon.count_outputs = False   # a session that replays: no output pass on check steps
+    train_step(mon, model, 1, inputs())
+    sig = mon.check(1)
+    assert all("output" not in s.nonfinite for s in sig.sites.values()) and sig.nonfinite
+
 
 # ------------------------------------------------------------------ sites this rank lacks
 class FakeGroup:
