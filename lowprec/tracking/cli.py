@@ -146,7 +146,9 @@ def _serve(cmd: list[str], env: dict) -> int:
     def stop(signum, frame):
         raise _Stop()
 
-    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # SIGINT too, explicitly: a process started in the background of a non-interactive shell
+    # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it
+    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     proc = None
     try:
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
