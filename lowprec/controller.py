@@ -13,8 +13,9 @@ An anomalous step is never applied, and it is decided at its own step. With the 
 of `lowprec.attribution` (the session replays the step with sites in high precision):
 the sites whose precision caused it fall back one rung each, nothing else moves; when
 the anomaly persists with every site in high precision, precision is not to blame and
-nothing is demoted (the step is skipped; a loss anomaly on `persist_steps` steps in a row
-rewinds, or, with rewind off, is accepted as the new level). Without replays (no
+nothing is demoted (the step is skipped; an anomaly on `persist_steps` steps in a row
+rewinds when the loss is off and rewind is on, and is otherwise accepted as the new level:
+a grad norm that stays higher is not skipped forever). Without replays (no
 closure), the anomaly is handed to the next check's rules.
 
 The rules below, applied at each check (`observe`) in this order, decide what to change
@@ -247,21 +248,24 @@ class RolloutController:
         d.events.append(Event(step, EventKind.SKIP_STEP, (), {}, {}, (
             f"{a.names} persists with every site in high precision: not precision, nothing demoted"),
             {**evidence, "streak": self.streak}))
-        if not a.loss_is_off or self.streak < self.config.persist_steps:
+        if self.streak < self.config.persist_steps:
             return
         self.streak = 0
-        if self.config.rewind:
+        if a.loss_is_off and self.config.rewind:
             # the first anomalous step of the streak saw weights the step before it wrote
             d.action, d.skip_batches = Action.REWIND, self.config.rewind_skip_batches
             d.rewind_before = step - self.config.persist_steps
             d.events.append(Event(step, EventKind.REWIND, (), {}, {}, (
                 f"rewind: {a.names} for {self.config.persist_steps} steps in a row, not precision's"),
                 {"skip_batches": d.skip_batches, **a.to_evidence()}))
-        elif not a.nonfinite:   # nothing to go back to: the new level becomes the normal one
+        elif not a.nonfinite:
+            # the gradients alone (the loss is fine), or nothing to go back to: skipping more
+            # steps would stop training; the new level becomes the normal one
             d.action = Action.CONTINUE
             self.detectors.accept_level()
+            why = "rewind is off" if a.loss_is_off else "the loss is not off"
             d.events.append(Event(step, EventKind.ACCEPT, (), {}, {}, (
-                f"{a.names} for {self.config.persist_steps} steps in a row and rewind is off: "
+                f"{a.names} for {self.config.persist_steps} steps in a row and {why}: "
                 "the step is applied and the detectors start over"), a.to_evidence()))
 
     def observe(self, step: int, signals: Signals) -> Decision:

@@ -112,8 +112,11 @@ def test_not_precision_demotes_nothing_and_a_persistent_loss_anomaly_rewinds():
     assert d2.action is Action.REWIND and d2.skip_batches == 3 and not d2.changes
     d3 = ctl.observe_step(40, anomaly(40), None, none)            # a lone one later: a skip again
     assert d3.action is Action.SKIP_STEP
-    grads_only = Anomaly(41, (AnomalyKind.GRAD_NORM_SPIKE,), 2.0, 50.0, {})
-    assert ctl.observe_step(41, grads_only, None, none).action is Action.SKIP_STEP   # a gradient fault: no rewind
+    grads = Anomaly(50, (AnomalyKind.GRAD_NORM_SPIKE,), 2.0, 50.0, {})
+    assert ctl.observe_step(50, grads, None, none).action is Action.SKIP_STEP      # one bad batch: a skip
+    again = ctl.observe_step(51, Anomaly(51, grads.kinds, 2.0, 50.0, {}), None, none)
+    assert again.action is Action.CONTINUE and again.events[-1].kind == EventKind.ACCEPT   # a new level: no rewind,
+    assert ctl.detectors.grad_spike.values == type(ctl.detectors.grad_spike.values)()    # and not skipped forever
 
 
 def test_a_persistent_anomaly_without_rewind_is_accepted_as_the_new_level():
