@@ -72,7 +72,7 @@ class AttributionConfig:
 
     replay: bool = True          # replay anomalous steps (needs the loop's closure)
     max_replays: int = 8         # replays per anomalous step, at most
-    persist_steps: int = 2       # anomalous loss this many steps in a row (not precision's): rewind
+    persist_steps: int = 2       # anomalous this many steps in a row (not precision's): rewind or accept
 
     def __post_init__(self) -> None:
         for name in ("max_replays", "persist_steps"):
