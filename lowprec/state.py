@@ -115,6 +115,26 @@ class PrecisionState:
                 module.set_format(f)
                 module.histories = histories
 
+    def scaling_state(self) -> dict:
+        """What a forward and backward change in the sites besides their statistics: the
+        delayed-scaling amax histories and the stochastic-rounding generators (copies, small:
+        no parameters). `load_scaling_state` puts them back, so that the same step can run
+        again from the same scales and random draws (replays, the LR probe)."""
+        return {fqn: ({k: h.state_dict() for k, h in getattr(s.module, "histories", {}).items()},
+                      s.module.generator.get_state() if hasattr(s.module, "generator") else None)
+                for fqn, s in self.sites.items()}
+
+    def load_scaling_state(self, saved: dict) -> None:
+        """Put back a `scaling_state()`; a site now in a format without a history (switched
+        to high precision meanwhile) keeps none."""
+        for fqn, (histories, generator) in saved.items():
+            m = self.sites[fqn].module
+            for k, h in histories.items():
+                if k in m.histories:
+                    m.histories[k].load_state_dict(h)
+            if generator is not None:
+                m.generator.set_state(generator)
+
     def collect_stats(self, enabled: bool) -> None:
         for s in self.sites.values():
             s.module.collect_stats = enabled

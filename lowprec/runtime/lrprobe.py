@@ -82,20 +82,15 @@ class _Saved:
         self.opt_state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                           for p, s in optimizer.state.items()}
         self.rng = rng_state()
-        self.sites = {}
-        for fqn, site in (state.sites.items() if state is not None else ()):
-            m = site.module
-            self.sites[fqn] = (m.collect_stats, dict(m.stats),
-                               {k: h.state_dict() for k, h in m.histories.items()}, m.generator.get_state())
+        self.scaling = state.scaling_state() if state is not None else {}
+        self.sites = {fqn: (site.module.collect_stats, dict(site.module.stats))
+                      for fqn, site in (state.sites.items() if state is not None else ())}
 
     def precision_and_rng(self) -> None:
         """Put back the RNG states and the sites' histories and generators (before each evaluation)."""
         restore_rng_state(self.rng)
-        for fqn, (_, _, hist, gen) in self.sites.items():
-            m = self.state.sites[fqn].module
-            for k, h in hist.items():
-                m.histories[k].load_state_dict(h)
-            m.generator.set_state(gen)
+        if self.state is not None:
+            self.state.load_scaling_state(self.scaling)
 
     @torch.no_grad()
     def weights_and_optimizer(self) -> None:
@@ -124,7 +119,7 @@ class _Saved:
         self.precision_and_rng()
         for p, g in zip(self.params, self.grads):
             p.grad = g
-        for fqn, (collect, stats, _, _) in self.sites.items():
+        for fqn, (collect, stats) in self.sites.items():
             m = self.state.sites[fqn].module
             m.collect_stats, m.stats = collect, stats
 

@@ -71,22 +71,11 @@ class StepReplayer:
             self._hook = None
 
     def _capture(self) -> dict:
-        sites = {}
-        for fqn, site in self.state.sites.items():
-            m = site.module
-            sites[fqn] = ({k: h.state_dict() for k, h in getattr(m, "histories", {}).items()},
-                          m.generator.get_state() if hasattr(m, "generator") else None)
-        return {"rng": _rng(), "sites": sites}
+        return {"rng": _rng(), "scaling": self.state.scaling_state()}
 
     def _restore(self, snap: dict) -> None:
         _set_rng(snap["rng"])
-        for fqn, (histories, gen) in snap["sites"].items():
-            m = self.state.sites[fqn].module
-            for k, h in histories.items():
-                if k in m.histories:
-                    m.histories[k].load_state_dict(h)
-            if gen is not None:
-                m.generator.set_state(gen)
+        self.state.load_scaling_state(snap["scaling"])
 
     def begin_step(self) -> None:
         """Keep the step-start state (call before the step's forward)."""
