@@ -71,31 +71,40 @@ def _assert_equal(a, b, where=""):
         assert a == b, where
 
 
-def test_user_loop_rewinds_to_the_snapshot_bit_for_bit(tmp_path):
+def _user_loop(tmp_path, iterations: int, spike_steps: int, closure: bool, **session_kwargs):
+    """The user's loop: nothing but forward, backward and session.step (with the step's
+    closure or without), a loss spike x1000 from iteration 27 for `spike_steps` iterations.
+    Returns the session, the results, the test's own copies of model, optimizer and
+    scheduler at every snapshot step, and (step, step rewound to, state after) per rewind."""
     (tmp_path / "lowprec.yaml").write_text(CONFIG)
     model = _llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 5))
-    session = Session.from_yaml(tmp_path / "lowprec.yaml", model, opt, scheduler=sched,
-                                event_log=tmp_path / "events.jsonl")
-    faults = Faults(model, [Injection(FaultKind.LOSS_SPIKE, start=27, stop=28, factor=1000.0)])
+    session = Session.from_yaml(tmp_path / "lowprec.yaml", model, opt, scheduler=sched, **session_kwargs)
+    faults = Faults(model, [Injection(FaultKind.LOSS_SPIKE, start=27, stop=27 + spike_steps, factor=1000.0)])
     gen = torch.Generator().manual_seed(1)
-    taken: dict[int, dict] = {}          # the test's own copies, at every snapshot step
-    rewinds = []
-
-    # ---- the user's loop: nothing but forward, backward and session.step
-    for iteration in range(45):
+    taken: dict[int, dict] = {}
+    results, rewinds = [], []
+    for iteration in range(iterations):
         if session.step_index % 5 == 0:
             taken[session.step_index] = _state(model, opt, sched)
         faults.tick(iteration)
         ids = torch.randint(0, 96, (4, 16), generator=gen)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        result = session.step(loss)
+
+        def step_closure():
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            return loss
+        result = session.step(step_closure(), step_closure if closure else None)
+        results.append(result)
         if result.rewound_to is not None:
             rewinds.append((result.step, result.rewound_to, _state(model, opt, sched)))
-    # ----
+    return session, results, taken, rewinds
 
+
+def test_user_loop_rewinds_to_the_snapshot_bit_for_bit(tmp_path):
+    session, _, taken, rewinds = _user_loop(tmp_path, 45, spike_steps=1, closure=False,
+                                            event_log=tmp_path / "events.jsonl")
     kinds = [e.kind for e in session.events]
     assert "promote" in kinds and "rollback" in kinds and "rewind" in kinds, kinds
     assert len(rewinds) == 1
@@ -105,42 +114,21 @@ def test_user_loop_rewinds_to_the_snapshot_bit_for_bit(tmp_path):
     # after the rollback every site is back in bf16, and training went on from there
     assert set(session.state.formats().values()) == {"bf16"}
     assert session.step_index == 45 - (at + 1 - back)
-    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.isfinite(p).all() for p in session.model.parameters())
 
 
 def test_user_loop_with_a_closure_demotes_nothing_for_a_data_fault_and_rewinds_before_it(tmp_path):
-    (tmp_path / "lowprec.yaml").write_text(CONFIG)
-    model = _llama()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 5))
-    session = Session.from_yaml(tmp_path / "lowprec.yaml", model, opt, scheduler=sched)
-    faults = Faults(model, [Injection(FaultKind.LOSS_SPIKE, start=27, stop=29, factor=1000.0)])
-    gen = torch.Generator().manual_seed(1)
-    taken: dict[int, dict] = {}
-    results = []
-    for iteration in range(40):
-        if session.step_index % 5 == 0:
-            taken[session.step_index] = _state(model, opt, sched)
-        faults.tick(iteration)
-        ids = torch.randint(0, 96, (4, 16), generator=gen)
-
-        def closure():
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            return loss
-        result = session.step(closure(), closure)
-        results.append(result)
-        if result.rewound_to is not None:
-            after = _state(model, opt, sched)
+    session, results, taken, rewinds = _user_loop(tmp_path, 40, spike_steps=2, closure=True)
     kinds = [e.kind for e in session.events]
     assert "promote" in kinds and "rollback" not in kinds and "fallback" not in kinds, kinds
     first, second = results[27], results[28]
     assert first.action == "skip_step" and not first.attribution.precision_to_blame
     assert len(first.attribution.replays) == 1          # one replay, every low-precision site in bf16
     assert second.action == "rewind" and second.rewound_to == 25   # the snapshot before the spike began (27)
-    _assert_equal(taken[25], after, "state after the rewind")
+    assert len(rewinds) == 1
+    _assert_equal(taken[25], rewinds[0][2], "state after the rewind")
     assert "fp8_tensorwise" in session.state.formats().values()   # the promoted stage stays
-    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.isfinite(p).all() for p in session.model.parameters())
 
 
 def test_skip_step_leaves_adamw_untouched():
