@@ -54,9 +54,10 @@ class StepReplayer:
 
     def attach(self, model: torch.nn.Module) -> None:
         """Take the step-start state when the step's first forward begins (after the loop drew
-        its batch, which may itself use the RNG): a pre-hook on `model`, armed by `arm()`."""
+        its batch, which may itself use the RNG): a pre-hook on `model`, armed by `arm()`;
+        forwards without autograd (evaluations between steps) do not count."""
         def pre(module, args):
-            if self._armed:
+            if self._armed and torch.is_grad_enabled():   # an evaluation's forward is not the step's
                 self._armed = False
                 self.begin_step()
         self._hook = model.register_forward_pre_hook(pre)

@@ -24,6 +24,11 @@ RNG go back to a snapshot (`lowprec.runtime.snapshots`), the data simply goes on
 batches in between are skipped, and `skip_batches` more when the data source can skip).
 The loop has no rewind code: it reads `session.step_index` if it counts steps.
 
+A loop that steps the optimizer itself (a framework's: `lowprec.integrations`) uses the
+two halves of `step`: `decide(loss, closure)` before its optimizer step (then
+`withhold_gradients()` unless the decision is CONTINUE) and `finish(result)` after its
+optimizer and scheduler stepped.
+
 With `rollout.lr_probe` on (or an `lr_probe=` given), every `every_checks`-th check step
 starts with the learning-rate probe (`lowprec.runtime.lrprobe`: a virtual step at lr x2
 and x0.5 on a held batch, everything restored), before the step's batch; its sensitivity
@@ -232,6 +237,25 @@ class Session:
         closure: runs this step's forward and backward again on the same batch and returns
         the loss (for replays; without it an anomaly waits for the next check).
         grad_norm: the global grad norm when the caller clipped already."""
+        result = self.decide(loss, closure, grad_norm=grad_norm)
+        if result.decision.action is Action.REWIND and self._rewind(result):
+            self.optimizer.zero_grad(set_to_none=True)
+            return result
+        if result.decision.action is Action.CONTINUE:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self._next(result)
+        return result
+
+    # ---- the same step in two halves, for a loop that steps the optimizer itself (a framework's)
+    def decide(self, loss: torch.Tensor, closure: Callable[[], torch.Tensor] | None = None, *,
+               grad_norm: torch.Tensor | None = None) -> StepResult:
+        """The first half of `step`: clip, measure, replay, decide and apply format changes;
+        nothing is stepped. `result.decision.action` is CONTINUE when the optimizer may step;
+        otherwise the caller must keep the gradients from it (`withhold_gradients`). Then the
+        caller's loop steps the optimizer and the scheduler, and calls `finish(result)`."""
         s = self.step_index
         if self.monitor is not None:
             # with a closure an anomalous step is replayed, which finds a NaN's origin: the
@@ -240,28 +264,49 @@ class Session:
         if grad_norm is None:
             grad_norm = self.clip()
         result = StepResult(s, Decision(), loss.detach(), grad_norm)
-        decision = result.decision = self._decide(s, loss, grad_norm, closure, result)
-        if decision.action is Action.REWIND and self.snapshots is not None:
-            back = self.snapshots.restore(s, decision.skip_batches, before=decision.rewind_before)
-            if back is not None:
-                self.optimizer.zero_grad(set_to_none=True)
-                self.rewinds += 1
-                self.step_index = result.rewound_to = back
-                self._prepare(back)
-                return result
-        if decision.action is Action.CONTINUE:
-            self.optimizer.step()
+        result.decision = self._decide(s, loss, grad_norm, closure, result)
+        return result
+
+    def withhold_gradients(self) -> None:
+        """Set every gradient of the model to None, so that the optimizer step that follows
+        changes nothing: every torch.optim optimizer leaves a parameter without a gradient
+        untouched (its moments and step count too)."""
+        for p in self.model.parameters():
+            p.grad = None
+
+    def finish(self, result: StepResult) -> StepResult:
+        """The second half of `step`, after the caller's loop stepped the optimizer (with the
+        gradients withheld unless `decide` said CONTINUE) and the scheduler: rewinds (model,
+        optimizer, scheduler and RNG from the snapshot, undoing that scheduler step) or goes
+        on to the next step."""
+        if result.decision.action is Action.REWIND and self._rewind(result):
+            return result
+        self._next(result)
+        return result
+
+    def _rewind(self, result: StepResult) -> bool:
+        """Go back to a snapshot as `result.decision` says; False when there is none to go to."""
+        if self.snapshots is None:
+            return False
+        d = result.decision
+        back = self.snapshots.restore(result.step, d.skip_batches, before=d.rewind_before)
+        if back is None:
+            return False
+        self.rewinds += 1
+        self.step_index = result.rewound_to = back
+        self._prepare(back)
+        return True
+
+    def _next(self, result: StepResult) -> None:
+        if result.decision.action is Action.CONTINUE:
             result.applied = True
-        else:   # skip_step, or a rewind with nothing to go back to: the weights never see it
+        else:   # skip_step, or a rewind with nothing to go back to: the weights never saw it
             self.skipped += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
-            self.scheduler.step()
+        s = result.step
         self.step_index = s + 1
         if self.snapshots is not None:
             self.snapshots.after_step(s + 1)
         self._prepare(s + 1)
-        return result
 
     def is_check_step(self, step: int) -> bool:
         return self.monitor is not None and self.monitor.is_check_step(step)

@@ -1,0 +1,252 @@
+"""The rollout inside a loop that another framework steps: what every integration shares.
+
+    hosted = HostedRollout.from_yaml("lowprec.yaml", model)     # prepares the model now
+    hosted.start(optimizer, scheduler, eval_forward=..., tracking=Attach(run_id, uri))   # when training begins
+    # each optimizer step, after backward and before the framework's optimizer.step():
+    hosted.before_optimizer_step(loss, closure)   # decide; a skip or rewind withholds the gradients
+    # after the framework stepped the optimizer and the scheduler:
+    hosted.after_optimizer_step()                 # rewind or go on; track; eval checkpoints
+    hosted.end()                                  # final eval, tracking finished
+
+A framework owns the optimizer step, so lowprec's `Session` is used in its two halves
+(`Session.decide` / `Session.finish`). A skipped step reaches the framework's optimizer
+with every gradient set to None: torch.optim optimizers then change nothing (AdamW's moments
+and step count stay as they were); the framework still steps its scheduler, as lowprec's own
+loop does on a skip. A rewind is a skip whose `finish` then puts model, optimizer, scheduler
+and RNG back as the snapshot has them; the framework's data simply goes on.
+
+The config file is a `lowprec run` config without `model:`, `data:` and `train:` (the
+framework owns those): `precision:` (required), `rollout:`, `eval:` and `tracking:`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lowprec.config import EvalConfig, TrackingConfig, _resolve_gates
+from lowprec.configparse import ConfigError, check_keys, found, parse, to_data
+from lowprec.decisions import Action
+from lowprec.plan import PrecisionPlan
+from lowprec.rollout import RolloutConfig, parse_rollout
+from lowprec.runtime.session import Session, StepResult, _read_yaml, rollout_settings
+
+__all__ = ["HostedConfig", "HostedRollout", "Attach", "allreduce_grads"]
+
+SECTIONS = ("precision", "rollout", "eval", "tracking")
+_FRAMEWORK_OWNS = ("model", "data", "train")
+
+
+@dataclass(frozen=True)
+class HostedConfig:
+    """The sections of a config that a framework's loop does not own (see the module docstring)."""
+    precision: PrecisionPlan
+    rollout: RolloutConfig | None = None
+    eval: EvalConfig | None = None
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    source: str = field(default="<dict>", compare=False)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "HostedConfig":
+        return cls.from_dict(_read_yaml(path), source=str(path))
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "<dict>") -> "HostedConfig":
+        if not isinstance(d, dict):
+            raise ConfigError(source, f"expected a mapping with sections {', '.join(SECTIONS)}, found {found(d)}")
+        owned = [k for k in _FRAMEWORK_OWNS if k in d]
+        if owned:
+            raise ConfigError(owned[0], (
+                f"{source} has a `{owned[0]}:` section; under a framework's trainer the model, the data and the "
+                f"training settings are the framework's: keep only {', '.join(SECTIONS)} in this file "
+                f"(`lowprec run` configs hold the others)"))
+        check_keys(d, list(SECTIONS), "")
+        if d.get("precision") is None:
+            raise ConfigError("precision", f"{source} has no `precision:` section; the integrations need one "
+                                           f"(and optionally rollout:, eval:, tracking:), see docs/config.md")
+        base = Path(source).resolve().parent if source != "<dict>" and Path(source).is_file() else None
+        ev = parse(EvalConfig, d["eval"], "eval") if d.get("eval") is not None else None
+        rollout = parse_rollout(d["rollout"], "rollout") if d.get("rollout") is not None else None
+        if rollout is not None and rollout.lr_probe.enabled:
+            raise ConfigError("rollout.lr_probe.enabled", (
+                "is true; the learning-rate probe needs a batch that training never draws, which a framework's "
+                "data loader does not give lowprec: set lr_probe.enabled: false under a framework's trainer "
+                "(use lowprec's Session or `lowprec run` for the probe)"))
+        return cls(precision=PrecisionPlan.from_dict(d["precision"], "precision"), rollout=rollout,
+                   eval=_resolve_gates(ev, base) if ev is not None else None,
+                   tracking=(parse(TrackingConfig, d["tracking"], "tracking") if d.get("tracking") is not None
+                             else TrackingConfig()), source=source)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: to_data(v) for k in SECTIONS if (v := getattr(self, k)) is not None}
+
+
+@dataclass(frozen=True)
+class Attach:
+    """Track into a run the framework's own MLflow reporting already opened (one run, not two)."""
+    run_id: str
+    tracking_uri: str
+
+
+def allreduce_grads(model: nn.Module, group=None) -> None:
+    """Average the gradients over the data-parallel ranks, as DDP does after backward: a
+    replay runs the unwrapped module, so DDP's own reduction does not happen."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    world = dist.get_world_size(group)
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(world)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class HostedRollout:
+    """lowprec's plan, session, evals and tracking inside a framework's training loop."""
+
+    def __init__(self, config: HostedConfig, model: nn.Module, *, seed: int = 0,
+                 baseline: dict[int, float] | None = None):
+        """Prepares `model` now (its planned Linear layers become PrecisionLinear holding the same
+        Parameters), so do this before the framework wraps the model or builds the optimizer.
+        baseline: the BF16 run's loss per step, for `rollout.thresholds.loss_gap`."""
+        from lowprec.state import prepare
+        self.config, self.model, self.baseline = config, model, baseline
+        self.state = prepare(model, config.precision, seed=seed)
+        self.session: Session | None = None
+        self.tracker = None
+        self.evals = None
+        self.losses: list[float] = []
+        self._pending: StepResult | None = None
+        self._ended = False
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, model: nn.Module, **kwargs) -> "HostedRollout":
+        return cls(HostedConfig.from_yaml(path), model, **kwargs)
+
+    @property
+    def step(self) -> int:
+        """lowprec's step: optimizer steps that count (a rewind takes it back; the framework's may not)."""
+        return self.session.step_index if self.session is not None else 0
+
+    # ------------------------------------------------------------------ start
+    def start(self, optimizer: torch.optim.Optimizer, scheduler=None, *, max_grad_norm: float | None = 1.0,
+              eval_forward: Callable[[torch.Tensor], torch.Tensor] | None = None, eval_tokenizer=None,
+              max_length: int = 256, run_name: str = "lowprec", buffer_root: str | Path = "lowprec-runs",
+              attach: Attach | None = None, group=None) -> Session:
+        """Build the controller, the session, the eval checkpoints and the tracker, when the
+        framework has built its optimizer and scheduler (the unwrapped torch objects).
+        eval_forward(tokens) -> logits: how `eval:` suites run the model (default: the model).
+        attach: the framework's open MLflow run to track into; None opens one (if `tracking.enabled`)."""
+        cfg = self.config
+        self.tracker = self._open_tracker(run_name, buffer_root, attach)
+        if cfg.eval is not None:
+            self.evals = self._eval_checkpoints(eval_forward, eval_tokenizer, max_length)
+        controller = None
+        if cfg.rollout is not None:
+            from lowprec.rollout import build_controller
+            controller = build_controller(cfg.rollout, self.state, self.model, baseline=self.baseline,
+                                          gate=self.evals.gate if self.evals is not None else None)
+        self.session = Session(self.model, optimizer, self.state, controller, scheduler=scheduler,
+                               max_grad_norm=max_grad_norm, group=group,
+                               on_events=self.tracker.log_events if self.tracker is not None else None,
+                               **rollout_settings(cfg.rollout))
+        if self.tracker is not None:
+            self.tracker.log_config(cfg.to_dict())
+            self.tracker.log_precision(0, self.state.formats(), self.state.flops_share())
+        return self.session
+
+    def _open_tracker(self, run_name: str, buffer_root: str | Path, attach: Attach | None):
+        tc = self.config.tracking
+        if not tc.enabled and attach is None:
+            return None
+        from lowprec.tracking.cli import default_tracking_uri
+        from lowprec.tracking.tracker import Tracker
+        uri = attach.tracking_uri if attach is not None else (tc.uri or default_tracking_uri())
+        name = tc.run_name or run_name
+        folder = Path(buffer_root) / (attach.run_id if attach is not None else f"{name}-{uuid.uuid4().hex[:8]}")
+        return Tracker(uri, tc.experiment, name, rank=_rank(), buffer_dir=folder,
+                       run_id=attach.run_id if attach is not None else None)
+
+    def _eval_checkpoints(self, forward, tokenizer, max_length: int):
+        from lowprec.runtime.evals import EVALUATORS, GATE_CHECKERS, EvalCheckpoints, load_entry_point
+        ev = self.config.eval
+        try:
+            ev_cls = load_entry_point(EVALUATORS, ev.evaluator)
+            evaluator = ev_cls(ev, self.model, max_length=max_length, forward=forward, tokenizer=tokenizer)
+            checker = load_entry_point(GATE_CHECKERS, "default")(ev.gates) if ev.gates else None
+            return EvalCheckpoints(ev, evaluator, checker, self.state, tracker=self.tracker)
+        except (LookupError, ValueError, KeyError, FileNotFoundError) as e:
+            raise ConfigError("eval", str(e).strip("'\"")) from None
+
+    # ------------------------------------------------------------------ each step
+    def before_optimizer_step(self, loss: torch.Tensor, closure: Callable[[], torch.Tensor] | None = None, *,
+                              grad_norm: torch.Tensor | None = None) -> StepResult:
+        """After backward, before the framework's optimizer step: clip, decide (replaying an
+        anomalous step through `closure`), and withhold the gradients unless the step is applied."""
+        result = self._pending = self.session.decide(loss, closure, grad_norm=grad_norm)
+        if result.decision.action is not Action.CONTINUE:
+            self.session.withhold_gradients()
+        return result
+
+    def after_optimizer_step(self) -> StepResult | None:
+        """After the framework's optimizer and scheduler step: rewind or go on, track, evaluate."""
+        result, self._pending = self._pending, None
+        if result is None:
+            return None   # the framework stepped without a backward lowprec saw
+        self.session.finish(result)
+        step = result.step
+        if result.rewound_to is not None:
+            self.losses = self.losses[:result.rewound_to]
+            if self.tracker is not None:
+                self.tracker.log_metrics(step, {"train/loss_rewound": float(result.loss),
+                                                "train/rewound_to": result.rewound_to})
+            return result
+        self.losses.append(float(result.loss))
+        self._track(result)
+        if self.evals is not None and self.evals.due(step + 1):
+            outcome = self.evals.evaluate(step + 1)
+            if outcome is not None and self.session.after_eval(step + 1, outcome).changes and self.tracker:
+                self.tracker.log_precision(step + 1, self.state.formats(), self.state.flops_share())
+            self.session.resume_statistics()
+        return result
+
+    def _track(self, result: StepResult) -> None:
+        t, s = self.tracker, self.session
+        if t is None:
+            return
+        lr = s.optimizer.param_groups[0]["lr"]
+        t.log_metrics(result.step, {"train/loss": float(result.loss), "train/grad_norm": float(result.grad_norm),
+                                    "train/lr": float(lr)})
+        checked = s.is_check_step(result.step)
+        if checked and s.last_signals is not None:
+            t.log_signals(result.step, s.last_signals)
+        if checked or result.decision.changes:
+            t.log_precision(result.step, self.state.formats(), self.state.flops_share())
+
+    # ------------------------------------------------------------------ the end
+    def end(self, status: str = "FINISHED") -> None:
+        """Final eval, the loss curve (for a later run's `rollout.baseline`), tracking finished."""
+        if self._ended:
+            return
+        self._ended = True
+        if self.evals is not None and status == "FINISHED":
+            self.evals.final(self.step)
+        if self.session is not None:
+            self.session.close()
+        if self.tracker is not None:
+            from lowprec.runtime.baseline import LOSSES_ARTIFACT
+            path = Path(self.tracker.run_dir) / "files" / LOSSES_ARTIFACT if self.tracker.enabled else None
+            if path is not None:
+                path.write_text(json.dumps(self.losses))
+                self.tracker.log_artifact(path)
+            self.tracker.finish(status)

@@ -1,0 +1,185 @@
+"""lowprec in the Hugging Face `Trainer`: one callback built from a YAML file.
+
+    from lowprec.integrations.hf import LowprecCallback
+    callback = LowprecCallback.from_yaml("lowprec.yaml", model)        # prepares the model: do it first
+    trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[callback])
+    trainer.train()
+
+What the callback does at the Trainer's events (the framework-neutral part is
+`lowprec.integrations.core.HostedRollout`):
+
+* `on_train_begin`: builds the session on the Trainer's optimizer and scheduler (unwrapped
+  from accelerate's wrappers) and takes over gradient clipping: the Trainer's
+  `max_grad_norm` is used by lowprec's clip, which must see the norm before clipping to
+  find grad-norm spikes (the Trainer's own clip is turned off for the run and restored at
+  the end). With the Trainer's MLflow reporting on (`report_to` includes "mlflow"), lowprec
+  tracks into the run the Trainer opened: one run, not two.
+* every micro-batch's forward: a forward hook keeps the model's inputs and its `loss`
+  (with the weight the Trainer's backward gave it, read by a gradient hook on the loss, so
+  gradient accumulation and `num_items_in_batch` are replayed exactly).
+* `on_pre_optimizer_step`: the step's loss and the closure that replays its micro-batches
+  go to the session; a skipped step reaches `optimizer.step()` with no gradients (AdamW's
+  moments and step count untouched).
+* `on_step_end` (the Trainer stepped the optimizer and the scheduler): a rewind restores
+  model, optimizer, scheduler and RNG; the Trainer's data goes on. Eval checkpoints of an
+  `eval:` section run here.
+* `on_train_end`: the final eval, the loss curve, the report pictures.
+
+What the Trainer does not allow: its `global_step` never goes back, so a rewind of N steps
+leaves the run N optimizer steps short of `max_steps` in lowprec's count (`callback.step`).
+The loss is read from the model's output (`outputs.loss`): a `compute_loss` that computes
+the loss outside the model (labels popped) cannot be replayed, and the callback says so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowprec.integrations.extras import require
+
+transformers = require("transformers", "hf", "Hugging Face transformers (and accelerate)")
+
+from lowprec.integrations.core import Attach, HostedConfig, HostedRollout, allreduce_grads  # noqa: E402
+
+__all__ = ["LowprecCallback"]
+
+
+def _loss_of(output: Any) -> torch.Tensor | None:
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def _unwrap(obj):
+    """The torch optimizer / scheduler inside accelerate's wrappers."""
+    for attr in ("optimizer", "scheduler"):
+        inner = getattr(obj, attr, None)
+        if inner is not None and type(obj).__module__.startswith("accelerate"):
+            return inner
+    return obj
+
+
+class _MicroBatch:
+    __slots__ = ("args", "kwargs", "loss", "weight")
+
+    def __init__(self, args, kwargs, loss):
+        self.args, self.kwargs, self.loss, self.weight = args, kwargs, loss, 1.0
+
+
+class LowprecCallback(transformers.TrainerCallback):
+    """Staged rollout, monitors, skips, rewinds, eval checkpoints and tracking in a `Trainer`."""
+
+    def __init__(self, config: HostedConfig | str | Path, model: nn.Module, *, seed: int = 0,
+                 baseline: dict[int, float] | None = None, eval_tokenizer=None, max_length: int | None = None):
+        """config: a HostedConfig or the path of its YAML file. model: the model the Trainer
+        will train, prepared here (before the Trainer wraps it). eval_tokenizer / max_length:
+        for an `eval:` suite (default: bytes, and the model's `max_position_embeddings`)."""
+        if not isinstance(config, HostedConfig):
+            config = HostedConfig.from_yaml(config)
+        self.model = model
+        self.hosted = HostedRollout(config, model, seed=seed, baseline=baseline)
+        self.eval_tokenizer = eval_tokenizer
+        self.max_length = max_length or getattr(getattr(model, "config", None), "max_position_embeddings", 256)
+        self._micro: list[_MicroBatch] = []
+        self._replaying = False
+        self._saved_max_grad_norm: float | None = None
+        self._hook = None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, model: nn.Module, **kwargs) -> "LowprecCallback":
+        return cls(HostedConfig.from_yaml(path), model, **kwargs)
+
+    @property
+    def state(self):
+        """The PrecisionState: `callback.state.formats()` is each layer's format now."""
+        return self.hosted.state
+
+    @property
+    def session(self):
+        return self.hosted.session
+
+    @property
+    def step(self) -> int:
+        return self.hosted.step
+
+    # ------------------------------------------------------------------ capture
+    def _keep_microbatch(self, module, args, kwargs, output) -> None:
+        if self._replaying or not module.training or not torch.is_grad_enabled():
+            return
+        loss = _loss_of(output)
+        mb = _MicroBatch(args, kwargs, loss)
+        if loss is not None and loss.requires_grad:
+            def weight(grad: torch.Tensor) -> None:
+                mb.weight = grad.detach()
+            loss.register_hook(weight)
+        self._micro.append(mb)
+
+    def _step_loss(self) -> torch.Tensor:
+        if not self._micro or any(m.loss is None for m in self._micro):
+            raise RuntimeError(
+                "LowprecCallback reads each micro-batch's loss from the model's output (`outputs.loss`), and the "
+                "model returned none: pass `labels` to the model (the Trainer's default compute_loss does), so "
+                "that lowprec can measure and replay the step")
+        return sum(m.weight * m.loss.detach() for m in self._micro)
+
+    def _closure(self):
+        micro, model = list(self._micro), self.model
+
+        def replay() -> torch.Tensor:
+            self._replaying = True
+            try:
+                total = 0.0
+                for m in micro:
+                    loss = _loss_of(model(*m.args, **m.kwargs))
+                    (loss * m.weight).backward()
+                    total = total + m.weight * loss.detach()
+                allreduce_grads(model)   # the unwrapped model: DDP's reduction did not run
+                return total
+            finally:
+                self._replaying = False
+        return replay
+
+    # ------------------------------------------------------------------ Trainer events
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        # registered now, after any hook the user put on the model: it sees the output they see
+        self._hook = self.model.register_forward_hook(self._keep_microbatch, with_kwargs=True)
+        self._saved_max_grad_norm = args.max_grad_norm
+        max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
+        args.max_grad_norm = 0.0   # lowprec clips (and sees the norm before clipping)
+        attach = None
+        if "mlflow" in (args.report_to or []) and state.is_world_process_zero:
+            import mlflow
+            run = mlflow.active_run()
+            if run is not None:
+                attach = Attach(run.info.run_id, mlflow.get_tracking_uri())
+        inner = self.model
+
+        def forward(tokens: torch.Tensor) -> torch.Tensor:
+            return inner(input_ids=tokens).logits
+        self.hosted.start(_unwrap(optimizer), _unwrap(lr_scheduler), max_grad_norm=max_norm, eval_forward=forward,
+                          eval_tokenizer=self.eval_tokenizer, max_length=self.max_length,
+                          run_name=args.run_name or Path(args.output_dir).name,
+                          buffer_root=Path(args.output_dir) / "lowprec", attach=attach)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._micro.clear()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.hosted.before_optimizer_step(self._step_loss(), self._closure())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._micro.clear()
+        self.hosted.after_optimizer_step()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._saved_max_grad_norm is not None:
+            args.max_grad_norm = self._saved_max_grad_norm
+        self.hosted.end()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None

@@ -1,0 +1,54 @@
+"""A small Llama (random init, byte vocabulary) and real text for the framework integration tests."""
+
+from __future__ import annotations
+
+import torch
+
+from eval_suites.corpora import clean_text, split_texts
+
+BLOCK = 64
+
+CONFIG = """\
+precision:
+  backend: emulated
+  default: bf16
+  keep_high_precision: [{fqns: [lm_head]}]
+  rules:
+    - {name: all, select: {module_type: Linear}, format: bf16, ladder: [fp8_tensorwise, bf16]}
+rollout:
+  check_every: 5
+  min_steps: 10
+  rewind: {enabled: true, skip_batches: 0, snapshot_every: 5, keep: 4}
+  stages:
+    - {name: mlp_fp8, select: {glob: "*.mlp.*"}, format: fp8_tensorwise}
+    - {name: attn_fp8, select: {glob: "*.self_attn.*"}, format: fp8_tensorwise}
+tracking: {experiment: hf-integration}
+"""
+
+
+def tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=BLOCK,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def shakespeare_blocks(n: int, block: int = BLOCK, offset: int = 0) -> list[dict[str, torch.Tensor]]:
+    """`n` examples of `block` bytes of the Shakespeare training plays: input_ids = labels."""
+    text = clean_text(split_texts()[0][0].read_bytes()).encode("utf-8")
+    data = torch.frombuffer(bytearray(text[offset: offset + n * block]), dtype=torch.uint8).long()
+    return [{"input_ids": x, "labels": x.clone()} for x in data.view(n, block)]
+
+
+def optimizer_state(opt: torch.optim.Optimizer) -> dict:
+    """A deep copy of the optimizer's per-parameter state (moments, step counts)."""
+    return {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for i, s in enumerate(opt.state.values())}
+
+
+def same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[i].keys() == b[i].keys() and all(torch.equal(a[i][k], b[i][k]) if isinstance(a[i][k], torch.Tensor)
+                                           else a[i][k] == b[i][k] for k in a[i]) for i in a)
