@@ -61,6 +61,12 @@ def _dtensor_type():
     return DTensor
 
 
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    """The stochastic-rounding generator of a layer on `device`; a CPU one for a layer on the
+    meta device (it is replaced when the layer is materialized, `PrecisionLinear._apply`)."""
+    return torch.Generator(device="cpu" if device.type == "meta" else device).manual_seed(seed)
+
+
 class PrecisionLinear(nn.Linear):
     """A linear layer whose GEMMs run in a switchable `Format` on a given backend."""
 
@@ -80,7 +86,7 @@ class PrecisionLinear(nn.Linear):
         self.fused = fused
         self.collect_stats = True
         self.seed = int(seed)
-        self.generator = torch.Generator(device=weight.device).manual_seed(self.seed)
+        self.generator = _generator(weight.device, self.seed)
         self.hadamard = RandomHadamard(self.seed)
         self.stats: dict[str, QuantStats] = {}
         # steps, since the monitor last read them, in which a delayed-scaling operand (input,
@@ -96,6 +102,24 @@ class PrecisionLinear(nn.Linear):
     def from_module(cls, module: nn.Module, fmt: Format, backend, **kw) -> "PrecisionLinear":
         transposed = type(module).__name__ == "Conv1D"
         return cls(module.weight, module.bias, fmt, backend, transposed_weight=transposed, **kw)
+
+    def _apply(self, fn, recurse=True):
+        """`.to(device)`, `.cuda()`, `to_empty(device=...)`: the layer's device-side state (the
+        between-check overflow counts, the delayed-scaling histories, the stochastic-rounding
+        generator) follows the weight. A layer built on the meta device (a model built before
+        its weights exist, as torchtitan does) starts that state fresh when it is materialized."""
+        super()._apply(fn, recurse)
+        dev, old = self.weight.device, self.overflow_steps.device
+        if dev != old:
+            if old.type == "meta":
+                self.overflow_steps = torch.zeros_like(self.overflow_steps, device=dev)
+                self._reset_histories()
+            else:
+                self.overflow_steps = self.overflow_steps.to(dev)
+                for h in self.histories.values():
+                    h.history, h.count = h.history.to(dev), h.count.to(dev)
+            self.generator = _generator(dev, self.seed)   # a generator cannot change device: reseeded
+        return self
 
     # ------------------------------------------------------------------ format switching
     def set_format(self, fmt: Format) -> None:

@@ -173,6 +173,12 @@ class Monitor:
         """After backward: keep this step's loss, grad norm and site statistics (no sync)."""
         self._losses.append(loss.detach().reshape(()).double())
         self._norms.append(grad_norm.detach().reshape(()).double().to(loss.device))
+        self.record_statistics(step)
+
+    def record_statistics(self, step: int) -> None:
+        """After backward: keep this step's site statistics only (no sync). For a loop that
+        does not hand the loss and grad norm over (torchtitan's model converters see neither):
+        its checks then have empty `losses` and `grad_norms`."""
         if not self.wants_stats(step):
             return
         rows, packed = [], []

@@ -143,3 +143,23 @@ def test_stats_are_recorded_per_operand_as_device_tensors():
 def test_torch_backend_refuses_block_formats():
     ok, why = get_backend("torch").supports(get_format("mxfp8"))
     assert not ok and "emulated" in why and "mxfp8" in why
+
+
+def test_layer_built_on_meta_device_materializes_with_to_empty():
+    """A model built on the meta device (torchtitan builds its models there and calls
+    to_empty + init_weights later) can be prepared before its weights exist: after to_empty
+    the layer's device-side state is on the weight's device and it quantizes."""
+    with torch.device("meta"):
+        lin = nn.Linear(32, 16)
+    layer = PrecisionLinear.from_module(lin, get_format("fp8_delayed"), get_backend("emulated"), seed=3)
+    assert layer.overflow_steps.is_meta
+    layer.to_empty(device="cpu")
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.zero_()
+    assert layer.overflow_steps.device.type == "cpu" and layer.generator.device.type == "cpu"
+    assert all(h.history.device.type == "cpu" for h in layer.histories.values())
+    assert layer.histories, "fp8_delayed keeps amax histories"
+    y = layer(torch.randn(4, 32, requires_grad=True))
+    y.sum().backward()
+    assert torch.isfinite(y).all() and layer.weight.grad is not None
