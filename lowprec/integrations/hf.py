@@ -29,6 +29,7 @@ What the Trainer does not allow: its `global_step` never goes back, so a rewind 
 leaves the run N optimizer steps short of `max_steps` in lowprec's count (`callback.step`).
 The loss is read from the model's output (`outputs.loss`): a `compute_loss` that computes
 the loss outside the model (labels popped) cannot be replayed, and the callback says so.
+FSDP and DeepSpeed under the Trainer are refused at `on_train_begin` (DDP is supported).
 """
 
 from __future__ import annotations
@@ -146,6 +147,12 @@ class LowprecCallback(transformers.TrainerCallback):
 
     # ------------------------------------------------------------------ Trainer events
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        for name in ("fsdp", "deepspeed"):
+            if getattr(args, name, None):
+                raise ValueError(
+                    f"LowprecCallback does not support the Trainer's {name} yet (found {name}={getattr(args, name)!r}): "
+                    f"lowprec's snapshots, replays and clipping are written for whole parameters on every rank; use "
+                    f"DDP with the Trainer, or `lowprec run` (FSDP2) or lowprec's Session in your own loop")
         # registered now, after any hook the user put on the model: it sees the output they see
         self._hook = self.model.register_forward_hook(self._keep_microbatch, with_kwargs=True)
         self._saved_max_grad_norm = args.max_grad_norm

@@ -191,3 +191,15 @@ def test_skip_without_replay_withholds_the_gradients(tmp_path):
     assert same_state(opt_b, opt_a)
     assert all(torch.equal(w_b[k], w_a[k]) for k in w_b)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_fsdp_under_the_trainer_is_refused(tmp_path):
+    (tmp_path / "lowprec.yaml").write_text(CONFIG.replace("tracking: {experiment: hf-integration}",
+                                                          "tracking: {enabled: false}"))
+    model = tiny_llama()
+    lp = LowprecCallback.from_yaml(tmp_path / "lowprec.yaml", model)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=1, report_to=[], use_cpu=True)
+    args.fsdp = "full_shard"   # what the Trainer would be asked for; refused before any step
+    from transformers.trainer_callback import TrainerControl, TrainerState
+    with pytest.raises(ValueError, match="does not support the Trainer's fsdp"):
+        lp.on_train_begin(args, TrainerState(), TrainerControl(), optimizer=None, lr_scheduler=None)
