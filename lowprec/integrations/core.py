@@ -22,6 +22,7 @@ framework owns those): `precision:` (required), `rollout:`, `eval:` and `trackin
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,8 +38,9 @@ from lowprec.decisions import Action
 from lowprec.plan import PrecisionPlan
 from lowprec.rollout import RolloutConfig, parse_rollout
 from lowprec.runtime.session import Session, StepResult, _read_yaml, rollout_settings
+from lowprec.verdicts import Verdict
 
-__all__ = ["HostedConfig", "HostedRollout", "Attach", "allreduce_grads"]
+__all__ = ["HostedConfig", "HostedRollout", "Attach", "GapOutcome", "allreduce_grads"]
 
 SECTIONS = ("precision", "rollout", "eval", "tracking")
 _FRAMEWORK_OWNS = ("model", "data", "train")
@@ -105,6 +107,14 @@ def allreduce_grads(model: nn.Module, group=None) -> None:
         if p.grad is not None:
             dist.all_reduce(p.grad, group=group)
             p.grad.div_(world)
+
+
+@dataclass(frozen=True)
+class GapOutcome:
+    """The verdict of a framework's own evaluation against the same weights in high precision."""
+    verdict: Verdict
+    reason: str
+    gap: float
 
 
 def _rank() -> int:
@@ -219,6 +229,37 @@ class HostedRollout:
                 self.tracker.log_precision(step + 1, self.state.formats(), self.state.flops_share())
             self.session.resume_statistics()
         return result
+
+    @property
+    def below_high_precision(self) -> bool:
+        """Some layer runs below high precision now (a high-precision eval would differ)."""
+        return any(not s.format.is_high_precision for s in self.state.sites.values())
+
+    def precision_gap(self, name: str, loss: float, loss_hp: float, tolerance: float | None) -> GapOutcome:
+        """A framework's own evaluation as an eval checkpoint: its loss as trained against the
+        same weights' loss in high precision. Logged as `eval/<name>/loss`, `eval_hp/<name>/loss`
+        and `eval/<name>/precision_gap` (relative); a gap above `tolerance` is a regression, which
+        rolls the newest stage back (as the in-loop gate of an `eval:` suite does); None: logged only."""
+        step = self.step
+        gap = (loss - loss_hp) / abs(loss_hp) if loss_hp else 0.0
+        if not math.isfinite(loss) and math.isfinite(loss_hp):
+            outcome = GapOutcome(Verdict.REGRESS, f"{name} eval: loss {loss} as trained, {loss_hp:.5g} in high "
+                                                  f"precision", math.inf)
+            gap = math.inf
+        elif tolerance is None:
+            outcome = GapOutcome(Verdict.INCONCLUSIVE, f"{name} eval: precision gap {gap:+.4%} (no tolerance)", gap)
+        elif gap > tolerance:
+            outcome = GapOutcome(Verdict.REGRESS, f"{name} eval: loss {loss:.5g} as trained against {loss_hp:.5g} in "
+                                                  f"high precision: {gap:+.3%} > {tolerance:.3%}", gap)
+        else:
+            outcome = GapOutcome(Verdict.PASS, f"{name} eval: precision gap {gap:+.3%} <= {tolerance:.3%}", gap)
+        if self.tracker is not None:
+            self.tracker.log_metrics(step, {f"eval/{name}/loss": loss, f"eval_hp/{name}/loss": loss_hp,
+                                            f"eval/{name}/precision_gap": gap})
+        if tolerance is not None and self.session is not None:
+            if self.session.after_eval(step, outcome).changes and self.tracker is not None:
+                self.tracker.log_precision(step, self.state.formats(), self.state.flops_share())
+        return outcome
 
     def _track(self, result: StepResult) -> None:
         t, s = self.tracker, self.session

@@ -23,6 +23,9 @@ What the callback does at the Trainer's events (the framework-neutral part is
 * `on_step_end` (the Trainer stepped the optimizer and the scheduler): a rewind restores
   model, optimizer, scheduler and RNG; the Trainer's data goes on. Eval checkpoints of an
   `eval:` section run here.
+* `on_evaluate` (the Trainer's own evaluation): the same eval set again with every layer in
+  high precision; the relative gap of `eval_loss` to it is logged, and above
+  `eval_gap_tolerance` it rolls the newest stage back, like the in-loop gate of a suite.
 * `on_train_end`: the final eval, the loss curve, the report pictures.
 
 What the Trainer does not allow: its `global_step` never goes back, so a rewind of N steps
@@ -76,10 +79,18 @@ class LowprecCallback(transformers.TrainerCallback):
     """Staged rollout, monitors, skips, rewinds, eval checkpoints and tracking in a `Trainer`."""
 
     def __init__(self, config: HostedConfig | str | Path, model: nn.Module, *, seed: int = 0,
-                 baseline: dict[int, float] | None = None, eval_tokenizer=None, max_length: int | None = None):
+                 baseline: dict[int, float] | None = None, eval_tokenizer=None, max_length: int | None = None,
+                 eval_gap_tolerance: float | None = 0.02):
         """config: a HostedConfig or the path of its YAML file. model: the model the Trainer
         will train, prepared here (before the Trainer wraps it). eval_tokenizer / max_length:
-        for an `eval:` suite (default: bytes, and the model's `max_position_embeddings`)."""
+        for an `eval:` suite (default: bytes, and the model's `max_position_embeddings`).
+        eval_gap_tolerance: the Trainer's own evaluation is an eval checkpoint: its `eval_loss`
+        against the same eval set in high precision; a relative gap above this rolls the newest
+        stage back (None: the gap is logged only)."""
+        if eval_gap_tolerance is not None and not eval_gap_tolerance >= 0:
+            raise ValueError(f"eval_gap_tolerance: expected a relative gap >= 0 (e.g. 0.02) or None (log only), "
+                             f"found {eval_gap_tolerance!r}")
+        self.eval_gap_tolerance = eval_gap_tolerance
         if not isinstance(config, HostedConfig):
             config = HostedConfig.from_yaml(config)
         self.model = model
@@ -182,6 +193,34 @@ class LowprecCallback(transformers.TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self._micro.clear()
         self.hosted.after_optimizer_step()
+
+    def on_evaluate(self, args, state, control, metrics=None, eval_dataloader=None, **kwargs):
+        """The Trainer's evaluation as an eval checkpoint: the same eval set in high precision."""
+        if self.hosted.session is None or not metrics or "eval_loss" not in metrics or eval_dataloader is None:
+            return
+        loss = float(metrics["eval_loss"])
+        hp = self._eval_loss_high_precision(eval_dataloader) if self.hosted.below_high_precision else loss
+        self.hosted.precision_gap("trainer", loss, hp, self.eval_gap_tolerance)
+        self.hosted.session.resume_statistics()
+
+    def _eval_loss_high_precision(self, loader) -> float:
+        """The mean eval loss over `loader` (batches weighted by their size, as the Trainer's
+        evaluation loop weights them) with every layer in high precision."""
+        model, total, count = self.model, 0.0, 0
+        was_training = model.training
+        self.state.collect_stats(False)
+        model.eval()
+        try:
+            with torch.no_grad(), self.state.high_precision():
+                device = next(model.parameters()).device
+                for batch in loader:
+                    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                    loss = _loss_of(model(**batch))
+                    n = len(next(v for v in batch.values() if isinstance(v, torch.Tensor)))
+                    total, count = total + float(loss) * n, count + n
+        finally:
+            model.train(was_training)
+        return total / max(count, 1)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._saved_max_grad_norm is not None:

@@ -203,3 +203,35 @@ def test_fsdp_under_the_trainer_is_refused(tmp_path):
     from transformers.trainer_callback import TrainerControl, TrainerState
     with pytest.raises(ValueError, match="does not support the Trainer's fsdp"):
         lp.on_train_begin(args, TrainerState(), TrainerControl(), optimizer=None, lr_scheduler=None)
+
+
+def test_the_trainers_own_evaluation_is_an_eval_checkpoint(tmp_path):
+    """Each `trainer.evaluate()` in training is compared with the same eval set in high
+    precision: no gap while every layer is BF16; at step 20 an eval-only fault in an FP8 layer
+    (its output x1000 while it runs in FP8 without autograd) is a regression that rolls the
+    newest stage back; at the last step every layer is BF16 again."""
+    (tmp_path / "lowprec.yaml").write_text(CONFIG.replace("tracking: {experiment: hf-integration}",
+                                                          "tracking: {enabled: false}"))
+    model = tiny_llama()
+    lp = LowprecCallback.from_yaml(tmp_path / "lowprec.yaml", model)
+    site = model.get_submodule("model.layers.1.mlp.down_proj")
+    trainer_step = [0]
+
+    def eval_fault(mod, args, out):
+        if trainer_step[0] == 20 and not torch.is_grad_enabled() and not mod.format.is_high_precision:
+            return out * 1000.0
+    site.register_forward_hook(eval_fault)
+
+    class Step(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            trainer_step[0] = state.global_step
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=22, per_device_train_batch_size=8,
+                             per_device_eval_batch_size=8, eval_strategy="steps", eval_steps=10, learning_rate=3e-3,
+                             warmup_steps=5, report_to=[], use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=shakespeare_blocks(8 * 30),
+            eval_dataset=shakespeare_blocks(16, offset=8 * 30 * 64), callbacks=[lp, Step()]).train()
+    gates = [(e.step, e.evidence.get("verdict")) for e in lp.session.events if e.kind == EventKind.GATE]
+    assert gates == [(10, "pass"), (20, "regress"), (22, "pass")]   # 22: the Trainer's eval at the last step
+    rollbacks = [e for e in lp.session.events if e.kind == EventKind.ROLLBACK]
+    assert [(e.step, e.stage) for e in rollbacks] == [(20, "mlp_fp8")]
+    assert lp.state.formats()["model.layers.1.mlp.down_proj"] == "bf16"
