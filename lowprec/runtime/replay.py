@@ -58,7 +58,6 @@ class StepReplayer:
         forwards without autograd (evaluations between steps) do not count."""
         def pre(module, args):
             if self._armed and torch.is_grad_enabled():   # an evaluation's forward is not the step's
-                self._armed = False
                 self.begin_step()
         self._hook = model.register_forward_pre_hook(pre)
 
@@ -79,7 +78,10 @@ class StepReplayer:
         self.state.load_scaling_state(snap["scaling"])
 
     def begin_step(self) -> None:
-        """Keep the step-start state (call before the step's forward)."""
+        """Keep the step-start state (call before the step's forward; the armed pre-hook does,
+        and a caller whose step begins before the model's first forward may do it earlier,
+        which disarms the hook)."""
+        self._armed = False
         self._start = self._capture()
         self._end = None
 
