@@ -56,6 +56,7 @@ lightning = require("lightning", "lightning", "Lightning")
 
 from lightning.pytorch.loggers import MLFlowLogger  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
+from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature  # noqa: E402
@@ -172,7 +173,8 @@ class LowprecCallback(lightning.pytorch.Callback):
         max_norm = None
         self._clip_val = (trainer.gradient_clip_val,)
         own_clip = is_overridden("configure_gradient_clipping", pl_module)
-        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "norm" and not own_clip:
+        algorithm = GradClipAlgorithmType(trainer.gradient_clip_algorithm or "norm")   # None: Lightning's default
+        if trainer.gradient_clip_val and algorithm is GradClipAlgorithmType.NORM and not own_clip:
             max_norm = float(trainer.gradient_clip_val)
             trainer.gradient_clip_val = None   # lowprec clips (and sees the norm before clipping)
         attach = None

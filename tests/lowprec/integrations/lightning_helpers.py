@@ -51,13 +51,14 @@ class Watch(lightning.pytorch.Callback):
     and before/after pairs of the steps lowprec skipped or rewound."""
     lowprec: object
     faults: Faults
-    at_step: dict = field(default_factory=dict)    # lowprec step -> (weights, optimizer state), first visit
+    at_step: dict = field(default_factory=dict)    # lowprec step -> (weights, optimizer state, scheduler
+    #                                                steps), at its first visit
     skips: list = field(default_factory=list)      # (lightning step, before, after) of skipped steps
-    rewinds: list = field(default_factory=list)    # (lowprec step gone back to, weights, optimizer state)
-    lrs: list = field(default_factory=list)
+    rewinds: list = field(default_factory=list)    # (lowprec step gone back to, *what at_step keeps)
 
     def _keep(self, trainer, pl_module):
-        return params(pl_module), optimizer_state(trainer.optimizers[0])
+        scheduler = trainer.lr_scheduler_configs[0].scheduler
+        return params(pl_module), optimizer_state(trainer.optimizers[0]), scheduler.last_epoch
 
     def on_train_start(self, trainer, pl_module):
         self.at_step[self.lowprec.step] = self._keep(trainer, pl_module)
@@ -69,7 +70,6 @@ class Watch(lightning.pytorch.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         before, skipped, rewinds = self._before
         now = self._keep(trainer, pl_module)
-        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
         if self.lowprec.session.rewinds > rewinds:
             self.rewinds.append((self.lowprec.step, *now))
         elif self.lowprec.session.skipped > skipped:
