@@ -44,6 +44,9 @@ hands over is scaled) and strategies other than single-device and DDP are refuse
 
 from __future__ import annotations
 
+import os
+import signal
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -95,6 +98,30 @@ def _max_length(model: nn.Module) -> int:
     return 256
 
 
+_evaluating = False
+
+
+def _sigterm_kills_eval_children() -> None:
+    if _evaluating:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+# Lightning's SIGTERM handler (set during fit) logs and goes on; a process forked during an eval
+# (lm-eval's bootstrap pool) inherits it, and the pool's terminate() then waits forever for
+# workers that ignore SIGTERM. Those children get the default handler back; the Trainer keeps its own.
+os.register_at_fork(after_in_child=_sigterm_kills_eval_children)
+
+
+@contextmanager
+def _may_evaluate():
+    global _evaluating
+    _evaluating = True
+    try:
+        yield
+    finally:
+        _evaluating = False
+
+
 def _no_log(*args, **kwargs) -> None:
     """`self.log` during a replay: the step was logged when it ran."""
 
@@ -112,6 +139,11 @@ class LowprecCallback(lightning.pytorch.Callback):
         eval_tokenizer / max_length: for the suite (default: bytes, `max_position_embeddings`)."""
         if not isinstance(config, HostedConfig):
             config = HostedConfig.from_yaml(config)
+        if (config.eval is not None and eval_forward is None and isinstance(model, lightning.pytorch.LightningModule)
+                and not is_overridden("forward", model, parent=lightning.pytorch.LightningModule)):
+            raise MisconfigurationException(
+                f"{config.source} has an `eval:` section and {type(model).__name__} has no forward(): give "
+                f"LowprecCallback an eval_forward(tokens) -> logits (e.g. lambda t: module.model(t).logits)")
         self.model = model
         self.hosted = HostedRollout(config, model, seed=seed, baseline=baseline)
         self.eval_forward = eval_forward
@@ -190,7 +222,8 @@ class LowprecCallback(lightning.pytorch.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._restore_clip(trainer)
-        self.hosted.end()
+        with _may_evaluate():   # the final eval
+            self.hosted.end()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._restore_clip(trainer)
@@ -254,4 +287,5 @@ class LowprecCallback(lightning.pytorch.Callback):
             return   # accumulating: the step goes on with the next micro-batch
         self._stepped = False
         self._micro.clear()
-        self.hosted.after_optimizer_step()
+        with _may_evaluate():   # eval checkpoints of an `eval:` section
+            self.hosted.after_optimizer_step()

@@ -18,13 +18,14 @@ import lightning  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from lightning_helpers import (NAN_AT, NAN_SITE, SPIKE_AT, STEPS, LlamaModule, loader, params,  # noqa: E402
-                               train)
+from lightning_helpers import (NAN_AT, NAN_SITE, SPIKE_AT, STEPS, LlamaModule, Watch, loader,  # noqa: E402
+                               params, train)
 from llama_helpers import CONFIG, optimizer_state, same_state  # noqa: E402
 from lowprec.configparse import ConfigError  # noqa: E402
 from lowprec.events import EventKind  # noqa: E402
 from lowprec.integrations.extras import MissingExtraError  # noqa: E402
 from lowprec.integrations.lightning import LowprecCallback  # noqa: E402
+from lowprec.runtime.faults import FaultKind, Faults, Injection  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +168,37 @@ def test_without_lightning_the_import_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "lowprec.integrations.lightning", raising=False)
     with pytest.raises(MissingExtraError, match=r"lowprec\[lightning\]"):
         importlib.import_module("lowprec.integrations.lightning")
+
+
+def test_lightning_module_with_accumulation_and_evals(tmp_path):
+    """The callback on the LightningModule itself (FQNs relative to it), two micro-batches per
+    step: the NaN step's replays re-run both through training_step, demote exactly its layer
+    and skip the step; the `eval:` suite runs at its checkpoints through eval_forward."""
+    uri = f"sqlite:///{tmp_path}/acc.db"
+    cfg = (CONFIG.replace("fqns: [lm_head]", "fqns: [model.lm_head]")
+           .replace("tracking: {experiment: hf-integration}", f"tracking: {{experiment: acc, uri: '{uri}'}}")
+           + "eval: {suite: shakespeare, every: 10, mode: fast, final_mode: fast, gates: null, batch_size: 8}\n")
+    (tmp_path / "lowprec.yaml").write_text(cfg)
+    module = LlamaModule()
+    with pytest.raises(MisconfigurationException, match="eval_forward"):
+        LowprecCallback.from_yaml(tmp_path / "lowprec.yaml", module)   # no forward() to evaluate with
+    cb = LowprecCallback.from_yaml(tmp_path / "lowprec.yaml", module,
+                                   eval_forward=lambda tokens: module.model(tokens).logits)
+    nan_at = 16
+    faults = Faults(module.model, [Injection(FaultKind.NAN, nan_at, nan_at + 1, NAN_SITE)])
+    watch = Watch(cb, faults)
+    trainer = lightning.Trainer(accelerator="cpu", devices=1, max_steps=nan_at + 2, accumulate_grad_batches=2,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                logger=False, default_root_dir=str(tmp_path), callbacks=[cb, watch])
+    trainer.fit(module, loader(2 * 8 * (nan_at + 2), batch_size=8))
+    site = "model." + NAN_SITE
+    assert [(e.step, list(e.sites)) for e in _kinds(cb, EventKind.FALLBACK)] == [(nan_at, [site])]
+    assert [e.step for e in _kinds(cb, EventKind.SKIP_STEP)] == [nan_at]
+    # the skipped step's two micro-batches: the second one's end is where the step concluded
+    (_, (w_before, opt_before, _), (w_after, opt_after, _)), = watch.skips
+    assert same_state(opt_before, opt_after) and all(torch.equal(w_before[k], w_after[k]) for k in w_before)
+    assert cb.state.formats()[site] == "bf16" and cb.step == nan_at + 2
+    client = MlflowClient(uri)
+    (r,) = client.search_runs([client.get_experiment_by_name("acc").experiment_id])
+    history = client.get_metric_history(r.info.run_id, "eval/heldout_shakespeare/bits_per_byte")
+    assert {m.step for m in history} >= {10, nan_at + 2}   # every 10 steps and the final eval
