@@ -55,6 +55,7 @@ class Watch(lightning.pytorch.Callback):
     #                                                steps), at its first visit
     skips: list = field(default_factory=list)      # (lightning step, before, after) of skipped steps
     rewinds: list = field(default_factory=list)    # (lowprec step gone back to, *what at_step keeps)
+    losses: dict = field(default_factory=dict)     # lightning step -> the loss training_step returned
 
     def _keep(self, trainer, pl_module):
         scheduler = trainer.lr_scheduler_configs[0].scheduler
@@ -70,6 +71,7 @@ class Watch(lightning.pytorch.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         before, skipped, rewinds = self._before
         now = self._keep(trainer, pl_module)
+        self.losses[trainer.global_step - 1] = float(outputs["loss"])
         if self.lowprec.session.rewinds > rewinds:
             self.rewinds.append((self.lowprec.step, *now))
         elif self.lowprec.session.skipped > skipped:
