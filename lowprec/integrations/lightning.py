@@ -35,6 +35,11 @@ micro-batches per step):
   checkpoints of an `eval:` section run here.
 * `on_train_end`: the final eval, the loss curve, the report pictures.
 
+Under DDP a replay runs the LightningModule itself (not the DDP wrapper) and averages the
+gradients with `allreduce_grads`. Lightning's SIGTERM handler (it logs and carries on) is
+replaced by the default one in processes forked during lowprec's evals (lm-eval's bootstrap
+pool), whose shutdown otherwise waits forever; the Trainer's own process keeps Lightning's.
+
 What Lightning does not allow, said plainly: `trainer.global_step` never goes back, so a
 rewind of N steps leaves the run N optimizer steps short of `max_steps` in lowprec's count
 (`callback.step`). Manual optimization (`automatic_optimization = False`), more than one LR
