@@ -40,6 +40,12 @@ def loader(n: int, batch_size: int = 8) -> DataLoader:
     return DataLoader(shakespeare_blocks(n), batch_size=batch_size, shuffle=False, num_workers=0)
 
 
+def experiment(uri: str, name: str, tmp: Path) -> None:
+    """Create the MLflow experiment `name` with its artifacts under `tmp` (not ./mlruns)."""
+    from mlflow.tracking import MlflowClient
+    MlflowClient(uri).create_experiment(name, artifact_location=(tmp / "artifacts").as_uri())
+
+
 def params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.named_parameters()}
 
@@ -102,7 +108,8 @@ def train(tmp: Path, steps: int = STEPS, config: str = CONFIG) -> Run:
                                    Injection(FaultKind.LOSS_SPIKE, SPIKE_AT, SPIKE_AT + 2, factor=100.0)])
     watch = Watch(callback, faults)
     uri = f"sqlite:///{tmp}/mlflow.db"
-    logger = MLFlowLogger(experiment_name="lightning-integration", tracking_uri=uri)
+    logger = MLFlowLogger(experiment_name="lightning-integration", tracking_uri=uri,
+                          artifact_location=(tmp / "artifacts").as_uri())
     trainer = lightning.Trainer(accelerator="cpu", devices=1, max_steps=steps, enable_checkpointing=False,
                                 enable_progress_bar=False, enable_model_summary=False, logger=logger,
                                 log_every_n_steps=5, default_root_dir=str(tmp), callbacks=[callback, watch])

@@ -18,8 +18,8 @@ import lightning  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from lightning_helpers import (NAN_AT, NAN_SITE, SPIKE_AT, STEPS, LlamaModule, Watch, loader,  # noqa: E402
-                               params, train)
+from lightning_helpers import (NAN_AT, NAN_SITE, SPIKE_AT, STEPS, LlamaModule, Watch, experiment,  # noqa: E402
+                               loader, params, train)
 from llama_helpers import CONFIG, optimizer_state, same_state  # noqa: E402
 from lowprec.configparse import ConfigError  # noqa: E402
 from lowprec.events import EventKind  # noqa: E402
@@ -113,6 +113,7 @@ def test_clipping_is_lowprecs_and_sees_the_norm_before_it(tmp_path):
     uri = f"sqlite:///{tmp_path}/own.db"
     cfg = CONFIG.replace("tracking: {experiment: hf-integration}", f"tracking: {{experiment: own, uri: '{uri}'}}")
     (tmp_path / "lowprec.yaml").write_text(cfg)
+    experiment(uri, "own", tmp_path)
     module = LlamaModule()
     cb = LowprecCallback.from_yaml(tmp_path / "lowprec.yaml", module.model)
     norms = _Norms()
@@ -182,6 +183,7 @@ def test_lightning_module_with_accumulation_and_evals(tmp_path):
            .replace("tracking: {experiment: hf-integration}", f"tracking: {{experiment: acc, uri: '{uri}'}}")
            + "eval: {suite: shakespeare, every: 10, mode: fast, final_mode: fast, gates: null, batch_size: 8}\n")
     (tmp_path / "lowprec.yaml").write_text(cfg)
+    experiment(uri, "acc", tmp_path)
     module = LlamaModule()
     with pytest.raises(MisconfigurationException, match="eval_forward"):
         LowprecCallback.from_yaml(tmp_path / "lowprec.yaml", module)   # no forward() to evaluate with
