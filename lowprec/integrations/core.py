@@ -2,6 +2,7 @@
 
     hosted = HostedRollout.from_yaml("lowprec.yaml", model)     # prepares the model now
     hosted.start(optimizer, scheduler, eval_forward=..., tracking=Attach(run_id, uri))   # when training begins
+    hosted.begin_step()                           # optional, each step: where a replay starts
     # each optimizer step, after backward and before the framework's optimizer.step():
     hosted.before_optimizer_step(loss, closure)   # decide; a skip or rewind withholds the gradients
     # after the framework stepped the optimizer and the scheduler:
@@ -199,6 +200,17 @@ class HostedRollout:
             raise ConfigError("eval", str(e).strip("'\"")) from None
 
     # ------------------------------------------------------------------ each step
+    def begin_step(self) -> None:
+        """The framework's step begins here: its batch is drawn, none of its step code has run.
+        A replay then starts from the RNG and scaling state of this moment instead of the
+        model's first forward (the default). For replays that re-run more than the model's
+        forward (Lightning's `training_step`, which may draw random numbers before calling
+        the model) or a model whose forward the step never calls (a wrapper's submodule)."""
+        replayer = self.session.replayer if self.session is not None else None
+        if replayer is not None:
+            replayer.begin_step()
+            replayer._armed = False   # the step's first forward must not take it again
+
     def before_optimizer_step(self, loss: torch.Tensor, closure: Callable[[], torch.Tensor] | None = None, *,
                               grad_norm: torch.Tensor | None = None) -> StepResult:
         """After backward, before the framework's optimizer step: clip, decide (replaying an
