@@ -208,8 +208,7 @@ class HostedRollout:
         the model) or a model whose forward the step never calls (a wrapper's submodule)."""
         replayer = self.session.replayer if self.session is not None else None
         if replayer is not None:
-            replayer.begin_step()
-            replayer._armed = False   # the step's first forward must not take it again
+            replayer.begin_step()   # disarms the first-forward hook
 
     def before_optimizer_step(self, loss: torch.Tensor, closure: Callable[[], torch.Tensor] | None = None, *,
                               grad_norm: torch.Tensor | None = None) -> StepResult:

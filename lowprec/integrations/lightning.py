@@ -36,9 +36,9 @@ micro-batches per step):
 * `on_train_end`: the final eval, the loss curve, the report pictures.
 
 Under DDP a replay runs the LightningModule itself (not the DDP wrapper) and averages the
-gradients with `allreduce_grads`. Lightning's SIGTERM handler (it logs and carries on) is
-replaced by the default one in processes forked during lowprec's evals (lm-eval's bootstrap
-pool), whose shutdown otherwise waits forever; the Trainer's own process keeps Lightning's.
+gradients with `allreduce_grads`. (Lightning's SIGTERM handler logs and carries on; lm-eval
+forks a bootstrap pool that it ends with SIGTERM, so the `eval:` suites run with the default
+handler and put Lightning's back after: `eval_suites.suite`.)
 
 What Lightning does not allow, said plainly: `trainer.global_step` never goes back, so a
 rewind of N steps leaves the run N optimizer steps short of `max_steps` in lowprec's count
@@ -49,9 +49,6 @@ hands over is scaled) and strategies other than single-device and DDP are refuse
 
 from __future__ import annotations
 
-import os
-import signal
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -101,30 +98,6 @@ def _max_length(model: nn.Module) -> int:
         if isinstance(n, int):
             return n
     return 256
-
-
-_evaluating = False
-
-
-def _sigterm_kills_eval_children() -> None:
-    if _evaluating:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-# Lightning's SIGTERM handler (set during fit) logs and goes on; a process forked during an eval
-# (lm-eval's bootstrap pool) inherits it, and the pool's terminate() then waits forever for
-# workers that ignore SIGTERM. Those children get the default handler back; the Trainer keeps its own.
-os.register_at_fork(after_in_child=_sigterm_kills_eval_children)
-
-
-@contextmanager
-def _may_evaluate():
-    global _evaluating
-    _evaluating = True
-    try:
-        yield
-    finally:
-        _evaluating = False
 
 
 def _no_log(*args, **kwargs) -> None:
@@ -227,8 +200,7 @@ class LowprecCallback(lightning.pytorch.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._restore_clip(trainer)
-        with _may_evaluate():   # the final eval
-            self.hosted.end()
+        self.hosted.end()   # the final eval
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._restore_clip(trainer)
@@ -292,5 +264,4 @@ class LowprecCallback(lightning.pytorch.Callback):
             return   # accumulating: the step goes on with the next micro-batch
         self._stepped = False
         self._micro.clear()
-        with _may_evaluate():   # eval checkpoints of an `eval:` section
-            self.hosted.after_optimizer_step()
+        self.hosted.after_optimizer_step()   # rewinds, and eval checkpoints of an `eval:` section
