@@ -38,3 +38,7 @@ def test_readme_snippets_run(tmp_path, monkeypatch):
     assert callback.state.formats()["model.layers.0.self_attn.q_proj"] == "bf16"
     assert [e.kind for e in callback.session.events] == ["promote"]
     assert (tmp_path / "mlflow.db").is_file()
+    # the Lightning snippet: the same for a Lightning Trainer
+    lit = namespace["lit_callback"]
+    assert lit.state.formats()["model.layers.0.mlp.up_proj"] == "fp8_tensorwise"
+    assert [e.kind for e in lit.session.events] == ["promote"]

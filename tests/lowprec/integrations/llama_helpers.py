@@ -25,6 +25,30 @@ rollout:
 tracking: {experiment: hf-integration}
 """
 
+# the same model all in BF16 (a baseline run), and an lm-eval suite run once, at the end
+BF16_CONFIG = """\
+precision:
+  backend: emulated
+  default: bf16
+  keep_high_precision: [{fqns: [lm_head]}]
+  rules:
+    - {name: all, select: {module_type: Linear}, format: bf16}
+"""
+FINAL_EVAL = "eval: {suite: default, every: 0, mode: fast, final_mode: fast, gates: null, high_precision: false}\n"
+
+
+def gate_table(baseline: str, candidate: str, uri: str, out) -> str:
+    """`lowprec gate` between two runs with the in-loop gate file; its markdown table (asserting a verdict)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    gates = Path(__file__).resolve().parents[3] / "gates" / "inloop.yaml"
+    p = subprocess.run([str(Path(sys.executable).with_name("lowprec")), "gate", "--baseline", baseline, "--candidate",
+                        candidate, "--gates", str(gates), "--tracking-uri", uri, "--markdown", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode in (0, 1), p.stdout + p.stderr   # a verdict (pass or regression), not unusable input
+    return Path(out).read_text()
+
 
 def tiny_llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM

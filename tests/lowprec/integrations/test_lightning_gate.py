@@ -1,0 +1,42 @@
+"""`lowprec gate` between two Lightning runs: a BF16 run and the staged rollout, each with
+lowprec's callback, an `eval:` suite at the end, and Lightning's MLFlowLogger (lowprec tracks
+into the logger's run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+
+from lightning_helpers import LlamaModule, experiment, loader  # noqa: E402
+from llama_helpers import BF16_CONFIG, CONFIG, FINAL_EVAL, gate_table  # noqa: E402
+from test_hf_gate import GATED  # noqa: E402
+
+
+def _train(tmp: Path, name: str, config: str, uri: str) -> str:
+    import lightning
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    from lowprec.integrations.lightning import LowprecCallback
+    (tmp / f"{name}.yaml").write_text(config + FINAL_EVAL)
+    module = LlamaModule()
+    callback = LowprecCallback.from_yaml(tmp / f"{name}.yaml", module.model)
+    logger = MLFlowLogger(experiment_name="lightning-gate", tracking_uri=uri, run_name=name)
+    trainer = lightning.Trainer(accelerator="cpu", devices=1, max_steps=40, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, logger=logger,
+                                log_every_n_steps=10, default_root_dir=str(tmp / name), callbacks=[callback])
+    trainer.fit(module, loader(8 * 50))
+    assert callback.hosted.tracker.run_id == logger.run_id   # one run: the logger's
+    return logger.run_id
+
+
+@pytest.mark.slow
+def test_gate_compares_a_rollout_lightning_run_with_a_bf16_one(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    experiment(uri, "lightning-gate", tmp_path)
+    baseline = _train(tmp_path, "bf16", BF16_CONFIG, uri)
+    candidate = _train(tmp_path, "rollout", CONFIG.replace("tracking: {experiment: hf-integration}\n", ""), uri)
+    table = gate_table(baseline, candidate, uri, tmp_path / "gate.md")
+    assert all(metric in table for metric in GATED)
