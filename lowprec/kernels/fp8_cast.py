@@ -44,11 +44,6 @@ __all__ = ["CastStats", "cast_rowwise", "cast_tensorwise", "cast_delayed", "kern
 
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)
 _MAX_PARTIALS = 1024          # programs of the tensor-wise amax kernel (a power of two)
-try:
-    _INTERPRET = bool(triton.knobs.runtime.interpret)
-except AttributeError:        # older Triton: the environment variable only
-    import os
-    _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @dataclass
@@ -218,6 +213,9 @@ def _cast_kernel(x_ptr, out_ptr, partial_ptr, P, scale_ptr, scale_inv_ptr, stats
 
 
 # ----------------------------------------------------------------------------- host code
+
+# Triton decides at decoration time (this module's import) whether a kernel is interpreted.
+_INTERPRET = type(_rowwise_kernel).__name__ == "InterpretedFunction"
 
 
 def kernels_available(x: torch.Tensor) -> bool:
