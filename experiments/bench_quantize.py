@@ -4,6 +4,12 @@ Prints one table: the median time (over --repeats runs, after warm-up) of a plai
 copy into an existing buffer, the naive route `(x*s).to(float8_e4m3fn).to(float32)/s`,
 and every lowprec quantizer with and without statistics, eager and fused
 (torch.compile). Run: `python experiments/bench_quantize.py` (see docs/performance.md).
+
+On a GPU (`--device cuda`, e.g. with `--dtype bfloat16`), the FP8 formats with
+tensor-wise, delayed and row-wise scaling also get `triton` rows: lowprec.kernels'
+fused casts to FP8 storage plus scale_inv (what the `torch` backend hands to
+torch._scaled_mm; no dequantization, unlike the fake-quantization rows), with and
+without statistics. Elsewhere those rows are left out, with the reason printed.
 """
 
 from __future__ import annotations
@@ -20,12 +26,15 @@ from lowprec.quantize import fake_quantize
 
 
 def median_ms(fn, repeats: int, warmup: int = 2) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
@@ -36,10 +45,12 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--no-fused", action="store_true", help="skip torch.compile'd variants")
     p.add_argument("--formats", nargs="*", default=None, help="format names (default: all)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the triton rows need cuda)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="input dtype")
     args = p.parse_args(argv)
 
     torch.manual_seed(0)
-    x = torch.randn(args.size, args.size)
+    x = torch.randn(args.size, args.size).to(device=args.device, dtype=getattr(torch, args.dtype))
     buf = torch.empty_like(x)
     rows: list[tuple[str, float]] = []
     copy_ms = median_ms(lambda: buf.copy_(x), args.repeats)
@@ -52,7 +63,8 @@ def main(argv=None) -> None:
     rows.append(("naive (x*s).to(e4m3).float()/s", median_ms(naive, args.repeats)))
 
     names = args.formats or [n for n, f in FORMATS.items() if not f.is_high_precision]
-    delayed_scale = torch.tensor(448.0 / 5.0)
+    delayed_scale = torch.tensor(448.0 / 5.0, device=x.device)
+    kernels, why_not = _triton_kernels(x)
     for name in names:
         fmt = FORMATS[name]
         for role in ("input", "weight") if name == "nvfp4" else ("input",):
@@ -67,14 +79,45 @@ def main(argv=None) -> None:
                     tag = f"{label}{' fused' if fused else ''}{' +stats' if stats else ''}"
                     fn = lambda: fake_quantize(x, spec, stats=stats, fused=fused, **kw)  # noqa: E731
                     rows.append((tag, median_ms(fn, args.repeats)))
+            if kernels is not None and _triton_fits(spec):
+                for stats in (False, True):
+                    fn = _triton_cast(kernels, x, spec, delayed_scale, stats)
+                    rows.append((f"{label} triton{' +stats' if stats else ''}", median_ms(fn, args.repeats)))
 
-    print(f"# {args.size}x{args.size} fp32, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}, median of {args.repeats}")
+    dev = torch.cuda.get_device_name(x.device) if x.is_cuda else (platform.processor() or platform.machine())
+    print(f"# {args.size}x{args.size} {args.dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{dev}, median of {args.repeats}")
+    if why_not:
+        print(f"# triton rows left out: {why_not}")
     width = max(len(r[0]) for r in rows)
     print(f"| {'operation':<{width}} | {'ms':>8} | {'x copy':>7} |")
     print(f"|{'-' * (width + 2)}|{'-' * 10}|{'-' * 9}|")
     for label, ms in rows:
         print(f"| {label:<{width}} | {ms:8.2f} | {ms / copy_ms:7.2f} |")
+
+
+def _triton_kernels(x: torch.Tensor):
+    """(lowprec.kernels, None) where the fused Triton casts can run on x, else (None, why)."""
+    try:
+        import lowprec.kernels as kernels
+    except ImportError as e:
+        return None, str(e)
+    if not kernels.kernels_available(x):
+        return None, f"the kernels need a CUDA tensor (or TRITON_INTERPRET=1), x is on {x.device}"
+    return kernels, None
+
+
+def _triton_fits(spec) -> bool:
+    return (spec.element.torch_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+            and spec.scaling in (Scaling.TENSOR, Scaling.DELAYED, Scaling.ROW))
+
+
+def _triton_cast(kernels, x, spec, delayed_scale, stats: bool):
+    if spec.scaling is Scaling.ROW:
+        return lambda: kernels.cast_rowwise(x, spec.element, stats=stats)
+    if spec.scaling is Scaling.TENSOR:
+        return lambda: kernels.cast_tensorwise(x, spec.element, stats=stats)
+    return lambda: kernels.cast_delayed(x, spec.element, delayed_scale, stats=stats)
 
 
 if __name__ == "__main__":
