@@ -253,3 +253,28 @@ def test_cpu_tensor_without_interpreter_is_refused():
     assert res.returncode == 0, res.stderr[-2000:]
     assert "RuntimeError: cast_rowwise runs Triton kernels" in res.stdout
     assert "TRITON_INTERPRET=1" in res.stdout
+
+
+@outer
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the compiled (not interpreted) kernels")
+@pytest.mark.parametrize("elem", ELEMS, ids=lambda e: e.name)
+def test_compiled_kernels_on_cuda_equal_quantize_on_cpu(elem):
+    """On a GPU: the compiled kernels on CUDA tensors equal quantize on the CPU, bit for bit."""
+    import lowprec.kernels as kernels
+    x = ALL_BF16.reshape(256, 256).cuda()
+    for scaling, scale in ((Scaling.ROW, None), (Scaling.TENSOR, None), (Scaling.DELAYED, 1.0),
+                           (Scaling.DELAYED, 2.0**100), (Scaling.DELAYED, 3.7e-3)):
+        s = None if scale is None else torch.tensor(scale)
+        ref = quantize(x.cpu(), QuantSpec(elem, scaling), scale=s, stats=True)
+        if scaling is Scaling.ROW:
+            q, si, st = kernels.cast_rowwise(x, elem, stats=True)
+        elif scaling is Scaling.TENSOR:
+            q, si, st = kernels.cast_tensorwise(x, elem, stats=True)
+        else:
+            q, si, amax, st = kernels.cast_delayed(x, elem, s.cuda(), stats=True)
+            assert amax.item() == ref.amax.item()
+        assert torch.equal(q.view(torch.uint8).cpu(), ref.to_storage().view(torch.uint8)), scaling
+        assert torch.equal(si.cpu().reshape(-1), ref.scale_inv.reshape(-1)), scaling
+        for f in ("amax", "saturated", "underflow", "nonfinite"):
+            assert getattr(st, f).item() == getattr(ref.stats, f).item(), (scaling, f)
