@@ -305,7 +305,8 @@ class _QuantizedLinearFn(torch.autograd.Function):
             "input_wgrad": _shard_groups(mesh, px)}
         qx = layer.quantize_operand(x2, fmt, "input")
         qw = layer.quantize_operand(w2, fmt, "weight")
-        y = _gemm(layer, qx, qw, x.dtype)
+        y_dtype = _output_dtype(x)
+        y = _gemm(layer, qx, qw, y_dtype)
         out_pl = _gemm_placements(px, pw, mesh) if mesh is not None else None
         if bias is not None:
             b = bias.to_local() if hasattr(bias, "to_local") else bias
@@ -323,7 +324,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         ctx.save_for_backward(None if ctx.qx is not None else x2, w2)
         ctx.layer, ctx.fmt, ctx.has_bias = layer, fmt, bias is not None
         ctx.meta = (x_local_shape, x.dtype, mesh, px, pw)
-        y = y.to(x.dtype)
+        y = y.to(y_dtype)
         if mesh is None:
             return y.reshape(*x.shape[:-1], y.shape[-1])
         # global shapes: from_local would assume even shards; x's leading placements
@@ -429,6 +430,14 @@ def _transpose(q: Quantized) -> Quantized:
         q.storage_t = q.storage.t().contiguous()
     return Quantized(q.values.t(), q.scale.permute(2, 1, 0, 3), q.scale_inv.permute(2, 1, 0, 3),
                      q.spec, torch.Size((q.shape[1], q.shape[0])), q.amax, None, q.storage_t)
+
+
+def _output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The forward output's dtype: the input's, or on CUDA under autocast the autocast dtype
+    (what F.linear returns there). CPU autocast is left alone: CPU numerics do not change."""
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return x.dtype
 
 
 def _gemm(layer: PrecisionLinear, a, b, out_dtype: torch.dtype) -> torch.Tensor:

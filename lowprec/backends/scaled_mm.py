@@ -64,11 +64,30 @@ class ScaledMMBackend:
             sb = sb.reshape(1, 1).expand(1, b.values.shape[0]).contiguous() if row_a else sb
         qa = a.to_storage().contiguous()   # cuBLASLt: row-major a, column-major b
         qb = b.to_storage().contiguous()
+        m = qa.shape[0]
+        if qa.is_cuda and (m % 16 or qb.shape[0] % 16 or qa.shape[1] % 16):
+            # cuBLASLt needs every dimension a multiple of 16 (an eval window of odd length):
+            # zero rows/columns change no product and no scale; the padding is sliced off
+            qa, qb, sa, sb = _pad16(qa, qb, sa, sb)
         native_bf16 = a.values.is_cuda and out_dtype == torch.bfloat16
         cuda_rowwise = a.values.is_cuda and sa.dim() == 2
         mm_dtype = torch.bfloat16 if (cuda_rowwise or native_bf16) else torch.float32
         out = torch._scaled_mm(qa, qb.t(), scale_a=sa.float(), scale_b=sb.float(), out_dtype=mm_dtype)
+        out = out[:m, :b.values.shape[0]]
         return out if native_bf16 else out.float()
 
     def __repr__(self) -> str:
         return "ScaledMMBackend()"
+
+
+def _pad16(qa, qb, sa, sb):
+    """Zero-pad a (M, K) and b (N, K) to multiples of 16; row-wise scales padded with ones."""
+    import torch.nn.functional as F
+    pm, pn, pk = (-qa.shape[0]) % 16, (-qb.shape[0]) % 16, (-qa.shape[1]) % 16
+    qa = F.pad(qa.view(torch.uint8), (0, pk, 0, pm)).view(qa.dtype)  # FP8 zero is all bits 0
+    qb = F.pad(qb.view(torch.uint8), (0, pk, 0, pn)).view(qb.dtype)
+    if sa.dim() == 2 and pm:
+        sa = F.pad(sa, (0, 0, 0, pm), value=1.0)
+    if sb.dim() == 2 and pn:
+        sb = F.pad(sb, (0, pn), value=1.0)
+    return qa, qb, sa, sb
