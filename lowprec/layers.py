@@ -163,7 +163,7 @@ class PrecisionLinear(nn.Linear):
             return _bf16(t) if self.emulate_bf16 and t.dtype == torch.float32 else t
         key = None
         if (role == "weight" and self.weight_cache.enabled and cacheable(spec)
-                and not self._amax_groups(role)):
+                and not self._amax_groups(role) and not torch.compiler.is_compiling()):
             key = cache_key(t, spec, self.fused)
             slot = f"{tuple(t.shape)}{t.stride()}"   # the forward's and the backward's layout
             q = self.weight_cache.get(slot, key, need_stats=self.collect_stats)

@@ -31,6 +31,10 @@ What is never cached (`cacheable` says False and the layer quantizes as before):
 * a weight whose amax is all-reduced over a mesh (a sharded DTensor weight): the
   collective must run on every rank in step.
 
+Under `torch.compile` the cache is bypassed (`torch.compiler.is_compiling()`): Dynamo
+cannot guard on `_version` or `data_ptr`, and a compiled graph re-quantizes in its own
+fused kernels anyway.
+
 Writes behind autograd's back are invisible: `p.data.copy_(...)` bumps the counter of
 the `.data` alias, not the Parameter's. Code that writes weights that way must call
 `PrecisionLinear.weight_cache.clear()` (nothing in lowprec does).
