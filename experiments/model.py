@@ -1,4 +1,5 @@
-"""A small GPT (nanoGPT-style) for the reference experiments and the tests.
+"""A small GPT (nanoGPT-style) for the reference experiments and the tests, and a Llama-style
+model (`build_llama`: RMSNorm, RoPE, SwiGLU) for the GPU main job (issue 15).
 
 Pre-norm Transformer blocks with causal self-attention (`attn.qkv`, `attn.proj`) and a
 GELU MLP (`mlp.fc`, `mlp.proj`), learned position embeddings and an untied output
@@ -108,3 +109,94 @@ class GPT(nn.Module):
 def build_gpt(**kwargs) -> GPT:
     """Factory named by configs (`model: {factory: experiments.model:build_gpt, ...}`)."""
     return GPT(GPTConfig(**kwargs))
+
+
+# ---------------------------------------------------------------------- Llama-style model
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm block: RMSNorm, rotary causal attention (`attn.q/k/v/o`), RMSNorm, SwiGLU
+    MLP (`mlp.gate/up/down`); no biases, as in Llama."""
+
+    def __init__(self, d: int, n_head: int, hidden: int):
+        super().__init__()
+        self.n_head = n_head
+        self.ln1, self.ln2 = RMSNorm(d), RMSNorm(d)
+        self.attn = nn.ModuleDict({n: nn.Linear(d, d, bias=False) for n in ("q", "k", "v", "o")})
+        self.mlp = nn.ModuleDict({"gate": nn.Linear(d, hidden, bias=False),
+                                  "up": nn.Linear(d, hidden, bias=False),
+                                  "down": nn.Linear(hidden, d, bias=False)})
+
+    def forward(self, x, cos, sin):
+        b, t, c = x.shape
+        h = self.ln1(x)
+        q, k, v = (self.attn[n](h).view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+                   for n in ("q", "k", "v"))
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn["o"](y.transpose(1, 2).reshape(b, t, c))
+        h = self.ln2(x)
+        return x + self.mlp["down"](F.silu(self.mlp["gate"](h)) * self.mlp["up"](h))
+
+
+class Llama(nn.Module):
+    """A Llama-style decoder (RMSNorm, RoPE, SwiGLU, untied head) for the GPU main job.
+
+    `device="auto"` builds it on CUDA when one is present (else CPU); its forward moves the
+    batch to the model's device and, on CUDA, runs under BF16 autocast (FP32 master weights),
+    so the trainer that feeds it CPU batches needs no device handling of its own."""
+
+    def __init__(self, vocab_size=256, block_size=512, n_layer=12, n_head=16, d_model=1024,
+                 hidden=2816, rope_base=10000.0):
+        super().__init__()
+        if d_model % n_head or (d_model // n_head) % 2:
+            raise ValueError(f"d_model {d_model} must be n_head {n_head} times an even head size")
+        self.block_size = block_size
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.blocks = nn.ModuleList(LlamaBlock(d_model, n_head, hidden) for _ in range(n_layer))
+        self.ln_f = RMSNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        hd = d_model // n_head
+        inv = 1.0 / rope_base ** (torch.arange(0, hd, 2).float() / hd)
+        ang = torch.outer(torch.arange(block_size).float(), inv)
+        self.register_buffer("cos", ang.cos(), persistent=False)
+        self.register_buffer("sin", ang.sin(), persistent=False)
+        self.apply(GPT._init)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        dev = self.tok_emb.weight.device
+        idx = idx.to(dev)
+        t = idx.shape[1]
+        if t > self.block_size:
+            raise ValueError(f"sequence of {t} tokens is longer than block_size {self.block_size}")
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            x = self.tok_emb(idx)
+            for block in self.blocks:
+                x = block(x, self.cos[:t], self.sin[:t])
+            logits = self.lm_head(self.ln_f(x))
+        logits = logits.float()
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.to(dev).flatten())
+
+
+def build_llama(device: str = "auto", **kwargs) -> Llama:
+    """Factory for configs (`experiments.model:build_llama`); `device`: auto, cpu or cuda."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return Llama(**kwargs).to(device)

@@ -39,6 +39,7 @@ from lowprec.delayed import AmaxHistory
 from lowprec.formats import Format, QuantSpec, Rounding, ScaleEncoding, Scaling
 from lowprec.hadamard import RandomHadamard
 from lowprec.quantize import QuantStats, Quantized, quantize, saturates
+from lowprec.weight_cache import WeightCache, cache_key, cacheable
 
 __all__ = ["PrecisionLinear", "linear_weight_view"]
 
@@ -72,7 +73,8 @@ class PrecisionLinear(nn.Linear):
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, fmt: Format, backend, *,
                  fqn: str = "", transposed_weight: bool = False, seed: int = 0,
-                 amax_group=None, emulate_bf16: bool = True, fused: bool = False):
+                 amax_group=None, emulate_bf16: bool = True, fused: bool = False,
+                 cache_weights: bool = True):
         nn.Module.__init__(self)
         out_f, in_f = (weight.shape[1], weight.shape[0]) if transposed_weight else weight.shape
         self.in_features, self.out_features = int(in_f), int(out_f)
@@ -85,6 +87,8 @@ class PrecisionLinear(nn.Linear):
         self.emulate_bf16 = emulate_bf16
         self.fused = fused
         self.collect_stats = True
+        # the weight's quantizations, reused until the weight changes (lowprec.weight_cache)
+        self.weight_cache = WeightCache(cache_weights)
         self.seed = int(seed)
         self.generator = _generator(weight.device, self.seed)
         self.hadamard = RandomHadamard(self.seed)
@@ -109,6 +113,7 @@ class PrecisionLinear(nn.Linear):
         generator) follows the weight. A layer built on the meta device (a model built before
         its weights exist, as torchtitan does) starts that state fresh when it is materialized."""
         super()._apply(fn, recurse)
+        self.weight_cache.clear()
         dev, old = self.weight.device, self.overflow_steps.device
         if dev != old:
             if old.type == "meta":
@@ -128,6 +133,7 @@ class PrecisionLinear(nn.Linear):
             return
         self.format = fmt
         self.stats = {}
+        self.weight_cache.clear()
         self._reset_histories()
 
     def _reset_histories(self) -> None:
@@ -155,6 +161,16 @@ class PrecisionLinear(nn.Linear):
         spec: QuantSpec | None = getattr(fmt, role)
         if spec is None:
             return _bf16(t) if self.emulate_bf16 and t.dtype == torch.float32 else t
+        key = None
+        if (role == "weight" and self.weight_cache.enabled and cacheable(spec)
+                and not self._amax_groups(role) and not torch.compiler.is_compiling()):
+            key = cache_key(t, spec, self.fused)
+            slot = f"{tuple(t.shape)}{t.stride()}"   # the forward's and the backward's layout
+            q = self.weight_cache.get(slot, key, need_stats=self.collect_stats)
+            if q is not None:
+                if self.collect_stats:
+                    self.stats[role] = q.stats
+                return q
         amax = scale = None
         hist = self.histories.get(_HISTORY_ROLE[role]) if spec.scaling is Scaling.DELAYED else None
         if hist is not None:
@@ -173,6 +189,8 @@ class PrecisionLinear(nn.Linear):
             hist.record(amax)
         if q.stats is not None and role in _STATS_ROLES:
             self.stats[role] = q.stats
+        if key is not None:
+            self.weight_cache.put(slot, key, q, storage=getattr(self.backend, "fp8_storage", False))
         return q
 
     # ------------------------------------------------------------------ distributed amax
@@ -287,7 +305,8 @@ class _QuantizedLinearFn(torch.autograd.Function):
             "input_wgrad": _shard_groups(mesh, px)}
         qx = layer.quantize_operand(x2, fmt, "input")
         qw = layer.quantize_operand(w2, fmt, "weight")
-        y = layer.backend.gemm(qx, qw)
+        y_dtype = _output_dtype(x)
+        y = _gemm(layer, qx, qw, y_dtype)
         out_pl = _gemm_placements(px, pw, mesh) if mesh is not None else None
         if bias is not None:
             b = bias.to_local() if hasattr(bias, "to_local") else bias
@@ -295,7 +314,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
                 for i, p in enumerate(out_pl):
                     if p.is_partial() and mesh.get_local_rank(i) != 0:
                         b = torch.zeros_like(b)
-            y = y + b.float()
+            y = y + (b if b.dtype == y.dtype else b.float())   # BF16 + BF16: one rounding
         x_local_shape = x.to_local().shape if mesh_x is not None else x.shape
         # Layout-invariant quantizations are reused, transposed, by the backward GEMMs
         # (see _transposable); the input itself is then not needed there.
@@ -305,7 +324,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         ctx.save_for_backward(None if ctx.qx is not None else x2, w2)
         ctx.layer, ctx.fmt, ctx.has_bias = layer, fmt, bias is not None
         ctx.meta = (x_local_shape, x.dtype, mesh, px, pw)
-        y = y.to(x.dtype)
+        y = y.to(y_dtype)
         if mesh is None:
             return y.reshape(*x.shape[:-1], y.shape[-1])
         # global shapes: from_local would assume even shards; x's leading placements
@@ -327,7 +346,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
             qg = layer.quantize_operand(g2, fmt, "grad_output")
             qwt = (_transpose(ctx.qw) if ctx.qw is not None
                    else layer.quantize_operand(w2.t(), fmt, "weight"))
-            dx = layer.backend.gemm(qg, qwt).to(x_dtype)
+            dx = _gemm(layer, qg, qwt, x_dtype).to(x_dtype)
             if mesh is None:
                 dx = dx.reshape(x_shape)
             else:
@@ -348,7 +367,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
                 qgt = (_transpose(qg) if reuse_g
                        else layer.quantize_operand(gt, fmt, "grad_output_wgrad"))
                 qxt = layer.quantize_operand(xt, fmt, "input_wgrad")
-            dw = layer.backend.gemm(qgt, qxt).to(w2.dtype)
+            dw = _gemm(layer, qgt, qxt, w2.dtype).to(w2.dtype)
             if mesh is not None:
                 dw = _wrap(dw, mesh, _gemm_placements(_t_placements(pg), _t_placements(px), mesh),
                            None, ctx.global_shapes[1])
@@ -405,9 +424,28 @@ def _transposable(spec: QuantSpec | None, spec_t: QuantSpec | None, q) -> bool:
 
 
 def _transpose(q: Quantized) -> Quantized:
-    """The transpose of a 2-D `Quantized` (blocks are square or the whole tensor)."""
+    """The transpose of a 2-D `Quantized` (blocks are square or the whole tensor). A cached
+    weight's FP8 storage is transposed once and kept with it (`storage_t`)."""
+    if q.storage is not None and q.storage_t is None:
+        q.storage_t = q.storage.t().contiguous()
     return Quantized(q.values.t(), q.scale.permute(2, 1, 0, 3), q.scale_inv.permute(2, 1, 0, 3),
-                     q.spec, torch.Size((q.shape[1], q.shape[0])), q.amax, None)
+                     q.spec, torch.Size((q.shape[1], q.shape[0])), q.amax, None, q.storage_t)
+
+
+def _output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The forward output's dtype: the input's, or on CUDA under autocast the autocast dtype
+    (what F.linear returns there). CPU autocast is left alone: CPU numerics do not change."""
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return x.dtype
+
+
+def _gemm(layer: PrecisionLinear, a, b, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b^T on the layer's backend; in `out_dtype` where the backend produces it natively
+    (the `torch` backend's BF16 output on CUDA), else in FP32 (the caller casts)."""
+    if getattr(layer.backend, "native_out_dtype", False):
+        return layer.backend.gemm(a, b, out_dtype=out_dtype)
+    return layer.backend.gemm(a, b)
 
 
 def _wrap(t, mesh, placements, lead_shape, global_shape, lead_placements=None):

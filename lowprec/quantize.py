@@ -110,6 +110,9 @@ class Quantized:
     shape: torch.Size
     amax: torch.Tensor
     stats: QuantStats | None = None
+    # the FP8 storage form when a caller keeps it (lowprec.weight_cache), and its transpose
+    storage: torch.Tensor | None = None
+    storage_t: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
         r, c = _block_of(self.spec, self.values.shape)
@@ -119,6 +122,8 @@ class Quantized:
 
     def to_storage(self) -> torch.Tensor:
         """The values as PyTorch's float8 dtype (E4M3/E5M2 only), for torch._scaled_mm."""
+        if self.storage is not None:
+            return self.storage
         dt = self.spec.element.torch_dtype
         if dt is None:
             raise TypeError(f"{self.spec.element.name} has no PyTorch storage dtype; use .values")

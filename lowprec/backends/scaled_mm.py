@@ -12,6 +12,12 @@ Limits, checked in `supports` and in `gemm`: only tensor-wise / row-wise FP8 for
 (no recipe here needs it); on CUDA both GEMM dimensions and K must be multiples of 16,
 and row-wise scaling needs E4M3 operands and a BF16 output on current cuBLAS, so
 row-wise GEMMs on CUDA return BF16 upcast to FP32 (documented in docs/performance.md).
+
+BF16 output: `gemm(a, b, out_dtype=torch.bfloat16)` on CUDA asks `_scaled_mm` for a BF16
+result directly (the epilogue rounds the FP32 accumulator once; no FP32 tensor and no
+separate cast pass), which is what `PrecisionLinear` asks for when its input is BF16. On
+CPU the result stays FP32 and the layer casts it, exactly as before, so CPU numerics and
+the bit-for-bit agreement with the `emulated` backend are unchanged.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ _SUPPORTED = (Scaling.TENSOR, Scaling.DELAYED, Scaling.ROW)
 
 class ScaledMMBackend:
     name = "torch"
+    native_out_dtype = True   # gemm takes out_dtype (BF16 on CUDA)
+    fp8_storage = True        # cached weights keep their FP8 storage form (lowprec.weight_cache)
 
     def supports(self, fmt: Format) -> tuple[bool, str]:
         if fmt.is_high_precision:
@@ -43,7 +51,8 @@ class ScaledMMBackend:
                     f"backend 'emulated' (every format) or 'te' (MXFP8/NVFP4 on Blackwell)")
         return True, ""
 
-    def gemm(self, a, b) -> torch.Tensor:
+    def gemm(self, a, b, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """a @ b^T: in BF16 when `out_dtype` is BF16 on CUDA, else in FP32."""
         if not (isinstance(a, Quantized) and isinstance(b, Quantized)):
             raise TypeError("backend 'torch' multiplies two quantized operands; got "
                             f"{type(a).__name__} and {type(b).__name__}")
@@ -55,10 +64,30 @@ class ScaledMMBackend:
             sb = sb.reshape(1, 1).expand(1, b.values.shape[0]).contiguous() if row_a else sb
         qa = a.to_storage().contiguous()   # cuBLASLt: row-major a, column-major b
         qb = b.to_storage().contiguous()
+        m = qa.shape[0]
+        if qa.is_cuda and (m % 16 or qb.shape[0] % 16 or qa.shape[1] % 16):
+            # cuBLASLt needs every dimension a multiple of 16 (an eval window of odd length):
+            # zero rows/columns change no product and no scale; the padding is sliced off
+            qa, qb, sa, sb = _pad16(qa, qb, sa, sb)
+        native_bf16 = a.values.is_cuda and out_dtype == torch.bfloat16
         cuda_rowwise = a.values.is_cuda and sa.dim() == 2
-        out_dtype = torch.bfloat16 if cuda_rowwise else torch.float32
-        out = torch._scaled_mm(qa, qb.t(), scale_a=sa.float(), scale_b=sb.float(), out_dtype=out_dtype)
-        return out.float()
+        mm_dtype = torch.bfloat16 if (cuda_rowwise or native_bf16) else torch.float32
+        out = torch._scaled_mm(qa, qb.t(), scale_a=sa.float(), scale_b=sb.float(), out_dtype=mm_dtype)
+        out = out[:m, :b.values.shape[0]]
+        return out if native_bf16 else out.float()
 
     def __repr__(self) -> str:
         return "ScaledMMBackend()"
+
+
+def _pad16(qa, qb, sa, sb):
+    """Zero-pad a (M, K) and b (N, K) to multiples of 16; row-wise scales padded with ones."""
+    import torch.nn.functional as F
+    pm, pn, pk = (-qa.shape[0]) % 16, (-qb.shape[0]) % 16, (-qa.shape[1]) % 16
+    qa = F.pad(qa.view(torch.uint8), (0, pk, 0, pm)).view(qa.dtype)  # FP8 zero is all bits 0
+    qb = F.pad(qb.view(torch.uint8), (0, pk, 0, pn)).view(qb.dtype)
+    if sa.dim() == 2 and pm:
+        sa = F.pad(sa, (0, 0, 0, pm), value=1.0)
+    if sb.dim() == 2 and pn:
+        sb = F.pad(sb, (0, pn), value=1.0)
+    return qa, qb, sa, sb

@@ -1,0 +1,105 @@
+"""GPU checks of the `torch` backend's fast path (skipped without CUDA): BF16 output from
+torch._scaled_mm for BF16 inputs, and the weight cache on CUDA."""
+
+import pytest
+import torch
+from torch import nn
+
+from lowprec.backends import get_backend
+from lowprec.formats import get_format
+from lowprec.layers import PrecisionLinear
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _run(layer, x, g):
+    x = x.detach().clone().requires_grad_(True)
+    layer.weight.grad = layer.bias.grad = None
+    y = layer(x)
+    y.backward(g)
+    return y, x.grad, layer.weight.grad
+
+
+@pytest.mark.parametrize("fmt", ["fp8_tensorwise", "fp8_delayed", "fp8_rowwise"])
+def test_bf16_in_bf16_out_matches_emulated(fmt):
+    """BF16 model, BF16 input: the torch backend's GEMMs return BF16 straight from
+    _scaled_mm (no FP32 tensor), the layer's output and gradients are BF16, and they match
+    the emulated backend (FP32 GEMM of the same quantized operands, then one cast) within
+    2e-2 relative (Frobenius): one BF16 rounding of the output (2^-9 relative per element)
+    plus the FP8 tensor cores' reduced-precision accumulation (about 1e-4 measured) plus
+    row-wise cuBLAS's BF16 output, far below one FP8 grid step (2^-4 E4M3, 2^-3 E5M2)."""
+    torch.manual_seed(0)
+    base = nn.Linear(1024, 512, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4, 256, 1024, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16)
+    res = {}
+    for be in ("emulated", "torch"):
+        layer = PrecisionLinear.from_module(base, get_format(fmt), get_backend(be))
+        res[be] = [t.detach().clone() for t in _run(layer, x, g)]
+    for a, b in zip(res["emulated"], res["torch"]):
+        assert b.dtype == torch.bfloat16 and a.dtype == torch.bfloat16
+        assert ((a.float() - b.float()).norm() / a.float().norm()).item() < 2e-2
+
+
+def test_scaled_mm_returns_bf16_without_fp32_pass():
+    """The backend's gemm itself hands back BF16 when asked, on CUDA."""
+    from lowprec.quantize import quantize
+    spec = get_format("fp8_tensorwise").input
+    a = quantize(torch.randn(256, 512, device="cuda"), spec)
+    b = quantize(torch.randn(128, 512, device="cuda"), spec)
+    out = get_backend("torch").gemm(a, b, out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == (256, 128)
+    ref = get_backend("emulated").gemm(a, b)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("fmt", ["fp8_tensorwise", "fp8_rowwise"])
+def test_weight_cache_bit_identical_on_cuda(fmt):
+    """With and without the weight cache: the same bits over 2 steps x 3 micro-batches."""
+    out = {}
+    for cache in (True, False):
+        torch.manual_seed(0)
+        base = nn.Linear(512, 256, device="cuda", dtype=torch.bfloat16)
+        layer = PrecisionLinear.from_module(base, get_format(fmt), get_backend("torch"),
+                                            cache_weights=cache)
+        opt = torch.optim.AdamW(layer.parameters(), lr=1e-3, fused=True)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        vals = []
+        for _ in range(2):
+            for _ in range(3):
+                x = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
+                loss = layer(x).float().square().mean()
+                loss.backward()
+                vals.append(loss.detach())
+            vals.append(layer.weight.grad.clone())
+            opt.step()
+            opt.zero_grad()
+        out[cache] = vals
+    for a, b in zip(out[True], out[False]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_tensorwise", "fp8_rowwise"])
+def test_odd_token_counts_are_padded(fmt):
+    """An eval window of 37 tokens (not a multiple of 16) runs on the torch backend and
+    matches the emulated one (cuBLASLt needs multiples of 16: the backend zero-pads)."""
+    torch.manual_seed(0)
+    base = nn.Linear(256, 128, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 37, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ys = [PrecisionLinear.from_module(base, get_format(fmt), get_backend(be))(x).float()
+              for be in ("emulated", "torch")]
+    assert ys[1].shape == (1, 37, 128)
+    assert ((ys[0] - ys[1]).norm() / ys[0].norm()).item() < 2e-2
+
+
+def test_autocast_fp32_model_gets_bf16_output():
+    """An FP32 model under CUDA BF16 autocast: the FP8 layer returns BF16, as F.linear does."""
+    base = nn.Linear(256, 128, device="cuda")
+    layer = PrecisionLinear.from_module(base, get_format("fp8_tensorwise"), get_backend("torch"))
+    x = torch.randn(64, 256, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and base.weight.grad.dtype == torch.float32
