@@ -8,7 +8,7 @@ by torchtitan's ConfigManager from a TOML file (the user's lines), the model bui
 the llama3 train spec on the meta device, the converters built from torchtitan's registry
 and applied before `to_empty` + `init_weights`, torchtitan's optimizers container with the
 converters' `post_optimizer_hook` registered as its step post-hook, its lr schedulers and
-its loss function. The data: real text (lowprec's own docs), one token per byte.
+its loss function. The data: real text (a Shakespeare play), one token per byte.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import torch
 from lowprec.configparse import ConfigError
 from lowprec.integrations.extras import MissingExtraError
 
-REPO = Path(__file__).resolve().parents[3]
 
 PLAN_YAML = """\
 precision:
@@ -38,7 +37,7 @@ rollout:
   min_steps: 2
   cooldown_steps: 1000
   attribution: {replay: false}
-  thresholds: {max_saturated_frac: 1.0e-3, site_patience: 1}
+  thresholds: {max_saturated_frac: 0.05, site_patience: 1}
   stages:
     - {name: mlp_fp8, select: {glob: "layers.*.feed_forward.*"}, format: fp8_delayed}
     - {name: attn_fp8, select: {glob: "layers.*.attention.*"}, format: fp8_delayed}
@@ -87,8 +86,10 @@ def _job_config(tmp_path: Path, plan_text: str = PLAN_YAML):
 
 
 def _batches(seq_len: int, batch: int):
-    """Real text, one token per byte (the debug model's vocabulary is 2048)."""
-    text = "\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
+    """Real text, one token per byte (the debug model's vocabulary is 2048): a Shakespeare play
+    (fixed text: the run's decisions must not move when the repository's docs are edited)."""
+    from eval_suites.corpora import clean_text, split_texts
+    text = clean_text(split_texts()[0][0].read_bytes())
     ids = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
     n = seq_len + 1
     rows = ids[: len(ids) // n * n].view(-1, n)
