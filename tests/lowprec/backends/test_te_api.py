@@ -2,30 +2,29 @@
 
 TE's Python package (transformer_engine/common/recipe, transformer_engine/pytorch) ships in
 the `transformer-engine-cu13` wheel, and `transformer_engine.pytorch` loads its CUDA core
-library at import, so on a CPU machine the sources are parsed, not imported. Point
-LOWPREC_TE_SRC at a folder holding `transformer_engine/` (unzip the wheel that
-scripts/te_install/download.sh fetched: `unzip -q .te_dl/.../transformer_engine_cu13-*.whl
-'*.py' -d DIR`); without it every test here skips and says why.
+library at import, so on a CPU machine the sources are parsed, not imported.
+`scripts/te_install/download.sh` (the download for a GPU machine) unpacks them into
+`.te_dl/src/transformer_engine/`; without that folder every test here skips and says why.
 """
 
 from __future__ import annotations
 
 import ast
-import os
 from pathlib import Path
 
 import pytest
 
 from lowprec.backends import te as lte
 
-SRC = os.environ.get("LOWPREC_TE_SRC")
+SRC = Path(__file__).resolve().parents[3] / ".te_dl" / "src" / "transformer_engine"
 
 
 @pytest.fixture(scope="module")
 def te_src() -> Path:
-    if not SRC or not (Path(SRC) / "transformer_engine" / "pytorch" / "quantization.py").is_file():
-        pytest.skip("set LOWPREC_TE_SRC to a folder holding TE 2.20's transformer_engine/ sources")
-    return Path(SRC) / "transformer_engine"
+    if not (SRC / "pytorch" / "quantization.py").is_file():
+        pytest.skip(f"TE 2.20's Python sources are not at {SRC}: run scripts/te_install/download.sh (it unpacks "
+                    f"them there) to check lowprec's te backend against them")
+    return SRC
 
 
 def _tree(root: Path, rel: str) -> ast.Module:
