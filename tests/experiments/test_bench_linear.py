@@ -5,12 +5,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from experiments import bench_linear  # noqa: E402
 
 
+@pytest.mark.slow
 def test_tiny_table_has_every_row_and_shape():
     out = subprocess.run([sys.executable, "experiments/bench_linear.py", "--device", "cpu", "--tiny",
                           "--repeats", "2", "--warmup", "1", "--quantizer", "eager"],

@@ -8,6 +8,8 @@ graph break: the model around them compiles, they run eagerly (with the fused qu
 own compiled kernels). The counts below are of the graphs Dynamo hands the backend."""
 
 import pytest
+
+pytestmark = pytest.mark.slow   # torch.compile: seconds per graph on CPU
 import torch
 from torch import nn
 

@@ -9,6 +9,9 @@ import importlib
 import sys
 
 import pytest
+
+# real framework runs (a Trainer each): in `make test`, not in the fast subset
+pytestmark = pytest.mark.slow
 import torch
 
 pytest.importorskip("lightning")

@@ -98,6 +98,7 @@ def _batches(seq_len: int, batch: int):
         yield r[:, :-1], r[:, 1:]
 
 
+@pytest.mark.slow
 def test_debugmodel_rollout_promotes_and_falls_back_on_overflow(titan, tmp_path):
     from torchtitan.distributed import ParallelDims
     from torchtitan.protocols.model_converter import build_model_converters
