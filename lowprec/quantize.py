@@ -59,6 +59,17 @@ _FP32_MAX = torch.finfo(torch.float32).max
 _FUSABLE = (Scaling.TENSOR, Scaling.DELAYED)
 
 
+def _sqnr_db(signal: float, error: float) -> float:
+    """10 log10(signal / error): +inf for no error (or no signal), -inf for an error that
+    overflowed to inf against a finite signal, NaN where both are inf (no answer)."""
+    if not error > 0 or not signal > 0:
+        return math.inf if error == 0 or signal == 0 else math.nan
+    ratio = signal / error
+    if ratio == 0.0:
+        return -math.inf
+    return 10 * math.log10(ratio) if math.isfinite(ratio) else (math.nan if ratio != ratio else math.inf)
+
+
 class QuantStats:
     """Quantization statistics of one operand, packed in one float64 tensor (no host sync)."""
 
@@ -84,8 +95,7 @@ class QuantStats:
         v["underflow_frac"] = v["underflow"] / n
         v["underflow_energy_frac"] = v["underflow_energy"] / v["signal_power"] if v["signal_power"] > 0 else 0.0
         v["rel_mse"] = v["sq_error"] / v["signal_power"] if v["signal_power"] > 0 else 0.0
-        v["sqnr_db"] = (10 * math.log10(v["signal_power"] / v["sq_error"])
-                        if v["sq_error"] > 0 and v["signal_power"] > 0 else math.inf)
+        v["sqnr_db"] = _sqnr_db(v["signal_power"], v["sq_error"])
         return v
 
     def __repr__(self) -> str:

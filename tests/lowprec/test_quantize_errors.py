@@ -430,3 +430,22 @@ def test_stats_do_not_overflow_or_flush(magnitude):
         torch.testing.assert_close(st.signal_power, power, rtol=1e-6, atol=0.0)
         torch.testing.assert_close(st.sq_error, err, rtol=1e-5, atol=0.0)
         assert 0 < st.to_dict()["sqnr_db"] < 60
+
+
+def test_stats_of_an_error_that_overflowed_do_not_raise():
+    """A delayed scale far too small (2^-120) dequantizes the largest BF16 values past FP32's
+    range: the squared error is inf. SQNR is then -inf dB (the worst), not a math error."""
+    from lowprec.formats import get_format
+    from lowprec.quantize import QuantStats, quantize
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    x = bits[torch.isfinite(bits)].reshape(1, -1)
+    spec = get_format("fp8_delayed").specs()["weight"]
+    q = quantize(x, spec, scale=torch.tensor(2.0 ** -120), stats=True)
+    d = q.stats.to_dict()
+    assert d["sq_error"] == math.inf and d["sqnr_db"] == -math.inf
+    both = QuantStats(torch.tensor([1.0, 0, 0, math.inf, math.inf, 0, 4, 0], dtype=torch.float64)).to_dict()
+    assert math.isnan(both["sqnr_db"])
+    clean = QuantStats(torch.tensor([1.0, 0, 0, 0.0, 2.0, 0, 4, 0], dtype=torch.float64)).to_dict()
+    assert clean["sqnr_db"] == math.inf
+    usual = QuantStats(torch.tensor([1.0, 0, 0, 0.01, 1.0, 0, 4, 0], dtype=torch.float64)).to_dict()
+    assert usual["sqnr_db"] == pytest.approx(20.0)
