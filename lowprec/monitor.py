@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lowprec.quantize import QuantStats
+from lowprec.quantize import QuantStats, sqnr_db
 
 __all__ = ["MonitorConfig", "Signals", "SiteSignals", "Monitor", "ROLES"]
 
@@ -104,7 +104,7 @@ def site_signals_from_packed(rows: dict[str, list[float]]) -> SiteSignals:
         s.underflow_frac[role] = und / numel
         s.underflow_energy_frac[role] = und_energy / power if power > 0 else 0.0
         s.rel_mse[role] = err / power if power > 0 else 0.0
-        s.sqnr_db[role] = 10 * math.log10(power / err) if err > 0 and power > 0 else math.inf
+        s.sqnr_db[role] = sqnr_db(power, err)
         s.nonfinite[role] = nonfin
     return s
 

@@ -47,7 +47,7 @@ import torch
 from lowprec.formats import E4M3, ElementFormat, Format, QuantSpec, Rounding, ScaleEncoding, Scaling
 from lowprec.hadamard import RandomHadamard
 
-__all__ = ["QuantStats", "Quantized", "quantize", "fake_quantize", "round_to_grid",
+__all__ = ["QuantStats", "sqnr_db", "Quantized", "quantize", "fake_quantize", "round_to_grid",
            "operand_blocks", "check_fits", "check_layer_fits"]
 
 _EPS = 1e-12                       # amax floor for FP32 scales (torchao's choice)
@@ -59,7 +59,7 @@ _FP32_MAX = torch.finfo(torch.float32).max
 _FUSABLE = (Scaling.TENSOR, Scaling.DELAYED)
 
 
-def _sqnr_db(signal: float, error: float) -> float:
+def sqnr_db(signal: float, error: float) -> float:
     """10 log10(signal / error): +inf for no error (or no signal), -inf for an error that
     overflowed to inf against a finite signal, NaN where both are inf (no answer)."""
     if not error > 0 or not signal > 0:
@@ -95,7 +95,7 @@ class QuantStats:
         v["underflow_frac"] = v["underflow"] / n
         v["underflow_energy_frac"] = v["underflow_energy"] / v["signal_power"] if v["signal_power"] > 0 else 0.0
         v["rel_mse"] = v["sq_error"] / v["signal_power"] if v["signal_power"] > 0 else 0.0
-        v["sqnr_db"] = _sqnr_db(v["signal_power"], v["sq_error"])
+        v["sqnr_db"] = sqnr_db(v["signal_power"], v["sq_error"])
         return v
 
     def __repr__(self) -> str:
