@@ -41,7 +41,7 @@ from lowprec.rollout import RolloutConfig, parse_rollout
 from lowprec.runtime.session import Session, StepResult, _read_yaml, rollout_settings
 from lowprec.verdicts import Verdict
 
-__all__ = ["HostedConfig", "HostedRollout", "Attach", "GapOutcome", "allreduce_grads"]
+__all__ = ["HostedConfig", "HostedRollout", "HostedCallback", "Attach", "GapOutcome", "allreduce_grads"]
 
 SECTIONS = ("precision", "rollout", "eval", "tracking")
 _FRAMEWORK_OWNS = ("model", "data", "train")
@@ -161,7 +161,9 @@ class HostedRollout:
         cfg = self.config
         self.tracker = self._open_tracker(run_name, buffer_root, attach)
         if cfg.eval is not None:
-            self.evals = self._eval_checkpoints(eval_forward, eval_tokenizer, max_length)
+            from lowprec.runtime.evals import eval_checkpoints
+            self.evals = eval_checkpoints(cfg.eval, self.model, self.state, max_length=max_length, tracker=self.tracker,
+                                          forward=eval_forward, tokenizer=eval_tokenizer)
         controller = None
         if cfg.rollout is not None:
             from lowprec.rollout import build_controller
@@ -187,17 +189,6 @@ class HostedRollout:
         folder = Path(buffer_root) / (attach.run_id if attach is not None else f"{name}-{uuid.uuid4().hex[:8]}")
         return Tracker(uri, tc.experiment, name, rank=_rank(), buffer_dir=folder,
                        run_id=attach.run_id if attach is not None else None)
-
-    def _eval_checkpoints(self, forward, tokenizer, max_length: int):
-        from lowprec.runtime.evals import EVALUATORS, GATE_CHECKERS, EvalCheckpoints, load_entry_point
-        ev = self.config.eval
-        try:
-            ev_cls = load_entry_point(EVALUATORS, ev.evaluator)
-            evaluator = ev_cls(ev, self.model, max_length=max_length, forward=forward, tokenizer=tokenizer)
-            checker = load_entry_point(GATE_CHECKERS, "default")(ev.gates) if ev.gates else None
-            return EvalCheckpoints(ev, evaluator, checker, self.state, tracker=self.tracker)
-        except (LookupError, ValueError, KeyError, FileNotFoundError) as e:
-            raise ConfigError("eval", str(e).strip("'\"")) from None
 
     # ------------------------------------------------------------------ each step
     def begin_step(self) -> None:
@@ -302,3 +293,28 @@ class HostedRollout:
                 path.write_text(json.dumps(self.losses))
                 self.tracker.log_artifact(path)
             self.tracker.finish(status)
+
+
+class HostedCallback:
+    """What every framework callback shows of its `HostedRollout` (`self.hosted`): built from a
+    YAML file, the precision state, the session and lowprec's step."""
+
+    hosted: HostedRollout
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, model: nn.Module, **kwargs):
+        return cls(HostedConfig.from_yaml(path), model, **kwargs)
+
+    @property
+    def state(self):
+        """The PrecisionState: `callback.state.formats()` is each layer's format now."""
+        return self.hosted.state
+
+    @property
+    def session(self) -> Session | None:
+        return self.hosted.session
+
+    @property
+    def step(self) -> int:
+        """lowprec's step count: optimizer steps that count (a rewind takes it back)."""
+        return self.hosted.step

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
-__all__ = ["EvalOutcome", "Evaluator", "GateChecker", "EvalCheckpoints", "load_entry_point"]
+__all__ = ["EvalOutcome", "Evaluator", "GateChecker", "EvalCheckpoints", "load_entry_point", "eval_checkpoints"]
 
 EVALUATORS, GATE_CHECKERS = "lowprec.evaluators", "lowprec.gate_checkers"
 
@@ -121,3 +121,22 @@ class EvalCheckpoints:
 
     def final(self, step: int):
         return self.evaluate(step, self.config.final_mode)
+
+
+def eval_checkpoints(config, model, state, *, max_length: int, tracker=None, **evaluator_kwargs) -> EvalCheckpoints:
+    """The `eval:` section's checkpoints for `model`: its evaluator and the default gate
+    checker found through their entry points and checked (the gate's metrics must be ones the
+    evaluator produces here). `evaluator_kwargs` (e.g. `forward=`, `tokenizer=`) go to the
+    evaluator. Every problem is a ConfigError at `eval`."""
+    from lowprec.configparse import ConfigError
+    try:
+        ev_cls = load_entry_point(EVALUATORS, config.evaluator)
+        if hasattr(ev_cls, "check_config"):
+            ev_cls.check_config(config)
+        evaluator = ev_cls(config, model, max_length=max_length, **evaluator_kwargs)
+        checker = load_entry_point(GATE_CHECKERS, "default")(config.gates) if config.gates else None
+        return EvalCheckpoints(config, evaluator, checker, state, tracker=tracker)
+    except ConfigError:
+        raise
+    except (LookupError, ValueError, KeyError, FileNotFoundError) as e:
+        raise ConfigError("eval", str(e).strip("'\"")) from None

@@ -165,20 +165,9 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True) -> Prep
             raise ConfigError("data.factory", str(e)) from None
     prepared = PreparedRun(cfg, model, state, ctl, data, baseline)
     if cfg.eval is not None:
-        from lowprec.runtime.evals import EVALUATORS, GATE_CHECKERS, EvalCheckpoints, load_entry_point
-        try:
-            ev_cls = load_entry_point(EVALUATORS, cfg.eval.evaluator)
-            if hasattr(ev_cls, "check_config"):
-                ev_cls.check_config(cfg.eval)
-            max_len = cfg.data.block_size if cfg.data is not None and cfg.data.block_size else 256
-            evaluator = ev_cls(cfg.eval, model, max_length=max_len)
-            checker = load_entry_point(GATE_CHECKERS, "default")(cfg.eval.gates) if cfg.eval.gates else None
-            # checks that the gate's metrics are ones the evaluator produces here
-            prepared.evals = EvalCheckpoints(cfg.eval, evaluator, checker, state)
-        except ConfigError:
-            raise
-        except (LookupError, ValueError, KeyError, FileNotFoundError) as e:
-            raise ConfigError("eval", str(e).strip("'\"")) from None
+        from lowprec.runtime.evals import eval_checkpoints
+        max_len = cfg.data.block_size if cfg.data is not None and cfg.data.block_size else 256
+        prepared.evals = eval_checkpoints(cfg.eval, model, state, max_length=max_len)
     return prepared
 
 
