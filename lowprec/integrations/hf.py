@@ -47,7 +47,7 @@ from lowprec.integrations.extras import require
 
 transformers = require("transformers", "hf", "Hugging Face transformers (and accelerate)")
 
-from lowprec.integrations.core import Attach, HostedConfig, HostedRollout, allreduce_grads  # noqa: E402
+from lowprec.integrations.core import Attach, HostedCallback, HostedConfig, HostedRollout, allreduce_grads  # noqa: E402
 
 __all__ = ["LowprecCallback"]
 
@@ -75,7 +75,7 @@ class _MicroBatch:
         self.args, self.kwargs, self.loss, self.weight = args, kwargs, loss, 1.0
 
 
-class LowprecCallback(transformers.TrainerCallback):
+class LowprecCallback(HostedCallback, transformers.TrainerCallback):
     """Staged rollout, monitors, skips, rewinds, eval checkpoints and tracking in a `Trainer`."""
 
     def __init__(self, config: HostedConfig | str | Path, model: nn.Module, *, seed: int = 0,
@@ -101,23 +101,6 @@ class LowprecCallback(transformers.TrainerCallback):
         self._replaying = False
         self._saved_max_grad_norm: float | None = None
         self._hook = None
-
-    @classmethod
-    def from_yaml(cls, path: str | Path, model: nn.Module, **kwargs) -> "LowprecCallback":
-        return cls(HostedConfig.from_yaml(path), model, **kwargs)
-
-    @property
-    def state(self):
-        """The PrecisionState: `callback.state.formats()` is each layer's format now."""
-        return self.hosted.state
-
-    @property
-    def session(self):
-        return self.hosted.session
-
-    @property
-    def step(self) -> int:
-        return self.hosted.step
 
     # ------------------------------------------------------------------ capture
     def _keep_microbatch(self, module, args, kwargs, output) -> None:

@@ -66,7 +66,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException  # 
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature  # noqa: E402
 
-from lowprec.integrations.core import Attach, HostedConfig, HostedRollout, allreduce_grads  # noqa: E402
+from lowprec.integrations.core import Attach, HostedCallback, HostedConfig, HostedRollout, allreduce_grads  # noqa: E402
 
 __all__ = ["LowprecCallback"]
 
@@ -104,7 +104,7 @@ def _no_log(*args, **kwargs) -> None:
     """`self.log` during a replay: the step was logged when it ran."""
 
 
-class LowprecCallback(lightning.pytorch.Callback):
+class LowprecCallback(HostedCallback, lightning.pytorch.Callback):
     """Staged rollout, monitors, skips, rewinds, eval checkpoints and tracking in a Lightning `Trainer`."""
 
     def __init__(self, config: HostedConfig | str | Path, model: nn.Module, *, seed: int = 0,
@@ -131,24 +131,6 @@ class LowprecCallback(lightning.pytorch.Callback):
         self._stepped = False
         self._replaying = False
         self._clip_val: tuple[Any, ...] | None = None
-
-    @classmethod
-    def from_yaml(cls, path: str | Path, model: nn.Module, **kwargs) -> "LowprecCallback":
-        return cls(HostedConfig.from_yaml(path), model, **kwargs)
-
-    @property
-    def state(self):
-        """The PrecisionState: `callback.state.formats()` is each layer's format now."""
-        return self.hosted.state
-
-    @property
-    def session(self):
-        return self.hosted.session
-
-    @property
-    def step(self) -> int:
-        """lowprec's step count: optimizer steps that count (a rewind takes it back)."""
-        return self.hosted.step
 
     # ------------------------------------------------------------------ refusals
     def setup(self, trainer, pl_module, stage: str) -> None:

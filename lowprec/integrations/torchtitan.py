@@ -62,7 +62,6 @@ from lowprec.integrations.extras import require
 
 require("torchtitan", "torchtitan", "torchtitan")
 
-import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torchtitan.protocols.model_converter import register_model_converter  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402
