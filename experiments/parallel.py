@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec.runtime.engine import forward_backward
+from lowprec.tracking.phases import NULL_CLOCK, Phase
 from lowprec.runtime.gradnorm import clip_, grad_norm, local_grad
 
 __all__ = ["ParallelConfig", "DataTensorParallel", "Pipeline", "GPTStage", "stage_bounds",
@@ -152,13 +153,19 @@ class DataTensorParallel:
             apply_tensor_parallel(model, mesh["tp"])
         self.params = list(model.parameters())
         self.tp_rank = mesh.get_local_rank("tp")
+        self.clock = NULL_CLOCK   # the loop sets its telemetry's clock
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.dp
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x, y: this dp rank's rows of the global batch. Returns the global mean loss."""
-        loss = forward_backward(self.model, x, y, self.microbatches, self.dp)
+        loss = forward_backward(self.model, x, y, self.microbatches, self.dp, clock=self.clock)
         if self.dp > 1:
             dist.all_reduce(loss, group=self.dp_group)
             _all_reduce_grads(self.params, self.dp_group)
+            self.clock.lap(Phase.COLLECTIVE)
         return loss
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

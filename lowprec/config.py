@@ -7,6 +7,7 @@
     rollout:   {...}                                                    # lowprec.rollout
     eval:      {evaluator: lm_eval, suite: default, every: 100, ...}
     tracking:  {uri: null, experiment: lowprec, run_name: null, enabled: true}
+    telemetry: {enabled: true, energy: auto, grid_g_per_kwh: null, mfu: true}  # lowprec.tracking.telemetry
 
 Everything that can be checked without importing the user's code is checked here, at load,
 by `lowprec.configparse` (one unknown-key check with did-you-mean, types from the
@@ -28,11 +29,12 @@ import yaml
 from lowprec.configparse import ConfigError, check_keys, found, parse, to_data
 from lowprec.plan import PrecisionPlan
 from lowprec.rollout import RolloutConfig, parse_rollout
+from lowprec.tracking.telemetry import TelemetryConfig
 
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "EvalConfig", "TrackingConfig",
-           "RunConfig", "SECTIONS"]
+           "TelemetryConfig", "RunConfig", "SECTIONS"]
 
-SECTIONS = ("model", "data", "train", "precision", "rollout", "eval", "tracking")
+SECTIONS = ("model", "data", "train", "precision", "rollout", "eval", "tracking", "telemetry")
 _FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 _ENTRY_POINT = re.compile(r"[A-Za-z_][\w.-]*")
 
@@ -163,6 +165,7 @@ class RunConfig:
     rollout: RolloutConfig | None = None   # None: no rollout: the plan's formats for the whole run
     eval: EvalConfig | None = None      # None: no evaluation checkpoints
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     source: str = field(default="<dict>", compare=False)   # the file it came from
 
     @classmethod
@@ -206,6 +209,8 @@ class RunConfig:
                    eval=_resolve_gates(ev, base) if ev is not None else None,
                    tracking=(parse(TrackingConfig, d["tracking"], "tracking") if d.get("tracking") is not None
                              else TrackingConfig()),
+                   telemetry=(parse(TelemetryConfig, d["telemetry"], "telemetry") if d.get("telemetry") is not None
+                              else TelemetryConfig()),
                    source=source)
 
     def to_dict(self) -> dict[str, Any]:

@@ -112,6 +112,7 @@ def _send_finished(out: Path) -> int | None:
 
 
 def _cmd_run(args) -> int:
+    started = time.perf_counter()   # telemetry: start-up is the time until the first step
     from lowprec.runtime.faults import parse_injection
     from lowprec.runtime.run import prepare_run
     try:
@@ -139,4 +140,4 @@ def _cmd_run(args) -> int:
     except (ConfigError, ValueError, TypeError) as e:
         return _fail("run", e)
     from lowprec.runtime.run import train_prepared
-    return train_prepared(prepared, out, name=name, resume=args.resume, faults=faults)
+    return train_prepared(prepared, out, name=name, resume=args.resume, faults=faults, started=started)

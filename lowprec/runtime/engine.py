@@ -26,6 +26,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from lowprec.tracking.phases import NULL_CLOCK, LapClock, Phase
+
 __all__ = ["Engine", "SingleProcess", "loss_of", "forward_backward"]
 
 
@@ -52,7 +54,7 @@ def loss_of(out) -> torch.Tensor:
 
 
 def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, microbatches: int = 1,
-                     world: int = 1) -> torch.Tensor:
+                     world: int = 1, clock: LapClock = NULL_CLOCK) -> torch.Tensor:
     """Forward and backward of one batch in `microbatches` row chunks; returns the loss.
 
     Each chunk's loss is divided by microbatches * world (world: data-parallel ranks that
@@ -65,23 +67,29 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, microba
     for xc, yc in chunks:
         loss = loss_of(model(xc, yc))
         part = loss / scale if scale != 1 else loss
+        clock.lap(Phase.FORWARD)
         part.backward()
+        clock.lap(Phase.BACKWARD)
         total = part.detach() if total is None else total + part.detach()
     return total
 
 
 class SingleProcess:
-    """One process: the whole model, gradient accumulation over `microbatches` row chunks."""
+    """One process: the whole model, gradient accumulation over `microbatches` row chunks.
+    `clock`: where forward and backward time is lapped (the loop sets its telemetry's)."""
 
-    def __init__(self, model: nn.Module, microbatches: int = 1):
+    data_parallel_size = 1
+
+    def __init__(self, model: nn.Module, microbatches: int = 1, clock: LapClock = NULL_CLOCK):
         if microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         self.module = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.microbatches = microbatches
+        self.clock = clock
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return forward_backward(self.module, x, y, self.microbatches)
+        return forward_backward(self.module, x, y, self.microbatches, clock=self.clock)
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(self.params, math.inf if max_norm is None else max_norm)

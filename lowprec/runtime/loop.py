@@ -37,6 +37,8 @@ from lowprec.runtime.lrprobe import LRProbe
 from lowprec.runtime.faults import Faults, Injection
 from lowprec.runtime.session import Session, rollout_settings
 from lowprec.runtime.snapshots import DiskSnapshots, MemorySnapshots
+from lowprec.tracking.phases import PassOutcome, Phase
+from lowprec.tracking.telemetry import Telemetry, TelemetryConfig
 
 __all__ = ["RunResult", "train", "warmup_schedule"]
 
@@ -55,6 +57,7 @@ class RunResult:
     nonfinite_params: bool = False
     evals: list[dict] = field(default_factory=list)
     final_eval: object = None
+    telemetry: dict[str, float] = field(default_factory=dict)   # the run's telemetry/* numbers
 
     def summary(self) -> dict:
         return {"steps": len(self.losses), "passes": self.passes, "rewinds": self.rewinds,
@@ -76,11 +79,12 @@ def _rank() -> int:
 def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=None, rollout=None,
           sites: list[str] | None = None, group=None, tracker=None, evals=None,
           baseline: dict[int, float] | None = None, resume: bool = False, faults: list[Injection] | tuple = (),
-          steps: int | None = None, checkpoints: bool = True) -> "RunResult":
+          steps: int | None = None, checkpoints: bool = True, telemetry: Telemetry | None = None) -> "RunResult":
     """Train `engine`'s model for `steps` (default `tc.steps`) as the train section `tc` says.
 
     controller: a RolloutController (None: the plan as it is, no decisions); rollout: its
     parsed section (for the rewind source and snapshot cadence). sites/group: as Session.
+    telemetry: where the time and energy go (`lowprec.tracking.telemetry`); default none.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -120,12 +124,19 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
         tracker.log_precision(session.step_index, state.formats(), state.flops_share())
     injected = Faults(engine.module, faults)
     first = session.step_index
+    tele = telemetry or Telemetry(TelemetryConfig(enabled=False))
+    tele.begin()
+    clock = session.clock = tele.clock
+    if hasattr(engine, "clock"):
+        engine.clock = clock
+    tokens_per_rank = 0
     t0 = time.perf_counter()
     try:
         while session.step_index < n_steps:
             step = session.step_index
             injected.tick(iteration)
             iteration += 1
+            clock.lap(Phase.OTHER)
             if checkpoints and step % tc.ckpt_every == 0:
                 save_checkpoint(ckpt_dir, step, model=engine.module, optimizer=opt, precision=state,
                                 controller=session, data_state=data.state_dict(), keep=tc.ckpt_keep,
@@ -133,48 +144,74 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
                                        "scheduler": sched.state_dict(), "iteration": iteration - 1,
                                        "rewinds_logged": sorted(rewinds_logged), "passes": res.passes,
                                        "rewinds": res.rewinds})
+                clock.lap(Phase.CHECKPOINT)
             if (factor := injected.lr_factor()) != 1.0:
                 for g in opt.param_groups:
                     g["lr"] *= factor
             lr = opt.param_groups[0]["lr"]
             x, y = data.next()
+            clock.lap(Phase.DATA)
+            tokens_per_rank = x.numel()
             loss = engine.forward_backward(x, y)
+            clock.lap(Phase.BACKWARD)   # what the engine did not lap itself
             out_step = session.step(loss, closure=lambda: engine.forward_backward(x, y))
             res.passes += 1
+            tokens = tokens_per_rank * getattr(engine, "data_parallel_size", 1)
+            if out_step.decision.changes:
+                tele.formats_changed()
             if out_step.rewound_to is not None:
                 back = out_step.rewound_to
                 res.losses, res.grad_norms = res.losses[:back], res.grad_norms[:back]
                 res.rewinds += 1
+                tele.end_pass(step, PassOutcome.REWOUND, tokens, rewound_to=back)
                 if tracker is not None and step not in rewinds_logged:
                     _track_rewind(tracker, step, loss.item(), back)
                     rewinds_logged.add(step)
+                    clock.lap(Phase.TRACKING)
                 continue
             res.losses.append(loss.item())
             res.grad_norms.append(float(out_step.grad_norm))
+            clock.lap(Phase.OTHER)
+            tele.end_pass(step, PassOutcome.APPLIED if out_step.applied else PassOutcome.SKIPPED, tokens)
             checked = session.is_check_step(step)
             if checked or step == n_steps - 1:
                 res.formats[step] = state.formats() if sites is None else dict(controller.current)
                 res.flops_share[step] = state.flops_share()
-            if tracker is not None:
-                _track(tracker, tc, res, step, n_steps, lr, checked, session, out_step, state, baseline)
+            if _is_log_step(tc, step, n_steps, checked):
+                window = tele.window(step)
+                if tracker is not None:
+                    _track(tracker, tc, res, step, n_steps, lr, checked, session, out_step, state, baseline, window)
+                    clock.lap(Phase.TRACKING)
             if evals is not None and evals.due(step + 1) and step + 1 < n_steps:
                 outcome = evals.evaluate(step + 1)   # after step+1 updates; the controller hears the verdict
-                if outcome is not None and session.after_eval(step + 1, outcome).changes and tracker is not None:
-                    tracker.log_precision(step + 1, state.formats(), state.flops_share())
+                clock.lap(Phase.EVAL)
+                if outcome is not None and session.after_eval(step + 1, outcome).changes:
+                    tele.formats_changed()
+                    if tracker is not None:
+                        tracker.log_precision(step + 1, state.formats(), state.flops_share())
                 session.resume_statistics()
     finally:
         injected.remove()
         session.close()
     res.seconds_per_step = (time.perf_counter() - t0) / max(n_steps - first, 1)
     if evals is not None:
+        clock.lap(Phase.OTHER)
         evals.final(n_steps)
+        clock.lap(Phase.EVAL)
         res.evals, res.final_eval = evals.history, evals.last
+    res.telemetry = tele.finish()
+    if tracker is not None and res.telemetry:
+        tracker.log_metrics(n_steps, res.telemetry)
+        tracker.log_tags(tele.sources())
     res.nonfinite_params = any(not torch.isfinite(p.detach()).all() for p in engine.params)
     res.events, res.skipped = session.events, session.skipped
     if rank == 0:
         (out / "losses.json").write_text(json.dumps(res.losses))
         (out / "grad_norms.json").write_text(json.dumps(res.grad_norms))
         (out / "summary.json").write_text(json.dumps(res.summary(), indent=1))
+        if res.telemetry:
+            (out / "telemetry.json").write_text(json.dumps({"metrics": res.telemetry, "sources": tele.sources()},
+                                                           indent=1))
     return res
 
 
@@ -215,17 +252,19 @@ def _track_rewind(tracker, step: int, loss: float, back: int) -> None:
     tracker.log_metrics(step, {"train/loss_rewound": loss, "train/rewound_to": back})
 
 
+def _is_log_step(tc, step: int, n_steps: int, checked: bool) -> bool:
+    return (step + 1) % tc.log_every == 0 or checked or step == n_steps - 1
+
+
 def _track(tracker, tc, res: RunResult, step: int, n_steps: int, lr: float, checked: bool, session, out_step,
-           state, baseline) -> None:
-    if not ((step + 1) % tc.log_every == 0 or checked or step == n_steps - 1):
-        return
+           state, baseline, telemetry: dict[str, float]) -> None:
     window = res.losses[-tc.log_every:]
     metrics = {"train/loss": sum(window) / len(window), "train/loss_last": res.losses[-1],
                "train/grad_norm": res.grad_norms[-1], "train/lr": lr}
     if baseline and step in baseline:
         metrics["train/baseline_loss"] = sum(baseline.get(s, baseline[step]) for s in
                                              range(step - len(window) + 1, step + 1)) / len(window)
-    tracker.log_metrics(step, metrics)
+    tracker.log_metrics(step, {**metrics, **telemetry})
     if checked and session.last_signals is not None:
         tracker.log_signals(step, session.last_signals)
     if checked or out_step.decision.changes:

@@ -172,10 +172,12 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True) -> Prep
 
 
 def execute(prepared: PreparedRun, out: str | Path, *, tracker=None, resume: bool = False, faults=(),
-            steps: int | None = None):
-    """Train a prepared run through the one loop (single process); returns its RunResult."""
+            steps: int | None = None, started: float | None = None):
+    """Train a prepared run through the one loop (single process); returns its RunResult.
+    started: `time.perf_counter()` when the run began (telemetry's start-up; default: now)."""
     from lowprec.runtime.engine import SingleProcess
     from lowprec.runtime.loop import train
+    from lowprec.tracking.telemetry import Telemetry
 
     cfg = prepared.config
     evals = prepared.evals
@@ -183,9 +185,11 @@ def execute(prepared: PreparedRun, out: str | Path, *, tracker=None, resume: boo
         evals.tracker = tracker
         if prepared.controller is not None and evals.checker is not None:
             prepared.controller.gate = evals.gate
+    device = next((p.device for p in prepared.model.parameters()), torch.device("cpu"))
+    telemetry = Telemetry(cfg.telemetry, device=device, model=prepared.model, state=prepared.state, started=started)
     return train(cfg.train, SingleProcess(prepared.model, cfg.train.microbatches), prepared.state, prepared.data,
                  out_dir=out, controller=prepared.controller, rollout=cfg.rollout, tracker=tracker, evals=evals,
-                 baseline=prepared.baseline, resume=resume, faults=faults, steps=steps)
+                 baseline=prepared.baseline, resume=resume, faults=faults, steps=steps, telemetry=telemetry)
 
 
 def run_config(config, out_dir: str | Path, *, faults=(), controller: bool = True, steps: int | None = None,
@@ -206,7 +210,7 @@ def run_config(config, out_dir: str | Path, *, faults=(), controller: bool = Tru
 
 
 def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool = False, faults=(),
-                   print_summary: bool = True) -> int:
+                   print_summary: bool = True, started: float | None = None) -> int:
     """`lowprec run`: train a prepared run tracked in MLflow, print the summary; the exit status
     (2, with nothing written, when resuming finds checkpoints and every one is corrupt)."""
     import warnings
@@ -230,7 +234,7 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
         tracker.log_config(cfg.to_dict())
     status = "FAILED"
     try:
-        res = execute(prepared, out, tracker=tracker, resume=resume, faults=faults)
+        res = execute(prepared, out, tracker=tracker, resume=resume, faults=faults, started=started)
         status = "FINISHED"
     except NoUsableCheckpointError as e:   # went bad between the check above and the loop
         print(f"lowprec run: --resume: {e}", file=sys.stderr)

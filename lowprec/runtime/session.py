@@ -60,6 +60,7 @@ from lowprec.monitor import Monitor, MonitorConfig
 from lowprec.runtime.lrprobe import LRProbe, ProbeResult
 from lowprec.runtime.replay import StepReplayer
 from lowprec.runtime.snapshots import MemorySnapshots, Snapshots
+from lowprec.tracking.phases import NULL_CLOCK, LapClock, Phase
 
 __all__ = ["Session", "StepResult", "rollout_settings"]
 
@@ -105,7 +106,7 @@ class Session:
                  on_events: Callable[[list[Event]], None] | None = None, start_step: int = 0,
                  snapshot_every: int = 20, snapshot_keep: int = 2, max_replays: int = 8,
                  lr_probe: LRProbe | None = None, lr_probe_config=None,
-                 held_batch: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 held_batch: tuple[torch.Tensor, torch.Tensor] | None = None, clock: LapClock = NULL_CLOCK):
         """state: the PrecisionState of `lowprec.prepare(model, plan)` (this rank's sites).
         controller: from `lowprec.rollout.build_controller`; None runs the plan as it is
             (no statistics, no decisions: every step is applied).
@@ -123,10 +124,13 @@ class Session:
             `LRProbe.for_model` on `held_batch` (x, y), a batch training never draws, the same
             on every rank (the probe's number is not combined across ranks, and every rank
             must decide alike).
+        clock: laps the step's phases (clipping and the optimizer, collectives, replays,
+            monitoring, snapshots, restores, the LR probe) for `lowprec.tracking.telemetry`.
         """
         self.model, self.optimizer, self.state = model, optimizer, state
         self.controller, self.scheduler, self.data = controller, scheduler, data
         self.clip = clip or _default_clip(model, max_grad_norm)
+        self.clock = clock
         self.step_index = start_step
         self.events: list[Event] = []
         self.last_signals = None
@@ -199,13 +203,19 @@ class Session:
 
     # ------------------------------------------------------------------ the step
     def _prepare(self, step: int) -> None:
-        self._probe_lr(step)   # before arm(): the probe's forwards must not take the step-start hook
+        self.clock.override = Phase.LR_PROBE   # its forwards and backwards are probe time
+        try:
+            self._probe_lr(step)   # before arm(): the probe's forwards must not take the step-start hook
+        finally:
+            self.clock.override = None
+        self.clock.lap(Phase.LR_PROBE)
         if self.replayer is not None:
             self.replayer.arm()
         if self.monitor is not None:
             self.monitor.before_step(step)   # statistics on check steps only
         else:
             self.state.collect_stats(False)
+        self.clock.lap(Phase.MONITOR)
 
     # ---- the LR probe (lowprec.runtime.lrprobe): at the start of its check steps, no gradients yet
     def _probe_lr(self, step: int) -> None:
@@ -246,6 +256,7 @@ class Session:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
+        self.clock.lap(Phase.OPTIMIZER)
         self._next(result)
         return result
 
@@ -263,6 +274,7 @@ class Session:
             self.monitor.count_outputs = closure is None or self.replayer is None
         if grad_norm is None:
             grad_norm = self.clip()
+        self.clock.lap(Phase.OPTIMIZER)
         result = StepResult(s, Decision(), loss.detach(), grad_norm)
         result.decision = self._decide(s, loss, grad_norm, closure, result)
         return result
@@ -290,6 +302,7 @@ class Session:
             return False
         d = result.decision
         back = self.snapshots.restore(result.step, d.skip_batches, before=d.rewind_before)
+        self.clock.lap(Phase.RESTORE)
         if back is None:
             return False
         self.rewinds += 1
@@ -306,6 +319,7 @@ class Session:
         self.step_index = s + 1
         if self.snapshots is not None:
             self.snapshots.after_step(s + 1)
+            self.clock.lap(Phase.CHECKPOINT)
         self._prepare(s + 1)
 
     def is_check_step(self, step: int) -> bool:
@@ -331,10 +345,17 @@ class Session:
             return Decision()
         mon, ctl = self.monitor, self.controller
         # every rank reads the same two numbers, so every rank branches (and replays) alike
-        anomaly = result.anomaly = ctl.detect(step, *self._measure(loss, grad_norm))
+        measured = self._measure(loss, grad_norm)
+        self.clock.lap(Phase.COLLECTIVE)
+        anomaly = result.anomaly = ctl.detect(step, *measured)
         attribution = None
         if anomaly is not None and closure is not None and self.replayer is not None:
-            attribution = result.attribution = self._attribute(closure)
+            self.clock.override = Phase.REPLAY
+            try:
+                attribution = result.attribution = self._attribute(closure)
+            finally:
+                self.clock.override = None
+            self.clock.lap(Phase.REPLAY)
         if attribution is None:
             mon.record(step, loss, grad_norm)
             if anomaly is not None and not mon.is_check_step(step):
@@ -345,7 +366,9 @@ class Session:
         if mon.is_check_step(step):
             signals = self.last_signals = mon.check(step)
             signals.lr_sensitivity = self._lr_sensitivity(step)
-        return self._carry_out(ctl.observe_step(step, anomaly, signals, attribution))
+        decision = self._carry_out(ctl.observe_step(step, anomaly, signals, attribution))
+        self.clock.lap(Phase.MONITOR)
+        return decision
 
     def _attribute(self, closure: Callable[[], torch.Tensor]) -> Attribution:
         ctl = self.controller

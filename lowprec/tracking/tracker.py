@@ -177,6 +177,13 @@ class Tracker:
         self.log_metrics(step, metrics)
 
     @_never_raises
+    def log_tags(self, tags: Mapping[str, str]) -> None:
+        """Run tags (`telemetry.energy`: where a number came from), each cut to MLflow's limit."""
+        if tags:
+            self._put(("records", [{"op": "tags", "tags": {str(k): fit_value(str(v), MAX_TAG_VALUE, "telemetry.json")
+                                                           for k, v in tags.items()}}]))
+
+    @_never_raises
     def log_precision(self, step: int, state_formats: Mapping[str, str], flops_share: Mapping[str, float]) -> None:
         """GEMM FLOP share per format (`precision/flops_share/<format>`, 0 once a format is
         gone) and the precision map (`precision_map.json`, tag) when it changed."""
