@@ -7,6 +7,8 @@
     report_sources.py  ReportData, read from MLflow or from a tracker's buffer dir
     report_timeline.py the precision timeline figure and the styles the pictures share
     cli.py             `lowprec report | ui | sync` (registered by lowprec.cli)
+    energy.py          open_meter: joules of a run from NVML's GPU counter or codecarbon (telemetry extra)
+    peaks.py           GEMM FLOPs per token by format, device peaks per GEMM class, MFU
 
 Import the submodule you need (`from lowprec.tracking.tracker import Tracker`). This file
 imports nothing: `import lowprec.tracking` loads neither MLflow nor matplotlib, and the
