@@ -269,8 +269,11 @@ class Telemetry:
         if self._last_reading is not None:
             out["telemetry.energy_kind"] = "measured" if self._last_reading.measured else "estimate"
         if self.peaks:
-            out["telemetry.peaks"] = "; ".join(f"{k.value}: {v.flops_per_s / 1e12:.3g} TFLOP/s ({v.source})"
-                                               for k, v in self.peaks.items())
+            same: dict[tuple[float, str], list[str]] = {}
+            for k, v in self.peaks.items():
+                same.setdefault((v.flops_per_s, v.source), []).append(k.value)
+            out["telemetry.peaks"] = "; ".join(f"{'/'.join(ks)}: {f / 1e12:.3g} TFLOP/s ({src})"
+                                               for (f, src), ks in same.items())
         return out
 
 
