@@ -6,8 +6,9 @@ the metric histories the pictures need: everything under `train/`, `eval/`, `pre
 `signal/<site>/...` series of the sites that fell back (not the thousands of others).
 `from_run_dir` reads the tracker's local journal (what `finish` draws, even with the server
 away); `from_mlflow` reads a run through `MlflowClient` (what `lowprec report RUN_ID` draws).
-The same events also give the run's compact `lowprec.*` tags, its Markdown note and the rows of its events table (`events_tags`,
-`events_table`), so the MLflow page and the pictures can never disagree.
+The same events also give the run's compact `lowprec.*` tags, its Markdown note and the
+rows of its events table (`events_tags`, `events_table`), so the MLflow page and the
+pictures can never disagree.
 
 `precision_history` is the precision map at each step of the final trajectory (after a
 rewind, the redone steps in the map they were redone in; the rewinds from the REWIND events
