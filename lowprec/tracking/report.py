@@ -18,6 +18,11 @@
 * `evals.png`: eval results per checkpoint with 95% intervals (±1.96 stderr, or the
   logged `_ci_low`/`_ci_high`), gate verdicts marked; eval results only (`is_eval_metric`:
   not how long an eval took, not `eval_mode/*`).
+* `time_breakdown.png` (lowprec.tracking.report_time): where the time went, seconds per log
+  window stacked by phase (`time/<phase>_s`) with the wasted seconds (`time/wasted_s`)
+  cross-hatched and the rewound steps, evals and events marked; under it the run's buckets
+  (`telemetry/bucket/*_s`) with goodput, tokens/s, MFU and energy per token. Older runs
+  without `time/` metrics get none.
 
 Titles are wrapped to the width of what they stand over (`fit_title`): a long run name never
 runs off the picture.
@@ -257,10 +262,11 @@ def render_report(data: ReportData, out_dir: str | Path) -> list[Path]:
     """Write every picture the data allows as PNG into `out_dir`; returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    from lowprec.tracking.report_time import time_figure  # it draws with this module's helpers
     written = []
     for name, make in (("precision_timeline", timeline_figure), ("loss", loss_figure),
                        ("fallback_signals", signals_figure), ("lr_sensitivity", lr_sensitivity_figure),
-                       ("evals", evals_figure)):
+                       ("evals", evals_figure), ("time_breakdown", time_figure)):
         fig = make(data)
         if fig is not None:
             path = out / f"{name}.png"

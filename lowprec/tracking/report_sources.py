@@ -1,18 +1,22 @@
 """What a rollout report is drawn from, read from a tracker's buffer dir or from an MLflow run.
 
 `ReportData` holds the precision map at the first logged step, the controller events, and
-the metric histories the pictures need: everything under `train/`, `eval/` and
-`precision/`, and the `signal/<site>/...` series of the sites that fell back (not the
-thousands of others). `from_run_dir` reads the tracker's local journal (what `finish`
-draws, even with the server away); `from_mlflow` reads a run through `MlflowClient`
-(what `lowprec report RUN_ID` draws). The same events also give the run's compact
-`lowprec.*` tags, its Markdown note and the rows of its events table (`events_tags`,
-`events_table`), so the MLflow page and the pictures can never disagree.
+the metric histories the pictures need: everything under `train/`, `eval/`, `precision/`,
+`time/` (seconds per log window by phase) and `telemetry/` (the run summary), and the
+`signal/<site>/...` series of the sites that fell back (not the thousands of others).
+`from_run_dir` reads the tracker's local journal (what `finish` draws, even with the server
+away); `from_mlflow` reads a run through `MlflowClient` (what `lowprec report RUN_ID` draws).
+The same events also give the run's compact `lowprec.*` tags, its Markdown note and the
+rows of its events table (`events_tags`, `events_table`), so the MLflow page and the
+pictures can never disagree.
 
 `precision_history` is the precision map at each step of the final trajectory (after a
 rewind, the redone steps in the map they were redone in; the rewinds from the REWIND events
 and `train/rewound_to`, `rewinds`); the timeline and the FLOP-share panel are both drawn from
-it (`flops_share_steps`), so they cannot contradict each other. A site's `output` signals
+it (`flops_share_steps`), so they cannot contradict each other. A step logged twice (after a
+rewind) keeps the later value; of its `time/` series only the later pass's points (those
+logged after the step's earlier `time/window_s`): a phase the redone window did not log
+counts as 0 there, not as the abandoned pass's seconds (`_final_pass`). A site's `output` signals
 other than `nonfinite` are never measured and not read (older runs logged them as zeros).
 
 Evidence a fallback carries, so that the report can plot the signal that triggered it:
@@ -40,7 +44,8 @@ __all__ = ["ReportData", "from_run_dir", "from_mlflow", "events_table", "events_
            "fallback_sites", "rewinds", "precision_history", "flops_share_steps", "STATS"]
 
 Series = list[tuple[int, float]]
-_KEPT_PREFIXES = ("train/", "eval/", "eval_hp/", "precision/")
+_KEPT_PREFIXES = ("train/", "eval/", "eval_hp/", "precision/", "time/", "telemetry/")
+WINDOW = "time/window_s"
 STATS = ("amax", "saturated_frac", "underflow_frac", "underflow_energy_frac", "rel_mse", "sqnr_db", "nonfinite")
 # rollout.thresholds keys (lowprec.detectors.Thresholds) -> the stat they bound
 THRESHOLD_KEYS = {"max_saturated_frac": "saturated_frac", "max_underflow_frac": "underflow_frac",
@@ -115,6 +120,22 @@ def _wanted(key: str, sites: set[str]) -> bool:
     site, role, stat = (key[len("signal/"):].rsplit("/", 2) + ["", ""])[:3]
     # a site's output is only checked for non-finite values: older runs logged zeros for the rest
     return site in sites and (role != "output" or stat == "nonfinite")
+
+
+def _final_pass(timed: dict[str, list[tuple[int, float, float]]]) -> dict[str, dict[int, float]]:
+    """`time/` points {key: [(step, timestamp, value)] in logging order} -> {key: {step: value}},
+    where a step whose `time/window_s` was logged more than once keeps only the points logged
+    after the last-but-one of them (the redone window's, not the abandoned pass's)."""
+    stamps: dict[int, list[float]] = {}
+    for step, ts, _ in timed.get(WINDOW, []):
+        stamps.setdefault(step, []).append(ts)
+    cut = {step: sorted(ts)[-2] for step, ts in stamps.items() if len(ts) > 1}
+    out: dict[str, dict[int, float]] = {}
+    for key, pts in timed.items():
+        for step, ts, v in pts:
+            if ts > cut.get(step, -float("inf")):
+                out.setdefault(key, {})[step] = v
+    return out
 
 
 # ------------------------------------------------------------------ precision history
@@ -211,15 +232,19 @@ def from_run_dir(run_dir: str | os.PathLike) -> ReportData:
     pmap = json.loads((d / "files" / "precision_map.json").read_text()) if (d / "files" / "precision_map.json").exists() else {}
     sites = set(fallback_sites(events))
     points: dict[str, dict[int, float]] = {}
+    timed: dict[str, list[tuple[int, float, float]]] = {}
     journal = d / "outbox.jsonl"
     if journal.exists():
         with open(journal) as f:
             for line in f:
                 if '"op":"metrics"' not in line:
                     continue
-                for k, v, _ts, step in json.loads(line)["metrics"]:
-                    if _wanted(k, sites):
+                for k, v, ts, step in json.loads(line)["metrics"]:
+                    if k.startswith("time/"):
+                        timed.setdefault(k, []).append((int(step), float(ts), float(v)))
+                    elif _wanted(k, sites):
                         points.setdefault(k, {})[int(step)] = float(v)  # the latest value of a step wins
+    points.update(_final_pass(timed))
     metrics = {k: sorted(v.items()) for k, v in points.items()}
     cfg_file = d / "files" / "config.yaml"
     thresholds = {}
@@ -241,11 +266,15 @@ def from_mlflow(client, run_id: str, baseline_run: str | None = None) -> ReportD
         if "precision_map.json" in names:
             pmap = json.loads(Path(client.download_artifacts(run_id, "precision_map.json", tmp)).read_text())
     sites = set(fallback_sites(events))
-    metrics = {}
+    metrics, timed = {}, {}
     for key in run.data.metrics:
         if _wanted(key, sites):
-            hist = {m.step: m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)}
-            metrics[key] = sorted(hist.items())
+            hist = sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)
+            if key.startswith("time/"):
+                timed[key] = [(m.step, m.timestamp, m.value) for m in hist]
+            else:
+                metrics[key] = sorted({m.step: m.value for m in hist}.items())
+    metrics.update({k: sorted(v.items()) for k, v in _final_pass(timed).items()})
     baseline = metrics.get(BASELINE_LOSS, [])
     if baseline_run:
         hist = {m.step: m.value for m in client.get_metric_history(baseline_run, "train/loss")}
