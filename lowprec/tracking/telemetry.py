@@ -17,8 +17,9 @@ estimate when it is one) once per window.
 The run's numbers (`summary()`), logged at the last step so that a gate file can name them
 beside the evals: `telemetry/tokens_per_s` (tokens of the steps that survived, per second of
 the whole run), `telemetry/goodput` (productive seconds / wall seconds),
-`telemetry/energy_per_token_j`, each with a `_stderr` from the log windows (the spread within
-one run; the gate's tolerance has to absorb the spread between runs), and `telemetry/mfu`,
+`telemetry/energy_per_token_j`, each with a `_stderr`: the relative standard error of the
+step's speed over the log windows (the spread within one run; a gate's tolerance has to
+absorb the spread between runs, docs/gates.md), and `telemetry/mfu`,
 `telemetry/step_tokens_per_s`, `telemetry/energy_j`, `telemetry/emissions_g`, the buckets
 `telemetry/bucket/<bucket>_s` and the phases `telemetry/phase/<phase>_s`.
 """
@@ -228,11 +229,16 @@ class Telemetry:
         productive = led.buckets[Bucket.PRODUCTIVE]
         if productive > 0:
             out["telemetry/step_tokens_per_s"] = tokens / productive
-        per_window = [w.tokens / w.seconds for w in self.windows]
-        if (se := _stderr(per_window)) is not None:
-            out["telemetry/tokens_per_s_stderr"] = se
-        if (se := _stderr([w.productive / w.seconds for w in self.windows])) is not None:
-            out["telemetry/goodput_stderr"] = se
+        # the uncertainty of the run's speed: the spread of the step's own speed over the log
+        # windows (evals, checkpoints and rewinds are not noise, they are in the number), as a
+        # relative standard error applied to each run number below
+        speeds = [w.tokens / w.productive for w in self.windows if w.productive > 0 and w.tokens > 0]
+        se = _stderr(speeds)
+        rel_se = se / (sum(speeds) / len(speeds)) if se is not None else None
+        if rel_se is not None:
+            out["telemetry/step_tokens_per_s_stderr"] = out.get("telemetry/step_tokens_per_s", 0.0) * rel_se
+            out["telemetry/tokens_per_s_stderr"] = out.get("telemetry/tokens_per_s", 0.0) * rel_se
+            out["telemetry/goodput_stderr"] = led.goodput * rel_se
         for b in Bucket:
             out[f"telemetry/bucket/{b.value}_s"] = led.buckets[b]
         for p in Phase:
@@ -242,9 +248,8 @@ class Telemetry:
             out["telemetry/energy_j"] = j
             out["telemetry/energy_per_token_j"] = j / tokens
             out["telemetry/energy_measured"] = 1.0 if self._last_reading.measured else 0.0
-            ej = [w.joules / w.tokens for w in self.windows if w.joules is not None and w.tokens > 0]
-            if (se := _stderr(ej)) is not None:
-                out["telemetry/energy_per_token_j_stderr"] = se
+            if rel_se is not None:
+                out["telemetry/energy_per_token_j_stderr"] = j / tokens * rel_se
             if self.config.grid_g_per_kwh is not None:
                 from lowprec.tracking.energy import emissions_grams
                 out["telemetry/emissions_g"] = emissions_grams(j, self.config.grid_g_per_kwh)
