@@ -1,4 +1,4 @@
-"""The loss curve of a baseline run stored in MLflow (`rollout.baseline.mlflow_run`).
+"""The loss curve (and the telemetry) of a baseline run stored in MLflow (`rollout.baseline.mlflow_run`).
 
 `lowprec run` logs every run's per-step losses as the artifact `losses.json`; a later
 run names the baseline by run id, or by run name (the newest FINISHED run of that name
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lowprec.configparse import ConfigError
 
-__all__ = ["losses_of_run", "LOSSES_ARTIFACT"]
+__all__ = ["losses_of_run", "telemetry_of_run", "LOSSES_ARTIFACT"]
 
 LOSSES_ARTIFACT = "losses.json"
 _WHERE = "rollout.baseline.mlflow_run"
@@ -62,3 +62,19 @@ def _read(tracking_uri: str, experiment: str, ref: str) -> list[float]:
             raise ConfigError(_WHERE, f"run {run.info.run_id} has no {LOSSES_ARTIFACT} artifact ({type(e).__name__}); "
                               f"name a run that `lowprec run` trained") from None
         return json.loads(Path(local).read_text())
+
+
+def telemetry_of_run(tracking_uri: str, experiment: str, ref: str) -> dict[str, float]:
+    """The baseline run's `telemetry/*` numbers (for the summary's comparison); raises
+    ConfigError when the run cannot be read, and gives {} for a run logged without them."""
+    from lowprec.tracking.deadline import DEFAULT_TIMEOUT_S, Deadline, NoAnswer
+    deadline = Deadline(DEFAULT_TIMEOUT_S, f"the tracking store {tracking_uri}")
+
+    def read() -> dict[str, float]:
+        from mlflow.tracking import MlflowClient
+        run = _find_run(MlflowClient(tracking_uri), experiment, ref)
+        return {k: float(v) for k, v in run.data.metrics.items() if k.startswith("telemetry/")}
+    try:
+        return deadline.run(f"reading the baseline run {ref!r}", read)
+    except NoAnswer as e:
+        raise ConfigError(_WHERE, str(e)) from None

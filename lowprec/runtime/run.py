@@ -275,6 +275,7 @@ def summary_text(name: str, res, prepared: PreparedRun, out: Path, run_id: str |
             shown = ", ".join(f"{m} {v:.4f}" for m, v in sorted(metrics.items())
                               if isinstance(v, float) and not m.endswith("_stderr"))
             lines.append(f"  eval {task}: {shown}")
+    lines += telemetry_lines(res.telemetry, _baseline_telemetry(prepared))
     for e in res.events:
         lines.append("  " + e.summary())
     lines.append(f"  files: {out}")
@@ -284,3 +285,58 @@ def summary_text(name: str, res, prepared: PreparedRun, out: Path, run_id: str |
         ui = uri if uri.startswith(("http://", "https://")) else f"lowprec ui --tracking-uri {uri}"
         lines.append(f"  UI: {ui}    pictures: lowprec report {run_id} --tracking-uri {uri}")
     return "\n".join(lines)
+
+
+def _baseline_telemetry(prepared: PreparedRun) -> tuple[str, dict[str, float]] | None:
+    """(name, telemetry/* numbers) of the run's loss-gap baseline in MLflow, when it names one."""
+    cfg = prepared.config
+    b = cfg.rollout.baseline if cfg.rollout is not None else None
+    if b is None or b.mlflow_run is None:
+        return None
+    from lowprec.runtime.baseline import telemetry_of_run
+    try:
+        return b.mlflow_run, telemetry_of_run(_tracking_uri(cfg), cfg.tracking.experiment, b.mlflow_run)
+    except ConfigError:
+        return None
+
+
+def telemetry_lines(t: dict[str, float], baseline: tuple[str, dict[str, float]] | None = None) -> list[str]:
+    """Where the time and the energy went, in a few lines (`lowprec run`'s summary)."""
+    if not t:
+        return []
+    from lowprec.tracking.phases import Bucket, Phase
+    wall = t["telemetry/wall_s"]
+    wasted = [(b.value, t[f"telemetry/bucket/{b.value}_s"]) for b in Bucket if b is not Bucket.PRODUCTIVE]
+    wasted = ", ".join(f"{name} {s:.1f} s" for name, s in wasted if s >= 0.05)
+    lines = [f"  time: {wall:.1f} s, goodput {t['telemetry/goodput']:.0%} (productive "
+             f"{t['telemetry/bucket/productive_s']:.1f} s; wasted: {wasted or 'none'})"]
+    phases = [(p.value, t[f"telemetry/phase/{p.value}_s"]) for p in Phase]
+    step = sum(s for _, s in phases)
+    if step > 0:
+        lines.append("  phases: " + ", ".join(f"{name} {s / step:.0%}" for name, s in
+                                               sorted(phases, key=lambda kv: -kv[1]) if s / step >= 0.005))
+    line = f"  throughput: {t.get('telemetry/tokens_per_s', 0):,.0f} tokens/s"
+    if "telemetry/step_tokens_per_s" in t:
+        line += f" ({t['telemetry/step_tokens_per_s']:,.0f} in the steps alone)"
+    if "telemetry/mfu" in t:
+        line += f", MFU {t['telemetry/mfu']:.1%}"
+    lines.append(line)
+    if "telemetry/energy_j" in t:
+        kind = "measured" if t.get("telemetry/energy_measured") else "estimate"
+        line = (f"  energy ({kind}): {t['telemetry/energy_j'] / 1e3:.2f} kJ, "
+                f"{t['telemetry/energy_per_token_j'] * 1e3:.3g} mJ/token")
+        if "telemetry/emissions_g" in t:
+            line += f", {t['telemetry/emissions_g']:.3g} g CO2e"
+        lines.append(line)
+    if baseline is not None and baseline[1]:
+        name, b = baseline
+        parts = []
+        if t.get("telemetry/tokens_per_s") and b.get("telemetry/tokens_per_s"):
+            parts.append(f"time per token x{b['telemetry/tokens_per_s'] / t['telemetry/tokens_per_s']:.2f}")
+        if t.get("telemetry/step_tokens_per_s") and b.get("telemetry/step_tokens_per_s"):
+            parts.append(f"in the steps x{b['telemetry/step_tokens_per_s'] / t['telemetry/step_tokens_per_s']:.2f}")
+        if t.get("telemetry/energy_per_token_j") and b.get("telemetry/energy_per_token_j"):
+            parts.append(f"energy per token x{t['telemetry/energy_per_token_j'] / b['telemetry/energy_per_token_j']:.2f}")
+        if parts:
+            lines.append(f"  against {name}: " + ", ".join(parts))
+    return lines
