@@ -229,8 +229,9 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
     if cfg.tracking.enabled:
         from lowprec.tracking.tracker import Tracker
         # resume: the MLflow run of a killed `lowprec run` is continued (never a finished one)
+        tel = cfg.telemetry
         tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, name, buffer_dir=out / "tracking",
-                          resume=resume)
+                          resume=resume, system_metrics_s=tel.system_metrics_s if tel.enabled else None)
         tracker.log_config(cfg.to_dict())
     status = "FAILED"
     try:

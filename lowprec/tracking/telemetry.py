@@ -54,9 +54,13 @@ class TelemetryConfig:
     energy: EnergyChoice = EnergyChoice.AUTO
     grid_g_per_kwh: float | None = None      # grid carbon intensity for `telemetry/emissions_g`
     mfu: bool = True                         # FLOPs against the device's peak (CPU: a measured GEMM peak)
+    system_metrics_s: float | None = 10.0   # MLflow's system metrics every N seconds (null: none)
 
     def __post_init__(self) -> None:
         from lowprec.configparse import ConfigError
+        if self.system_metrics_s is not None and not self.system_metrics_s > 0:
+            raise ConfigError("system_metrics_s", f"expected seconds between samples (> 0, e.g. 10) or null (no "
+                                                  f"system metrics), found {self.system_metrics_s!r}")
         if not isinstance(self.energy, EnergyChoice):
             try:
                 object.__setattr__(self, "energy", EnergyChoice(self.energy))

@@ -54,6 +54,7 @@ from lowprec.tracking.records import (BASELINE_LOSS, EVAL_PREFIX, LR_SENSITIVITY
 from lowprec.tracking.report import render_report
 from lowprec.tracking.report_sources import events_table, events_tags, from_run_dir
 from lowprec.tracking.resume import BufferInUseError, ResumeFilter, RunState, check_buffer
+from lowprec.tracking.system_metrics import SystemMetrics
 
 __all__ = ["Tracker", "BufferInUseError", "flatten_config", "metric_key", "SIGNAL_STATS", "BASELINE_LOSS"]
 
@@ -84,7 +85,8 @@ class Tracker:
                  buffer_dir: str | os.PathLike, resume: bool = False, run_id: str | None = None,
                  tags: Mapping[str, str] | None = None,
                  queue_size: int = 65536, flush_interval_s: float = 1.0, probe_timeout_s: float = 2.0,
-                 retry_max_s: float = 30.0, signal_stats: Iterable[str] = SIGNAL_STATS):
+                 retry_max_s: float = 30.0, signal_stats: Iterable[str] = SIGNAL_STATS,
+                 system_metrics_s: float | None = None):
         self.enabled = rank == 0
         self._warned: set[str] = set()
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
@@ -131,6 +133,9 @@ class Tracker:
         self._stop, self._wake = threading.Event(), threading.Event()
         self._next_try, self._backoff, self.online, self.last_error = 0.0, 0.0, None, ""
         self._finished = False
+        # MLflow's own system-metrics monitor, started by the sender once the run exists
+        self.system_metrics = (SystemMetrics(tracking_uri, system_metrics_s, resume=self._resume is not None)
+                               if system_metrics_s is not None else None)
         self._journal = threading.Thread(target=self._journal_loop, name="lowprec-journal", daemon=True)
         self._sender = threading.Thread(target=self._sender_loop, name="lowprec-sender", daemon=True)
         self._journal.start()
@@ -288,6 +293,8 @@ class Tracker:
                 self._put(("records", [{"op": "artifact", "file": "files/report", "artifact_path": "report"}]))
             except Exception as e:  # noqa: BLE001
                 log.warning("lowprec tracking: report pictures failed (%s: %s)", type(e).__name__, e)
+        if self.system_metrics is not None:
+            self.system_metrics.stop()
         self._put(("records", [{"op": "terminate", "status": status, "end_time": now_ms()}]))
         self.flush(timeout)
         self._finished = True
@@ -430,6 +437,8 @@ class Tracker:
                     res = SendResult(0, 0, self.outbox.n_pending(), f"{type(e).__name__}: {e}")
             if res is not None and not res.error:
                 self.online, self._backoff, self.last_error = True, 0.0, ""
+                if self.system_metrics is not None and self.run_id:
+                    self.system_metrics.start(self.run_id)
                 continue
             if self.online is not False:
                 log.warning("lowprec tracking: %s is not taking records (%s); buffering in %s",
