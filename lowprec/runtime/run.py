@@ -276,7 +276,8 @@ def summary_text(name: str, res, prepared: PreparedRun, out: Path, run_id: str |
             shown = ", ".join(f"{m} {v:.4f}" for m, v in sorted(metrics.items())
                               if isinstance(v, float) and not m.endswith("_stderr"))
             lines.append(f"  eval {task}: {shown}")
-    lines += telemetry_lines(res.telemetry, _baseline_telemetry(prepared))
+    if res.telemetry:
+        lines += telemetry_lines(res.telemetry, _baseline_telemetry(prepared))
     for e in res.events:
         lines.append("  " + e.summary())
     lines.append(f"  files: {out}")

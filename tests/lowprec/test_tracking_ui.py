@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 
 from lowprec.cli import main
+from lowprec.runtime.loop import RunResult
 from lowprec.runtime.run import summary_text
 
 
@@ -45,8 +46,7 @@ def test_no_store_is_an_error_and_creates_nothing(tmp_path):
 def test_the_ui_hint_of_a_run_summary_is_a_command_lowprec_ui_accepts(tmp_path, monkeypatch, capsys, uri):
     (tmp_path / "mlflow.db").write_bytes(b"")
     uri = uri.format(store=tmp_path / "mlflow.db")
-    res = SimpleNamespace(losses=[1.0, 0.5], seconds_per_step=0.1, rewinds=0, skipped=0, events=[], flops_share={},
-                          final_eval=None)
+    res = RunResult(losses=[1.0, 0.5], seconds_per_step=0.1)
     text = summary_text("r", res, SimpleNamespace(baseline=None), tmp_path, "a" * 32, uri)
     hint = next(line for line in text.splitlines() if "UI:" in line)
     assert uri in hint
