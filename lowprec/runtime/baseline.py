@@ -37,18 +37,24 @@ def _find_run(client, experiment: str, ref: str):
     return runs[0]
 
 
-def losses_of_run(tracking_uri: str, experiment: str, ref: str) -> list[float]:
+def _ask_store(read, tracking_uri: str, experiment: str, ref: str):
+    """`read(tracking_uri, experiment, ref)` within the tracking deadline; a SQLite store that
+    is not there is a ConfigError (asking MLflow would create an empty one)."""
     if tracking_uri.startswith("sqlite:///"):
         db = Path(tracking_uri[len("sqlite:///"):])
-        if not db.is_file():   # asking MLflow would create an empty store
+        if not db.is_file():
             raise ConfigError(_WHERE, f"no run {ref!r}: there is no tracking store at {db} (tracking.uri); train "
                               f"the baseline first, e.g. `lowprec run CONFIG --as-baseline --run-name {ref}`")
     from lowprec.tracking.deadline import DEFAULT_TIMEOUT_S, Deadline, NoAnswer
     deadline = Deadline(DEFAULT_TIMEOUT_S, f"the tracking store {tracking_uri}")
     try:
-        return deadline.run(f"reading the baseline run {ref!r}", _read, tracking_uri, experiment, ref)
+        return deadline.run(f"reading the baseline run {ref!r}", read, tracking_uri, experiment, ref)
     except NoAnswer as e:
         raise ConfigError(_WHERE, str(e)) from None
+
+
+def losses_of_run(tracking_uri: str, experiment: str, ref: str) -> list[float]:
+    return _ask_store(_read, tracking_uri, experiment, ref)
 
 
 def _read(tracking_uri: str, experiment: str, ref: str) -> list[float]:
@@ -67,14 +73,10 @@ def _read(tracking_uri: str, experiment: str, ref: str) -> list[float]:
 def telemetry_of_run(tracking_uri: str, experiment: str, ref: str) -> dict[str, float]:
     """The baseline run's `telemetry/*` numbers (for the summary's comparison); raises
     ConfigError when the run cannot be read, and gives {} for a run logged without them."""
-    from lowprec.tracking.deadline import DEFAULT_TIMEOUT_S, Deadline, NoAnswer
-    deadline = Deadline(DEFAULT_TIMEOUT_S, f"the tracking store {tracking_uri}")
+    return _ask_store(_read_telemetry, tracking_uri, experiment, ref)
 
-    def read() -> dict[str, float]:
-        from mlflow.tracking import MlflowClient
-        run = _find_run(MlflowClient(tracking_uri), experiment, ref)
-        return {k: float(v) for k, v in run.data.metrics.items() if k.startswith("telemetry/")}
-    try:
-        return deadline.run(f"reading the baseline run {ref!r}", read)
-    except NoAnswer as e:
-        raise ConfigError(_WHERE, str(e)) from None
+
+def _read_telemetry(tracking_uri: str, experiment: str, ref: str) -> dict[str, float]:
+    from mlflow.tracking import MlflowClient
+    run = _find_run(MlflowClient(tracking_uri), experiment, ref)
+    return {k: float(v) for k, v in run.data.metrics.items() if k.startswith("telemetry/")}

@@ -129,7 +129,6 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     clock = session.clock = tele.clock
     if hasattr(engine, "clock"):
         engine.clock = clock
-    tokens_per_rank = 0
     t0 = time.perf_counter()
     try:
         while session.step_index < n_steps:
@@ -151,12 +150,11 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
             lr = opt.param_groups[0]["lr"]
             x, y = data.next()
             clock.lap(Phase.DATA)
-            tokens_per_rank = x.numel()
             loss = engine.forward_backward(x, y)
             clock.lap(Phase.BACKWARD)   # what the engine did not lap itself
             out_step = session.step(loss, closure=lambda: engine.forward_backward(x, y))
             res.passes += 1
-            tokens = tokens_per_rank * getattr(engine, "data_parallel_size", 1)
+            tokens = x.numel() * getattr(engine, "data_parallel_size", 1)
             if out_step.decision.changes:
                 tele.formats_changed()
             if out_step.rewound_to is not None:

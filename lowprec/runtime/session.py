@@ -60,7 +60,7 @@ from lowprec.monitor import Monitor, MonitorConfig
 from lowprec.runtime.lrprobe import LRProbe, ProbeResult
 from lowprec.runtime.replay import StepReplayer
 from lowprec.runtime.snapshots import MemorySnapshots, Snapshots
-from lowprec.tracking.phases import NULL_CLOCK, LapClock, Phase
+from lowprec.tracking.phases import NULL_CLOCK, LapClock, Phase, counted_as
 
 __all__ = ["Session", "StepResult", "rollout_settings"]
 
@@ -203,12 +203,8 @@ class Session:
 
     # ------------------------------------------------------------------ the step
     def _prepare(self, step: int) -> None:
-        self.clock.override = Phase.LR_PROBE   # its forwards and backwards are probe time
-        try:
+        with counted_as(self.clock, Phase.LR_PROBE):
             self._probe_lr(step)   # before arm(): the probe's forwards must not take the step-start hook
-        finally:
-            self.clock.override = None
-        self.clock.lap(Phase.LR_PROBE)
         if self.replayer is not None:
             self.replayer.arm()
         if self.monitor is not None:
@@ -350,12 +346,8 @@ class Session:
         anomaly = result.anomaly = ctl.detect(step, *measured)
         attribution = None
         if anomaly is not None and closure is not None and self.replayer is not None:
-            self.clock.override = Phase.REPLAY
-            try:
+            with counted_as(self.clock, Phase.REPLAY):
                 attribution = result.attribution = self._attribute(closure)
-            finally:
-                self.clock.override = None
-            self.clock.lap(Phase.REPLAY)
         if attribution is None:
             mon.record(step, loss, grad_norm)
             if anomaly is not None and not mon.is_check_step(step):

@@ -139,7 +139,7 @@ def gemm_flops_per_token(model: nn.Module, state) -> dict[str, float]:
     for site in state.sites.values():
         site_modules.add(id(site.module))
         name = site.format.name
-        out[name] = out.get(name, 0.0) + 6.0 * site.module.in_features * site.module.out_features
+        out[name] = out.get(name, 0.0) + float(site.flops_per_token)
     for module in model.modules():
         if isinstance(module, nn.Linear) and id(module) not in site_modules:
             out["bf16"] = out.get("bf16", 0.0) + 6.0 * module.in_features * module.out_features

@@ -21,10 +21,11 @@ start-up. Goodput is productive time over wall time.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from enum import Enum
 from typing import Protocol
 
-__all__ = ["Phase", "Bucket", "LapClock", "CpuLapClock", "CudaLapClock", "NullClock", "NULL_CLOCK", "lap_clock",
+__all__ = ["Phase", "Bucket", "LapClock", "CpuLapClock", "CudaLapClock", "NullClock", "NULL_CLOCK", "lap_clock", "counted_as",
            "GoodputLedger", "PassOutcome", "ALWAYS_WASTED"]
 
 
@@ -180,6 +181,18 @@ def lap_clock(device) -> LapClock:
 
 
 NULL_CLOCK = NullClock()   # stateless: one instance serves every untimed loop
+
+
+@contextmanager
+def counted_as(clock: LapClock, phase: Phase):
+    """Everything inside is `phase` time, laps included (a replay's forward and backward are
+    replay time); the block ends with a lap of `phase`."""
+    clock.override = phase
+    try:
+        yield
+    finally:
+        clock.override = None
+    clock.lap(phase)
 
 
 class PassOutcome(str, Enum):

@@ -28,22 +28,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from enum import Enum
+from dataclasses import dataclass, field
 
+from lowprec.tracking.energy import EnergySource, emissions_grams, open_meter
 from lowprec.tracking.phases import (ALWAYS_WASTED, NULL_CLOCK, Bucket, GoodputLedger, LapClock, PassOutcome, Phase,
                                      lap_clock)
 
-__all__ = ["TelemetryConfig", "Telemetry", "EnergyChoice"]
-
-
-class EnergyChoice(str, Enum):
-    """`telemetry.energy`: where energy comes from (see lowprec.tracking.energy)."""
-
-    AUTO = "auto"
-    NVML = "nvml"
-    CODECARBON = "codecarbon"
-    OFF = "off"
+__all__ = ["TelemetryConfig", "Telemetry", "EnergySource"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +42,7 @@ class TelemetryConfig:
     """`telemetry:` what a run measures about its own cost."""
 
     enabled: bool = True
-    energy: EnergyChoice = EnergyChoice.AUTO
+    energy: EnergySource = EnergySource.AUTO
     grid_g_per_kwh: float | None = None      # grid carbon intensity for `telemetry/emissions_g`
     mfu: bool = True                         # FLOPs against the device's peak (CPU: a measured GEMM peak)
     system_metrics_s: float | None = 10.0   # MLflow's system metrics every N seconds (null: none)
@@ -61,11 +52,11 @@ class TelemetryConfig:
         if self.system_metrics_s is not None and not self.system_metrics_s > 0:
             raise ConfigError("system_metrics_s", f"expected seconds between samples (> 0, e.g. 10) or null (no "
                                                   f"system metrics), found {self.system_metrics_s!r}")
-        if not isinstance(self.energy, EnergyChoice):
+        if not isinstance(self.energy, EnergySource):
             try:
-                object.__setattr__(self, "energy", EnergyChoice(self.energy))
+                object.__setattr__(self, "energy", EnergySource(self.energy))
             except ValueError:
-                raise ConfigError("energy", f"expected one of {', '.join(e.value for e in EnergyChoice)}, "
+                raise ConfigError("energy", f"expected one of {', '.join(e.value for e in EnergySource)}, "
                                             f"found {self.energy!r}") from None
         g = self.grid_g_per_kwh
         if g is not None and not (isinstance(g, (int, float)) and math.isfinite(g) and g >= 0):
@@ -75,10 +66,14 @@ class TelemetryConfig:
 
 @dataclass
 class _Window:
-    seconds: float
-    tokens: int
-    productive: float
-    joules: float | None
+    """One log window: seconds by phase, tokens and productive seconds of its applied passes."""
+    phases: dict[Phase, float] = field(default_factory=dict)
+    tokens: int = 0
+    productive: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.phases.values())
 
 
 @dataclass
@@ -115,24 +110,19 @@ class Telemetry:
         self.phase_totals: dict[Phase, float] = {p: 0.0 for p in Phase}
         self.windows: list[_Window] = []
         self._pending: list[_Pending] = []
-        self._win = _Window(0.0, 0, 0.0, None)
+        self._win = _Window()
         self._flops_per_token: dict[str, float] | None = None
         self.meter, self.energy_note = None, "telemetry is off"
-        self.peaks, self.peak_note = {}, ""
+        self.peaks = {}
         self._joules_at_window = 0.0
         self._last_reading = None
-        self._window_phases: dict[Phase, float] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def begin(self) -> None:
         """Start-up ends here: open the energy meter, measure the peaks, start the clock."""
         if not self.config.enabled:
             return
-        if self.config.energy is not EnergyChoice.OFF:
-            from lowprec.tracking.energy import open_meter
-            self.meter, self.energy_note = open_meter(self.config.energy.value, self.device)
-        else:
-            self.energy_note = "telemetry.energy is off"
+        self.meter, self.energy_note = open_meter(self.config.energy, self.device)   # OFF: (None, why)
         if self.config.mfu:
             from lowprec.tracking.peaks import device_peaks
             self.peaks = device_peaks(self.device)
@@ -161,13 +151,14 @@ class Telemetry:
         for i, phases in enumerate(passes):
             for p, s in phases.items():
                 self.phase_totals[p] += s
-                self._win.seconds += s
+                self._win.phases[p] = self._win.phases.get(p, 0.0) + s
             if i < len(self._pending):
                 pend = self._pending[i]
-                self.ledger.add_pass(pend.step, phases, pend.outcome, pend.tokens, pend.rewound_to, pend.flops)
+                wasted = self.ledger.add_pass(pend.step, phases, pend.outcome, pend.tokens, pend.rewound_to,
+                                              pend.flops)
                 if pend.outcome is PassOutcome.APPLIED:
                     self._win.tokens += pend.tokens
-                    self._win.productive += sum(s for p, s in phases.items() if p not in ALWAYS_WASTED)
+                    self._win.productive += sum(phases.values()) - wasted
             else:   # the open tail (final eval, tracking): not a step of its own
                 for p, s in phases.items():
                     self.ledger.add_outside(ALWAYS_WASTED.get(p, Bucket.OTHER), s)
@@ -178,11 +169,8 @@ class Telemetry:
         if not self.config.enabled:
             return {}
         self._book()
-        w, self._win = self._win, _Window(0.0, 0, 0.0, None)
-        last = self._window_phases
-        self._window_phases = dict(self.phase_totals)
-        metrics = {f"time/{p.value}_s": self.phase_totals[p] - last.get(p, 0.0) for p in Phase
-                   if self.phase_totals[p] - last.get(p, 0.0) > 0}
+        w, self._win = self._win, _Window()
+        metrics = {f"time/{p.value}_s": s for p, s in w.phases.items() if s > 0}
         metrics["time/window_s"] = w.seconds
         metrics["time/wasted_s"] = max(w.seconds - w.productive, 0.0)
         if w.seconds > 0:
@@ -190,11 +178,10 @@ class Telemetry:
         if self.meter is not None:
             r = self._read_energy()
             if r is not None:
-                w.joules = r.joules - self._joules_at_window
-                self._joules_at_window = r.joules
-                metrics["energy/joules"] = w.joules
+                joules, self._joules_at_window = r.joules - self._joules_at_window, r.joules
+                metrics["energy/joules"] = joules
                 if w.seconds > 0:
-                    metrics["energy/watts"] = w.joules / w.seconds
+                    metrics["energy/watts"] = joules / w.seconds
         if w.seconds > 0:
             self.windows.append(w)
         return metrics
@@ -255,7 +242,6 @@ class Telemetry:
             if rel_se is not None:
                 out["telemetry/energy_per_token_j_stderr"] = j / tokens * rel_se
             if self.config.grid_g_per_kwh is not None:
-                from lowprec.tracking.energy import emissions_grams
                 out["telemetry/emissions_g"] = emissions_grams(j, self.config.grid_g_per_kwh)
         m = self.mfu()
         if m is not None:
