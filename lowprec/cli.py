@@ -1,9 +1,9 @@
-"""The `lowprec` command line: `run`, `plan`, `report`, `ui`, `sync`, and the commands other packages register.
+"""The `lowprec` command line: `run`, `plan`, `profile`, `report`, `ui`, `sync`, and the commands other packages register.
 
 The subcommands come from registrars, functions `register(subparsers)` that add one or
 more commands: the built-ins listed in `BUILTIN_REGISTRARS` (`plan` and `run` from
-lowprec.runtime.cli; `report`, `ui`, `sync` from lowprec.tracking.cli), then every entry
-point in the group `lowprec.commands` that an installed package declares. The `gates`
+lowprec.runtime.cli; `profile` from lowprec.profile.cli; `report`, `ui`, `sync` from
+lowprec.tracking.cli), then every entry point in the group `lowprec.commands` that an installed package declares. The `gates`
 package declares `gate` that way (`gate = "gates.cli:register"` in pyproject.toml), so
 lowprec never imports gates: imports flow one way, `gates -> lowprec`."""
 
@@ -14,6 +14,7 @@ import sys
 from importlib.metadata import entry_points
 from typing import Any, Callable
 
+from lowprec.profile import cli as profile_cli
 from lowprec.runtime import cli as runtime_cli
 from lowprec.tracking import cli as tracking_cli
 
@@ -25,6 +26,7 @@ Registrar = Callable[[Any], None]  # register(subparsers): adds one or more subc
 # The commands lowprec itself ships, in `--help` order. Another built-in is one more entry here.
 BUILTIN_REGISTRARS: tuple[Registrar, ...] = (
     runtime_cli.register,       # plan, run
+    profile_cli.register,       # profile
     tracking_cli.add_commands,  # report, ui, sync
 )
 
