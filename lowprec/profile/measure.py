@@ -7,11 +7,16 @@ forward and backward once with only that site quantized, and three things are re
   quantizer statistics summed over the held batches;
 * the relative change of the mean loss against the all-BF16 reference on the same batches;
 * the cosine between the model's whole gradient (every trainable parameter) and the
-  all-BF16 gradient on the same batches.
+  all-BF16 gradient on the same batches, and the same cosine per parameter tensor,
+  averaged with the tensors' sizes as weights (`grad_cosine_tensors`).
 
-`sensitivity = max(loss change, 0) + (1 - gradient cosine)`: what one site does to the
+`sensitivity = max(loss change, 0) + (1 - grad_cosine_tensors)`: what one site does to the
 forward (the loss the optimizer sees) plus what it does to the backward (the direction the
-optimizer steps in), both relative and dimensionless, zero for BF16 itself.
+optimizer steps in), both relative and dimensionless, zero for BF16 itself. The per-tensor
+cosine is the one that counts for Adam, which normalises every element's step: a site
+whose FP4 gradients lose a fifth of their energy turns its own weight's gradient by 0.89
+in cosine while the whole gradient, dominated by larger tensors, still reads 0.9999
+(measured on the reference GPT, docs/profile.md).
 
 Cost: `batches * (1 + pairs)` forward+backward passes per rank (one reference, then one
 per pair), nothing stored but the reference gradient. `sample` profiles a few sites of
@@ -59,15 +64,16 @@ class SiteCost:
     flop_share: float                  # of the switchable sites' GEMM FLOPs
     loss_delta: float                  # (loss - reference) / reference, mean loss over the batches
     grad_cosine: float                 # cos(gradient, BF16 gradient), all trainable parameters
+    grad_cosine_tensors: float = 1.0   # the same per parameter tensor, mean weighted by size
     sqnr_db: dict[str, float] = field(default_factory=dict)   # operand -> SQNR (dB)
     underflow_energy: float = 0.0      # the largest share of an operand's energy flushed to zero
     estimated_from: str | None = None  # sampled profiles: the profiled site whose numbers these are
 
     @property
     def sensitivity(self) -> float:
-        if not (math.isfinite(self.loss_delta) and math.isfinite(self.grad_cosine)):
+        if not all(math.isfinite(v) for v in (self.loss_delta, self.grad_cosine, self.grad_cosine_tensors)):
             return math.inf
-        return max(self.loss_delta, 0.0) + (1.0 - self.grad_cosine)
+        return max(self.loss_delta, 0.0) + (1.0 - self.grad_cosine_tensors)
 
     @property
     def flops_saved(self) -> float:
@@ -191,7 +197,8 @@ class _Measurer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.scaling = state.scaling_state()   # every pair starts from the same scales and draws
         self.ref_loss, self.ref_grads = self._run()
-        self.ref_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in self.ref_grads))
+        self.ref_norms = [float(g.double().pow(2).sum().sqrt()) for g in self.ref_grads]
+        self.ref_norm = math.sqrt(sum(n * n for n in self.ref_norms))
 
     def _run(self, after_batch: Callable[[], None] | None = None):
         self.model.zero_grad(set_to_none=True)
@@ -227,15 +234,25 @@ class _Measurer:
             loss, grads = self._run(keep_stats)
         finally:
             self.state.set_format(fqn, bf16)
-        dot = sum(float((g.double() * r.double()).sum()) for g, r in zip(grads, self.ref_grads))
-        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
-        cosine = dot / (norm * self.ref_norm) if norm > 0 and self.ref_norm > 0 else (1.0 if norm == self.ref_norm else 0.0)
+        dots = [float((g.double() * r.double()).sum()) for g, r in zip(grads, self.ref_grads)]
+        norms = [float(g.double().pow(2).sum().sqrt()) for g in grads]
+        cosine = _cosine(sum(dots), math.sqrt(sum(n * n for n in norms)), self.ref_norm)
+        sizes = [g.numel() for g in grads]
+        per_tensor = sum(n * _cosine(d, a, b) for n, d, a, b in zip(sizes, dots, norms, self.ref_norms)) / max(sum(sizes), 1)
         stats = {role: QuantStats(p).to_dict() for role, p in totals.items()}
         return SiteCost(fqn=fqn, format=fmt.name, flop_share=flop_share,
                         loss_delta=(loss - self.ref_loss) / abs(self.ref_loss) if self.ref_loss else loss,
                         grad_cosine=cosine if math.isfinite(cosine) else math.nan,
+                        grad_cosine_tensors=per_tensor if math.isfinite(per_tensor) else math.nan,
                         sqnr_db={r: v["sqnr_db"] for r, v in stats.items()},
                         underflow_energy=max((v["underflow_energy_frac"] for v in stats.values()), default=0.0))
+
+
+def _cosine(dot: float, a: float, b: float) -> float:
+    """dot / (a b); two zero vectors agree (1), a zero against a non-zero one does not (0)."""
+    if a > 0 and b > 0:
+        return dot / (a * b)
+    return 1.0 if a == b else 0.0
 
 
 def _merge(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """From a profile to a staged plan: which format each site ends in, and in which order it gets there.
 
-1. Formats (`choose_formats`): formats are filled from the fewest bits up (FP4 before FP8).
-   For each, the sites whose sensitivity in it is within the budget take it, least
-   sensitive per FLOP saved first, until the format's FLOP-share cap (`max_share`) is
-   reached; a site that fits nowhere stays in BF16. Each site's ladder is its format, then
+1. Formats (`choose_formats`): widths are filled from the fewest bits up (FP4 before FP8).
+   For each width, the sites with a format of that width within the budget take their
+   least sensitive one, least sensitive per FLOP saved first, until the format's FLOP-share
+   cap (`max_share`) is reached; a site that fits nowhere stays in BF16. Each site's ladder is its format, then
    every format of its own ladder (and the profiled ones) with more bits, then BF16.
 2. Stages (`order_stages`): from the most bits down (FP8 stages, then FP4), every site on
    its way to that format or below moves in the stage of that format; a format's sites are
@@ -66,16 +66,20 @@ def choose_formats(profile: Profile, ladders: Mapping[str, Sequence[str]], *, bu
         by_site.setdefault(e.fqn, {})[e.format] = e
     share = {f: next(iter(c.values())).flop_share for f, c in by_site.items()}
     chosen: dict[str, SiteChoice] = {}
-    for fmt in profile.formats():   # fewest bits first
-        cap, used = caps.get(fmt, 1.0), 0.0
-        fits = sorted((c[fmt] for f, c in by_site.items() if f not in chosen and fmt in c
-                       and c[fmt].sensitivity <= budget), key=lambda e: (e.per_flop_saved, e.fqn))
-        for e in fits:
-            if used + e.flop_share > cap + 1e-9:
-                continue
-            used += e.flop_share
-            chosen[e.fqn] = SiteChoice(e.fqn, fmt, _ladder(fmt, ladders.get(e.fqn, ()), profile.formats()),
+    used: dict[str, float] = {}
+    for bits in sorted({_bits(f) for f in profile.formats()}):   # fewest bits first
+        options = {f: sorted((e for fmt, e in c.items() if _bits(fmt) == bits and e.sensitivity <= budget),
+                             key=lambda e: (e.sensitivity, e.format))
+                   for f, c in by_site.items() if f not in chosen}
+        order = sorted((f for f, opts in options.items() if opts), key=lambda f: (options[f][0].per_flop_saved, f))
+        for f in order:   # least sensitive per FLOP saved first; each site its least sensitive format that fits
+            for e in options[f]:
+                if used.get(e.format, 0.0) + e.flop_share > caps.get(e.format, 1.0) + 1e-9:
+                    continue
+                used[e.format] = used.get(e.format, 0.0) + e.flop_share
+                chosen[f] = SiteChoice(f, e.format, _ladder(e.format, ladders.get(f, ()), profile.formats()),
                                        e.flop_share, f"sensitivity {e.sensitivity:.3g} <= budget {budget:g}")
+                break
     for f in ladders:
         if f in chosen:
             continue

@@ -32,7 +32,7 @@ def ranked_table(profile: Profile, choices: Mapping[str, SiteChoice] | None = No
     rows = profile.ranked()
     shown = rows if limit is None else rows[:limit]
     head = (f"{'site':<34} {'format':<15} {'FLOPs':>6} {'sens.':>8} {'/saved':>8} {'dloss':>9} "
-            f"{'grad cos':>9} {'SQNR x/w/dy dB':>17} {'uf E':>6}  plan")
+            f"{'grad cos':>9} {'per tensor':>10} {'SQNR x/w/dy dB':>17} {'uf E':>6}  plan")
     lines = [head, "-" * len(head)]
     for e in shown:
         sq = "/".join(_num(e.sqnr_db.get(r, math.nan), ".1f") for r in _OPERAND_SHORT)
@@ -42,7 +42,7 @@ def ranked_table(profile: Profile, choices: Mapping[str, SiteChoice] | None = No
         est = f" ~{e.estimated_from}" if e.estimated_from else ""
         lines.append(f"{e.fqn[:34]:<34} {e.format:<15} {e.flop_share:>6.1%} {_num(e.sensitivity, '.2e'):>8} "
                      f"{_num(e.per_flop_saved, '.2e'):>8} {_num(e.loss_delta, '+.2e'):>9} "
-                     f"{_num(e.grad_cosine, '.5f'):>9} {sq:>17} {e.underflow_energy:>6.1%}  {plan}{est}")
+                     f"{_num(e.grad_cosine, '.5f'):>9} {_num(e.grad_cosine_tensors, '.5f'):>10} {sq:>17} {e.underflow_energy:>6.1%}  {plan}{est}")
     if limit is not None and len(rows) > limit:
         lines.append(f"... {len(rows) - limit} more in profile.csv")
     return "\n".join(lines)
@@ -65,10 +65,10 @@ def write_csv(profile: Profile, path: Path) -> None:
     with open(path, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["site", "format", "flop_share", "sensitivity", "per_flop_saved", "loss_delta", "grad_cosine",
-                    "sqnr_input_db", "sqnr_weight_db", "sqnr_grad_output_db", "underflow_energy", "estimated_from"])
+                    "grad_cosine_tensors", "sqnr_input_db", "sqnr_weight_db", "sqnr_grad_output_db", "underflow_energy", "estimated_from"])
         for e in profile.ranked():
             w.writerow([e.fqn, e.format, f"{e.flop_share:.6g}", f"{e.sensitivity:.6g}", f"{e.per_flop_saved:.6g}",
-                        f"{e.loss_delta:.6g}", f"{e.grad_cosine:.8g}",
+                        f"{e.loss_delta:.6g}", f"{e.grad_cosine:.8g}", f"{e.grad_cosine_tensors:.8g}",
                         *(f"{e.sqnr_db.get(r, math.nan):.4g}" for r in _OPERAND_SHORT),
                         f"{e.underflow_energy:.4g}", e.estimated_from or ""])
 
@@ -101,7 +101,7 @@ def draw(profile: Profile, choices: Mapping[str, SiteChoice] | None, path: Path,
                     xytext=(4, 2), textcoords="offset points")
     ax.set_yscale("log")
     ax.set_xlabel("share of GEMM FLOPs")
-    ax.set_ylabel("sensitivity: loss change + (1 - gradient cosine)")
+    ax.set_ylabel("sensitivity: loss change + (1 - per-tensor gradient cosine)")
     ax.set_title(f"lowprec profile: {profile.batches} held batches, {profile.passes_per_rank} passes per rank")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -120,6 +120,7 @@ def log_to_mlflow(tracker, profile: Profile, choices: Mapping[str, SiteChoice], 
     for e in profile.entries:
         key = f"profile/{e.format}/{e.fqn}"
         for name, v in (("sensitivity", e.sensitivity), ("loss_delta", e.loss_delta), ("grad_cosine", e.grad_cosine),
+                        ("grad_cosine_tensors", e.grad_cosine_tensors),
                         ("sqnr_min_db", min(e.sqnr_db.values(), default=math.nan))):
             if math.isfinite(v):
                 metrics[f"{key}/{name}"] = v
