@@ -21,8 +21,10 @@ Per seed, on the reference model (experiments/configs/default.yaml, evals off, n
    (`pushedNN_*_fixed`: `--no-controller`, rules starting in the final format): the plan's own
    loss gap.
 Prints one Markdown table per seed and the mean over seeds: loss gap, final share of FP4
-and FP8 FLOPs, controller events (fallbacks, rewinds), and whether the gate held (gap within
-`rollout.thresholds.loss_gap`, 3%, and no site fell back). Runs already in `--work` are reused.
+and FP8 FLOPs, controller events (sites fallen back on their own signals, rollbacks by the
+loss-gap gate, rewinds), and whether the gate held: the gap within
+`rollout.thresholds.loss_gap` (3%) and the loss-gap gate never tripped. Runs already in
+`--work` are reused.
 """
 
 from __future__ import annotations
@@ -156,12 +158,13 @@ def one_seed(seed: int, work: Path, jobs: int, steps: int | None, push_format: s
         log = d / k / "events.jsonl"
         events = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
         g = gap(r["losses"], bf16["losses"])
-        fallbacks = sum(1 for e in events if e.get("kind") in ("fallback", "rollback"))
+        fallbacks = sum(len(e.get("sites", ())) for e in events if e.get("kind") == "fallback")
+        trips = sum(1 for e in events if e.get("kind") == "rollback" and "loss_gap" in str(e.get("reason", "")))
         fm = s.get("formats") or {}
         fm = fm if isinstance(fm, dict) else {}
-        rows.append({"seed": seed, "plan": k, "gap": g, "fallbacks": fallbacks, "rewinds": s.get("rewinds", 0),
-                     "events": s.get("events", 0), "final_formats": fm,
-                     "held": g <= loss_gap and fallbacks == 0})
+        rows.append({"seed": seed, "plan": k, "gap": g, "fallbacks": fallbacks, "gate_trips": trips,
+                     "rewinds": s.get("rewinds", 0), "events": s.get("events", 0), "final_formats": fm,
+                     "held": g <= loss_gap and trips == 0})
     return rows
 
 
@@ -194,12 +197,13 @@ def main() -> None:
         rows += one_seed(seed, work, args.jobs, args.steps, args.push_format, args.push_share)
     (work / "results.json").write_text(json.dumps(rows, indent=1))
     cfg0 = work / f"seed{args.seeds[0]}" / "default.yaml"
-    print("| seed | plan | loss gap to BF16 | final FLOPs | fallbacks | rewinds | gate held |")
-    print("|---|---|---|---|---|---|---|")
+    print("| seed | plan | loss gap to BF16 | final FLOPs | sites fallen back | loss-gap gate trips | rewinds | "
+          "gate held |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         fl = flops_by_format(r["final_formats"], cfg0) if r["final_formats"] else {}
         fl = ", ".join(f"{k} {v:.0%}" for k, v in sorted(fl.items(), key=lambda kv: -kv[1]))
-        print(f"| {r['seed']} | {r['plan']} | {r['gap']:+.2%} | {fl} | {r['fallbacks']} | {r['rewinds']} | "
+        print(f"| {r['seed']} | {r['plan']} | {r['gap']:+.2%} | {fl} | {r['fallbacks']} | {r['gate_trips']} | {r['rewinds']} | "
               f"{'yes' if r['held'] else 'no'} |")
     print("\n| plan | mean gap | worst gap | seeds where the gate held |")
     print("|---|---|---|---|")
