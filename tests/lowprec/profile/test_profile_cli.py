@@ -67,6 +67,7 @@ def test_profile_writes_a_config_that_plans_and_runs(project, capsys):
     assert (project / "run" / "losses.json").is_file()
 
 
+@pytest.mark.slow
 def test_budget_zero_keeps_everything_bf16_and_writes_no_rollout(project, capsys):
     assert _profile("--steps", "0", "--budget", "0") == 0
     written = yaml.safe_load((project / "w" / "p.yaml").read_text())

@@ -41,11 +41,15 @@ def _loss_and_grads(model, held):
         _, loss = model(x, y)
         (loss / len(held)).backward()
         total += float(loss.detach())
-    grads = torch.cat([p.grad.detach().double().flatten() if p.grad is not None
-                       else torch.zeros(p.numel(), dtype=torch.float64)
-                       for p in model.parameters() if p.requires_grad])
+    grads = [p.grad.detach().double().flatten() if p.grad is not None
+             else torch.zeros(p.numel(), dtype=torch.float64)
+             for p in model.parameters() if p.requires_grad]
     model.zero_grad(set_to_none=True)
     return total / len(held), grads
+
+
+def _cos(a, b):
+    return float(a @ b / (a.norm() * b.norm()))
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +100,12 @@ def test_loss_delta_and_grad_cosine_equal_a_recomputation(profiled, fmt):
     e = prof.entry(SITE, fmt)
     assert prof.reference_loss == pytest.approx(ref_loss, rel=1e-6)
     assert e.loss_delta == pytest.approx((loss - ref_loss) / ref_loss, rel=1e-3, abs=1e-7)
-    cos = float(g @ ref / (g.norm() * ref.norm()))
-    assert e.grad_cosine == pytest.approx(cos, abs=1e-7)
-    assert e.grad_cosine < 1.0   # the site's quantization really moved the gradient
-    assert e.sensitivity == pytest.approx(max(e.loss_delta, 0.0) + 1 - e.grad_cosine)
+    assert e.grad_cosine == pytest.approx(_cos(torch.cat(g), torch.cat(ref)), abs=1e-7)
+    # per parameter tensor, mean weighted by the tensors' sizes (no tensor here has a zero gradient)
+    per_tensor = sum(a.numel() * _cos(a, b) for a, b in zip(g, ref)) / sum(a.numel() for a in g)
+    assert e.grad_cosine_tensors == pytest.approx(per_tensor, abs=1e-7)
+    assert e.grad_cosine_tensors < e.grad_cosine < 1.0   # the site's own weight turns most
+    assert e.sensitivity == pytest.approx(max(e.loss_delta, 0.0) + 1 - e.grad_cosine_tensors)
     bits = 8 if fmt == "fp8_tensorwise" else 4
     assert e.per_flop_saved == pytest.approx(e.sensitivity / (e.flop_share * (1 - bits / 16)))
 
@@ -194,7 +200,8 @@ def test_non_finite_loss_is_infinitely_sensitive():
     assert SiteCost(**base, loss_delta=math.nan, grad_cosine=0.9).sensitivity == math.inf
     assert SiteCost(**base, loss_delta=math.inf, grad_cosine=0.9).sensitivity == math.inf
     assert SiteCost(**base, loss_delta=0.1, grad_cosine=math.nan).per_flop_saved == math.inf
-    assert SiteCost(**base, loss_delta=-0.1, grad_cosine=0.9).sensitivity == pytest.approx(0.1)
+    assert SiteCost(**base, loss_delta=0.1, grad_cosine=0.9, grad_cosine_tensors=math.nan).sensitivity == math.inf
+    assert SiteCost(**base, loss_delta=-0.1, grad_cosine=0.99, grad_cosine_tensors=0.9).sensitivity == pytest.approx(0.1)
 
 
 def test_non_finite_loss_from_a_real_site():

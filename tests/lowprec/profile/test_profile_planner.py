@@ -79,7 +79,8 @@ def random_profiles(draw):
         for f in ladders[fqn][:-1]:
             entries.append(SiteCost(fqn=fqn, format=f, flop_share=shares[i],
                                     loss_delta=draw(st.floats(-0.01, 0.05)),
-                                    grad_cosine=draw(st.floats(0.95, 1.0))))
+                                    grad_cosine=draw(st.floats(0.95, 1.0)),
+                                    grad_cosine_tensors=draw(st.floats(0.95, 1.0))))
     budget = draw(st.floats(0.0, 0.06))
     caps = draw(st.dictionaries(st.sampled_from(FORMATS), st.floats(0.0, 1.0), max_size=3))
     stages = draw(st.integers(1, 8))
@@ -173,3 +174,13 @@ def test_profiling_two_fp8_formats_gives_a_valid_plan():
     sections = plan_sections({"backend": "emulated"}, None, ch, stages, ["a", "b"])
     PrecisionPlan.from_dict(sections["precision"])
     parse_rollout(sections["rollout"])
+
+
+def test_a_site_takes_its_least_sensitive_format_of_a_width():
+    entries = [cost("a", FP8, 0.5, 0.004), cost("a", "mxfp8", 0.5, 0.001),
+               cost("b", FP8, 0.5, 0.001), cost("b", "mxfp8", 0.5, 0.003)]
+    ch = choose_formats(profile(entries), {"a": [FP8, BF16], "b": [FP8, BF16]}, budget=0.01)
+    assert (ch["a"].format, ch["b"].format) == ("mxfp8", FP8)
+    capped = choose_formats(profile(entries), {"a": [FP8, BF16], "b": [FP8, BF16]}, budget=0.01,
+                            max_share={"mxfp8": 0.0})
+    assert (capped["a"].format, capped["b"].format) == (FP8, FP8)   # the cap sends a to its other FP8
