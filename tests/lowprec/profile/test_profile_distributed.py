@@ -22,9 +22,9 @@ def _run_ranks(out: Path, mode: str, port: int) -> list[dict]:
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        log = open(out / f"log{rank}.txt", "w")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), mode], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
+        with open(out / f"log{rank}.txt", "w") as log:   # the child keeps its own descriptor
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), mode], env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
     try:
         for p in procs:
             p.wait(timeout=240)
@@ -32,6 +32,7 @@ def _run_ranks(out: Path, mode: str, port: int) -> list[dict]:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()
     for rank, p in enumerate(procs):
         assert p.returncode == 0, (out / f"log{rank}.txt").read_text()[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
