@@ -70,3 +70,33 @@ def test_ranks_with_other_weights_are_refused(tmp_path, gloo, free_port):
     for r in ranks:
         assert "error" in r, r.keys()
         assert "ranks [1] hold other weights" in r["error"]
+
+
+def test_cli_under_torchrun_equals_one_process(tmp_path, gloo, free_port, tiny_lm, monkeypatch):
+    """`torchrun ... lowprec.cli profile --distributed` (warm-up on every rank, weights
+    broadcast, pairs split) writes the profile that one process writes."""
+    import yaml
+    from lowprec.cli import main
+    from test_profile_cli import GOOD
+    tiny_lm(tmp_path)
+    (tmp_path / "good.yaml").write_text(yaml.safe_dump(GOOD))
+    args = ["profile", "good.yaml", "--steps", "2", "--batches", "2", "--no-tracking"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "lowprec.cli", *args, "--distributed", "--write", "w2/p.yaml", "--out", "o2"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main([*args, "--write", "w1/p.yaml", "--out", "o1"]) == 0
+    two = json.loads((tmp_path / "o2" / "profile.json").read_text())
+    one = json.loads((tmp_path / "o1" / "profile.json").read_text())
+    assert (two["world"], one["world"]) == (2, 1)
+    assert two["passes_per_rank"] == 2 * (1 + 2) and one["passes_per_rank"] == 2 * (1 + 4)
+    by_pair = {(e["fqn"], e["format"]): e for e in two["entries"]}
+    assert set(by_pair) == {(e["fqn"], e["format"]) for e in one["entries"]}
+    for e in one["entries"]:
+        d = by_pair[(e["fqn"], e["format"])]
+        for k in ("loss_delta", "grad_cosine", "grad_cosine_tensors"):
+            assert _close(d[k], e[k]), (e["fqn"], e["format"], k)
+    assert (tmp_path / "w2" / "p.yaml").read_text().split("\n", 2)[2] == (tmp_path / "w1" / "p.yaml").read_text().split("\n", 2)[2]
