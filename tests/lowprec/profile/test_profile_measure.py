@@ -214,3 +214,35 @@ def test_non_finite_loss_from_a_real_site():
     e = prof.entry(SITE, "fp8_tensorwise")
     assert not math.isfinite(prof.reference_loss)
     assert e.sensitivity == math.inf and e.per_flop_saved == math.inf
+
+
+def _sqnr_torch(tensors, dtype, fmax):
+    """10 log10(sum x^2 / sum err^2) over `tensors`, each cast to `dtype` with its own tensor scale."""
+    signal = error = 0.0
+    for x in tensors:
+        x = x.float().reshape(-1, x.shape[-1])
+        scale = fmax / x.abs().amax()
+        q = (x * scale).to(dtype).float() / scale
+        signal += float(x.double().pow(2).sum())
+        error += float((q.double() - x.double()).pow(2).sum())
+    return 10 * math.log10(signal / error)
+
+
+def test_weight_and_grad_output_sqnr_equal_torch_float8_casts(profiled):
+    """The weight in E4M3 and the output gradient in E5M2 (57344), each with one scale."""
+    model, state, held, _, prof = profiled
+    module = state.site(SITE).module
+    grads = []
+    hook = module.register_full_backward_hook(lambda m, gin, gout: grads.append(gout[0].detach().clone()))
+    try:
+        for x, y in held:   # the all-BF16 pass: the site's output gradient is the same when it alone is quantized
+            _, loss = model(x, y)
+            (loss / len(held)).backward()
+    finally:
+        hook.remove()
+        model.zero_grad(set_to_none=True)
+    e = prof.entry(SITE, "fp8_tensorwise")
+    weight = [module.weight.detach()] * len(held)
+    assert e.sqnr_db["weight"] == pytest.approx(_sqnr_torch(weight, torch.float8_e4m3fn, E4M3_MAX), abs=0.05)
+    assert e.sqnr_db["grad_output"] == pytest.approx(_sqnr_torch(grads, torch.float8_e5m2, 57344.0), abs=0.05)
+    assert e.sqnr_db["grad_output"] < e.sqnr_db["weight"] - 3   # E5M2 has one mantissa bit less
