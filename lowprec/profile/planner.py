@@ -4,11 +4,13 @@
    For each width, the sites with a format of that width within the budget take their
    least sensitive one, least sensitive per FLOP saved first, until the format's FLOP-share
    cap (`max_share`) is reached; a site that fits nowhere stays in BF16. Each site's ladder is its format, then
-   every format of its own ladder (and the profiled ones) with more bits, then BF16.
+   one format per width with more bits (its own ladder's, else the first profiled one by
+   name: lowprec.plan allows one format per width), then BF16.
 2. Stages (`order_stages`): from the most bits down (FP8 stages, then FP4), every site on
    its way to that format or below moves in the stage of that format; a format's sites are
-   cut into stages of equal FLOPs, least sensitive per FLOP saved first. `stages` is the
-   total; each format gets one, the rest go where the most FLOPs per stage are.
+   cut into stages of about equal FLOPs, least sensitive per FLOP saved first, none empty.
+   `stages` is the total; each format gets one, the rest go where the most FLOPs per stage
+   are (at most one stage per site).
 3. Sections (`plan_sections`): `precision:` (one rule per ladder, by FQN, starting in BF16)
    and `rollout:` (the input config's, with these stages; None when no site leaves BF16)
    as plain dicts for the YAML.
