@@ -268,7 +268,8 @@ def profile_sites(model: nn.Module, state, batches: Sequence[tuple[torch.Tensor,
 
     batches: the held batches, the same on every rank; group: the process group to split the
         pairs over (default: the world when torch.distributed is initialised); seed: the RNG
-        seed of every pass (dropout). The sites' formats are restored on return.
+        seed of every pass (dropout). The sites' formats, statistics switches and scaling
+        state (stochastic-rounding generators, amax histories) are restored on return.
     """
     t0 = time.perf_counter()
     if not batches:
@@ -285,6 +286,7 @@ def profile_sites(model: nn.Module, state, batches: Sequence[tuple[torch.Tensor,
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
     was = {f: (s.format, s.module.collect_stats) for f, s in state.sites.items()}
+    scaling = state.scaling_state()   # generators and amax histories, put back on return
     params = [p for p in model.parameters() if p.requires_grad]
     if distributed and world > 1:
         _check_same_on_ranks(_fingerprint(params, batches), group)
@@ -301,6 +303,7 @@ def profile_sites(model: nn.Module, state, batches: Sequence[tuple[torch.Tensor,
         for f, (fmt, stats) in was.items():
             state.sites[f].module.set_format(fmt)
             state.sites[f].module.collect_stats = stats
+        state.load_scaling_state(scaling)
     measured = mine
     if distributed and world > 1:
         got = [None] * world

@@ -4,13 +4,16 @@
    For each width, the sites with a format of that width within the budget take their
    least sensitive one, least sensitive per FLOP saved first, until the format's FLOP-share
    cap (`max_share`) is reached; a site that fits nowhere stays in BF16. Each site's ladder is its format, then
-   every format of its own ladder (and the profiled ones) with more bits, then BF16.
+   one format per width with more bits (its own ladder's, else the first profiled one by
+   name: lowprec.plan allows one format per width), then BF16.
 2. Stages (`order_stages`): from the most bits down (FP8 stages, then FP4), every site on
    its way to that format or below moves in the stage of that format; a format's sites are
-   cut into stages of equal FLOPs, least sensitive per FLOP saved first. `stages` is the
-   total; each format gets one, the rest go where the most FLOPs per stage are.
+   cut into stages of about equal FLOPs, least sensitive per FLOP saved first, none empty.
+   `stages` is the total; each format gets one, the rest go where the most FLOPs per stage
+   are (at most one stage per site).
 3. Sections (`plan_sections`): `precision:` (one rule per ladder, by FQN, starting in BF16)
-   and `rollout:` (the input config's, with these stages) as plain dicts for the YAML.
+   and `rollout:` (the input config's, with these stages; None when no site leaves BF16)
+   as plain dicts for the YAML.
 """
 
 from __future__ import annotations
@@ -97,16 +100,21 @@ def choose_formats(profile: Profile, ladders: Mapping[str, Sequence[str]], *, bu
 
 
 def _ladder(fmt: str, own: Sequence[str], profiled: Sequence[str]) -> tuple[str, ...]:
-    """fmt, then the site's own and the profiled formats with more bits (fewest first), then bf16."""
-    above = {f for f in (*own, *profiled) if f != BF16 and _bits(f) > _bits(fmt)}
-    return (fmt, *sorted(above, key=lambda f: (_bits(f), f)), BF16)
+    """fmt, then one format per width with more bits (fewest first; the site's own ladder's,
+    else the first profiled one by name), then bf16: lowprec.plan refuses a ladder with two
+    formats of one width (e.g. fp8_tensorwise and mxfp8 both profiled)."""
+    width: dict[int, str] = {}
+    for f in (*own, *sorted(profiled)):
+        if f != BF16 and _bits(f) > _bits(fmt):
+            width.setdefault(_bits(f), f)
+    return (fmt, *(width[b] for b in sorted(width)), BF16)
 
 
 def order_stages(choices: Mapping[str, SiteChoice], profile: Profile, stages: int = 3) -> list[StagePlan]:
     """The rollout's stages (see the module doc)."""
     if stages < 1:
         raise ValueError(f"stages must be >= 1, found {stages}")
-    levels = sorted({f for c in choices.values() for f in c.ladder if f != BF16}, key=lambda f: -_bits(f))
+    levels = sorted({f for c in choices.values() for f in c.ladder if f != BF16}, key=lambda f: (-_bits(f), f))
     members: dict[str, list[SiteChoice]] = {
         lv: [c for c in choices.values() if lv in c.ladder and _bits(c.format) <= _bits(lv)] for lv in levels}
     levels = [lv for lv in levels if members[lv]]
@@ -128,9 +136,10 @@ def order_stages(choices: Mapping[str, SiteChoice], profile: Profile, stages: in
         ranked = sorted(members[lv], key=order)
         k = count[lv]
         groups: list[list[SiteChoice]] = [[] for _ in range(k)]
-        done = 0.0
-        for c in ranked:   # equal FLOPs per stage, in ranking order
-            i = min(k - 1, int(done / flops[lv] * k + 1e-9)) if flops[lv] > 0 else 0
+        done, i, n = 0.0, 0, len(ranked)
+        for j, c in enumerate(ranked):   # equal FLOPs per stage, in ranking order, no stage empty
+            want = min(k - 1, int(done / flops[lv] * k + 1e-9)) if flops[lv] > 0 else 0
+            i = 0 if j == 0 else max(k - (n - j), min(want, i + 1), i)
             groups[i].append(c)
             done += c.flop_share
         groups = [g for g in groups if g]
@@ -157,13 +166,18 @@ def plan_sections(precision: Mapping, rollout: Mapping | None, choices: Mapping[
     for f in order:
         if f in choices:
             groups.setdefault(choices[f].ladder, []).append(f)
-    rules = []
+    rules, names = [], set()
     for ladder, fqns in sorted(groups.items(), key=lambda kv: -_bits(kv[0][0])):
         name = "kept_bf16" if ladder == (BF16,) else f"to_{ladder[0]}"
+        if name in names:   # two ladders from one format (sites with their own fallbacks)
+            name = f"{name}_via_{'_'.join(ladder[1:-1]) or 'none'}"
+        names.add(name)
         rules.append({"name": name, "select": {"fqns": list(fqns)}, "format": BF16, "ladder": list(ladder)})
     prec = {k: v for k, v in precision.items() if k != "rules"}
     prec["default"] = prec.get("default", BF16)
     prec["rules"] = rules
+    if not stages:   # every site stays in BF16: nothing to roll out (a rollout needs a stage)
+        return {"precision": prec, "rollout": None}
     roll = dict(rollout or {})
     roll["stages"] = [{"name": s.name, "select": {"fqns": list(s.fqns)}, "format": s.format} for s in stages]
     return {"precision": prec, "rollout": roll}

@@ -39,6 +39,8 @@ def write_config(source: str | Path, dest: str | Path, choices: dict[str, SiteCh
     sections = plan_sections(raw.get("precision") or {}, raw.get("rollout"), choices, stages, order)
     out = dict(raw)
     out.update(sections)
+    if out["rollout"] is None:   # no stage: the written config has no rollout
+        del out["rollout"]
     tracking = dict(out.get("tracking") or {})
     base = tracking.get("run_name") or source.stem
     tracking["run_name"] = f"{base}-profiled"
