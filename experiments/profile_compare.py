@@ -109,7 +109,7 @@ def write_plan(name: str, cfg_path: Path, profile: Profile, caps: dict[str, floa
         raw = yaml.safe_load(dest.read_text())
         for rule in raw["precision"]["rules"]:
             rule["format"] = rule["ladder"][0]
-        raw.pop("rollout")
+        raw.pop("rollout", None)
         dest.write_text(yaml.safe_dump(raw, sort_keys=False))
     check_written(dest)
     return dest

@@ -17,6 +17,7 @@ Exit status 0, or 2 on a config or an argument that cannot be used (nothing writ
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -194,8 +195,14 @@ def _write_outputs(args, cfg, name, prepared, profile, choices, stages) -> None:
     cfg_path = Path(args.config)
     written = Path(args.write) if args.write else cfg_path.with_name(cfg_path.stem + ".profiled.yaml")
     order = [f for f, _ in prepared.model.named_modules() if f in choices]
-    text = write_config(args.config, written, choices, stages, order, header=_header(args, profile))
-    check_written(written)
+    pending = written.with_name(f".{written.name}.pending.yaml")   # checked before it takes the name
+    try:
+        text = write_config(args.config, pending, choices, stages, order, header=_header(args, profile))
+        check_written(pending)
+    except BaseException:
+        pending.unlink(missing_ok=True)
+        raise
+    os.replace(pending, written)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profiled.yaml").write_text(text)
     (out / "profile.json").write_text(json.dumps(profile.to_dict(), indent=1, allow_nan=True))
