@@ -84,6 +84,17 @@ def shakespeare_tokens(tokenizer, max_bytes: int | None) -> tuple[torch.Tensor, 
     return tokens(train_files, max_bytes), tokens(held_files, None if max_bytes is None else max_bytes // 4)
 
 
+def lm_with_loss(dtype: str = "float32") -> CausalLMLoss:
+    """SmolLM2 as `lowprec run` and `lowprec profile` take a model: `model(x, y)` -> (logits, loss).
+    The `model.factory` of experiments/configs/smollm2_profile.yaml (sites `lm.model.layers.N...`)."""
+    return CausalLMLoss(smollm2.load_model(dtype))
+
+
+def training_tokens(max_bytes: int | None = 300_000) -> torch.Tensor:
+    """The SmolLM2-tokenized training plays: the `data.factory` of smollm2_profile.yaml."""
+    return shakespeare_tokens(smollm2.load_tokenizer(), max_bytes)[0]
+
+
 @torch.no_grad()
 def mean_loss(model: CausalLMLoss, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     if not batches:
