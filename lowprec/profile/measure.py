@@ -14,7 +14,7 @@ forward and backward once with only that site quantized, and three things are re
 forward (the loss the optimizer sees) plus what it does to the backward (the direction the
 optimizer steps in), both relative and dimensionless, zero for BF16 itself. The per-tensor
 cosine is the one that counts for Adam, which normalises every element's step: a site
-whose FP4 gradients lose a fifth of their energy turns its own weight's gradient by 0.89
+whose FP4 gradients lose a fifth of their energy turns its own weight's gradient to 0.89
 in cosine while the whole gradient, dominated by larger tensors, still reads 0.9999
 (measured on the reference GPT, docs/profile.md).
 
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowprec.formats import Format, get_format
-from lowprec.quantize import QuantStats, sqnr_db
+from lowprec.quantize import QuantStats
 from lowprec.runtime.engine import loss_of
 
 __all__ = ["SiteCost", "Profile", "profile_sites", "site_role", "sample_sites", "bits_saved_share"]

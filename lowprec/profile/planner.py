@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from lowprec.formats import Format, get_format
+from lowprec.formats import get_format
 from lowprec.profile.measure import Profile, SiteCost
 
 __all__ = ["SiteChoice", "StagePlan", "choose_formats", "order_stages", "plan_sections", "final_shares"]
@@ -182,6 +182,3 @@ def plan_sections(precision: Mapping, rollout: Mapping | None, choices: Mapping[
     roll["stages"] = [{"name": s.name, "select": {"fqns": list(s.fqns)}, "format": s.format} for s in stages]
     return {"precision": prec, "rollout": roll}
 
-
-def format_ladder(ladder: Sequence[Format | str]) -> str:
-    return " -> ".join(f.name if isinstance(f, Format) else f for f in ladder)
