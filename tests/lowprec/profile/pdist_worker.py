@@ -10,7 +10,6 @@ weight. Writes OUT_DIR/rank<r>.json: the profile (`to_dict`) or {"error": messag
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
