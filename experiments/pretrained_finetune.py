@@ -84,14 +84,16 @@ def shakespeare_tokens(tokenizer, max_bytes: int | None) -> tuple[torch.Tensor, 
     return tokens(train_files, max_bytes), tokens(held_files, None if max_bytes is None else max_bytes // 4)
 
 
-def lm_with_loss(dtype: str = "float32") -> CausalLMLoss:
-    """SmolLM2 as `lowprec run` and `lowprec profile` take a model: `model(x, y)` -> (logits, loss).
-    The `model.factory` of experiments/configs/smollm2_profile.yaml (sites `lm.model.layers.N...`)."""
+def load_lm_with_loss(dtype: str = "float32") -> CausalLMLoss:
+    """SmolLM2 wrapped so that `model(x, y)` returns `(logits, loss)`: the `model.factory` that
+    `lowprec run` and `lowprec profile` need (experiments/configs/smollm2_profile.yaml). Its
+    sites are `lm.model.layers.N....` and `lm.lm_head`."""
     return CausalLMLoss(smollm2.load_model(dtype))
 
 
-def training_tokens(max_bytes: int | None = 300_000) -> torch.Tensor:
-    """The SmolLM2-tokenized training plays: the `data.factory` of smollm2_profile.yaml."""
+def shakespeare_token_stream(max_bytes: int | None = 300_000) -> torch.Tensor:
+    """The training split's first max_bytes, SmolLM2-tokenized, as one 1-D token tensor: the
+    `data.factory` of experiments/configs/smollm2_profile.yaml (with `data.block_size`)."""
     return shakespeare_tokens(smollm2.load_tokenizer(), max_bytes)[0]
 
 

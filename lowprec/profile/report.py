@@ -31,7 +31,8 @@ def ranked_table(profile: Profile, choices: Mapping[str, SiteChoice] | None = No
     """One line per (site, format), most sensitive per FLOP saved first."""
     rows = profile.ranked()
     shown = rows if limit is None else rows[:limit]
-    head = (f"{'site':<34} {'format':<15} {'FLOPs':>6} {'sens.':>8} {'/saved':>8} {'dloss':>9} "
+    w = max([len("site"), *(len(e.fqn) for e in shown)])
+    head = (f"{'site':<{w}} {'format':<15} {'FLOPs':>6} {'sens.':>8} {'/saved':>8} {'dloss':>9} "
             f"{'grad cos':>9} {'per tensor':>10} {'SQNR x/w/dy dB':>17} {'uf E':>6}  plan")
     lines = [head, "-" * len(head)]
     for e in shown:
@@ -40,7 +41,7 @@ def ranked_table(profile: Profile, choices: Mapping[str, SiteChoice] | None = No
         if choices is not None and e.fqn in choices:
             plan = "<- final" if choices[e.fqn].format == e.format else ""
         est = f" ~{e.estimated_from}" if e.estimated_from else ""
-        lines.append(f"{e.fqn[:34]:<34} {e.format:<15} {e.flop_share:>6.1%} {_num(e.sensitivity, '.2e'):>8} "
+        lines.append(f"{e.fqn:<{w}} {e.format:<15} {e.flop_share:>6.1%} {_num(e.sensitivity, '.2e'):>8} "
                      f"{_num(e.per_flop_saved, '.2e'):>8} {_num(e.loss_delta, '+.2e'):>9} "
                      f"{_num(e.grad_cosine, '.5f'):>9} {_num(e.grad_cosine_tensors, '.5f'):>10} {sq:>17} {e.underflow_energy:>6.1%}  {plan}{est}")
     if limit is not None and len(rows) > limit:
@@ -96,7 +97,7 @@ def draw(profile: Profile, choices: Mapping[str, SiteChoice] | None, path: Path,
             ax.scatter([x for x, p in zip(xs, picked) if p], [y for y, p in zip(ys, picked) if p],
                        marker=m, color=f"C{i}", label=f"{fmt} (in the plan)")
     ax.axhline(budget, color="grey", ls="--", lw=1, label=f"budget {budget:g}")
-    for e in profile.ranked()[:6]:   # name the worst per FLOP saved
+    for e in [e for e in profile.ranked() if e.estimated_from is None][:6]:   # the worst measured ones
         ax.annotate(e.fqn, (e.flop_share, min(max(e.sensitivity, floor), ceil)), fontsize=7,
                     xytext=(4, 2), textcoords="offset points")
     ax.set_yscale("log")
