@@ -3,8 +3,8 @@
 1. Formats (`choose_formats`): widths are filled from the fewest bits up (FP4 before FP8).
    For each width, the sites with a format of that width within the budget take their
    least sensitive one, least sensitive per FLOP saved first, until the format's FLOP-share
-   cap (`max_share`) is reached; a site that fits nowhere stays in BF16. Each site's ladder is its format, then
-   one format per width with more bits (its own ladder's, else the first profiled one by
+   cap (`max_share`) is reached; a site that fits nowhere stays in BF16. Each site's
+   ladder is its format, then one format per width with more bits (its own ladder's, else the first profiled one by
    name: lowprec.plan allows one format per width), then BF16.
 2. Stages (`order_stages`): from the most bits down (FP8 stages, then FP4), every site on
    its way to that format or below moves in the stage of that format; a format's sites are
