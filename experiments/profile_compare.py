@@ -123,25 +123,33 @@ def gap(losses: list[float], base: list[float]) -> float:
 
 
 def one_seed(seed: int, work: Path, jobs: int, steps: int | None, push_format: str,
-             push_shares: list[float]) -> list[dict]:
+             push_shares: list[float], profile_steps: int = 60) -> list[dict]:
     threads = 1 if jobs > 1 else 2
     cfg = seed_config(work, seed, steps)
     d = cfg.parent
     bf16 = train(cfg, d / "bf16", threads, "--as-baseline")
-    prof_dir = d / "profile"
+    suffix = "" if profile_steps == 60 else f"_s{profile_steps}"   # another profile: only its fixed plans
+    prof_dir = d / f"profile{suffix}"
     if not (prof_dir / "profile.json").is_file():
-        _run(["profile", str(cfg), "--steps", "60", "--batches", "4", "--formats",
-              f"fp8_tensorwise,nvfp4,{push_format}", "--write", str(d / "profiled_any.yaml"), "--out", str(prof_dir),
-              "--no-tracking"], d / "profile.log", threads)
+        _run(["profile", str(cfg), "--steps", str(profile_steps), "--batches", "4", "--formats",
+              f"fp8_tensorwise,nvfp4,{push_format}", "--write", str(d / f"profiled_any{suffix}.yaml"),
+              "--out", str(prof_dir), "--no-tracking"], d / f"profile{suffix}.log", threads)
     profile = Profile.from_dict(json.loads((prof_dir / "profile.json").read_text()))
     rand = _random_profile(profile, seed)
-    plans = {
-        "default": (cfg, ()),
-        "profiled_same": (write_plan("profiled_same", cfg, profile, {"nvfp4": 1 / 3}, ["fp8_tensorwise", "nvfp4"]), ()),
-    }
+    plans = {"default": (cfg, ())}
+    if not suffix:
+        plans["profiled_same"] = (write_plan("profiled_same", cfg, profile, {"nvfp4": 1 / 3},
+                                             ["fp8_tensorwise", "nvfp4"]), ())
     for share in push_shares:
         tag = f"pushed{round(share * 100)}"
         caps, fmts = {push_format: share}, ["fp8_tensorwise", push_format]
+        if suffix:
+            plans[f"{tag}_profiled{suffix}_fixed"] = (
+                write_plan(f"{tag}_profiled{suffix}_fixed", cfg, profile, caps, fmts, from_start=True),
+                ("--no-controller",))
+            plans[f"{tag}_random_fixed"] = (write_plan(f"{tag}_random_fixed", cfg, rand, caps, fmts,
+                                                       from_start=True), ("--no-controller",))
+            continue
         plans[f"{tag}_profiled"] = (write_plan(f"{tag}_profiled", cfg, profile, caps, fmts), ())
         plans[f"{tag}_random"] = (write_plan(f"{tag}_random", cfg, rand, caps, fmts), ())
         plans[f"{tag}_profiled_fixed"] = (write_plan(f"{tag}_profiled_fixed", cfg, profile, caps, fmts,
@@ -189,12 +197,14 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=None, help="override train.steps (a quick look)")
     ap.add_argument("--push-format", default="fp4_tensorwise")
+    ap.add_argument("--profile-steps", type=int, default=60,
+                    help="BF16 steps before the profile; other than 60: only the pushed plans from step 0 are run")
     ap.add_argument("--push-share", type=float, nargs="+", default=[1 / 3])
     args = ap.parse_args()
     work = Path(args.work).resolve()
     rows = []
     for seed in args.seeds:
-        rows += one_seed(seed, work, args.jobs, args.steps, args.push_format, args.push_share)
+        rows += one_seed(seed, work, args.jobs, args.steps, args.push_format, args.push_share, args.profile_steps)
     (work / "results.json").write_text(json.dumps(rows, indent=1))
     cfg0 = work / f"seed{args.seeds[0]}" / "default.yaml"
     print("| seed | plan | loss gap to BF16 | final FLOPs | sites fallen back | loss-gap gate trips | rewinds | "
