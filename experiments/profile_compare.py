@@ -35,21 +35,25 @@ import random
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
 from lowprec.config import RunConfig
+from lowprec.formats import get_format
 from lowprec.profile.measure import Profile, SiteCost
 from lowprec.profile.planner import choose_formats, final_shares, order_stages
 from lowprec.profile.written import check_written, write_config
+from lowprec.runtime.run import prepare_run
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "experiments" / "configs" / "default.yaml"
 GAP_STEPS = 50
 
 
-def _run(cmd: list[str], log: Path, threads: int) -> None:
+def run_lowprec(cmd: list[str], log: Path, threads: int) -> None:
+    """`lowprec CMD` as a subprocess from the repository root, its output in `log`; raises on failure."""
     env = {"OMP_NUM_THREADS": str(threads), "PATH": "/usr/bin:/bin"}
     with open(log, "w") as fh:
         r = subprocess.run([sys.executable, "-m", "lowprec.cli", *cmd], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
@@ -74,7 +78,7 @@ def seed_config(work: Path, seed: int, steps: int | None) -> Path:
 
 def train(config: Path, out: Path, threads: int, *extra: str) -> dict:
     if not (out / "summary.json").is_file():
-        _run(["run", str(config), "--out", str(out), *extra], out.with_suffix(".log"), threads)
+        run_lowprec(["run", str(config), "--out", str(out), *extra], out.with_suffix(".log"), threads)
     losses = json.loads((out / "losses.json").read_text())
     summary = json.loads((out / "summary.json").read_text())
     return {"losses": [float(v) for v in losses], "summary": summary}
@@ -94,8 +98,6 @@ def write_plan(name: str, cfg_path: Path, profile: Profile, caps: dict[str, floa
                *, from_start: bool = False) -> Path:
     """A plan from `profile` restricted to `formats`, with `caps`; checked as `lowprec plan` checks."""
     cfg = RunConfig.from_yaml(cfg_path)
-    from lowprec.runtime.run import prepare_run
-    from dataclasses import replace
     prepared = prepare_run(replace(cfg, rollout=None, eval=None), controller=False, with_data=False)
     keep = Profile([e for e in profile.entries if e.format in formats], profile.reference_loss, profile.batches,
                    profile.tokens_per_batch, profile.passes_per_rank, profile.world, profile.seconds)
@@ -122,6 +124,15 @@ def gap(losses: list[float], base: list[float]) -> float:
     return (a - b) / b
 
 
+def controller_actions(run_dir: Path) -> tuple[int, int]:
+    """(sites fallen back on their own signals, rollbacks by the loss-gap gate) in a run's events.jsonl."""
+    log = run_dir / "events.jsonl"
+    events = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
+    fallbacks = sum(len(e.get("sites", ())) for e in events if e.get("kind") == "fallback")
+    trips = sum(1 for e in events if e.get("kind") == "rollback" and "loss_gap" in str(e.get("reason", "")))
+    return fallbacks, trips
+
+
 def one_seed(seed: int, work: Path, jobs: int, steps: int | None, push_format: str,
              push_shares: list[float], profile_steps: int = 60) -> list[dict]:
     threads = 1 if jobs > 1 else 2
@@ -131,7 +142,7 @@ def one_seed(seed: int, work: Path, jobs: int, steps: int | None, push_format: s
     suffix = "" if profile_steps == 60 else f"_s{profile_steps}"   # another profile: only its fixed plans
     prof_dir = d / f"profile{suffix}"
     if not (prof_dir / "profile.json").is_file():
-        _run(["profile", str(cfg), "--steps", str(profile_steps), "--batches", "4", "--formats",
+        run_lowprec(["profile", str(cfg), "--steps", str(profile_steps), "--batches", "4", "--formats",
               f"fp8_tensorwise,nvfp4,{push_format}", "--write", str(d / f"profiled_any{suffix}.yaml"),
               "--out", str(prof_dir), "--no-tracking"], d / f"profile{suffix}.log", threads)
     profile = Profile.from_dict(json.loads((prof_dir / "profile.json").read_text()))
@@ -163,11 +174,8 @@ def one_seed(seed: int, work: Path, jobs: int, steps: int | None, push_format: s
     loss_gap = yaml.safe_load(DEFAULT.read_text())["rollout"]["thresholds"]["loss_gap"]
     for k, r in results.items():
         s = r["summary"]
-        log = d / k / "events.jsonl"
-        events = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
         g = gap(r["losses"], bf16["losses"])
-        fallbacks = sum(len(e.get("sites", ())) for e in events if e.get("kind") == "fallback")
-        trips = sum(1 for e in events if e.get("kind") == "rollback" and "loss_gap" in str(e.get("reason", "")))
+        fallbacks, trips = controller_actions(d / k)
         fm = s.get("formats") or {}
         fm = fm if isinstance(fm, dict) else {}
         rows.append({"seed": seed, "plan": k, "gap": g, "fallbacks": fallbacks, "gate_trips": trips,
@@ -176,18 +184,11 @@ def one_seed(seed: int, work: Path, jobs: int, steps: int | None, push_format: s
     return rows
 
 
-def flops_by_format(formats: dict[str, str], cfg_path: Path) -> dict[str, float]:
-    """Share of the sites' GEMM FLOPs per final format (the reference GPT's shapes)."""
-    from lowprec.runtime.run import prepare_run
-    from dataclasses import replace
-    cfg = RunConfig.from_yaml(cfg_path)
-    prepared = prepare_run(replace(cfg, rollout=None, eval=None), controller=False, with_data=False)
-    total = sum(s.flops_per_token for s in prepared.state.sites.values())
-    out: dict[str, float] = {}
-    for f, s in prepared.state.sites.items():
-        fmt = formats.get(f, "bf16")
-        out[fmt] = out.get(fmt, 0.0) + s.flops_per_token / total
-    return out
+def flops_by_format(formats: dict[str, str], state) -> dict[str, float]:
+    """Share of the sites' GEMM FLOPs per final format: `state` (a prepared reference GPT) in `formats`."""
+    for f, s in state.sites.items():
+        s.module.set_format(get_format(formats.get(f, "bf16")))
+    return state.flops_share()
 
 
 def main() -> None:
@@ -206,12 +207,13 @@ def main() -> None:
     for seed in args.seeds:
         rows += one_seed(seed, work, args.jobs, args.steps, args.push_format, args.push_share, args.profile_steps)
     (work / "results.json").write_text(json.dumps(rows, indent=1))
-    cfg0 = work / f"seed{args.seeds[0]}" / "default.yaml"
+    cfg0 = RunConfig.from_yaml(work / f"seed{args.seeds[0]}" / "default.yaml")
+    state = prepare_run(replace(cfg0, rollout=None, eval=None), controller=False, with_data=False).state
     print("| seed | plan | loss gap to BF16 | final FLOPs | sites fallen back | loss-gap gate trips | rewinds | "
           "gate held |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        fl = flops_by_format(r["final_formats"], cfg0) if r["final_formats"] else {}
+        fl = flops_by_format(r["final_formats"], state) if r["final_formats"] else {}
         fl = ", ".join(f"{k} {v:.0%}" for k, v in sorted(fl.items(), key=lambda kv: -kv[1]))
         print(f"| {r['seed']} | {r['plan']} | {r['gap']:+.2%} | {fl} | {r['fallbacks']} | {r['gate_trips']} | {r['rewinds']} | "
               f"{'yes' if r['held'] else 'no'} |")

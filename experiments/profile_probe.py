@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.profile_compare import GAP_STEPS, gap, train, write_plan
+from experiments.profile_compare import GAP_STEPS, controller_actions, gap, train, write_plan
 from lowprec.config import RunConfig
 from lowprec.profile.measure import Profile, SiteCost
 from lowprec.runtime.engine import loss_of
@@ -102,9 +102,7 @@ def main() -> None:
             results = {k: f.result() for k, f in futs.items()}
         bf16 = train(cfg, d / "bf16", 1, "--as-baseline")
         for k, r in results.items():
-            events = d / k / "events.jsonl"
-            evs = [json.loads(line) for line in events.read_text().splitlines()] if events.is_file() else []
-            trips = sum(1 for e in evs if e.get("kind") == "rollback" and "loss_gap" in str(e.get("reason", "")))
+            _, trips = controller_actions(d / k)
             fp4 = sorted(f for f, fm in r["summary"].get("formats", {}).items() if fm == FP4)
             rows.append({"seed": seed, "plan": k, "gap": gap(r["losses"], bf16["losses"]), "trips": trips,
                          "fp4_sites_at_end": fp4})

@@ -22,26 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
+from experiments.profile_compare import run_lowprec
 from lowprec.profile.measure import Profile
 
 ROOT = Path(__file__).resolve().parents[1]
 AGGRESSIVE = ROOT / "experiments" / "configs" / "aggressive_fp4.yaml"
 FP4 = "fp4_tensorwise"
 TOP = 5
-
-
-def _lowprec(args: list[str], log: Path) -> None:
-    with open(log, "w") as fh:
-        r = subprocess.run([sys.executable, "-m", "lowprec.cli", *args], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
-                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
-    if r.returncode != 0:
-        raise RuntimeError(f"`lowprec {' '.join(args)}` failed ({r.returncode}); see {log}")
 
 
 def rescue_steps(events_file: Path) -> dict[str, int]:
@@ -93,16 +84,16 @@ def one_seed(seed: int, work: Path) -> list[dict]:
     cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
     for name, args in (("bf16", ["--as-baseline"]), ("aggressive", [])):
         if not (d / name / "summary.json").is_file():
-            _lowprec(["run", str(cfg), "--out", str(d / name), *args], d / f"{name}.log")
+            run_lowprec(["run", str(cfg), "--out", str(d / name), *args], d / f"{name}.log", 1)
     steps = rescue_steps(d / "aggressive" / "events.jsonl")
     first = list(steps)[:TOP]
     rows = []
     for warmup in (0, 60):
         prof = d / f"profile_{warmup}"
         if not (prof / "profile.json").is_file():
-            _lowprec(["profile", str(cfg), "--steps", str(warmup), "--formats", FP4, "--write",
-                      str(d / f"profiled_{warmup}.yaml"), "--out", str(prof), "--no-tracking"],
-                     d / f"profile_{warmup}.log")
+            run_lowprec(["profile", str(cfg), "--steps", str(warmup), "--formats", FP4, "--write",
+                         str(d / f"profiled_{warmup}.yaml"), "--out", str(prof), "--no-tracking"],
+                        d / f"profile_{warmup}.log", 1)
         profile = Profile.from_dict(json.loads((prof / "profile.json").read_text()))
         entries = [e for e in profile.entries if e.format == FP4]
         for by, score in (("sensitivity", lambda e: e.sensitivity), ("underflow energy", lambda e: e.underflow_energy)):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -229,7 +229,6 @@ class _Measurer:
                     totals[role] = st.packed.clone() if prev is None else _merge(prev, st.packed)
         bf16 = get_format("bf16")
         self.state.set_format(fqn, fmt)
-        self.state.collect_stats(True)
         try:
             loss, grads = self._run(keep_stats)
         finally:
@@ -290,15 +289,17 @@ def profile_sites(model: nn.Module, state, batches: Sequence[tuple[torch.Tensor,
     params = [p for p in model.parameters() if p.requires_grad]
     if distributed and world > 1:
         _check_same_on_ranks(_fingerprint(params, batches), group)
+    my_pairs = pairs[rank::world]
     try:
         state.set_format(list(state.sites), "bf16")
+        state.collect_stats(True)   # the profiled site's operand statistics (bf16 sites keep none)
         m = _Measurer(model, state, batches, seed)
         mine = []
-        for i, (f, fmt) in enumerate(pairs[rank::world]):
+        for i, (f, fmt) in enumerate(my_pairs):
             cost = m.measure(f, fmt, share[f])
             mine.append(cost)
             if progress is not None:
-                progress(i + 1, len(pairs[rank::world]), cost)
+                progress(i + 1, len(my_pairs), cost)
     finally:
         for f, (fmt, stats) in was.items():
             state.sites[f].module.set_format(fmt)
@@ -316,11 +317,10 @@ def profile_sites(model: nn.Module, state, batches: Sequence[tuple[torch.Tensor,
             src = by_pair.get((stand_in[f], fmt.name))
             if src is None:
                 continue   # the stand-in was not profiled in this format (a ladder it lacks)
-            entries.append(src if stand_in[f] == f else SiteCost(
-                **{**{k: getattr(src, k) for k in SiteCost.__dataclass_fields__},
-                   "fqn": f, "flop_share": share[f], "estimated_from": src.fqn}))
+            entries.append(src if stand_in[f] == f else
+                           replace(src, fqn=f, flop_share=share[f], estimated_from=src.fqn))
     x0 = batches[0][0]
     return Profile(entries=entries, reference_loss=m.ref_loss, batches=len(batches),
-                   tokens_per_batch=int(x0.numel()), passes_per_rank=len(batches) * (1 + len(pairs[rank::world])),
+                   tokens_per_batch=int(x0.numel()), passes_per_rank=len(batches) * (1 + len(my_pairs)),
                    world=world, seconds=time.perf_counter() - t0,
                    sampled=len(profiled) if sample is not None else None)

@@ -23,6 +23,7 @@ title. A run without `time/` metrics (older runs) gets no picture.
 from __future__ import annotations
 
 from lowprec.events import EventKind
+from lowprec.tracking.phases import Bucket, Phase
 from lowprec.tracking.report import _mark_events, is_eval_metric
 from lowprec.tracking.report_sources import WINDOW, ReportData, rewinds
 from lowprec.tracking.report_timeline import EVENT_STYLE, fit_title, new_figure
@@ -30,10 +31,8 @@ from lowprec.tracking.report_timeline import EVENT_STYLE, fit_title, new_figure
 __all__ = ["time_figure", "window_phases", "run_buckets", "PHASES", "BUCKETS", "PHASE_COLORS", "BUCKET_COLORS",
            "WASTED_LABEL", "EVAL_COLOR"]
 
-PHASES = ("data", "forward", "backward", "optimizer", "collective", "monitor", "replay", "lr_probe", "checkpoint",
-          "eval", "restore", "tracking", "other")
-BUCKETS = ("productive", "startup", "redone", "skipped", "replay", "eval", "checkpoint", "lr_probe", "tracking",
-           "other")
+PHASES = tuple(p.value for p in Phase)     # as the telemetry logs them (lowprec.tracking.phases)
+BUCKETS = tuple(b.value for b in Bucket)
 # The training step in blues, lowprec's own checks in yellows, work that is thrown away in
 # reds, evals and checkpoints in greens, the rest in greys; a bucket as its phase.
 PHASE_COLORS = {"data": "#c6dbef", "forward": "#6baed6", "backward": "#2171b5", "optimizer": "#08306b",
