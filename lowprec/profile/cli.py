@@ -42,8 +42,8 @@ def register(sub) -> None:
                    help="comma-separated formats to profile at every site (default: each site's ladder)")
     p.add_argument("--sample", type=int, default=None,
                    help="profile only N sites, spread over the blocks of each role; the others are estimated")
-    p.add_argument("--budget", type=float, default=0.01,
-                   help="sensitivity above which a site stays in BF16 (default 0.01, see docs/profile.md)")
+    p.add_argument("--budget", type=float, default=0.05,
+                   help="sensitivity above which a site stays in BF16 (default 0.05, see docs/profile.md)")
     p.add_argument("--max-share", action="append", default=[], metavar="FORMAT=SHARE",
                    help="cap a format's share of GEMM FLOPs in the plan, e.g. nvfp4=0.33; repeatable")
     p.add_argument("--stages", type=int, default=3, help="rollout stages to write (default 3)")

@@ -32,7 +32,7 @@ def ranked_table(profile: Profile, choices: Mapping[str, SiteChoice] | None = No
     rows = profile.ranked()
     shown = rows if limit is None else rows[:limit]
     w = max([len("site"), *(len(e.fqn) for e in shown)])
-    head = (f"{'site':<{w}} {'format':<15} {'FLOPs':>6} {'sens.':>8} {'/saved':>8} {'dloss':>9} "
+    head = (f"{'site':<{w}} {'format':<15} {'FLOPs':>6} {'sens.':>8} {'/saved':>8} {'fwd noise':>9} {'dloss':>9} "
             f"{'grad cos':>9} {'per tensor':>10} {'SQNR x/w/dy dB':>17} {'uf E':>6}  plan")
     lines = [head, "-" * len(head)]
     for e in shown:
@@ -42,7 +42,7 @@ def ranked_table(profile: Profile, choices: Mapping[str, SiteChoice] | None = No
             plan = "<- final" if choices[e.fqn].format == e.format else ""
         est = f" ~{e.estimated_from}" if e.estimated_from else ""
         lines.append(f"{e.fqn:<{w}} {e.format:<15} {e.flop_share:>6.1%} {_num(e.sensitivity, '.2e'):>8} "
-                     f"{_num(e.per_flop_saved, '.2e'):>8} {_num(e.loss_delta, '+.2e'):>9} "
+                     f"{_num(e.per_flop_saved, '.2e'):>8} {_num(e.forward_noise, '.2e'):>9} {_num(e.loss_delta, '+.2e'):>9} "
                      f"{_num(e.grad_cosine, '.5f'):>9} {_num(e.grad_cosine_tensors, '.5f'):>10} {sq:>17} {e.underflow_energy:>6.1%}  {plan}{est}")
     if limit is not None and len(rows) > limit:
         lines.append(f"... {len(rows) - limit} more in profile.csv")
@@ -65,11 +65,11 @@ def plan_lines(choices: Mapping[str, SiteChoice], stages: list[StagePlan], budge
 def write_csv(profile: Profile, path: Path) -> None:
     with open(path, "w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(["site", "format", "flop_share", "sensitivity", "per_flop_saved", "loss_delta", "grad_cosine",
+        w.writerow(["site", "format", "flop_share", "sensitivity", "per_flop_saved", "forward_noise", "loss_delta", "grad_cosine",
                     "grad_cosine_tensors", "sqnr_input_db", "sqnr_weight_db", "sqnr_grad_output_db", "underflow_energy", "estimated_from"])
         for e in profile.ranked():
             w.writerow([e.fqn, e.format, f"{e.flop_share:.6g}", f"{e.sensitivity:.6g}", f"{e.per_flop_saved:.6g}",
-                        f"{e.loss_delta:.6g}", f"{e.grad_cosine:.8g}", f"{e.grad_cosine_tensors:.8g}",
+                        f"{e.forward_noise:.6g}", f"{e.loss_delta:.6g}", f"{e.grad_cosine:.8g}", f"{e.grad_cosine_tensors:.8g}",
                         *(f"{e.sqnr_db.get(r, math.nan):.4g}" for r in _OPERAND_SHORT),
                         f"{e.underflow_energy:.4g}", e.estimated_from or ""])
 
@@ -102,7 +102,7 @@ def draw(profile: Profile, choices: Mapping[str, SiteChoice] | None, path: Path,
                     xytext=(4, 2), textcoords="offset points")
     ax.set_yscale("log")
     ax.set_xlabel("share of GEMM FLOPs")
-    ax.set_ylabel("sensitivity: loss change + (1 - per-tensor gradient cosine)")
+    ax.set_ylabel("sensitivity: forward noise + loss change + (1 - per-tensor gradient cosine)")
     ax.set_title(f"lowprec profile: {profile.batches} held batches, {profile.passes_per_rank} passes per rank")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -120,7 +120,8 @@ def log_to_mlflow(tracker, profile: Profile, choices: Mapping[str, SiteChoice], 
     metrics.update({f"profile/plan_share/{f}": s for f, s in final_shares(choices).items()})
     for e in profile.entries:
         key = f"profile/{e.format}/{e.fqn}"
-        for name, v in (("sensitivity", e.sensitivity), ("loss_delta", e.loss_delta), ("grad_cosine", e.grad_cosine),
+        for name, v in (("sensitivity", e.sensitivity), ("forward_noise", e.forward_noise),
+                        ("loss_delta", e.loss_delta), ("grad_cosine", e.grad_cosine),
                         ("grad_cosine_tensors", e.grad_cosine_tensors),
                         ("sqnr_min_db", min(e.sqnr_db.values(), default=math.nan))):
             if math.isfinite(v):

@@ -105,7 +105,9 @@ def test_loss_delta_and_grad_cosine_equal_a_recomputation(profiled, fmt):
     per_tensor = sum(a.numel() * _cos(a, b) for a, b in zip(g, ref)) / sum(a.numel() for a in g)
     assert e.grad_cosine_tensors == pytest.approx(per_tensor, abs=1e-7)
     assert e.grad_cosine_tensors < e.grad_cosine < 1.0   # the site's own weight turns most
-    assert e.sensitivity == pytest.approx(max(e.loss_delta, 0.0) + 1 - e.grad_cosine_tensors)
+    noise = 10 ** (-e.sqnr_db["input"] / 10) + 10 ** (-e.sqnr_db["weight"] / 10)
+    assert e.forward_noise == pytest.approx(noise)
+    assert e.sensitivity == pytest.approx(noise + max(e.loss_delta, 0.0) + 1 - e.grad_cosine_tensors)
     bits = 8 if fmt == "fp8_tensorwise" else 4
     assert e.per_flop_saved == pytest.approx(e.sensitivity / (e.flop_share * (1 - bits / 16)))
 
@@ -202,6 +204,11 @@ def test_non_finite_loss_is_infinitely_sensitive():
     assert SiteCost(**base, loss_delta=0.1, grad_cosine=math.nan).per_flop_saved == math.inf
     assert SiteCost(**base, loss_delta=0.1, grad_cosine=0.9, grad_cosine_tensors=math.nan).sensitivity == math.inf
     assert SiteCost(**base, loss_delta=-0.1, grad_cosine=0.99, grad_cosine_tensors=0.9).sensitivity == pytest.approx(0.1)
+    # an operand whose SQNR could not be measured (NaN) is no free pass; an exact one (inf dB) adds nothing
+    assert SiteCost(**base, loss_delta=0.0, grad_cosine=1.0, sqnr_db={"input": math.nan}).sensitivity == math.inf
+    exact = SiteCost(**base, loss_delta=0.0, grad_cosine=1.0, sqnr_db={"input": math.inf, "weight": 20.0,
+                                                                         "grad_output": 0.0})
+    assert exact.forward_noise == pytest.approx(0.01) and exact.sensitivity == pytest.approx(0.01)
 
 
 def test_non_finite_loss_from_a_real_site():
@@ -246,3 +253,34 @@ def test_weight_and_grad_output_sqnr_equal_torch_float8_casts(profiled):
     assert e.sqnr_db["weight"] == pytest.approx(_sqnr_torch(weight, torch.float8_e4m3fn, E4M3_MAX), abs=0.05)
     assert e.sqnr_db["grad_output"] == pytest.approx(_sqnr_torch(grads, torch.float8_e5m2, 57344.0), abs=0.05)
     assert e.sqnr_db["grad_output"] < e.sqnr_db["weight"] - 3   # E5M2 has one mantissa bit less
+
+
+def _noise_ratio_torch(tensors, dtype, fmax):
+    """sum err^2 / sum x^2 over `tensors` cast to `dtype` with one scale each: no decibels on the way."""
+    signal = error = 0.0
+    for x in tensors:
+        scale = fmax / x.abs().amax()
+        q = (x.float() * scale).to(dtype).float() / scale
+        signal += float(x.double().pow(2).sum())
+        error += float((q.double() - x.double()).pow(2).sum())
+    return error / signal
+
+
+def test_forward_noise_is_the_input_and_weight_error_energy_of_torch_casts(profiled):
+    """forward_noise = the input's and the weight's quantization error energy over their energy,
+    each operand cast to E4M3 by torch with its own tensor scale."""
+    model, state, held, _, prof = profiled
+    module = state.site(SITE).module
+    inputs = []
+    hook = module.register_forward_hook(lambda m, args, out: inputs.append(args[0].detach().clone()))
+    try:
+        with torch.no_grad():
+            for x, y in held:
+                model(x, y)
+    finally:
+        hook.remove()
+    e = prof.entry(SITE, "fp8_tensorwise")
+    expected = (_noise_ratio_torch(inputs, torch.float8_e4m3fn, E4M3_MAX)
+                + _noise_ratio_torch([module.weight.detach()], torch.float8_e4m3fn, E4M3_MAX))
+    assert e.forward_noise == pytest.approx(expected, rel=0.02)
+    assert 1e-4 < e.forward_noise < 1e-2   # E4M3: about 31 dB per operand

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import math
 
+import pytest
+
 from lowprec.profile.measure import Profile, SiteCost
 from lowprec.profile.planner import choose_formats, order_stages
 from lowprec.profile.report import draw, plan_lines, ranked_table, write_csv
@@ -36,6 +38,9 @@ def test_table_csv_and_picture(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "p.csv")))
     assert [(r["site"], r["format"]) for r in rows] == [(e.fqn, e.format) for e in prof.ranked()]
     assert rows[0]["sensitivity"] == "inf" and float(rows[-1]["sensitivity"]) == 0.0
+    b4 = next(r for r in rows if (r["site"], r["format"]) == ("b", "nvfp4"))
+    assert float(b4["forward_noise"]) == pytest.approx(10 ** -1.8, rel=1e-5)   # input at 18 dB, no weight SQNR
+    assert float(b4["sensitivity"]) == pytest.approx(10 ** -1.8 + 0.002 + 0.01, rel=1e-5)
     for budget in (0.05, 0.0):
         out = draw(prof, ch, tmp_path / f"p{budget}.png", budget)
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
