@@ -1,8 +1,9 @@
 """`lowprec profile CONFIG`: measure every site's sensitivity and write the staged plan it implies.
 
-    lowprec profile CONFIG [--steps N | --checkpoint PATH] [--batches B] [--formats F,F]
-                           [--sample N] [--budget X] [--max-share FORMAT=S ...] [--stages K]
-                           [--write PATH] [--out DIR] [--no-tracking] [--distributed]
+    lowprec profile CONFIG [--steps N | --checkpoint PATH | --from-profile PROFILE.json]
+                           [--batches B] [--formats F,F] [--sample N] [--budget X]
+                           [--max-share FORMAT=S ...] [--stages K] [--write PATH] [--out DIR]
+                           [--no-tracking] [--distributed]
 
 The model is built as `lowprec run` builds it, trained `--steps` steps in BF16 (or loaded
 from a `lowprec run` checkpoint), then every site is profiled in every format of its ladder
@@ -11,6 +12,8 @@ printed and written with its picture to `--out`; the config with the profiled `p
 and `rollout:` is written to `--write` (default: beside CONFIG, `NAME.profiled.yaml`) and
 checked as `lowprec plan` checks it; the profile is an MLflow run (`profile-NAME`) in the
 config's experiment. `--distributed` under torchrun splits the pairs over the ranks.
+`--from-profile` re-plans from a profile.json written before (another budget, caps or number of
+stages) without measuring again: nothing is trained and no pass is run.
 Exit status 0, or 2 on a config or an argument that cannot be used (nothing written).
 """
 
@@ -37,6 +40,9 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=50,
                    help="BF16 warm-up steps before profiling (default 50; 0 profiles the model as built)")
     p.add_argument("--checkpoint", default=None, help="profile the weights of this `lowprec run` checkpoint instead")
+    p.add_argument("--from-profile", default=None, metavar="PROFILE_JSON",
+                   help="plan from this profile.json (written by an earlier `lowprec profile` of the same model) "
+                        "instead of measuring again")
     p.add_argument("--batches", type=int, default=4, help="held batches every pair runs on (default 4)")
     p.add_argument("--formats", default=None,
                    help="comma-separated formats to profile at every site (default: each site's ladder)")
@@ -90,6 +96,9 @@ def _check_args(args) -> None:
         raise ConfigError("--sample", f"must be >= 1, found {args.sample}")
     if not args.budget >= 0:
         raise ConfigError("--budget", f"must be >= 0, found {args.budget}")
+    if args.from_profile is not None and (args.checkpoint is not None or args.distributed):
+        raise ConfigError("--from-profile", "plans from a profile already measured: it takes no --checkpoint "
+                          "and no --distributed")
     if args.checkpoint is not None and not Path(args.checkpoint).exists():
         raise ConfigError("--checkpoint", f"{args.checkpoint} does not exist; give a checkpoint `lowprec run` "
                           f"wrote (RUN/checkpoints/step_*.pt)")
@@ -142,6 +151,8 @@ def _profile(args, caps: dict[str, float]) -> int:
 
     cfg = RunConfig.from_yaml(args.config)
     name = cfg.tracking.run_name or Path(args.config).stem
+    if args.from_profile is not None:
+        return _replan(args, cfg, name, caps)
     rank = 0
     if args.distributed:
         rank = _init_distributed(cfg)
@@ -185,6 +196,39 @@ def _profile(args, caps: dict[str, float]) -> int:
     if args.distributed:
         dist.barrier()
         dist.destroy_process_group()
+    return EXIT_OK
+
+
+def _read_profile(path: str, state):
+    """A profile.json of an earlier `lowprec profile`, checked against this config's sites."""
+    from lowprec.profile.measure import Profile
+    try:
+        profile = Profile.from_dict(json.loads(Path(path).read_text()))
+    except FileNotFoundError:
+        raise ConfigError("--from-profile", f"{path} does not exist; give the profile.json an earlier "
+                          f"`lowprec profile` wrote in its --out folder") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError("--from-profile", f"{path} is not a profile.json written by `lowprec profile` "
+                          f"({type(e).__name__}: {e})") from None
+    unknown = sorted({e.fqn for e in profile.entries} - set(state.sites))
+    missing = sorted(set(state.sites) - {e.fqn for e in profile.entries})
+    if unknown or missing:
+        raise ConfigError("--from-profile", f"{path} does not profile this config's sites (not in the model: "
+                          f"{unknown[:3]}, not in the profile: {missing[:3]}); profile this config again")
+    return profile
+
+
+def _replan(args, cfg, name: str, caps: dict[str, float]) -> int:
+    """The plan, table and written config from a profile measured before: no training, no passes."""
+    from lowprec.profile.planner import choose_formats, order_stages
+    from lowprec.runtime.run import prepare_run
+    prepared = prepare_run(replace(cfg, rollout=None, eval=None), controller=False, with_data=False)
+    profile = _read_profile(args.from_profile, prepared.state)
+    print(f"profile: {args.from_profile} ({len(profile.entries)} pairs, measured with "
+          f"{profile.passes_per_rank} passes per rank); nothing is measured again")
+    ladders = {f: [x.name for x in s.ladder] for f, s in prepared.state.sites.items()}
+    choices = choose_formats(profile, ladders, budget=args.budget, max_share=caps)
+    _write_outputs(args, cfg, name, prepared, profile, choices, order_stages(choices, profile, args.stages))
     return EXIT_OK
 
 

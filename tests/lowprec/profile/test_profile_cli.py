@@ -103,6 +103,9 @@ BAD = {
     "sample_below_roles": (["--sample", "1"], "--sample"),
     "missing_checkpoint": (["--checkpoint", "nope/step_00000002.pt"], "--checkpoint"),
     "zero_stages": (["--stages", "0"], "--stages"),
+    "missing_profile": (["--from-profile", "nope/profile.json"], "--from-profile"),
+    "profile_and_checkpoint": (["--from-profile", "good.yaml", "--checkpoint", "good.yaml"], "--from-profile"),
+    "not_a_profile": (["--from-profile", "good.yaml"], "--from-profile"),
 }
 
 
@@ -114,6 +117,31 @@ def test_bad_arguments_exit_2_and_write_nothing(project, capsys, name):
     assert err.startswith("lowprec profile: ") and expected in err, err
     assert len(err.strip().splitlines()) == 1
     assert not (project / "w").exists() and not (project / "out").exists()
+
+
+def test_replan_from_a_saved_profile_measures_nothing(project, capsys):
+    """--from-profile: another budget and stage count from the same numbers, no pass run; a
+    profile of other sites is refused with nothing written."""
+    assert _profile("--steps", "0") == 0
+    saved = json.loads((project / "out" / "profile.json").read_text())
+    capsys.readouterr()
+    fp8 = max(e["sensitivity"] for e in saved["entries"] if e["format"] == "fp8_tensorwise")
+    assert main(["profile", "good.yaml", "--from-profile", "out/profile.json", "--budget", str(fp8 * 1.01),
+                 "--max-share", "nvfp4=0", "--stages", "1", "--write", "w/re.yaml", "--out", "re",
+                 "--no-tracking"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing is measured again" in out and "warm-up" not in out and "forward+backward passes per rank on" not in out.split("cost:")[0]
+    assert json.loads((project / "re" / "profile.json").read_text()) == saved   # the same numbers, re-planned
+    written = yaml.safe_load((project / "w" / "re.yaml").read_text())
+    assert [s["format"] for s in written["rollout"]["stages"]] == ["fp8_tensorwise"]
+    assert {r["ladder"][0] for r in written["precision"]["rules"]} == {"fp8_tensorwise"}
+    assert main(["plan", "w/re.yaml"]) == 0
+    saved["entries"] = [dict(e, fqn="other." + e["fqn"]) for e in saved["entries"]]
+    (project / "other.json").write_text(json.dumps(saved))
+    assert main(["profile", "good.yaml", "--from-profile", "other.json", "--write", "w/x.yaml", "--out", "x",
+                 "--no-tracking"]) == 2
+    assert "does not profile this config's sites" in capsys.readouterr().err
+    assert not (project / "w" / "x.yaml").exists() and not (project / "x").exists()
 
 
 @pytest.mark.slow
