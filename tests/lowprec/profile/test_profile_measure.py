@@ -60,10 +60,20 @@ def profiled():
     return model, state, held, formats, prof
 
 
-def test_input_sqnr_equals_torch_float8_cast(profiled):
-    model, state, held, _, prof = profiled
+def _noise_ratio_torch(tensors, dtype, fmax):
+    """sum err^2 / sum x^2 over `tensors`, each cast to `dtype` by torch with its own tensor scale."""
+    signal = error = 0.0
+    for x in tensors:
+        scale = fmax / x.abs().amax()
+        q = (x.float() * scale).to(dtype).float() / scale
+        signal += float(x.double().pow(2).sum())
+        error += float((q.double() - x.double()).pow(2).sum())
+    return error / signal
+
+
+def _site_inputs(model, module, held):
+    """The inputs `module` sees in an all-BF16 forward over `held`."""
     captured = []
-    module = state.site(SITE).module
     hook = module.register_forward_hook(lambda m, args, out: captured.append(args[0].detach().clone()))
     try:
         with torch.no_grad():
@@ -71,6 +81,12 @@ def test_input_sqnr_equals_torch_float8_cast(profiled):
                 model(x, y)
     finally:
         hook.remove()
+    return captured
+
+
+def test_input_sqnr_equals_torch_float8_cast(profiled):
+    model, state, held, _, prof = profiled
+    captured = _site_inputs(model, state.site(SITE).module, held)
     assert len(captured) == len(held)
     signal = error = 0.0
     for x in captured:   # the fp32 input, quantized as is (no BF16 rounding before the cast)
@@ -225,14 +241,7 @@ def test_non_finite_loss_from_a_real_site():
 
 def _sqnr_torch(tensors, dtype, fmax):
     """10 log10(sum x^2 / sum err^2) over `tensors`, each cast to `dtype` with its own tensor scale."""
-    signal = error = 0.0
-    for x in tensors:
-        x = x.float().reshape(-1, x.shape[-1])
-        scale = fmax / x.abs().amax()
-        q = (x * scale).to(dtype).float() / scale
-        signal += float(x.double().pow(2).sum())
-        error += float((q.double() - x.double()).pow(2).sum())
-    return 10 * math.log10(signal / error)
+    return -10 * math.log10(_noise_ratio_torch(tensors, dtype, fmax))
 
 
 def test_weight_and_grad_output_sqnr_equal_torch_float8_casts(profiled):
@@ -255,30 +264,12 @@ def test_weight_and_grad_output_sqnr_equal_torch_float8_casts(profiled):
     assert e.sqnr_db["grad_output"] < e.sqnr_db["weight"] - 3   # E5M2 has one mantissa bit less
 
 
-def _noise_ratio_torch(tensors, dtype, fmax):
-    """sum err^2 / sum x^2 over `tensors` cast to `dtype` with one scale each: no decibels on the way."""
-    signal = error = 0.0
-    for x in tensors:
-        scale = fmax / x.abs().amax()
-        q = (x.float() * scale).to(dtype).float() / scale
-        signal += float(x.double().pow(2).sum())
-        error += float((q.double() - x.double()).pow(2).sum())
-    return error / signal
-
-
 def test_forward_noise_is_the_input_and_weight_error_energy_of_torch_casts(profiled):
     """forward_noise = the input's and the weight's quantization error energy over their energy,
     each operand cast to E4M3 by torch with its own tensor scale."""
     model, state, held, _, prof = profiled
     module = state.site(SITE).module
-    inputs = []
-    hook = module.register_forward_hook(lambda m, args, out: inputs.append(args[0].detach().clone()))
-    try:
-        with torch.no_grad():
-            for x, y in held:
-                model(x, y)
-    finally:
-        hook.remove()
+    inputs = _site_inputs(model, module, held)
     e = prof.entry(SITE, "fp8_tensorwise")
     expected = (_noise_ratio_torch(inputs, torch.float8_e4m3fn, E4M3_MAX)
                 + _noise_ratio_torch([module.weight.detach()], torch.float8_e4m3fn, E4M3_MAX))
