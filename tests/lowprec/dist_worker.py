@@ -172,7 +172,7 @@ def tp_run(fmt: str, reduce: bool) -> dict:
 
     from experiments.parallel import apply_tensor_parallel, qkv_rank_order
 
-    import lowprec.layers as layers
+    import lowprec.quantized_gemms as gemms
 
     tp = dist.get_world_size()
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
@@ -194,13 +194,13 @@ def tp_run(fmt: str, reduce: bool) -> dict:
         _, loss = m(x, y)
         return loss, loss.item()   # the logits are replicated: every rank has this loss
 
-    saved = layers._shard_groups
+    saved = gemms._shard_groups
     if not reduce:
-        layers._shard_groups = lambda mesh, placements: []
+        gemms._shard_groups = lambda mesh, placements: []
     try:
         out = train(model, state, step, unpermute, Reference(fmt), dist.get_rank() == 0)
     finally:
-        layers._shard_groups = saved
+        gemms._shard_groups = saved
     return {**out, "sharded": sharded}
 
 
