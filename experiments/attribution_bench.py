@@ -123,21 +123,22 @@ class Planted:
         fault = self.fault
         fp4 = get_format("fp4_tensorwise")
 
-        def quantize_operand(t, fmt, role):
+        def quantize_operand(t, fmt, role, **kw):
             if not fault.active(self.step) or role not in ("input", "weight", "grad_output", "input_wgrad",
                                                            "grad_output_wgrad"):
-                return original(t, fmt, role)
+                return original(t, fmt, role, **kw)
             if fault.kind == "fp4":
-                return original(t, fp4, role)
+                return original(t, fp4, role, **kw)
             spec = getattr(fmt, role)
             if spec is None:
-                return original(t, fmt, role)
+                return original(t, fmt, role, **kw)
             if fault.kind == "scale":
-                q = original(t, fmt, role)
+                q = original(t, fmt, role, **kw)
                 return type(q)(q.values, q.scale * 2.0 ** -12, q.scale_inv * 2.0 ** 12, q.spec, q.shape, q.amax)
             amax = torch.where(torch.isfinite(t), t.abs(), 0.0).amax().float()
             amax = amax * (2.0 ** 16 if fault.kind == "flush" else 2.0 ** -8)
-            counted = module.collect_stats and role in ("input", "weight", "grad_output")
+            counted = (module.collect_stats and kw.get("record", True)
+                       and role in ("input", "weight", "grad_output"))
             q = quantize(t, spec, amax=amax, generator=module.generator, hadamard=module.hadamard,
                          stats=counted, validate=False)
             if counted:   # the monitors see the faulty quantization as they see any other

@@ -43,10 +43,11 @@ from lowprec.weight_cache import WeightCache, cache_key, cacheable
 
 __all__ = ["PrecisionLinear", "linear_weight_view"]
 
-_HISTORY_ROLE = {"input": "input", "input_wgrad": "input", "weight": "weight",
-                 "grad_output": "grad_output", "grad_output_wgrad": "grad_output"}
+# the operand each GEMM role quantizes: its amax history and its statistics are the operand's
+_OPERAND = {"input": "input", "input_wgrad": "input", "weight": "weight",
+            "grad_output": "grad_output", "grad_output_wgrad": "grad_output"}
 _ACTIVATION_ROLES = ("input", "input_wgrad", "grad_output", "grad_output_wgrad")
-_STATS_ROLES = ("input", "weight", "grad_output")  # the operands whose statistics are kept
+_OPERANDS = ("input", "weight", "grad_output")  # the operands, in overflow_steps' order
 
 
 def linear_weight_view(module: nn.Module) -> torch.Tensor:
@@ -90,7 +91,7 @@ class PrecisionLinear(nn.Linear):
         # weight, grad_output) saturated past twice the format's max while full statistics
         # were off: one tiny device op
         # per such operand, so a one-step overflow between checks is not missed
-        self.overflow_steps = torch.zeros(len(_STATS_ROLES), dtype=torch.float64, device=weight.device)
+        self.overflow_steps = torch.zeros(len(_OPERANDS), dtype=torch.float64, device=weight.device)
         self.histories: dict[str, AmaxHistory] = {}
         self.format = fmt
         self._reset_histories()
@@ -135,7 +136,7 @@ class PrecisionLinear(nn.Linear):
         if cfg is None:
             return
         for role, spec in self.format.specs().items():
-            key = _HISTORY_ROLE[role]
+            key = _OPERAND[role]
             if spec.scaling is Scaling.DELAYED and key not in self.histories:
                 self.histories[key] = AmaxHistory(cfg, spec.element, self.weight.device)
 
@@ -149,39 +150,53 @@ class PrecisionLinear(nn.Linear):
             return F.linear(x, w, self.bias)
         return QuantizedLinearFn.apply(x, w, self.bias, self, self.format)
 
-    def quantize_operand(self, t: torch.Tensor, fmt: Format, role: str):
-        """Quantize one 2-D operand (local tensor) for `role`; high precision if no spec."""
+    def quantize_operand(self, t: torch.Tensor, fmt: Format, role: str, *, record: bool = True,
+                         scale: torch.Tensor | None = None):
+        """Quantize one 2-D operand (local tensor) for GEMM `role`; high precision if no spec.
+
+        record: this is the step's first quantization of the operand (`_OPERAND[role]`): its
+            amax goes into the delayed-scaling history and its statistics are kept. False
+            when the backward quantizes again an operand that a GEMM before it already
+            quantized (weight^T for dgrad, the input or grad_output for wgrad), where the
+            first one could not be reused transposed: that step's statistics and history
+            are the first quantization's.
+        scale: the delayed scale the first quantization used. Transformer Engine's backward
+            uses the forward's FP8 tensors, so an operand has one scale per step; the
+            history's own scale has moved since, by the amax the first one recorded.
+        """
         spec: QuantSpec | None = getattr(fmt, role)
         if spec is None:
             return _bf16(t) if self.emulate_bf16 and t.dtype == torch.float32 else t
+        operand = _OPERAND[role]
+        keep_stats = record and self.collect_stats
         key = None
         if (role == "weight" and self.weight_cache.enabled and cacheable(spec)
                 and not self._amax_groups(role) and not torch.compiler.is_compiling()):
             key = cache_key(t, spec, self.fused)
             slot = f"{tuple(t.shape)}{t.stride()}"   # the forward's and the backward's layout
-            q = self.weight_cache.get(slot, key, need_stats=self.collect_stats)
+            q = self.weight_cache.get(slot, key, need_stats=keep_stats)
             if q is not None:
-                if self.collect_stats:
-                    self.stats[role] = q.stats
+                if keep_stats:
+                    self.stats[operand] = q.stats
                 return q
-        amax = scale = None
-        hist = self.histories.get(_HISTORY_ROLE[role]) if spec.scaling is Scaling.DELAYED else None
+        amax = None
+        hist = self.histories.get(operand) if spec.scaling is Scaling.DELAYED else None
         if hist is not None:
-            scale = hist.scale()
+            scale = hist.scale() if scale is None else scale
         elif _needs_global_amax(spec):
             amax = self._global_amax(t, role)
-        q = quantize(t, spec, amax=amax, scale=scale, generator=self.generator,
-                     hadamard=self.hadamard, stats=self.collect_stats and role in _STATS_ROLES,
+        q = quantize(t, spec, amax=amax, scale=scale if hist is not None else None,
+                     generator=self.generator, hadamard=self.hadamard, stats=keep_stats,
                      fused=self.fused, validate=False)
-        if hist is not None and role in _STATS_ROLES:
+        if hist is not None and record:
             amax = self._reduce_max(q.amax, role)
             if not self.collect_stats:
-                i = _STATS_ROLES.index(role)
                 # past twice the format's max: the largest values lose more than half their size
-                self.overflow_steps[i] += saturates(amax * scale * 0.5, spec.element).to(torch.float64)
+                self.overflow_steps[_OPERANDS.index(operand)] += saturates(
+                    amax * scale * 0.5, spec.element).to(torch.float64)
             hist.record(amax)
-        if q.stats is not None and role in _STATS_ROLES:
-            self.stats[role] = q.stats
+        if keep_stats:
+            self.stats[operand] = q.stats
         if key is not None:
             self.weight_cache.put(slot, key, q, storage=getattr(self.backend, "fp8_storage", False))
         return q

@@ -127,6 +127,8 @@ class QuantizedLinearFn(torch.autograd.Function):
         ctx.qx = (qx if _transposable(fmt.input, fmt.input_wgrad, qx)
                   and x2.shape[0] % _token_multiple(fmt) == 0 else None)
         ctx.qw = qw if _transposable(fmt.weight, fmt.weight, qw) else None
+        # where the backward must quantize them again, it does so with the forward's scales
+        ctx.scales = (_delayed_scale(qx), _delayed_scale(qw))
         ctx.save_for_backward(None if ctx.qx is not None else x2, w2)
         ctx.layer, ctx.fmt, ctx.has_bias = layer, fmt, bias is not None
         ctx.meta = (x_local_shape, x.dtype, mesh, px, pw)
@@ -148,10 +150,11 @@ class QuantizedLinearFn(torch.autograd.Function):
             "grad_output": _shard_groups(mesh, pg), "grad_output_wgrad": _shard_groups(mesh, pg),
             "weight": _shard_groups(mesh, pw), "input_wgrad": _shard_groups(mesh, px)}
         dx = dw = db = qg = None
+        scale_x, scale_w = ctx.scales
         if ctx.needs_input_grad[0]:
             qg = layer.quantize_operand(g2, fmt, "grad_output")
             qwt = (_transpose(ctx.qw) if ctx.qw is not None
-                   else layer.quantize_operand(w2.t(), fmt, "weight"))
+                   else layer.quantize_operand(w2.t(), fmt, "weight", record=False, scale=scale_w))
             dx = _gemm(layer, qg, qwt, x_dtype).to(x_dtype)
             if mesh is None:
                 dx = dx.reshape(x_shape)
@@ -164,15 +167,18 @@ class QuantizedLinearFn(torch.autograd.Function):
             # and the token dimension needs no padding (checked in forward for qx)
             reuse_g = (g2.shape[0] % _token_multiple(fmt) == 0
                        and _transposable(fmt.grad_output, fmt.grad_output_wgrad, qg))
+            # without dgrad (an input that needs no gradient) this is grad_output's only
+            # quantization in the step: it records the amax and keeps the statistics
+            again = dict(record=qg is None, scale=_delayed_scale(qg))
             if ctx.qx is not None:
                 qgt = (_transpose(qg) if reuse_g
-                       else layer.quantize_operand(g2.t(), fmt, "grad_output_wgrad"))
+                       else layer.quantize_operand(g2.t(), fmt, "grad_output_wgrad", **again))
                 qxt = _transpose(ctx.qx)
             else:
                 gt, xt = _pad_tokens(g2.t(), x2.t(), fmt)
                 qgt = (_transpose(qg) if reuse_g
-                       else layer.quantize_operand(gt, fmt, "grad_output_wgrad"))
-                qxt = layer.quantize_operand(xt, fmt, "input_wgrad")
+                       else layer.quantize_operand(gt, fmt, "grad_output_wgrad", **again))
+                qxt = layer.quantize_operand(xt, fmt, "input_wgrad", record=False, scale=scale_x)
             dw = _gemm(layer, qgt, qxt, w2.dtype).to(w2.dtype)
             if mesh is not None:
                 dw = _wrap(dw, mesh, _gemm_placements(_t_placements(pg), _t_placements(px), mesh),
@@ -215,9 +221,10 @@ def _transposable(spec: QuantSpec | None, spec_t: QuantSpec | None, q) -> bool:
     """Whether quantizing the transpose with `spec_t` gives exactly the transpose of `q`
     (`spec`'s quantization of the operand), so the backward can reuse `q`.
 
-    True when both specs are the same and layout-invariant: one scale from the tensor's
-    current amax (Scaling.TENSOR; DELAYED is not, its scale moves as the forward records
-    its amax), or square 2-D blocks (128x128, NVFP4's 16x16 weights), rounded to nearest
+    True when both specs are the same and layout-invariant: one scale per tensor (from its
+    current amax, Scaling.TENSOR, or from its history, Scaling.DELAYED: the step's one
+    scale, as Transformer Engine's backward uses the forward's FP8 tensor and its
+    transpose), or square 2-D blocks (128x128, NVFP4's 16x16 weights), rounded to nearest
     (stochastic rounding would draw other noise) without a Hadamard transform. Amaxes
     are maxima, so every scale and every element comes out bit for bit the same.
     """
@@ -225,8 +232,15 @@ def _transposable(spec: QuantSpec | None, spec_t: QuantSpec | None, q) -> bool:
         return False
     if spec.rounding is not Rounding.NEAREST_EVEN or spec.hadamard:
         return False
-    return spec.scaling is Scaling.TENSOR or (
+    return spec.scaling in (Scaling.TENSOR, Scaling.DELAYED) or (
         spec.scaling is Scaling.BLOCK and spec.block[0] == spec.block[1])
+
+
+def _delayed_scale(q) -> torch.Tensor | None:
+    """The one scale of a delayed-scaling quantization (None for any other)."""
+    if not isinstance(q, Quantized) or q.spec.scaling is not Scaling.DELAYED:
+        return None
+    return q.scale.reshape(())
 
 
 def _transpose(q: Quantized) -> Quantized:

@@ -243,6 +243,25 @@ def test_pipeline_stages_each_see_every_sites_statistics(fake_dist):
 
 
 # ------------------------------------------------------------------ between checks
+def test_a_delayed_scaling_weight_overflow_starting_on_a_check_step_is_in_that_check():
+    """fp8_delayed: a weight 1000x larger from a check step on saturates under the scale its
+    history gives; that check reports the saturation (the backward reuses the forward's
+    quantization, so its statistics stand), and the check before it saw none."""
+    model, state = prepared("fp8_delayed")
+    mon = monitor(state, check_every=5)
+    for step in range(5):
+        train_step(mon, model, step, inputs(seed=step))
+    assert mon.check(4).sites["2"].saturated_frac["weight"] == 0.0
+    for step in range(5, 10):
+        if step == 9:                                      # the check step
+            with torch.no_grad():
+                model[2].weight.mul_(1000.0)   # site "2" runs dgrad: its weight^T is needed
+        train_step(mon, model, step, inputs(seed=step))
+    sig = mon.check(9)
+    assert sig.sites["2"].saturated_frac["weight"] > 0.9
+    assert sig.sites["0"].saturated_frac["weight"] == 0.0
+
+
 def test_a_one_step_delayed_scaling_overflow_between_checks_is_counted():
     """fp8_delayed: the scale comes from the amax history, so an input 1000x larger than the
     history saturates in that one step; statistics are off there (not a check step), yet the
