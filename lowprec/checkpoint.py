@@ -50,13 +50,13 @@ import random
 import re
 import shutil
 import warnings
-from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
 
+from lowprec.durable import check_plain, fsync_dir, write_synced
 from lowprec.integrity import CorruptCheckpointError, payload_integrity, verify_manifest, verify_payload, \
     write_manifest
 
@@ -69,8 +69,6 @@ _READS = (1, 2)   # version 1: written before checksums, loaded unverified
 ABANDONED = "abandoned"
 _FINAL = re.compile(r"^step_(\d{8,})(\.pt)?$")
 _TEMP = re.compile(r"^step_\d{8,}(\.pt)?(\.old)?\.tmp$")
-_PLAIN = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.Size, torch.dtype,
-          torch.device, torch.Tensor, nn.Parameter)
 
 
 # ----------------------------------------------------------------------------- saving
@@ -99,18 +97,18 @@ def save_checkpoint(directory: str | os.PathLike, step: int, *, model: nn.Module
              "controller": None if controller is None else controller.state_dict(),
              "data": None if data_state is None else dict(data_state), "extra": extra,
              "rng": rng_state()}
-    _check_plain(local, "checkpoint")
+    check_plain(local, "checkpoint")
     if _distributed(model):
         return _save_dcp(directory, step, model, optimizer, local, keep, _before_replace)
     payload = {**local, "model": model.state_dict(), "optim": optimizer.state_dict()}
-    _check_plain({"model": payload["model"], "optim": payload["optim"]}, "checkpoint")
+    check_plain({"model": payload["model"], "optim": payload["optim"]}, "checkpoint")
     payload["integrity"] = payload_integrity(payload)
     final, tmp = directory / f"step_{step:08d}.pt", directory / f"step_{step:08d}.pt.tmp"
-    _write(tmp, payload)
+    write_synced(tmp, payload)
     if _before_replace is not None:
         _before_replace(tmp)
     os.replace(tmp, final)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     _prune(directory, step, keep)
     return final
 
@@ -132,11 +130,11 @@ def _save_dcp(directory: Path, step: int, model, optimizer, local: dict, keep, b
         optim_sd = {k: v for k, v in optim_sd.items() if not k.startswith("state.")}
     dcp.save({"model": model_sd, "optim": optim_sd},
              storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-    _write(tmp / f"rank_{rank:05d}.pt", {**local, "dcp_optim": {"flat": True, "has_state": not fresh}})
+    write_synced(tmp / f"rank_{rank:05d}.pt", {**local, "dcp_optim": {"flat": True, "has_state": not fresh}})
     _barrier()  # every rank's files are on disk
     if rank == 0:
         write_manifest(tmp)   # the SHA-256 of every rank's files
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if before_replace is not None:
             before_replace(tmp)
         aside = None
@@ -146,7 +144,7 @@ def _save_dcp(directory: Path, step: int, model, optimizer, local: dict, keep, b
             shutil.rmtree(aside, ignore_errors=True)
             os.replace(final, aside)
         os.replace(tmp, final)
-        _fsync_dir(directory)
+        fsync_dir(directory)
         if aside is not None:
             shutil.rmtree(aside)
         _prune(directory, step, keep)
@@ -163,25 +161,6 @@ def _dcp_options(flat: bool = True):
     return StateDictOptions(flatten_optimizer_state_dict=flat)
 
 
-def _write(path: Path, obj: Any) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename durable: fsync the directory entry (POSIX; skipped where unsupported)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # e.g. Windows cannot open a directory
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _prune(directory: Path, step: int, keep: int | None) -> None:
     found = list_checkpoints(directory)
     stale = [p for p in directory.iterdir() if _TEMP.match(p.name)]  # a killed writer's
@@ -194,32 +173,14 @@ def _prune(directory: Path, step: int, keep: int | None) -> None:
         for p in newer:
             _remove(aside / p.name)
             os.replace(p, aside / p.name)
-        _fsync_dir(aside)
-        _fsync_dir(directory)
+        fsync_dir(aside)
+        fsync_dir(directory)
     for p in stale:
         _remove(p)
 
 
 def _remove(p: Path) -> None:
     shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-
-
-def _check_plain(obj: Any, where: str) -> None:
-    """Fail now, naming the entry, if `obj` would not load with torch.load(weights_only=True)."""
-    if type(obj) in (dict, OrderedDict):
-        for k, v in obj.items():
-            if type(k) not in _PLAIN:
-                raise TypeError(f"{where} has a key of type {type(k).__name__} ({k!r}); use str or int keys")
-            _check_plain(v, f"{where}[{k!r}]")
-    elif type(obj) in (list, tuple, set):
-        for i, v in enumerate(obj):
-            _check_plain(v, f"{where}[{i}]")
-    elif type(obj) not in _PLAIN:
-        raise TypeError(
-            f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which "
-            f"torch.load(weights_only=True) refuses; state_dict() must hold only tensors, numbers, "
-            f"strings, None and lists/tuples/dicts of them (convert enums to .value, arrays to "
-            f"tensors, objects to dicts)")
 
 
 # ----------------------------------------------------------------------------- finding

@@ -44,6 +44,7 @@ from lowprec.verdicts import Verdict
 __all__ = ["HostedConfig", "HostedRollout", "HostedCallback", "Attach", "GapOutcome", "allreduce_grads"]
 
 SECTIONS = ("precision", "rollout", "eval", "tracking")
+STATE_FORMAT, STATE_VERSION = "lowprec.hosted_rollout", 1
 _FRAMEWORK_OWNS = ("model", "data", "train")
 
 
@@ -120,6 +121,10 @@ class GapOutcome:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class HostedRollout:
@@ -275,6 +280,40 @@ class HostedRollout:
             t.log_signals(result.step, s.last_signals)
         if checked or result.decision.changes:
             t.log_precision(result.step, self.state.formats(), self.state.flops_share())
+
+    # ------------------------------------------------------------------ resume
+    def state_dict(self) -> dict:
+        """What lowprec needs to go on when the framework resumes from its checkpoint: each
+        layer's format, delayed-scaling histories and rounding generators, the session (the
+        controller's stage and memory, lowprec's step, rewinds, skips, events) and the losses
+        so far. Plain data (loads with torch.load(weights_only=True)). After `start`."""
+        if self.session is None:
+            raise RuntimeError("HostedRollout.state_dict() before start(): there is no session to save yet")
+        return {"format": STATE_FORMAT, "version": STATE_VERSION, "world_size": _world_size(),
+                "precision": self.state.state_dict(), "session": self.session.state_dict(),
+                "losses": list(self.losses)}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Go on from `saved` (a `state_dict()`), after `start`: the layers' formats and the
+        controller's stage are the saved ones, not the plan's. Refused, with nothing changed,
+        when it is not lowprec's, was written by another number of ranks, or names other layers."""
+        if self.session is None:
+            raise RuntimeError("HostedRollout.load_state_dict() before start(): call it once the session exists")
+        if not isinstance(saved, dict) or saved.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a lowprec rollout state (no format={STATE_FORMAT!r} entry); it is written by "
+                             f"HostedRollout.state_dict()")
+        if saved.get("version") != STATE_VERSION:
+            raise ValueError(f"rollout state version {saved.get('version')!r}; this lowprec reads {STATE_VERSION}")
+        if saved["world_size"] != _world_size():
+            raise ValueError(f"the rollout state was saved by {saved['world_size']} rank(s) and {_world_size()} run now; "
+                             f"each rank's delayed-scaling histories and generators are its own: resume with "
+                             f"{saved['world_size']} rank(s)")
+        self.state.load_state_dict(saved["precision"])   # checks sites and formats before switching any
+        self.session.load_state_dict(saved["session"])
+        self.losses = [float(x) for x in saved["losses"]]
+        if self.tracker is not None:
+            self.tracker.log_metrics(self.step, {"train/resumed_at": self.step})
+            self.tracker.log_precision(self.step, self.state.formats(), self.state.flops_share())
 
     # ------------------------------------------------------------------ the end
     def end(self, status: str = "FINISHED") -> None:

@@ -26,6 +26,11 @@ What the callback does at the Trainer's events (the framework-neutral part is
 * `on_evaluate` (the Trainer's own evaluation): the same eval set again with every layer in
   high precision; the relative gap of `eval_loss` to it is logged, and above
   `eval_gap_tolerance` it rolls the newest stage back, like the in-loop gate of a suite.
+* `on_save` (the Trainer wrote `checkpoint-<step>`): lowprec's state goes into it,
+  `lowprec/rank_<r>.pt` (`lowprec.integrations.state_files`). When the Trainer resumes from
+  it, `on_train_begin` restores that state: each layer's format, the controller's stage
+  and memory, lowprec's step and events, so a layer that fell back stays in BF16. A
+  checkpoint without it is refused, saying how to go on (`restore=`).
 * `on_train_end`: the final eval, the loss curve, the report pictures.
 
 What the Trainer does not allow: its `global_step` never goes back, so a rewind of N steps
@@ -37,6 +42,7 @@ FSDP and DeepSpeed under the Trainer are refused at `on_train_begin` (DDP is sup
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +54,7 @@ from lowprec.integrations.extras import require
 transformers = require("transformers", "hf", "Hugging Face transformers (and accelerate)")
 
 from lowprec.integrations.core import Attach, HostedCallback, HostedConfig, HostedRollout, allreduce_grads  # noqa: E402
+from lowprec.integrations.state_files import MissingRolloutStateError, read_rollout_state, save_rollout_state  # noqa: E402
 
 __all__ = ["LowprecCallback"]
 
@@ -80,13 +87,20 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
 
     def __init__(self, config: HostedConfig | str | Path, model: nn.Module, *, seed: int = 0,
                  baseline: dict[int, float] | None = None, eval_tokenizer=None, max_length: int | None = None,
-                 eval_gap_tolerance: float | None = 0.02):
+                 eval_gap_tolerance: float | None = 0.02, restore: bool | str | Path = True):
         """config: a HostedConfig or the path of its YAML file. model: the model the Trainer
         will train, prepared here (before the Trainer wraps it). eval_tokenizer / max_length:
         for an `eval:` suite (default: bytes, and the model's `max_position_embeddings`).
         eval_gap_tolerance: the Trainer's own evaluation is an eval checkpoint: its `eval_loss`
         against the same eval set in high precision; a relative gap above this rolls the newest
-        stage back (None: the gap is logged only)."""
+        stage back (None: the gap is logged only).
+        restore: when the Trainer resumes from a checkpoint, where lowprec's state comes from:
+        True, the checkpoint the Trainer resumes (`output_dir/checkpoint-<step>`, where it
+        saves them); a folder, that checkpoint; False, none (lowprec starts again from the
+        plan's formats and its first stage)."""
+        if not isinstance(restore, (bool, str, Path)):
+            raise TypeError(f"restore: expected True, False or a checkpoint folder, found {restore!r}")
+        self.restore = restore
         if eval_gap_tolerance is not None and not eval_gap_tolerance >= 0:
             raise ValueError(f"eval_gap_tolerance: expected a relative gap >= 0 (e.g. 0.02) or None (log only), "
                              f"found {eval_gap_tolerance!r}")
@@ -147,6 +161,7 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
                     f"LowprecCallback does not support the Trainer's {name} yet (found {name}={getattr(args, name)!r}): "
                     f"lowprec's snapshots, replays and clipping are written for whole parameters on every rank; use "
                     f"DDP with the Trainer, or `lowprec run` (FSDP2) or lowprec's Session in your own loop")
+        saved = self._saved_state(args, state)   # read (or refused) before anything changes
         # registered now, after any hook the user put on the model: it sees the output they see
         self._hook = self.model.register_forward_hook(self._keep_microbatch, with_kwargs=True)
         self._saved_max_grad_norm = args.max_grad_norm
@@ -166,6 +181,42 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
                           eval_tokenizer=self.eval_tokenizer, max_length=self.max_length,
                           run_name=args.run_name or Path(args.output_dir).name,
                           buffer_root=Path(args.output_dir) / "lowprec", attach=attach)
+        if saved is not None:
+            try:
+                self.hosted.load_state_dict(saved)
+            except Exception:
+                self.hosted.end("FAILED")   # the run it opened is not left running
+                raise
+
+    def _saved_state(self, args, state) -> dict | None:
+        """The rollout state to go on from when the Trainer resumes (`state.global_step` > 0 at
+        `on_train_begin`: the Trainer loaded its state from the checkpoint), per `restore`."""
+        if self.restore is False:
+            return None
+        if state.global_step == 0:
+            if self.restore is not True:
+                raise ValueError(f"restore={str(self.restore)!r} names a checkpoint, but the Trainer is not resuming "
+                                 f"(global_step 0): pass resume_from_checkpoint= to trainer.train(), or drop restore=")
+            return None
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}" if self.restore is True else Path(self.restore)
+        try:
+            return read_rollout_state(folder)
+        except MissingRolloutStateError as e:
+            raise MissingRolloutStateError(
+                f"the Trainer resumes at step {state.global_step}, and lowprec cannot go on where it was: {e}. "
+                f"Pass LowprecCallback(..., restore='<the checkpoint folder you resume from>') if it is elsewhere, "
+                f"or restore=False to start lowprec's rollout again from the plan's formats") from None
+
+    def on_save(self, args, state, control, **kwargs):
+        """The Trainer wrote `output_dir/checkpoint-<step>`: lowprec's state goes in with it."""
+        if self.hosted.session is None:
+            return
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if not folder.is_dir():   # a hyperparameter search's trial folders: not where resume looks
+            warnings.warn(f"LowprecCallback: the Trainer saved a checkpoint that is not {folder}; lowprec's state is "
+                          f"not in it, and resuming from it needs restore=False", stacklevel=2)
+            return
+        save_rollout_state(self.hosted.state_dict(), folder)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._micro.clear()

@@ -33,6 +33,10 @@ micro-batches per step):
 * `on_train_batch_end` (Lightning stepped the optimizer and the "step" scheduler): a rewind
   restores model, optimizer, scheduler and RNG; Lightning's data goes on. Eval
   checkpoints of an `eval:` section run here.
+* `state_dict` / `load_state_dict`: Lightning saves lowprec's state in its checkpoints and,
+  when `trainer.fit(ckpt_path=...)` resumes, `on_train_start` goes on from it: each layer's
+  format, the controller's stage and memory, lowprec's step and events. A checkpoint
+  without it is refused, saying how to go on (`restore=False`).
 * `on_train_end`: the final eval, the loss curve, the report pictures.
 
 Under DDP a replay runs the LightningModule itself (not the DDP wrapper) and averages the
@@ -67,6 +71,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E40
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature  # noqa: E402
 
 from lowprec.integrations.core import Attach, HostedCallback, HostedConfig, HostedRollout, allreduce_grads  # noqa: E402
+from lowprec.integrations.state_files import MissingRolloutStateError  # noqa: E402
 
 __all__ = ["LowprecCallback"]
 
@@ -110,11 +115,13 @@ class LowprecCallback(HostedCallback, lightning.pytorch.Callback):
     def __init__(self, config: HostedConfig | str | Path, model: nn.Module, *, seed: int = 0,
                  baseline: dict[int, float] | None = None,
                  eval_forward: Callable[[torch.Tensor], torch.Tensor] | None = None, eval_tokenizer=None,
-                 max_length: int | None = None):
+                 max_length: int | None = None, restore: bool = True):
         """config: a HostedConfig or the path of its YAML file. model: the LightningModule or the
         model inside it, prepared here (before `trainer.fit`). eval_forward(tokens) -> logits:
         how an `eval:` suite runs the model (default: `model(tokens)` and its logits);
-        eval_tokenizer / max_length: for the suite (default: bytes, `max_position_embeddings`)."""
+        eval_tokenizer / max_length: for the suite (default: bytes, `max_position_embeddings`).
+        restore: when `trainer.fit(ckpt_path=...)` resumes, go on from the rollout state in that
+        checkpoint (False: start again from the plan's formats and the first stage)."""
         if not isinstance(config, HostedConfig):
             config = HostedConfig.from_yaml(config)
         if (config.eval is not None and eval_forward is None and isinstance(model, lightning.pytorch.LightningModule)
@@ -131,6 +138,8 @@ class LowprecCallback(HostedCallback, lightning.pytorch.Callback):
         self._stepped = False
         self._replaying = False
         self._clip_val: tuple[Any, ...] | None = None
+        self.restore = bool(restore)
+        self._saved: dict | None = None   # from the checkpoint Lightning resumes, until the session exists
 
     # ------------------------------------------------------------------ refusals
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -151,6 +160,11 @@ class LowprecCallback(HostedCallback, lightning.pytorch.Callback):
 
     # ------------------------------------------------------------------ start and end
     def on_train_start(self, trainer, pl_module) -> None:
+        if self.restore and trainer.ckpt_path is not None and self._saved is None:
+            raise MissingRolloutStateError(
+                f"Lightning resumes from {trainer.ckpt_path}, which holds no lowprec rollout state (it was written "
+                f"without LowprecCallback), so lowprec cannot go on where it was; pass LowprecCallback(..., "
+                f"restore=False) to start lowprec's rollout again from the plan's formats")
         if len(trainer.optimizers) != 1 or len(trainer.lr_scheduler_configs) > 1:
             raise MisconfigurationException(
                 f"LowprecCallback runs one optimizer and at most one LR scheduler (found "
@@ -179,6 +193,18 @@ class LowprecCallback(HostedCallback, lightning.pytorch.Callback):
         self.hosted.start(optimizer, scheduler, max_grad_norm=max_norm, eval_forward=forward,
                           eval_tokenizer=self.eval_tokenizer, max_length=self.max_length,
                           run_name=root.resolve().name or "lightning", buffer_root=root / "lowprec", attach=attach)
+        if self.restore and self._saved is not None:
+            saved, self._saved = self._saved, None
+            self.hosted.load_state_dict(saved)   # on failure, on_exception ends the run it opened
+
+    # ------------------------------------------------------------------ Lightning's checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Saved by Lightning in its checkpoint: lowprec's rollout state (`HostedRollout.state_dict`)."""
+        return self.hosted.state_dict() if self.hosted.session is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Called by Lightning when it resumes, before `on_train_start`: kept until the session exists."""
+        self._saved = dict(state_dict) or None
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._restore_clip(trainer)
