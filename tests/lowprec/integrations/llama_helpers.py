@@ -76,3 +76,19 @@ def same_state(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
         a[i].keys() == b[i].keys() and all(torch.equal(a[i][k], b[i][k]) if isinstance(a[i][k], torch.Tensor)
                                            else a[i][k] == b[i][k] for k in a[i]) for i in a)
+
+
+def lowprec_now(callback) -> dict:
+    """What a resumed run must get back of a lowprec callback: each layer's format, lowprec's
+    step, its events and its losses."""
+    return {"formats": callback.state.formats(), "step": callback.step,
+            "events": [e.to_json() for e in callback.session.events], "losses": list(callback.hosted.losses)}
+
+
+def assert_same_progress(got: dict, want: dict) -> None:
+    """Two `lowprec_now` records agree; losses bit for bit, the NaN of a skipped step included."""
+    assert got["formats"] == want["formats"]
+    assert got["step"] == want["step"]
+    assert got["events"] == want["events"]
+    a, b = got["losses"], want["losses"]
+    assert len(a) == len(b) and all(x == y or (x != x and y != y) for x, y in zip(a, b)), (a, b)

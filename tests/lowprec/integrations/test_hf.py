@@ -135,7 +135,7 @@ def test_loss_spike_rewinds_to_the_snapshot(hf_run):
 
 def test_one_mlflow_run_holds_both(hf_run):
     from mlflow.tracking import MlflowClient
-    lp, trainer, uri = hf_run[0], hf_run[2], hf_run[3]
+    lp, uri = hf_run[0], hf_run[3]
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("hf-integration")
     runs = client.search_runs([exp.experiment_id])

@@ -11,7 +11,6 @@ refused before anything changes.
 
 from __future__ import annotations
 
-import math
 import shutil
 
 import pytest
@@ -21,7 +20,7 @@ pytestmark = pytest.mark.slow   # two real Trainer runs
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from llama_helpers import CONFIG, shakespeare_blocks, tiny_llama  # noqa: E402
+from llama_helpers import CONFIG, assert_same_progress, lowprec_now, shakespeare_blocks, tiny_llama  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from lowprec.events import EventKind  # noqa: E402
@@ -42,24 +41,16 @@ class Seen(TrainerCallback):
         self.at_save: dict[int, dict] = {}   # Trainer step -> lowprec then
         self.at_begin: dict | None = None
 
-    def _now(self) -> dict:
-        return {"formats": self.lp.state.formats(), "step": self.lp.step,
-                "events": [e.to_json() for e in self.lp.session.events], "losses": list(self.lp.hosted.losses)}
-
     def on_train_begin(self, args, state, control, **kw):
-        self.at_begin = self._now()
+        self.at_begin = lowprec_now(self.lp)
 
     def on_step_begin(self, args, state, control, **kw):
         if self.faults is not None:
             self.faults.tick(state.global_step)
 
     def on_save(self, args, state, control, **kw):
-        self.at_save[state.global_step] = self._now()
+        self.at_save[state.global_step] = lowprec_now(self.lp)
 
-
-def _same(a: list[float], b: list[float]) -> bool:
-    """Equal lists of losses, the NaN step's NaN included."""
-    return len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
 
 
 def _args(out) -> TrainingArguments:
@@ -101,19 +92,14 @@ def test_run_a_fell_back_before_its_checkpoint(runs):
 def test_the_resumed_run_starts_where_the_checkpoint_was(runs):
     _, (_, first), (_, second), _ = runs
     begin, at_save = second.at_begin, first.at_save[SAVE_AT]
-    assert begin["formats"] == at_save["formats"]        # not the plan's: every layer BF16
-    assert begin["formats"][NAN_SITE] == "bf16"
-    assert begin["step"] == at_save["step"] == SAVE_AT
-    assert begin["events"] == at_save["events"]
-    assert _same(begin["losses"], at_save["losses"])
+    assert_same_progress(begin, at_save)       # not the plan's start: every layer BF16, step 0
+    assert begin["formats"][NAN_SITE] == "bf16" and begin["step"] == SAVE_AT
 
 
 def test_the_resumed_run_goes_on_as_the_first_did(runs):
     _, (lp, _), (lp_b, _), _ = runs
-    assert lp_b.step == lp.step == STEPS
-    assert lp_b.state.formats() == lp.state.formats()
-    assert [e.to_json() for e in lp_b.session.events] == [e.to_json() for e in lp.session.events]
-    assert _same(lp_b.hosted.losses, lp.hosted.losses)    # steps 21-30 trained again, bit for bit
+    assert lp.step == STEPS
+    assert_same_progress(lowprec_now(lp_b), lowprec_now(lp))   # steps 21-30 trained again, bit for bit
 
 
 def test_a_checkpoint_without_lowprec_state_is_refused(runs, tmp_path):

@@ -10,8 +10,6 @@ lowprec's is refused before anything changes.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 pytestmark = pytest.mark.slow   # real Lightning runs
@@ -23,7 +21,7 @@ import lightning  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_helpers import LlamaModule, loader  # noqa: E402
-from llama_helpers import CONFIG  # noqa: E402
+from llama_helpers import CONFIG, assert_same_progress, lowprec_now  # noqa: E402
 from lowprec.events import EventKind  # noqa: E402
 from lowprec.integrations.lightning import LowprecCallback  # noqa: E402
 from lowprec.integrations.state_files import MissingRolloutStateError  # noqa: E402
@@ -42,19 +40,15 @@ class Seen(lightning.pytorch.Callback):
         self.at_save: dict[int, dict] = {}
         self.at_start: dict | None = None
 
-    def _now(self) -> dict:
-        return {"formats": self.lp.state.formats(), "step": self.lp.step,
-                "events": [e.to_json() for e in self.lp.session.events], "losses": list(self.lp.hosted.losses)}
-
     def on_train_start(self, trainer, pl_module):
-        self.at_start = self._now()
+        self.at_start = lowprec_now(self.lp)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.faults is not None:
             self.faults.tick(trainer.global_step)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        self.at_save[trainer.global_step] = self._now()
+        self.at_save[trainer.global_step] = lowprec_now(self.lp)
 
 
 def _trainer(root, lp, seen, checkpoint=None) -> lightning.Trainer:
@@ -63,9 +57,6 @@ def _trainer(root, lp, seen, checkpoint=None) -> lightning.Trainer:
                              enable_model_summary=False, default_root_dir=str(root), callbacks=callbacks,
                              enable_checkpointing=checkpoint is not None)
 
-
-def _same(a: list[float], b: list[float]) -> bool:
-    return len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
@@ -101,14 +92,10 @@ def test_the_checkpoint_holds_a_fallback(runs):
 def test_the_resumed_run_starts_where_the_checkpoint_was_and_goes_on_alike(runs):
     _, _, (lp, first), (lp_b, second) = runs
     start, at_save = second.at_start, first.at_save[SAVE_AT]
-    assert start["formats"] == at_save["formats"]       # not the plan's: every layer BF16
-    assert start["step"] == at_save["step"] == SAVE_AT
-    assert start["events"] == at_save["events"]
-    assert _same(start["losses"], at_save["losses"])
-    assert lp_b.step == lp.step == STEPS
-    assert lp_b.state.formats() == lp.state.formats()
-    assert [e.to_json() for e in lp_b.session.events] == [e.to_json() for e in lp.session.events]
-    assert _same(lp_b.hosted.losses, lp.hosted.losses)   # steps 21-30 trained again, bit for bit
+    assert_same_progress(start, at_save)       # not the plan's start: every layer BF16, step 0
+    assert start["formats"][NAN_SITE] == "bf16" and start["step"] == SAVE_AT
+    assert lp.step == STEPS
+    assert_same_progress(lowprec_now(lp_b), lowprec_now(lp))   # steps 21-30 trained again, bit for bit
 
 
 def test_a_checkpoint_without_lowprec_state_is_refused(runs, tmp_path):
