@@ -80,6 +80,10 @@ def _cmd_report(args) -> int:
 
     uri = args.tracking_uri or default_tracking_uri()
     out = Path(args.out or f"report-{args.run_id[:8]}")
+    missing = _missing_store(uri)
+    if missing:   # MlflowClient would create an empty store there, and then not find the run
+        print(f"lowprec report: {missing}", file=sys.stderr)
+        return 2
     try:
         dl = Deadline(args.timeout, f"the tracking store {uri}")
         data = dl.run(f"reading run {args.run_id}", from_mlflow, MlflowClient(uri), args.run_id,
@@ -118,11 +122,9 @@ def _cmd_ui(args) -> int:
     if args.dry_run:
         print(" ".join(cmd))
         return 0
-    db = _sqlite_file(uri)
-    if db is not None and not db.is_file():
-        print(f"lowprec ui: there is no tracking store at {db} ({uri}); `lowprec run` creates one where it "
-              f"runs (tracking.uri, default ./mlflow.db): run there, or pass --tracking-uri with the store "
-              f"your runs were logged to", file=sys.stderr)
+    missing = _missing_store(uri)
+    if missing:
+        print(f"lowprec ui: {missing}", file=sys.stderr)
         return 2
     # Job consumers are not needed to browse runs and cost start-up time (see FACTS.md).
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
@@ -134,6 +136,16 @@ def _sqlite_file(uri: str) -> Path | None:
     if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
         return None
     return Path(uri[len("sqlite:///"):])
+
+
+def _missing_store(uri: str) -> str | None:
+    """What to say when `uri` is a SQLite store that does not exist (opening it would create it)."""
+    db = _sqlite_file(uri)
+    if db is None or db.is_file():
+        return None
+    return (f"there is no tracking store at {db} ({uri}); `lowprec run` creates one where it runs "
+            f"(tracking.uri, default ./mlflow.db): run there, or pass --tracking-uri with the store your "
+            f"runs were logged to")
 
 
 class _Stop(Exception):

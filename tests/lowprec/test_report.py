@@ -149,6 +149,14 @@ def test_lowprec_report_reads_the_run_back_from_mlflow(tmp_path, sqlite_store):
     assert main(["report", "no-such-run", "--tracking-uri", uri, "--out", str(out)]) == 2
 
 
+def test_lowprec_report_on_a_store_that_is_not_there_creates_none(tmp_path, capsys):
+    """A mistyped --tracking-uri: exit 2 naming the path, and no empty store made there."""
+    typo = tmp_path / "mlfow.db"
+    assert main(["report", "0" * 32, "--tracking-uri", f"sqlite:///{typo}", "--out", str(tmp_path / "r")]) == 2
+    assert f"there is no tracking store at {typo}" in capsys.readouterr().err
+    assert not typo.exists() and not (tmp_path / "r").exists()
+
+
 def test_lowprec_ui_serves_a_local_store_on_localhost_only(capsys):
     assert main(["ui", "--tracking-uri", "sqlite:///runs/mlflow.db", "--port", "5055", "--dry-run"]) == 0
     cmd = capsys.readouterr().out.split()
