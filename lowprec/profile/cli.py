@@ -255,6 +255,8 @@ def _write_outputs(args, cfg, name, prepared, profile, choices, stages) -> None:
     lines = plan_lines(choices, stages, args.budget)
     cost = (f"cost: {profile.passes_per_rank} forward+backward passes per rank on {profile.world} rank(s) "
             f"({profile.batches} batches x {profile.tokens_per_batch} tokens), {profile.seconds:.1f} s")
+    if args.from_profile is not None:
+        cost = f"cost: no passes now (re-planned from {args.from_profile}; its measurement took: {cost[6:]})"
     (out / "profile.txt").write_text("\n".join([table, "", *lines, cost]) + "\n")
     pic = draw(profile, choices, out / "profile.png", args.budget)
     print(ranked_table(profile, choices, limit=TABLE_ROWS))

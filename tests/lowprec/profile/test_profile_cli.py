@@ -131,6 +131,7 @@ def test_replan_from_a_saved_profile_measures_nothing(project, capsys):
                  "--no-tracking"]) == 0
     out = capsys.readouterr().out
     assert "nothing is measured again" in out and "warm-up" not in out and "forward+backward passes per rank on" not in out.split("cost:")[0]
+    assert "cost: no passes now (re-planned from out/profile.json; its measurement took: " in out
     assert json.loads((project / "re" / "profile.json").read_text()) == saved   # the same numbers, re-planned
     written = yaml.safe_load((project / "w" / "re.yaml").read_text())
     assert [s["format"] for s in written["rollout"]["stages"]] == ["fp8_tensorwise"]
