@@ -55,7 +55,6 @@ def linear_weight_view(module: nn.Module) -> torch.Tensor:
     return module.weight.t() if type(module).__name__ == "Conv1D" else module.weight
 
 
-
 def _generator(device: torch.device, seed: int) -> torch.Generator:
     """The stochastic-rounding generator of a layer on `device`; a CPU one for a layer on the
     meta device (it is replaced when the layer is materialized, `PrecisionLinear._apply`)."""

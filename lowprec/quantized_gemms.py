@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 __all__ = ["QuantizedLinearFn"]
 
+
+# ---------------------------------------------------------------------- DTensor plumbing
+
 def _dtensor_type():
     try:
         from torch.distributed.tensor import DTensor
@@ -34,7 +37,6 @@ def _dtensor_type():
         return None
     return DTensor
 
-# ---------------------------------------------------------------------- DTensor plumbing
 
 def _to_local_2d(t: torch.Tensor):
     """(local 2-D tensor, mesh, placements in 2-D terms) for a tensor or DTensor."""
