@@ -54,7 +54,8 @@ from lowprec.integrations.extras import require
 transformers = require("transformers", "hf", "Hugging Face transformers (and accelerate)")
 
 from lowprec.integrations.core import Attach, HostedCallback, HostedConfig, HostedRollout, allreduce_grads  # noqa: E402
-from lowprec.integrations.state_files import MissingRolloutStateError, read_rollout_state, save_rollout_state  # noqa: E402
+from lowprec.integrations.state_files import (MissingRolloutStateError, differing_weights, read_rollout_state,  # noqa: E402
+                                              save_rollout_state, weights_fingerprint)
 
 __all__ = ["LowprecCallback"]
 
@@ -199,13 +200,23 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
                                  f"(global_step 0): pass resume_from_checkpoint= to trainer.train(), or drop restore=")
             return None
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}" if self.restore is True else Path(self.restore)
+        how = ("Pass LowprecCallback(..., restore='<the checkpoint folder you resume from>') if it is elsewhere, "
+               "or restore=False to start lowprec's rollout again from the plan's formats")
         try:
-            return read_rollout_state(folder)
+            saved = read_rollout_state(folder)
         except MissingRolloutStateError as e:
-            raise MissingRolloutStateError(
-                f"the Trainer resumes at step {state.global_step}, and lowprec cannot go on where it was: {e}. "
-                f"Pass LowprecCallback(..., restore='<the checkpoint folder you resume from>') if it is elsewhere, "
-                f"or restore=False to start lowprec's rollout again from the plan's formats") from None
+            raise MissingRolloutStateError(f"the Trainer resumes at step {state.global_step}, and lowprec cannot "
+                                           f"go on where it was: {e}. {how}") from None
+        # the Trainer resumed from a folder it does not name: the state must be that checkpoint's
+        if saved.get("trainer_step") != state.global_step:
+            raise ValueError(f"{folder} holds lowprec's state of Trainer step {saved.get('trainer_step')}, and the "
+                             f"Trainer resumes at step {state.global_step}: it is another checkpoint's. {how}")
+        differ = differing_weights(saved.pop("weights", {}), self.model)
+        if differ:
+            raise ValueError(f"{folder} holds lowprec's state saved with other weights than the ones the Trainer "
+                             f"resumed ({len(differ)} parameter(s) differ, e.g. {differ[0]}): it belongs to another "
+                             f"run or checkpoint. {how}")
+        return saved
 
     def on_save(self, args, state, control, **kwargs):
         """The Trainer wrote `output_dir/checkpoint-<step>`: lowprec's state goes in with it."""
@@ -216,7 +227,8 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
             warnings.warn(f"LowprecCallback: the Trainer saved a checkpoint that is not {folder}; lowprec's state is "
                           f"not in it, and resuming from it needs restore=False", stacklevel=2)
             return
-        save_rollout_state(self.hosted.state_dict(), folder)
+        save_rollout_state({**self.hosted.state_dict(), "trainer_step": state.global_step,
+                            "weights": weights_fingerprint(self.model)}, folder)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._micro.clear()

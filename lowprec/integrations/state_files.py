@@ -21,12 +21,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from lowprec.durable import check_plain, save_atomically
 from lowprec.integrity import CorruptCheckpointError, payload_integrity, verify_payload
 
 __all__ = ["STATE_DIR", "MissingRolloutStateError", "rollout_state_path", "save_rollout_state",
-           "read_rollout_state"]
+           "read_rollout_state", "weights_fingerprint", "differing_weights"]
 
 STATE_DIR = "lowprec"
 
@@ -76,3 +77,23 @@ def read_rollout_state(folder: str | Path) -> dict:
         raise CorruptCheckpointError(path, f"it holds a {type(payload).__name__}, not a rollout state")
     verify_payload(payload, path)
     return {k: v for k, v in payload.items() if k != "integrity"}
+
+
+def weights_fingerprint(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Per parameter, (sum, sum of squares) in float64: what ties a saved rollout state to the
+    weights saved beside it, so that a state from another run or step is not taken for it."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        t = (t.to_local() if hasattr(t, "to_local") else t).double()
+        out[name] = torch.stack([t.sum(), t.square().sum()]).cpu()
+    return out
+
+
+def differing_weights(saved: dict[str, torch.Tensor], model: nn.Module) -> list[str]:
+    """The parameters of `model` whose fingerprint is not `saved`'s (names missing on either
+    side included); empty when the weights are the ones the state was saved with."""
+    now = weights_fingerprint(model)
+    names = sorted(set(saved) | set(now))
+    return [n for n in names if n not in saved or n not in now
+            or not torch.allclose(saved[n], now[n], rtol=1e-9, atol=1e-12)]

@@ -114,3 +114,31 @@ def test_a_checkpoint_without_lowprec_state_is_refused(runs, tmp_path):
         trainer.train(resume_from_checkpoint=str(folder))
     assert lp.session is None and trainer.args.max_grad_norm == 1.0   # nothing was started or changed
     assert not (folder / "lowprec").exists()
+
+
+def _resume_refused(tmp, folder, match, **callback_kw):
+    lp = LowprecCallback.from_yaml(tmp / "lowprec.yaml", tiny_llama(), **callback_kw)
+    trainer = Trainer(model=lp.model, args=_args(folder.parent), train_dataset=shakespeare_blocks(8 * 40),
+                      callbacks=[lp])
+    with pytest.raises(ValueError, match=match):
+        trainer.train(resume_from_checkpoint=str(folder))
+    assert lp.session is None
+
+
+def test_a_state_from_another_checkpoint_is_not_taken_for_this_one(runs, tmp_path):
+    """The Trainer resumes from a folder it does not tell callbacks about; lowprec's state is
+    checked to be that checkpoint's: the same Trainer step, the same weights."""
+    tmp, _, _, saved = runs
+    folder = tmp_path / "out" / f"checkpoint-{SAVE_AT}"
+    shutil.copytree(saved, folder)
+    # restore= naming the final checkpoint (step 30) while the Trainer resumes step 20
+    _resume_refused(tmp, folder, r"state of Trainer step 30, and the Trainer resumes at step 20",
+                    restore=tmp / "out" / f"checkpoint-{STEPS}")
+    # the weights of step 20 changed under the state (another run's checkpoint-20 in its place)
+    from safetensors.torch import load_file, save_file
+    weights = load_file(folder / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.weight"
+    weights[name] = weights[name] * 1.01
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    _resume_refused(tmp, folder, rf"other weights than the ones the Trainer resumed \(1 parameter\(s\) differ, "
+                                 rf"e.g. {name}\)")
