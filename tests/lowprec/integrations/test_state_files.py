@@ -12,8 +12,8 @@ from torch import nn
 
 from lowprec.events import EventKind
 from lowprec.integrations.core import HostedConfig, HostedRollout
-from lowprec.integrations.state_files import (MissingRolloutStateError, read_rollout_state, rollout_state_path,
-                                              save_rollout_state)
+from lowprec.integrations.state_files import (MissingRolloutStateError, differing_weights, read_rollout_state,
+                                              rollout_state_path, save_rollout_state, weights_fingerprint)
 from lowprec.integrity import CorruptCheckpointError
 
 CONFIG = {
@@ -123,3 +123,13 @@ def test_a_state_that_does_not_fit_changes_nothing(trained):
     with pytest.raises(ValueError, match="not a lowprec rollout state"):
         other.load_state_dict({"precision": saved["precision"]})
     assert other.state.formats() == {"0": "bf16", "2": "bf16"} and other.step == 0 and not other.session.events
+
+
+def test_the_weight_fingerprint_names_what_changed():
+    model = _hosted().model
+    saved = weights_fingerprint(model)
+    assert differing_weights(saved, model) == []
+    with torch.no_grad():
+        model[2].bias[0] += 1e-6            # one element of one parameter
+    assert differing_weights(saved, model) == ["2.bias"]
+    assert differing_weights({k: v for k, v in saved.items() if k != "0.weight"}, model) == ["0.weight", "2.bias"]
