@@ -238,7 +238,11 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, amax: torch.Tensor | float | N
     if spec.rounding is Rounding.STOCHASTIC:
         noise = torch.rand(x2.shape, generator=generator, device=x2.device, dtype=torch.float32)
     block = _block_of(spec, x2.shape)
-    fn = _compiled_core(spec) if fused and spec.scaling in _FUSABLE else _core
+    fn = _core
+    if fused and spec.scaling in _FUSABLE:
+        # the compiled core's statistics write through `out=` temporaries shaped like x2,
+        # which Dynamo refuses when they are not contiguous (a transposed view: weight^T)
+        fn, x2 = _compiled_core(spec), x2.contiguous()
     values, sc, sc_inv, amax_out, packed = fn(x2, spec, block, amax_t, scale_t, noise, stats)
     return Quantized(values, sc, sc_inv, spec, x.shape, amax_out,
                      QuantStats(packed) if stats else None)

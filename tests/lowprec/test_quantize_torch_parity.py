@@ -216,3 +216,24 @@ def test_fused_equals_naive_route(device):
             fused = fake_quantize(x, spec, fused=True)
             assert_bits_equal(fused, naive_fake_quant(x, name), f"{name} fused")
             assert_bits_equal(fused, fake_quantize(x, spec), f"{name} fused vs eager")
+
+
+@pytest.mark.parametrize("fmt", ["fp8_tensorwise", "fp8_delayed"])
+def test_fused_takes_a_transposed_view_with_statistics(fmt):
+    """A backward that quantizes again hands the quantizer transposed views (weight^T,
+    grad_output^T), and a GPT-2 Conv1D's weight is one in the forward. The compiled core
+    writes its statistics through `out=` tensors, which Dynamo refuses when they are not
+    contiguous: it must take such a view all the same, with the eager route's bits."""
+    x = _large("heavy")[:256, :128]
+    view = x.t()
+    assert not view.is_contiguous()
+    spec = get_format(fmt).weight
+    kw = {"scale": torch.tensor(448.0) / x.abs().amax()} if fmt == "fp8_delayed" else {}
+    fused, eager = (quantize(view, spec, fused=f, stats=True, **kw) for f in (True, False))
+    assert_bits_equal(fused.values, eager.values, f"{fmt} values")
+    assert_bits_equal(fused.scale, eager.scale, f"{fmt} scale")
+    got, want = fused.stats.to_dict(), eager.stats.to_dict()
+    for k in ("amax", "saturated", "underflow", "nonfinite", "numel"):
+        assert got[k] == want[k], k
+    for k in ("sq_error", "signal_power", "underflow_energy"):   # sums: compiled in another order
+        assert got[k] == pytest.approx(want[k], rel=1e-6), k
