@@ -32,6 +32,9 @@ from experiments.pretrained import PLANS, EvalSettings, prepared_copy, report, r
 from lowprec.layers import PrecisionLinear
 from lowprec.plan import PrecisionPlan
 
+# a real 135M-parameter model loaded from local weights (about 20 s): in `make test`, not the fast subset
+pytestmark = pytest.mark.slow
+
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 PROMPT = "The capital of France is"

@@ -53,6 +53,7 @@ def _tree(d: Path) -> dict:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow   # it waits out three deadlines (about 7 s)
 def test_gate_report_and_sync_give_up_on_a_server_that_never_answers(tmp_path, hanging_server):
     srv, url = hanging_server
     buf = tmp_path / "buf"
