@@ -24,9 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-from lowprec.configparse import ConfigError, check_keys, found, parse, to_data
+from lowprec.configparse import ConfigError, check_keys, found, parse, read_yaml_file, to_data
 from lowprec.plan import PrecisionPlan
 from lowprec.rollout import RolloutConfig, parse_rollout
 from lowprec.tracking.telemetry import TelemetryConfig
@@ -172,21 +170,7 @@ class RunConfig:
     def from_yaml(cls, path: str | Path) -> "RunConfig":
         """Load a config file; every problem is a ConfigError naming the file or the key."""
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(str(p), "is a folder, not a config file" if p.is_dir() else
-                              "no such config file; give the path of a YAML file (e.g. experiments/configs/default.yaml)")
-        try:
-            doc = yaml.safe_load(p.read_text(encoding="utf-8"))
-        except yaml.constructor.ConstructorError as e:
-            raise ConfigError(str(p), f"uses a YAML tag that safe loading refuses ({e.problem}"
-                                      f"{e.problem_mark or ''}); a config is plain data: mappings, lists, "
-                                      "strings, numbers") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(str(p), f"not valid YAML: {e}") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(str(p), f"cannot read the file: {e}") from None
-        if not isinstance(doc, dict):
-            raise ConfigError(str(p), f"expected a mapping with sections {', '.join(SECTIONS)}, found {found(doc)}")
+        doc = read_yaml_file(p, f"a mapping with sections {', '.join(SECTIONS)}")
         return cls.from_dict(doc, source=str(p))
 
     @classmethod

@@ -35,11 +35,12 @@ import re
 import types
 import typing
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 from lowprec.formats import suggest
 
-__all__ = ["ConfigError", "parse", "check_keys", "to_data", "describe_type", "found"]
+__all__ = ["ConfigError", "parse", "check_keys", "to_data", "describe_type", "found", "read_yaml_file"]
 
 T = TypeVar("T")
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
@@ -266,3 +267,27 @@ def to_data(obj: Any) -> Any:
     if isinstance(obj, Mapping):
         return {k: to_data(v) for k, v in obj.items()}
     return obj
+
+
+def read_yaml_file(path: str | Path, expected: str = "a mapping of sections") -> dict:
+    """A config file's top-level mapping; every problem is a ConfigError naming the file: a
+    folder or no file, a YAML tag that safe loading refuses, invalid YAML, an unreadable or
+    non-UTF-8 file, and contents that are not a mapping (`expected` says what is)."""
+    import yaml
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(str(p), "is a folder, not a config file" if p.is_dir() else
+                          "no such config file; give the path of a YAML file (e.g. experiments/configs/default.yaml)")
+    try:
+        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.constructor.ConstructorError as e:
+        raise ConfigError(str(p), f"uses a YAML tag that safe loading refuses ({e.problem}"
+                                  f"{e.problem_mark or ''}); a config is plain data: mappings, lists, "
+                                  "strings, numbers") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(str(p), f"not valid YAML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(str(p), f"cannot read the file: {e}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(str(p), f"expected {expected}, found {found(doc)}")
+    return doc

@@ -34,11 +34,11 @@ import torch.distributed as dist
 from torch import nn
 
 from lowprec.config import EvalConfig, TrackingConfig, _resolve_gates
-from lowprec.configparse import ConfigError, check_keys, found, parse, to_data
+from lowprec.configparse import ConfigError, check_keys, found, parse, read_yaml_file, to_data
 from lowprec.decisions import Action
 from lowprec.plan import PrecisionPlan
 from lowprec.rollout import RolloutConfig, parse_rollout
-from lowprec.runtime.session import Session, StepResult, _read_yaml, rollout_settings
+from lowprec.runtime.session import Session, StepResult, rollout_settings
 from lowprec.verdicts import Verdict
 
 __all__ = ["HostedConfig", "HostedRollout", "HostedCallback", "Attach", "GapOutcome", "allreduce_grads"]
@@ -59,7 +59,7 @@ class HostedConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "HostedConfig":
-        return cls.from_dict(_read_yaml(path), source=str(path))
+        return cls.from_dict(read_yaml_file(path), source=str(path))
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "<dict>") -> "HostedConfig":

@@ -66,13 +66,12 @@ from torch import nn  # noqa: E402
 from torchtitan.protocols.model_converter import register_model_converter  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402
 
-from lowprec.configparse import ConfigError  # noqa: E402
+from lowprec.configparse import ConfigError, read_yaml_file  # noqa: E402
 from lowprec.decisions import apply_decision  # noqa: E402
 from lowprec.events import Event, EventLog  # noqa: E402
 from lowprec.monitor import Monitor  # noqa: E402
 from lowprec.plan import PrecisionPlan  # noqa: E402
 from lowprec.rollout import RolloutConfig, build_controller, parse_rollout  # noqa: E402
-from lowprec.runtime.session import _read_yaml  # noqa: E402
 from lowprec.state import prepare  # noqa: E402
 
 __all__ = ["LowprecConfig", "JobConfig", "LowprecConverter", "load_config", "NAME"]
@@ -112,7 +111,7 @@ def load_config(path: str | Path) -> tuple[PrecisionPlan, RolloutConfig | None]:
     if not str(path):
         raise ConfigError("lowprec.config", "is empty; name the lowprec YAML file (a `precision:` section and "
                           "optionally `rollout:`), e.g. [lowprec] config = \"precision.yaml\"")
-    d = _read_yaml(path)
+    d = read_yaml_file(path)
     unknown = sorted(set(d) - {"precision", "rollout"})
     if unknown:
         raise ConfigError(str(path), f"has section(s) {unknown}; the torchtitan converter reads `precision:` and "

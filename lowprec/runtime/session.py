@@ -190,10 +190,10 @@ class Session:
     @classmethod
     def from_yaml(cls, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs) -> "Session":
         """Build from a YAML file's `precision:` and (optional) `rollout:` sections."""
-        from lowprec.configparse import ConfigError
+        from lowprec.configparse import ConfigError, read_yaml_file
         from lowprec.plan import PrecisionPlan
         from lowprec.rollout import parse_rollout
-        d = _read_yaml(path)
+        d = read_yaml_file(path)
         if "precision" not in d:
             raise ConfigError("precision", f"{path} has no `precision:` section; a session needs one "
                               f"(and optionally `rollout:`), see docs/config.md")
@@ -418,22 +418,6 @@ class Session:
             self.monitor.close()
         if self.replayer is not None:
             self.replayer.close()
-
-
-def _read_yaml(path: str | Path) -> dict:
-    import yaml
-
-    from lowprec.configparse import ConfigError
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(str(p), "no such config file")
-    try:
-        d = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(str(p), f"not valid YAML: {e}") from None
-    if not isinstance(d, dict):
-        raise ConfigError(str(p), f"expected a mapping of sections, found {type(d).__name__}")
-    return d
 
 
 def rollout_settings(rollout) -> dict:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -191,3 +192,25 @@ def test_parse_never_raises_anything_but_config_error(data):
         assert e.path.startswith("top") and str(e) == f"{e.path}: {e.message}"
     else:
         assert isinstance(out, Outer) and repr(parse(Outer, to_data(out), "top")) == repr(out)
+
+
+@pytest.mark.parametrize("loader", ["run", "hosted", "session"])
+def test_every_config_file_reader_names_the_file_for_what_it_cannot_read(tmp_path, loader):
+    """`lowprec run` configs, the integrations' configs and `Session.from_yaml` read files the
+    same way: a folder, a YAML tag, bytes that are not UTF-8 and a non-mapping are each a
+    ConfigError naming the file, not a traceback."""
+    from lowprec.config import RunConfig
+    from lowprec.integrations.core import HostedConfig
+    from lowprec.runtime.session import Session
+    read = {"run": RunConfig.from_yaml, "hosted": HostedConfig.from_yaml,
+            "session": lambda p: Session.from_yaml(p, torch.nn.Linear(2, 2), None)}[loader]
+    cases = {"tag.yaml": b'precision: !!python/object/apply:os.system ["true"]\n',
+             "latin1.yaml": "precision: {default: caf\u00e9}\n".encode("latin-1"),
+             "list.yaml": b"- precision\n"}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+    for path, words in ((tmp_path, "is a folder"), (tmp_path / "tag.yaml", "YAML tag"),
+                        (tmp_path / "latin1.yaml", "cannot read the file"), (tmp_path / "list.yaml", "found")):
+        with pytest.raises(ConfigError, match=words) as e:
+            read(path)
+        assert e.value.path == str(path)
