@@ -46,7 +46,6 @@ abandonment of the same step replaces its file there). One writer (one run) per 
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 import warnings
@@ -57,6 +56,7 @@ import torch
 from torch import nn
 
 from lowprec.durable import check_plain, fsync_dir, write_synced
+from lowprec.rng import check_rng_devices, restore_rng_state, rng_state
 from lowprec.integrity import CorruptCheckpointError, payload_integrity, verify_manifest, verify_payload, \
     write_manifest
 
@@ -308,7 +308,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
         _check_model(payload["model"], model, path)
         _check_optim(payload["optim"], optimizer, path)
     if restore_rng:
-        _check_rng(payload["rng"], path)
+        check_rng_devices(payload["rng"], path)
     if precision is not None:  # validates sites and format names before switching any
         try:
             precision.load_state_dict(payload["precision"])
@@ -339,7 +339,7 @@ def _load_dcp(path: Path, model, optimizer, restore_rng: bool, precision, contro
                          f"ranks, or pass restore_rng=False (model and optimizer are resharded)")
     _check_parts(local, path, precision, controller, keep_current)
     if restore_rng:
-        _check_rng(local["rng"], path)
+        check_rng_devices(local["rng"], path)
     layout = local.get("dcp_optim", {"flat": False, "has_state": True})  # as lowprec wrote it before
     options = _dcp_options(layout["flat"])
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
@@ -400,56 +400,6 @@ def _check_optim(saved: dict, optimizer: torch.optim.Optimizer, path: Path) -> N
         raise ValueError(f"{path} has optimizer parameter groups of sizes {got}, this optimizer "
                          f"has {want}; create the optimizer over the same parameters and groups "
                          f"as the run that wrote the checkpoint")
-
-
-# ----------------------------------------------------------------------------- RNG
-
-def rng_state() -> dict:
-    """Torch (CPU; CUDA when initialised), Python and NumPy random states, as plain tensors and numbers."""
-    version, internal, gauss = random.getstate()
-    state = {"torch": torch.get_rng_state(),
-             "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
-                        "gauss_next": gauss}}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    np = _numpy()
-    if np is not None:
-        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        state["numpy"] = {"bit_generator": name, "keys": torch.from_numpy(keys.astype("int64")),
-                          "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-    return state
-
-
-def _check_rng(state: dict, path: Path) -> None:
-    fix = "or pass restore_rng=False (the run then does not continue bit for bit)"
-    if "cuda" in state and (not torch.cuda.is_available()
-                            or torch.cuda.device_count() != len(state["cuda"])):
-        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        raise ValueError(f"{path} holds RNG states of {len(state['cuda'])} CUDA devices, this "
-                         f"process has {have}; resume on the same devices {fix}")
-    if "numpy" in state and _numpy() is None:
-        raise ValueError(f"{path} holds NumPy's RNG state but NumPy is not installed; install it {fix}")
-
-
-def restore_rng_state(state: dict) -> None:
-    """Put back what `rng_state` took."""
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
-    if "numpy" in state:
-        n, np = state["numpy"], _numpy()
-        np.random.set_state((n["bit_generator"], n["keys"].numpy().astype("uint32"), n["pos"],
-                             n["has_gauss"], n["cached_gaussian"]))
-
-
-def _numpy():
-    try:
-        import numpy
-        return numpy
-    except ImportError:
-        return None
 
 
 # ----------------------------------------------------------------------------- distributed

@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from lowprec.checkpoint import restore_rng_state, rng_state
+from lowprec.rng import restore_rng_state, rng_state
 from lowprec.runtime.engine import loss_of
 
 __all__ = ["LRProbe", "ProbeResult"]

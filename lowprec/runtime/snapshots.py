@@ -31,8 +31,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from lowprec.checkpoint import (CorruptCheckpointError, list_checkpoints, load_checkpoint, restore_rng_state,
-                                rng_state)
+from lowprec.checkpoint import CorruptCheckpointError, list_checkpoints, load_checkpoint
+from lowprec.rng import restore_rng_state, rng_state
 
 __all__ = ["Snapshots", "MemorySnapshots", "DiskSnapshots"]
 
