@@ -41,6 +41,7 @@ from typing import Any, Callable
 import torch.nn as nn
 import yaml
 
+from lowprec.backends import BACKEND_NAMES
 from lowprec.configparse import ConfigError
 from lowprec.formats import FORMATS, Format, format_names, get_format, suggest
 from lowprec.quantize import check_layer_fits
@@ -49,7 +50,7 @@ __all__ = ["PlanError", "ModelInfo", "Selector", "Rule", "PrecisionPlan", "SiteP
            "selection_from_dict", "resolve", "format_plan_table", "is_linear", "linear_shape"]
 
 BF16 = FORMATS["bf16"]
-BACKENDS = ("emulated", "torch", "te")
+BACKENDS = BACKEND_NAMES
 SELECTOR_KEYS = ("glob", "regex", "fqns", "first_layers", "last_layers", "module_type")
 RULE_KEYS = ("name", "select", "format", "ladder")
 PLAN_KEYS = ("backend", "default", "keep_high_precision", "rules", "fused")

@@ -18,10 +18,9 @@ import contextlib
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-import torch
 from torch import nn
 
-from lowprec.backends import get_backend
+from lowprec.backends import BackendName, get_backend
 from lowprec.formats import Format, get_format, suggest
 from lowprec.layers import PrecisionLinear
 from lowprec.quantize import check_layer_fits
@@ -198,7 +197,8 @@ def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0) -> Precis
     from lowprec.plan import resolve  # noqa: local import keeps `import lowprec` light
 
     backend = get_backend(plan.backend)
-    if plan.backend == "te":
+    on_te = BackendName(plan.backend) is BackendName.TE
+    if on_te:
         from lowprec.backends.te import require_te
         require_te()
     resolved = resolve(model, plan, supported=backend.supports)
@@ -207,7 +207,7 @@ def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0) -> Precis
         if sp.reason.startswith("keep_high_precision"):
             kept.append((sp.fqn, sp.reason))
             continue
-        if plan.backend == "te":
+        if on_te:
             layer = backend.make_site(sp.module, sp.format, name=sp.fqn, amax_reduction_group=amax_group)
         else:
             layer = PrecisionLinear.from_module(

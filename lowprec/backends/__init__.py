@@ -9,15 +9,32 @@ config's string into an object; an unknown name lists the known ones.
 
 from __future__ import annotations
 
+import enum
 from typing import Protocol
 
 import torch
 
 from lowprec.formats import Format, suggest
 
-__all__ = ["Backend", "get_backend", "BACKEND_NAMES"]
+__all__ = ["Backend", "BackendName", "get_backend", "BACKEND_NAMES"]
 
-BACKEND_NAMES = ("emulated", "torch", "te")
+
+class BackendName(str, enum.Enum):
+    """The backends a plan names (`precision.backend`); str-valued: `BackendName.TE == "te"`,
+    and `str()` and f-strings give the plain name."""
+
+    EMULATED = "emulated"
+    TORCH = "torch"
+    TE = "te"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+BACKEND_NAMES = tuple(b.value for b in BackendName)
 
 
 class Backend(Protocol):
@@ -31,15 +48,17 @@ class Backend(Protocol):
         (`te` has no gemm: its sites are whole te.Linear modules, built by `make_site`.)"""
 
 
-def get_backend(name: str) -> "Backend":
-    if name == "emulated":
+def get_backend(name: str | BackendName) -> "Backend":
+    try:
+        kind = BackendName(name)
+    except ValueError:
+        raise ValueError(f"unknown backend {name!r}.{suggest(str(name), BACKEND_NAMES)} "
+                         f"Known backends: {', '.join(BACKEND_NAMES)}.") from None
+    if kind is BackendName.EMULATED:
         from lowprec.backends.emulated import EmulatedBackend
         return EmulatedBackend()
-    if name == "torch":
+    if kind is BackendName.TORCH:
         from lowprec.backends.scaled_mm import ScaledMMBackend
         return ScaledMMBackend()
-    if name == "te":
-        from lowprec.backends.te import TEBackend
-        return TEBackend()
-    raise ValueError(f"unknown backend {name!r}.{suggest(str(name), BACKEND_NAMES)} "
-                     f"Known backends: {', '.join(BACKEND_NAMES)}.")
+    from lowprec.backends.te import TEBackend
+    return TEBackend()

@@ -16,6 +16,7 @@ from enum import Enum
 
 from torch import nn
 
+from lowprec.backends import BACKEND_NAMES, BackendName
 from lowprec.formats import get_format
 
 __all__ = ["GemmClass", "Peak", "gemm_class", "peaks_for_gpu_name", "device_peaks",
@@ -30,7 +31,6 @@ class GemmClass(str, Enum):
 
 
 _BY_RANK = {16: GemmClass.BF16, 8: GemmClass.FP8, 4: GemmClass.FP4}
-_BACKENDS = ("emulated", "torch", "te")  # lowprec.backends.BACKEND_NAMES
 
 
 @dataclass(frozen=True)
@@ -52,11 +52,11 @@ def gemm_class(backend: str, fmt: str, device_type: str) -> GemmClass:
     (fp8_*, mxfp8) on FP8, FP4 formats (nvfp4, mxfp4, fp4_tensorwise) on FP4, bf16 on BF16.
     """
     rank = get_format(fmt).rank
-    if backend not in _BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(_BACKENDS)} (plan.backend)")
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKEND_NAMES)} (plan.backend)")
     if device_type != "cuda":
         return GemmClass.FP32
-    if backend == "emulated":
+    if BackendName(backend) is BackendName.EMULATED:
         return GemmClass.BF16 if rank == 16 else GemmClass.FP32
     return _BY_RANK[rank]
 
