@@ -10,28 +10,22 @@ rules themselves are `lowprec.controller.RolloutController`'s.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 from lowprec.detectors import Thresholds
 from lowprec.events import Event
+from lowprec.strenum import StrEnum
 
 __all__ = ["Action", "Stage", "ControllerConfig", "Decision", "apply_decision"]
 
 
-class Action(str, enum.Enum):
+class Action(StrEnum):
     """What the training loop does with this step: step the optimizer, skip it (zero the
     gradients), or restore the last good state and skip `Decision.skip_batches` batches."""
 
     CONTINUE = "continue"
     SKIP_STEP = "skip_step"
     REWIND = "rewind"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 @dataclass(frozen=True)

@@ -11,24 +11,19 @@ JSON give the plain value, which is what events, MLflow tags and reports keep.
 
 from __future__ import annotations
 
-import enum
 from typing import Protocol, runtime_checkable
+
+from lowprec.strenum import StrEnum
 
 __all__ = ["Verdict", "GateOutcome"]
 
 
-class Verdict(str, enum.Enum):
+class Verdict(StrEnum):
     """A gate's answer: the candidate is no worse than allowed, worse, or the data cannot tell."""
 
     PASS = "pass"
     REGRESS = "regress"
     INCONCLUSIVE = "inconclusive"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 @runtime_checkable

@@ -9,29 +9,23 @@ config's string into an object; an unknown name lists the known ones.
 
 from __future__ import annotations
 
-import enum
 from typing import Protocol
 
 import torch
 
 from lowprec.formats import Format, suggest
+from lowprec.strenum import StrEnum
 
 __all__ = ["Backend", "BackendName", "get_backend", "BACKEND_NAMES"]
 
 
-class BackendName(str, enum.Enum):
+class BackendName(StrEnum):
     """The backends a plan names (`precision.backend`); str-valued: `BackendName.TE == "te"`,
     and `str()` and f-strings give the plain name."""
 
     EMULATED = "emulated"
     TORCH = "torch"
     TE = "te"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 BACKEND_NAMES = tuple(b.value for b in BackendName)
