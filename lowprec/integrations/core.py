@@ -39,6 +39,7 @@ from lowprec.decisions import Action
 from lowprec.plan import PrecisionPlan
 from lowprec.rollout import RolloutConfig, parse_rollout
 from lowprec.runtime.session import Session, StepResult, rollout_settings
+from lowprec.tracking.records import RunStatus
 from lowprec.verdicts import Verdict
 
 __all__ = ["HostedConfig", "HostedRollout", "HostedCallback", "Attach", "GapOutcome", "allreduce_grads"]
@@ -316,12 +317,12 @@ class HostedRollout:
             self.tracker.log_precision(self.step, self.state.formats(), self.state.flops_share())
 
     # ------------------------------------------------------------------ the end
-    def end(self, status: str = "FINISHED") -> None:
+    def end(self, status: RunStatus = RunStatus.FINISHED) -> None:
         """Final eval, the loss curve (for a later run's `rollout.baseline`), tracking finished."""
         if self._ended:
             return
         self._ended = True
-        if self.evals is not None and status == "FINISHED":
+        if self.evals is not None and status is RunStatus.FINISHED:
             self.evals.final(self.step)
         if self.session is not None:
             self.session.close()

@@ -56,6 +56,7 @@ transformers = require("transformers", "hf", "Hugging Face transformers (and acc
 from lowprec.integrations.core import Attach, HostedCallback, HostedConfig, HostedRollout, allreduce_grads  # noqa: E402
 from lowprec.integrations.state_files import (MissingRolloutStateError, differing_weights, read_rollout_state,  # noqa: E402
                                               save_rollout_state, weights_fingerprint)
+from lowprec.tracking.records import RunStatus  # noqa: E402
 
 __all__ = ["LowprecCallback"]
 
@@ -186,7 +187,7 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
             try:
                 self.hosted.load_state_dict(saved)
             except Exception:
-                self.hosted.end("FAILED")   # the run it opened is not left running
+                self.hosted.end(RunStatus.FAILED)   # the run it opened is not left running
                 raise
 
     def _saved_state(self, args, state) -> dict | None:

@@ -72,6 +72,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 
 from lowprec.integrations.core import Attach, HostedCallback, HostedConfig, HostedRollout, allreduce_grads  # noqa: E402
 from lowprec.integrations.state_files import MissingRolloutStateError  # noqa: E402
+from lowprec.tracking.records import RunStatus  # noqa: E402
 
 __all__ = ["LowprecCallback"]
 
@@ -213,7 +214,7 @@ class LowprecCallback(HostedCallback, lightning.pytorch.Callback):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._restore_clip(trainer)
         if self.hosted.session is not None:
-            self.hosted.end("FAILED")
+            self.hosted.end(RunStatus.FAILED)
 
     def _restore_clip(self, trainer) -> None:
         if self._clip_val is not None:

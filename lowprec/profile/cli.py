@@ -264,13 +264,14 @@ def _write_outputs(args, cfg, name, prepared, profile, choices, stages) -> None:
                      f"files: {out} (profile.txt, profile.csv, profile.json, profile.png)"]))
     if cfg.tracking.enabled and not args.no_tracking:
         from lowprec.runtime.run import _tracking_uri
+        from lowprec.tracking.records import RunStatus
         from lowprec.tracking.tracker import Tracker
         tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, f"profile-{name}", buffer_dir=out / "tracking")
         tracker.log_config(cfg.to_dict())
         log_to_mlflow(tracker, profile, choices, stages,
                       [out / "profile.txt", out / "profile.csv", out / "profile.json", pic, out / "profiled.yaml"],
                       args.budget)
-        tracker.finish("FINISHED", report=False)
+        tracker.finish(RunStatus.FINISHED, report=False)
         print(f"MLflow run {tracker.run_id} (profile-{name}) in {_tracking_uri(cfg)}")
 
 

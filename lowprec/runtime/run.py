@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from lowprec.configparse import ConfigError
+from lowprec.tracking.records import RunStatus
 
 __all__ = ["PreparedRun", "prepare_run", "load_factory", "high_precision_baseline", "execute", "run_config",
            "train_prepared", "summary_text"]
@@ -233,16 +234,16 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
         tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, name, buffer_dir=out / "tracking",
                           resume=resume, system_metrics_s=tel.system_metrics_s if tel.enabled else None)
         tracker.log_config(cfg.to_dict())
-    status = "FAILED"
+    status = RunStatus.FAILED
     try:
         res = execute(prepared, out, tracker=tracker, resume=resume, faults=faults, started=started)
-        status = "FINISHED"
+        status = RunStatus.FINISHED
     except NoUsableCheckpointError as e:   # went bad between the check above and the loop
         print(f"lowprec run: --resume: {e}", file=sys.stderr)
         return 2
     finally:
         if tracker is not None:
-            if status == "FINISHED":
+            if status is RunStatus.FINISHED:
                 from lowprec.runtime.baseline import LOSSES_ARTIFACT
                 tracker.log_artifact(out / LOSSES_ARTIFACT)
             tracker.finish(status)

@@ -26,16 +26,26 @@ import re
 import time
 from typing import Any, Mapping
 
+from lowprec.strenum import StrEnum
+
 __all__ = ["SIGNAL_STATS", "BASELINE_LOSS", "LR_SENSITIVITY", "MAX_KEY", "MAX_PARAM_VALUE", "MAX_TAG_VALUE", "now_ms",
            "metric_key", "fit_value", "flatten_config", "signal_metrics", "eval_metrics", "eval_metric_name",
            "eval_samples", "eval_artifact_name", "EVAL_PREFIX", "merge", "chunk",
-           "PrecisionMapLog"]
+           "PrecisionMapLog", "RunStatus"]
 
 SIGNAL_STATS = ("amax", "saturated_frac", "underflow_frac", "underflow_energy_frac", "rel_mse", "sqnr_db",
                 "nonfinite")
 BASELINE_LOSS = "train/baseline_loss"
 LR_SENSITIVITY = "train/lr_sensitivity"   # the LR probe's (L_x2 - L_x0.5) / |L0| (lowprec.runtime.lrprobe)
 MAX_KEY, MAX_PARAM_VALUE, MAX_TAG_VALUE = 250, 6000, 8000
+
+
+class RunStatus(StrEnum):
+    """How a run ended: MLflow's terminal statuses, as the tracker's `terminate` record keeps them."""
+
+    FINISHED = "FINISHED"
+    FAILED = "FAILED"
+    KILLED = "KILLED"
 
 
 def now_ms() -> int:

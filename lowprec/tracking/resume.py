@@ -28,6 +28,7 @@ import os
 from pathlib import Path
 
 from lowprec.tracking.outbox import OUTBOX, RUN_INFO, Outbox
+from lowprec.tracking.records import RunStatus
 
 __all__ = ["RunState", "BufferInUseError", "buffered_run", "check_buffer", "ResumeFilter"]
 
@@ -70,7 +71,7 @@ def buffered_run(buffer_dir: str | os.PathLike) -> tuple[RunState, dict]:
     last = _last_record(d / OUTBOX)
     if last is None or last.get("op") != "terminate":
         return RunState.UNFINISHED, info
-    return (RunState.FINISHED if last.get("status") == "FINISHED" else RunState.FAILED), info
+    return (RunState.FINISHED if last.get("status") == RunStatus.FINISHED else RunState.FAILED), info
 
 
 def check_buffer(buffer_dir: str | os.PathLike, resume: bool) -> RunState:

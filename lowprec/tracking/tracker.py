@@ -8,7 +8,7 @@
     tracker.log_events(controller_events)                      # events table + lowprec.* tags
     tracker.log_eval(step, {"hellaswag": {"acc": .31, "acc_stderr": .01}},   # eval/hellaswag/acc, and the
                      samples={"hellaswag": {"acc": {"q17": 1.0, ...}}})     # per-example scores gates pair
-    tracker.finish("FINISHED")                                 # report PNGs, final map, end
+    tracker.finish(RunStatus.FINISHED)                         # report PNGs, final map, end
 
 Why it looks like this:
 * Explicit run ids through `MlflowClient`; MLflow's fluent "active run" (a process global)
@@ -48,7 +48,7 @@ import yaml
 from lowprec.events import Event, EventLog
 from lowprec.tracking.outbox import Outbox, SendResult, server_answers
 from lowprec.tracking.records import (BASELINE_LOSS, EVAL_PREFIX, LR_SENSITIVITY, MAX_TAG_VALUE, SIGNAL_STATS,
-                                      PrecisionMapLog, chunk, eval_artifact_name, eval_metric_name, eval_metrics,
+                                      PrecisionMapLog, RunStatus, chunk, eval_artifact_name, eval_metric_name, eval_metrics,
                                       eval_samples, fit_value, flatten_config, merge, metric_key, now_ms,
                                       signal_metrics)
 from lowprec.tracking.report import render_report
@@ -280,7 +280,7 @@ class Tracker:
                 "online": self.online, "last_error": self.last_error, "queued": self._queue.qsize()}
 
     @_never_raises
-    def finish(self, status: str = "FINISHED", timeout: float = 30.0, report: bool = True) -> dict:
+    def finish(self, status: RunStatus | str = RunStatus.FINISHED, timeout: float = 30.0, report: bool = True) -> dict:
         """Report pictures, final precision map, the run's end; waits at most `timeout` s for
         the server. What could not be sent stays in `buffer_dir` for `sync`."""
         if self._finished:
@@ -313,7 +313,7 @@ class Tracker:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.finish("FAILED" if exc_type else "FINISHED")
+        self.finish(RunStatus.FAILED if exc_type else RunStatus.FINISHED)
 
     # ------------------------------------------------------------------ threads
     def _put(self, item) -> None:
