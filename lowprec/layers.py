@@ -37,7 +37,8 @@ from torch import nn
 from lowprec.delayed import AmaxHistory
 from lowprec.formats import Format, QuantSpec, ScaleEncoding, Scaling
 from lowprec.hadamard import RandomHadamard
-from lowprec.quantize import QuantStats, quantize, saturates
+from lowprec.grid import saturates
+from lowprec.quantize import QuantStats, quantize
 from lowprec.quantized_gemms import QuantizedLinearFn
 from lowprec.weight_cache import WeightCache, cache_key, cacheable
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lowprec.quantize import QuantStats, sqnr_db
+from lowprec.quant_stats import QuantStats, sqnr_db
 
 __all__ = ["MonitorConfig", "Signals", "SiteSignals", "Monitor", "ROLES"]
 

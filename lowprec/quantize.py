@@ -9,11 +9,8 @@ an FP32 tensor scale. Per block: amax over finite values, a scale, `x * scale`
 saturated to the format's max and rounded to its grid (nearest-even, or stochastic
 with a seeded generator), and the dequantized value `q / scale`.
 
-Rounding to a grid is done in FP32 arithmetic on any device (PyTorch has no FP4
-dtype and no float8 arithmetic on CPU): the step at `|v|` is
-`2**(max(exponent(|v|), min_normal_exp) - mantissa_bits)` and `round(|v| / step)`
-is exact, so the result equals a hardware cast bit for bit (tested against
-`torch.float8_e4m3fn` / `float8_e5m2` on every BF16 value).
+Rounding to a grid is done in FP32 arithmetic on any device, bit for bit a hardware
+cast (`lowprec.grid`).
 
 Non-finite inputs: scales are computed from finite values only, so one NaN never
 turns a scale into NaN. NaN stays NaN. +-Inf stays +-Inf in E5M2 (which encodes
@@ -21,7 +18,7 @@ Inf) and becomes NaN in E4M3 and E2M1 (which do not). PyTorch's own E4M3 cast
 saturates Inf to 448; we do not, because a saturated Inf hides a fault that the
 monitors must see. Every non-finite input is counted in the statistics.
 
-Statistics (`QuantStats`) are tensors on the input's device, packed in one vector,
+Statistics (`lowprec.quant_stats.QuantStats`) are tensors on the input's device, packed in one vector,
 computed in the same pass and never read on the host here: amax, saturated count
 (scaled values beyond what round-to-nearest would still have mapped to max),
 underflow count (non-zero inputs that became zero), squared error, signal power,
@@ -44,8 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lowprec.formats import E4M3, ElementFormat, Format, QuantSpec, Rounding, ScaleEncoding, Scaling
+from lowprec.formats import E4M3, Format, QuantSpec, Rounding, ScaleEncoding, Scaling
+from lowprec.grid import round_magnitude, round_to_grid, saturated_mask
 from lowprec.hadamard import RandomHadamard
+from lowprec.quant_stats import QuantStats, sqnr_db
 
 __all__ = ["QuantStats", "sqnr_db", "Quantized", "quantize", "fake_quantize", "round_to_grid",
            "operand_blocks", "check_fits", "check_layer_fits"]
@@ -57,49 +56,6 @@ _FP32_MAX = torch.finfo(torch.float32).max
 # block scalings take the eager path even with fused=True: with a symbolic block width,
 # Inductor's CUDA codegen fails (CantSplit) on torch 2.11, see docs/performance.md.
 _FUSABLE = (Scaling.TENSOR, Scaling.DELAYED)
-
-
-def sqnr_db(signal: float, error: float) -> float:
-    """10 log10(signal / error): +inf for no error (or no signal), -inf for an error that
-    overflowed to inf against a finite signal, NaN where both are inf (no answer)."""
-    if not error > 0 or not signal > 0:
-        return math.inf if error == 0 or signal == 0 else math.nan
-    ratio = signal / error
-    if ratio == 0.0:
-        return -math.inf
-    return 10 * math.log10(ratio) if math.isfinite(ratio) else (math.nan if ratio != ratio else math.inf)
-
-
-class QuantStats:
-    """Quantization statistics of one operand, packed in one float64 tensor (no host sync)."""
-
-    FIELDS = ("amax", "saturated", "underflow", "sq_error", "signal_power", "nonfinite", "numel",
-              "underflow_energy")
-
-    def __init__(self, packed: torch.Tensor):
-        if packed.shape != (len(self.FIELDS),):
-            raise ValueError(f"QuantStats expects a vector of {len(self.FIELDS)}, got {tuple(packed.shape)}")
-        self.packed = packed
-
-    def __getattr__(self, name: str) -> torch.Tensor:
-        fields = type(self).FIELDS
-        if name in fields:
-            return self.packed[fields.index(name)]
-        raise AttributeError(name)
-
-    def to_dict(self) -> dict[str, float]:
-        """Host values (this syncs), plus derived fractions and SQNR in dB."""
-        v = dict(zip(self.FIELDS, self.packed.tolist()))
-        n = max(v["numel"], 1.0)
-        v["saturated_frac"] = v["saturated"] / n
-        v["underflow_frac"] = v["underflow"] / n
-        v["underflow_energy_frac"] = v["underflow_energy"] / v["signal_power"] if v["signal_power"] > 0 else 0.0
-        v["rel_mse"] = v["sq_error"] / v["signal_power"] if v["signal_power"] > 0 else 0.0
-        v["sqnr_db"] = sqnr_db(v["signal_power"], v["sq_error"])
-        return v
-
-    def __repr__(self) -> str:
-        return f"QuantStats({', '.join(f'{k}={x:.4g}' for k, x in zip(self.FIELDS, self.packed.tolist()))})"
 
 
 @dataclass
@@ -138,34 +94,6 @@ class Quantized:
         if dt is None:
             raise TypeError(f"{self.spec.element.name} has no PyTorch storage dtype; use .values")
         return self.values.to(dt)
-
-
-def round_to_grid(v: torch.Tensor, elem: ElementFormat, noise: torch.Tensor | None = None) -> torch.Tensor:
-    """Round FP32 `v` to `elem`'s grid, saturating at +-max; NaN stays NaN.
-
-    Nearest-even when `noise` is None, else stochastic: floor(|v|/step + noise) with
-    noise uniform in [0, 1). Infinities saturate here; callers decide their fate.
-    """
-    return _round_abs(v.abs(), v, elem, noise)
-
-
-def _round_abs(a: torch.Tensor, sign: torch.Tensor, elem: ElementFormat,
-               noise: torch.Tensor | None = None) -> torch.Tensor:
-    """round_to_grid of a value whose magnitude is `a` and whose sign is `sign`'s."""
-    return torch.copysign(_round_magnitude(a, elem, noise), sign)
-
-
-def _round_magnitude(a: torch.Tensor, elem: ElementFormat, noise: torch.Tensor | None = None) -> torch.Tensor:
-    """`a` (>= 0) rounded to `elem`'s grid and saturated: a new tensor, >= 0, 0 where `a` is 0.
-
-    The operations in place on one fresh temporary: on CPU a new large tensor costs more
-    than the pass that fills it.
-    """
-    a = a.clamp(max=elem.max)
-    step = (a.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**floor(log2 a), 0 for FP32 subnormals
-    step = step.clamp_(min=elem.min_normal).mul_(2.0 ** -elem.mantissa_bits)
-    n = a.div_(step).round_() if noise is None else a.div_(step).add_(noise).floor_()
-    return n.mul_(step)
 
 
 def operand_blocks(spec: QuantSpec, shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
@@ -354,27 +282,6 @@ def _div(num: float, den: torch.Tensor) -> torch.Tensor:
     return (torch.full_like(den, num, dtype=torch.float64) / den.double()).float()
 
 
-def _overflow_threshold(elem: ElementFormat) -> float:
-    """|v| beyond which clamping changed the result: round-to-nearest without saturation
-    would have left max (half the top binade's step above it)."""
-    return elem.max + 0.5 * 2.0 ** (elem.max_exp - elem.mantissa_bits)
-
-
-def _saturated(a: torch.Tensor, elem: ElementFormat) -> torch.Tensor:
-    """|v| = a that round-to-nearest-even (unbounded) would take past max. The tie at the
-    threshold goes past max when max's mantissa is odd (E5M2 57344, E2M1 6: PyTorch's
-    E5M2 cast gives inf there), and back to max when it is even (E4M3 448)."""
-    odd = round((elem.max / 2.0**elem.max_exp - 1) * 2**elem.mantissa_bits) % 2 == 1
-    thr = _overflow_threshold(elem)
-    return a >= thr if odd else a > thr
-
-
-def saturates(a: torch.Tensor, elem: ElementFormat) -> torch.Tensor:
-    """Whether a scaled magnitude `a` saturates in `elem` (a bool tensor, no sync): what the
-    statistics count as saturated, for callers that only have an amax times its scale."""
-    return _saturated(a, elem)
-
-
 def _dequant_blocks(vb, scale, scale_inv, spec: QuantSpec):
     if spec.scale_encoding is ScaleEncoding.E4M3_FP32:
         return vb * scale_inv        # blocks whose E4M3 scale underflowed have scale 0
@@ -390,7 +297,7 @@ def _core(x2: torch.Tensor, spec: QuantSpec, block, amax_t, scale_t, noise, want
     # arithmetic); the sign comes from x; non-finite positions are overwritten below
     av = ax * scale
     nb = None if noise is None else _as_blocks(noise, block)
-    qa = _round_magnitude(av, elem, nb)              # |q|, 0 where x is not finite
+    qa = round_magnitude(av, elem, nb)              # |q|, 0 where x is not finite
     q = torch.copysign(qa, xb)
     if elem.has_inf:
         q = torch.where(fin, q, xb)                  # NaN stays NaN, Inf stays Inf
@@ -422,7 +329,7 @@ def _stats(xb, fin, ax, av, qa, scale, scale_inv, amax, spec: QuantSpec) -> torc
       and flushes below ~1e-23). The counts come from the unscaled values.
     """
     n = xb.numel()
-    saturated = _saturated(av, spec.element).count_nonzero()     # av is 0 where x is not finite
+    saturated = saturated_mask(av, spec.element).count_nonzero()     # av is 0 where x is not finite
     nonfinite = n - fin.count_nonzero()
     e = (amax.clamp(min=2.0 ** -126).view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**floor(log2 amax)
     flushed = torch.sign(qa, out=av).sub_(1.0).mul_(ax)           # -|x| where flushed, else 0

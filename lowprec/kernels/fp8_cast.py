@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from lowprec.formats import E4M3, E5M2, ElementFormat
-from lowprec.quantize import _EPS, _overflow_threshold
+from lowprec.grid import overflow_threshold
+from lowprec.quantize import _EPS
 
 __all__ = ["CastStats", "cast_rowwise", "cast_tensorwise", "cast_delayed", "kernels_available"]
 
@@ -247,7 +248,7 @@ def _prepare(x: torch.Tensor, elem, what: str):
         x2 = x2.contiguous()
     bf16 = x2.dtype == torch.bfloat16
     consts = dict(MAX=elem.max, M=elem.mantissa_bits, BIAS=1 - elem.min_normal_exp,
-                  HAS_INF=elem.has_inf, THR=_overflow_threshold(elem), ODD=_odd_max(elem), EPS=_EPS,
+                  HAS_INF=elem.has_inf, THR=overflow_threshold(elem), ODD=_odd_max(elem), EPS=_EPS,
                   BF16=bf16)
     return elem, x2, consts
 
@@ -258,7 +259,7 @@ def _bits(x2: torch.Tensor) -> torch.Tensor:
 
 
 def _odd_max(elem: ElementFormat) -> bool:
-    """As lowprec.quantize._saturated: the tie at the threshold saturates when max's mantissa is odd."""
+    """As lowprec.grid.saturated_mask: the tie at the threshold saturates when max's mantissa is odd."""
     return round((elem.max / 2.0**elem.max_exp - 1) * 2**elem.mantissa_bits) % 2 == 1
 
 
