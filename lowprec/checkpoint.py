@@ -55,7 +55,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from lowprec.durable import check_plain, fsync_dir, write_synced
+from lowprec.durable import check_plain, fsync_dir, save_atomically, write_synced
 from lowprec.rng import check_rng_devices, restore_rng_state, rng_state
 from lowprec.integrity import CorruptCheckpointError, payload_integrity, verify_manifest, verify_payload, \
     write_manifest
@@ -103,12 +103,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, *, model: nn.Module
     payload = {**local, "model": model.state_dict(), "optim": optimizer.state_dict()}
     check_plain({"model": payload["model"], "optim": payload["optim"]}, "checkpoint")
     payload["integrity"] = payload_integrity(payload)
-    final, tmp = directory / f"step_{step:08d}.pt", directory / f"step_{step:08d}.pt.tmp"
-    write_synced(tmp, payload)
-    if _before_replace is not None:
-        _before_replace(tmp)
-    os.replace(tmp, final)
-    fsync_dir(directory)
+    final = save_atomically(directory / f"step_{step:08d}.pt", payload, _before_replace)
     _prune(directory, step, keep)
     return final
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -64,12 +64,16 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def save_atomically(path: str | os.PathLike, obj: Any) -> Path:
+def save_atomically(path: str | os.PathLike, obj: Any,
+                    before_replace: Callable[[Path], None] | None = None) -> Path:
     """Write `obj` to `path` so that `path` is either absent, the old file, or the whole new
-    one: `path.tmp`, synced, renamed over `path`, the directory synced."""
+    one: `path.tmp`, synced, renamed over `path`, the directory synced. `before_replace`
+    (a test hook) is called with the complete temporary path just before the rename."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     write_synced(tmp, obj)
+    if before_replace is not None:
+        before_replace(tmp)
     os.replace(tmp, path)
     fsync_dir(path.parent)
     return path
