@@ -36,6 +36,7 @@ from torch import nn
 from lowprec.config import EvalConfig, TrackingConfig, _resolve_gates
 from lowprec.configparse import ConfigError, check_keys, found, parse, read_yaml_file, to_data
 from lowprec.decisions import Action
+from lowprec.integrations.state_files import process_rank, world_size
 from lowprec.plan import PrecisionPlan
 from lowprec.rollout import RolloutConfig, parse_rollout
 from lowprec.runtime.session import Session, StepResult, rollout_settings
@@ -120,14 +121,6 @@ class GapOutcome:
     gap: float
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 class HostedRollout:
     """lowprec's plan, session, evals and tracking inside a framework's training loop."""
 
@@ -193,7 +186,7 @@ class HostedRollout:
         uri = attach.tracking_uri if attach is not None else (tc.uri or default_tracking_uri())
         name = tc.run_name or run_name
         folder = Path(buffer_root) / (attach.run_id if attach is not None else f"{name}-{uuid.uuid4().hex[:8]}")
-        return Tracker(uri, tc.experiment, name, rank=_rank(), buffer_dir=folder,
+        return Tracker(uri, tc.experiment, name, rank=process_rank(), buffer_dir=folder,
                        run_id=attach.run_id if attach is not None else None)
 
     # ------------------------------------------------------------------ each step
@@ -290,7 +283,7 @@ class HostedRollout:
         so far. Plain data (loads with torch.load(weights_only=True)). After `start`."""
         if self.session is None:
             raise RuntimeError("HostedRollout.state_dict() before start(): there is no session to save yet")
-        return {"format": STATE_FORMAT, "version": STATE_VERSION, "world_size": _world_size(),
+        return {"format": STATE_FORMAT, "version": STATE_VERSION, "world_size": world_size(),
                 "precision": self.state.state_dict(), "session": self.session.state_dict(),
                 "losses": list(self.losses)}
 
@@ -305,8 +298,8 @@ class HostedRollout:
                              f"HostedRollout.state_dict()")
         if saved.get("version") != STATE_VERSION:
             raise ValueError(f"rollout state version {saved.get('version')!r}; this lowprec reads {STATE_VERSION}")
-        if saved["world_size"] != _world_size():
-            raise ValueError(f"the rollout state was saved by {saved['world_size']} rank(s) and {_world_size()} run now; "
+        if saved["world_size"] != world_size():
+            raise ValueError(f"the rollout state was saved by {saved['world_size']} rank(s) and {world_size()} run now; "
                              f"each rank's delayed-scaling histories and generators are its own: resume with "
                              f"{saved['world_size']} rank(s)")
         self.state.load_state_dict(saved["precision"])   # checks sites and formats before switching any

@@ -27,7 +27,7 @@ from lowprec.durable import check_plain, save_atomically
 from lowprec.integrity import CorruptCheckpointError, payload_integrity, verify_payload
 
 __all__ = ["STATE_DIR", "MissingRolloutStateError", "rollout_state_path", "save_rollout_state",
-           "read_rollout_state", "weights_fingerprint", "differing_weights"]
+           "read_rollout_state", "weights_fingerprint", "differing_weights", "process_rank", "world_size"]
 
 STATE_DIR = "lowprec"
 
@@ -36,13 +36,19 @@ class MissingRolloutStateError(FileNotFoundError):
     """A framework checkpoint without lowprec's state (written without lowprec, or elsewhere)."""
 
 
-def _rank() -> int:
+def process_rank() -> int:
+    """This process's rank (0 without torch.distributed)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """The number of ranks (1 without torch.distributed): a state is per rank."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def rollout_state_path(folder: str | Path, rank: int | None = None) -> Path:
     """Where rank `rank` (default: this process's) keeps its state in checkpoint `folder`."""
-    return Path(folder) / STATE_DIR / f"rank_{_rank() if rank is None else rank:05d}.pt"
+    return Path(folder) / STATE_DIR / f"rank_{process_rank() if rank is None else rank:05d}.pt"
 
 
 def save_rollout_state(state: dict, folder: str | Path) -> Path:
