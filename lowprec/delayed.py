@@ -17,7 +17,30 @@ import torch
 
 from lowprec.formats import DelayedScalingConfig, ElementFormat
 
-__all__ = ["AmaxHistory"]
+__all__ = ["AmaxHistory", "history_scale", "history_record"]
+
+
+def history_scale(history: torch.Tensor, count: torch.Tensor, element: ElementFormat, margin: int,
+                  most_recent: bool) -> torch.Tensor:
+    """The scale a history gives now: (max / amax) / 2**margin, amax the history's maximum
+    or its most recent entry; 1.0 while the history is empty or all zero (as TE does).
+    The Triton delayed cast (`lowprec.kernels.cast_transpose`) computes it alike."""
+    if most_recent:
+        amax = history[(count - 1).clamp(min=0) % history.numel()]
+    else:
+        amax = history.amax()
+    scale = (element.max / amax) / (2.0 ** margin)
+    return torch.where((amax > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
+
+
+def history_record(history: torch.Tensor, count: torch.Tensor, amax: torch.Tensor) -> None:
+    """Append `amax` to the ring (in place; a non-finite amax is recorded as 0: it never
+    reaches a scale, the quantizer's statistics count it instead)."""
+    amax = amax.detach().to(device=history.device, dtype=torch.float32).reshape(())
+    amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
+    idx = count % history.numel()
+    history.index_put_((idx.reshape(1),), amax.reshape(1))
+    count += 1
 
 
 class AmaxHistory:
@@ -29,25 +52,22 @@ class AmaxHistory:
         self.element = element
         self.history = torch.zeros(config.history_len, dtype=torch.float32, device=device)
         self.count = torch.zeros((), dtype=torch.int64, device=device)  # amaxes recorded so far
+        self._scratch(device)
+
+    def _scratch(self, device) -> None:
+        """The fused delayed cast's scratch scalars (its running amax and its finishing
+        ticket, zero between calls; `lowprec.kernels.cast_transpose`): not state."""
+        self.scratch = torch.zeros((), dtype=torch.float32, device=device)
+        self.ticket = torch.zeros((), dtype=torch.int32, device=device)
 
     def scale(self) -> torch.Tensor:
         """The scale to use now; 1.0 while the history is empty or all zero (as TE does)."""
-        if self.config.algo == "max":
-            amax = self.history.amax()
-        else:
-            idx = (self.count - 1).clamp(min=0) % self.config.history_len
-            amax = self.history[idx]
-        scale = (self.element.max / amax) / (2.0 ** self.config.margin)
-        return torch.where((amax > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
+        return history_scale(self.history, self.count, self.element, self.config.margin,
+                             self.config.algo == "most_recent")
 
     def record(self, amax: torch.Tensor) -> None:
-        """Append this iteration's amax (non-finite values are not recorded: they never
-        reach a scale; the quantizer's statistics count them instead)."""
-        amax = amax.detach().to(device=self.history.device, dtype=torch.float32).reshape(())
-        amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
-        idx = self.count % self.config.history_len
-        self.history.index_put_((idx.reshape(1),), amax.reshape(1))
-        self.count += 1
+        """Append this iteration's amax (non-finite values are not recorded)."""
+        history_record(self.history, self.count, amax)
 
     def reset(self) -> None:
         self.history.zero_()
@@ -56,6 +76,7 @@ class AmaxHistory:
     def to(self, device: torch.device | str) -> "AmaxHistory":
         self.history = self.history.to(device)
         self.count = self.count.to(device)
+        self._scratch(device)
         return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec.delayed import AmaxHistory
+from lowprec.fp8_linear import FastRecipe, fast_linear, fast_recipe
 from lowprec.formats import Format, QuantSpec, ScaleEncoding, Scaling
 from lowprec.hadamard import RandomHadamard
 from lowprec.grid import saturates
@@ -49,6 +50,7 @@ _OPERAND = {"input": "input", "input_wgrad": "input", "weight": "weight",
             "grad_output": "grad_output", "grad_output_wgrad": "grad_output"}
 _ACTIVATION_ROLES = ("input", "input_wgrad", "grad_output", "grad_output_wgrad")
 _OPERANDS = ("input", "weight", "grad_output")  # the operands, in overflow_steps' order
+_FAST_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
 
 def linear_weight_view(module: nn.Module) -> torch.Tensor:
@@ -94,7 +96,12 @@ class PrecisionLinear(nn.Linear):
         self.overflow_steps = torch.zeros(len(_OPERANDS), dtype=torch.float64, device=weight.device)
         self.histories: dict[str, AmaxHistory] = {}
         self.format = fmt
+        self._fast = self._fast_recipe(fmt)
         self._reset_histories()
+
+    def _fast_recipe(self, fmt: Format) -> FastRecipe | None:
+        """The fast-path recipe when the backend has a fast path and `fmt` is one of its formats."""
+        return fast_recipe(fmt) if getattr(self.backend, "fast_path", False) else None
 
     @classmethod
     def from_module(cls, module: nn.Module, fmt: Format, backend, **kw) -> "PrecisionLinear":
@@ -116,7 +123,7 @@ class PrecisionLinear(nn.Linear):
             else:
                 self.overflow_steps = self.overflow_steps.to(dev)
                 for h in self.histories.values():
-                    h.history, h.count = h.history.to(dev), h.count.to(dev)
+                    h.to(dev)
             self.generator = _generator(dev, self.seed)   # a generator cannot change device: reseeded
         return self
 
@@ -126,6 +133,7 @@ class PrecisionLinear(nn.Linear):
         if fmt is self.format:
             return
         self.format = fmt
+        self._fast = self._fast_recipe(fmt)
         self.stats = {}
         self.weight_cache.clear()
         self._reset_histories()
@@ -148,7 +156,14 @@ class PrecisionLinear(nn.Linear):
                 b = None if self.bias is None else _bf16(self.bias)
                 return F.linear(_bf16(x), _bf16(w), b)
             return F.linear(x, w, self.bias)
+        if self._fast is not None and self._on_fast_path(x, w):
+            return fast_linear(self, x, w, self._fast)
         return QuantizedLinearFn.apply(x, w, self.bias, self, self.format)
+
+    def _on_fast_path(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Plain tensors with no amax reduction over a group (lowprec.fp8_linear)."""
+        return (self.amax_group is None and not hasattr(x, "to_local") and not hasattr(w, "to_local")
+                and x.dtype in _FAST_DTYPES and w.dtype in _FAST_DTYPES)
 
     def quantize_operand(self, t: torch.Tensor, fmt: Format, role: str, *, record: bool = True,
                          scale: torch.Tensor | None = None):

@@ -36,6 +36,7 @@ class ScaledMMBackend:
     name = "torch"
     native_out_dtype = True   # gemm takes out_dtype (BF16 on CUDA)
     fp8_storage = True        # cached weights keep their FP8 storage form (lowprec.weight_cache)
+    fast_path = True          # PrecisionLinear runs its FP8 formats on lowprec.fp8_linear
 
     def supports(self, fmt: Format) -> tuple[bool, str]:
         if fmt.is_high_precision:

@@ -98,7 +98,8 @@ def _scale_of(amax, MAX: tl.constexpr, EPS: tl.constexpr):
 @triton.jit
 def _encode(x, scale, MAX: tl.constexpr, M: tl.constexpr, BIAS: tl.constexpr, HAS_INF: tl.constexpr,
             THR: tl.constexpr, ODD: tl.constexpr):
-    """FP8 bytes of x * scale (x FP32), and per element: saturated, underflowed, non-finite.
+    """FP8 bytes of x * scale (x FP32), and per element: |x| (0 where not finite), saturated,
+    underflowed, non-finite, and |q| (the grid magnitude, for the error sums).
 
     |v| is clamped to MAX; with E the FP32 biased exponent of |v| (at least that of the
     format's smallest normal), |v| / 2**(E - 127 - M) is exact and below 2**(M + 1);
@@ -127,7 +128,8 @@ def _encode(x, scale, MAX: tl.constexpr, M: tl.constexpr, BIAS: tl.constexpr, HA
     else:
         sat = av > THR
     under = (n == 0) & (ax > 0)
-    return code.to(tl.uint8), ax, sat, under, fin == 0
+    qa = n.to(tl.float32) * (((e - M) << 23).to(tl.float32, bitcast=True))   # |q|, exact
+    return code.to(tl.uint8), ax, sat, under, fin == 0, qa
 
 
 @triton.jit
@@ -156,7 +158,7 @@ def _rowwise_kernel(x_ptr, out_ptr, scale_inv_ptr, stats_ptr, amax_ptr, K, strid
     for k0 in range(0, K, BLOCK_K):
         m = k0 + cols < K
         x = _load_f32(xrow + k0 + cols, m, BF16)
-        q, ax, sat, under, nonfin = _encode(x, scale, MAX, M, BIAS, HAS_INF, THR, ODD)
+        q, ax, sat, under, nonfin, _ = _encode(x, scale, MAX, M, BIAS, HAS_INF, THR, ODD)
         tl.store(orow + k0 + cols, q, mask=m)
         if STATS:
             _add_stats(stats_ptr, sat & m, under & m, nonfin & m)
@@ -203,7 +205,7 @@ def _cast_kernel(x_ptr, out_ptr, partial_ptr, P, scale_ptr, scale_inv_ptr, stats
     for start in range(pid.to(tl.int64) * BLOCK, N, step):
         m = start + offs < N
         x = _load_f32(x_ptr + start + offs, m, BF16)
-        q, ax, sat, under, nonfin = _encode(x, scale, MAX, M, BIAS, HAS_INF, THR, ODD)
+        q, ax, sat, under, nonfin, _ = _encode(x, scale, MAX, M, BIAS, HAS_INF, THR, ODD)
         tl.store(out_ptr + start + offs, q, mask=m)
         if DELAYED:
             own = tl.maximum(own, tl.max(ax, axis=0))

@@ -1,0 +1,226 @@
+"""The `torch` backend's FP8 fast path: a linear layer's three GEMMs on fused FP8 casts.
+
+`QuantizedLinearFn` (lowprec.quantized_gemms) serves every format on every backend: it
+quantizes through `lowprec.quantize` (FP32 grid values, then a cast to FP8 storage, the
+statistics as extra passes). For the formats whose five operands are tensor-wise, delayed
+or row-wise FP8 this module does the same arithmetic in as few passes as the hardware
+allows:
+
+    fprop  y  = x  @ w^T      _scaled_mm(q_x,  q_w^T)      A row-major, B column-major
+    dgrad  dx = dy @ w        _scaled_mm(q_dy, q_wt^T)
+    wgrad  dw = dy^T @ x      _scaled_mm(q_dyt, q_xt^T)
+
+Each operand is cast once, by one custom op (`lowprec.fp8_ops`), into both layouts it is
+needed in (cast+transpose); the forward saves only the FP8 transposed input and the
+weight's FP8 transpose for the backward (no BF16 or FP32 copy); `_scaled_mm` writes BF16
+directly on CUDA. The weight's FP8 forms are cached across gradient-accumulation
+micro-batches (`lowprec.weight_cache`; delayed scaling excepted, as before). Statistics are
+computed only when the layer's `collect_stats` is on (check steps), by the same kernels.
+Nothing here reads a device value on the host.
+
+On CPU the same ops run the reference quantizer and `_scaled_mm` accumulates in FP32,
+so the fast path equals the `emulated` backend bit for bit there (tests/lowprec/fast_path).
+
+Not on the fast path (the layer uses `QuantizedLinearFn`): DTensor operands, amax
+reductions over a group, and every other format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import Tensor
+
+from lowprec import fp8_ops
+from lowprec.formats import Format, Rounding, ScaleEncoding, Scaling
+from lowprec.quant_stats import QuantStats
+
+if TYPE_CHECKING:
+    from lowprec.layers import PrecisionLinear
+
+__all__ = ["FastRecipe", "fast_recipe", "fast_linear", "FP8LinearFn", "WeightForms"]
+
+_FAST_SCALINGS = (Scaling.TENSOR, Scaling.DELAYED, Scaling.ROW)
+
+
+@dataclass(frozen=True)
+class FastRecipe:
+    """What the fast path needs of a format, as plain constants (a compile-time key)."""
+
+    scaling: Scaling
+    fwd: int                  # element code (fp8_ops.ELEMENTS) of input and weight
+    bwd: int                  # element code of the output gradient
+    stats: bool = False       # check step: write the statistics
+    margin: int = 0           # delayed scaling
+    most_recent: bool = False
+    count_overflow: bool = False   # delayed, statistics off: count overflow steps
+
+    @property
+    def rowwise(self) -> bool:
+        return self.scaling is Scaling.ROW
+
+    @property
+    def delayed(self) -> bool:
+        return self.scaling is Scaling.DELAYED
+
+
+def fast_recipe(fmt: Format) -> FastRecipe | None:
+    """The fast-path recipe of `fmt`, or None when the fast path cannot run it exactly."""
+    specs = fmt.specs()
+    if len(specs) != 5:
+        return None
+    for spec in specs.values():
+        if (spec.scaling not in _FAST_SCALINGS or spec.scaling is not fmt.input.scaling
+                or spec.rounding is not Rounding.NEAREST_EVEN or spec.hadamard
+                or spec.scale_encoding is not ScaleEncoding.FP32 or spec.element not in fp8_ops.ELEMENTS):
+            return None
+    fwd, bwd = fmt.input.element, fmt.grad_output.element
+    if fmt.weight.element is not fwd or fmt.input_wgrad.element is not fwd or fmt.grad_output_wgrad.element is not bwd:
+        return None
+    d = fmt.delayed
+    return FastRecipe(fmt.input.scaling, fp8_ops.element_code(fwd), fp8_ops.element_code(bwd),
+                      margin=d.margin if d else 0, most_recent=bool(d and d.algo == "most_recent"))
+
+
+class WeightForms(NamedTuple):
+    """The weight's FP8 casts, both layouts (cached between optimizer steps)."""
+
+    q: Tensor
+    scale_inv: Tensor
+    q_t: Tensor
+    scale_inv_t: Tensor
+    stats: QuantStats | None
+
+
+def _cast(t: Tensor, elem: int, recipe: FastRecipe, hist, overflow: Tensor | None, index: int,
+          transpose: bool):
+    """(q, scale_inv, q_t, scale_inv_t, packed stats) of one operand by one custom op."""
+    if recipe.delayed:
+        q, si, qt, st = torch.ops.lowprec.fp8_cast_delayed(
+            t, elem, hist.history, hist.count, hist.scratch, hist.ticket, overflow, index,
+            recipe.margin, recipe.most_recent, transpose, recipe.stats, recipe.count_overflow)
+        return q, si, qt, si, st
+    q, si, qt, sit, st = torch.ops.lowprec.fp8_cast(t, elem, recipe.rowwise, transpose, recipe.stats)
+    return q, si, qt, (sit if recipe.rowwise else si), st
+
+
+def _mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """a @ b^T for FP8 a (M, K) and b (N, K), both row-major, with their scale_inv (a scalar,
+    or (M, 1) / (N, 1) row-wise). In `out_dtype` straight from `_scaled_mm` on CUDA (BF16 for
+    row-wise, as cuBLAS wants); on CPU in FP32 (the caller casts: the emulated numerics)."""
+    sb = sb.reshape(1, -1) if sb.dim() == 2 else sb
+    m, n = a.shape[0], b.shape[0]
+    if not a.is_cuda:
+        return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    if m % 16 or n % 16 or a.shape[1] % 16:
+        from lowprec.backends.scaled_mm import _pad16
+        a, b, sa, sb = _pad16(a, b, sa, sb)
+    dt = torch.bfloat16 if sa.dim() == 2 else out_dtype
+    out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=dt)
+    return out[:m, :n]
+
+
+class FP8LinearFn(torch.autograd.Function):
+    """y = x @ w^T + b with the weight's FP8 forms given (see the module docstring).
+
+    Inputs besides x, w and bias are device tensors the layer owns: the weight's casts,
+    the delayed histories of x and of the output gradient (history, count, scratch,
+    ticket), the overflow counters, and the buffer the output gradient's statistics go
+    to. Returns (y, the input's packed statistics or an empty tensor)."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, qw, siw, qwt, siwt, hx, cx, sx, tx, hg, cg, sg, tg, overflow,
+                grad_stats, recipe: FastRecipe):
+        x2 = x.reshape(-1, x.shape[-1])
+        need_dw = ctx.needs_input_grad[1]
+        hist_x = _Hist(hx, cx, sx, tx)
+        qx, six, qxt, sixt, stats_x = _cast(x2, recipe.fwd, recipe, hist_x, overflow, 0, need_dw)
+        out_dtype = _output_dtype(x)
+        y = _mm(qx, six, qw, siw, out_dtype)
+        if bias is not None:
+            y = y + (bias if bias.dtype == y.dtype else bias.float())
+        ctx.save_for_backward(qxt, sixt, qwt, siwt, hg, cg, sg, tg, overflow, grad_stats)
+        ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, x.shape, x.dtype, w.dtype
+        ctx.has_bias = bias is not None
+        ctx.mark_non_differentiable(stats_x)
+        return y.to(out_dtype).reshape(*x.shape[:-1], y.shape[-1]), stats_x
+
+    @staticmethod
+    def backward(ctx, gy, _gstats):
+        qxt, sixt, qwt, siwt, hg, cg, sg, tg, overflow, grad_stats = ctx.saved_tensors
+        recipe = ctx.recipe
+        g2 = gy.reshape(-1, gy.shape[-1])
+        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dx = dw = db = None
+        qg, sig, qgt, sigt, st = _cast(g2, recipe.bwd, recipe, _Hist(hg, cg, sg, tg), overflow, 2, need_dw)
+        if recipe.stats and grad_stats is not None:
+            grad_stats.copy_(st)
+        if need_dx:
+            dx = _mm(qg, sig, qwt, siwt, ctx.x_dtype).to(ctx.x_dtype).reshape(ctx.x_shape)
+        if need_dw:
+            dw = _mm(qgt, sigt, qxt, sixt, ctx.w_dtype).to(ctx.w_dtype)
+        if ctx.has_bias and need_db:
+            db = g2.float().sum(0)
+        return (dx, dw, db) + (None,) * 15
+
+
+class _Hist(NamedTuple):
+    history: Tensor | None
+    count: Tensor | None
+    scratch: Tensor | None
+    ticket: Tensor | None
+
+
+def _output_dtype(x: Tensor) -> torch.dtype:
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return x.dtype
+
+
+def _delayed_args(layer: "PrecisionLinear", operand: str, recipe: FastRecipe) -> tuple:
+    if not recipe.delayed:
+        return (None, None, None, None)
+    h = layer.histories[operand]
+    return (h.history, h.count, h.scratch, h.ticket)
+
+
+def weight_forms(layer: "PrecisionLinear", w: Tensor, fmt: Format, recipe: FastRecipe) -> WeightForms:
+    """The weight's FP8 casts (both layouts), from the layer's weight cache when the weight
+    has not changed since (tensor-wise and row-wise; delayed scaling casts every time)."""
+    from lowprec.weight_cache import cache_key
+    cache = layer.weight_cache
+    use_cache = cache.enabled and not recipe.delayed and not torch.compiler.is_compiling()
+    if use_cache:
+        key = cache_key(w, fmt.weight, True, tag="fast")
+        slot = f"fast{tuple(w.shape)}{w.stride()}"
+        hit = cache.get(slot, key, need_stats=recipe.stats)
+        if hit is not None:
+            return hit
+    q, si, qt, sit, st = _cast(w.detach(), recipe.fwd, recipe, _Hist(*_delayed_args(layer, "weight", recipe)),
+                               layer.overflow_steps, 1, True)
+    forms = WeightForms(q, si, qt, sit, QuantStats(st) if recipe.stats else None)
+    if use_cache:
+        cache.put(slot, key, forms)
+    return forms
+
+
+def fast_linear(layer: "PrecisionLinear", x: Tensor, w: Tensor, recipe: FastRecipe) -> Tensor:
+    """The layer's forward on the fast path (statistics into `layer.stats` on check steps)."""
+    stats = layer.collect_stats
+    recipe = FastRecipe(recipe.scaling, recipe.fwd, recipe.bwd, stats, recipe.margin, recipe.most_recent,
+                        count_overflow=recipe.delayed and not stats)
+    forms = weight_forms(layer, w, layer.format, recipe)
+    grad_stats = (torch.zeros(len(QuantStats.FIELDS), dtype=torch.float64, device=x.device)
+                  if stats and torch.is_grad_enabled() else None)
+    y, stats_x = FP8LinearFn.apply(
+        x, w, layer.bias, forms.q, forms.scale_inv, forms.q_t, forms.scale_inv_t,
+        *_delayed_args(layer, "input", recipe), *_delayed_args(layer, "grad_output", recipe),
+        layer.overflow_steps, grad_stats, recipe)
+    if stats:
+        layer.stats["input"] = QuantStats(stats_x)
+        layer.stats["weight"] = forms.stats
+        if grad_stats is not None:
+            layer.stats["grad_output"] = QuantStats(grad_stats)
+    return y
