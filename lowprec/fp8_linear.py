@@ -134,6 +134,7 @@ class FP8LinearFn(torch.autograd.Function):
     def forward(ctx, x, w, bias, qw, siw, qwt, siwt, hx, cx, sx, tx, hg, cg, sg, tg, overflow,
                 grad_stats, recipe: FastRecipe):
         x2 = x.reshape(-1, x.shape[-1])
+        siwt = siw if siwt is None else siwt   # one scale for both layouts unless row-wise
         need_dw = ctx.needs_input_grad[1]
         hist_x = _Hist(hx, cx, sx, tx)
         qx, six, qxt, sixt, stats_x = _cast(x2, recipe.fwd, recipe, hist_x, overflow, 0, need_dw)
@@ -215,7 +216,7 @@ def fast_linear(layer: "PrecisionLinear", x: Tensor, w: Tensor, recipe: FastReci
     grad_stats = (torch.zeros(len(QuantStats.FIELDS), dtype=torch.float64, device=x.device)
                   if stats and torch.is_grad_enabled() else None)
     y, stats_x = FP8LinearFn.apply(
-        x, w, layer.bias, forms.q, forms.scale_inv, forms.q_t, forms.scale_inv_t,
+        x, w, layer.bias, forms.q, forms.scale_inv, forms.q_t, forms.scale_inv_t if recipe.rowwise else None,
         *_delayed_args(layer, "input", recipe), *_delayed_args(layer, "grad_output", recipe),
         layer.overflow_steps, grad_stats, recipe)
     if stats:

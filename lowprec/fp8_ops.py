@@ -67,6 +67,11 @@ def uses_kernels(x: Tensor) -> bool:
     return x.is_cuda or (x.device.type == "cpu" and _interpreted_kernels())
 
 
+def _transposed(q: Tensor) -> Tensor:
+    """q^T in a new contiguous tensor (`.contiguous()` would return a (1, K) tensor's view)."""
+    return torch.empty((q.shape[1], q.shape[0]), dtype=q.dtype, device=q.device).copy_(q.t())
+
+
 def _empty(x: Tensor, *shape, dtype=torch.float32) -> Tensor:
     return torch.empty(shape, dtype=dtype, device=x.device)
 
@@ -86,16 +91,16 @@ def fp8_cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool
         return q, si, qt, _empty(x, 0), st
     scaling = Scaling.ROW if rowwise else Scaling.TENSOR
     ref = quantize(x, QuantSpec(element, scaling), stats=stats, validate=False)
-    q = ref.to_storage()
+    q = ref.to_storage().contiguous()
     st = ref.stats.packed if stats else _empty(x, 0, dtype=torch.float64)
     if not rowwise:
-        qt = q.t().contiguous() if transpose else _empty(x, 0, 0, dtype=q.dtype)
+        qt = _transposed(q) if transpose else _empty(x, 0, 0, dtype=q.dtype)
         return q, ref.scale_inv.reshape(()).clone(), qt, _empty(x, 0), st
     si = ref.scale_inv.reshape(-1, 1).clone()
     if not transpose:
         return q, si, _empty(x, 0, 0, dtype=q.dtype), _empty(x, 0, 1), st
     ref_t = quantize(x.t(), QuantSpec(element, Scaling.ROW), validate=False)
-    return q, si, ref_t.to_storage(), ref_t.scale_inv.reshape(-1, 1).clone(), st
+    return q, si, ref_t.to_storage().contiguous(), ref_t.scale_inv.reshape(-1, 1).clone(), st
 
 
 @fp8_cast.register_fake
@@ -130,8 +135,8 @@ def fp8_cast_delayed(x: Tensor, elem: int, history: Tensor, count: Tensor, scrat
     if count_overflow:
         overflow[overflow_index] += saturates(ref.amax * scale * 0.5, element).to(overflow.dtype)
     history_record(history, count, ref.amax)
-    q = ref.to_storage()
-    qt = q.t().contiguous() if transpose else _empty(x, 0, 0, dtype=q.dtype)
+    q = ref.to_storage().contiguous()
+    qt = _transposed(q) if transpose else _empty(x, 0, 0, dtype=q.dtype)
     st = ref.stats.packed if stats else _empty(x, 0, dtype=torch.float64)
     return q, ref.scale_inv.reshape(()).clone(), qt, st
 
