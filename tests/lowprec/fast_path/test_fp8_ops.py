@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from interpreter import HAVE_TRITON, INTERPRETED, run_interpreted
+from fast_path_checks import HAVE_TRITON, INTERPRETED, assert_same_stats, run_interpreted
 from lowprec import fp8_ops
 from lowprec.delayed import AmaxHistory
 from lowprec.grid import saturates
@@ -25,29 +25,14 @@ from lowprec.quantize import quantize
 
 ELEMS = [E4M3, E5M2]
 ALL_BF16 = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-EXACT = ("amax", "saturated", "underflow", "nonfinite", "numel")
-SUMS = ("sq_error", "signal_power", "underflow_energy")
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _same_stats(got: torch.Tensor, ref) -> None:
-    """Counts and amax exactly; the sums to 1e-6 relative plus what one FP32 rounding of
-    each dequantized value allows: `quantize` dequantizes (q / scale) in FP32, the kernels in
-    FP64, so dq_i may differ by 2**-24 |x_i|, which moves sum (dq - x)**2 by at most
-    2**-23 sqrt(sq_error * signal_power) (Cauchy-Schwarz) and a square by 2**-46 x**2;
-    `quantize`'s squares below 2**-150 of amax**2 flush to zero (documented there)."""
-    names = ref.FIELDS
-    power, err = float(ref.signal_power), float(ref.sq_error)
-    floor = 2.0 ** -46 * power + 2.0 ** -22 * (max(err, 0.0) * power) ** 0.5
-    for i, f in enumerate(names):
-        a, b = float(got[i]), float(ref.packed[i])
-        if f in EXACT:
-            assert a == b, (f, a, b)
-        elif b == b and abs(b) != float("inf"):
-            assert abs(a - b) <= 1e-6 * abs(b) + floor, (f, a, b)
+def _same_stats(got, ref) -> None:
+    assert_same_stats(got, ref.packed)
 
 
 def check_cast(x: torch.Tensor, elem, rowwise: bool) -> None:

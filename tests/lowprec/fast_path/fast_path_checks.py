@@ -1,4 +1,5 @@
-"""Run a test file again in a fresh pytest process with Triton's interpreter on.
+"""Shared checks of the fast-path tests: statistics compared with their stated tolerance,
+and a test file run again in a fresh pytest process with Triton's interpreter on.
 
 Triton decides whether its kernels are interpreted when they are defined (at import),
 from TRITON_INTERPRET; the outer pytest process may already have imported Triton without
@@ -31,3 +32,25 @@ def run_interpreted(test_file: str, min_passed: int) -> str:
     passed = int(re.search(r"(\d+) passed", out).group(1))
     assert passed >= min_passed, out[-3000:]
     return out
+
+
+EXACT_FIELDS = ("amax", "saturated", "underflow", "nonfinite", "numel")
+
+
+def assert_same_stats(got, want) -> None:
+    """Packed QuantStats `got` against `want`: counts and amax exactly; the sums to 1e-6
+    relative plus what one FP32 rounding of each dequantized value allows: `quantize`
+    dequantizes (q / scale) in FP32, the kernels in FP64, so dq_i may differ by 2**-24 |x_i|,
+    which moves sum (dq - x)**2 by at most 2**-23 sqrt(sq_error * signal_power)
+    (Cauchy-Schwarz) and a square by 2**-46 x**2; `quantize`'s squares below 2**-150 of
+    amax**2 flush to zero (documented there)."""
+    from lowprec.quant_stats import QuantStats
+    names = QuantStats.FIELDS
+    got, want = [float(v) for v in got], [float(v) for v in want]
+    power, err = want[names.index("signal_power")], want[names.index("sq_error")]
+    floor = 2.0 ** -46 * abs(power) + 2.0 ** -22 * (max(err, 0.0) * abs(power)) ** 0.5
+    for f, a, b in zip(names, got, want):
+        if f in EXACT_FIELDS:
+            assert a == b, (f, a, b)
+        elif b == b and abs(b) != float("inf") and abs(power) != float("inf"):
+            assert abs(a - b) <= 1e-6 * abs(b) + floor, (f, a, b)
