@@ -84,7 +84,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["OpCost", "HostSync", "HostSyncError", "TrafficReport", "count_traffic", "no_host_sync",
-           "tensor_bytes", "GEMM_OPS", "FREE_OPS"]
+           "uncounted", "charge", "tensor_bytes", "GEMM_OPS", "FREE_OPS"]
 
 CustomCost = Callable[[Any, tuple, dict, Any], "tuple[int, int, int] | None"]
 
@@ -422,6 +422,25 @@ class _Counter(TorchDispatchMode):
         return out
 
 
+_ACTIVE: list[_Counter] = []     # the counters of the count_traffic calls in progress
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Run the block with the dispatch modes off (nothing in it is charged, and code under
+    `torch.compile` really compiles: Dynamo runs eagerly under a dispatch mode); pair it
+    with `charge` to count an opaque region (a compiled graph) by a model of its cost."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes():
+        yield
+
+
+def charge(name: str, launches: int, bytes_read: int, bytes_written: int, kind: str = "op") -> None:
+    """Charge a cost to the innermost `count_traffic` in progress (no-op outside one)."""
+    if _ACTIVE:
+        _ACTIVE[-1]._charge(name, kind, launches, bytes_read, bytes_written)
+
+
 def count_traffic(fn: Callable[[], Any], *, custom_cost: CustomCost | None = None) -> TrafficReport:
     """Run `fn()` and count its kernels and bytes by the module's rules (see its docstring).
 
@@ -431,8 +450,12 @@ def count_traffic(fn: Callable[[], Any], *, custom_cost: CustomCost | None = Non
     report = TrafficReport()
     triton = _TritonLaunches()
     counter = _Counter(report, custom_cost, triton)
-    with triton, _HostReadMethods(counter.host_read), counter:
-        fn()
+    _ACTIVE.append(counter)
+    try:
+        with triton, _HostReadMethods(counter.host_read), counter:
+            fn()
+    finally:
+        _ACTIVE.pop()
     for kname in triton.names:                      # launched outside any operator
         report.triton_outside_ops.append(kname)
         c = report.ops.setdefault(f"triton:{kname}", OpCost(f"triton:{kname}", "triton"))
@@ -485,8 +508,55 @@ DTYPES = {"bf16/fp32": (torch.bfloat16, torch.float32), "bf16/bf16": (torch.bflo
           "fp32/fp32": (torch.float32, torch.float32)}
 
 
+_INDUCTOR_KERNELS: dict[tuple, int] = {}
+
+
+@contextlib.contextmanager
+def compiled_quantizer_as_opaque():
+    """`fused=True` layers: run lowprec's compiled quantizer (`quantize._compiled_core`) for
+    real, uncounted, and charge each call by a model, since Inductor's kernels do not
+    dispatch: launches = the kernels Inductor generated for that graph on this machine
+    (`torch._inductor.metrics.generated_kernel_count` at its compilation; a CPU count, a GPU
+    one may differ), bytes = its tensor inputs read twice (the amax pass, then the cast
+    pass) and its outputs written once. Tensor-wise and delayed only (what `fused` fuses)."""
+    import importlib
+
+    from torch._inductor import metrics
+
+    q = importlib.import_module("lowprec.quantize")   # `lowprec.quantize` is also a function
+
+    orig = q._compiled_core
+
+    def patched(spec):
+        run = orig(spec)
+
+        def counted(*args):
+            ts = [a for a in args if isinstance(a, torch.Tensor)]
+            key = (spec, args[-1], *((tuple(t.shape), t.dtype, t.stride()) for t in ts))
+            with uncounted():
+                fresh = key not in _INDUCTOR_KERNELS
+                if fresh:
+                    metrics.reset()
+                out = run(*args)
+                if fresh:
+                    _INDUCTOR_KERNELS[key] = metrics.generated_kernel_count
+            outs = _distinct(_tensors(out))
+            charge(f"inductor:quantize_core({spec.scaling.value}, stats={args[-1]})",
+                   _INDUCTOR_KERNELS[key], 2 * sum(map(tensor_bytes, _distinct(ts))),
+                   sum(map(tensor_bytes, outs)), kind="compiled")
+            return out
+        return counted
+
+    q._compiled_core = patched
+    try:
+        yield
+    finally:
+        q._compiled_core = orig
+
+
 def layer_step(backend: str, fmt: str, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype, *,
-               check: bool, micro_batch: int = 0, seed: int = 0) -> tuple[TrafficReport, int]:
+               check: bool, micro_batch: int = 0, seed: int = 0,
+               fused: bool = False) -> tuple[TrafficReport, int]:
     """Count one forward+backward of `PrecisionLinear(Linear(n, n))` on n tokens: the input
     needs its gradient (a layer inside a model), the bias too, grad_output is given.
 
@@ -494,7 +564,9 @@ def layer_step(backend: str, fmt: str, n: int, x_dtype: torch.dtype, w_dtype: to
     after an optimizer step (the weight cache misses: its version is bumped first, as an
     optimizer step bumps it); 1: a later micro-batch of gradient accumulation (it hits).
     A warm-up step runs first (uncounted), so delayed scaling has a history and lazy state
-    exists. Returns (report, E) with E = n * n (one byte per input element)."""
+    exists. fused: `PrecisionLinear(fused=True)`, the compiled quantizer charged by
+    `compiled_quantizer_as_opaque`'s model. Returns (report, E), E = n * n (one byte per
+    input element)."""
     from torch import nn
     from torch.autograd.graph import increment_version
 
@@ -504,7 +576,7 @@ def layer_step(backend: str, fmt: str, n: int, x_dtype: torch.dtype, w_dtype: to
 
     torch.manual_seed(seed)
     base = nn.Linear(n, n).to(w_dtype)
-    layer = PrecisionLinear.from_module(base, get_format(fmt), get_backend(backend))
+    layer = PrecisionLinear.from_module(base, get_format(fmt), get_backend(backend), fused=fused)
     layer.collect_stats = check
     x = torch.randn(n, n, dtype=x_dtype, requires_grad=True)
     g = torch.randn(n, n, dtype=x_dtype)
@@ -512,27 +584,35 @@ def layer_step(backend: str, fmt: str, n: int, x_dtype: torch.dtype, w_dtype: to
     def step():
         layer(x).backward(g)
 
-    step()                                            # warm-up: history, lazy state
-    for p in (*layer.parameters(), x):
-        p.grad = None                                 # zero_grad(set_to_none=True)
-    if micro_batch == 0:
-        increment_version(layer.weight)               # what an optimizer step does
-    return count_traffic(step), n * n
+    with compiled_quantizer_as_opaque() if fused else contextlib.nullcontext():
+        step()                                        # warm-up: history, lazy state, compiling
+        for p in (*layer.parameters(), x):
+            p.grad = None                             # zero_grad(set_to_none=True)
+        if micro_batch == 0:
+            increment_version(layer.weight)           # what an optimizer step does
+        return count_traffic(step), n * n
 
 
 def measure(n: int, dtypes=("bf16/fp32", "bf16/bf16", "fp32/fp32"), backends=BACKENDS,
-            formats=FORMATS) -> list[dict]:
-    """One row per (dtypes, backend, format, step kind): launches and E outside the GEMMs."""
+            formats=FORMATS, quantizers=("eager",), micro_batches=(0,)) -> list[dict]:
+    """One row per (dtypes, backend, format, quantizer, micro-batch, step kind): launches
+    and E outside the GEMMs. The fused quantizer fuses tensor-wise and delayed only."""
     rows = []
     for dt in dtypes:
         x_dtype, w_dtype = DTYPES[dt]
         for be in backends:
             for fmt in formats:
-                for check in (False, True):
-                    rep, e = layer_step(be, fmt, n, x_dtype, w_dtype, check=check)
-                    u = rep.in_units_of(e)
-                    rows.append({"dtypes": dt, "backend": be, "format": fmt,
-                                 "step": "check" if check else "non-check", "report": rep, **u})
+                for quant in quantizers:
+                    if quant == "fused" and fmt == "fp8_rowwise":
+                        continue
+                    for mb in micro_batches:
+                        for check in (False, True):
+                            rep, e = layer_step(be, fmt, n, x_dtype, w_dtype, check=check,
+                                                micro_batch=mb, fused=quant == "fused")
+                            rows.append({"dtypes": dt, "backend": be, "format": fmt,
+                                         "quantizer": quant, "micro_batch": mb,
+                                         "step": "check" if check else "non-check", "report": rep,
+                                         **rep.in_units_of(e)})
     return rows
 
 
@@ -562,23 +642,33 @@ def main(argv=None) -> str:
                    help="input/weight dtypes")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    p.add_argument("--quantizers", nargs="+", default=["eager"], choices=["eager", "fused"],
+                   help="fused: PrecisionLinear(fused=True), the compiled quantizer charged by a "
+                        "model (see compiled_quantizer_as_opaque); compiles, slow on CPU")
+    p.add_argument("--micro-batches", nargs="+", type=int, default=[0], choices=[0, 1],
+                   help="0: first micro-batch after an optimizer step (weight cache misses); "
+                        "1: a later one of gradient accumulation (the weight's cast is cached)")
     p.add_argument("--ops", action="store_true", help="also print each row's per-operator table")
     args = p.parse_args(argv)
     cmd = "python experiments/traffic.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     lines = [f"# command: {cmd.strip()}",
              f"# torch {torch.__version__}, d_in = d_out = tokens = {args.n}, E = {args.n}^2 bytes; "
-             f"one forward+backward, input and bias need grads, weight cache missed (a new weight)",
-             "| input/weight | backend | format | step | launches | read (E) | written (E) | "
-             "total (E) | GEMMs | host reads |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    rows = measure(args.n, args.dtypes, args.backends, args.formats)
+             f"one forward+backward, input and bias need grads; micro-batch 0: the weight changed "
+             f"since the last step (cache miss), 1: gradient accumulation (cache hit)",
+             "| input/weight | backend | format | quantizer | micro-batch | step | launches | "
+             "read (E) | written (E) | total (E) | GEMMs | host reads |",
+             "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    rows = measure(args.n, args.dtypes, args.backends, args.formats, args.quantizers,
+                   args.micro_batches)
     for r in rows:
-        lines.append(f"| {r['dtypes']} | {r['backend']} | {r['format']} | {r['step']} | "
+        lines.append(f"| {r['dtypes']} | {r['backend']} | {r['format']} | {r['quantizer']} | "
+                     f"{r['micro_batch']} | {r['step']} | "
                      f"{r['launches']} | {r['read']:.1f} | {r['written']:.1f} | **{r['bytes']:.1f}** | "
                      f"{r['gemm_launches']} | {r['host_syncs']} |")
     if args.ops:
         for r in rows:
-            lines += ["", f"## {r['dtypes']} {r['backend']} {r['format']} {r['step']}",
+            lines += ["", f"## {r['dtypes']} {r['backend']} {r['format']} {r['quantizer']} "
+                          f"micro-batch {r['micro_batch']} {r['step']}",
                       r["report"].table(unit=args.n * args.n)]
     out = "\n".join(lines)
     print(out)
