@@ -616,18 +616,9 @@ def measure(n: int, dtypes=("bf16/fp32", "bf16/bf16", "fp32/fp32"), backends=BAC
     return rows
 
 
-# The comparison rows, counted from their sources (derivations in docs/performance.md,
-# section "Memory traffic of one FP8 layer step"): (kernels outside the GEMMs, bytes in E) at
-# d_in = d_out = tokens, BF16 activations and gradients.
-COUNTED = {
-    "ideal (each BF16 operand read once per layout, each FP8 form written once)": (None, None),
-}
-
-
-def implied_ms(e_units: float, launches: int | None, d: int, tokens: int, bw_tb_s: float = 3.0,
-               launch_us: float = 0.0) -> float:
+def implied_ms(e_units: float, d: int, tokens: int, bw_tb_s: float = 3.0) -> float:
     """Milliseconds to move `e_units` E (E = tokens * d bytes) at `bw_tb_s` TB/s."""
-    return e_units * tokens * d / (bw_tb_s * 1e12) * 1e3 + (launches or 0) * launch_us * 1e-3
+    return e_units * tokens * d / (bw_tb_s * 1e12) * 1e3
 
 
 def gemm_ms(d: int, tokens: int, tflops: float = 1000.0) -> float:
@@ -656,20 +647,23 @@ def main(argv=None) -> str:
              f"one forward+backward, input and bias need grads; micro-batch 0: the weight changed "
              f"since the last step (cache miss), 1: gradient accumulation (cache hit)",
              "| input/weight | backend | format | quantizer | micro-batch | step | launches | "
-             "read (E) | written (E) | total (E) | GEMMs | host reads |",
-             "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "read (E) | written (E) | total (E) | ms at 3 TB/s, d = tokens = 8192 | GEMMs | "
+             "host reads |",
+             "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     rows = measure(args.n, args.dtypes, args.backends, args.formats, args.quantizers,
                    args.micro_batches)
     for r in rows:
         lines.append(f"| {r['dtypes']} | {r['backend']} | {r['format']} | {r['quantizer']} | "
                      f"{r['micro_batch']} | {r['step']} | "
                      f"{r['launches']} | {r['read']:.1f} | {r['written']:.1f} | **{r['bytes']:.1f}** | "
+                     f"{implied_ms(r['bytes'], 8192, 8192):.2f} | "
                      f"{r['gemm_launches']} | {r['host_syncs']} |")
     if args.ops:
         for r in rows:
             lines += ["", f"## {r['dtypes']} {r['backend']} {r['format']} {r['quantizer']} "
                           f"micro-batch {r['micro_batch']} {r['step']}",
                       r["report"].table(unit=args.n * args.n)]
+    lines.append(f"\nthe three FP8 GEMMs at d = tokens = 8192: {gemm_ms(8192, 8192):.2f} ms at 1000 TFLOP/s")
     out = "\n".join(lines)
     print(out)
     return out
