@@ -13,7 +13,7 @@ allows:
 Each operand is cast once, by one custom op (`lowprec.fp8_ops`), into both layouts it is
 needed in (cast+transpose); the forward saves only the FP8 transposed input and the
 weight's FP8 transpose for the backward (no BF16 or FP32 copy); `_scaled_mm` writes BF16
-directly on CUDA. The weight's FP8 forms are cached across gradient-accumulation
+directly (and adds a BF16 bias in its epilogue). The weight's FP8 forms are cached across gradient-accumulation
 micro-batches (`lowprec.weight_cache`; delayed scaling excepted, as before). Statistics are
 computed only when the layer's `collect_stats` is on (check steps), by the same kernels.
 Nothing here reads a device value on the host.
@@ -106,20 +106,32 @@ def _cast(t: Tensor, elem: int, recipe: FastRecipe, hist, overflow: Tensor | Non
     return q, si, qt, (sit if recipe.rowwise else si), st
 
 
-def _mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """a @ b^T for FP8 a (M, K) and b (N, K), both row-major, with their scale_inv (a scalar,
-    or (M, 1) / (N, 1) row-wise). In `out_dtype` straight from `_scaled_mm` on CUDA (BF16 for
-    row-wise, as cuBLAS wants); on CPU in FP32 (the caller casts: the emulated numerics)."""
+def _mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: torch.dtype, bias: Tensor | None = None
+        ) -> Tensor:
+    """a @ b^T (+ bias) for FP8 a (M, K) and b (N, K), both row-major, with their scale_inv (a
+    scalar, or (M, 1) / (N, 1) row-wise), in `out_dtype` straight from `_scaled_mm` (on CPU,
+    too: it accumulates in FP32, adds the bias and rounds once, as the emulated backend).
+    A bias of the output's dtype (BF16) goes into the GEMM's epilogue (on CUDA an FP32 bias is
+    cast to it first, as autocast does); on CPU another (an FP32 bias under a BF16 output) is
+    added to the FP32 result before the one rounding, as the emulated backend does. Row-wise
+    GEMMs on CUDA return BF16 (what cuBLAS supports there)."""
     sb = sb.reshape(1, -1) if sb.dim() == 2 else sb
     m, n = a.shape[0], b.shape[0]
-    if not a.is_cuda:
-        return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
-    if m % 16 or n % 16 or a.shape[1] % 16:
+    padded = a.is_cuda and (m % 16 or n % 16 or a.shape[1] % 16)
+    if padded:   # cuBLASLt needs multiples of 16: zeros change no product (sliced off below)
         from lowprec.backends.scaled_mm import _pad16
         a, b, sa, sb = _pad16(a, b, sa, sb)
-    dt = torch.bfloat16 if sa.dim() == 2 else out_dtype
-    out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=dt)
-    return out[:m, :n]
+    dt = torch.bfloat16 if a.is_cuda and sa.dim() == 2 else out_dtype
+    if a.is_cuda and bias is not None and dt != torch.float32 and not padded:
+        bias = bias.to(dt)   # as F.linear under autocast: the bias in the output's dtype, fused
+    fused = bias is not None and not padded and dt != torch.float32 and bias.dtype == dt
+    if bias is not None and not fused:
+        dt = torch.float32
+    out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=bias if fused else None, out_dtype=dt)
+    out = out[:m, :n] if padded else out
+    if bias is not None and not fused:
+        out = out + bias.float()
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 class FP8LinearFn(torch.autograd.Function):
@@ -139,14 +151,13 @@ class FP8LinearFn(torch.autograd.Function):
         hist_x = _Hist(hx, cx, sx, tx)
         qx, six, qxt, sixt, stats_x = _cast(x2, recipe.fwd, recipe, hist_x, overflow, 0, need_dw)
         out_dtype = _output_dtype(x)
-        y = _mm(qx, six, qw, siw, out_dtype)
-        if bias is not None:
-            y = y + (bias if bias.dtype == y.dtype else bias.float())
+        y = _mm(qx, six, qw, siw, out_dtype, bias)
         ctx.save_for_backward(qxt, sixt, qwt, siwt, hg, cg, sg, tg, overflow, grad_stats)
         ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, x.shape, x.dtype, w.dtype
         ctx.has_bias = bias is not None
         ctx.mark_non_differentiable(stats_x)
-        return y.to(out_dtype).reshape(*x.shape[:-1], y.shape[-1]), stats_x
+        ctx.set_materialize_grads(False)   # no zeros for the statistics' (absent) gradient
+        return y.reshape(*x.shape[:-1], y.shape[-1]), stats_x
 
     @staticmethod
     def backward(ctx, gy, _gstats):
@@ -159,11 +170,11 @@ class FP8LinearFn(torch.autograd.Function):
         if recipe.stats and grad_stats is not None:
             grad_stats.copy_(st)
         if need_dx:
-            dx = _mm(qg, sig, qwt, siwt, ctx.x_dtype).to(ctx.x_dtype).reshape(ctx.x_shape)
+            dx = _mm(qg, sig, qwt, siwt, ctx.x_dtype).reshape(ctx.x_shape)
         if need_dw:
-            dw = _mm(qgt, sigt, qxt, sixt, ctx.w_dtype).to(ctx.w_dtype)
+            dw = _mm(qgt, sigt, qxt, sixt, ctx.w_dtype)
         if ctx.has_bias and need_db:
-            db = g2.float().sum(0)
+            db = g2.sum(0, dtype=torch.float32)   # one read of the BF16 gradient, FP32 sums
         return (dx, dw, db) + (None,) * 15
 
 

@@ -149,3 +149,45 @@ def _(x, elem, history, count, scratch, ticket, overflow, overflow_index, margin
     return (x.new_empty((m, n), dtype=dt), x.new_empty((), dtype=torch.float32),
             x.new_empty((n, m) if transpose else (0, 0), dtype=dt),
             x.new_empty((_N_STATS if stats else 0,), dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------- traffic model
+
+
+def kernel_traffic(op, args, kwargs, out) -> tuple[int, int, int, int] | None:
+    """What one call of these ops costs on a GPU: (Triton kernels, other small launches,
+    bytes read, bytes written), from the kernels' structure (`lowprec.kernels.cast_transpose`):
+
+    * tensor-wise: the partial-maxima pass reads x, the cast reads it again and writes q
+      (and q_t): 2 kernels, 2 reads, 1-2 writes;
+    * row-wise: zeroing the row/column maxima, the maxima pass (one read), the cast of both
+      layouts (a second read): 3 launches;
+    * delayed: one kernel, one read (the scale comes from the history, the amax goes into it);
+    * statistics (check steps): the zeroed vector and its element count (2 small launches;
+      row-wise 2 more for the amax), the counts and sums written from the same pass.
+
+    For `count_traffic(custom_cost=...)` in experiments/traffic.py; None for other ops."""
+    name = str(op).split(".")[1] if "." in str(op) else str(op)
+    if name not in ("fp8_cast", "fp8_cast_delayed"):
+        return None
+    x = args[0]
+    xb = x.numel() * x.element_size()
+    q, qt = out[0], out[2]
+    written = q.numel() + qt.numel() + sum(t.numel() * t.element_size() for t in (out[1], out[-1]))
+    stats = bool(args[4] if name == "fp8_cast" else args[11])
+    small = 2 if stats else 0
+    if name == "fp8_cast_delayed":
+        hist = args[2]
+        return 1, small, xb + hist.numel() * 4, written
+    rowwise = bool(args[2])
+    if not rowwise:
+        return 2, small, 2 * xb, written
+    m, n = x.shape
+    maxima = 4 * (m + n)
+    return 2, 1 + small + (2 if stats else 0), 2 * xb + maxima, written + out[3].numel() * 4 + maxima
+
+
+def traffic_cost(op, args, kwargs, out) -> tuple[int, int, int] | None:
+    """`kernel_traffic` as experiments.traffic's `custom_cost`: (launches, read, written)."""
+    t = kernel_traffic(op, args, kwargs, out)
+    return None if t is None else (t[0] + t[1], t[2], t[3])
