@@ -103,3 +103,54 @@ def test_autocast_fp32_model_gets_bf16_output():
     assert y.dtype == torch.bfloat16
     y.float().sum().backward()
     assert x.grad.dtype == torch.float32 and base.weight.grad.dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------- the fast path's ops
+
+
+ALL_BF16 = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+@pytest.mark.parametrize("elem", [0, 1], ids=["e4m3", "e5m2"])
+def test_compiled_cast_ops_equal_quantize_on_every_bf16_value(rowwise, elem):
+    """The compiled Triton kernels behind torch.ops.lowprec.fp8_cast, on the GPU, against the
+    reference quantizer run on the CPU: bytes and scales bit for bit, both layouts."""
+    from lowprec import fp8_ops
+    from lowprec.formats import QuantSpec, Scaling
+    from lowprec.quantize import quantize
+    x = ALL_BF16.reshape(256, 256)
+    q, si, qt, sit, st = torch.ops.lowprec.fp8_cast(x.cuda(), elem, rowwise, True, True)
+    spec = QuantSpec(fp8_ops.ELEMENTS[elem], Scaling.ROW if rowwise else Scaling.TENSOR)
+    ref = quantize(x, spec)
+    assert torch.equal(q.cpu().view(torch.uint8), ref.to_storage().view(torch.uint8))
+    ref_t = quantize(x.t(), spec) if rowwise else None
+    want_t = ref_t.to_storage() if rowwise else ref.to_storage().t()
+    assert torch.equal(qt.cpu().view(torch.uint8), want_t.contiguous().view(torch.uint8))
+    assert torch.equal(si.cpu().reshape(-1), ref.scale_inv.reshape(-1))
+
+
+def test_no_sync_on_the_fast_path_cuda():
+    """CUDA's own sync detector: a fast-path step with statistics off synchronises nothing."""
+    layer = PrecisionLinear.from_module(nn.Linear(1024, 1024, device="cuda", dtype=torch.bfloat16),
+                                        get_format("fp8_delayed"), get_backend("torch"))
+    layer.collect_stats = False
+    x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer(x).sum().backward()          # warm-up (Triton compiles)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            layer(x).float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_fast_path_compiles_on_cuda():
+    model = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 512)).cuda().to(torch.bfloat16)
+    model[0] = PrecisionLinear.from_module(model[0], get_format("fp8_tensorwise"), get_backend("torch"))
+    model[2] = PrecisionLinear.from_module(model[2], get_format("fp8_rowwise"), get_backend("torch"))
+    x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
+    eager = model(x)
+    compiled = torch.compile(model)(x)
+    assert ((compiled.float() - eager.float()).norm() / eager.float().norm()).item() < 1e-2
