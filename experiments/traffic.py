@@ -590,7 +590,8 @@ def layer_step(backend: str, fmt: str, n: int, x_dtype: torch.dtype, w_dtype: to
             p.grad = None                             # zero_grad(set_to_none=True)
         if micro_batch == 0:
             increment_version(layer.weight)           # what an optimizer step does
-        return count_traffic(step), n * n
+        from lowprec.fp8_ops import traffic_cost   # the fast path's cast ops, by their kernels
+        return count_traffic(step, custom_cost=traffic_cost), n * n
 
 
 def measure(n: int, dtypes=("bf16/fp32", "bf16/bf16", "fp32/fp32"), backends=BACKENDS,

@@ -139,4 +139,7 @@ def test_a_layer_step_is_measured():
     from experiments.traffic import layer_step
     rep, e = layer_step("torch", "fp8_tensorwise", 32, torch.bfloat16, torch.float32, check=False)
     assert rep.gemm_launches == 3 and "aten._scaled_mm.default" in rep.ops
-    assert rep.host_syncs == [] and rep.launches > 12 and e == 32 * 32
+    assert rep.host_syncs == [] and e == 32 * 32
+    assert rep.ops["lowprec.fp8_cast.default"].calls == 3 and rep.launches <= 12   # the fast path
+    emulated, _ = layer_step("emulated", "fp8_tensorwise", 32, torch.bfloat16, torch.float32, check=False)
+    assert emulated.launches > 50 and emulated.gemm_launches == 3
