@@ -120,6 +120,8 @@ def keep_only(dest: Path, specs: list[str]) -> None:
     """Remove files of other versions (two versions of one package stop the whole install)."""
     want = {canonicalize_name(s.split("==")[0]): s.split("==")[1] for s in specs}
     for f in dest.iterdir():
+        if f.name == "MANIFEST.tsv":
+            continue
         name, version = name_version(f.name)
         if want.get(canonicalize_name(name)) != version:
             log(f"removing {f.name} (not in this list)")
