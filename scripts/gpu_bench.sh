@@ -310,10 +310,14 @@ phase_body() {
   mainjob)
     # lowprec itself, for its entry points (the gate command, the lm_eval evaluator)
     "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" . \
-      && rm -rf build lowprec.egg-info
+      || { echo "installing lowprec into $SITE failed"; return 1; }
+    rm -rf build lowprec.egg-info
     local out=$WORK/runs/main cfg=experiments/configs/gpu_llama.yaml
     rm -rf "$out"; mkdir -p "$out"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+    # NVML's energy counter (telemetry.energy: auto): nvidia-ml-py is in the image, not carried
+    "$PY" -c "import pynvml; pynvml.nvmlInit(); print('NVML driver', pynvml.nvmlSystemGetDriverVersion())" \
+      || echo "WARNING: pynvml/NVML unavailable: the energy per token will not be NVML-measured"
     "$PY" -m lowprec.cli run "$cfg" --as-baseline --run-name bf16-baseline --out "$out/bf16-baseline" || return $?
     "$PY" -m lowprec.cli run "$cfg" --out "$out/staged-rollout" || return $?
     "$PY" -m lowprec.cli gate --baseline "$(cat "$out/bf16-baseline/run_id")" \
