@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	rm -rf lowprec.egg-info
 	touch $(STAMP)
 
-.PHONY: setup run test test-fast bench
+.PHONY: setup run test test-fast bench gpu-prep gpu-dry-run
 setup: $(STAMP)
 
 # The main job: the default config's BF16 baseline, then its staged rollout (the loss-gap
@@ -59,3 +59,15 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python experiments/bench_quantize.py
+
+# The H100 run (docs/performance.md, "Running the H100 benchmarks"): download here, with the
+# registry, every wheel the GPU machine's image lacks (torchao, the main job's dependencies,
+# Transformer Engine in carry-sized parts) and the corpora into the ignored folder .whl/, with
+# .whl/MANIFEST.tsv (sha256 and device call of each file); then check it all and print the plan.
+# NO_TE=1 leaves Transformer Engine (280 MB) out.
+gpu-prep: $(STAMP)
+	$(VENV)/bin/python scripts/gpu_prep.py --out .whl $(if $(NO_TE),--no-te)
+	PY=$(VENV)/bin/python bash scripts/gpu_bench.sh --dry-run $(if $(NO_TE),tests linear quantize mainjob)
+
+gpu-dry-run: $(STAMP)
+	PY=$(VENV)/bin/python bash scripts/gpu_bench.sh --dry-run

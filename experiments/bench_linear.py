@@ -8,8 +8,18 @@ Rows (variants), all measured in one run on one device:
 * `torchao Float8Linear tensorwise/rowwise (compiled)`: torchao's float8 training layers
   under torch.compile (skipped, with the reason, where torchao is missing or has no GPU);
 * `lowprec <format>`: PrecisionLinear on the `torch` backend (torch._scaled_mm, BF16 output
-  on CUDA, weight cache), `stats off` (no statistics) and `stats 1/10` (statistics on one
-  step in ten, as with `check_every: 10`: the time is the mean over such 10-step groups).
+  on CUDA, weight cache) for fp8_tensorwise, fp8_delayed and fp8_rowwise, `stats off` (no
+  statistics) and `stats 1/10` (statistics on one step in ten, as with `check_every: 10`:
+  the time is the mean over such 10-step groups);
+* `lowprec torchao-backend <format>`: the same on lowprec's `torchao` backend (torchao's float8
+  training primitives) for fp8_tensorwise and fp8_rowwise; a `skipped` row with the reason
+  where `get_backend("torchao")` raises (the backend or torchao missing).
+
+Each measurement is printed (and flushed) as it is made, one line per shape and variant, with
+the speed-up against BF16 and TFLOP/s (6 d^2 tokens per step); the summary table, variants
+by shapes, comes last. `--json PATH` writes every row to PATH, rewritten after each one, so
+that a run stopped by a time limit keeps what it measured; `--deadline S` starts no new shape
+after S seconds (the first always runs; the rows not measured say so).
 
 Columns: d_model x tokens, `y = layer(x); y.backward(g)` with a `Linear(d, d)`; the median
 over `--repeats` (CUDA events after `--warmup` runs; wall clock on CPU), then the speed-up
@@ -19,6 +29,7 @@ cache serves only the backward; `--micro-batches N` lets it serve N micro-batche
 
     python experiments/bench_linear.py                       # the issue's table (a GPU)
     python experiments/bench_linear.py --device cpu --tiny   # small shapes: a smoke run
+    python experiments/bench_linear.py --json $OUT/linear.json --deadline 390   # scripts/gpu_bench.sh
 
 The header prints the command, the device, the PyTorch (and torchao) version.
 """
@@ -26,6 +37,7 @@ The header prints the command, the device, the PyTorch (and torchao) version.
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import statistics
 import sys
@@ -41,7 +53,9 @@ from lowprec.layers import PrecisionLinear
 
 FORMATS = ("fp8_tensorwise", "fp8_delayed", "fp8_rowwise")
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
+TORCHAO_BACKEND_FORMATS = ("fp8_tensorwise", "fp8_rowwise")   # torchao has no delayed scaling
 CHECK_EVERY = 10
+NOT_MEASURED = "not measured: out of time (--deadline)"
 
 
 def timed(fn, repeats: int, warmup: int, cuda: bool) -> float:
@@ -70,6 +84,8 @@ def row_names() -> list[str]:
     names += [f"torchao Float8Linear {r} (compiled)" for r in TORCHAO_RECIPES]
     for f in FORMATS:
         names += [f"lowprec {f} stats off", f"lowprec {f} stats 1/{CHECK_EVERY}"]
+    for f in TORCHAO_BACKEND_FORMATS:
+        names += [f"lowprec torchao-backend {f} stats off", f"lowprec torchao-backend {f} stats 1/{CHECK_EVERY}"]
     return names
 
 
@@ -88,14 +104,22 @@ def _torchao_layer(base: nn.Linear, recipe: str, cuda: bool):
     return torch.compile(model), ""
 
 
-def _lowprec_layer(base: nn.Linear, fmt: str, fused: bool) -> PrecisionLinear:
+def _lowprec_layer(base: nn.Linear, fmt: str, backend, fused: bool) -> PrecisionLinear:
     import copy
-    return PrecisionLinear.from_module(copy.deepcopy(base), get_format(fmt), get_backend("torch"),
-                                       fused=fused)
+    return PrecisionLinear.from_module(copy.deepcopy(base), get_format(fmt), backend, fused=fused)
 
 
-def measure_shape(d: int, tokens: int, args, cuda: bool) -> dict[str, tuple[float, str]]:
-    """{row name: (ms, note)} for one shape; a row that cannot run gets NaN and the reason."""
+def _torchao_backend():
+    """lowprec's `torchao` backend, or the reason it is not available here."""
+    try:
+        return get_backend("torchao"), ""
+    except Exception as e:  # not built yet, or torchao missing: the rows say why
+        return None, f"skipped: get_backend('torchao') raised {type(e).__name__}: {str(e)[:160]}"
+
+
+def measure_shape(d: int, tokens: int, args, cuda: bool, report) -> dict[str, tuple[float, str]]:
+    """{row name: (ms, note)} for one shape; a row that cannot run gets NaN and the reason.
+    `report(name, ms, note)` is called as each row is measured."""
     dev, dtype = args.device, torch.bfloat16
     torch.manual_seed(0)
     base = nn.Linear(d, d, bias=False, device=dev, dtype=dtype)
@@ -105,6 +129,7 @@ def measure_shape(d: int, tokens: int, args, cuda: bool) -> dict[str, tuple[floa
     t = lambda fn: timed(fn, args.repeats, args.warmup, cuda)  # noqa: E731
     out: dict[str, tuple[float, str]] = {}
     out["memory copy (input, one pass)"] = (t(lambda: buf.copy_(x.detach())), "")
+    report("memory copy (input, one pass)", *out["memory copy (input, one pass)"])
 
     def step(layer, weight):
         def run():
@@ -115,15 +140,30 @@ def measure_shape(d: int, tokens: int, args, cuda: bool) -> dict[str, tuple[floa
         return run
 
     out["bf16 nn.Linear"] = (t(step(base, None)), "")
+    report("bf16 nn.Linear", *out["bf16 nn.Linear"])
     for recipe in TORCHAO_RECIPES:
         name = f"torchao Float8Linear {recipe} (compiled)"
-        layer, why = _torchao_layer(base, recipe, cuda)
-        out[name] = (t(step(layer, None)), "") if layer is not None else (float("nan"), why)
-    for fmt in FORMATS:
         try:
-            layer = _lowprec_layer(base, fmt, args.quantizer == "fused")
+            layer, why = _torchao_layer(base, recipe, cuda)
+            out[name] = (t(step(layer, None)), "") if layer is not None else (float("nan"), why)
+        except Exception as e:  # report, keep measuring the others
+            out[name] = (float("nan"), f"FAILED {type(e).__name__}: {str(e)[:100]}")
+        report(name, *out[name])
+    lowprec_rows = [("lowprec", fmt, get_backend("torch"), "") for fmt in FORMATS]
+    ao_backend, why_not = _torchao_backend()
+    lowprec_rows += [("lowprec torchao-backend", fmt, ao_backend, why_not) for fmt in TORCHAO_BACKEND_FORMATS]
+    for prefix, fmt, backend, why_not in lowprec_rows:
+        off, some = f"{prefix} {fmt} stats off", f"{prefix} {fmt} stats 1/{CHECK_EVERY}"
+        if backend is None:
+            out[off] = out[some] = (float("nan"), why_not)
+            report(off, *out[off])
+            report(some, *out[some])
+            continue
+        try:
+            layer = _lowprec_layer(base, fmt, backend, args.quantizer == "fused")
             layer.collect_stats = False
-            out[f"lowprec {fmt} stats off"] = (t(step(layer, layer.weight)), "")
+            out[off] = (t(step(layer, layer.weight)), "")
+            report(off, *out[off])
             one = step(layer, layer.weight)
 
             def group():   # statistics on the first of CHECK_EVERY steps
@@ -131,27 +171,48 @@ def measure_shape(d: int, tokens: int, args, cuda: bool) -> dict[str, tuple[floa
                     layer.collect_stats = i == 0
                     one()
             ms = timed(group, max(1, args.repeats // CHECK_EVERY), 1, cuda) / CHECK_EVERY
-            out[f"lowprec {fmt} stats 1/{CHECK_EVERY}"] = (ms, "")
+            out[some] = (ms, "")
+            report(some, *out[some])
         except Exception as e:  # report, keep measuring the others
             why = f"FAILED {type(e).__name__}: {str(e)[:100]}"
-            out.setdefault(f"lowprec {fmt} stats off", (float("nan"), why))
-            out.setdefault(f"lowprec {fmt} stats 1/{CHECK_EVERY}", (float("nan"), why))
+            for name in (off, some):
+                if name not in out:
+                    out[name] = (float("nan"), why)
+                    report(name, *out[name])
+    return out
+
+
+def versions() -> dict[str, str]:
+    out = {"torch": torch.__version__}
+    for name in ("triton", "torchao"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = "not installed"
     return out
 
 
 def header(args, cuda: bool) -> list[str]:
     name = torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)"
-    try:
-        import torchao
-        ao = f"torchao {torchao.__version__}"
-    except ImportError:
-        ao = "torchao not installed"
+    v = versions()
     cmd = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
     return [f"# command: {cmd}",
-            f"# device: {name}; torch {torch.__version__}; {ao}; BF16 Linear(d, d), no bias",
+            f"# device: {name}; torch {v['torch']}; triton {v['triton']}; torchao {v['torchao']}; "
+            f"BF16 Linear(d, d), no bias",
             f"# fwd+bwd per step x {args.micro_batches} micro-batch(es), median of {args.repeats} "
             f"after {args.warmup} warm-ups ({'CUDA events' if cuda else 'wall clock'}); "
-            f"lowprec: torch backend, {args.quantizer} quantizer; cell: ms (speed-up vs bf16)"]
+            f"lowprec: {args.quantizer} quantizer; cell: ms (speed-up vs bf16)"]
+
+
+def _configure_compile() -> None:
+    """One static compilation per shape: no automatic dynamic shapes (slower kernels that
+    would make the second shape's rows incomparable) and room for every shape's recompilation
+    of the same forward (the default limit of 8 would fall back to eager without saying so)."""
+    import torch._dynamo.config as dynamo_config
+    dynamo_config.automatic_dynamic_shapes = False
+    for limit in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, limit):
+            setattr(dynamo_config, limit, 256)
 
 
 def main(argv=None) -> list[str]:
@@ -165,30 +226,87 @@ def main(argv=None) -> list[str]:
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument("--quantizer", choices=["fused", "eager"], default="fused",
                    help="lowprec's quantizer: torch.compile-fused (default) or eager")
+    p.add_argument("--json", metavar="PATH", help="also write every row to PATH (rewritten after each row)")
+    p.add_argument("--deadline", type=float, default=None, metavar="S",
+                   help="start no new shape after S seconds (the first always runs); the rows not measured say so")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA GPU here; use --device cpu --tiny")
+    _configure_compile()
+    t_start = time.perf_counter()
     dims = args.d_model or ([64, 128] if args.tiny else [2048, 4096, 8192])
     toks = args.tokens or ([64, 128] if args.tiny else [8192, 16384])
     shapes = [(d, n) for d in dims for n in toks]
-    results = {s: measure_shape(*s, args, cuda) for s in shapes}
     lines = header(args, cuda)
-    lines.append("| variant | " + " | ".join(f"d={d} tok={n}" for d, n in shapes) + " |")
-    lines.append("|---" * (len(shapes) + 1) + "|")
+    print("\n".join(lines), flush=True)
+    record = {"command": lines[0].removeprefix("# command: "), "device": lines[1].removeprefix("# device: "),
+              "versions": versions(), "repeats": args.repeats, "warmup": args.warmup,
+              "micro_batches": args.micro_batches, "quantizer": args.quantizer, "check_every": CHECK_EVERY,
+              "shapes": [list(s) for s in shapes], "rows": []}
+    row_head = "| d_model | tokens | variant | ms | x bf16 | TFLOP/s | note |"
+    print(row_head + "\n" + "|---" * 7 + "|", flush=True)
+    lines += [row_head, "|---" * 7 + "|"]
+
+    def save():
+        if args.json:
+            with open(args.json, "w") as f:   # unmeasured rows: ms null, and their note
+                json.dump(record, f, indent=1, allow_nan=False)
+
+    results: dict[tuple[int, int], dict[str, tuple[float, str]]] = {}
+    for d, n in shapes:
+        def report(name, ms, note, d=d, n=n):
+            base = results.get((d, n), {}).get("bf16 nn.Linear", (ms if name == "bf16 nn.Linear" else None,))[0]
+            ok = ms == ms
+            speedup = base / ms if ok and base else None
+            tflops = 6 * d * d * n / (ms * 1e-3) / 1e12 if ok and ms > 0 else None
+            cells = [str(d), str(n), name, f"{ms:.3f}" if ok else "n/a",
+                     f"{speedup:.2f}" if speedup else "", f"{tflops:.1f}" if tflops else "", note]
+            line = "| " + " | ".join(cells) + " |"
+            print(line, flush=True)
+            lines.append(line)
+            record["rows"].append({"d_model": d, "tokens": n, "variant": name, "ms": ms if ok else None,
+                                   "speedup_vs_bf16": speedup, "tflops": tflops, "note": note})
+            save()
+
+        if results and args.deadline is not None and time.perf_counter() - t_start > args.deadline:
+            results[(d, n)] = {name: (float("nan"), NOT_MEASURED) for name in row_names()}
+            for name in row_names():
+                report(name, *results[(d, n)][name])
+            continue
+        results[(d, n)] = {}
+        measured = measure_shape(d, n, args, cuda, _Recorder(results[(d, n)], report))
+        results[(d, n)].update(measured)
+
+    table = ["", "| variant | " + " | ".join(f"d={d} tok={n}" for d, n in shapes) + " |",
+             "|---" * (len(shapes) + 1) + "|"]
     notes = {}
     for name in row_names():
         cells = []
         for s in shapes:
             ms, why = results[s][name]
             base = results[s]["bf16 nn.Linear"][0]
-            cells.append(f"{ms:.3f} ({base / ms:.2f}x)" if ms == ms else "n/a")
+            cells.append(f"{ms:.3f} ({base / ms:.2f}x)" if ms == ms and base == base else "n/a")
             if why:
                 notes[name] = why
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += [f"# {name}: {why}" for name, why in notes.items()]
-    print("\n".join(lines))
-    return lines
+        table.append(f"| {name} | " + " | ".join(cells) + " |")
+    table += [f"# {name}: {why}" for name, why in notes.items()]
+    record["seconds"] = round(time.perf_counter() - t_start, 1)
+    save()
+    print("\n".join(table), flush=True)
+    return lines + table
+
+
+class _Recorder:
+    """The `report` that measure_shape calls: keeps each row in the shape's results first, so
+    that the rows after `bf16 nn.Linear` get their speed-up as they are printed."""
+
+    def __init__(self, results: dict, report):
+        self.results, self.report = results, report
+
+    def __call__(self, name, ms, note):
+        self.results[name] = (ms, note)
+        self.report(name, ms, note)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ without statistics. Elsewhere those rows are left out, with the reason printed.
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import time
@@ -47,6 +48,7 @@ def main(argv=None) -> None:
     p.add_argument("--formats", nargs="*", default=None, help="format names (default: all)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the triton rows need cuda)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="input dtype")
+    p.add_argument("--json", metavar="PATH", help="also write the rows to PATH")
     args = p.parse_args(argv)
 
     torch.manual_seed(0)
@@ -85,8 +87,15 @@ def main(argv=None) -> None:
                     rows.append((f"{label} triton{' +stats' if stats else ''}", median_ms(fn, args.repeats)))
 
     dev = torch.cuda.get_device_name(x.device) if x.is_cuda else (platform.processor() or platform.machine())
-    print(f"# {args.size}x{args.size} {args.dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{dev}, median of {args.repeats}")
+    head = (f"# {args.size}x{args.size} {args.dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+            f"{dev}, median of {args.repeats}")
+    print(head)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": head.removeprefix("# "), "device": dev, "size": args.size, "dtype": args.dtype,
+                       "torch": torch.__version__, "triton_rows_left_out": why_not,
+                       "rows": [{"operation": label, "ms": ms, "x_copy": ms / copy_ms} for label, ms in rows]},
+                      f, indent=1)
     if why_not:
         print(f"# triton rows left out: {why_not}")
     width = max(len(r[0]) for r in rows)

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Download what Transformer Engine 2.20 needs on a GPU machine that has no package
 # registry: run HERE (a machine with PyPI), in the repository root. Writes .te_dl/
-# (ignored by .gitignore), split into carry-sized folders c01, c02, ... with SHA256SUMS.
+# (ignored by .gitignore; TE_DL names another ignored folder: `make gpu-prep` uses .whl/te),
+# split into carry-sized folders c01, c02, ... with SHA256SUMS.
 # Then on the device, one call per folder:  bash scripts/te_install/install.sh stage
 # (see docs/transformer_engine.md).
 set -euo pipefail
 TE_VERSION=${TE_VERSION:-2.20.2}
 PY=${PY:-python3}
 PART_MB=${PART_MB:-50}          # per-call carry limit is 64 MiB including the working tree
-DL=.te_dl
+DL=${TE_DL:-.te_dl}
 git check-ignore -q "$DL/x" || { echo "$DL/ is not ignored by git: add it to .gitignore" >&2; exit 1; }
 rm -rf "$DL" && mkdir -p "$DL/files"
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp

@@ -1,0 +1,384 @@
+#!/usr/bin/env bash
+# The H100 run of issues 28-30, on the lent GPU machine (no registry there: `make gpu-prep`
+# downloads here what it needs into .whl/, see docs/performance.md "Running the H100 benchmarks").
+#
+#   scripts/gpu_bench.sh --dry-run [PHASE...]   HERE: checks every file, wheel (size, sha256
+#                                               against .whl/MANIFEST.tsv), script and module
+#                                               the phases need; prints the device-call plan
+#   scripts/gpu_bench.sh PHASE...               THERE: verifies and installs the carried wheels
+#                                               into /tmp/site, runs each phase under `timeout`
+#
+# Phases, in the plan's order:
+#   tests     the GPU tests: tests/gpu, the torch/CPU quantizer parity, the compiled Triton
+#             cast kernels against `quantize` on every BF16 value
+#   quantize  bench_quantize.py's Triton rows against a memory copy (8192^2 BF16)
+#   linear    bench_linear.py's table (BF16, torchao, lowprec's backends; 6 shapes)
+#   mainjob   the GPU main job: experiments/configs/gpu_llama.yaml BF16 baseline, staged
+#             rollout, gate (as `make run` does for the CPU config)
+#   te        Transformer Engine: stage the carried parts; once all are there, build
+#             (scripts/te_install/install.sh) and run tests/gpu/test_te_backend.py
+#
+# Options: --wheels DIR (default .whl), --out DIR (default $OUT when set, else ./gpu_out).
+# Each phase writes OUT/PHASE.md (result and log) and OUT/PHASE.json; OUT/calls.json sums up
+# the call. At most 8 files come back from a device call: at most 3 phases a call.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+SELF=$ROOT/scripts/gpu_bench.sh
+cd "$ROOT"
+PY=${PY:-python3}
+WHEELS=.whl
+OUT_DIR=${OUT:-./gpu_out}
+WORK=${GPU_BENCH_WORK:-/tmp/gpu_bench}          # logs and runs there; only summaries go to OUT
+SITE=${GPU_BENCH_SITE:-/tmp/site}
+ALL_PHASES=(tests quantize linear mainjob te)
+
+# --- the plan ------------------------------------------------------------------------------
+# Seconds each phase may run (its `timeout`), and what each needs carried in (folders under
+# the wheels folder; te: every te/cNN, one per call) and present in the repository.
+declare -A BUDGET=([tests]=240 [quantize]=120 [linear]=420 [mainjob]=480 [te]=480)
+declare -A CARRY=([tests]="ao" [quantize]="" [linear]="ao" [mainjob]="job data" [te]="")
+declare -A FILES=(
+  [tests]="tests/gpu tests/lowprec/test_quantize_torch_parity.py tests/lowprec/kernels/test_fp8_cast.py"
+  [quantize]="experiments/bench_quantize.py lowprec/kernels"
+  [linear]="experiments/bench_linear.py"
+  [mainjob]="experiments/configs/gpu_llama.yaml gates/default.yaml pyproject.toml"
+  [te]="scripts/te_install/install.sh tests/gpu/test_te_backend.py")
+# Device calls: lease 1 (issue 29, one session's 30 minutes), lease 2 (Transformer Engine,
+# issue 30: one call per carried part, the last builds and tests). "te" calls are numbered on
+# from 4, one per te/cNN folder of the manifest (gpu_prep.py's TE_FIRST_CALL).
+CALL_PHASES=([1]="tests quantize" [2]="linear" [3]="mainjob")
+INSTALL_S=30          # verify + pip install of the carried wheels, each call (job: ~45)
+TRANSFER_S=20         # sending the tree and the carried folders, each call
+COLD_START_S=120      # a bare machine's start, once per lease
+CALL_LIMIT_S=600
+LEASE_LIMIT_S=1800
+CARRY_LIMIT=$((64 * 1024 * 1024))
+
+die() { echo "gpu_bench: $*" >&2; exit 1; }
+usage() { sed -n '2,26p' "$SELF" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+
+DRY=0; PHASES=(); INNER=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --dry-run) DRY=1 ;;
+    --wheels) WHEELS=${2:?--wheels needs a folder}; shift ;;
+    --out) OUT_DIR=${2:?--out needs a folder}; shift ;;
+    --inner) INNER=${2:?}; shift ;;
+    -h|--help) usage 0 ;;
+    -*) echo "gpu_bench: unknown option $1" >&2; usage 2 ;;
+    *) [[ " ${ALL_PHASES[*]} " == *" $1 "* ]] || die "unknown phase '$1' (phases: ${ALL_PHASES[*]})"
+       PHASES+=("$1") ;;
+  esac
+  shift
+done
+WHEELS=${WHEELS%/}
+MANIFEST=$WHEELS/MANIFEST.tsv
+
+# --- manifest ------------------------------------------------------------------------------
+# MANIFEST.tsv (scripts/gpu_prep.py): carry, name, version, file (under WHEELS), bytes, sha256,
+# calls. On the device only the carried folders are there, each with its copy of it.
+find_manifest() {
+  [ -f "$MANIFEST" ] && { echo "$MANIFEST"; return; }
+  local m; for m in "$WHEELS"/*/MANIFEST.tsv "$WHEELS"/te/*/MANIFEST.tsv; do
+    [ -f "$m" ] && { echo "$m"; return; }; done
+  return 1
+}
+te_folders() { awk -F'\t' '!/^#/ && $1 ~ /^te\// {print $1}' "$1" | sort -u; }
+
+# verify MANIFEST FOLDER...: every file of these folders present, of the manifest's size and
+# sha256; prints one line per problem and fails if there is one.
+verify() {
+  local man=$1; shift; local bad=0 folder carry name version file bytes sum calls size
+  for folder in "$@"; do
+    if ! awk -F'\t' -v f="$folder" '!/^#/ && $1 == f {found=1} END {exit !found}' "$man"; then
+      echo "MISSING: $folder: no file of it in the manifest $man (run make gpu-prep)"; bad=$((bad + 1)); continue
+    fi
+    while IFS=$'\t' read -r carry name version file bytes sum calls; do
+      [ "$carry" = "$folder" ] || continue
+      if [ ! -f "$WHEELS/$file" ]; then
+        echo "MISSING: $WHEELS/$file ($name $version; carried by call $calls)"; bad=$((bad + 1)); continue
+      fi
+      size=$(stat -c %s "$WHEELS/$file")
+      if [ "$size" != "$bytes" ]; then
+        echo "WRONG SIZE: $WHEELS/$file is $size bytes, the manifest says $bytes"; bad=$((bad + 1)); continue
+      fi
+      if [ "$(sha256sum "$WHEELS/$file" | cut -d' ' -f1)" != "$sum" ]; then
+        echo "WRONG SHA256: $WHEELS/$file ($name $version) does not match the manifest"; bad=$((bad + 1))
+      fi
+    done < <(grep -v '^#' "$man")
+  done
+  [ "$bad" -eq 0 ]
+}
+
+# --- the dry run (here) ---------------------------------------------------------------------
+dry_run() {
+  local phases=("$@") problems=() p f folder man line
+  [ ${#phases[@]} -gt 0 ] || phases=("${ALL_PHASES[@]}")
+  echo "== gpu_bench dry run: phases ${phases[*]}; wheels folder $WHEELS; repository $ROOT"
+  command -v "$PY" >/dev/null 2>&1 || [ -x "$PY" ] || problems+=("MISSING: python ($PY)")
+  for f in sha256sum timeout setsid awk stat; do
+    command -v "$f" >/dev/null 2>&1 || problems+=("MISSING: command $f"); done
+  for p in "${phases[@]}"; do
+    for f in ${FILES[$p]}; do [ -e "$f" ] || problems+=("MISSING: $f (phase $p)"); done
+  done
+  [ -f scripts/gpu_bench_report.py ] || problems+=("MISSING: scripts/gpu_bench_report.py")
+  if [ ! -f "$MANIFEST" ]; then
+    problems+=("MISSING: $MANIFEST (run make gpu-prep)")
+  else
+    man=$MANIFEST
+    local need=()
+    for p in "${phases[@]}"; do need+=(${CARRY[$p]}); done
+    if [[ " ${phases[*]} " == *" te "* ]]; then
+      mapfile -t tef < <(te_folders "$man")
+      if [ ${#tef[@]} -eq 0 ]; then problems+=("MISSING: Transformer Engine parts (te/cNN) in $man (make gpu-prep without NO_TE)")
+      else
+        need+=("${tef[@]}")
+        grep -q $'\t''te/c[0-9]*/SHA256SUMS'$'\t' "$man" || problems+=("MISSING: te/cNN/SHA256SUMS in $man")
+        grep -q $'\t''te/c[0-9]*/PARTS.SHA256SUMS'$'\t' "$man" || problems+=("MISSING: te/cNN/PARTS.SHA256SUMS in $man")
+      fi
+    fi
+    mapfile -t need < <(printf '%s\n' "${need[@]}" | awk 'NF && !seen[$0]++')
+    if [ ${#need[@]} -gt 0 ]; then
+      echo "-- verifying $(awk -F'\t' '!/^#/' "$man" | wc -l) manifest entries of: ${need[*]}"
+      while IFS= read -r line; do [ -n "$line" ] && problems+=("$line"); done < <(verify "$man" "${need[@]}" || true)
+      # two versions of one package in a folder stop the whole pip install there
+      while IFS= read -r line; do [ -n "$line" ] && problems+=("DUPLICATE: $line"); done < <(
+        awk -F'\t' '!/^#/ && $4 ~ /\.whl$/ {k=$1" "tolower($2); if (k in v && v[k] != $3) print $1": "$2" "v[k]" and "$3; v[k]=$3}' "$man")
+      # the manifest's calls column must be this plan's
+      while IFS= read -r line; do [ -n "$line" ] && problems+=("PLAN: $line"); done < <(check_calls "$man")
+    fi
+  fi
+  # the modules the phases import, where that needs no GPU
+  local out
+  if out=$("$PY" - "${phases[@]}" 2>&1 <<'PYEOF'
+import importlib, importlib.util, sys
+phases = set(sys.argv[1:])
+need = ["torch", "lowprec", "lowprec.backends", "yaml"]
+if "tests" in phases: need += ["pytest", "hypothesis"]
+if "linear" in phases: need += ["experiments.bench_linear"]
+if "quantize" in phases: need += ["experiments.bench_quantize"]
+if "mainjob" in phases: need += ["lowprec.cli", "gates.cli", "eval_suites", "experiments.model", "experiments.data"]
+if "te" in phases: need += ["lowprec.backends.te"]
+bad = []
+for name in need:
+    try:
+        importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001
+        bad.append(f"MISSING: python module {name} ({type(e).__name__}: {e})")
+if {"tests", "quantize"} & phases and importlib.util.find_spec("triton") is None:
+    print("note: triton is not installed here; the GPU machine's image has it")
+print("\n".join(bad))
+sys.exit(1 if bad else 0)
+PYEOF
+  ); then [ -z "$out" ] || echo "$out"
+  else while IFS= read -r line; do [[ $line == MISSING* ]] && problems+=("$line") || echo "$line"; done <<< "$out"
+  fi
+  print_plan "${phases[@]}" || problems+=("PLAN: over a limit (above)")
+  if [ ${#problems[@]} -gt 0 ]; then
+    echo "== NOT READY: ${#problems[@]} problem(s):" >&2
+    printf '  %s\n' "${problems[@]}" >&2
+    return 1
+  fi
+  echo "== ready: every file, wheel and module the phases need is here"
+}
+
+# calls each carry folder should have in the manifest, by this plan
+expected_calls() {
+  case $1 in
+    ao) echo "1,2" ;; job|data) echo "3" ;;
+    te/c[0-9][0-9]) echo $((3 + 10#${1#te/c})) ;;
+    *) echo "?" ;;
+  esac
+}
+check_calls() {
+  awk -F'\t' '!/^#/ {print $1"\t"$7}' "$1" | sort -u | while IFS=$'\t' read -r folder calls; do
+    [ "$(expected_calls "$folder")" = "$calls" ] ||
+      echo "$folder: the manifest says call(s) $calls, this plan $(expected_calls "$folder") (re-run make gpu-prep)"
+  done
+}
+
+mib() { awk -v b="$1" 'BEGIN {printf "%.1f", b / 1048576}'; }
+
+folder_bytes() {   # bytes of a carry folder, from the manifest (0 where it is not in it)
+  awk -F'\t' -v f="$2" '!/^#/ && $1 == f {s += $5} END {print s + 0}' "$1"
+}
+
+tree_bytes() {     # what travels besides the carried folders: tracked + untracked, not ignored
+  git ls-files -z --cached --others --exclude-standard 2>/dev/null |
+    xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}'
+}
+
+# print_plan PHASE...: the device calls that run them, carry lists and time budgets
+print_plan() {
+  local want=" $* " man=${MANIFEST} tree over=0 lease_total call phases p carry folders secs bytes n
+  tree=$(tree_bytes)
+  echo
+  echo "== device-call plan (each call: scripts/gpu_bench.sh PHASES; limits: ${CALL_LIMIT_S} s a call,"
+  echo "   ${LEASE_LIMIT_S} s device time a lease incl. a ${COLD_START_S} s cold start, 64 MiB carried a call"
+  echo "   incl. the working tree of $((tree / 1024)) KiB; the machine keeps /tmp only while warm: 30 s"
+  echo "   between calls, so make the calls of one lease back to back)"
+  lease_total=$COLD_START_S
+  echo "-- lease 1 (issue 29): one session's device time"
+  for call in 1 2 3; do
+    phases=""; for p in ${CALL_PHASES[$call]}; do [[ $want == *" $p "* ]] && phases+="$p "; done
+    [ -n "$phases" ] || continue
+    folders=""; secs=$((TRANSFER_S + INSTALL_S))
+    for p in $phases; do
+      for f in ${CARRY[$p]}; do [[ " $folders " == *" $f "* ]] || folders+="$f "; done
+      secs=$((secs + BUDGET[$p]))
+    done
+    bytes=$tree; carry=""
+    for f in $folders; do
+      carry+="\"$WHEELS/$f\", "
+      [ -f "$man" ] && bytes=$((bytes + $(folder_bytes "$man" "$f")))
+    done
+    printf '   call %d: scripts/gpu_bench.sh %s\n' "$call" "${phases% }"
+    printf '           carry: [%s]   %s MiB   budget %d s (%s)\n' "${carry%, }" \
+      "$(mib "$bytes")" "$secs" \
+      "$(for p in $phases; do printf '%s %ss, ' "$p" "${BUDGET[$p]}"; done)transfer+install $((TRANSFER_S + INSTALL_S))s"
+    [ "$secs" -le "$CALL_LIMIT_S" ] || { echo "           OVER the ${CALL_LIMIT_S} s call limit"; over=1; }
+    [ "$bytes" -le "$CARRY_LIMIT" ] || { echo "           OVER the 64 MiB carry limit"; over=1; }
+    lease_total=$((lease_total + secs))
+  done
+  if [ "$lease_total" -gt "$COLD_START_S" ]; then
+    echo "   lease 1 total: $lease_total s of $LEASE_LIMIT_S"
+    [ "$lease_total" -le "$LEASE_LIMIT_S" ] || { echo "   OVER the lease's device time"; over=1; }
+  fi
+  if [[ $want == *" te "* ]] && [ -f "$man" ]; then
+    mapfile -t tef < <(te_folders "$man")
+    n=${#tef[@]}; lease_total=$COLD_START_S
+    echo "-- lease 2 (issue 30, Transformer Engine): $n calls back to back, one part each; the"
+    echo "   last one builds and tests (if the build is not done by its budget, call te once more)"
+    for f in "${tef[@]}"; do
+      call=$((3 + 10#${f#te/c}))
+      bytes=$((tree + $(folder_bytes "$man" "$f")))
+      if [ "$f" = "${tef[$((n - 1))]}" ]; then secs=$((TRANSFER_S + 10 + BUDGET[te])); else secs=$((TRANSFER_S + 10)); fi
+      printf '   call %d: scripts/gpu_bench.sh te   carry: ["%s"]   %s MiB   budget %d s\n' \
+        "$call" "$WHEELS/$f" "$(mib "$bytes")" "$secs"
+      [ "$bytes" -le "$CARRY_LIMIT" ] || { echo "           OVER the 64 MiB carry limit"; over=1; }
+      lease_total=$((lease_total + secs))
+    done
+    echo "   lease 2 total: $lease_total s of $LEASE_LIMIT_S"
+    [ "$lease_total" -le "$LEASE_LIMIT_S" ] || { echo "   OVER the lease's device time"; over=1; }
+  fi
+  echo
+  return "$over"
+}
+
+# --- on the device ------------------------------------------------------------------------
+install_carried() {
+  local man folders=() f whls=()
+  man=$(find_manifest) || { echo "no MANIFEST.tsv under $WHEELS: nothing carried (fine for a phase that needs none)"; return 0; }
+  for f in ao job data; do [ -d "$WHEELS/$f" ] && folders+=("$f"); done
+  for f in "$WHEELS"/te/c[0-9][0-9]; do [ -d "$f" ] && folders+=("${f#"$WHEELS"/}"); done
+  [ ${#folders[@]} -gt 0 ] || { echo "nothing carried under $WHEELS"; return 0; }
+  echo "== verifying carried folders: ${folders[*]}"
+  verify "$man" "${folders[@]}" || die "carried files do not match the manifest (above): not installing"
+  for f in ao job; do [ -d "$WHEELS/$f" ] && whls+=("$WHEELS/$f"/*.whl); done
+  if [ ${#whls[@]} -gt 0 ]; then
+    echo "== installing ${#whls[@]} wheels into $SITE"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${whls[@]}"
+  fi
+  if [ -d "$WHEELS/data" ]; then
+    mkdir -p .cache/data && cp -a "$WHEELS/data/." .cache/data/ && rm -f .cache/data/MANIFEST.tsv
+  fi
+}
+
+need_carried() {   # need_carried PHASE: the phase's carry folders must be here
+  local f; for f in ${CARRY[$1]}; do
+    [ -d "$WHEELS/$f" ] || die "phase $1 needs $WHEELS/$f carried in (carry: [\"$WHEELS/$f\"]); see --dry-run's plan"
+  done
+}
+
+# one phase's body, run by `timeout bash gpu_bench.sh --inner PHASE`; results under $WORK
+phase_body() {
+  local p=$1 rc=0
+  case $p in
+  tests)
+    "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$WORK/tests-gpu.xml" \
+      tests/gpu tests/lowprec/test_quantize_torch_parity.py || rc=$?
+    "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu --junitxml="$WORK/tests-kernels.xml" \
+      tests/lowprec/kernels/test_fp8_cast.py || rc=$((rc > 0 ? rc : $?))
+    return "$rc" ;;
+  quantize)
+    "$PY" experiments/bench_quantize.py --device cuda --dtype bfloat16 --size 8192 --no-fused \
+      --formats fp8_tensorwise fp8_delayed fp8_rowwise --json "$WORK/quantize.json" ;;
+  linear)
+    # no new shape in the last 90 s: the largest takes about a minute with its compilations
+    "$PY" experiments/bench_linear.py --json "$WORK/linear.json" --deadline $((BUDGET[linear] - 90)) ;;
+  mainjob)
+    # lowprec itself, for its entry points (the gate command, the lm_eval evaluator)
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" . \
+      || { echo "installing lowprec into $SITE failed"; return 1; }
+    rm -rf build lowprec.egg-info
+    local out=$WORK/runs/main cfg=experiments/configs/gpu_llama.yaml
+    rm -rf "$out"; mkdir -p "$out"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+    # NVML's energy counter (telemetry.energy: auto): nvidia-ml-py is in the image, not carried
+    "$PY" -c "import pynvml; pynvml.nvmlInit(); print('NVML driver', pynvml.nvmlSystemGetDriverVersion())" \
+      || echo "WARNING: pynvml/NVML unavailable: the energy per token will not be NVML-measured"
+    "$PY" -m lowprec.cli run "$cfg" --as-baseline --run-name bf16-baseline --out "$out/bf16-baseline" || return $?
+    "$PY" -m lowprec.cli run "$cfg" --out "$out/staged-rollout" || return $?
+    "$PY" -m lowprec.cli gate --baseline "$(cat "$out/bf16-baseline/run_id")" \
+      --candidate "$(cat "$out/staged-rollout/run_id")" --gates gates/default.yaml \
+      --markdown "$out/gate.md" --junit "$out/gate.xml" || rc=$?
+    echo "Gate verdict (exit $rc): $(case $rc in 0) echo pass;; 1) echo REGRESSION;; *) echo unusable input;; esac)"
+    [ "$rc" -le 1 ] ;;
+  te)
+    export TE_DL=$WHEELS/te
+    bash scripts/te_install/install.sh stage
+    local stage=${TE_STAGE:-/tmp/te_stage}
+    if [ ! -f "$stage/build.pid" ]; then
+      if ! bash scripts/te_install/install.sh build; then
+        echo "TE: not all parts staged yet; carry the next te/cNN folder in the next call"; return 0
+      fi
+    fi
+    # wait for the background build, leaving a minute of the phase for the tests
+    local deadline=$((SECONDS + BUDGET[te] - 90))
+    while kill -0 "$(cat "$stage/build.pid")" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 10; done
+    bash scripts/te_install/install.sh status || true
+    if kill -0 "$(cat "$stage/build.pid")" 2>/dev/null; then
+      echo "TE: still building; run 'scripts/gpu_bench.sh te' again in the next call (machine warm)"; return 3
+    fi
+    grep -q '^== installed' "$stage/build.log" || { echo "TE: the build failed (log above)"; return 1; }
+    PYTHONPATH=${TE_SITE:-/tmp/te_site}:$PYTHONPATH "$PY" -m pytest -q -rs -p no:cacheprovider \
+      --junitxml="$WORK/tests-te.xml" tests/gpu/test_te_backend.py ;;
+  esac
+}
+
+run_phase() {
+  local p=$1 t0 rc=0 log=$WORK/$p.log
+  need_carried "$p"
+  echo "== phase $p (at most ${BUDGET[$p]} s) $(date -u +%FT%TZ)"
+  t0=$SECONDS
+  set +e
+  timeout --kill-after=15 "${BUDGET[$p]}" bash "$SELF" --wheels "$WHEELS" --inner "$p" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  echo "== phase $p: exit $rc after $((SECONDS - t0)) s$([ "$rc" = 124 ] || [ "$rc" = 137 ] && echo ' (TIMED OUT)')"
+  "$PY" scripts/gpu_bench_report.py --phase "$p" --rc "$rc" --seconds $((SECONDS - t0)) \
+    --timeout "${BUDGET[$p]}" --log "$log" --work "$WORK" --out "$OUT_DIR" || echo "report of phase $p failed"
+  return "$rc"
+}
+
+if [ -n "$INNER" ]; then
+  export PYTHONUNBUFFERED=1
+  phase_body "$INNER"
+  exit $?
+fi
+if [ "$DRY" = 1 ]; then
+  dry_run "${PHASES[@]}"
+  exit $?
+fi
+[ ${#PHASES[@]} -gt 0 ] || die "name the phases to run (${ALL_PHASES[*]}); --dry-run prints the plan"
+[ ${#PHASES[@]} -le 3 ] || die "at most 3 phases a call (8 files come back from a device call)"
+command -v nvidia-smi >/dev/null 2>&1 || echo "gpu_bench: warning: no nvidia-smi here; these phases need the GPU machine" >&2
+mkdir -p "$OUT_DIR" "$WORK"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+install_carried
+"$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO GPU')"
+status=0
+for p in "${PHASES[@]}"; do run_phase "$p" || status=1; done
+"$PY" scripts/gpu_bench_report.py --summary --out "$OUT_DIR" --phases "${PHASES[@]}"
+exit "$status"
