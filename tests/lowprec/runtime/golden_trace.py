@@ -1,0 +1,63 @@
+"""A golden trace of `lowprec run`'s loop: decisions, events and the loss curve of one seed.
+
+Recorded before a change that must not change behaviour (issue 31 moves the after-step
+logic and the config into one place each) and compared after, by
+tests/lowprec/runtime/test_golden_trace.py. A small GPT on Shakespeare, the staged rollout
+of tests/lowprec/runtime/test_loop_faults.py with a rewind on, a NaN injected into one site
+(a fallback by replay) and a learning-rate spike (a skip and a rewind, nothing demoted).
+
+Record it again (only when a change of behaviour is intended, and say so in the commit):
+
+    python tests/lowprec/runtime/golden_trace.py
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+GOLDEN = HERE / "golden" / "loop_trace.json"
+sys.path.insert(0, str(HERE.parents[2]))
+
+SITE = "blocks.1.mlp.fc"
+CONFIG = {
+    "model": {"factory": "experiments.model:build_gpt",
+              "args": {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 2, "d_model": 32}},
+    "data": {"factory": "experiments.data:shakespeare_tokens", "args": {"max_bytes": 200_000}, "block_size": 32},
+    "train": {"steps": 90, "batch_size": 8, "lr": 3e-3, "warmup": 10, "ckpt_every": 30, "seed": 0},
+    "precision": {"backend": "emulated", "keep_high_precision": [{"fqns": ["lm_head"]}],
+                  "rules": [{"name": "blocks", "select": {"glob": "blocks.*"}, "format": "bf16",
+                             "ladder": ["fp8_tensorwise", "bf16"]}]},
+    "rollout": {"check_every": 10, "min_steps": 0, "cooldown_steps": 1000, "quarantine_after": 2,
+                "rewind": {"enabled": True, "skip_batches": 3},
+                "thresholds": {"max_saturated_frac": 1e-3, "site_patience": 2, "large_warmup": 20,
+                               "spike_min_history": 20, "spike_window": 32},
+                "stages": [{"name": "mlp_fp8", "select": {"glob": "blocks.*.mlp.*"}, "format": "fp8_tensorwise"},
+                           {"name": "attn_fp8", "select": {"glob": "blocks.*.attn.*"}, "format": "fp8_tensorwise"}]},
+    "tracking": {"enabled": False},
+}
+
+
+def trace(out_dir: Path) -> dict:
+    """Run the config and return what the golden file holds."""
+    from lowprec.runtime import Injection
+    from lowprec.runtime.run import run_config
+    res = run_config(copy.deepcopy(CONFIG), out_dir,
+                     faults=[Injection("nan", 35, 200, SITE), Injection("lr_spike", 60, 63, factor=100.0)])
+    events = [{"step": e.step, "kind": str(e.kind), "sites": list(e.sites),
+               "to_format": dict(e.to_format or {})} for e in res.events]
+    return {"losses": [float(x).hex() for x in res.losses], "events": events,
+            "formats": {str(k): v for k, v in sorted(res.formats.items())},
+            "rewinds": res.rewinds, "skipped": res.skipped, "passes": res.passes}
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as tmp:
+        t = trace(Path(tmp))
+    GOLDEN.write_text(json.dumps(t, indent=1) + "\n")
+    kinds = [e["kind"] for e in t["events"]]
+    print(f"wrote {GOLDEN}: {len(t['losses'])} losses, events {sorted(set(kinds))}, rewinds {t['rewinds']}")
