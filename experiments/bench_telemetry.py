@@ -21,7 +21,7 @@ import statistics
 import time
 from dataclasses import replace
 
-from lowprec.config import RunConfig
+from lowprec.config import LowprecConfig
 from lowprec.runtime.run import execute, prepare_run
 from lowprec.tracking.phases import PassOutcome, Phase
 from lowprec.tracking.telemetry import Telemetry, TelemetryConfig
@@ -47,7 +47,7 @@ def bookkeeping_seconds(cfg: TelemetryConfig, steps: int, log_every: int, model=
     return per_step
 
 
-def run_ms_per_step(base: RunConfig, telemetry: TelemetryConfig, steps: int, out: str) -> float:
+def run_ms_per_step(base: LowprecConfig, telemetry: TelemetryConfig, steps: int, out: str) -> float:
     cfg = replace(base, telemetry=telemetry)
     prepared = prepare_run(cfg)
     res = execute(prepared, out, steps=steps)
@@ -61,14 +61,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="runs/bench_telemetry")
     args = ap.parse_args()
-    d = RunConfig.from_yaml(args.config).to_dict()
+    d = LowprecConfig.from_yaml(args.config).to_dict()
     d.pop("eval", None)
     if d.get("rollout"):
         d["rollout"].pop("baseline", None)   # no loss-gap baseline: no tracking store is read
         d["rollout"].get("thresholds", {}).pop("loss_gap", None)
     d["tracking"] = {"enabled": False}
     d["train"] = {**d.get("train", {}), "steps": args.steps, "ckpt_every": 10 ** 6}
-    base = RunConfig.from_dict(copy.deepcopy(d), source=args.config)
+    base = LowprecConfig.from_dict(copy.deepcopy(d), source=args.config)
     variants = {"off": TelemetryConfig(enabled=False),
                 "on, no energy": TelemetryConfig(energy="off", mfu=False),
                 "on, energy + MFU": TelemetryConfig()}

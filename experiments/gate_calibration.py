@@ -29,14 +29,14 @@ from pathlib import Path
 
 from dataclasses import replace
 
-from lowprec.config import RunConfig
+from lowprec.config import LowprecConfig
 from lowprec.runtime.run import high_precision_baseline, run_config
 from gates import GateSpec, Scores, check_all
 from gates.gate import HIGHER_IS_BETTER
 from lowprec.verdicts import Verdict
 
 
-def seed_run(cfg: RunConfig, seed: int, out: Path, steps: int | None) -> dict:
+def seed_run(cfg: LowprecConfig, seed: int, out: Path, steps: int | None) -> dict:
     """Train and evaluate one seed (or read what an earlier call left in `out`)."""
     path = out / f"seed{seed}.json"
     if path.is_file():
@@ -85,7 +85,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = RunConfig.from_yaml(args.config)
+    cfg = LowprecConfig.from_yaml(args.config)
     spec = GateSpec.from_yaml(args.gates)
     runs = {s: seed_run(cfg, s, out, args.steps) for s in args.seeds}
     scores = {s: Scores.from_eval(r["results"], r["samples"], source=f"seed {s}") for s, r in runs.items()}

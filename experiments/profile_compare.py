@@ -40,7 +40,7 @@ from pathlib import Path
 
 import yaml
 
-from lowprec.config import RunConfig
+from lowprec.config import LowprecConfig
 from lowprec.formats import get_format
 from lowprec.profile.measure import Profile, SiteCost
 from lowprec.profile.planner import choose_formats, final_shares, order_stages
@@ -97,7 +97,7 @@ def _random_profile(profile: Profile, seed: int) -> Profile:
 def write_plan(name: str, cfg_path: Path, profile: Profile, caps: dict[str, float], formats: list[str],
                *, from_start: bool = False) -> Path:
     """A plan from `profile` restricted to `formats`, with `caps`; checked as `lowprec plan` checks."""
-    cfg = RunConfig.from_yaml(cfg_path)
+    cfg = LowprecConfig.from_yaml(cfg_path)
     prepared = prepare_run(replace(cfg, rollout=None, eval=None), controller=False, with_data=False)
     keep = Profile([e for e in profile.entries if e.format in formats], profile.reference_loss, profile.batches,
                    profile.tokens_per_batch, profile.passes_per_rank, profile.world, profile.seconds)
@@ -207,7 +207,7 @@ def main() -> None:
     for seed in args.seeds:
         rows += one_seed(seed, work, args.jobs, args.steps, args.push_format, args.push_share, args.profile_steps)
     (work / "results.json").write_text(json.dumps(rows, indent=1))
-    cfg0 = RunConfig.from_yaml(work / f"seed{args.seeds[0]}" / "default.yaml")
+    cfg0 = LowprecConfig.from_yaml(work / f"seed{args.seeds[0]}" / "default.yaml")
     state = prepare_run(replace(cfg0, rollout=None, eval=None), controller=False, with_data=False).state
     print("| seed | plan | loss gap to BF16 | final FLOPs | sites fallen back | loss-gap gate trips | rewinds | "
           "gate held |")

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from experiments.profile_compare import GAP_STEPS, controller_actions, gap, train, write_plan
-from lowprec.config import RunConfig
+from lowprec.config import LowprecConfig
 from lowprec.profile.measure import Profile, SiteCost
 from lowprec.runtime.engine import loss_of
 from lowprec.runtime.run import prepare_run
@@ -35,7 +35,7 @@ FP4 = "fp4_tensorwise"
 def probe_scores(cfg_path: Path, steps: int, warmup: int = 60, batches: int = 4) -> dict[str, float]:
     """{site: relative held-loss change after `steps` steps with only that site in plain FP4}."""
     from lowprec.profile.cli import _warm_up
-    cfg = RunConfig.from_yaml(cfg_path)
+    cfg = LowprecConfig.from_yaml(cfg_path)
     torch.set_num_threads(1)
     prepared = prepare_run(replace(cfg, rollout=None, eval=None), controller=False)
     model, state = prepared.model, prepared.state

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from experiments.parallel import DataTensorParallel, ParallelConfig, Pipeline, local_state
-from lowprec.config import RunConfig
+from lowprec.config import LowprecConfig
 from lowprec.rollout import build_controller
 from lowprec.runtime.data import as_batch_source
 from lowprec.runtime.faults import parse_injection
@@ -51,14 +51,14 @@ from lowprec.state import prepare
 __all__ = ["train_parallel", "main"]
 
 
-def train_parallel(cfg: RunConfig | dict, out_dir: str | Path, par: ParallelConfig, *, steps: int | None = None,
+def train_parallel(cfg: LowprecConfig | dict, out_dir: str | Path, par: ParallelConfig, *, steps: int | None = None,
                    injections=(), microbatches: int | None = None) -> dict:
     """Train as `cfg` says on the initialised process group; returns rank 0's summary."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != par.world:
         raise ValueError(f"{par.mode} needs {par.world} processes, torchrun started {world} "
                          f"(--nproc-per-node {par.world})")
-    rc = cfg if isinstance(cfg, RunConfig) else RunConfig.from_dict(cfg)
+    rc = cfg if isinstance(cfg, LowprecConfig) else LowprecConfig.from_dict(cfg)
     if microbatches is not None:
         rc = replace(rc, train=replace(rc.train, microbatches=microbatches))
     tc = rc.train
@@ -137,7 +137,7 @@ def main(argv=None) -> None:
     injections = [parse_injection(t) for t in args.inject]
     dist.init_process_group("gloo")
     try:
-        summary = train_parallel(RunConfig.from_yaml(args.config), args.out, par, steps=args.steps,
+        summary = train_parallel(LowprecConfig.from_yaml(args.config), args.out, par, steps=args.steps,
                                  injections=injections, microbatches=args.microbatches)
         if dist.get_rank() == 0:
             print(f"{summary['mode']}: {summary['steps']} steps, {summary['seconds_per_step'] * 1e3:.0f} ms/step, "

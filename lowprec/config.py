@@ -1,4 +1,4 @@
-"""RunConfig: the whole training YAML, parsed once into frozen dataclasses (docs/config.md).
+"""LowprecConfig: the whole YAML, parsed once into frozen dataclasses (docs/config.md).
 
     model:     {factory: "pkg.module:function", args: {...}}            # required
     data:      {factory: "pkg.module:function", args: {...}, block_size: 128}
@@ -14,7 +14,9 @@ by `lowprec.configparse` (one unknown-key check with did-you-mean, types from th
 annotations, the path of every error). Factories are only checked for their shape
 (`package.module:function`): importing and calling them happens when the run is built.
 `eval.gates` is looked up relative to the config file's folder, then the current folder,
-and kept as an absolute path.
+and kept as an absolute path. The same class serves `lowprec run` (ConfigRole.RUN) and the
+framework integrations (ConfigRole.FRAMEWORK: no `model:`, `data:`, `train:`); nothing else
+in lowprec reads a YAML file or a config dict.
 """
 
 from __future__ import annotations
@@ -25,14 +27,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lowprec.configparse import ConfigError, check_keys, found, parse, read_yaml_file, to_data
+from lowprec.strenum import StrEnum
 from lowprec.plan import PrecisionPlan
 from lowprec.rollout import RolloutConfig, parse_rollout
 from lowprec.tracking.telemetry import TelemetryConfig
 
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "EvalConfig", "TrackingConfig",
-           "TelemetryConfig", "RunConfig", "SECTIONS"]
+           "TelemetryConfig", "LowprecConfig", "ConfigRole", "SECTIONS", "FRAMEWORK_SECTIONS"]
 
 SECTIONS = ("model", "data", "train", "precision", "rollout", "eval", "tracking", "telemetry")
+FRAMEWORK_SECTIONS = ("precision", "rollout", "eval", "tracking")   # what a framework's trainer leaves to lowprec
+_FRAMEWORK_OWNS = ("model", "data", "train")
 _FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 _ENTRY_POINT = re.compile(r"[A-Za-z_][\w.-]*")
 
@@ -153,11 +158,32 @@ def _resolve_gates(ev: EvalConfig, base: Path | None) -> EvalConfig:
                                     "give a gate file path (see docs/gates.md) or null for no in-loop gate")
 
 
+class ConfigRole(StrEnum):
+    """What a config file is for, which decides the sections it must and may have.
+
+    RUN: `lowprec run` / `plan` / `profile`: `model:` and `precision:` required, every
+    section allowed. FRAMEWORK: a framework's trainer owns the model, the data and the
+    training settings (the HF Trainer, Lightning): `precision:` required, `rollout:`,
+    `eval:`, `tracking:` allowed, `model:`/`data:`/`train:` refused. SESSION: a `Session` in a
+    hand-written loop, or torchtitan's model converter: `precision:` and `rollout:` only."""
+
+    RUN = "run"
+    FRAMEWORK = "framework"
+    SESSION = "session"
+
+    @property
+    def sections(self) -> tuple[str, ...]:
+        return {ConfigRole.RUN: SECTIONS, ConfigRole.FRAMEWORK: FRAMEWORK_SECTIONS,
+                ConfigRole.SESSION: ("precision", "rollout")}[self]
+
+
 @dataclass(frozen=True)
-class RunConfig:
-    """The whole config; `from_yaml` / `from_dict` check everything they can before anything runs."""
-    model: ModelConfig
+class LowprecConfig:
+    """The whole config, typed; `from_yaml` / `from_dict` check everything they can before
+    anything runs. `lowprec run` and the framework integrations parse through this one class
+    (`role` says which sections a file must and may have)."""
     precision: PrecisionPlan
+    model: ModelConfig | None = None          # required for ConfigRole.RUN
     data: DataConfig | None = None
     train: TrainConfig = field(default_factory=TrainConfig)
     rollout: RolloutConfig | None = None   # None: no rollout: the plan's formats for the whole run
@@ -165,38 +191,74 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     source: str = field(default="<dict>", compare=False)   # the file it came from
+    role: ConfigRole = field(default=ConfigRole.RUN, compare=False)
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "RunConfig":
+    def from_yaml(cls, path: str | Path, role: ConfigRole = ConfigRole.RUN) -> "LowprecConfig":
         """Load a config file; every problem is a ConfigError naming the file or the key."""
         p = Path(path)
-        doc = read_yaml_file(p, f"a mapping with sections {', '.join(SECTIONS)}")
-        return cls.from_dict(doc, source=str(p))
+        doc = read_yaml_file(p, f"a mapping with sections {', '.join(role.sections)}")
+        return cls.from_dict(doc, source=str(p), role=role)
 
     @classmethod
-    def from_dict(cls, d: Any, source: str = "<dict>") -> "RunConfig":
+    def from_dict(cls, d: Any, source: str = "<dict>", role: ConfigRole = ConfigRole.RUN) -> "LowprecConfig":
         """Parse a config's contents; `source` is the file (its folder is where `eval.gates` is looked up)."""
+        role = ConfigRole(role)
         if not isinstance(d, dict):
-            raise ConfigError(source, f"expected a mapping with sections {', '.join(SECTIONS)}, found {found(d)}")
-        check_keys(d, list(SECTIONS), "")
-        for key in ("model", "precision"):
+            raise ConfigError(source, f"expected a mapping with sections {', '.join(role.sections)}, found {found(d)}")
+        if role is not ConfigRole.RUN:
+            _refuse_framework_sections(d, source, role)
+        check_keys(d, list(role.sections), "")
+        for key in ("model", "precision") if role is ConfigRole.RUN else ("precision",):
             if d.get(key) is None:
-                raise ConfigError(key, f"the config needs a `{key}:` section; it has "
-                                       f"{', '.join(map(str, d)) or 'none'}. See docs/config.md")
+                raise ConfigError(key, _missing(key, d, source, role))
         base = Path(source).resolve().parent if source != "<dict>" and Path(source).is_file() else None
         ev = parse(EvalConfig, d["eval"], "eval") if d.get("eval") is not None else None
-        return cls(model=parse(ModelConfig, d["model"], "model"),
+        rollout = parse_rollout(d["rollout"], "rollout") if d.get("rollout") is not None else None
+        if role is ConfigRole.FRAMEWORK and rollout is not None and rollout.lr_probe.enabled:
+            raise ConfigError("rollout.lr_probe.enabled", (
+                "is true; the learning-rate probe needs a batch that training never draws, which a framework's "
+                "data loader does not give lowprec: set lr_probe.enabled: false under a framework's trainer "
+                "(use lowprec's Session or `lowprec run` for the probe)"))
+        return cls(model=parse(ModelConfig, d["model"], "model") if d.get("model") is not None else None,
                    precision=PrecisionPlan.from_dict(d["precision"], "precision"),
                    data=parse(DataConfig, d["data"], "data") if d.get("data") is not None else None,
                    train=parse(TrainConfig, d["train"], "train") if d.get("train") is not None else TrainConfig(),
-                   rollout=parse_rollout(d["rollout"], "rollout") if d.get("rollout") is not None else None,
+                   rollout=rollout,
                    eval=_resolve_gates(ev, base) if ev is not None else None,
                    tracking=(parse(TrackingConfig, d["tracking"], "tracking") if d.get("tracking") is not None
                              else TrackingConfig()),
                    telemetry=(parse(TelemetryConfig, d["telemetry"], "telemetry") if d.get("telemetry") is not None
                               else TelemetryConfig()),
-                   source=source)
+                   source=source, role=role)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (for logging the config): `RunConfig.from_dict(c.to_dict()) == c`. Absent sections are left out."""
-        return {k: to_data(v) for k in SECTIONS if (v := getattr(self, k)) is not None}
+        """Plain data (for logging the config): `LowprecConfig.from_dict(c.to_dict(), role=c.role) == c`.
+        Absent sections, and sections the role does not have, are left out."""
+        return {k: to_data(v) for k in self.role.sections if (v := getattr(self, k)) is not None}
+
+
+def _refuse_framework_sections(d: dict, source: str, role: ConfigRole) -> None:
+    if role is ConfigRole.SESSION:
+        unknown = sorted(set(d) - set(role.sections))
+        if unknown:
+            raise ConfigError(source, f"has section(s) {unknown}; a Session (and torchtitan's converter) reads "
+                              "`precision:` and `rollout:` only (model, data and training are your loop's): "
+                              "remove them")
+        return
+    owned = [k for k in _FRAMEWORK_OWNS if k in d]
+    if owned:
+        raise ConfigError(owned[0], (
+            f"{source} has a `{owned[0]}:` section; under a framework's trainer the model, the data and the "
+            f"training settings are the framework's: keep only {', '.join(FRAMEWORK_SECTIONS)} in this file "
+            f"(`lowprec run` configs hold the others)"))
+
+
+def _missing(key: str, d: dict, source: str, role: ConfigRole) -> str:
+    if role is ConfigRole.SESSION:
+        return (f"{source} has no `precision:` section; a Session (and torchtitan's converter) needs one "
+                f"(and optionally `rollout:`), see docs/config.md")
+    if role is ConfigRole.FRAMEWORK:
+        return (f"{source} has no `precision:` section; the integrations need one "
+                f"(and optionally rollout:, eval:, tracking:), see docs/config.md")
+    return f"the config needs a `{key}:` section; it has {', '.join(map(str, d)) or 'none'}. See docs/config.md"

@@ -4,7 +4,7 @@ Start from the shipped files (experiments/configs/default.yaml, whose loss-gap b
 an MLflow run and is replaced here by a losses file; gates/default.yaml) and mutate them:
 values of the wrong type, unknown or misspelt keys, missing keys and sections, sections that
 are not mappings, bad selectors, YAML that does not parse. Every case goes through the loaders
-(`RunConfig.from_dict`, `GateSpec.from_dict`/`from_yaml`) and through the CLI in process
+(`LowprecConfig.from_dict`, `GateSpec.from_dict`/`from_yaml`) and through the CLI in process
 (`lowprec plan`, `lowprec gate`): a loader raises only its documented error (ConfigError,
 GateSpecError), the CLI returns 0 or 2 and prints no traceback.
 """
@@ -113,9 +113,9 @@ def _no_traceback(capsys, rc) -> str:
 def test_base_files_are_valid(folder, capsys):
     from gates.spec import GateSpec
     from lowprec.cli import main
-    from lowprec.config import RunConfig
+    from lowprec.config import LowprecConfig
 
-    RunConfig.from_dict(_base_config(folder))
+    LowprecConfig.from_dict(_base_config(folder))
     GateSpec.from_dict(BASE_GATES)
     path = folder / "base.yaml"
     path.write_text(yaml.safe_dump(_base_config(folder)))
@@ -125,12 +125,12 @@ def test_base_files_are_valid(folder, capsys):
 @SETTINGS
 @given(mutations=_mutations(BASE_CONFIG_SHAPE))
 def test_config_loader_raises_only_config_error(folder, mutations):
-    from lowprec.config import RunConfig
+    from lowprec.config import LowprecConfig
     from lowprec.configparse import ConfigError
 
     doc = _mutate(_base_config(folder), mutations)
     try:
-        RunConfig.from_dict(doc)
+        LowprecConfig.from_dict(doc)
     except ConfigError as e:
         assert str(e).strip() and e.path is not None
     # anything else propagates and fails the test, with hypothesis's smallest example

@@ -33,65 +33,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowprec.config import EvalConfig, TrackingConfig, _resolve_gates
-from lowprec.configparse import ConfigError, check_keys, found, parse, read_yaml_file, to_data
+from lowprec.config import ConfigRole, LowprecConfig
 from lowprec.decisions import Action
 from lowprec.integrations.state_files import process_rank, world_size
-from lowprec.plan import PrecisionPlan
-from lowprec.rollout import RolloutConfig, parse_rollout
 from lowprec.runtime.session import Session, StepResult, rollout_settings
 from lowprec.tracking.records import RunStatus
 from lowprec.verdicts import Verdict
 
-__all__ = ["HostedConfig", "HostedRollout", "HostedCallback", "Attach", "GapOutcome", "allreduce_grads"]
+__all__ = ["framework_config", "HostedRollout", "HostedCallback", "Attach", "GapOutcome", "allreduce_grads"]
 
-SECTIONS = ("precision", "rollout", "eval", "tracking")
 STATE_FORMAT, STATE_VERSION = "lowprec.hosted_rollout", 1
-_FRAMEWORK_OWNS = ("model", "data", "train")
 
 
-@dataclass(frozen=True)
-class HostedConfig:
-    """The sections of a config that a framework's loop does not own (see the module docstring)."""
-    precision: PrecisionPlan
-    rollout: RolloutConfig | None = None
-    eval: EvalConfig | None = None
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    source: str = field(default="<dict>", compare=False)
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> "HostedConfig":
-        return cls.from_dict(read_yaml_file(path), source=str(path))
-
-    @classmethod
-    def from_dict(cls, d: Any, source: str = "<dict>") -> "HostedConfig":
-        if not isinstance(d, dict):
-            raise ConfigError(source, f"expected a mapping with sections {', '.join(SECTIONS)}, found {found(d)}")
-        owned = [k for k in _FRAMEWORK_OWNS if k in d]
-        if owned:
-            raise ConfigError(owned[0], (
-                f"{source} has a `{owned[0]}:` section; under a framework's trainer the model, the data and the "
-                f"training settings are the framework's: keep only {', '.join(SECTIONS)} in this file "
-                f"(`lowprec run` configs hold the others)"))
-        check_keys(d, list(SECTIONS), "")
-        if d.get("precision") is None:
-            raise ConfigError("precision", f"{source} has no `precision:` section; the integrations need one "
-                                           f"(and optionally rollout:, eval:, tracking:), see docs/config.md")
-        base = Path(source).resolve().parent if source != "<dict>" and Path(source).is_file() else None
-        ev = parse(EvalConfig, d["eval"], "eval") if d.get("eval") is not None else None
-        rollout = parse_rollout(d["rollout"], "rollout") if d.get("rollout") is not None else None
-        if rollout is not None and rollout.lr_probe.enabled:
-            raise ConfigError("rollout.lr_probe.enabled", (
-                "is true; the learning-rate probe needs a batch that training never draws, which a framework's "
-                "data loader does not give lowprec: set lr_probe.enabled: false under a framework's trainer "
-                "(use lowprec's Session or `lowprec run` for the probe)"))
-        return cls(precision=PrecisionPlan.from_dict(d["precision"], "precision"), rollout=rollout,
-                   eval=_resolve_gates(ev, base) if ev is not None else None,
-                   tracking=(parse(TrackingConfig, d["tracking"], "tracking") if d.get("tracking") is not None
-                             else TrackingConfig()), source=source)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: to_data(v) for k in SECTIONS if (v := getattr(self, k)) is not None}
+def framework_config(config: "LowprecConfig | str | Path") -> LowprecConfig:
+    """A framework integration's config: a LowprecConfig of role FRAMEWORK, or the path of its YAML."""
+    if isinstance(config, LowprecConfig):
+        if config.role is not ConfigRole.FRAMEWORK:
+            return LowprecConfig.from_dict(config.to_dict(), source=config.source, role=ConfigRole.FRAMEWORK)
+        return config
+    return LowprecConfig.from_yaml(config, role=ConfigRole.FRAMEWORK)
 
 
 @dataclass(frozen=True)
@@ -124,12 +84,13 @@ class GapOutcome:
 class HostedRollout:
     """lowprec's plan, session, evals and tracking inside a framework's training loop."""
 
-    def __init__(self, config: HostedConfig, model: nn.Module, *, seed: int = 0,
+    def __init__(self, config: LowprecConfig | str | Path, model: nn.Module, *, seed: int = 0,
                  baseline: dict[int, float] | None = None):
         """Prepares `model` now (its planned Linear layers become PrecisionLinear holding the same
         Parameters), so do this before the framework wraps the model or builds the optimizer.
         baseline: the BF16 run's loss per step, for `rollout.thresholds.loss_gap`."""
         from lowprec.state import prepare
+        config = framework_config(config)
         self.config, self.model, self.baseline = config, model, baseline
         self.state = prepare(model, config.precision, seed=seed)
         self.session: Session | None = None
@@ -141,7 +102,7 @@ class HostedRollout:
 
     @classmethod
     def from_yaml(cls, path: str | Path, model: nn.Module, **kwargs) -> "HostedRollout":
-        return cls(HostedConfig.from_yaml(path), model, **kwargs)
+        return cls(framework_config(path), model, **kwargs)
 
     @property
     def step(self) -> int:
@@ -336,7 +297,7 @@ class HostedCallback:
 
     @classmethod
     def from_yaml(cls, path: str | Path, model: nn.Module, **kwargs):
-        return cls(HostedConfig.from_yaml(path), model, **kwargs)
+        return cls(framework_config(path), model, **kwargs)
 
     @property
     def state(self):

@@ -53,7 +53,8 @@ from lowprec.integrations.extras import require
 
 transformers = require("transformers", "hf", "Hugging Face transformers (and accelerate)")
 
-from lowprec.integrations.core import Attach, HostedCallback, HostedConfig, HostedRollout, allreduce_grads  # noqa: E402
+from lowprec.config import LowprecConfig
+from lowprec.integrations.core import Attach, HostedCallback, HostedRollout, allreduce_grads, framework_config  # noqa: E402
 from lowprec.integrations.state_files import (MissingRolloutStateError, differing_weights, read_rollout_state,  # noqa: E402
                                               save_rollout_state, weights_fingerprint)
 from lowprec.tracking.records import RunStatus  # noqa: E402
@@ -87,10 +88,10 @@ class _MicroBatch:
 class LowprecCallback(HostedCallback, transformers.TrainerCallback):
     """Staged rollout, monitors, skips, rewinds, eval checkpoints and tracking in a `Trainer`."""
 
-    def __init__(self, config: HostedConfig | str | Path, model: nn.Module, *, seed: int = 0,
+    def __init__(self, config: LowprecConfig | str | Path, model: nn.Module, *, seed: int = 0,
                  baseline: dict[int, float] | None = None, eval_tokenizer=None, max_length: int | None = None,
                  eval_gap_tolerance: float | None = 0.02, restore: bool | str | Path = True):
-        """config: a HostedConfig or the path of its YAML file. model: the model the Trainer
+        """config: a LowprecConfig (role FRAMEWORK) or the path of its YAML file. model: the model the Trainer
         will train, prepared here (before the Trainer wraps it). eval_tokenizer / max_length:
         for an `eval:` suite (default: bytes, and the model's `max_position_embeddings`).
         eval_gap_tolerance: the Trainer's own evaluation is an eval checkpoint: its `eval_loss`
@@ -107,8 +108,7 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
             raise ValueError(f"eval_gap_tolerance: expected a relative gap >= 0 (e.g. 0.02) or None (log only), "
                              f"found {eval_gap_tolerance!r}")
         self.eval_gap_tolerance = eval_gap_tolerance
-        if not isinstance(config, HostedConfig):
-            config = HostedConfig.from_yaml(config)
+        config = framework_config(config)
         self.model = model
         self.hosted = HostedRollout(config, model, seed=seed, baseline=baseline)
         self.eval_tokenizer = eval_tokenizer

@@ -70,7 +70,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException  # 
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature  # noqa: E402
 
-from lowprec.integrations.core import Attach, HostedCallback, HostedConfig, HostedRollout, allreduce_grads  # noqa: E402
+from lowprec.config import LowprecConfig
+from lowprec.integrations.core import Attach, HostedCallback, HostedRollout, allreduce_grads, framework_config  # noqa: E402
 from lowprec.integrations.state_files import MissingRolloutStateError  # noqa: E402
 from lowprec.tracking.records import RunStatus  # noqa: E402
 
@@ -113,18 +114,17 @@ def _no_log(*args, **kwargs) -> None:
 class LowprecCallback(HostedCallback, lightning.pytorch.Callback):
     """Staged rollout, monitors, skips, rewinds, eval checkpoints and tracking in a Lightning `Trainer`."""
 
-    def __init__(self, config: HostedConfig | str | Path, model: nn.Module, *, seed: int = 0,
+    def __init__(self, config: LowprecConfig | str | Path, model: nn.Module, *, seed: int = 0,
                  baseline: dict[int, float] | None = None,
                  eval_forward: Callable[[torch.Tensor], torch.Tensor] | None = None, eval_tokenizer=None,
                  max_length: int | None = None, restore: bool = True):
-        """config: a HostedConfig or the path of its YAML file. model: the LightningModule or the
+        """config: a LowprecConfig (role FRAMEWORK) or the path of its YAML file. model: the LightningModule or the
         model inside it, prepared here (before `trainer.fit`). eval_forward(tokens) -> logits:
         how an `eval:` suite runs the model (default: `model(tokens)` and its logits);
         eval_tokenizer / max_length: for the suite (default: bytes, `max_position_embeddings`).
         restore: when `trainer.fit(ckpt_path=...)` resumes, go on from the rollout state in that
         checkpoint (False: start again from the plan's formats and the first stage)."""
-        if not isinstance(config, HostedConfig):
-            config = HostedConfig.from_yaml(config)
+        config = framework_config(config)
         if (config.eval is not None and eval_forward is None and isinstance(model, lightning.pytorch.LightningModule)
                 and not is_overridden("forward", model, parent=lightning.pytorch.LightningModule)):
             raise MisconfigurationException(

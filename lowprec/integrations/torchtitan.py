@@ -66,21 +66,22 @@ from torch import nn  # noqa: E402
 from torchtitan.protocols.model_converter import register_model_converter  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402
 
-from lowprec.configparse import ConfigError, read_yaml_file  # noqa: E402
+from lowprec.config import ConfigRole, LowprecConfig  # noqa: E402
+from lowprec.configparse import ConfigError  # noqa: E402
 from lowprec.decisions import apply_decision  # noqa: E402
 from lowprec.events import Event, EventLog  # noqa: E402
 from lowprec.monitor import Monitor  # noqa: E402
 from lowprec.plan import PrecisionPlan  # noqa: E402
-from lowprec.rollout import RolloutConfig, build_controller, parse_rollout  # noqa: E402
+from lowprec.rollout import RolloutConfig, build_controller  # noqa: E402
 from lowprec.state import prepare  # noqa: E402
 
-__all__ = ["LowprecConfig", "JobConfig", "LowprecConverter", "load_config", "NAME"]
+__all__ = ["LowprecSection", "JobConfig", "LowprecConverter", "load_config", "NAME"]
 
 NAME = "lowprec"   # the name in `[model] converters`
 
 
 @dataclass
-class LowprecConfig:
+class LowprecSection:
     """The `[lowprec]` section of a torchtitan job config."""
 
     config: str = ""
@@ -98,7 +99,7 @@ class JobConfig:
     """What this module adds to torchtitan's JobConfig when it is the job's
     `custom_config_module` (torchtitan merges it into its own JobConfig)."""
 
-    lowprec: LowprecConfig = field(default_factory=LowprecConfig)
+    lowprec: LowprecSection = field(default_factory=LowprecSection)
 
 
 def _refuse(path: str, found, why: str, fix: str) -> ConfigError:
@@ -111,17 +112,8 @@ def load_config(path: str | Path) -> tuple[PrecisionPlan, RolloutConfig | None]:
     if not str(path):
         raise ConfigError("lowprec.config", "is empty; name the lowprec YAML file (a `precision:` section and "
                           "optionally `rollout:`), e.g. [lowprec] config = \"precision.yaml\"")
-    d = read_yaml_file(path)
-    unknown = sorted(set(d) - {"precision", "rollout"})
-    if unknown:
-        raise ConfigError(str(path), f"has section(s) {unknown}; the torchtitan converter reads `precision:` and "
-                          "`rollout:` only (model, data, training and the rest are torchtitan's own config): "
-                          "remove them")
-    if "precision" not in d:
-        raise ConfigError(str(path), "has no `precision:` section; the converter needs one (and optionally "
-                          "`rollout:`)")
-    plan = PrecisionPlan.from_dict(d["precision"])
-    rollout = parse_rollout(d["rollout"]) if d.get("rollout") else None
+    cfg = LowprecConfig.from_yaml(path, role=ConfigRole.SESSION)
+    plan, rollout = cfg.precision, cfg.rollout
     if rollout is not None:
         if rollout.rewind.enabled:
             raise _refuse("rollout.rewind.enabled", True, "the training loop and its data loader are "
@@ -144,7 +136,7 @@ class LowprecConverter:
 
     def __init__(self, job_config, parallel_dims):
         section = getattr(job_config, "lowprec", None)
-        if not isinstance(section, LowprecConfig):
+        if not isinstance(section, LowprecSection):
             raise ConfigError("lowprec", (
                 f"the job config has no [lowprec] section (found {type(section).__name__}); set "
                 "[job] custom_config_module = \"lowprec.integrations.torchtitan\" (it adds the section) and "

@@ -144,12 +144,12 @@ def _cmd_profile(args) -> int:
 
 def _profile(args, caps: dict[str, float]) -> int:
     import torch.distributed as dist
-    from lowprec.config import RunConfig
+    from lowprec.config import LowprecConfig
     from lowprec.profile.measure import profile_sites
     from lowprec.profile.planner import choose_formats, order_stages
     from lowprec.runtime.run import prepare_run
 
-    cfg = RunConfig.from_yaml(args.config)
+    cfg = LowprecConfig.from_yaml(args.config)
     name = cfg.tracking.run_name or Path(args.config).stem
     if args.from_profile is not None:
         return _replan(args, cfg, name, caps)

@@ -63,10 +63,10 @@ def write_config(source: str | Path, dest: str | Path, choices: dict[str, SiteCh
 def check_written(path: str | Path) -> None:
     """Parse the written config and build its plan and controller against a fresh model, as
     `lowprec plan` does (the loss-gap baseline is not read); raises ConfigError."""
-    from lowprec.config import RunConfig
+    from lowprec.config import LowprecConfig
     from lowprec.rollout import build_controller
     from lowprec.runtime.run import prepare_run
-    cfg = RunConfig.from_yaml(path)
+    cfg = LowprecConfig.from_yaml(path)
     prepared = prepare_run(replace(cfg, rollout=None, eval=None), controller=False, with_data=False)
     if cfg.rollout is not None:   # the stages and ladders; the loss gap's baseline is read by `run`
         rollout = replace(cfg.rollout, thresholds=replace(cfg.rollout.thresholds, loss_gap=None))

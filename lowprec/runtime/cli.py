@@ -42,8 +42,8 @@ def register(sub) -> None:
 
 
 def _load(path: str, args=None):
-    from lowprec.config import RunConfig
-    cfg = RunConfig.from_yaml(path)
+    from lowprec.config import LowprecConfig
+    cfg = LowprecConfig.from_yaml(path)
     if args is not None:
         if args.steps is not None:
             if args.steps < 1:

@@ -1,7 +1,7 @@
 """`lowprec run CONFIG` and `lowprec plan CONFIG`: one set of checks, then train or print.
 
 `prepare_run(config)` does everything `run` does before step 0, and `plan` calls exactly
-it: the config is parsed and typed (`lowprec.config.RunConfig`), the model factory is
+it: the config is parsed and typed (`lowprec.config.LowprecConfig`), the model factory is
 imported and called (it must be the user's own code and return an `nn.Module`), the
 precision plan is resolved against the model and prepared, the rollout's stages are
 resolved to sites, the loss-gap baseline is read, the data factory is called, the
@@ -34,7 +34,7 @@ __all__ = ["PreparedRun", "prepare_run", "load_factory", "high_precision_baselin
 
 @dataclass
 class PreparedRun:
-    config: Any                      # RunConfig
+    config: Any                      # LowprecConfig
     model: nn.Module
     state: Any                       # PrecisionState
     controller: Any                  # RolloutController | None
@@ -195,13 +195,13 @@ def execute(prepared: PreparedRun, out: str | Path, *, tracker=None, resume: boo
 
 def run_config(config, out_dir: str | Path, *, faults=(), controller: bool = True, steps: int | None = None,
                resume: bool = False, tracker=None):
-    """Train a config (a RunConfig, a dict of sections, or a YAML path) in this process, as
+    """Train a config (a LowprecConfig, a dict of sections, or a YAML path) in this process, as
     `lowprec run` does without its tracking; pass a `lowprec.tracking.tracker.Tracker` to track."""
-    from lowprec.config import RunConfig
+    from lowprec.config import LowprecConfig
     if isinstance(config, (str, Path)):
-        cfg = RunConfig.from_yaml(config)
+        cfg = LowprecConfig.from_yaml(config)
     elif isinstance(config, dict):
-        cfg = RunConfig.from_dict(config)
+        cfg = LowprecConfig.from_dict(config)
     else:
         cfg = config
     if tracker is not None:

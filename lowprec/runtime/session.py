@@ -190,16 +190,9 @@ class Session:
     @classmethod
     def from_yaml(cls, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs) -> "Session":
         """Build from a YAML file's `precision:` and (optional) `rollout:` sections."""
-        from lowprec.configparse import ConfigError, read_yaml_file
-        from lowprec.plan import PrecisionPlan
-        from lowprec.rollout import parse_rollout
-        d = read_yaml_file(path)
-        if "precision" not in d:
-            raise ConfigError("precision", f"{path} has no `precision:` section; a session needs one "
-                              f"(and optionally `rollout:`), see docs/config.md")
-        plan = PrecisionPlan.from_dict(d["precision"])
-        rollout = parse_rollout(d["rollout"]) if d.get("rollout") else None
-        return cls.build(model, optimizer, plan, rollout, **kwargs)
+        from lowprec.config import ConfigRole, LowprecConfig
+        cfg = LowprecConfig.from_yaml(path, role=ConfigRole.SESSION)
+        return cls.build(model, optimizer, cfg.precision, cfg.rollout, **kwargs)
 
     # ------------------------------------------------------------------ the step
     def _prepare(self, step: int) -> None:

@@ -1,4 +1,4 @@
-"""RunConfig: the default config loads; every bad config is a ConfigError naming the path."""
+"""LowprecConfig: the default config loads; every bad config is a ConfigError naming the path."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lowprec.rollout
-from lowprec.config import DataConfig, EvalConfig, ModelConfig, RunConfig, TrackingConfig, TrainConfig
+from lowprec.config import DataConfig, EvalConfig, ModelConfig, LowprecConfig, TrackingConfig, TrainConfig
 from lowprec.configparse import ConfigError
 from lowprec.plan import PrecisionPlan
 
@@ -30,7 +30,7 @@ def default_dict() -> dict:
 
 
 def test_default_config_loads():
-    c = RunConfig.from_yaml(DEFAULT)
+    c = LowprecConfig.from_yaml(DEFAULT)
     assert c.model == ModelConfig("experiments.model:build_gpt",
                                   {"vocab_size": 256, "block_size": 128, "n_layer": 4, "n_head": 4, "d_model": 128})
     assert c.data == DataConfig("experiments.data:shakespeare_tokens", {"max_bytes": 2000000}, 128)
@@ -56,18 +56,18 @@ def test_optional_sections():
     d = default_dict()
     for k in ("data", "train", "rollout", "eval", "tracking"):
         d.pop(k, None)
-    c = RunConfig.from_dict(d)
+    c = LowprecConfig.from_dict(d)
     assert (c.data, c.rollout, c.eval) == (None, None, None)
     assert c.train == TrainConfig() and c.tracking == TrackingConfig() and c.source == "<dict>"
     d["train"] = None   # an empty `train:` line means the defaults
-    assert RunConfig.from_dict(d).train == TrainConfig()
+    assert LowprecConfig.from_dict(d).train == TrainConfig()
 
 
 def test_lr_written_as_3e_3_is_a_float(tmp_path):
     text = DEFAULT.read_text().replace("lr: 3.0e-3", "lr: 3e-3")
     assert "lr: 3e-3" in text and yaml.safe_load(text)["train"]["lr"] == "3e-3"   # what PyYAML does
     (tmp_path / "c.yaml").write_text(text)
-    lr = RunConfig.from_yaml(tmp_path / "c.yaml").train.lr
+    lr = LowprecConfig.from_yaml(tmp_path / "c.yaml").train.lr
     assert lr == 0.003 and isinstance(lr, float)
 
 
@@ -142,7 +142,7 @@ BAD = [
 @pytest.mark.parametrize("key,value,path,words", BAD, ids=[f"{k}={v!r}" for k, v, _, _ in BAD])
 def test_bad_config_names_the_path(key, value, path, words):
     with pytest.raises(ConfigError) as e:
-        RunConfig.from_dict(_set(default_dict(), key, value), source=str(DEFAULT))
+        LowprecConfig.from_dict(_set(default_dict(), key, value), source=str(DEFAULT))
     assert e.value.path.startswith(path) and words in e.value.message, str(e.value)
     assert str(e.value).startswith(f"{e.value.path}: ")
 
@@ -150,7 +150,7 @@ def test_bad_config_names_the_path(key, value, path, words):
 def test_file_errors_name_the_file(tmp_path):
     def err(path) -> ConfigError:
         with pytest.raises(ConfigError) as e:
-            RunConfig.from_yaml(path)
+            LowprecConfig.from_yaml(path)
         assert e.value.path == str(path)
         return e.value
 
@@ -175,26 +175,26 @@ def test_gates_relative_to_the_config_folder_then_cwd(tmp_path, monkeypatch):
     (tmp_path / "cfg" / "my_gates.yaml").write_text("gates: []\n")
     d["eval"]["gates"] = "my_gates.yaml"
     (tmp_path / "cfg" / "run.yaml").write_text(yaml.safe_dump(d))
-    assert RunConfig.from_yaml(tmp_path / "cfg" / "run.yaml").eval.gates == str(tmp_path / "cfg" / "my_gates.yaml")
+    assert LowprecConfig.from_yaml(tmp_path / "cfg" / "run.yaml").eval.gates == str(tmp_path / "cfg" / "my_gates.yaml")
     monkeypatch.chdir(tmp_path)
     d["eval"]["gates"] = "cfg/my_gates.yaml"   # not next to the config: found from the current folder
-    assert RunConfig.from_dict(d).eval.gates == str(tmp_path / "cfg" / "my_gates.yaml")
+    assert LowprecConfig.from_dict(d).eval.gates == str(tmp_path / "cfg" / "my_gates.yaml")
     d["eval"]["gates"] = None
-    assert RunConfig.from_dict(d).eval.gates is None
+    assert LowprecConfig.from_dict(d).eval.gates is None
 
 
 def test_a_plan_error_is_a_config_error():
     with pytest.raises(ConfigError):
-        RunConfig.from_dict(_set(default_dict(), "precision.default", "fp9"))
+        LowprecConfig.from_dict(_set(default_dict(), "precision.default", "fp9"))
 
 
 def test_to_dict_round_trips():
-    c = RunConfig.from_yaml(DEFAULT)
+    c = LowprecConfig.from_yaml(DEFAULT)
     if not HAS_ROLLOUT_CONFIG:   # the old rollout parser returns an object that is not plain data
-        c = RunConfig.from_dict({k: v for k, v in default_dict().items() if k != "rollout"}, source=str(DEFAULT))
+        c = LowprecConfig.from_dict({k: v for k, v in default_dict().items() if k != "rollout"}, source=str(DEFAULT))
     d = c.to_dict()
     assert yaml.safe_load(yaml.safe_dump(d)) == d    # plain data
-    assert RunConfig.from_dict(d) == c
+    assert LowprecConfig.from_dict(d) == c
     assert d["train"]["lr"] == 0.003 and d["eval"]["gates"] == str(ROOT / "gates" / "inloop.yaml")
 
 
@@ -237,6 +237,6 @@ def test_mutated_configs_load_or_raise_config_error(edits):
         except (KeyError, IndexError, TypeError):
             continue   # an earlier edit removed or replaced this path
     try:
-        RunConfig.from_dict(d, source=str(DEFAULT))
+        LowprecConfig.from_dict(d, source=str(DEFAULT))
     except ConfigError as e:
         assert e.path and str(e).startswith(f"{e.path}: ")

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 import lowprec.rollout
-from lowprec.config import DataConfig, EvalConfig, ModelConfig, RunConfig, TelemetryConfig, TrackingConfig, TrainConfig
+from lowprec.config import DataConfig, EvalConfig, ModelConfig, LowprecConfig, TelemetryConfig, TrackingConfig, TrainConfig
 from lowprec.configparse import to_data
 from lowprec.formats import Format
 from lowprec.plan import PLAN_KEYS, RULE_KEYS, SELECTOR_KEYS, PrecisionPlan, Rule, Selector
@@ -61,7 +61,7 @@ def code_keys(cls: type, prefix: str = "", walk: bool = True) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     out = {}
     for f in dataclasses.fields(cls):
-        if not f.init or f.name == "source" and cls is RunConfig:
+        if not f.init or f.name in ("source", "role") and cls is LowprecConfig:
             continue
         key = prefix + f.name
         out[key] = _default(f)
@@ -114,7 +114,7 @@ def mismatches(section: str, code: dict[str, Any]) -> list[str]:
 
 
 # the sections table lists the sections only: each has its own table
-SECTIONS = {"sections": lambda: code_keys(RunConfig, walk=False), "model": lambda: code_keys(ModelConfig),
+SECTIONS = {"sections": lambda: code_keys(LowprecConfig, walk=False), "model": lambda: code_keys(ModelConfig),
             "data": lambda: code_keys(DataConfig), "train": lambda: code_keys(TrainConfig),
             "precision": precision_keys, "selectors": selector_keys, "eval": lambda: code_keys(EvalConfig),
             "tracking": lambda: code_keys(TrackingConfig), "telemetry": lambda: code_keys(TelemetryConfig)}

@@ -199,10 +199,9 @@ def test_every_config_file_reader_names_the_file_for_what_it_cannot_read(tmp_pat
     """`lowprec run` configs, the integrations' configs and `Session.from_yaml` read files the
     same way: a folder, a YAML tag, bytes that are not UTF-8 and a non-mapping are each a
     ConfigError naming the file, not a traceback."""
-    from lowprec.config import RunConfig
-    from lowprec.integrations.core import HostedConfig
+    from lowprec.config import ConfigRole, LowprecConfig
     from lowprec.runtime.session import Session
-    read = {"run": RunConfig.from_yaml, "hosted": HostedConfig.from_yaml,
+    read = {"run": LowprecConfig.from_yaml, "hosted": lambda p: LowprecConfig.from_yaml(p, ConfigRole.FRAMEWORK),
             "session": lambda p: Session.from_yaml(p, torch.nn.Linear(2, 2), None)}[loader]
     cases = {"tag.yaml": b'precision: !!python/object/apply:os.system ["true"]\n',
              "latin1.yaml": "precision: {default: caf\u00e9}\n".encode("latin-1"),

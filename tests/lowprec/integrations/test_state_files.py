@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from lowprec.events import EventKind
-from lowprec.integrations.core import HostedConfig, HostedRollout
+from lowprec.config import ConfigRole, LowprecConfig
+from lowprec.integrations.core import HostedRollout
 from lowprec.integrations.state_files import (MissingRolloutStateError, differing_weights, read_rollout_state,
                                               rollout_state_path, save_rollout_state, weights_fingerprint)
 from lowprec.integrity import CorruptCheckpointError
@@ -29,7 +30,7 @@ CONFIG = {
 def _hosted() -> HostedRollout:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
-    hosted = HostedRollout(HostedConfig.from_dict(CONFIG), model)
+    hosted = HostedRollout(LowprecConfig.from_dict(CONFIG, role=ConfigRole.FRAMEWORK), model)
     hosted.start(torch.optim.AdamW(model.parameters(), lr=1e-3))
     return hosted
 

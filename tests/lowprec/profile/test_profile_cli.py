@@ -158,10 +158,10 @@ def test_bad_argument_as_a_subprocess_no_traceback(project):
 
 def _reference_loss(cfg_path: Path, weights: dict | None, n: int) -> float:
     """The mean loss of the config's model (all sites BF16) on its first `n` batches."""
-    from lowprec.config import RunConfig
+    from lowprec.config import LowprecConfig
     from lowprec.runtime.engine import loss_of
     from lowprec.runtime.run import prepare_run
-    cfg = RunConfig.from_yaml(cfg_path)
+    cfg = LowprecConfig.from_yaml(cfg_path)
     prepared = prepare_run(replace(cfg, rollout=None, eval=None), controller=False)
     if weights is not None:
         prepared.model.load_state_dict(weights)

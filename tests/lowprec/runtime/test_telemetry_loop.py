@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from lowprec.config import RunConfig
+from lowprec.config import LowprecConfig
 from lowprec.runtime import Injection
 from lowprec.runtime.engine import SingleProcess
 from lowprec.runtime.loop import train
@@ -68,7 +68,7 @@ class TimedBatches:
 
 
 def run(tmp_path, cfg_dict, *, delay=0.0, faults=(), tracker=None):
-    cfg = RunConfig.from_dict(copy.deepcopy(cfg_dict))
+    cfg = LowprecConfig.from_dict(copy.deepcopy(cfg_dict))
     prepared = prepare_run(cfg)
     data = TimedBatches(prepared.data, delay)
     tele = Telemetry(cfg.telemetry, model=prepared.model, state=prepared.state)
