@@ -69,7 +69,11 @@ _FORWARD_ROLES = ("input", "weight", "output")
 
 
 def _bits(name: str) -> int:
-    return FORMATS[name].rank
+    return FORMATS[name].bits
+
+
+def _high(name: str) -> bool:
+    return FORMATS[name].is_high_precision
 
 
 class RolloutController:
@@ -194,7 +198,7 @@ class RolloutController:
         """What a replay may put in high precision: the low-precision sites in forward
         order, and the groups to try first (the promoted stages, newest first, then the
         sites that were low precision before any stage)."""
-        low = [s for s in self.order if _bits(self.current[s]) < 16]
+        low = [s for s in self.order if not _high(self.current[s])]
         groups = [[s for s in self.stages[i].sites if self.stage_of.get(s) == self.stages[i].name]
                   for i in reversed(range(self.promoted))]
         groups.append([s for s in low if s not in self.stage_of])
@@ -279,7 +283,7 @@ class RolloutController:
         # forward order whose input, weight or output is non-finite is the origin; its
         # consumers inherit the NaN.
         blamed: list[str] = []
-        nan_sites = [s for s in self.order if s in signals.sites and _bits(self.current[s]) < 16 and
+        nan_sites = [s for s in self.order if s in signals.sites and not _high(self.current[s]) and
                      any(signals.sites[s].nonfinite.get(r, 0) > 0 for r in _FORWARD_ROLES)]
         if nan_sites:
             site = nan_sites[0]
@@ -301,7 +305,7 @@ class RolloutController:
         suspects: list[tuple[tuple[int, int], str, dict]] = []
         for i, site in enumerate(self.order if not blamed else ()):
             sig = signals.sites.get(site)
-            if sig is None or _bits(self.current[site]) >= 16:
+            if sig is None or _high(self.current[site]):
                 continue
             crossed = th.crossed(sig)
             if not crossed:

@@ -28,7 +28,7 @@ import torch
 
 __all__ = [
     "ElementFormat", "E4M3", "E5M2", "E2M1", "E8M0", "Scaling", "Rounding", "ScaleEncoding",
-    "QuantSpec", "DelayedScalingConfig", "Format", "FORMATS", "get_format", "format_names",
+    "QuantSpec", "DelayedScalingConfig", "Format", "FormatFamily", "FORMATS", "get_format", "format_names",
     "suggest",
 ]
 
@@ -174,6 +174,14 @@ class DelayedScalingConfig:
             raise ValueError(f"margin must be >= 0, got {self.margin}")
 
 
+class FormatFamily(enum.Enum):
+    """What kind of precision a format is: the high-precision baseline, FP8 or FP4."""
+
+    HIGH = "high"
+    FP8 = "fp8"
+    FP4 = "fp4"
+
+
 @dataclass(frozen=True)
 class Format:
     """A named low-precision recipe for a linear layer: one QuantSpec per GEMM operand.
@@ -193,11 +201,16 @@ class Format:
     grad_output_wgrad: QuantSpec | None = None
     delayed: DelayedScalingConfig | None = None
     description: str = ""
-    rank: int = field(default=0, compare=False)  # bits per element, for ladders and plots
+    bits: int = field(default=0, compare=False)  # bits per element: ladders rise in it, plots sort by it
 
     @property
     def is_high_precision(self) -> bool:
         return self.input is None and self.weight is None and self.grad_output is None
+
+    @property
+    def family(self) -> "FormatFamily":
+        """High precision, FP8 or FP4, from the bit width (no name is parsed)."""
+        return FormatFamily.HIGH if self.is_high_precision else FormatFamily.FP8 if self.bits == 8 else FormatFamily.FP4
 
     def specs(self) -> dict[str, QuantSpec]:
         out = {}
@@ -219,7 +232,7 @@ def _hybrid(name: str, scaling: Scaling, desc: str, **fmt_kw) -> Format:
     fwd = QuantSpec(E4M3, scaling)
     bwd = QuantSpec(E5M2, scaling)
     return Format(name, input=fwd, weight=fwd, grad_output=bwd, input_wgrad=fwd,
-                  grad_output_wgrad=bwd, description=desc, rank=8, **fmt_kw)
+                  grad_output_wgrad=bwd, description=desc, bits=8, **fmt_kw)
 
 
 def _blockwise() -> Format:
@@ -227,15 +240,15 @@ def _blockwise() -> Format:
     wgt = QuantSpec(E4M3, Scaling.BLOCK, (128, 128), ScaleEncoding.POW2)
     grad = QuantSpec(E4M3, Scaling.BLOCK, (1, 128), ScaleEncoding.POW2)
     return Format("fp8_blockwise", input=act, weight=wgt, grad_output=grad, input_wgrad=act,
-                  grad_output_wgrad=grad, rank=8,
+                  grad_output_wgrad=grad, bits=8,
                   description="E4M3, 1x128 blocks for activations/gradients, 128x128 for "
                               "weights, power-of-two scales (TE Float8BlockScaling, DeepSeek-V3)")
 
 
-def _mx(name: str, element: ElementFormat, desc: str, rank: int) -> Format:
+def _mx(name: str, element: ElementFormat, desc: str, bits: int) -> Format:
     spec = QuantSpec(element, Scaling.BLOCK, (1, 32), ScaleEncoding.E8M0)
     return Format(name, input=spec, weight=spec, grad_output=spec, input_wgrad=spec,
-                  grad_output_wgrad=spec, description=desc, rank=rank)
+                  grad_output_wgrad=spec, description=desc, bits=bits)
 
 
 def _nvfp4() -> Format:
@@ -244,7 +257,7 @@ def _nvfp4() -> Format:
     grad = act.with_rounding(Rounding.STOCHASTIC)
     return Format("nvfp4", input=act, weight=wgt, grad_output=grad,
                   input_wgrad=replace(act, hadamard=True),
-                  grad_output_wgrad=replace(grad, hadamard=True), rank=4,
+                  grad_output_wgrad=replace(grad, hadamard=True), bits=4,
                   description="E2M1, 1x16 blocks with E4M3 scales and an FP32 tensor scale, "
                               "16x16 weight blocks, stochastic rounding on gradients, random "
                               "Hadamard transform on weight-gradient inputs (TE NVFP4BlockScaling)")
@@ -253,13 +266,13 @@ def _nvfp4() -> Format:
 def _fp4_plain() -> Format:
     spec = QuantSpec(E2M1, Scaling.TENSOR)
     return Format("fp4_tensorwise", input=spec, weight=spec, grad_output=spec, input_wgrad=spec,
-                  grad_output_wgrad=spec, rank=4,
+                  grad_output_wgrad=spec, bits=4,
                   description="E2M1 with one FP32 scale per tensor and none of the NVFP4 tricks "
                               "(the aggressive, unstable plan)")
 
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
-    Format("bf16", description="high precision: BF16 operands, FP32 accumulation", rank=16),
+    Format("bf16", description="high precision: BF16 operands, FP32 accumulation", bits=16),
     _hybrid("fp8_tensorwise", Scaling.TENSOR,
             "E4M3 forward / E5M2 backward, one scale per tensor from its current amax "
             "(TE Float8CurrentScaling)"),

@@ -15,7 +15,7 @@ format, ladder and reason (`format_plan_table` prints them) and checks what need
 
 * Precedence: keep_high_precision beats every rule; among rules the LAST match wins (as in
   CSS or torchtitan: general rules first, refinements after); otherwise `default`.
-* Ladders rise strictly in `Format.rank`. The rule's format is prepended if it is not on
+* Ladders rise strictly in `Format.bits`. The rule's format is prepended if it is not on
   the ladder and bf16 appended if missing, so every fallback ends in high precision; no
   ladder means `[format, bf16]`; a format out of order is an error. The rule's format may
   sit above the ladder's bottom (a site starting in bf16 that a rollout will promote).
@@ -201,9 +201,9 @@ def make_ladder(fmt: Format, ladder: tuple[Format, ...] = ()) -> tuple[Format, .
     out = tuple(ladder) if ladder and fmt in ladder else (fmt, *ladder)
     out = out if out[-1] == BF16 else (*out, BF16)
     for lo, hi in zip(out, out[1:]):
-        if hi.rank <= lo.rank:
+        if hi.bits <= lo.bits:
             raise PlanError("ladder", f"{' -> '.join(f.name for f in out)} is not ordered from low to high precision: "
-                                      f"{hi.name} ({hi.rank} bits) comes after {lo.name} ({lo.rank} bits). "
+                                      f"{hi.name} ({hi.bits} bits) comes after {lo.name} ({lo.bits} bits). "
                                       "Each step falls back to more bits (4 -> 8 -> 16); list each level once.")
     return out
 

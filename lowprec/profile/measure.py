@@ -68,7 +68,7 @@ def _noise_ratio(sqnr_db: float) -> float:
 def bits_saved_share(fmt: Format) -> float:
     """The share of a BF16 GEMM's cost a format saves: 1 - bits/16 (FP8 0.5, FP4 0.75),
     the ratio of dense tensor-core peaks on Hopper and Blackwell."""
-    return max(0.0, 1.0 - fmt.rank / 16)
+    return max(0.0, 1.0 - fmt.bits / 16)
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class Profile:
         return sorted(self.entries, key=lambda e: (-e.per_flop_saved, -e.sensitivity, e.fqn, e.format))
 
     def formats(self) -> list[str]:
-        return sorted({e.format for e in self.entries}, key=lambda f: get_format(f).rank)
+        return sorted({e.format for e in self.entries}, key=lambda f: get_format(f).bits)
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k != "entries"}

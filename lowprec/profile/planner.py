@@ -50,7 +50,7 @@ class StagePlan:
 
 
 def _bits(fmt: str) -> int:
-    return get_format(fmt).rank
+    return get_format(fmt).bits
 
 
 def choose_formats(profile: Profile, ladders: Mapping[str, Sequence[str]], *, budget: float,

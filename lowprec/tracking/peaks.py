@@ -51,7 +51,7 @@ def gemm_class(backend: str, fmt: str, device_type: str) -> GemmClass:
     `torch` and `te` backends a format runs on the tensor cores of its width: FP8 formats
     (fp8_*, mxfp8) on FP8, FP4 formats (nvfp4, mxfp4, fp4_tensorwise) on FP4, bf16 on BF16.
     """
-    rank = get_format(fmt).rank
+    rank = get_format(fmt).bits
     if backend not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKEND_NAMES)} (plan.backend)")
     if device_type != "cuda":

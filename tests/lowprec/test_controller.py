@@ -348,7 +348,7 @@ def test_invariants_hold_for_any_signal_sequence(spec, rewind):
         for s, f in a.current.items():
             assert f in LADDER                                  # never off (below) its ladder
             if s in floors:
-                assert FORMATS[f].rank >= FORMATS[floors[s]].rank  # quarantined: never below floor
+                assert FORMATS[f].bits >= FORMATS[floors[s]].bits  # quarantined: never below floor
         floors.update(a.floor)
         assert replay(initial, events) == a.current             # replay reproduces the map
     b = make(rewind=rewind, min_steps=20, cooldown=30)

@@ -403,7 +403,7 @@ def test_rule_matching_only_non_linear_modules_is_an_error():
 
 def test_format_the_backend_cannot_run():
     def fp8_only(fmt):
-        return (fmt.rank >= 8, "" if fmt.rank >= 8 else "no FP4 GEMM in torch._scaled_mm")
+        return (fmt.bits >= 8, "" if fmt.bits >= 8 else "no FP4 GEMM in torch._scaled_mm")
 
     plan = plan_of(backend="torch", rules=[{"name": "fp8", "select": {"glob": "*.attn.*"}, "format": "fp8_tensorwise"},
                                            {"name": "fp4", "select": {"glob": "*.mlp.*"}, "format": "nvfp4"}])

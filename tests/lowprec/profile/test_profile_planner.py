@@ -15,7 +15,7 @@ from lowprec.profile.planner import choose_formats, final_shares, order_stages, 
 from lowprec.rollout import parse_rollout
 
 FP8, FP4, BF16 = "fp8_tensorwise", "nvfp4", "bf16"
-BITS = {f: get_format(f).rank for f in (FP8, FP4, BF16, "mxfp8", "mxfp4", "fp8_rowwise")}
+BITS = {f: get_format(f).bits for f in (FP8, FP4, BF16, "mxfp8", "mxfp4", "fp8_rowwise")}
 
 
 def cost(fqn, fmt, share, sens):
