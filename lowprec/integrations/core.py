@@ -25,9 +25,9 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from torch import nn
 from lowprec.config import ConfigRole, LowprecConfig
 from lowprec.decisions import Action
 from lowprec.integrations.state_files import process_rank, world_size
+from lowprec.runtime.after_step import AfterStep
 from lowprec.runtime.session import Session, StepResult, rollout_settings
 from lowprec.tracking.records import RunStatus
 from lowprec.verdicts import Verdict
@@ -94,15 +95,20 @@ class HostedRollout:
         self.config, self.model, self.baseline = config, model, baseline
         self.state = prepare(model, config.precision, seed=seed)
         self.session: Session | None = None
+        self.after: AfterStep | None = None
         self.tracker = None
         self.evals = None
-        self.losses: list[float] = []
         self._pending: StepResult | None = None
         self._ended = False
 
     @classmethod
     def from_yaml(cls, path: str | Path, model: nn.Module, **kwargs) -> "HostedRollout":
         return cls(framework_config(path), model, **kwargs)
+
+    @property
+    def losses(self) -> list[float]:
+        """The loss of every step so far, as finally trained (a rewind drops the steps it undid)."""
+        return self.after.record.losses if self.after is not None else []
 
     @property
     def step(self) -> int:
@@ -133,6 +139,8 @@ class HostedRollout:
                                max_grad_norm=max_grad_norm, group=group,
                                on_events=self.tracker.log_events if self.tracker is not None else None,
                                **rollout_settings(cfg.rollout))
+        self.after = AfterStep(self.session, self.state, tracker=self.tracker, evals=self.evals,
+                               baseline=self.baseline)
         if self.tracker is not None:
             self.tracker.log_config(cfg.to_dict())
             self.tracker.log_precision(0, self.state.formats(), self.state.flops_share())
@@ -171,25 +179,13 @@ class HostedRollout:
         return result
 
     def after_optimizer_step(self) -> StepResult | None:
-        """After the framework's optimizer and scheduler step: rewind or go on, track, evaluate."""
+        """After the framework's optimizer and scheduler step: rewind or go on, then what every
+        host does after a step (`lowprec.runtime.after_step`: keep, track, evaluate)."""
         result, self._pending = self._pending, None
         if result is None:
             return None   # the framework stepped without a backward lowprec saw
         self.session.finish(result)
-        step = result.step
-        if result.rewound_to is not None:
-            self.losses = self.losses[:result.rewound_to]
-            if self.tracker is not None:
-                self.tracker.log_metrics(step, {"train/loss_rewound": float(result.loss),
-                                                "train/rewound_to": result.rewound_to})
-            return result
-        self.losses.append(float(result.loss))
-        self._track(result)
-        if self.evals is not None and self.evals.due(step + 1):
-            outcome = self.evals.evaluate(step + 1)
-            if outcome is not None and self.session.after_eval(step + 1, outcome).changes and self.tracker:
-                self.tracker.log_precision(step + 1, self.state.formats(), self.state.flops_share())
-            self.session.resume_statistics()
+        self.after(result, float(result.loss), self.session.optimizer.param_groups[0]["lr"])
         return result
 
     @property
@@ -223,19 +219,6 @@ class HostedRollout:
                 self.tracker.log_precision(step, self.state.formats(), self.state.flops_share())
         return outcome
 
-    def _track(self, result: StepResult) -> None:
-        t, s = self.tracker, self.session
-        if t is None:
-            return
-        lr = s.optimizer.param_groups[0]["lr"]
-        t.log_metrics(result.step, {"train/loss": float(result.loss), "train/grad_norm": float(result.grad_norm),
-                                    "train/lr": float(lr)})
-        checked = s.is_check_step(result.step)
-        if checked and s.last_signals is not None:
-            t.log_signals(result.step, s.last_signals)
-        if checked or result.decision.changes:
-            t.log_precision(result.step, self.state.formats(), self.state.flops_share())
-
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict:
         """What lowprec needs to go on when the framework resumes from its checkpoint: each
@@ -265,7 +248,7 @@ class HostedRollout:
                              f"{saved['world_size']} rank(s)")
         self.state.load_state_dict(saved["precision"])   # checks sites and formats before switching any
         self.session.load_state_dict(saved["session"])
-        self.losses = [float(x) for x in saved["losses"]]
+        self.after.load_state_dict({"losses": saved["losses"]})
         if self.tracker is not None:
             self.tracker.log_metrics(self.step, {"train/resumed_at": self.step})
             self.tracker.log_precision(self.step, self.state.formats(), self.state.flops_share())

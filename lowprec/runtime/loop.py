@@ -32,6 +32,7 @@ import torch
 
 from lowprec.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from lowprec.runtime.data import TokenBatches
+from lowprec.runtime.after_step import AfterStep
 from lowprec.runtime.engine import Engine
 from lowprec.runtime.lrprobe import LRProbe
 from lowprec.runtime.faults import Faults, Injection
@@ -106,17 +107,21 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
                       **rollout_settings(rollout))
     res = RunResult()
     iteration = 0   # loop passes, rewinds included: injected faults happen once, in time
-    rewinds_logged: set[int] = set()   # steps whose rewind is in the tracker (once per step)
+    tele = telemetry or Telemetry(TelemetryConfig(enabled=False))
+    after = AfterStep(session, state, tracker=tracker, evals=evals, log_every=tc.log_every, baseline=baseline,
+                      total_steps=n_steps, clock=tele.clock, on_precision_change=tele.formats_changed,
+                      window_metrics=tele.window,
+                      current_formats=state.formats if sites is None else lambda: dict(controller.current))
+    rec = after.record
     # resume: None = no checkpoint yet (start at 0); every checkpoint bad: NoUsableCheckpointError
     if resume and (last := checkpoint_to_resume(ckpt_dir)) is not None:
         info = load_checkpoint(last, model=engine.module, optimizer=opt, precision=state, controller=session)
         data.load_state_dict(info["data_state"])
         extra = info["extra"] or {}
         sched.load_state_dict(extra["scheduler"])
-        res.losses, res.grad_norms = list(extra["losses"]), list(extra["grad_norms"])
+        after.load_state_dict(extra)
         iteration = int(extra["iteration"])
-        rewinds_logged = set(extra.get("rewinds_logged", ()))
-        res.passes, res.rewinds = int(extra.get("passes", 0)), int(extra.get("rewinds", 0))   # the summary's
+        res.passes = int(extra.get("passes", 0))   # the summary's
         session.step_index = info["step"]
         if isinstance(session.snapshots, MemorySnapshots):
             session.snapshots.take(info["step"])
@@ -124,7 +129,6 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
         tracker.log_precision(session.step_index, state.formats(), state.flops_share())
     injected = Faults(engine.module, faults)
     first = session.step_index
-    tele = telemetry or Telemetry(TelemetryConfig(enabled=False))
     tele.begin()
     clock = session.clock = tele.clock
     if hasattr(engine, "clock"):
@@ -139,10 +143,8 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
             if checkpoints and step % tc.ckpt_every == 0:
                 save_checkpoint(ckpt_dir, step, model=engine.module, optimizer=opt, precision=state,
                                 controller=session, data_state=data.state_dict(), keep=tc.ckpt_keep,
-                                extra={"losses": list(res.losses), "grad_norms": list(res.grad_norms),
-                                       "scheduler": sched.state_dict(), "iteration": iteration - 1,
-                                       "rewinds_logged": sorted(rewinds_logged), "passes": res.passes,
-                                       "rewinds": res.rewinds})
+                                extra={**after.state_dict(), "scheduler": sched.state_dict(),
+                                       "iteration": iteration - 1, "passes": res.passes})
                 clock.lap(Phase.CHECKPOINT)
             if (factor := injected.lr_factor()) != 1.0:
                 for g in opt.param_groups:
@@ -155,42 +157,16 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
             out_step = session.step(loss, closure=lambda: engine.forward_backward(x, y))
             res.passes += 1
             tokens = x.numel() * getattr(engine, "data_parallel_size", 1)
-            if out_step.decision.changes:
-                tele.formats_changed()
-            if out_step.rewound_to is not None:
-                back = out_step.rewound_to
-                res.losses, res.grad_norms = res.losses[:back], res.grad_norms[:back]
-                res.rewinds += 1
-                tele.end_pass(step, PassOutcome.REWOUND, tokens, rewound_to=back)
-                if tracker is not None and step not in rewinds_logged:
-                    _track_rewind(tracker, step, loss.item(), back)
-                    rewinds_logged.add(step)
-                    clock.lap(Phase.TRACKING)
+            if not after.keep(out_step, loss.item()):
+                tele.end_pass(step, PassOutcome.REWOUND, tokens, rewound_to=out_step.rewound_to)
                 continue
-            res.losses.append(loss.item())
-            res.grad_norms.append(float(out_step.grad_norm))
-            clock.lap(Phase.OTHER)
             tele.end_pass(step, PassOutcome.APPLIED if out_step.applied else PassOutcome.SKIPPED, tokens)
-            checked = session.is_check_step(step)
-            if checked or step == n_steps - 1:
-                res.formats[step] = state.formats() if sites is None else dict(controller.current)
-                res.flops_share[step] = state.flops_share()
-            if _is_log_step(tc, step, n_steps, checked):
-                window = tele.window(step)
-                if tracker is not None:
-                    _track(tracker, tc, res, step, n_steps, lr, checked, session, out_step, state, baseline, window)
-                    clock.lap(Phase.TRACKING)
-            if evals is not None and evals.due(step + 1) and step + 1 < n_steps:
-                outcome = evals.evaluate(step + 1)   # after step+1 updates; the controller hears the verdict
-                clock.lap(Phase.EVAL)
-                if outcome is not None and session.after_eval(step + 1, outcome).changes:
-                    tele.formats_changed()
-                    if tracker is not None:
-                        tracker.log_precision(step + 1, state.formats(), state.flops_share())
-                session.resume_statistics()
+            after.after_applied(out_step, lr)
     finally:
         injected.remove()
         session.close()
+    res.losses, res.grad_norms, res.formats, res.flops_share = rec.losses, rec.grad_norms, rec.formats, rec.flops_share
+    res.rewinds = rec.rewinds
     res.seconds_per_step = (time.perf_counter() - t0) / max(n_steps - first, 1)
     if evals is not None:
         clock.lap(Phase.OTHER)
@@ -240,30 +216,3 @@ def _lr_probe(rollout, controller, engine: Engine, opt, state, data, tc) -> LRPr
                                   factors=cfg.factors, every_checks=cfg.every_checks)
     except (TypeError, ValueError) as e:
         raise ConfigError("rollout.lr_probe", str(e)) from None
-
-
-def _track_rewind(tracker, step: int, loss: float, back: int) -> None:
-    """The loss that made the run rewind, at the step it was seen, under names of their own:
-    the redone step logs `train/loss` and `train/loss_last` again, and one metric with two
-    values at one step draws as a vertical stroke in MLflow. Once per step (the first
-    rewind there; events.jsonl lists every one)."""
-    tracker.log_metrics(step, {"train/loss_rewound": loss, "train/rewound_to": back})
-
-
-def _is_log_step(tc, step: int, n_steps: int, checked: bool) -> bool:
-    return (step + 1) % tc.log_every == 0 or checked or step == n_steps - 1
-
-
-def _track(tracker, tc, res: RunResult, step: int, n_steps: int, lr: float, checked: bool, session, out_step,
-           state, baseline, telemetry: dict[str, float]) -> None:
-    window = res.losses[-tc.log_every:]
-    metrics = {"train/loss": sum(window) / len(window), "train/loss_last": res.losses[-1],
-               "train/grad_norm": res.grad_norms[-1], "train/lr": lr}
-    if baseline and step in baseline:
-        metrics["train/baseline_loss"] = sum(baseline.get(s, baseline[step]) for s in
-                                             range(step - len(window) + 1, step + 1)) / len(window)
-    tracker.log_metrics(step, {**metrics, **telemetry})
-    if checked and session.last_signals is not None:
-        tracker.log_signals(step, session.last_signals)
-    if checked or out_step.decision.changes:
-        tracker.log_precision(step, state.formats(), state.flops_share())
