@@ -55,6 +55,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from lowprec.ranks import process_rank, world_size
 from lowprec.durable import check_plain, fsync_dir, save_atomically, write_synced
 from lowprec.rng import check_rng_devices, restore_rng_state, rng_state
 from lowprec.integrity import CorruptCheckpointError, payload_integrity, verify_manifest, verify_payload, \
@@ -400,10 +401,7 @@ def _check_optim(saved: dict, optimizer: torch.optim.Optimizer, path: Path) -> N
 # ----------------------------------------------------------------------------- distributed
 
 def _world() -> tuple[int, int]:
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return process_rank(), world_size()
 
 
 def _barrier() -> None:

@@ -77,3 +77,28 @@ def save_atomically(path: str | os.PathLike, obj: Any,
     os.replace(tmp, path)
     fsync_dir(path.parent)
     return path
+
+
+def write_text_synced(path: Path, text: str) -> None:
+    """Write `text` (UTF-8) to `path`, flushed and fsynced (no rename)."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def replace_durably(tmp: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """Rename a complete, synced `tmp` over `path` and fsync the folder: `path` is then the
+    old file or the whole new one, also after a crash."""
+    path = Path(path)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return path
+
+
+def write_text_atomically(path: str | os.PathLike, text: str) -> Path:
+    """`save_atomically` for a text file (a written config): `path.tmp`, synced, renamed."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    write_text_synced(tmp, text)
+    return replace_durably(tmp, path)

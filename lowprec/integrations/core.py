@@ -35,7 +35,7 @@ from torch import nn
 
 from lowprec.config import ConfigRole, LowprecConfig
 from lowprec.decisions import Action
-from lowprec.integrations.state_files import process_rank, world_size
+from lowprec.ranks import process_rank, world_size
 from lowprec.runtime.after_step import AfterStep
 from lowprec.runtime.session import Session, StepResult, rollout_settings
 from lowprec.tracking.records import RunStatus

@@ -53,7 +53,7 @@ from lowprec.integrations.extras import require
 
 transformers = require("transformers", "hf", "Hugging Face transformers (and accelerate)")
 
-from lowprec.config import LowprecConfig
+from lowprec.config import LowprecConfig  # noqa: E402
 from lowprec.integrations.core import Attach, HostedCallback, HostedRollout, allreduce_grads, framework_config  # noqa: E402
 from lowprec.integrations.state_files import (MissingRolloutStateError, differing_weights, read_rollout_state,  # noqa: E402
                                               save_rollout_state, weights_fingerprint)

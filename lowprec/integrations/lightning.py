@@ -70,7 +70,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException  # 
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature  # noqa: E402
 
-from lowprec.config import LowprecConfig
+from lowprec.config import LowprecConfig  # noqa: E402
 from lowprec.integrations.core import Attach, HostedCallback, HostedRollout, allreduce_grads, framework_config  # noqa: E402
 from lowprec.integrations.state_files import MissingRolloutStateError  # noqa: E402
 from lowprec.tracking.records import RunStatus  # noqa: E402

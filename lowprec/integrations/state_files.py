@@ -20,30 +20,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lowprec.durable import check_plain, save_atomically
+from lowprec.ranks import process_rank
 from lowprec.integrity import CorruptCheckpointError, payload_integrity, verify_payload
 
 __all__ = ["STATE_DIR", "MissingRolloutStateError", "rollout_state_path", "save_rollout_state",
-           "read_rollout_state", "weights_fingerprint", "differing_weights", "process_rank", "world_size"]
+           "read_rollout_state", "weights_fingerprint", "differing_weights"]
 
 STATE_DIR = "lowprec"
 
 
 class MissingRolloutStateError(FileNotFoundError):
     """A framework checkpoint without lowprec's state (written without lowprec, or elsewhere)."""
-
-
-def process_rank() -> int:
-    """This process's rank (0 without torch.distributed)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def world_size() -> int:
-    """The number of ranks (1 without torch.distributed): a state is per rank."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def rollout_state_path(folder: str | Path, rank: int | None = None) -> Path:

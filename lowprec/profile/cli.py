@@ -20,13 +20,13 @@ Exit status 0, or 2 on a config or an argument that cannot be used (nothing writ
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from lowprec.configparse import ConfigError
+from lowprec.durable import replace_durably
 
 __all__ = ["register"]
 
@@ -246,7 +246,7 @@ def _write_outputs(args, cfg, name, prepared, profile, choices, stages) -> None:
     except BaseException:
         pending.unlink(missing_ok=True)
         raise
-    os.replace(pending, written)
+    replace_durably(pending, written)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profiled.yaml").write_text(text)
     (out / "profile.json").write_text(json.dumps(profile.to_dict(), indent=1, allow_nan=True))

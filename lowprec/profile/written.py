@@ -17,6 +17,7 @@ from typing import Sequence
 import yaml
 
 from lowprec.configparse import ConfigError
+from lowprec.durable import write_text_atomically
 from lowprec.profile.planner import SiteChoice, StagePlan, plan_sections
 
 __all__ = ["write_config", "check_written"]
@@ -54,9 +55,7 @@ def write_config(source: str | Path, dest: str | Path, choices: dict[str, SiteCh
     text = "".join(f"# {line}\n" for line in header)
     text += yaml.safe_dump(out, sort_keys=False, default_flow_style=None, width=110)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, dest)
+    write_text_atomically(dest, text)
     return text
 
 

@@ -32,6 +32,7 @@ import torch
 
 from lowprec.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from lowprec.runtime.data import TokenBatches
+from lowprec.ranks import process_rank
 from lowprec.runtime.after_step import AfterStep
 from lowprec.runtime.engine import Engine
 from lowprec.runtime.lrprobe import LRProbe
@@ -72,11 +73,6 @@ def warmup_schedule(optimizer: torch.optim.Optimizer, warmup: int) -> torch.opti
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / warmup))
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=None, rollout=None,
           sites: list[str] | None = None, group=None, tracker=None, evals=None,
           baseline: dict[int, float] | None = None, resume: bool = False, faults: list[Injection] | tuple = (),
@@ -89,7 +85,7 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rank = _rank()
+    rank = process_rank()
     n_steps = tc.steps if steps is None else steps
     opt = torch.optim.AdamW(engine.params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     sched = warmup_schedule(opt, tc.warmup)
