@@ -22,7 +22,8 @@ TRACKING = ("mlflow", "matplotlib", "lowprec.tracking")
 # Modules (relative to lowprec/) that must not reach the tracking layer; a folder means every file in it.
 CORE = ["__init__.py", "formats.py", "quantize.py", "hadamard.py", "delayed.py", "plan.py", "layers.py",
         "quantized_gemms.py", "grid.py", "quant_stats.py", "strenum.py", "rng.py", "durable.py",
-        "state.py", "backends", "monitor.py", "controller.py", "events.py", "rollout.py"]
+        "state.py", "backends", "monitor.py", "controller.py", "events.py", "rollout.py", "fp8_ops.py",
+        "fp8_linear.py", "kernels", "weight_cache.py", "ranks.py"]
 
 
 def _module_name(path: Path) -> str:
