@@ -138,9 +138,7 @@ def recipe_name(fmt: Format | str) -> str | None:
     for name, recipe in RECIPES.items():
         if fmt.specs() == FORMATS[name].specs() and fmt.delayed is None:
             return recipe
-    raise UnsupportedFormatError(
-        f"format {fmt.name!r} cannot run on backend 'torchao': {_why_not(fmt)}. Backend 'torchao' "
-        f"runs: bf16, {', '.join(RECIPES)}.")
+    raise UnsupportedFormatError(f"format {fmt.name!r} cannot run on backend 'torchao': {_why_not(fmt)}")
 
 
 def float8_config(fmt: Format | str, emulate: bool):
@@ -193,7 +191,8 @@ class TorchAOLinearSite(nn.Module):
         try:
             recipe_name(new)
         except UnsupportedFormatError as e:
-            raise UnsupportedFormatError(f"{self._where()}{e}") from None
+            raise UnsupportedFormatError(f"{self._where()}{e}. Backend 'torchao' runs: bf16, "
+                                         f"{', '.join(RECIPES)}.") from None
         if not new.is_high_precision:
             require_torchao()
         self.format = new
