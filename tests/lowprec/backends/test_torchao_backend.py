@@ -49,6 +49,7 @@ from lowprec.backends.torchao_backend import (TorchAOBackend, TorchAOLinearSite,
                                               UnsupportedFormatError, recipe_name)
 from lowprec.formats import get_format  # noqa: E402
 from lowprec.layers import PrecisionLinear  # noqa: E402
+from lowprec.monitor import Monitor, MonitorConfig  # noqa: E402
 from lowprec.plan import PlanError, PrecisionPlan, resolve  # noqa: E402
 from lowprec.quantize import quantize  # noqa: E402
 
@@ -246,8 +247,8 @@ def _mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16))
 
 
-def _plan(fmt: str) -> PrecisionPlan:
-    return PrecisionPlan.from_dict({"backend": "torchao", "rules": [
+def _plan(fmt: str, backend: str = "torchao") -> PrecisionPlan:
+    return PrecisionPlan.from_dict({"backend": backend, "rules": [
         {"select": {"glob": "*"}, "format": fmt, "ladder": [fmt, "bf16"]}]})
 
 
@@ -290,6 +291,39 @@ def test_statistics_appear_on_check_steps_only():
     model(x).sum().backward()
     assert {f: set(s) for f, s in state.stats().items()} == {f: {"input", "weight", "grad_output"}
                                                             for f in ("0", "2")}
+
+
+def test_monitor_signals_equal_the_emulated_backends():
+    """Four training steps under the Monitor (a check every second step, rowwise recipe):
+    the losses, gradient norms and every site signal it reports are the same numbers on
+    both backends, and the weights after the optimizer steps are the same bits."""
+    results = []
+    for backend in ("torchao", "emulated"):
+        model = _mlp()
+        state = prepare(model, _plan(ROWWISE, backend))
+        mon = Monitor(state, MonitorConfig(check_every=2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        checks = []
+        for step in range(4):
+            x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step))
+            mon.before_step(step)
+            opt.zero_grad(set_to_none=True)
+            loss = model(x).square().mean()
+            loss.backward()
+            mon.record(step, loss, torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+            opt.step()
+            if mon.is_check_step(step):
+                checks.append(mon.check(step))
+        results.append((checks, [p.detach().clone() for p in model.parameters()]))
+    (ao, ao_params), (em, em_params) = results
+    assert len(ao) == len(em) == 2
+    for a, b in zip(ao, em):
+        assert a.losses == b.losses and a.grad_norms == b.grad_norms
+        assert a.sites.keys() == b.sites.keys() == {"0", "2"}
+        for fqn in a.sites:
+            assert a.sites[fqn] == b.sites[fqn], fqn
+            assert set(a.sites[fqn].amax) >= {"input", "weight", "grad_output"}
+    assert all(torch.equal(p, q) for p, q in zip(ao_params, em_params))
 
 
 def test_precision_state_round_trip_and_high_precision_block():
