@@ -199,9 +199,11 @@ class TorchAOLinearSite(nn.Module):
         self.stats = {}
 
     def float8_module(self, emulate: bool | None = None) -> nn.Module:
-        """The torchao Float8Linear that runs the current format (built once per format and mode)."""
+        """The torchao Float8Linear that runs the current format (built once per format and mode);
+        `emulate` defaults to the site's, and then to emulation unless the weight is on CUDA."""
         if self.format.is_high_precision:
             raise ValueError(f"{self._where()}format bf16 runs F.linear, not a torchao module")
+        emulate = self.emulate if emulate is None else emulate
         emulate = (self.weight.device.type != "cuda") if emulate is None else emulate
         key = (self.format.name, emulate)
         module = self._float8.get(key)

@@ -373,6 +373,24 @@ def test_supported_formats_and_recipes():
     assert get_backend("torchao").supports("fp8_tensorwize")[1].startswith("unknown precision format")
 
 
+def test_emulation_mode_default_and_forced():
+    """Off CUDA the default is torchao's emulation; emulate=False runs torchao's CUDA code
+    path (`torch._scaled_mm` with the reciprocal scales), which PyTorch also has on CPU:
+    for fp8_tensorwise it is within the last bits of the emulated backend."""
+    torch.manual_seed(7)
+    lin = nn.Linear(64, 48)
+    x, g = torch.randn(32, 64), torch.randn(32, 48)
+    auto = get_backend("torchao").make_site(lin, TENSORWISE)
+    auto(x)
+    assert list(auto._float8) == [(TENSORWISE, True)] and auto.float8_module().config.emulate is True
+    real = TorchAOBackend(emulate=False).make_site(lin, TENSORWISE)
+    assert real.float8_module().config.emulate is False
+    got = _step(real, lin, x, g)
+    want = _step(PrecisionLinear.from_module(lin, get_format(TENSORWISE), EMULATED), lin, x, g)
+    for a, b in zip(got[:4], want[:4]):
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max()
+
+
 def test_amax_group_and_conv1d_are_refused():
     with pytest.raises(ValueError, match="without amax_group"):
         prepare(_mlp(), _plan(TENSORWISE), amax_group=object())
