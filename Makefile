@@ -9,7 +9,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q -e '.[dev,hf,lightning,torchtitan]'
+	$(VENV)/bin/pip install -q -e '.[dev,hf,lightning,torchtitan,torchao]'
 	@# a build leaves lowprec.egg-info here; from this folder it would shadow the installed
 	@# metadata (and its entry points) once pyproject.toml changes
 	rm -rf lowprec.egg-info

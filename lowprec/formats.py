@@ -235,6 +235,15 @@ def _hybrid(name: str, scaling: Scaling, desc: str, **fmt_kw) -> Format:
                   grad_output_wgrad=bwd, description=desc, bits=8, **fmt_kw)
 
 
+def _rowwise_e4m3_pow2() -> Format:
+    spec = QuantSpec(E4M3, Scaling.ROW, scale_encoding=ScaleEncoding.POW2)
+    return Format("fp8_rowwise_e4m3_pow2", input=spec, weight=spec, grad_output=spec, input_wgrad=spec,
+                  grad_output_wgrad=spec, bits=8,
+                  description="E4M3 in all three GEMMs (gradients too), one scale per row along the "
+                              "reduction dimension rounded down to a power of two (torchao's "
+                              "`rowwise` recipe)")
+
+
 def _blockwise() -> Format:
     act = QuantSpec(E4M3, Scaling.BLOCK, (1, 128), ScaleEncoding.POW2)
     wgt = QuantSpec(E4M3, Scaling.BLOCK, (128, 128), ScaleEncoding.POW2)
@@ -281,6 +290,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
             delayed=DelayedScalingConfig()),
     _hybrid("fp8_rowwise", Scaling.ROW,
             "E4M3 forward / E5M2 backward, one scale per row along the reduction dimension"),
+    _rowwise_e4m3_pow2(),
     _blockwise(),
     _mx("mxfp8", E4M3, "E4M3 in blocks of 32 with E8M0 scales (OCP MX, TE MXFP8BlockScaling)", 8),
     _mx("mxfp4", E2M1, "E2M1 in blocks of 32 with E8M0 scales (OCP MX)", 4),

@@ -197,10 +197,14 @@ def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0) -> Precis
     from lowprec.plan import resolve  # noqa: local import keeps `import lowprec` light
 
     backend = get_backend(plan.backend)
-    on_te = BackendName(plan.backend) is BackendName.TE
+    kind = BackendName(plan.backend)
+    on_te, on_torchao = kind is BackendName.TE, kind is BackendName.TORCHAO
     if on_te:
         from lowprec.backends.te import require_te
         require_te()
+    if on_torchao:
+        from lowprec.backends.torchao_backend import require_torchao
+        require_torchao()
     resolved = resolve(model, plan, supported=backend.supports)
     sites, kept = [], []
     for i, sp in enumerate(resolved):
@@ -209,6 +213,8 @@ def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0) -> Precis
             continue
         if on_te:
             layer = backend.make_site(sp.module, sp.format, name=sp.fqn, amax_reduction_group=amax_group)
+        elif on_torchao:
+            layer = backend.make_site(sp.module, sp.format, name=sp.fqn, amax_group=amax_group, fused=plan.fused)
         else:
             layer = PrecisionLinear.from_module(
                 sp.module, sp.format, backend, fqn=sp.fqn, seed=seed * 1_000_003 + i,

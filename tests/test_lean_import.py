@@ -17,7 +17,7 @@ import sys
 import textwrap
 
 LIGHT_MODULES = ["lowprec", "lowprec.formats", "lowprec.quantize", "lowprec.hadamard"]
-HEAVY = ["mlflow", "lm_eval", "datasets", "transformer_engine", "transformers"]
+HEAVY = ["mlflow", "lm_eval", "datasets", "transformer_engine", "transformers", "torchao"]
 
 PROBE = textwrap.dedent("""
     import importlib, json, sys

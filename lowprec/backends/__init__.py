@@ -1,10 +1,12 @@
-"""Backends that run a quantized linear layer's GEMMs: `emulated`, `torch`, `te`.
+"""Backends that run a quantized linear layer's GEMMs: `emulated`, `torch`, `te`, `torchao`.
 
 `emulated` and `torch` share `lowprec.layers.PrecisionLinear` and differ only in the
 GEMM (`Backend.gemm`): the emulated one multiplies grid values in FP32 on any device,
 the torch one calls `torch._scaled_mm` on real FP8 tensors. `te` swaps in Transformer
-Engine modules instead (see `lowprec.backends.te`). `get_backend(name)` turns the
-config's string into an object; an unknown name lists the known ones.
+Engine modules instead (see `lowprec.backends.te`), and `torchao` swaps in torchao's
+`Float8Linear` (see `lowprec.backends.torchao_backend`); both are imported only when named.
+`get_backend(name)` turns the config's string into an object; an unknown name lists the
+known ones.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class BackendName(StrEnum):
     EMULATED = "emulated"
     TORCH = "torch"
     TE = "te"
+    TORCHAO = "torchao"
 
 
 BACKEND_NAMES = tuple(b.value for b in BackendName)
@@ -39,7 +42,7 @@ class Backend(Protocol):
 
     def gemm(self, a, b) -> torch.Tensor:
         """a @ b.T in FP32 for two `Quantized` operands (or plain tensors), K last in both.
-        (`te` has no gemm: its sites are whole te.Linear modules, built by `make_site`.)"""
+        (`te` and `torchao` have no gemm: their sites are whole modules, built by `make_site`.)"""
 
 
 def get_backend(name: str | BackendName) -> "Backend":
@@ -54,5 +57,8 @@ def get_backend(name: str | BackendName) -> "Backend":
     if kind is BackendName.TORCH:
         from lowprec.backends.scaled_mm import ScaledMMBackend
         return ScaledMMBackend()
+    if kind is BackendName.TORCHAO:
+        from lowprec.backends.torchao_backend import TorchAOBackend
+        return TorchAOBackend()
     from lowprec.backends.te import TEBackend
     return TEBackend()

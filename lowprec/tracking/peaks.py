@@ -48,8 +48,9 @@ def gemm_class(backend: str, fmt: str, device_type: str) -> GemmClass:
     points times float32 scales), so its quantized sites are FP32 GEMMs on a GPU too
     (CUDA cores; TF32 tensor cores only if the user enables `allow_tf32`); its `bf16` sites
     run `F.linear` on BF16 tensors (lowprec/layers.py), i.e. BF16 tensor cores. On the
-    `torch` and `te` backends a format runs on the tensor cores of its width: FP8 formats
-    (fp8_*, mxfp8) on FP8, FP4 formats (nvfp4, mxfp4, fp4_tensorwise) on FP4, bf16 on BF16.
+    `torch`, `te` and `torchao` backends a format runs on the tensor cores of its width: FP8
+    formats (fp8_*, mxfp8) on FP8, FP4 formats (nvfp4, mxfp4, fp4_tensorwise) on FP4, bf16 on
+    BF16 (`torchao` on CUDA runs real FP8 GEMMs unless a site was built with emulate=True).
     """
     rank = get_format(fmt).bits
     if backend not in BACKEND_NAMES:
