@@ -262,9 +262,11 @@ def test_fake_quantize_idempotent(spec, data):
         assert _bits_equal(twice[ok], once[ok])
     else:
         assert _bits_equal(twice, once)
-    if spec.scaling in (Scaling.TENSOR, Scaling.ROW):
+    if spec.scaling in (Scaling.TENSOR, Scaling.ROW) and spec.scale_encoding is ScaleEncoding.FP32:
         # current scaling from the data: the grid values are idempotent; the output within
-        # a few ulps (the amax, hence the FP32 scale, can move by an ulp)
+        # a few ulps (the amax, hence the FP32 scale, can move by an ulp). Not with power-of-two
+        # row scales (fp8_rowwise_e4m3_pow2): an amax that rounding moved below max / 2**k
+        # doubles the scale and the grid value, which dequantizes to the same number (checked above)
         q1, q2 = quantize(x, spec), quantize(fake_quantize(x, spec), spec)
         assert _bits_equal(q2.values, q1.values)
         torch.testing.assert_close(fake_quantize(fake_quantize(x, spec), spec), fake_quantize(x, spec),
