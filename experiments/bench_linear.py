@@ -53,7 +53,8 @@ from lowprec.layers import PrecisionLinear
 
 FORMATS = ("fp8_tensorwise", "fp8_delayed", "fp8_rowwise")
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
-TORCHAO_BACKEND_FORMATS = ("fp8_tensorwise", "fp8_rowwise")   # torchao has no delayed scaling
+# torchao has no delayed scaling; its rowwise recipe is lowprec's fp8_rowwise_e4m3_pow2
+TORCHAO_BACKEND_FORMATS = ("fp8_tensorwise", "fp8_rowwise_e4m3_pow2")
 CHECK_EVERY = 10
 NOT_MEASURED = "not measured: out of time (--deadline)"
 
@@ -104,8 +105,12 @@ def _torchao_layer(base: nn.Linear, recipe: str, cuda: bool):
     return torch.compile(model), ""
 
 
-def _lowprec_layer(base: nn.Linear, fmt: str, backend, fused: bool) -> PrecisionLinear:
+def _lowprec_layer(base: nn.Linear, fmt: str, backend, fused: bool) -> nn.Module:
+    """A lowprec site for `fmt`: a PrecisionLinear, or the backend's own module where it swaps
+    modules (`make_site`: the torchao backend's Float8Linear sites)."""
     import copy
+    if hasattr(backend, "make_site"):
+        return backend.make_site(copy.deepcopy(base), fmt)
     return PrecisionLinear.from_module(copy.deepcopy(base), get_format(fmt), backend, fused=fused)
 
 
