@@ -148,6 +148,24 @@ def noise(rows: list, metric: str) -> dict:
             "eval_se": math.sqrt(se2), "max": max(deltas), "max_lo": max(c["lo"] for c in cells)}
 
 
+FIXTURE_RUNS = (("bf16", 0), ("bf16", 1), ("bf16", 2), ("bf16", 3), ("fp32", 0), ("fp32", 4))
+
+
+def export_fixture(runs: dict, path: Path) -> None:
+    """A few recorded runs, gated metrics only, rounded (tests/gates/data/calibrated_runs.json)."""
+    keep = {"heldout_shakespeare": ("bits_per_byte",), "cloze_shakespeare": ("acc",), "shift_milton": ("bits_per_byte",)}
+    out = {}
+    for kind, seed in FIXTURE_RUNS:
+        r = runs[(kind, seed)]
+        out[f"{kind}_seed{seed}"] = {
+            "results": {t: {k: v for k, v in r["results"][t].items() if k.split("_stderr")[0] in ms}
+                        for t, ms in keep.items()},
+            "samples": {t: {m: {k: round(v, 6) for k, v in r["samples"][t][m].items()} for m in ms}
+                        for t, ms in keep.items()}}
+    path.write_text(json.dumps({"config": "experiments/configs/gate_calibration.yaml", "runs": out},
+                               separators=(",", ":")))
+
+
 def main(argv=None) -> None:
     from lowprec.config import RunConfig
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -163,6 +181,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
     p.add_argument("--train-only", action="store_true", help="train and cache the runs, compare nothing")
     p.add_argument("--json", default=None, help="also write the numbers to this file")
+    p.add_argument("--fixture", default=None, help="write the recorded runs the tests use to this file")
     args = p.parse_args(argv)
     if args.threads:
         import torch
@@ -178,6 +197,8 @@ def main(argv=None) -> None:
             r = runs[(k, s)]
             print(f"[{time.perf_counter() - started:7.0f}s] {k} seed {s}: loss {r['final_loss']:.4f}, "
                   f"train {r['train_s']:.1f}s, eval {r['eval_s']:.1f}s", flush=True)
+    if args.fixture:
+        export_fixture(runs, Path(args.fixture))
     if args.train_only:
         return
     spec = GateSpec.from_yaml(args.gates)
