@@ -46,7 +46,8 @@ class GateFileChecker:
         if budget is None:
             return None
         planned = budget.planned_checks or self.planned or 1
-        return budget.confidence(check, planned, len(self.spec.gates))
+        deciding = sum(not g.informational for g in self.spec.gates)   # informational gates spend nothing
+        return budget.confidence(check, planned, deciding)
 
     def check(self, baseline, candidate) -> GateSummary:
         self.checks += 1
