@@ -96,6 +96,19 @@ def planted(samples: dict, metric: str, drop: float, direction: str, seed: int) 
     return out
 
 
+def planted_run(run: dict, metric: str, drop: float, direction: str, seed: int) -> tuple[dict, dict]:
+    """(results, samples) of a run with one metric made worse by `drop`, the aggregate value too."""
+    task, name = metric.split("/")[1:3]
+    samples = planted(run["samples"], metric, drop, direction, seed)
+    results = json.loads(json.dumps(run["results"]))
+    if direction == HIGHER_IS_BETTER:
+        v = samples[task][name]
+        results[task][name] = sum(v.values()) / len(v)
+    else:
+        results[task][name] *= 1.0 + drop
+    return results, samples
+
+
 def pairs_of(n: int) -> dict[str, list[tuple[tuple[str, int], tuple[str, int]]]]:
     """(baseline, candidate) run keys of the two comparisons; no run twice within one."""
     same = [(("bf16", s), ("fp32", s)) if s % 2 == 0 else (("fp32", s), ("bf16", s)) for s in range(n)]
@@ -138,6 +151,24 @@ def compare(spec: GateSpec, runs: dict, pairs: list, drops) -> dict:
     return out
 
 
+def spread(spec: GateSpec, runs: dict, n: int, k: int, drops) -> dict:
+    """Seed-aware baselines: candidate fp32_s against the k BF16 runs of seeds s+1..s+k (mod n)."""
+    from gates.gate import check_spread
+    scores = {key: Scores.from_eval(r["results"], r["samples"]) for key, r in runs.items()}
+    out = {"alarms": {g.metric: 0 for g in spec.gates}, "any": 0, "detect": {g.metric: {d: 0 for d in drops}
+                                                                              for g in spec.gates}}
+    for s in range(n):
+        bases = [scores[("bf16", (s + j) % n)] for j in range(1, k + 1)]
+        res = [check_spread(g, bases, scores[("fp32", s)]) for g in spec.gates]
+        for g, r in zip(spec.gates, res):
+            out["alarms"][g.metric] += r.verdict is Verdict.REGRESS
+            for d in drops:
+                cand = Scores.from_eval(*planted_run(runs[("fp32", s)], g.metric, d, g.direction, seed=s))
+                out["detect"][g.metric][d] += check_spread(g, bases, cand).verdict is Verdict.REGRESS
+        out["any"] += any(r.verdict is Verdict.REGRESS for r in res)
+    return out
+
+
 def noise(rows: list, metric: str) -> dict:
     """The noise `lowprec gate --power` uses: sd of the harmless regressions beyond the eval's own."""
     cells = [r["gates"][metric] for r in rows if r["gates"].get(metric)]
@@ -177,6 +208,8 @@ def main(argv=None) -> None:
                    help="planted regressions: relative for bits per byte, a share of examples for accuracies")
     p.add_argument("--tolerances", type=float, nargs="+", default=[0.005, 0.01, 0.015, 0.02, 0.03, 0.05],
                    help="relative tolerances at which to count false alarms (for choosing one)")
+    p.add_argument("--spread-k", type=int, nargs="*", default=[4, 8],
+                   help="numbers of baselines for the seed-aware comparisons")
     p.add_argument("--out", default="runs/gate_calibration")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
     p.add_argument("--train-only", action="store_true", help="train and cache the runs, compare nothing")
@@ -235,6 +268,17 @@ def main(argv=None) -> None:
                   f"{nz['between_runs_sd']:.4f} | {nz['max']:+.4f} | "
                   + " | ".join(f"{sum(lo > t for lo in los)}" for t in args.tolerances) + " |")
         print()
+    for k in args.spread_k:
+        res = spread(spec, runs, args.pairs, k, args.drops)
+        report["comparisons"][f"seed spread, k={k}"] = res
+        n = args.pairs
+        print(f"## Seed-aware baselines: FP32 seed s against the {k} BF16 runs of seeds s+1..s+{k}, {n} comparisons\n")
+        print("| gate | tolerance | false alarms (95% CI) | " + " | ".join(f"{d:.0%}" for d in args.drops) + " |")
+        print("|---|---|---|" + "---|" * len(args.drops))
+        for g in spec.gates:
+            print(f"| {g.metric} | {g.max_regression.describe()} | {rate(res['alarms'][g.metric], n)} | "
+                  + " | ".join(rate(res["detect"][g.metric][d], n) for d in args.drops) + " |")
+        print(f"| any gate | | {rate(res['any'], n)} |" + " |" * len(args.drops) + "\n")
     print("Final training loss (mean of the last 20 steps): "
           + ", ".join(f"{k}: {statistics.fmean(r['final_loss'] for (kk, _), r in runs.items() if kk == k):.4f}"
                       for k in KINDS))
