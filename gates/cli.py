@@ -1,7 +1,14 @@
 """`lowprec gate`: compare a candidate run with a baseline run stored in MLflow, gate by gate.
 
-    lowprec gate --baseline RUN --candidate RUN --gates FILE [--tracking-uri URI] [--step N]
-                 [--markdown FILE] [--junit FILE] [--inconclusive {pass,fail}] [--timeout S]
+    lowprec gate --baseline RUN [RUN ...] --candidate RUN --gates FILE [--tracking-uri URI] [--step N]
+                 [--markdown FILE] [--junit FILE] [--inconclusive {pass,fail}] [--timeout S] [--power]
+
+One baseline: the paired comparison of gates.gate. Several (run ids, or one name that several
+finished runs carry, e.g. one config at several seeds): seed-aware, gates.gate.check_spread asks
+whether the candidate lies outside the baselines' seed spread. A gate whose metric cannot move
+(at its floor or ceiling: no candidate could regress by more than allowed) is refused (exit 2)
+unless the gate file marks it `informational: true`. `--power` prints, per gate, the smallest
+regression detected with 80% probability (gates.power), also in the Markdown and the JUnit.
 
 `register(subparsers)` adds the command to `lowprec`'s parser: pyproject.toml declares it in
 the entry point group `lowprec.commands` (`gate = "gates.cli:register"`), which lowprec.cli
@@ -27,9 +34,9 @@ from pathlib import Path
 from typing import TextIO
 
 from gates.errors import GateInputError, GateSpecError
-from gates.gate import GateSummary, check_all, summarize
-from gates.report import junit_xml, markdown, table
-from gates.runs import check_comparable, load_scores, open_client
+from gates.gate import GateSummary, check_all, check_spread, summarize
+from gates.report import junit_xml, markdown, power_table, table
+from gates.runs import check_comparable, load_scores, open_client, resolve_runs
 from gates.spec import GateSpec
 
 from lowprec.tracking.cli import default_tracking_uri
@@ -45,7 +52,7 @@ EXIT_PASS, EXIT_REGRESS, EXIT_UNUSABLE = 0, 1, 2
 class GateArgs:
     """The command's arguments (argparse's Namespace has the same fields)."""
 
-    baseline: str
+    baseline: str | tuple[str, ...]   # one run, or several (a seed-aware baseline)
     candidate: str
     gates: str
     tracking_uri: str | None = None
@@ -54,10 +61,14 @@ class GateArgs:
     junit: str | None = None
     inconclusive: str = "pass"
     timeout: float = DEFAULT_TIMEOUT_S   # seconds for every read from the tracking store together
+    power: bool = False                  # print each gate's detectable regression (80% power)
 
     @classmethod
     def from_namespace(cls, ns) -> "GateArgs":
-        return cls(**{f: getattr(ns, f) for f in cls.__dataclass_fields__})
+        kw = {f: getattr(ns, f) for f in cls.__dataclass_fields__ if hasattr(ns, f)}
+        if isinstance(kw.get("baseline"), list):
+            kw["baseline"] = kw["baseline"][0] if len(kw["baseline"]) == 1 else tuple(kw["baseline"])
+        return cls(**kw)
 
 
 def evaluate(args: GateArgs) -> tuple[GateSummary, str, str]:
@@ -73,12 +84,40 @@ def evaluate(args: GateArgs) -> tuple[GateSummary, str, str]:
         raise GateInputError(str(e)) from None
     import mlflow.tracking  # noqa: F401 - imported here, not in the time given to the store
     client = dl.run("opening it (listing experiments)", open_client, uri)
-    base = dl.run(f"reading the baseline run {args.baseline}", load_scores, uri, args.baseline,
-                  metrics=spec.metrics, step=args.step, client=client)
+    refs = [args.baseline] if isinstance(args.baseline, str) else list(args.baseline)
+    ids = dl.run(f"finding the baseline run(s) {' '.join(refs)}", resolve_runs, client, uri, refs)
+    bases = [dl.run(f"reading the baseline run {rid}", load_scores, uri, rid, metrics=spec.metrics, step=args.step,
+                    client=client) for rid in ids]
     cand = dl.run(f"reading the candidate run {args.candidate}", load_scores, uri, args.candidate,
                   metrics=spec.metrics, step=args.step, client=client)
-    check_comparable(base, cand, step_named=args.step is not None)
-    return summarize(check_all(spec, base, cand)), base.source, cand.source
+    for base in bases:
+        check_comparable(base, cand, step_named=args.step is not None)
+    refuse_immovable(spec, bases)
+    if len(bases) == 1:
+        results = [g.with_power(r) for g, r in zip(spec.gates, check_all(spec, bases[0], cand))]
+        source = bases[0].source
+    else:
+        results = [check_spread(g, bases, cand) for g in spec.gates]
+        source = f"{len(bases)} baselines (seed spread): " + "; ".join(b.source for b in bases)
+    return summarize(results), source, cand.source
+
+
+def refuse_immovable(spec: GateSpec, bases) -> None:
+    """GateSpecError naming every gate that cannot fire on these baselines (its metric at a floor
+    or ceiling) and is not marked informational."""
+    problems = []
+    for i, g in enumerate(spec.gates):
+        if g.informational:
+            continue
+        values = [b.get(g.metric).value for b in bases]
+        why = g.cannot_fire(sum(values) / len(values))
+        if why:
+            problems.append(f"gates[{i}] ({g.metric}): {why}")
+    if problems:
+        raise GateSpecError("refusing a gate that cannot fail: " + "; ".join(problems) + ". A check that cannot "
+                            "fail proves nothing. Fix: remove the gate, mark it `informational: true` (reported, "
+                            "never fails), or gate a metric this model can move (a larger model, an easier task)",
+                            source=spec.source)
 
 
 def output_problem(path: str) -> str | None:
@@ -116,14 +155,17 @@ def run(args: GateArgs, out: TextIO | None = None, err: TextIO | None = None) ->
         return EXIT_UNUSABLE
     print(f"baseline:  {base}\ncandidate: {cand}\n", file=out)
     print(table(summary.results), file=out)
+    if args.power:
+        print("\n" + power_table(summary.results), file=out)
     print(f"\nlowprec gate: {summary.verdict.value.upper()}: {summary.reason}", file=out)
     fail_inconclusive = args.inconclusive == "fail"
     try:
         if args.markdown:
             with open(args.markdown, "a") as f:
-                f.write(markdown(summary, base, cand))
+                f.write(markdown(summary, base, cand, power=args.power))
         if args.junit:
-            Path(args.junit).write_text(junit_xml(summary, base, cand, inconclusive_fails=fail_inconclusive))
+            Path(args.junit).write_text(junit_xml(summary, base, cand, inconclusive_fails=fail_inconclusive,
+                                                  power=args.power))
     except OSError as e:
         print(f"lowprec gate: cannot write the report: {e}", file=err)
         return EXIT_UNUSABLE
@@ -145,7 +187,9 @@ def register(sub) -> None:
                        description="Compare a candidate run's eval metrics with a baseline run's, stored in "
                        "MLflow, against the gates of a gate file (see docs/gates.md). Exit status: 0 pass, "
                        "1 regression, 2 unusable input.")
-    p.add_argument("--baseline", required=True, metavar="RUN", help="baseline MLflow run id (or unique run name)")
+    p.add_argument("--baseline", required=True, nargs="+", metavar="RUN",
+                   help="baseline MLflow run id (or unique run name); several run ids, or a name several finished "
+                   "runs carry, gate against their seed spread")
     p.add_argument("--candidate", required=True, metavar="RUN", help="candidate MLflow run id (or unique run name)")
     p.add_argument("--gates", required=True, metavar="FILE", help="gate file (YAML), e.g. gates/default.yaml")
     p.add_argument("--tracking-uri", default=None, metavar="URI",
@@ -161,4 +205,7 @@ def register(sub) -> None:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                    help=f"give up (exit 2) when the tracking store has not answered all reads in S seconds "
                    f"(default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--power", action="store_true",
+                   help="print each gate's smallest regression detected with 80%% probability (from the eval's "
+                   "size and the gate file's calibrated noise); also in --markdown and --junit")
     p.set_defaults(func=main)

@@ -37,21 +37,23 @@ it reads `.verdict`, `.reason`). Verdicts are `lowprec.verdicts.Verdict` members
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
-from gates.errors import GateSpecError, suggest
+from gates.errors import GateInputError, GateSpecError, suggest
 from gates.scores import MetricScores, Scores
 from gates.stats import normal_interval, paired_bootstrap_interval, paired_differences
 from lowprec.verdicts import Verdict
 
 __all__ = ["LOWER_IS_BETTER", "HIGHER_IS_BETTER", "DIRECTIONS",
-           "PAIRED_BOOTSTRAP", "STDERR", "STATISTICS", "Tolerance", "Gate", "GateResult", "GateSummary",
-           "check_all", "summarize", "step_gate"]
+           "PAIRED_BOOTSTRAP", "STDERR", "STATISTICS", "Tolerance", "Noise", "Gate", "GateResult", "GateSummary",
+           "check_all", "check_spread", "summarize", "step_gate", "SEED_SPREAD"]
 
 LOWER_IS_BETTER, HIGHER_IS_BETTER = "lower_is_better", "higher_is_better"
 DIRECTIONS = (LOWER_IS_BETTER, HIGHER_IS_BETTER)
 PAIRED_BOOTSTRAP, STDERR = "paired_bootstrap", "stderr"
+SEED_SPREAD = "seed_spread"   # several baselines (check_spread), not a gate file value
 STATISTICS = (PAIRED_BOOTSTRAP, STDERR)
 TOLERANCE_KINDS = ("relative", "absolute")
 
@@ -106,6 +108,24 @@ class Tolerance:
 
 
 @dataclass(frozen=True)
+class Noise:
+    """The calibrated noise of a gate's regression between two runs whose numerics are harmless,
+    beyond the eval's own sampling error: `sd` (and `mean`), in the tolerance's units (a
+    fraction of |baseline value| for a relative tolerance, metric units for an absolute one).
+    experiments/gate_calibration.py measures it; `lowprec gate --power` uses it."""
+
+    sd: float
+    mean: float = 0.0
+
+    def __post_init__(self):
+        sd = _number(self.sd, "noise.sd")
+        if sd < 0:
+            raise GateSpecError(f"must be >= 0 (a standard deviation), got {sd}", key="noise.sd")
+        object.__setattr__(self, "sd", sd)
+        object.__setattr__(self, "mean", _number(self.mean, "noise.mean"))
+
+
+@dataclass(frozen=True)
 class GateResult:
     """One gate's answer. `delta` and `interval` are the regression (positive = worse), in metric
     units; `allowed` is the allowed regression in the same units; `n` the paired examples (None
@@ -124,6 +144,9 @@ class GateResult:
     tolerance: str = ""
     direction: str = ""
     confidence: float | None = None
+    informational: bool = False       # reported, never fails the comparison
+    detectable: float | None = None   # smallest regression caught with 80% probability (metric units)
+    power_note: str = ""              # how `detectable` was formed
 
     def to_dict(self) -> dict:
         """Plain data (the verdict as its string value)."""
@@ -152,6 +175,9 @@ class Gate:
     min_samples: int = 30
     bootstrap_samples: int = 2000
     seed: int = 0
+    informational: bool = False        # checked and reported, but never makes the comparison regress
+    noise: Noise | None = None         # calibrated run-to-run noise (for the gate's power)
+    bounds: tuple[float, float] | None = None   # the values the metric can take (default: from its name)
 
     def __post_init__(self):
         if not isinstance(self.metric, str) or not self.metric.strip() or self.metric != self.metric.strip():
@@ -168,6 +194,61 @@ class Gate:
         _integer(self.min_samples, "min_samples", 1, 10**9)
         _integer(self.bootstrap_samples, "bootstrap_samples", 100, 10**6)
         _integer(self.seed, "seed", 0, 2**63 - 1)
+        if not isinstance(self.informational, bool):
+            raise GateSpecError(f"must be true or false, got {self.informational!r}", key="informational")
+        if self.noise is not None and not isinstance(self.noise, Noise):
+            raise GateSpecError(f"must be a Noise, got {self.noise!r}", key="noise")
+        if self.bounds is not None:
+            b = self.bounds
+            if isinstance(b, (str, bytes)) or not hasattr(b, "__len__") or len(b) != 2:
+                raise GateSpecError(f"must be [lowest, highest] (e.g. [0, 1] for an accuracy), got {b!r}",
+                                    key="bounds")
+            lo, hi = (-math.inf if b[0] is None else b[0]), (math.inf if b[1] is None else b[1])
+            for x in (lo, hi):
+                if isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x):
+                    raise GateSpecError(f"must be two numbers (null for unbounded), got {b!r}", key="bounds")
+            if not lo < hi:
+                raise GateSpecError(f"the lowest value must be below the highest, got {b!r}", key="bounds")
+            object.__setattr__(self, "bounds", (float(lo), float(hi)))
+
+    def value_bounds(self) -> tuple[float, float]:
+        """The values the metric can take: `bounds`, else from its name (accuracies [0, 1])."""
+        from gates.power import metric_bounds
+        return self.bounds if self.bounds is not None else metric_bounds(self.metric)
+
+    def cannot_fire(self, baseline_value: float) -> str | None:
+        """Why no candidate can regress on this gate against this baseline value, or None."""
+        from gates.power import headroom
+        if not math.isfinite(baseline_value):
+            return None
+        lo, hi = self.value_bounds()
+        room = headroom(baseline_value, self.direction, (lo, hi))
+        allowed = self.max_regression.allowed(baseline_value)
+        if room > allowed:
+            return None
+        bound, which = (lo, "floor") if self.direction == HIGHER_IS_BETTER else (hi, "ceiling")
+        return (f"the baseline's value {baseline_value:.4g} is {room:.4g} from the metric's {which} {bound:g}, "
+                f"no more than the allowed regression {self.max_regression.describe(baseline_value)}, so no "
+                f"candidate can regress by more: the gate cannot fire")
+
+    def with_power(self, r: "GateResult") -> "GateResult":
+        """`r` with the smallest regression this gate detects with 80% probability (gates.power):
+        the allowed regression, the eval's sampling error (from r's interval) and the calibrated noise."""
+        from dataclasses import replace as _replace
+        from gates.power import detectable
+        from gates.stats import z_value
+        if r.statistic == SEED_SPREAD:
+            return r   # check_spread has set it from the baselines' spread
+        if r.interval is None or r.allowed is None or r.baseline_value is None:
+            return _replace(r, detectable=None, power_note="no interval, so no power")
+        se = (r.interval[1] - r.interval[0]) / (2 * z_value(self.confidence))
+        scale = abs(r.baseline_value) if self.max_regression.kind == "relative" else 1.0
+        sd = self.noise.sd * scale if self.noise else 0.0
+        mean = self.noise.mean * scale if self.noise else 0.0
+        mde = detectable(r.allowed, se, sd, mean, self.confidence)
+        note = (f"eval se {se:.3g}" + (f", calibrated noise sd {sd:.3g}" if self.noise else
+                                        ", no calibrated noise (`noise:`): eval sampling only"))
+        return _replace(r, detectable=mde, power_note=note)
 
     def check(self, baseline: Scores, candidate: Scores) -> GateResult:
         """Compare the metric in both (a missing metric raises GateInputError, naming those there are)."""
@@ -176,7 +257,8 @@ class Gate:
         allowed = self.max_regression.allowed(b.value) if math.isfinite(b.value) else None
         tol = self.max_regression.describe(b.value if math.isfinite(b.value) else None)
         base = dict(metric=self.metric, baseline_value=b.value, candidate_value=c.value, allowed=allowed,
-                    tolerance=tol, direction=self.direction, confidence=self.confidence)
+                    tolerance=tol, direction=self.direction, confidence=self.confidence,
+                    informational=self.informational)
         if not math.isfinite(c.value):
             return GateResult(Verdict.REGRESS, delta=None, interval=None, n=None, statistic="none", **base,
                               reason=f"{self.metric}: the candidate's value is {c.value} (baseline {b.value:.4g}), "
@@ -240,6 +322,55 @@ class Gate:
                           reason=f"{what} {says}.")
 
 
+def check_spread(gate: Gate, baselines: list[Scores], candidate: Scores) -> GateResult:
+    """Seed-aware: does the candidate lie outside the spread of several baselines (runs that
+    differ in seed)? With k baseline values of mean m and sample sd s, the regression is
+    r = candidate - m (oriented, + = worse) and its interval is the 95% (`confidence`) prediction
+    interval of one more seed, r +- t(k-1) * s * sqrt(1 + 1/k): where a candidate whose numerics
+    change nothing would lie. `regress` when its lower end exceeds the allowed regression (of
+    the baselines' mean), `pass` when its upper end does not, else `inconclusive`."""
+    from gates.power import POWER
+    from gates.stats import t_quantile
+    if len(baselines) < 2:
+        raise GateInputError(f"a seed spread needs at least 2 baselines, got {len(baselines)}")
+    values = [b.get(gate.metric).value for b in baselines]
+    c = candidate.get(gate.metric).value
+    sign = 1.0 if gate.direction == LOWER_IS_BETTER else -1.0
+    k = len(values)
+    base = dict(metric=gate.metric, candidate_value=c, direction=gate.direction, confidence=gate.confidence,
+                informational=gate.informational, n=k, statistic=SEED_SPREAD)
+    if not all(math.isfinite(v) for v in values):
+        return GateResult(Verdict.INCONCLUSIVE, delta=None, interval=None, baseline_value=None, allowed=None,
+                          tolerance=gate.max_regression.describe(), **base,
+                          reason=f"{gate.metric}: a baseline's value is not finite ({values}); re-evaluate it.")
+    m = sum(values) / k
+    allowed = gate.max_regression.allowed(m)
+    tol = gate.max_regression.describe(m)
+    base.update(baseline_value=m, allowed=allowed, tolerance=tol)
+    if not math.isfinite(c):
+        return GateResult(Verdict.REGRESS, delta=None, interval=None, **base,
+                          reason=f"{gate.metric}: the candidate's value is {c}, a regression beyond any tolerance.")
+    sd = math.sqrt(sum((v - m) ** 2 for v in values) / (k - 1))
+    t = t_quantile(0.5 + gate.confidence / 2, k - 1)
+    half = t * sd * math.sqrt(1 + 1 / k)
+    r = sign * (c - m)
+    lo, hi = r - half, r + half
+    # 80% power: r ~ Normal(true, sd^2 (1 + 1/k)) must exceed allowed + half
+    mde = allowed + half + NormalDist().inv_cdf(POWER) * sd * math.sqrt(1 + 1 / k)
+    what = (f"{gate.metric}: the candidate ({c:.4g}) against {k} baselines (mean {m:.4g}, seed sd {sd:.3g}): "
+            f"regression {r:+.4g}, {gate.confidence * 100:.4g}% prediction interval of one more seed "
+            f"[{lo:+.4g}, {hi:+.4g}] (t = {t:.3g} with {k - 1} degrees of freedom; + = worse)")
+    if lo > allowed:
+        verdict, says = Verdict.REGRESS, f"lies wholly above the allowed regression {tol}: outside the seed spread"
+    elif hi <= allowed:
+        verdict, says = Verdict.PASS, f"lies wholly at or below the allowed regression {tol}"
+    else:
+        verdict, says = Verdict.INCONCLUSIVE, (f"straddles the allowed regression {tol}; more baseline seeds "
+                                               f"would narrow it")
+    return GateResult(verdict, delta=r, interval=(lo, hi), **base, reason=f"{what} {says}.", detectable=mde,
+                      power_note=f"seed spread of {k} baselines (sd {sd:.3g})")
+
+
 def check_all(spec, baseline: Scores, candidate: Scores) -> list[GateResult]:
     """Every gate of `spec` (a GateSpec, or any iterable of Gate) against the two Scores."""
     gates: Iterable[Gate] = getattr(spec, "gates", spec)
@@ -251,15 +382,21 @@ def summarize(results: Iterable[GateResult]) -> GateSummary:
     results = tuple(results)
     if not results:
         return GateSummary(Verdict.INCONCLUSIVE, "no gates were checked", results)
-    by = {v: [r for r in results if r.verdict == v] for v in Verdict}
+    deciding = [r for r in results if not r.informational]
+    if not deciding:
+        return GateSummary(Verdict.PASS, f"all {len(results)} gates are informational (they never fail)", results)
+    by = {v: [r for r in deciding if r.verdict == v] for v in Verdict}
     verdict = Verdict.REGRESS if by[Verdict.REGRESS] else Verdict.INCONCLUSIVE if by[Verdict.INCONCLUSIVE] \
         else Verdict.PASS
     counts = ", ".join(f"{len(by[v])} {v.value}" for v in (Verdict.REGRESS, Verdict.INCONCLUSIVE, Verdict.PASS)
                        if by[v])
+    info = len(results) - len(deciding)
+    also = f" ({info} informational not counted)" if info else ""
     if verdict is Verdict.PASS:
-        return GateSummary(Verdict.PASS, f"all {len(results)} gates pass", results)
+        return GateSummary(Verdict.PASS, f"all {len(deciding)} gates pass{also}", results)
     first = by[verdict][0]
-    return GateSummary(verdict, f"{counts} of {len(results)} gates; first {verdict.value}: {first.reason}", results)
+    return GateSummary(verdict, f"{counts} of {len(deciding)} gates{also}; first {verdict.value}: {first.reason}",
+                       results)
 
 
 def step_gate(spec, baseline: Scores | Callable[[int], Scores], evaluate: Callable[[int], Scores]

@@ -36,7 +36,7 @@ from gates.scores import STDERR_SUFFIX, MetricScores, Scores, missing_metric_mes
 from lowprec.tracking.outbox import server_answers
 from lowprec.tracking.records import eval_artifact_name
 
-__all__ = ["open_client", "resolve_run", "load_scores", "recent_runs", "check_comparable"]
+__all__ = ["open_client", "resolve_run", "resolve_runs", "load_scores", "recent_runs", "check_comparable"]
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 MODE_METRIC = "eval_mode/"   # + prefix: 1 full, 0 fast at the eval's step (Tracker.log_eval(mode=...))
@@ -100,6 +100,35 @@ def resolve_run(client, tracking_uri: str, ref: str):
             raise GateInputError(f"{len(found)} runs in {tracking_uri} are named {ref!r} ({ids}); pass a run id")
     raise GateInputError(f"no run with id {ref!r} in {tracking_uri} (nor a run of that name). {_listing(client)}. "
                          f"Pass a run id from this store, or the --tracking-uri the run was logged to.")
+
+
+def resolve_runs(client, tracking_uri: str, refs: list[str]) -> list[str]:
+    """Run ids for `--baseline REF [REF ...]`: each REF a run id or a run name. One REF that is a
+    name several runs carry means all of them that FINISHED (a seed-aware baseline: at least 2);
+    a name among several REFs must be unique."""
+    from mlflow.exceptions import MlflowException
+    if len(refs) == 1 and not RUN_ID.fullmatch(refs[0]) and "'" not in refs[0]:
+        exps = [e.experiment_id for e in client.search_experiments()]
+        found = client.search_runs(exps, filter_string=f"attributes.run_name = '{refs[0]}'",
+                                   order_by=["attributes.start_time DESC"], max_results=1000) if exps else []
+        if len(found) > 1:
+            done = [r.info.run_id for r in found if r.info.status == "FINISHED"]
+            if len(done) < 2:
+                raise GateInputError(f"{len(found)} runs in {tracking_uri} are named {refs[0]!r} but "
+                                     f"{len(done)} of them finished ({', '.join(r.info.run_id for r in found)}); "
+                                     f"a seed-aware baseline needs at least 2 finished runs: pass run ids, or "
+                                     f"finish the runs")
+            return done
+    ids = []
+    for ref in refs:
+        try:
+            ids.append(resolve_run(client, tracking_uri, ref).info.run_id)
+        except MlflowException as e:  # pragma: no cover - resolve_run turns these into GateInputError
+            raise GateInputError(str(e)) from None
+    if len(set(ids)) != len(ids):
+        raise GateInputError(f"--baseline names the same run twice ({', '.join(refs)}); each baseline must be a "
+                             f"different run (e.g. the same config at different seeds)")
+    return ids
 
 
 def _history(client, run_id: str, key: str) -> dict[int, float]:

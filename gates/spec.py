@@ -28,15 +28,17 @@ from typing import Any, Mapping
 import yaml
 
 from gates.errors import GateSpecError, suggest
-from gates.gate import PAIRED_BOOTSTRAP, TOLERANCE_KINDS, Gate, Tolerance
+from gates.budget import ErrorBudget
+from gates.gate import PAIRED_BOOTSTRAP, TOLERANCE_KINDS, Gate, Noise, Tolerance
 
 __all__ = ["GateSpec", "GateSpecError", "BUILTIN_DEFAULTS", "TOP_KEYS", "GATE_KEYS", "DEFAULT_KEYS"]
 
 BUILTIN_DEFAULTS: dict[str, Any] = {"statistic": PAIRED_BOOTSTRAP, "confidence": 0.95, "min_samples": 30,
                                     "bootstrap_samples": 2000, "seed": 0}
-TOP_KEYS = ("gates", "defaults")
+TOP_KEYS = ("gates", "defaults", "error_budget")
 DEFAULT_KEYS = tuple(BUILTIN_DEFAULTS)
-GATE_KEYS = ("metric", "direction", "max_regression") + DEFAULT_KEYS
+GATE_KEYS = ("metric", "direction", "max_regression") + DEFAULT_KEYS + ("informational", "noise", "bounds")
+NOISE_KEYS = ("sd", "mean")
 REQUIRED = ("metric", "direction", "max_regression")
 EXAMPLE = ("gates:\n  - metric: eval/heldout_shakespeare/bits_per_byte\n    direction: lower_is_better\n"
            "    max_regression: {relative: 0.02}")
@@ -64,6 +66,17 @@ def _tolerance(x: Any) -> Tolerance:
     return Tolerance(kind, value)
 
 
+def _noise(x: Any) -> Noise:
+    how = ("write `noise: {sd: 0.004}` (the sd between harmless runs, in the tolerance's units; "
+           "experiments/gate_calibration.py measures it)")
+    if not isinstance(x, Mapping):
+        raise GateSpecError(f"must be a mapping with sd (and optionally mean), got {x!r}; {how}", key="noise")
+    _check_keys(x, NOISE_KEYS, "noise.")
+    if x.get("sd") is None:
+        raise GateSpecError(f"needs sd; {how}", key="noise.sd")
+    return Noise(x["sd"], x.get("mean", 0.0))
+
+
 def _gate(d: Any, defaults: Mapping[str, Any]) -> Gate:
     if not isinstance(d, Mapping):
         raise GateSpecError(f"each gate must be a mapping with metric, direction and max_regression, got "
@@ -74,6 +87,10 @@ def _gate(d: Any, defaults: Mapping[str, Any]) -> Gate:
             raise GateSpecError(f"is required (every gate says which metric, which way is better and how much "
                                 f"worse is allowed). For example:\n{EXAMPLE}", key=k)
     kw = {**defaults, **{k: v for k, v in d.items() if k not in REQUIRED}}
+    if kw.get("noise") is not None:
+        kw["noise"] = _noise(kw["noise"])
+    if isinstance(kw.get("bounds"), list):
+        kw["bounds"] = tuple(kw["bounds"])
     return Gate(metric=d["metric"], direction=d["direction"], max_regression=_tolerance(d["max_regression"]), **kw)
 
 
@@ -99,6 +116,7 @@ class GateSpec:
 
     gates: tuple[Gate, ...]
     source: str = "<gates>"
+    error_budget: ErrorBudget | None = None   # the in-loop gate's budget over a run's checks (gates.budget)
 
     def __post_init__(self):
         if not self.gates:
@@ -127,7 +145,7 @@ class GateSpec:
 
     def with_overrides(self, **changes) -> "GateSpec":
         """Every gate with the given fields replaced (e.g. `confidence=0.99`), validated again."""
-        return GateSpec(tuple(replace(g, **changes) for g in self.gates), self.source)
+        return GateSpec(tuple(replace(g, **changes) for g in self.gates), self.source, self.error_budget)
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "<gates>") -> "GateSpec":
@@ -149,7 +167,10 @@ class GateSpec:
             metric = g.get("metric") if isinstance(g, Mapping) else None
             where = f"gates[{i}]" + (f" ({metric})" if isinstance(metric, str) else "")
             gates.append(_located(lambda g=g: _gate(g, defaults), source, where))
-        return cls(tuple(gates), source)
+        budget = None
+        if d.get("error_budget") is not None:
+            budget = _located(lambda: ErrorBudget.from_dict(d["error_budget"]), source, "error_budget")
+        return cls(tuple(gates), source, budget)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> "GateSpec":

@@ -169,6 +169,13 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True) -> Prep
         from lowprec.runtime.evals import eval_checkpoints
         max_len = cfg.data.block_size if cfg.data is not None and cfg.data.block_size else 256
         prepared.evals = eval_checkpoints(cfg.eval, model, state, max_length=max_len)
+        checker = prepared.evals.checker
+        if checker is not None and hasattr(checker, "plan_checks"):
+            # a checker that shares one error budget over the run's checks needs their number:
+            # one before each stage promotion, one per periodic eval, the final one
+            every = cfg.eval.every or 0
+            stages = len(cfg.rollout.stages) if controller and cfg.rollout is not None else 0
+            checker.plan_checks(stages + ((tc.steps - 1) // every if every else 0) + 1)
     return prepared
 
 

@@ -47,7 +47,34 @@ def test_good_file_loads_with_defaults(tmp_path):
 
 def test_the_default_gate_file_loads():
     spec = GateSpec.from_yaml(ROOT / "gates" / "default.yaml")
-    assert {"eval/heldout_shakespeare/bits_per_byte", "eval/cloze_shakespeare/acc"} <= set(spec.metrics)
+    assert {"eval/heldout_shakespeare/bits_per_byte", "eval/shift_milton/bits_per_byte"} <= set(spec.metrics)
+    # only gates that can fire (the cloze accuracy of the small model cannot), each with its calibrated noise
+    assert "eval/cloze_shakespeare/acc" not in spec.metrics
+    assert all(g.noise is not None and not g.informational for g in spec.gates)
+
+
+def test_informational_noise_and_bounds_keys():
+    spec = GateSpec.from_dict({"gates": [{"metric": "eval/x/acc", "direction": "higher_is_better",
+                                          "max_regression": {"absolute": 0.02}, "informational": True,
+                                          "noise": {"sd": 0.01, "mean": -0.001}, "bounds": [0, 100]}]})
+    g = spec.gates[0]
+    assert g.informational and g.noise.sd == 0.01 and g.noise.mean == -0.001 and g.value_bounds() == (0.0, 100.0)
+    assert g.cannot_fire(0.01) and not g.cannot_fire(50.0)
+    plain = GateSpec.from_dict({"gates": [{"metric": "eval/x/acc", "direction": "higher_is_better",
+                                           "max_regression": {"absolute": 0.02}}]}).gates[0]
+    assert plain.value_bounds() == (0.0, 1.0) and "floor 0" in plain.cannot_fire(0.001)
+    assert plain.cannot_fire(0.5) is None
+    for bad, part in (({"sd": -1}, "noise.sd"), ({"sdev": 1}, "Did you mean 'sd'"), (0.1, "mapping")):
+        with pytest.raises(GateSpecError, match="noise") as e:
+            GateSpec.from_dict({"gates": [{"metric": "m", "direction": "lower_is_better",
+                                           "max_regression": {"relative": 0.1}, "noise": bad}]})
+        assert part in str(e.value)
+    with pytest.raises(GateSpecError, match="bounds"):
+        GateSpec.from_dict({"gates": [{"metric": "m", "direction": "lower_is_better",
+                                       "max_regression": {"relative": 0.1}, "bounds": [1, 0]}]})
+    with pytest.raises(GateSpecError, match="informational"):
+        GateSpec.from_dict({"gates": [{"metric": "m", "direction": "lower_is_better",
+                                       "max_regression": {"relative": 0.1}, "informational": "yes"}]})
 
 
 GATE = "  - metric: eval/x/acc\n    direction: higher_is_better\n    max_regression: {absolute: 0.01}\n"
