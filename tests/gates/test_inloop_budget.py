@@ -96,7 +96,7 @@ def test_lowprec_run_tells_the_checker_how_many_checks_it_plans(monkeypatch):
     """The hook in lowprec.runtime.run.prepare_run: stages + periodic evals + the final one."""
     from pathlib import Path
 
-    from lowprec.config import RunConfig
+    from lowprec.config import LowprecConfig
     from lowprec.runtime import run as runmod
 
     import yaml
@@ -106,7 +106,7 @@ def test_lowprec_run_tells_the_checker_how_many_checks_it_plans(monkeypatch):
     d = yaml.safe_load((root / "experiments" / "configs" / "default.yaml").read_text())
     d["rollout"].pop("baseline")                      # no BF16 loss curve here: no loss-gap detector
     d["rollout"]["thresholds"].pop("loss_gap")
-    cfg = RunConfig.from_dict(d)
+    cfg = LowprecConfig.from_dict(d)
     prepared = runmod.prepare_run(cfg, with_data=False)
     checker = prepared.evals.checker
     # 3 stages, periodic evals at 150 (of 300 steps), the final one
