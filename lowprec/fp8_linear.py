@@ -224,8 +224,11 @@ def fast_linear(layer: "PrecisionLinear", x: Tensor, w: Tensor, recipe: FastReci
     recipe = FastRecipe(recipe.scaling, recipe.fwd, recipe.bwd, stats, recipe.margin, recipe.most_recent,
                         count_overflow=recipe.delayed and not stats)
     forms = weight_forms(layer, w, layer.format, recipe)
+    # the output gradient's statistics are copied into this buffer by the backward; under
+    # torch.compile AOTAutograd refuses a forward input written by the backward, so a compiled
+    # check step reports the input's and the weight's statistics only
     grad_stats = (torch.zeros(len(QuantStats.FIELDS), dtype=torch.float64, device=x.device)
-                  if stats and torch.is_grad_enabled() else None)
+                  if stats and torch.is_grad_enabled() and not torch.compiler.is_compiling() else None)
     y, stats_x = FP8LinearFn.apply(
         x, w, layer.bias, forms.q, forms.scale_inv, forms.q_t, forms.scale_inv_t if recipe.rowwise else None,
         *_delayed_args(layer, "input", recipe), *_delayed_args(layer, "grad_output", recipe),
