@@ -311,15 +311,19 @@ class Gate:
         pct = f"{self.confidence * 100:.4g}%"
         what = (f"{self.metric}: regression {delta:+.4g} ({pct} interval [{lo:+.4g}, {hi:+.4g}], "
                 f"{how}; + = worse, {self.direction.replace('_', ' ')})")
-        if lo > allowed:
-            verdict, says = Verdict.REGRESS, f"lies wholly above the allowed regression {base['tolerance']}"
-        elif hi <= allowed:
-            verdict, says = Verdict.PASS, f"lies wholly at or below the allowed regression {base['tolerance']}"
-        else:
-            verdict, says = Verdict.INCONCLUSIVE, (f"straddles the allowed regression {base['tolerance']}; more "
-                                           f"examples would narrow it")
+        verdict, says = interval_verdict(lo, hi, allowed, base["tolerance"], "", "examples")
         return GateResult(verdict, delta=delta, interval=(lo, hi), n=n, statistic=statistic, **base,
                           reason=f"{what} {says}.")
+
+
+def interval_verdict(lo: float, hi: float, allowed: float, tolerance: str, beyond: str, more: str):
+    """(verdict, words) for a regression interval [lo, hi] (+ = worse) against the allowed
+    regression: wholly above regresses, wholly at or below passes, else inconclusive."""
+    if lo > allowed:
+        return Verdict.REGRESS, f"lies wholly above the allowed regression {tolerance}{beyond}"
+    if hi <= allowed:
+        return Verdict.PASS, f"lies wholly at or below the allowed regression {tolerance}"
+    return Verdict.INCONCLUSIVE, f"straddles the allowed regression {tolerance}; more {more} would narrow it"
 
 
 def check_spread(gate: Gate, baselines: list[Scores], candidate: Scores) -> GateResult:
@@ -360,13 +364,7 @@ def check_spread(gate: Gate, baselines: list[Scores], candidate: Scores) -> Gate
     what = (f"{gate.metric}: the candidate ({c:.4g}) against {k} baselines (mean {m:.4g}, seed sd {sd:.3g}): "
             f"regression {r:+.4g}, {gate.confidence * 100:.4g}% prediction interval of one more seed "
             f"[{lo:+.4g}, {hi:+.4g}] (t = {t:.3g} with {k - 1} degrees of freedom; + = worse)")
-    if lo > allowed:
-        verdict, says = Verdict.REGRESS, f"lies wholly above the allowed regression {tol}: outside the seed spread"
-    elif hi <= allowed:
-        verdict, says = Verdict.PASS, f"lies wholly at or below the allowed regression {tol}"
-    else:
-        verdict, says = Verdict.INCONCLUSIVE, (f"straddles the allowed regression {tol}; more baseline seeds "
-                                               f"would narrow it")
+    verdict, says = interval_verdict(lo, hi, allowed, tol, ": outside the seed spread", "baseline seeds")
     return GateResult(verdict, delta=r, interval=(lo, hi), **base, reason=f"{what} {says}.", detectable=mde,
                       power_note=f"seed spread of {k} baselines (sd {sd:.3g})")
 

@@ -115,11 +115,10 @@ def junit_xml(summary: GateSummary, baseline: str, candidate: str, inconclusive_
                 ET.SubElement(cprops, "property", {"name": "detectable_regression_80",
                                                    "value": "-" if r.detectable is None else repr(r.detectable)})
                 ET.SubElement(cprops, "property", {"name": "power_from", "value": r.power_note or "-"})
-        if r.informational:
-            pass
-        elif r.verdict in failing:
+        # an informational gate is reported, never a failure or a skip
+        if r.verdict in failing and not r.informational:
             ET.SubElement(case, "failure", {"message": r.reason, "type": r.verdict.value}).text = r.reason
-        elif r.verdict == Verdict.INCONCLUSIVE:
+        elif r.verdict == Verdict.INCONCLUSIVE and not r.informational:
             ET.SubElement(case, "skipped", {"message": r.reason})
         ET.SubElement(case, "system-out").text = r.reason
     ET.indent(root)
