@@ -41,11 +41,11 @@ import torch
 
 from experiments.data import Batches, shakespeare_tokens
 from experiments.model import build_gpt
-from lowprec.events import EventKind
-from lowprec.formats import get_format
-from lowprec.plan import PrecisionPlan
-from lowprec.quantize import quantize
-from lowprec.rollout import parse_rollout
+from lowprec.policy.events import EventKind
+from lowprec.numerics.formats import get_format
+from lowprec.sites.plan import PrecisionPlan
+from lowprec.numerics.quantize import quantize
+from lowprec.policy.rollout import parse_rollout
 from lowprec.runtime import Session
 
 WARM, FAULT_AT, END = 160, 165, 185

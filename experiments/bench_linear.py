@@ -47,9 +47,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import increment_version
 
-from lowprec.backends import get_backend
-from lowprec.formats import get_format
-from lowprec.layers import PrecisionLinear
+from lowprec.sites.backends import get_backend
+from lowprec.numerics.formats import get_format
+from lowprec.sites.layers import PrecisionLinear
 
 FORMATS = ("fp8_tensorwise", "fp8_delayed", "fp8_rowwise")
 TORCHAO_RECIPES = ("tensorwise", "rowwise")

@@ -34,9 +34,9 @@ import time
 import torch
 from torch import nn
 
-from lowprec.backends import get_backend
-from lowprec.formats import FORMATS, Scaling
-from lowprec.layers import PrecisionLinear
+from lowprec.sites.backends import get_backend
+from lowprec.numerics.formats import FORMATS, Scaling
+from lowprec.sites.layers import PrecisionLinear
 
 EMULATED_FORMATS = ("fp8_tensorwise", "fp8_delayed", "fp8_rowwise", "fp8_blockwise",
                     "mxfp8", "mxfp4", "nvfp4", "fp4_tensorwise")

@@ -22,8 +22,8 @@ import torch
 from experiments.data import Batches, split_texts, tokens_of
 from experiments.model import build_gpt
 from lowprec import prepare
-from lowprec.plan import PrecisionPlan
-from lowprec.rollout import build_controller, parse_rollout
+from lowprec.sites.plan import PrecisionPlan
+from lowprec.policy.rollout import build_controller, parse_rollout
 from lowprec.runtime import Session
 
 PLAN = {"backend": "emulated", "keep_high_precision": [{"fqns": ["lm_head"]}],

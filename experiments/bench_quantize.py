@@ -6,7 +6,7 @@ and every lowprec quantizer with and without statistics, eager and fused
 (torch.compile). Run: `python experiments/bench_quantize.py` (see docs/performance.md).
 
 On a GPU (`--device cuda`, e.g. with `--dtype bfloat16`), the FP8 formats with
-tensor-wise, delayed and row-wise scaling also get `triton` rows: lowprec.kernels'
+tensor-wise, delayed and row-wise scaling also get `triton` rows: lowprec.numerics.kernels'
 fused casts to FP8 storage plus scale_inv (what the `torch` backend hands to
 torch._scaled_mm; no dequantization, unlike the fake-quantization rows), with and
 without statistics. Elsewhere those rows are left out, with the reason printed.
@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from lowprec.formats import FORMATS, Scaling
-from lowprec.quantize import fake_quantize
+from lowprec.numerics.formats import FORMATS, Scaling
+from lowprec.numerics.quantize import fake_quantize
 
 
 def median_ms(fn, repeats: int, warmup: int = 2) -> float:
@@ -106,9 +106,9 @@ def main(argv=None) -> None:
 
 
 def _triton_kernels(x: torch.Tensor):
-    """(lowprec.kernels, None) where the fused Triton casts can run on x, else (None, why)."""
+    """(lowprec.numerics.kernels, None) where the fused Triton casts can run on x, else (None, why)."""
     try:
-        import lowprec.kernels as kernels
+        import lowprec.numerics.kernels as kernels
     except ImportError as e:
         return None, str(e)
     if not kernels.kernels_available(x):

@@ -41,7 +41,7 @@ from pathlib import Path
 from gates import GateSpec, Scores, check_all
 from gates.gate import HIGHER_IS_BETTER
 from gates.power import clopper_pearson
-from lowprec.verdicts import Verdict
+from lowprec.policy.verdicts import Verdict
 
 KINDS = ("bf16", "fp32")
 TASKS = ("heldout_shakespeare", "cloze_shakespeare", "shift_milton")
@@ -50,7 +50,7 @@ DROPS = (0.01, 0.02, 0.04, 0.08)
 
 def kind_config(cfg, kind: str, seed: int):
     """The calibration config at one seed, in BF16 or with every linear layer kept in FP32."""
-    from lowprec.plan import PrecisionPlan
+    from lowprec.sites.plan import PrecisionPlan
     run = replace(cfg, train=replace(cfg.train, seed=seed), rollout=None, eval=None)
     if kind == "fp32":
         d = cfg.precision.to_dict()

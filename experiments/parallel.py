@@ -79,7 +79,7 @@ class ParallelConfig:
 
 def local_state(state, fqns):
     """A PrecisionState over this rank's sites only (the same Site objects)."""
-    from lowprec.state import PrecisionState
+    from lowprec.sites.precision_state import PrecisionState
     keep = set(fqns)
     return PrecisionState([s for f, s in state.sites.items() if f in keep], state.backend,
                           state.kept_high_precision.items())

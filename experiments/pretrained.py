@@ -106,7 +106,7 @@ def plan_path(name: str) -> Path:
 def prepared_copy(base: torch.nn.Module, name: str, seed: int = 0):
     """A copy of `base` prepared with plan `name` (bf16: the FP8 plan's sites switched to BF16)."""
     from lowprec import prepare
-    from lowprec.plan import PrecisionPlan
+    from lowprec.sites.plan import PrecisionPlan
 
     model = copy.deepcopy(base)
     state = prepare(model, PrecisionPlan.from_yaml(plan_path(name)), seed=seed)

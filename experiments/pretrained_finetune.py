@@ -29,7 +29,7 @@ from torch import nn
 from experiments import smollm2
 from experiments.data import Batches, split_texts
 from lowprec.config import TrainConfig
-from lowprec.configparse import parse as parse_section
+from lowprec.base.parse import parse as parse_section
 from lowprec.runtime.engine import forward_backward
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "smollm2_rollout.yaml"
@@ -123,8 +123,8 @@ def finetune(cfg: dict, out_dir: str | Path, *, steps: int | None = None, contro
     """Fine-tune as `cfg` says; events go to out_dir/events.jsonl and, as they happen, to `log`.
     `baseline` ({step: loss}, e.g. the same run in BF16) turns the controller's loss-gap check on."""
     from lowprec import prepare
-    from lowprec.plan import PrecisionPlan
-    from lowprec.rollout import build_controller, parse_rollout
+    from lowprec.sites.plan import PrecisionPlan
+    from lowprec.policy.rollout import build_controller, parse_rollout
     from lowprec.runtime.loop import warmup_schedule
     from lowprec.runtime.session import Session
 
@@ -193,7 +193,7 @@ def step_times(formats: tuple[str, ...] = ("bf16", "fp8_tensorwise", "nvfp4"), *
     The formats are interleaved rep by rep, and the minimum is kept, so that a busy machine
     disturbs the comparison as little as it can."""
     from lowprec import prepare
-    from lowprec.plan import PrecisionPlan
+    from lowprec.sites.plan import PrecisionPlan
 
     smollm2.require()
     lm = smollm2.load_model()

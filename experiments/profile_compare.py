@@ -41,7 +41,7 @@ from pathlib import Path
 import yaml
 
 from lowprec.config import LowprecConfig
-from lowprec.formats import get_format
+from lowprec.numerics.formats import get_format
 from lowprec.profile.measure import Profile, SiteCost
 from lowprec.profile.planner import choose_formats, final_shares, order_stages
 from lowprec.profile.written import check_written, write_config

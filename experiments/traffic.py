@@ -523,7 +523,7 @@ def compiled_quantizer_as_opaque():
 
     from torch._inductor import metrics
 
-    q = importlib.import_module("lowprec.quantize")   # `lowprec.quantize` is also a function
+    q = importlib.import_module("lowprec.numerics.quantize")   # `lowprec.numerics.quantize` is also a function
 
     orig = q._compiled_core
 
@@ -570,9 +570,9 @@ def layer_step(backend: str, fmt: str, n: int, x_dtype: torch.dtype, w_dtype: to
     from torch import nn
     from torch.autograd.graph import increment_version
 
-    from lowprec.backends import get_backend
-    from lowprec.formats import get_format
-    from lowprec.layers import PrecisionLinear
+    from lowprec.sites.backends import get_backend
+    from lowprec.numerics.formats import get_format
+    from lowprec.sites.layers import PrecisionLinear
 
     torch.manual_seed(seed)
     base = nn.Linear(n, n).to(w_dtype)
@@ -590,7 +590,7 @@ def layer_step(backend: str, fmt: str, n: int, x_dtype: torch.dtype, w_dtype: to
             p.grad = None                             # zero_grad(set_to_none=True)
         if micro_batch == 0:
             increment_version(layer.weight)           # what an optimizer step does
-        from lowprec.fp8_ops import traffic_cost   # the fast path's cast ops, by their kernels
+        from lowprec.numerics.fp8_ops import traffic_cost   # the fast path's cast ops, by their kernels
         return count_traffic(step, custom_cost=traffic_cost), n * n
 
 

@@ -40,13 +40,13 @@ import torch.distributed as dist
 
 from experiments.parallel import DataTensorParallel, ParallelConfig, Pipeline, local_state
 from lowprec.config import LowprecConfig
-from lowprec.rollout import build_controller
+from lowprec.policy.rollout import build_controller
 from lowprec.runtime.data import as_batch_source
 from lowprec.runtime.faults import parse_injection
 from lowprec.runtime.fsdp import FullyShardedDP
 from lowprec.runtime.loop import train
 from lowprec.runtime.run import load_factory, read_baseline
-from lowprec.state import prepare
+from lowprec.sites.precision_state import prepare
 
 __all__ = ["train_parallel", "main"]
 

@@ -4,7 +4,7 @@
     spec = GateSpec.from_yaml("gates/default.yaml")
     summary = summarize(check_all(spec, Scores.from_eval(base_results, base_samples),
                                   Scores.from_eval(cand_results, cand_samples)))
-    summary.verdict, summary.reason        # Verdict.PASS | .REGRESS | .INCONCLUSIVE (lowprec.verdicts)
+    summary.verdict, summary.reason        # Verdict.PASS | .REGRESS | .INCONCLUSIVE (lowprec.policy.verdicts)
 
 Modules: `spec` (gate files), `scores` (what is compared), `stats` (intervals), `gate` (verdicts),
 `runs` (MLflow runs -> Scores), `report` (table, Markdown, JUnit), `cli` (`lowprec gate`).
@@ -17,7 +17,7 @@ from gates.gate import (HIGHER_IS_BETTER, LOWER_IS_BETTER, Gate, GateResult, Gat
                         step_gate, summarize)
 from gates.scores import MetricScores, Scores
 from gates.spec import GateSpec
-from lowprec.verdicts import Verdict
+from lowprec.policy.verdicts import Verdict
 
 __all__ = ["GateSpec", "Gate", "Tolerance", "GateResult", "GateSummary", "Scores", "MetricScores", "check_all",
            "summarize", "step_gate", "GateSpecError", "GateInputError", "Verdict",

@@ -41,7 +41,7 @@ from gates.spec import GateSpec
 
 from lowprec.tracking.cli import default_tracking_uri
 from lowprec.tracking.deadline import DEFAULT_TIMEOUT_S, Deadline, NoAnswer
-from lowprec.verdicts import Verdict
+from lowprec.policy.verdicts import Verdict
 
 __all__ = ["GateArgs", "register", "run", "main", "EXIT_PASS", "EXIT_REGRESS", "EXIT_UNUSABLE"]
 

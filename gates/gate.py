@@ -30,8 +30,8 @@ per-example mean and can differ slightly from the aggregate difference shown nex
 
 `check_all(spec, baseline, candidate)` runs every gate of a file; `summarize(results)` gives the
 overall verdict (any regress -> regress; else any inconclusive -> inconclusive; else pass), the
-object the rollout controller's `gate(step)` callable returns (a `lowprec.verdicts.GateOutcome`:
-it reads `.verdict`, `.reason`). Verdicts are `lowprec.verdicts.Verdict` members, str-valued.
+object the rollout controller's `gate(step)` callable returns (a `lowprec.policy.verdicts.GateOutcome`:
+it reads `.verdict`, `.reason`). Verdicts are `lowprec.policy.verdicts.Verdict` members, str-valued.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import Callable, Iterable
 from gates.errors import GateInputError, GateSpecError, suggest
 from gates.scores import MetricScores, Scores
 from gates.stats import normal_interval, paired_bootstrap_interval, paired_differences
-from lowprec.verdicts import Verdict
+from lowprec.policy.verdicts import Verdict
 
 __all__ = ["LOWER_IS_BETTER", "HIGHER_IS_BETTER", "DIRECTIONS",
            "PAIRED_BOOTSTRAP", "STDERR", "STATISTICS", "Tolerance", "Noise", "Gate", "GateResult", "GateSummary",

@@ -17,7 +17,7 @@ import math
 import xml.etree.ElementTree as ET
 
 from gates.gate import GateResult, GateSummary
-from lowprec.verdicts import Verdict
+from lowprec.policy.verdicts import Verdict
 
 __all__ = ["table", "markdown", "junit_xml", "power_table", "power_rows", "HEADERS", "POWER_HEADERS"]
 

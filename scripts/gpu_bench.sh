@@ -39,8 +39,8 @@ ALL_PHASES=(tests quantize linear mainjob te)
 declare -A BUDGET=([tests]=240 [quantize]=120 [linear]=420 [mainjob]=480 [te]=480)
 declare -A CARRY=([tests]="ao" [quantize]="" [linear]="ao" [mainjob]="job data" [te]="")
 declare -A FILES=(
-  [tests]="tests/gpu tests/lowprec/test_quantize_torch_parity.py tests/lowprec/kernels/test_fp8_cast.py"
-  [quantize]="experiments/bench_quantize.py lowprec/kernels"
+  [tests]="tests/gpu tests/lowprec/numerics/test_quantize_torch_parity.py tests/lowprec/numerics/kernels/test_fp8_cast.py"
+  [quantize]="experiments/bench_quantize.py lowprec/numerics/kernels"
   [linear]="experiments/bench_linear.py"
   [mainjob]="experiments/configs/gpu_llama.yaml gates/default.yaml pyproject.toml"
   [te]="scripts/te_install/install.sh tests/gpu/test_te_backend.py")
@@ -154,12 +154,12 @@ dry_run() {
   if out=$("$PY" - "${phases[@]}" 2>&1 <<'PYEOF'
 import importlib, importlib.util, sys
 phases = set(sys.argv[1:])
-need = ["torch", "lowprec", "lowprec.backends", "yaml"]
+need = ["torch", "lowprec", "lowprec.sites.backends", "yaml"]
 if "tests" in phases: need += ["pytest", "hypothesis"]
 if "linear" in phases: need += ["experiments.bench_linear"]
 if "quantize" in phases: need += ["experiments.bench_quantize"]
 if "mainjob" in phases: need += ["lowprec.cli", "gates.cli", "eval_suites", "experiments.model", "experiments.data"]
-if "te" in phases: need += ["lowprec.backends.te"]
+if "te" in phases: need += ["lowprec.sites.backends.te"]
 bad = []
 for name in need:
     try:
@@ -297,9 +297,9 @@ phase_body() {
   case $p in
   tests)
     "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$WORK/tests-gpu.xml" \
-      tests/gpu tests/lowprec/test_quantize_torch_parity.py || rc=$?
+      tests/gpu tests/lowprec/numerics/test_quantize_torch_parity.py || rc=$?
     "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu --junitxml="$WORK/tests-kernels.xml" \
-      tests/lowprec/kernels/test_fp8_cast.py || rc=$((rc > 0 ? rc : $?))
+      tests/lowprec/numerics/kernels/test_fp8_cast.py || rc=$((rc > 0 ? rc : $?))
     return "$rc" ;;
   quantize)
     "$PY" experiments/bench_quantize.py --device cuda --dtype bfloat16 --size 8192 --no-fused \

@@ -126,7 +126,7 @@ def test_base_files_are_valid(folder, capsys):
 @given(mutations=_mutations(BASE_CONFIG_SHAPE))
 def test_config_loader_raises_only_config_error(folder, mutations):
     from lowprec.config import LowprecConfig
-    from lowprec.configparse import ConfigError
+    from lowprec.base.parse import ConfigError
 
     doc = _mutate(_base_config(folder), mutations)
     try:

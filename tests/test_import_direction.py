@@ -4,14 +4,17 @@ Every .py file under lowprec/ is parsed with `ast` (nothing is imported), so an 
 inside a function counts as much as one at the top: a lazy import is still a dependency.
 lowprec finds gate, evaluator and command implementations through entry points instead.
 
-The numerics, the model side and the decisions (formats ... rollout) also stay clear of the
-tracking layer: no MLflow, no matplotlib, no lowprec.tracking. Tracking reads them, not
-the other way round.
+The folders under lowprec/ are its layers. Each folder's `__init__` docstring says which
+other folders it may import ('May import: ...'); the tests read those rules from the
+folders, hold every import to them, and find no cycle between modules or between packages.
+The lower layers (base, numerics, sites, policy, state) stay clear of the tracking layer:
+no MLflow, no matplotlib. Tracking reads them, not the other way round.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,12 +22,6 @@ PACKAGE = ROOT / "lowprec"
 
 OUTSIDE = ("gates", "eval_suites", "experiments")  # the packages built on lowprec
 TRACKING = ("mlflow", "matplotlib", "lowprec.tracking")
-# Modules (relative to lowprec/) that must not reach the tracking layer; a folder means every file in it.
-CORE = ["__init__.py", "formats.py", "quantize.py", "hadamard.py", "delayed.py", "plan.py", "layers.py",
-        "quantized_gemms.py", "grid.py", "quant_stats.py", "strenum.py", "rng.py", "durable.py",
-        "state.py", "backends", "monitor.py", "controller.py", "events.py", "rollout.py", "fp8_ops.py",
-        "fp8_linear.py", "kernels", "weight_cache.py", "ranks.py"]
-
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
@@ -76,19 +73,112 @@ def test_lowprec_never_imports_gates_eval_suites_or_experiments():
                      "pyproject.toml and look it up from lowprec instead):\n" + "\n".join(bad))
 
 
-def test_numerics_model_and_decisions_do_not_import_tracking():
-    files, missing = [], []
-    for name in CORE:
-        p = PACKAGE / name
-        if p.is_dir():
-            files += sorted(p.rglob("*.py"))
-        elif p.is_file():
-            files.append(p)
-        else:
-            missing.append(name)
-    assert not missing, f"{missing} listed in CORE but not under {PACKAGE}: update CORE in {Path(__file__).name}"
+def _may_import() -> dict[str, set[str]]:
+    """package -> the lowprec packages it may import, read from the 'May import:' paragraph of
+    each folder's `__init__` docstring (the folders are the layers)."""
+    rules = {}
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        m = re.search(r"May import:(.*?)(?:\n\n|$)", doc, re.S)
+        assert m, f"{init.relative_to(ROOT)}: its docstring must say what the package may import ('May import: ...')"
+        rules[init.parent.name] = set(re.findall(r"lowprec\.(\w+)", m.group(1)))
+    return rules
+
+
+def _package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else ""
+
+
+def _graph() -> dict[str, dict[str, str]]:
+    """module -> {imported lowprec module: 'file:line'}, every import at any depth."""
+    graph = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        edges = graph.setdefault(module, {})
+        for line, name in imported_modules(path.read_text(), module, path.name == "__init__.py"):
+            if name == "lowprec" or name.startswith("lowprec."):
+                # `from lowprec.x import Name` also lists lowprec.x.Name: keep the longest real module
+                while name not in _ALL_MODULES and "." in name:
+                    name = name.rpartition(".")[0]
+                if name != module:
+                    edges.setdefault(name, f"{path.relative_to(ROOT)}:{line}")
+    return graph
+
+
+_ALL_MODULES = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+
+
+def test_every_folder_is_a_layer_that_imports_only_what_its_docstring_allows():
+    rules = _may_import()
+    assert {"base", "numerics", "sites", "policy", "state", "tracking", "config", "runtime"} <= set(rules), sorted(rules)
+    bad = []
+    for module, edges in _graph().items():
+        src = _package_of(module)
+        if not src:
+            continue  # lowprec/__init__.py and lowprec/cli.py sit above every layer
+        for name, where in edges.items():
+            dst = _package_of(name)
+            if dst and dst != src and dst not in rules[src]:
+                bad.append(f"{where}: lowprec.{src} imports {name}; lowprec/{src}/__init__.py allows "
+                           f"{', '.join(sorted(rules[src])) or 'nothing from lowprec'}")
+    assert not bad, "imports go only downwards:\n" + "\n".join(sorted(bad))
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of `graph` as a list of nodes, or []."""
+    state, stack = {}, []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state and (found := visit(m)):
+                return found
+        state[n] = 2
+        stack.pop()
+        return []
+
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)):
+            return found
+    return []
+
+
+def test_the_layer_rules_have_no_cycle():
+    rules = _may_import()
+    assert not (c := _cycle(rules)), f"the folders' 'May import' rules form a cycle: {' -> '.join(c)}"
+
+
+def test_no_import_cycle_between_modules_or_packages():
+    graph = _graph()
+    modules = {m: {n for n in edges if n != "lowprec"} for m, edges in graph.items()}
+    # a package's __init__ importing its own submodules is how a package exposes them, not a cycle
+    modules = {m: {n for n in e if not (m and n.startswith(m + ".") and (PACKAGE / Path(*m.split(".")[1:])).is_dir())}
+               for m, e in modules.items()}
+    assert not (c := _cycle(modules)), f"module import cycle: {' -> '.join(c)}"
+    packages = {}
+    for m, edges in graph.items():
+        for n in edges:
+            a, b = _package_of(m), _package_of(n)
+            if a and b and a != b:
+                packages.setdefault(a, set()).add(b)
+    assert not (c := _cycle(packages)), f"package import cycle: {' -> '.join(c)}"
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) == []
+
+
+def test_numerics_sites_policy_and_state_do_not_import_tracking():
+    files = [p for layer in ("base", "numerics", "sites", "policy", "state") for p in sorted((PACKAGE / layer).rglob("*.py"))]
+    files.append(PACKAGE / "__init__.py")
+    assert len(files) > 30, f"found only {len(files)} files in the lower layers"
     bad = _violations(files, TRACKING)
-    assert not bad, ("the numerics, model side and decisions must not import MLflow, matplotlib or "
+    assert not bad, ("the numerics, sites, policy and state layers must not import MLflow, matplotlib or "
                      "lowprec.tracking (the tracking layer reads them, not the reverse):\n" + "\n".join(bad))
 
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 
-LIGHT_MODULES = ["lowprec", "lowprec.formats", "lowprec.quantize", "lowprec.hadamard"]
+LIGHT_MODULES = ["lowprec", "lowprec.numerics.formats", "lowprec.numerics.quantize", "lowprec.numerics.hadamard"]
 HEAVY = ["mlflow", "lm_eval", "datasets", "transformer_engine", "transformers", "torchao"]
 
 PROBE = textwrap.dedent("""

@@ -8,4 +8,7 @@ The framework-neutral part (the config file, the session inside a loop that some
 steps, eval checkpoints and tracking) is `lowprec.integrations.core`. Importing this package
 imports no framework; importing a framework's module without its extra installed is an
 ImportError that names the extra (`lowprec.integrations.extras`).
+
+May import: lowprec.runtime, lowprec.config, lowprec.tracking, lowprec.state, lowprec.policy,
+lowprec.sites, lowprec.numerics, lowprec.base.
 """

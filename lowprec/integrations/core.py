@@ -34,12 +34,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lowprec.config import ConfigRole, LowprecConfig
-from lowprec.decisions import Action
-from lowprec.ranks import process_rank, world_size
+from lowprec.policy.decisions import Action
+from lowprec.state.ranks import process_rank, world_size
 from lowprec.runtime.after_step import AfterStep
 from lowprec.runtime.session import Session, StepResult, rollout_settings
 from lowprec.tracking.records import RunStatus
-from lowprec.verdicts import Verdict
+from lowprec.policy.verdicts import Verdict
 
 __all__ = ["framework_config", "HostedRollout", "HostedCallback", "Attach", "GapOutcome", "allreduce_grads"]
 
@@ -90,7 +90,7 @@ class HostedRollout:
         """Prepares `model` now (its planned Linear layers become PrecisionLinear holding the same
         Parameters), so do this before the framework wraps the model or builds the optimizer.
         baseline: the BF16 run's loss per step, for `rollout.thresholds.loss_gap`."""
-        from lowprec.state import prepare
+        from lowprec.sites.precision_state import prepare
         config = framework_config(config)
         self.config, self.model, self.baseline = config, model, baseline
         self.state = prepare(model, config.precision, seed=seed)
@@ -132,7 +132,7 @@ class HostedRollout:
                                           forward=eval_forward, tokenizer=eval_tokenizer)
         controller = None
         if cfg.rollout is not None:
-            from lowprec.rollout import build_controller
+            from lowprec.policy.rollout import build_controller
             controller = build_controller(cfg.rollout, self.state, self.model, baseline=self.baseline,
                                           gate=self.evals.gate if self.evals is not None else None)
         self.session = Session(self.model, optimizer, self.state, controller, scheduler=scheduler,

@@ -6,8 +6,8 @@
 A framework that resumes from its checkpoint restores the model, the optimizer and the
 data position, but not lowprec: without this file every layer would start again in the
 plan's format and the controller at its first stage, so a layer that fell back to BF16
-would run in FP8 again. Each file is written atomically (`lowprec.durable`) with the
-SHA-256 of its contents (`lowprec.integrity`); reading verifies them and refuses a torn or
+would run in FP8 again. Each file is written atomically (`lowprec.state.durable`) with the
+SHA-256 of its contents (`lowprec.state.integrity`); reading verifies them and refuses a torn or
 altered file, and says what to do about a folder that has no lowprec state.
 
 The Hugging Face callback writes it at `on_save` and reads it when the Trainer resumes.
@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lowprec.durable import check_plain, save_atomically
-from lowprec.ranks import process_rank
-from lowprec.integrity import CorruptCheckpointError, payload_integrity, verify_payload
+from lowprec.state.durable import check_plain, save_atomically
+from lowprec.state.ranks import process_rank
+from lowprec.state.integrity import CorruptCheckpointError, payload_integrity, verify_payload
 
 __all__ = ["STATE_DIR", "MissingRolloutStateError", "rollout_state_path", "save_rollout_state",
            "read_rollout_state", "weights_fingerprint", "differing_weights"]

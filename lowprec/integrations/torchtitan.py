@@ -14,13 +14,13 @@ What the converter does, through torchtitan's model-converter protocol
 (`torchtitan.protocols.model_converter`: `__init__(job_config, parallel_dims)`,
 `convert(model)`, `post_optimizer_hook(model)`):
 
-* `__init__` reads and validates the YAML file (a `lowprec.configparse.ConfigError` names
+* `__init__` reads and validates the YAML file (a `lowprec.base.parse.ConfigError` names
   the key, what was found and the fix) and refuses the features the protocol cannot carry
   (below), so a job fails at start, not after hours.
 * `convert(model)` runs `lowprec.prepare(model, plan)`: the planned `nn.Linear`s become
   `PrecisionLinear`s holding the same Parameters. torchtitan builds its model on the meta
   device and materializes it later (`to_empty` + `init_weights`); the layers follow. It
-  also builds the rollout controller (`lowprec.rollout.build_controller`).
+  also builds the rollout controller (`lowprec.policy.rollout.build_controller`).
 * `post_optimizer_hook(model)` runs once per training step, after `optimizer.step()`
   (torchtitan registers it as the optimizers' step post-hook). It keeps the step's
   quantizer statistics (on check steps), and on every `check_every`-th step hands the
@@ -67,13 +67,13 @@ from torchtitan.protocols.model_converter import register_model_converter  # noq
 from torchtitan.tools.logging import logger  # noqa: E402
 
 from lowprec.config import ConfigRole, LowprecConfig  # noqa: E402
-from lowprec.configparse import ConfigError  # noqa: E402
-from lowprec.decisions import apply_decision  # noqa: E402
-from lowprec.events import Event, EventLog  # noqa: E402
-from lowprec.monitor import Monitor  # noqa: E402
-from lowprec.plan import PrecisionPlan  # noqa: E402
-from lowprec.rollout import RolloutConfig, build_controller  # noqa: E402
-from lowprec.state import prepare  # noqa: E402
+from lowprec.base.parse import ConfigError  # noqa: E402
+from lowprec.policy.decisions import apply_decision  # noqa: E402
+from lowprec.policy.events import Event, EventLog  # noqa: E402
+from lowprec.policy.monitor import Monitor  # noqa: E402
+from lowprec.sites.plan import PrecisionPlan  # noqa: E402
+from lowprec.policy.rollout import RolloutConfig, build_controller  # noqa: E402
+from lowprec.sites.precision_state import prepare  # noqa: E402
 
 __all__ = ["LowprecSection", "JobConfig", "LowprecConverter", "load_config", "NAME"]
 

@@ -5,4 +5,7 @@
 * `lowprec.profile.planner`: from a profile to `precision:` and `rollout:` sections.
 * `lowprec.profile.report`: the ranked table, the picture, MLflow.
 * `lowprec.profile.cli`: the command.
+
+May import: lowprec.runtime, lowprec.config, lowprec.tracking, lowprec.state, lowprec.policy,
+lowprec.sites, lowprec.numerics, lowprec.base.
 """

@@ -25,8 +25,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from lowprec.configparse import ConfigError
-from lowprec.durable import replace_durably
+from lowprec.base.parse import ConfigError
+from lowprec.state.durable import replace_durably
 
 __all__ = ["register"]
 
@@ -67,7 +67,7 @@ def _fail(msg: str) -> int:
 
 
 def _parse_caps(items: list[str]) -> dict[str, float]:
-    from lowprec.formats import get_format
+    from lowprec.numerics.formats import get_format
     caps = {}
     for item in items:
         name, sep, val = item.partition("=")
@@ -106,8 +106,8 @@ def _check_args(args) -> None:
 
 def _site_formats(args, state) -> tuple[dict[str, list[str]], list[str]]:
     """{site: formats to profile} and the pairs left out because the format does not fit the site."""
-    from lowprec.formats import get_format
-    from lowprec.quantize import check_layer_fits
+    from lowprec.numerics.formats import get_format
+    from lowprec.numerics.quantize import check_layer_fits
     wanted = None
     if args.formats:
         try:
@@ -301,7 +301,7 @@ def _warm_up(cfg, prepared, steps: int) -> None:
 def _load_weights(path: str, model) -> None:
     """The model weights of a `lowprec run` checkpoint (its optimizer and rollout are not used)."""
     import torch
-    from lowprec.checkpoint import load_checkpoint
+    from lowprec.state.checkpoint import load_checkpoint
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     load_checkpoint(path, model=model, optimizer=opt, keep_current=("precision", "controller"), restore_rng=False)
 

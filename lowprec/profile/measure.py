@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowprec.formats import Format, get_format
-from lowprec.quantize import QuantStats
+from lowprec.numerics.formats import Format, get_format
+from lowprec.numerics.quantize import QuantStats
 from lowprec.runtime.engine import loss_of
 
 __all__ = ["SiteCost", "Profile", "profile_sites", "site_role", "sample_sites", "bits_saved_share"]

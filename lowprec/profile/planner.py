@@ -5,7 +5,7 @@
    least sensitive one, least sensitive per FLOP saved first, until the format's FLOP-share
    cap (`max_share`) is reached; a site that fits nowhere stays in BF16. Each site's
    ladder is its format, then one format per width with more bits (its own ladder's, else the first profiled one by
-   name: lowprec.plan allows one format per width), then BF16.
+   name: lowprec.sites.plan allows one format per width), then BF16.
 2. Stages (`order_stages`): from the most bits down (FP8 stages, then FP4), every site on
    its way to that format or below moves in the stage of that format; a format's sites are
    cut into stages of about equal FLOPs, least sensitive per FLOP saved first, none empty.
@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from lowprec.formats import get_format
+from lowprec.numerics.formats import get_format
 from lowprec.profile.measure import Profile, SiteCost
 
 __all__ = ["SiteChoice", "StagePlan", "choose_formats", "order_stages", "plan_sections", "final_shares"]
@@ -101,7 +101,7 @@ def choose_formats(profile: Profile, ladders: Mapping[str, Sequence[str]], *, bu
 
 def _ladder(fmt: str, own: Sequence[str], profiled: Sequence[str]) -> tuple[str, ...]:
     """fmt, then one format per width with more bits (fewest first; the site's own ladder's,
-    else the first profiled one by name), then bf16: lowprec.plan refuses a ladder with two
+    else the first profiled one by name), then bf16: lowprec.sites.plan refuses a ladder with two
     formats of one width (e.g. fp8_tensorwise and mxfp8 both profiled)."""
     width: dict[int, str] = {}
     for f in (*own, *sorted(profiled)):

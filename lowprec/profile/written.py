@@ -16,8 +16,8 @@ from typing import Sequence
 
 import yaml
 
-from lowprec.configparse import ConfigError
-from lowprec.durable import write_text_atomically
+from lowprec.base.parse import ConfigError
+from lowprec.state.durable import write_text_atomically
 from lowprec.profile.planner import SiteChoice, StagePlan, plan_sections
 
 __all__ = ["write_config", "check_written"]
@@ -63,7 +63,7 @@ def check_written(path: str | Path) -> None:
     """Parse the written config and build its plan and controller against a fresh model, as
     `lowprec plan` does (the loss-gap baseline is not read); raises ConfigError."""
     from lowprec.config import LowprecConfig
-    from lowprec.rollout import build_controller
+    from lowprec.policy.rollout import build_controller
     from lowprec.runtime.run import prepare_run
     cfg = LowprecConfig.from_yaml(path)
     prepared = prepare_run(replace(cfg, rollout=None, eval=None), controller=False, with_data=False)

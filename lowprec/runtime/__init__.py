@@ -12,6 +12,9 @@ Modules: `session` (Session), `snapshots` (in-memory and disk rewinds), `loop` (
 `faults` (injected faults), `evals` (eval checkpoints, evaluator
 and gate protocols), `run` (a config, end to end), `cli` (`lowprec run`, `lowprec plan`).
 Importing this package imports no MLflow.
+
+May import: lowprec.config, lowprec.tracking, lowprec.state, lowprec.policy, lowprec.sites,
+lowprec.numerics, lowprec.base.
 """
 
 from lowprec.runtime.faults import FaultKind, Injection, parse_injection

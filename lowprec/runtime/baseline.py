@@ -11,7 +11,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from lowprec.configparse import ConfigError
+from lowprec.base.parse import ConfigError
 
 __all__ = ["losses_of_run", "telemetry_of_run", "LOSSES_ARTIFACT"]
 

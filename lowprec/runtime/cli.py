@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from lowprec.configparse import ConfigError
+from lowprec.base.parse import ConfigError
 
 __all__ = ["register"]
 
@@ -78,8 +78,8 @@ def _cmd_plan(args) -> int:
 
 
 def _table(prepared) -> str:
-    from lowprec.plan import SitePlan, format_plan_table
-    from lowprec.formats import get_format
+    from lowprec.sites.plan import SitePlan, format_plan_table
+    from lowprec.numerics.formats import get_format
     state, bf16 = prepared.state, get_format("bf16")
     sites = {f: SitePlan(f, s.module, s.format, s.ladder, s.reason) for f, s in state.sites.items()}
     sites.update({f: SitePlan(f, prepared.model.get_submodule(f), bf16, (bf16,), why)

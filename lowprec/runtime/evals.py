@@ -53,7 +53,7 @@ def load_entry_point(group: str, name: str):
     """The object an installed package declares as `name` in entry point group `group`."""
     found = {ep.name: ep for ep in entry_points(group=group)}
     if name not in found:
-        from lowprec.formats import suggest
+        from lowprec.base.parse import suggest
         have = ", ".join(sorted(found)) or "none are installed"
         raise LookupError(f"no {group} entry point named {name!r}.{suggest(name, list(found))} Installed: {have}. "
                           f"A package provides one in its pyproject.toml under "
@@ -128,7 +128,7 @@ def eval_checkpoints(config, model, state, *, max_length: int, tracker=None, **e
     checker found through their entry points and checked (the gate's metrics must be ones the
     evaluator produces here). `evaluator_kwargs` (e.g. `forward=`, `tokenizer=`) go to the
     evaluator. Every problem is a ConfigError at `eval`."""
-    from lowprec.configparse import ConfigError
+    from lowprec.base.parse import ConfigError
     try:
         ev_cls = load_entry_point(EVALUATORS, config.evaluator)
         if hasattr(ev_cls, "check_config"):

@@ -31,7 +31,7 @@ returns it as a plain tensor, equal on every rank.
 
 Snapshots and checkpoints see the sharded state: `model.state_dict()` holds DTensor shards
 and `load_state_dict` copies into them in place, so each rank snapshots and restores its
-own shards (`lowprec.runtime.snapshots`), and `lowprec.checkpoint` writes DCP checkpoints.
+own shards (`lowprec.runtime.snapshots`), and `lowprec.state.checkpoint` writes DCP checkpoints.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class FullyShardedDP:
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     def _check_amax_groups(self, model: nn.Module) -> None:
-        from lowprec.layers import PrecisionLinear
+        from lowprec.sites.layers import PrecisionLinear
         if self.world == 1:
             return
         bare = [m.fqn for m in model.modules() if isinstance(m, PrecisionLinear) and m.amax_group is None]

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from lowprec.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
+from lowprec.state.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from lowprec.runtime.data import TokenBatches
-from lowprec.ranks import process_rank
+from lowprec.state.ranks import process_rank
 from lowprec.runtime.after_step import AfterStep
 from lowprec.runtime.engine import Engine
 from lowprec.runtime.lrprobe import LRProbe
@@ -195,7 +195,7 @@ def _lr_probe(rollout, controller, engine: Engine, opt, state, data, tc) -> LRPr
     returning this rank's (x, y) of a batch that training never draws."""
     if controller is None or rollout is None or not rollout.lr_probe.enabled:
         return None
-    from lowprec.configparse import ConfigError
+    from lowprec.base.parse import ConfigError
     if isinstance(data, TokenBatches):
         held = TokenBatches(data.tokens, data.batch_size, data.block_size, seed=data.seed + HELD_SEED_OFFSET,
                             rank=data.rank, world=data.world).batch(0)

@@ -22,7 +22,7 @@ training loss itself moves (tests/lowprec/runtime/test_lrprobe_signal.py).
 Nothing the probe touches stays changed, bit for bit: parameters, optimizer state
 (AdamW's moments and step counts), the param groups' learning rates, gradients (the
 probe starts from none and gives back what there was), the RNG states
-(`lowprec.checkpoint.rng_state`), and the precision layers' side effects: quantizer
+(`lowprec.state.checkpoint.rng_state`), and the precision layers' side effects: quantizer
 statistics are off during the probe (each site's `collect_stats` and its last
 statistics come back as they were), and delayed-scaling amax histories and the sites'
 own generators are put back. Each of the three evaluations starts from the same RNG and
@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from lowprec.rng import restore_rng_state, rng_state
+from lowprec.state.rng import restore_rng_state, rng_state
 from lowprec.runtime.engine import loss_of
 
 __all__ = ["LRProbe", "ProbeResult"]

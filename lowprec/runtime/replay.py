@@ -1,6 +1,6 @@
 """Replaying an anomalous step exactly: the same batch, weights, RNG and scaling state.
 
-`StepReplayer` is the session's half of `lowprec.attribution`. When every step's first
+`StepReplayer` is the session's half of `lowprec.policy.attribution`. When every step's first
 forward begins (a forward pre-hook, armed by the session between steps), it keeps what a replay needs to start where the step started and
 that the step itself changes: the torch RNG states (CPU and CUDA; dropout), each
 site's stochastic-rounding generator, and the delayed-scaling amax histories (the

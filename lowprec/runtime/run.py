@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lowprec.configparse import ConfigError
+from lowprec.base.parse import ConfigError
 from lowprec.tracking.records import RunStatus
 
 __all__ = ["PreparedRun", "prepare_run", "load_factory", "high_precision_baseline", "execute", "run_config",
@@ -95,7 +95,7 @@ def _search_paths(cfg) -> list[Path]:
 def read_baseline(cfg) -> dict[int, float] | None:
     """The loss curve `rollout.baseline` names: a losses file (beside the config, or from the
     working directory), or an MLflow run's losses.json."""
-    from lowprec.rollout import read_losses
+    from lowprec.policy.rollout import read_losses
     b = cfg.rollout.baseline if cfg.rollout is not None else None
     if b is None:
         return None
@@ -119,7 +119,7 @@ def _tracking_uri(cfg) -> str:
 
 def high_precision_baseline(cfg):
     """The same run with every site held in bf16, no rollout and no in-loop gate."""
-    from lowprec.plan import PrecisionPlan
+    from lowprec.sites.plan import PrecisionPlan
     d = cfg.precision.to_dict()
     for rule in d.get("rules", []):
         rule["format"], rule["ladder"] = "bf16", ["bf16"]
@@ -131,9 +131,9 @@ def high_precision_baseline(cfg):
 
 def prepare_run(cfg, *, controller: bool = True, with_data: bool = True) -> PreparedRun:
     """Everything before step 0 (see the module docstring); raises ConfigError."""
-    from lowprec.rollout import build_controller
+    from lowprec.policy.rollout import build_controller
     from lowprec.runtime.data import as_batch_source
-    from lowprec.state import prepare
+    from lowprec.sites.precision_state import prepare
 
     paths = _search_paths(cfg)
     tc = cfg.train
@@ -222,7 +222,7 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
     """`lowprec run`: train a prepared run tracked in MLflow, print the summary; the exit status
     (2, with nothing written, when resuming finds checkpoints and every one is corrupt)."""
     import warnings
-    from lowprec.checkpoint import NoUsableCheckpointError, checkpoint_to_resume
+    from lowprec.state.checkpoint import NoUsableCheckpointError, checkpoint_to_resume
     cfg = prepared.config
     if resume:
         try:

@@ -12,9 +12,9 @@
 `step(loss, closure)` does what the decision says, itself: it clips the gradients (or
 takes the caller's grad norm), reads the loss and the global grad norm on the host (one
 read per step) and looks for a global anomaly (NaN/Inf, loss or grad-norm spike,
-`lowprec.anomaly`). An anomalous step is never applied; with a `closure` (the step's
+`lowprec.policy.anomaly`). An anomalous step is never applied; with a `closure` (the step's
 forward and backward again, as `torch.optim.Optimizer.step(closure)` takes it) it is
-first replayed with sites in high precision (`lowprec.attribution`, at most
+first replayed with sites in high precision (`lowprec.policy.attribution`, at most
 `max_replays` times): the sites whose precision caused it fall back, and a fault that
 precision did not cause demotes nothing. Everything else (the quantizer statistics and
 their rules) is read once per check. Then format changes are applied, and the optimizer
@@ -52,11 +52,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowprec.anomaly import Anomaly
-from lowprec.attribution import Attribution, Replay, attribute
-from lowprec.controller import Action, Decision, RolloutController, apply_decision
-from lowprec.events import Event, EventLog
-from lowprec.monitor import Monitor, MonitorConfig
+from lowprec.policy.anomaly import Anomaly
+from lowprec.policy.attribution import Attribution, Replay, attribute
+from lowprec.policy.controller import Action, Decision, RolloutController, apply_decision
+from lowprec.policy.events import Event, EventLog
+from lowprec.policy.monitor import Monitor, MonitorConfig
 from lowprec.runtime.lrprobe import LRProbe, ProbeResult
 from lowprec.runtime.replay import StepReplayer
 from lowprec.runtime.snapshots import MemorySnapshots, Snapshots
@@ -108,7 +108,7 @@ class Session:
                  lr_probe: LRProbe | None = None, lr_probe_config=None,
                  held_batch: tuple[torch.Tensor, torch.Tensor] | None = None, clock: LapClock = NULL_CLOCK):
         """state: the PrecisionState of `lowprec.prepare(model, plan)` (this rank's sites).
-        controller: from `lowprec.rollout.build_controller`; None runs the plan as it is
+        controller: from `lowprec.policy.rollout.build_controller`; None runs the plan as it is
             (no statistics, no decisions: every step is applied).
         monitor: when the signals are read (the rollout's `monitor_config()`).
         snapshots: where rewinds go back to; default, when the controller may rewind,
@@ -180,8 +180,8 @@ class Session:
     def build(cls, model: nn.Module, optimizer: torch.optim.Optimizer, plan, rollout=None, *, seed: int = 0,
               baseline: dict[int, float] | None = None, gate=None, **kwargs) -> "Session":
         """prepare(model, plan) and a controller from the parsed `rollout:` section."""
-        from lowprec.rollout import build_controller
-        from lowprec.state import prepare
+        from lowprec.policy.rollout import build_controller
+        from lowprec.sites.precision_state import prepare
         state = prepare(model, plan, seed=seed)
         controller = None if rollout is None else build_controller(rollout, state, model, baseline=baseline,
                                                                    gate=gate)
@@ -427,7 +427,7 @@ def rollout_settings(rollout) -> dict:
 
 def _probe_from_config(cfg, model: nn.Module, optimizer: torch.optim.Optimizer, state, clip,
                        held_batch) -> LRProbe:
-    from lowprec.configparse import ConfigError
+    from lowprec.base.parse import ConfigError
     if held_batch is None:
         raise ConfigError("rollout.lr_probe", (
             "is enabled, and the probe needs a held batch: pass held_batch=(x, y), a batch training never "

@@ -9,7 +9,7 @@ the same fault again). Two sources share one small interface (`Snapshots`):
   (at most `keep` of them, oldest dropped first), on the parameters' device or on the
   CPU. Under tensor or pipeline parallelism each rank keeps its own shards and stage, so
   nothing is gathered and no checkpoint folder is needed.
-* `DiskSnapshots`: the run's checkpoints (`lowprec.checkpoint`), written at the
+* `DiskSnapshots`: the run's checkpoints (`lowprec.state.checkpoint`), written at the
   loop's checkpoint cadence; a rewind loads the newest one old enough that matches its
   checksums (a corrupt one is skipped with a warning naming it).
 
@@ -31,8 +31,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from lowprec.checkpoint import CorruptCheckpointError, list_checkpoints, load_checkpoint
-from lowprec.rng import restore_rng_state, rng_state
+from lowprec.state.checkpoint import CorruptCheckpointError, list_checkpoints, load_checkpoint
+from lowprec.state.rng import restore_rng_state, rng_state
 
 __all__ = ["Snapshots", "MemorySnapshots", "DiskSnapshots"]
 

@@ -14,4 +14,6 @@ Import the submodule you need (`from lowprec.tracking.tracker import Tracker`). 
 imports nothing: `import lowprec.tracking` loads neither MLflow nor matplotlib, and the
 numerics, plan, layers, state, monitor and controller never import this package
 (tests/test_import_direction.py holds them to that).
+
+May import: lowprec.state, lowprec.policy, lowprec.sites, lowprec.numerics, lowprec.base.
 """

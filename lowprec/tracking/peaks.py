@@ -16,8 +16,8 @@ from enum import Enum
 
 from torch import nn
 
-from lowprec.backends import BACKEND_NAMES, BackendName
-from lowprec.formats import get_format
+from lowprec.sites.backends import BACKEND_NAMES, BackendName
+from lowprec.numerics.formats import get_format
 
 __all__ = ["GemmClass", "Peak", "gemm_class", "peaks_for_gpu_name", "device_peaks",
            "measure_cpu_fp32_peak", "gemm_flops_per_token", "ideal_seconds", "mfu"]
@@ -44,10 +44,10 @@ def gemm_class(backend: str, fmt: str, device_type: str) -> GemmClass:
     """The hardware GEMM a site of format `fmt` runs on with `backend` on `device_type`.
 
     On a CPU everything is FP32. The `emulated` backend multiplies dequantized FP32
-    operands with `@` (lowprec/backends/emulated.py: `Quantized.values` are float32 grid
+    operands with `@` (lowprec/sites/backends/emulated.py: `Quantized.values` are float32 grid
     points times float32 scales), so its quantized sites are FP32 GEMMs on a GPU too
     (CUDA cores; TF32 tensor cores only if the user enables `allow_tf32`); its `bf16` sites
-    run `F.linear` on BF16 tensors (lowprec/layers.py), i.e. BF16 tensor cores. On the
+    run `F.linear` on BF16 tensors (lowprec/sites/layers.py), i.e. BF16 tensor cores. On the
     `torch`, `te` and `torchao` backends a format runs on the tensor cores of its width: FP8
     formats (fp8_*, mxfp8) on FP8, FP4 formats (nvfp4, mxfp4, fp4_tensorwise) on FP4, bf16 on
     BF16 (`torchao` on CUDA runs real FP8 GEMMs unless a site was built with emulate=True).

@@ -26,7 +26,7 @@ import re
 import time
 from typing import Any, Mapping
 
-from lowprec.strenum import StrEnum
+from lowprec.base.enums import StrEnum
 
 __all__ = ["SIGNAL_STATS", "BASELINE_LOSS", "LR_SENSITIVITY", "MAX_KEY", "MAX_PARAM_VALUE", "MAX_TAG_VALUE", "now_ms",
            "metric_key", "fit_value", "flatten_config", "signal_metrics", "eval_metrics", "eval_metric_name",
@@ -100,7 +100,7 @@ def _quantstats_dicts(sites: Mapping[str, Any]) -> dict[tuple[str, str], dict]:
 
 
 # What the monitor never measures, left out rather than logged as zeros: a site's output is
-# only checked for non-finite values (lowprec.monitor's output hook), never quantized.
+# only checked for non-finite values (lowprec.policy.monitor's output hook), never quantized.
 UNMEASURED = {"output": frozenset({"amax", "saturated_frac", "underflow_frac", "underflow_energy_frac", "rel_mse",
                                    "sqnr_db"})}
 
@@ -114,7 +114,7 @@ def signal_metrics(signals: Any, stats: tuple[str, ...] = SIGNAL_STATS) -> dict[
     host = _quantstats_dicts(sites)
     out = {}
     for site, per in sites.items():
-        if hasattr(per, "flat"):                          # lowprec.monitor.SiteSignals
+        if hasattr(per, "flat"):                          # lowprec.policy.monitor.SiteSignals
             flat = {k: float(v) for k, v in per.flat().items()}
         else:
             flat = {}

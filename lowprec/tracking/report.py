@@ -36,8 +36,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lowprec.controller import LR_HISTORY, lr_hold_level
-from lowprec.events import EventKind
+from lowprec.policy.controller import LR_HISTORY, lr_hold_level
+from lowprec.policy.events import EventKind
 from lowprec.tracking.records import LR_SENSITIVITY
 from lowprec.tracking.report_sources import ReportData, fallback_sites, signals_of
 from lowprec.tracking.report_timeline import (EVENT_STYLE, FORMAT_COLORS, REWOUND_COLOR, fit_title, new_figure,
@@ -159,7 +159,7 @@ def signals_figure(data: ReportData):
 def hold_levels(points: list[tuple[int, float]], hold_rise: float | None,
                 hold_above: float | None) -> list[tuple[int, float]]:
     """(step, level) at each probe that has one: above it, the controller holds a promotion
-    (`lowprec.controller.lr_hold_level`)."""
+    (`lowprec.policy.controller.lr_hold_level`)."""
     out = []
     for i in range(len(points)):
         level, _ = lr_hold_level(points[:i + 1], hold_rise, hold_above)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import yaml
 
-from lowprec.events import Event, EventKind, read_events, replay
+from lowprec.policy.events import Event, EventKind, read_events, replay
 from lowprec.tracking.records import BASELINE_LOSS, flatten_config
 
 __all__ = ["ReportData", "from_run_dir", "from_mlflow", "events_table", "events_tags", "signals_of",
@@ -47,7 +47,7 @@ Series = list[tuple[int, float]]
 _KEPT_PREFIXES = ("train/", "eval/", "eval_hp/", "precision/", "time/", "telemetry/")
 WINDOW = "time/window_s"
 STATS = ("amax", "saturated_frac", "underflow_frac", "underflow_energy_frac", "rel_mse", "sqnr_db", "nonfinite")
-# rollout.thresholds keys (lowprec.detectors.Thresholds) -> the stat they bound
+# rollout.thresholds keys (lowprec.policy.detectors.Thresholds) -> the stat they bound
 THRESHOLD_KEYS = {"max_saturated_frac": "saturated_frac", "max_underflow_frac": "underflow_frac",
                   "max_underflow_energy": "underflow_energy_frac", "min_sqnr_db": "sqnr_db"}
 

@@ -22,7 +22,7 @@ title. A run without `time/` metrics (older runs) gets no picture.
 
 from __future__ import annotations
 
-from lowprec.events import EventKind
+from lowprec.policy.events import EventKind
 from lowprec.tracking.phases import Bucket, Phase
 from lowprec.tracking.report import _mark_events, is_eval_metric
 from lowprec.tracking.report_sources import WINDOW, ReportData, rewinds

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from lowprec.events import Event, EventKind, replay
+from lowprec.policy.events import Event, EventKind, replay
 from lowprec.tracking.report_sources import ReportData, flops_share_steps, precision_history, rewinds, signals_of
 
 __all__ = ["timeline_figure", "FORMAT_COLORS", "EVENT_STYLE", "new_figure", "numbered_events", "reason_text",

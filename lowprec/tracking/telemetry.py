@@ -48,7 +48,7 @@ class TelemetryConfig:
     system_metrics_s: float | None = 10.0   # MLflow's system metrics every N seconds (null: none)
 
     def __post_init__(self) -> None:
-        from lowprec.configparse import ConfigError
+        from lowprec.base.parse import ConfigError
         if self.system_metrics_s is not None and not self.system_metrics_s > 0:
             raise ConfigError("system_metrics_s", f"expected seconds between samples (> 0, e.g. 10) or null (no "
                                                   f"system metrics), found {self.system_metrics_s!r}")

@@ -45,7 +45,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from lowprec.events import Event, EventLog
+from lowprec.policy.events import Event, EventLog
 from lowprec.tracking.outbox import Outbox, SendResult, server_answers
 from lowprec.tracking.records import (BASELINE_LOSS, EVAL_PREFIX, LR_SENSITIVITY, MAX_TAG_VALUE, SIGNAL_STATS,
                                       PrecisionMapLog, RunStatus, chunk, eval_artifact_name, eval_metric_name, eval_metrics,
@@ -201,7 +201,7 @@ class Tracker:
         events = list(events)
         for e in events:
             if not isinstance(e, Event):
-                raise TypeError(f"log_events takes lowprec.events.Event objects, got {type(e).__name__}")
+                raise TypeError(f"log_events takes lowprec.policy.events.Event objects, got {type(e).__name__}")
         if events:
             self._put(("events", events))
 

@@ -55,7 +55,7 @@ $PY -m pip download -q --no-deps "${PLAT[@]}" -d "$DL/files" \
 cd "$DL"
 ( cd files && sha256sum * > ../SHA256SUMS )
 big=$(ls files/transformer_engine_cu13-*.whl)
-# TE's Python sources, for tests/lowprec/backends/test_te_api.py (parsed, not imported, on CPU)
+# TE's Python sources, for tests/lowprec/sites/backends/test_te_api.py (parsed, not imported, on CPU)
 rm -rf src && unzip -q "$big" 'transformer_engine/*.py' -d src
 split -b "${PART_MB}M" -d -a 2 "$big" "$(basename "$big").part"
 i=0

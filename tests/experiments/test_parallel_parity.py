@@ -39,7 +39,7 @@ Losses, and why these bounds:
   GEMMs and a gradient the sum of two half-batch ones; now and then such an ulp moves a
   value across an FP8 rounding boundary (a whole grid step), and from then on two
   correct runs drift apart. Measured here with lr 1e-3: at most 1e-4 over the 30 steps,
-  the rewind included (the same 1e-3 bound as tests/lowprec/test_distributed.py's
+  the rewind included (the same 1e-3 bound as tests/lowprec/sites/test_distributed.py's
   independent runs). With lr 3e-3 this tiny model's dynamics amplify the same drift to
   1e-2 after skipped steps (gradient norm 7 against about 1 around it), so the config uses
   1e-3. The rewound stretch is compared too: the rewind returns both runs to their step-10

@@ -29,8 +29,8 @@ import torch
 from eval_suites import DataUnavailable
 from experiments import smollm2
 from experiments.pretrained import PLANS, EvalSettings, prepared_copy, report, run_eval
-from lowprec.layers import PrecisionLinear
-from lowprec.plan import PrecisionPlan
+from lowprec.sites.layers import PrecisionLinear
+from lowprec.sites.plan import PrecisionPlan
 
 # a real 135M-parameter model loaded from local weights (about 20 s): in `make test`, not the fast subset
 pytestmark = pytest.mark.slow

@@ -22,7 +22,7 @@ import gates.stats as gstats
 from gates import (HIGHER_IS_BETTER, LOWER_IS_BETTER, Gate, GateInputError, MetricScores, Scores, Tolerance, check_all,
                    summarize)
 from gates.stats import normal_interval, paired_bootstrap_interval, z_value
-from lowprec.verdicts import Verdict
+from lowprec.policy.verdicts import Verdict
 
 FAST = settings(max_examples=40, deadline=None)
 

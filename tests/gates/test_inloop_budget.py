@@ -23,7 +23,7 @@ from gates.errors import GateSpecError
 from gates.inloop import GateFileChecker
 from gates.power import clopper_pearson
 from gates.spec import GateSpec
-from lowprec.verdicts import Verdict
+from lowprec.policy.verdicts import Verdict
 
 GATE = """
 defaults: {statistic: paired_bootstrap, confidence: 0.95, min_samples: 8, bootstrap_samples: 1000, seed: 0}

@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from lowprec.backends import get_backend
-from lowprec.formats import get_format
-from lowprec.layers import PrecisionLinear
+from lowprec.sites.backends import get_backend
+from lowprec.numerics.formats import get_format
+from lowprec.sites.layers import PrecisionLinear
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -43,7 +43,7 @@ def test_bf16_in_bf16_out_matches_emulated(fmt):
 
 def test_scaled_mm_returns_bf16_without_fp32_pass():
     """The backend's gemm itself hands back BF16 when asked, on CUDA."""
-    from lowprec.quantize import quantize
+    from lowprec.numerics.quantize import quantize
     spec = get_format("fp8_tensorwise").input
     a = quantize(torch.randn(256, 512, device="cuda"), spec)
     b = quantize(torch.randn(128, 512, device="cuda"), spec)
@@ -116,9 +116,9 @@ ALL_BF16 = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfl
 def test_compiled_cast_ops_equal_quantize_on_every_bf16_value(rowwise, elem):
     """The compiled Triton kernels behind torch.ops.lowprec.fp8_cast, on the GPU, against the
     reference quantizer run on the CPU: bytes and scales bit for bit, both layouts."""
-    from lowprec import fp8_ops
-    from lowprec.formats import QuantSpec, Scaling
-    from lowprec.quantize import quantize
+    from lowprec.numerics import fp8_ops
+    from lowprec.numerics.formats import QuantSpec, Scaling
+    from lowprec.numerics.quantize import quantize
     x = ALL_BF16.reshape(256, 256)
     q, si, qt, sit, st = torch.ops.lowprec.fp8_cast(x.cuda(), elem, rowwise, True, True)
     spec = QuantSpec(fp8_ops.ELEMENTS[elem], Scaling.ROW if rowwise else Scaling.TENSOR)

@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from lowprec.backends import get_backend
-from lowprec.formats import FORMATS, Scaling, get_format
-from lowprec.layers import PrecisionLinear
-from lowprec.quantize import quantize
+from lowprec.sites.backends import get_backend
+from lowprec.numerics.formats import FORMATS, Scaling, get_format
+from lowprec.sites.layers import PrecisionLinear
+from lowprec.numerics.quantize import quantize
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

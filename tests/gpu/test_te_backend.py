@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowprec.backends import te as te_backend
-from lowprec.backends.te import TELinearSite, autocast_region
+from lowprec.sites.backends import te as te_backend
+from lowprec.sites.backends.te import TELinearSite, autocast_region
 
 OK, REASON = te_backend.probe()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not OK, reason=REASON)]

@@ -12,10 +12,10 @@ from torch import nn
 
 pytest.importorskip("torchao", reason="backend 'torchao' needs torchao: pip install 'lowprec[torchao]'")
 
-from lowprec.backends import get_backend  # noqa: E402
-from lowprec.backends.torchao_backend import TorchAOBackend  # noqa: E402
-from lowprec.formats import get_format  # noqa: E402
-from lowprec.layers import PrecisionLinear  # noqa: E402
+from lowprec.sites.backends import get_backend  # noqa: E402
+from lowprec.sites.backends.torchao_backend import TorchAOBackend  # noqa: E402
+from lowprec.numerics.formats import get_format  # noqa: E402
+from lowprec.sites.layers import PrecisionLinear  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                                 reason="needs a CUDA GPU with FP8 tensor cores (sm_89+)")

@@ -1,4 +1,4 @@
-"""A training run that checkpoints with lowprec.checkpoint, for tests/lowprec/test_checkpoint.py.
+"""A training run that checkpoints with lowprec.state.checkpoint, for tests/lowprec/state/test_checkpoint.py.
 
     python checkpoint_worker.py DIR [--steps N] [--every K] [--kill-on-save S] [--resume]
     python checkpoint_worker.py DIR --fsdp ...     # 2 gloo ranks, forked by torch.multiprocessing
@@ -49,8 +49,8 @@ for p in (str(HERE.parents[1]), str(HERE)):
 
 from experiments.model import build_gpt  # noqa: E402
 from lowprec import prepare  # noqa: E402
-from lowprec.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from lowprec.plan import PrecisionPlan  # noqa: E402
+from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from lowprec.sites.plan import PrecisionPlan  # noqa: E402
 from small_gpt import MODEL, corpus_bytes  # noqa: E402
 
 PLAN = {

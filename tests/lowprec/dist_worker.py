@@ -41,7 +41,7 @@ for _p in (str(ROOT), str(HERE)):
 
 from experiments.model import build_gpt  # noqa: E402
 from lowprec import prepare  # noqa: E402
-from lowprec.plan import PrecisionPlan  # noqa: E402
+from lowprec.sites.plan import PrecisionPlan  # noqa: E402
 from small_gpt import batches, corpus_bytes  # noqa: E402
 
 MODEL = dict(vocab_size=256, block_size=16, n_layer=2, n_head=2, d_model=32)
@@ -172,7 +172,7 @@ def tp_run(fmt: str, reduce: bool) -> dict:
 
     from experiments.parallel import apply_tensor_parallel, qkv_rank_order
 
-    import lowprec.quantized_gemms as gemms
+    import lowprec.sites.quantized_gemms as gemms
 
     tp = dist.get_world_size()
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
@@ -250,9 +250,9 @@ def layer_checks() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from lowprec.backends import get_backend
-    from lowprec.formats import get_format
-    from lowprec.layers import PrecisionLinear
+    from lowprec.sites.backends import get_backend
+    from lowprec.numerics.formats import get_format
+    from lowprec.sites.layers import PrecisionLinear
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     fmt, backend = get_format("fp8_tensorwise"), get_backend("emulated")

@@ -25,8 +25,8 @@ import torch
 
 from experiments.model import build_gpt
 from lowprec import prepare
-from lowprec.events import Event, EventKind
-from lowprec.plan import PrecisionPlan
+from lowprec.policy.events import Event, EventKind
+from lowprec.sites.plan import PrecisionPlan
 from small_gpt import batches, corpus_bytes
 
 # `python -m mlflow`: this interpreter's MLflow (and its database drivers), whatever the

@@ -26,8 +26,8 @@ pytest.importorskip("accelerate")
 from llama_helpers import CONFIG, optimizer_state, same_state, shakespeare_blocks, tiny_llama  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from lowprec.configparse import ConfigError  # noqa: E402
-from lowprec.events import EventKind  # noqa: E402
+from lowprec.base.parse import ConfigError  # noqa: E402
+from lowprec.policy.events import EventKind  # noqa: E402
 from lowprec.integrations.hf import LowprecCallback  # noqa: E402
 from lowprec.runtime.faults import FaultKind, Faults, Injection  # noqa: E402
 

@@ -23,7 +23,7 @@ pytest.importorskip("accelerate")
 from llama_helpers import CONFIG, assert_same_progress, lowprec_now, shakespeare_blocks, tiny_llama  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from lowprec.events import EventKind  # noqa: E402
+from lowprec.policy.events import EventKind  # noqa: E402
 from lowprec.integrations.hf import LowprecCallback  # noqa: E402
 from lowprec.integrations.state_files import MissingRolloutStateError  # noqa: E402
 from lowprec.runtime.faults import FaultKind, Faults, Injection  # noqa: E402

@@ -24,8 +24,8 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from lightning_helpers import (NAN_AT, NAN_SITE, SPIKE_AT, STEPS, LlamaModule, Watch, experiment,  # noqa: E402
                                loader, params, train)
 from llama_helpers import CONFIG, same_state  # noqa: E402
-from lowprec.configparse import ConfigError  # noqa: E402
-from lowprec.events import EventKind  # noqa: E402
+from lowprec.base.parse import ConfigError  # noqa: E402
+from lowprec.policy.events import EventKind  # noqa: E402
 from lowprec.integrations.extras import MissingExtraError  # noqa: E402
 from lowprec.integrations.lightning import LowprecCallback  # noqa: E402
 from lowprec.runtime.faults import FaultKind, Faults, Injection  # noqa: E402

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from lightning_helpers import LlamaModule, loader  # noqa: E402
 from llama_helpers import CONFIG, assert_same_progress, lowprec_now  # noqa: E402
-from lowprec.events import EventKind  # noqa: E402
+from lowprec.policy.events import EventKind  # noqa: E402
 from lowprec.integrations.lightning import LowprecCallback  # noqa: E402
 from lowprec.integrations.state_files import MissingRolloutStateError  # noqa: E402
 from lowprec.runtime.faults import FaultKind, Faults, Injection  # noqa: E402

@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from lowprec.events import EventKind
+from lowprec.policy.events import EventKind
 from lowprec.config import ConfigRole, LowprecConfig
 from lowprec.integrations.core import HostedRollout
 from lowprec.integrations.state_files import (MissingRolloutStateError, differing_weights, read_rollout_state,
                                               rollout_state_path, save_rollout_state, weights_fingerprint)
-from lowprec.integrity import CorruptCheckpointError
+from lowprec.state.integrity import CorruptCheckpointError
 
 CONFIG = {
     "precision": {"backend": "emulated", "default": "bf16",

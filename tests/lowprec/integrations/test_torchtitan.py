@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowprec.configparse import ConfigError
+from lowprec.base.parse import ConfigError
 from lowprec.integrations.extras import MissingExtraError
 
 
@@ -104,9 +104,9 @@ def test_debugmodel_rollout_promotes_and_falls_back_on_overflow(titan, tmp_path)
     from torchtitan.protocols.model_converter import build_model_converters
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from lowprec.events import EventKind
+    from lowprec.policy.events import EventKind
     from lowprec.integrations.torchtitan import LowprecConverter
-    from lowprec.layers import PrecisionLinear
+    from lowprec.sites.layers import PrecisionLinear
 
     torch.manual_seed(0)
     job = _job_config(tmp_path)

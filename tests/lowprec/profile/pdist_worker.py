@@ -23,7 +23,7 @@ for _p in (str(ROOT), str(HERE.parent)):
 
 from experiments.model import build_gpt  # noqa: E402
 from lowprec import prepare  # noqa: E402
-from lowprec.plan import PrecisionPlan  # noqa: E402
+from lowprec.sites.plan import PrecisionPlan  # noqa: E402
 from small_gpt import batches, corpus_bytes  # noqa: E402
 
 MODEL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, d_model=64)

@@ -11,7 +11,7 @@ import torch
 
 from experiments.model import build_gpt
 from lowprec import prepare
-from lowprec.plan import PrecisionPlan
+from lowprec.sites.plan import PrecisionPlan
 from lowprec.profile.measure import Profile, SiteCost, profile_sites, sample_sites, site_role
 from small_gpt import batches, corpus_bytes
 

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lowprec.formats import get_format
-from lowprec.plan import PrecisionPlan
+from lowprec.numerics.formats import get_format
+from lowprec.sites.plan import PrecisionPlan
 from lowprec.profile.measure import Profile, SiteCost
 from lowprec.profile.planner import choose_formats, final_shares, order_stages, plan_sections
-from lowprec.rollout import parse_rollout
+from lowprec.policy.rollout import parse_rollout
 
 FP8, FP4, BF16 = "fp8_tensorwise", "nvfp4", "bf16"
 BITS = {f: get_format(f).bits for f in (FP8, FP4, BF16, "mxfp8", "mxfp4", "fp8_rowwise")}
@@ -97,7 +97,7 @@ def test_choices_and_stages_properties(case):
     for f, c in ch.items():
         assert c.ladder[0] == c.format and c.ladder[-1] == BF16
         bits = [BITS[x] for x in c.ladder]
-        assert bits == sorted(set(bits)), c.ladder   # strictly rising: a ladder lowprec.plan accepts
+        assert bits == sorted(set(bits)), c.ladder   # strictly rising: a ladder lowprec.sites.plan accepts
         if c.format != BF16:
             assert prof.entry(f, c.format).sensitivity <= budget
             used[c.format] = used.get(c.format, 0.0) + c.flop_share
@@ -163,7 +163,7 @@ def test_stages_fp8_then_fp4_and_count():
 
 def test_profiling_two_fp8_formats_gives_a_valid_plan():
     """`--formats fp8_tensorwise,mxfp8,nvfp4`: a site ending in nvfp4 may fall back to one
-    8-bit format, not two (lowprec.plan refuses a ladder with two formats of one width)."""
+    8-bit format, not two (lowprec.sites.plan refuses a ladder with two formats of one width)."""
     entries = [cost("a", FP8, 0.5, 0.001), cost("a", "mxfp8", 0.5, 0.001), cost("a", FP4, 0.5, 0.002),
                cost("b", FP8, 0.5, 0.001), cost("b", "mxfp8", 0.5, 0.001), cost("b", FP4, 0.5, 0.002)]
     prof = profile(entries)

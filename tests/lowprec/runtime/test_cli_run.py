@@ -156,7 +156,7 @@ def test_resume_skips_a_corrupt_checkpoint_and_exits_2_when_all_are(project, cap
 
 
 def test_the_loss_that_caused_a_rewind_is_tracked_under_its_own_names(project):
-    from lowprec.events import EventKind
+    from lowprec.policy.events import EventKind
     from lowprec.runtime.faults import parse_injection
     from lowprec.runtime.run import run_config
 

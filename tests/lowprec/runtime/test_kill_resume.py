@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lowprec.events import EventKind
+from lowprec.policy.events import EventKind
 
 N_KILLS = 20
 STEPS = 48
@@ -268,7 +268,7 @@ def test_a_resumed_session_keeps_each_event_once_in_its_log(tmp_path):
     makes the same decision again: the event log held it twice. The checkpoint keeps the events
     so far; resuming rewrites the log to them (the later ones are redone)."""
     import torch
-    from lowprec.events import Event, read_events
+    from lowprec.policy.events import Event, read_events
     from lowprec.runtime.session import Session
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

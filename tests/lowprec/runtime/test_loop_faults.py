@@ -13,7 +13,7 @@ import pytest
 
 from lowprec.runtime import Injection
 from lowprec.runtime.run import run_config
-from lowprec.events import EventKind
+from lowprec.policy.events import EventKind
 
 pytestmark = pytest.mark.slow   # four 120-step training runs: minutes on 2 cores
 

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowprec.checkpoint import rng_state
-from lowprec.plan import PrecisionPlan
+from lowprec.state.checkpoint import rng_state
+from lowprec.sites.plan import PrecisionPlan
 from lowprec.runtime.engine import SingleProcess
 from lowprec.runtime.lrprobe import LRProbe
-from lowprec.state import prepare
+from lowprec.sites.precision_state import prepare
 
 
 class Net(nn.Module):

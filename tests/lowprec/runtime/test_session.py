@@ -134,8 +134,8 @@ def test_user_loop_with_a_closure_demotes_nothing_for_a_data_fault_and_rewinds_b
 def test_skip_step_leaves_adamw_untouched():
     """A non-finite gradient: the optimizer never steps (AdamW's moments and step count stay)."""
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    from lowprec.plan import PrecisionPlan
-    from lowprec.rollout import parse_rollout
+    from lowprec.sites.plan import PrecisionPlan
+    from lowprec.policy.rollout import parse_rollout
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     plan = PrecisionPlan.from_dict({"backend": "emulated", "default": "fp8_tensorwise"})
     rollout = parse_rollout({"check_every": 4, "stages": [{"name": "all", "select": {"glob": "*"},

@@ -19,8 +19,8 @@ import torch.multiprocessing as mp
 from experiments.data import split_texts, tokens_of
 from experiments.model import build_gpt
 from lowprec import prepare
-from lowprec.plan import PrecisionPlan
-from lowprec.rollout import build_controller, parse_rollout
+from lowprec.sites.plan import PrecisionPlan
+from lowprec.policy.rollout import build_controller, parse_rollout
 from lowprec.runtime import Injection, Session
 from lowprec.runtime.data import TokenBatches
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from experiments.model import build_gpt
-from lowprec.configparse import ConfigError
-from lowprec.plan import PrecisionPlan
-from lowprec.rollout import parse_rollout
+from lowprec.base.parse import ConfigError
+from lowprec.sites.plan import PrecisionPlan
+from lowprec.policy.rollout import parse_rollout
 from lowprec.runtime.data import TokenBatches
 from lowprec.runtime.run import run_config
 from lowprec.runtime.session import Session

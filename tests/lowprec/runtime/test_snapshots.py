@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lowprec.checkpoint import save_checkpoint
+from lowprec.state.checkpoint import save_checkpoint
 from lowprec.runtime.data import TokenBatches
 from lowprec.runtime.snapshots import DiskSnapshots, MemorySnapshots
 

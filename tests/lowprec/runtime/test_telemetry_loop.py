@@ -15,7 +15,7 @@ from lowprec.runtime import Injection
 from lowprec.runtime.engine import SingleProcess
 from lowprec.runtime.loop import train
 from lowprec.runtime.run import prepare_run
-from lowprec.events import EventKind
+from lowprec.policy.events import EventKind
 from lowprec.tracking.report_sources import from_run_dir
 from lowprec.tracking.telemetry import Telemetry, TelemetryConfig
 from lowprec.tracking.tracker import Tracker

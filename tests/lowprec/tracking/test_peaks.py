@@ -7,7 +7,7 @@ import torch
 
 from experiments.model import build_gpt
 from lowprec import prepare
-from lowprec.plan import PrecisionPlan
+from lowprec.sites.plan import PrecisionPlan
 from lowprec.tracking.peaks import (GemmClass, Peak, device_peaks, gemm_class, gemm_flops_per_token,
                                     ideal_seconds, mfu, peaks_for_gpu_name)
 from small_gpt import MODEL

@@ -119,7 +119,7 @@ def test_telemetry_windows_and_summary_from_laps():
 
 
 def test_telemetry_config_is_checked_at_load():
-    from lowprec.configparse import ConfigError
+    from lowprec.base.parse import ConfigError
     with pytest.raises(ConfigError, match="grid_g_per_kwh"):
         TelemetryConfig(grid_g_per_kwh=-1)
     with pytest.raises(ConfigError, match="energy"):

@@ -1,0 +1,299 @@
+"""One parser for every config section: a frozen dataclass from a mapping, types checked.
+
+    @dataclass(frozen=True)
+    class TrainConfig:
+        steps: int = 300
+        lr: float = 3e-3
+        grad_clip: float | None = 1.0
+
+    parse(TrainConfig, {"steps": 100, "lr": "3e-3"}, "train")  # TrainConfig(steps=100, lr=0.003, ...)
+
+Every problem is a `ConfigError` whose `path` says where (`train.lr`,
+`rollout.stages[1].format`) and whose message says what was found, what is allowed and
+the fix. The checks, the same for every section:
+
+* unknown keys, with a did-you-mean and the allowed keys (`check_keys`, also for sections
+  parsed by hand); missing required keys, named;
+* types from the field annotations: `int`, `float`, `bool`, `str`, `X | None`,
+  `Literal[...]`, Enum subclasses (by value), nested dataclasses, `list[T]`,
+  `tuple[T, ...]`, `dict[str, T]`, `Any`. A bool is never a number and a number never a
+  bool. A float accepts an int and a numeric string such as "3e-3" (PyYAML 1.1 reads
+  `3e-3`, without a dot, as a string); any other string where a number belongs is an error;
+* a ValueError or TypeError from the dataclass's `__post_init__` becomes a ConfigError at
+  the section's path (raise a ConfigError with a relative path, e.g. `ConfigError("lr", ...)`,
+  to point at one field: it is prefixed with the section's path).
+
+`to_data(obj)` is the way back: plain lists, dicts and scalars that `parse` accepts again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import functools
+import re
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+
+__all__ = ["ConfigError", "parse", "check_keys", "to_data", "describe_type", "found", "read_yaml_file"]
+
+T = TypeVar("T")
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+
+def suggest(name: str, choices: list[str] | tuple[str, ...], n: int = 3) -> str:
+    """A ' Did you mean ...?' clause for an unknown name, or ''."""
+    close = difflib.get_close_matches(name, list(choices), n=n, cutoff=0.5)
+    return f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+
+class ConfigError(ValueError):
+    """A config that cannot be used; `path` says where (`rollout.thresholds.spike_sigmas`).
+
+    str(e) == f"{path}: {message}"; the message says what was found, what is allowed, the fix."""
+
+    def __init__(self, path: str, message: str):
+        self.path, self.message = path, message
+        super().__init__(f"{path}: {message}")
+
+    def under(self, prefix: str) -> "ConfigError":
+        """This error (same type) with `prefix` in front of its path, unless it is already there."""
+        p = self.path
+        inside = not prefix or p == prefix or p.startswith((f"{prefix}.", f"{prefix}["))
+        return type(self)(p if inside else f"{prefix}.{p}" if p and not p.startswith("[") else f"{prefix}{p}",
+                          self.message)
+
+
+class _Mismatch(Exception):
+    """The value does not have the wanted type at this level (turned into a ConfigError by `_value`)."""
+
+    def __init__(self, hint: str = ""):
+        self.hint = hint
+
+
+def found(v: Any) -> str:
+    """`v` as an error message names it: `the string '3x'`, `the integer 3`, `null`."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return f"the boolean {str(v).lower()}"
+    kind = {int: "the integer", float: "the number", str: "the string", list: "the list", tuple: "the list",
+            dict: "the mapping"}.get(type(v), f"a {type(v).__name__}")
+    text = repr(v)
+    return f"{kind} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _did_you_mean(v: Any, choices: list[str]) -> str:
+    hint = suggest(v, choices) if isinstance(v, str) else ""
+    return f".{hint}" if hint else ""
+
+
+def _is_union(tp: Any) -> bool:
+    return typing.get_origin(tp) is typing.Union or isinstance(tp, types.UnionType)
+
+
+def describe_type(tp: Any) -> str:
+    """What a field of type `tp` takes, in words: `an integer or null`, `one of 'fast', 'full'`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any or tp is object:
+        return "any value"
+    if tp is type(None):
+        return "null"
+    if _is_union(tp):
+        return " or ".join(describe_type(a) for a in sorted(args, key=lambda a: a is type(None)))
+    if origin is typing.Literal:
+        return f"one of {', '.join(repr(a) for a in args)}"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return f"one of {', '.join(repr(m.value) for m in tp)}"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping with keys {', '.join(_init_fields(tp))}"
+    if origin in (list, tuple) or tp in (list, tuple):
+        item = args[0] if args else Any
+        if origin is tuple and args and (len(args) != 2 or args[1] is not Ellipsis):
+            return f"a list of {len(args)} items ({', '.join(describe_type(a) for a in args)})"
+        return "a list" + ("" if item is Any else f" of {_plural(describe_type(item))}")
+    if origin is dict or tp is dict:
+        return "a mapping" + ("" if len(args) < 2 or args[1] is Any else f" of {_plural(describe_type(args[1]))}")
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, f"a {getattr(tp, '__name__', tp)}")
+
+
+def _plural(words: str) -> str:
+    return words[3:] + "s" if words.startswith("an ") else words[2:] + "s" if words.startswith("a ") else words
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _init_fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
+def _convert(tp: Any, v: Any, path: str) -> Any:
+    """`v` as a `tp`; _Mismatch if it is not one at this level, ConfigError from deeper levels."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any or tp is object:
+        return v
+    if tp is type(None):
+        if v is None:
+            return None
+        raise _Mismatch()
+    if _is_union(tp):
+        if v is None and type(None) in args:
+            return None
+        options, hints = [a for a in args if a is not type(None)], []
+        for a in options:
+            try:
+                return _convert(a, v, path)
+            except _Mismatch as m:
+                hints.append(m.hint)
+            except ConfigError:
+                if len(options) == 1:
+                    raise
+        raise _Mismatch(next((h for h in hints if h), ""))
+    if origin is typing.Literal:
+        if any(v == a and type(v) is type(a) for a in args):
+            return v
+        raise _Mismatch(_did_you_mean(v, [str(a) for a in args]))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if isinstance(v, tp):
+            return v
+        for m in tp:
+            if v == m.value and type(v) is type(m.value):
+                return m
+        raise _Mismatch(_did_you_mean(v, [str(m.value) for m in tp]))
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        if isinstance(v, tp):
+            return v
+        if not isinstance(v, Mapping):
+            raise _Mismatch()
+        return parse(tp, v, path)
+    if origin in (list, tuple) or tp in (list, tuple):
+        if not isinstance(v, (list, tuple)):
+            raise _Mismatch("; write a list, e.g. [a, b]" if isinstance(v, str) else "")
+        if origin is tuple and args and (len(args) != 2 or args[1] is not Ellipsis):  # tuple[A, B]
+            if len(v) != len(args):
+                raise _Mismatch(f" ({len(v)} items)")
+            return tuple(_value(a, x, f"{path}[{i}]") for i, (a, x) in enumerate(zip(args, v)))
+        item = args[0] if args else Any
+        out = [_value(item, x, f"{path}[{i}]") for i, x in enumerate(v)]
+        return tuple(out) if (origin or tp) is tuple else out
+    if origin is dict or tp is dict:
+        if not isinstance(v, Mapping):
+            raise _Mismatch()
+        kt, vt = args if len(args) == 2 else (Any, Any)
+        return {_value(kt, k, f"{path}.{k}"): _value(vt, x, f"{path}.{k}") for k, x in v.items()}
+    if tp is bool:
+        if isinstance(v, bool):
+            return v
+        raise _Mismatch(" (write true or false, without quotes)" if isinstance(v, str) else "")
+    if tp is int:
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+        if isinstance(v, float) and v.is_integer():
+            raise _Mismatch(f"; write {int(v)}")
+        if isinstance(v, str) and _NUMBER.fullmatch(v.strip()) and float(v).is_integer():
+            raise _Mismatch(f"; write {int(float(v))}, without quotes")
+        raise _Mismatch()
+    if tp is float:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+        if isinstance(v, str) and _NUMBER.fullmatch(v.strip()):
+            return float(v)   # PyYAML reads 3e-3 (no dot) as a string
+        raise _Mismatch()
+    if tp is str:
+        if isinstance(v, str):
+            return v
+        raise _Mismatch(f"; quote it: \"{v}\"" if isinstance(v, (int, float)) and not isinstance(v, bool) else "")
+    if isinstance(tp, type) and isinstance(v, tp):
+        return v
+    raise _Mismatch()
+
+
+def _value(tp: Any, v: Any, path: str) -> Any:
+    try:
+        return _convert(tp, v, path)
+    except _Mismatch as m:
+        raise ConfigError(path, f"expected {describe_type(tp)}, found {found(v)}{m.hint}") from None
+
+
+def check_keys(data: Any, allowed: list[str], path: str) -> Mapping:
+    """`data` if it is a mapping whose keys are all in `allowed`; else a ConfigError (with a did-you-mean)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(path, f"expected a mapping with keys {', '.join(allowed)}, found {found(data)}")
+    for k in data:
+        if k not in allowed:
+            raise ConfigError(f"{path}.{k}" if path else str(k),
+                              f"unknown key {k!r}.{suggest(str(k), allowed)} Allowed keys: {', '.join(allowed)}.")
+    return data
+
+
+def parse(cls: type[T], data: Any, path: str) -> T:
+    """A `cls` (a dataclass) from the mapping `data`, every field checked; ConfigError at `path` if not."""
+    if isinstance(data, cls):
+        return data
+    fields = _init_fields(cls)
+    check_keys(data, list(fields), path)
+    missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        given = f"; it has {', '.join(map(str, data))}" if data else "; it is empty"
+        raise ConfigError(f"{path}.{missing[0]}" if path else missing[0],
+                          f"missing required key{'s' if len(missing) > 1 else ''} {', '.join(missing)}{given}")
+    hints = _hints(cls)
+    kwargs = {k: _value(hints[k], v, f"{path}.{k}" if path else k) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise e.under(path) from None
+    except (ValueError, TypeError) as e:
+        raise ConfigError(path, str(e)) from None
+
+
+def to_data(obj: Any) -> Any:
+    """Plain YAML data (dicts, lists, scalars) for a parsed config: what `parse` reads back.
+
+    An object with its own `to_dict()` gives that; other dataclasses give their init fields;
+    enums their value; tuples become lists."""
+    if hasattr(obj, "to_dict") and not isinstance(obj, type):
+        return obj.to_dict()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {n: to_data(getattr(obj, n)) for n in _init_fields(type(obj))}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, (list, tuple)):
+        return [to_data(x) for x in obj]
+    if isinstance(obj, Mapping):
+        return {k: to_data(v) for k, v in obj.items()}
+    return obj
+
+
+def read_yaml_file(path: str | Path, expected: str = "a mapping of sections") -> dict:
+    """A config file's top-level mapping; every problem is a ConfigError naming the file: a
+    folder or no file, a YAML tag that safe loading refuses, invalid YAML, an unreadable or
+    non-UTF-8 file, and contents that are not a mapping (`expected` says what is)."""
+    import yaml
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(str(p), "is a folder, not a config file" if p.is_dir() else
+                          "no such config file; give the path of a YAML file (e.g. experiments/configs/default.yaml)")
+    try:
+        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.constructor.ConstructorError as e:
+        raise ConfigError(str(p), f"uses a YAML tag that safe loading refuses ({e.problem}"
+                                  f"{e.problem_mark or ''}); a config is plain data: mappings, lists, "
+                                  "strings, numbers") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(str(p), f"not valid YAML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(str(p), f"cannot read the file: {e}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(str(p), f"expected {expected}, found {found(doc)}")
+    return doc

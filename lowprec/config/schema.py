@@ -1,0 +1,264 @@
+"""LowprecConfig: the whole YAML, parsed once into frozen dataclasses (docs/config.md).
+
+    model:     {factory: "pkg.module:function", args: {...}}            # required
+    data:      {factory: "pkg.module:function", args: {...}, block_size: 128}
+    train:     {steps: 300, batch_size: 16, lr: 3e-3, ...}
+    precision: {...}                                                    # required: lowprec.sites.plan
+    rollout:   {...}                                                    # lowprec.policy.rollout
+    eval:      {evaluator: lm_eval, suite: default, every: 100, ...}
+    tracking:  {uri: null, experiment: lowprec, run_name: null, enabled: true}
+    telemetry: {enabled: true, energy: auto, grid_g_per_kwh: null, mfu: true}  # lowprec.tracking.telemetry
+
+Everything that can be checked without importing the user's code is checked here, at load,
+by `lowprec.base.parse` (one unknown-key check with did-you-mean, types from the
+annotations, the path of every error). Factories are only checked for their shape
+(`package.module:function`): importing and calling them happens when the run is built.
+`eval.gates` is looked up relative to the config file's folder, then the current folder,
+and kept as an absolute path. The same class serves `lowprec run` (ConfigRole.RUN) and the
+framework integrations (ConfigRole.FRAMEWORK: no `model:`, `data:`, `train:`); nothing else
+in lowprec reads a YAML file or a config dict.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from lowprec.base.parse import ConfigError, check_keys, found, parse, read_yaml_file, to_data
+from lowprec.base.enums import StrEnum
+from lowprec.sites.plan import PrecisionPlan
+from lowprec.policy.rollout import RolloutConfig, parse_rollout
+from lowprec.tracking.telemetry import TelemetryConfig
+
+__all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "EvalConfig", "TrackingConfig",
+           "TelemetryConfig", "LowprecConfig", "ConfigRole", "SECTIONS", "FRAMEWORK_SECTIONS"]
+
+SECTIONS = ("model", "data", "train", "precision", "rollout", "eval", "tracking", "telemetry")
+FRAMEWORK_SECTIONS = ("precision", "rollout", "eval", "tracking")   # what a framework's trainer leaves to lowprec
+_FRAMEWORK_OWNS = ("model", "data", "train")
+_FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+_ENTRY_POINT = re.compile(r"[A-Za-z_][\w.-]*")
+
+
+def _check_factory(value: str, key: str) -> None:
+    if not _FACTORY.fullmatch(value):
+        raise ConfigError(key, f"expected \"package.module:function\" (e.g. experiments.model:build_gpt), "
+                               f"found {found(value)}; name a function in your own module")
+
+
+def _at_least(obj: Any, key: str, low: int | float, what: str = "") -> None:
+    v = getattr(obj, key)
+    if v < low:
+        raise ConfigError(key, f"expected {what or 'a number'} >= {low}, found {v}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """`model:` the function that builds the nn.Module, and its keyword arguments."""
+    factory: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_factory(self.factory, "factory")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """`data:` the function that gives the training tokens (or batches), its arguments, the window."""
+    factory: str
+    args: dict[str, Any] = field(default_factory=dict)
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_factory(self.factory, "factory")
+        if self.block_size is not None:
+            _at_least(self, "block_size", 1, "a number of tokens")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """`train:` steps, batches, the optimizer (AdamW, linear learning-rate warmup), checkpoints, logging."""
+    steps: int = 300
+    batch_size: int = 16
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup: int = 20
+    grad_clip: float | None = 1.0
+    seed: int = 0
+    ckpt_every: int = 50
+    ckpt_keep: int = 5
+    log_every: int = 10
+    microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "batch_size", "warmup", "ckpt_every", "ckpt_keep", "log_every", "microbatches"):
+            _at_least(self, key, 1, "an integer")
+        if self.batch_size % self.microbatches:
+            raise ConfigError("microbatches", f"{self.microbatches} does not divide batch_size "
+                                              f"{self.batch_size}; pick a divisor of batch_size")
+        if not self.lr > 0:
+            raise ConfigError("lr", f"expected a learning rate > 0, found {self.lr}")
+        if not self.weight_decay >= 0:
+            raise ConfigError("weight_decay", f"expected a number >= 0, found {self.weight_decay}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ConfigError("grad_clip", f"expected a norm > 0 or null (no clipping), found {self.grad_clip}")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """`eval:` evaluation checkpoints (every N steps, before each promotion, at the end) and the in-loop gate."""
+    evaluator: str = "lm_eval"
+    suite: str = "default"
+    every: int = 100
+    mode: Literal["fast", "full"] = "fast"
+    final_mode: Literal["fast", "full"] = "full"
+    high_precision: bool = True
+    gates: str | None = "gates/inloop.yaml"
+    batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        if not _ENTRY_POINT.fullmatch(self.evaluator):
+            raise ConfigError("evaluator", f"expected the name of an evaluator (an entry point in the group "
+                                           f"lowprec.evaluators, e.g. lm_eval), found {found(self.evaluator)}")
+        if not self.suite:
+            raise ConfigError("suite", "expected a suite name (e.g. default), found an empty string")
+        _at_least(self, "every", 0, "a step count (0: no periodic evals)")
+        _at_least(self, "batch_size", 1, "an integer")
+        if self.gates is not None and not self.gates:
+            raise ConfigError("gates", "expected a gate file path or null (no in-loop gate), found an empty string")
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """`tracking:` where the run is recorded (MLflow)."""
+    uri: str | None = None
+    experiment: str = "lowprec"
+    run_name: str | None = None
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.experiment.strip():
+            raise ConfigError("experiment", "expected an experiment name, found an empty string")
+        if self.uri is not None and not self.uri.strip():
+            raise ConfigError("uri", "expected a tracking URI or null (sqlite:///<cwd>/mlflow.db), found ''")
+
+
+def _resolve_gates(ev: EvalConfig, base: Path | None) -> EvalConfig:
+    """`ev` with `gates` as an absolute path: relative to the config's folder, then the current folder."""
+    if ev.gates is None:
+        return ev
+    p = Path(ev.gates).expanduser()
+    looked = [p] if p.is_absolute() else [*([base / p] if base is not None else []), Path.cwd() / p]
+    for candidate in looked:
+        if candidate.is_file():
+            return replace(ev, gates=str(candidate.resolve()))
+    raise ConfigError("eval.gates", f"gate file {ev.gates!r} not found (looked at {', '.join(map(str, looked))}); "
+                                    "give a gate file path (see docs/gates.md) or null for no in-loop gate")
+
+
+class ConfigRole(StrEnum):
+    """What a config file is for, which decides the sections it must and may have.
+
+    RUN: `lowprec run` / `plan` / `profile`: `model:` and `precision:` required, every
+    section allowed. FRAMEWORK: a framework's trainer owns the model, the data and the
+    training settings (the HF Trainer, Lightning): `precision:` required, `rollout:`,
+    `eval:`, `tracking:` allowed, `model:`/`data:`/`train:` refused. SESSION: a `Session` in a
+    hand-written loop, or torchtitan's model converter: `precision:` and `rollout:` only."""
+
+    RUN = "run"
+    FRAMEWORK = "framework"
+    SESSION = "session"
+
+    @property
+    def sections(self) -> tuple[str, ...]:
+        return {ConfigRole.RUN: SECTIONS, ConfigRole.FRAMEWORK: FRAMEWORK_SECTIONS,
+                ConfigRole.SESSION: ("precision", "rollout")}[self]
+
+
+@dataclass(frozen=True)
+class LowprecConfig:
+    """The whole config, typed; `from_yaml` / `from_dict` check everything they can before
+    anything runs. `lowprec run` and the framework integrations parse through this one class
+    (`role` says which sections a file must and may have)."""
+    precision: PrecisionPlan
+    model: ModelConfig | None = None          # required for ConfigRole.RUN
+    data: DataConfig | None = None
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig | None = None   # None: no rollout: the plan's formats for the whole run
+    eval: EvalConfig | None = None      # None: no evaluation checkpoints
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    source: str = field(default="<dict>", compare=False)   # the file it came from
+    role: ConfigRole = field(default=ConfigRole.RUN, compare=False)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, role: ConfigRole = ConfigRole.RUN) -> "LowprecConfig":
+        """Load a config file; every problem is a ConfigError naming the file or the key."""
+        p = Path(path)
+        doc = read_yaml_file(p, f"a mapping with sections {', '.join(role.sections)}")
+        return cls.from_dict(doc, source=str(p), role=role)
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "<dict>", role: ConfigRole = ConfigRole.RUN) -> "LowprecConfig":
+        """Parse a config's contents; `source` is the file (its folder is where `eval.gates` is looked up)."""
+        role = ConfigRole(role)
+        if not isinstance(d, dict):
+            raise ConfigError(source, f"expected a mapping with sections {', '.join(role.sections)}, found {found(d)}")
+        if role is not ConfigRole.RUN:
+            _refuse_framework_sections(d, source, role)
+        check_keys(d, list(role.sections), "")
+        for key in ("model", "precision") if role is ConfigRole.RUN else ("precision",):
+            if d.get(key) is None:
+                raise ConfigError(key, _missing(key, d, source, role))
+        base = Path(source).resolve().parent if source != "<dict>" and Path(source).is_file() else None
+        ev = parse(EvalConfig, d["eval"], "eval") if d.get("eval") is not None else None
+        rollout = parse_rollout(d["rollout"], "rollout") if d.get("rollout") is not None else None
+        if role is ConfigRole.FRAMEWORK and rollout is not None and rollout.lr_probe.enabled:
+            raise ConfigError("rollout.lr_probe.enabled", (
+                "is true; the learning-rate probe needs a batch that training never draws, which a framework's "
+                "data loader does not give lowprec: set lr_probe.enabled: false under a framework's trainer "
+                "(use lowprec's Session or `lowprec run` for the probe)"))
+        return cls(model=parse(ModelConfig, d["model"], "model") if d.get("model") is not None else None,
+                   precision=PrecisionPlan.from_dict(d["precision"], "precision"),
+                   data=parse(DataConfig, d["data"], "data") if d.get("data") is not None else None,
+                   train=parse(TrainConfig, d["train"], "train") if d.get("train") is not None else TrainConfig(),
+                   rollout=rollout,
+                   eval=_resolve_gates(ev, base) if ev is not None else None,
+                   tracking=(parse(TrackingConfig, d["tracking"], "tracking") if d.get("tracking") is not None
+                             else TrackingConfig()),
+                   telemetry=(parse(TelemetryConfig, d["telemetry"], "telemetry") if d.get("telemetry") is not None
+                              else TelemetryConfig()),
+                   source=source, role=role)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (for logging the config): `LowprecConfig.from_dict(c.to_dict(), role=c.role) == c`.
+        Absent sections, and sections the role does not have, are left out."""
+        return {k: to_data(v) for k in self.role.sections if (v := getattr(self, k)) is not None}
+
+
+def _refuse_framework_sections(d: dict, source: str, role: ConfigRole) -> None:
+    if role is ConfigRole.SESSION:
+        unknown = sorted(set(d) - set(role.sections))
+        if unknown:
+            raise ConfigError(source, f"has section(s) {unknown}; a Session (and torchtitan's converter) reads "
+                              "`precision:` and `rollout:` only (model, data and training are your loop's): "
+                              "remove them")
+        return
+    owned = [k for k in _FRAMEWORK_OWNS if k in d]
+    if owned:
+        raise ConfigError(owned[0], (
+            f"{source} has a `{owned[0]}:` section; under a framework's trainer the model, the data and the "
+            f"training settings are the framework's: keep only {', '.join(FRAMEWORK_SECTIONS)} in this file "
+            f"(`lowprec run` configs hold the others)"))
+
+
+def _missing(key: str, d: dict, source: str, role: ConfigRole) -> str:
+    if role is ConfigRole.SESSION:
+        return (f"{source} has no `precision:` section; a Session (and torchtitan's converter) needs one "
+                f"(and optionally `rollout:`), see docs/config.md")
+    if role is ConfigRole.FRAMEWORK:
+        return (f"{source} has no `precision:` section; the integrations need one "
+                f"(and optionally rollout:, eval:, tracking:), see docs/config.md")
+    return f"the config needs a `{key}:` section; it has {', '.join(map(str, d)) or 'none'}. See docs/config.md"

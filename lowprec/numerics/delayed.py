@@ -1,0 +1,93 @@
+"""Amax histories for delayed scaling, as Transformer Engine's `DelayedScaling` keeps them.
+
+A delayed-scaling operand is quantized with a scale computed from the amaxes of
+*earlier* iterations: `scale = (max / amax_h) / 2**margin`, where `amax_h` is the
+maximum of the history or its most recent entry. The current amax is recorded after
+use. Everything stays on the device: no host sync per step.
+
+Two deliberate differences from Transformer Engine (see FACTS.md and TE issue #982):
+a history is reset, not reused, when a site is promoted again (a stale history from
+before a fallback would scale the new format with numbers from another regime), and
+the state is plain tensors (`state_dict()` loads with `weights_only=True`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowprec.numerics.formats import DelayedScalingConfig, ElementFormat
+
+__all__ = ["AmaxHistory", "history_scale", "history_record"]
+
+
+def history_scale(history: torch.Tensor, count: torch.Tensor, element: ElementFormat, margin: int,
+                  most_recent: bool) -> torch.Tensor:
+    """The scale a history gives now: (max / amax) / 2**margin, amax the history's maximum
+    or its most recent entry; 1.0 while the history is empty or all zero (as TE does).
+    The Triton delayed cast (`lowprec.numerics.kernels.cast_transpose`) computes it alike."""
+    if most_recent:
+        amax = history[(count - 1).clamp(min=0) % history.numel()]
+    else:
+        amax = history.amax()
+    scale = (element.max / amax) / (2.0 ** margin)
+    return torch.where((amax > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
+
+
+def history_record(history: torch.Tensor, count: torch.Tensor, amax: torch.Tensor) -> None:
+    """Append `amax` to the ring (in place; a non-finite amax is recorded as 0: it never
+    reaches a scale, the quantizer's statistics count it instead)."""
+    amax = amax.detach().to(device=history.device, dtype=torch.float32).reshape(())
+    amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
+    idx = count % history.numel()
+    history.index_put_((idx.reshape(1),), amax.reshape(1))
+    count += 1
+
+
+class AmaxHistory:
+    """A ring of the last `config.history_len` amaxes of one operand, on one device."""
+
+    def __init__(self, config: DelayedScalingConfig, element: ElementFormat,
+                 device: torch.device | str = "cpu"):
+        self.config = config
+        self.element = element
+        self.history = torch.zeros(config.history_len, dtype=torch.float32, device=device)
+        self.count = torch.zeros((), dtype=torch.int64, device=device)  # amaxes recorded so far
+        self._scratch(device)
+
+    def _scratch(self, device) -> None:
+        """The fused delayed cast's scratch scalars (its running amax and its finishing
+        ticket, zero between calls; `lowprec.numerics.kernels.cast_transpose`): not state."""
+        self.scratch = torch.zeros((), dtype=torch.float32, device=device)
+        self.ticket = torch.zeros((), dtype=torch.int32, device=device)
+
+    def scale(self) -> torch.Tensor:
+        """The scale to use now; 1.0 while the history is empty or all zero (as TE does)."""
+        return history_scale(self.history, self.count, self.element, self.config.margin,
+                             self.config.algo == "most_recent")
+
+    def record(self, amax: torch.Tensor) -> None:
+        """Append this iteration's amax (non-finite values are not recorded)."""
+        history_record(self.history, self.count, amax)
+
+    def reset(self) -> None:
+        self.history.zero_()
+        self.count.zero_()
+
+    def to(self, device: torch.device | str) -> "AmaxHistory":
+        self.history = self.history.to(device)
+        self.count = self.count.to(device)
+        self._scratch(device)
+        return self
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"history": self.history.clone(), "count": self.count.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        hist = state["history"]
+        if hist.shape != self.history.shape:
+            raise ValueError(
+                f"amax history of length {hist.shape[0]} cannot be loaded into a history of "
+                f"length {self.history.shape[0]}: the checkpoint was written with another "
+                f"DelayedScalingConfig.history_len; use the same config to resume")
+        self.history.copy_(hist)
+        self.count.copy_(state["count"])

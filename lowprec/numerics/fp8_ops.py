@@ -1,0 +1,193 @@
+"""The FP8 fast path's casts as PyTorch custom ops (`torch.ops.lowprec.*`).
+
+Two ops, each one fused cast(+transpose) of one GEMM operand, so that `torch.compile`
+traces a `PrecisionLinear` on the fast path in one graph (fake implementations give the
+shapes) and dispatch modes see one op per operand:
+
+* `lowprec::fp8_cast(x, elem, rowwise, transpose, stats) -> (q, scale_inv, q_t,
+  scale_inv_t, stats)`: tensor-wise current scaling (`rowwise=False`; `scale_inv_t` is
+  empty: the transpose shares the scale) or row-wise scaling (`q_t` is the row-wise cast
+  of x^T, one scale per column of x).
+* `lowprec::fp8_cast_delayed(x, elem, history, count, scratch, ticket, overflow,
+  overflow_index, margin, most_recent, transpose, stats, count_overflow) -> (q, scale_inv,
+  q_t, stats)`: delayed scaling; reads the scale from the amax history and appends this
+  operand's amax to it (and counts an overflow step in `overflow[overflow_index]` when
+  `count_overflow`), mutating those tensors in place.
+
+`x` is 2-D (M, K), K the reduction dimension; `elem` is 0 for E4M3 and 1 for E5M2; empty
+outputs are 0-element tensors (`transpose=False`, `stats=False`). `stats` is the packed
+`QuantStats` vector (8 FP64) of the row-major cast.
+
+Implementations: on CUDA, and on CPU when Triton's interpreter is on (`TRITON_INTERPRET=1`
+set before Triton is imported, how the CPU tests run the kernels), the Triton kernels of
+`lowprec.numerics.kernels.cast_transpose`; otherwise the reference quantizer
+(`lowprec.numerics.quantize.quantize`), which the kernels equal bit for bit (bytes, scales, counts;
+the error sums to rounding).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+from lowprec.numerics.delayed import history_record, history_scale
+from lowprec.numerics.formats import E4M3, E5M2, QuantSpec, Scaling
+from lowprec.numerics.grid import saturates
+from lowprec.numerics.quant_stats import QuantStats
+from lowprec.numerics.quantize import quantize
+
+__all__ = ["fp8_cast", "fp8_cast_delayed", "ELEMENTS", "element_code", "uses_kernels"]
+
+ELEMENTS = (E4M3, E5M2)
+_N_STATS = len(QuantStats.FIELDS)
+
+
+def element_code(elem) -> int:
+    """The `elem` argument of the ops for an ElementFormat."""
+    return ELEMENTS.index(elem)
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreted_kernels() -> bool:
+    """Whether Triton is installed and runs interpreted (its own switch, read once)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import lowprec.numerics.kernels  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def uses_kernels(x: Tensor) -> bool:
+    """Whether the ops run the Triton kernels on `x` (else the reference quantizer)."""
+    return x.is_cuda or (x.device.type == "cpu" and _interpreted_kernels())
+
+
+def _transposed(q: Tensor) -> Tensor:
+    """q^T in a new contiguous tensor (`.contiguous()` would return a (1, K) tensor's view)."""
+    return torch.empty((q.shape[1], q.shape[0]), dtype=q.dtype, device=q.device).copy_(q.t())
+
+
+def _empty(x: Tensor, *shape, dtype=torch.float32) -> Tensor:
+    return torch.empty(shape, dtype=dtype, device=x.device)
+
+
+# ----------------------------------------------------------------------------- fp8_cast
+
+
+@torch.library.custom_op("lowprec::fp8_cast", mutates_args=())
+def fp8_cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    element = ELEMENTS[elem]
+    if uses_kernels(x):
+        from lowprec.numerics.kernels.cast_transpose import cast_transpose, cast_transpose_rowwise
+        if rowwise:
+            return cast_transpose_rowwise(x, element, transpose=transpose, stats=stats)
+        q, si, qt, st = cast_transpose(x, element, transpose=transpose, stats=stats)
+        return q, si, qt, _empty(x, 0), st
+    scaling = Scaling.ROW if rowwise else Scaling.TENSOR
+    ref = quantize(x, QuantSpec(element, scaling), stats=stats, validate=False)
+    q = ref.to_storage().contiguous()
+    st = ref.stats.packed if stats else _empty(x, 0, dtype=torch.float64)
+    if not rowwise:
+        qt = _transposed(q) if transpose else _empty(x, 0, 0, dtype=q.dtype)
+        return q, ref.scale_inv.reshape(()).clone(), qt, _empty(x, 0), st
+    si = ref.scale_inv.reshape(-1, 1).clone()
+    if not transpose:
+        return q, si, _empty(x, 0, 0, dtype=q.dtype), _empty(x, 0, 1), st
+    ref_t = quantize(x.t(), QuantSpec(element, Scaling.ROW), validate=False)
+    return q, si, ref_t.to_storage().contiguous(), ref_t.scale_inv.reshape(-1, 1).clone(), st
+
+
+@fp8_cast.register_fake
+def _(x, elem, rowwise, transpose, stats):
+    m, n = x.shape
+    dt = ELEMENTS[elem].torch_dtype
+    q = x.new_empty((m, n), dtype=dt)
+    qt = x.new_empty((n, m) if transpose else (0, 0), dtype=dt)
+    si = x.new_empty((m, 1) if rowwise else (), dtype=torch.float32)
+    sit = x.new_empty((n, 1) if rowwise and transpose else (0, 1) if rowwise else (0,), dtype=torch.float32)
+    return q, si, qt, sit, x.new_empty((_N_STATS if stats else 0,), dtype=torch.float64)
+
+
+# ----------------------------------------------------------------------------- fp8_cast_delayed
+
+
+@torch.library.custom_op("lowprec::fp8_cast_delayed",
+                         mutates_args=("history", "count", "scratch", "ticket", "overflow"))
+def fp8_cast_delayed(x: Tensor, elem: int, history: Tensor, count: Tensor, scratch: Tensor,
+                     ticket: Tensor, overflow: Tensor, overflow_index: int, margin: int,
+                     most_recent: bool, transpose: bool, stats: bool, count_overflow: bool
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    element = ELEMENTS[elem]
+    if uses_kernels(x):
+        from lowprec.numerics.kernels.cast_transpose import DelayedState, cast_transpose_delayed
+        state = DelayedState(history, count, scratch, ticket)
+        return cast_transpose_delayed(x, element, state, margin=margin, most_recent=most_recent,
+                                      overflow=overflow if count_overflow else None,
+                                      overflow_index=overflow_index, transpose=transpose, stats=stats)
+    scale = history_scale(history, count, element, margin, most_recent)
+    ref = quantize(x, QuantSpec(element, Scaling.DELAYED), scale=scale, stats=stats, validate=False)
+    if count_overflow:
+        overflow[overflow_index] += saturates(ref.amax * scale * 0.5, element).to(overflow.dtype)
+    history_record(history, count, ref.amax)
+    q = ref.to_storage().contiguous()
+    qt = _transposed(q) if transpose else _empty(x, 0, 0, dtype=q.dtype)
+    st = ref.stats.packed if stats else _empty(x, 0, dtype=torch.float64)
+    return q, ref.scale_inv.reshape(()).clone(), qt, st
+
+
+@fp8_cast_delayed.register_fake
+def _(x, elem, history, count, scratch, ticket, overflow, overflow_index, margin, most_recent,
+      transpose, stats, count_overflow):
+    m, n = x.shape
+    dt = ELEMENTS[elem].torch_dtype
+    return (x.new_empty((m, n), dtype=dt), x.new_empty((), dtype=torch.float32),
+            x.new_empty((n, m) if transpose else (0, 0), dtype=dt),
+            x.new_empty((_N_STATS if stats else 0,), dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------- traffic model
+
+
+def kernel_traffic(op, args, kwargs, out) -> tuple[int, int, int, int] | None:
+    """What one call of these ops costs on a GPU: (Triton kernels, other small launches,
+    bytes read, bytes written), from the kernels' structure (`lowprec.numerics.kernels.cast_transpose`):
+
+    * tensor-wise: the partial-maxima pass reads x, the cast reads it again and writes q
+      (and q_t): 2 kernels, 2 reads, 1-2 writes;
+    * row-wise: zeroing the row/column maxima, the maxima pass (one read), the cast of both
+      layouts (a second read): 3 launches;
+    * delayed: one kernel, one read (the scale comes from the history, the amax goes into it);
+    * statistics (check steps): the zeroed vector and its element count (2 small launches;
+      row-wise 2 more for the amax), the counts and sums written from the same pass.
+
+    For `count_traffic(custom_cost=...)` in experiments/traffic.py; None for other ops."""
+    name = str(op).split(".")[1] if "." in str(op) else str(op)
+    if name not in ("fp8_cast", "fp8_cast_delayed"):
+        return None
+    x = args[0]
+    xb = x.numel() * x.element_size()
+    q, qt = out[0], out[2]
+    written = q.numel() + qt.numel() + sum(t.numel() * t.element_size() for t in (out[1], out[-1]))
+    stats = bool(args[4] if name == "fp8_cast" else args[11])
+    small = 2 if stats else 0
+    if name == "fp8_cast_delayed":
+        hist = args[2]
+        return 1, small, xb + hist.numel() * 4, written
+    rowwise = bool(args[2])
+    if not rowwise:
+        return 2, small, 2 * xb, written
+    m, n = x.shape
+    maxima = 4 * (m + n)
+    return 2, 1 + small + (2 if stats else 0), 2 * xb + maxima, written + out[3].numel() * 4 + maxima
+
+
+def traffic_cost(op, args, kwargs, out) -> tuple[int, int, int] | None:
+    """`kernel_traffic` as experiments.traffic's `custom_cost`: (launches, read, written)."""
+    t = kernel_traffic(op, args, kwargs, out)
+    return None if t is None else (t[0] + t[1], t[2], t[3])

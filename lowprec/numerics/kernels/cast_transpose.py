@@ -1,0 +1,291 @@
+"""Triton kernels of the FP8 fast path: one read of an operand writes both GEMM layouts.
+
+A linear layer's backward needs every operand in the other layout too (`torch._scaled_mm`
+takes A row-major and B column-major: the weight transposed for dgrad, the input and the
+output gradient transposed for wgrad). Casting and then transposing the FP8 tensor costs
+one more read and write; these kernels, as Transformer Engine's cast_transpose, write
+both from the tile they hold in registers:
+
+* `cast_transpose(x, elem)`: tensor-wise current scaling, two kernels (the partial maxima
+  of `fp8_cast._amax_partial_kernel`, then the 2-D tiled cast that derives the scale on
+  the device and writes `q` (M, N) and `q_t` (N, M)).
+* `cast_transpose_delayed(x, elem, state)`: delayed scaling, ONE kernel: every program
+  computes the scale from the on-device amax history (as `AmaxHistory.scale`), casts its
+  tile, and maxes its amax into a scratch scalar; the last program to finish (a ticket
+  counter) appends the operand's amax to the history, bumps its count, counts an
+  overflow step if asked, and resets the scratch and the ticket for the next call.
+* `cast_transpose_rowwise(x, elem)`: row-wise scaling along K for `q` and along M for
+  `q_t` (the wgrad operand reduces over tokens), two kernels (row and column maxima in
+  one read, then the cast of both layouts).
+
+`stats=True` (a constexpr: free when off) also writes the packed `QuantStats` vector of
+the row-major quantization (amax, saturated, underflow, squared error, signal power,
+non-finite, numel, underflow energy) in the same pass: counts exactly, the three sums
+accumulated in FP64 from the exact grid magnitudes (their order differs from
+`quantize`'s, so they agree to rounding, not bit for bit). Element and scale numerics are
+`lowprec.numerics.quantize.quantize`'s, bit for bit (`fp8_cast._encode`, `_scale_of`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lowprec.numerics.kernels.fp8_cast import (
+    _amax_partial_kernel, _bits, _encode, _finite_abs, _flat_grid, _load_f32, _prepare, _scale_of,
+)
+from lowprec.numerics.quant_stats import QuantStats
+
+__all__ = ["cast_transpose", "cast_transpose_delayed", "cast_transpose_rowwise", "DelayedState"]
+
+_FP32_MAX = tl.constexpr(3.4028234663852886e38)
+_TILE = (64, 64)
+_N_STATS = len(QuantStats.FIELDS)
+
+
+# ----------------------------------------------------------------------------- device code
+
+
+@triton.jit
+def _tile_stats(stats_ptr, ax, qa, sat, under, nonfin, scale):
+    """Add a tile's counts and FP64 sums to the packed statistics (slots as QuantStats)."""
+    a64 = ax.to(tl.float64)
+    err = qa.to(tl.float64) / scale.to(tl.float64) - a64
+    sq = a64 * a64
+    tl.atomic_add(stats_ptr + 1, tl.sum(tl.sum(sat.to(tl.float64), axis=1), axis=0))
+    tl.atomic_add(stats_ptr + 2, tl.sum(tl.sum(under.to(tl.float64), axis=1), axis=0))
+    tl.atomic_add(stats_ptr + 3, tl.sum(tl.sum(err * err, axis=1), axis=0))
+    tl.atomic_add(stats_ptr + 4, tl.sum(tl.sum(sq, axis=1), axis=0))
+    tl.atomic_add(stats_ptr + 5, tl.sum(tl.sum(nonfin.to(tl.float64), axis=1), axis=0))
+    tl.atomic_add(stats_ptr + 7, tl.sum(tl.sum(tl.where(under, sq, 0.0), axis=1), axis=0))
+
+
+@triton.jit
+def _history_scale(hist_ptr, count_ptr, L, BLOCK_L: tl.constexpr, MAX: tl.constexpr,
+                   MARGIN_DIV: tl.constexpr, MOST_RECENT: tl.constexpr):
+    """`AmaxHistory.scale()`: (MAX / amax) / 2**margin, 1 where the history is empty or the
+    scale not finite. PyTorch's `float / tensor` is reciprocal(t) * float: done alike."""
+    if MOST_RECENT:
+        cnt = tl.load(count_ptr)
+        amax = tl.load(hist_ptr + (tl.maximum(cnt - 1, 0) % L))
+    else:
+        lo = tl.arange(0, BLOCK_L)
+        amax = tl.max(tl.load(hist_ptr + lo, mask=lo < L, other=0.0), axis=0)
+    rec = (1.0 / amax.to(tl.float64)).to(tl.float32)
+    s = (rec * MAX) / MARGIN_DIV
+    ok = (amax > 0) & (s <= _FP32_MAX)
+    return tl.where(ok, s, 1.0)
+
+
+@triton.jit
+def _ct_kernel(x_ptr, q_ptr, qt_ptr, partial_ptr, P, hist_ptr, count_ptr, L, scratch_ptr, ticket_ptr,
+               overflow_ptr, scale_inv_ptr, stats_ptr, M, N, stride_x,
+               BM: tl.constexpr, BN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr,
+               MAX: tl.constexpr, MB: tl.constexpr, BIAS: tl.constexpr, HAS_INF: tl.constexpr,
+               THR: tl.constexpr, ODD: tl.constexpr, EPS: tl.constexpr, DELAYED: tl.constexpr,
+               MOST_RECENT: tl.constexpr, MARGIN_DIV: tl.constexpr, OVERFLOW: tl.constexpr,
+               TRANSPOSE: tl.constexpr, STATS: tl.constexpr, BF16: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if DELAYED:
+        scale = _history_scale(hist_ptr, count_ptr, L, BLOCK_L, MAX, MARGIN_DIV, MOST_RECENT)
+        scale_inv = (1.0 / scale.to(tl.float64)).to(tl.float32)
+    else:
+        po = tl.arange(0, BLOCK_P)
+        amax = tl.max(tl.load(partial_ptr + po, mask=po < P, other=0.0), axis=0)
+        scale, scale_inv = _scale_of(amax, MAX, EPS)
+    if (pid_m == 0) & (pid_n == 0):
+        tl.store(scale_inv_ptr, scale_inv)
+        if STATS and not DELAYED:
+            tl.store(stats_ptr + 0, amax.to(tl.float64))
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    m = (rows[:, None] < M) & (cols[None, :] < N)
+    x = _load_f32(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], m, BF16)
+    code, ax, sat, under, nonfin, qa = _encode(x, scale, MAX, MB, BIAS, HAS_INF, THR, ODD)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], code, mask=m)
+    if TRANSPOSE:
+        mt = (cols[:, None] < N) & (rows[None, :] < M)
+        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(code), mask=mt)
+    if STATS:
+        _tile_stats(stats_ptr, ax, qa, sat & m, under & m, nonfin & m, scale)
+    if DELAYED:
+        tl.atomic_max(scratch_ptr, tl.max(tl.max(ax, axis=1), axis=0))
+        ticket = tl.atomic_add(ticket_ptr, 1)
+        if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:   # every other tile is done
+            amax = tl.atomic_max(scratch_ptr, 0.0)                   # read after all of theirs
+            cnt = tl.load(count_ptr)
+            tl.store(hist_ptr + cnt % L, amax)
+            tl.store(count_ptr, cnt + 1)
+            if OVERFLOW:   # past twice the max: as lowprec.numerics.grid.saturates(amax * scale * 0.5)
+                half = amax * scale * 0.5
+                if ODD:
+                    over = half >= THR
+                else:
+                    over = half > THR
+                tl.store(overflow_ptr, tl.load(overflow_ptr) + over.to(tl.float64))
+            if STATS:
+                tl.store(stats_ptr + 0, amax.to(tl.float64))
+            tl.store(scratch_ptr, 0.0)
+            tl.store(ticket_ptr, 0)
+
+
+@triton.jit
+def _amax_rows_cols_kernel(x_ptr, rmax_ptr, cmax_ptr, M, N, stride_x, BM: tl.constexpr,
+                           BN: tl.constexpr, BF16: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    m = (rows[:, None] < M) & (cols[None, :] < N)
+    ax, _ = _finite_abs(_load_f32(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], m, BF16))
+    tl.atomic_max(rmax_ptr + rows, tl.max(ax, axis=1), mask=rows < M)
+    tl.atomic_max(cmax_ptr + cols, tl.max(ax, axis=0), mask=cols < N)
+
+
+@triton.jit
+def _ct_row_kernel(x_ptr, q_ptr, qt_ptr, rmax_ptr, cmax_ptr, si_ptr, sit_ptr, stats_ptr, M, N, stride_x,
+                   BM: tl.constexpr, BN: tl.constexpr, MAX: tl.constexpr, MB: tl.constexpr,
+                   BIAS: tl.constexpr, HAS_INF: tl.constexpr, THR: tl.constexpr, ODD: tl.constexpr,
+                   EPS: tl.constexpr, TRANSPOSE: tl.constexpr, STATS: tl.constexpr, BF16: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    rm = rows < M
+    cm = cols < N
+    m = rm[:, None] & cm[None, :]
+    x = _load_f32(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], m, BF16)
+    ramax = tl.load(rmax_ptr + rows, mask=rm, other=0.0)
+    rs, rsi = _scale_of(ramax, MAX, EPS)
+    code, ax, sat, under, nonfin, qa = _encode(x, rs[:, None], MAX, MB, BIAS, HAS_INF, THR, ODD)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], code, mask=m)
+    if pid_n == 0:
+        tl.store(si_ptr + rows, rsi, mask=rm)
+    if TRANSPOSE:
+        camax = tl.load(cmax_ptr + cols, mask=cm, other=0.0)
+        cs, csi = _scale_of(camax, MAX, EPS)
+        code_t, _, _, _, _, _ = _encode(x, cs[None, :], MAX, MB, BIAS, HAS_INF, THR, ODD)
+        mt = cm[:, None] & rm[None, :]
+        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(code_t), mask=mt)
+        if pid_m == 0:
+            tl.store(sit_ptr + cols, csi, mask=cm)
+    if STATS:
+        _tile_stats(stats_ptr, ax, qa, sat & m, under & m, nonfin & m, rs[:, None])
+
+
+# ----------------------------------------------------------------------------- host code
+
+
+def _empty_result(x2, elem, q, qt, st, scale_inv):
+    """An operand with no elements: the scale of an all-zero tensor (amax 0, as quantize)."""
+    from lowprec.numerics.quantize import _div, _EPS
+    scale = _div(elem.max, torch.full((), _EPS, device=x2.device))
+    scale_inv.copy_(_div(1.0, scale).expand_as(scale_inv))
+    return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), st
+
+
+class DelayedState:
+    """The device tensors a delayed cast reads and updates: the amax history (FP32, its
+    length L), how many amaxes it holds (int64), and two scratch scalars of the kernel
+    (the running amax, FP32, and the finishing ticket, int32), both zero between calls.
+    `overflow` (FP64) and `overflow_index`: where an overflow step is counted."""
+
+    __slots__ = ("history", "count", "scratch", "ticket")
+
+    def __init__(self, history: torch.Tensor, count: torch.Tensor, scratch: torch.Tensor | None = None,
+                 ticket: torch.Tensor | None = None):
+        self.history, self.count = history, count
+        dev = history.device
+        self.scratch = torch.zeros((), dtype=torch.float32, device=dev) if scratch is None else scratch
+        self.ticket = torch.zeros((), dtype=torch.int32, device=dev) if ticket is None else ticket
+
+
+def _grid(m: int, n: int, tile) -> tuple[int, int]:
+    return (max(1, triton.cdiv(m, tile[0])), max(1, triton.cdiv(n, tile[1])))
+
+
+def _buffers(x2: torch.Tensor, transpose: bool, stats: bool):
+    """q, q_t (empty without transpose) and the statistics (empty without stats; else
+    zeros with numel filled in: two small launches, on check steps only)."""
+    m, n = x2.shape
+    q = torch.empty((m, n), dtype=torch.uint8, device=x2.device)
+    qt = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=x2.device)
+    st = torch.zeros(_N_STATS if stats else 0, dtype=torch.float64, device=x2.device)
+    if stats:
+        st[6] = float(m * n)
+    return q, qt, st
+
+
+def _ptr(t: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """An argument for a pointer the kernel does not use (an empty output): any real buffer."""
+    return t if t.numel() else fallback
+
+
+def cast_transpose(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool = False, tile=_TILE):
+    """Tensor-wise FP8 cast of `x` viewed as (M, N): `(q (M, N), scale_inv (), q_t (N, M) or
+    an empty tensor, packed stats (8,) FP64 or an empty tensor)`; q_t is q transposed."""
+    elem, x2, c = _prepare(x, elem, "cast_transpose")
+    m, n = x2.shape
+    q, qt, st = _buffers(x2, transpose, stats)
+    scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
+    p = _flat_grid(x2.numel(), 2048)
+    partial = torch.empty(p, dtype=torch.float32, device=x2.device)
+    _amax_partial_kernel[(p,)](_bits(x2), partial, x2.numel(), BLOCK=2048, BF16=c["BF16"], num_warps=8)
+    if not x2.numel():
+        return _empty_result(x2, elem, q, qt, st, scale_inv)
+    _ct_kernel[_grid(m, n, tile)](
+        _bits(x2), q, _ptr(qt, q), partial, p, partial, partial, 1, partial, partial, partial, scale_inv,
+        _ptr(st, partial), m, n, n, BM=tile[0], BN=tile[1], BLOCK_P=triton.next_power_of_2(p), BLOCK_L=1, MB=c.pop("M"),
+        DELAYED=False, MOST_RECENT=False, MARGIN_DIV=1.0, OVERFLOW=False, TRANSPOSE=transpose,
+        STATS=stats, num_warps=4, **c)
+    return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), st
+
+
+def cast_transpose_delayed(x: torch.Tensor, elem, state: DelayedState, *, margin: int = 0,
+                           most_recent: bool = False, overflow: torch.Tensor | None = None,
+                           overflow_index: int = 0, transpose: bool = True, stats: bool = False,
+                           tile=_TILE):
+    """Delayed-scaling FP8 cast in one kernel: the scale from `state`'s history, this
+    operand's amax appended to it. Returns `(q, scale_inv (), q_t or empty, stats or empty)`.
+    With `overflow`, `overflow[overflow_index]` is incremented when amax * scale / 2 saturates."""
+    elem, x2, c = _prepare(x, elem, "cast_transpose_delayed")
+    m, n = x2.shape
+    q, qt, st = _buffers(x2, transpose, stats)
+    scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
+    hist = state.history
+    ov = overflow[overflow_index:] if overflow is not None else hist
+    if not x2.numel():
+        return _empty_result(x2, elem, q, qt, st, scale_inv)
+    _ct_kernel[_grid(m, n, tile)](
+        _bits(x2), q, _ptr(qt, q), hist, 1, hist, state.count, hist.numel(), state.scratch, state.ticket, ov,
+        scale_inv, _ptr(st, hist), m, n, n, BM=tile[0], BN=tile[1], BLOCK_P=1,
+        BLOCK_L=triton.next_power_of_2(hist.numel()), MB=c.pop("M"), DELAYED=True,
+        MOST_RECENT=most_recent, MARGIN_DIV=float(2.0 ** margin), OVERFLOW=overflow is not None,
+        TRANSPOSE=transpose, STATS=stats, num_warps=4, **c)
+    return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), st
+
+
+def cast_transpose_rowwise(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool = False,
+                           tile=_TILE):
+    """Row-wise FP8 casts of `x` viewed as (M, N): `q` with one scale per row (over N) and
+    `q_t` = the row-wise cast of x^T (one scale per column of x, over M). Returns
+    `(q, scale_inv (M, 1), q_t (N, M) or empty, scale_inv_t (N, 1) or empty, stats or empty)`."""
+    elem, x2, c = _prepare(x, elem, "cast_transpose_rowwise")
+    m, n = x2.shape
+    q, qt, st = _buffers(x2, transpose, stats)
+    maxima = torch.zeros(m + n, dtype=torch.float32, device=x2.device)
+    si = torch.empty((m, 1), dtype=torch.float32, device=x2.device)
+    sit = torch.empty((n, 1) if transpose else (0, 1), dtype=torch.float32, device=x2.device)
+    grid = _grid(m, n, tile)
+    if m and n:
+        _amax_rows_cols_kernel[grid](_bits(x2), maxima, maxima[m:], m, n, n, BM=tile[0], BN=tile[1],
+                                     BF16=c["BF16"], num_warps=4)
+        _ct_row_kernel[grid](_bits(x2), q, _ptr(qt, q), maxima, maxima[m:], si, _ptr(sit, si),
+                             _ptr(st, maxima), m, n, n, BM=tile[0], BN=tile[1], MB=c.pop("M"),
+                             TRANSPOSE=transpose, STATS=stats, num_warps=4, **c)
+        if stats:
+            st[0] = maxima[:m].amax()
+    else:   # no elements in a row or a column: the scales of an amax of 0, as quantize's
+        _empty_result(x2, elem, q, qt, st, si)
+        sit.fill_(float(si.reshape(-1)[0])) if si.numel() and sit.numel() else None
+    return q.view(elem.torch_dtype), si, qt.view(elem.torch_dtype), sit, st

@@ -1,0 +1,466 @@
+"""The staged-rollout controller: promote stages, fall back on instability, never flap.
+
+`RolloutController` is a state machine over *sites* (layer FQNs), each with a ladder of
+formats from low to high precision (`nvfp4 -> fp8_tensorwise -> bf16`). It never touches
+a model. Every step, `detect(step, loss, grad_norm)` looks at the two numbers the loop
+reads on the host for a global anomaly (`lowprec.policy.anomaly`: NaN/Inf, loss or grad-norm
+spike, large value), and `observe_step(step, anomaly, signals, attribution)` returns a
+`Decision` (continue / skip the step / rewind) with the format changes and the `Event`s
+that explain them; `apply_decision(state, decision)` carries the changes out on a
+`PrecisionState`. Its tests feed it numbers and need no model.
+
+An anomalous step is never applied, and it is decided at its own step. With the replays
+of `lowprec.policy.attribution` (the session replays the step with sites in high precision):
+the sites whose precision caused it fall back one rung each, nothing else moves; when
+the anomaly persists with every site in high precision, precision is not to blame and
+nothing is demoted (the step is skipped; an anomaly on `persist_steps` steps in a row
+rewinds when the loss is off and rewind is on, and is otherwise accepted as the new level:
+a grad norm that stays higher is not skipped forever). Without replays (no
+closure), the anomaly is handed to the next check's rules.
+
+The rules below, applied at each check (`observe`) in this order, decide what to change
+from the check window's statistics:
+
+1. NaN/Inf in the loss or gradients during the window: the sites whose own statistics
+   saw NaN/Inf fall back one rung; if none did, the newest stage rolls back.
+2. A site whose own signals cross their thresholds (saturated fraction, underflow as a
+   fraction of values or of the operand's energy, SQNR) for `site_patience` checks in a
+   row falls back one rung up its ladder. Every site whose evidence is its own (any
+   crossing on its weight; SQNR or flushed energy on any operand) falls back in the same
+   check; of the sites with only saturation or flushed-value counts on an input or
+   grad_output, which may be inherited from another site's overflow, one per check and
+   only when no site fell back on its own evidence.
+3. A global signal no replay explained (an anomaly handed over, the loss gap to the
+   baseline) while some site's thresholds are crossed (before its patience ran out)
+   blames that site; with no site to blame it rolls back the newest stage, and with
+   `rewind` on, asks the loop to restore the last good state and skip batches.
+4. A site that failed `quarantine_after` times is quarantined: it never goes below its
+   current format again in this run. Other fallen-back sites retry their stage's format
+   after `cooldown_steps`.
+5. The next stage is promoted once everything has been stable for `min_steps` and the
+   evaluation gate (a callable, when given) passes, and the newest learning-rate
+   sensitivity (`Signals.lr_sensitivity`, from `lowprec.runtime.lrprobe`, when the probe
+   runs) is not above its hold level (`lr_hold_level`: above 0, or risen above its recent
+   median); otherwise the promotion is held (a HOLD event) and asked again after another
+   `min_steps`.
+
+Decisions are deterministic functions of the inputs (sites are visited in a fixed
+order), so every rank that sees the same numbers (and replays alike) decides the same.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from lowprec.policy.anomaly import Anomaly, StepDetectors
+from lowprec.policy.attribution import Attribution
+from lowprec.policy.decisions import Action, ControllerConfig, Decision, Stage, apply_decision
+from lowprec.policy.detectors import (LR_HISTORY, LossGapDetector, Thresholds, intrinsic, lr_hold_level,
+                               lr_sensitivity_hold)
+from lowprec.policy.events import Event, EventKind
+from lowprec.numerics.formats import FORMATS
+from lowprec.policy.monitor import Signals
+from lowprec.policy.verdicts import GateOutcome, Verdict
+
+__all__ = ["Action", "Stage", "Thresholds", "ControllerConfig", "Decision", "RolloutController", "apply_decision",
+           "lr_hold_level", "lr_sensitivity_hold", "LR_HISTORY"]
+
+_FORWARD_ROLES = ("input", "weight", "output")
+
+
+def _bits(name: str) -> int:
+    return FORMATS[name].bits
+
+
+def _high(name: str) -> bool:
+    return FORMATS[name].is_high_precision
+
+
+class RolloutController:
+    """Stages, fallbacks, rollbacks, cooldowns and quarantine over a set of sites."""
+
+    def __init__(self, ladders: dict[str, tuple[str, ...]], initial: dict[str, str],
+                 stages: list[Stage], config: ControllerConfig = ControllerConfig(), *,
+                 baseline: dict[int, float] | None = None,
+                 gate: Callable[[int], GateOutcome] | None = None):
+        for s in stages:
+            for site in s.sites:
+                if site not in ladders:
+                    raise ValueError(f"stage {s.name!r} names site {site!r}, which is not a site")
+                if s.format not in ladders[site]:
+                    raise ValueError(f"stage {s.name!r} puts {site!r} in {s.format}, which is not on its "
+                                     f"ladder {' -> '.join(ladders[site])}; add it to the ladder")
+        self.ladders = {k: tuple(v) for k, v in ladders.items()}
+        self.order = list(self.ladders)   # forward order: the order the caller lists sites in
+        for site, fmt in initial.items():
+            if site in self.ladders and fmt not in self.ladders[site]:
+                raise ValueError(f"site {site!r} starts in {fmt}, which is not on its ladder "
+                                 f"{' -> '.join(self.ladders[site])}")
+        self.initial = dict(initial)
+        self.current = dict(initial)
+        self.stages = list(stages)
+        self.config = config
+        self.gate = gate
+        th = config.thresholds
+        self.detectors = StepDetectors(th)
+        if th.loss_gap is not None and not baseline:
+            raise ValueError(f"thresholds.loss_gap is {th.loss_gap} but no baseline loss curve was given: "
+                             "pass baseline={step: loss} (rollout.baseline in a config) or set loss_gap to None")
+        self.loss_gap = LossGapDetector(baseline, th.loss_gap, th.loss_gap_smoothing) \
+            if baseline and th.loss_gap is not None else None
+        self.promoted = 0                     # stages promoted so far
+        self.stable_since = 0                 # step of the last change or instability
+        self.stage_of: dict[str, str] = {}    # site -> name of the stage that promoted it
+        self.target: dict[str, str] = {}      # site -> format its stage wants
+        self.failures: dict[str, int] = {}
+        self.strikes: dict[str, int] = {}
+        self.floor: dict[str, str] = {}       # quarantined site -> lowest format allowed
+        self.retry_at: dict[str, int] = {}    # fallen-back site -> step it may retry
+        self.before_stage: dict[str, str] = {}  # site -> format before its stage promoted it
+        self.stage_failures: dict[str, int] = {}
+        self.pending: list[tuple[str, dict]] = []   # anomalies no replay explained: for the next check
+        self.streak = 0                       # consecutive anomalous steps that were not precision's
+        self.last_anomaly = -2                # step of the last such anomaly
+        self.lr_history: list[tuple[int, float]] = []   # (step, LR sensitivity) of the last probes
+
+    # ------------------------------------------------------------------ helpers
+    def _up(self, site: str) -> str | None:
+        """The next format up the ladder (higher precision), or None at the top."""
+        cur_bits = _bits(self.current[site])
+        for f in self.ladders[site]:
+            if _bits(f) > cur_bits:
+                return f
+        return None
+
+    def _move(self, sites: list[str], to: dict[str, str], kind: str, step: int, reason: str,
+              evidence: dict, decision: Decision, stage: str | None = None) -> None:
+        moved = [s for s in sites if to.get(s) and to[s] != self.current[s]]
+        if not moved:
+            return
+        frm = {s: self.current[s] for s in moved}
+        for s in moved:
+            self.current[s] = to[s]
+            decision.changes[s] = to[s]
+        decision.events.append(Event(step, kind, tuple(moved), frm, {s: to[s] for s in moved}, reason,
+                                     evidence, stage))
+
+    def _fallback(self, site: str, step: int, reason: str, evidence: dict, decision: Decision) -> None:
+        up = self._up(site)
+        if up is None:
+            return
+        self._move([site], {site: up}, EventKind.FALLBACK, step, reason, evidence, decision,
+                   self.stage_of.get(site))
+        self.failures[site] = self.failures.get(site, 0) + 1
+        self.strikes[site] = 0
+        if self.failures[site] >= self.config.quarantine_after and site not in self.floor:
+            self.floor[site] = up
+            self.retry_at.pop(site, None)
+            decision.events.append(Event(step, EventKind.QUARANTINE, (site,), {}, {}, (
+                f"failed {self.failures[site]} times; stays at {up} or above for the rest of the run"),
+                {"failures": self.failures[site]}, self.stage_of.get(site)))
+        elif site not in self.floor:
+            self.retry_at[site] = step + self.config.cooldown_steps
+
+    def _rollback_newest(self, step: int, reason: str, evidence: dict, decision: Decision) -> bool:
+        if self.promoted == 0:
+            return False
+        stage = self.stages[self.promoted - 1]
+        self.promoted -= 1
+        to = {}
+        for s in stage.sites:
+            if self.stage_of.get(s) == stage.name:
+                before = self.before_stage.pop(s, self.current[s])
+                if _bits(before) > _bits(self.current[s]):
+                    to[s] = before
+                self.stage_of.pop(s, None)
+                self.target.pop(s, None)
+                self.retry_at.pop(s, None)
+        self._move(list(stage.sites), to, EventKind.ROLLBACK, step, reason, evidence, decision, stage.name)
+        self.stage_failures[stage.name] = self.stage_failures.get(stage.name, 0) + 1
+        if self.stage_failures[stage.name] >= self.config.quarantine_after:
+            held = [s for s in stage.sites if s not in self.floor]
+            for s in held:
+                self.floor[s] = self.current[s]
+            if held:
+                decision.events.append(Event(step, EventKind.QUARANTINE, tuple(held), {}, {}, (
+                    f"stage {stage.name} rolled back {self.stage_failures[stage.name]} times; its sites "
+                    f"stay at their current formats"), {"rollbacks": self.stage_failures[stage.name]},
+                    stage.name))
+        return True
+
+    # ------------------------------------------------------------------ the decision
+    def detect(self, step: int, loss: float, grad_norm: float) -> Anomaly | None:
+        """This step's global anomaly, if any (see `lowprec.policy.anomaly`); call once per step with
+        the host values of the loss and the global grad norm, before `observe_step`."""
+        return self.detectors.observe(step, loss, grad_norm)
+
+    def replay_candidates(self) -> tuple[list[str], list[list[str]]]:
+        """What a replay may put in high precision: the low-precision sites in forward
+        order, and the groups to try first (the promoted stages, newest first, then the
+        sites that were low precision before any stage)."""
+        low = [s for s in self.order if not _high(self.current[s])]
+        groups = [[s for s in self.stages[i].sites if self.stage_of.get(s) == self.stages[i].name]
+                  for i in reversed(range(self.promoted))]
+        groups.append([s for s in low if s not in self.stage_of])
+        return low, [g for g in groups if g]
+
+    def observe_step(self, step: int, anomaly: Anomaly | None = None, signals: Signals | None = None,
+                     attribution: Attribution | None = None) -> Decision:
+        """The decision for one training step, after backward and before optimizer.step().
+
+        anomaly: `detect`'s verdict for this step. An anomalous step is never applied.
+        With `attribution` (the replays of `lowprec.policy.attribution`), it is decided now: the
+        sites blamed fall back, or, when precision is not to blame, nothing is demoted and
+        a loss anomaly that persists for `persist_steps` steps rewinds. Without one (no
+        replay was possible), the anomaly waits for the next check's rules.
+        signals: the check's Signals on a check step (None between checks)."""
+        d = Decision()
+        if anomaly is not None:
+            self._on_anomaly(step, anomaly, attribution, d)
+        if signals is not None:
+            checked = self.observe(step, signals)
+            d.changes.update(checked.changes)
+            d.events += checked.events
+            if checked.action is Action.REWIND and d.action is not Action.REWIND:
+                d.action, d.skip_batches = Action.REWIND, checked.skip_batches
+        return d
+
+    def _on_anomaly(self, step: int, a: Anomaly, attribution: Attribution | None, d: Decision) -> None:
+        d.action = Action.SKIP_STEP
+        if attribution is None:
+            if not a.nonfinite:   # NaN reaches the check through the window's losses
+                self.pending.append((a.names, {**a.to_evidence(), "step": step}))
+            d.events.append(Event(step, EventKind.SKIP_STEP, (), {}, {}, f"{a.names}: step skipped",
+                                  {"finite": not a.nonfinite, **a.to_evidence()}))
+            return
+        for r in attribution.replays:
+            d.events.append(Event(step, EventKind.REPLAY, r.high_precision, {}, {}, (
+                f"replayed with {len(r.high_precision)} site(s) in high precision: "
+                f"{'still ' + a.names if r.anomalous else 'clean'}"), r.to_evidence()))
+        evidence = {**a.to_evidence(), **attribution.evidence}
+        if attribution.precision_to_blame:
+            for site in attribution.blamed:
+                self._fallback(site, step, f"{a.names} gone when replayed with this site in high precision",
+                               evidence, d)
+            d.events.append(Event(step, EventKind.SKIP_STEP, (), {}, {}, (
+                f"{a.names}: precision to blame ({len(attribution.blamed)} site(s))"), evidence))
+            self.streak = 0
+            self.stable_since = step
+            return
+        self.streak = self.streak + 1 if step - self.last_anomaly == 1 else 1
+        self.last_anomaly = step
+        d.events.append(Event(step, EventKind.SKIP_STEP, (), {}, {}, (
+            f"{a.names} persists with every site in high precision: not precision, nothing demoted"),
+            {**evidence, "streak": self.streak}))
+        if self.streak < self.config.persist_steps:
+            return
+        self.streak = 0
+        if a.loss_is_off and self.config.rewind:
+            # the first anomalous step of the streak saw weights the step before it wrote
+            d.action, d.skip_batches = Action.REWIND, self.config.rewind_skip_batches
+            d.rewind_before = step - self.config.persist_steps
+            d.events.append(Event(step, EventKind.REWIND, (), {}, {}, (
+                f"rewind: {a.names} for {self.config.persist_steps} steps in a row, not precision's"),
+                {"skip_batches": d.skip_batches, **a.to_evidence()}))
+        elif not a.nonfinite:
+            # the gradients alone (the loss is fine), or nothing to go back to: skipping more
+            # steps would stop training; the new level becomes the normal one
+            d.action = Action.CONTINUE
+            self.detectors.accept_level()
+            why = "rewind is off" if a.loss_is_off else "the loss is not off"
+            d.events.append(Event(step, EventKind.ACCEPT, (), {}, {}, (
+                f"{a.names} for {self.config.persist_steps} steps in a row and {why}: "
+                "the step is applied and the detectors start over"), a.to_evidence()))
+
+    def observe(self, step: int, signals: Signals) -> Decision:
+        """One check: the rules (see the module docstring) over the window's Signals. The
+        action is CONTINUE or REWIND; skipping a non-finite step is `observe_step`'s."""
+        d = Decision()
+        th = self.config.thresholds
+        self.record_lr_sensitivity(step, signals.lr_sensitivity)
+        # 1. non-finite: observe_step skipped those steps; here the blame. Forward operands
+        # only: in the backward every gradient is NaN once the loss is. The first site in
+        # forward order whose input, weight or output is non-finite is the origin; its
+        # consumers inherit the NaN.
+        blamed: list[str] = []
+        nan_sites = [s for s in self.order if s in signals.sites and not _high(self.current[s]) and
+                     any(signals.sites[s].nonfinite.get(r, 0) > 0 for r in _FORWARD_ROLES)]
+        if nan_sites:
+            site = nan_sites[0]
+            blamed.append(site)
+            sig = signals.sites[site]
+            self._fallback(site, step, "NaN/Inf in this site's forward operands",
+                           {f"{r}/nonfinite": v for r, v in sig.nonfinite.items() if v > 0}, d)
+        # 2. per-site thresholds. Evidence intrinsic to a site's own operand against its
+        # format is independent of the other sites: any crossing on its weight, and an SQNR
+        # or flushed-energy crossing on any operand (the format is too coarse for the values
+        # the site gets). Every site with such evidence whose patience ran out falls back in
+        # this check. Saturation (or the count of flushed values) on an input or grad_output
+        # may be inherited: an overflow entering a layer saturates its consumers too, and a
+        # gradient overflow flows backwards. Of the sites with only such evidence, one falls
+        # back per check, and only when no site fell back on independent evidence (it may be
+        # the cause): the first in forward order with input crossing, else the last in
+        # forward order (first in backward order) with grad_output crossing. The others are
+        # looked at again at the next check.
+        suspects: list[tuple[tuple[int, int], str, dict]] = []
+        for i, site in enumerate(self.order if not blamed else ()):
+            sig = signals.sites.get(site)
+            if sig is None or _high(self.current[site]):
+                continue
+            crossed = th.crossed(sig)
+            if not crossed:
+                self.strikes[site] = 0
+                continue
+            self.strikes[site] = self.strikes.get(site, 0) + 1
+            forward = any(k.split("/")[0] in _FORWARD_ROLES for k in crossed)
+            suspects.append(((0, i) if forward else (1, -i), site, crossed))
+        suspects.sort(key=lambda t: t[0])
+        due = [(site, crossed) for _, site, crossed in suspects if self.strikes[site] >= th.site_patience]
+        independent = sorted(((site, crossed) for site, crossed in due if any(map(intrinsic, crossed))),
+                             key=lambda t: self.order.index(t[0]))   # in forward order
+        for site, crossed in independent or due[:1]:
+            blamed.append(site)
+            self._fallback(site, step, f"site thresholds crossed for {self.strikes[site]} checks"
+                           f"{' (its own operand against its format)' if independent else ''}", crossed, d)
+        suspects = [(site, crossed) for _, site, crossed in suspects]
+        # 3. global signals
+        fired = self._global_signals(step, signals)
+        if signals.nonfinite and not blamed:
+            fired.insert(0, ("nan_inf", {"losses": signals.losses, "grad_norms": signals.grad_norms}))
+        if fired and not blamed and suspects:
+            # a global signal while a site's own thresholds are crossed: that site is to blame
+            site, crossed = suspects[0]
+            blamed.append(site)
+            names = ", ".join(name for name, _ in fired)
+            self._fallback(site, step, f"{names} while this site's thresholds are crossed",
+                           {**crossed, **{name: ev for name, ev in fired}}, d)
+        if fired and not blamed:
+            reason = ", ".join(name for name, _ in fired)
+            evidence = {name: ev for name, ev in fired}
+            rolled = self._rollback_newest(step, f"global signal: {reason}", evidence, d)
+            if self.config.rewind and (rolled or signals.nonfinite):
+                d.action = Action.REWIND
+                d.skip_batches = self.config.rewind_skip_batches
+                d.events.append(Event(step, EventKind.REWIND, (), {}, {}, f"rewind after {reason}",
+                                      {"skip_batches": d.skip_batches}))
+        if d.events:
+            self.stable_since = step
+            return d
+        # 4. retries after cooldown
+        due = [s for s in self.order if s in self.retry_at and step >= self.retry_at[s]]
+        if due:
+            to = {s: self.target[s] for s in due if s in self.target}
+            for s in due:
+                self.retry_at.pop(s)
+            self._move(due, to, EventKind.RETRY, step, "cooldown over", {}, d)
+        # 5. promotion
+        if step - self.stable_since >= self.config.min_steps and self.promoted < len(self.stages):
+            self._promote(step, d)
+        if d.events:
+            self.stable_since = step
+        return d
+
+    def _global_signals(self, step: int, signals: Signals) -> list[tuple[str, dict]]:
+        """The anomalies left for this check (no replay explained them), then the loss gap
+        over the window's losses."""
+        fired, self.pending = list(self.pending), []
+        if self.loss_gap is not None:
+            first = signals.step - len(signals.losses) + 1
+            for i, loss in enumerate(signals.losses):
+                hit, ev = self.loss_gap.update(first + i, loss)
+                if hit and "loss_gap" not in dict(fired):
+                    fired.append(("loss_gap", {**ev, "step": first + i}))
+        return fired
+
+    def _gate_event(self, step: int, result: GateOutcome, what: str, stage: str | None, d: Decision) -> Verdict:
+        try:
+            verdict = Verdict(result.verdict)
+        except ValueError:
+            raise ValueError(f"the gate answered verdict {result.verdict!r}; a gate answers one of "
+                             f"{', '.join(v.value for v in Verdict)}") from None
+        d.events.append(Event(step, EventKind.GATE, (), {}, {}, f"gate {what}: {verdict.value}",
+                              {"verdict": verdict.value, "detail": str(result.reason)}, stage))
+        return verdict
+
+    def observe_gate(self, step: int, result: GateOutcome) -> Decision:
+        """An evaluation checkpoint's gate outcome (`.verdict`, `.reason`), from a periodic
+        eval outside a promotion. A regression rolls the newest promoted stage back; the
+        verdict is recorded as a GATE event."""
+        d = Decision()
+        verdict = self._gate_event(step, result, "at eval checkpoint", None, d)
+        if verdict is Verdict.REGRESS:
+            self._rollback_newest(step, "evaluation gate regressed", {"verdict": verdict.value}, d)
+            self.stable_since = step
+        return d
+
+    def record_lr_sensitivity(self, step: int, value: float | None) -> None:
+        """Keep an LR probe's sensitivity (None: no probe at this check) for the promotion hold."""
+        if value is not None:
+            self.lr_history = [*self.lr_history, (int(step), float(value))][-(LR_HISTORY + 1):]
+
+    def _promote(self, step: int, d: Decision) -> None:
+        stage = self.stages[self.promoted]
+        held, ev = lr_sensitivity_hold(self.lr_history, self.config.lr_hold_rise, self.config.lr_hold_above)
+        if held:   # hold, as an inconclusive gate does: asked again after another min_steps
+            d.events.append(Event(step, EventKind.HOLD, (), {}, {}, (
+                f"promotion of {stage.name} held: LR sensitivity {ev['lr_sensitivity']:.4g} (probe at step "
+                f"{ev['probe_step']}) is above its hold level {ev['hold_level']:.4g}"), ev, stage.name))
+            return
+        if self.gate is not None:
+            verdict = self._gate_event(step, self.gate(step), f"before {stage.name}", stage.name, d)
+            if verdict is Verdict.REGRESS:
+                self._rollback_newest(step, "evaluation gate regressed", {"verdict": verdict.value}, d)
+                return
+            if verdict is not Verdict.PASS:
+                return  # inconclusive: hold, ask again after another min_steps
+        self.promoted += 1
+        to = {}
+        for s in stage.sites:
+            fmt = stage.format
+            if s in self.floor and _bits(fmt) < _bits(self.floor[s]):
+                fmt = self.floor[s]
+            if self.failures.get(s) and s not in self.floor and _bits(fmt) < _bits(self.current[s]):
+                # it fell back before: it comes down again only through its own retry, after
+                # its cooldown (a promotion is no back door around a cooldown, and sites that
+                # failed are retried one by one, not all at once with a whole stage)
+                self.retry_at.setdefault(s, step + self.config.cooldown_steps)
+                self.stage_of[s], self.target[s] = stage.name, fmt
+                continue
+            if _bits(fmt) < _bits(self.current[s]):
+                to[s] = fmt
+                self.before_stage[s] = self.current[s]
+            self.stage_of[s] = stage.name
+            self.target[s] = fmt
+        self._move(list(stage.sites), to, EventKind.PROMOTE, step, f"stable for {step - self.stable_since} "
+                   f"steps", {"min_steps": self.config.min_steps}, d, stage.name)
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict:
+        return {"version": 1, "current": dict(self.current), "promoted": self.promoted,
+                "stable_since": self.stable_since, "stage_of": dict(self.stage_of),
+                "target": dict(self.target), "failures": dict(self.failures), "strikes": dict(self.strikes),
+                "floor": dict(self.floor), "retry_at": dict(self.retry_at),
+                "before_stage": dict(self.before_stage), "stage_failures": dict(self.stage_failures),
+                "pending": [[name, ev] for name, ev in self.pending], "streak": self.streak,
+                "last_anomaly": self.last_anomaly, "lr_history": [[s, v] for s, v in self.lr_history],
+                "detectors": {**self.detectors.state_dict(),
+                              "loss_gap": self.loss_gap.state_dict() if self.loss_gap else None}}
+
+    def load_state_dict(self, s: dict) -> None:
+        if s.get("version") != 1:
+            raise ValueError(f"unknown controller state version {s.get('version')!r}; expected 1")
+        unknown = set(s["current"]) - set(self.ladders)
+        if unknown:
+            raise ValueError(f"controller state names sites this model lacks: {sorted(unknown)[:5]}")
+        self.current = dict(s["current"])
+        self.promoted, self.stable_since = int(s["promoted"]), int(s["stable_since"])
+        for name in ("stage_of", "target", "failures", "strikes", "floor", "retry_at", "before_stage",
+                     "stage_failures"):
+            setattr(self, name, dict(s[name]))
+        self.pending = [(name, ev) for name, ev in s.get("pending", [])]   # absent before per-step detection
+        self.streak, self.last_anomaly = int(s.get("streak", 0)), int(s.get("last_anomaly", -2))
+        self.lr_history = [(int(st), float(v)) for st, v in s.get("lr_history", ())]   # absent before the probe
+        det = s["detectors"]
+        self.detectors.load_state_dict(det)
+        if self.loss_gap is not None and det["loss_gap"] is not None:
+            self.loss_gap.load_state_dict(det["loss_gap"])

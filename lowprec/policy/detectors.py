@@ -1,0 +1,238 @@
+"""What counts as an instability: the controller's thresholds and detectors.
+
+`Thresholds` is the `rollout.thresholds` section: the per-site limits (saturated
+fraction, underflow as a fraction of values or of energy, SQNR) and the presets of the global detectors. The detectors are
+the published ones:
+
+* `SpikeDetector`: a value above mean + 6 sigma of the last 128 values (OLMo-core's
+  stability monitor), for loss and grad norm;
+* `LargeValueDetector`: at least 10x the max of the first 100 values (Megatron-LM's
+  rerun state machine);
+* `LossGapDetector`: the relative gap between the smoothed loss and a baseline loss
+  curve (DeepSeek-V3 kept it under 0.25% for FP8); off unless `loss_gap` is set and a
+  baseline curve is given;
+* `lr_sensitivity_hold`: whether the newest learning-rate sensitivity of the LR probe
+  (`lowprec.runtime.lrprobe`) is above its hold level, which holds the next promotion.
+
+NaN/Inf in the loss or gradients is no detector's business (`lowprec.policy.anomaly` flags it);
+the detectors ignore non-finite values. `test(value)` asks without remembering (for
+replays), `update(value)` also lets a normal value into the history. The spike and
+large-value detectors run on every step (`lowprec.policy.anomaly.StepDetectors`), the loss gap at
+each check; the controller owns them all (their state rides in its `state_dict`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from lowprec.base.parse import ConfigError
+
+__all__ = ["Thresholds", "intrinsic", "SpikeDetector", "LargeValueDetector", "LossGapDetector", "LR_HISTORY", "lr_hold_level",
+           "lr_sensitivity_hold"]
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The controller's thresholds and detector presets (the defaults are the published ones)."""
+
+    max_saturated_frac: float = 1e-3            # a site above this saturated fraction is crossing
+    max_underflow_frac: float | None = None     # the same for values flushed to zero; None: off
+    # the share of an operand's energy (sum of squares) flushed to zero: the underflow that
+    # does harm (flushing many tiny values costs little energy); None: off
+    max_underflow_energy: float | None = None
+    min_sqnr_db: float | None = None            # a site below this SQNR (dB) is crossing; None: off
+    site_patience: int = 2                      # checks in a row crossing before a site falls back
+    spike_window: int = 128
+    spike_sigmas: float = 6.0
+    spike_min_history: int = 16                 # no spike verdicts before this many values
+    large_factor: float = 10.0
+    large_warmup: int = 100
+    loss_gap: float | None = None               # relative gap to the baseline curve; None: off
+    loss_gap_smoothing: float = 0.9             # EMA factor of the smoothed losses
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, allowed: str) -> None:
+            if not ok:
+                raise ConfigError(name, f"must be {allowed}, got {getattr(self, name)!r}")
+
+        need(0 <= self.max_saturated_frac <= 1, "max_saturated_frac", "a fraction in [0, 1] (1e-3: 0.1%)")
+        need(self.max_underflow_frac is None or 0 <= self.max_underflow_frac <= 1, "max_underflow_frac",
+             "a fraction in [0, 1], or null (off)")
+        need(self.max_underflow_energy is None or 0 <= self.max_underflow_energy <= 1, "max_underflow_energy",
+             "a fraction in [0, 1] of an operand's energy (0.01: 1%), or null (off)")
+        need(self.site_patience >= 1, "site_patience", ">= 1")
+        need(self.spike_window >= 2, "spike_window", ">= 2")
+        need(self.spike_sigmas > 0, "spike_sigmas", "> 0")
+        need(2 <= self.spike_min_history <= self.spike_window, "spike_min_history",
+             f">= 2 (a standard deviation needs two values) and <= spike_window ({self.spike_window})")
+        need(self.large_factor > 1, "large_factor", "> 1 (a multiple of the largest early value)")
+        need(self.large_warmup >= 1, "large_warmup", ">= 1")
+        need(self.loss_gap is None or self.loss_gap > 0, "loss_gap",
+             "> 0 (a relative gap: 0.03 is 3%), or null (off)")
+        need(0 <= self.loss_gap_smoothing < 1, "loss_gap_smoothing", "in [0, 1) (0: no smoothing)")
+
+
+    def crossed(self, sig) -> dict[str, float]:
+        """A site's `SiteSignals` (one check window) that cross these thresholds, as
+        `role/stat` -> value (empty: none)."""
+        out = {f"{r}/saturated_frac": v for r, v in sig.saturated_frac.items() if v > self.max_saturated_frac}
+        if self.max_underflow_frac is not None:
+            out.update({f"{r}/underflow_frac": v for r, v in sig.underflow_frac.items()
+                        if v > self.max_underflow_frac})
+        if self.max_underflow_energy is not None:
+            out.update({f"{r}/underflow_energy_frac": v for r, v in sig.underflow_energy_frac.items()
+                        if v > self.max_underflow_energy})
+        if self.min_sqnr_db is not None:
+            out.update({f"{r}/sqnr_db": v for r, v in sig.sqnr_db.items() if v < self.min_sqnr_db})
+        # delayed scaling saturated past twice its max in a step between checks (statistics off)
+        out.update({f"{r}/overflow_steps": v for r, v in sig.overflow_steps.items() if v > 0})
+        return out
+
+
+# per-site signals that measure a site's own operand against its format, whatever other
+# sites do (a crossing of these is independent evidence; the controller's rule 2)
+_INTRINSIC_STATS = ("sqnr_db", "underflow_energy_frac")
+
+
+def intrinsic(key: str) -> bool:
+    """Whether a crossed `role/stat` is independent evidence against its site: anything on
+    the weight, SQNR or flushed energy on any operand."""
+    role, _, stat = key.partition("/")
+    return role == "weight" or stat in _INTRINSIC_STATS
+
+
+class SpikeDetector:
+    """A value above mean + `sigmas` standard deviations of the last `window` values."""
+
+    def __init__(self, window: int = 128, sigmas: float = 6.0, min_history: int = 16):
+        self.window, self.sigmas, self.min_history = window, sigmas, min_history
+        self.values: deque[float] = deque(maxlen=window)
+
+    def test(self, value: float) -> tuple[bool, dict]:
+        """(is_spike, evidence) against the current history, remembering nothing. Non-finite
+        values are no spike (NaN is handled apart)."""
+        if not math.isfinite(value) or len(self.values) < self.min_history:
+            return False, {}
+        n = len(self.values)
+        mean = sum(self.values) / n
+        std = math.sqrt(sum((v - mean) ** 2 for v in self.values) / max(n - 1, 1))
+        limit = mean + self.sigmas * std
+        return value > limit, {"value": value, "mean": mean, "std": std, "limit": limit, "window": n}
+
+    def update(self, value: float) -> tuple[bool, dict]:
+        """`test`, then a finite value that is no spike joins the history."""
+        spike, evidence = self.test(value)
+        if not spike and math.isfinite(value):
+            self.values.append(value)
+        return spike, evidence
+
+    def state_dict(self) -> dict:
+        return {"values": list(self.values)}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.values = deque(s["values"], maxlen=self.window)
+
+
+class LargeValueDetector:
+    """At least `factor` x the max of the first `warmup` values (Megatron-LM)."""
+
+    def __init__(self, factor: float = 10.0, warmup: int = 100):
+        self.factor, self.warmup = factor, warmup
+        self.seen = 0
+        self.reference = 0.0
+
+    def test(self, value: float) -> tuple[bool, dict]:
+        """(is_large, evidence), remembering nothing; nothing is large during the warmup."""
+        if not math.isfinite(value) or self.seen < self.warmup:
+            return False, {}
+        limit = self.factor * self.reference
+        return value >= limit, {"value": value, "reference_max": self.reference, "limit": limit}
+
+    def update(self, value: float) -> tuple[bool, dict]:
+        """`test`; during the warmup a finite value raises the reference instead."""
+        if math.isfinite(value) and self.seen < self.warmup:
+            self.seen += 1
+            self.reference = max(self.reference, value)
+            return False, {}
+        return self.test(value)
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen, "reference": self.reference}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.seen, self.reference = int(s["seen"]), float(s["reference"])
+
+
+class LossGapDetector:
+    """Relative gap between the EMA-smoothed loss and a baseline curve {step: loss}."""
+
+    def __init__(self, baseline: dict[int, float], threshold: float, smoothing: float = 0.9):
+        self.baseline = dict(sorted(baseline.items()))
+        self.threshold, self.smoothing = threshold, smoothing
+        self.ema: float | None = None
+        self.base_ema: float | None = None
+
+    def _baseline_at(self, step: int) -> float | None:
+        if step in self.baseline:
+            return self.baseline[step]
+        before = [s for s in self.baseline if s <= step]
+        return self.baseline[before[-1]] if before else None
+
+    def update(self, step: int, loss: float) -> tuple[bool, dict]:
+        base = self._baseline_at(step)
+        if base is None or not math.isfinite(loss):
+            return False, {}
+        a = self.smoothing
+        self.ema = loss if self.ema is None else a * self.ema + (1 - a) * loss
+        self.base_ema = base if self.base_ema is None else a * self.base_ema + (1 - a) * base
+        gap = (self.ema - self.base_ema) / abs(self.base_ema)
+        return gap > self.threshold, {"smoothed_loss": self.ema, "baseline": self.base_ema, "gap": gap,
+                                      "threshold": self.threshold}
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema, "base_ema": self.base_ema}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.ema, self.base_ema = s["ema"], s["base_ema"]
+
+
+LR_HISTORY = 4   # earlier LR-probe results a new one is compared with (lr_hold_level)
+
+
+def lr_hold_level(history: list[tuple[int, float]], hold_rise: float | None,
+                  hold_above: float | None) -> tuple[float | None, dict]:
+    """The level above which the newest LR sensitivity in `history` ((step, sensitivity) of
+    the probes so far, oldest first) holds a promotion, and how it was found.
+
+    The lower of `hold_above` (a sensitivity above 0 means that even on the batch its
+    gradient came from, the doubled step lowers the loss less than the halved one: the lr is
+    past the locally best step size) and the median of the `LR_HISTORY` finite values before
+    the newest plus `hold_rise` (the sensitivity rose); that second one only once
+    `LR_HISTORY` earlier probes exist. None of them (both off, or too few probes): None."""
+    levels, how = [], {}
+    if hold_above is not None:
+        levels.append(hold_above)
+        how["hold_above"] = hold_above
+    earlier = [v for _, v in history[-LR_HISTORY - 1:-1] if math.isfinite(v)]
+    if hold_rise is not None and len(history) > LR_HISTORY and earlier:
+        ref = statistics.median(earlier)
+        levels.append(ref + hold_rise)
+        how.update(median_before=ref, hold_rise=hold_rise)
+    return (min(levels) if levels else None), how
+
+
+def lr_sensitivity_hold(history: list[tuple[int, float]], hold_rise: float | None,
+                        hold_above: float | None) -> tuple[bool, dict]:
+    """Whether the newest LR sensitivity holds a promotion (it is above `lr_hold_level`; an
+    infinite one, a virtual step that diverged, is above any level, a NaN above none), and
+    the evidence."""
+    if not history:
+        return False, {}
+    step, latest = history[-1]
+    level, how = lr_hold_level(history, hold_rise, hold_above)
+    if level is None or math.isnan(latest):
+        return False, {}
+    return latest > level, {"lr_sensitivity": latest, "probe_step": step, "hold_level": level, **how}

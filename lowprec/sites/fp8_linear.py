@@ -1,0 +1,198 @@
+"""The `torch` backend's FP8 fast path: a linear layer's three GEMMs on fused FP8 casts.
+
+`QuantizedLinearFn` (lowprec.sites.quantized_gemms) serves every format on every backend: it
+quantizes through `lowprec.numerics.quantize` (FP32 grid values, then a cast to FP8 storage, the
+statistics as extra passes). For the formats whose five operands are tensor-wise, delayed
+or row-wise FP8 this module does the same arithmetic in as few passes as the hardware
+allows:
+
+    fprop  y  = x  @ w^T      _scaled_mm(q_x,  q_w^T)      A row-major, B column-major
+    dgrad  dx = dy @ w        _scaled_mm(q_dy, q_wt^T)
+    wgrad  dw = dy^T @ x      _scaled_mm(q_dyt, q_xt^T)
+
+Each operand is cast once, by one custom op (`lowprec.numerics.fp8_ops`), into both layouts it is
+needed in (cast+transpose); the forward saves only the FP8 transposed input and the
+weight's FP8 transpose for the backward (no BF16 or FP32 copy); `_scaled_mm` writes BF16
+directly (and adds a BF16 bias in its epilogue). The weight's FP8 forms are cached across gradient-accumulation
+micro-batches (`lowprec.sites.weight_cache`; delayed scaling excepted, as before). Statistics are
+computed only when the layer's `collect_stats` is on (check steps), by the same kernels.
+Nothing here reads a device value on the host.
+
+On CPU the same ops run the reference quantizer and `_scaled_mm` accumulates in FP32,
+so the fast path equals the `emulated` backend bit for bit there (tests/lowprec/fast_path).
+
+Not on the fast path (the layer uses `QuantizedLinearFn`): DTensor operands, amax
+reductions over a group, and every other format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from lowprec.numerics import fp8_ops
+from lowprec.numerics.formats import Format, Rounding, ScaleEncoding, Scaling
+from lowprec.numerics.quant_stats import QuantStats
+
+__all__ = ["FastRecipe", "fast_recipe", "cast_weight", "FP8LinearFn", "WeightForms", "DelayedTensors"]
+
+_FAST_SCALINGS = (Scaling.TENSOR, Scaling.DELAYED, Scaling.ROW)
+
+
+@dataclass(frozen=True)
+class FastRecipe:
+    """What the fast path needs of a format, as plain constants (a compile-time key)."""
+
+    scaling: Scaling
+    fwd: int                  # element code (fp8_ops.ELEMENTS) of input and weight
+    bwd: int                  # element code of the output gradient
+    stats: bool = False       # check step: write the statistics
+    margin: int = 0           # delayed scaling
+    most_recent: bool = False
+    count_overflow: bool = False   # delayed, statistics off: count overflow steps
+
+    @property
+    def rowwise(self) -> bool:
+        return self.scaling is Scaling.ROW
+
+    @property
+    def delayed(self) -> bool:
+        return self.scaling is Scaling.DELAYED
+
+
+def fast_recipe(fmt: Format) -> FastRecipe | None:
+    """The fast-path recipe of `fmt`, or None when the fast path cannot run it exactly."""
+    specs = fmt.specs()
+    if len(specs) != 5:
+        return None
+    for spec in specs.values():
+        if (spec.scaling not in _FAST_SCALINGS or spec.scaling is not fmt.input.scaling
+                or spec.rounding is not Rounding.NEAREST_EVEN or spec.hadamard
+                or spec.scale_encoding is not ScaleEncoding.FP32 or spec.element not in fp8_ops.ELEMENTS):
+            return None
+    fwd, bwd = fmt.input.element, fmt.grad_output.element
+    if fmt.weight.element is not fwd or fmt.input_wgrad.element is not fwd or fmt.grad_output_wgrad.element is not bwd:
+        return None
+    d = fmt.delayed
+    return FastRecipe(fmt.input.scaling, fp8_ops.element_code(fwd), fp8_ops.element_code(bwd),
+                      margin=d.margin if d else 0, most_recent=bool(d and d.algo == "most_recent"))
+
+
+class WeightForms(NamedTuple):
+    """The weight's FP8 casts, both layouts (cached between optimizer steps)."""
+
+    q: Tensor
+    scale_inv: Tensor
+    q_t: Tensor
+    scale_inv_t: Tensor
+    stats: QuantStats | None
+
+
+def _cast(t: Tensor, elem: int, recipe: FastRecipe, hist, overflow: Tensor | None, index: int,
+          transpose: bool):
+    """(q, scale_inv, q_t, scale_inv_t, packed stats) of one operand by one custom op."""
+    if recipe.delayed:
+        q, si, qt, st = torch.ops.lowprec.fp8_cast_delayed(
+            t, elem, hist.history, hist.count, hist.scratch, hist.ticket, overflow, index,
+            recipe.margin, recipe.most_recent, transpose, recipe.stats, recipe.count_overflow)
+        return q, si, qt, si, st
+    q, si, qt, sit, st = torch.ops.lowprec.fp8_cast(t, elem, recipe.rowwise, transpose, recipe.stats)
+    return q, si, qt, (sit if recipe.rowwise else si), st
+
+
+def _mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: torch.dtype, bias: Tensor | None = None
+        ) -> Tensor:
+    """a @ b^T (+ bias) for FP8 a (M, K) and b (N, K), both row-major, with their scale_inv (a
+    scalar, or (M, 1) / (N, 1) row-wise), in `out_dtype` straight from `_scaled_mm` (on CPU,
+    too: it accumulates in FP32, adds the bias and rounds once, as the emulated backend).
+    A bias of the output's dtype (BF16) goes into the GEMM's epilogue (on CUDA an FP32 bias is
+    cast to it first, as autocast does); on CPU another (an FP32 bias under a BF16 output) is
+    added to the FP32 result before the one rounding, as the emulated backend does. Row-wise
+    GEMMs on CUDA return BF16 (what cuBLAS supports there)."""
+    sb = sb.reshape(1, -1) if sb.dim() == 2 else sb
+    m, n = a.shape[0], b.shape[0]
+    padded = a.is_cuda and (m % 16 or n % 16 or a.shape[1] % 16)
+    if padded:   # cuBLASLt needs multiples of 16: zeros change no product (sliced off below)
+        from lowprec.sites.backends.scaled_mm import _pad16
+        a, b, sa, sb = _pad16(a, b, sa, sb)
+    dt = torch.bfloat16 if a.is_cuda and sa.dim() == 2 else out_dtype
+    if a.is_cuda and bias is not None and dt != torch.float32 and not padded:
+        bias = bias.to(dt)   # as F.linear under autocast: the bias in the output's dtype, fused
+    fused = bias is not None and not padded and dt != torch.float32 and bias.dtype == dt
+    if bias is not None and not fused:
+        dt = torch.float32
+    out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=bias if fused else None, out_dtype=dt)
+    out = out[:m, :n] if padded else out
+    if bias is not None and not fused:
+        out = out + bias.float()
+    return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+class FP8LinearFn(torch.autograd.Function):
+    """y = x @ w^T + b with the weight's FP8 forms given (see the module docstring).
+
+    Inputs besides x, w and bias are device tensors the layer owns: the weight's casts,
+    the delayed histories of x and of the output gradient (history, count, scratch,
+    ticket), the overflow counters, and the buffer the output gradient's statistics go
+    to. Returns (y, the input's packed statistics or an empty tensor)."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, qw, siw, qwt, siwt, hx, cx, sx, tx, hg, cg, sg, tg, overflow,
+                grad_stats, recipe: FastRecipe):
+        x2 = x.reshape(-1, x.shape[-1])
+        siwt = siw if siwt is None else siwt   # one scale for both layouts unless row-wise
+        need_dw = ctx.needs_input_grad[1]
+        hist_x = DelayedTensors(hx, cx, sx, tx)
+        qx, six, qxt, sixt, stats_x = _cast(x2, recipe.fwd, recipe, hist_x, overflow, 0, need_dw)
+        out_dtype = _output_dtype(x)
+        y = _mm(qx, six, qw, siw, out_dtype, bias)
+        ctx.save_for_backward(qxt, sixt, qwt, siwt, hg, cg, sg, tg, overflow, grad_stats)
+        ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, x.shape, x.dtype, w.dtype
+        ctx.has_bias = bias is not None
+        ctx.mark_non_differentiable(stats_x)
+        ctx.set_materialize_grads(False)   # no zeros for the statistics' (absent) gradient
+        return y.reshape(*x.shape[:-1], y.shape[-1]), stats_x
+
+    @staticmethod
+    def backward(ctx, gy, _gstats):
+        qxt, sixt, qwt, siwt, hg, cg, sg, tg, overflow, grad_stats = ctx.saved_tensors
+        recipe = ctx.recipe
+        g2 = gy.reshape(-1, gy.shape[-1])
+        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dx = dw = db = None
+        qg, sig, qgt, sigt, st = _cast(g2, recipe.bwd, recipe, DelayedTensors(hg, cg, sg, tg), overflow, 2, need_dw)
+        if recipe.stats and grad_stats is not None:
+            grad_stats.copy_(st)
+        if need_dx:
+            dx = _mm(qg, sig, qwt, siwt, ctx.x_dtype).reshape(ctx.x_shape)
+        if need_dw:
+            dw = _mm(qgt, sigt, qxt, sixt, ctx.w_dtype)
+        if ctx.has_bias and need_db:
+            db = g2.sum(0, dtype=torch.float32)   # one read of the BF16 gradient, FP32 sums
+        return (dx, dw, db) + (None,) * 15
+
+
+class DelayedTensors(NamedTuple):
+    """One operand's delayed-scaling state as the custom op mutates it (all None otherwise)."""
+    history: Tensor | None
+    count: Tensor | None
+    scratch: Tensor | None
+    ticket: Tensor | None
+
+
+def _output_dtype(x: Tensor) -> torch.dtype:
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return x.dtype
+
+
+NO_HISTORY = DelayedTensors(None, None, None, None)
+
+
+def cast_weight(w: Tensor, recipe: FastRecipe, hist: DelayedTensors, overflow: Tensor | None) -> WeightForms:
+    """The weight's FP8 casts in both layouts (what the forward and the dgrad GEMM read)."""
+    q, si, qt, sit, st = _cast(w.detach(), recipe.fwd, recipe, hist, overflow, 1, True)
+    return WeightForms(q, si, qt, sit, QuantStats(st) if recipe.stats else None)

@@ -1,0 +1,302 @@
+"""The precision-switchable linear layer.
+
+`PrecisionLinear` replaces an `nn.Linear` (or a Hugging Face GPT-2 `Conv1D`, whose
+weight is stored transposed) and holds the *same* Parameter objects, so an optimizer
+built before the swap keeps working and switching format never allocates parameters.
+It subclasses `nn.Linear` so that tensor-parallel styles (ColwiseParallel /
+RowwiseParallel) and FSDP2 treat it as the linear layer it is.
+
+Its format can change at any step (`set_format`). In a low-precision format, the
+forward and backward run as Transformer Engine runs them, three GEMMs each with
+quantized operands and FP32 accumulation (`lowprec.sites.quantized_gemms` runs them; this
+module quantizes each operand):
+
+    fprop  y  = x  @ w^T      operands (input, weight)
+    dgrad  dx = dy @ w        operands (grad_output, weight^T)
+    wgrad  dw = dy^T @ x      operands (grad_output_wgrad, input_wgrad), K = tokens
+
+Every operand is quantized along the GEMM's reduction dimension (the last dimension
+of the 2-D view), so 1x128, MX and NVFP4 blocks follow the right axis in each GEMM.
+The statistics of input, weight and grad_output are kept as device tensors in
+`layer.stats` for the monitors. In `bf16`, operands are rounded to BF16 and the GEMM
+accumulates in FP32 (BF16 arithmetic is emulated; on a BF16 model it is a no-op).
+
+Distributed: a tensor-wise amax must be the amax of the whole tensor, so when an
+operand is a DTensor shard its amax is all-reduced (MAX) over the mesh dimensions it
+is sharded on, and activations/gradients are also reduced over `amax_group` (the
+data-parallel group) when one is given: the numerics then equal a single process's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lowprec.numerics.delayed import AmaxHistory
+from lowprec.sites.fp8_linear import (NO_HISTORY, DelayedTensors, FastRecipe, FP8LinearFn, WeightForms, cast_weight,
+                                      fast_recipe)
+from lowprec.numerics.quant_stats import QuantStats
+from lowprec.sites.weight_cache import cache_key
+from lowprec.numerics.formats import Format, QuantSpec, ScaleEncoding, Scaling
+from lowprec.numerics.hadamard import RandomHadamard
+from lowprec.numerics.grid import saturates
+from lowprec.numerics.quantize import QuantStats, quantize
+from lowprec.sites.quantized_gemms import QuantizedLinearFn
+from lowprec.sites.weight_cache import WeightCache, cache_key, cacheable
+
+__all__ = ["PrecisionLinear", "linear_weight_view"]
+
+# the operand each GEMM role quantizes: its amax history and its statistics are the operand's
+_OPERAND = {"input": "input", "input_wgrad": "input", "weight": "weight",
+            "grad_output": "grad_output", "grad_output_wgrad": "grad_output"}
+_ACTIVATION_ROLES = ("input", "input_wgrad", "grad_output", "grad_output_wgrad")
+_OPERANDS = ("input", "weight", "grad_output")  # the operands, in overflow_steps' order
+_FAST_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+
+
+def linear_weight_view(module: nn.Module) -> torch.Tensor:
+    """The (out, in) weight of an nn.Linear or a transformers Conv1D (stored (in, out))."""
+    return module.weight.t() if type(module).__name__ == "Conv1D" else module.weight
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    """The stochastic-rounding generator of a layer on `device`; a CPU one for a layer on the
+    meta device (it is replaced when the layer is materialized, `PrecisionLinear._apply`)."""
+    return torch.Generator(device="cpu" if device.type == "meta" else device).manual_seed(seed)
+
+
+class PrecisionLinear(nn.Linear):
+    """A linear layer whose GEMMs run in a switchable `Format` on a given backend."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, fmt: Format, backend, *,
+                 fqn: str = "", transposed_weight: bool = False, seed: int = 0,
+                 amax_group=None, emulate_bf16: bool = True, fused: bool = False,
+                 cache_weights: bool = True):
+        nn.Module.__init__(self)
+        out_f, in_f = (weight.shape[1], weight.shape[0]) if transposed_weight else weight.shape
+        self.in_features, self.out_features = int(in_f), int(out_f)
+        self.weight = weight  # the same Parameter objects: no copy, no new allocation
+        self.bias = bias
+        self.fqn = fqn
+        self.transposed_weight = transposed_weight
+        self.backend = backend
+        self.amax_group = amax_group
+        self.emulate_bf16 = emulate_bf16
+        self.fused = fused
+        self.collect_stats = True
+        # the weight's quantizations, reused until the weight changes (lowprec.sites.weight_cache)
+        self.weight_cache = WeightCache(cache_weights)
+        self.seed = int(seed)
+        self.generator = _generator(weight.device, self.seed)
+        self.hadamard = RandomHadamard(self.seed)
+        self.stats: dict[str, QuantStats] = {}
+        # steps, since the monitor last read them, in which a delayed-scaling operand (input,
+        # weight, grad_output) saturated past twice the format's max while full statistics
+        # were off: one tiny device op
+        # per such operand, so a one-step overflow between checks is not missed
+        self.overflow_steps = torch.zeros(len(_OPERANDS), dtype=torch.float64, device=weight.device)
+        self.histories: dict[str, AmaxHistory] = {}
+        self.format = fmt
+        self._fast = self._fast_recipe(fmt)
+        self._reset_histories()
+
+    def _fast_recipe(self, fmt: Format) -> FastRecipe | None:
+        """The fast-path recipe when the backend has a fast path and `fmt` is one of its formats."""
+        return fast_recipe(fmt) if getattr(self.backend, "fast_path", False) else None
+
+    @classmethod
+    def from_module(cls, module: nn.Module, fmt: Format, backend, **kw) -> "PrecisionLinear":
+        transposed = type(module).__name__ == "Conv1D"
+        return cls(module.weight, module.bias, fmt, backend, transposed_weight=transposed, **kw)
+
+    def _apply(self, fn, recurse=True):
+        """`.to(device)`, `.cuda()`, `to_empty(device=...)`: the layer's device-side state (the
+        between-check overflow counts, the delayed-scaling histories, the stochastic-rounding
+        generator) follows the weight. A layer built on the meta device (a model built before
+        its weights exist, as torchtitan does) starts that state fresh when it is materialized."""
+        super()._apply(fn, recurse)
+        self.weight_cache.clear()
+        dev, old = self.weight.device, self.overflow_steps.device
+        if dev != old:
+            if old.type == "meta":
+                self.overflow_steps = torch.zeros_like(self.overflow_steps, device=dev)
+                self._reset_histories()
+            else:
+                self.overflow_steps = self.overflow_steps.to(dev)
+                for h in self.histories.values():
+                    h.to(dev)
+            self.generator = _generator(dev, self.seed)   # a generator cannot change device: reseeded
+        return self
+
+    # ------------------------------------------------------------------ format switching
+    def set_format(self, fmt: Format) -> None:
+        """Switch to `fmt`. Parameters are untouched; a delayed-scaling history starts fresh."""
+        if fmt is self.format:
+            return
+        self.format = fmt
+        self._fast = self._fast_recipe(fmt)
+        self.stats = {}
+        self.weight_cache.clear()
+        self._reset_histories()
+
+    def _reset_histories(self) -> None:
+        self.histories = {}
+        cfg = self.format.delayed
+        if cfg is None:
+            return
+        for role, spec in self.format.specs().items():
+            key = _OPERAND[role]
+            if spec.scaling is Scaling.DELAYED and key not in self.histories:
+                self.histories[key] = AmaxHistory(cfg, spec.element, self.weight.device)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.t() if self.transposed_weight else self.weight
+        if self.format.is_high_precision:
+            if self.emulate_bf16 and x.dtype == torch.float32:
+                b = None if self.bias is None else _bf16(self.bias)
+                return F.linear(_bf16(x), _bf16(w), b)
+            return F.linear(x, w, self.bias)
+        if self._fast is not None and self._on_fast_path(x, w):
+            return _fast_linear(self, x, w, self._fast)
+        return QuantizedLinearFn.apply(x, w, self.bias, self, self.format)
+
+    def _on_fast_path(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Plain tensors with no amax reduction over a group (lowprec.sites.fp8_linear)."""
+        return (self.amax_group is None and not hasattr(x, "to_local") and not hasattr(w, "to_local")
+                and x.dtype in _FAST_DTYPES and w.dtype in _FAST_DTYPES)
+
+    def quantize_operand(self, t: torch.Tensor, fmt: Format, role: str, *, record: bool = True,
+                         scale: torch.Tensor | None = None):
+        """Quantize one 2-D operand (local tensor) for GEMM `role`; high precision if no spec.
+
+        record: this is the step's first quantization of the operand (`_OPERAND[role]`): its
+            amax goes into the delayed-scaling history and its statistics are kept. False
+            when the backward quantizes again an operand that a GEMM before it already
+            quantized (weight^T for dgrad, the input or grad_output for wgrad), where the
+            first one could not be reused transposed: that step's statistics and history
+            are the first quantization's.
+        scale: the delayed scale the first quantization used. Transformer Engine's backward
+            uses the forward's FP8 tensors, so an operand has one scale per step; the
+            history's own scale has moved since, by the amax the first one recorded.
+        """
+        spec: QuantSpec | None = getattr(fmt, role)
+        if spec is None:
+            return _bf16(t) if self.emulate_bf16 and t.dtype == torch.float32 else t
+        operand = _OPERAND[role]
+        keep_stats = record and self.collect_stats
+        key = None
+        if (role == "weight" and self.weight_cache.enabled and cacheable(spec)
+                and not self._amax_groups(role) and not torch.compiler.is_compiling()):
+            key = cache_key(t, spec, self.fused)
+            slot = f"{tuple(t.shape)}{t.stride()}"   # the forward's and the backward's layout
+            q = self.weight_cache.get(slot, key, need_stats=keep_stats)
+            if q is not None:
+                if keep_stats:
+                    self.stats[operand] = q.stats
+                return q
+        amax = None
+        hist = self.histories.get(operand) if spec.scaling is Scaling.DELAYED else None
+        if hist is not None:
+            scale = hist.scale() if scale is None else scale
+        elif _needs_global_amax(spec):
+            amax = self._global_amax(t, role)
+        q = quantize(t, spec, amax=amax, scale=scale if hist is not None else None,
+                     generator=self.generator, hadamard=self.hadamard, stats=keep_stats,
+                     fused=self.fused, validate=False)
+        if hist is not None and record:
+            amax = self._reduce_max(q.amax, role)
+            if not self.collect_stats:
+                # past twice the format's max: the largest values lose more than half their size
+                self.overflow_steps[_OPERANDS.index(operand)] += saturates(
+                    amax * scale * 0.5, spec.element).to(torch.float64)
+            hist.record(amax)
+        if keep_stats:
+            self.stats[operand] = q.stats
+        if key is not None:
+            self.weight_cache.put(slot, key, q, storage=getattr(self.backend, "fp8_storage", False))
+        return q
+
+    # ------------------------------------------------------------------ distributed amax
+    def _global_amax(self, t: torch.Tensor, role: str) -> torch.Tensor | None:
+        groups = self._amax_groups(role)
+        if not groups:
+            return None
+        local = torch.where(torch.isfinite(t), t.abs(), 0.0).amax().float()
+        return self._reduce_max(local, role)
+
+    def _reduce_max(self, amax: torch.Tensor, role: str) -> torch.Tensor:
+        for g in self._amax_groups(role):
+            amax = amax.clone()
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=g)
+        return amax
+
+    def _amax_groups(self, role: str) -> list:
+        groups = list(getattr(self, "_shard_groups", {}).get(role, ()))
+        if self.amax_group is not None and role in _ACTIVATION_ROLES:
+            groups.append(self.amax_group)
+        return groups
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, format={self.format.name}, "
+                f"backend={getattr(self.backend, 'name', self.backend)}")
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).to(t.dtype)
+
+
+def _needs_global_amax(spec: QuantSpec) -> bool:
+    """Whether the scale depends on the amax of the whole tensor."""
+    return spec.scaling is Scaling.TENSOR or spec.scale_encoding is ScaleEncoding.E4M3_FP32
+
+
+def _delayed(layer: PrecisionLinear, operand: str, recipe: FastRecipe) -> DelayedTensors:
+    if not recipe.delayed:
+        return NO_HISTORY
+    h = layer.histories[operand]
+    return DelayedTensors(h.history, h.count, h.scratch, h.ticket)
+
+
+def _weight_forms(layer: PrecisionLinear, w: torch.Tensor, recipe: FastRecipe) -> WeightForms:
+    """The weight's FP8 casts (both layouts), from the layer's weight cache when the weight
+    has not changed since (tensor-wise and row-wise; delayed scaling casts every time)."""
+    cache = layer.weight_cache
+    use_cache = cache.enabled and not recipe.delayed and not torch.compiler.is_compiling()
+    if use_cache:
+        key = cache_key(w, layer.format.weight, True, tag="fast")
+        slot = f"fast{tuple(w.shape)}{w.stride()}"
+        hit = cache.get(slot, key, need_stats=recipe.stats)
+        if hit is not None:
+            return hit
+    forms = cast_weight(w, recipe, _delayed(layer, "weight", recipe), layer.overflow_steps)
+    if use_cache:
+        cache.put(slot, key, forms)
+    return forms
+
+
+def _fast_linear(layer: PrecisionLinear, x: torch.Tensor, w: torch.Tensor, recipe: FastRecipe) -> torch.Tensor:
+    """The layer's forward on the fast path (`FP8LinearFn` on tensors and a recipe);
+    statistics into `layer.stats` on check steps."""
+    stats = layer.collect_stats
+    recipe = FastRecipe(recipe.scaling, recipe.fwd, recipe.bwd, stats, recipe.margin, recipe.most_recent,
+                        count_overflow=recipe.delayed and not stats)
+    forms = _weight_forms(layer, w, recipe)
+    # the output gradient's statistics are copied into this buffer by the backward; under
+    # torch.compile AOTAutograd refuses a forward input written by the backward, so a compiled
+    # check step reports the input's and the weight's statistics only
+    grad_stats = (torch.zeros(len(QuantStats.FIELDS), dtype=torch.float64, device=x.device)
+                  if stats and torch.is_grad_enabled() and not torch.compiler.is_compiling() else None)
+    y, stats_x = FP8LinearFn.apply(
+        x, w, layer.bias, forms.q, forms.scale_inv, forms.q_t, forms.scale_inv_t if recipe.rowwise else None,
+        *_delayed(layer, "input", recipe), *_delayed(layer, "grad_output", recipe),
+        layer.overflow_steps, grad_stats, recipe)
+    if stats:
+        layer.stats["input"] = QuantStats(stats_x)
+        layer.stats["weight"] = forms.stats
+        if grad_stats is not None:
+            layer.stats["grad_output"] = QuantStats(grad_stats)
+    return y

@@ -1,0 +1,390 @@
+"""PrecisionPlan: the `precision:` section of a training config, typed and validated.
+
+    precision:
+      backend: emulated        # emulated | torch | te
+      default: bf16            # the format of every linear layer that no rule selects
+      keep_high_precision: [{module_type: Embedding}, {fqns: [lm_head]}, {first_layers: 1}]
+      rules:
+        - {name: mlp_fp4, select: {glob: "blocks.*.mlp.*", last_layers: 2},   # keys AND together
+           format: nvfp4, ladder: [nvfp4, fp8_tensorwise, bf16]}              # the fallback path
+
+`PrecisionPlan.from_yaml` / `from_dict` turn strings into typed, frozen objects at once and
+fail with a `PlanError` whose `path` (`precision.rules[1].format`) says where, with a
+did-you-mean and the allowed values. `resolve(model, plan)` gives every linear layer its
+format, ladder and reason (`format_plan_table` prints them) and checks what needs the model.
+
+* Precedence: keep_high_precision beats every rule; among rules the LAST match wins (as in
+  CSS or torchtitan: general rules first, refinements after); otherwise `default`.
+* Ladders rise strictly in `Format.bits`. The rule's format is prepended if it is not on
+  the ladder and bf16 appended if missing, so every fallback ends in high precision; no
+  ladder means `[format, bf16]`; a format out of order is an error. The rule's format may
+  sit above the ladder's bottom (a site starting in bf16 that a rollout will promote).
+* Blocks (`first_layers` / `last_layers`): the integer path component right after the
+  outermost `nn.ModuleList` (or integer-keyed `nn.ModuleDict`) in the FQN, as in
+  `h.3.mlp.c_fc` or `layers.3.mlp.up_proj`, counted in that container. Nested lists (MoE
+  experts) do not count; modules outside any list (`lm_head`) are in no block.
+* A rule that matches no linear layer is an error; a keep_high_precision selector only has
+  to match some module (`{module_type: Embedding}` is fine). A rule whose layers all go to
+  keep_high_precision or later rules is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.nn as nn
+import yaml
+
+from lowprec.sites.backends import BACKEND_NAMES
+from lowprec.base.parse import ConfigError
+from lowprec.numerics.formats import FORMATS, Format, format_names, get_format
+from lowprec.base.parse import suggest
+from lowprec.numerics.quantize import check_layer_fits
+
+__all__ = ["PlanError", "ModelInfo", "Selector", "Rule", "PrecisionPlan", "SitePlan", "make_ladder",
+           "selection_from_dict", "resolve", "format_plan_table", "is_linear", "linear_shape"]
+
+BF16 = FORMATS["bf16"]
+BACKENDS = BACKEND_NAMES
+SELECTOR_KEYS = ("glob", "regex", "fqns", "first_layers", "last_layers", "module_type")
+RULE_KEYS = ("name", "select", "format", "ladder")
+PLAN_KEYS = ("backend", "default", "keep_high_precision", "rules", "fused")
+
+
+class PlanError(ConfigError):
+    """A plan that cannot be used; `path` says where in the config (`precision.rules[1].format`).
+
+    A ConfigError (`except ConfigError` catches it with every other config problem)."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(path, message)
+
+
+def _expect(ok: bool, v: Any, path: str, wanted: str, hint: str = "") -> Any:
+    """`v` if `ok`, else a PlanError naming the field, what was found and what is allowed."""
+    if not ok:
+        raise PlanError(path, f"expected {wanted}, found {type(v).__name__} {v!r}{hint}")
+    return v
+
+
+def _str(v: Any, path: str) -> str:
+    return _expect(isinstance(v, str) and v != "", v, path, "a non-empty string")
+
+
+def _list(v: Any, path: str) -> list:
+    return list(_expect(isinstance(v, (list, tuple)), v, path, "a list"))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What selectors need to know about a model: its modules by FQN and its block lists."""
+    modules: dict[str, nn.Module]
+    block_lists: dict[str, tuple[str, ...]]  # container FQN -> child keys in block order
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "ModelInfo":
+        modules, lists = dict(model.named_modules()), {}
+        for fqn, m in modules.items():
+            keys = [str(i) for i in range(len(m))] if isinstance(m, nn.ModuleList) else (
+                list(m.keys()) if isinstance(m, nn.ModuleDict) else [])
+            if keys and all(k.isdigit() for k in keys):
+                lists[fqn] = tuple(sorted(keys, key=int))
+        return cls(modules, lists)
+
+    def block(self, fqn: str) -> tuple[int, int] | None:
+        """(index, number of blocks) in the outermost block list on `fqn`'s path, or None."""
+        parts = fqn.split(".")
+        for i in range(len(parts)):
+            keys = self.block_lists.get(".".join(parts[:i]))
+            if keys is not None and parts[i] in keys:
+                return keys.index(parts[i]), len(keys)
+        return None
+
+
+@dataclass(frozen=True)
+class Selector:
+    """Which modules a rule or keep_high_precision entry means; the given fields AND together.
+
+    glob: fnmatch on the FQN (case-sensitive, `*` crosses dots); regex: re.fullmatch on the FQN;
+    fqns: exactly these; first_layers / last_layers: inside the first / last N blocks; module_type:
+    class name or dotted path of the module or of its parent, base classes included."""
+    glob: str | None = None
+    regex: str | None = None
+    fqns: tuple[str, ...] | None = None
+    first_layers: int | None = None
+    last_layers: int | None = None
+    module_type: str | None = None
+    _re: re.Pattern | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for key in [k for k in ("glob", "regex", "module_type") if getattr(self, k) is not None]:
+            _str(getattr(self, key), key)
+        if (v := self.fqns) is not None:  # a list is fine too (YAML gives one); it is kept as a tuple
+            _expect(isinstance(v, (tuple, list)) and v and all(isinstance(n, str) and n for n in v), v, "fqns",
+                    "a non-empty list of module FQNs", f"; write [{v}]" if isinstance(v, str) else "")
+            object.__setattr__(self, "fqns", tuple(v))
+        for key in ("first_layers", "last_layers"):
+            if (v := getattr(self, key)) is not None:
+                _expect(isinstance(v, int) and not isinstance(v, bool) and v >= 1, v, key,
+                        "an integer >= 1 (a number of transformer blocks)")
+        if not self.to_dict():
+            raise PlanError("", f"an empty selector selects nothing; give one or more of {', '.join(SELECTOR_KEYS)}")
+        if self.regex is not None:
+            try:
+                object.__setattr__(self, "_re", re.compile(self.regex))
+            except re.error as e:
+                raise PlanError("regex", f"invalid regular expression {self.regex!r}: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The given fields in canonical order, as YAML values (fqns as a list)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k in SELECTOR_KEYS if (v := getattr(self, k)) is not None}
+
+    @staticmethod
+    def _is_type(m: nn.Module | None, name: str) -> bool:
+        return m is not None and any(name in (c.__name__, f"{c.__module__}.{c.__qualname__}")
+                                     for c in type(m).__mro__ if c not in (nn.Module, object))
+
+    def matches(self, fqn: str, module: nn.Module, info: ModelInfo | None = None) -> bool:
+        """Whether the module at `fqn` is selected; `info` is needed for blocks and parents."""
+        b = info.block(fqn) if info is not None else None
+        parent = info.modules.get(fqn.rpartition(".")[0]) if info is not None and fqn else None
+        return ((self.glob is None or fnmatch.fnmatchcase(fqn, self.glob))
+                and (self._re is None or self._re.fullmatch(fqn) is not None)
+                and (self.fqns is None or fqn in self.fqns)
+                and (self.first_layers is None or (b is not None and b[0] < self.first_layers))
+                and (self.last_layers is None or (b is not None and b[0] >= b[1] - self.last_layers))
+                and (self.module_type is None or self._is_type(module, self.module_type)
+                     or self._is_type(parent, self.module_type)))
+
+    def describe(self) -> str:
+        """E.g. `glob blocks.*.mlp.* and last_layers 2`, for the plan table's why column."""
+        return " and ".join(f"{k} {', '.join(v) if isinstance(v, list) else v}" for k, v in self.to_dict().items())
+
+
+def _check_keys(d: Any, allowed: tuple[str, ...], path: str) -> dict:
+    _expect(isinstance(d, dict), d, path, f"a mapping with keys {', '.join(allowed)}")
+    for k in d:
+        if k not in allowed:
+            raise PlanError(f"{path}.{k}", f"unknown key {k!r}.{suggest(str(k), allowed)} "
+                                           f"Allowed keys: {', '.join(allowed)}.")
+    return d
+
+
+def selection_from_dict(d: Any, path: str = "selection") -> Selector:
+    """A Selector from a `select:`-style mapping (the `rollout:` section reuses it)."""
+    _check_keys(d, SELECTOR_KEYS, path)
+    try:
+        return Selector(**d)
+    except PlanError as e:
+        raise e.under(path) from None
+
+
+def _format(v: Any, path: str) -> Format:
+    if isinstance(v, Format):
+        return v
+    _expect(isinstance(v, str), v, path, "a format name", f". Known formats: {', '.join(format_names())}.")
+    try:
+        return get_format(v)
+    except ValueError as e:
+        raise PlanError(path, str(e)) from None
+
+
+def make_ladder(fmt: Format, ladder: tuple[Format, ...] = ()) -> tuple[Format, ...]:
+    """The normalized ladder: holds `fmt` (prepended if missing), ends with bf16, rank strictly
+    increasing. `fmt` may sit above the bottom: a site that starts in bf16 with the ladder
+    nvfp4 -> fp8_tensorwise -> bf16 is what a staged rollout promotes down that ladder."""
+    out = tuple(ladder) if ladder and fmt in ladder else (fmt, *ladder)
+    out = out if out[-1] == BF16 else (*out, BF16)
+    for lo, hi in zip(out, out[1:]):
+        if hi.bits <= lo.bits:
+            raise PlanError("ladder", f"{' -> '.join(f.name for f in out)} is not ordered from low to high precision: "
+                                      f"{hi.name} ({hi.bits} bits) comes after {lo.name} ({lo.bits} bits). "
+                                      "Each step falls back to more bits (4 -> 8 -> 16); list each level once.")
+    return out
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Layers that `select` matches run in `format` and fall back along `ladder` (normalized)."""
+    select: Selector
+    format: Format
+    ladder: tuple[Format, ...] = ()
+    name: str = "rule"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ladder", make_ladder(self.format, self.ladder))
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str, default_name: str) -> "Rule":
+        _check_keys(d, RULE_KEYS, path)
+        if missing := [k for k in ("select", "format") if k not in d]:
+            raise PlanError(f"{path}.{missing[0]}", f"a rule needs `{missing[0]}`; it has {', '.join(map(str, d))}")
+        try:
+            return cls(selection_from_dict(d["select"], f"{path}.select"), _format(d["format"], f"{path}.format"),
+                       tuple(_format(f, f"{path}.ladder[{i}]")
+                             for i, f in enumerate(_list(d.get("ladder", []), f"{path}.ladder"))),
+                       _str(d.get("name", default_name), f"{path}.name"))
+        except PlanError as e:
+            raise e.under(path) from None
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """The parsed `precision:` section (the module docstring says what wins over what)."""
+    backend: str = "emulated"
+    default: Format = BF16
+    rules: tuple[Rule, ...] = ()
+    keep_high_precision: tuple[Selector, ...] = ()
+    fused: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise PlanError("backend", f"unknown backend {self.backend!r}.{suggest(str(self.backend), BACKENDS)} "
+                                       f"Allowed: {', '.join(BACKENDS)}.")
+        names = [r.name for r in self.rules]
+        for i, n in enumerate(names):
+            if n in names[:i]:
+                raise PlanError(f"rules[{i}].name", f"duplicate rule name {n!r}; rule names must be unique")
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str = "precision") -> "PrecisionPlan":
+        """Parse the contents of the `precision:` section."""
+        _check_keys(d, PLAN_KEYS, path)
+        fused = d.get("fused", False)
+        _expect(isinstance(fused, bool), fused, f"{path}.fused", "true or false")
+        keep, rules = (_list(d.get(k, []), f"{path}.{k}") for k in ("keep_high_precision", "rules"))
+        try:
+            return cls(_str(d.get("backend", "emulated"), f"{path}.backend"),
+                       _format(d.get("default", "bf16"), f"{path}.default"),
+                       tuple(Rule.from_dict(r, f"{path}.rules[{i}]", f"rules[{i}]") for i, r in enumerate(rules)),
+                       tuple(selection_from_dict(s, f"{path}.keep_high_precision[{i}]") for i, s in enumerate(keep)),
+                       fused)
+        except PlanError as e:
+            raise e.under(path) from None
+
+    @classmethod
+    def from_yaml(cls, source: str | os.PathLike) -> "PrecisionPlan":
+        """From a YAML file (a path) or YAML text, with a top-level `precision:` section."""
+        is_file = isinstance(source, os.PathLike) or ("\n" not in source and os.path.isfile(source))
+        try:
+            doc = yaml.safe_load(Path(source).read_text() if is_file else source)
+        except yaml.YAMLError as e:
+            raise PlanError(str(source) if is_file else "<yaml>", f"not valid YAML: {e}") from None
+        if not isinstance(doc, dict) or "precision" not in doc:
+            seen = f"top-level keys {', '.join(map(str, doc))}" if isinstance(doc, dict) else repr(doc)
+            raise PlanError("precision", f"no `precision:` section; found {seen}"
+                            + (" (if that is a file path, there is no such file)" if isinstance(doc, str) else ""))
+        return cls.from_dict(doc["precision"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "default": self.default.name, "fused": self.fused,
+                "keep_high_precision": [s.to_dict() for s in self.keep_high_precision],
+                "rules": [{"name": r.name, "select": r.select.to_dict(), "format": r.format.name,
+                           "ladder": [f.name for f in r.ladder]} for r in self.rules]}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump({"precision": self.to_dict()}, sort_keys=False)
+
+
+def is_linear(module: nn.Module, fqn: str = "") -> bool:
+    """nn.Linear, or GPT-2's `Conv1D` (by name and `nf`: no transformers import; weight stored (in, out))."""
+    return isinstance(module, nn.Linear) or (
+        type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight"))
+
+
+def linear_shape(module: nn.Module) -> tuple[int, int]:
+    """(out, in) of a linear-like module, whatever the layout its weight is stored in."""
+    return (module.nf, module.weight.shape[0]) if type(module).__name__ == "Conv1D" else tuple(module.weight.shape[:2])
+
+
+@dataclass(frozen=True)
+class SitePlan:
+    """One linear layer: its format now, its fallback ladder, and why."""
+    fqn: str
+    module: nn.Module
+    format: Format
+    ladder: tuple[Format, ...]
+    reason: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return linear_shape(self.module)
+
+
+def _no_match(path: str, what: str, noun: str, sel: Selector, candidates: dict, info: ModelInfo) -> PlanError:
+    """Why `sel` matched nothing among `candidates`: each field's own count, and the nearest names."""
+    counts = "; ".join(f"{a.describe()} alone matches {sum(a.matches(f, m, info) for f, m in candidates.items())}"
+                       for a in (Selector(**{k: getattr(sel, k)}) for k in sel.to_dict()))
+    hints = [f"{n!r} is not a module.{suggest(n, list(info.modules))}" for n in sel.fqns or () if n not in info.modules]
+    if sel.module_type is not None:
+        types = sorted({type(m).__name__ for m in info.modules.values()})
+        hints.append(f"Module types in the model: {', '.join(types)}.{suggest(sel.module_type, types)}")
+    if sel.first_layers is not None or sel.last_layers is not None:
+        outer = [f"{f or '<root>'} ({len(k)} blocks)" for f, k in info.block_lists.items() if info.block(f) is None]
+        hints.append(f"Block lists: {', '.join(outer)}." if outer else "The model has no ModuleList of blocks.")
+    for pattern in (sel.glob, sel.regex):
+        if pattern is not None:
+            close = difflib.get_close_matches(pattern, list(candidates), n=3, cutoff=0.3)
+            hints.append(f"{'Nearest' if close else 'Some'} FQNs: {', '.join(close or list(candidates)[:3])}.")
+    return PlanError(path, f"{what} ({sel.describe()}) matches no {noun} ({counts}). {' '.join(hints)}")
+
+
+def resolve(model: nn.Module, plan: PrecisionPlan, *, site_filter: Callable[[nn.Module, str], bool] = is_linear,
+            supported: Callable[[Format], tuple[bool, str]] = lambda fmt: (True, "")) -> list[SitePlan]:
+    """Every module that `site_filter(module, fqn)` accepts, with its format, ladder and reason. PlanError
+    for a selector that matches nothing, a format `supported` refuses, a shape the blocks do not divide."""
+    info = ModelInfo.of(model)
+    linears = {f: m for f, m in info.modules.items() if site_filter(m, f)}
+    if not linears:
+        raise PlanError("model", f"{type(model).__name__} has no linear layers (nn.Linear or Conv1D) to plan")
+    for i, sel in enumerate(plan.keep_high_precision):
+        if not any(sel.matches(f, m, info) for f, m in info.modules.items()):
+            raise _no_match(f"precision.keep_high_precision[{i}]", "keep_high_precision selector", "module", sel,
+                            info.modules, info)
+    planned, hit = [], set()  # (SitePlan, config path its format came from), rules that matched
+    for fqn, m in linears.items():
+        keep = next((s for s in plan.keep_high_precision if s.matches(fqn, m, info)), None)
+        matching = [i for i, r in enumerate(plan.rules) if r.select.matches(fqn, m, info)]
+        hit.update(matching)
+        if keep is not None:
+            planned.append((SitePlan(fqn, m, BF16, (BF16,), f"keep_high_precision ({keep.describe()})"), None))
+        elif matching:
+            r = plan.rules[matching[-1]]
+            planned.append((SitePlan(fqn, m, r.format, r.ladder, f"rule {r.name} ({r.select.describe()})"),
+                            f"precision.rules[{matching[-1]}]"))
+        else:
+            planned.append((SitePlan(fqn, m, plan.default, make_ladder(plan.default), "default"), "precision.default"))
+    for i, r in enumerate(plan.rules):
+        if i not in hit:
+            raise _no_match(f"precision.rules[{i}].select", f"rule {r.name!r}", "linear layer", r.select, linears, info)
+    runs = [n for n, f in FORMATS.items() if supported(f)[0]]
+    for site, base in planned:
+        for fmt in site.ladder if base is not None else ():
+            path = base if base.endswith("default") else f"{base}.{'format' if fmt == site.format else 'ladder'}"
+            ok, why = supported(fmt)
+            if not ok:
+                raise PlanError(path, f"backend {plan.backend!r} cannot run {fmt.name}: {why}. It runs: "
+                                      f"{', '.join(runs) or 'nothing'}. Pick one of those or another backend.")
+            try:
+                check_layer_fits(fmt, *site.shape, site.fqn)
+            except ValueError as e:
+                raise PlanError(path, f"{e} To keep only this layer out, add {{fqns: [{site.fqn}]}} "
+                                      f"to precision.keep_high_precision.") from None
+    return [site for site, _ in planned]
+
+
+def format_plan_table(sites: list[SitePlan]) -> str:
+    """A plain-text table: FQN, shape (out x in), format now, ladder, why."""
+    rows = [("FQN", "shape (out x in)", "format", "ladder", "why")]
+    rows += [(s.fqn, "%d x %d" % s.shape, s.format.name, " -> ".join(f.name for f in s.ladder), s.reason)
+             for s in sites]
+    widths = [max(len(r[c]) for r in rows) for c in range(5)]
+    lines = ["  ".join(r[c].ljust(widths[c]) for c in range(5)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,225 @@
+"""`prepare(model, plan) -> PrecisionState`: swap linear layers in, then switch them at runtime.
+
+`prepare` resolves the plan against the model (`lowprec.sites.plan.resolve`), replaces every
+linear layer that is not kept in high precision by a `PrecisionLinear` holding the same
+Parameter objects, and returns the `PrecisionState` that knows every site: its FQN,
+its current format and its ladder (the formats it may fall back through). Everything
+the controller and the monitors do to the model goes through this object; there is no
+global precision state anywhere.
+
+`state_dict()` holds only strings, integers and tensors (formats by name, delayed-scaling
+histories, stochastic-rounding generator states), so checkpoints load with
+`torch.load(..., weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+from torch import nn
+
+from lowprec.sites.backends import BackendName, get_backend
+from lowprec.numerics.formats import Format, get_format
+from lowprec.base.parse import suggest
+from lowprec.sites.layers import PrecisionLinear
+from lowprec.numerics.quantize import check_layer_fits
+
+__all__ = ["Site", "PrecisionState", "prepare"]
+
+
+@dataclass
+class Site:
+    """One switchable layer: where it is, what it runs in now, where it may fall back to."""
+
+    fqn: str
+    module: PrecisionLinear
+    ladder: tuple[Format, ...]
+    reason: str = ""
+
+    @property
+    def format(self) -> Format:
+        return self.module.format
+
+    @property
+    def flops_per_token(self) -> int:
+        """FLOPs of the three GEMMs per token (2 * in * out each)."""
+        return 6 * self.module.in_features * self.module.out_features
+
+
+class PrecisionState:
+    """The sites of a prepared model and their formats; switching never touches parameters."""
+
+    def __init__(self, sites: Iterable[Site], backend, kept_high_precision: Iterable[tuple[str, str]] = ()):
+        self.sites: dict[str, Site] = {s.fqn: s for s in sites}
+        self.backend = backend
+        self.kept_high_precision = dict(kept_high_precision)  # fqn -> reason, not swapped
+
+    # ------------------------------------------------------------------ queries
+    def site(self, fqn: str) -> Site:
+        try:
+            return self.sites[fqn]
+        except KeyError:
+            raise KeyError(f"no precision site {fqn!r}.{suggest(fqn, list(self.sites))} "
+                           f"{len(self.sites)} sites exist, e.g. {', '.join(list(self.sites)[:4])}") from None
+
+    def formats(self) -> dict[str, str]:
+        """fqn -> current format name (the precision map)."""
+        return {fqn: s.format.name for fqn, s in self.sites.items()}
+
+    def flops_share(self) -> dict[str, float]:
+        """Share of GEMM FLOPs per format over the switchable sites (kept layers excluded)."""
+        total = sum(s.flops_per_token for s in self.sites.values()) or 1
+        share: dict[str, float] = {}
+        for s in self.sites.values():
+            share[s.format.name] = share.get(s.format.name, 0.0) + s.flops_per_token / total
+        return share
+
+    def stats(self) -> dict[str, dict]:
+        """fqn -> {role: QuantStats} from the last step (device tensors, no sync)."""
+        return {fqn: dict(s.module.stats) for fqn, s in self.sites.items() if s.module.stats}
+
+    # ------------------------------------------------------------------ switching
+    def set_format(self, fqns: str | Iterable[str], fmt: Format | str) -> list[str]:
+        """Switch sites to `fmt`; returns the FQNs that changed. Validates before changing any."""
+        fmt = get_format(fmt)
+        names = [fqns] if isinstance(fqns, str) else list(fqns)
+        sites = [self.site(n) for n in names]
+        ok, why = self.backend.supports(fmt)
+        if not ok:
+            raise ValueError(f"cannot switch {names[:3]} to {fmt.name}: {why}")
+        for s in sites:  # the plan's check: weight, input and grad_output blocks
+            check_layer_fits(fmt, s.module.out_features, s.module.in_features, s.fqn)
+        changed = []
+        for s in sites:
+            if s.format is not fmt:
+                s.module.set_format(fmt)
+                changed.append(s.fqn)
+        return changed
+
+    @contextlib.contextmanager
+    def high_precision(self, fqns: Iterable[str] | None = None) -> Iterator[None]:
+        """Run the same weights in bf16 inside the block; formats are restored on exit."""
+        names = list(self.sites) if fqns is None else list(fqns)
+        # a delayed-scaling site's amax history is part of its state: it comes back as it was
+        saved = {n: (self.site(n).format, self.sites[n].module.histories) for n in names}
+        bf16 = get_format("bf16")
+        try:
+            for n in names:
+                self.sites[n].module.set_format(bf16)
+            yield
+        finally:
+            for n, (f, histories) in saved.items():
+                module = self.sites[n].module
+                module.set_format(f)
+                module.histories = histories
+
+    def scaling_state(self) -> dict:
+        """What a forward and backward change in the sites besides their statistics: the
+        delayed-scaling amax histories and the stochastic-rounding generators (copies, small:
+        no parameters). `load_scaling_state` puts them back, so that the same step can run
+        again from the same scales and random draws (replays, the LR probe)."""
+        return {fqn: ({k: h.state_dict() for k, h in getattr(s.module, "histories", {}).items()},
+                      s.module.generator.get_state() if hasattr(s.module, "generator") else None)
+                for fqn, s in self.sites.items()}
+
+    def load_scaling_state(self, saved: dict) -> None:
+        """Put back a `scaling_state()`; a site now in a format without a history (switched
+        to high precision meanwhile) keeps none."""
+        for fqn, (histories, generator) in saved.items():
+            m = self.sites[fqn].module
+            for k, h in histories.items():
+                if k in m.histories:
+                    m.histories[k].load_state_dict(h)
+            if generator is not None:
+                m.generator.set_state(generator)
+
+    def collect_stats(self, enabled: bool) -> None:
+        for s in self.sites.values():
+            s.module.collect_stats = enabled
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict:
+        out = {}
+        for fqn, s in self.sites.items():
+            m = s.module
+            out[fqn] = {"format": m.format.name,
+                        "histories": {k: h.state_dict() for k, h in getattr(m, "histories", {}).items()}}
+            if hasattr(m, "generator"):  # TE sites keep their own RNG and FP8 state
+                out[fqn]["generator"] = m.generator.get_state()
+                out[fqn]["seed"] = m.seed  # also fixes the Hadamard signs
+        return {"version": 1, "sites": out}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != 1:
+            raise ValueError(f"unknown PrecisionState version {state.get('version')!r}; expected 1")
+        missing = set(self.sites) - set(state["sites"])
+        extra = set(state["sites"]) - set(self.sites)
+        if missing or extra:
+            raise ValueError(f"precision state does not match this model: missing sites "
+                             f"{sorted(missing)[:5]}, unknown sites {sorted(extra)[:5]}; prepare "
+                             f"the model with the plan the checkpoint was written with")
+        for fqn, st in state["sites"].items():
+            get_format(st["format"])  # validate every name before changing anything
+            seed = getattr(self.sites[fqn].module, "seed", None)
+            if "seed" in st and seed is not None and int(st["seed"]) != seed:
+                raise ValueError(
+                    f"site {fqn!r} was saved with seed {int(st['seed'])} but is prepared with seed {seed}: "
+                    f"its Hadamard signs and stochastic rounding would differ. Call prepare(..., seed=...) "
+                    f"with the seed of the run that wrote the checkpoint")
+        for fqn, st in state["sites"].items():
+            m = self.sites[fqn].module
+            m.set_format(get_format(st["format"]))
+            for k, h in st["histories"].items():
+                m.histories[k].load_state_dict(h)
+            if "generator" in st:
+                m.generator.set_state(st["generator"])
+
+    def __repr__(self) -> str:
+        share = ", ".join(f"{k} {v:.0%}" for k, v in self.flops_share().items())
+        return f"PrecisionState({len(self.sites)} sites, backend={self.backend.name}, FLOPs: {share})"
+
+
+def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_name, _, child = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0) -> PrecisionState:
+    """Swap the plan's linear layers for PrecisionLinear (same parameters) in place.
+
+    amax_group: the data-parallel process group over which tensor-wise amaxes of
+        activations and gradients are reduced (so that the numerics equal a single
+        process's); None for a single process or when that is not wanted.
+    seed: base seed of each site's stochastic-rounding generator and Hadamard signs.
+    """
+    from lowprec.sites.plan import resolve  # noqa: local import keeps `import lowprec` light
+
+    backend = get_backend(plan.backend)
+    kind = BackendName(plan.backend)
+    on_te, on_torchao = kind is BackendName.TE, kind is BackendName.TORCHAO
+    if on_te:
+        from lowprec.sites.backends.te import require_te
+        require_te()
+    if on_torchao:
+        from lowprec.sites.backends.torchao_backend import require_torchao
+        require_torchao()
+    resolved = resolve(model, plan, supported=backend.supports)
+    sites, kept = [], []
+    for i, sp in enumerate(resolved):
+        if sp.reason.startswith("keep_high_precision"):
+            kept.append((sp.fqn, sp.reason))
+            continue
+        if on_te:
+            layer = backend.make_site(sp.module, sp.format, name=sp.fqn, amax_reduction_group=amax_group)
+        elif on_torchao:
+            layer = backend.make_site(sp.module, sp.format, name=sp.fqn, amax_group=amax_group, fused=plan.fused)
+        else:
+            layer = PrecisionLinear.from_module(
+                sp.module, sp.format, backend, fqn=sp.fqn, seed=seed * 1_000_003 + i,
+                amax_group=amax_group, fused=plan.fused)
+        _set_submodule(model, sp.fqn, layer)
+        sites.append(Site(sp.fqn, layer, tuple(sp.ladder), sp.reason))
+    return PrecisionState(sites, backend, kept)

@@ -1,0 +1,149 @@
+"""The replay search of lowprec.policy.attribution and the controller's use of it: no model needed.
+
+A replay is a function of the set of sites in high precision: the fault is a rule over
+that set (which sites must be in high precision for the anomaly to disappear), so the
+search is checked against every single culprit, pairs, and faults precision cannot fix.
+"""
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowprec.policy.anomaly import Anomaly, AnomalyKind, StepDetectors
+from lowprec.policy.attribution import Attribution, Replay, attribute
+from lowprec.policy.controller import Action, ControllerConfig, RolloutController, Stage
+from lowprec.policy.detectors import Thresholds
+from lowprec.policy.events import EventKind
+
+SITES = [f"blocks.{b}.{m}" for b in range(4) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
+MLP = [s for s in SITES if ".mlp." in s]
+ATTN = [s for s in SITES if ".attn." in s]
+
+
+def fault(culprits, fixable=True):
+    """replay(sites): anomalous unless every culprit is in high precision (and the fault is
+    precision's at all)."""
+    def replay(sites):
+        clean = fixable and set(culprits) <= set(sites)
+        return Replay(sites, 2.0 if clean else 9.0, 1.0 if clean else 50.0, not clean)
+    return replay
+
+
+@pytest.mark.parametrize("culprit", SITES)
+def test_every_single_culprit_is_found_exactly_within_the_budget(culprit):
+    res = attribute(SITES, [ATTN, MLP], fault([culprit]), max_replays=8)
+    assert res.precision_to_blame and res.blamed == (culprit,)
+    assert len(res.replays) <= 8 and not res.exhausted
+    # the set blamed is the set of a clean replay: verified, not inferred
+    assert any(r.high_precision == (culprit,) and not r.anomalous for r in res.replays)
+
+
+def test_a_fault_precision_cannot_fix_costs_one_replay_and_blames_nothing():
+    res = attribute(SITES, [ATTN, MLP], fault([SITES[3]], fixable=False), max_replays=8)
+    assert not res.precision_to_blame and res.blamed == () and len(res.replays) == 1
+    assert res.replays[0].high_precision == tuple(SITES)
+
+
+def test_two_culprits_are_blamed_on_a_verified_set_that_holds_both():
+    for a, b in itertools.combinations(SITES[::3], 2):
+        res = attribute(SITES, [ATTN, MLP], fault([a, b]), max_replays=8)
+        assert res.precision_to_blame and {a, b} <= set(res.blamed)
+        assert any(set(r.high_precision) == set(res.blamed) and not r.anomalous for r in res.replays)
+
+
+def test_the_stage_narrows_first_and_the_budget_bounds_the_search():
+    res = attribute(SITES, [MLP, ATTN], fault(["blocks.2.mlp.proj"]), max_replays=2)
+    assert [r.high_precision for r in res.replays] == [tuple(SITES), tuple(MLP)]
+    assert res.blamed == tuple(MLP) and res.exhausted        # budget gone: the last verified set
+    with pytest.raises(ValueError, match="max_replays must be >= 1"):
+        attribute(SITES, [], fault([SITES[0]]), max_replays=0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.sampled_from(SITES), min_size=1, max_size=3, unique=True), st.integers(1, 12))
+def test_whatever_the_fault_and_budget_the_blamed_set_was_verified(culprits, budget):
+    res = attribute(SITES, [MLP, ATTN], fault(culprits), max_replays=budget)
+    assert len(res.replays) <= budget
+    assert set(culprits) <= set(res.blamed)
+    assert any(set(r.high_precision) == set(res.blamed) and not r.anomalous for r in res.replays)
+
+
+# ---------------------------------------------------------------- the controller's side
+
+def make(rewind=False, persist=2):
+    th = Thresholds(spike_min_history=8, large_warmup=20)
+    cfg = ControllerConfig(min_steps=0, cooldown_steps=50, rewind=rewind, rewind_skip_batches=3,
+                           persist_steps=persist, thresholds=th)
+    stages = [Stage("mlp", tuple(MLP), "fp8_tensorwise"), Stage("attn", tuple(ATTN), "fp8_tensorwise")]
+    return RolloutController({s: ("fp8_tensorwise", "bf16") for s in SITES}, {s: "bf16" for s in SITES},
+                             stages, cfg)
+
+
+def anomaly(step, loss=9.0, norm=50.0):
+    return Anomaly(step, (AnomalyKind.LOSS_SPIKE,), loss, norm, {})
+
+
+def test_precision_to_blame_demotes_only_the_blamed_site_and_skips_the_step():
+    ctl = make(rewind=True)
+    ctl.observe(9, _quiet(9))
+    ctl.observe(19, _quiet(19))                                   # both stages promoted
+    low, groups = ctl.replay_candidates()
+    assert low == SITES and groups == [ATTN, MLP]                  # newest stage first
+    res = attribute(low, groups, fault(["blocks.1.attn.proj"]), 8)
+    d = ctl.observe_step(23, anomaly(23), None, res)
+    assert d.action is Action.SKIP_STEP and d.changes == {"blocks.1.attn.proj": "bf16"}
+    kinds = [e.kind for e in d.events]
+    assert kinds.count(EventKind.REPLAY) == len(res.replays) and EventKind.ROLLBACK not in kinds
+    replays = [e for e in d.events if e.kind == EventKind.REPLAY]
+    assert all({"loss", "grad_norm", "anomalous", "high_precision"} <= set(e.evidence) for e in replays)
+
+
+def test_not_precision_demotes_nothing_and_a_persistent_loss_anomaly_rewinds():
+    ctl = make(rewind=True, persist=2)
+    ctl.observe(9, _quiet(9))
+    before = dict(ctl.current)
+    none = Attribution(False, (), (Replay(tuple(MLP), 9.0, 50.0, True),))
+    d1 = ctl.observe_step(30, anomaly(30), None, none)
+    assert d1.action is Action.SKIP_STEP and not d1.changes and ctl.current == before
+    d2 = ctl.observe_step(31, anomaly(31), None, none)            # the next step too: the weights are bad
+    assert d2.action is Action.REWIND and d2.skip_batches == 3 and not d2.changes
+    d3 = ctl.observe_step(40, anomaly(40), None, none)            # a lone one later: a skip again
+    assert d3.action is Action.SKIP_STEP
+    grads = Anomaly(50, (AnomalyKind.GRAD_NORM_SPIKE,), 2.0, 50.0, {})
+    assert ctl.observe_step(50, grads, None, none).action is Action.SKIP_STEP      # one bad batch: a skip
+    again = ctl.observe_step(51, Anomaly(51, grads.kinds, 2.0, 50.0, {}), None, none)
+    assert again.action is Action.CONTINUE and again.events[-1].kind == EventKind.ACCEPT   # a new level: no rewind,
+    assert ctl.detectors.grad_spike.values == type(ctl.detectors.grad_spike.values)()    # and not skipped forever
+
+
+def test_a_persistent_anomaly_without_rewind_is_accepted_as_the_new_level():
+    ctl = make(rewind=False, persist=2)
+    none = Attribution(False, (), ())
+    ctl.observe_step(30, anomaly(30), None, none)
+    d = ctl.observe_step(31, anomaly(31), None, none)
+    assert d.action is Action.CONTINUE and [e.kind for e in d.events][-1] == EventKind.ACCEPT
+    nan = Anomaly(50, (AnomalyKind.NONFINITE,), math.nan, math.nan, {})
+    ctl.observe_step(50, nan, None, none)
+    assert ctl.observe_step(51, Anomaly(51, nan.kinds, math.nan, math.nan, {}), None, none).action \
+        is Action.SKIP_STEP                                       # a NaN is never applied
+
+
+def test_step_detectors_fire_per_step_and_remember_only_normal_values():
+    det = StepDetectors(Thresholds(spike_min_history=8, spike_window=16, large_warmup=5))
+    for i in range(20):
+        assert det.observe(i, 2.0 + 0.01 * (i % 3), 1.0 + 0.01 * (i % 2)) is None
+    a = det.observe(20, 2.0, 30.0)
+    assert a is not None and AnomalyKind.GRAD_NORM_SPIKE in a.kinds and AnomalyKind.GRAD_NORM_LARGE in a.kinds
+    assert not a.loss_is_off
+    assert det.anomalous(2.0, 30.0) and not det.anomalous(2.01, 1.0)   # asking remembers nothing
+    assert 30.0 not in det.grad_spike.values
+    b = det.observe(21, math.nan, 1.0)
+    assert b.nonfinite and b.loss_is_off
+
+
+def _quiet(step):
+    from lowprec.policy.monitor import Signals
+    return Signals(step, [2.0] * 10, [1.0] * 10, {})

@@ -1,0 +1,56 @@
+"""Shared checks of the fast-path tests: statistics compared with their stated tolerance,
+and a test file run again in a fresh pytest process with Triton's interpreter on.
+
+Triton decides whether its kernels are interpreted when they are defined (at import),
+from TRITON_INTERPRET; the outer pytest process may already have imported Triton without
+it. The fast-path tests therefore run twice: in the outer process the custom ops take the
+reference quantizer (no interpreter), and `run_interpreted(__file__)` runs the same tests
+where the ops run the Triton kernels on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[4]
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def run_interpreted(test_file: str, min_passed: int) -> str:
+    """Run `test_file` with TRITON_INTERPRET=1; assert it passed at least `min_passed` tests."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", test_file],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-6000:]
+    passed = int(re.search(r"(\d+) passed", out).group(1))
+    assert passed >= min_passed, out[-3000:]
+    return out
+
+
+EXACT_FIELDS = ("amax", "saturated", "underflow", "nonfinite", "numel")
+
+
+def assert_same_stats(got, want) -> None:
+    """Packed QuantStats `got` against `want`: counts and amax exactly; the sums to 1e-6
+    relative plus what one FP32 rounding of each dequantized value allows: `quantize`
+    dequantizes (q / scale) in FP32, the kernels in FP64, so dq_i may differ by 2**-24 |x_i|,
+    which moves sum (dq - x)**2 by at most 2**-23 sqrt(sq_error * signal_power)
+    (Cauchy-Schwarz) and a square by 2**-46 x**2; `quantize`'s squares below 2**-150 of
+    amax**2 flush to zero (documented there)."""
+    from lowprec.numerics.quant_stats import QuantStats
+    names = QuantStats.FIELDS
+    got, want = [float(v) for v in got], [float(v) for v in want]
+    power, err = want[names.index("signal_power")], want[names.index("sq_error")]
+    floor = 2.0 ** -46 * abs(power) + 2.0 ** -22 * (max(err, 0.0) * abs(power)) ** 0.5
+    for f, a, b in zip(names, got, want):
+        if f in EXACT_FIELDS:
+            assert a == b, (f, a, b)
+        elif b == b and abs(b) != float("inf") and abs(power) != float("inf"):
+            assert abs(a - b) <= 1e-6 * abs(b) + floor, (f, a, b)

@@ -1,0 +1,241 @@
+"""The `torch` backend's fast path (`lowprec.sites.fp8_linear`) against the `emulated` backend.
+
+A `PrecisionLinear` on the `torch` backend runs fp8_tensorwise, fp8_delayed and
+fp8_rowwise through `FP8LinearFn` (fused casts as custom ops, `_scaled_mm`); on the
+`emulated` backend through `QuantizedLinearFn` (quantize, FP32 GEMMs). On CPU both must
+give the same forward output, input, weight and bias gradients bit for bit, the same
+statistics (sums to rounding), the same delayed histories and overflow counts, over
+several steps with check and non-check steps. Run here with the reference quantizer
+behind the ops and, in `test_linear_under_interpreter`, with the Triton kernels.
+
+Also: what a layer saves for its backward is FP8 (counted by saved_tensors_hooks), a
+non-check step reads nothing on the host, torch.compile traces the fast path in one
+graph and a format switch recompiles once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from fast_path_checks import HAVE_TRITON, INTERPRETED, ROOT, assert_same_stats, run_interpreted
+from lowprec.sites.backends import get_backend
+from lowprec.numerics.formats import get_format
+from lowprec.sites.layers import PrecisionLinear
+
+FAST = ["fp8_tensorwise", "fp8_delayed", "fp8_rowwise"]
+
+
+def _nan_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def train_trace(backend: str, fmt: str, shape, dtype, *, steps=3, specials=False, seed=0, bias=True):
+    """Outputs, gradients, statistics and scaling state of `steps` steps of one layer (step 1
+    is a check step), with an SGD update between steps."""
+    d_in, d_out, lead = shape
+    torch.manual_seed(seed)
+    base = nn.Linear(d_in, d_out, bias=bias).to(dtype)
+    layer = PrecisionLinear.from_module(base, get_format(fmt), get_backend(backend))
+    g = torch.Generator().manual_seed(seed + 1)
+    out = []
+    for step in range(steps):
+        layer.collect_stats = step == 1
+        x = torch.randn(*lead, d_in, generator=g) * 2.0 ** (step * 3 - 3)
+        if specials and step == 2:
+            x.view(-1)[: 3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+        x = x.to(dtype).requires_grad_(True)
+        y = layer(x)
+        y.backward(torch.randn(y.shape, generator=g).to(dtype))
+        out += [y.detach(), x.grad, layer.weight.grad.clone()] + ([layer.bias.grad.clone()] if bias else [])
+        if layer.collect_stats:
+            out += [("stats", layer.stats[k].packed.clone()) for k in ("input", "weight", "grad_output")]
+        with torch.no_grad():
+            layer.weight.sub_(layer.weight.grad.nan_to_num() * 1e-2)
+        layer.weight.grad = None
+        if bias:
+            layer.bias.grad = None
+    out.append(layer.overflow_steps.clone())
+    for h in layer.histories.values():
+        out += [h.history.clone(), h.count.clone()]
+    return out
+
+
+def assert_same(fast, ref, exact: bool = True) -> None:
+    """Bit for bit (`exact`), or with GEMM results to FP32 summation order: on CPU both
+    backends multiply the same FP8 operands in FP32 (`_scaled_mm` here, a dequantized
+    matmul there), and for some small shapes BLAS sums them in another order."""
+    assert len(fast) == len(ref)
+    for i, (a, b) in enumerate(zip(fast, ref)):
+        if isinstance(a, tuple):     # statistics: counts exactly, sums to rounding
+            assert_same_stats(a[1], b[1])
+        elif exact or not a.is_floating_point() or a.dtype == torch.float64:
+            assert _nan_equal(a, b), (i, a.flatten()[:6], b.flatten()[:6])
+        else:
+            tol = 1e-5 if a.dtype == torch.float32 else 1e-2
+            assert a.shape == b.shape and torch.allclose(a, b, rtol=tol, atol=tol * float(
+                b.nan_to_num(0, 0, 0).abs().max().clamp(min=1e-30)), equal_nan=True), (i, a, b)
+
+
+@pytest.mark.parametrize("fmt", FAST)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fast_path_equals_emulated(fmt, dtype):
+    shape = (48, 40, (2, 17))
+    assert_same(train_trace("torch", fmt, shape, dtype), train_trace("emulated", fmt, shape, dtype))
+
+
+@settings(max_examples=6 if INTERPRETED else 40, deadline=None, derandomize=True)  # interpreted: slow
+@given(d_in=st.integers(1, 70), d_out=st.integers(1, 70), tokens=st.integers(1, 70),
+       fmt=st.sampled_from(FAST), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       specials=st.booleans(), bias=st.booleans(), seed=st.integers(0, 1000))
+def test_fast_path_random_shapes(d_in, d_out, tokens, fmt, dtype, specials, bias, seed):
+    """Odd sizes and NaN/Inf inputs (which make outputs and gradients NaN alike); scales,
+    statistics' counts, histories and overflow counts exactly, GEMM results to summation order
+    (the FP8 operands themselves: tests/lowprec/sites/fast_path/test_fp8_ops.py, bit for bit)."""
+    shape = (d_in, d_out, (tokens,))
+    kw = dict(specials=specials, seed=seed, bias=bias)
+    assert_same(train_trace("torch", fmt, shape, dtype, **kw), train_trace("emulated", fmt, shape, dtype, **kw),
+                exact=False)
+
+
+def test_fast_path_is_taken():
+    """The torch backend's FP8 formats run FP8LinearFn; nvfp4 and DTensor-free bf16 do not."""
+    lin = nn.Linear(32, 16)
+    for name, fast in (("fp8_tensorwise", True), ("fp8_rowwise", True), ("fp8_delayed", True),
+                       ("mxfp8", False), ("nvfp4", False)):
+        layer = PrecisionLinear.from_module(lin, get_format(name), get_backend("torch"))
+        assert (layer._fast is not None) == fast, name
+        emulated = PrecisionLinear.from_module(lin, get_format(name), get_backend("emulated"))
+        assert emulated._fast is None
+    y = PrecisionLinear.from_module(lin, get_format("fp8_tensorwise"), get_backend("torch"))(
+        torch.randn(4, 32, requires_grad=True))
+    assert type(y.grad_fn).__name__ == "FP8LinearFnBackward"
+
+
+@pytest.mark.parametrize("fmt", FAST)
+def test_saves_fp8_for_backward(fmt):
+    """What the layer keeps for its backward is the FP8 input (transposed), the FP8 weight
+    (transposed) and their scales: E bytes for the input, not an FP32 or BF16 copy."""
+    tokens, d_in, d_out = 64, 96, 80
+    layer = PrecisionLinear.from_module(nn.Linear(d_in, d_out).to(torch.bfloat16), get_format(fmt),
+                                        get_backend("torch"))
+    layer.collect_stats = False
+    x = torch.randn(tokens, d_in, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    # the layer's own state (delayed histories the backward updates) is referenced, not copied
+    own = {t.data_ptr() for h in layer.histories.values() for t in (h.history, h.count, h.scratch, h.ticket)}
+    saved = [t for t in saved if t is not None and t.data_ptr() not in own]
+    big = [t for t in saved if t.numel() > max(d_in, d_out, tokens)]
+    assert sorted(t.numel() for t in big) == sorted([tokens * d_in, d_out * d_in])
+    assert all(t.element_size() == 1 and t.dtype in (torch.float8_e4m3fn,) for t in big), \
+        [(t.dtype, tuple(t.shape)) for t in big]
+    scales = sum(t.numel() * t.element_size() for t in saved if t.numel() <= max(d_in, d_out, tokens))
+    rows = (d_in + d_in) if fmt == "fp8_rowwise" else 2
+    assert scales <= 4 * rows + 8 * 3   # scale_inv (row-wise: one per row) + the overflow counters
+    y.float().sum().backward()
+
+
+def test_weight_cast_cached_across_micro_batches():
+    """Gradient accumulation: the weight is cast once per optimizer step (both layouts),
+    again after the step; results equal a layer without the cache bit for bit."""
+    outs = {}
+    for cache in (True, False):
+        torch.manual_seed(0)
+        layer = PrecisionLinear.from_module(nn.Linear(32, 24), get_format("fp8_rowwise"), get_backend("torch"),
+                                            cache_weights=cache)
+        layer.collect_stats = False
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        vals = []
+        for _ in range(2):
+            for _ in range(3):
+                layer(torch.randn(8, 32, generator=g)).square().mean().backward()
+            vals.append(layer.weight.grad.clone())
+            opt.step()
+            opt.zero_grad()
+        outs[cache] = (vals, layer.weight_cache.hits, layer.weight_cache.misses)
+    assert outs[True][1:] == (4, 2) and outs[False][1:] == (0, 0)
+    assert all(torch.equal(a, b) for a, b in zip(outs[True][0], outs[False][0]))
+
+
+def test_compile_one_graph_and_one_recompile_per_switch():
+    """torch._dynamo.explain: one graph, no break, over PrecisionLinears on the fast path
+    (tensor-wise and delayed); compiled training equals eager; switching one site's format
+    recompiles once, and running again recompiles nothing."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    model[0] = PrecisionLinear.from_module(model[0], get_format("fp8_tensorwise"), get_backend("torch"))
+    model[2] = PrecisionLinear.from_module(model[2], get_format("fp8_delayed"), get_backend("torch"))
+    for layer in (model[0], model[2]):
+        layer.collect_stats = False
+    x = torch.randn(16, 32)
+    ex = torch._dynamo.explain(model)(x)
+    assert (ex.graph_count, ex.graph_break_count) == (1, 0), ex.break_reasons
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model)
+    y = compiled(x)
+    y.sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    model[0].set_format(get_format("fp8_rowwise"))
+    for _ in range(2):
+        compiled(x).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_no_host_read_between_checks():
+    """Ten training steps of two fast-path sites (tensor-wise and delayed) under the monitor,
+    with a check every fifth step: no device value is read on the host in any step's
+    forward, backward, optimizer step or `Monitor.record` (no .item(), bool(tensor),
+    .tolist() or data-dependent shape), check steps included; only `Monitor.check` reads,
+    once per check for all sites together (its one packed vector)."""
+    import sys
+    sys.path.insert(0, str(ROOT))
+    from experiments.traffic import no_host_sync
+    from lowprec.policy.monitor import Monitor, MonitorConfig
+    from lowprec.sites.plan import PrecisionPlan
+    from lowprec.sites.precision_state import prepare
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    plan = PrecisionPlan.from_dict({"backend": "torch", "default": "bf16", "rules": [
+        {"name": "a", "select": {"fqns": ["0"]}, "format": "fp8_tensorwise"},
+        {"name": "b", "select": {"fqns": ["2"]}, "format": "fp8_delayed"}]})
+    state = prepare(model, plan)
+    monitor = Monitor(state, MonitorConfig(check_every=5))
+    # SGD: AdamW on CPU reads its (CPU-held) step count with .item(), not a GPU sync but a read
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    checks = 0
+    for step in range(10):
+        x = torch.randn(16, 32)
+        with no_host_sync(allowed=0):
+            monitor.before_step(step)
+            loss = model(x).square().mean()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, foreach=True)
+            opt.step()
+            opt.zero_grad()
+            monitor.record(step, loss, norm)
+        if monitor.is_check_step(step):
+            signals = monitor.check(step)
+            checks += 1
+            assert set(signals.sites) == {"0", "2"} and len(signals.losses) == 5
+    assert checks == 2
+
+
+@pytest.mark.skipif(INTERPRETED or not HAVE_TRITON, reason="the outer process's test (needs Triton)")
+@pytest.mark.slow
+def test_linear_under_interpreter():
+    """This file again with the Triton kernels behind the custom ops (TRITON_INTERPRET=1)."""
+    run_interpreted(__file__, min_passed=12)

@@ -1,0 +1,180 @@
+"""The fast path's custom ops (`torch.ops.lowprec.fp8_cast`, `fp8_cast_delayed`) equal
+`lowprec.numerics.quantize.quantize`: FP8 bytes (NaN and Inf encodings included), `scale_inv`, the
+delayed history's update and the statistics (amax and counts exactly; the error sums, which
+the kernels accumulate in FP64 in another order, to 1e-6 relative), and the two layouts of a
+cast+transpose equal a cast and a transpose (row-wise: the row-wise cast of x^T).
+
+Every test runs twice: here, where the ops on CPU take the reference quantizer, and in
+`test_ops_under_interpreter`'s subprocess (TRITON_INTERPRET=1), where they run the Triton
+kernels of `lowprec.numerics.kernels.cast_transpose` on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fast_path_checks import HAVE_TRITON, INTERPRETED, assert_same_stats, run_interpreted
+from lowprec.numerics import fp8_ops
+from lowprec.numerics.delayed import AmaxHistory
+from lowprec.numerics.grid import saturates
+from lowprec.numerics.formats import E4M3, E5M2, DelayedScalingConfig, QuantSpec, Scaling
+from lowprec.numerics.quantize import quantize
+
+ELEMS = [E4M3, E5M2]
+ALL_BF16 = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def _same_stats(got, ref) -> None:
+    assert_same_stats(got, ref.packed)
+
+
+def check_cast(x: torch.Tensor, elem, rowwise: bool) -> None:
+    scaling = Scaling.ROW if rowwise else Scaling.TENSOR
+    ref = quantize(x, QuantSpec(elem, scaling), stats=True)
+    q, si, qt, sit, stats = torch.ops.lowprec.fp8_cast(x, fp8_ops.element_code(elem), rowwise, True, True)
+    rb = _bytes(ref.to_storage())
+    assert q.dtype == elem.torch_dtype and torch.equal(_bytes(q), rb)
+    assert torch.equal(si, ref.scale_inv.reshape(-1, 1) if rowwise else ref.scale_inv.reshape(()))
+    _same_stats(stats, ref.stats)
+    if rowwise:   # the second layout: the row-wise cast of x^T, one scale per column of x
+        ref_t = quantize(x.t(), QuantSpec(elem, Scaling.ROW))
+        assert torch.equal(_bytes(qt), _bytes(ref_t.to_storage()))
+        assert torch.equal(sit, ref_t.scale_inv.reshape(-1, 1))
+    else:         # a cast and a transpose
+        assert torch.equal(_bytes(qt), rb.t()) and sit.numel() == 0
+    assert qt.is_contiguous() and q.is_contiguous()
+    q2, si2, qt2, _, st2 = torch.ops.lowprec.fp8_cast(x, fp8_ops.element_code(elem), rowwise, False, False)
+    assert torch.equal(_bytes(q2), rb) and torch.equal(si2, si) and qt2.numel() == 0 and st2.numel() == 0
+
+
+def check_delayed(xs: list[torch.Tensor], elem, config: DelayedScalingConfig) -> None:
+    """A sequence of delayed casts: the op's history and count follow AmaxHistory's."""
+    ref_hist = AmaxHistory(config, elem)
+    hist = AmaxHistory(config, elem)
+    ref_over = torch.zeros(3, dtype=torch.float64)
+    over = torch.zeros(3, dtype=torch.float64)
+    for i, x in enumerate(xs):
+        scale = ref_hist.scale()
+        ref = quantize(x, QuantSpec(elem, Scaling.DELAYED), scale=scale, stats=True)
+        if i % 2 == 1:   # counted only when asked: past twice the max
+            ref_over[2] += saturates(ref.amax * scale * 0.5, elem).double()
+        ref_hist.record(ref.amax)
+        q, si, qt, stats = torch.ops.lowprec.fp8_cast_delayed(
+            x, fp8_ops.element_code(elem), hist.history, hist.count, hist.scratch, hist.ticket, over, 2,
+            config.margin, config.algo == "most_recent", True, True, i % 2 == 1)
+        rb = _bytes(ref.to_storage())
+        assert torch.equal(_bytes(q), rb) and torch.equal(_bytes(qt), rb.t()), i
+        assert torch.equal(si, ref.scale_inv.reshape(())), i
+        _same_stats(stats, ref.stats)
+        assert torch.equal(hist.history, ref_hist.history) and torch.equal(hist.count, ref_hist.count), i
+        assert float(hist.scratch) == 0.0 and int(hist.ticket) == 0     # ready for the next call
+    assert torch.equal(over, ref_over)
+
+
+pytestmark = pytest.mark.skipif(INTERPRETED and not HAVE_TRITON, reason="needs Triton")
+
+
+# ----------------------------------------------------------------------------- every BF16 value
+
+
+@pytest.mark.parametrize("elem", ELEMS, ids=lambda e: e.name)
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_every_bf16_value(elem, rowwise):
+    """Every BF16 bit pattern (NaNs, infinities, subnormals, zeros) in 256 rows: sorted (each
+    row an exponent band, so row-wise and column-wise scales differ widely) and shuffled."""
+    check_cast(ALL_BF16.reshape(256, 256), elem, rowwise)
+    shuffled = ALL_BF16[torch.randperm(65536, generator=torch.Generator().manual_seed(0))]
+    check_cast(shuffled.reshape(512, 128), elem, rowwise)
+    small = ALL_BF16[~(ALL_BF16.float().abs() > 1024.0)]      # most of them on the grid's range
+    check_cast(small.reshape(-1, small.numel() // 4), elem, rowwise)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
+@pytest.mark.parametrize("elem", ELEMS, ids=lambda e: e.name)
+def test_delayed_every_bf16_value(elem):
+    """Every BF16 value under a history that moves: empty (scale 1), then the amaxes of
+    earlier calls (max and most-recent), a margin, and a value that saturates in between."""
+    x = ALL_BF16.reshape(256, 256)
+    finite = x.float().nan_to_num(0.0, 0.0, 0.0)
+    xs = [x, (finite * 1e-30).to(torch.bfloat16), x, (finite * 2.0 ** -100).to(torch.bfloat16), x]
+    check_delayed(xs, elem, DelayedScalingConfig(history_len=3))
+    check_delayed(xs, elem, DelayedScalingConfig(history_len=2, algo="most_recent", margin=1))
+
+
+# ----------------------------------------------------------------------------- shapes
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(rows=st.integers(1, 90), k=st.integers(1, 90), elem=st.sampled_from(ELEMS),
+       mode=st.sampled_from(["tensor", "row", "delayed"]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float16]),
+       log_mag=st.integers(-20, 20), zero_row=st.booleans(), specials=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_random_shapes(rows, k, elem, mode, dtype, log_mag, zero_row, specials, seed):
+    """Odd sizes (tiles only partly inside), all-zero rows, NaN and +-Inf."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * 2.0 ** (log_mag if dtype != torch.float16 else log_mag // 3)
+    if zero_row:
+        x[rows // 2] = 0.0
+    if specials:
+        flat = x.view(-1)
+        flat[torch.randint(0, flat.numel(), (3,), generator=g)] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    x = x.to(dtype)
+    if mode == "delayed":
+        check_delayed([x, x * 3, x], elem, DelayedScalingConfig(history_len=2))
+    else:
+        check_cast(x, elem, mode == "row")
+
+
+def test_fake_shapes_match():
+    """The fake (meta) implementations give the shapes, dtypes and strides of the real ones."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    x = torch.randn(24, 40)
+    h = AmaxHistory(DelayedScalingConfig(history_len=4), E4M3)
+    over = torch.zeros(3, dtype=torch.float64)
+    for rowwise in (False, True):
+        for transpose in (False, True):
+            for stats in (False, True):
+                real = torch.ops.lowprec.fp8_cast(x, 1, rowwise, transpose, stats)
+                with FakeTensorMode() as mode:
+                    fake = torch.ops.lowprec.fp8_cast(mode.from_tensor(x), 1, rowwise, transpose, stats)
+                for r, f in zip(real, fake):
+                    assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
+    real = torch.ops.lowprec.fp8_cast_delayed(x, 0, h.history, h.count, h.scratch, h.ticket, over, 0, 0,
+                                              False, True, True, False)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.lowprec.fp8_cast_delayed(
+            *(mode.from_tensor(t) for t in (x,)), 0,
+            *(mode.from_tensor(t) for t in (h.history, h.count, h.scratch, h.ticket, over)),
+            0, 0, False, True, True, False)
+    for r, f in zip(real, fake):
+        assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
+
+
+def test_opcheck():
+    """torch.library.opcheck: schema, fake implementation and (no) autograd registration."""
+    x = torch.randn(16, 32)
+    for rowwise in (False, True):
+        torch.library.opcheck(torch.ops.lowprec.fp8_cast.default, (x, 0, rowwise, True, True),
+                              test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.skipif(INTERPRETED or not HAVE_TRITON, reason="the outer process's test (needs Triton)")
+@pytest.mark.slow
+def test_ops_under_interpreter():
+    """This file again with the Triton kernels behind the ops (TRITON_INTERPRET=1)."""
+    out = run_interpreted(__file__, min_passed=10)
+    assert "uses_kernels=True" not in out    # (the inner run asserts it itself, below)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter subprocess")
+def test_inner_run_uses_the_kernels():
+    assert fp8_ops.uses_kernels(torch.ones(1))
