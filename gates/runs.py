@@ -34,7 +34,7 @@ from typing import Iterable
 from gates.errors import GateInputError
 from gates.scores import STDERR_SUFFIX, MetricScores, Scores, missing_metric_message
 from lowprec.tracking.outbox import server_answers
-from lowprec.tracking.records import eval_artifact_name
+from lowprec.tracking.records import RunStatus, eval_artifact_name
 
 __all__ = ["open_client", "resolve_run", "resolve_runs", "load_scores", "recent_runs", "check_comparable"]
 
@@ -112,7 +112,7 @@ def resolve_runs(client, tracking_uri: str, refs: list[str]) -> list[str]:
         found = client.search_runs(exps, filter_string=f"attributes.run_name = '{refs[0]}'",
                                    order_by=["attributes.start_time DESC"], max_results=1000) if exps else []
         if len(found) > 1:
-            done = [r.info.run_id for r in found if r.info.status == "FINISHED"]
+            done = [r.info.run_id for r in found if r.info.status == RunStatus.FINISHED]
             if len(done) < 2:
                 raise GateInputError(f"{len(found)} runs in {tracking_uri} are named {refs[0]!r} but "
                                      f"{len(done)} of them finished ({', '.join(r.info.run_id for r in found)}); "
@@ -241,7 +241,7 @@ def check_comparable(baseline: Scores, candidate: Scores, step_named: bool) -> N
     problems = []
     for role, s in (("baseline", baseline), ("candidate", candidate)):
         status = s.extra.get("status")
-        if status is not None and status != "FINISHED" and not step_named:
+        if status is not None and status != RunStatus.FINISHED and not step_named:
             problems.append(f"the {role} {s.extra.get('describe', s.source)} did not finish (MLflow status "
                             f"{status}): its last eval, at step {s.step}, may be an in-loop one of a run cut short")
     if baseline.step != candidate.step and not step_named:

@@ -42,9 +42,8 @@ import torch.nn as nn
 import yaml
 
 from lowprec.sites.backends import BACKEND_NAMES
-from lowprec.base.parse import ConfigError
+from lowprec.base.parse import ConfigError, check_keys, suggest
 from lowprec.numerics.formats import FORMATS, Format, format_names, get_format
-from lowprec.base.parse import suggest
 from lowprec.numerics.quantize import check_layer_fits
 
 __all__ = ["PlanError", "ModelInfo", "Selector", "Rule", "PrecisionPlan", "SitePlan", "make_ladder",
@@ -168,12 +167,11 @@ class Selector:
 
 
 def _check_keys(d: Any, allowed: tuple[str, ...], path: str) -> dict:
-    _expect(isinstance(d, dict), d, path, f"a mapping with keys {', '.join(allowed)}")
-    for k in d:
-        if k not in allowed:
-            raise PlanError(f"{path}.{k}", f"unknown key {k!r}.{suggest(str(k), allowed)} "
-                                           f"Allowed keys: {', '.join(allowed)}.")
-    return d
+    """`d` if it is a mapping with only `allowed` keys (the one parser's check), else a PlanError."""
+    try:
+        return check_keys(d, list(allowed), path)
+    except ConfigError as e:
+        raise PlanError(e.path, e.message) from None
 
 
 def selection_from_dict(d: Any, path: str = "selection") -> Selector:

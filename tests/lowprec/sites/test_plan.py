@@ -172,7 +172,7 @@ def test_ladder_out_of_order_is_an_error(fmt, ladder, bad):
     ({"rules": [{"select": {"glob": "*"}}]}, "precision.rules[0].format", ["a rule needs `format`"]),
     ({"rules": [{"format": "nvfp4"}]}, "precision.rules[0].select", ["a rule needs `select`"]),
     ({"rules": [{"select": "blocks.*", "format": "nvfp4"}]}, "precision.rules[0].select",
-     ["expected a mapping", "found str 'blocks.*'"]),
+     ["expected a mapping", "found the string 'blocks.*'"]),
     ({"rules": [{"name": "a", "select": {"glob": "*"}, "format": "nvfp4"},
                 {"name": "a", "select": {"glob": "*"}, "format": "bf16"}]}, "precision.rules[1].name",
      ["duplicate rule name 'a'"]),
