@@ -2,10 +2,13 @@
 
     lowprec plan CONFIG                      validate the whole config as `run` does; print the plan
     lowprec run CONFIG [--out DIR] [--resume] [--steps N] [--inject KIND:SITE:START:STOP]
-                       [--as-baseline] [--run-name NAME] [--no-controller]
+                       [--as-baseline] [--run-name NAME] [--no-controller] [--tracking-optional]
 
 Exit status 0 when it trained (or the plan is usable), 2 on a config or input that cannot be
-used: the message names the config path, what was found, what is allowed and the fix.
+used: the message names the config path, what was found, what is allowed and the fix; 3 when
+`run` trained but its tracking records could not all be sent (its last line says how many
+wait in the outbox and the `lowprec sync` command that sends them; `--tracking-optional`
+makes that exit 0).
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ def register(sub) -> None:
     p.add_argument("--as-baseline", action="store_true",
                    help="train the config's high-precision baseline: every site bf16, no rollout, no in-loop gate")
     p.add_argument("--no-controller", action="store_true", help="run the plan as it is: no promotions, no fallbacks")
+    p.add_argument("--tracking-optional", action="store_true",
+                   help="exit 0 even when tracking records could not be sent (they wait in the run's outbox for "
+                        "`lowprec sync`); without it such a run exits 3")
     p.add_argument("--inject", action="append", default=[], metavar="KIND:SITE:START:STOP[:FACTOR[:EVERY]]",
                    help="inject a fault (nan, overflow, lr_spike, loss_spike) to see the controller act; repeatable")
     p.set_defaults(func=_cmd_run)
@@ -140,4 +146,5 @@ def _cmd_run(args) -> int:
     except (ConfigError, ValueError, TypeError) as e:
         return _fail("run", e)
     from lowprec.runtime.run import train_prepared
-    return train_prepared(prepared, out, name=name, resume=args.resume, faults=faults, started=started)
+    return train_prepared(prepared, out, name=name, resume=args.resume, faults=faults, started=started,
+                          tracking_optional=args.tracking_optional)

@@ -28,7 +28,12 @@ from torch import nn
 from lowprec.configparse import ConfigError
 from lowprec.tracking.records import RunStatus
 
-__all__ = ["PreparedRun", "prepare_run", "load_factory", "high_precision_baseline", "execute", "run_config",
+# `lowprec run`'s exit status: trained (and tracked); a config or input it cannot use (nothing
+# written); trained, but tracking records could not be sent (they wait in the outbox)
+EXIT_OK, EXIT_UNUSABLE, EXIT_UNSENT = 0, 2, 3
+
+__all__ = ["EXIT_OK", "EXIT_UNUSABLE", "EXIT_UNSENT", "unsent_line", "PreparedRun", "prepare_run", "load_factory",
+           "high_precision_baseline", "execute", "run_config",
            "train_prepared", "summary_text"]
 
 
@@ -218,9 +223,10 @@ def run_config(config, out_dir: str | Path, *, faults=(), controller: bool = Tru
 
 
 def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool = False, faults=(),
-                   print_summary: bool = True, started: float | None = None) -> int:
+                   print_summary: bool = True, started: float | None = None, tracking_optional: bool = False) -> int:
     """`lowprec run`: train a prepared run tracked in MLflow, print the summary; the exit status
-    (2, with nothing written, when resuming finds checkpoints and every one is corrupt)."""
+    (2, with nothing written, when resuming finds checkpoints and every one is corrupt; 3 when
+    tracking records could not be sent and wait in the outbox, unless `tracking_optional`)."""
     import warnings
     from lowprec.checkpoint import NoUsableCheckpointError, checkpoint_to_resume
     cfg = prepared.config
@@ -231,7 +237,7 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
                 checkpoint_to_resume(out / "checkpoints")
         except NoUsableCheckpointError as e:
             print(f"lowprec run: --resume: {e}", file=sys.stderr)
-            return 2
+            return EXIT_UNUSABLE
     out.mkdir(parents=True, exist_ok=True)
     tracker = None
     if cfg.tracking.enabled:
@@ -247,19 +253,37 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
         status = RunStatus.FINISHED
     except NoUsableCheckpointError as e:   # went bad between the check above and the loop
         print(f"lowprec run: --resume: {e}", file=sys.stderr)
-        return 2
+        return EXIT_UNUSABLE
     finally:
         if tracker is not None:
             if status is RunStatus.FINISHED:
                 from lowprec.runtime.baseline import LOSSES_ARTIFACT
                 tracker.log_artifact(out / LOSSES_ARTIFACT)
-            tracker.finish(status)
+            tracker.finish(status, warn_unsent=False)   # unsent records: said below, last
     run_id = tracker.run_id if tracker is not None else None
     if run_id:
         (out / "run_id").write_text(run_id + "\n")
     if print_summary:
         print(summary_text(name, res, prepared, out, run_id, _tracking_uri(cfg)))
-    return 0
+    unsent = unsent_line(tracker)
+    if unsent:
+        print(f"lowprec run: {unsent}" + ("" if tracking_optional else f" (exit {EXIT_UNSENT}; "
+              f"--tracking-optional exits 0)"), file=sys.stderr)
+        return EXIT_OK if tracking_optional else EXIT_UNSENT
+    return EXIT_OK
+
+
+def unsent_line(tracker) -> str | None:
+    """What a run whose tracking failed says last: how many records wait in its outbox, why,
+    and the command that sends them; None when everything reached the store."""
+    if tracker is None or not tracker.enabled:
+        return None
+    pending = tracker.outbox.n_pending()
+    if not pending:
+        return None
+    why = f" ({tracker.last_error.splitlines()[0][:200]})" if tracker.last_error else ""
+    return (f"tracking failed{why}: {pending} records wait in the outbox {tracker.run_dir}; "
+            f"send them with `lowprec sync {tracker.run_dir}`")
 
 
 def summary_text(name: str, res, prepared: PreparedRun, out: Path, run_id: str | None, uri: str) -> str:
