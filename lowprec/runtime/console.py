@@ -334,7 +334,7 @@ class Progress:
         if console.is_terminal:
             from tqdm import tqdm
             self.bar = tqdm(total=self.total, desc=f"lowprec {console.command}", unit=unit, file=console.err,
-                            dynamic_ncols=True, mininterval=0.25, smoothing=0.1, leave=True)
+                            mininterval=0.25, smoothing=0.1, leave=True)
 
     def update(self, n: int, *, loss: float | None = None, tokens: int = 0) -> None:
         """`n` units done so far (a step index after its step); `tokens` processed by this update."""
