@@ -202,8 +202,9 @@ class Console:
         self._saved_fds: list[tuple[int, int]] = []
         self.out = self._terminal(sys.stdout, 1)
         self.err = self._terminal(sys.stderr, 2)
-        sys.stdout = _Capture(self._sink, self.out if self.verbose else None, 1 if self._saved_fds else None)
-        sys.stderr = _Capture(self._sink, self.err if self.verbose else None, 2 if self._saved_fds else None)
+        redirected = {fd for fd, _ in self._saved_fds}
+        sys.stdout = _Capture(self._sink, self.out if self.verbose else None, 1 if 1 in redirected else None)
+        sys.stderr = _Capture(self._sink, self.err if self.verbose else None, 2 if 2 in redirected else None)
         root = logging.getLogger()
         self._root_level = root.level
         self._handlers = [logging.StreamHandler(self._sink), _TerminalHandler(self)]
