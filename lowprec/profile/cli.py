@@ -20,7 +20,6 @@ Exit status 0, or 2 on a config or an argument that cannot be used (nothing writ
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -56,13 +55,16 @@ def register(sub) -> None:
     p.add_argument("--write", default=None, help="where the profiled config goes (default CONFIG's NAME.profiled.yaml)")
     p.add_argument("--out", default=None, help="folder for the table, picture and profile (default runs/profile-NAME-TIME)")
     p.add_argument("--no-tracking", action="store_true", help="do not record the profile in MLflow")
+    p.add_argument("--verbose", action="store_true",
+                   help="show other libraries' output (progress bars, INFO lines) on the terminal too; it is "
+                        "always in the --out folder's lowprec.log")
     p.add_argument("--distributed", action="store_true",
                    help="started by torchrun: split the pairs over the ranks (gloo on CPU, nccl on CUDA)")
     p.set_defaults(func=_cmd_profile)
 
 
-def _fail(msg: str) -> int:
-    print(f"lowprec profile: {msg}", file=sys.stderr)
+def _fail(console, msg: str) -> int:
+    console.say(msg)
     return EXIT_UNUSABLE
 
 
@@ -134,15 +136,17 @@ def _site_formats(args, state) -> tuple[dict[str, list[str]], list[str]]:
 
 
 def _cmd_profile(args) -> int:
-    try:
-        _check_args(args)
-        caps = _parse_caps(args.max_share)
-        return _profile(args, caps)
-    except (ConfigError, ValueError, TypeError) as e:
-        return _fail(str(e))
+    from lowprec.runtime.console import Console
+    with Console("profile", verbose=args.verbose) as console:   # progress lines; other libraries' output: the log
+        try:
+            _check_args(args)
+            caps = _parse_caps(args.max_share)
+            return _profile(args, caps, console)
+        except (ConfigError, ValueError, TypeError) as e:
+            return _fail(console, str(e))
 
 
-def _profile(args, caps: dict[str, float]) -> int:
+def _profile(args, caps: dict[str, float], console) -> int:
     import torch.distributed as dist
     from lowprec.config import LowprecConfig
     from lowprec.profile.measure import profile_sites
@@ -152,7 +156,7 @@ def _profile(args, caps: dict[str, float]) -> int:
     cfg = LowprecConfig.from_yaml(args.config)
     name = cfg.tracking.run_name or Path(args.config).stem
     if args.from_profile is not None:
-        return _replan(args, cfg, name, caps)
+        return _replan(args, cfg, name, caps, console)
     rank = 0
     if args.distributed:
         rank = _init_distributed(cfg)
@@ -163,13 +167,13 @@ def _profile(args, caps: dict[str, float]) -> int:
     if n_pairs == 0:
         raise ConfigError("precision", "no site has a low-precision format to profile on its ladder; give "
                           "--formats (e.g. fp8_tensorwise,nvfp4) or ladders in the plan's rules")
-    say = print if rank == 0 else (lambda *a, **k: None)
+    say = console.print if rank == 0 else (lambda *a, **k: None)
     if args.checkpoint:
         _load_weights(args.checkpoint, model)
         say(f"weights: {args.checkpoint}")
     elif args.steps:
         say(f"warm-up: {args.steps} steps in bf16 ...")
-        _warm_up(cfg, prepared, args.steps)
+        _warm_up(cfg, prepared, args.steps, console if rank == 0 else None)
     if args.distributed:
         for p in model.parameters():
             dist.broadcast(p.data, 0)
@@ -181,18 +185,22 @@ def _profile(args, caps: dict[str, float]) -> int:
         f"(site, format) pairs{f' ({len(skipped)} more do not fit: {skipped[:3]})' if skipped else ''}; "
         f"{args.batches} held batches of {batches[0][0].numel()} tokens: about "
         f"{args.batches * (1 + per_rank)} forward+backward passes per rank on {world} rank(s)")
-    t0 = time.perf_counter()
+    bar = None
 
     def progress(i, n, cost):
-        if rank == 0 and (i == n or i % max(1, n // 10) == 0):
-            print(f"  {i}/{n} pairs, {time.perf_counter() - t0:.0f} s", flush=True)
+        nonlocal bar
+        if rank == 0:
+            bar = bar or console.progress(n, unit="pair")
+            bar.update(i)
     profile = profile_sites(model, state, batches, formats=formats, sample=args.sample, seed=cfg.train.seed,
                             progress=progress)
+    if bar is not None:
+        bar.close()
     ladders = {f: [x.name for x in s.ladder] for f, s in state.sites.items()}
     choices = choose_formats(profile, ladders, budget=args.budget, max_share=caps)
     stages = order_stages(choices, profile, args.stages)
     if rank == 0:
-        _write_outputs(args, cfg, name, prepared, profile, choices, stages)
+        _write_outputs(args, cfg, name, prepared, profile, choices, stages, console)
     if args.distributed:
         dist.barrier()
         dist.destroy_process_group()
@@ -218,21 +226,22 @@ def _read_profile(path: str, state):
     return profile
 
 
-def _replan(args, cfg, name: str, caps: dict[str, float]) -> int:
+def _replan(args, cfg, name: str, caps: dict[str, float], console) -> int:
     """The plan, table and written config from a profile measured before: no training, no passes."""
     from lowprec.profile.planner import choose_formats, order_stages
     from lowprec.runtime.run import prepare_run
     prepared = prepare_run(replace(cfg, rollout=None, eval=None), controller=False, with_data=False)
     profile = _read_profile(args.from_profile, prepared.state)
-    print(f"profile: {args.from_profile} ({len(profile.entries)} pairs, measured with "
-          f"{profile.passes_per_rank} passes per rank); nothing is measured again")
+    console.print(f"profile: {args.from_profile} ({len(profile.entries)} pairs, measured with "
+                  f"{profile.passes_per_rank} passes per rank); nothing is measured again")
     ladders = {f: [x.name for x in s.ladder] for f, s in prepared.state.sites.items()}
     choices = choose_formats(profile, ladders, budget=args.budget, max_share=caps)
-    _write_outputs(args, cfg, name, prepared, profile, choices, order_stages(choices, profile, args.stages))
+    _write_outputs(args, cfg, name, prepared, profile, choices, order_stages(choices, profile, args.stages), console)
     return EXIT_OK
 
 
-def _write_outputs(args, cfg, name, prepared, profile, choices, stages) -> None:
+def _write_outputs(args, cfg, name, prepared, profile, choices, stages, console) -> None:
+    from lowprec.runtime.console import LOG_NAME
     from lowprec.profile.report import draw, log_to_mlflow, plan_lines, ranked_table, write_csv
     from lowprec.profile.written import check_written, write_config
     out = Path(args.out) if args.out else Path("runs") / f"profile-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -248,6 +257,7 @@ def _write_outputs(args, cfg, name, prepared, profile, choices, stages) -> None:
         raise
     replace_durably(pending, written)
     out.mkdir(parents=True, exist_ok=True)
+    console.log_to(out / LOG_NAME)
     (out / "profiled.yaml").write_text(text)
     (out / "profile.json").write_text(json.dumps(profile.to_dict(), indent=1, allow_nan=True))
     write_csv(profile, out / "profile.csv")
@@ -259,9 +269,9 @@ def _write_outputs(args, cfg, name, prepared, profile, choices, stages) -> None:
         cost = f"cost: no passes now (re-planned from {args.from_profile}; its measurement took: {cost[6:]})"
     (out / "profile.txt").write_text("\n".join([table, "", *lines, cost]) + "\n")
     pic = draw(profile, choices, out / "profile.png", args.budget)
-    print(ranked_table(profile, choices, limit=TABLE_ROWS))
-    print("\n".join(["", *lines, cost, f"written: {written} (checked as `lowprec plan` checks it)",
-                     f"files: {out} (profile.txt, profile.csv, profile.json, profile.png)"]))
+    console.print(ranked_table(profile, choices, limit=TABLE_ROWS))
+    console.print("\n".join(["", *lines, cost, f"written: {written} (checked as `lowprec plan` checks it)",
+                             f"files: {out} (profile.txt, profile.csv, profile.json, profile.png, {LOG_NAME})"]))
     if cfg.tracking.enabled and not args.no_tracking:
         from lowprec.runtime.run import _tracking_uri
         from lowprec.tracking.records import RunStatus
@@ -272,7 +282,7 @@ def _write_outputs(args, cfg, name, prepared, profile, choices, stages) -> None:
                       [out / "profile.txt", out / "profile.csv", out / "profile.json", pic, out / "profiled.yaml"],
                       args.budget)
         tracker.finish(RunStatus.FINISHED, report=False)
-        print(f"MLflow run {tracker.run_id} (profile-{name}) in {_tracking_uri(cfg)}")
+        console.print(f"MLflow run {tracker.run_id} (profile-{name}) in {_tracking_uri(cfg)}")
 
 
 def _header(args, profile) -> list[str]:
@@ -283,17 +293,23 @@ def _header(args, profile) -> list[str]:
             f"Stages go from the least to the most sensitive per FLOP saved."]
 
 
-def _warm_up(cfg, prepared, steps: int) -> None:
-    """`steps` steps of the config's training in BF16, no controller, no checkpoints."""
+def _warm_up(cfg, prepared, steps: int, console=None) -> None:
+    """`steps` steps of the config's training in BF16, no controller, no checkpoints (with a
+    progress line when `console` is given)."""
     import tempfile
     from lowprec.runtime.engine import SingleProcess
     from lowprec.runtime.loop import train
     state = prepared.state
     was = {f: s.format for f, s in state.sites.items()}
     state.set_format(list(state.sites), "bf16")
+    bar = console.progress(steps, mix=state.flops_share) if console is not None else None
     with tempfile.TemporaryDirectory() as tmp:
-        train(replace(cfg.train, steps=steps), SingleProcess(prepared.model, cfg.train.microbatches), state,
-              prepared.data, out_dir=tmp, checkpoints=False)
+        try:
+            train(replace(cfg.train, steps=steps), SingleProcess(prepared.model, cfg.train.microbatches), state,
+                  prepared.data, out_dir=tmp, checkpoints=False, progress=bar)
+        finally:
+            if bar is not None:
+                bar.close()
     for f, fmt in was.items():
         state.sites[f].module.set_format(fmt)
 

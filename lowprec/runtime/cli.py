@@ -2,15 +2,17 @@
 
     lowprec plan CONFIG                      validate the whole config as `run` does; print the plan
     lowprec run CONFIG [--out DIR] [--resume] [--steps N] [--inject KIND:SITE:START:STOP]
-                       [--as-baseline] [--run-name NAME] [--no-controller]
+                       [--as-baseline] [--run-name NAME] [--no-controller] [--tracking-optional]
 
 Exit status 0 when it trained (or the plan is usable), 2 on a config or input that cannot be
-used: the message names the config path, what was found, what is allowed and the fix.
+used: the message names the config path, what was found, what is allowed and the fix; 3 when
+`run` trained but its tracking records could not all be sent (its last line says how many
+wait in the outbox and the `lowprec sync` command that sends them; `--tracking-optional`
+makes that exit 0).
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +27,7 @@ EXIT_OK, EXIT_UNUSABLE = 0, 2
 def register(sub) -> None:
     p = sub.add_parser("plan", help="validate a training config exactly as `run` does and print its precision plan")
     p.add_argument("config", help="training config YAML (see docs/config.md)")
+    p.add_argument("--verbose", action="store_true", help="show other libraries' output and INFO lines too")
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("run", help="train a config: staged rollout, monitors, fallbacks, evals, MLflow tracking")
@@ -36,8 +39,14 @@ def register(sub) -> None:
     p.add_argument("--as-baseline", action="store_true",
                    help="train the config's high-precision baseline: every site bf16, no rollout, no in-loop gate")
     p.add_argument("--no-controller", action="store_true", help="run the plan as it is: no promotions, no fallbacks")
+    p.add_argument("--tracking-optional", action="store_true",
+                   help="exit 0 even when tracking records could not be sent (they wait in the run's outbox for "
+                        "`lowprec sync`); without it such a run exits 3")
     p.add_argument("--inject", action="append", default=[], metavar="KIND:SITE:START:STOP[:FACTOR[:EVERY]]",
                    help="inject a fault (nan, overflow, lr_spike, loss_spike) to see the controller act; repeatable")
+    p.add_argument("--verbose", action="store_true",
+                   help="show other libraries' output (progress bars, INFO lines) on the terminal too; it is "
+                        "always in the run folder's lowprec.log")
     p.set_defaults(func=_cmd_run)
 
 
@@ -57,23 +66,29 @@ def _load(path: str, args=None):
     return cfg
 
 
-def _fail(cmd: str, e: Exception) -> int:
-    print(f"lowprec {cmd}: {e}", file=sys.stderr)
+def _fail(console, e: Exception) -> int:
+    console.say(str(e))
     return EXIT_UNUSABLE
 
 
 def _cmd_plan(args) -> int:
+    from lowprec.runtime.console import Console
+    with Console("plan", verbose=args.verbose) as console:   # other libraries' chatter: not shown
+        return _plan(args, console)
+
+
+def _plan(args, console) -> int:
     from lowprec.runtime.run import prepare_run
     try:
         cfg = _load(args.config)
         prepared = prepare_run(cfg)
     except (ConfigError, ValueError, TypeError) as e:
-        return _fail("plan", e)
-    print(_table(prepared))
+        return _fail(console, e)
+    console.print(_table(prepared))
     if prepared.controller is not None:
-        print("\nrollout stages:")
+        console.print("\nrollout stages:")
         for st in prepared.controller.stages:
-            print(f"  {st.name}: {len(st.sites)} sites -> {st.format}")
+            console.print(f"  {st.name}: {len(st.sites)} sites -> {st.format}")
     return EXIT_OK
 
 
@@ -88,7 +103,7 @@ def _table(prepared) -> str:
     return format_plan_table([sites[f] for f in order])
 
 
-def _send_finished(out: Path) -> int | None:
+def _send_finished(out: Path, console) -> int | None:
     """`--resume` of a run that finished but was killed before its last records reached MLflow
     (its end among them: the MLflow run still says RUNNING): send them, as `lowprec sync` would,
     and exit 0 (2 when the server does not take them); None when there is nothing to send."""
@@ -101,18 +116,24 @@ def _send_finished(out: Path) -> int | None:
     res = sync_run_dir(buf, timeout=60)
     run_id = Outbox(buf).read_info().get("run_id")
     if res.pending:
-        print(f"lowprec run: --resume: {out} holds a finished run whose last {res.pending} records were not sent "
-              f"({res.error}); send them with `lowprec sync {buf}`", file=sys.stderr)
+        console.say(f"--resume: {out} holds a finished run whose last {res.pending} records were not sent "
+                    f"({res.error}); send them with `lowprec sync {buf}`")
         return EXIT_UNUSABLE
     if run_id:
         (out / "run_id").write_text(run_id + "\n")
-    print(f"lowprec run: {out} holds a run that had finished (MLflow run {run_id}); its last records were "
-          f"sent now, nothing was trained")
+    console.print(f"lowprec run: {out} holds a run that had finished (MLflow run {run_id}); its last records were "
+                  f"sent now, nothing was trained")
     return EXIT_OK
 
 
 def _cmd_run(args) -> int:
     started = time.perf_counter()   # telemetry: start-up is the time until the first step
+    from lowprec.runtime.console import Console
+    with Console("run", verbose=args.verbose) as console:   # the progress line; other libraries' output: the log
+        return _run(args, console, started)
+
+
+def _run(args, console, started: float) -> int:
     from lowprec.runtime.faults import parse_injection
     from lowprec.runtime.run import prepare_run
     try:
@@ -128,7 +149,7 @@ def _cmd_run(args) -> int:
                               f"give a new --out")
         if cfg.tracking.enabled:  # the run folder's MLflow run: continued only by --resume, never once finished
             from lowprec.tracking.resume import check_buffer
-            if args.resume and (sent := _send_finished(out)) is not None:
+            if args.resume and (sent := _send_finished(out, console)) is not None:
                 return sent
             check_buffer(out / "tracking", resume=args.resume)
         prepared = prepare_run(cfg, controller=not args.no_controller)
@@ -138,6 +159,7 @@ def _cmd_run(args) -> int:
             raise ConfigError("--inject", f"names no module of the model: {bad}; sites: "
                               f"{', '.join(list(prepared.state.sites)[:6])} ...")
     except (ConfigError, ValueError, TypeError) as e:
-        return _fail("run", e)
+        return _fail(console, e)
     from lowprec.runtime.run import train_prepared
-    return train_prepared(prepared, out, name=name, resume=args.resume, faults=faults, started=started)
+    return train_prepared(prepared, out, name=name, resume=args.resume, faults=faults, started=started,
+                          tracking_optional=args.tracking_optional, console=console)

@@ -76,12 +76,14 @@ def warmup_schedule(optimizer: torch.optim.Optimizer, warmup: int) -> torch.opti
 def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=None, rollout=None,
           sites: list[str] | None = None, group=None, tracker=None, evals=None,
           baseline: dict[int, float] | None = None, resume: bool = False, faults: list[Injection] | tuple = (),
-          steps: int | None = None, checkpoints: bool = True, telemetry: Telemetry | None = None) -> "RunResult":
+          steps: int | None = None, checkpoints: bool = True, telemetry: Telemetry | None = None,
+          progress=None) -> "RunResult":
     """Train `engine`'s model for `steps` (default `tc.steps`) as the train section `tc` says.
 
     controller: a RolloutController (None: the plan as it is, no decisions); rollout: its
     parsed section (for the rewind source and snapshot cadence). sites/group: as Session.
     telemetry: where the time and energy go (`lowprec.tracking.telemetry`); default none.
+    progress: told after every pass `update(steps done, loss=, tokens=)` (`lowprec.runtime.console.Progress`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -153,11 +155,16 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
             out_step = session.step(loss, closure=lambda: engine.forward_backward(x, y))
             res.passes += 1
             tokens = x.numel() * getattr(engine, "data_parallel_size", 1)
-            if not after.keep(out_step, loss.item()):
+            value = loss.item()
+            if not after.keep(out_step, value):
                 tele.end_pass(step, PassOutcome.REWOUND, tokens, rewound_to=out_step.rewound_to)
+                if progress is not None:
+                    progress.update(session.step_index, tokens=tokens)
                 continue
             tele.end_pass(step, PassOutcome.APPLIED if out_step.applied else PassOutcome.SKIPPED, tokens)
             after.after_applied(out_step, lr)
+            if progress is not None:
+                progress.update(session.step_index, loss=value, tokens=tokens)
     finally:
         injected.remove()
         session.close()

@@ -28,7 +28,12 @@ from torch import nn
 from lowprec.base.parse import ConfigError
 from lowprec.tracking.records import RunStatus
 
-__all__ = ["PreparedRun", "prepare_run", "load_factory", "high_precision_baseline", "execute", "run_config",
+# `lowprec run`'s exit status: trained (and tracked); a config or input it cannot use (nothing
+# written); trained, but tracking records could not be sent (they wait in the outbox)
+EXIT_OK, EXIT_UNUSABLE, EXIT_UNSENT = 0, 2, 3
+
+__all__ = ["EXIT_OK", "EXIT_UNUSABLE", "EXIT_UNSENT", "unsent_line", "PreparedRun", "prepare_run", "load_factory",
+           "high_precision_baseline", "execute", "run_config",
            "train_prepared", "summary_text"]
 
 
@@ -180,9 +185,10 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True) -> Prep
 
 
 def execute(prepared: PreparedRun, out: str | Path, *, tracker=None, resume: bool = False, faults=(),
-            steps: int | None = None, started: float | None = None):
+            steps: int | None = None, started: float | None = None, progress=None):
     """Train a prepared run through the one loop (single process); returns its RunResult.
-    started: `time.perf_counter()` when the run began (telemetry's start-up; default: now)."""
+    started: `time.perf_counter()` when the run began (telemetry's start-up; default: now).
+    progress: the progress line (`lowprec.runtime.console.Progress`), told after every pass."""
     from lowprec.runtime.engine import SingleProcess
     from lowprec.runtime.loop import train
     from lowprec.tracking.telemetry import Telemetry
@@ -197,7 +203,8 @@ def execute(prepared: PreparedRun, out: str | Path, *, tracker=None, resume: boo
     telemetry = Telemetry(cfg.telemetry, device=device, model=prepared.model, state=prepared.state, started=started)
     return train(cfg.train, SingleProcess(prepared.model, cfg.train.microbatches), prepared.state, prepared.data,
                  out_dir=out, controller=prepared.controller, rollout=cfg.rollout, tracker=tracker, evals=evals,
-                 baseline=prepared.baseline, resume=resume, faults=faults, steps=steps, telemetry=telemetry)
+                 baseline=prepared.baseline, resume=resume, faults=faults, steps=steps, telemetry=telemetry,
+                 progress=progress)
 
 
 def run_config(config, out_dir: str | Path, *, faults=(), controller: bool = True, steps: int | None = None,
@@ -218,11 +225,17 @@ def run_config(config, out_dir: str | Path, *, faults=(), controller: bool = Tru
 
 
 def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool = False, faults=(),
-                   print_summary: bool = True, started: float | None = None) -> int:
+                   print_summary: bool = True, started: float | None = None, tracking_optional: bool = False,
+                   console=None) -> int:
     """`lowprec run`: train a prepared run tracked in MLflow, print the summary; the exit status
-    (2, with nothing written, when resuming finds checkpoints and every one is corrupt)."""
+    (2, with nothing written, when resuming finds checkpoints and every one is corrupt; 3 when
+    tracking records could not be sent and wait in the outbox, unless `tracking_optional`).
+    console: the command's `lowprec.runtime.console.Console` (its log goes to `out`/lowprec.log,
+    the progress line and the summary through it); None prints to sys.stdout/sys.stderr."""
     import warnings
     from lowprec.state.checkpoint import NoUsableCheckpointError, checkpoint_to_resume
+    say = console.say if console is not None else (lambda text: print(f"lowprec run: {text}", file=sys.stderr))
+    show = console.print if console is not None else print
     cfg = prepared.config
     if resume:
         try:
@@ -230,9 +243,14 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
                 warnings.simplefilter("ignore")
                 checkpoint_to_resume(out / "checkpoints")
         except NoUsableCheckpointError as e:
-            print(f"lowprec run: --resume: {e}", file=sys.stderr)
-            return 2
+            say(f"--resume: {e}")
+            return EXIT_UNUSABLE
     out.mkdir(parents=True, exist_ok=True)
+    progress = None
+    if console is not None:
+        from lowprec.runtime.console import LOG_NAME
+        console.log_to(out / LOG_NAME)
+        progress = console.progress(cfg.train.steps, mix=prepared.state.flops_share)
     tracker = None
     if cfg.tracking.enabled:
         from lowprec.tracking.tracker import Tracker
@@ -243,23 +261,43 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
         tracker.log_config(cfg.to_dict())
     status = RunStatus.FAILED
     try:
-        res = execute(prepared, out, tracker=tracker, resume=resume, faults=faults, started=started)
+        res = execute(prepared, out, tracker=tracker, resume=resume, faults=faults, started=started,
+                      progress=progress)
         status = RunStatus.FINISHED
     except NoUsableCheckpointError as e:   # went bad between the check above and the loop
-        print(f"lowprec run: --resume: {e}", file=sys.stderr)
-        return 2
+        say(f"--resume: {e}")
+        return EXIT_UNUSABLE
     finally:
+        if progress is not None:
+            progress.close()
         if tracker is not None:
             if status is RunStatus.FINISHED:
                 from lowprec.runtime.baseline import LOSSES_ARTIFACT
                 tracker.log_artifact(out / LOSSES_ARTIFACT)
-            tracker.finish(status)
+            tracker.finish(status, warn_unsent=False)   # unsent records: said below, last
     run_id = tracker.run_id if tracker is not None else None
     if run_id:
         (out / "run_id").write_text(run_id + "\n")
     if print_summary:
-        print(summary_text(name, res, prepared, out, run_id, _tracking_uri(cfg)))
-    return 0
+        show(summary_text(name, res, prepared, out, run_id, _tracking_uri(cfg)))
+    unsent = unsent_line(tracker)
+    if unsent:
+        say(unsent + ("" if tracking_optional else f" (exit {EXIT_UNSENT}; --tracking-optional exits 0)"))
+        return EXIT_OK if tracking_optional else EXIT_UNSENT
+    return EXIT_OK
+
+
+def unsent_line(tracker) -> str | None:
+    """What a run whose tracking failed says last: how many records wait in its outbox, why,
+    and the command that sends them; None when everything reached the store."""
+    if tracker is None or not tracker.enabled:
+        return None
+    pending = tracker.outbox.n_pending()
+    if not pending:
+        return None
+    why = f" ({tracker.last_error.splitlines()[0][:200]})" if tracker.last_error else ""
+    return (f"tracking failed{why}: {pending} records wait in the outbox {tracker.run_dir}; "
+            f"send them with `lowprec sync {tracker.run_dir}`")
 
 
 def summary_text(name: str, res, prepared: PreparedRun, out: Path, run_id: str | None, uri: str) -> str:
@@ -288,7 +326,8 @@ def summary_text(name: str, res, prepared: PreparedRun, out: Path, run_id: str |
         lines += telemetry_lines(res.telemetry, _baseline_telemetry(prepared))
     for e in res.events:
         lines.append("  " + e.summary())
-    lines.append(f"  files: {out}")
+    log = out / "lowprec.log"
+    lines.append(f"  files: {out}" + (f" (other libraries' output: {log})" if log.is_file() else ""))
     if run_id:
         lines.append(f"  MLflow run {run_id} in {uri}")
         # `lowprec ui` serves a local store; a server is opened in a browser as it is

@@ -349,7 +349,7 @@ def _create_run(client, box: Outbox, rec: dict) -> None:
 def sync_run_dir(run_dir: str | os.PathLike, tracking_uri: str | None = None,
                  timeout: float | None = None) -> SendResult:
     """Send what a run directory's outbox still holds (`lowprec sync RUN_DIR`)."""
-    from mlflow.tracking import MlflowClient
+    from lowprec.tracking.store import mlflow_client
 
     d = Path(run_dir)
     if not (d / OUTBOX).exists() or not (d / RUN_INFO).exists():
@@ -361,4 +361,4 @@ def sync_run_dir(run_dir: str | os.PathLike, tracking_uri: str | None = None,
     if not server_answers(uri):
         return SendResult(0, 0, box.n_pending(), f"the tracking server {uri} does not answer")
     deadline = None if timeout is None else time.monotonic() + timeout
-    return box.send(MlflowClient(uri), deadline)
+    return box.send(mlflow_client(uri), deadline)

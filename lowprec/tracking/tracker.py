@@ -54,6 +54,7 @@ from lowprec.tracking.records import (BASELINE_LOSS, EVAL_PREFIX, LR_SENSITIVITY
 from lowprec.tracking.report import render_report
 from lowprec.tracking.report_sources import events_table, events_tags, from_run_dir
 from lowprec.tracking.resume import BufferInUseError, ResumeFilter, RunState, check_buffer
+from lowprec.tracking.store import mlflow_client
 from lowprec.tracking.system_metrics import SystemMetrics
 
 __all__ = ["Tracker", "BufferInUseError", "flatten_config", "metric_key", "SIGNAL_STATS", "BASELINE_LOSS"]
@@ -132,6 +133,7 @@ class Tracker:
         self._queue: queue.Queue = queue.Queue(queue_size)
         self._stop, self._wake = threading.Event(), threading.Event()
         self._next_try, self._backoff, self.online, self.last_error = 0.0, 0.0, None, ""
+        self._attempts, self._reached = 0, True   # send attempts made; whether the last one reached the server
         self._finished = False
         # MLflow's own system-metrics monitor, started by the sender once the run exists
         self.system_metrics = (SystemMetrics(tracking_uri, system_metrics_s, resume=self._resume is not None)
@@ -250,28 +252,32 @@ class Tracker:
 
     @_never_raises
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait (at most `timeout` s) until everything logged so far is sent; True if it was."""
+        """Wait (at most `timeout` s) until everything logged so far is sent; True if it was. A
+        server that does not answer `/health` when asked now is not waited for (False at once);
+        a store that answers and fails (a locked SQLite file, a 5xx) is retried until `timeout`."""
         if self._finished:  # no sender thread any more: send from here
             return self.sync(timeout).pending == 0
         deadline = time.monotonic() + timeout
         if not self._journal_flush(timeout):
             return False
+        tried = self._attempts
         self._next_try = 0.0
         self._wake.set()
         while self.outbox.n_pending() and time.monotonic() < deadline:
+            if not self._sender.is_alive() or (self._attempts > tried and not self._reached):
+                break   # nothing can send (no MLflow), or a server that does not answer at all: not waited for
             time.sleep(0.05)
         return self.outbox.n_pending() == 0
 
     @_never_raises
     def sync(self, timeout: float | None = None) -> SendResult:
         """Send the buffer now (also after `finish`); returns what was sent and what is left."""
-        from mlflow.tracking import MlflowClient
         if not self._finished:
             self._journal_flush(timeout or 30.0)
         if not server_answers(self.tracking_uri, self.probe_timeout_s):
             return SendResult(0, 0, self.outbox.n_pending(), f"{self.tracking_uri} does not answer")
         deadline = None if timeout is None else time.monotonic() + timeout
-        return self.outbox.send(MlflowClient(self.tracking_uri), deadline)
+        return self.outbox.send(mlflow_client(self.tracking_uri), deadline)
 
     def status(self) -> dict:
         if not self.enabled:
@@ -280,9 +286,11 @@ class Tracker:
                 "online": self.online, "last_error": self.last_error, "queued": self._queue.qsize()}
 
     @_never_raises
-    def finish(self, status: RunStatus | str = RunStatus.FINISHED, timeout: float = 30.0, report: bool = True) -> dict:
+    def finish(self, status: RunStatus | str = RunStatus.FINISHED, timeout: float = 30.0, report: bool = True,
+               warn_unsent: bool = True) -> dict:
         """Report pictures, final precision map, the run's end; waits at most `timeout` s for
-        the server. What could not be sent stays in `buffer_dir` for `sync`."""
+        the server. What could not be sent stays in `buffer_dir` for `sync` (a warning says so,
+        unless `warn_unsent=False`: the caller says it itself, as `lowprec run` does)."""
         if self._finished:
             return self.status()
         self._journal_flush(timeout)
@@ -304,7 +312,7 @@ class Tracker:
         self._journal.join(timeout=5)
         self._sender.join(timeout=1)
         st = self.status()
-        if st["pending"]:
+        if st["pending"] and warn_unsent:
             log.warning("lowprec tracking: %d records could not be sent (%s); they are kept in %s: "
                         "send them with `lowprec sync %s`", st["pending"], self.last_error, self.run_dir, self.run_dir)
         return st
@@ -417,24 +425,28 @@ class Tracker:
 
     def _sender_loop(self) -> None:
         try:
-            from mlflow.tracking import MlflowClient  # imported here: only rank 0's sender needs MLflow
-            client = MlflowClient(self.tracking_uri)
-        except Exception as e:  # noqa: BLE001 - no MLflow, a bad URI: keep journaling, send never
+            import mlflow.tracking  # noqa: F401 - imported here: only rank 0's sender needs MLflow
+        except Exception as e:  # noqa: BLE001 - no MLflow: keep journaling, send never
             self.online, self.last_error = False, f"{type(e).__name__}: {e}"
-            log.warning("lowprec tracking: cannot create an MLflow client for %s (%s); records stay in %s",
-                        self.tracking_uri, self.last_error, self.run_dir)
+            log.warning("lowprec tracking: MLflow cannot be imported (%s); records stay in %s",
+                        self.last_error, self.run_dir)
             return
+        client = None
         while not self._stop.is_set():
             self._wake.wait(self.flush_interval_s)
             self._wake.clear()
             if not self.outbox.n_pending() or time.monotonic() < self._next_try:
                 continue
-            res = None
+            res, reached = None, False
             if server_answers(self.tracking_uri, self.probe_timeout_s):
+                reached = True
                 try:
+                    # a new SQLite store is created under a file lock: other runs may open it now
+                    client = client or mlflow_client(self.tracking_uri)
                     res = self.outbox.send(client)
-                except Exception as e:  # noqa: BLE001 - e.g. the local disk
+                except Exception as e:  # noqa: BLE001 - the store could not be opened, the local disk
                     res = SendResult(0, 0, self.outbox.n_pending(), f"{type(e).__name__}: {e}")
+            self._attempts, self._reached = self._attempts + 1, reached
             if res is not None and not res.error:
                 self.online, self._backoff, self.last_error = True, 0.0, ""
                 if self.system_metrics is not None and self.run_id:
