@@ -49,7 +49,7 @@ def test_train_defaults_and_ckpt_keep():
             t.log_every, t.microbatches) == (300, 16, 3e-3, 0.1, 20, 1.0, 0, 50, 5, 10, 1)
     e = EvalConfig()
     assert (e.evaluator, e.suite, e.every, e.mode, e.final_mode, e.high_precision, e.gates, e.batch_size) == (
-        "lm_eval", "default", 100, "fast", "full", True, "gates/inloop.yaml", 32)
+        "lm_eval", "default", 100, "fast", "full", True, "inloop", 32)
 
 
 def test_optional_sections():
