@@ -166,7 +166,7 @@ def opt_in_error(what: str, path: Path | None, how: str) -> DataUnavailable:
     where = (f"{path} is not there" if path is not None
              else "no eval data folder was given (eval.data_dir in a config, data_dir= in code)")
     return DataUnavailable(f"{what} is opt-in data that does not ship with lowprec, and {where}; to use it, "
-                           f"put {how} (docs/config.md, \"Eval data\")")
+                           f"put {how} (docs/config.md, \"Suites and eval data\")")
 
 
 def shift_sources(name: str, data_dir: Path | None = None) -> list[tuple[str, str]]:

@@ -34,7 +34,7 @@ class LMEvalEvaluator:
         try:
             prepared = prepare_tasks(suite.tasks, data_dir=self.data_dir)
         except DataUnavailable as e:
-            raise DataUnavailable(f"eval.suite {config.suite!r}: {e}; give the folder as eval.data_dir") from None
+            raise DataUnavailable(f"eval.suite {config.suite!r}: {e} as eval.data_dir") from None
         self.tasks = tuple(prepared.ready)
 
     @staticmethod

@@ -178,7 +178,7 @@ def _resolve_paths(ev: EvalConfig, base: Path | None) -> EvalConfig:
         if at is None:
             raise ConfigError("eval.data_dir", (
                 f"folder {ev.data_dir!r} not found (looked at {', '.join(map(str, looked))}); give the folder that "
-                f"holds the opt-in eval data (docs/config.md, \"Eval data\"), or leave data_dir out"))
+                f"holds the opt-in eval data (docs/config.md, \"Suites and eval data\"), or leave data_dir out"))
         ev = replace(ev, data_dir=str(at))
     return ev
 
