@@ -254,5 +254,5 @@ def test_eval_gates_by_name_or_path_and_data_dir(tmp_path, monkeypatch):
         assert ev.gates == want
         assert ev.data_dir == (str(tmp_path / "data") if gates else None)
     cfg.write_text(base + "eval: {data_dir: nowhere}\n")
-    with pytest.raises(ConfigError, match=r"eval.data_dir: folder 'nowhere' not found.*Eval data"):
+    with pytest.raises(ConfigError, match=r"eval.data_dir: folder 'nowhere' not found.*Suites and eval data"):
         LowprecConfig.from_yaml(cfg)
