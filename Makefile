@@ -26,7 +26,7 @@ run: $(STAMP)
 	$(VENV)/bin/lowprec run $(CONFIG) --as-baseline --run-name bf16-baseline --out $$out/bf16-baseline && \
 	$(VENV)/bin/lowprec run $(CONFIG) --out $$out/staged-rollout && \
 	{ $(VENV)/bin/lowprec gate --baseline $$(cat $$out/bf16-baseline/run_id) \
-	    --candidate $$(cat $$out/staged-rollout/run_id) --gates gates/default.yaml \
+	    --candidate $$(cat $$out/staged-rollout/run_id) --gates default \
 	    --markdown $$out/gate.md --junit $$out/gate.xml; code=$$?; \
 	  echo "Gate verdict (exit $$code): $$(case $$code in 0) echo pass;; 1) echo REGRESSION;; *) echo unusable input;; esac)"; \
 	  echo "Open the UI: $(VENV)/bin/lowprec ui   (then http://127.0.0.1:5000)"; \

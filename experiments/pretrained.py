@@ -44,6 +44,7 @@ import torch
 from experiments import smollm2
 
 ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"   # the multiple-choice sets (opt-in eval data), handed over as data_dir
 CONFIGS = ROOT / "experiments" / "configs"
 PLANS = {"fp8": CONFIGS / "smollm2_fp8.yaml", "nvfp4": CONFIGS / "smollm2_nvfp4.yaml"}
 BASELINE = "bf16"
@@ -139,9 +140,7 @@ def evaluate_plan(base: torch.nn.Module, tokenizer, name: str, settings: EvalSet
 
     suite = EvalSuite("smollm2", tuple(settings.tasks))
     res = run_suite(suite, forward, HFTokenizer(tokenizer), settings.max_length, mode="full",
-                    limit=settings.limit, batch_size=settings.batch_size, model=model)
-    if res.skipped:
-        print(f"  skipped (data not on this machine): {', '.join(res.skipped)}")
+                    limit=settings.limit, batch_size=settings.batch_size, model=model, data_dir=SHARED)
     return PlanRun(name, res.results, res.samples, dict(res.n), res.seconds, tokens[0])
 
 

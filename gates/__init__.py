@@ -1,7 +1,7 @@
 """Decisions from numbers: gate files, the statistics behind a verdict, and reading runs.
 
     from gates import GateSpec, Scores, check_all, summarize
-    spec = GateSpec.from_yaml("gates/default.yaml")
+    spec = GateSpec.from_yaml("default")    # a gate file shipped with this package, by name; or a path
     summary = summarize(check_all(spec, Scores.from_eval(base_results, base_samples),
                                   Scores.from_eval(cand_results, cand_samples)))
     summary.verdict, summary.reason        # Verdict.PASS | .REGRESS | .INCONCLUSIVE (lowprec.policy.verdicts)

@@ -1,6 +1,6 @@
 """`lowprec gate`: compare a candidate run with a baseline run stored in MLflow, gate by gate.
 
-    lowprec gate --baseline RUN [RUN ...] --candidate RUN --gates FILE [--tracking-uri URI] [--step N]
+    lowprec gate --baseline RUN [RUN ...] --candidate RUN --gates NAME|FILE [--tracking-uri URI] [--step N]
                  [--markdown FILE] [--junit FILE] [--inconclusive {pass,fail}] [--timeout S] [--power]
 
 One baseline: the paired comparison of gates.gate. Several (run ids, or one name that several
@@ -37,7 +37,7 @@ from gates.errors import GateInputError, GateSpecError
 from gates.gate import GateSummary, check_all, check_spread, summarize
 from gates.report import junit_xml, markdown, power_table, table
 from gates.runs import check_comparable, load_scores, open_client, resolve_runs
-from gates.spec import GateSpec
+from gates.spec import GateSpec, gate_names
 
 from lowprec.tracking.cli import default_tracking_uri
 from lowprec.tracking.deadline import DEFAULT_TIMEOUT_S, Deadline, NoAnswer
@@ -191,7 +191,9 @@ def register(sub) -> None:
                    help="baseline MLflow run id (or unique run name); several run ids, or a name several finished "
                    "runs carry, gate against their seed spread")
     p.add_argument("--candidate", required=True, metavar="RUN", help="candidate MLflow run id (or unique run name)")
-    p.add_argument("--gates", required=True, metavar="FILE", help="gate file (YAML), e.g. gates/default.yaml")
+    p.add_argument("--gates", required=True, metavar="NAME|FILE",
+                   help=f"a gate file that ships with lowprec, by name ({', '.join(gate_names())}), or the path "
+                   f"of a gate file (YAML) of your own; see docs/gates.md")
     p.add_argument("--tracking-uri", default=None, metavar="URI",
                    help="MLflow tracking URI (default: sqlite:///<current directory>/mlflow.db)")
     p.add_argument("--step", type=int, default=None, metavar="N",

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from gates.gate import GateSummary, check_all, summarize
 from gates.scores import Scores
-from gates.spec import GateSpec
+from gates.spec import GateSpec, gate_file
 
 __all__ = ["GateFileChecker"]
 
@@ -27,10 +27,11 @@ class GateFileChecker:
     """`check(high_precision, as_trained)` against the gates of one gate file."""
 
     def __init__(self, path: str | Path, planned_checks: int | None = None):
-        self.path = Path(path)
+        """`path`: a gate file's path, or the name of one shipped with this package (`inloop`)."""
+        self.path = gate_file(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"eval.gates: gate file {str(path)!r} not found; give a gate file (see "
-                                    f"docs/gates.md) or null for no in-loop gate")
+                                    f"docs/gates.md), the name of a shipped one, or null for no in-loop gate")
         self.spec = GateSpec.from_yaml(self.path)
         self.metrics = tuple(self.spec.metrics)
         self.checks = 0                    # checks made so far in this run

@@ -9,7 +9,8 @@
         min_samples: 50
     defaults: {confidence: 0.95, bootstrap_samples: 2000, seed: 0}
 
-`GateSpec.from_yaml(path)` reads such a file into frozen `gates.gate.Gate` objects and checks it
+`GateSpec.from_yaml(ref)` reads such a file (by path, or by the name of one that ships with this
+package: `default`, `inloop`, `telemetry`; see `gate_file`) into frozen `gates.gate.Gate` objects and checks it
 all at load time: unknown keys (with a did-you-mean), a direction or statistic that does not
 exist, a missing, negative or non-numeric tolerance, a confidence outside (0.5, 1), a metric
 gated twice. Every problem is a `GateSpecError` naming the file, the gate (index and metric)
@@ -21,23 +22,59 @@ required in every gate; `statistic`, `confidence`, `min_samples`, `bootstrap_sam
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, replace
+from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import yaml
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 from gates.errors import GateSpecError, suggest
 from gates.budget import ErrorBudget
 from gates.gate import PAIRED_BOOTSTRAP, TOLERANCE_KINDS, Gate, Noise, Tolerance
 
-__all__ = ["GateSpec", "GateSpecError", "BUILTIN_DEFAULTS", "TOP_KEYS", "GATE_KEYS", "DEFAULT_KEYS"]
+__all__ = ["GateSpec", "GateSpecError", "gate_file", "gate_names", "is_gate_name", "BUILTIN_DEFAULTS", "TOP_KEYS",
+           "GATE_KEYS", "DEFAULT_KEYS"]
 
 BUILTIN_DEFAULTS: dict[str, Any] = {"statistic": PAIRED_BOOTSTRAP, "confidence": 0.95, "min_samples": 30,
                                     "bootstrap_samples": 2000, "seed": 0}
 TOP_KEYS = ("gates", "defaults", "error_budget")
 DEFAULT_KEYS = tuple(BUILTIN_DEFAULTS)
 GATE_KEYS = ("metric", "direction", "max_regression") + DEFAULT_KEYS + ("informational", "noise", "bounds")
+# a gate file's name (one shipped in this package): no folder, no suffix; anything else is a path
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+
+
+def gate_names() -> tuple[str, ...]:
+    """The names of the gate files that ship with this package (its `*.yaml` files)."""
+    return tuple(sorted(f.name.removesuffix(".yaml") for f in resources.files("gates").iterdir()
+                        if f.name.endswith(".yaml")))
+
+
+def is_gate_name(ref: str | os.PathLike) -> bool:
+    """Whether `ref` names a shipped gate file (`default`) rather than giving a path (`./g.yaml`)."""
+    return isinstance(ref, str) and _NAME.fullmatch(ref) is not None
+
+
+def gate_file(ref: str | os.PathLike) -> "Path | Traversable":
+    """The gate file `ref` means: a shipped one by name (`default`, `inloop`, ...: a word with no
+    `/` and no `.`), found through the package (importlib.resources), or a path as given. An
+    unknown name is a GateSpecError listing the names; a path that is not a file is checked by
+    `GateSpec.from_yaml`."""
+    if not is_gate_name(ref):
+        return Path(ref)
+    names = gate_names()
+    if ref not in names:
+        raise GateSpecError(f"no gate file named {ref!r} ships with lowprec.{suggest(ref, names)} The named gate "
+                            f"files are: {', '.join(names)}; give one of these names, or the path of a gate file "
+                            f"of your own (e.g. ./my_gates.yaml, see docs/gates.md)")
+    return resources.files("gates") / f"{ref}.yaml"   # a Path where the package is installed as files
+
+
 NOISE_KEYS = ("sd", "mean")
 REQUIRED = ("metric", "direction", "max_regression")
 EXAMPLE = ("gates:\n  - metric: eval/heldout_shakespeare/bits_per_byte\n    direction: lower_is_better\n"
@@ -174,11 +211,13 @@ class GateSpec:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> "GateSpec":
-        """Read and check a gate file (GateSpecError on any problem, naming the file)."""
-        p = Path(path)
+        """Read and check a gate file, by path or by name (`gate_file`); GateSpecError on any
+        problem, naming the file."""
+        p = gate_file(path)
         if not p.is_file():
             raise GateSpecError(f"gate file {str(p)!r} does not exist" + (" (it is a folder)" if p.is_dir() else "")
-                                + "; pass the path of a YAML file such as gates/default.yaml")
+                                + f"; pass the path of a YAML file, or the name of one that ships with lowprec "
+                                f"({', '.join(gate_names())})")
         try:
             d = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:

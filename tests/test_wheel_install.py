@@ -1,10 +1,16 @@
-"""The package as a user gets it: a wheel, installed (not editable) into a fresh virtual
-environment outside the checkout, runs `lowprec run` on a config and a model of the user's
-own, in a folder of the user's own: it trains, promotes a stage, rewinds on an injected loss
-spike and leaves a FINISHED MLflow run.
+"""The package as a user gets it: a wheel, installed (not editable) with its dependencies and its
+`telemetry` extra into a fresh virtual environment outside the checkout (torch==2.13.0 first,
+so pip takes the local CPU build), used from an empty folder of the user's own:
 
-The fresh environment gets lowprec from the wheel only; its dependencies (torch, MLflow, ...)
-come from the test's own environment through a path entry (no network, no multi-GB copy).
+- `lowprec run` on a config and a model of the user's own trains, promotes a stage, rewinds on
+  an injected loss spike and leaves a FINISHED MLflow run;
+- with an `eval:` section and no `gates:` key, `lowprec plan`, `lowprec run` (the default eval
+  suite, the shipped in-loop gate `inloop`) and `lowprec gate --gates default` all succeed with
+  no warning on stderr: gate files and eval texts come from the installed package, nothing
+  from the repository or a folder beside it.
+
+Slow: the environment is installed once for the module (a minute or two; pip's cache is
+reused) and each `lowprec run` is a subprocess.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import textwrap
 from pathlib import Path
+
+import re
 
 import pytest
 
@@ -38,11 +45,12 @@ class TinyLM(nn.Module):
                                     for _ in range(layers))
         self.head = nn.Linear(width, vocab)
 
-    def forward(self, x, y):
+    def forward(self, x, y=None):
         h = self.embed(x)
         for layer in self.layers:
             h = h + layer["down"](F.gelu(layer["up"](h)))
-        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+        logits = self.head(h)
+        return logits if y is None else F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
 def build(vocab=64, width=64, layers=2):
@@ -77,43 +85,107 @@ tracking: {uri: "sqlite:///TMP/mlflow.db", experiment: wheel-test, run_name: my-
 '''
 
 
-def test_wheel_in_a_fresh_venv_runs_a_users_config(tmp_path):
+# the user's config with an eval section and no gates key: the default suite (its texts ship
+# with the package) and the shipped in-loop gate `inloop`; byte tokens, as the evaluator's tokenizer
+EVAL_CONFIG = '''
+model: {factory: "mymodel:build", args: {vocab: 256, width: 32, layers: 2}}
+data: {factory: "mymodel:tokens", args: {n: 20000, vocab: 256}, block_size: 32}
+train: {steps: 20, batch_size: 8, lr: 3e-3, warmup: 2, ckpt_every: 10, log_every: 5}
+precision:
+  backend: emulated
+  default: bf16
+  keep_high_precision: [{fqns: [head]}]
+  rules:
+    - {name: layers, select: {glob: "layers.*"}, format: bf16, ladder: [fp8_tensorwise, bf16]}
+rollout:
+  check_every: 5
+  min_steps: 5
+  stages:
+    - {name: up_fp8, select: {glob: "layers.*.up"}, format: fp8_tensorwise}
+eval: {suite: default, every: 0, mode: fast, final_mode: full, batch_size: 64}
+tracking: {uri: "sqlite:///TMP/mlflow.db", experiment: wheel-eval, run_name: with-evals}
+'''
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """(the venv's `lowprec` command, the environment to run it in): the wheel built from the
+    tracked files, installed with its dependencies into a fresh venv."""
+    tmp = tmp_path_factory.mktemp("wheel")
     # build from a copy of the tracked files: what a release builds, and no build output left here
-    src = tmp_path / "src"
+    src = tmp / "src"
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
     for f in filter(None, files):
         rel = Path(f.decode())
         if (ROOT / rel).is_file():
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, src / rel)
-    dist = tmp_path / "dist"
+    dist = tmp / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
                     str(src)], check=True, capture_output=True, timeout=300)
     wheel = next(dist.glob("lowprec-*.whl"))
-    venv = tmp_path / "venv"
-    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(venv)],
-                   check=True, timeout=120)
+    venv = tmp / "venv"
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(venv)], check=True, timeout=300)
     py = venv / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    for what in (["torch==2.13.0"], [f"{wheel}[telemetry]"]):      # pip's own cache is reused
+        p = subprocess.run(pip + what, env=env, capture_output=True, text=True, timeout=1500)
+        assert p.returncode == 0, f"pip install {what}: {p.stderr[-3000:]}"
+    where = subprocess.run([py, "-c", "import lowprec, gates, eval_suites; print(lowprec.__file__); "
+                            "print(gates.__file__); print(eval_suites.__file__)"],
+                           cwd=tmp, env=env, capture_output=True, text=True, check=True).stdout.split()
     site = Path(subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True).stdout.strip())
-    # the dependencies: this environment's site-packages, after the venv's own (a plain path
-    # line: its .pth files, such as an editable lowprec's finder, are not run)
-    (site / "zz_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site),
-                    str(wheel)], check=True, capture_output=True, timeout=300)
+    assert all(Path(w).is_relative_to(site) for w in where), where
+    return venv / "bin" / "lowprec", env
 
+
+def _user_folder(tmp_path: Path, config: str) -> Path:
     user = tmp_path / "project"
     user.mkdir()
     (user / "mymodel.py").write_text(textwrap.dedent(MODEL))
-    (user / "config.yaml").write_text(CONFIG.replace("TMP", str(user)))
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    where = subprocess.run([py, "-c", "import lowprec, gates; print(lowprec.__file__); print(gates.__file__)"],
-                           cwd=user, env=env, capture_output=True, text=True, check=True).stdout.split()
-    assert all(Path(w).is_relative_to(site) for w in where), where
-    lowprec = venv / "bin" / "lowprec"
-    if not lowprec.exists():   # pip --target does not write console scripts
-        lowprec.write_text(f"#!{py}\nimport sys\nfrom lowprec.cli import main\nsys.exit(main())\n")
-        lowprec.chmod(0o755)
+    (user / "config.yaml").write_text(config.replace("TMP", str(user)))
+    return user
+
+
+WARNING = re.compile(r"warn", re.I)
+
+
+def test_eval_section_and_gate_by_name_without_a_warning(installed, tmp_path):
+    lowprec, env = installed
+    user = _user_folder(tmp_path, EVAL_CONFIG)
+    assert sorted(p.name for p in user.iterdir()) == ["config.yaml", "mymodel.py"]   # nothing of the repository
+
+    def lp(*args, timeout=900):
+        p = subprocess.run([lowprec, *args], cwd=user, env=env, capture_output=True, text=True, timeout=timeout)
+        assert p.returncode == 0, f"lowprec {args[0]}: " + p.stdout[-3000:] + p.stderr[-3000:]
+        warned = [line for line in p.stderr.splitlines() if WARNING.search(line)]
+        assert not warned and "Traceback" not in p.stderr, (args[0], warned or p.stderr[-3000:])
+        return p
+
+    plan = lp("plan", "config.yaml", timeout=300)
+    assert "layers.0.up" in plan.stdout and "up_fp8: 2 sites" in plan.stdout
+    lp("run", "config.yaml", "--out", "run")
+    run_id = (user / "run" / "run_id").read_text().strip()
+    gate = lp("gate", "--baseline", run_id, "--candidate", run_id, "--gates", "default",
+              "--tracking-uri", f"sqlite:///{user}/mlflow.db", timeout=300)
+    assert "eval/heldout_shakespeare/bits_per_byte" in gate.stdout and "eval/shift_milton/bits_per_byte" in gate.stdout
+
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(f"sqlite:///{user}/mlflow.db")
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.params["eval.gates"] == "inloop"
+    for task in ("heldout_shakespeare", "cloze_shakespeare", "shift_milton"):
+        assert any(k.startswith(f"eval/{task}/") for k in run.data.metrics), (task, sorted(run.data.metrics))
+    assert not any("austen" in k or "kjv" in k or "mobydick" in k for k in run.data.metrics)
+    events = [json.loads(line) for line in (user / "run" / "events.jsonl").read_text().splitlines()]
+    assert "promote" in [e["kind"] for e in events]           # promoted after the shipped in-loop gate passed
+
+
+def test_wheel_in_a_fresh_venv_runs_a_users_config(installed, tmp_path):
+    lowprec, env = installed
+    user = _user_folder(tmp_path, CONFIG)
     plan = subprocess.run([lowprec, "plan", "config.yaml"], cwd=user, env=env, capture_output=True, text=True,
                           timeout=300)
     assert plan.returncode == 0, plan.stderr

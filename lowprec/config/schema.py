@@ -13,8 +13,10 @@ Everything that can be checked without importing the user's code is checked here
 by `lowprec.base.parse` (one unknown-key check with did-you-mean, types from the
 annotations, the path of every error). Factories are only checked for their shape
 (`package.module:function`): importing and calling them happens when the run is built.
-`eval.gates` is looked up relative to the config file's folder, then the current folder,
-and kept as an absolute path. The same class serves `lowprec run` (ConfigRole.RUN) and the
+`eval.gates` is the name of a gate file that ships with the evaluator's gate package
+(`inloop`, `default`: a word with no `/` and no `.`, kept as it is and found by the gate
+checker through its package) or a path, looked up relative to the config file's folder, then
+the current folder, and kept as an absolute path; `eval.data_dir` likewise. The same class serves `lowprec run` (ConfigRole.RUN) and the
 framework integrations (ConfigRole.FRAMEWORK: no `model:`, `data:`, `train:`); nothing else
 in lowprec reads a YAML file or a config dict.
 """
@@ -115,8 +117,9 @@ class EvalConfig:
     mode: Literal["fast", "full"] = "fast"
     final_mode: Literal["fast", "full"] = "full"
     high_precision: bool = True
-    gates: str | None = "gates/inloop.yaml"
+    gates: str | None = "inloop"
     batch_size: int = 32
+    data_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not _ENTRY_POINT.fullmatch(self.evaluator):
@@ -127,7 +130,10 @@ class EvalConfig:
         _at_least(self, "every", 0, "a step count (0: no periodic evals)")
         _at_least(self, "batch_size", 1, "an integer")
         if self.gates is not None and not self.gates:
-            raise ConfigError("gates", "expected a gate file path or null (no in-loop gate), found an empty string")
+            raise ConfigError("gates", "expected the name of a shipped gate file (inloop, default), a gate file path "
+                                       "or null (no in-loop gate), found an empty string")
+        if self.data_dir is not None and not self.data_dir:
+            raise ConfigError("data_dir", "expected the path of a folder or null, found an empty string")
 
 
 @dataclass(frozen=True)
@@ -145,17 +151,36 @@ class TrackingConfig:
             raise ConfigError("uri", "expected a tracking URI or null (sqlite:///<cwd>/mlflow.db), found ''")
 
 
-def _resolve_gates(ev: EvalConfig, base: Path | None) -> EvalConfig:
-    """`ev` with `gates` as an absolute path: relative to the config's folder, then the current folder."""
-    if ev.gates is None:
-        return ev
-    p = Path(ev.gates).expanduser()
+# the name of a gate file shipped with the gate package: no folder, no suffix (anything else is a path)
+_GATE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+
+
+def _resolve_path(value: str, base: Path | None, is_kind) -> tuple[Path | None, list[Path]]:
+    """(`value` made absolute, or None where it is not there; the places looked at): relative to
+    the config's folder, then the current folder."""
+    p = Path(value).expanduser()
     looked = [p] if p.is_absolute() else [*([base / p] if base is not None else []), Path.cwd() / p]
-    for candidate in looked:
-        if candidate.is_file():
-            return replace(ev, gates=str(candidate.resolve()))
-    raise ConfigError("eval.gates", f"gate file {ev.gates!r} not found (looked at {', '.join(map(str, looked))}); "
-                                    "give a gate file path (see docs/gates.md) or null for no in-loop gate")
+    return next((c.resolve() for c in looked if is_kind(c)), None), looked
+
+
+def _resolve_paths(ev: EvalConfig, base: Path | None) -> EvalConfig:
+    """`ev` with `gates` (unless it names a shipped gate file) and `data_dir` as absolute paths."""
+    if ev.gates is not None and not _GATE_NAME.fullmatch(ev.gates):
+        at, looked = _resolve_path(ev.gates, base, Path.is_file)
+        if at is None:
+            raise ConfigError("eval.gates", (
+                f"gate file {ev.gates!r} not found (looked at {', '.join(map(str, looked))}); give the name of a "
+                f"gate file that ships with lowprec (inloop, default; see docs/gates.md), a gate file path, or "
+                f"null for no in-loop gate"))
+        ev = replace(ev, gates=str(at))
+    if ev.data_dir is not None:
+        at, looked = _resolve_path(ev.data_dir, base, Path.is_dir)
+        if at is None:
+            raise ConfigError("eval.data_dir", (
+                f"folder {ev.data_dir!r} not found (looked at {', '.join(map(str, looked))}); give the folder that "
+                f"holds the opt-in eval data (docs/config.md, \"Suites and eval data\"), or leave data_dir out"))
+        ev = replace(ev, data_dir=str(at))
+    return ev
 
 
 class ConfigRole(StrEnum):
@@ -202,7 +227,7 @@ class LowprecConfig:
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "<dict>", role: ConfigRole = ConfigRole.RUN) -> "LowprecConfig":
-        """Parse a config's contents; `source` is the file (its folder is where `eval.gates` is looked up)."""
+        """Parse a config's contents; `source` is the file (its folder is where `eval.gates` and `eval.data_dir` are looked up)."""
         role = ConfigRole(role)
         if not isinstance(d, dict):
             raise ConfigError(source, f"expected a mapping with sections {', '.join(role.sections)}, found {found(d)}")
@@ -225,7 +250,7 @@ class LowprecConfig:
                    data=parse(DataConfig, d["data"], "data") if d.get("data") is not None else None,
                    train=parse(TrainConfig, d["train"], "train") if d.get("train") is not None else TrainConfig(),
                    rollout=rollout,
-                   eval=_resolve_gates(ev, base) if ev is not None else None,
+                   eval=_resolve_paths(ev, base) if ev is not None else None,
                    tracking=(parse(TrackingConfig, d["tracking"], "tracking") if d.get("tracking") is not None
                              else TrackingConfig()),
                    telemetry=(parse(TelemetryConfig, d["telemetry"], "telemetry") if d.get("telemetry") is not None

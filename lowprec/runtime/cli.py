@@ -1,11 +1,13 @@
 """`lowprec run CONFIG` and `lowprec plan CONFIG` (registered by lowprec.cli).
 
-    lowprec plan CONFIG                      validate the whole config as `run` does; print the plan
+    lowprec plan CONFIG                      validate the config as `run` does; print the plan and the
+                                             runtime inputs (baseline run, data) still missing
     lowprec run CONFIG [--out DIR] [--resume] [--steps N] [--inject KIND:SITE:START:STOP]
                        [--as-baseline] [--run-name NAME] [--no-controller] [--tracking-optional]
 
-Exit status 0 when it trained (or the plan is usable), 2 on a config or input that cannot be
-used: the message names the config path, what was found, what is allowed and the fix; 3 when
+Exit status 0 when it trained (or the plan is usable: a missing baseline run or data is listed,
+not a failure, since `plan` needs only the config and the model), 2 on a config or input that
+cannot be used: the message names the config path, what was found, what is allowed and the fix; 3 when
 `run` trained but its tracking records could not all be sent (its last line says how many
 wait in the outbox and the `lowprec sync` command that sends them; `--tracking-optional`
 makes that exit 0).
@@ -25,7 +27,8 @@ EXIT_OK, EXIT_UNUSABLE = 0, 2
 
 
 def register(sub) -> None:
-    p = sub.add_parser("plan", help="validate a training config exactly as `run` does and print its precision plan")
+    p = sub.add_parser("plan", help="validate a training config as `run` does, print its precision plan and the "
+                       "runtime inputs (baseline run, data) still missing")
     p.add_argument("config", help="training config YAML (see docs/config.md)")
     p.add_argument("--verbose", action="store_true", help="show other libraries' output and INFO lines too")
     p.set_defaults(func=_cmd_plan)
@@ -79,9 +82,10 @@ def _cmd_plan(args) -> int:
 
 def _plan(args, console) -> int:
     from lowprec.runtime.run import prepare_run
+    missing: dict[str, str] = {}
     try:
         cfg = _load(args.config)
-        prepared = prepare_run(cfg)
+        prepared = prepare_run(cfg, missing=missing)
     except (ConfigError, ValueError, TypeError) as e:
         return _fail(console, e)
     console.print(_table(prepared))
@@ -89,6 +93,12 @@ def _plan(args, console) -> int:
         console.print("\nrollout stages:")
         for st in prepared.controller.stages:
             console.print(f"  {st.name}: {len(st.sites)} sites -> {st.format}")
+    if missing:
+        console.print(f"\nstill missing before `lowprec run` ({len(missing)}; the plan does not need them):")
+        for key, why in missing.items():
+            console.print(f"  {key}: {why}")
+    else:
+        console.print("\nevery runtime input is here (baseline, data): `lowprec run` can start")
     return EXIT_OK
 
 

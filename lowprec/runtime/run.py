@@ -5,8 +5,11 @@ it: the config is parsed and typed (`lowprec.config.LowprecConfig`), the model f
 imported and called (it must be the user's own code and return an `nn.Module`), the
 precision plan is resolved against the model and prepared, the rollout's stages are
 resolved to sites, the loss-gap baseline is read, the data factory is called, the
-evaluator and the in-loop gate are found through their entry points and checked. A config
-that `run` would reject is rejected by `plan` with the same message (exit 2).
+evaluator and the in-loop gate are found through their entry points and checked. `plan`
+needs only the config and the model: it makes the same checks, but the inputs that exist only
+at run time (the loss-gap baseline run, the data the data factory reads) are listed as still
+missing instead of failing (`prepare_run(..., missing={})`); a config that `run` would reject
+for any other reason is rejected by `plan` with the same message (exit 2).
 
 `run` then trains through the one loop (`lowprec.runtime.loop`), tracks the run in MLflow
 (the config, metrics, signals, the precision map, events, evals, `losses.json`), and prints
@@ -134,10 +137,25 @@ def high_precision_baseline(cfg):
     return replace(cfg, precision=PrecisionPlan.from_dict(d), rollout=None, eval=ev)
 
 
-def prepare_run(cfg, *, controller: bool = True, with_data: bool = True) -> PreparedRun:
-    """Everything before step 0 (see the module docstring); raises ConfigError."""
-    from lowprec.policy.rollout import build_controller
+def _batch_source(cfg, raw):
+    """The data factory's result as the loop's batch source (ConfigError where it cannot be one)."""
     from lowprec.runtime.data import as_batch_source
+    if isinstance(raw, torch.Tensor) and cfg.data.block_size is None:
+        raise ConfigError("data.block_size", f"{cfg.data.factory} returns a token tensor, which is cut into "
+                          f"windows of block_size tokens: give data.block_size (e.g. the model's context length)")
+    try:
+        return as_batch_source(raw, batch_size=cfg.train.batch_size, block_size=cfg.data.block_size,
+                               seed=cfg.train.seed)
+    except (TypeError, ValueError) as e:
+        raise ConfigError("data.factory", str(e)) from None
+
+
+def prepare_run(cfg, *, controller: bool = True, with_data: bool = True,
+                missing: dict[str, str] | None = None) -> PreparedRun:
+    """Everything before step 0 (see the module docstring); raises ConfigError. With `missing`
+    (a dict, for `plan`), a runtime input that cannot be had yet (the loss-gap baseline, the
+    data the data factory reads) is recorded there, {config key: why}, instead of raised."""
+    from lowprec.policy.rollout import build_controller
     from lowprec.sites.precision_state import prepare
 
     paths = _search_paths(cfg)
@@ -153,22 +171,32 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True) -> Prep
         raise
     except ValueError as e:
         raise ConfigError("precision", str(e)) from None
-    ctl, baseline = None, read_baseline(cfg)
-    if controller and cfg.rollout is not None:
-        ctl = build_controller(cfg.rollout, state, model, baseline=baseline)
+    ctl, baseline, rollout = None, None, cfg.rollout
+    try:
+        baseline = read_baseline(cfg)
+    except ConfigError as e:
+        if missing is None:
+            raise
+        missing[e.path or "rollout.baseline"] = e.message
+        # the plan's controller only shows its stages: built without the loss gap it cannot read yet
+        rollout = replace(rollout, thresholds=replace(rollout.thresholds, loss_gap=None),
+                          baseline=None)
+    if controller and rollout is not None:
+        ctl = build_controller(rollout, state, model, baseline=baseline)
     data = None
     if with_data:
         if cfg.data is None:
             raise ConfigError("data", "`lowprec run` needs a `data:` section with factory (returning a 1-D "
                               "token tensor or a batch source) and block_size; see docs/config.md")
-        raw = _call(load_factory(cfg.data.factory, "data.factory", paths), dict(cfg.data.args or {}), "data")
-        if isinstance(raw, torch.Tensor) and cfg.data.block_size is None:
-            raise ConfigError("data.block_size", f"{cfg.data.factory} returns a token tensor, which is cut into "
-                              f"windows of block_size tokens: give data.block_size (e.g. the model's context length)")
+        fn = load_factory(cfg.data.factory, "data.factory", paths)
         try:
-            data = as_batch_source(raw, batch_size=tc.batch_size, block_size=cfg.data.block_size, seed=tc.seed)
-        except (TypeError, ValueError) as e:
-            raise ConfigError("data.factory", str(e)) from None
+            raw = _call(fn, dict(cfg.data.args or {}), "data")
+        except ConfigError as e:
+            if missing is None or e.path != "data":   # at "data": the factory could not read what it needs
+                raise
+            missing["data"] = e.message
+        else:
+            data = _batch_source(cfg, raw)
     prepared = PreparedRun(cfg, model, state, ctl, data, baseline)
     if cfg.eval is not None:
         from lowprec.runtime.evals import eval_checkpoints

@@ -18,11 +18,12 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from eval_suites import (SUITES, ByteTokenizer, DataUnavailable, EvalSuite, LMAdapter, build_docs,  # noqa: E402
                          get_suite, run_suite, tasks)
+from experiments.data import SHARED  # noqa: E402
 from experiments.model import build_gpt  # noqa: E402
 
 N = 12
 MAX_LEN = 32
-HAVE_BIGBENCH = (tasks.SHARED / "eval" / "bigbench" / "strategyqa.json").is_file()
+HAVE_BIGBENCH = (SHARED / "eval" / "bigbench" / "strategyqa.json").is_file()
 PARITY_TASKS = ("cloze_shakespeare", "heldout_shakespeare") + (("bigbench_strategyqa",) if HAVE_BIGBENCH else ())
 
 
@@ -37,11 +38,12 @@ def parity(gpt):
     """The same tasks, the same model: run_suite, and lm_eval.simple_evaluate called directly."""
     suite = EvalSuite("parity", PARITY_TASKS)
     states = (torch.random.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
-    ours = run_suite(suite, gpt, ByteTokenizer(), MAX_LEN, limit=N, bootstrap_iters=20, batch_size=16)
+    ours = run_suite(suite, gpt, ByteTokenizer(), MAX_LEN, limit=N, bootstrap_iters=20, batch_size=16,
+                     data_dir=SHARED if HAVE_BIGBENCH else None)
     after = (torch.random.get_rng_state(), random.getstate(), np.random.get_state()[1])
     theirs = lm_eval.simple_evaluate(
         model=LMAdapter(gpt, ByteTokenizer(), MAX_LEN, batch_size=16), tasks=list(PARITY_TASKS),
-        task_manager=TaskManager(include_path=str(tasks.CACHE_DIR), include_defaults=False),
+        task_manager=TaskManager(include_path=str(tasks.default_cache_dir()), include_defaults=False),
         limit=N, bootstrap_iters=20, log_samples=True,
         random_seed=None, numpy_random_seed=None, torch_random_seed=None)   # leave other tests' RNG alone
     return ours, theirs, states, after
@@ -83,8 +85,8 @@ def test_training_rng_is_untouched(parity):
     assert torch.equal(before[0], after[0]) and before[1] == after[1] and np.array_equal(before[2], after[2])
 
 
-@pytest.mark.skipif(not HAVE_BIGBENCH, reason=f"{tasks.SHARED}/eval/bigbench is absent: multiple-choice "
-                                              f"tasks skip here (they exist only in ../shared/data)")
+@pytest.mark.skipif(not HAVE_BIGBENCH, reason=f"{SHARED}/eval/bigbench is absent: the multiple-choice "
+                                              f"tasks (opt-in data) cannot run here")
 def test_multiple_choice_task_has_both_accuracies(parity):
     ours, _, _, _ = parity
     assert {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr"} <= set(ours.results["bigbench_strategyqa"])
@@ -98,12 +100,13 @@ def test_fast_mode_uses_each_tasks_fast_size(gpt):
     r = run_suite(suite, gpt, ByteTokenizer(), MAX_LEN, mode="fast", bootstrap_iters=0)
     assert r.n == {"heldout_shakespeare": 3, "cloze_shakespeare": 3} and r.mode == "fast"
     assert "acc_stderr" not in r.results["cloze_shakespeare"]         # bootstrap_iters=0: no stderrs
-    assert r.seconds > 0 and r.skipped == {}
+    assert r.seconds > 0
 
 
 def test_named_suites():
     assert {"shakespeare", "shift", "default", "multiple_choice"} <= set(SUITES)
-    assert set(get_suite("default").tasks) == set(get_suite("shakespeare").tasks) | set(get_suite("shift").tasks)
+    assert set(get_suite("default").tasks) == set(get_suite("shakespeare").tasks) | {"shift_milton"}
+    assert {"shift_austen", "shift_kjv", "shift_mobydick"} <= set(get_suite("shift").tasks)
     assert len(get_suite("multiple_choice").tasks) == 9
 
 
@@ -120,15 +123,12 @@ def test_unknown_names_raise(gpt):
         EvalSuite("empty", ())
 
 
-def test_suite_without_any_data_says_why(gpt, tmp_path, monkeypatch):
-    monkeypatch.setattr(tasks, "SHARED", tmp_path / "absent")
-    with pytest.raises(DataUnavailable, match="no task can run here.*hellaswag.*not on this machine"):
-        run_suite("multiple_choice", gpt, ByteTokenizer(), MAX_LEN, cache_dir=tmp_path / "cache")
-
-
-def test_tasks_without_data_are_skipped_with_a_warning(gpt, tmp_path, monkeypatch):
-    monkeypatch.setattr(tasks, "SHARED", tmp_path / "absent")
+def test_opt_in_tasks_without_data_are_an_error_not_a_warning(gpt, tmp_path, recwarn):
     suite = EvalSuite("partly", ("heldout_shakespeare", "hellaswag"))
-    with pytest.warns(UserWarning, match="skips hellaswag: the HellaSwag file .* is not on this machine"):
-        r = run_suite(suite, gpt, ByteTokenizer(), MAX_LEN, limit=2, cache_dir=tmp_path / "cache")
-    assert r.n == {"heldout_shakespeare": 2} and set(r.skipped) == {"hellaswag"}
+    with pytest.raises(DataUnavailable, match=r"1 of the tasks asked for need data that is not here: hellaswag: "
+                                              r".*absent/eval/hellaswag/hellaswag_val_part_a.jsonl is not there"):
+        run_suite(suite, gpt, ByteTokenizer(), MAX_LEN, limit=2, cache_dir=tmp_path / "cache",
+                  data_dir=tmp_path / "absent")
+    with pytest.raises(DataUnavailable, match="no eval data folder was given"):
+        run_suite("multiple_choice", gpt, ByteTokenizer(), MAX_LEN, cache_dir=tmp_path / "cache")
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]

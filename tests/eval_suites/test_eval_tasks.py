@@ -1,24 +1,32 @@
-"""Task data: generated deterministically, held out from training, regenerated when stale,
-skipped with a message where ../shared/data is absent; corpora reachable from experiments.data."""
+"""Task data: generated deterministically, held out from training, regenerated when stale; the
+default suite's texts ship with the package, the opt-in tasks' absent data is an error naming
+what and how to get it; the packages read no folder beside themselves; corpora reachable from
+experiments.data with the folders it hands over."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
-from eval_suites import corpora, documents, tasks
+from eval_suites import SUITES, corpora, documents, tasks
 from eval_suites.corpora import DataUnavailable
+from experiments.data import SHARED
+
+ROOT = Path(__file__).resolve().parents[2]
 
 ROLLING_AND_CLOZE = ("heldout_shakespeare", "cloze_shakespeare")
 
 
 @pytest.fixture(scope="module")
 def train_text() -> str:
-    train, _ = corpora.split_texts()
+    from experiments.data import split_texts
+    train, _ = split_texts()
     return "\n".join(corpora.clean_text(f.read_bytes()) for f in train)
 
 
@@ -85,26 +93,60 @@ def test_stale_files_are_regenerated(tmp_path):
     assert data.read_bytes() == good and p2.n_docs == p.n_docs == {"heldout_shakespeare": good.count(b"\n")}
 
 
-def test_missing_shared_data_is_skipped_with_a_message(tmp_path, monkeypatch):
-    monkeypatch.setattr(tasks, "SHARED", tmp_path / "absent")
-    monkeypatch.setattr(corpora, "SHARED", tmp_path / "absent")
-    names = ["bigbench_strategyqa", "hellaswag", "shift_austen", "shift_kjv", "shift_mobydick"]
-    p = tasks.prepare_tasks(names, tmp_path / "cache")
-    assert p.ready == () and sorted(p.skipped) == sorted(names)
-    for why in p.skipped.values():
-        assert str(tmp_path / "absent") in why and "not on this machine" in why
-    with pytest.raises(DataUnavailable, match="austen"):
+def test_the_default_suites_texts_ship_with_the_package():
+    import eval_suites
+    texts = Path(eval_suites.__file__).parent / "texts"
+    assert not any(tasks.get_task(t).opt_in for t in SUITES["default"].tasks)
+    assert set(SUITES["default"].tasks) == {"heldout_shakespeare", "cloze_shakespeare", "shift_milton"}
+    assert [n for n, _ in corpora.held_out_sources()] == sorted(f.removesuffix("_gut.txt") for f in corpora.HELD_OUT)
+    assert len(list((texts / "shakespeare").glob("*_gut.txt"))) == len(corpora.HELD_OUT)
+    assert len(corpora.shift_sources("milton")) == len(list((texts / "milton").glob("*_gut.txt"))) == 7
+
+
+@pytest.mark.parametrize("data_dir", [None, "absent"])
+def test_opt_in_data_absent_is_an_error_naming_what_and_how(tmp_path, data_dir):
+    data_dir = tmp_path / data_dir if data_dir else None
+    names = ["heldout_shakespeare", "bigbench_strategyqa", "hellaswag", "shift_austen", "shift_kjv", "shift_mobydick"]
+    with pytest.raises(DataUnavailable) as e:
+        tasks.prepare_tasks(names, tmp_path / "cache", data_dir)
+    msg = str(e.value)
+    assert msg.startswith("5 of the tasks asked for need data that is not here")
+    for name, file in [("bigbench_strategyqa", "eval/bigbench/strategyqa.json"),
+                       ("hellaswag", "eval/hellaswag/hellaswag_val_part_a.jsonl"),
+                       ("shift_austen", "corpora/austen.txt"), ("shift_kjv", "corpora/kjv.txt"),
+                       ("shift_mobydick", "corpora/mobydick.txt")]:
+        assert f"{name}: " in msg and file in msg
+        assert (str(data_dir / file) + " is not there" if data_dir else "no eval data folder was given") in msg
+    assert "docs/config.md" in msg and "heldout_shakespeare, cloze_shakespeare, shift_milton" in msg
+    assert not (tmp_path / "cache" / "shift_austen.jsonl").exists()
+    with pytest.raises(DataUnavailable, match="corpora/austen.txt"):
         corpora.shift_sources("austen")
 
 
-@pytest.mark.skipif(not (corpora.SHARED / "eval" / "bigbench").is_dir(),
-                    reason=f"{corpora.SHARED}/eval/bigbench is absent: the BIG-bench tasks skip here")
+@pytest.mark.skipif(not (SHARED / "corpora" / "austen.txt").is_file(), reason=f"{SHARED} is absent here")
+def test_opt_in_data_from_a_given_folder(tmp_path):
+    p = tasks.prepare_tasks(["shift_austen"], tmp_path, SHARED)
+    assert p.ready == ("shift_austen",) and p.n_docs["shift_austen"] == tasks.FULL_SHIFT
+
+
+def test_packages_read_no_folder_beside_them():
+    """No module of the installed packages finds data relative to its own file or beside the
+    repository: what they read is the package's own resources, the working folder or a path given."""
+    banned = re.compile(r"parents\[|\.\./shared|/ \"shared\"|Path\(__file__\)|\.cache\b.*__file__")
+    found = [f"{f.relative_to(ROOT)}:{i}: {line.strip()}"
+             for pkg in ("lowprec", "gates", "eval_suites") for f in sorted((ROOT / pkg).rglob("*.py"))
+             for i, line in enumerate(f.read_text().splitlines(), 1) if banned.search(line)]
+    assert not found, found
+
+
+@pytest.mark.skipif(not (SHARED / "eval" / "bigbench").is_dir(),
+                    reason=f"{SHARED}/eval/bigbench is absent: the BIG-bench tasks cannot be built here")
 def test_multiple_choice_items():
     for name in tasks.BIGBENCH:
-        docs = tasks.build_docs(f"bigbench_{name}")
+        docs = tasks.build_docs(f"bigbench_{name}", SHARED)
         assert docs and all(0 <= d["gold"] < len(d["choices"]) for d in docs)
-    assert len(tasks.build_docs("bigbench_strategyqa")) == 1000       # the full set's cap
-    d = documents.bigbench_items(corpora.SHARED / "eval" / "bigbench" / "strategyqa.json")[0]
+    assert len(tasks.build_docs("bigbench_strategyqa", SHARED)) == 1000       # the full set's cap
+    d = documents.bigbench_items(SHARED / "eval" / "bigbench" / "strategyqa.json")[0]
     assert d["id"] == "strategyqa:00000" and d["choices"] == ["Yes", "No"]
     assert d["query"].startswith("Q: ") and d["query"].endswith("\nA:")
 
@@ -118,10 +160,11 @@ def test_unknown_task_names_raise():
         corpora.corpus_dir("austen")
 
 
-def test_experiments_data_reexports_the_corpora():
+def test_experiments_data_hands_its_folders_to_the_corpora():
     from experiments import data
-    assert data.split_texts is corpora.split_texts and data.HELD_OUT == corpora.HELD_OUT
-    assert data.corpus_dir is corpora.corpus_dir and data.SHARED == corpora.SHARED
+    assert data.HELD_OUT == corpora.HELD_OUT
+    assert data.split_texts() == corpora.split_texts(data.CACHE, data.SHARED)
+    assert data.corpus_dir() == corpora.corpus_dir("shakespeare", data.CACHE, data.SHARED)
 
 
 def test_imports_flow_one_way():

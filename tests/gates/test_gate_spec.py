@@ -133,3 +133,19 @@ def test_bad_file_shape(tmp_path, text, expected):
 def test_missing_file(tmp_path):
     with pytest.raises(GateSpecError, match="does not exist"):
         GateSpec.from_yaml(tmp_path / "nope.yaml")
+
+
+def test_shipped_gate_files_by_name(tmp_path, monkeypatch):
+    from gates.inloop import GateFileChecker
+    from gates.spec import gate_file, gate_names
+    monkeypatch.chdir(tmp_path)                   # a name is found through the package, not the working folder
+    assert {"default", "inloop", "telemetry"} <= set(gate_names())
+    for name in ("default", "inloop"):
+        assert GateSpec.from_yaml(name) == GateSpec.from_yaml(ROOT / "gates" / f"{name}.yaml")
+    assert GateFileChecker("inloop").metrics == GateFileChecker(ROOT / "gates" / "inloop.yaml").metrics
+    assert gate_file("./default") == Path("./default")          # a path (a `/` or a `.`) stays a path
+    with pytest.raises(GateSpecError, match=r"no gate file named 'defualt' ships with lowprec\. Did you mean "
+                                            r"'default'\?.*named gate files are: default, inloop, telemetry"):
+        GateSpec.from_yaml("defualt")
+    with pytest.raises(GateSpecError, match="'my.yaml' does not exist"):
+        GateSpec.from_yaml("my.yaml")

@@ -37,7 +37,7 @@ def test_default_config_loads():
     assert c.train == TrainConfig(steps=300, batch_size=16, lr=3e-3, warmup=20, ckpt_every=50, seed=0)
     assert isinstance(c.precision, PrecisionPlan) and c.precision.rules[1].name == "middle_mlp"
     assert c.rollout is not None
-    assert c.eval.every == 150 and c.eval.gates == str(ROOT / "gates" / "inloop.yaml")
+    assert c.eval.every == 150 and c.eval.gates == "inloop"      # a shipped gate file, by name
     assert c.tracking == TrackingConfig(experiment="lowprec-default", run_name="staged-rollout")
     assert c.source == str(DEFAULT)
     assert c.rollout.baseline.mlflow_run == "bf16-baseline" and c.rollout.thresholds.loss_gap == 0.03
@@ -49,7 +49,7 @@ def test_train_defaults_and_ckpt_keep():
             t.log_every, t.microbatches) == (300, 16, 3e-3, 0.1, 20, 1.0, 0, 50, 5, 10, 1)
     e = EvalConfig()
     assert (e.evaluator, e.suite, e.every, e.mode, e.final_mode, e.high_precision, e.gates, e.batch_size) == (
-        "lm_eval", "default", 100, "fast", "full", True, "gates/inloop.yaml", 32)
+        "lm_eval", "default", 100, "fast", "full", True, "inloop", 32)
 
 
 def test_optional_sections():
@@ -195,7 +195,7 @@ def test_to_dict_round_trips():
     d = c.to_dict()
     assert yaml.safe_load(yaml.safe_dump(d)) == d    # plain data
     assert LowprecConfig.from_dict(d) == c
-    assert d["train"]["lr"] == 0.003 and d["eval"]["gates"] == str(ROOT / "gates" / "inloop.yaml")
+    assert d["train"]["lr"] == 0.003 and d["eval"]["gates"] == "inloop"
 
 
 # --- property: a default config with random keys replaced, added or removed loads or is a ConfigError ---
@@ -240,3 +240,19 @@ def test_mutated_configs_load_or_raise_config_error(edits):
         LowprecConfig.from_dict(d, source=str(DEFAULT))
     except ConfigError as e:
         assert e.path and str(e).startswith(f"{e.path}: ")
+
+
+def test_eval_gates_by_name_or_path_and_data_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "c.yaml"
+    (tmp_path / "mine.yaml").write_text("gates: []\n")
+    (tmp_path / "data").mkdir()
+    base = "model: {factory: 'm:build'}\nprecision: {default: bf16}\n"
+    for gates, want in [("inloop", "inloop"), ("mine.yaml", str(tmp_path / "mine.yaml")), (None, "inloop")]:
+        cfg.write_text(base + (f"eval: {{gates: {gates}, data_dir: data}}\n" if gates else "eval: {}\n"))
+        ev = LowprecConfig.from_yaml(cfg).eval
+        assert ev.gates == want
+        assert ev.data_dir == (str(tmp_path / "data") if gates else None)
+    cfg.write_text(base + "eval: {data_dir: nowhere}\n")
+    with pytest.raises(ConfigError, match=r"eval.data_dir: folder 'nowhere' not found.*Suites and eval data"):
+        LowprecConfig.from_yaml(cfg)

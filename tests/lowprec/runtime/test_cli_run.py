@@ -45,7 +45,6 @@ BAD = {
                                                    "format": "fp8_tensorwise"}]}, "selects no"),
     "stage_format_off_ladder": ({"rollout.stages": [{"name": "x", "select": {"fqns": ["up"]}, "format": "nvfp4"}]},
                                 "ladder"),
-    "missing_baseline_file": ({"rollout.baseline": {"losses": "missing.json"}}, "missing.json"),
     "loss_gap_without_baseline": ({"rollout.thresholds": {"loss_gap": 0.01}}, "baseline"),
     "missing_data_function": ({"data.factory": "tinylm:nothing"}, "nothing"),
     "no_block_size": ({"data": {"factory": "tinylm:tokens"}}, "data.block_size"),
@@ -101,6 +100,18 @@ def test_plan_and_run_reject_the_same_bad_config(project, capsys, name):
     assert expected in plan_err, plan_err
     assert plan_err.replace("lowprec plan:", "") == run_err.replace("lowprec run:", "")
     assert not (project / "out" / "checkpoints").exists()   # nothing was trained or written
+
+
+def test_plan_lists_a_missing_baseline_file_that_run_refuses(project, capsys):
+    """A baseline is a runtime input: `plan` prints the plan and lists it as missing (exit 0)."""
+    path = project / "missing_baseline_file.yaml"
+    path.write_text(yaml.safe_dump(_config({"rollout.baseline": {"losses": "missing.json"}})))
+    assert main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "still missing before `lowprec run` (1;" in out and "rollout.baseline.losses: 'missing.json' not found" in out
+    assert main(["run", str(path), "--out", str(project / "out")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    assert not (project / "out" / "checkpoints").exists()
 
 
 @pytest.mark.parametrize("name", ["string_lr", "stdlib_factory"])

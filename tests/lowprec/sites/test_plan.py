@@ -550,3 +550,50 @@ def test_llama_typo_suggests_real_fqns(llama):
         resolve(llama, plan_of(rules=[{"name": "up", "select": {"glob": "model.layers.*.mlp.up_prj"},
                                        "format": "nvfp4"}]))
     assert "Nearest FQNs: model.layers." in errmsg(e) and "up_proj" in errmsg(e)
+
+
+PLAN_MODEL = '''
+import torch
+from torch import nn
+
+
+def build():
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+
+def tokens():
+    return torch.arange(1000) % 7
+'''
+
+
+def test_lowprec_plan_needs_only_the_config_and_the_model(tmp_path, monkeypatch, capsys):
+    """`lowprec plan` prints the plan and the stages, then lists the runtime inputs still missing
+    (the loss-gap baseline run, a losses file), exit 0; `run` fails on the same config (exit 2)."""
+    from lowprec.cli import main
+    (tmp_path / "planmodel.py").write_text(PLAN_MODEL)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(textwrap.dedent(f"""
+        model: {{factory: "planmodel:build"}}
+        data: {{factory: "planmodel:tokens", block_size: 4}}
+        train: {{steps: 2, batch_size: 2}}
+        precision: {{default: bf16, rules: [{{select: {{glob: "*"}}, format: bf16, ladder: [fp8_tensorwise, bf16]}}]}}
+        rollout:
+          thresholds: {{loss_gap: 0.03}}
+          baseline: {{mlflow_run: bf16-baseline}}
+          stages: [{{name: all_fp8, select: {{glob: "*"}}, format: fp8_tensorwise}}]
+        tracking: {{uri: "sqlite:///{tmp_path}/mlflow.db"}}
+        """))
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    table, _, rest = out.partition("rollout stages:")
+    assert "0 " in table and "fp8_tensorwise -> bf16" in table and "all_fp8: 2 sites -> fp8_tensorwise" in rest
+    assert "still missing before `lowprec run` (1;" in rest
+    assert f"rollout.baseline.mlflow_run: no run 'bf16-baseline': there is no tracking store at {tmp_path}" in rest
+    assert not (tmp_path / "mlflow.db").exists()
+    assert main(["run", str(cfg), "--out", str(tmp_path / "out")]) == 2
+    assert "no run 'bf16-baseline'" in capsys.readouterr().err
+
+    cfg.write_text(cfg.read_text().replace("{mlflow_run: bf16-baseline}", "{losses: absent.json}"))
+    assert main(["plan", str(cfg)]) == 0
+    assert "rollout.baseline.losses: 'absent.json' not found" in capsys.readouterr().out
