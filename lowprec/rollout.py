@@ -8,7 +8,7 @@
       quarantine_after: 2        # failures before a site stays where it is
       rewind: {enabled: true, skip_batches: 20, source: memory, snapshot_every: 20, keep: 2}
       attribution: {replay: true, max_replays: 8, persist_steps: 2,   # anomalous steps: replays
-                    window: true, window_close: 0.5, window_replays: 3, not_precision: restore}   # slow signals
+                    window: true, window_close: 0.3, window_replays: 3, not_precision: restore}   # slow signals
       thresholds: {max_saturated_frac: 1.0e-3, site_patience: 2, loss_gap: 0.03}
       lr_probe: {enabled: true, every_checks: 5, factors: [2.0, 0.5], hold_above: 0.0, hold_rise: 0.04}
       baseline: {losses: runs/bf16/losses.json}      # or {mlflow_run: RUN}; loss_gap needs it
@@ -76,7 +76,7 @@ class AttributionConfig:
     persist_steps: int = 2       # anomalous this many steps in a row (not precision's): rewind or accept
     # slow signals (the loss gap, an eval checkpoint's regression): the window since the last snapshot
     window: bool = True          # judge them by the window's losses with sites in high precision
-    window_close: float = 0.5    # fraction of the window's loss gap that high precision must close
+    window_close: float = 0.3    # fraction of the window's loss gap that high precision must close
     window_replays: int = 3      # windows trained again per suspicion, at most
     not_precision: Literal["restore", "rewind"] = "restore"   # the state after a gap precision did not cause
 

@@ -106,7 +106,7 @@ class Session:
                  group=None, event_log: str | Path | None = None,
                  on_events: Callable[[list[Event]], None] | None = None, start_step: int = 0,
                  snapshot_every: int = 20, snapshot_keep: int = 2, max_replays: int = 8,
-                 window_close: float | None = 0.5, window_replays: int = 3,
+                 window_close: float | None = 0.3, window_replays: int = 3,
                  lr_probe: LRProbe | None = None, lr_probe_config=None,
                  held_batch: tuple[torch.Tensor, torch.Tensor] | None = None, clock: LapClock = NULL_CLOCK):
         """state: the PrecisionState of `lowprec.prepare(model, plan)` (this rank's sites).
