@@ -27,6 +27,7 @@ back, the actions, the replays and their cost, then the totals.
     python -m experiments.attribution_bench                 # the campaign, replays on
     python -m experiments.attribution_bench --no-replay     # the same faults, statistics rules only
     python -m experiments.attribution_bench --kinds lr_spike,garbage --per-kind 2   # a subset
+    python -m experiments.attribution_bench --drift         # drift faults: loss gap, eval gate (attribution_drift)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import copy
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -215,12 +217,25 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: immune to the oversubscription of a shared machine)")
     p.add_argument("--per-kind", type=int, default=0, help="run only the first N seeds of each kind (0: all)")
+    p.add_argument("--drift", action="store_true", help="the drift campaign (experiments.attribution_drift): "
+                                                         "loss-gap and eval-gate faults judged by their window")
+    p.add_argument("--drift-kinds", default="", help="comma-separated drift fault kinds (default: all)")
+    p.add_argument("--warm-cache", default="", help="keep the warm state in this file, and start from it when it exists")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     data = Batches(shakespeare_tokens(2_000_000), 16, 128, seed=0)
     model, opt, session = build(not args.no_replay)
     t0 = time.perf_counter()
-    train(model, session, data, WARM)
+    if args.warm_cache and Path(args.warm_cache).exists():   # the warm state of an earlier run: the same
+        cached = torch.load(args.warm_cache, weights_only=False)
+        model.load_state_dict(cached["model"])
+        opt.load_state_dict(cached["opt"])
+        session.state.load_state_dict(cached["precision"])
+        session.load_state_dict(cached["session"])
+        data.load_state_dict(cached["data"])
+        torch.set_rng_state(cached["rng"])
+    else:
+        train(model, session, data, WARM)
     warm_s = time.perf_counter() - t0
     low = [s for s, f in session.controller.current.items() if f != "bf16"]
     print(f"# warm-up: {WARM} steps in {warm_s:.0f} s; promoted {session.controller.promoted} stages; "
@@ -229,6 +244,12 @@ def main(argv=None) -> None:
             "session": copy.deepcopy(session.state_dict()), "precision": copy.deepcopy(session.state.state_dict()),
             "data": data.state_dict(), "rng": torch.get_rng_state()}
     session.close()
+    if args.warm_cache and not Path(args.warm_cache).exists():
+        torch.save(warm, args.warm_cache)
+    if args.drift:
+        from experiments.attribution_drift import campaign_main
+        campaign_main(args, data, warm, low, PLAN, ROLLOUT, WARM)
+        return
     kinds = args.kinds.split(",")
     unknown = sorted(set(kinds) - set(PRECISION_KINDS + OTHER_KINDS))
     if unknown:

@@ -170,10 +170,13 @@ class HostedRollout:
             replayer.begin_step()   # disarms the first-forward hook
 
     def before_optimizer_step(self, loss: torch.Tensor, closure: Callable[[], torch.Tensor] | None = None, *,
-                              grad_norm: torch.Tensor | None = None) -> StepResult:
+                              grad_norm: torch.Tensor | None = None,
+                              forward: Callable[[], torch.Tensor] | None = None) -> StepResult:
         """After backward, before the framework's optimizer step: clip, decide (replaying an
-        anomalous step through `closure`), and withhold the gradients unless the step is applied."""
-        result = self._pending = self.session.decide(loss, closure, grad_norm=grad_norm)
+        anomalous step through `closure`, and a window of them on a loss gap; `forward`, the
+        step's forward alone, makes a window's first look cheaper), and withhold the gradients
+        unless the step is applied."""
+        result = self._pending = self.session.decide(loss, closure, grad_norm=grad_norm, forward=forward)
         if result.decision.action is not Action.CONTINUE:
             self.session.withhold_gradients()
         return result

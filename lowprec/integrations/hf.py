@@ -138,6 +138,18 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
                 "that lowprec can measure and replay the step")
         return sum(m.weight * m.loss.detach() for m in self._micro)
 
+    def _forward(self):
+        """The step's forward alone (the loss as the Trainer weighted it): a window's first look."""
+        micro, model = list(self._micro), self.model
+
+        def forward() -> torch.Tensor:
+            self._replaying = True
+            try:
+                return sum(m.weight * _loss_of(model(*m.args, **m.kwargs)).detach() for m in micro)
+            finally:
+                self._replaying = False
+        return forward
+
     def _closure(self):
         micro, model = list(self._micro), self.model
 
@@ -235,7 +247,7 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
         self._micro.clear()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.hosted.before_optimizer_step(self._step_loss(), self._closure())
+        self.hosted.before_optimizer_step(self._step_loss(), self._closure(), forward=self._forward())
 
     def on_step_end(self, args, state, control, **kwargs):
         self._micro.clear()

@@ -21,16 +21,24 @@ high precision, the loss and grad norm it gave, whether it was still anomalous) 
 becomes an event. `Megatron-LM`'s rerun state machine re-runs a step to tell transient
 from persistent faults; here the replay also finds which sites' precision caused it.
 
-This module is pure logic: `replay(sites) -> Replay` is the caller's (a `Session` runs
-the model), so its tests need no model.
+A slow signal (the loss gap to the baseline, an eval checkpoint's regression) has no
+anomalous step to replay: `judge_window` asks the same question of a window of steps (see
+its docstring). The window's losses as trained are compared with the same steps' losses
+with sites in high precision, first on the current weights (a forward per batch: the
+cheap first look), then, when that does not decide, by training the window again from
+the last snapshot.
+
+This module is pure logic: `replay(sites) -> Replay` (and the window's `look` and
+`retrain`) are the caller's (a `Session` runs the model), so its tests need no model.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-__all__ = ["Replay", "Attribution", "attribute"]
+__all__ = ["Replay", "Attribution", "attribute", "WindowLook", "WindowAttribution", "judge_window"]
 
 
 @dataclass(frozen=True)
@@ -108,3 +116,126 @@ def attribute(candidates: Sequence[str], groups: Sequence[Sequence[str]],
         verified = current
     exhausted = len(current) > 1 or current is not verified
     return Attribution(True, tuple(verified), tuple(done), exhausted and not budget())
+
+
+# ---------------------------------------------------------------------------- slow signals
+@dataclass(frozen=True)
+class WindowLook:
+    """The window's tail losses with `high_precision` sites in high precision: on the current
+    weights (`retrained` False: the first look) or after training the window again."""
+
+    high_precision: tuple[str, ...]
+    losses: tuple[float, ...]
+    closed: float          # the fraction of the window's loss gap to the baseline it closes
+    retrained: bool
+
+    def to_evidence(self) -> dict:
+        return {"high_precision": list(self.high_precision), "losses": list(self.losses), "closed": self.closed,
+                "retrained": self.retrained}
+
+
+@dataclass(frozen=True)
+class WindowAttribution:
+    """Whether precision is to blame for a slow signal over the window `steps` (first, last),
+    the sites blamed, the window's losses as trained and the baseline's over its tail, every
+    look, and what it cost (`seconds`, steps trained again, forwards of the first looks)."""
+
+    precision_to_blame: bool
+    blamed: tuple[str, ...]
+    steps: tuple[int, int]
+    tail: tuple[int, ...]                  # the steps whose losses are compared
+    configured: tuple[float, ...]          # the tail's losses as trained
+    baseline: tuple[float, ...]            # the baseline's at those steps
+    looks: tuple[WindowLook, ...]
+    decided_by: str                        # "first_look" or "window_replay"
+    seconds: float = 0.0
+    retrained_steps: int = 0
+    forwards: int = 0
+
+    @property
+    def windows(self) -> int:
+        return sum(1 for x in self.looks if x.retrained)
+
+    @property
+    def evidence(self) -> dict:
+        return {"precision_to_blame": self.precision_to_blame, "decided_by": self.decided_by,
+                "window": list(self.steps), "tail_steps": list(self.tail), "losses_as_trained": list(self.configured),
+                "losses_baseline": list(self.baseline), "looks": [x.to_evidence() for x in self.looks],
+                "window_replays": self.windows, "retrained_steps": self.retrained_steps,
+                "first_look_forwards": self.forwards, "seconds": round(self.seconds, 3)}
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def judge_window(candidates: Sequence[str], groups: Sequence[Sequence[str]], *,
+                 configured: Sequence[float], baseline: Sequence[float],
+                 look: Callable[[tuple[str, ...]], Sequence[float]],
+                 retrain: Callable[[tuple[str, ...]], Sequence[float]],
+                 close: float, max_looks: int, max_windows: int,
+                 steps: tuple[int, int] = (0, 0), tail: Sequence[int] = ()) -> WindowAttribution:
+    """Is precision to blame for a loss gap over a window of steps, and which sites?
+
+    configured / baseline: the window tail's losses as trained and the baseline's at the
+    same steps; their mean difference is the gap G (G <= 0: the losses show no gap, and
+    nothing can close it: precision is not blamed).
+    look(sites): the tail's losses on the current weights with `sites` in high precision
+    (`()`: as configured); retrain(sites): the tail's losses after training the window
+    again from its start with `sites` in high precision.
+
+    A set of sites *closes the gap* when putting it in high precision lowers the tail's mean
+    loss by at least `close` x G. The first look compares the current weights as configured
+    with every candidate in high precision: when that closes the gap, the fault is in the
+    numerics of the forward now (a scale, a saturation) and the first look alone decides,
+    narrowed down (by `attribute`, at most `max_looks` looks) on the current weights. When
+    it does not, the weights may have been damaged during the window (gradients flushed to
+    zero look the same both ways on the weights they left), so the window is trained again:
+    every candidate in high precision, then the groups (stages, newest first), then halving,
+    at most `max_windows` windows. A window that does not close the gap with every
+    candidate in high precision: precision is not to blame."""
+    import time
+    t0 = time.perf_counter()
+    cands = list(dict.fromkeys(candidates))
+    gap = _mean(configured) - _mean(baseline)
+    looks: list[WindowLook] = []
+    counts = {"retrained": 0, "forwards": 0}
+
+    def closed_by(losses: Sequence[float], reference: float) -> float:
+        if not gap > 0 or not losses:
+            return 0.0
+        v = (reference - _mean(losses)) / gap
+        return v if math.isfinite(v) else 0.0
+
+    def done(blame: bool, blamed: Sequence[str], by: str) -> WindowAttribution:
+        return WindowAttribution(blame, tuple(blamed), steps, tuple(tail), tuple(configured), tuple(baseline),
+                                 tuple(looks), by, time.perf_counter() - t0,
+                                 counts["retrained"] * (steps[1] - steps[0] + 1), counts["forwards"])
+
+    if not cands:
+        return done(False, (), "first_look")
+    as_is = list(look(()))
+    counts["forwards"] += len(as_is)
+    reference = _mean(as_is)
+    looks.append(WindowLook((), tuple(as_is), 0.0, False))
+
+    def first(sites: tuple[str, ...]) -> Replay:
+        losses = list(look(sites))
+        counts["forwards"] += len(losses)
+        c = closed_by(losses, reference)
+        looks.append(WindowLook(sites, tuple(losses), c, False))
+        return Replay(sites, _mean(losses), c, c < close)
+
+    found = attribute(cands, groups, first, max_looks)
+    if found.precision_to_blame:
+        return done(True, found.blamed, "first_look")
+
+    def window(sites: tuple[str, ...]) -> Replay:
+        losses = list(retrain(sites))
+        counts["retrained"] += 1
+        c = closed_by(losses, _mean(configured))
+        looks.append(WindowLook(sites, tuple(losses), c, True))
+        return Replay(sites, _mean(losses), c, c < close)
+
+    found = attribute(cands, groups, window, max_windows)
+    return done(found.precision_to_blame, found.blamed, "window_replay")

@@ -33,7 +33,15 @@ from the check window's statistics:
 3. A global signal no replay explained (an anomaly handed over, the loss gap to the
    baseline) while some site's thresholds are crossed (before its patience ran out)
    blames that site; with no site to blame it rolls back the newest stage, and with
-   `rewind` on, asks the loop to restore the last good state and skip batches.
+   `rewind` on, asks the loop to restore the last good state and skip batches. A slow
+   signal (the loss gap alone, or an eval checkpoint's regression) is first judged by its
+   window when a `judge` is set (the session sets one: `lowprec.policy.attribution.judge_window`
+   over the window since the last snapshot): if high precision closes the gap, the sites
+   it blames fall back (their stage rolls back when it is the newest stage, whole), as
+   above; if not, nothing is demoted, a NOT_PRECISION event holds the evidence (the
+   window's losses as trained, with every site in high precision, and the baseline's),
+   the loss-gap detector accepts that gap, and training goes on (or, with
+   `not_precision_rewind` and `rewind`, goes back to the window's start).
 4. A site that failed `quarantine_after` times is quarantined: it never goes below its
    current format again in this run. Other fallen-back sites retry their stage's format
    after `cooldown_steps`.
@@ -53,7 +61,7 @@ from __future__ import annotations
 from typing import Callable
 
 from lowprec.policy.anomaly import Anomaly, StepDetectors
-from lowprec.policy.attribution import Attribution
+from lowprec.policy.attribution import Attribution, WindowAttribution
 from lowprec.policy.decisions import Action, ControllerConfig, Decision, Stage, apply_decision
 from lowprec.policy.detectors import (LR_HISTORY, LossGapDetector, Thresholds, intrinsic, lr_hold_level,
                                lr_sensitivity_hold)
@@ -101,6 +109,9 @@ class RolloutController:
         self.stages = list(stages)
         self.config = config
         self.gate = gate
+        # judge(step, candidates, groups) -> WindowAttribution, or None when no window can be
+        # replayed: set by the session that can train the window again (see rule 3)
+        self.judge: Callable[[int, list[str], list[list[str]]], WindowAttribution | None] | None = None
         th = config.thresholds
         self.detectors = StepDetectors(th)
         if th.loss_gap is not None and not baseline:
@@ -334,7 +345,10 @@ class RolloutController:
             names = ", ".join(name for name, _ in fired)
             self._fallback(site, step, f"{names} while this site's thresholds are crossed",
                            {**crossed, **{name: ev for name, ev in fired}}, d)
-        if fired and not blamed:
+        if fired and not blamed and [name for name, _ in fired] == ["loss_gap"] and \
+                self._judge_slow(step, "loss_gap", dict(fired), d, rewind=True):
+            pass
+        elif fired and not blamed:
             reason = ", ".join(name for name, _ in fired)
             evidence = {name: ev for name, ev in fired}
             rolled = self._rollback_newest(step, f"global signal: {reason}", evidence, d)
@@ -372,6 +386,51 @@ class RolloutController:
                     fired.append(("loss_gap", {**ev, "step": first + i}))
         return fired
 
+    def _judge_slow(self, step: int, reason: str, evidence: dict, d: Decision, *, rewind: bool) -> bool:
+        """A slow signal judged by its window (rule 3); False when there is no judge or no
+        window to judge by (the caller then rolls the newest stage back as before)."""
+        if self.judge is None:
+            return False
+        low, groups = self.replay_candidates()
+        att = self.judge(step, low, groups) if low else None
+        if att is None:
+            return False
+        for look in att.looks[1:]:
+            how = "window trained again" if look.retrained else "current weights"
+            d.events.append(Event(step, EventKind.WINDOW, look.high_precision, {}, {}, (
+                f"{reason}: {how} with {len(look.high_precision)} site(s) in high precision closes "
+                f"{look.closed:.0%} of the gap"), look.to_evidence()))
+        ev = {**evidence, **att.evidence}
+        if not att.precision_to_blame:
+            d.events.append(Event(step, EventKind.NOT_PRECISION, (), {}, {}, (
+                f"{reason}: not precision (every site in high precision does not close the window's gap); "
+                "nothing demoted"), ev))
+            gap = evidence.get("loss_gap", {}).get("gap")
+            if self.loss_gap is not None and gap is not None:
+                # the smoothed gap still rises towards the tail's level: accept the higher
+                base = sum(att.baseline) / max(len(att.baseline), 1)
+                level = (sum(att.configured) / max(len(att.configured), 1) - base) / abs(base) if base else 0.0
+                self.loss_gap.accept(max(gap, level))
+            if rewind and self.config.rewind and self.config.not_precision_rewind:
+                d.action, d.skip_batches = Action.REWIND, self.config.rewind_skip_batches
+                d.rewind_before = att.steps[0]
+                d.events.append(Event(step, EventKind.REWIND, (), {}, {}, f"rewind after {reason} (not precision)",
+                                      {"skip_batches": d.skip_batches, "to_step": att.steps[0]}))
+            self.stable_since = step
+            return True
+        why = f"{reason}: closed by {att.decided_by.replace('_', ' ')} with these sites in high precision"
+        if self.promoted and set(att.blamed) == set(groups[0]):
+            self._rollback_newest(step, why, ev, d)
+        else:
+            for site in att.blamed:
+                self._fallback(site, step, why, ev, d)
+        if rewind and self.config.rewind:
+            d.action, d.skip_batches = Action.REWIND, self.config.rewind_skip_batches
+            d.events.append(Event(step, EventKind.REWIND, (), {}, {}, f"rewind after {reason}",
+                                  {"skip_batches": d.skip_batches}))
+        self.stable_since = step
+        return True
+
     def _gate_event(self, step: int, result: GateOutcome, what: str, stage: str | None, d: Decision) -> Verdict:
         try:
             verdict = Verdict(result.verdict)
@@ -384,11 +443,13 @@ class RolloutController:
 
     def observe_gate(self, step: int, result: GateOutcome) -> Decision:
         """An evaluation checkpoint's gate outcome (`.verdict`, `.reason`), from a periodic
-        eval outside a promotion. A regression rolls the newest promoted stage back; the
-        verdict is recorded as a GATE event."""
+        eval outside a promotion. A regression is judged by its window (rule 3) when a judge
+        is set, else rolls the newest promoted stage back; the verdict is recorded as a GATE
+        event. No rewind here: the state stays where it is."""
         d = Decision()
         verdict = self._gate_event(step, result, "at eval checkpoint", None, d)
-        if verdict is Verdict.REGRESS:
+        if verdict is Verdict.REGRESS and not self._judge_slow(step, "evaluation gate regressed",
+                                                               {"verdict": verdict.value}, d, rewind=False):
             self._rollback_newest(step, "evaluation gate regressed", {"verdict": verdict.value}, d)
             self.stable_since = step
         return d

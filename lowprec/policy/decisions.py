@@ -48,6 +48,7 @@ class ControllerConfig:
     rewind: bool = False
     rewind_skip_batches: int = 0
     persist_steps: int = 2       # anomalous steps in a row (not precision's) before a rewind
+    not_precision_rewind: bool = False   # a loss gap precision did not cause: rewind (with `rewind`), else go on
     thresholds: Thresholds = field(default_factory=Thresholds)
     lr_hold_rise: float | None = None    # rise of the LR sensitivity that holds a promotion; None: off
     lr_hold_above: float | None = None   # LR sensitivity above which a promotion is held; None: off

@@ -174,6 +174,13 @@ class LossGapDetector:
         self.threshold, self.smoothing = threshold, smoothing
         self.ema: float | None = None
         self.base_ema: float | None = None
+        self.accepted = 0.0   # a gap judged not precision's: fires again only this far above it
+
+    def accept(self, gap: float) -> None:
+        """A gap of `gap` was judged not to be precision's (`lowprec.policy.attribution.judge_window`):
+        the detector fires again when the gap grows `threshold` above it, or, once it has
+        fallen back under `threshold`, as before."""
+        self.accepted = max(0.0, float(gap))
 
     def _baseline_at(self, step: int) -> float | None:
         if step in self.baseline:
@@ -189,14 +196,19 @@ class LossGapDetector:
         self.ema = loss if self.ema is None else a * self.ema + (1 - a) * loss
         self.base_ema = base if self.base_ema is None else a * self.base_ema + (1 - a) * base
         gap = (self.ema - self.base_ema) / abs(self.base_ema)
-        return gap > self.threshold, {"smoothed_loss": self.ema, "baseline": self.base_ema, "gap": gap,
-                                      "threshold": self.threshold}
+        if gap <= self.threshold:
+            self.accepted = 0.0
+        ev = {"smoothed_loss": self.ema, "baseline": self.base_ema, "gap": gap, "threshold": self.threshold}
+        if self.accepted:
+            ev["accepted"] = self.accepted
+        return gap > self.threshold + self.accepted, ev
 
     def state_dict(self) -> dict:
-        return {"ema": self.ema, "base_ema": self.base_ema}
+        return {"ema": self.ema, "base_ema": self.base_ema, "accepted": self.accepted}
 
     def load_state_dict(self, s: dict) -> None:
         self.ema, self.base_ema = s["ema"], s["base_ema"]
+        self.accepted = float(s.get("accepted", 0.0))   # absent before window replays
 
 
 LR_HISTORY = 4   # earlier LR-probe results a new one is compared with (lr_hold_level)

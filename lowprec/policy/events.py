@@ -34,7 +34,10 @@ class EventKind:
     REPLAY = "replay"            # an anomalous step replayed with `sites` in high precision
     ACCEPT = "accept"            # a persistent anomaly accepted as the new normal (no rewind)
     HOLD = "hold"                # a promotion held back (the learning-rate sensitivity is rising)
-    ALL = (PROMOTE, FALLBACK, ROLLBACK, RETRY, QUARANTINE, REWIND, SKIP_STEP, GATE, REPLAY, ACCEPT, HOLD)
+    WINDOW = "window"            # a slow signal's window looked at / trained again with `sites` in high precision
+    NOT_PRECISION = "not_precision"   # a slow signal that high precision did not close: nothing demoted
+    ALL = (PROMOTE, FALLBACK, ROLLBACK, RETRY, QUARANTINE, REWIND, SKIP_STEP, GATE, REPLAY, ACCEPT, HOLD, WINDOW,
+           NOT_PRECISION)
     CHANGES_FORMATS = (PROMOTE, FALLBACK, ROLLBACK, RETRY)
 
 

@@ -60,6 +60,7 @@ from lowprec.policy.monitor import Monitor, MonitorConfig
 from lowprec.runtime.lrprobe import LRProbe, ProbeResult
 from lowprec.runtime.replay import StepReplayer
 from lowprec.runtime.snapshots import MemorySnapshots, Snapshots
+from lowprec.runtime.window import WindowReplayer
 from lowprec.tracking.phases import NULL_CLOCK, LapClock, Phase, counted_as
 
 __all__ = ["Session", "StepResult", "rollout_settings"]
@@ -105,6 +106,7 @@ class Session:
                  group=None, event_log: str | Path | None = None,
                  on_events: Callable[[list[Event]], None] | None = None, start_step: int = 0,
                  snapshot_every: int = 20, snapshot_keep: int = 2, max_replays: int = 8,
+                 window_close: float | None = 0.3, window_replays: int = 3,
                  lr_probe: LRProbe | None = None, lr_probe_config=None,
                  held_batch: tuple[torch.Tensor, torch.Tensor] | None = None, clock: LapClock = NULL_CLOCK):
         """state: the PrecisionState of `lowprec.prepare(model, plan)` (this rank's sites).
@@ -119,6 +121,10 @@ class Session:
             rank's (a pipeline stage); group: the process group the monitor combines over.
         max_replays: replays per anomalous step to find whether precision is to blame (0:
             none; anomalies then wait for the next check's statistics).
+        window_close: a slow signal (the loss gap, an eval regression) is judged by the window
+            since the last snapshot (`lowprec.runtime.window`): the fraction of its loss gap
+            that high precision must close to blame precision; None: not judged (the newest
+            stage rolls back). window_replays: windows trained again per suspicion, at most.
         lr_probe: the learning-rate probe run at the start of its check steps (needs a
             controller); default, when `lr_probe_config` (the rollout's `lr_probe`) is enabled,
             `LRProbe.for_model` on `held_batch` (x, y), a batch training never draws, the same
@@ -142,6 +148,7 @@ class Session:
         self.group = group
         self.max_replays = max_replays
         self.replayer: StepReplayer | None = None
+        self.window: WindowReplayer | None = None
         self._remote: set[str] = set()
         self.monitor_config = monitor or MonitorConfig()
         if controller is not None and max_replays > 0:
@@ -150,6 +157,7 @@ class Session:
         if controller is not None:
             self.monitor = Monitor(state, self.monitor_config, group=group, sites=sites)
             self._remote = set(sites or ()) - set(state.sites)
+            judged = window_close is not None and controller.loss_gap is not None
             if snapshots is None and controller.config.rewind:
                 if snapshot_every * (snapshot_keep - 1) < self.rewind_margin:
                     raise ValueError(
@@ -158,6 +166,13 @@ class Session:
                         f"{-(-self.rewind_margin // snapshot_every) + 1} snapshots or take them more often")
                 snapshots = MemorySnapshots(model, optimizer, every=snapshot_every, keep=snapshot_keep,
                                             margin=self.rewind_margin, scheduler=scheduler, data=data)
+            elif snapshots is None and judged:   # a window replay starts from one (never rewound to)
+                snapshots = MemorySnapshots(model, optimizer, every=snapshot_every, keep=snapshot_keep,
+                                            margin=self.rewind_margin, scheduler=scheduler, data=data)
+            if judged:
+                self.window = WindowReplayer(self, close=window_close, max_windows=window_replays,
+                                             max_looks=max_replays, min_length=self.monitor_config.check_every)
+                controller.judge = self.window.judge
         else:
             state.collect_stats(False)   # no monitor reads them: quantize without statistics
         self.snapshots = snapshots
@@ -230,13 +245,15 @@ class Session:
         self._prepare(self.step_index)
 
     def step(self, loss: torch.Tensor, closure: Callable[[], torch.Tensor] | None = None, *,
-             grad_norm: torch.Tensor | None = None) -> StepResult:
+             grad_norm: torch.Tensor | None = None, forward: Callable[[], torch.Tensor] | None = None) -> StepResult:
         """Conclude the current step after backward: see the module docstring.
 
         closure: runs this step's forward and backward again on the same batch and returns
         the loss (for replays; without it an anomaly waits for the next check).
-        grad_norm: the global grad norm when the caller clipped already."""
-        result = self.decide(loss, closure, grad_norm=grad_norm)
+        grad_norm: the global grad norm when the caller clipped already.
+        forward: the step's forward alone on the same batch, returning the loss (optional: the
+        first look of a window judgment then costs a forward instead of a forward and backward)."""
+        result = self.decide(loss, closure, grad_norm=grad_norm, forward=forward)
         if result.decision.action is Action.REWIND and self._rewind(result):
             self.optimizer.zero_grad(set_to_none=True)
             return result
@@ -251,7 +268,7 @@ class Session:
 
     # ---- the same step in two halves, for a loop that steps the optimizer itself (a framework's)
     def decide(self, loss: torch.Tensor, closure: Callable[[], torch.Tensor] | None = None, *,
-               grad_norm: torch.Tensor | None = None) -> StepResult:
+               grad_norm: torch.Tensor | None = None, forward: Callable[[], torch.Tensor] | None = None) -> StepResult:
         """The first half of `step`: clip, measure, replay, decide and apply format changes;
         nothing is stepped. `result.decision.action` is CONTINUE when the optimizer may step;
         otherwise the caller must keep the gradients from it (`withhold_gradients`). Then the
@@ -265,7 +282,7 @@ class Session:
             grad_norm = self.clip()
         self.clock.lap(Phase.OPTIMIZER)
         result = StepResult(s, Decision(), loss.detach(), grad_norm)
-        result.decision = self._decide(s, loss, grad_norm, closure, result)
+        result.decision = self._decide(s, loss, grad_norm, closure, result, forward)
         return result
 
     def withhold_gradients(self) -> None:
@@ -296,6 +313,8 @@ class Session:
             return False
         self.rewinds += 1
         self.step_index = result.rewound_to = back
+        if self.window is not None:
+            self.window.rewound(back)
         self._prepare(back)
         return True
 
@@ -305,6 +324,8 @@ class Session:
         else:   # skip_step, or a rewind with nothing to go back to: the weights never saw it
             self.skipped += 1
         s = result.step
+        if self.window is not None:
+            self.window.concluded(s, result.applied)
         self.step_index = s + 1
         if self.snapshots is not None:
             self.snapshots.after_step(s + 1)
@@ -329,13 +350,16 @@ class Session:
         loss_h, norm_h = v.tolist()
         return loss_h, norm_h
 
-    def _decide(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, closure, result: StepResult) -> Decision:
+    def _decide(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, closure, result: StepResult,
+                forward=None) -> Decision:
         if self.controller is None:
             return Decision()
         mon, ctl = self.monitor, self.controller
         # every rank reads the same two numbers, so every rank branches (and replays) alike
         measured = self._measure(loss, grad_norm)
         self.clock.lap(Phase.COLLECTIVE)
+        if self.window is not None:
+            self.window.record(step, closure, forward, measured[0])
         anomaly = result.anomaly = ctl.detect(step, *measured)
         attribution = None
         if anomaly is not None and closure is not None and self.replayer is not None:
@@ -404,6 +428,8 @@ class Session:
             if self.log is not None:
                 self.log.rewrite(self.events)   # a killed run's later events are redone, not kept twice
         self._probed = None   # other weights now: a due probe runs again
+        if self.window is not None:
+            self.window.clear()   # the steps before the checkpoint cannot be replayed
         self._prepare(self.step_index)
 
     def close(self) -> None:
@@ -422,6 +448,8 @@ def rollout_settings(rollout) -> dict:
     return {"monitor": rollout.monitor_config(), "snapshot_every": rollout.rewind.snapshot_every,
             "snapshot_keep": rollout.rewind.keep,
             "max_replays": rollout.attribution.max_replays if rollout.attribution.replay else 0,
+            "window_close": rollout.attribution.window_close if rollout.attribution.window else None,
+            "window_replays": rollout.attribution.window_replays,
             "lr_probe_config": rollout.lr_probe}
 
 

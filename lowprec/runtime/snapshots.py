@@ -97,16 +97,34 @@ class MemorySnapshots:
             return 0
         return sum(size(s.model) + size(s.optimizer) for s in self.kept)
 
+    def capture(self, step: int, device: torch.device | None = None) -> _Snapshot:
+        """A copy of the state now (after `step` completed steps), kept by the caller."""
+        return _Snapshot(
+            step, _copy_tensors(self.model.state_dict(), device),
+            _copy_tensors(self.optimizer.state_dict(), device),
+            copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
+            copy.deepcopy(self.data.state_dict()) if self.data is not None else None,
+            rng_state())
+
+    def load(self, snap: _Snapshot) -> None:
+        """Put model, optimizer, scheduler and RNG back as `snap` has them (the data stays:
+        it never goes back); the snapshots kept are not touched."""
+        self.model.load_state_dict(snap.model)   # copies into the live parameters
+        self.optimizer.load_state_dict(_copy_tensors(snap.optimizer, None))
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(copy.deepcopy(snap.scheduler))
+        restore_rng_state(snap.rng)
+
+    def latest(self, at_most: int) -> _Snapshot | None:
+        """The newest kept snapshot of at most `at_most` completed steps (a window replay's start)."""
+        good = [s for s in self.kept if s.step <= at_most]
+        return good[-1] if good else None
+
     def take(self, step: int) -> None:
         """Keep a snapshot of the state after `step` completed steps (replaces one at that step)."""
         while self.kept and self.kept[-1].step >= step:
             self.kept.pop()   # a rewind went back before it: the newer ones are abandoned
-        self.kept.append(_Snapshot(
-            step, _copy_tensors(self.model.state_dict(), self.device),
-            _copy_tensors(self.optimizer.state_dict(), self.device),
-            copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
-            copy.deepcopy(self.data.state_dict()) if self.data is not None else None,
-            rng_state()))
+        self.kept.append(self.capture(step, self.device))
 
     def after_step(self, step: int) -> None:
         if step % self.every == 0:
@@ -120,11 +138,7 @@ class MemorySnapshots:
         snap = good[-1]
         while self.kept[-1] is not snap:
             self.kept.pop()
-        self.model.load_state_dict(snap.model)   # copies into the live parameters
-        self.optimizer.load_state_dict(_copy_tensors(snap.optimizer, None))
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(copy.deepcopy(snap.scheduler))
-        restore_rng_state(snap.rng)
+        self.load(snap)
         if self.data is not None:
             # the data does not go back: the batches between the snapshot and now are
             # skipped, and `skip_batches` more after them

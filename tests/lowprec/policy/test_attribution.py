@@ -147,3 +147,77 @@ def test_step_detectors_fire_per_step_and_remember_only_normal_values():
 def _quiet(step):
     from lowprec.policy.monitor import Signals
     return Signals(step, [2.0] * 10, [1.0] * 10, {})
+
+
+# ---------------------------------------------------------------------------- slow signals: windows
+from lowprec.policy.attribution import WindowAttribution, judge_window  # noqa: E402
+
+CONFIGURED, BASE = [2.3, 2.3, 2.3], [2.0, 2.0, 2.0]   # a gap of 0.3 on the window's tail
+
+
+def window_fault(culprit=None, *, forward=False, closes=1.0):
+    """look and retrain of a fault: with `culprit` in high precision the tail's loss falls by
+    `closes` x the gap, on the current weights (a forward fault) or only when the window is
+    trained again (weights damaged during the window); culprit None: not precision's."""
+    calls = {"look": 0, "retrain": 0}
+
+    def losses(sites):
+        fixed = culprit is not None and culprit in sites
+        return [c - closes * (c - b) if fixed else c for c, b in zip(CONFIGURED, BASE)]
+
+    def look(sites):
+        calls["look"] += 1
+        return losses(sites) if forward else list(CONFIGURED)
+
+    def retrain(sites):
+        calls["retrain"] += 1
+        return losses(sites)
+    return look, retrain, calls
+
+
+def judge(look, retrain, close=0.5, max_windows=3):
+    return judge_window(SITES, [ATTN, MLP], configured=CONFIGURED, baseline=BASE, look=look, retrain=retrain,
+                        close=close, max_looks=8, max_windows=max_windows, steps=(80, 89), tail=(87, 88, 89))
+
+
+def test_a_gap_high_precision_does_not_close_is_not_precisions_and_costs_one_window():
+    look, retrain, calls = window_fault(None)
+    res = judge(look, retrain)
+    assert isinstance(res, WindowAttribution)
+    assert not res.precision_to_blame and res.blamed == ()
+    assert res.decided_by == "window_replay" and res.windows == 1 and calls["retrain"] == 1
+    assert res.retrained_steps == 10
+    ev = res.evidence   # both windows' losses: as trained and trained again in high precision
+    assert ev["losses_as_trained"] == CONFIGURED and ev["losses_baseline"] == BASE
+    assert [x["losses"] for x in ev["looks"] if x["retrained"]] == [CONFIGURED]
+
+
+@pytest.mark.parametrize("culprit", [SITES[0], MLP[-1], ATTN[2]])
+def test_a_forward_fault_is_decided_by_the_first_look_alone(culprit):
+    look, retrain, calls = window_fault(culprit, forward=True)
+    res = judge(look, retrain)
+    assert res.precision_to_blame and res.blamed == (culprit,)
+    assert res.decided_by == "first_look" and calls["retrain"] == 0 and res.windows == 0
+
+
+def test_damaged_weights_need_the_window_replay_which_blames_the_stage_within_its_budget():
+    culprit = MLP[1]
+    look, retrain, calls = window_fault(culprit, forward=False)
+    res = judge(look, retrain)
+    assert res.precision_to_blame and culprit in res.blamed and set(res.blamed) <= set(MLP)
+    assert res.decided_by == "window_replay" and calls["retrain"] == 3 == res.windows   # all, ATTN, MLP
+    more = judge(*window_fault(culprit)[:2], max_windows=8)   # a bigger budget halves down to the site
+    assert more.blamed == (culprit,)
+
+
+def test_the_close_criterion_is_the_fraction_of_the_gap():
+    look, retrain, _ = window_fault(SITES[3], closes=0.3)
+    assert not judge(look, retrain, close=0.5).precision_to_blame
+    look, retrain, _ = window_fault(SITES[3], closes=0.3)
+    assert judge(look, retrain, close=0.25).precision_to_blame
+
+
+def test_no_gap_on_the_window_blames_nothing():
+    res = judge_window(SITES, [MLP], configured=[2.0, 2.0], baseline=[2.1, 2.1], look=lambda s: [1.0, 1.0],
+                       retrain=lambda s: [1.0, 1.0], close=0.5, max_looks=8, max_windows=3)
+    assert not res.precision_to_blame and res.blamed == ()

@@ -381,3 +381,99 @@ def test_actions_and_verdicts_are_str_enums_that_print_their_values():
 
     with pytest.raises(ValueError, match="answered verdict 'maybe'; a gate answers one of pass, regress"):
         make().observe_gate(5, Odd())
+
+
+# ---------------------------------------------------------------------------- slow signals judged by a window
+from lowprec.policy.attribution import WindowAttribution, WindowLook  # noqa: E402
+from lowprec.policy.verdicts import Verdict  # noqa: E402
+
+
+class _Regress:
+    verdict, reason = Verdict.REGRESS, "eval loss +5%"
+
+
+def _judged(blame: bool, blamed=()):
+    """A judge that answers `blame` (and `blamed`), recording the calls."""
+    calls = []
+
+    def judge(step, candidates, groups):
+        calls.append((step, list(candidates), [list(g) for g in groups]))
+        looks = (WindowLook((), (2.3,), 0.0, False), WindowLook(tuple(candidates), (2.29,), 0.03, True))
+        return WindowAttribution(blame, tuple(blamed), (step - 9, step), (step,), (2.3,), (2.0,), looks,
+                                 "window_replay", 1.5, 10, 2)
+    return judge, calls
+
+
+def _gapped(**kw):
+    ctl = make(baseline={s: 2.0 for s in range(0, 400)}, loss_gap=0.0025, **kw)
+    run(ctl, [(s, signals(s)) for s in range(9, 80, CHECK)])
+    return ctl
+
+
+def test_a_loss_gap_precision_did_not_cause_demotes_nothing_and_is_not_judged_again():
+    ctl = _gapped()
+    promoted = dict(ctl.current)
+    ctl.judge, calls = _judged(False)
+    d = ctl.observe(89, signals(89, loss=2.3))
+    assert not d.changes and d.action is Action.CONTINUE and ctl.current == promoted
+    (ev,) = [e for e in d.events if e.kind == EventKind.NOT_PRECISION]
+    assert ev.evidence["losses_as_trained"] == [2.3] and ev.evidence["losses_baseline"] == [2.0]
+    assert ev.evidence["window_replays"] == 1 and ev.evidence["loss_gap"]["gap"] > 0.0025
+    assert [e.kind for e in d.events if e.kind == EventKind.WINDOW] == [EventKind.WINDOW]
+    # the candidates: the low-precision sites; the groups: the promoted stages, newest first
+    step, cands, groups = calls[0]
+    assert step == 89 and set(cands) == {s for s, f in promoted.items() if f != "bf16"}
+    assert groups[0] == [s for s in STAGES[ctl.promoted - 1].sites]
+    # the same gap at the next check: accepted, not judged again (one window per suspicion)
+    d = ctl.observe(99, signals(99, loss=2.3))
+    assert len(calls) == 1 and not d.changes
+    # a gap that grows further above it is a new suspicion
+    ctl.observe(109, signals(109, loss=2.9))
+    assert len(calls) == 2
+
+
+def test_a_loss_gap_precision_closes_rolls_the_newest_stage_back_and_rewinds():
+    ctl = _gapped(rewind=True)
+    newest = STAGES[ctl.promoted - 1]
+    ctl.judge, _ = _judged(True, newest.sites)
+    d = ctl.observe(89, signals(89, loss=2.3))
+    (rb,) = [e for e in d.events if e.kind == EventKind.ROLLBACK]
+    assert rb.stage == newest.name and "closed by window replay" in rb.reason
+    assert d.action is Action.REWIND
+
+
+def test_a_loss_gap_blamed_on_one_site_falls_that_site_back():
+    ctl = _gapped()
+    site = next(s for s, f in ctl.current.items() if f == "fp8_tensorwise")
+    ctl.judge, _ = _judged(True, (site,))
+    d = ctl.observe(89, signals(89, loss=2.3))
+    assert d.changes == {site: "bf16"}
+    assert [e.kind for e in d.events if e.sites == (site,)][-1] == EventKind.FALLBACK
+
+
+def test_without_a_window_the_loss_gap_rolls_back_as_before():
+    ctl = _gapped()
+    ctl.judge = lambda step, c, g: None
+    d = ctl.observe(89, signals(89, loss=2.3))
+    assert any(e.kind == EventKind.ROLLBACK for e in d.events)
+
+
+def test_not_precision_rewind_goes_back_to_the_windows_start():
+    ctl = make(baseline={s: 2.0 for s in range(0, 400)}, loss_gap=0.0025, rewind=True)
+    ctl.config = ControllerConfig(**{**ctl.config.__dict__, "not_precision_rewind": True})
+    run(ctl, [(s, signals(s)) for s in range(9, 80, CHECK)])
+    ctl.judge, _ = _judged(False)
+    d = ctl.observe(89, signals(89, loss=2.3))
+    assert d.action is Action.REWIND and d.rewind_before == 80 and not d.changes
+
+
+def test_an_eval_regression_is_judged_by_its_window_too():
+    ctl = _gapped()
+    before = dict(ctl.current)
+    ctl.judge, calls = _judged(False)
+    d = ctl.observe_gate(90, _Regress())
+    assert len(calls) == 1 and not d.changes and ctl.current == before
+    assert any(e.kind == EventKind.NOT_PRECISION for e in d.events)
+    ctl.judge, _ = _judged(True, STAGES[ctl.promoted - 1].sites)
+    d = ctl.observe_gate(100, _Regress())
+    assert any(e.kind == EventKind.ROLLBACK for e in d.events) and d.action is Action.CONTINUE

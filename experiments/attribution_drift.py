@@ -1,0 +1,275 @@
+"""Benchmark, slow signals: does a loss gap or an eval regression demote only what precision caused?
+
+The drift campaign of `experiments.attribution_bench` (`python -m experiments.attribution_bench
+--drift`): the same reference model, rollout and warm state (160 steps, three stages
+promoted), now with `thresholds.loss_gap` against a BF16 baseline (the warm state trained on
+with every site in BF16, on the same batches, no fault) and the window judgment on (the
+defaults of `rollout.attribution`). Each fault starts at step FAULT_AT; the run goes on to END.
+
+Non-precision drift faults (they live in the data or the schedule: the same in BF16), each
+part of its steps' batches, so a window replay meets them again:
+  * `input_scale`: one block's input x8 for 5 steps;
+  * `shuffle`: 10 batches whose tokens are shuffled within each sequence;
+  * `repeat`: one batch repeated for 15 steps;
+  * `lr_schedule`: the learning rate x5 for 20 steps (the replay uses the LRs the steps used).
+Precision drift faults (in the quantized path of one site, drawn with the seed, for as long
+as it stays in low precision):
+  * `underflow`: the site's gradients quantized from an amax 2^(t/2) too large (t: steps
+    since the fault began), so ever more of them flush to zero;
+  * `saturation`: the site's input quantized from an amax 2^(t/4) too small: a slowly growing
+    saturation;
+  * `slight_scale`: the site's output off by x3 (a wrong dequantization scale that only
+    raises the loss slightly).
+Eval-gate regressions: a held-out loss every 10 steps against the baseline's at the same
+step (a regression above 1%), with `loss_gap` set out of reach (1.0) so that only the gate
+acts: `eval_scale` (the `slight_scale` fault, precision) and `eval_shuffle` (the `shuffle`
+fault, not precision).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from experiments.model import build_gpt
+from lowprec.policy.events import EventKind
+from lowprec.sites.plan import PrecisionPlan
+from lowprec.numerics.quantize import quantize
+from lowprec.policy.rollout import parse_rollout
+from lowprec.runtime import Session
+from lowprec.policy.verdicts import Verdict
+
+FAULT_AT, END, EVAL_EVERY, EVAL_TOL = 165, 215, 10, 0.01
+OTHER = ("input_scale", "shuffle", "repeat", "lr_schedule", "eval_shuffle")
+PRECISION = ("underflow", "saturation", "slight_scale", "eval_scale")
+SEEDS = {k: list(range(2000 + 100 * i, 2000 + 100 * i + 3)) for i, k in enumerate(OTHER + PRECISION)}
+DURATION = {"input_scale": 5, "shuffle": 10, "repeat": 15, "lr_schedule": 20, "eval_shuffle": 10}
+LOSS_GAP = {"loss_gap": 0.015, "loss_gap_smoothing": 0.5}
+
+
+@dataclass(frozen=True)
+class Drift:
+    kind: str
+    seed: int
+    site: str = ""
+
+    @property
+    def precision(self) -> bool:
+        return self.kind in PRECISION
+
+    @property
+    def eval_gate(self) -> bool:
+        return self.kind.startswith("eval_")
+
+    def active(self, t: int) -> bool:
+        return t >= FAULT_AT if self.precision else FAULT_AT <= t < FAULT_AT + DURATION[self.kind]
+
+
+def campaign(sites: list[str], kinds) -> list[Drift]:
+    return [Drift(k, s, random.Random(s).choice(sites) if k in PRECISION else "")
+            for k in OTHER + PRECISION if k in kinds for s in SEEDS[k]]
+
+
+class PlantedDrift:
+    """One drift fault on the model; `batch(data, t)` gives loop pass `t`'s batch and the flag
+    its closure sets, so that a replay of that step meets the fault again."""
+
+    def __init__(self, fault: Drift, model, state):
+        self.fault, self.model, self.state = fault, model, state
+        self.t, self.now, self.hooks, self.module = 0, False, [], None
+        kind = fault.kind.replace("eval_", "")
+        if fault.precision:
+            self.module = state.sites[fault.site].module
+            original = self.module.quantize_operand
+            self.module.quantize_operand = self._quantize(self.module, original, kind)
+        elif kind == "input_scale":
+            block = model.blocks[random.Random(fault.seed).randrange(len(model.blocks))]
+            self.hooks.append(block.register_forward_pre_hook(
+                lambda mod, args: (args[0] * 8.0,) + args[1:] if self.now else None))
+
+    def _quantize(self, module, original, kind):
+        def quantize_operand(t, fmt, role, **kw):
+            spec = getattr(fmt, role, None)
+            if not self.fault.active(self.t) or spec is None:
+                return original(t, fmt, role, **kw)
+            k = self.t - FAULT_AT + 1
+            if kind == "slight_scale" and role == "weight":
+                q = original(t, fmt, role, **kw)
+                return type(q)(q.values, q.scale / 3.0, q.scale_inv * 3.0, q.spec, q.shape, q.amax)
+            if (kind == "underflow" and role.startswith("grad_output")) or (kind == "saturation" and role == "input"):
+                amax = torch.where(torch.isfinite(t), t.abs(), 0.0).amax().float()
+                amax = amax * (2.0 ** (k / 2) if kind == "underflow" else 2.0 ** (-k / 4))
+                counted = module.collect_stats and kw.get("record", True) and role in ("input", "grad_output")
+                q = quantize(t, spec, amax=amax, generator=module.generator, hadamard=module.hadamard,
+                             stats=counted, validate=False)
+                if counted:
+                    module.stats[role] = q.stats
+                return q
+            return original(t, fmt, role, **kw)
+        return quantize_operand
+
+    def batch(self, data, t: int, repeated: dict):
+        x, y = data.next()
+        kind = self.fault.kind.replace("eval_", "")
+        on = not self.fault.precision and self.fault.active(t)
+        if on and kind == "shuffle":
+            g = torch.Generator().manual_seed(self.fault.seed * 1000 + t)
+            seq = torch.cat([x, y[:, -1:]], 1)
+            seq = seq[:, torch.randperm(seq.shape[1], generator=g)]
+            x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+        if on and kind == "repeat":
+            x, y = repeated.setdefault("xy", (x, y))
+        return x, y, on and kind == "input_scale"
+
+    def lr_factor(self, t: int) -> float:
+        return 5.0 if self.fault.kind == "lr_schedule" and self.fault.active(t) else 1.0
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        if self.module is not None:
+            del self.module.quantize_operand
+
+
+def held_out_loss(model, batches) -> float:
+    with torch.no_grad():
+        return sum(float(model(x, y)[1]) for x, y in batches) / len(batches)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    verdict: Verdict
+    reason: str
+
+
+def run(model, session, data, end, planted=None, held=None, base_eval=None, lr=3e-3, warmup=20, hp=False):
+    """Train to `end`; returns (losses by step, held-out losses by step, seconds per plain step)."""
+    losses, evals, plain, repeated = {}, {}, [], {}
+    t = session.step_index
+    while session.step_index < end:
+        step = session.step_index
+        if planted is not None:
+            planted.t = t
+        factor = planted.lr_factor(t) if planted is not None else 1.0
+        for g in session.optimizer.param_groups:
+            g["lr"] = lr * min(1.0, (step + 1) / warmup) * factor
+        x, y, scaled = planted.batch(data, t, repeated) if planted is not None else (*data.next(), False)
+        t += 1
+
+        def closure(x=x, y=y, scaled=scaled):
+            if planted is not None:
+                planted.now = scaled
+            _, loss = model(x, y)
+            loss.backward()
+            return loss
+
+        def forward(x=x, y=y, scaled=scaled):
+            if planted is not None:
+                planted.now = scaled
+            return model(x, y)[1]
+        t0 = time.perf_counter()
+        judged = len(session.window.judged) if session.window is not None else 0
+        loss = closure()
+        result = session.step(loss, closure, forward=forward)
+        if planted is not None:
+            planted.now = False
+        if result.rewound_to is None:
+            losses[step] = float(result.loss)
+        if not result.attribution and (session.window is None or len(session.window.judged) == judged):
+            plain.append(time.perf_counter() - t0)
+        if held is not None and result.rewound_to is None and (step + 1) % EVAL_EVERY == 0:
+            evals[step + 1] = held_out_loss(model, held)
+            if base_eval is not None and step + 1 in base_eval:
+                worse = evals[step + 1] > base_eval[step + 1] * (1 + EVAL_TOL)
+                session.after_eval(step + 1, _Outcome(Verdict.REGRESS if worse else Verdict.PASS,
+                                                      f"held-out loss {evals[step + 1]:.4f}"))
+    return losses, evals, sorted(plain)[len(plain) // 2] if plain else float("nan")
+
+
+def campaign_main(args, data, warm, low, plan_dict, rollout_dict, warm_steps) -> None:
+    from experiments.data import Batches, shakespeare_tokens
+    held_data = Batches(shakespeare_tokens(2_000_000), 16, 128, seed=99)
+    held = [held_data.next() for _ in range(2)]
+
+    def fresh(extra: dict | None, baseline=None):
+        torch.manual_seed(0)
+        model = build_gpt(vocab_size=256, block_size=128, n_layer=4, n_head=4, d_model=128)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
+        r = None if extra is None else parse_rollout({
+            **rollout_dict, "thresholds": {**rollout_dict["thresholds"], **extra}, "baseline": {"losses": "in-memory"}})
+        session = Session.build(model, opt, PrecisionPlan.from_dict(plan_dict), r, baseline=baseline)
+        model.load_state_dict(warm["model"])
+        opt.load_state_dict(warm["opt"])
+        session.state.load_state_dict(warm["precision"])
+        if r is not None:
+            session.load_state_dict(warm["session"])
+            session.controller.loss_gap.ema = session.controller.loss_gap.base_ema = None
+            session.events = []
+            session.snapshots.kept.clear()
+            session.snapshots.take(warm_steps)
+        session.step_index = warm_steps
+        data.load_state_dict(warm["data"])
+        torch.set_rng_state(warm["rng"])
+        return model, session
+
+    model, session = fresh(None)
+    with session.state.high_precision():
+        base, base_eval, _ = run(model, session, data, END, held=held)
+    session.close()
+    print(f"# BF16 baseline from the warm state: loss {base[FAULT_AT]:.3f} at {FAULT_AT}, {base[END - 1]:.3f} at "
+          f"{END - 1}")
+    faults = campaign(low, args.drift_kinds.split(",") if args.drift_kinds else OTHER + PRECISION)
+    if args.per_kind:
+        faults = [f for f in faults if SEEDS[f.kind].index(f.seed) < args.per_kind]
+    print("| # | fault | seed | site | judged at | blamed | decided by | windows | replay s | plain step s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for i, fault in enumerate(faults):
+        model, session = fresh({"loss_gap": 1.0 if fault.eval_gate else LOSS_GAP["loss_gap"],
+                                "loss_gap_smoothing": LOSS_GAP["loss_gap_smoothing"]}, baseline=base)
+        planted = PlantedDrift(fault, model, session.state)
+        try:
+            _, _, median = run(model, session, data, END, planted, held=held if fault.eval_gate else None,
+                               base_eval=base_eval if fault.eval_gate else None)
+        finally:
+            planted.remove()
+            session.close()
+        ev = [e for e in session.events if e.step >= FAULT_AT]
+        blamed = sorted({s for e in ev if e.kind in (EventKind.FALLBACK, EventKind.ROLLBACK) for s in e.sites})
+        judged = session.window.judged
+        ok = (fault.site in blamed and len(blamed) <= 6) if fault.precision else not blamed
+        cost = sum(j.seconds for j in judged)
+        rows.append((fault, ok, judged, cost, median, blamed))
+        by = ", ".join(sorted({j.decided_by + (" (precision)" if j.precision_to_blame else "") for j in judged}))
+        spikes = sorted({e.kind for e in ev if e.kind in (EventKind.SKIP_STEP, EventKind.REWIND)})
+        print(f"| {i} | {fault.kind} | {fault.seed} | {fault.site or '-'} | "
+              f"{', '.join(str(j.steps[1]) for j in judged) or '-'} | {', '.join(blamed) or '-'} | "
+              f"{by or '-'}{' + ' + ', '.join(spikes) if spikes else ''} | {sum(j.windows for j in judged)} | "
+              f"{cost:.1f} | {median:.2f} |", flush=True)
+    prec = [r for r in rows if r[0].precision]
+    other = [r for r in rows if not r[0].precision]
+    judgments = [j for r in rows for j in r[2]]
+    print()
+    print(f"precision drift faults that demoted the planted site (alone or with at most its stage): "
+          f"{sum(r[1] for r in prec)}/{len(prec)}")
+    print(f"non-precision drift faults that demoted nothing: {sum(r[1] for r in other)}/{len(other)}")
+    if judgments:
+        print(f"suspicions judged: {len(judgments)}; by the first look alone: "
+              f"{sum(j.decided_by == 'first_look' for j in judgments)}; windows trained again: "
+              f"{sum(j.windows for j in judgments)} ({sum(j.retrained_steps for j in judgments)} steps); "
+              f"{sum(j.seconds for j in judgments) / len(judgments):.1f} s per suspicion "
+              f"(not precision: {_mean([j.seconds for j in judgments if not j.precision_to_blame]):.1f} s, "
+              f"{_mean([j.windows for j in judgments if not j.precision_to_blame]):.1f} windows; precision: "
+              f"{_mean([j.seconds for j in judgments if j.precision_to_blame]):.1f} s, "
+              f"{_mean([j.windows for j in judgments if j.precision_to_blame]):.1f} windows); "
+              f"a plain step {_mean([r[4] for r in rows]):.2f} s")
+
+
+def _mean(xs) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+__all__ = ["Drift", "PlantedDrift", "campaign", "campaign_main"]
