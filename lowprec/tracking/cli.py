@@ -1,7 +1,8 @@
 """`lowprec report | ui | sync`: the command-line side of tracking (registered by lowprec.cli).
 
     lowprec report RUN_ID [--tracking-uri URI] [--out DIR] [--baseline-run RUN_ID] [--timeout S]
-        reads a run from MLflow and writes the rollout pictures (lowprec.tracking.report) as PNGs.
+        reads a run from MLflow, writes the rollout pictures (lowprec.tracking.report) as PNGs and
+        prints the run's events, one line each (`lowprec.events.describe`: the sites, then the reason).
     lowprec ui [--tracking-uri sqlite:///mlflow.db] [--port 5000] [--artifacts-destination URI]
         starts `mlflow server` on that store, bound to 127.0.0.1 only, in a process group of its
         own; Ctrl+C, SIGTERM or SIGHUP stop the whole group. A SQLite store that does not exist
@@ -100,6 +101,10 @@ def _cmd_report(args) -> int:
         return 2
     for path in render_report(data, out):
         print(path)
+    if data.events:   # what happened, in the words of the run's summary and its MLflow note
+        print(f"{len(data.events)} events:")
+        for e in data.events:
+            print("  " + e.summary())
     return 0
 
 

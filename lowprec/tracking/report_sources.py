@@ -37,7 +37,7 @@ from pathlib import Path
 
 import yaml
 
-from lowprec.events import Event, EventKind, read_events, replay
+from lowprec.events import Event, EventKind, describe, read_events, replay
 from lowprec.tracking.records import BASELINE_LOSS, flatten_config
 
 __all__ = ["ReportData", "from_run_dir", "from_mlflow", "events_table", "events_tags", "signals_of",
@@ -331,11 +331,7 @@ def _note(events: list[Event], tags: dict[str, str], run_name: str) -> str:
             f"{tags['lowprec.rewinds']} rewinds, quarantined: {tags['lowprec.quarantined']}, "
             f"last gate: {tags['lowprec.gate']}.\n\n"
             "Events (all in the `events.json` table and `events.jsonl`; pictures in `report/`):\n\n"
-            "| step | kind | stage | sites | to | reason |\n|---:|---|---|---|---|---|\n")
-    rows = []
-    for e in events[-40:]:
-        sites = ", ".join(e.sites[:3]) + (f" (+{len(e.sites) - 3})" if len(e.sites) > 3 else "")
-        rows.append(f"| {e.step} | {e.kind} | {e.stage or ''} | {sites} | {_moves(e, e.to_format)} | "
-                    f"{e.reason.replace('|', '/')} |")
+            "| step | kind | stage | what happened |\n|---:|---|---|---|\n")
+    rows = [f"| {e.step} | {e.kind} | {e.stage or ''} | {describe(e).replace('|', '/')} |" for e in events[-40:]]
     more = f"\n\n({len(events) - 40} earlier events not shown)" if len(events) > 40 else ""
     return head + "\n".join(rows) + more

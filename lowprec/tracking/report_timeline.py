@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from lowprec.events import Event, EventKind, replay
+from lowprec.events import Event, EventKind, replay, site_list
 from lowprec.tracking.report_sources import ReportData, flops_share_steps, precision_history, rewinds, signals_of
 
 __all__ = ["timeline_figure", "FORMAT_COLORS", "EVENT_STYLE", "new_figure", "numbered_events", "reason_text",
@@ -204,14 +204,14 @@ def _notes(data: ReportData) -> list[str]:
             extra = "".join(f", {_evidence(key, v)}" for key, v in e.evidence.items()
                             if isinstance(v, dict) or key in ("to_step", "checkpoint_step", "skip_batches",
                                                               "value", "threshold"))
-            what = f"{len(e.sites)} sites of {e.stage or '?'} up" if e.kind == EventKind.ROLLBACK else "training"
+            what = (f"{e.stage or '?'} up: {site_list(e.sites)}" if e.kind == EventKind.ROLLBACK else "training")
             if e.kind == EventKind.REWIND and "to_step" not in e.evidence and "checkpoint_step" not in e.evidence:
                 back = dict(data.metrics.get("train/rewound_to", [])).get(e.step)
                 what += f" back to step {int(back)}" if back is not None else ""
             out.append(f"{k:>2}  step {e.step:<6} {e.kind:<9} {what}  ({e.reason}{extra})")
     for e in data.events:
         if e.kind == EventKind.QUARANTINE:
-            out.append(f" X  step {e.step:<6} quarantine {', '.join(e.sites)}  ({e.reason})")
+            out.append(f" X  step {e.step:<6} quarantine {site_list(e.sites)}  ({e.reason})")
     return out
 
 
