@@ -1,6 +1,6 @@
 """`lowprec report | ui | sync`: the command-line side of tracking (registered by lowprec.cli).
 
-    lowprec report RUN_ID [--tracking-uri URI] [--out DIR] [--baseline-run RUN_ID] [--timeout S]
+    lowprec report RUN_ID [--tracking-uri URI] [--out DIR] [--baseline RUN] [--timeout S]
         reads a run from MLflow, writes the rollout pictures (lowprec.tracking.report) as PNGs and
         prints the run's events, one line each (`lowprec.events.describe`: the sites, then the reason).
     lowprec ui [--tracking-uri sqlite:///mlflow.db] [--port 5000] [--artifacts-destination URI]
@@ -46,8 +46,9 @@ def add_commands(sub) -> None:
     p.add_argument("run_id", help="MLflow run id")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: sqlite:///<cwd>/mlflow.db)")
     p.add_argument("--out", default=None, help="output folder (default: report-<first 8 of RUN_ID>)")
-    p.add_argument("--baseline-run", default=None, help="run whose train/loss is the baseline curve "
-                   "(default: the run's own train/baseline_loss, if logged)")
+    p.add_argument("--baseline", "--baseline-run", dest="baseline_run", default=None, metavar="RUN",
+                   help="run (id, or name in the run's experiment) drawn beside it in the loss, eval, signal "
+                   "and LR pictures (default: the loss-gap baseline the run recorded, rollout.baseline.mlflow_run)")
     _timeout_arg(p)
     p.set_defaults(func=_cmd_report)
 
@@ -99,6 +100,8 @@ def _cmd_report(args) -> int:
         print(f"lowprec report: run {args.run_id} has no precision map and no train/eval metrics: "
               f"was it logged by lowprec.tracking.tracker.Tracker?", file=sys.stderr)
         return 2
+    for note in data.notes:
+        print(f"lowprec report: {note}", file=sys.stderr)
     for path in render_report(data, out):
         print(path)
     if data.events:   # what happened, in the words of the run's summary and its MLflow note

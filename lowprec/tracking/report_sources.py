@@ -61,6 +61,9 @@ class ReportData:
     metrics: dict[str, Series] = field(default_factory=dict)  # key -> [(step, value)] by step
     baseline: Series = field(default_factory=list)       # baseline loss curve, if any
     thresholds: dict[str, float] = field(default_factory=dict)  # stat -> configured threshold
+    baseline_name: str = ""                              # the baseline run drawn beside this one, if any
+    baseline_metrics: dict[str, Series] = field(default_factory=dict)  # its curves (report_baseline)
+    notes: list[str] = field(default_factory=list)       # what the report could not draw, and why
 
     @property
     def last_step(self) -> int:
@@ -256,7 +259,8 @@ def from_run_dir(run_dir: str | os.PathLike) -> ReportData:
 
 # ------------------------------------------------------------------ MLflow run
 def from_mlflow(client, run_id: str, baseline_run: str | None = None) -> ReportData:
-    """Read a run (and optionally a baseline run's `train/loss`) through an MlflowClient."""
+    """Read a run and its baseline run (`baseline_run`, an id or a name, else the loss-gap
+    baseline the run recorded: lowprec.tracking.report_baseline) through an MlflowClient."""
     run = client.get_run(run_id)
     with tempfile.TemporaryDirectory() as tmp:
         names = {a.path for a in client.list_artifacts(run_id)}
@@ -275,12 +279,17 @@ def from_mlflow(client, run_id: str, baseline_run: str | None = None) -> ReportD
             else:
                 metrics[key] = sorted({m.step: m.value for m in hist}.items())
     metrics.update({k: sorted(v.items()) for k, v in _final_pass(timed).items()})
-    baseline = metrics.get(BASELINE_LOSS, [])
-    if baseline_run:
-        hist = {m.step: m.value for m in client.get_metric_history(baseline_run, "train/loss")}
-        baseline = sorted(hist.items())
-    return ReportData(run.info.run_name or run_id, pmap.get("initial", {}), pmap.get("initial_step", 0),
-                      events, metrics, baseline, _thresholds(run.data.params))
+    data = ReportData(run.info.run_name or run_id, pmap.get("initial", {}), pmap.get("initial_step", 0),
+                      events, metrics, metrics.get(BASELINE_LOSS, []), _thresholds(run.data.params))
+    _add_baseline(data, client, run, baseline_run, sites)
+    return data
+
+
+def _add_baseline(data: ReportData, client, run, asked: str | None, sites: set[str]) -> None:
+    from lowprec.tracking.report_baseline import BASELINE_PARAM, add_baseline
+    ref = asked or run.data.params.get(BASELINE_PARAM)
+    if ref and ref != "None":
+        add_baseline(data, client, ref, run.info.experiment_id, sites, asked=bool(asked))
 
 
 # ------------------------------------------------------------------ events as table and tags
