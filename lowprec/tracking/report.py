@@ -291,7 +291,7 @@ def evals_figure(data: ReportData):
         hp = data.metrics.get(f"eval_hp/{name}")
         if hp:   # the same weights in high precision: the gap is what precision costs
             ax.plot([s for s, _ in hp], [v for _, v in hp], "s--", ms=3, lw=0.9, color="#969696",
-                    label="same weights, high precision")
+                    label="same weights, high precision", zorder=1.5)   # under the candidate's line
         top = ax.get_xaxis_transform()
         for e in data.events:
             if e.kind == EventKind.GATE:
