@@ -286,6 +286,7 @@ def from_mlflow(client, run_id: str, baseline_run: str | None = None) -> ReportD
 
 
 def _add_baseline(data: ReportData, client, run, asked: str | None, sites: set[str]) -> None:
+    """The run `asked` for, else the loss-gap baseline the run's params name, into `data`."""
     from lowprec.tracking.report_baseline import BASELINE_PARAM, add_baseline
     ref = asked or run.data.params.get(BASELINE_PARAM)
     if ref and ref != "None":
