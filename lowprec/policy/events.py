@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["EventKind", "Event", "EventLog", "replay", "read_events"]
+__all__ = ["EventKind", "Event", "EventLog", "replay", "read_events", "describe", "site_list", "SHOWN_SITES"]
 
 
 class EventKind:
@@ -80,10 +80,41 @@ class Event:
                    reason=d.get("reason", ""), evidence=dict(d.get("evidence", {})), stage=d.get("stage"))
 
     def summary(self) -> str:
-        moves = ", ".join(f"{s}: {self.from_format.get(s, '?')}->{self.to_format.get(s, '?')}"
-                          for s in self.sites[:3] if s in self.to_format)
-        more = f" (+{len(self.sites) - 3} more)" if len(self.sites) > 3 else ""
-        return f"step {self.step} {self.kind}{' ' + self.stage if self.stage else ''}: {moves}{more} [{self.reason}]"
+        """One line: `step 30 replay: blocks.0.mlp.fc, blocks.1.mlp.fc, blocks.2.mlp.fc +13 more
+        [replayed with 16 site(s) in high precision: clean]` (`describe`)."""
+        what = describe(self)
+        return f"step {self.step} {self.kind}{' ' + self.stage if self.stage else ''}" + (f": {what}" if what else "")
+
+
+SHOWN_SITES = 3   # an event's one-line summary names this many sites, then `+N more`
+
+
+def site_list(sites, n: int = SHOWN_SITES) -> str:
+    """`a, b, c +13 more`: the first `n` sites by name, then how many more."""
+    sites = list(sites)
+    more = f" +{len(sites) - n} more" if len(sites) > n else ""
+    return ", ".join(sites[:n]) + more
+
+
+def describe(e: Event, n: int = SHOWN_SITES) -> str:
+    """What an event did, in one line: the sites it acted on (the first `n` by name, then
+    `+N more`), the formats they moved between, and the reason in brackets. The one wording
+    of an event everywhere it is shown (the run's summary and MLflow note, `lowprec report`)."""
+    parts = []
+    if e.sites:
+        moves = {(e.from_format.get(s, "?"), e.to_format[s]) for s in e.sites if s in e.to_format}
+        if not moves:                 # acted on the sites without moving them (replay, quarantine)
+            parts.append(site_list(e.sites, n))
+        elif len(moves) == 1 and all(s in e.to_format for s in e.sites):   # one move for all
+            (frm, to), = moves
+            parts.append(f"{site_list(e.sites, n)} {frm}->{to}")
+        else:
+            each = [f"{s} {e.from_format.get(s, '?')}->{e.to_format[s]}" if s in e.to_format else s
+                    for s in e.sites]
+            parts.append(site_list(each, n))
+    if e.reason:
+        parts.append(f"[{e.reason}]")
+    return " ".join(parts)
 
 
 class EventLog:

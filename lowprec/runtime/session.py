@@ -130,8 +130,9 @@ class Session:
             `LRProbe.for_model` on `held_batch` (x, y), a batch training never draws, the same
             on every rank (the probe's number is not combined across ranks, and every rank
             must decide alike).
-        clock: laps the step's phases (clipping and the optimizer, collectives, replays,
-            monitoring, snapshots, restores, the LR probe) for `lowprec.tracking.telemetry`.
+        clock: laps the step's phases (clipping and the optimizer, collectives, replays and
+            restores as recovery, monitoring, the gate's evaluations before a promotion as eval,
+            snapshots, the LR probe) for `lowprec.tracking.telemetry`.
         """
         self.model, self.optimizer, self.state = model, optimizer, state
         self.controller, self.scheduler, self.data = controller, scheduler, data
@@ -308,7 +309,7 @@ class Session:
             return False
         d = result.decision
         back = self.snapshots.restore(result.step, d.skip_batches, before=d.rewind_before)
-        self.clock.lap(Phase.RESTORE)
+        self.clock.lap(Phase.RECOVERY)
         if back is None:
             return False
         self.rewinds += 1
@@ -355,6 +356,8 @@ class Session:
         if self.controller is None:
             return Decision()
         mon, ctl = self.monitor, self.controller
+        if ctl.gate is not None and not isinstance(ctl.gate, _EvalTimedGate):
+            ctl.gate = _EvalTimedGate(ctl.gate, self)   # set by the host after the session was built, too
         # every rank reads the same two numbers, so every rank branches (and replays) alike
         measured = self._measure(loss, grad_norm)
         self.clock.lap(Phase.COLLECTIVE)
@@ -363,7 +366,7 @@ class Session:
         anomaly = result.anomaly = ctl.detect(step, *measured)
         attribution = None
         if anomaly is not None and closure is not None and self.replayer is not None:
-            with counted_as(self.clock, Phase.REPLAY):
+            with counted_as(self.clock, Phase.RECOVERY):
                 attribution = result.attribution = self._attribute(closure)
         if attribution is None:
             mon.record(step, loss, grad_norm)
@@ -463,3 +466,17 @@ def _probe_from_config(cfg, model: nn.Module, optimizer: torch.optim.Optimizer, 
             "lr_probe.enabled: false"))
     return LRProbe.for_model(model, optimizer, held_batch, state=state, clip=clip, factors=cfg.factors,
                              every_checks=cfg.every_checks)
+
+
+class _EvalTimedGate:
+    """The controller's `gate(step)` (an evaluation before a promotion, called inside the
+    check), its time booked as `eval` on the session's clock, not as the check's `monitor`."""
+
+    def __init__(self, gate: Callable[[int], Any], session: "Session"):
+        self.gate, self.session = gate, session
+
+    def __call__(self, step: int):
+        clock = self.session.clock   # read now: the host sets it after building the session
+        clock.lap(Phase.MONITOR)     # the check up to here
+        with counted_as(clock, Phase.EVAL):
+            return self.gate(step)

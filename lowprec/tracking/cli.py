@@ -1,7 +1,8 @@
 """`lowprec report | ui | sync`: the command-line side of tracking (registered by lowprec.cli).
 
-    lowprec report RUN_ID [--tracking-uri URI] [--out DIR] [--baseline-run RUN_ID] [--timeout S]
-        reads a run from MLflow and writes the rollout pictures (lowprec.tracking.report) as PNGs.
+    lowprec report RUN_ID [--tracking-uri URI] [--out DIR] [--baseline RUN] [--timeout S]
+        reads a run from MLflow, writes the rollout pictures (lowprec.tracking.report) as PNGs and
+        prints the run's events, one line each (`lowprec.policy.events.describe`: the sites, then the reason).
     lowprec ui [--tracking-uri sqlite:///mlflow.db] [--port 5000] [--artifacts-destination URI]
         starts `mlflow server` on that store, bound to 127.0.0.1 only, in a process group of its
         own; Ctrl+C, SIGTERM or SIGHUP stop the whole group. A SQLite store that does not exist
@@ -45,8 +46,9 @@ def add_commands(sub) -> None:
     p.add_argument("run_id", help="MLflow run id")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: sqlite:///<cwd>/mlflow.db)")
     p.add_argument("--out", default=None, help="output folder (default: report-<first 8 of RUN_ID>)")
-    p.add_argument("--baseline-run", default=None, help="run whose train/loss is the baseline curve "
-                   "(default: the run's own train/baseline_loss, if logged)")
+    p.add_argument("--baseline", "--baseline-run", dest="baseline_run", default=None, metavar="RUN",
+                   help="run (id, or name in the run's experiment) drawn beside it in the loss, eval, signal "
+                   "and LR pictures (default: the loss-gap baseline the run recorded, rollout.baseline.mlflow_run)")
     _timeout_arg(p)
     p.set_defaults(func=_cmd_report)
 
@@ -76,7 +78,7 @@ def _cmd_report(args) -> int:
     from mlflow.tracking import MlflowClient
 
     from lowprec.tracking.report import render_report
-    from lowprec.tracking.report_sources import from_mlflow
+    from lowprec.tracking.report_baseline import read_run
 
     uri = args.tracking_uri or default_tracking_uri()
     out = Path(args.out or f"report-{args.run_id[:8]}")
@@ -86,7 +88,7 @@ def _cmd_report(args) -> int:
         return 2
     try:
         dl = Deadline(args.timeout, f"the tracking store {uri}")
-        data = dl.run(f"reading run {args.run_id}", from_mlflow, MlflowClient(uri), args.run_id,
+        data = dl.run(f"reading run {args.run_id}", read_run, MlflowClient(uri), args.run_id,
                       baseline_run=args.baseline_run)
     except MlflowException as e:
         print(f"lowprec report: cannot read run {args.run_id!r} from {uri}: {e.message}", file=sys.stderr)
@@ -98,8 +100,14 @@ def _cmd_report(args) -> int:
         print(f"lowprec report: run {args.run_id} has no precision map and no train/eval metrics: "
               f"was it logged by lowprec.tracking.tracker.Tracker?", file=sys.stderr)
         return 2
+    for note in data.notes:
+        print(f"lowprec report: {note}", file=sys.stderr)
     for path in render_report(data, out):
         print(path)
+    if data.events:   # what happened, in the words of the run's summary and its MLflow note
+        print(f"{len(data.events)} events:")
+        for e in data.events:
+            print("  " + e.summary())
     return 0
 
 

@@ -14,8 +14,12 @@ asked, at log steps, which already read the loss on the host).
 The `GoodputLedger` sorts the seconds of each loop pass into buckets by what became of the
 pass: productive (the step was applied and stayed), skipped (the optimizer never saw it),
 redone (a rewind undid it later, or it rewound), plus time that is wasted whatever the
-outcome (replays, restores, evaluations, checkpoints, the LR probe, tracking) and
-start-up. Goodput is productive time over wall time.
+outcome (recovery: replays and restores; evaluations, the pre-promotion gate's included;
+checkpoints, the LR probe, tracking) and start-up. Goodput is productive time over wall
+time; the phases of all passes and the start-up add up to the wall time.
+
+Older runs logged `replay` and `restore` as phases of their own (`LEGACY_PHASES`: the report
+draws them as they were) and booked restores as `redone`.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from enum import Enum
 from typing import Protocol
 
 __all__ = ["Phase", "Bucket", "LapClock", "CpuLapClock", "CudaLapClock", "NullClock", "NULL_CLOCK", "lap_clock", "counted_as",
-           "GoodputLedger", "PassOutcome", "ALWAYS_WASTED"]
+           "GoodputLedger", "PassOutcome", "ALWAYS_WASTED", "LEGACY_PHASES"]
 
 
 class Phase(str, Enum):
@@ -38,11 +42,11 @@ class Phase(str, Enum):
     OPTIMIZER = "optimizer"        # clipping, optimizer and scheduler step, zeroing gradients
     COLLECTIVE = "collective"      # lowprec's own collectives outside backward (loss, grad norm)
     MONITOR = "monitor"            # quantizer statistics and the rules on check steps
-    REPLAY = "replay"              # forward+backward again to find whether precision is to blame
+    RECOVERY = "recovery"          # replays (forward+backward again: is precision to blame?) and
+                                   # going back to a snapshot (a rewind)
     LR_PROBE = "lr_probe"
     CHECKPOINT = "checkpoint"      # checkpoint writes and in-memory rewind snapshots
-    EVAL = "eval"
-    RESTORE = "restore"            # going back to a snapshot (a rewind)
+    EVAL = "eval"                  # every evaluation: periodic, the gate's before a promotion, final
     TRACKING = "tracking"
     OTHER = "other"
 
@@ -52,9 +56,9 @@ class Bucket(str, Enum):
 
     PRODUCTIVE = "productive"      # passes whose step was applied and survived
     STARTUP = "startup"            # before the first step
-    REDONE = "redone"              # passes a rewind undid, the rewinding pass, the restore
+    REDONE = "redone"              # passes a rewind undid, the rewinding pass
     SKIPPED = "skipped"            # passes whose optimizer step was skipped
-    REPLAY = "replay"
+    RECOVERY = "recovery"          # replays and restores (the RECOVERY phase)
     EVAL = "eval"
     CHECKPOINT = "checkpoint"
     LR_PROBE = "lr_probe"
@@ -63,9 +67,12 @@ class Bucket(str, Enum):
 
 
 # phases that are wasted whatever became of the pass they fell in, and where they go
-ALWAYS_WASTED: dict[Phase, Bucket] = {Phase.REPLAY: Bucket.REPLAY, Phase.RESTORE: Bucket.REDONE,
-                                      Phase.EVAL: Bucket.EVAL, Phase.CHECKPOINT: Bucket.CHECKPOINT,
+ALWAYS_WASTED: dict[Phase, Bucket] = {Phase.RECOVERY: Bucket.RECOVERY, Phase.EVAL: Bucket.EVAL, Phase.CHECKPOINT: Bucket.CHECKPOINT,
                                       Phase.LR_PROBE: Bucket.LR_PROBE, Phase.TRACKING: Bucket.TRACKING}
+
+
+# phases older runs logged (`time/<phase>_s`), now booked as RECOVERY
+LEGACY_PHASES = ("replay", "restore")
 
 
 class LapClock(Protocol):
@@ -101,7 +108,7 @@ class NullClock:
 class CpuLapClock:
     """Laps on the host's monotonic clock, grouped by loop pass (`end_pass`). While
     `override` is set every lap counts as that phase (a replay's forward and backward are
-    replay time, not forward and backward)."""
+    recovery time, not forward and backward)."""
 
     def __init__(self) -> None:
         self.override: Phase | None = None
@@ -186,7 +193,8 @@ NULL_CLOCK = NullClock()   # stateless: one instance serves every untimed loop
 @contextmanager
 def counted_as(clock: LapClock, phase: Phase):
     """Everything inside is `phase` time, laps included (a replay's forward and backward are
-    replay time); the block ends with a lap of `phase`."""
+    recovery time); the block ends with a lap of `phase`. Lap what came before the block first:
+    the time since the previous lap is counted as `phase` too."""
     clock.override = phase
     try:
         yield

@@ -6,18 +6,25 @@
   where a site fell back (numbered, the reasons listed under the plot), a cross where it
   was quarantined, dashed lines at rewinds and rollbacks, dotted lines at promotions,
   gate verdicts along the top; under it the share of GEMM FLOPs per format over time.
-* `loss.png`: training loss against the baseline curve and their relative gap, with the
-  events marked, the rewound (redone) steps hatched and the loss that caused each rewind
+* `loss.png`: training loss of the run (the candidate) beside the baseline run's and their
+  relative gap, with the stage changes, fallbacks and rewinds marked on the same step axis, the rewound (redone) steps hatched and the loss that caused each rewind
   (`train/loss_rewound`, never in `train/loss`) as a cross.
 * `fallback_signals.png`: for each site that fell back, the signal that triggered it (from
-  the event's evidence), its threshold and the moment of the fallback.
+  the event's evidence) and the same signal in the baseline run (dashed, where it logged
+  one), its threshold and the moment of the fallback.
 * `lr_sensitivity.png`: the learning-rate probe's sensitivity (`train/lr_sensitivity`, see
   `lowprec.runtime.lrprobe`) at each probe, the level above which a promotion is held
   (`rollout.lr_probe.hold_above`, or the median of the probes before plus `hold_rise`: the
   lower), the holds and the other stage events, and under it the learning rate.
 * `evals.png`: eval results per checkpoint with 95% intervals (±1.96 stderr, or the
-  logged `_ci_low`/`_ci_high`), gate verdicts marked; eval results only (`is_eval_metric`:
-  not how long an eval took, not `eval_mode/*`).
+  logged `_ci_low`/`_ci_high`) beside the baseline run's (often only its final eval, also
+  drawn as a dotted level), gate verdicts, stage changes, fallbacks and rewinds marked; eval
+  results only (`is_eval_metric`: not how long an eval took, not `eval_mode/*`).
+
+The baseline run (`ReportData.baseline_name`, its curves in `baseline_metrics`) is the one
+`lowprec report RUN --baseline RUN` names, else the loss-gap baseline the run recorded
+(lowprec.tracking.report_baseline). Every curve picture has a legend (candidate and baseline
+by name), axis labels with units, and the steps on its x axis.
 * `time_breakdown.png` (lowprec.tracking.report_time): where the time went, seconds per log
   window stacked by phase (`time/<phase>_s`) with the wasted seconds (`time/wasted_s`)
   cross-hatched and the rewound steps, evals and events marked; under it the run's buckets
@@ -40,38 +47,40 @@ from lowprec.policy.controller import LR_HISTORY, lr_hold_level
 from lowprec.policy.events import EventKind
 from lowprec.tracking.records import LR_SENSITIVITY
 from lowprec.tracking.report_sources import ReportData, fallback_sites, signals_of
-from lowprec.tracking.report_timeline import (EVENT_STYLE, FORMAT_COLORS, REWOUND_COLOR, fit_title, new_figure,
-                                              numbered_events, reason_text, shade_rewound, timeline_figure)
+from lowprec.tracking.report_timeline import (EVENT_STYLE, FORMAT_COLORS, REWOUND_COLOR, fit_title, is_eval_metric,
+                                              mark_events, new_figure, reason_text, timeline_figure)
 
-__all__ = ["render_report", "timeline_figure", "loss_figure", "signals_figure", "lr_sensitivity_figure", "evals_figure",
+__all__ = ["render_report", "report_figures", "timeline_figure", "loss_figure", "signals_figure", "lr_sensitivity_figure", "evals_figure",
            "FORMAT_COLORS", "hold_levels"]
 
 
 # ------------------------------------------------------------------ loss, signals, evals
-def _mark_events(ax, data: ReportData, kinds=(EventKind.FALLBACK, EventKind.ROLLBACK, EventKind.REWIND,
-                                              EventKind.PROMOTE), labels: bool = False) -> None:
-    """Vertical lines at events (one legend entry per kind); numbered as on the timeline."""
-    seen, num, at_step = set(), {}, {}
-    for k, e, s in numbered_events(data):
-        num.setdefault(id(e), []).append(str(k))
-    top = ax.get_xaxis_transform()
-    for e in data.events:  # one label per step: events at the same step share it
-        if e.kind in kinds:
-            at_step.setdefault(e.step, []).extend(num.get(id(e), []) or [e.stage or e.kind])
-    if labels:
-        for step, texts in at_step.items():
-            color = next(EVENT_STYLE[e.kind][0] for e in data.events if e.step == step and e.kind in kinds)
-            ax.text(step, 1.01, ",".join(dict.fromkeys(texts)), transform=top, fontsize=7, color=color,
-                    ha="center", va="bottom")
-    for e in data.events:
-        if e.kind not in kinds:
-            continue
-        color, ls = EVENT_STYLE[e.kind]
-        ax.axvline(e.step, color=color, ls=ls, lw=1, alpha=0.8, label=None if e.kind in seen else e.kind)
-        seen.add(e.kind)
-    if EventKind.REWIND in kinds:
-        shade_rewound(ax, data, label="rewound (redone)", alpha=0.35)
+CANDIDATE_COLOR, BASELINE_COLOR = "#08519c", "#636363"
+STEP_LABEL = "step (optimizer steps)"
+NO_BASELINE = "no baseline run: pass lowprec report RUN --baseline RUN, or log train/baseline_loss"
+# units of the eval metrics and signal statistics, by the last part of their name
+_UNITS = {"acc": "accuracy (fraction, higher is better)", "acc_norm": "accuracy (fraction, higher is better)",
+          "exact_match": "exact match (fraction, higher is better)",
+          "bits_per_byte": "bits per byte (lower is better)", "perplexity": "perplexity (lower is better)",
+          "byte_perplexity": "perplexity per byte (lower is better)",
+          "word_perplexity": "perplexity per word (lower is better)",
+          "saturated_frac": "saturated (fraction of elements)", "underflow_frac": "underflow (fraction of elements)",
+          "underflow_energy_frac": "underflow (fraction of energy)", "sqnr_db": "SQNR (dB)",
+          "rel_mse": "relative MSE", "amax": "absolute max", "nonfinite": "non-finite elements (count)"}
 
+
+def unit_label(name: str) -> str:
+    """The y-axis label of an eval metric (`task/metric`) or a signal statistic, with its unit."""
+    last = name.rsplit("/", 1)[-1].split(",")[0]
+    return _UNITS.get(last, last)
+
+
+def candidate_label(data: ReportData) -> str:
+    return f"candidate: {data.run_name}"
+
+
+def baseline_label(data: ReportData) -> str:
+    return f"baseline: {data.baseline_name}" if data.baseline_name else "baseline (train/baseline_loss)"
 
 def loss_figure(data: ReportData):
     loss = data.metrics.get("train/loss")
@@ -79,29 +88,30 @@ def loss_figure(data: ReportData):
         return None
     fig = new_figure(11, 6)
     ax, gax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1.4])
-    ax.plot(*zip(*loss), lw=1, color="#08519c", label="loss")
+    ax.plot(*zip(*loss), lw=1, color=CANDIDATE_COLOR, label=candidate_label(data))
     if data.baseline:
-        ax.plot(*zip(*data.baseline), lw=1, color="#636363", ls="--", label="baseline")
+        ax.plot(*zip(*data.baseline), lw=1, color=BASELINE_COLOR, ls="--", label=baseline_label(data))
         base = dict(data.baseline)
         gap = [(s, 100 * (v - base[s]) / base[s]) for s, v in loss if base.get(s)]
         if gap:
-            gax.plot(*zip(*gap), lw=1, color="#a50f15")
-        gax.axhline(0, color="#636363", lw=0.8)
+            gax.plot(*zip(*gap), lw=1, color="#a50f15", label="gap to the baseline")
+        gax.axhline(0, color=BASELINE_COLOR, lw=0.8)
     else:
-        gax.text(0.5, 0.5, "no baseline curve (log train/baseline_loss or pass --baseline-run)",
-                 ha="center", va="center", transform=gax.transAxes, fontsize=8, color="#636363")
+        gax.text(0.5, 0.5, NO_BASELINE, ha="center", va="center", transform=gax.transAxes, fontsize=8,
+                 color=BASELINE_COLOR)
     gax.set_ylabel("gap to baseline\n(% of baseline)", fontsize=8)
     rewound = data.metrics.get("train/loss_rewound")
     if rewound:   # the loss that made the run rewind (never in train/loss: those steps were redone)
         ax.plot(*zip(*rewound), ls="", marker="X", ms=8, mfc=REWOUND_COLOR, mec="white",
                 label="loss that caused a rewind", zorder=5)
-    _mark_events(ax, data, labels=True)
-    _mark_events(gax, data)
-    ax.set_ylabel("training loss")
-    ax.set_title(fit_title(f"{data.run_name}: loss against the baseline; events numbered as on the timeline",
+    mark_events(ax, data, labels=True)
+    mark_events(gax, data)
+    ax.set_ylabel("training loss (cross-entropy, nats/token)", fontsize=9)
+    against = f"against {data.baseline_name}" if data.baseline_name else "against the baseline"
+    ax.set_title(fit_title(f"{data.run_name}: training loss {against}; events numbered as on the timeline",
                            10.2, 11), loc="left", fontsize=11, pad=14)
-    ax.legend(fontsize=8, ncol=4)
-    gax.set_xlabel("step")
+    ax.legend(fontsize=8, ncol=3)
+    gax.set_xlabel(STEP_LABEL)
     return fig
 
 
@@ -132,16 +142,22 @@ def signals_figure(data: ReportData):
             keys = [k for k in data.metrics if k.startswith(f"signal/{site}/")
                     and k.endswith(("/saturated_frac", "/underflow_frac", "/underflow_energy_frac", "/nonfinite"))]
         for k in sorted(keys):
-            ax.plot(*zip(*data.metrics[k]), lw=1, marker=".", ms=3, label="/".join(k.rsplit("/", 2)[-2:]))
+            line, = ax.plot(*zip(*data.metrics[k]), lw=1, marker=".", ms=3, label="/".join(k.rsplit("/", 2)[-2:]))
+            if k in data.baseline_metrics:   # the same site's signal in the baseline run
+                ax.plot(*zip(*data.baseline_metrics[k]), lw=0.9, ls="--", color=line.get_color(), alpha=0.6,
+                        label=f"{'/'.join(k.rsplit('/', 2)[-2:])}, baseline")
         for thr in sorted({float(g["threshold"]) for g in sigs if "threshold" in g}):
             ax.axhline(thr, color="#a50f15", ls="--", lw=1, label="threshold")
         seen = set()
         for e in data.events:
-            if site in e.sites and e.kind in (EventKind.FALLBACK, EventKind.QUARANTINE, EventKind.RETRY,
-                                              EventKind.ROLLBACK, EventKind.PROMOTE):
+            if (site in e.sites and e.kind in (EventKind.FALLBACK, EventKind.QUARANTINE, EventKind.RETRY,
+                                               EventKind.ROLLBACK, EventKind.PROMOTE)) or e.kind == EventKind.REWIND:
                 ax.axvline(e.step, color=EVENT_STYLE[e.kind][0], lw=1, ls=EVENT_STYLE[e.kind][1],
                            label=None if e.kind in seen else e.kind)
                 seen.add(e.kind)
+        stats = {k.rsplit("/", 1)[-1] for k in keys}
+        ax.set_ylabel(unit_label(stats.pop()) if len(stats) == 1 else "value (see legend)", fontsize=7)
+        ax.set_xlabel(STEP_LABEL, fontsize=7)
         title = fit_title(f"{site}: {ev.from_format.get(site, '?')} -> {ev.to_format.get(site, '?')} at step {ev.step}",
                           3.9, 8) + "\n" + textwrap.shorten(reason_text(ev, site, data.thresholds), 60)
         ax.set_title(title, fontsize=8, loc="left")
@@ -151,8 +167,9 @@ def signals_figure(data: ReportData):
             ax.text(0.5, 0.5, f"signal/{site}/... not logged", ha="center", va="center",
                     transform=ax.transAxes, fontsize=8)
     more = f" (first 12 of {len(fallback_sites(data.events))} sites)" if len(fallback_sites(data.events)) > 12 else ""
-    fig.suptitle(fit_title(f"{data.run_name}: the signals that triggered fallbacks{more}", 4.4 * len(axes[:3]), 11),
-                 fontsize=11, x=0.01, ha="left")
+    base = f"; dashed: {data.baseline_name}" if data.baseline_name else ""
+    fig.suptitle(fit_title(f"{data.run_name}: the signals that triggered fallbacks{more}{base}",
+                           4.4 * len(axes[:3]), 11), fontsize=11, x=0.01, ha="left")
     return fig
 
 
@@ -174,8 +191,11 @@ def lr_sensitivity_figure(data: ReportData):
         return None
     fig = new_figure(11, 5.5)
     ax, lax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1.2])
-    ax.plot(*zip(*points), "o-", ms=3, lw=1, color="#08519c", label="sensitivity (L_up - L_down) / |L0|")
-    ax.axhline(0, color="#636363", lw=0.8)
+    ax.plot(*zip(*points), "o-", ms=3, lw=1, color=CANDIDATE_COLOR, label="sensitivity (L_up - L_down) / |L0|")
+    if data.baseline_metrics.get(LR_SENSITIVITY):
+        ax.plot(*zip(*data.baseline_metrics[LR_SENSITIVITY]), "s--", ms=3, lw=0.9, color=BASELINE_COLOR,
+                label=baseline_label(data))
+    ax.axhline(0, color=BASELINE_COLOR, lw=0.8)
     rise, above = data.thresholds.get("lr_hold_rise"), data.thresholds.get("lr_hold_above")
     if levels := hold_levels(points, rise, above):
         what = " or ".join(([f"{above:g}"] if above is not None else []) +
@@ -189,8 +209,8 @@ def lr_sensitivity_figure(data: ReportData):
     held = [e for e in data.events if e.kind == EventKind.HOLD]
     for i, e in enumerate(held):
         ax.axvline(e.step, color="#d94801", ls="-.", lw=1, label=None if i else "promotion held")
-    _mark_events(ax, data, (EventKind.PROMOTE, EventKind.ROLLBACK, EventKind.REWIND))
-    ax.set_ylabel("LR sensitivity", fontsize=9)
+    mark_events(ax, data, (EventKind.PROMOTE, EventKind.FALLBACK, EventKind.ROLLBACK, EventKind.REWIND))
+    ax.set_ylabel("LR sensitivity (relative loss change)", fontsize=9)
     ax.legend(fontsize=8)
     lr = data.metrics.get("train/lr")
     if lr:
@@ -199,19 +219,10 @@ def lr_sensitivity_figure(data: ReportData):
         lax.text(0.5, 0.5, "no train/lr logged", ha="center", va="center", transform=lax.transAxes, fontsize=8,
                  color="#636363")
     lax.set_ylabel("learning rate", fontsize=8)
-    lax.set_xlabel("step")
+    lax.set_xlabel(STEP_LABEL)
     ax.set_title(fit_title(f"{data.run_name}: sensitivity of the held loss to the learning rate (above 0: a "
                            f"larger step hurts more than a smaller one)", 10.2, 11), loc="left", fontsize=11)
     return fig
-
-
-def is_eval_metric(key: str) -> bool:
-    """An eval result: `eval/<task>/<metric>`, not its stderr or interval, not how long the eval
-    took (`eval/seconds` in older runs, `time/*` now) and not `eval_mode/*`."""
-    name = key[len("eval/"):] if key.startswith("eval/") else ""
-    last = name.rsplit("/", 1)[-1]
-    return bool(name) and not last.endswith(("_stderr", "_ci_low", "_ci_high")) and \
-        last not in ("seconds", "time", "duration") and not last.endswith(("_seconds", "_time"))
 
 
 def _eval_series(metrics: dict) -> dict[str, tuple[list, list, list]]:
@@ -231,16 +242,22 @@ def evals_figure(data: ReportData):
     series = _eval_series(data.metrics)
     if not series:
         return None
-    fig, axes = _panels(len(series), 4.3, 2.9)
+    base_series = _eval_series(data.baseline_metrics)
+    fig, axes = _panels(len(series), 4.3, 3.2)
     for ax, (name, (steps, ys, err)) in zip(axes, sorted(series.items())):
         interval = any(a or b for a, b in err)
-        ax.errorbar(steps, ys, yerr=list(zip(*err)), fmt="o-", ms=4, lw=1, capsize=3, color="#08519c",
-                    label="as trained")
+        # the intervals, then the line itself under its label (what the legend and a reader find)
+        ax.errorbar(steps, ys, yerr=list(zip(*err)), fmt="none", lw=1, capsize=3, ecolor=CANDIDATE_COLOR)
+        ax.plot(steps, ys, "o-", ms=4, lw=1, color=CANDIDATE_COLOR, label=candidate_label(data))
+        if name in base_series:   # the baseline run's evals (a baseline often has only its final one)
+            bsteps, bys, berr = base_series[name]
+            ax.errorbar(bsteps, bys, yerr=list(zip(*berr)), fmt="none", lw=0.9, capsize=3, ecolor=BASELINE_COLOR)
+            ax.plot(bsteps, bys, "D--", ms=4, lw=0.9, color=BASELINE_COLOR, label=baseline_label(data))
+            ax.axhline(bys[-1], color=BASELINE_COLOR, ls=":", lw=0.8)
         hp = data.metrics.get(f"eval_hp/{name}")
         if hp:   # the same weights in high precision: the gap is what precision costs
             ax.plot([s for s, _ in hp], [v for _, v in hp], "s--", ms=3, lw=0.9, color="#969696",
-                    label="same weights, high precision")
-            ax.legend(fontsize=6)
+                    label="same weights, high precision", zorder=1.5)   # under the candidate's line
         top = ax.get_xaxis_transform()
         for e in data.events:
             if e.kind == EventKind.GATE:
@@ -248,28 +265,41 @@ def evals_figure(data: ReportData):
                 color = "#006d2c" if v == "pass" else "#a50f15"
                 ax.axvline(e.step, color=color, ls="-.", lw=0.9)
                 ax.text(e.step, 1.01, v, transform=top, fontsize=7, color=color, ha="center", va="bottom")
-        _mark_events(ax, data, (EventKind.ROLLBACK, EventKind.REWIND))
+        mark_events(ax, data, (EventKind.PROMOTE, EventKind.FALLBACK, EventKind.ROLLBACK, EventKind.REWIND))
         ax.set_title(fit_title(f"{name} (95% interval)" if interval else f"{name} (no interval logged)", 3.9, 9),
                      fontsize=9, loc="left", pad=12)
         ax.tick_params(labelsize=7)
-        ax.set_xlabel("step", fontsize=8)
-    fig.suptitle(fit_title(f"{data.run_name}: evals per checkpoint, gate verdicts dash-dotted, rewinds dashed",
-                           4.1 * len(axes[:3]), 11), fontsize=11, x=0.01, ha="left")
+        ax.set_xlabel(STEP_LABEL, fontsize=8)
+        ax.set_ylabel(unit_label(name), fontsize=8)
+        ax.legend(fontsize=6)
+    against = f"against {data.baseline_name} (dotted: its last)" if base_series else f"({NO_BASELINE})"
+    fig.suptitle(fit_title(f"{data.run_name}: evals per checkpoint {against}; gate verdicts dash-dotted, "
+                           f"stage changes, fallbacks and rewinds as on the loss picture", 4.1 * len(axes[:3]), 11),
+                 fontsize=11, x=0.01, ha="left")
     return fig
+
+
+def report_figures(data: ReportData) -> dict[str, object]:
+    """{name: matplotlib Figure} of every picture the data allows, in the order they are written
+    (what `render_report` saves; a test reads the drawn lines back from these)."""
+    from lowprec.tracking.report_time import time_figure  # it draws with this module's helpers
+    out = {}
+    for name, make in (("precision_timeline", timeline_figure), ("loss", loss_figure),
+                       ("fallback_signals", signals_figure), ("lr_sensitivity", lr_sensitivity_figure),
+                       ("evals", evals_figure), ("time_breakdown", time_figure)):
+        fig = make(data)
+        if fig is not None:
+            out[name] = fig
+    return out
 
 
 def render_report(data: ReportData, out_dir: str | Path) -> list[Path]:
     """Write every picture the data allows as PNG into `out_dir`; returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    from lowprec.tracking.report_time import time_figure  # it draws with this module's helpers
     written = []
-    for name, make in (("precision_timeline", timeline_figure), ("loss", loss_figure),
-                       ("fallback_signals", signals_figure), ("lr_sensitivity", lr_sensitivity_figure),
-                       ("evals", evals_figure), ("time_breakdown", time_figure)):
-        fig = make(data)
-        if fig is not None:
-            path = out / f"{name}.png"
-            fig.savefig(path)
-            written.append(path)
+    for name, fig in report_figures(data).items():
+        path = out / f"{name}.png"
+        fig.savefig(path)
+        written.append(path)
     return written

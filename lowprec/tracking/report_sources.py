@@ -37,7 +37,7 @@ from pathlib import Path
 
 import yaml
 
-from lowprec.policy.events import Event, EventKind, read_events, replay
+from lowprec.policy.events import Event, EventKind, describe, read_events, replay
 from lowprec.tracking.records import BASELINE_LOSS, flatten_config
 
 __all__ = ["ReportData", "from_run_dir", "from_mlflow", "events_table", "events_tags", "signals_of",
@@ -61,6 +61,9 @@ class ReportData:
     metrics: dict[str, Series] = field(default_factory=dict)  # key -> [(step, value)] by step
     baseline: Series = field(default_factory=list)       # baseline loss curve, if any
     thresholds: dict[str, float] = field(default_factory=dict)  # stat -> configured threshold
+    baseline_name: str = ""                              # the baseline run drawn beside this one, if any
+    baseline_metrics: dict[str, Series] = field(default_factory=dict)  # its curves (report_baseline)
+    notes: list[str] = field(default_factory=list)       # what the report could not draw, and why
 
     @property
     def last_step(self) -> int:
@@ -255,8 +258,9 @@ def from_run_dir(run_dir: str | os.PathLike) -> ReportData:
 
 
 # ------------------------------------------------------------------ MLflow run
-def from_mlflow(client, run_id: str, baseline_run: str | None = None) -> ReportData:
-    """Read a run (and optionally a baseline run's `train/loss`) through an MlflowClient."""
+def from_mlflow(client, run_id: str) -> ReportData:
+    """Read a run through an MlflowClient (with its baseline run beside it:
+    `lowprec.tracking.report_baseline.read_run`)."""
     run = client.get_run(run_id)
     with tempfile.TemporaryDirectory() as tmp:
         names = {a.path for a in client.list_artifacts(run_id)}
@@ -275,12 +279,9 @@ def from_mlflow(client, run_id: str, baseline_run: str | None = None) -> ReportD
             else:
                 metrics[key] = sorted({m.step: m.value for m in hist}.items())
     metrics.update({k: sorted(v.items()) for k, v in _final_pass(timed).items()})
-    baseline = metrics.get(BASELINE_LOSS, [])
-    if baseline_run:
-        hist = {m.step: m.value for m in client.get_metric_history(baseline_run, "train/loss")}
-        baseline = sorted(hist.items())
-    return ReportData(run.info.run_name or run_id, pmap.get("initial", {}), pmap.get("initial_step", 0),
-                      events, metrics, baseline, _thresholds(run.data.params))
+    data = ReportData(run.info.run_name or run_id, pmap.get("initial", {}), pmap.get("initial_step", 0),
+                      events, metrics, metrics.get(BASELINE_LOSS, []), _thresholds(run.data.params))
+    return data
 
 
 # ------------------------------------------------------------------ events as table and tags
@@ -331,11 +332,7 @@ def _note(events: list[Event], tags: dict[str, str], run_name: str) -> str:
             f"{tags['lowprec.rewinds']} rewinds, quarantined: {tags['lowprec.quarantined']}, "
             f"last gate: {tags['lowprec.gate']}.\n\n"
             "Events (all in the `events.json` table and `events.jsonl`; pictures in `report/`):\n\n"
-            "| step | kind | stage | sites | to | reason |\n|---:|---|---|---|---|---|\n")
-    rows = []
-    for e in events[-40:]:
-        sites = ", ".join(e.sites[:3]) + (f" (+{len(e.sites) - 3})" if len(e.sites) > 3 else "")
-        rows.append(f"| {e.step} | {e.kind} | {e.stage or ''} | {sites} | {_moves(e, e.to_format)} | "
-                    f"{e.reason.replace('|', '/')} |")
+            "| step | kind | stage | what happened |\n|---:|---|---|---|\n")
+    rows = [f"| {e.step} | {e.kind} | {e.stage or ''} | {describe(e).replace('|', '/')} |" for e in events[-40:]]
     more = f"\n\n({len(events) - 40} earlier events not shown)" if len(events) > 40 else ""
     return head + "\n".join(rows) + more

@@ -6,7 +6,8 @@ Drawn from the training loop's telemetry (lowprec.tracking.report_sources keeps 
 * per log window (logged at the same steps as `train/loss`), the seconds spent in each phase,
   `time/<phase>_s` for the phases in `PHASES` (a phase not logged at a step counts as 0), the
   window's wall seconds `time/window_s` and the seconds whose work did not survive
-  `time/wasted_s` (replays, skipped and later-rewound passes, restores, evals, checkpoints);
+  `time/wasted_s` (recovery: replays and restores; skipped and later-rewound passes, evals,
+  checkpoints); older runs' `replay` and `restore` phases are drawn as they were logged;
   after a rewind the redone windows replace the abandoned ones (the final trajectory);
 * at the last step, the run summary: `telemetry/bucket/<bucket>_s` for the buckets in
   `BUCKETS`, `telemetry/goodput`, `telemetry/tokens_per_s`, `telemetry/mfu`,
@@ -23,24 +24,25 @@ title. A run without `time/` metrics (older runs) gets no picture.
 from __future__ import annotations
 
 from lowprec.policy.events import EventKind
-from lowprec.tracking.phases import Bucket, Phase
-from lowprec.tracking.report import _mark_events, is_eval_metric
+from lowprec.tracking.phases import LEGACY_PHASES, Bucket, Phase
 from lowprec.tracking.report_sources import WINDOW, ReportData, rewinds
-from lowprec.tracking.report_timeline import EVENT_STYLE, fit_title, new_figure
+from lowprec.tracking.report_timeline import EVENT_STYLE, fit_title, is_eval_metric, mark_events, new_figure
 
 __all__ = ["time_figure", "window_phases", "run_buckets", "PHASES", "BUCKETS", "PHASE_COLORS", "BUCKET_COLORS",
            "WASTED_LABEL", "EVAL_COLOR"]
 
-PHASES = tuple(p.value for p in Phase)     # as the telemetry logs them (lowprec.tracking.phases)
-BUCKETS = tuple(b.value for b in Bucket)
+# as the telemetry logs them (lowprec.tracking.phases), and as older runs did
+PHASES = tuple(p.value for p in Phase) + LEGACY_PHASES
+BUCKETS = tuple(b.value for b in Bucket) + ("replay",)
 # The training step in blues, lowprec's own checks in yellows, work that is thrown away in
 # reds, evals and checkpoints in greens, the rest in greys; a bucket as its phase.
 PHASE_COLORS = {"data": "#c6dbef", "forward": "#6baed6", "backward": "#2171b5", "optimizer": "#08306b",
-                "collective": "#9e9ac8", "monitor": "#fec44f", "replay": "#fd8d3c", "lr_probe": "#fee391",
-                "checkpoint": "#74c476", "eval": "#238b45", "restore": "#cb181d", "tracking": "#bdbdbd",
-                "other": "#737373"}
+                "collective": "#9e9ac8", "monitor": "#fec44f", "recovery": "#fd8d3c", "lr_probe": "#fee391",
+                "checkpoint": "#74c476", "eval": "#238b45", "tracking": "#bdbdbd", "other": "#737373",
+                "replay": "#fd8d3c", "restore": "#cb181d"}   # the last two: older runs
 BUCKET_COLORS = {"productive": "#2171b5", "startup": "#d9d9d9", "redone": "#cb181d", "skipped": "#fcbba1",
-                 **{b: PHASE_COLORS[b] for b in ("replay", "eval", "checkpoint", "lr_probe", "tracking", "other")}}
+                 **{b: PHASE_COLORS[b] for b in ("recovery", "replay", "eval", "checkpoint", "lr_probe", "tracking",
+                                                 "other")}}
 WASTED_LABEL = "wasted (work that did not survive)"
 EVAL_COLOR = "#6a51a3"
 
@@ -97,7 +99,7 @@ def _windows_panel(ax, data: ReportData) -> None:
         low = [max(0.0, t - w) for t, w in zip(bottom, wasted)]
         ax.stairs(bottom, edges, baseline=low, fill=False, hatch="xxx", edgecolor="black", lw=0.6,
                   label=WASTED_LABEL)
-    _mark_events(ax, data, labels=True)
+    mark_events(ax, data, labels=True)
     _mark_evals_and_rewinds(ax, data)
     ax.set_xlim(edges[0], edges[-1])
     ax.set_ylim(0, max(bottom, default=0.0) * 1.05 or 1.0)

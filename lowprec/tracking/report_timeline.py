@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import re
 
-from lowprec.policy.events import Event, EventKind, replay
+from lowprec.policy.events import Event, EventKind, site_list
 from lowprec.tracking.report_sources import ReportData, flops_share_steps, precision_history, rewinds, signals_of
 
 __all__ = ["timeline_figure", "FORMAT_COLORS", "EVENT_STYLE", "new_figure", "numbered_events", "reason_text",
-           "shade_rewound", "fit_title"]
+           "shade_rewound", "fit_title", "mark_events", "is_eval_metric"]
 
 # Higher precision lighter/cooler, lower precision darker/warmer; FP8 blues-greens, FP4 oranges-reds.
 FORMAT_COLORS = {"bf16": "#d9d9d9", "fp8_delayed": "#9ecae1", "fp8_tensorwise": "#4292c6",
@@ -204,14 +204,14 @@ def _notes(data: ReportData) -> list[str]:
             extra = "".join(f", {_evidence(key, v)}" for key, v in e.evidence.items()
                             if isinstance(v, dict) or key in ("to_step", "checkpoint_step", "skip_batches",
                                                               "value", "threshold"))
-            what = f"{len(e.sites)} sites of {e.stage or '?'} up" if e.kind == EventKind.ROLLBACK else "training"
+            what = (f"{e.stage or '?'} up: {site_list(e.sites)}" if e.kind == EventKind.ROLLBACK else "training")
             if e.kind == EventKind.REWIND and "to_step" not in e.evidence and "checkpoint_step" not in e.evidence:
                 back = dict(data.metrics.get("train/rewound_to", [])).get(e.step)
                 what += f" back to step {int(back)}" if back is not None else ""
             out.append(f"{k:>2}  step {e.step:<6} {e.kind:<9} {what}  ({e.reason}{extra})")
     for e in data.events:
         if e.kind == EventKind.QUARANTINE:
-            out.append(f" X  step {e.step:<6} quarantine {', '.join(e.sites)}  ({e.reason})")
+            out.append(f" X  step {e.step:<6} quarantine {site_list(e.sites)}  ({e.reason})")
     return out
 
 
@@ -273,3 +273,37 @@ def _draw_strip(strip, ax, data: ReportData, last: int) -> None:
         strip.text(x, lvl + 0.5, text, fontsize=7.5, color=color, va="center", ha="left", clip_on=False,
                    bbox=dict(boxstyle="round,pad=0.15", fc="white", ec=color, lw=0.6))
         strip.plot([x, x], [lvl + 0.5, 3], color=color, lw=0.6)
+
+
+def is_eval_metric(key: str) -> bool:
+    """An eval result: `eval/<task>/<metric>`, not its stderr or interval, not how long the eval
+    took (`eval/seconds` in older runs, `time/*` now) and not `eval_mode/*`."""
+    name = key[len("eval/"):] if key.startswith("eval/") else ""
+    last = name.rsplit("/", 1)[-1]
+    return bool(name) and not last.endswith(("_stderr", "_ci_low", "_ci_high")) and \
+        last not in ("seconds", "time", "duration") and not last.endswith(("_seconds", "_time"))
+
+
+def mark_events(ax, data: ReportData, kinds=(EventKind.FALLBACK, EventKind.ROLLBACK, EventKind.REWIND,
+                                              EventKind.PROMOTE), labels: bool = False) -> None:
+    """Vertical lines at events (one legend entry per kind); numbered as on the timeline."""
+    seen, num, at_step = set(), {}, {}
+    for k, e, s in numbered_events(data):
+        num.setdefault(id(e), []).append(str(k))
+    top = ax.get_xaxis_transform()
+    for e in data.events:  # one label per step: events at the same step share it
+        if e.kind in kinds:
+            at_step.setdefault(e.step, []).extend(num.get(id(e), []) or [e.stage or e.kind])
+    if labels:
+        for step, texts in at_step.items():
+            color = next(EVENT_STYLE[e.kind][0] for e in data.events if e.step == step and e.kind in kinds)
+            ax.text(step, 1.01, ",".join(dict.fromkeys(texts)), transform=top, fontsize=7, color=color,
+                    ha="center", va="bottom")
+    for e in data.events:
+        if e.kind not in kinds:
+            continue
+        color, ls = EVENT_STYLE[e.kind]
+        ax.axvline(e.step, color=color, ls=ls, lw=1, alpha=0.8, label=None if e.kind in seen else e.kind)
+        seen.add(e.kind)
+    if EventKind.REWIND in kinds:
+        shade_rewound(ax, data, label="rewound (redone)", alpha=0.35)

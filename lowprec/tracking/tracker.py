@@ -52,6 +52,7 @@ from lowprec.tracking.records import (BASELINE_LOSS, EVAL_PREFIX, LR_SENSITIVITY
                                       eval_samples, fit_value, flatten_config, merge, metric_key, now_ms,
                                       signal_metrics)
 from lowprec.tracking.report import render_report
+from lowprec.tracking.report_baseline import add_recorded_baseline
 from lowprec.tracking.report_sources import events_table, events_tags, from_run_dir
 from lowprec.tracking.resume import BufferInUseError, ResumeFilter, RunState, check_buffer
 from lowprec.tracking.store import mlflow_client
@@ -297,7 +298,9 @@ class Tracker:
         if report:
             try:
                 out = self.files / "report"
-                render_report(from_run_dir(self.run_dir), out)
+                data = from_run_dir(self.run_dir)
+                add_recorded_baseline(data, self.tracking_uri, self.experiment, self._config)
+                render_report(data, out)
                 self._put(("records", [{"op": "artifact", "file": "files/report", "artifact_path": "report"}]))
             except Exception as e:  # noqa: BLE001
                 log.warning("lowprec tracking: report pictures failed (%s: %s)", type(e).__name__, e)

@@ -127,8 +127,56 @@ def test_a_forced_rewind_wastes_exactly_the_passes_it_threw_away(tmp_path, free_
     seconds = [e - s for s, e in zip(data.asked, ends)]
     thrown_away = sum(seconds[i] for i in wasted_passes)
     t = res.telemetry
-    booked = sum(t[f"telemetry/bucket/{b}_s"] for b in ("redone", "skipped", "replay"))
+    booked = sum(t[f"telemetry/bucket/{b}_s"] for b in ("redone", "skipped", "recovery"))
     assert thrown_away > 0.1 * t["telemetry/wall_s"]   # a large share: the check can fail
     assert booked == pytest.approx(thrown_away, rel=0.10), (booked, thrown_away)
     assert t["telemetry/trained_tokens"] == 60 * 8 * 64 - 8 * 64 * sum(
         1 for s in range(60) if s not in kept)
+
+
+GATE_FILE = """\
+defaults: {statistic: paired_bootstrap, confidence: 0.95, bootstrap_samples: 200, seed: 0, min_samples: 8}
+gates:
+  - metric: eval/heldout_shakespeare/bits_per_byte
+    direction: lower_is_better
+    max_regression: {relative: 0.5}
+"""
+
+
+def test_phases_add_up_to_the_wall_time_and_the_gate_evaluation_is_eval_time(tmp_path):
+    """`lowprec run`'s path (prepare_run, execute) with a stage promoted behind the in-loop gate:
+    the gate's evaluations (timed here, around the gate the controller calls) are `eval`, not the
+    check's `monitor`; the phases and the start-up add up to the wall time measured outside."""
+    from lowprec.runtime.run import execute
+    (tmp_path / "inloop.yaml").write_text(GATE_FILE)
+    rollout = {**ROLLOUT, "check_every": 5, "rewind": {"enabled": False}}
+    cfg = LowprecConfig.from_dict(copy.deepcopy({
+        **BASE, "train": {**BASE["train"], "steps": 20}, "rollout": rollout,
+        "eval": {"suite": "shakespeare", "every": 0, "mode": "fast", "final_mode": "fast", "batch_size": 64,
+                 "gates": str(tmp_path / "inloop.yaml")}}))
+    t0 = time.perf_counter()
+    prepared = prepare_run(cfg)
+    spent = {"gate": 0.0, "final": 0.0}
+
+    def timed(name, fn):
+        def call(step):
+            t = time.perf_counter()
+            try:
+                return fn(step)
+            finally:
+                spent[name] += time.perf_counter() - t
+        return call
+    evals = prepared.evals
+    evals.gate, evals.final = timed("gate", evals.gate), timed("final", evals.final)   # execute hands the gate on
+    res = execute(prepared, tmp_path / "out", started=t0)
+    wall = time.perf_counter() - t0
+    t = res.telemetry
+    gates = [e for e in res.events if e.kind == EventKind.GATE]
+    assert gates and gates[0].stage == "mlp_fp8" and any(e.kind == EventKind.PROMOTE for e in res.events)
+    assert spent["gate"] > 0.2   # large enough that booking it as monitor time would show
+    assert t["telemetry/phase/eval_s"] == pytest.approx(spent["gate"] + spent["final"], rel=0.02, abs=0.02)
+    assert t["telemetry/phase/monitor_s"] < 0.25 * spent["gate"], (t["telemetry/phase/monitor_s"], spent)
+    phases = sum(v for k, v in t.items() if k.startswith("telemetry/phase/"))
+    assert phases + t["telemetry/bucket/startup_s"] == pytest.approx(t["telemetry/wall_s"], rel=1e-6)
+    assert t["telemetry/wall_s"] == pytest.approx(wall, rel=0.01), (t["telemetry/wall_s"], wall)
+    assert sum(v for k, v in t.items() if k.startswith("telemetry/bucket/")) == pytest.approx(wall, rel=0.01)

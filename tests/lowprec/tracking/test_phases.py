@@ -38,7 +38,7 @@ def test_cpu_laps_add_up_to_the_wall_time_and_split_by_phase():
 
 def test_override_books_every_lap_as_the_override_phase():
     clock = CpuLapClock()
-    clock.override = Phase.REPLAY
+    clock.override = Phase.RECOVERY
     busy(0.005)
     clock.lap(Phase.FORWARD)
     busy(0.005)
@@ -46,11 +46,11 @@ def test_override_books_every_lap_as_the_override_phase():
     clock.override = None
     clock.lap(Phase.MONITOR)
     (d,) = clock.flush(include_open=True)
-    assert set(d) == {Phase.REPLAY, Phase.MONITOR} and d[Phase.REPLAY] >= 0.009
+    assert set(d) == {Phase.RECOVERY, Phase.MONITOR} and d[Phase.RECOVERY] >= 0.009
 
 
 def test_null_clock_keeps_no_state():
-    NULL_CLOCK.override = Phase.REPLAY
+    NULL_CLOCK.override = Phase.RECOVERY
     assert NULL_CLOCK.override is None
     NULL_CLOCK.lap(Phase.DATA)
     NULL_CLOCK.end_pass()
@@ -64,24 +64,24 @@ def test_ledger_sorts_each_pass_by_outcome():
     assert led.add_pass(0, work, PassOutcome.APPLIED, tokens=100, flops={"bf16": 10.0}) == 0.0
     assert led.add_pass(1, {**work, Phase.CHECKPOINT: 0.3}, PassOutcome.APPLIED, tokens=100,
                         flops={"fp8_tensorwise": 5.0}) == pytest.approx(0.3)
-    assert led.add_pass(2, {**work, Phase.REPLAY: 2.0}, PassOutcome.SKIPPED, tokens=100) == pytest.approx(3.0)
+    assert led.add_pass(2, {**work, Phase.RECOVERY: 2.0}, PassOutcome.SKIPPED, tokens=100) == pytest.approx(3.0)
     b = led.buckets
     assert b[Bucket.PRODUCTIVE] == pytest.approx(2.0) and b[Bucket.CHECKPOINT] == pytest.approx(0.3)
-    assert b[Bucket.SKIPPED] == pytest.approx(1.0) and b[Bucket.REPLAY] == pytest.approx(2.0)
+    assert b[Bucket.SKIPPED] == pytest.approx(1.0) and b[Bucket.RECOVERY] == pytest.approx(2.0)
     assert led.wall == pytest.approx(2.0 + 2.0 + 0.3 + 1.0 + 2.0)
     assert led.goodput == pytest.approx(2.0 / led.wall)
     assert led.trained_tokens == 200
     assert led.flops_by_format() == {"bf16": 10.0, "fp8_tensorwise": 5.0}
 
 
-def test_a_rewind_moves_the_undone_steps_and_itself_to_redone():
+def test_a_rewind_moves_the_undone_steps_and_itself_to_redone_and_its_restore_to_recovery():
     led = GoodputLedger()
     for s in range(10):
         led.add_pass(s, {Phase.FORWARD: 1.0}, PassOutcome.APPLIED, tokens=10, flops={"bf16": 1.0})
-    wasted = led.add_pass(10, {Phase.FORWARD: 1.0, Phase.RESTORE: 0.5}, PassOutcome.REWOUND, tokens=10,
+    wasted = led.add_pass(10, {Phase.FORWARD: 1.0, Phase.RECOVERY: 0.5}, PassOutcome.REWOUND, tokens=10,
                           rewound_to=6)
     assert wasted == pytest.approx(1.0 + 0.5 + 4.0)   # the pass, the restore, steps 6..9
-    assert led.buckets[Bucket.REDONE] == pytest.approx(5.5)
+    assert led.buckets[Bucket.REDONE] == pytest.approx(5.0) and led.buckets[Bucket.RECOVERY] == pytest.approx(0.5)
     assert led.buckets[Bucket.PRODUCTIVE] == pytest.approx(6.0)
     assert led.trained_tokens == 60 and led.flops_by_format() == {"bf16": 6.0}
     for s in range(6, 8):   # redone: the steps count again once
@@ -90,7 +90,7 @@ def test_a_rewind_moves_the_undone_steps_and_itself_to_redone():
 
 
 def test_every_always_wasted_phase_has_a_bucket_and_no_step_phase_does():
-    assert set(ALWAYS_WASTED) == {Phase.REPLAY, Phase.RESTORE, Phase.EVAL, Phase.CHECKPOINT, Phase.LR_PROBE,
+    assert set(ALWAYS_WASTED) == {Phase.RECOVERY, Phase.EVAL, Phase.CHECKPOINT, Phase.LR_PROBE,
                                   Phase.TRACKING}
     assert all(isinstance(b, Bucket) for b in ALWAYS_WASTED.values())
 

@@ -20,7 +20,7 @@ from test_report_rewind import _drawn, _hatched_spans
 FAST = dict(flush_interval_s=0.2, retry_max_s=1.0, probe_timeout_s=1.0)
 SITES = {"blocks.0.mlp.fc": "bf16", "blocks.0.attn.qkv": "bf16"}
 SUMMARY = {"telemetry/bucket/productive_s": 72.0, "telemetry/bucket/startup_s": 6.0, "telemetry/bucket/redone_s": 9.0,
-           "telemetry/bucket/replay_s": 2.3, "telemetry/bucket/eval_s": 4.0, "telemetry/bucket/checkpoint_s": 4.0,
+           "telemetry/bucket/recovery_s": 2.3, "telemetry/bucket/eval_s": 4.0, "telemetry/bucket/checkpoint_s": 4.0,
            "telemetry/bucket/tracking_s": 1.2, "telemetry/bucket/other_s": 1.5, "telemetry/goodput": 0.72,
            "telemetry/tokens_per_s": 12345.0, "telemetry/mfu": 0.381, "telemetry/energy_j": 3.0e4,
            "telemetry/energy_per_token_j": 0.0243, "telemetry/wall_s": 100.0}
@@ -34,15 +34,15 @@ def window(step: int, redone: bool = False) -> dict[str, float]:
     if step % 10 == 0:
         w["time/monitor_s"] = 0.05
     if step == 15:
-        w["time/replay_s"] = wasted = 0.8
+        w["time/recovery_s"] = wasted = 0.8
     if step in (20, 40) and not (step == 40 and not redone):   # checkpoints (the one at 40 in the redone pass)
         w["time/checkpoint_s"] = wasted = 2.0
     if step == 30:
         w["time/eval_s"] = wasted = 4.0
     if step == 45 and not redone:                              # the abandoned pass replayed here
-        w["time/replay_s"] = wasted = 1.5
+        w["time/recovery_s"] = wasted = 1.5
     if step == 40 and redone:                                  # the restore after the rewind
-        w["time/restore_s"] = 3.0
+        w["time/recovery_s"] = 3.0
         wasted += 3.0
     w["time/wasted_s"] = wasted
     w["time/window_s"] = sum(v for k, v in w.items() if k not in ("time/wasted_s",))
@@ -92,7 +92,7 @@ def logged(tmp_path_factory, sqlite_store):
 
 def test_both_readers_keep_the_final_trajectory_of_the_time_series(logged):
     remote, local, final, _ = logged
-    assert final["time/replay_s"] == {15: 0.8}                 # the abandoned pass's replay at 45 is gone
+    assert final["time/recovery_s"] == {15: 0.8, 40: 3.0}       # the abandoned pass's recovery at 45 is gone
     for key, pts in final.items():
         assert remote.metrics[key] == local.metrics[key] == sorted(pts.items()), key
     assert {k for k in remote.metrics if k.startswith(("time/", "telemetry/"))} == set(final)
@@ -116,7 +116,7 @@ def test_the_picture_stacks_the_logged_phases_and_marks_waste_rewind_and_eval(lo
     _drawn(fig)
     ax, bax = fig.axes[:2]
     logged_phases = [p for p in PHASES if f"time/{p}_s" in final]
-    assert "collective" not in logged_phases and "restore" in logged_phases
+    assert "collective" not in logged_phases and "recovery" in logged_phases
     stairs = [p.get_label() for p in ax.patches if type(p).__name__ == "StepPatch"]
     assert stairs == logged_phases + [WASTED_LABEL]            # one per logged phase, stacked in order
     for step in (15, 30, 40, 45, 60):
@@ -125,7 +125,7 @@ def test_the_picture_stacks_the_logged_phases_and_marks_waste_rewind_and_eval(lo
         assert {p: h[p] for p in logged_phases} == pytest.approx(want), step
         assert sum(want.values()) == pytest.approx(final["time/window_s"][step])
         assert h[WASTED_LABEL] == pytest.approx(final["time/wasted_s"][step]), step
-    assert _heights(ax, 45)["replay"] == 0.0 and _heights(ax, 40)["restore"] == pytest.approx(3.0)
+    assert _heights(ax, 45)["recovery"] == 0.0 and _heights(ax, 40)["recovery"] == pytest.approx(3.0)
     wasted = next(p for p in ax.patches if p.get_label() == WASTED_LABEL)
     assert wasted.get_hatch() and wasted.get_data()[0][list(wasted.get_data()[1]).index(30) - 1] == \
         pytest.approx(final["time/window_s"][30])              # the top of the column is hatched
