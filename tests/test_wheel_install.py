@@ -128,8 +128,10 @@ def installed(tmp_path_factory):
     subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(venv)], check=True, timeout=300)
     py = venv / "bin" / "python"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    for what in (["torch==2.13.0"], [f"{wheel}[telemetry]"]):      # pip's own cache is reused
+    # no byte-compiling of the installed files (what takes pip longest here; Python compiles
+    # what it imports anyway)
+    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"]
+    for what in (["torch==2.13.0"], [f"{wheel}[telemetry]"]):
         p = subprocess.run(pip + what, env=env, capture_output=True, text=True, timeout=1500)
         assert p.returncode == 0, f"pip install {what}: {p.stderr[-3000:]}"
     where = subprocess.run([py, "-c", "import lowprec, gates, eval_suites; print(lowprec.__file__); "
