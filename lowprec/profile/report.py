@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from typing import Mapping
 
+from lowprec.numerics.formats import get_format
 from lowprec.profile.measure import Profile
 from lowprec.profile.planner import SiteChoice, StagePlan, final_shares
 
@@ -51,7 +52,7 @@ def ranked_table(profile: Profile, choices: Mapping[str, SiteChoice] | None = No
 
 def plan_lines(choices: Mapping[str, SiteChoice], stages: list[StagePlan], budget: float) -> list[str]:
     shares = final_shares(choices)
-    kept = [c for c in choices.values() if c.format == "bf16"]
+    kept = [c for c in choices.values() if get_format(c.format).is_high_precision]
     lines = [f"plan (sensitivity budget {budget:g}): final GEMM FLOPs " +
              ", ".join(f"{f} {s:.0%}" for f, s in shares.items())]
     for i, s in enumerate(stages):
