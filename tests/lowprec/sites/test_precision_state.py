@@ -129,7 +129,7 @@ RESUME_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
     from small_gpt import MODEL, batches, corpus_bytes
-    from test_state import PLAN
+    from test_precision_state import PLAN
     from experiments.model import build_gpt
     from lowprec import prepare
     from lowprec.sites.plan import PrecisionPlan
