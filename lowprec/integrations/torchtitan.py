@@ -66,12 +66,18 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from lowprec.integrations.extras import require
+from lowprec.integrations.extras import MissingExtraError, require
 
-require("torchtitan", "torchtitan", "torchtitan")
+_titan = require("torchtitan", "torchtitan", "torchtitan")
+try:   # torchtitan 0.3's converter protocol; 0.2 had another one (torchtitan.protocols.model_converter)
+    from torchtitan.protocols.model import ModelConfigConverter
+except ImportError as e:
+    raise MissingExtraError(
+        f"lowprec.integrations.torchtitan needs torchtitan 0.3.x (its ModelConfigConverter protocol); the installed "
+        f"torchtitan {getattr(_titan, '__version__', '?')} does not have it ({e}); install a supported one with: "
+        f"pip install 'lowprec[torchtitan]' (torchtitan>=0.3,<0.4)") from None
 
 from torch import nn  # noqa: E402
-from torchtitan.protocols.model import ModelConfigConverter  # noqa: E402
 from torchtitan.protocols.module import Module  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402
 

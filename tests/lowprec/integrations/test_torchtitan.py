@@ -234,3 +234,10 @@ def test_import_without_torchtitan_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "lowprec.integrations.torchtitan", raising=False)
     with pytest.raises(MissingExtraError, match=r"pip install 'lowprec\[torchtitan\]'"):
         importlib.import_module("lowprec.integrations.torchtitan")
+
+
+def test_import_with_a_torchtitan_without_the_03_protocol_names_the_supported_versions(titan, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchtitan.protocols.model", None)   # as torchtitan 0.2, which lacks it
+    monkeypatch.delitem(sys.modules, "lowprec.integrations.torchtitan", raising=False)
+    with pytest.raises(MissingExtraError, match=r"torchtitan 0\.3\.x.*torchtitan>=0\.3,<0\.4"):
+        importlib.import_module("lowprec.integrations.torchtitan")
