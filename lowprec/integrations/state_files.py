@@ -11,8 +11,9 @@ SHA-256 of its contents (`lowprec.state.integrity`); reading verifies them and r
 altered file, and says what to do about a folder that has no lowprec state.
 
 The Hugging Face callback writes it at `on_save` and reads it when the Trainer resumes.
-Lightning keeps the same dict in its own checkpoint (`Callback.state_dict`), and
-torchtitan's checkpointer saves `converter.hosted` as one of its states: neither needs a file.
+Lightning keeps the same dict in its own checkpoint (`Callback.state_dict`): it needs no
+file. torchtitan's converter keeps no rollout state in torchtitan's checkpoints (a resumed
+job starts again from the plan's formats).
 """
 
 from __future__ import annotations

@@ -187,13 +187,17 @@ def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0) -> PrecisionState:
+def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0,
+            layer_cls: type[PrecisionLinear] = PrecisionLinear) -> PrecisionState:
     """Swap the plan's linear layers for PrecisionLinear (same parameters) in place.
 
     amax_group: the data-parallel process group over which tensor-wise amaxes of
         activations and gradients are reduced (so that the numerics equal a single
         process's); None for a single process or when that is not wanted.
     seed: base seed of each site's stochastic-rounding generator and Hadamard signs.
+    layer_cls: the class of the new layers, PrecisionLinear or a subclass (a framework's
+        module protocol mixed in: `lowprec.integrations.torchtitan`); the `te` and `torchao`
+        backends make their own layers and take only PrecisionLinear.
     """
     from lowprec.sites.plan import resolve  # noqa: local import keeps `import lowprec` light
 
@@ -206,6 +210,9 @@ def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0) -> Precis
     if on_torchao:
         from lowprec.sites.backends.torchao_backend import require_torchao
         require_torchao()
+    if (on_te or on_torchao) and layer_cls is not PrecisionLinear:
+        raise ValueError(f"the {kind} backend makes its own layers; layer_cls={layer_cls.__name__} needs the "
+                         f"emulated or torch backend")
     resolved = resolve(model, plan, supported=backend.supports)
     sites, kept = [], []
     for i, sp in enumerate(resolved):
@@ -217,7 +224,7 @@ def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0) -> Precis
         elif on_torchao:
             layer = backend.make_site(sp.module, sp.format, name=sp.fqn, amax_group=amax_group, fused=plan.fused)
         else:
-            layer = PrecisionLinear.from_module(
+            layer = layer_cls.from_module(
                 sp.module, sp.format, backend, fqn=sp.fqn, seed=seed * 1_000_003 + i,
                 amax_group=amax_group, fused=plan.fused)
         _set_submodule(model, sp.fqn, layer)

@@ -2,9 +2,9 @@
 
 The hosts: a user's own loop (`lowprec.runtime.Session`, what `lowprec run`'s loop drives),
 the Hugging Face Trainer callback, the Lightning callback and the torchtitan converter (its
-post-optimizer hook, as torchtitan calls it). Each trains the tiny Llama from the same
-initial weights on the same batches in the same order with AdamW (constant LR, gradients
-clipped to norm 1), under one config: two stages promoted on
+model-config converter and post-optimizer-build function, as torchtitan 0.3 calls them). Each
+trains the tiny Llama from the same initial weights on the same batches in the same order with
+AdamW (constant LR, gradients clipped to norm 1), under one config: two stages promoted on
 schedule, then an overflow injected into one MLP site's input (delayed scaling saturates
 it) at the same steps. The decisions (promotions, the fallback: kind, step, stage, sites)
 must be the same in all four (the numbers in their evidence may differ in the last bits:
@@ -141,29 +141,54 @@ def lightning_trainer(config, tmp) -> list[tuple]:
 
 
 def torchtitan_converter(config, tmp) -> list[tuple]:
-    """The converter as torchtitan drives it: `convert(model)` once, `post_optimizer_hook`
-    after every optimizer step (torchtitan registers it as the optimizers' step post-hook)."""
-    from torchtitan.config import ConfigManager
+    """The converter as torchtitan 0.3 drives it: `LowprecConverter.Config` built and applied to
+    the model config (what a model's `model_registry(..., converters=[...])` does), the model
+    built from that config, then the model spec's `post_optimizer_build_fn` (`with_rollout`'s)
+    given the optimizer, whose step post-hook concludes each step. The model is the same tiny
+    Llama, as a torchtitan model whose config builds it (its modules keep their HF names)."""
+    from dataclasses import dataclass
 
-    from lowprec.integrations.torchtitan import LowprecConverter
-    toml = tmp / "job.toml"
-    toml.write_text(f'[job]\ncustom_config_module = "lowprec.integrations.torchtitan"\n'
-                    f'[model]\nconverters = ["lowprec"]\n[lowprec]\nconfig = "{config}"\n')
-    job = ConfigManager().parse_args(["--job.config_file", str(toml)])
-    model = tiny_llama()
-    conv = LowprecConverter(job, None)
-    conv.convert(model)
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.model import BaseModel
+    from torchtitan.protocols.model_spec import ModelSpec
+
+    from lowprec.integrations.torchtitan import LowprecConverter, rollout_of, with_rollout
+
+    class TinyLlama(BaseModel):
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseModel.Config):
+            def update_from_config(self, *, config, **kwargs) -> None:
+                pass
+
+            def get_nparams_and_flops(self, model, seq_len: int) -> tuple[int, int]:
+                return 0, 0
+
+        def __init__(self, config):
+            super().__init__()
+            hf = tiny_llama()
+            self.model, self.lm_head = hf.model, hf.lm_head   # the same modules, under the same names
+            self._hf = (hf,)                                  # its forward and loss, not a submodule
+
+        def forward(self, **batch):
+            return self._hf[0](**batch).loss
+
+    model_config = LowprecConverter.Config(config=str(config)).build().convert(TinyLlama.Config())
+    spec = with_rollout(ModelSpec(name="tiny_llama", flavor="test", model=model_config, parallelize_fn=None,
+                                  pipelining_fn=None, post_optimizer_build_fn=None, state_dict_adapter=None))
+    model = spec.model.build()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    opt.register_step_post_hook(lambda *a, **k: conv.post_optimizer_hook([model]))
+    spec.post_optimizer_build_fn(opt, [model], ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1,
+                                                            world_size=1))
     faults = Faults(model, [OVERFLOW])
     for i, batch in enumerate(_batches()):
         faults.tick(i)
         opt.zero_grad()
-        model(**batch).loss.backward()
+        model(**batch).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # as torchtitan's train_step does
         opt.step()
-    conv.close()
-    return _decisions(conv.events)
+    rollout = rollout_of(model)
+    rollout.close()
+    return _decisions(rollout.events)
 
 
 def test_one_fault_trace_gives_the_same_decisions_in_all_four_hosts(tmp_path, monkeypatch):

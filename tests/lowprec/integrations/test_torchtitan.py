@@ -1,14 +1,17 @@
-"""lowprec's torchtitan model converter (`lowprec.integrations.torchtitan`) on torchtitan's
-llama3 `debugmodel`, on CPU.
+"""lowprec's torchtitan converter (`lowprec.integrations.torchtitan`, torchtitan 0.3) on
+torchtitan's llama3 `debugmodel`, on CPU.
 
-torchtitan's `Trainer` cannot run on a CPU-only machine (torchtitan 0.2.2 picks "cuda" as
-its device type when no accelerator is found, then sets that device), so the run below
-does what `torchtitan/train.py` does, with torchtitan's own parts: the job config parsed
-by torchtitan's ConfigManager from a TOML file (the user's lines), the model built from
-the llama3 train spec on the meta device, the converters built from torchtitan's registry
-and applied before `to_empty` + `init_weights`, torchtitan's optimizers container with the
-converters' `post_optimizer_hook` registered as its step post-hook, its lr schedulers and
-its loss function. The data: real text (a Shakespeare play), one token per byte.
+torchtitan's `Trainer` cannot run on a CPU-only machine (it picks "cuda" as its device type
+when no accelerator is found, then sets that device), so the run below does what
+`Trainer.__init__` and `train_step` do, with torchtitan's own parts: the job config parsed by
+torchtitan's ConfigManager from a user's config-registry module (`--module`, `--config`: the
+lines a user writes), the model config updated from the job and built on the meta device
+(the converters already applied by `model_registry`), torchtitan's Module-protocol check,
+`to_empty` + `init_weights`, torchtitan's optimizers container, the model spec's
+`post_optimizer_build_fn`, its lr schedulers and its loss. One thing this CPU run needs
+besides: FlexAttention has no backward on CPU, so the layers' attention is swapped for
+torchtitan's SDPA module, as torchtitan's own CPU-capable tests do. The data: real text (a
+Shakespeare play), one token per byte.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ PLAN_YAML = """\
 precision:
   backend: emulated
   default: bf16
-  keep_high_precision: [{fqns: [output]}]
+  keep_high_precision: [{fqns: [lm_head]}]
   rules:
     - {name: blocks, select: {glob: "layers.*"}, format: bf16, ladder: [fp8_delayed, bf16]}
 rollout:
@@ -43,24 +46,25 @@ rollout:
     - {name: attn_fp8, select: {glob: "layers.*.attention.*"}, format: fp8_delayed}
 """
 
-# the lines a user adds, and what this CPU run needs besides
-TOML = """\
-[job]
-custom_config_module = "lowprec.integrations.torchtitan"
-[model]
-name = "llama3"
-flavor = "debugmodel"
-converters = ["lowprec"]
-[lowprec]
-config = "{plan}"
-event_log = "{events}"
-[training]
-seq_len = 64
-local_batch_size = 2
-steps = 12
-max_norm = 1.0
-[lr_scheduler]
-warmup_steps = 2
+# the lines a user writes (a config-registry module), and what this CPU run needs besides
+CONFIGS = """\
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.llama3 import model_registry
+from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+from lowprec.integrations.torchtitan import LowprecConverter, with_rollout
+
+
+def llama3_debugmodel_lowprec():
+    config = llama3_debugmodel()
+    config.model_spec = with_rollout(model_registry("debugmodel", converters=[
+        LowprecConverter.Config(config="{plan}", event_log="{events}")]))
+    # this CPU run: FlexAttention has no backward on CPU
+    for layer in config.model_spec.model.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config.training.seq_len, config.training.local_batch_size, config.training.steps = 64, 2, 12
+    config.training.max_norm = 1.0
+    return config
 """
 
 # check_every 2: the checks are steps 1, 3, 5, 7, 9, 11. The overflow is injected between
@@ -76,13 +80,15 @@ def titan():
     return pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'lowprec[torchtitan]')")
 
 
-def _job_config(tmp_path: Path, plan_text: str = PLAN_YAML):
+def _job_config(tmp_path: Path, monkeypatch, plan_text: str = PLAN_YAML):
+    """The job, as `torchtitan.train --module lowprec_configs --config llama3_debugmodel_lowprec` parses it."""
     from torchtitan.config import ConfigManager
     plan = tmp_path / "precision.yaml"
     plan.write_text(plan_text)
-    toml = tmp_path / "job.toml"
-    toml.write_text(TOML.format(plan=plan, events=tmp_path / "events.jsonl"))
-    return ConfigManager().parse_args(["--job.config_file", str(toml)])
+    (tmp_path / "lowprec_configs.py").write_text(CONFIGS.format(plan=plan, events=tmp_path / "events.jsonl"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "lowprec_configs", raising=False)
+    return ConfigManager().parse_args(["--module", "lowprec_configs", "--config", "llama3_debugmodel_lowprec"])
 
 
 def _batches(seq_len: int, batch: int):
@@ -99,45 +105,47 @@ def _batches(seq_len: int, batch: int):
 
 
 @pytest.mark.slow
-def test_debugmodel_rollout_promotes_and_falls_back_on_overflow(titan, tmp_path):
+def test_debugmodel_rollout_promotes_and_falls_back_on_overflow(titan, tmp_path, monkeypatch):
+    from torchtitan.components.loss import ChunkedLossWrapper
     from torchtitan.distributed import ParallelDims
-    from torchtitan.protocols.model_converter import build_model_converters
-    from torchtitan.protocols.train_spec import get_train_spec
 
+    from lowprec.integrations.torchtitan import TitanPrecisionLinear, rollout_of
     from lowprec.policy.events import EventKind
-    from lowprec.integrations.torchtitan import LowprecConverter
-    from lowprec.sites.layers import PrecisionLinear
 
     torch.manual_seed(0)
-    job = _job_config(tmp_path)
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    spec = get_train_spec(job.model.name)
-    args = spec.model_args[job.model.flavor]
-    args.update_from_config(job)
+    job = _job_config(tmp_path, monkeypatch)
+    dims = ParallelDims.from_config(job.parallelism, world_size=1)
+    spec = job.model_spec
+    model_config = spec.model
+    model_config.update_from_config(config=job)
     with torch.device("meta"):
-        model = spec.model_cls(args)
-    converters = build_model_converters(job, dims)          # from torchtitan's registry, by name
-    (conv,) = converters.converters
-    assert isinstance(conv, LowprecConverter)
-    converters.convert(model)
+        model = model_config.build()        # the converters ran in model_registry, on the config tree
+    model.verify_module_protocol()          # every layer is a torchtitan Module, lowprec's included
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
     parts = [model]
-    optimizers = spec.build_optimizers_fn(parts, job.optimizer, dims)
-    schedulers = spec.build_lr_schedulers_fn(optimizers, job.lr_scheduler, job.training.steps)
-    optimizers.register_step_post_hook(lambda *a, **k: converters.post_optimizer_hook(parts))
-    loss_fn = spec.build_loss_fn(job, parallel_dims=dims)
+    optimizers = job.optimizer.build(model_parts=parts)
+    spec.post_optimizer_build_fn(optimizers, parts, dims)     # with_rollout's: lowprec registers its hook
+    schedulers = job.lr_scheduler.build(optimizers=optimizers, training_steps=job.training.steps)
+    loss_fn = job.loss.build(compile_config=job.compile)
+    if isinstance(loss_fn, ChunkedLossWrapper):   # as Trainer.__init__ does
+        loss_fn.set_lm_head(model.lm_head)
+        model._skip_lm_head = True
+    conv = rollout_of(model)
 
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     planned = {n for n in linears if n.startswith("layers.")}
-    assert len(planned) == 6 * 7 and all(isinstance(linears[n], PrecisionLinear) for n in planned)
-    assert not isinstance(linears["output"], PrecisionLinear)   # kept in high precision
+    assert len(planned) == 6 * 5 and all(isinstance(linears[n], TitanPrecisionLinear) for n in planned)
+    assert not isinstance(linears["lm_head"], TitanPrecisionLinear)   # kept in high precision
     assert set(conv.state.formats()) == planned
     assert set(conv.state.formats().values()) == {"bf16"}        # the plan's starting format
     ladder = conv.state.sites[INJECTED].ladder
     assert [f.name for f in ladder] == ["fp8_delayed", "bf16"]
+    # torchtitan's init_weights initialized lowprec's layers with the replaced layers' param_init
+    w = conv.state.sites["layers.0.feed_forward.w1"].module.weight
+    assert abs(w.std().item() - 0.02) < 0.002, w.std().item()
 
     formats_after: dict[int, dict[str, str]] = {}
     losses = []
@@ -147,8 +155,9 @@ def test_debugmodel_rollout_promotes_and_falls_back_on_overflow(titan, tmp_path)
             with torch.no_grad():   # an overflow: this weight jumps far past its amax history
                 conv.state.sites[INJECTED].module.weight.mul_(64.0)
         x, y = next(data)
+        positions = torch.arange(x.shape[1]).expand_as(x)
         optimizers.zero_grad()
-        loss = loss_fn(model(x), y)
+        loss, _ = loss_fn(model(x, positions=positions), y, torch.tensor(y.numel()), positions=positions)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), job.training.max_norm)
         optimizers.step()          # the post-hook: lowprec concludes the step
@@ -181,31 +190,54 @@ def test_debugmodel_rollout_promotes_and_falls_back_on_overflow(titan, tmp_path)
     assert len(logged) == len(conv.events) >= 3
 
 
-def test_converter_refuses_what_the_protocol_cannot_carry(titan, tmp_path):
-    from lowprec.integrations.torchtitan import LowprecConverter, load_config
+def test_converter_refuses_what_the_protocol_cannot_carry(titan, tmp_path, monkeypatch):
+    from lowprec.integrations.torchtitan import load_config
     rewind = PLAN_YAML.replace("attribution: {replay: false}", "rewind: true")
     with pytest.raises(ConfigError, match=r"rollout\.rewind\.enabled.*set `rewind: false`"):
-        LowprecConverter(_job_config(tmp_path, rewind), None)
+        _job_config(tmp_path, monkeypatch, rewind)      # at start: when torchtitan reads the job
     gap = PLAN_YAML.replace("site_patience: 1}", "site_patience: 1, loss_gap: 0.03}\n  baseline: {losses: b.json}")
     p = tmp_path / "gap.yaml"
     p.write_text(gap)
     with pytest.raises(ConfigError, match=r"loss_gap.*never reaches the converter"):
         load_config(p)
+    te = tmp_path / "te.yaml"
+    te.write_text(PLAN_YAML.replace("backend: emulated", "backend: te"))
+    with pytest.raises(ConfigError, match=r"precision\.backend.*torchtitan Modules.*backend: emulated"):
+        load_config(te)
     bad = PLAN_YAML.replace("format: fp8_delayed}", "format: fp8_delayd}", 1)
-    with pytest.raises(ConfigError, match=r"fp8_delayd"):
-        LowprecConverter(_job_config(tmp_path, bad), None)
+    with pytest.raises(ConfigError, match=r"fp8_delayd") as e:
+        _job_config(tmp_path, monkeypatch, bad)
+    assert str(tmp_path / "precision.yaml") in str(e.value)   # which file the key is in
 
 
-def test_converter_without_the_config_section_says_how_to_add_it(titan):
-    from torchtitan.config import JobConfig
+def test_pipeline_parallelism_and_a_missing_hook_are_refused(titan, tmp_path):
+    """A rollout under pipeline parallelism is refused when torchtitan builds the optimizers;
+    a model that trains without with_rollout's hook stops at its first forward."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.llama3 import model_registry
 
-    from lowprec.integrations.torchtitan import LowprecConverter
-    with pytest.raises(ConfigError, match=r"custom_config_module = \"lowprec\.integrations\.torchtitan\""):
-        LowprecConverter(JobConfig(), None)
+    from lowprec.integrations.torchtitan import LowprecConverter, post_optimizer_build_fn
+    plan = tmp_path / "precision.yaml"
+    plan.write_text(PLAN_YAML)
+    spec = model_registry("debugmodel", converters=[LowprecConverter.Config(config=str(plan))])
+    assert spec.post_optimizer_build_fn is None    # the user did not wrap it with with_rollout
+    model = spec.model.build()
+    pp = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2, ep=1, world_size=2)
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_degree.*degree 1"):
+        post_optimizer_build_fn(torch.optim.SGD(model.parameters(), lr=0.1), [model], pp)
+    with pytest.raises(RuntimeError, match=r"never attached.*with_rollout"):
+        model(torch.zeros(1, 8, dtype=torch.long))
 
 
 def test_import_without_torchtitan_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchtitan", None)   # as if not installed
     monkeypatch.delitem(sys.modules, "lowprec.integrations.torchtitan", raising=False)
     with pytest.raises(MissingExtraError, match=r"pip install 'lowprec\[torchtitan\]'"):
+        importlib.import_module("lowprec.integrations.torchtitan")
+
+
+def test_import_with_a_torchtitan_without_the_03_protocol_names_the_supported_versions(titan, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchtitan.protocols.model", None)   # as torchtitan 0.2, which lacks it
+    monkeypatch.delitem(sys.modules, "lowprec.integrations.torchtitan", raising=False)
+    with pytest.raises(MissingExtraError, match=r"torchtitan 0\.3\.x.*torchtitan>=0\.3,<0\.4"):
         importlib.import_module("lowprec.integrations.torchtitan")
