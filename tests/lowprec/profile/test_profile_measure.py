@@ -144,6 +144,7 @@ def test_every_pair_profiled_with_flop_shares(profiled):
     assert mean["nvfp4"] > mean["fp8_tensorwise"] > 0
 
 
+@pytest.mark.slow   # over 10 s: in make test, not in the fast subset
 def test_formats_and_stats_restored_and_profile_repeats():
     model, state, held = _setup()
     state.set_format("blocks.0.attn.qkv", "fp8_tensorwise")
@@ -193,6 +194,7 @@ def test_sample_sites_roles_spacing_and_nearest():
     assert sample_sites(fqns, 100) == {f: f for f in fqns}
 
 
+@pytest.mark.slow   # over 10 s: in make test, not in the fast subset
 def test_sampled_profile_estimates_the_rest(profiled):
     model, state, held, formats, full = profiled
     prof = profile_sites(model, state, held, formats=formats, sample=4)   # 4 roles, one each

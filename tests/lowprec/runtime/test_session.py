@@ -102,6 +102,7 @@ def _user_loop(tmp_path, iterations: int, spike_steps: int, closure: bool, **ses
     return session, results, taken, rewinds
 
 
+@pytest.mark.slow   # over 10 s: in make test, not in the fast subset
 def test_user_loop_rewinds_to_the_snapshot_bit_for_bit(tmp_path):
     session, _, taken, rewinds = _user_loop(tmp_path, 45, spike_steps=1, closure=False,
                                             event_log=tmp_path / "events.jsonl")
@@ -117,6 +118,7 @@ def test_user_loop_rewinds_to_the_snapshot_bit_for_bit(tmp_path):
     assert all(torch.isfinite(p).all() for p in session.model.parameters())
 
 
+@pytest.mark.slow   # over 10 s: in make test, not in the fast subset
 def test_user_loop_with_a_closure_demotes_nothing_for_a_data_fault_and_rewinds_before_it(tmp_path):
     session, results, taken, rewinds = _user_loop(tmp_path, 40, spike_steps=2, closure=True)
     kinds = [e.kind for e in session.events]

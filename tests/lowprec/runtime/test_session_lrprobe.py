@@ -45,6 +45,7 @@ def run_session(probe: bool, steps: int = 12):
     return session, losses, [p.detach().clone() for p in model.parameters()], seen
 
 
+@pytest.mark.slow   # over 10 s: in make test, not in the fast subset
 def test_the_probe_runs_every_other_check_and_its_number_reaches_the_controller():
     session, losses, params, seen = run_session(True)
     # checks at steps 1, 3, 5, ...; the probe at every second one: 3, 7, 11 (before their batches)
@@ -91,6 +92,7 @@ class Recorder:
         return lambda *a, **k: None
 
 
+@pytest.mark.slow   # over 10 s: in make test, not in the fast subset
 def test_the_loop_probes_on_a_held_batch_of_its_own(tmp_path):
     rec = Recorder()
     res = run_config(CONFIG, tmp_path / "with", tracker=rec)
