@@ -12,13 +12,17 @@
 #   tests     the GPU tests: tests/gpu, the torch/CPU quantizer parity, the compiled Triton
 #             cast kernels against `quantize` on every BF16 value
 #   quantize  bench_quantize.py's Triton rows against a memory copy (8192^2 BF16)
-#   linear    bench_linear.py's table (BF16, torchao, lowprec's backends; 6 shapes)
+#   linear    bench_linear.py's table (BF16, torchao, lowprec's backends; 6 shapes, largest first)
+#   profile   experiments/profile_linear.py: the kernels of one FP8 layer step at d 8192 beside
+#             the traffic model (issue 29, step 2)
 #   mainjob   the GPU main job: experiments/configs/gpu_llama.yaml BF16 baseline, staged
 #             rollout, gate (as `make run` does for the CPU config)
 #   te        Transformer Engine: stage the carried parts; once all are there, build
 #             (scripts/te_install/install.sh) and run tests/gpu/test_te_backend.py
 #
-# Options: --wheels DIR (default .whl), --out DIR (default $OUT when set, else ./gpu_out).
+# Options: --wheels DIR (default .whl), --out DIR (default $OUT when set, else ./gpu_out),
+#          --budget PHASE=S (that phase's time limit in seconds, for a call that fits several
+#          phases into a short lease; linear's deadline follows it).
 # Each phase writes OUT/PHASE.md (result and log) and OUT/PHASE.json; OUT/calls.json sums up
 # the call. At most 8 files come back from a device call: at most 3 phases a call.
 set -euo pipefail
@@ -31,23 +35,24 @@ WHEELS=.whl
 OUT_DIR=${OUT:-./gpu_out}
 WORK=${GPU_BENCH_WORK:-/tmp/gpu_bench}          # logs and runs there; only summaries go to OUT
 SITE=${GPU_BENCH_SITE:-/tmp/site}
-ALL_PHASES=(tests quantize linear mainjob te)
+ALL_PHASES=(tests quantize linear profile mainjob te)
 
 # --- the plan ------------------------------------------------------------------------------
 # Seconds each phase may run (its `timeout`), and what each needs carried in (folders under
 # the wheels folder; te: every te/cNN, one per call) and present in the repository.
-declare -A BUDGET=([tests]=240 [quantize]=120 [linear]=420 [mainjob]=480 [te]=480)
-declare -A CARRY=([tests]="ao" [quantize]="" [linear]="ao" [mainjob]="job data" [te]="")
+declare -A BUDGET=([tests]=240 [quantize]=120 [linear]=420 [profile]=90 [mainjob]=480 [te]=480)
+declare -A CARRY=([tests]="ao" [quantize]="" [linear]="ao" [profile]="" [mainjob]="job data" [te]="")
 declare -A FILES=(
   [tests]="tests/gpu tests/lowprec/numerics/test_quantize_torch_parity.py tests/lowprec/numerics/kernels/test_fp8_cast.py"
   [quantize]="experiments/bench_quantize.py lowprec/numerics/kernels"
   [linear]="experiments/bench_linear.py"
+  [profile]="experiments/profile_linear.py"
   [mainjob]="experiments/configs/gpu_llama.yaml gates/default.yaml pyproject.toml"
   [te]="scripts/te_install/install.sh tests/gpu/test_te_backend.py")
 # Device calls: lease 1 (issue 29, one session's 30 minutes), lease 2 (Transformer Engine,
 # issue 30: one call per carried part, the last builds and tests). "te" calls are numbered on
 # from 4, one per te/cNN folder of the manifest (gpu_prep.py's TE_FIRST_CALL).
-CALL_PHASES=([1]="tests quantize" [2]="linear" [3]="mainjob")
+CALL_PHASES=([1]="tests quantize" [2]="linear profile" [3]="mainjob")
 INSTALL_S=30          # verify + pip install of the carried wheels, each call (job: ~45)
 TRANSFER_S=20         # sending the tree and the carried folders, each call
 COLD_START_S=120      # a bare machine's start, once per lease
@@ -56,7 +61,7 @@ LEASE_LIMIT_S=1800
 CARRY_LIMIT=$((64 * 1024 * 1024))
 
 die() { echo "gpu_bench: $*" >&2; exit 1; }
-usage() { sed -n '2,26p' "$SELF" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,27p' "$SELF" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 
 DRY=0; PHASES=(); INNER=""
 while [ $# -gt 0 ]; do
@@ -65,6 +70,10 @@ while [ $# -gt 0 ]; do
     --wheels) WHEELS=${2:?--wheels needs a folder}; shift ;;
     --out) OUT_DIR=${2:?--out needs a folder}; shift ;;
     --inner) INNER=${2:?}; shift ;;
+    --budget) b=${2:?--budget needs PHASE=SECONDS}; shift
+       [[ $b =~ ^([a-z]+)=([0-9]+)$ ]] || die "--budget wants PHASE=SECONDS, got '$b'"
+       [ -n "${BUDGET[${BASH_REMATCH[1]}]:-}" ] || die "--budget: unknown phase '${BASH_REMATCH[1]}' (phases: ${ALL_PHASES[*]})"
+       BUDGET[${BASH_REMATCH[1]}]=${BASH_REMATCH[2]} ;;
     -h|--help) usage 0 ;;
     -*) echo "gpu_bench: unknown option $1" >&2; usage 2 ;;
     *) [[ " ${ALL_PHASES[*]} " == *" $1 "* ]] || die "unknown phase '$1' (phases: ${ALL_PHASES[*]})"
@@ -157,6 +166,7 @@ phases = set(sys.argv[1:])
 need = ["torch", "lowprec", "lowprec.sites.backends", "yaml"]
 if "tests" in phases: need += ["pytest", "hypothesis"]
 if "linear" in phases: need += ["experiments.bench_linear"]
+if "profile" in phases: need += ["experiments.profile_linear"]
 if "quantize" in phases: need += ["experiments.bench_quantize"]
 if "mainjob" in phases: need += ["lowprec.cli", "gates.cli", "eval_suites", "experiments.model", "experiments.data"]
 if "te" in phases: need += ["lowprec.sites.backends.te"]
@@ -306,7 +316,11 @@ phase_body() {
       --formats fp8_tensorwise fp8_delayed fp8_rowwise --json "$WORK/quantize.json" ;;
   linear)
     # no new shape in the last 90 s: the largest takes about a minute with its compilations
-    "$PY" experiments/bench_linear.py --json "$WORK/linear.json" --deadline $((BUDGET[linear] - 90)) ;;
+    "$PY" experiments/bench_linear.py --d-model 8192 4096 2048 --tokens 8192 16384 \
+      --json "$WORK/linear.json" --deadline $((BUDGET[linear] - 90)) ;;
+  profile)
+    "$PY" -m experiments.profile_linear --d-model 8192 --tokens 8192 \
+      --formats fp8_tensorwise fp8_rowwise --json "$WORK/profile.json" ;;
   mainjob)
     # lowprec itself, for its entry points (the gate command, the lm_eval evaluator)
     "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" . \
@@ -353,7 +367,7 @@ run_phase() {
   echo "== phase $p (at most ${BUDGET[$p]} s) $(date -u +%FT%TZ)"
   t0=$SECONDS
   set +e
-  timeout --kill-after=15 "${BUDGET[$p]}" bash "$SELF" --wheels "$WHEELS" --inner "$p" 2>&1 | tee "$log"
+  timeout --kill-after=15 "${BUDGET[$p]}" bash "$SELF" --wheels "$WHEELS" --budget "$p=${BUDGET[$p]}" --inner "$p" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   set -e
   echo "== phase $p: exit $rc after $((SECONDS - t0)) s$([ "$rc" = 124 ] || [ "$rc" = 137 ] && echo ' (TIMED OUT)')"
@@ -375,7 +389,8 @@ fi
 [ ${#PHASES[@]} -le 3 ] || die "at most 3 phases a call (8 files come back from a device call)"
 command -v nvidia-smi >/dev/null 2>&1 || echo "gpu_bench: warning: no nvidia-smi here; these phases need the GPU machine" >&2
 mkdir -p "$OUT_DIR" "$WORK"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+# the repository on the path: the benchmarks import lowprec and experiments from the checkout
+export PYTHONUNBUFFERED=1 PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
 install_carried
 "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO GPU')"
 status=0

@@ -47,7 +47,7 @@ def phase_result(phase: str, log: str, work: Path) -> tuple[dict, list[str]]:
               f"{r.get('errors', '?')} errors, {r.get('skipped', '?')} skipped"
               + (f"; failed: {', '.join(r['failed'])}" if r.get("failed") else "") for name, r in res.items()]
         return res, md
-    if phase in ("linear", "quantize"):
+    if phase in ("linear", "quantize", "profile"):
         path = work / f"{phase}.json"
         res = json.loads(path.read_text()) if path.is_file() else {"note": f"no {path.name}: see the log"}
         return res, table_lines(log)
