@@ -71,7 +71,7 @@ def classify(name: str) -> str:
     low = name.lower()
     if any(k in low for k in ("gemm", "sm90", "cutlass", "scaled_mm", "nvjet", "xmma", "matmul")):
         return "gemm"
-    if "triton" in low or "cast" in low or "amax" in low:
+    if "triton" in low or "cast" in low or "amax" in low or low.startswith("_ct"):
         return "cast"
     return "other"
 
