@@ -163,8 +163,9 @@ def kernel_traffic(op, args, kwargs, out) -> tuple[int, int, int, int] | None:
     * row-wise: zeroing the row/column maxima, the maxima pass (one read), the cast of both
       layouts (a second read): 3 launches;
     * delayed: one kernel, one read (the scale comes from the history, the amax goes into it);
-    * statistics (check steps): the zeroed vector and its element count (2 small launches;
-      row-wise 2 more for the amax), the counts and sums written from the same pass.
+    * statistics (check steps): each tile's counts and sums written from the same pass to
+      its row of a (tiles, 8) buffer, then one small launch sums the rows (row-wise 2 more
+      for the amax).
 
     For `count_traffic(custom_cost=...)` in experiments/traffic.py; None for other ops."""
     name = str(op).split(".")[1] if "." in str(op) else str(op)
@@ -175,7 +176,7 @@ def kernel_traffic(op, args, kwargs, out) -> tuple[int, int, int, int] | None:
     q, qt = out[0], out[2]
     written = q.numel() + qt.numel() + sum(t.numel() * t.element_size() for t in (out[1], out[-1]))
     stats = bool(args[4] if name == "fp8_cast" else args[11])
-    small = 2 if stats else 0
+    small = 1 if stats else 0
     if name == "fp8_cast_delayed":
         hist = args[2]
         return 1, small, xb + hist.numel() * 4, written
