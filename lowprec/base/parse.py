@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 
-__all__ = ["ConfigError", "parse", "check_keys", "to_data", "describe_type", "found", "read_yaml_file"]
+__all__ = ["ConfigError", "parse", "check_keys", "to_data", "describe_type", "found", "read_yaml_file",
+           "read_yaml_text"]
 
 T = TypeVar("T")
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
@@ -296,4 +297,16 @@ def read_yaml_file(path: str | Path, expected: str = "a mapping of sections") ->
         raise ConfigError(str(p), f"cannot read the file: {e}") from None
     if not isinstance(doc, dict):
         raise ConfigError(str(p), f"expected {expected}, found {found(doc)}")
+    return doc
+
+
+def read_yaml_text(text: str, origin: str = "<yaml>", expected: str = "a mapping of sections") -> dict:
+    """`read_yaml_file` for YAML already in hand (`origin` names it in errors)."""
+    import yaml
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(origin, f"not valid YAML: {e}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(origin, f"expected {expected}, found {found(doc)}")
     return doc

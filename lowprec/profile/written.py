@@ -16,7 +16,7 @@ from typing import Sequence
 
 import yaml
 
-from lowprec.base.parse import ConfigError
+from lowprec.base.parse import ConfigError, read_yaml_file
 from lowprec.state.durable import write_text_atomically
 from lowprec.profile.planner import SiteChoice, StagePlan, plan_sections
 
@@ -34,9 +34,7 @@ def write_config(source: str | Path, dest: str | Path, choices: dict[str, SiteCh
                  order: Sequence[str], header: Sequence[str] = ()) -> str:
     """Write the profiled config to `dest` (atomically); returns its text."""
     source, dest = Path(source), Path(dest)
-    raw = yaml.safe_load(source.read_text()) or {}
-    if not isinstance(raw, dict):
-        raise ConfigError("config", f"{source} does not hold a mapping of sections")
+    raw = read_yaml_file(source)
     sections = plan_sections(raw.get("precision") or {}, raw.get("rollout"), choices, stages, order)
     out = dict(raw)
     out.update(sections)

@@ -42,7 +42,7 @@ import torch.nn as nn
 import yaml
 
 from lowprec.sites.backends import BACKEND_NAMES
-from lowprec.base.parse import ConfigError, check_keys, suggest
+from lowprec.base.parse import ConfigError, check_keys, read_yaml_file, read_yaml_text, suggest
 from lowprec.numerics.formats import FORMATS, Format, format_names, get_format
 from lowprec.numerics.quantize import check_layer_fits
 
@@ -271,13 +271,12 @@ class PrecisionPlan:
         """From a YAML file (a path) or YAML text, with a top-level `precision:` section."""
         is_file = isinstance(source, os.PathLike) or ("\n" not in source and os.path.isfile(source))
         try:
-            doc = yaml.safe_load(Path(source).read_text() if is_file else source)
-        except yaml.YAMLError as e:
-            raise PlanError(str(source) if is_file else "<yaml>", f"not valid YAML: {e}") from None
-        if not isinstance(doc, dict) or "precision" not in doc:
-            seen = f"top-level keys {', '.join(map(str, doc))}" if isinstance(doc, dict) else repr(doc)
-            raise PlanError("precision", f"no `precision:` section; found {seen}"
-                            + (" (if that is a file path, there is no such file)" if isinstance(doc, str) else ""))
+            doc = read_yaml_file(source) if is_file else read_yaml_text(source)
+        except ConfigError as e:   # one line that is not YAML of a mapping: a path, most likely
+            hint = "" if is_file or "\n" in str(source) else " (if that is a file path, there is no such file)"
+            raise PlanError(e.path, e.message + hint) from None
+        if "precision" not in doc:
+            raise PlanError("precision", f"no `precision:` section; found top-level keys {', '.join(map(str, doc))}")
         return cls.from_dict(doc["precision"])
 
     def to_dict(self) -> dict[str, Any]:

@@ -35,8 +35,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 
+from lowprec.base.parse import read_yaml_file
 from lowprec.policy.events import Event, EventKind, describe, read_events, replay
 from lowprec.tracking.records import BASELINE_LOSS, flatten_config
 
@@ -252,7 +252,7 @@ def from_run_dir(run_dir: str | os.PathLike) -> ReportData:
     cfg_file = d / "files" / "config.yaml"
     thresholds = {}
     if cfg_file.exists():
-        thresholds = _thresholds(flatten_config(yaml.safe_load(cfg_file.read_text()) or {}))
+        thresholds = _thresholds(flatten_config(read_yaml_file(cfg_file)))
     return ReportData(info.get("run_name", d.name), pmap.get("initial", {}), pmap.get("initial_step", 0),
                       events, metrics, metrics.get(BASELINE_LOSS, []), thresholds)
 

@@ -45,6 +45,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
+from lowprec.base.parse import read_yaml_file
 from lowprec.policy.events import Event, EventLog
 from lowprec.tracking.outbox import Outbox, SendResult, server_answers
 from lowprec.tracking.records import (BASELINE_LOSS, EVAL_PREFIX, LR_SENSITIVITY, MAX_TAG_VALUE, SIGNAL_STATS,
@@ -110,7 +111,7 @@ class Tracker:
         self._precision = PrecisionMapLog(self._read_json(self.files / "precision_map.json"))
         self._config: dict = {}
         if (self.files / "config.yaml").exists():  # resuming a run
-            self._config = yaml.safe_load((self.files / "config.yaml").read_text()) or {}
+            self._config = read_yaml_file(self.files / "config.yaml")
         info = self.outbox.info
         self._resume: ResumeFilter | None = None
         if state is RunState.NONE:  # a new run
