@@ -85,9 +85,12 @@ def test_every_line_on_stdout_and_stderr_is_lowprecs_own(project):
     assert "lowprec run: warning: UserWarning: width 32 is a toy width" in err   # the user's warning shows
     log = (project / "r" / "lowprec.log").read_text()
     for chatter in ("bootstrapping for stddev", "Creating initial MLflow database tables",
-                    "Started monitoring system metrics", "128/128 [", "UserWarning: width 32 is a toy width"):
+                    "128/128 [", "UserWarning: width 32 is a toy width"):
         assert chatter in log, chatter
         assert chatter not in p.stdout and (chatter not in p.stderr or chatter.startswith("UserWarning"))
+    # MLflow's system-metrics monitor starts when the sender thread has created the run, which
+    # on a busy machine can come after an 8-step run's end: wherever its line came, not here
+    assert "Started monitoring system metrics" not in p.stdout + p.stderr
     # datasets' "Generating test split" bars come only when its cache is new; wherever they came, not here
     assert "Generating" not in p.stdout + p.stderr
     assert "\r" not in log   # a bar rewritten in place is one line in the log

@@ -127,7 +127,7 @@ def test_state_dict_loads_with_weights_only(tmp_path):
 
 RESUME_SCRIPT = textwrap.dedent("""
     import sys, torch
-    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r}); sys.path.insert(0, {here!r})
     from small_gpt import MODEL, batches, corpus_bytes
     from test_precision_state import PLAN
     from experiments.model import build_gpt
@@ -164,7 +164,8 @@ RESUME_SCRIPT = textwrap.dedent("""
 @pytest.mark.slow   # two fresh processes, each importing torch and training 20 steps
 def test_checkpoint_resumes_bit_identically_in_a_fresh_process(tmp_path):
     script = tmp_path / "run.py"
-    script.write_text(RESUME_SCRIPT.format(root=str(ROOT), tests=str(Path(__file__).parents[1])))
+    script.write_text(RESUME_SCRIPT.format(root=str(ROOT), tests=str(Path(__file__).parents[1]),
+                                            here=str(Path(__file__).parent)))
     ckpt = str(tmp_path / "ckpt.pt")
 
     def run(mode):
