@@ -49,9 +49,14 @@ SEEDS = {k: list(range(2000 + 100 * i, 2000 + 100 * i + 3)) for i, k in enumerat
 EVAL_OF = {"eval_scale": "slight_scale", "eval_shuffle": "shuffle"}   # an eval-gate kind and the fault it plants
 DURATION = {"input_scale": 5, "shuffle": 10, "repeat": 15, "lr_schedule": 20, "eval_shuffle": 10}
 LOSS_GAP = {"loss_gap": 0.015, "loss_gap_smoothing": 0.5}
-# the precision faults' strength (module docstring): the amax's exponent of 2 per step of the
-# underflow and the saturation, and the wrong dequantization scale
-UNDERFLOW_PER_STEP, SATURATION_PER_STEP, WRONG_SCALE, SCALE_RAMP = 0.5, 0.25, 3.0, 1
+# The precision faults' calibration (module docstring): the amax's exponent of 2 per step of
+# the underflow (grows) and the saturation (shrinks), the wrong scale's range (the weight's
+# dequantization scale divided by a factor drawn with the seed), and the sites each kind is
+# drawn from (the layers whose output matters on this model, see the docstring).
+UNDERFLOW_PER_STEP, SATURATION_PER_STEP, WRONG_SCALE = 2.0, 0.125, (6.0, 8.0)
+SITES = {"underflow": ("blocks.0.mlp.fc", "blocks.0.mlp.proj"),
+         "saturation": ("blocks.0.mlp.fc", "blocks.0.mlp.proj"),
+         "slight_scale": ("blocks.0.attn.qkv",), "eval_scale": ("blocks.0.attn.qkv",)}
 
 
 @dataclass(frozen=True)
@@ -73,13 +78,25 @@ class Drift:
         """The fault planted: an eval-gate kind plants its training fault (`eval_scale`: `slight_scale`)."""
         return EVAL_OF.get(self.kind, self.kind)
 
+    @property
+    def wrong_scale(self) -> float:
+        """`slight_scale`'s factor: the weight's dequantization scale is this much too small."""
+        return random.Random(self.seed + 1).uniform(*WRONG_SCALE)
+
     def active(self, t: int) -> bool:
         return t >= FAULT_AT if self.precision else FAULT_AT <= t < FAULT_AT + DURATION[self.kind]
 
 
 def campaign(sites: list[str], kinds) -> list[Drift]:
-    return [Drift(k, s, random.Random(s).choice(sites) if k in PRECISION else "")
-            for k in OTHER + PRECISION if k in kinds for s in SEEDS[k]]
+    """The faults of `kinds`, three seeds each; a precision fault's site drawn with its seed
+    from its kind's `SITES` that run in low precision (`sites`)."""
+    def site(kind: str, seed: int) -> str:
+        pool = [x for x in SITES[kind] if x in sites]
+        if not pool:
+            raise ValueError(f"none of {kind}'s sites {SITES[kind]} runs in low precision here")
+        return random.Random(seed).choice(pool)
+    return [Drift(k, s, site(k, s) if k in PRECISION else "") for k in OTHER + PRECISION if k in kinds
+            for s in SEEDS[k]]
 
 
 class PlantedDrift:
@@ -107,7 +124,7 @@ class PlantedDrift:
             k = self.t - FAULT_AT + 1
             if kind == "slight_scale" and role == "weight":
                 q = original(t, fmt, role, **kw)
-                f = WRONG_SCALE ** min(1.0, k / SCALE_RAMP)   # from 1 to WRONG_SCALE over SCALE_RAMP steps
+                f = 1.0 / self.fault.wrong_scale
                 return type(q)(q.values, q.scale / f, q.scale_inv * f, q.spec, q.shape, q.amax)
             if (kind == "underflow" and role.startswith("grad_output")) or (kind == "saturation" and role == "input"):
                 amax = torch.where(torch.isfinite(t), t.abs(), 0.0).amax().float()
