@@ -264,9 +264,9 @@ def main(argv=None) -> None:
     for i, fault in enumerate(faults):
         model, opt, session = build(not args.no_replay)
         model.load_state_dict(warm["model"])
-        opt.load_state_dict(warm["opt"])
-        session.state.load_state_dict(warm["precision"])
-        session.load_state_dict(warm["session"])
+        opt.load_state_dict(copy.deepcopy(warm["opt"]))   # copies: a loaded optimizer state aliases its tensors
+        session.state.load_state_dict(copy.deepcopy(warm["precision"]))
+        session.load_state_dict(copy.deepcopy(warm["session"]))
         session.events = []
         session.snapshots.kept.clear()
         session.snapshots.take(WARM)

@@ -49,6 +49,7 @@ fault, not precision).
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from dataclasses import dataclass
@@ -250,10 +251,12 @@ def campaign_main(args, data, warm, low, plan_dict, rollout_dict, warm_steps) ->
             **rollout_dict, "thresholds": {**rollout_dict["thresholds"], **extra}, "baseline": {"losses": "in-memory"}})
         session = Session.build(model, opt, PrecisionPlan.from_dict(plan_dict), r, baseline=baseline)
         model.load_state_dict(warm["model"])
-        opt.load_state_dict(warm["opt"])
-        session.state.load_state_dict(warm["precision"])
+        # copies: an optimizer loads its state's tensors without copying them (the AdamW
+        # moments would alias the warm state's, and every run would start where the last one ended)
+        opt.load_state_dict(copy.deepcopy(warm["opt"]))
+        session.state.load_state_dict(copy.deepcopy(warm["precision"]))
         if r is not None:
-            session.load_state_dict(warm["session"])
+            session.load_state_dict(copy.deepcopy(warm["session"]))
             session.controller.loss_gap.ema = session.controller.loss_gap.base_ema = None
             session.events = []
             session.snapshots.kept.clear()
