@@ -220,6 +220,7 @@ def main(argv=None) -> None:
     p.add_argument("--drift", action="store_true", help="the drift campaign (experiments.attribution_drift): "
                                                          "loss-gap and eval-gate faults judged by their window")
     p.add_argument("--drift-kinds", default="", help="comma-separated drift fault kinds (default: all)")
+    p.add_argument("--drift-events", action="store_true", help="print each drift fault's events after its row")
     p.add_argument("--warm-cache", default="", help="keep the warm state in this file, and start from it when it exists")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -263,9 +264,9 @@ def main(argv=None) -> None:
     for i, fault in enumerate(faults):
         model, opt, session = build(not args.no_replay)
         model.load_state_dict(warm["model"])
-        opt.load_state_dict(warm["opt"])
-        session.state.load_state_dict(warm["precision"])
-        session.load_state_dict(warm["session"])
+        opt.load_state_dict(copy.deepcopy(warm["opt"]))   # copies: a loaded optimizer state aliases its tensors
+        session.state.load_state_dict(copy.deepcopy(warm["precision"]))
+        session.load_state_dict(copy.deepcopy(warm["session"]))
         session.events = []
         session.snapshots.kept.clear()
         session.snapshots.take(WARM)

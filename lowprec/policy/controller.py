@@ -30,18 +30,11 @@ from the check window's statistics:
    check; of the sites with only saturation or flushed-value counts on an input or
    grad_output, which may be inherited from another site's overflow, one per check and
    only when no site fell back on its own evidence.
-3. A global signal no replay explained (an anomaly handed over, the loss gap to the
-   baseline) while some site's thresholds are crossed (before its patience ran out)
-   blames that site; with no site to blame it rolls back the newest stage, and with
-   `rewind` on, asks the loop to restore the last good state and skip batches. A slow
-   signal (the loss gap alone, or an eval checkpoint's regression) is first judged by its
-   window when a `judge` is set (the session sets one: `lowprec.policy.attribution.judge_window`
-   over the window since the last snapshot): if high precision closes the gap, the sites
-   it blames fall back (their stage rolls back when it is the newest stage, whole), as
-   above; if not, nothing is demoted, a NOT_PRECISION event holds the evidence (the
-   window's losses as trained, with every site in high precision, and the baseline's),
-   the loss-gap detector accepts that gap, and training goes on (or, with
-   `not_precision_rewind` and `rewind`, goes back to the window's start).
+3. A global signal (an anomaly no replay explained, NaN/Inf, the loss gap to the
+   baseline) while some site's thresholds are crossed blames that site; with none, a slow
+   signal (the loss gap alone, or an eval checkpoint's regression: `observe_gate`) is
+   first judged by its window, and otherwise the newest stage rolls back (with a rewind
+   when `rewind` is on). That half of the controller is `lowprec.policy.drift`.
 4. A site that failed `quarantine_after` times is quarantined: it never goes below its
    current format again in this run. Other fallen-back sites retry their stage's format
    after `cooldown_steps`.
@@ -60,13 +53,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from lowprec.policy.anomaly import Anomaly, StepDetectors
-from lowprec.policy.attribution import Attribution, WindowAttribution
-from lowprec.policy.decisions import Action, ControllerConfig, Decision, Stage, apply_decision
-from lowprec.policy.detectors import (LR_HISTORY, LossGapDetector, Thresholds, intrinsic, lr_hold_level,
-                               lr_sensitivity_hold)
-from lowprec.policy.events import Event, EventKind
 from lowprec.numerics.formats import FORMATS
+from lowprec.policy.anomaly import Anomaly, StepDetectors
+from lowprec.policy.attribution import Attribution
+from lowprec.policy.decisions import Action, ControllerConfig, Decision, Stage, apply_decision
+from lowprec.policy.detectors import LR_HISTORY, Thresholds, intrinsic, lr_hold_level, lr_sensitivity_hold
+from lowprec.policy.drift import SlowSignalRules
+from lowprec.policy.events import Event, EventKind
 from lowprec.policy.monitor import Signals
 from lowprec.policy.verdicts import GateOutcome, Verdict
 
@@ -84,7 +77,7 @@ def _high(name: str) -> bool:
     return FORMATS[name].is_high_precision
 
 
-class RolloutController:
+class RolloutController(SlowSignalRules):
     """Stages, fallbacks, rollbacks, cooldowns and quarantine over a set of sites."""
 
     def __init__(self, ladders: dict[str, tuple[str, ...]], initial: dict[str, str],
@@ -109,16 +102,8 @@ class RolloutController:
         self.stages = list(stages)
         self.config = config
         self.gate = gate
-        # judge(step, candidates, groups) -> WindowAttribution, or None when no window can be
-        # replayed: set by the session that can train the window again (see rule 3)
-        self.judge: Callable[[int, list[str], list[list[str]]], WindowAttribution | None] | None = None
-        th = config.thresholds
-        self.detectors = StepDetectors(th)
-        if th.loss_gap is not None and not baseline:
-            raise ValueError(f"thresholds.loss_gap is {th.loss_gap} but no baseline loss curve was given: "
-                             "pass baseline={step: loss} (rollout.baseline in a config) or set loss_gap to None")
-        self.loss_gap = LossGapDetector(baseline, th.loss_gap, th.loss_gap_smoothing) \
-            if baseline and th.loss_gap is not None else None
+        self.detectors = StepDetectors(config.thresholds)
+        self._init_slow_signals(config.thresholds, baseline)   # the loss gap and the judge
         self.promoted = 0                     # stages promoted so far
         self.stable_since = 0                 # step of the last change or instability
         self.stage_of: dict[str, str] = {}    # site -> name of the stage that promoted it
@@ -334,29 +319,8 @@ class RolloutController:
             self._fallback(site, step, f"site thresholds crossed for {self.strikes[site]} checks"
                            f"{' (its own operand against its format)' if independent else ''}", crossed, d)
         suspects = [(site, crossed) for _, site, crossed in suspects]
-        # 3. global signals
-        fired = self._global_signals(step, signals)
-        if signals.nonfinite and not blamed:
-            fired.insert(0, ("nan_inf", {"losses": signals.losses, "grad_norms": signals.grad_norms}))
-        if fired and not blamed and suspects:
-            # a global signal while a site's own thresholds are crossed: that site is to blame
-            site, crossed = suspects[0]
-            blamed.append(site)
-            names = ", ".join(name for name, _ in fired)
-            self._fallback(site, step, f"{names} while this site's thresholds are crossed",
-                           {**crossed, **{name: ev for name, ev in fired}}, d)
-        if fired and not blamed and [name for name, _ in fired] == ["loss_gap"] and \
-                self._judge_slow(step, "loss_gap", dict(fired), d, rewind=True):
-            pass
-        elif fired and not blamed:
-            reason = ", ".join(name for name, _ in fired)
-            evidence = {name: ev for name, ev in fired}
-            rolled = self._rollback_newest(step, f"global signal: {reason}", evidence, d)
-            if self.config.rewind and (rolled or signals.nonfinite):
-                d.action = Action.REWIND
-                d.skip_batches = self.config.rewind_skip_batches
-                d.events.append(Event(step, EventKind.REWIND, (), {}, {}, f"rewind after {reason}",
-                                      {"skip_batches": d.skip_batches}))
+        # 3. global signals (lowprec.policy.drift)
+        self._global_rule(step, signals, blamed, suspects, d)
         if d.events:
             self.stable_since = step
             return d
@@ -371,86 +335,6 @@ class RolloutController:
         if step - self.stable_since >= self.config.min_steps and self.promoted < len(self.stages):
             self._promote(step, d)
         if d.events:
-            self.stable_since = step
-        return d
-
-    def _global_signals(self, step: int, signals: Signals) -> list[tuple[str, dict]]:
-        """The anomalies left for this check (no replay explained them), then the loss gap
-        over the window's losses."""
-        fired, self.pending = list(self.pending), []
-        if self.loss_gap is not None:
-            first = signals.step - len(signals.losses) + 1
-            for i, loss in enumerate(signals.losses):
-                hit, ev = self.loss_gap.update(first + i, loss)
-                if hit and "loss_gap" not in dict(fired):
-                    fired.append(("loss_gap", {**ev, "step": first + i}))
-        return fired
-
-    def _judge_slow(self, step: int, reason: str, evidence: dict, d: Decision, *, rewind: bool) -> bool:
-        """A slow signal judged by its window (rule 3); False when there is no judge or no
-        window to judge by (the caller then rolls the newest stage back as before)."""
-        if self.judge is None:
-            return False
-        low, groups = self.replay_candidates()
-        att = self.judge(step, low, groups) if low else None
-        if att is None:
-            return False
-        for look in att.looks[1:]:
-            how = "window trained again" if look.retrained else "current weights"
-            d.events.append(Event(step, EventKind.WINDOW, look.high_precision, {}, {}, (
-                f"{reason}: {how} with {len(look.high_precision)} site(s) in high precision closes "
-                f"{look.closed:.0%} of the gap"), look.to_evidence()))
-        ev = {**evidence, **att.evidence}
-        if not att.precision_to_blame:
-            d.events.append(Event(step, EventKind.NOT_PRECISION, (), {}, {}, (
-                f"{reason}: not precision (every site in high precision does not close the window's gap); "
-                "nothing demoted"), ev))
-            gap = evidence.get("loss_gap", {}).get("gap")
-            if self.loss_gap is not None and gap is not None:
-                # the smoothed gap still rises towards the tail's level: accept the higher
-                base = sum(att.baseline) / max(len(att.baseline), 1)
-                level = (sum(att.configured) / max(len(att.configured), 1) - base) / abs(base) if base else 0.0
-                self.loss_gap.accept(max(gap, level))
-            if rewind and self.config.rewind and self.config.not_precision_rewind:
-                d.action, d.skip_batches = Action.REWIND, self.config.rewind_skip_batches
-                d.rewind_before = att.steps[0]
-                d.events.append(Event(step, EventKind.REWIND, (), {}, {}, f"rewind after {reason} (not precision)",
-                                      {"skip_batches": d.skip_batches, "to_step": att.steps[0]}))
-            self.stable_since = step
-            return True
-        why = f"{reason}: closed by {att.decided_by.replace('_', ' ')} with these sites in high precision"
-        if self.promoted and set(att.blamed) == set(groups[0]):
-            self._rollback_newest(step, why, ev, d)
-        else:
-            for site in att.blamed:
-                self._fallback(site, step, why, ev, d)
-        if rewind and self.config.rewind:
-            d.action, d.skip_batches = Action.REWIND, self.config.rewind_skip_batches
-            d.events.append(Event(step, EventKind.REWIND, (), {}, {}, f"rewind after {reason}",
-                                  {"skip_batches": d.skip_batches}))
-        self.stable_since = step
-        return True
-
-    def _gate_event(self, step: int, result: GateOutcome, what: str, stage: str | None, d: Decision) -> Verdict:
-        try:
-            verdict = Verdict(result.verdict)
-        except ValueError:
-            raise ValueError(f"the gate answered verdict {result.verdict!r}; a gate answers one of "
-                             f"{', '.join(v.value for v in Verdict)}") from None
-        d.events.append(Event(step, EventKind.GATE, (), {}, {}, f"gate {what}: {verdict.value}",
-                              {"verdict": verdict.value, "detail": str(result.reason)}, stage))
-        return verdict
-
-    def observe_gate(self, step: int, result: GateOutcome) -> Decision:
-        """An evaluation checkpoint's gate outcome (`.verdict`, `.reason`), from a periodic
-        eval outside a promotion. A regression is judged by its window (rule 3) when a judge
-        is set, else rolls the newest promoted stage back; the verdict is recorded as a GATE
-        event. No rewind here: the state stays where it is."""
-        d = Decision()
-        verdict = self._gate_event(step, result, "at eval checkpoint", None, d)
-        if verdict is Verdict.REGRESS and not self._judge_slow(step, "evaluation gate regressed",
-                                                               {"verdict": verdict.value}, d, rewind=False):
-            self._rollback_newest(step, "evaluation gate regressed", {"verdict": verdict.value}, d)
             self.stable_since = step
         return d
 

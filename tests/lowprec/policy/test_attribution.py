@@ -221,3 +221,18 @@ def test_no_gap_on_the_window_blames_nothing():
     res = judge_window(SITES, [MLP], configured=[2.0, 2.0], baseline=[2.1, 2.1], look=lambda s: [1.0, 1.0],
                        retrain=lambda s: [1.0, 1.0], close=0.5, max_looks=8, max_windows=3)
     assert not res.precision_to_blame and res.blamed == ()
+
+
+def test_narrowing_down_needs_half_of_what_every_site_closed_not_just_the_criterion():
+    """A gap of which every site in high precision closes 90%: the newest stage (ATTN, tried
+    first) closes 32% by itself (noise and its own format's share), above the 30% criterion
+    but far from the 90%; the culprit's stage closes 85%. The blame is the culprit's stage."""
+    culprit = MLP[1]
+
+    def retrain(sites):
+        share = 0.9 if culprit in sites and len(sites) == len(SITES) else 0.85 if culprit in sites else \
+            0.32 if set(ATTN) <= set(sites) else 0.0
+        return [c - share * (c - b) for c, b in zip(CONFIGURED, BASE)]
+    res = judge(lambda sites: list(CONFIGURED), retrain, close=0.3)
+    assert res.precision_to_blame and culprit in res.blamed and set(res.blamed) <= set(MLP)
+    assert [round(x.closed, 2) for x in res.looks if x.retrained][:2] == [0.9, 0.32]
