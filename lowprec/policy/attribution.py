@@ -38,7 +38,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-__all__ = ["Replay", "Attribution", "attribute", "WindowLook", "WindowAttribution", "judge_window"]
+__all__ = ["Replay", "Attribution", "attribute", "WindowLook", "WindowDeferred", "WindowAttribution",
+           "judge_window"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,18 @@ class WindowLook:
     def to_evidence(self) -> dict:
         return {"high_precision": list(self.high_precision), "losses": list(self.losses), "closed": self.closed,
                 "retrained": self.retrained}
+
+
+@dataclass(frozen=True)
+class WindowDeferred:
+    """No window can be judged yet: every snapshot it could start from is older than the
+    check at `changed_at` that last changed a format, so a window from it would replay steps
+    that trained in other formats (after a demotion: before the fault and the fix alike, where
+    any set of sites in high precision seems to close the gap). The signal is judged at a
+    later check, once a snapshot after the change exists."""
+
+    snapshot: int          # the newest snapshot the window could start from
+    changed_at: int
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,7 @@ class RolloutController(SlowSignalRules):
         self._init_slow_signals(config.thresholds, baseline)   # the loss gap and the judge
         self.promoted = 0                     # stages promoted so far
         self.stable_since = 0                 # step of the last change or instability
+        self.formats_changed_at = -1          # the check that last changed a format (-1: none)
         self.stage_of: dict[str, str] = {}    # site -> name of the stage that promoted it
         self.target: dict[str, str] = {}      # site -> format its stage wants
         self.failures: dict[str, int] = {}
@@ -137,6 +138,7 @@ class RolloutController(SlowSignalRules):
         for s in moved:
             self.current[s] = to[s]
             decision.changes[s] = to[s]
+        self.formats_changed_at = step        # the new formats train from step + 1
         decision.events.append(Event(step, kind, tuple(moved), frm, {s: to[s] for s in moved}, reason,
                                      evidence, stage))
 
@@ -382,7 +384,8 @@ class RolloutController(SlowSignalRules):
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict:
         return {"version": 1, "current": dict(self.current), "promoted": self.promoted,
-                "stable_since": self.stable_since, "stage_of": dict(self.stage_of),
+                "stable_since": self.stable_since, "formats_changed_at": self.formats_changed_at,
+                "stage_of": dict(self.stage_of),
                 "target": dict(self.target), "failures": dict(self.failures), "strikes": dict(self.strikes),
                 "floor": dict(self.floor), "retry_at": dict(self.retry_at),
                 "before_stage": dict(self.before_stage), "stage_failures": dict(self.stage_failures),
@@ -399,6 +402,7 @@ class RolloutController(SlowSignalRules):
             raise ValueError(f"controller state names sites this model lacks: {sorted(unknown)[:5]}")
         self.current = dict(s["current"])
         self.promoted, self.stable_since = int(s["promoted"]), int(s["stable_since"])
+        self.formats_changed_at = int(s.get("formats_changed_at", -1))   # absent before deferred windows
         for name in ("stage_of", "target", "failures", "strikes", "floor", "retry_at", "before_stage",
                      "stage_failures"):
             setattr(self, name, dict(s[name]))

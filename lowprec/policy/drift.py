@@ -9,7 +9,10 @@ out), a global signal blames that site. With no site to blame:
 * a slow signal (the loss gap alone, or an eval checkpoint's regression through
   `observe_gate`) is first judged by its window when a `judge` is set (the session sets
   one: `lowprec.runtime.window`, over the window since the last snapshot, by
-  `lowprec.policy.attribution.judge_window`). If high precision closes the gap, the sites
+  `lowprec.policy.attribution.judge_window`). A window never starts before the check that
+  last changed a format (its steps would have trained in other formats): until a snapshot
+  after that change exists the judgment waits (a WINDOW event says so) and the signal, still
+  firing, is judged at a later check. If high precision closes the gap, the sites
   it blames fall back (their stage rolls back when it is the newest stage, whole), with a
   rewind when `rewind` is on (not after an eval: the state stays where it is). If not,
   nothing is demoted: a NOT_PRECISION event holds the evidence (the window's losses as
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from lowprec.policy.attribution import WindowAttribution
+from lowprec.policy.attribution import WindowAttribution, WindowDeferred
 from lowprec.policy.decisions import Action, Decision
 from lowprec.policy.detectors import LossGapDetector, Thresholds
 from lowprec.policy.events import Event, EventKind
@@ -39,8 +42,9 @@ from lowprec.policy.verdicts import GateOutcome, Verdict
 
 __all__ = ["SlowSignalRules"]
 
-# judge(step, candidates, groups) -> WindowAttribution, or None when no window can be replayed
-Judge = Callable[[int, list[str], list[list[str]]], "WindowAttribution | None"]
+# judge(step, candidates, groups) -> WindowAttribution; WindowDeferred when no window can be
+# judged yet (no snapshot since the formats last changed); None when none can be replayed
+Judge = Callable[[int, list[str], list[list[str]]], "WindowAttribution | WindowDeferred | None"]
 
 
 class SlowSignalRules:
@@ -103,6 +107,11 @@ class SlowSignalRules:
         att = self.judge(step, low, groups) if low else None
         if att is None:
             return False
+        if isinstance(att, WindowDeferred):   # asked again at the next check the signal still fires
+            d.events.append(Event(step, EventKind.WINDOW, (), {}, {}, (
+                f"{reason}: judged later: the newest snapshot (step {att.snapshot}) is older than the "
+                f"format change at step {att.changed_at}"), {"snapshot": att.snapshot, "changed_at": att.changed_at}))
+            return True
         for look in att.looks[1:]:
             how = "window trained again" if look.retrained else "current weights"
             d.events.append(Event(step, EventKind.WINDOW, look.high_precision, {}, {}, (

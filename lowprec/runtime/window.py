@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from lowprec.policy.attribution import WindowAttribution, judge_window
+from lowprec.policy.attribution import WindowAttribution, WindowDeferred, judge_window
 
 __all__ = ["WindowReplayer"]
 
@@ -73,8 +73,10 @@ class WindowReplayer:
         self.entries = {}
 
     # ------------------------------------------------------------------ the judge
-    def judge(self, step: int, candidates: list[str], groups: list[list[str]]) -> WindowAttribution | None:
-        """The controller's judge (`RolloutController.judge`); None when no window can be replayed."""
+    def judge(self, step: int, candidates: list[str], groups: list[list[str]]
+              ) -> WindowAttribution | WindowDeferred | None:
+        """The controller's judge (`RolloutController.judge`); None when no window can be replayed,
+        WindowDeferred when none can be yet (no snapshot since the formats last changed)."""
         s = self.session
         ctl, snaps = s.controller, s.snapshots
         if ctl is None or ctl.loss_gap is None or not hasattr(snaps, "latest"):
@@ -85,6 +87,8 @@ class WindowReplayer:
         start = snaps.latest(last + 1 - self.min_length)
         if start is None:
             return None
+        if start.step <= ctl.formats_changed_at:   # the window would replay other formats' steps
+            return WindowDeferred(start.step, ctl.formats_changed_at)
         steps = list(range(start.step, last + 1))
         if any(k not in self.entries or self.entries[k].closure is None for k in steps):
             return None

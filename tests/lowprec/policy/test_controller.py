@@ -384,7 +384,7 @@ def test_actions_and_verdicts_are_str_enums_that_print_their_values():
 
 
 # ---------------------------------------------------------------------------- slow signals judged by a window
-from lowprec.policy.attribution import WindowAttribution, WindowLook  # noqa: E402
+from lowprec.policy.attribution import WindowAttribution, WindowDeferred, WindowLook  # noqa: E402
 from lowprec.policy.verdicts import Verdict  # noqa: E402
 
 
@@ -456,6 +456,29 @@ def test_without_a_window_the_loss_gap_rolls_back_as_before():
     ctl.judge = lambda step, c, g: None
     d = ctl.observe(89, signals(89, loss=2.3))
     assert any(e.kind == EventKind.ROLLBACK for e in d.events)
+
+
+def test_a_loss_gap_waits_for_a_window_that_starts_after_the_last_format_change():
+    """The judge knows when the formats last changed (the promotions here); a window that
+    would start before that waits: nothing demoted, a WINDOW event says why, and the gap,
+    still firing, is judged at a later check."""
+    ctl = _gapped()
+    promoted = dict(ctl.current)
+    assert ctl.formats_changed_at > 0   # the last promotion's check
+    answers = [WindowDeferred(ctl.formats_changed_at - 10, ctl.formats_changed_at)]
+    judge, calls = _judged(True, STAGES[ctl.promoted - 1].sites)
+    ctl.judge = lambda step, c, g: answers.pop(0) if answers else judge(step, c, g)
+    d = ctl.observe(89, signals(89, loss=2.3))
+    assert not d.changes and d.action is Action.CONTINUE and ctl.current == promoted
+    (ev,) = [e for e in d.events if e.kind == EventKind.WINDOW]
+    assert "judged later" in ev.reason and ev.evidence["changed_at"] == ctl.formats_changed_at
+    d = ctl.observe(99, signals(99, loss=2.3))   # a snapshot after the change now: judged, and blamed
+    assert len(calls) == 1 and any(e.kind == EventKind.ROLLBACK for e in d.events)
+    assert ctl.formats_changed_at == 99
+    # kept across a resume
+    other = _gapped()
+    other.load_state_dict(ctl.state_dict())
+    assert other.formats_changed_at == 99
 
 
 def test_not_precision_rewind_goes_back_to_the_windows_start():
