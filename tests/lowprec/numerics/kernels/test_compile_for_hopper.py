@@ -1,0 +1,65 @@
+"""The fast path's Triton kernels compile for an H100 (sm_90) here, with no GPU.
+
+Triton compiles ahead of time for a named target with the ptxas its wheel ships, so a kernel
+that the interpreter runs but the CUDA backend refuses (a type it cannot lower, a constexpr
+branch that leaves a name unbound) fails here instead of in a GPU session's few minutes. Each
+cast+transpose kernel, every scaling, with and without statistics, is compiled to a cubin.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+triton = pytest.importorskip("triton")
+compiler = pytest.importorskip("triton.compiler")
+GPUTarget = pytest.importorskip("triton.backends.compiler").GPUTarget
+pytest.importorskip("triton.backends.nvidia")
+
+from lowprec.numerics.formats import E4M3, E5M2  # noqa: E402
+from lowprec.numerics.kernels import cast_transpose as ct  # noqa: E402
+from lowprec.numerics.kernels.fp8_cast import _EPS, _odd_max, overflow_threshold  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+POINTERS = dict(x_ptr="*i16", q_ptr="*u8", qt_ptr="*u8", partial_ptr="*fp32", hist_ptr="*fp32",
+                count_ptr="*i64", scratch_ptr="*fp32", ticket_ptr="*i32", overflow_ptr="*fp64",
+                scale_inv_ptr="*fp32", stats_ptr="*fp64", rmax_ptr="*fp32", cmax_ptr="*fp32",
+                si_ptr="*fp32", sit_ptr="*fp32")
+INTS = dict(numel="i64")
+
+
+def _consts(elem) -> dict:
+    """The element's constexprs, as `fp8_cast._prepare` gives them for a BF16 operand."""
+    return dict(BM=64, BN=64, MAX=elem.max, MB=elem.mantissa_bits, BIAS=1 - elem.min_normal_exp,
+                HAS_INF=elem.has_inf, THR=overflow_threshold(elem), ODD=_odd_max(elem), EPS=_EPS, BF16=True)
+
+
+def _compile(kernel, const: dict):
+    names = list(inspect.signature(kernel.fn).parameters)
+    sig, constexprs = {}, {}
+    for i, name in enumerate(names):
+        if name in const:
+            sig[name], constexprs[(i,)] = "constexpr", const[name]
+        else:
+            sig[name] = POINTERS.get(name) or INTS.get(name, "i32")
+    return triton.compile(compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs), target=HOPPER)
+
+
+@pytest.mark.parametrize("elem", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("stats", [False, True], ids=["plain", "stats"])
+@pytest.mark.parametrize("delayed", [False, True], ids=["tensorwise", "delayed"])
+def test_cast_transpose_compiles_for_sm90(elem, stats, delayed):
+    const = dict(_consts(elem), BLOCK_P=1 if delayed else 64, BLOCK_L=16 if delayed else 1, DELAYED=delayed,
+                 MOST_RECENT=False, MARGIN_DIV=1.0, OVERFLOW=delayed, TRANSPOSE=True, STATS=stats)
+    k = _compile(ct._ct_kernel, const)
+    assert k.asm["cubin"] and "sm_90" in k.asm["ptx"]
+
+
+@pytest.mark.parametrize("stats", [False, True], ids=["plain", "stats"])
+def test_rowwise_kernels_compile_for_sm90(stats):
+    c = _consts(E4M3)
+    k = _compile(ct._ct_row_kernel, dict(c, TRANSPOSE=True, STATS=stats))
+    assert k.asm["cubin"]
+    m = _compile(ct._amax_rows_cols_kernel, dict(BM=64, BN=64, BF16=True))
+    assert m.asm["cubin"]
