@@ -73,10 +73,10 @@ class SlowSignalRules:
             names = ", ".join(name for name, _ in fired)
             self._fallback(site, step, f"{names} while this site's thresholds are crossed",
                            {**crossed, **{name: ev for name, ev in fired}}, d)
-        if fired and not blamed and [name for name, _ in fired] == ["loss_gap"] and \
-                self._judge_slow(step, "loss_gap", dict(fired), d, rewind=True):
-            pass
-        elif fired and not blamed:
+        # the loss gap alone is a slow signal: judged by its window first, where there is one
+        judged = (fired and not blamed and [name for name, _ in fired] == ["loss_gap"]
+                  and self._judge_slow(step, "loss_gap", dict(fired), d, rewind=True))
+        if fired and not blamed and not judged:
             reason = ", ".join(name for name, _ in fired)
             evidence = {name: ev for name, ev in fired}
             rolled = self._rollback_newest(step, f"global signal: {reason}", evidence, d)
