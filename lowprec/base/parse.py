@@ -278,33 +278,29 @@ def to_data(obj: Any) -> Any:
 
 def read_yaml_file(path: str | Path, expected: str = "a mapping of sections") -> dict:
     """A config file's top-level mapping; every problem is a ConfigError naming the file: a
-    folder or no file, a YAML tag that safe loading refuses, invalid YAML, an unreadable or
-    non-UTF-8 file, and contents that are not a mapping (`expected` says what is)."""
-    import yaml
+    folder or no file, an unreadable or non-UTF-8 file, and what `read_yaml_text` refuses."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(str(p), "is a folder, not a config file" if p.is_dir() else
                           "no such config file; give the path of a YAML file (e.g. experiments/configs/default.yaml)")
     try:
-        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.constructor.ConstructorError as e:
-        raise ConfigError(str(p), f"uses a YAML tag that safe loading refuses ({e.problem}"
-                                  f"{e.problem_mark or ''}); a config is plain data: mappings, lists, "
-                                  "strings, numbers") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(str(p), f"not valid YAML: {e}") from None
+        text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(str(p), f"cannot read the file: {e}") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(str(p), f"expected {expected}, found {found(doc)}")
-    return doc
+    return read_yaml_text(text, str(p), expected)
 
 
 def read_yaml_text(text: str, origin: str = "<yaml>", expected: str = "a mapping of sections") -> dict:
-    """`read_yaml_file` for YAML already in hand (`origin` names it in errors)."""
+    """YAML's top-level mapping, read with the safe loader; every problem is a ConfigError
+    naming `origin`: a YAML tag that safe loading refuses, invalid YAML, and contents that are
+    not a mapping (`expected` says what is)."""
     import yaml
     try:
         doc = yaml.safe_load(text)
+    except yaml.constructor.ConstructorError as e:
+        raise ConfigError(origin, f"uses a YAML tag that safe loading refuses ({e.problem}"
+                                  f"{e.problem_mark or ''}); a config is plain data: mappings, lists, "
+                                  "strings, numbers") from None
     except yaml.YAMLError as e:
         raise ConfigError(origin, f"not valid YAML: {e}") from None
     if not isinstance(doc, dict):

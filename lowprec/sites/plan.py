@@ -35,7 +35,6 @@ import fnmatch
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch.nn as nn
