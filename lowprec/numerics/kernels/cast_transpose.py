@@ -51,6 +51,12 @@ _N_STATS = len(QuantStats.FIELDS)
 
 
 @triton.jit
+def _stats_row(part_ptr):
+    """This tile's row of the (tiles, 8) statistics partials."""
+    return part_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * 8
+
+
+@triton.jit
 def _tile_stats(part_ptr, first, amax, numel, ax, qa, sat, under, nonfin, scale):
     """Write this tile's counts and FP64 sums to its own row of the (tiles, 8) partials (slots
     as QuantStats; the host sums the rows). No atomics: one address per tile and slot, so the
@@ -60,7 +66,7 @@ def _tile_stats(part_ptr, first, amax, numel, ax, qa, sat, under, nonfin, scale)
     a64 = ax.to(tl.float64)
     err = qa.to(tl.float64) / scale.to(tl.float64) - a64
     sq = a64 * a64
-    row = part_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * 8
+    row = _stats_row(part_ptr)
     tl.store(row + 0, tl.where(first, tl.cast(amax, tl.float64), 0.0))
     tl.store(row + 1, tl.sum(tl.sum(sat.to(tl.float64), axis=1), axis=0))
     tl.store(row + 2, tl.sum(tl.sum(under.to(tl.float64), axis=1), axis=0))
@@ -136,8 +142,7 @@ def _ct_kernel(x_ptr, q_ptr, qt_ptr, partial_ptr, P, hist_ptr, count_ptr, L, scr
                     over = half > THR
                 tl.store(overflow_ptr, tl.load(overflow_ptr) + over.to(tl.float64))
             if STATS:   # into this tile's row of the partials, whose slot 0 it wrote as 0
-                tl.store(stats_ptr + (pid_m * tl.num_programs(1) + pid_n).to(tl.int64) * 8,
-                         amax.to(tl.float64))
+                tl.store(_stats_row(stats_ptr), amax.to(tl.float64))
             tl.store(scratch_ptr, 0.0)
             tl.store(ticket_ptr, 0)
 
@@ -216,13 +221,15 @@ def _grid(m: int, n: int, tile) -> tuple[int, int]:
     return (max(1, triton.cdiv(m, tile[0])), max(1, triton.cdiv(n, tile[1])))
 
 
-def _buffers(x2: torch.Tensor, transpose: bool, stats: bool, tiles: int):
+def _buffers(x2: torch.Tensor, transpose: bool, stats: bool, grid: tuple[int, int]):
     """q, q_t (empty without transpose) and the per-tile statistics partials ((tiles, 8) FP64,
-    every row written by its tile; empty without stats)."""
+    every row written by its tile; no rows without stats or without elements, where no
+    kernel runs)."""
     m, n = x2.shape
+    tiles = grid[0] * grid[1] if stats and m and n else 0
     q = torch.empty((m, n), dtype=torch.uint8, device=x2.device)
     qt = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=x2.device)
-    part = torch.empty((tiles if stats else 0, _N_STATS), dtype=torch.float64, device=x2.device)
+    part = torch.empty((tiles, _N_STATS), dtype=torch.float64, device=x2.device)
     return q, qt, part
 
 
@@ -245,13 +252,13 @@ def cast_transpose(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool
     elem, x2, c = _prepare(x, elem, "cast_transpose")
     m, n = x2.shape
     grid = _grid(m, n, tile)
-    q, qt, part = _buffers(x2, transpose, stats, grid[0] * grid[1])
+    q, qt, part = _buffers(x2, transpose, stats, grid)
     scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
     p = _flat_grid(x2.numel(), 2048)
     partial = torch.empty(p, dtype=torch.float32, device=x2.device)
     _amax_partial_kernel[(p,)](_bits(x2), partial, x2.numel(), BLOCK=2048, BF16=c["BF16"], num_warps=8)
     if not x2.numel():
-        return _empty_result(x2, elem, q, qt, _stats_of(part[:0], stats), scale_inv)
+        return _empty_result(x2, elem, q, qt, _stats_of(part, stats), scale_inv)
     _ct_kernel[grid](
         _bits(x2), q, _ptr(qt, q), partial, p, partial, partial, 1, partial, partial, partial, scale_inv,
         _ptr(part, partial), m * n, m, n, n, BM=tile[0], BN=tile[1], BLOCK_P=triton.next_power_of_2(p), BLOCK_L=1, MB=c.pop("M"),
@@ -270,12 +277,12 @@ def cast_transpose_delayed(x: torch.Tensor, elem, state: DelayedState, *, margin
     elem, x2, c = _prepare(x, elem, "cast_transpose_delayed")
     m, n = x2.shape
     grid = _grid(m, n, tile)
-    q, qt, part = _buffers(x2, transpose, stats, grid[0] * grid[1])
+    q, qt, part = _buffers(x2, transpose, stats, grid)
     scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
     hist = state.history
     ov = overflow[overflow_index:] if overflow is not None else hist
     if not x2.numel():
-        return _empty_result(x2, elem, q, qt, _stats_of(part[:0], stats), scale_inv)
+        return _empty_result(x2, elem, q, qt, _stats_of(part, stats), scale_inv)
     _ct_kernel[grid](
         _bits(x2), q, _ptr(qt, q), hist, 1, hist, state.count, hist.numel(), state.scratch, state.ticket, ov,
         scale_inv, _ptr(part, hist), m * n, m, n, n, BM=tile[0], BN=tile[1], BLOCK_P=1,
@@ -293,11 +300,10 @@ def cast_transpose_rowwise(x: torch.Tensor, elem, *, transpose: bool = True, sta
     elem, x2, c = _prepare(x, elem, "cast_transpose_rowwise")
     m, n = x2.shape
     grid = _grid(m, n, tile)
-    q, qt, part = _buffers(x2, transpose, stats, grid[0] * grid[1] if m and n else 0)
+    q, qt, part = _buffers(x2, transpose, stats, grid)
     maxima = torch.zeros(m + n, dtype=torch.float32, device=x2.device)
     si = torch.empty((m, 1), dtype=torch.float32, device=x2.device)
     sit = torch.empty((n, 1) if transpose else (0, 1), dtype=torch.float32, device=x2.device)
-    st = part.new_empty(0)
     if m and n:
         _amax_rows_cols_kernel[grid](_bits(x2), maxima, maxima[m:], m, n, n, BM=tile[0], BN=tile[1],
                                      BF16=c["BF16"], num_warps=4)
