@@ -209,6 +209,18 @@ def train(model, session, data, steps, planted=None, lr=3e-3, warmup=20):
     return times
 
 
+def restore_warm(warm: dict, model, opt, session, *, controller: bool = True) -> None:
+    """Load the warm state (`main`'s `warm`) into a freshly built run: the model, the optimizer,
+    the precision state and, with `controller`, the session's. Copies: an optimizer loads its
+    state's tensors without copying them, so the AdamW moments would alias the warm state's
+    and every run would start where the one before it ended."""
+    model.load_state_dict(warm["model"])
+    opt.load_state_dict(copy.deepcopy(warm["opt"]))
+    session.state.load_state_dict(copy.deepcopy(warm["precision"]))
+    if controller:
+        session.load_state_dict(copy.deepcopy(warm["session"]))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--no-replay", action="store_true", help="statistics rules only (the controller before replays)")
@@ -263,10 +275,7 @@ def main(argv=None) -> None:
     rows = []
     for i, fault in enumerate(faults):
         model, opt, session = build(not args.no_replay)
-        model.load_state_dict(warm["model"])
-        opt.load_state_dict(copy.deepcopy(warm["opt"]))   # copies: a loaded optimizer state aliases its tensors
-        session.state.load_state_dict(copy.deepcopy(warm["precision"]))
-        session.load_state_dict(copy.deepcopy(warm["session"]))
+        restore_warm(warm, model, opt, session)
         session.events = []
         session.snapshots.kept.clear()
         session.snapshots.take(WARM)

@@ -49,13 +49,13 @@ fault, not precision).
 
 from __future__ import annotations
 
-import copy
 import random
 import time
 from dataclasses import dataclass
 
 import torch
 
+from experiments.attribution_bench import restore_warm
 from experiments.model import build_gpt
 from lowprec.policy.events import EventKind
 from lowprec.sites.plan import PrecisionPlan
@@ -250,13 +250,8 @@ def campaign_main(args, data, warm, low, plan_dict, rollout_dict, warm_steps) ->
         r = None if extra is None else parse_rollout({
             **rollout_dict, "thresholds": {**rollout_dict["thresholds"], **extra}, "baseline": {"losses": "in-memory"}})
         session = Session.build(model, opt, PrecisionPlan.from_dict(plan_dict), r, baseline=baseline)
-        model.load_state_dict(warm["model"])
-        # copies: an optimizer loads its state's tensors without copying them (the AdamW
-        # moments would alias the warm state's, and every run would start where the last one ended)
-        opt.load_state_dict(copy.deepcopy(warm["opt"]))
-        session.state.load_state_dict(copy.deepcopy(warm["precision"]))
+        restore_warm(warm, model, opt, session, controller=r is not None)
         if r is not None:
-            session.load_state_dict(copy.deepcopy(warm["session"]))
             session.controller.loss_gap.ema = session.controller.loss_gap.base_ema = None
             session.events = []
             session.snapshots.kept.clear()
