@@ -18,6 +18,13 @@ shapes) and dispatch modes see one op per operand:
 outputs are 0-element tensors (`transpose=False`, `stats=False`). `stats` is the packed
 `QuantStats` vector (8 FP64) of the row-major cast.
 
+Under `torch.compile` on CUDA, AOTAutograd's functionalization sees each op as the Triton
+kernels it launches (`torch.library.wrap_triton`, as `torch.library.triton_op` does): Inductor
+launches them from its own wrapper code, and `mode="reduce-overhead"` can capture them in a
+CUDA graph. On CPU, and under torch.export, an op stays one node. In eager code the layer
+calls `cast` / `cast_delayed`, which skip the dispatcher (host time per call) where nothing
+traces and no dispatch mode is on, and go through the ops otherwise.
+
 Implementations: on CUDA, and on CPU when Triton's interpreter is on (`TRITON_INTERPRET=1`
 set before Triton is imported, how the CPU tests run the kernels), the Triton kernels of
 `lowprec.numerics.kernels.cast_transpose`; otherwise the reference quantizer
@@ -32,6 +39,7 @@ import os
 
 import torch
 from torch import Tensor
+from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from lowprec.numerics.delayed import history_record, history_scale
 from lowprec.numerics.formats import E4M3, E5M2, QuantSpec, Scaling
@@ -39,7 +47,7 @@ from lowprec.numerics.grid import saturates
 from lowprec.numerics.quant_stats import QuantStats
 from lowprec.numerics.quantize import quantize
 
-__all__ = ["fp8_cast", "fp8_cast_delayed", "ELEMENTS", "element_code", "uses_kernels"]
+__all__ = ["fp8_cast", "fp8_cast_delayed", "cast", "cast_delayed", "ELEMENTS", "element_code", "uses_kernels"]
 
 ELEMENTS = (E4M3, E5M2)
 _N_STATS = len(QuantStats.FIELDS)
@@ -79,16 +87,19 @@ def _empty(x: Tensor, *shape, dtype=torch.float32) -> Tensor:
 # ----------------------------------------------------------------------------- fp8_cast
 
 
-@torch.library.custom_op("lowprec::fp8_cast", mutates_args=())
-def fp8_cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool
-             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _kernel_cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool, *, launch):
+    """fp8_cast by the Triton kernels, launched by `launch` (eager, or traced into a graph)."""
+    from lowprec.numerics.kernels.cast_transpose import cast_transpose, cast_transpose_rowwise
     element = ELEMENTS[elem]
-    if uses_kernels(x):
-        from lowprec.numerics.kernels.cast_transpose import cast_transpose, cast_transpose_rowwise
-        if rowwise:
-            return cast_transpose_rowwise(x, element, transpose=transpose, stats=stats)
-        q, si, qt, st = cast_transpose(x, element, transpose=transpose, stats=stats)
-        return q, si, qt, _empty(x, 0), st
+    if rowwise:
+        return cast_transpose_rowwise(x, element, transpose=transpose, stats=stats, launch=launch)
+    q, si, qt, st = cast_transpose(x, element, transpose=transpose, stats=stats, launch=launch)
+    return q, si, qt, _empty(x, 0), st
+
+
+def _reference_cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool):
+    """fp8_cast by the reference quantizer (CPU without Triton's interpreter)."""
+    element = ELEMENTS[elem]
     scaling = Scaling.ROW if rowwise else Scaling.TENSOR
     ref = quantize(x, QuantSpec(element, scaling), stats=stats, validate=False)
     q = ref.to_storage().contiguous()
@@ -101,6 +112,19 @@ def fp8_cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool
         return q, si, _empty(x, 0, 0, dtype=q.dtype), _empty(x, 0, 1), st
     ref_t = quantize(x.t(), QuantSpec(element, Scaling.ROW), validate=False)
     return q, si, ref_t.to_storage().contiguous(), ref_t.scale_inv.reshape(-1, 1).clone(), st
+
+
+def _cast_eager(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool):
+    if uses_kernels(x):
+        from lowprec.numerics.kernels.cast_transpose import eager_launch
+        return _kernel_cast(x, elem, rowwise, transpose, stats, launch=eager_launch)
+    return _reference_cast(x, elem, rowwise, transpose, stats)
+
+
+@torch.library.custom_op("lowprec::fp8_cast", mutates_args=())
+def fp8_cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _cast_eager(x, elem, rowwise, transpose, stats)
 
 
 @fp8_cast.register_fake
@@ -117,19 +141,22 @@ def _(x, elem, rowwise, transpose, stats):
 # ----------------------------------------------------------------------------- fp8_cast_delayed
 
 
-@torch.library.custom_op("lowprec::fp8_cast_delayed",
-                         mutates_args=("history", "count", "scratch", "ticket", "overflow"))
-def fp8_cast_delayed(x: Tensor, elem: int, history: Tensor, count: Tensor, scratch: Tensor,
-                     ticket: Tensor, overflow: Tensor, overflow_index: int, margin: int,
-                     most_recent: bool, transpose: bool, stats: bool, count_overflow: bool
-                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _kernel_cast_delayed(x: Tensor, elem: int, history: Tensor, count: Tensor, scratch: Tensor,
+                         ticket: Tensor, overflow: Tensor, overflow_index: int, margin: int,
+                         most_recent: bool, transpose: bool, stats: bool, count_overflow: bool, *, launch):
+    """fp8_cast_delayed by the Triton kernel, launched by `launch`."""
+    from lowprec.numerics.kernels.cast_transpose import DelayedState, cast_transpose_delayed
+    state = DelayedState(history, count, scratch, ticket)
+    return cast_transpose_delayed(x, ELEMENTS[elem], state, margin=margin, most_recent=most_recent,
+                                  overflow=overflow if count_overflow else None,
+                                  overflow_index=overflow_index, transpose=transpose, stats=stats,
+                                  launch=launch)
+
+
+def _reference_cast_delayed(x, elem, history, count, scratch, ticket, overflow, overflow_index, margin,
+                            most_recent, transpose, stats, count_overflow):
+    """fp8_cast_delayed by the reference quantizer (`AmaxHistory`'s arithmetic)."""
     element = ELEMENTS[elem]
-    if uses_kernels(x):
-        from lowprec.numerics.kernels.cast_transpose import DelayedState, cast_transpose_delayed
-        state = DelayedState(history, count, scratch, ticket)
-        return cast_transpose_delayed(x, element, state, margin=margin, most_recent=most_recent,
-                                      overflow=overflow if count_overflow else None,
-                                      overflow_index=overflow_index, transpose=transpose, stats=stats)
     scale = history_scale(history, count, element, margin, most_recent)
     ref = quantize(x, QuantSpec(element, Scaling.DELAYED), scale=scale, stats=stats, validate=False)
     if count_overflow:
@@ -141,6 +168,23 @@ def fp8_cast_delayed(x: Tensor, elem: int, history: Tensor, count: Tensor, scrat
     return q, ref.scale_inv.reshape(()).clone(), qt, st
 
 
+def _cast_delayed_eager(x, *args):
+    if uses_kernels(x):
+        from lowprec.numerics.kernels.cast_transpose import eager_launch
+        return _kernel_cast_delayed(x, *args, launch=eager_launch)
+    return _reference_cast_delayed(x, *args)
+
+
+@torch.library.custom_op("lowprec::fp8_cast_delayed",
+                         mutates_args=("history", "count", "scratch", "ticket", "overflow"))
+def fp8_cast_delayed(x: Tensor, elem: int, history: Tensor, count: Tensor, scratch: Tensor,
+                     ticket: Tensor, overflow: Tensor, overflow_index: int, margin: int,
+                     most_recent: bool, transpose: bool, stats: bool, count_overflow: bool
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _cast_delayed_eager(x, elem, history, count, scratch, ticket, overflow, overflow_index, margin,
+                               most_recent, transpose, stats, count_overflow)
+
+
 @fp8_cast_delayed.register_fake
 def _(x, elem, history, count, scratch, ticket, overflow, overflow_index, margin, most_recent,
       transpose, stats, count_overflow):
@@ -149,6 +193,62 @@ def _(x, elem, history, count, scratch, ticket, overflow, overflow_index, margin
     return (x.new_empty((m, n), dtype=dt), x.new_empty((), dtype=torch.float32),
             x.new_empty((n, m) if transpose else (0, 0), dtype=dt),
             x.new_empty((_N_STATS if stats else 0,), dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------- graphs and eager calls
+
+
+def _kernels_in_graph(mode, op, types, args, kwargs, kernel_impl):
+    """How AOTAutograd's functionalization sees the ops: on CUDA, as the Triton kernels they
+    launch (through `torch.library.wrap_triton`, as `torch.library.triton_op` does), so that
+    Inductor launches them from its own wrapper code with the rest of the graph (and CUDA
+    graphs can capture them) instead of calling back into Python; on other devices, and for
+    torch.export (which keeps custom ops whole), as the one opaque op."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    from torch.export._trace import custom_triton_ops_decomposition_disabled
+    plain = all(t in (torch.Tensor, FunctionalTensor) or issubclass(t, FakeTensor) for t in types)
+    if not (args[0].is_cuda and plain) or custom_triton_ops_decomposition_disabled():
+        return mode.__torch_dispatch__(op, types, args, kwargs)
+    from lowprec.numerics.kernels.cast_transpose import traced_launch
+    with mode:
+        return kernel_impl(*args, **kwargs, launch=traced_launch)
+
+
+@fp8_cast.register_torch_dispatch(FunctionalTensorMode)
+def _(mode, op, types, args, kwargs):
+    return _kernels_in_graph(mode, op, types, args, kwargs, _kernel_cast)
+
+
+@fp8_cast_delayed.register_torch_dispatch(FunctionalTensorMode)
+def _(mode, op, types, args, kwargs):
+    return _kernels_in_graph(mode, op, types, args, kwargs, _kernel_cast_delayed)
+
+
+def _direct(x: Tensor) -> bool:
+    """Whether a call may skip the dispatcher: a plain tensor, nothing tracing (torch.compile,
+    make_fx) and no dispatch mode (FakeTensorMode, a traffic counter) that should see the op.
+    The dispatcher costs a custom op about as much host time as a kernel launch."""
+    return (type(x) is Tensor and not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0)
+
+
+def cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool):
+    """`torch.ops.lowprec.fp8_cast`, its implementation called directly where `_direct`."""
+    if _direct(x):
+        return _cast_eager(x, elem, rowwise, transpose, stats)
+    return torch.ops.lowprec.fp8_cast(x, elem, rowwise, transpose, stats)
+
+
+def cast_delayed(x: Tensor, elem: int, history: Tensor, count: Tensor, scratch: Tensor, ticket: Tensor,
+                 overflow: Tensor, overflow_index: int, margin: int, most_recent: bool, transpose: bool,
+                 stats: bool, count_overflow: bool):
+    """`torch.ops.lowprec.fp8_cast_delayed`, called directly where `_direct`."""
+    args = (elem, history, count, scratch, ticket, overflow, overflow_index, margin, most_recent, transpose,
+            stats, count_overflow)
+    if _direct(x):
+        return _cast_delayed_eager(x, *args)
+    return torch.ops.lowprec.fp8_cast_delayed(x, *args)
 
 
 # ----------------------------------------------------------------------------- traffic model

@@ -10,7 +10,8 @@ allows:
     dgrad  dx = dy @ w        _scaled_mm(q_dy, q_wt^T)
     wgrad  dw = dy^T @ x      _scaled_mm(q_dyt, q_xt^T)
 
-Each operand is cast once, by one custom op (`lowprec.numerics.fp8_ops`), into both layouts it is
+Each operand is cast once, by one custom op (`lowprec.numerics.fp8_ops`; called directly in
+eager code, its Triton kernels inlined into a compiled graph), into both layouts it is
 needed in (cast+transpose); the forward saves only the FP8 transposed input and the
 weight's FP8 transpose for the backward (no BF16 or FP32 copy); `_scaled_mm` writes BF16
 directly (and adds a BF16 bias in its epilogue). The weight's FP8 forms are cached across gradient-accumulation
@@ -95,11 +96,11 @@ def _cast(t: Tensor, elem: int, recipe: FastRecipe, hist, overflow: Tensor | Non
           transpose: bool):
     """(q, scale_inv, q_t, scale_inv_t, packed stats) of one operand by one custom op."""
     if recipe.delayed:
-        q, si, qt, st = torch.ops.lowprec.fp8_cast_delayed(
+        q, si, qt, st = fp8_ops.cast_delayed(
             t, elem, hist.history, hist.count, hist.scratch, hist.ticket, overflow, index,
             recipe.margin, recipe.most_recent, transpose, recipe.stats, recipe.count_overflow)
         return q, si, qt, si, st
-    q, si, qt, sit, st = torch.ops.lowprec.fp8_cast(t, elem, recipe.rowwise, transpose, recipe.stats)
+    q, si, qt, sit, st = fp8_ops.cast(t, elem, recipe.rowwise, transpose, recipe.stats)
     return q, si, qt, (sit if recipe.rowwise else si), st
 
 

@@ -35,14 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec.numerics.delayed import AmaxHistory
+from lowprec.numerics.formats import Format, QuantSpec, ScaleEncoding, Scaling
+from lowprec.numerics.grid import saturates
+from lowprec.numerics.hadamard import RandomHadamard
+from lowprec.numerics.quant_stats import QuantStats
+from lowprec.numerics.quantize import quantize
 from lowprec.sites.fp8_linear import (NO_HISTORY, DelayedTensors, FastRecipe, FP8LinearFn, WeightForms, cast_weight,
                                       fast_recipe)
-from lowprec.numerics.quant_stats import QuantStats
-from lowprec.sites.weight_cache import cache_key
-from lowprec.numerics.formats import Format, QuantSpec, ScaleEncoding, Scaling
-from lowprec.numerics.hadamard import RandomHadamard
-from lowprec.numerics.grid import saturates
-from lowprec.numerics.quantize import QuantStats, quantize
 from lowprec.sites.quantized_gemms import QuantizedLinearFn
 from lowprec.sites.weight_cache import WeightCache, cache_key, cacheable
 

@@ -154,3 +154,54 @@ def test_fast_path_compiles_on_cuda():
     eager = model(x)
     compiled = torch.compile(model)(x)
     assert ((compiled.float() - eager.float()).norm() / eager.float().norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_compiled_cast_is_the_kernels_in_inductors_code(rowwise):
+    """Compiled, the cast op is its Triton kernels launched from Inductor's own code (no call
+    back into the Python op: lowprec.numerics.fp8_ops), with the same bytes, scales and statistics."""
+    from torch._inductor.utils import run_and_get_code
+
+    def cast(x):
+        return torch.ops.lowprec.fp8_cast(x, 0, rowwise, True, True)
+
+    x = torch.randn(1024, 768, device="cuda", dtype=torch.bfloat16)
+    eager = cast(x)
+    compiled, codes = run_and_get_code(torch.compile(cast), x)
+    code = "\n".join(codes)
+    assert ("_ct_row_kernel" if rowwise else "_ct_kernel") in code and "lowprec.fp8_cast" not in code
+    for a, b in zip(eager, compiled):
+        if a.dtype.itemsize == 1:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_tensorwise", "fp8_delayed"])
+def test_fast_path_under_cuda_graphs_trains_as_eager(fmt):
+    """torch.compile(mode="reduce-overhead") replays a fast-path layer's steps as CUDA graphs
+    (the casts are in the graph): three SGD steps give eager's weights, and the delayed
+    history advances as in eager (its in-place updates are replayed too)."""
+    torch.manual_seed(0)
+    base = nn.Linear(1024, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
+    layers = [PrecisionLinear.from_module(nn.Linear(1024, 1024, bias=False, device="cuda", dtype=torch.bfloat16),
+                                          get_format(fmt), get_backend("torch")) for _ in range(2)]
+    for layer in layers:
+        with torch.no_grad():
+            layer.weight.copy_(base.weight)
+        layer.collect_stats = False
+    runs = [layers[0], torch.compile(layers[1], mode="reduce-overhead")]
+    opts = [torch.optim.SGD(layer.parameters(), lr=1e-2) for layer in layers]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, generator=g)
+        dy = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, generator=g)
+        for run, opt in zip(runs, opts):
+            torch.compiler.cudagraph_mark_step_begin()
+            run(x).backward(dy)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    a, b = (layer.weight.float() for layer in layers)
+    assert ((a - b).norm() / a.norm()).item() < 1e-3
+    for key, h in layers[0].histories.items():
+        assert torch.equal(h.count, layers[1].histories[key].count)
+        assert torch.equal(h.history, layers[1].histories[key].history)

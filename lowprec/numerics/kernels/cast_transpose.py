@@ -96,7 +96,7 @@ def _history_scale(hist_ptr, count_ptr, L, BLOCK_L: tl.constexpr, MAX: tl.conste
 
 @triton.jit
 def _ct_kernel(x_ptr, q_ptr, qt_ptr, partial_ptr, P, hist_ptr, count_ptr, L, scratch_ptr, ticket_ptr,
-               overflow_ptr, scale_inv_ptr, stats_ptr, numel, M, N, stride_x,
+               overflow_ptr, overflow_index, scale_inv_ptr, stats_ptr, numel, M, N, stride_x,
                BM: tl.constexpr, BN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr,
                MAX: tl.constexpr, MB: tl.constexpr, BIAS: tl.constexpr, HAS_INF: tl.constexpr,
                THR: tl.constexpr, ODD: tl.constexpr, EPS: tl.constexpr, DELAYED: tl.constexpr,
@@ -140,7 +140,8 @@ def _ct_kernel(x_ptr, q_ptr, qt_ptr, partial_ptr, P, hist_ptr, count_ptr, L, scr
                     over = half >= THR
                 else:
                     over = half > THR
-                tl.store(overflow_ptr, tl.load(overflow_ptr) + over.to(tl.float64))
+                ov = overflow_ptr + overflow_index
+                tl.store(ov, tl.load(ov) + over.to(tl.float64))
             if STATS:   # into this tile's row of the partials, whose slot 0 it wrote as 0
                 tl.store(_stats_row(stats_ptr), amax.to(tl.float64))
             tl.store(scratch_ptr, 0.0)
@@ -148,18 +149,20 @@ def _ct_kernel(x_ptr, q_ptr, qt_ptr, partial_ptr, P, hist_ptr, count_ptr, L, scr
 
 
 @triton.jit
-def _amax_rows_cols_kernel(x_ptr, rmax_ptr, cmax_ptr, M, N, stride_x, BM: tl.constexpr,
+def _amax_rows_cols_kernel(x_ptr, maxima_ptr, M, N, stride_x, BM: tl.constexpr,
                            BN: tl.constexpr, BF16: tl.constexpr):
+    """Row maxima into maxima[:M], column maxima into maxima[M:] (one base pointer and an
+    offset, not two views: a graph then sees one buffer written)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     m = (rows[:, None] < M) & (cols[None, :] < N)
     ax, _ = _finite_abs(_load_f32(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], m, BF16))
-    tl.atomic_max(rmax_ptr + rows, tl.max(ax, axis=1), mask=rows < M)
-    tl.atomic_max(cmax_ptr + cols, tl.max(ax, axis=0), mask=cols < N)
+    tl.atomic_max(maxima_ptr + rows, tl.max(ax, axis=1), mask=rows < M)
+    tl.atomic_max(maxima_ptr + M + cols, tl.max(ax, axis=0), mask=cols < N)
 
 
 @triton.jit
-def _ct_row_kernel(x_ptr, q_ptr, qt_ptr, rmax_ptr, cmax_ptr, si_ptr, sit_ptr, stats_ptr, numel, M, N, stride_x,
+def _ct_row_kernel(x_ptr, q_ptr, qt_ptr, maxima_ptr, si_ptr, sit_ptr, stats_ptr, numel, M, N, stride_x,
                    BM: tl.constexpr, BN: tl.constexpr, MAX: tl.constexpr, MB: tl.constexpr,
                    BIAS: tl.constexpr, HAS_INF: tl.constexpr, THR: tl.constexpr, ODD: tl.constexpr,
                    EPS: tl.constexpr, TRANSPOSE: tl.constexpr, STATS: tl.constexpr, BF16: tl.constexpr):
@@ -171,21 +174,21 @@ def _ct_row_kernel(x_ptr, q_ptr, qt_ptr, rmax_ptr, cmax_ptr, si_ptr, sit_ptr, st
     cm = cols < N
     m = rm[:, None] & cm[None, :]
     x = _load_f32(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], m, BF16)
-    ramax = tl.load(rmax_ptr + rows, mask=rm, other=0.0)
+    ramax = tl.load(maxima_ptr + rows, mask=rm, other=0.0)
     rs, rsi = _scale_of(ramax, MAX, EPS)
     code, ax, sat, under, nonfin, qa = _encode(x, rs[:, None], MAX, MB, BIAS, HAS_INF, THR, ODD)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], code, mask=m)
     if pid_n == 0:
         tl.store(si_ptr + rows, rsi, mask=rm)
     if TRANSPOSE:
-        camax = tl.load(cmax_ptr + cols, mask=cm, other=0.0)
+        camax = tl.load(maxima_ptr + M + cols, mask=cm, other=0.0)
         cs, csi = _scale_of(camax, MAX, EPS)
         code_t, _, _, _, _, _ = _encode(x, cs[None, :], MAX, MB, BIAS, HAS_INF, THR, ODD)
         mt = cm[:, None] & rm[None, :]
         tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(code_t), mask=mt)
         if pid_m == 0:
             tl.store(sit_ptr + cols, csi, mask=cm)
-    if STATS:   # slot 0 (the largest row amax) is set by the host from the maxima
+    if STATS:   # slot 0 (the operand's amax) is set by the host from the maxima
         _tile_stats(stats_ptr, (pid_m == 0) & (pid_n == 0), 0.0, numel, ax, qa, sat & m, under & m,
                     nonfin & m, rs[:, None])
 
@@ -193,11 +196,17 @@ def _ct_row_kernel(x_ptr, q_ptr, qt_ptr, rmax_ptr, cmax_ptr, si_ptr, sit_ptr, st
 # ----------------------------------------------------------------------------- host code
 
 
-def _empty_result(x2, elem, q, qt, st, scale_inv):
-    """An operand with no elements: the scale of an all-zero tensor (amax 0, as quantize)."""
+def _fill_zero_amax_scale_inv(elem, *scale_invs: torch.Tensor) -> None:
+    """Fill `scale_invs` with the scale_inv of an all-zero tensor (amax 0, as quantize's)."""
     from lowprec.numerics.quantize import _div, _EPS
-    scale = _div(elem.max, torch.full((), _EPS, device=x2.device))
-    scale_inv.copy_(_div(1.0, scale).expand_as(scale_inv))
+    for t in scale_invs:
+        scale = _div(elem.max, torch.full((), _EPS, device=t.device))
+        t.copy_(_div(1.0, scale).expand_as(t))
+
+
+def _empty_result(x2, elem, q, qt, st, scale_inv):
+    """An operand with no elements: the scale of an all-zero tensor."""
+    _fill_zero_amax_scale_inv(elem, scale_inv)
     return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), st
 
 
@@ -215,6 +224,18 @@ class DelayedState:
         dev = history.device
         self.scratch = torch.zeros((), dtype=torch.float32, device=dev) if scratch is None else scratch
         self.ticket = torch.zeros((), dtype=torch.int32, device=dev) if ticket is None else ticket
+
+
+def eager_launch(kernel, grid):
+    """`kernel[grid]`: a plain Triton launch (eager calls, the custom ops' implementations)."""
+    return kernel[grid]
+
+
+def traced_launch(kernel, grid):
+    """The launch as `torch.library.wrap_triton` gives it: under make_fx / AOTAutograd (the
+    decomposition of lowprec's cast ops in `lowprec.numerics.fp8_ops`) the kernel becomes a
+    node of the graph, so Inductor launches it itself (and CUDA graphs can capture it)."""
+    return torch.library.wrap_triton(kernel)[grid]
 
 
 def _grid(m: int, n: int, tile) -> tuple[int, int]:
@@ -246,7 +267,8 @@ def _ptr(t: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     return t if t.numel() else fallback
 
 
-def cast_transpose(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool = False, tile=_TILE):
+def cast_transpose(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool = False, tile=_TILE,
+                   launch=eager_launch):
     """Tensor-wise FP8 cast of `x` viewed as (M, N): `(q (M, N), scale_inv (), q_t (N, M) or
     an empty tensor, packed stats (8,) FP64 or an empty tensor)`; q_t is q transposed."""
     elem, x2, c = _prepare(x, elem, "cast_transpose")
@@ -256,11 +278,11 @@ def cast_transpose(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool
     scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
     p = _flat_grid(x2.numel(), 2048)
     partial = torch.empty(p, dtype=torch.float32, device=x2.device)
-    _amax_partial_kernel[(p,)](_bits(x2), partial, x2.numel(), BLOCK=2048, BF16=c["BF16"], num_warps=8)
+    launch(_amax_partial_kernel, (p,))(_bits(x2), partial, x2.numel(), BLOCK=2048, BF16=c["BF16"], num_warps=8)
     if not x2.numel():
         return _empty_result(x2, elem, q, qt, _stats_of(part, stats), scale_inv)
-    _ct_kernel[grid](
-        _bits(x2), q, _ptr(qt, q), partial, p, partial, partial, 1, partial, partial, partial, scale_inv,
+    launch(_ct_kernel, grid)(
+        _bits(x2), q, _ptr(qt, q), partial, p, partial, partial, 1, partial, partial, partial, 0, scale_inv,
         _ptr(part, partial), m * n, m, n, n, BM=tile[0], BN=tile[1], BLOCK_P=triton.next_power_of_2(p), BLOCK_L=1, MB=c.pop("M"),
         DELAYED=False, MOST_RECENT=False, MARGIN_DIV=1.0, OVERFLOW=False, TRANSPOSE=transpose,
         STATS=stats, num_warps=4, **c)
@@ -270,7 +292,7 @@ def cast_transpose(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool
 def cast_transpose_delayed(x: torch.Tensor, elem, state: DelayedState, *, margin: int = 0,
                            most_recent: bool = False, overflow: torch.Tensor | None = None,
                            overflow_index: int = 0, transpose: bool = True, stats: bool = False,
-                           tile=_TILE):
+                           tile=_TILE, launch=eager_launch):
     """Delayed-scaling FP8 cast in one kernel: the scale from `state`'s history, this
     operand's amax appended to it. Returns `(q, scale_inv (), q_t or empty, stats or empty)`.
     With `overflow`, `overflow[overflow_index]` is incremented when amax * scale / 2 saturates."""
@@ -280,12 +302,12 @@ def cast_transpose_delayed(x: torch.Tensor, elem, state: DelayedState, *, margin
     q, qt, part = _buffers(x2, transpose, stats, grid)
     scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
     hist = state.history
-    ov = overflow[overflow_index:] if overflow is not None else hist
+    ov = overflow if overflow is not None else hist
     if not x2.numel():
         return _empty_result(x2, elem, q, qt, _stats_of(part, stats), scale_inv)
-    _ct_kernel[grid](
+    launch(_ct_kernel, grid)(
         _bits(x2), q, _ptr(qt, q), hist, 1, hist, state.count, hist.numel(), state.scratch, state.ticket, ov,
-        scale_inv, _ptr(part, hist), m * n, m, n, n, BM=tile[0], BN=tile[1], BLOCK_P=1,
+        overflow_index if overflow is not None else 0, scale_inv, _ptr(part, hist), m * n, m, n, n, BM=tile[0], BN=tile[1], BLOCK_P=1,
         BLOCK_L=triton.next_power_of_2(hist.numel()), MB=c.pop("M"), DELAYED=True,
         MOST_RECENT=most_recent, MARGIN_DIV=float(2.0 ** margin), OVERFLOW=overflow is not None,
         TRANSPOSE=transpose, STATS=stats, num_warps=4, **c)
@@ -293,7 +315,7 @@ def cast_transpose_delayed(x: torch.Tensor, elem, state: DelayedState, *, margin
 
 
 def cast_transpose_rowwise(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool = False,
-                           tile=_TILE):
+                           tile=_TILE, launch=eager_launch):
     """Row-wise FP8 casts of `x` viewed as (M, N): `q` with one scale per row (over N) and
     `q_t` = the row-wise cast of x^T (one scale per column of x, over M). Returns
     `(q, scale_inv (M, 1), q_t (N, M) or empty, scale_inv_t (N, 1) or empty, stats or empty)`."""
@@ -305,16 +327,16 @@ def cast_transpose_rowwise(x: torch.Tensor, elem, *, transpose: bool = True, sta
     si = torch.empty((m, 1), dtype=torch.float32, device=x2.device)
     sit = torch.empty((n, 1) if transpose else (0, 1), dtype=torch.float32, device=x2.device)
     if m and n:
-        _amax_rows_cols_kernel[grid](_bits(x2), maxima, maxima[m:], m, n, n, BM=tile[0], BN=tile[1],
+        launch(_amax_rows_cols_kernel, grid)(_bits(x2), maxima, m, n, n, BM=tile[0], BN=tile[1],
                                      BF16=c["BF16"], num_warps=4)
-        _ct_row_kernel[grid](_bits(x2), q, _ptr(qt, q), maxima, maxima[m:], si, _ptr(sit, si),
+        launch(_ct_row_kernel, grid)(_bits(x2), q, _ptr(qt, q), maxima, si, _ptr(sit, si),
                              _ptr(part, maxima), m * n, m, n, n, BM=tile[0], BN=tile[1], MB=c.pop("M"),
                              TRANSPOSE=transpose, STATS=stats, num_warps=4, **c)
         st = _stats_of(part, stats)
-        if stats:
-            st[0] = maxima[:m].amax()
+        if stats:   # the largest row maximum, which is also the largest column maximum
+            first = torch.arange(_N_STATS, device=st.device) == 0
+            st = torch.where(first, maxima.amax().to(st.dtype), st)
     else:   # no elements in a row or a column: the scales of an amax of 0, as quantize's
         st = _stats_of(part, stats)
-        _empty_result(x2, elem, q, qt, st, si)
-        sit.fill_(float(si.reshape(-1)[0])) if si.numel() and sit.numel() else None
+        _fill_zero_amax_scale_inv(elem, si, sit)
     return q.view(elem.torch_dtype), si, qt.view(elem.torch_dtype), sit, st

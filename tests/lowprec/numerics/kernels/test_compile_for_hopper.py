@@ -24,7 +24,7 @@ from lowprec.numerics.kernels.fp8_cast import _EPS, _odd_max, overflow_threshold
 HOPPER = GPUTarget("cuda", 90, 32)
 POINTERS = dict(x_ptr="*i16", q_ptr="*u8", qt_ptr="*u8", partial_ptr="*fp32", hist_ptr="*fp32",
                 count_ptr="*i64", scratch_ptr="*fp32", ticket_ptr="*i32", overflow_ptr="*fp64",
-                scale_inv_ptr="*fp32", stats_ptr="*fp64", rmax_ptr="*fp32", cmax_ptr="*fp32",
+                scale_inv_ptr="*fp32", stats_ptr="*fp64", maxima_ptr="*fp32",
                 si_ptr="*fp32", sit_ptr="*fp32")
 INTS = dict(numel="i64")
 
