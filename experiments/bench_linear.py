@@ -11,6 +11,11 @@ Rows (variants), all measured in one run on one device:
   on CUDA, weight cache) for fp8_tensorwise, fp8_delayed and fp8_rowwise, `stats off` (no
   statistics) and `stats 1/10` (statistics on one step in ten, as with `check_every: 10`:
   the time is the mean over such 10-step groups);
+* `lowprec <format> (compiled)` and `(compiled, CUDA graphs)`, statistics off: the same layer
+  under `torch.compile` (Inductor launches the cast kernels itself: `lowprec.numerics.fp8_ops`)
+  and under `mode="reduce-overhead"`, which replays the step as one CUDA graph (no host time
+  per kernel); for the formats of `--compiled` (fp8_tensorwise by default on CUDA, none on
+  CPU, where the casts are the reference quantizer; CUDA graphs need CUDA);
 * `lowprec torchao-backend <format>`: the same on lowprec's `torchao` backend (torchao's float8
   training primitives) for fp8_tensorwise and fp8_rowwise; a `skipped` row with the reason
   where `get_backend("torchao")` raises (the backend or torchao missing).
@@ -56,6 +61,7 @@ TORCHAO_RECIPES = ("tensorwise", "rowwise")
 # torchao has no delayed scaling; its rowwise recipe is lowprec's fp8_rowwise_e4m3_pow2
 TORCHAO_BACKEND_FORMATS = ("fp8_tensorwise", "fp8_rowwise_e4m3_pow2")
 CHECK_EVERY = 10
+COMPILE_MODES = (("compiled", None), ("compiled, CUDA graphs", "reduce-overhead"))
 NOT_MEASURED = "not measured: out of time (--deadline)"
 
 
@@ -79,12 +85,13 @@ def timed(fn, repeats: int, warmup: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
-def row_names() -> list[str]:
+def row_names(compiled: tuple[str, ...] = ()) -> list[str]:
     """Every row of the table, in order (the test checks that each one is printed)."""
     names = ["memory copy (input, one pass)", "bf16 nn.Linear"]
     names += [f"torchao Float8Linear {r} (compiled)" for r in TORCHAO_RECIPES]
     for f in FORMATS:
         names += [f"lowprec {f} stats off", f"lowprec {f} stats 1/{CHECK_EVERY}"]
+    names += [_compiled_row(f, how) for f in compiled for how, _ in COMPILE_MODES]
     for f in TORCHAO_BACKEND_FORMATS:
         names += [f"lowprec torchao-backend {f} stats off", f"lowprec torchao-backend {f} stats 1/{CHECK_EVERY}"]
     return names
@@ -112,6 +119,28 @@ def _lowprec_layer(base: nn.Linear, fmt: str, backend, fused: bool) -> nn.Module
     if hasattr(backend, "make_site"):
         return backend.make_site(copy.deepcopy(base), fmt)
     return PrecisionLinear.from_module(copy.deepcopy(base), get_format(fmt), backend, fused=fused)
+
+
+def _compiled_row(fmt: str, how: str) -> str:
+    return f"lowprec {fmt} ({how}) stats off"
+
+
+def _compiled_rows(base: nn.Linear, args, cuda: bool, t, step, report, out) -> None:
+    """The `--compiled` rows: PrecisionLinear (statistics off) under torch.compile, plain and
+    with CUDA graphs (`mode="reduce-overhead"`, CUDA only)."""
+    for fmt in args.compiled:
+        for how, mode in COMPILE_MODES:
+            name = _compiled_row(fmt, how)
+            if mode == "reduce-overhead" and not cuda:
+                out[name] = (float("nan"), "skipped: CUDA graphs need a CUDA GPU")
+            else:
+                try:
+                    layer = _lowprec_layer(base, fmt, get_backend("torch"), args.quantizer == "fused")
+                    layer.collect_stats = False
+                    out[name] = (t(step(torch.compile(layer, mode=mode), layer.weight)), "")
+                except Exception as e:  # report, keep measuring the others
+                    out[name] = (float("nan"), f"FAILED {type(e).__name__}: {str(e)[:100]}")
+            report(name, *out[name])
 
 
 def _torchao_backend():
@@ -156,8 +185,12 @@ def measure_shape(d: int, tokens: int, args, cuda: bool, report) -> dict[str, tu
         report(name, *out[name])
     lowprec_rows = [("lowprec", fmt, get_backend("torch"), "") for fmt in FORMATS]
     ao_backend, why_not = _torchao_backend()
+    lowprec_rows += [(None, None, None, None)]   # here: the compiled rows
     lowprec_rows += [("lowprec torchao-backend", fmt, ao_backend, why_not) for fmt in TORCHAO_BACKEND_FORMATS]
     for prefix, fmt, backend, why_not in lowprec_rows:
+        if prefix is None:
+            _compiled_rows(base, args, cuda, t, step, report, out)
+            continue
         off, some = f"{prefix} {fmt} stats off", f"{prefix} {fmt} stats 1/{CHECK_EVERY}"
         if backend is None:
             out[off] = out[some] = (float("nan"), why_not)
@@ -234,8 +267,11 @@ def main(argv=None) -> list[str]:
     p.add_argument("--json", metavar="PATH", help="also write every row to PATH (rewritten after each row)")
     p.add_argument("--deadline", type=float, default=None, metavar="S",
                    help="start no new shape after S seconds (the first always runs); the rows not measured say so")
+    p.add_argument("--compiled", nargs="*", default=None, choices=FORMATS, metavar="FORMAT",
+                   help="formats with compiled rows (default: fp8_tensorwise on CUDA, none on CPU)")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
+    args.compiled = tuple(args.compiled if args.compiled is not None else (("fp8_tensorwise",) if cuda else ()))
     if cuda and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA GPU here; use --device cpu --tiny")
     _configure_compile()
@@ -248,6 +284,7 @@ def main(argv=None) -> list[str]:
     record = {"command": lines[0].removeprefix("# command: "), "device": lines[1].removeprefix("# device: "),
               "versions": versions(), "repeats": args.repeats, "warmup": args.warmup,
               "micro_batches": args.micro_batches, "quantizer": args.quantizer, "check_every": CHECK_EVERY,
+              "compiled": list(args.compiled),
               "shapes": [list(s) for s in shapes], "rows": []}
     row_head = "| d_model | tokens | variant | ms | x bf16 | TFLOP/s | note |"
     print(row_head + "\n" + "|---" * 7 + "|", flush=True)
@@ -275,8 +312,8 @@ def main(argv=None) -> list[str]:
             save()
 
         if results and args.deadline is not None and time.perf_counter() - t_start > args.deadline:
-            results[(d, n)] = {name: (float("nan"), NOT_MEASURED) for name in row_names()}
-            for name in row_names():
+            results[(d, n)] = {name: (float("nan"), NOT_MEASURED) for name in row_names(args.compiled)}
+            for name in row_names(args.compiled):
                 report(name, *results[(d, n)][name])
             continue
         results[(d, n)] = {}
@@ -286,7 +323,7 @@ def main(argv=None) -> list[str]:
     table = ["", "| variant | " + " | ".join(f"d={d} tok={n}" for d, n in shapes) + " |",
              "|---" * (len(shapes) + 1) + "|"]
     notes = {}
-    for name in row_names():
+    for name in row_names(args.compiled):
         cells = []
         for s in shapes:
             ms, why = results[s][name]

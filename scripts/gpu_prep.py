@@ -50,7 +50,7 @@ for _tag in ("manylinux_2_28", "manylinux_2_27", "manylinux_2_24", "manylinux_2_
     PLATFORM += ["--platform", f"{_tag}_x86_64"]
 # Which device calls carry each folder: the plan in scripts/gpu_bench.sh (its dry run checks
 # that the two agree). Transformer Engine parts: one call each, from call 4 on.
-CALLS = {"ao": "1,2", "job": "3", "data": "3"}
+CALLS = {"ao": "1", "job": "3", "data": "3"}
 TE_FIRST_CALL = 4
 
 

@@ -70,10 +70,15 @@ def test_tiny_table_has_every_row_and_shape(tmp_path):
 def test_deadline_leaves_the_other_shapes_unmeasured_and_says_so(tmp_path, capsys):
     js = tmp_path / "linear.json"
     bench_linear.main(["--device", "cpu", "--d-model", "32", "--tokens", "16", "32", "--repeats", "1",
-                       "--warmup", "0", "--quantizer", "eager", "--deadline", "0", "--json", str(js)])
+                       "--warmup", "0", "--quantizer", "eager", "--deadline", "0", "--json", str(js),
+                       "--compiled", "fp8_tensorwise"])
     record = json.loads(js.read_text())
     first = [r for r in record["rows"] if r["tokens"] == 16]
     rest = [r for r in record["rows"] if r["tokens"] == 32]
     assert first[1]["variant"] == "bf16 nn.Linear" and first[1]["ms"] > 0   # the first shape always runs
+    # --compiled: the layer under torch.compile is measured here too; CUDA graphs need CUDA
+    compiled = {r["variant"]: r for r in first if "(compiled" in r["variant"]}
+    assert compiled["lowprec fp8_tensorwise (compiled) stats off"]["ms"] > 0
+    assert "CUDA" in compiled["lowprec fp8_tensorwise (compiled, CUDA graphs) stats off"]["note"]
     assert rest and all(r["ms"] is None and r["note"] == bench_linear.NOT_MEASURED for r in rest)
     assert bench_linear.NOT_MEASURED in capsys.readouterr().out

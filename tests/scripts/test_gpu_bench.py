@@ -70,13 +70,15 @@ def test_dry_run_passes_on_a_complete_folder_and_prints_the_plan(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout
     assert "== ready" in out
-    assert "call 1: scripts/gpu_bench.sh tests quantize" in out
-    assert "call 2: scripts/gpu_bench.sh linear" in out
+    assert "call 1: scripts/gpu_bench.sh linear profile tests" in out
+    assert "call 2: scripts/gpu_bench.sh quantize" in out
     assert "call 3: scripts/gpu_bench.sh mainjob" in out
     assert f'carry: ["{tmp_path}/job", "{tmp_path}/data"]' in out
     assert f'call 4: scripts/gpu_bench.sh te   carry: ["{tmp_path}/te/c01"]' in out
     assert f'call 5: scripts/gpu_bench.sh te   carry: ["{tmp_path}/te/c02"]' in out
-    assert "lease 1 total:" in out and "lease 2 total:" in out and "OVER" not in out
+    # 15-minute leases: the tables, profile and tests; the main job; Transformer Engine
+    assert all(f"lease {n} total:" in out for n in (1, 2, 3)) and "OVER" not in out
+    assert "of 900" in out
 
 
 @pytest.mark.parametrize("gone, phases, named", [
