@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 .PHONY: setup run test test-fast bench gpu-prep gpu-dry-run
+
+# Two pytest workers (pytest-xdist), a test file each at a time; one BLAS thread each, so that
+# two workers on two cores do not oversubscribe them (and the processes the tests start inherit it).
+PYTEST := OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
 setup: $(STAMP)
 
 # The main job: the default config's BF16 baseline, then its staged rollout (the loss-gap
@@ -51,11 +55,11 @@ test: $(STAMP)
 		  ( apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null 2>&1 ) ) || \
 		echo "postgresql could not be installed; the PostgreSQL tracking test will skip"; \
 	fi
-	$(VENV)/bin/python -m pytest -q -x --durations=15
+	$(PYTEST) -x --durations=15
 
 # For iteration: everything but the slow tests (under 2 minutes).
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -x -m "not slow"
+	$(PYTEST) -x -m "not slow"
 
 bench: $(STAMP)
 	$(VENV)/bin/python experiments/bench_quantize.py

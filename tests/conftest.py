@@ -7,8 +7,10 @@ folder's own fixtures live in its conftest.py (tests/lowprec/conftest.py: MLflow
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,27 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def mlflow_process_uri_restored():
+    """MLflow's process-wide tracking URI, as it was before each test, after it.
+
+    Lightning's MLFlowLogger sets it (`mlflow.set_tracking_uri`, which also writes
+    `MLFLOW_TRACKING_URI` into the environment), and the Hugging Face Trainer's MLflow
+    reporting then keeps whatever is set: a later test's Trainer in the same process would
+    log into an earlier test's store. Imports nothing: MLflow is reset only where imported."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    before = utils._tracking_uri if utils is not None else None
+    yield
+    utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    if utils is not None and utils._tracking_uri != before:
+        utils.set_tracking_uri(before)
+    if env is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = env
 
 
 @pytest.fixture(scope="session")

@@ -84,7 +84,14 @@ def _set(d: dict, dotted: str, value) -> dict:
     return d
 
 
-_DELETE = object()
+class _Delete:
+    """The value that deletes a key (a stable repr: test ids must be the same in every worker)."""
+
+    def __repr__(self) -> str:
+        return "<deleted>"
+
+
+_DELETE = _Delete()
 
 # (key to set, value, the error's path, words in the message). A string where a number belongs in
 # model.args cannot be caught at load (the factory's signature is only known once it is imported).
