@@ -22,25 +22,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_MLFLOW_URI_ENV = os.environ.get("MLFLOW_TRACKING_URI")   # as the test session found it
+
+
 @pytest.fixture(autouse=True)
-def mlflow_process_uri_restored():
-    """MLflow's process-wide tracking URI, as it was before each test, after it.
+def mlflow_process_uri_reset():
+    """After each test, MLflow's process-wide tracking URI as the session found it (unset).
 
     Lightning's MLFlowLogger sets it (`mlflow.set_tracking_uri`, which also writes
     `MLFLOW_TRACKING_URI` into the environment), and the Hugging Face Trainer's MLflow
     reporting then keeps whatever is set: a later test's Trainer in the same process would
-    log into an earlier test's store. Imports nothing: MLflow is reset only where imported."""
-    env = os.environ.get("MLFLOW_TRACKING_URI")
-    utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
-    before = utils._tracking_uri if utils is not None else None
+    log into an earlier test's store. Reset to the session's start, not to what was set
+    before the test: a module fixture that trained with Lightning set it before its first
+    test. Imports nothing: MLflow is reset only where it is imported."""
     yield
     utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
-    if utils is not None and utils._tracking_uri != before:
-        utils.set_tracking_uri(before)
-    if env is None:
+    if utils is not None and utils._tracking_uri is not None:
+        utils.set_tracking_uri(None)
+    if _MLFLOW_URI_ENV is None:
         os.environ.pop("MLFLOW_TRACKING_URI", None)
     else:
-        os.environ["MLFLOW_TRACKING_URI"] = env
+        os.environ["MLFLOW_TRACKING_URI"] = _MLFLOW_URI_ENV
 
 
 @pytest.fixture(scope="session")
