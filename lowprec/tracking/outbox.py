@@ -36,6 +36,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from lowprec.state.durable import write_text_atomically
+
 __all__ = ["Outbox", "SendResult", "SendError", "server_answers", "sync_run_dir", "local_artifact_location"]
 
 OUTBOX, ACK, RUN_INFO, REJECTED = "outbox.jsonl", "outbox.ack", "run.json", "rejected.jsonl"
@@ -173,9 +175,7 @@ class Outbox:
 
     def write_info(self, **kw) -> None:
         self.info = {**self.read_info(), **kw}
-        tmp = self.dir / (RUN_INFO + ".tmp")
-        tmp.write_text(json.dumps(self.info, indent=1, sort_keys=True))
-        os.replace(tmp, self.dir / RUN_INFO)
+        write_text_atomically(self.dir / RUN_INFO, json.dumps(self.info, indent=1, sort_keys=True))
 
     # ------------------------------------------------------------------ sending
     def send(self, client, deadline: float | None = None) -> SendResult:

@@ -47,6 +47,7 @@ import yaml
 
 from lowprec.base.parse import read_yaml_file
 from lowprec.policy.events import Event, EventLog
+from lowprec.state.durable import write_text_atomically
 from lowprec.tracking.outbox import Outbox, SendResult, server_answers
 from lowprec.tracking.records import (BASELINE_LOSS, EVAL_PREFIX, LR_SENSITIVITY, MAX_TAG_VALUE, SIGNAL_STATS,
                                       PrecisionMapLog, RunStatus, chunk, eval_artifact_name, eval_metric_name, eval_metrics,
@@ -379,9 +380,7 @@ class Tracker:
     def _write(self, name: str, text: str) -> str:
         p = self.files / name
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, p)  # the sender reads either the old or the new file, never half of one
+        write_text_atomically(p, text)   # the sender reads the old or the new file, never half of one
         return f"files/{name}"
 
     def _records(self, item) -> list[dict]:
