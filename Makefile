@@ -17,9 +17,10 @@ $(STAMP): pyproject.toml
 
 .PHONY: setup run test test-fast bench gpu-prep gpu-dry-run
 
-# Two pytest workers (pytest-xdist), a test file each at a time; one BLAS thread each, so that
-# two workers on two cores do not oversubscribe them (and the processes the tests start inherit it).
-PYTEST := OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
+# `make test`: two pytest workers (pytest-xdist), a test file each at a time, then alone the
+# tests that compare timings across runs (marker `serial`). One BLAS thread per process, so that
+# two workers on two cores do not oversubscribe them (the processes the tests start inherit it).
+PYTEST := OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q
 setup: $(STAMP)
 
 # The main job: the default config's BF16 baseline, then its staged rollout (the loss-gap
@@ -55,11 +56,12 @@ test: $(STAMP)
 		  ( apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null 2>&1 ) ) || \
 		echo "postgresql could not be installed; the PostgreSQL tracking test will skip"; \
 	fi
-	$(PYTEST) -x --durations=15
+	$(PYTEST) -n 2 --dist loadfile -x -m "not serial" --durations=15
+	$(PYTEST) -x -m serial --durations=5
 
 # For iteration: everything but the slow tests (under 2 minutes).
 test-fast: $(STAMP)
-	$(PYTEST) -x -m "not slow"
+	$(PYTEST) -n 2 --dist loadfile -x -m "not slow and not serial"
 
 bench: $(STAMP)
 	$(VENV)/bin/python experiments/bench_quantize.py

@@ -21,7 +21,9 @@ import yaml
 
 from gates.spec import GateSpec
 
-pytestmark = pytest.mark.slow   # three training runs and two gate calls as real processes (~45 s)
+# three training runs and two gate calls as real processes (~45 s); their tokens/s are compared,
+# so they run alone, after the parallel part of `make test` (a busy second worker skews them)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 ROOT = Path(__file__).resolve().parents[2]
 METRIC = "telemetry/tokens_per_s"
