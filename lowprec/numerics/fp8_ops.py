@@ -206,13 +206,21 @@ def _kernels_in_graph(mode, op, types, args, kwargs, kernel_impl):
     torch.export (which keeps custom ops whole), as the one opaque op."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
-    from torch.export._trace import custom_triton_ops_decomposition_disabled
     plain = all(t in (torch.Tensor, FunctionalTensor) or issubclass(t, FakeTensor) for t in types)
-    if not (args[0].is_cuda and plain) or custom_triton_ops_decomposition_disabled():
+    if not (args[0].is_cuda and plain) or _exporting():
         return mode.__torch_dispatch__(op, types, args, kwargs)
     from lowprec.numerics.kernels.cast_transpose import traced_launch
     with mode:
         return kernel_impl(*args, **kwargs, launch=traced_launch)
+
+
+def _exporting() -> bool:
+    """Whether torch.export is tracing (it keeps custom ops whole, as for triton_op's)."""
+    try:
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+    except ImportError:   # a PyTorch without the switch: no export-time exception to make
+        return False
+    return custom_triton_ops_decomposition_disabled()
 
 
 @fp8_cast.register_torch_dispatch(FunctionalTensorMode)
