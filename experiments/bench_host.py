@@ -13,7 +13,8 @@ holds the host up (so the time per call is the host's):
 * `_scaled_mm`: one FP8 GEMM call (CUDA only);
 * `nn.Linear fwd+bwd`, `PrecisionLinear fwd+bwd` (fp8_tensorwise, statistics off, the
   weight changed before each step as by an optimizer), and the same layer under
-  `torch.compile` and under `mode="reduce-overhead"` (CUDA graphs, CUDA only).
+  `torch.compile` (the casts' kernels in the graph, then the casts kept opaque ops:
+  `fp8_ops.opaque_in_graphs()`) and under `mode="reduce-overhead"` (CUDA graphs, CUDA only).
 
 Each row is the median over `--repeats` rounds of `--calls` calls, in microseconds per call,
 then divided by the `nn.Linear fwd+bwd` row for the layer rows. A CUDA run synchronises
@@ -27,6 +28,7 @@ rows then measure it, not the kernels' launch path), and the CUDA-only rows say 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import statistics
@@ -44,7 +46,7 @@ from lowprec.sites.layers import PrecisionLinear
 
 ROWS = ("torch.empty", "Triton launch", "fp8_cast, direct", "fp8_cast, dispatcher", "_scaled_mm",
         "nn.Linear fwd+bwd", "PrecisionLinear fwd+bwd", "PrecisionLinear fwd+bwd (compiled)",
-        "PrecisionLinear fwd+bwd (compiled, CUDA graphs)")
+        "PrecisionLinear fwd+bwd (compiled, casts opaque)", "PrecisionLinear fwd+bwd (compiled, CUDA graphs)")
 LAYER_BASE = "nn.Linear fwd+bwd"
 
 
@@ -103,9 +105,11 @@ def measure(args) -> dict[str, tuple[float, str]]:
     xg = x.detach().requires_grad_(True)
     base = nn.Linear(d, d, bias=False, device=dev, dtype=torch.bfloat16)
     out[LAYER_BASE] = (t(_layer_step(base, xg, g, base.weight)), "")
-    variants = (("PrecisionLinear fwd+bwd", None, False), ("PrecisionLinear fwd+bwd (compiled)", None, True),
-                ("PrecisionLinear fwd+bwd (compiled, CUDA graphs)", "reduce-overhead", True))
-    for name, mode, compiled in variants:
+    variants = (("PrecisionLinear fwd+bwd", None, False, False),
+                ("PrecisionLinear fwd+bwd (compiled)", None, True, False),
+                ("PrecisionLinear fwd+bwd (compiled, casts opaque)", None, True, True),
+                ("PrecisionLinear fwd+bwd (compiled, CUDA graphs)", "reduce-overhead", True, False))
+    for name, mode, compiled, opaque in variants:
         if mode and not cuda:
             out[name] = only_cuda
             continue
@@ -121,7 +125,8 @@ def measure(args) -> dict[str, tuple[float, str]]:
                 def step():
                     torch.compiler.cudagraph_mark_step_begin()
                     inner()
-            out[name] = (t(step), "")
+            with fp8_ops.opaque_in_graphs() if opaque else contextlib.nullcontext():   # traced at the first call
+                out[name] = (t(step), "")
         except Exception as e:  # report, keep measuring the others
             out[name] = (float("nan"), f"FAILED {type(e).__name__}: {str(e)[:120]}")
     return out

@@ -11,10 +11,11 @@ Rows (variants), all measured in one run on one device:
   on CUDA, weight cache) for fp8_tensorwise, fp8_delayed and fp8_rowwise, `stats off` (no
   statistics) and `stats 1/10` (statistics on one step in ten, as with `check_every: 10`:
   the time is the mean over such 10-step groups);
-* `lowprec <format> (compiled)` and `(compiled, CUDA graphs)`, statistics off: the same layer
-  under `torch.compile` (Inductor launches the cast kernels itself: `lowprec.numerics.fp8_ops`)
-  and under `mode="reduce-overhead"`, which replays the step as one CUDA graph (no host time
-  per kernel); for the formats of `--compiled` (fp8_tensorwise by default on CUDA, none on
+* `lowprec <format> (compiled)`, `(compiled, casts opaque)` and `(compiled, CUDA graphs)`,
+  statistics off: the same layer under `torch.compile` (Inductor launches the cast kernels
+  itself: `lowprec.numerics.fp8_ops`), the same with the casts kept opaque ops
+  (`fp8_ops.opaque_in_graphs()`, how they were compiled before), and under
+  `mode="reduce-overhead"`, which replays the step as one CUDA graph (no host time per kernel); for the formats of `--compiled` (fp8_tensorwise by default on CUDA, none on
   CPU, where the casts are the reference quantizer; CUDA graphs need CUDA);
 * `lowprec torchao-backend <format>`: the same on lowprec's `torchao` backend (torchao's float8
   training primitives) for fp8_tensorwise and fp8_rowwise; a `skipped` row with the reason
@@ -61,7 +62,9 @@ TORCHAO_RECIPES = ("tensorwise", "rowwise")
 # torchao has no delayed scaling; its rowwise recipe is lowprec's fp8_rowwise_e4m3_pow2
 TORCHAO_BACKEND_FORMATS = ("fp8_tensorwise", "fp8_rowwise_e4m3_pow2")
 CHECK_EVERY = 10
-COMPILE_MODES = (("compiled", None), ("compiled, CUDA graphs", "reduce-overhead"))
+# (row label, torch.compile mode, casts kept opaque: lowprec.numerics.fp8_ops.opaque_in_graphs)
+COMPILE_MODES = (("compiled", None, False), ("compiled, casts opaque", None, True),
+                 ("compiled, CUDA graphs", "reduce-overhead", False))
 NOT_MEASURED = "not measured: out of time (--deadline)"
 
 
@@ -91,7 +94,7 @@ def row_names(compiled: tuple[str, ...] = ()) -> list[str]:
     names += [f"torchao Float8Linear {r} (compiled)" for r in TORCHAO_RECIPES]
     for f in FORMATS:
         names += [f"lowprec {f} stats off", f"lowprec {f} stats 1/{CHECK_EVERY}"]
-    names += [_compiled_row(f, how) for f in compiled for how, _ in COMPILE_MODES]
+    names += [_compiled_row(f, how) for f in compiled for how, _, _ in COMPILE_MODES]
     for f in TORCHAO_BACKEND_FORMATS:
         names += [f"lowprec torchao-backend {f} stats off", f"lowprec torchao-backend {f} stats 1/{CHECK_EVERY}"]
     return names
@@ -126,10 +129,14 @@ def _compiled_row(fmt: str, how: str) -> str:
 
 
 def _compiled_rows(base: nn.Linear, args, cuda: bool, t, step, report, out) -> None:
-    """The `--compiled` rows: PrecisionLinear (statistics off) under torch.compile, plain and
-    with CUDA graphs (`mode="reduce-overhead"`, CUDA only)."""
+    """The `--compiled` rows: PrecisionLinear (statistics off) under torch.compile, its casts'
+    kernels in the graph (and, for comparison, the casts as opaque ops), and with CUDA graphs
+    (`mode="reduce-overhead"`, CUDA only)."""
+    from contextlib import nullcontext
+
+    from lowprec.numerics.fp8_ops import opaque_in_graphs
     for fmt in args.compiled:
-        for how, mode in COMPILE_MODES:
+        for how, mode, opaque in COMPILE_MODES:
             name = _compiled_row(fmt, how)
             if mode == "reduce-overhead" and not cuda:
                 out[name] = (float("nan"), "skipped: CUDA graphs need a CUDA GPU")
@@ -137,7 +144,8 @@ def _compiled_rows(base: nn.Linear, args, cuda: bool, t, step, report, out) -> N
                 try:
                     layer = _lowprec_layer(base, fmt, get_backend("torch"), args.quantizer == "fused")
                     layer.collect_stats = False
-                    out[name] = (t(step(torch.compile(layer, mode=mode), layer.weight)), "")
+                    with opaque_in_graphs() if opaque else nullcontext():   # traced at the first call
+                        out[name] = (t(step(torch.compile(layer, mode=mode), layer.weight)), "")
                 except Exception as e:  # report, keep measuring the others
                     out[name] = (float("nan"), f"FAILED {type(e).__name__}: {str(e)[:100]}")
             report(name, *out[name])

@@ -7,6 +7,8 @@ one run, same initial weights and batch:
 * `bf16`: the baseline (every Linear in BF16 under autocast);
 * `lowprec <format>`: every Linear of the blocks a `PrecisionLinear` on the `torch` backend
   (the FP8 fast path), statistics on one step in ten (`check_every: 10`); the head stays BF16;
+* `lowprec <format>, casts opaque` (with `--opaque-casts`): the same, with the casts kept opaque
+  ops in the compiled blocks, as they were compiled before 2026-11-27;
 * `torchao Float8Linear <recipe>`: torchao's float8 training on the same Linears (skipped with
   the reason where torchao is missing).
 
@@ -23,6 +25,7 @@ blocks share one compilation. Tokens/s is the median over `--steps` timed steps 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import shlex
@@ -36,6 +39,7 @@ from torch import nn
 
 from experiments.model import Llama
 from lowprec.numerics.formats import get_format
+from lowprec.numerics.fp8_ops import opaque_in_graphs
 from lowprec.sites.backends import get_backend
 from lowprec.sites.layers import PrecisionLinear
 
@@ -108,6 +112,9 @@ def main(argv=None) -> dict:
     p.add_argument("--formats", nargs="*", default=["fp8_tensorwise"])
     p.add_argument("--torchao", nargs="*", default=["tensorwise"])
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--opaque-casts", action="store_true",
+                   help="also a lowprec row per format with the casts kept opaque ops in the compiled blocks "
+                        "(lowprec.numerics.fp8_ops.opaque_in_graphs: how they compiled before 2026-11-27)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
@@ -129,18 +136,22 @@ def main(argv=None) -> dict:
           f"{n_params / 1e6:.0f}M parameters, {tokens} tokens a step, compile {args.compile}")
     print("| variant | step ms | tokens/s | x bf16 | note |\n|---|---|---|---|---|", flush=True)
     variants = [("bf16", None)] + [(f"lowprec {f}", ("lowprec", f)) for f in args.formats]
+    if args.opaque_casts:
+        variants += [(f"lowprec {f}, casts opaque", ("lowprec-opaque", f)) for f in args.formats]
     variants += [(f"torchao Float8Linear {r}", ("torchao", r)) for r in args.torchao]
     base_s = None
     for label, how in variants:
         model, sites, note = copy.deepcopy(ref), [], ""
         try:
-            if how and how[0] == "lowprec":
+            if how and how[0].startswith("lowprec"):
                 sites = to_lowprec(model, how[1], fused=True)
             elif how and how[0] == "torchao":
                 if not cuda:
                     raise RuntimeError("torchao's float8 training needs a CUDA GPU")
                 to_torchao(model, how[1])
-            s = measure(model, sites, (x, y), args, cuda)
+            opaque = how is not None and how[0] == "lowprec-opaque"
+            with opaque_in_graphs() if opaque else contextlib.nullcontext():   # every (re)compilation
+                s = measure(model, sites, (x, y), args, cuda)
         except Exception as e:  # report, keep measuring the others
             s, note = float("nan"), f"FAILED {type(e).__name__}: {str(e)[:120]}"
         if label == "bf16":

@@ -21,9 +21,10 @@ outputs are 0-element tensors (`transpose=False`, `stats=False`). `stats` is the
 Under `torch.compile` on CUDA, AOTAutograd's functionalization sees each op as the Triton
 kernels it launches (`torch.library.wrap_triton`, as `torch.library.triton_op` does): Inductor
 launches them from its own wrapper code, and `mode="reduce-overhead"` can capture them in a
-CUDA graph. On CPU, and under torch.export, an op stays one node. In eager code the layer
-calls `cast` / `cast_delayed`, which skip the dispatcher (host time per call) where nothing
-traces and no dispatch mode is on, and go through the ops otherwise.
+CUDA graph. On CPU, under torch.export and inside `opaque_in_graphs()`, an op stays one
+node. In eager code the layer calls `cast` / `cast_delayed`, which skip the dispatcher (host
+time per call) where nothing traces and no dispatch mode is on, and go through the ops
+otherwise.
 
 Implementations: on CUDA, and on CPU when Triton's interpreter is on (`TRITON_INTERPRET=1`
 set before Triton is imported, how the CPU tests run the kernels), the Triton kernels of
@@ -34,6 +35,8 @@ the error sums to rounding).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 
@@ -47,7 +50,8 @@ from lowprec.numerics.grid import saturates
 from lowprec.numerics.quant_stats import QuantStats
 from lowprec.numerics.quantize import quantize
 
-__all__ = ["fp8_cast", "fp8_cast_delayed", "cast", "cast_delayed", "ELEMENTS", "element_code", "uses_kernels"]
+__all__ = ["fp8_cast", "fp8_cast_delayed", "cast", "cast_delayed", "opaque_in_graphs", "ELEMENTS", "element_code",
+           "uses_kernels"]
 
 ELEMENTS = (E4M3, E5M2)
 _N_STATS = len(QuantStats.FIELDS)
@@ -207,11 +211,26 @@ def _kernels_in_graph(mode, op, types, args, kwargs, kernel_impl):
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
     plain = all(t in (torch.Tensor, FunctionalTensor) or issubclass(t, FakeTensor) for t in types)
-    if not (args[0].is_cuda and plain) or _exporting():
+    if not (args[0].is_cuda and plain) or _OPAQUE.get() or _exporting():
         return mode.__torch_dispatch__(op, types, args, kwargs)
     from lowprec.numerics.kernels.cast_transpose import traced_launch
     with mode:
         return kernel_impl(*args, **kwargs, launch=traced_launch)
+
+
+_OPAQUE = contextvars.ContextVar("lowprec_fp8_ops_opaque", default=False)
+
+
+@contextlib.contextmanager
+def opaque_in_graphs():
+    """Within this block, graphs traced (torch.compile's first call, a recompilation) keep
+    each cast op one opaque node, as they did before the kernels were put in graphs: for a
+    benchmark's comparison, or as a fallback should Inductor refuse the kernels."""
+    token = _OPAQUE.set(True)
+    try:
+        yield
+    finally:
+        _OPAQUE.reset(token)
 
 
 def _exporting() -> bool:

@@ -180,3 +180,18 @@ def test_direct_calls_skip_only_the_dispatcher():
     for a, b in zip(direct, through_op):
         assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
                            b.view(torch.uint8) if b.dtype.itemsize == 1 else b)
+
+
+def test_opaque_in_graphs_keeps_the_op_whole_on_cuda(hopper_driver):
+    """`fp8_ops.opaque_in_graphs()`: a graph traced inside it keeps the op one node (the
+    comparison rows of the benchmarks, and a fallback); outside it the kernels come back."""
+    def f(x):
+        q, si, qt, _, st = torch.ops.lowprec.fp8_cast(x, 0, False, True, False)
+        return q.view(torch.uint8), si
+
+    with FakeTensorMode():
+        with fp8_ops.opaque_in_graphs():
+            opaque = _forward_graph(f, _cuda(128, 64))
+        inlined = _forward_graph(f, _cuda(128, 64))
+    assert "lowprec.fp8_cast.default" in _targets(opaque) and not _kernel_calls(opaque)
+    assert [name for name, _ in _kernel_calls(inlined)] == ["_amax_partial_kernel", "_ct_kernel"]
