@@ -199,6 +199,9 @@ class Telemetry:
         if not self.config.enabled:
             return {}
         self._book(include_open=True)
+        if self.peaks:   # a CPU's timed peak again, now that start-up is not competing for it
+            from lowprec.tracking.peaks import best_peaks
+            self.peaks = best_peaks(self.peaks, self.device)
         if self.meter is not None:
             self._read_energy()
             try:

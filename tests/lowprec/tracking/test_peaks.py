@@ -114,3 +114,20 @@ def test_ideal_seconds_and_mfu_by_hand():
     assert ideal_seconds(flops, cpu, "emulated", "cpu") == pytest.approx(5e12 / 5e10)
     with pytest.raises(ValueError, match="positive seconds"):
         mfu(flops, 0.0, peaks, "te", "cuda")
+
+
+def test_best_peaks_keeps_the_better_cpu_measurement_and_every_datasheet_peak():
+    """A CPU peak timed while another thread held a core reads low: the end-of-run measurement
+    replaces it when higher, and says both figures; a peak no lower than a new measurement, and
+    datasheet peaks, stay."""
+    from lowprec.tracking.peaks import best_peaks
+    low = Peak(1e6, "measured: fp32 matmul 1024^3 on this CPU", True)      # far below any CPU's
+    got = best_peaks({c: low for c in GemmClass}, "cpu")
+    assert set(got) == set(GemmClass)
+    assert all(p.measured and p.flops_per_s > 5e8 for p in got.values())
+    assert "the better of two measurements" in got[GemmClass.FP32].source
+    assert "at start-up (1e-06 TFLOP/s)" in got[GemmClass.FP32].source
+    high = Peak(1e16, "measured: fp32 matmul 1024^3 on this CPU", True)    # beyond any CPU's
+    assert best_peaks({GemmClass.FP32: high}, "cpu")[GemmClass.FP32].flops_per_s == 1e16
+    sheet = {GemmClass.BF16: Peak(989e12, "datasheet: H100 SXM", False)}
+    assert best_peaks(sheet, "cpu") is sheet
