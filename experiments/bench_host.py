@@ -67,8 +67,12 @@ def per_call_us(fn, calls: int, repeats: int, cuda: bool) -> float:
     return statistics.median(rounds)
 
 
-def _layer_step(layer, x, g, weight):
+def _layer_step(layer, x, g, weight, cuda_graphs: bool = False):
+    """One fwd+bwd of `layer`, the weight changed before it as by an optimizer step; with
+    `cuda_graphs`, each step a new replay of the recorded graphs."""
     def step():
+        if cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         increment_version(weight)
         layer(x).backward(g)
     return step
@@ -118,13 +122,7 @@ def measure(args) -> dict[str, tuple[float, str]]:
                                                 get_format("fp8_tensorwise"), get_backend("torch"))
             layer.collect_stats = False
             run = torch.compile(layer, mode=mode) if compiled else layer
-            step = _layer_step(run, xg, g, layer.weight)
-            if mode:   # CUDA graphs: each step a new replay of the recorded graphs
-                inner = step
-
-                def step():
-                    torch.compiler.cudagraph_mark_step_begin()
-                    inner()
+            step = _layer_step(run, xg, g, layer.weight, cuda_graphs=mode == "reduce-overhead")
             with fp8_ops.opaque_in_graphs() if opaque else contextlib.nullcontext():   # traced at the first call
                 out[name] = (t(step), "")
         except Exception as e:  # report, keep measuring the others

@@ -15,8 +15,9 @@ Rows (variants), all measured in one run on one device:
   statistics off: the same layer under `torch.compile` (Inductor launches the cast kernels
   itself: `lowprec.numerics.fp8_ops`), the same with the casts kept opaque ops
   (`fp8_ops.opaque_in_graphs()`, how they were compiled before), and under
-  `mode="reduce-overhead"`, which replays the step as one CUDA graph (no host time per kernel); for the formats of `--compiled` (fp8_tensorwise by default on CUDA, none on
-  CPU, where the casts are the reference quantizer; CUDA graphs need CUDA);
+  `mode="reduce-overhead"`, which replays the step as one CUDA graph (no host time per
+  kernel); for the formats of `--compiled` (fp8_tensorwise by default on CUDA, none on CPU,
+  where the casts are the reference quantizer; CUDA graphs need CUDA);
 * `lowprec torchao-backend <format>`: the same on lowprec's `torchao` backend (torchao's float8
   training primitives) for fp8_tensorwise and fp8_rowwise; a `skipped` row with the reason
   where `get_backend("torchao")` raises (the backend or torchao missing).
@@ -191,20 +192,15 @@ def measure_shape(d: int, tokens: int, args, cuda: bool, report) -> dict[str, tu
         except Exception as e:  # report, keep measuring the others
             out[name] = (float("nan"), f"FAILED {type(e).__name__}: {str(e)[:100]}")
         report(name, *out[name])
-    lowprec_rows = [("lowprec", fmt, get_backend("torch"), "") for fmt in FORMATS]
-    ao_backend, why_not = _torchao_backend()
-    lowprec_rows += [(None, None, None, None)]   # here: the compiled rows
-    lowprec_rows += [("lowprec torchao-backend", fmt, ao_backend, why_not) for fmt in TORCHAO_BACKEND_FORMATS]
-    for prefix, fmt, backend, why_not in lowprec_rows:
-        if prefix is None:
-            _compiled_rows(base, args, cuda, t, step, report, out)
-            continue
+
+    def stats_rows(prefix: str, fmt: str, backend, why_not: str) -> None:
+        """A lowprec site's `stats off` and `stats 1/N` rows (the reason twice where no backend)."""
         off, some = f"{prefix} {fmt} stats off", f"{prefix} {fmt} stats 1/{CHECK_EVERY}"
         if backend is None:
             out[off] = out[some] = (float("nan"), why_not)
             report(off, *out[off])
             report(some, *out[some])
-            continue
+            return
         try:
             layer = _lowprec_layer(base, fmt, backend, args.quantizer == "fused")
             layer.collect_stats = False
@@ -225,6 +221,13 @@ def measure_shape(d: int, tokens: int, args, cuda: bool, report) -> dict[str, tu
                 if name not in out:
                     out[name] = (float("nan"), why)
                     report(name, *out[name])
+
+    for fmt in FORMATS:
+        stats_rows("lowprec", fmt, get_backend("torch"), "")
+    _compiled_rows(base, args, cuda, t, step, report, out)
+    ao_backend, why_not = _torchao_backend()
+    for fmt in TORCHAO_BACKEND_FORMATS:
+        stats_rows("lowprec torchao-backend", fmt, ao_backend, why_not)
     return out
 
 

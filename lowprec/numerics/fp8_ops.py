@@ -118,17 +118,19 @@ def _reference_cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats:
     return q, si, ref_t.to_storage().contiguous(), ref_t.scale_inv.reshape(-1, 1).clone(), st
 
 
-def _cast_eager(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool):
+def _eager(kernel_impl, reference_impl, x: Tensor, *args):
+    """An op's implementation: its Triton kernels launched eagerly where they run on `x`,
+    else the reference quantizer."""
     if uses_kernels(x):
         from lowprec.numerics.kernels.cast_transpose import eager_launch
-        return _kernel_cast(x, elem, rowwise, transpose, stats, launch=eager_launch)
-    return _reference_cast(x, elem, rowwise, transpose, stats)
+        return kernel_impl(x, *args, launch=eager_launch)
+    return reference_impl(x, *args)
 
 
 @torch.library.custom_op("lowprec::fp8_cast", mutates_args=())
 def fp8_cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool
              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _cast_eager(x, elem, rowwise, transpose, stats)
+    return _eager(_kernel_cast, _reference_cast, x, elem, rowwise, transpose, stats)
 
 
 @fp8_cast.register_fake
@@ -172,21 +174,14 @@ def _reference_cast_delayed(x, elem, history, count, scratch, ticket, overflow, 
     return q, ref.scale_inv.reshape(()).clone(), qt, st
 
 
-def _cast_delayed_eager(x, *args):
-    if uses_kernels(x):
-        from lowprec.numerics.kernels.cast_transpose import eager_launch
-        return _kernel_cast_delayed(x, *args, launch=eager_launch)
-    return _reference_cast_delayed(x, *args)
-
-
 @torch.library.custom_op("lowprec::fp8_cast_delayed",
                          mutates_args=("history", "count", "scratch", "ticket", "overflow"))
 def fp8_cast_delayed(x: Tensor, elem: int, history: Tensor, count: Tensor, scratch: Tensor,
                      ticket: Tensor, overflow: Tensor, overflow_index: int, margin: int,
                      most_recent: bool, transpose: bool, stats: bool, count_overflow: bool
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _cast_delayed_eager(x, elem, history, count, scratch, ticket, overflow, overflow_index, margin,
-                               most_recent, transpose, stats, count_overflow)
+    return _eager(_kernel_cast_delayed, _reference_cast_delayed, x, elem, history, count, scratch, ticket,
+                  overflow, overflow_index, margin, most_recent, transpose, stats, count_overflow)
 
 
 @fp8_cast_delayed.register_fake
@@ -263,7 +258,7 @@ def _direct(x: Tensor) -> bool:
 def cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool):
     """`torch.ops.lowprec.fp8_cast`, its implementation called directly where `_direct`."""
     if _direct(x):
-        return _cast_eager(x, elem, rowwise, transpose, stats)
+        return _eager(_kernel_cast, _reference_cast, x, elem, rowwise, transpose, stats)
     return torch.ops.lowprec.fp8_cast(x, elem, rowwise, transpose, stats)
 
 
@@ -274,7 +269,7 @@ def cast_delayed(x: Tensor, elem: int, history: Tensor, count: Tensor, scratch: 
     args = (elem, history, count, scratch, ticket, overflow, overflow_index, margin, most_recent, transpose,
             stats, count_overflow)
     if _direct(x):
-        return _cast_delayed_eager(x, *args)
+        return _eager(_kernel_cast_delayed, _reference_cast_delayed, x, *args)
     return torch.ops.lowprec.fp8_cast_delayed(x, *args)
 
 

@@ -199,8 +199,8 @@ def _ct_row_kernel(x_ptr, q_ptr, qt_ptr, maxima_ptr, si_ptr, sit_ptr, stats_ptr,
 def _fill_zero_amax_scale_inv(elem, *scale_invs: torch.Tensor) -> None:
     """Fill `scale_invs` with the scale_inv of an all-zero tensor (amax 0, as quantize's)."""
     from lowprec.numerics.quantize import _div, _EPS
+    scale = _div(elem.max, torch.full((), _EPS, device=scale_invs[0].device))
     for t in scale_invs:
-        scale = _div(elem.max, torch.full((), _EPS, device=t.device))
         t.copy_(_div(1.0, scale).expand_as(t))
 
 

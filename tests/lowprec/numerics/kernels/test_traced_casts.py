@@ -34,7 +34,7 @@ class _Hopper:
 
 
 class _Captured(Exception):
-    pass
+    """Raised in place of running a captured graph (there is no device to run it on)."""
 
 
 @pytest.fixture
