@@ -5,6 +5,7 @@ Pre-norm Transformer blocks with causal self-attention (`attn.qkv`, `attn.proj`)
 GELU MLP (`mlp.fc`, `mlp.proj`), learned position embeddings and an untied output
 head. Every linear layer is an `nn.Linear`, so `lowprec.prepare` can switch it; the
 FQNs (`blocks.3.mlp.fc`) are what the precision plans in experiments/configs select.
+`GPT.tensor_parallel` and `GPT.pipeline_stage` are its parallel plan (experiments/gpt_parallel.py).
 """
 
 from __future__ import annotations
@@ -104,6 +105,28 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    # the parallel plan `lowprec run` asks for under a `parallel:` section (lowprec.runtime.parallel)
+    def tensor_parallel(self, tp_mesh) -> None:
+        """Shard the blocks' linear layers over `tp_mesh` (experiments/gpt_parallel.py)."""
+        from experiments.gpt_parallel import apply_tensor_parallel
+        apply_tensor_parallel(self, tp_mesh)
+
+    def check_parallel(self, tp: int, pp: int) -> None:
+        """ValueError for degrees this GPT cannot take (checked before any process group starts)."""
+        cfg = self.cfg
+        if cfg.n_head % tp or (cfg.mlp_ratio * cfg.d_model) % tp:
+            raise ValueError(f"parallel.tp {tp} must divide model.args.n_head ({cfg.n_head}) and the MLP width "
+                             f"({cfg.mlp_ratio * cfg.d_model}); pick a divisor of {cfg.n_head}")
+        if pp > cfg.n_layer:
+            raise ValueError(f"parallel.pp {pp} needs at least {pp} blocks; model.args.n_layer is {cfg.n_layer}")
+
+    def pipeline_stage(self, index: int, stages: int) -> nn.Module:
+        """Stage `index` of `stages`: its blocks, with the embeddings first, ln_f and lm_head last."""
+        from experiments.gpt_parallel import GPTStage
+        from lowprec.runtime.parallel import stage_bounds
+        first, last = stage_bounds(len(self.blocks), stages)[index]
+        return GPTStage(self, first, last, index == 0, index == stages - 1)
 
 
 def build_gpt(**kwargs) -> GPT:

@@ -8,6 +8,6 @@ lowprec.base (the sections' own types live with what they configure).
 
 from lowprec.base.parse import ConfigError
 from lowprec.config.schema import *  # noqa: F401,F403
-from lowprec.config.schema import ConfigRole, LowprecConfig
+from lowprec.config.schema import ConfigRole, LowprecConfig, ParallelConfig
 
-__all__ = ["ConfigError", "ConfigRole", "LowprecConfig"]
+__all__ = ["ConfigError", "ConfigRole", "LowprecConfig", "ParallelConfig"]

@@ -8,6 +8,7 @@
     eval:      {evaluator: lm_eval, suite: default, every: 100, ...}
     tracking:  {uri: null, experiment: lowprec, run_name: null, enabled: true}
     telemetry: {enabled: true, energy: auto, grid_g_per_kwh: null, mfu: true}  # lowprec.tracking.telemetry
+    parallel:  {dp_replicate: 1, dp_shard: 2, tp: 2, pp: 1, peer_timeout_s: 120}  # under torchrun
 
 Everything that can be checked without importing the user's code is checked here, at load,
 by `lowprec.base.parse` (one unknown-key check with did-you-mean, types from the
@@ -35,9 +36,9 @@ from lowprec.policy.rollout import RolloutConfig, parse_rollout
 from lowprec.tracking.telemetry import TelemetryConfig
 
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "EvalConfig", "TrackingConfig",
-           "TelemetryConfig", "LowprecConfig", "ConfigRole", "SECTIONS", "FRAMEWORK_SECTIONS"]
+           "TelemetryConfig", "ParallelConfig", "LowprecConfig", "ConfigRole", "SECTIONS", "FRAMEWORK_SECTIONS"]
 
-SECTIONS = ("model", "data", "train", "precision", "rollout", "eval", "tracking", "telemetry")
+SECTIONS = ("model", "data", "train", "precision", "rollout", "eval", "tracking", "telemetry", "parallel")
 FRAMEWORK_SECTIONS = ("precision", "rollout", "eval", "tracking")   # what a framework's trainer leaves to lowprec
 _FRAMEWORK_OWNS = ("model", "data", "train")
 _FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
@@ -151,6 +152,69 @@ class TrackingConfig:
             raise ConfigError("uri", "expected a tracking URI or null (sqlite:///<cwd>/mlflow.db), found ''")
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """`parallel:` how many processes `lowprec run` trains on and how the model is split over
+    them (docs/parallel.md): data parallel, replicated (`dp_replicate`: each rank a whole copy,
+    gradients all-reduced) or fully sharded (`dp_shard`: FSDP2), tensor parallel (`tp`) and
+    pipeline stages (`pp`). The product of the degrees is the number of processes torchrun
+    starts. `peer_timeout_s`: how long a rank waits at start for the others before it says so
+    and exits."""
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    peer_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for key in ("dp_replicate", "dp_shard", "tp", "pp"):
+            _at_least(self, key, 1, "a number of ranks")
+        if not self.peer_timeout_s > 0:
+            raise ConfigError("peer_timeout_s", f"expected seconds > 0, found {self.peer_timeout_s}")
+        if self.pp > 1 and self.dp_replicate * self.dp_shard * self.tp > 1:
+            raise ConfigError("pp", (
+                f"{self.pp} pipeline stages with dp_replicate {self.dp_replicate}, dp_shard {self.dp_shard}, "
+                f"tp {self.tp}: pipeline stages run alone here; set the other degrees to 1, or pp: 1"))
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            raise ConfigError("dp_replicate", (
+                f"{self.dp_replicate} with dp_shard {self.dp_shard}: replicated and sharded data parallel "
+                f"together (HSDP) is not built here; use one of them (dp_shard: {self.dp_replicate * self.dp_shard} "
+                f"shards over the same ranks)"))
+
+    @property
+    def world(self) -> int:
+        """The number of processes: the product of the degrees."""
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that each read their own rows of the global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def mode(self) -> str:
+        """The layout in a word: `dp_shard2xtp2`, `pp2`, `single`."""
+        parts = [f"{k}{v}" for k, v in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
+                                         ("tp", self.tp), ("pp", self.pp)) if v > 1]
+        return "x".join(parts) or "single"
+
+
+def _check_parallel(cfg: "LowprecConfig") -> None:
+    """What `parallel:` asks of the other sections (each rank's share of a batch; no evals)."""
+    par, tc = cfg.parallel, cfg.train
+    if par.world == 1:
+        return
+    if tc.batch_size % (tc.microbatches * par.data_ranks):
+        raise ConfigError("train.batch_size", (
+            f"{tc.batch_size} does not split into {par.data_ranks} data-parallel ranks x {tc.microbatches} "
+            f"microbatches (parallel: dp_replicate {par.dp_replicate} x dp_shard {par.dp_shard}); make batch_size "
+            f"a multiple of {tc.microbatches * par.data_ranks}"))
+    if cfg.eval is not None:
+        raise ConfigError("eval", (
+            f"is set with parallel: {par.mode} ({par.world} processes); evaluation checkpoints run in one process "
+            f"only: remove `eval:` (or `parallel:`), and evaluate the run's checkpoints in one process"))
+
+
 # the name of a gate file shipped with the gate package: no folder, no suffix (anything else is a path)
 _GATE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
@@ -215,8 +279,12 @@ class LowprecConfig:
     eval: EvalConfig | None = None      # None: no evaluation checkpoints
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     source: str = field(default="<dict>", compare=False)   # the file it came from
     role: ConfigRole = field(default=ConfigRole.RUN, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_parallel(self)
 
     @classmethod
     def from_yaml(cls, path: str | Path, role: ConfigRole = ConfigRole.RUN) -> "LowprecConfig":
@@ -255,6 +323,8 @@ class LowprecConfig:
                              else TrackingConfig()),
                    telemetry=(parse(TelemetryConfig, d["telemetry"], "telemetry") if d.get("telemetry") is not None
                               else TelemetryConfig()),
+                   parallel=(parse(ParallelConfig, d["parallel"], "parallel") if d.get("parallel") is not None
+                             else ParallelConfig()),
                    source=source, role=role)
 
     def to_dict(self) -> dict[str, Any]:

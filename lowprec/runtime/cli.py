@@ -4,6 +4,7 @@
                                              runtime inputs (baseline run, data) still missing
     lowprec run CONFIG [--out DIR] [--resume] [--steps N] [--inject KIND:SITE:START:STOP]
                        [--as-baseline] [--run-name NAME] [--no-controller] [--tracking-optional]
+                       [--nproc-per-node N]      (N processes under torchrun: lowprec.runtime.parallel_run)
 
 Exit status 0 when it trained (or the plan is usable: a missing baseline run or data is listed,
 not a failure, since `plan` needs only the config and the model), 2 on a config or input that
@@ -50,6 +51,9 @@ def register(sub) -> None:
     p.add_argument("--verbose", action="store_true",
                    help="show other libraries' output (progress bars, INFO lines) on the terminal too; it is "
                         "always in the run folder's lowprec.log")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="train on N processes of this machine under torchrun, as the config's parallel: section "
+                        "splits the model (docs/parallel.md); every check runs before any process starts")
     p.set_defaults(func=_cmd_run)
 
 
@@ -140,14 +144,34 @@ def _cmd_run(args) -> int:
     started = time.perf_counter()   # telemetry: start-up is the time until the first step
     from lowprec.runtime.console import Console
     with Console("run", verbose=args.verbose) as console:   # the progress line; other libraries' output: the log
-        return _run(args, console, started)
+        result = _run(args, console, started)
+    # --nproc-per-node: the ranks start once every check passed, outside the console (they write to the terminal)
+    return result() if callable(result) else result
 
 
-def _run(args, console, started: float) -> int:
+def _refuse(console, e: Exception, env) -> int:
+    """A refused run: one line, from rank 0 only under torchrun (the others wait a moment, so
+    that torchrun, which stops every rank at the first exit, lets rank 0 say it)."""
+    if env is None or env.rank == 0:
+        return _fail(console, e)
+    from lowprec.runtime.parallel_run import REFUSED_GRACE_S
+    time.sleep(REFUSED_GRACE_S)
+    return EXIT_UNUSABLE
+
+
+def _run(args, console, started: float):
     from lowprec.runtime.faults import parse_injection
+    from lowprec.runtime.parallel_run import rank_env
     from lowprec.runtime.run import prepare_run
+    env = rank_env()   # under torchrun: this rank's place in the job
+    parallel = env is not None or args.nproc_per_node is not None
     try:
         cfg = _load(args.config, args)
+        if parallel or cfg.parallel.world > 1:
+            from lowprec.runtime.parallel_run import check_launch
+            check_launch(cfg, args.nproc_per_node, env)
+            if env is not None and env.world > 1 and not args.out:
+                raise ConfigError("--out", "is needed under torchrun: every rank must name the same run folder")
         faults = [parse_injection(t) for t in args.inject]
         name = cfg.tracking.run_name or Path(args.config).stem
         out = Path(args.out) if args.out else Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -168,8 +192,18 @@ def _run(args, console, started: float) -> int:
         if bad:
             raise ConfigError("--inject", f"names no module of the model: {bad}; sites: "
                               f"{', '.join(list(prepared.state.sites)[:6])} ...")
+        if cfg.parallel.world > 1:
+            from lowprec.runtime.parallel_run import check_prepared
+            check_prepared(prepared, cfg.parallel)
     except (ConfigError, ValueError, TypeError) as e:
-        return _fail(console, e)
+        return _refuse(console, e, env)
+    if args.nproc_per_node is not None:
+        from lowprec.runtime.parallel_run import Launch, launch_argv
+        return Launch(args.nproc_per_node, *launch_argv(args, out))
+    if env is not None and env.world > 1:
+        from lowprec.runtime.parallel_run import train_ranks
+        return train_ranks(prepared, out, name=name, env=env, resume=args.resume, faults=faults, console=console,
+                           started=started, tracking_optional=args.tracking_optional)
     from lowprec.runtime.run import train_prepared
     return train_prepared(prepared, out, name=name, resume=args.resume, faults=faults, started=started,
                           tracking_optional=args.tracking_optional, console=console)

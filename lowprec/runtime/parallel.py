@@ -1,32 +1,41 @@
-"""Sharding the small GPT for `experiments/train_parallel.py`: DP x TP, and pipeline stages.
+"""The engines of `lowprec run` under torchrun: data x tensor parallel (replicated or fully
+sharded data parallel), and pipeline stages. Each has `forward_backward(x, y) -> loss` and
+`clip_grad_norm(max_norm)` and gives every rank the global batch-mean loss and the global
+gradient norm (`lowprec.runtime.engine`'s protocol); `build_engine` picks one from the
+config's `parallel:` section (`lowprec.config.ParallelConfig`).
 
-(FSDP2, the third mode, needs nothing GPT-specific: `lowprec.runtime.fsdp.FullyShardedDP`.)
+**The model says how it is split.** lowprec knows no model's layers, so a model that runs
+tensor parallel or in pipeline stages carries its own plan, as torchtitan keeps a
+parallelize function per model (the reference GPT: experiments/gpt_parallel.py):
 
-Two engines, each with `forward_backward(x, y) -> loss` and `clip_grad_norm(max_norm)`,
-that give every rank the global batch-mean loss and the global gradient norm:
+    model.tensor_parallel(tp_mesh)          shard its layers over the 1-D tp mesh (DTensor,
+                                            `parallelize_module`); called after `prepare`
+    model.pipeline_stage(index, stages)     an nn.Module: stage `index` of `stages`, holding
+                                            the model's modules under their own names; the
+                                            first takes the token ids, the last returns logits
+    model.check_parallel(tp, pp)            optional: raise ValueError for degrees it cannot
+                                            take (checked before any process group starts)
 
-* `DataTensorParallel`: a 2-D DeviceMesh ("dp", "tp"). In every block attn.qkv and
-  mlp.fc are ColwiseParallel, attn.proj and mlp.proj RowwiseParallel (DTensor), and
-  attention runs on each tp rank's heads (qkv's rows are regrouped so that rank r's
-  colwise shard is [q_r | k_r | v_r]: the same numbers in another order). Embeddings,
-  LayerNorms and the output head are replicated. Data parallel is one bucketed SUM
-  all-reduce of the local gradients over the dp group after backward (what DDP does;
-  DDP itself refuses DTensor parameters). Each dp rank's loss is divided by dp, so the
-  summed gradients are those of the global batch mean.
-* `Pipeline`: `torch.distributed.pipelining` with one `GPTStage` per rank (stage 0 the
-  embeddings and the first blocks, the last stage the last blocks, ln_f, lm_head and the
-  loss) and a GPipe schedule over the config's microbatches. The loss lives on the last
-  stage and is broadcast to every rank.
+The engines:
 
-The gradient norm is computed as `torch.nn.utils.clip_grad_norm_` computes it on one
-process: the norm of the vector of per-parameter norms, in the model's parameter order;
-a sharded parameter's norm comes from its shards' summed squares (`lowprec.runtime.gradnorm`).
+* `DataTensorParallel`: a 2-D mesh (`dp_replicate`, `tp`): `model.tensor_parallel` on the tp
+  sub-mesh; data parallel is one bucketed SUM all-reduce of the local gradients over the dp
+  group after backward (what DDP does; DDP itself refuses DTensor parameters). Each dp
+  rank's loss is divided by dp, so the summed gradients are the global batch mean's.
+* `ShardedTensorParallel`: a 2-D mesh (`dp_shard`, `tp`): `model.tensor_parallel` on the tp
+  sub-mesh, then FSDP2 (`lowprec.runtime.fsdp.FullyShardedDP`) over the dp_shard sub-mesh,
+  as torchtitan composes them; with tp 1 it is FSDP2 alone. The gradient norm counts a
+  tensor-parallel shard on every rank and a tp-replicated parameter's FSDP shards on tp rank 0.
+* `Pipeline`: `torch.distributed.pipelining` with one stage per rank and a GPipe schedule
+  over the config's microbatches; the loss (cross-entropy of the last stage's logits) lives
+  on the last stage and is broadcast to every rank.
+
+The gradient norm is formed as `torch.nn.utils.clip_grad_norm_` forms it on one process:
+the norm of the vector of per-parameter norms, in the model's parameter order; a sharded
+parameter's norm comes from its shards' summed squares (`lowprec.runtime.gradnorm`).
 """
 
 from __future__ import annotations
-
-import types
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,47 +43,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec.runtime.engine import forward_backward
-from lowprec.tracking.phases import NULL_CLOCK, Phase
 from lowprec.runtime.gradnorm import clip_, grad_norm, local_grad
+from lowprec.tracking.phases import NULL_CLOCK, Phase
 
-__all__ = ["ParallelConfig", "DataTensorParallel", "Pipeline", "GPTStage", "stage_bounds",
-           "local_state", "grad_norm", "clip_"]
+__all__ = ["DataTensorParallel", "ShardedTensorParallel", "Pipeline", "build_engine", "stage_bounds",
+           "local_state", "check_model_plan", "set_amax_group"]
 
 
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Ranks per dimension: data x tensor parallel, pipeline stages, or FSDP2 (not combined here)."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    fsdp: int = 1
-
-    def __post_init__(self) -> None:
-        if min(self.dp, self.tp, self.pp, self.fsdp) < 1:
-            raise ValueError(f"--dp, --tp, --pp and --fsdp must be >= 1, got {self.dp}, {self.tp}, {self.pp}, "
-                             f"{self.fsdp}")
-        if self.pp > 1 and self.dp * self.tp > 1:
-            raise ValueError(f"pipeline parallel (--pp {self.pp}) runs alone here; --dp/--tp must be 1, "
-                             f"got --dp {self.dp} --tp {self.tp}")
-        if self.fsdp > 1 and self.dp * self.tp * self.pp > 1:
-            raise ValueError(f"FSDP2 (--fsdp {self.fsdp}) runs alone here; --dp/--tp/--pp must be 1, "
-                             f"got --dp {self.dp} --tp {self.tp} --pp {self.pp}")
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.fsdp
-
-    @property
-    def data_ranks(self) -> int:
-        """Ranks that each read their own rows of the global batch."""
-        return self.dp * self.fsdp
-
-    @property
-    def mode(self) -> str:
-        if self.fsdp > 1:
-            return f"fsdp{self.fsdp}"
-        return f"pp{self.pp}" if self.pp > 1 else f"dp{self.dp}xtp{self.tp}"
+def stage_bounds(n_layer: int, pp: int) -> list[tuple[int, int]]:
+    """Blocks [first, last) of each of `pp` stages, as even as they come."""
+    if pp > n_layer:
+        raise ValueError(f"parallel.pp {pp} needs at least {pp} blocks; the model has {n_layer}")
+    edges = [round(i * n_layer / pp) for i in range(pp + 1)]
+    return list(zip(edges[:-1], edges[1:]))
 
 
 def local_state(state, fqns):
@@ -85,7 +66,28 @@ def local_state(state, fqns):
                           state.kept_high_precision.items())
 
 
-# ----------------------------------------------------------------------------- gradients
+def check_model_plan(model: nn.Module, tp: int, pp: int) -> None:
+    """ValueError when the model cannot be split as asked (no plan method, or degrees it refuses)."""
+    kind = type(model).__name__
+    if tp > 1 and not callable(getattr(model, "tensor_parallel", None)):
+        raise ValueError(f"parallel.tp {tp}: the model ({kind}) has no tensor_parallel(tp_mesh) method; give it "
+                         f"one (docs/parallel.md), or set tp: 1")
+    if pp > 1 and not callable(getattr(model, "pipeline_stage", None)):
+        raise ValueError(f"parallel.pp {pp}: the model ({kind}) has no pipeline_stage(index, stages) method; give it "
+                         f"one (docs/parallel.md), or set pp: 1")
+    check = getattr(model, "check_parallel", None)
+    if callable(check):
+        check(tp, pp)
+
+
+def set_amax_group(model: nn.Module, group) -> None:
+    """Reduce tensor-wise amaxes of activations and gradients over `group` (the data-parallel
+    ranks), as `prepare(..., amax_group=group)` would have: every PrecisionLinear of `model`."""
+    from lowprec.sites.layers import PrecisionLinear
+    for m in model.modules():
+        if isinstance(m, PrecisionLinear):
+            m.amax_group = group
+
 
 @torch.no_grad()
 def _all_reduce_grads(params: list[nn.Parameter], group) -> None:
@@ -99,58 +101,17 @@ def _all_reduce_grads(params: list[nn.Parameter], group) -> None:
         g.copy_(chunk.view_as(g))
 
 
-# ----------------------------------------------------------------------------- tensor parallel
-
-def qkv_rank_order(rows: int, tp: int) -> torch.Tensor:
-    """Row order of qkv that puts [q_r, k_r, v_r] (whole heads) in rank r's colwise shard."""
-    c = rows // 3
-    per = c // tp
-    return torch.cat([torch.arange(j * c + r * per, j * c + (r + 1) * per) for r in range(tp) for j in range(3)])
-
-
-def _tp_attention_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """Causal attention on this rank's heads: qkv's local output is [q_r | k_r | v_r]."""
-    b, t, _ = x.shape
-    qkv = self.qkv(x)
-    c = qkv.shape[-1] // 3
-    heads = self.n_head // self.tp_size
-    q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in qkv.split(c, dim=-1))
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return self.proj(y.transpose(1, 2).reshape(b, t, c))
-
-
-def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
-    """Shard every block's linear layers over `tp_mesh` (after `prepare`: the styles hook
-    the PrecisionLinear modules themselves)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    tp = tp_mesh.size()
-    cfg = model.cfg
-    if cfg.n_head % tp or (cfg.mlp_ratio * cfg.d_model) % tp:
-        raise ValueError(f"--tp {tp} must divide n_head ({cfg.n_head}) and the MLP width "
-                         f"({cfg.mlp_ratio * cfg.d_model})")
-    for block in model.blocks:
-        perm = qkv_rank_order(block.attn.qkv.weight.shape[0], tp)
-        with torch.no_grad():
-            block.attn.qkv.weight.copy_(block.attn.qkv.weight[perm])
-            block.attn.qkv.bias.copy_(block.attn.qkv.bias[perm])
-        block.attn.tp_size = tp
-        block.attn.forward = types.MethodType(_tp_attention_forward, block.attn)
-        parallelize_module(block, tp_mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-                                            "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
-
-
 class DataTensorParallel:
-    """DP x TP on a 2-D mesh; see the module docstring."""
+    """Replicated data parallel x tensor parallel on a 2-D mesh (dp_replicate, tp); see the module docstring."""
 
     def __init__(self, model: nn.Module, mesh, microbatches: int):
         self.model, self.mesh, self.microbatches = model, mesh, microbatches
         self.module = model
-        self.dp, self.tp = mesh["dp"].size(), mesh["tp"].size()
-        self.dp_group = mesh.get_group("dp")
+        self.dp, self.tp = mesh["dp_replicate"].size(), mesh["tp"].size()
+        self.dp_group = mesh.get_group("dp_replicate")
         self.tp_group = mesh.get_group("tp")
         if self.tp > 1:
-            apply_tensor_parallel(model, mesh["tp"])
+            model.tensor_parallel(mesh["tp"])
         self.params = list(model.parameters())
         self.tp_rank = mesh.get_local_rank("tp")
         self.clock = NULL_CLOCK   # the loop sets its telemetry's clock
@@ -176,36 +137,52 @@ class DataTensorParallel:
         return total
 
 
-# ----------------------------------------------------------------------------- pipeline
+class ShardedTensorParallel:
+    """FSDP2 over tensor-parallel shards on a 2-D mesh (dp_shard, tp); see the module docstring."""
 
-def stage_bounds(n_layer: int, pp: int) -> list[tuple[int, int]]:
-    """Blocks [first, last) of each of `pp` stages, as even as they come."""
-    if pp > n_layer:
-        raise ValueError(f"--pp {pp} needs at least {pp} blocks; the model has n_layer={n_layer}")
-    edges = [round(i * n_layer / pp) for i in range(pp + 1)]
-    return list(zip(edges[:-1], edges[1:]))
+    def __init__(self, model: nn.Module, mesh, microbatches: int):
+        from lowprec.runtime.fsdp import FullyShardedDP
 
+        self.mesh = mesh
+        self.tp = mesh["tp"].size()
+        self.tp_rank = mesh.get_local_rank("tp")
+        if self.tp > 1:
+            model.tensor_parallel(mesh["tp"])
+        self.fsdp = FullyShardedDP(model, mesh_or_group=mesh["dp_shard"], microbatches=microbatches)
+        self.module, self.params = self.fsdp.module, self.fsdp.params
+        self.world_group = dist.group.WORLD   # the mesh spans every rank
+        self.clock = NULL_CLOCK
 
-class GPTStage(nn.Module):
-    """One pipeline stage of the GPT, holding the full model's modules under their names
-    (`blocks.3.mlp.fc` stays `blocks.3.mlp.fc`): blocks [first, last); the first stage
-    also embeds, the last one also applies ln_f and lm_head (it returns the logits)."""
+    @property
+    def data_parallel_size(self) -> int:
+        return self.fsdp.world
 
-    def __init__(self, model: nn.Module, first: int, last: int, is_first: bool, is_last: bool):
-        super().__init__()
-        self.is_first, self.is_last = is_first, is_last
-        if is_first:
-            self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(first, last)})
-        if is_last:
-            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x, y: this dp_shard rank's rows of the global batch. Returns the global mean loss."""
+        loss = self.fsdp.forward_backward(x, y)
+        self.clock.lap(Phase.BACKWARD)
+        return loss
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_first:   # x: token ids, as GPT.forward embeds them
-            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
-        for block in self.blocks.values():
-            x = block(x)
-        return self.lm_head(self.ln_f(x)) if self.is_last else x
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        """The global norm: per-parameter squared norms of the local shards, summed over every
+        rank (a tp-replicated parameter's only from tp rank 0), as clip_grad_norm_ forms it."""
+        if self.tp == 1:
+            return self.fsdp.clip_grad_norm(max_norm)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        norms = torch._foreach_norm([local_grad(g) for g in grads], 2.0)
+        squares = torch.zeros(len(grads), dtype=torch.float32)
+        for i, (g, v) in enumerate(zip(grads, norms)):
+            names = g.device_mesh.mesh_dim_names or ()
+            tp_sharded = "tp" in names and g.placements[names.index("tp")].is_shard()
+            if tp_sharded or self.tp_rank == 0:
+                squares[i] = v.float() * v.float()
+        dist.all_reduce(squares, group=self.world_group)
+        total = torch.linalg.vector_norm(squares.sqrt(), 2.0)
+        clip_(grads, total, max_norm)
+        return total
 
 
 class Pipeline:
@@ -215,8 +192,7 @@ class Pipeline:
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
         self.rank, self.pp, self.microbatches, self.group = rank, pp, microbatches, group
-        first, last = stage_bounds(len(model.blocks), pp)[rank]
-        self.module = GPTStage(model, first, last, rank == 0, rank == pp - 1)
+        self.module = model.pipeline_stage(rank, pp)
         self.names = [n for n, _ in model.named_parameters()]   # the whole model's order
         self.params = list(self.module.parameters())
         self.stage = PipelineStage(self.module, rank, pp, torch.device("cpu"), group=group)
@@ -224,7 +200,7 @@ class Pipeline:
                                       scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """A microbatch's share of the batch-mean loss (GPT.forward's loss / microbatches)."""
+        """A microbatch's share of the batch-mean loss (the model's cross-entropy / microbatches)."""
         loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())
         return loss / self.microbatches if self.microbatches > 1 else loss
 
@@ -250,3 +226,20 @@ class Pipeline:
         total = grad_norm(grads, [True] * len(grads), self.group or dist.group.WORLD)
         clip_([g for g in grads if g is not None], total, max_norm)
         return total
+
+
+def build_engine(model: nn.Module, par, microbatches: int):
+    """(engine, data rank, data ranks) for `par` (a ParallelConfig) on the initialised process
+    group; the model is `prepare`d already (its amax group is set here)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if par.pp > 1:
+        return Pipeline(model, dist.get_rank(), par.pp, microbatches), 0, 1
+    dp_name = "dp_shard" if par.dp_shard > 1 else "dp_replicate"
+    dp = par.dp_shard * par.dp_replicate
+    mesh = init_device_mesh("cpu", (dp, par.tp), mesh_dim_names=(dp_name, "tp"))
+    if dp > 1:
+        set_amax_group(model, mesh.get_group(dp_name))
+    engine = (ShardedTensorParallel(model, mesh, microbatches) if par.dp_shard > 1
+              else DataTensorParallel(model, mesh, microbatches))
+    return engine, mesh.get_local_rank(dp_name), dp

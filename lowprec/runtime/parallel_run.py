@@ -1,150 +1,330 @@
-"""The reference experiment under torchrun: data x tensor parallel, pipeline parallel, or FSDP2.
+"""`lowprec run` on several processes: the launch, the checks before it, and each rank's run.
 
-    torchrun --nproc-per-node 4 -m experiments.train_parallel CONFIG --dp 2 --tp 2 --out DIR
-    torchrun --nproc-per-node 2 -m experiments.train_parallel CONFIG --pp 2 --out DIR
-    torchrun --nproc-per-node 2 -m experiments.train_parallel CONFIG --fsdp 2 --out DIR
+    lowprec run --nproc-per-node 4 CONFIG --out DIR        # starts torchrun itself
+    torchrun --nproc-per-node 4 -m lowprec.cli run CONFIG --out DIR
 
-The same config, precision plan and rollout controller as `lowprec run CONFIG`, through
-the same loop (`lowprec.runtime.loop.train`); only the engine differs: the sharding of
-`experiments/parallel.py` (the reference GPT's tensor-parallel plan and pipeline stages) or
-`lowprec.runtime.fsdp.FullyShardedDP` (FSDP2, for any model).
-Every rank runs one controller fed with the same global loss and gradient norm and the
-monitor's combined statistics (one all-gather per check), so every rank takes the same
-decisions; each writes them to `DIR/events.rank<R>.jsonl`. Rank 0 writes `DIR/losses.json`,
-`DIR/grad_norms.json` and `DIR/summary.json` (mode, seconds per step, the final precision map).
+The config's `parallel:` section (`lowprec.config.ParallelConfig`) says how the model is
+split; `lowprec.runtime.parallel.build_engine` builds the mesh and the engine, and the run
+goes through the one loop (`lowprec.runtime.loop.train`) exactly as in one process.
 
-DP x TP: `prepare(..., amax_group=<dp group>)`; tensor-wise amaxes of the DTensor shards
-are reduced over the tp group by PrecisionLinear itself, so the numerics are the single
-process's. Every dp rank reads rows dp_rank::dp of the same global batch.
-FSDP2: `prepare(..., amax_group=<the world>)` first (same Parameters), then `fully_shard`
-on every block and the root; every rank reads rows rank::world of the global batch.
-PP: each rank prepares the whole model (so that the plan's and the rollout's selectors
-see all of it), builds the controller over all sites, then keeps its own stage; the
-monitor packs every site's row.
+**Checked before any process group starts** (`check_launch`, then `prepare_run` and
+`check_model_plan` on the model every rank builds on its CPU): the number of processes
+against the product of the degrees, the degrees against each other (pipeline stages with
+data parallel), the batch against the data-parallel ranks and microbatches, the degrees
+against the model's own plan (a tp that does not divide the GPT's heads), and everything a
+one-process `lowprec run` checks. A refused job is one line from rank 0 (under
+`--nproc-per-node`: from the launcher, which checks before it starts any rank), exit 2,
+and no output folder. Then every rank joins (`join`): a rank whose peers do not all come
+within `parallel.peer_timeout_s` says how many came and exits 2.
 
-Rewinds: in-memory snapshots by default (each rank its shards or its stage: nothing is
-gathered), under DP x TP, FSDP2 and pipeline parallelism alike; with `rollout.rewind.source: disk`
-sharded checkpoints (`torch.distributed.checkpoint`) every `train.ckpt_every` steps.
+**Files and tracking.** Rank 0 creates the run folder, writes losses, summary and the
+MLflow run (one per job, through its outbox: the other ranks have no tracker, so no rank
+waits on tracking); every rank writes its own event log `events.rank<R>.jsonl`. The
+statistics rank 0 logs are the monitor's, reduced over every rank at each check. At the
+end every rank's events are merged into the run's event table (`merge_rank_events`): the
+ranks decide alike, so each event is logged once; one that some rank did not record would
+be logged with the ranks that did. Checkpoints are written every `train.ckpt_every` steps
+(sharded, `torch.distributed.checkpoint`), so `--resume` continues a killed job, and its
+MLflow run, from the newest one.
+
+**A rank that dies** takes the job down: torchrun stops the others, and the launcher of
+`lowprec run --nproc-per-node` says which rank died and how (its exit code or signal) and
+the command that continues the run.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-from dataclasses import replace
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+from lowprec.base.parse import ConfigError
 
-from experiments.parallel import DataTensorParallel, ParallelConfig, Pipeline, local_state
-from lowprec.config import LowprecConfig
-from lowprec.policy.rollout import build_controller
-from lowprec.runtime.data import as_batch_source
-from lowprec.runtime.faults import parse_injection
-from lowprec.runtime.fsdp import FullyShardedDP
-from lowprec.runtime.loop import train
-from lowprec.runtime.run import load_factory, read_baseline
-from lowprec.sites.precision_state import prepare
+__all__ = ["RankEnv", "rank_env", "check_launch", "Launch", "join", "train_ranks", "merge_rank_events",
+           "EXIT_RANK_DIED", "REFUSED_GRACE_S"]
 
-__all__ = ["train_parallel", "main"]
+EXIT_UNUSABLE = 2
+EXIT_RANK_DIED = 1
+# a refusing rank other than 0 waits this long before it exits: torchrun stops every rank at the
+# first exit, and rank 0 must have said why by then
+REFUSED_GRACE_S = 3.0
 
 
-def train_parallel(cfg: LowprecConfig | dict, out_dir: str | Path, par: ParallelConfig, *, steps: int | None = None,
-                   injections=(), microbatches: int | None = None) -> dict:
-    """Train as `cfg` says on the initialised process group; returns rank 0's summary."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != par.world:
-        raise ValueError(f"{par.mode} needs {par.world} processes, torchrun started {world} "
-                         f"(--nproc-per-node {par.world})")
-    rc = cfg if isinstance(cfg, LowprecConfig) else LowprecConfig.from_dict(cfg)
-    if microbatches is not None:
-        rc = replace(rc, train=replace(rc.train, microbatches=microbatches))
-    tc = rc.train
-    if tc.batch_size % (tc.microbatches * par.data_ranks):
-        raise ValueError(f"train.batch_size ({tc.batch_size}) must be a multiple of microbatches x data-parallel "
-                         f"ranks ({tc.microbatches} x {par.data_ranks})")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [Path.cwd()]
-    torch.manual_seed(tc.seed)   # every rank builds the single process's initial model
-    model = load_factory(rc.model.factory, "model.factory", paths)(**dict(rc.model.args or {}))
-    unknown = [j.site for j in injections if j.kind.needs_site and j.site not in dict(model.named_modules())]
-    if unknown:
-        raise ValueError(f"--inject names no module of the model: {unknown}")
-    tokens = load_factory(rc.data.factory, "data.factory", paths)(**dict(rc.data.args or {}))
-    if par.pp > 1:
-        state = prepare(model, rc.precision, seed=tc.seed)
-        data = as_batch_source(tokens, batch_size=tc.batch_size, block_size=rc.data.block_size, seed=tc.seed)
-    elif par.fsdp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cpu", (par.fsdp,), mesh_dim_names=("dp",))
-        state = prepare(model, rc.precision, seed=tc.seed, amax_group=mesh.get_group())
-        data = as_batch_source(tokens, batch_size=tc.batch_size, block_size=rc.data.block_size, seed=tc.seed,
-                               rank=rank, world=par.fsdp)
+@dataclass(frozen=True)
+class RankEnv:
+    """This process's place in a torchrun job (what torchrun tells its workers)."""
+    rank: int
+    world: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    agent_store: bool          # the store is torchrun's agent's (else rank 0 hosts it)
+    attempt: int               # torchrun's restart count
+
+
+def rank_env(environ=None) -> RankEnv | None:
+    """The torchrun job this process is a rank of; None when it runs alone."""
+    env = os.environ if environ is None else environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    return RankEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"])),
+                   env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")),
+                   env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+                   int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+
+def check_launch(cfg, nproc: int | None, env: RankEnv | None) -> None:
+    """ConfigError when the processes started (or to start) do not fit `parallel:`."""
+    par = cfg.parallel
+    if nproc is not None:
+        if env is not None:
+            raise ConfigError("--nproc-per-node", f"is given under torchrun (rank {env.rank} of {env.world}); "
+                                                  f"torchrun starts the processes: drop --nproc-per-node")
+        if nproc < 1:
+            raise ConfigError("--nproc-per-node", f"expected a number of processes >= 1, found {nproc}")
+        started, how = nproc, f"--nproc-per-node {nproc}"
+    elif env is not None:
+        started, how = env.world, f"torchrun started {env.world}"
     else:
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cpu", (par.dp, par.tp), mesh_dim_names=("dp", "tp"))
-        state = prepare(model, rc.precision, seed=tc.seed, amax_group=mesh.get_group("dp") if par.dp > 1 else None)
-        data = as_batch_source(tokens, batch_size=tc.batch_size, block_size=rc.data.block_size, seed=tc.seed,
-                               rank=mesh.get_local_rank("dp"), world=par.dp)
-    ctl = build_controller(rc.rollout, state, model, baseline=read_baseline(rc))   # every site, forward order
-    all_sites = list(ctl.order)
-    if par.pp > 1:
-        engine = Pipeline(model, rank, par.pp, tc.microbatches)
-        state = local_state(state, [f for f, _ in engine.module.named_modules() if f in state.sites])
-        del model   # this rank keeps its stage's modules only
-    elif par.fsdp > 1:
-        engine = FullyShardedDP(model, mesh_or_group=mesh, microbatches=tc.microbatches)
-    else:
-        engine = DataTensorParallel(model, mesh, tc.microbatches)
-    disk = ctl.config.rewind and rc.rollout.rewind.source == "disk"
-    ckpt_dir = out / "checkpoints"
-    if disk and ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
-        raise FileExistsError(f"{ckpt_dir} holds an earlier run's checkpoints, which a rewind would "
-                              f"restore; parallel runs do not resume: use a new --out or remove them")
-    res = train(tc, engine, state, data, out_dir=out, controller=ctl, rollout=rc.rollout, sites=all_sites,
-                faults=list(injections), steps=steps, checkpoints=disk)
-    summary = {"mode": par.mode, "world": world, "microbatches": tc.microbatches, **res.summary(),
-               "steps": len(res.losses), "formats": dict(ctl.current)}
-    if rank == 0:
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    return summary
+        started, how = 1, "one process"
+    if started != par.world:
+        fix = (f"start {par.world} (lowprec run --nproc-per-node {par.world} CONFIG, or torchrun "
+               f"--nproc-per-node {par.world} -m lowprec.cli run CONFIG)" if par.world > 1
+               else "add a parallel: section whose degrees multiply to that number")
+        raise ConfigError("parallel", f"{par.mode} needs {par.world} processes (dp_replicate {par.dp_replicate} x "
+                                      f"dp_shard {par.dp_shard} x tp {par.tp} x pp {par.pp}), {how}: {fix}")
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("config")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (alone, without --dp/--tp)")
-    p.add_argument("--fsdp", type=int, default=1, help="FSDP2 ranks (alone, without --dp/--tp/--pp)")
-    p.add_argument("--out", default="runs/train_parallel")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--microbatches", type=int, default=None,
-                   help="overrides train.microbatches (the pipeline's microbatches; gradient "
-                        "accumulation otherwise)")
-    p.add_argument("--inject", action="append", default=[], metavar="KIND:SITE:START:STOP",
-                   help="a fault (nan, overflow, lr_spike, loss_spike) as in `lowprec run`; repeatable")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads per process")
-    args = p.parse_args(argv)
-    par = ParallelConfig(args.dp, args.tp, args.pp, args.fsdp)
-    if "RANK" not in os.environ:
-        raise SystemExit(f"start this under torchrun: torchrun --nproc-per-node {par.world} -m "
-                         f"experiments.train_parallel {args.config} ...")
-    torch.set_num_threads(args.threads)
-    injections = [parse_injection(t) for t in args.inject]
-    dist.init_process_group("gloo")
+def check_prepared(prepared, par) -> None:
+    """ConfigError when the built model or data cannot be split as `par` says (before any process group)."""
+    from lowprec.runtime.data import TokenBatches
+    from lowprec.runtime.parallel import check_model_plan
     try:
-        summary = train_parallel(LowprecConfig.from_yaml(args.config), args.out, par, steps=args.steps,
-                                 injections=injections, microbatches=args.microbatches)
-        if dist.get_rank() == 0:
-            print(f"{summary['mode']}: {summary['steps']} steps, {summary['seconds_per_step'] * 1e3:.0f} ms/step, "
-                  f"{summary['events']} events; losses and events in {args.out}", flush=True)
+        check_model_plan(prepared.model, par.tp, par.pp)
+    except ValueError as e:
+        raise ConfigError("parallel", str(e)) from None
+    if par.data_ranks > 1 and not isinstance(prepared.data, TokenBatches):
+        raise ConfigError("data.factory", (
+            f"returned a {type(prepared.data).__name__}; with {par.data_ranks} data-parallel ranks each reads its "
+            f"rows of a token batch: return a 1-D token tensor (or use pp / tp only)"))
+
+
+@dataclass
+class Launch:
+    """`lowprec run --nproc-per-node N`: what to start once every check passed."""
+    nproc: int
+    argv: list[str]                  # `lowprec.cli run ...` for every rank
+    resume_hint: str                 # the command that continues the run
+
+    def __call__(self) -> int:
+        """Start the ranks under torchrun's agent (standalone, this machine); the exit status."""
+        import logging
+        import uuid
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)   # its lines: said below
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=self.nproc, run_id=str(uuid.uuid4()),
+                              rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                              monitor_interval=0.5)
+        try:
+            elastic_launch(config, sys.executable)("-m", "lowprec.cli", *self.argv)
+        except ChildFailedError as e:
+            return self._failed(e.failures)
+        return 0
+
+    def _failed(self, failures: dict) -> int:
+        codes = {r: f.exitcode for r, f in failures.items()}
+        if all(c == EXIT_UNUSABLE for c in codes.values()):
+            return EXIT_UNUSABLE   # refused: rank 0 said why
+        rank, f = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+        how = f"signal {f.signal_name()}" if f.exitcode < 0 else f"exit {f.exitcode}"
+        print(f"lowprec run: rank {rank} (pid {f.pid}) died ({how}); torchrun stopped the other ranks. "
+              f"Continue the run with `{self.resume_hint}`", file=sys.stderr, flush=True)
+        return EXIT_RANK_DIED
+
+
+def launch_argv(args, out: Path) -> tuple[list[str], str]:
+    """(the ranks' `run` arguments, the resume command) from the launcher's own arguments."""
+    argv = ["run", str(args.config), "--out", str(out)]
+    argv += ["--resume"] if args.resume else []
+    argv += ["--steps", str(args.steps)] if args.steps is not None else []
+    argv += ["--run-name", args.run_name] if args.run_name else []
+    for flag in ("as_baseline", "no_controller", "tracking_optional", "verbose"):
+        if getattr(args, flag):
+            argv.append("--" + flag.replace("_", "-"))
+    for spec in args.inject:
+        argv += ["--inject", spec]
+    hint = f"lowprec run --nproc-per-node {args.nproc_per_node} {args.config} --out {out} --resume"
+    return argv, hint
+
+
+class PeersMissing(Exception):
+    """A rank waited `parallel.peer_timeout_s` for the others and not all came."""
+
+
+def join(env: RankEnv, timeout_s: float):
+    """Wait (at most `timeout_s`) until every rank of the job has come; the store they share.
+    PeersMissing says how many came, and where they were to meet."""
+    import torch.distributed as dist
+    where = f"{env.master_addr}:{env.master_port}"
+    try:
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world,
+                              is_master=env.rank == 0 and not env.agent_store,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    except (RuntimeError, dist.DistError) as e:
+        raise PeersMissing(f"rank {env.rank}: no rank 0 answered at {where} within parallel.peer_timeout_s = "
+                           f"{timeout_s:g} s ({str(e).splitlines()[0][:120]}); start every rank (torchrun does)")
+    key = f"lowprec/joined/{env.attempt}"
+    came = store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while came < env.world and time.monotonic() < deadline:
+        time.sleep(0.1)
+        came = store.add(key, 0)
+    if came < env.world:
+        raise PeersMissing(f"rank {env.rank}: {came} of {env.world} ranks joined at {where} within "
+                           f"parallel.peer_timeout_s = {timeout_s:g} s; the others never started or cannot reach "
+                           f"it: start all {env.world} (torchrun --nproc-per-node {env.world}), or raise the timeout")
+    return store
+
+
+@dataclass
+class RankRun:
+    """What one rank trains: built from a PreparedRun once the process group is up."""
+    engine: object
+    state: object
+    data: object
+    sites: list[str] | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _build(prepared, par) -> RankRun:
+    """This rank's engine, precision state and batches."""
+    import torch.distributed as dist
+    from lowprec.runtime.data import TokenBatches
+    from lowprec.runtime.parallel import build_engine, local_state
+
+    tc = prepared.config.train
+    sites = list(prepared.controller.order) if prepared.controller is not None else list(prepared.state.sites)
+    engine, data_rank, data_ranks = build_engine(prepared.model, par, tc.microbatches)
+    state, data = prepared.state, prepared.data
+    if par.pp > 1:   # this rank keeps its stage's sites; the monitor packs every site's row
+        state = local_state(state, [f for f, _ in engine.module.named_modules() if f in state.sites])
+    if data_ranks > 1:
+        data = TokenBatches(data.tokens, data.batch_size, data.block_size, seed=data.seed, rank=data_rank,
+                            world=data_ranks)
+    assert dist.is_initialized()
+    return RankRun(engine, state, data, sites)
+
+
+def merge_rank_events(out: Path, world: int) -> list:
+    """The events some rank recorded more often than rank 0 did (`events.rank<R>.jsonl`), each
+    once with `evidence.ranks` naming the ranks; none when the ranks decided alike."""
+    from collections import Counter
+    from dataclasses import replace
+    from lowprec.policy.events import read_events
+
+    def log(r: int) -> list:
+        path = out / f"events.rank{r}.jsonl"
+        return read_events(path) if path.is_file() else []
+
+    lead = Counter(e.to_json() for e in log(0))
+    extra: dict[str, tuple] = {}
+    for r in range(1, world):
+        for key, n in (Counter(e.to_json() for e in log(r)) - lead).items():
+            if key not in extra:
+                extra[key] = (next(e for e in log(r) if e.to_json() == key), [])
+            extra[key][1].append(r)
+    return [replace(e, evidence={**e.evidence, "ranks": ranks}) for e, ranks in extra.values()]
+
+
+def train_ranks(prepared, out: Path, *, name: str, env: RankEnv, resume: bool, faults, console, started: float,
+                tracking_optional: bool) -> int:
+    """This rank's part of a `lowprec run` under torchrun; the exit status."""
+    import torch.distributed as dist
+    par = prepared.config.parallel
+    try:
+        store = join(env, par.peer_timeout_s)
+    except PeersMissing as e:
+        console.say(str(e))
+        return EXIT_UNUSABLE
+    dist.init_process_group("gloo", store=dist.PrefixStore("lowprec", store), rank=env.rank, world_size=env.world)
+    try:
+        return _train_rank(prepared, out, name=name, env=env, resume=resume, faults=faults, console=console,
+                           started=started, tracking_optional=tracking_optional)
+    except (RuntimeError, dist.DistError) as e:   # a peer went away mid-collective
+        console.say(f"rank {env.rank}: stopped: {str(e).splitlines()[0][:200]} (another rank died or "
+                    f"stopped; torchrun names it)")
+        return EXIT_RANK_DIED
     finally:
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    main()
+def _tracker(cfg, out: Path, name: str, resume: bool):
+    """Rank 0's MLflow run (one per job; `resume` continues the killed job's)."""
+    from lowprec.runtime.run import _tracking_uri
+    from lowprec.tracking.tracker import Tracker
+    tel, par = cfg.telemetry, cfg.parallel
+    tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, name, buffer_dir=out / "tracking", resume=resume,
+                      system_metrics_s=tel.system_metrics_s if tel.enabled else None)
+    tracker.log_config(cfg.to_dict())
+    tracker.log_tags({"lowprec.parallel": f"{par.mode} ({par.world} processes)"})
+    return tracker
+
+
+def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, resume: bool, faults, console, started: float,
+                tracking_optional: bool) -> int:
+    import torch
+    import torch.distributed as dist
+    from lowprec.runtime.baseline import LOSSES_ARTIFACT
+    from lowprec.runtime.console import LOG_NAME
+    from lowprec.runtime.loop import train
+    from lowprec.runtime.run import EXIT_OK, EXIT_UNSENT, _tracking_uri, summary_text, unsent_line
+    from lowprec.state.checkpoint import NoUsableCheckpointError
+    from lowprec.tracking.records import RunStatus
+    from lowprec.tracking.telemetry import Telemetry, TelemetryConfig
+
+    cfg, lead = prepared.config, env.rank == 0
+    run = _build(prepared, cfg.parallel)
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+        console.log_to(out / LOG_NAME)
+    dist.barrier()   # the run folder exists before any rank writes to it
+    tracker = _tracker(cfg, out, name, resume) if lead and cfg.tracking.enabled else None
+    progress = console.progress(cfg.train.steps, mix=run.state.flops_share) if lead else None
+    telemetry = Telemetry(cfg.telemetry if lead else TelemetryConfig(enabled=False), device=torch.device("cpu"),
+                          model=run.engine.module, state=run.state, started=started)
+    status = RunStatus.FAILED
+    try:
+        res = train(cfg.train, run.engine, run.state, run.data, out_dir=out, controller=prepared.controller,
+                    rollout=cfg.rollout, sites=run.sites, tracker=tracker, baseline=prepared.baseline, resume=resume,
+                    faults=faults, telemetry=telemetry, progress=progress, checkpoints=True)
+        dist.barrier()   # every rank's event log is complete
+        if tracker is not None:
+            tracker.log_events(merge_rank_events(out, env.world))
+        status = RunStatus.FINISHED
+    except NoUsableCheckpointError as e:
+        if lead:
+            console.say(f"--resume: {e}")
+        return EXIT_UNUSABLE
+    finally:
+        if progress is not None:
+            progress.close()
+        if tracker is not None:
+            if status is RunStatus.FINISHED:
+                tracker.log_artifact(out / LOSSES_ARTIFACT)
+            tracker.finish(status, warn_unsent=False)
+    if not lead:
+        return EXIT_OK
+    run_id = tracker.run_id if tracker is not None else None
+    if run_id:
+        (out / "run_id").write_text(run_id + "\n")
+    console.print(summary_text(name, res, prepared, out, run_id, _tracking_uri(cfg)))
+    unsent = unsent_line(tracker)
+    if unsent:
+        console.say(unsent + ("" if tracking_optional else f" (exit {EXIT_UNSENT}; --tracking-optional exits 0)"))
+        return EXIT_OK if tracking_optional else EXIT_UNSENT
+    return EXIT_OK

@@ -23,7 +23,7 @@ when one dies, `torch.multiprocessing` terminates the other and this process fai
     python checkpoint_worker.py DIR --pp-round-trip
 
 Two gloo ranks holding different parameters, as two pipeline stages do
-(`experiments.parallel.GPTStage`: rank 0 the embeddings and blocks.0, rank 1 blocks.1,
+(`experiments.gpt_parallel.GPTStage`: rank 0 the embeddings and blocks.0, rank 1 blocks.1,
 ln_f and lm_head), each with its own AdamW: train 2 steps, save a sharded checkpoint,
 train 2 more, load it back and check that every parameter and the whole optimizer state
 (exp_avg, exp_avg_sq, step, the param group's hyperparameters) are the saved ones, then
@@ -199,7 +199,7 @@ def run(rank: int, a: argparse.Namespace, rendezvous: str = "") -> None:
 def pp_round_trip(rank: int, a: argparse.Namespace, rendezvous: str) -> None:
     import torch.nn.functional as F
 
-    from experiments.parallel import GPTStage
+    from experiments.gpt_parallel import GPTStage
 
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)

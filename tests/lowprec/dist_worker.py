@@ -170,7 +170,7 @@ def tp_run(fmt: str, reduce: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from experiments.parallel import apply_tensor_parallel, qkv_rank_order
+    from experiments.gpt_parallel import apply_tensor_parallel, qkv_rank_order
 
     import lowprec.sites.quantized_gemms as gemms
 

@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 import lowprec.policy.rollout
-from lowprec.config import DataConfig, EvalConfig, ModelConfig, LowprecConfig, TelemetryConfig, TrackingConfig, TrainConfig
+from lowprec.config import (DataConfig, EvalConfig, ModelConfig, LowprecConfig, ParallelConfig, TelemetryConfig,
+                            TrackingConfig, TrainConfig)
 from lowprec.base.parse import to_data
 from lowprec.numerics.formats import Format
 from lowprec.sites.plan import PLAN_KEYS, RULE_KEYS, SELECTOR_KEYS, PrecisionPlan, Rule, Selector
@@ -117,7 +118,8 @@ def mismatches(section: str, code: dict[str, Any]) -> list[str]:
 SECTIONS = {"sections": lambda: code_keys(LowprecConfig, walk=False), "model": lambda: code_keys(ModelConfig),
             "data": lambda: code_keys(DataConfig), "train": lambda: code_keys(TrainConfig),
             "precision": precision_keys, "selectors": selector_keys, "eval": lambda: code_keys(EvalConfig),
-            "tracking": lambda: code_keys(TrackingConfig), "telemetry": lambda: code_keys(TelemetryConfig)}
+            "tracking": lambda: code_keys(TrackingConfig), "telemetry": lambda: code_keys(TelemetryConfig),
+            "parallel": lambda: code_keys(ParallelConfig)}
 
 
 @pytest.mark.parametrize("section", list(SECTIONS))
@@ -140,7 +142,8 @@ def test_rollout_page_and_code_agree():
 def test_every_section_has_a_table():
     tables = page_tables()
     assert set(tables) == set(SECTIONS) | {"rollout"}
-    assert set(tables["sections"]) == {"model", "data", "train", "precision", "rollout", "eval", "tracking", "telemetry"}
+    assert set(tables["sections"]) == {"model", "data", "train", "precision", "rollout", "eval", "tracking", "telemetry",
+                                      "parallel"}
 
 
 def test_the_check_catches_a_disagreement(monkeypatch):
