@@ -35,6 +35,8 @@ the command that continues the run.
 from __future__ import annotations
 
 import os
+import re
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -43,11 +45,12 @@ from pathlib import Path
 
 from lowprec.base.parse import ConfigError
 
-__all__ = ["RankEnv", "rank_env", "check_launch", "Launch", "join", "train_ranks", "merge_rank_events",
-           "EXIT_RANK_DIED", "REFUSED_GRACE_S"]
+__all__ = ["RankEnv", "rank_env", "check_launch", "check_prepared", "Launch", "launch_argv", "join", "train_ranks",
+           "merge_rank_events", "EXIT_RANK_DIED", "EXIT_PEER_LOST", "REFUSED_GRACE_S"]
 
 EXIT_UNUSABLE = 2
-EXIT_RANK_DIED = 1
+EXIT_RANK_DIED = 1     # the launcher's, when a rank died
+EXIT_PEER_LOST = 4     # a rank's, when a collective lost a peer (the one that died is the news)
 # a refusing rank other than 0 waits this long before it exits: torchrun stops every rank at the
 # first exit, and rank 0 must have said why by then
 REFUSED_GRACE_S = 3.0
@@ -102,10 +105,7 @@ def check_prepared(prepared, par) -> None:
     """ConfigError when the built model or data cannot be split as `par` says (before any process group)."""
     from lowprec.runtime.data import TokenBatches
     from lowprec.runtime.parallel import check_model_plan
-    try:
-        check_model_plan(prepared.model, par.tp, par.pp)
-    except ValueError as e:
-        raise ConfigError("parallel", str(e)) from None
+    check_model_plan(prepared.model, par.tp, par.pp)   # ValueError: its message names the key
     if par.data_ranks > 1 and not isinstance(prepared.data, TokenBatches):
         raise ConfigError("data.factory", (
             f"returned a {type(prepared.data).__name__}; with {par.data_ranks} data-parallel ranks each reads its "
@@ -137,10 +137,11 @@ class Launch:
         return 0
 
     def _failed(self, failures: dict) -> int:
-        codes = {r: f.exitcode for r, f in failures.items()}
-        if all(c == EXIT_UNUSABLE for c in codes.values()):
+        # the cause: not a rank torchrun stopped (SIGTERM) nor one that lost its peers (EXIT_PEER_LOST)
+        rank, f = min(failures.items(), key=lambda kv: (kv[1].exitcode in (-signal.SIGTERM, EXIT_PEER_LOST),
+                                                        kv[1].timestamp, kv[0]))
+        if f.exitcode == EXIT_UNUSABLE:
             return EXIT_UNUSABLE   # refused: rank 0 said why
-        rank, f = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
         how = f"signal {f.signal_name()}" if f.exitcode < 0 else f"exit {f.exitcode}"
         print(f"lowprec run: rank {rank} (pid {f.pid}) died ({how}); torchrun stopped the other ranks. "
               f"Continue the run with `{self.resume_hint}`", file=sys.stderr, flush=True)
@@ -256,9 +257,9 @@ def train_ranks(prepared, out: Path, *, name: str, env: RankEnv, resume: bool, f
         return _train_rank(prepared, out, name=name, env=env, resume=resume, faults=faults, console=console,
                            started=started, tracking_optional=tracking_optional)
     except (RuntimeError, dist.DistError) as e:   # a peer went away mid-collective
-        console.say(f"rank {env.rank}: stopped: {str(e).splitlines()[0][:200]} (another rank died or "
-                    f"stopped; torchrun names it)")
-        return EXIT_RANK_DIED
+        why = re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0])[:160]
+        console.say(f"rank {env.rank}: stopped: {why} (another rank died or stopped)")
+        return EXIT_PEER_LOST
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,290 @@
+"""`lowprec run` under torchrun (gloo, CPU): the main job split 2 x 2, a rank killed and the
+job resumed, and the distributed arguments refused before anything starts.
+
+* The main job's config (experiments/configs/default.yaml: the GPT, its precision plan and
+  its three-stage rollout) made short (30 steps, checks every 5, stages after 5 stable
+  steps; no loss-gap baseline run and no evals, which need runs and data of their own),
+  trained by `lowprec run --nproc-per-node 4` with `parallel: {dp_shard: 2, tp: 2}` (FSDP2
+  over tensor-parallel shards) and by `lowprec run` in one process, at once: every stage
+  promotes at the same step in both, the losses agree within docs/parallel.md's bound, and
+  the job is one MLflow run, FINISHED, with one `train/loss` point per logged step, written
+  by rank 0 (tagged with the layout).
+* A 4-rank job whose rank 2 is SIGKILLed after its step-10 checkpoint: the launcher names
+  rank 2 and the signal and exits 1; `--resume` continues the same MLflow run to the end,
+  each logged step once, the losses those of the job run without a kill.
+* Hostile arguments (a tp that does not divide the heads, a process count that is not the
+  product of the degrees, pipeline stages with data parallel, a batch that does not split):
+  exit 2, one line, no traceback, no output folder, and no torchrun started; under a bare
+  torchrun the process-count refusal is said once, by rank 0; a lone rank whose peer never
+  comes says so after `peer_timeout_s` and exits 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[3]
+PINNED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_CBWR": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+TIMEOUT_S = 420
+# docs/parallel.md, "lowprec run under torchrun": FSDP2 x TP against one process, the short main job
+STEP0_BOUND, LOSS_BOUND = 1e-5, 2e-3
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    return {**env, **PINNED, **extra}
+
+
+def _lowprec(*args: str) -> list[str]:
+    return [sys.executable, "-m", "lowprec.cli", "run", *args]
+
+
+def _start(cmd: list[str], log: Path, **env) -> subprocess.Popen:
+    with open(log, "w") as f:   # a file, not a pipe: jobs run at once and nobody reads
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=_env(**env),
+                                start_new_session=True)
+
+
+def _wait(jobs: dict[str, subprocess.Popen], logs: Path, t0: float) -> dict[str, int]:
+    try:
+        for name, proc in jobs.items():
+            try:
+                proc.wait(timeout=max(1.0, TIMEOUT_S - (time.perf_counter() - t0)))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{name} ran past {TIMEOUT_S} s:\n{(logs / f'{name}.log').read_text()[-6000:]}")
+    finally:
+        for proc in jobs.values():   # only after a timeout or a failure: the jobs started here
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return {name: proc.returncode for name, proc in jobs.items()}
+
+
+def short_main_job(uri: str, **parallel) -> dict:
+    """experiments/configs/default.yaml, 30 steps, its rollout quicker, tracked at `uri`."""
+    cfg = yaml.safe_load((ROOT / "experiments" / "configs" / "default.yaml").read_text())
+    cfg["train"].update(steps=30, ckpt_every=10, log_every=5)
+    ro = cfg["rollout"]
+    ro.update(check_every=5, min_steps=5, cooldown_steps=10)
+    ro.pop("baseline")
+    ro["thresholds"].pop("loss_gap")
+    cfg.pop("eval")
+    cfg["tracking"] = {"uri": uri, "experiment": "parallel-run", "run_name": "job"}
+    if parallel:
+        cfg["parallel"] = parallel
+    return cfg
+
+
+def tiny_job(uri: str, name: str, **parallel) -> dict:
+    cfg = {"model": {"factory": "experiments.model:build_gpt",
+                     "args": {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 4, "d_model": 64}},
+           "data": {"factory": "experiments.data:shakespeare_tokens", "args": {"max_bytes": 200_000},
+                    "block_size": 32},
+           "train": {"steps": 24, "batch_size": 8, "lr": 1e-3, "warmup": 5, "ckpt_every": 5, "log_every": 2},
+           "precision": {"backend": "emulated", "keep_high_precision": [{"fqns": ["lm_head"]}],
+                         "rules": [{"name": "blocks", "select": {"glob": "blocks.*"}, "format": "bf16",
+                                    "ladder": ["fp8_tensorwise", "bf16"]}]},
+           "rollout": {"check_every": 2, "min_steps": 2,
+                       "stages": [{"name": "mlp", "select": {"glob": "blocks.*.mlp.*"}, "format": "fp8_tensorwise"}]},
+           "tracking": {"uri": uri, "experiment": "parallel-run", "run_name": name}}
+    return {**cfg, "parallel": parallel} if parallel else cfg
+
+
+def _write(d: Path, name: str, cfg: dict) -> Path:
+    p = d / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def _mlflow_runs(uri: str, name: str) -> list:
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("parallel-run")
+    return client, client.search_runs([exp.experiment_id], f"attributes.run_name = '{name}'")
+
+
+def _loss_steps(client, run_id: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, "train/loss"))
+
+
+# ----------------------------------------------------------------------------- the main job, 2 x 2
+
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory, gloo, sqlite_store):
+    d = tmp_path_factory.mktemp("main_job")
+    uri = sqlite_store(d)
+    par = _write(d, "parallel", short_main_job(uri, dp_shard=2, tp=2))
+    one = short_main_job(uri)
+    one["tracking"]["run_name"] = "one-process"
+    one = _write(d, "one", one)
+    t0 = time.perf_counter()
+    jobs = {"parallel": _start(_lowprec(str(par), "--out", str(d / "parallel"), "--nproc-per-node", "4"),
+                               d / "parallel.log"),
+            "one": _start(_lowprec(str(one), "--out", str(d / "one")), d / "one.log")}
+    codes = _wait(jobs, d, t0)
+    for name, code in codes.items():
+        assert code == 0, f"{name} failed (exit {code}):\n{(d / f'{name}.log').read_text()[-6000:]}"
+    return d, uri, time.perf_counter() - t0
+
+
+def _events(folder: Path, log: str) -> list[tuple]:
+    return [(e["step"], e["kind"], e.get("stage")) for e in map(json.loads, (folder / log).read_text().splitlines())]
+
+
+def test_the_stages_promote_alike_on_every_rank(main_job):
+    d, _, _ = main_job
+    one = _events(d / "one", "events.jsonl")
+    assert {stage for _, kind, stage in one if kind == "promote"} == {"mlp_fp8", "attn_fp8", "middle_mlp_nvfp4"}, one
+    for r in range(4):
+        assert _events(d / "parallel", f"events.rank{r}.jsonl") == one, f"rank {r}"
+
+
+def test_the_loss_curve_is_one_process_s(main_job):
+    d, _, _ = main_job
+    a, b = (json.loads((d / name / "losses.json").read_text()) for name in ("parallel", "one"))
+    assert len(a) == len(b) == 30
+    rel = [abs(x - y) / abs(y) for x, y in zip(a, b)]
+    shown = " ".join(f"{r:.1e}" for r in rel)
+    assert rel[0] < STEP0_BOUND, f"step 0 (a forward pass from the same parameters) differs: {shown}"
+    assert max(rel) < LOSS_BOUND, f"relative loss differences per step: {shown}"
+
+
+def test_the_job_is_one_mlflow_run_written_by_rank_0(main_job):
+    d, uri, _ = main_job
+    client, runs = _mlflow_runs(uri, "job")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    run = runs[0]
+    assert (d / "parallel" / "run_id").read_text().strip() == run.info.run_id
+    assert run.data.tags["lowprec.parallel"] == "dp_shard2xtp2 (4 processes)"
+    assert run.data.params["parallel.dp_shard"] == "2" and run.data.params["parallel.tp"] == "2"
+    steps = _loss_steps(client, run.info.run_id)
+    assert steps == sorted(set(steps)) and steps[-1] == 29, steps
+    assert any(k.startswith("signal/") for k in run.data.metrics), "no reduced statistics were logged"
+    assert sorted(p.name for p in (d / "parallel").glob("events.rank*.jsonl")) == [
+        f"events.rank{r}.jsonl" for r in range(4)]
+
+
+# ----------------------------------------------------------------------------- a rank dies
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of the worker of `launcher`'s job whose RANK is `rank`."""
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            env = (p / "environ").read_bytes().split(b"\0")
+            stat = (p / "stat").read_text().split()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and int(stat[4]) == os.getpgid(launcher):   # same process group
+            return int(p.name)
+    return None
+
+
+def test_a_killed_rank_is_named_and_the_resume_continues_the_same_mlflow_run(tmp_path, gloo, sqlite_store):
+    uri = sqlite_store(tmp_path)
+    cfg = _write(tmp_path, "job", tiny_job(uri, "killed", dp_shard=2, tp=2))
+    clean = _write(tmp_path, "clean", tiny_job(uri, "clean"))
+    out = tmp_path / "out"
+    t0 = time.perf_counter()
+    job = _start(_lowprec(str(cfg), "--out", str(out), "--nproc-per-node", "4"), tmp_path / "job.log")
+    ref = _start(_lowprec(str(clean), "--out", str(tmp_path / "clean")), tmp_path / "clean.log")
+    try:
+        while not (out / "checkpoints" / "step_00000010").is_dir():
+            assert job.poll() is None, (tmp_path / "job.log").read_text()[-4000:]
+            assert time.perf_counter() - t0 < TIMEOUT_S, "no step-10 checkpoint"
+            time.sleep(0.2)
+        pid = _rank_pid(job.pid, 2)
+        assert pid is not None, "rank 2's process not found"
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        codes = _wait({"job": job, "clean": ref}, tmp_path, t0)
+    log = (tmp_path / "job.log").read_text()
+    assert codes["job"] == 1, log[-4000:]
+    said = [line for line in log.splitlines() if "died" in line]
+    assert said == [f"lowprec run: rank 2 (pid {pid}) died (signal SIGKILL); torchrun stopped the other ranks. "
+                    f"Continue the run with `lowprec run --nproc-per-node 4 {cfg} --out {out} --resume`"], log[-4000:]
+    assert "Traceback" not in log, log[-4000:]
+    client, runs = _mlflow_runs(uri, "killed")
+    assert len(runs) == 1 and runs[0].info.status == "RUNNING"
+    run_id = runs[0].info.run_id
+
+    resumed = subprocess.run(_lowprec(str(cfg), "--out", str(out), "--nproc-per-node", "4", "--resume"), cwd=ROOT,
+                             env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    _, runs = _mlflow_runs(uri, "killed")
+    assert [(r.info.run_id, r.info.status) for r in runs] == [(run_id, "FINISHED")]
+    assert _loss_steps(client, run_id) == list(range(1, 24, 2))   # log_every 2: each logged step once
+    losses = json.loads((out / "losses.json").read_text())
+    reference = json.loads((tmp_path / "clean" / "losses.json").read_text())
+    assert len(losses) == 24
+    assert max(abs(a - b) / b for a, b in zip(losses, reference)) < LOSS_BOUND
+    events = [json.loads(line) for line in (out / "tracking" / "events.jsonl").read_text().splitlines()]
+    keys = [(e["step"], e["kind"], tuple(e["sites"])) for e in events]
+    assert len(keys) == len(set(keys)) and keys, keys   # each event once
+
+
+# ----------------------------------------------------------------------------- hostile arguments
+
+HOSTILE = {   # name: (parallel section, --nproc-per-node, other train keys, the line's start)
+    "tp_does_not_divide_heads": ({"dp_shard": 2, "tp": 3}, 6, {}, "lowprec run: parallel.tp 3 must divide "
+                                                                  "model.args.n_head (4)"),
+    "processes_not_the_product": ({"dp_shard": 2, "tp": 2}, 2, {}, "lowprec run: parallel: dp_shard2xtp2 needs 4 "
+                                                                   "processes"),
+    "pipeline_with_data_parallel": ({"dp_shard": 2, "pp": 2}, 4, {}, "lowprec run: parallel.pp: 2 pipeline stages "
+                                                                     "with dp_replicate 1, dp_shard 2"),
+    "batch_does_not_split": ({"dp_shard": 4}, 4, {"batch_size": 6}, "lowprec run: train.batch_size: 6 does not "
+                                                                    "split into 4 data-parallel ranks"),
+}
+
+
+def test_hostile_arguments_are_one_line_exit_2_and_no_folder(tmp_path, gloo):
+    jobs, outs = {}, {}
+    t0 = time.perf_counter()
+    for name, (par, n, train, _) in HOSTILE.items():
+        cfg = tiny_job("sqlite:///" + str(tmp_path / "never.db"), name, **par)
+        cfg["train"].update(train)
+        outs[name] = tmp_path / f"out_{name}"
+        jobs[name] = _start(_lowprec(str(_write(tmp_path, name, cfg)), "--out", str(outs[name]),
+                                     "--nproc-per-node", str(n)), tmp_path / f"{name}.log")
+    # a bare torchrun with 2 processes for a 2 x 2 job: rank 0 says it, once
+    bare = tiny_job("sqlite:///" + str(tmp_path / "never.db"), "bare", dp_shard=2, tp=2)
+    outs["bare"] = tmp_path / "out_bare"
+    jobs["bare"] = _start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "lowprec.cli", "run", str(_write(tmp_path, "bare", bare)), "--out",
+                           str(outs["bare"])], tmp_path / "bare.log")
+    # a lone rank: its peer never comes
+    lone = tiny_job("sqlite:///" + str(tmp_path / "never.db"), "lone", dp_shard=2, peer_timeout_s=2)
+    outs["lone"] = tmp_path / "out_lone"
+    port = __import__("socket").create_server(("127.0.0.1", 0))
+    free = port.getsockname()[1]
+    port.close()
+    jobs["lone"] = _start(_lowprec(str(_write(tmp_path, "lone", lone)), "--out", str(outs["lone"])),
+                          tmp_path / "lone.log", RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free))
+    codes = _wait(jobs, tmp_path, t0)
+    for name, (_, _, _, start) in HOSTILE.items():
+        lines = (tmp_path / f"{name}.log").read_text().splitlines()
+        assert codes[name] == 2 and len(lines) == 1 and lines[0].startswith(start), (name, codes[name], lines)
+    bare_log = (tmp_path / "bare.log").read_text()
+    ours = [line for line in bare_log.splitlines() if line.startswith("lowprec run:")]
+    assert ours == [line for line in ours if "needs 4 processes" in line] and len(ours) == 1, bare_log[-3000:]
+    assert "exitcode  : 2" in bare_log and codes["bare"] != 0
+    assert "lowprec/" not in bare_log, "a traceback from lowprec's code"
+    lone_lines = (tmp_path / "lone.log").read_text().splitlines()
+    assert codes["lone"] == 2 and lone_lines == [
+        f"lowprec run: rank 0: 1 of 2 ranks joined at 127.0.0.1:{free} within parallel.peer_timeout_s = 2 s; the "
+        f"others never started or cannot reach it: start all 2 (torchrun --nproc-per-node 2), or raise the timeout"]
+    assert not [name for name, out in outs.items() if out.exists()], "a refused job left its output folder"
