@@ -11,8 +11,8 @@ asks it for a step's loss and the global gradient norm:
                                       gradients (the LR probe, `lowprec.runtime.lrprobe`, needs it)
 
 `SingleProcess` is the engine of one process, with gradient accumulation over row
-chunks. Data x tensor parallel (DTensor) and pipeline engines follow the same protocol;
-the reference ones for the example GPT are in the repository's `experiments/parallel.py`.
+chunks. The engines of `lowprec run` under torchrun (data x tensor parallel, FSDP2 x tensor
+parallel, pipeline stages: `lowprec.runtime.parallel`) follow the same protocol.
 
 A model's loss: `model(x, y)` returns the loss, or a tuple whose last item is the loss,
 or an object with a `.loss` (Hugging Face outputs).

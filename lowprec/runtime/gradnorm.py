@@ -6,7 +6,7 @@ tensor parallel or FSDP2, whole parameters on different pipeline stages), `grad_
 forms the same number with one SUM all-reduce: a whole tensor contributes its norm from one
 rank, a shard its squared norm (the shards' squares sum to the whole's). Every rank gets
 the same result. `clip_` then scales the local gradients as `clip_grad_norm_` does.
-The engines of `lowprec.runtime.fsdp` and the repository's `experiments/parallel.py` use it.
+The engines of `lowprec.runtime.fsdp` and `lowprec.runtime.parallel` use it.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ step 12 while it runs in FP8, and a 100x learning-rate spike at steps 19-20. Lau
 real processes, all at once:
 
 * `lowprec run` (one process, gradient accumulation over 2 microbatches);
-* `torchrun --nproc-per-node 4 -m experiments.train_parallel --dp 2 --tp 2`;
-* `torchrun --nproc-per-node 2 -m experiments.train_parallel --pp 2` (GPipe, 2 microbatches);
-* `torchrun --nproc-per-node 2 -m experiments.train_parallel --fsdp 2` (FSDP2,
+* `torchrun --nproc-per-node 4 -m lowprec.cli run` with `parallel: {dp_replicate: 2, tp: 2}`;
+* `torchrun --nproc-per-node 2 -m lowprec.cli run` with `parallel: {pp: 2}` (GPipe, 2 microbatches);
+* `torchrun --nproc-per-node 2 -m lowprec.cli run` with `parallel: {dp_shard: 2}` (FSDP2,
   `lowprec.runtime.fsdp.FullyShardedDP`: each block and the root `fully_shard`ed).
 
 All four run the one loop of `lowprec.runtime.loop` with rewinds to in-memory snapshots
@@ -92,9 +92,9 @@ CONFIG = {
                             "format": "fp8_tensorwise"}]},
     "tracking": {"enabled": False},
 }
-# mode: (processes, flags, the single-process run it is compared with)
-PARALLEL = {"dp2xtp2": (4, ["--dp", "2", "--tp", "2"], "single"), "pp2": (2, ["--pp", "2"], "single"),
-            "fsdp2": (2, ["--fsdp", "2"], "single")}
+# mode: (processes, the parallel: section, the single-process run it is compared with)
+PARALLEL = {"dp2xtp2": (4, {"dp_replicate": 2, "tp": 2}, "single"), "pp2": (2, {"pp": 2}, "single"),
+            "fsdp2": (2, {"dp_shard": 2}, "single")}
 
 
 def _launch(cmd: list[str], log: Path) -> subprocess.Popen:
@@ -109,9 +109,10 @@ def runs(tmp_path_factory, gloo):
     cfg = d / "config.yaml"
     cfg.write_text(yaml.safe_dump(CONFIG))
     commands = {"single": [sys.executable, "-m", "lowprec.cli", "run", str(cfg), "--out", str(d / "single"), *INJECT]}
-    for mode, (n, flags, _) in PARALLEL.items():
+    for mode, (n, parallel, _) in PARALLEL.items():
+        (d / f"{mode}.yaml").write_text(yaml.safe_dump({**CONFIG, "parallel": parallel}))
         commands[mode] = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                          str(n), "-m", "experiments.train_parallel", str(cfg), *flags, "--out", str(d / mode),
+                          str(n), "-m", "lowprec.cli", "run", str(d / f"{mode}.yaml"), "--out", str(d / mode),
                           *INJECT]
     t0 = time.perf_counter()
     jobs = {name: _launch(cmd, d / f"{name}.log") for name, cmd in commands.items()}
@@ -173,7 +174,6 @@ def _rel(a: list[float], b: list[float]) -> list[float]:
 
 @pytest.mark.parametrize("mode", ["dp2xtp2", "fsdp2"])
 def test_data_parallel_losses_track_single_process(runs, mode):
-    assert runs[mode]["summary"]["mode"] == mode
     rel = _rel(runs[mode]["losses"], runs["single"]["losses"])
     shown = " ".join(f"{r:.1e}" for r in rel)
     assert rel[0] < 1e-5, f"step 0 (a forward pass from the same parameters) differs: {shown}"

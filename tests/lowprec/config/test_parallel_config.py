@@ -1,0 +1,51 @@
+"""The `parallel:` section: its degrees, what it asks of the other sections, its errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from lowprec.config import ConfigError, LowprecConfig, ParallelConfig
+
+BASE = {"model": {"factory": "experiments.model:build_gpt"}, "precision": {"default": "bf16"},
+        "train": {"batch_size": 8}}
+
+
+def config(**parallel) -> LowprecConfig:
+    return LowprecConfig.from_dict({**BASE, "parallel": parallel})
+
+
+def test_no_section_is_one_process():
+    cfg = LowprecConfig.from_dict(BASE)
+    assert cfg.parallel == ParallelConfig() and cfg.parallel.world == 1 and cfg.parallel.mode == "single"
+
+
+def test_the_degrees_multiply_to_the_processes():
+    par = config(dp_shard=2, tp=2).parallel
+    assert (par.world, par.data_ranks, par.mode) == (4, 2, "dp_shard2xtp2")
+    assert config(pp=2).parallel.mode == "pp2"
+    assert config(dp_replicate=2, tp=2).to_dict()["parallel"]["dp_replicate"] == 2
+
+
+def test_it_round_trips():
+    cfg = config(dp_shard=2, tp=2, peer_timeout_s=5)
+    assert LowprecConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("section, path, words", [
+    ({"pp": 2, "dp_shard": 2}, "parallel.pp", "pipeline stages run alone here"),
+    ({"dp_replicate": 2, "dp_shard": 2}, "parallel.dp_replicate", "(HSDP) is not built here"),
+    ({"tp": 0}, "parallel.tp", "expected a number of ranks >= 1, found 0"),
+    ({"peer_timeout_s": 0}, "parallel.peer_timeout_s", "expected seconds > 0"),
+    ({"tp_size": 2}, "parallel.tp_size", "tp"),                                 # did you mean
+    ({"dp_shard": 3}, "train.batch_size", "8 does not split into 3 data-parallel ranks x 1 microbatches"),
+])
+def test_bad_sections_are_refused_at_load(section, path, words):
+    with pytest.raises(ConfigError) as e:
+        config(**section)
+    assert e.value.path == path and words in e.value.message, str(e.value)
+
+
+def test_evals_are_refused_with_more_than_one_process():
+    with pytest.raises(ConfigError) as e:
+        LowprecConfig.from_dict({**BASE, "eval": {"every": 0}, "parallel": {"tp": 2}})
+    assert e.value.path == "eval" and "evaluation checkpoints run in one process only" in e.value.message
