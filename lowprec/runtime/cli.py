@@ -90,6 +90,9 @@ def _plan(args, console) -> int:
     try:
         cfg = _load(args.config)
         prepared = prepare_run(cfg, missing=missing)
+        if cfg.parallel.world > 1:   # the model's own plan takes these degrees (as `run` checks)
+            from lowprec.runtime.parallel_run import check_prepared
+            check_prepared(prepared, cfg.parallel)
     except (ConfigError, ValueError, TypeError) as e:
         return _fail(console, e)
     console.print(_table(prepared))

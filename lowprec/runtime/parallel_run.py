@@ -106,7 +106,7 @@ def check_prepared(prepared, par) -> None:
     from lowprec.runtime.data import TokenBatches
     from lowprec.runtime.parallel import check_model_plan
     check_model_plan(prepared.model, par.tp, par.pp)   # ValueError: its message names the key
-    if par.data_ranks > 1 and not isinstance(prepared.data, TokenBatches):
+    if par.data_ranks > 1 and prepared.data is not None and not isinstance(prepared.data, TokenBatches):
         raise ConfigError("data.factory", (
             f"returned a {type(prepared.data).__name__}; with {par.data_ranks} data-parallel ranks each reads its "
             f"rows of a token batch: return a 1-D token tensor (or use pp / tp only)"))

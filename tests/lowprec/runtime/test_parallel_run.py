@@ -185,7 +185,7 @@ def test_the_job_is_one_mlflow_run_written_by_rank_0(main_job):
 # ----------------------------------------------------------------------------- a rank dies
 
 def _rank_pid(launcher: int, rank: int) -> int | None:
-    """The pid of the worker of `launcher`'s job whose RANK is `rank`."""
+    """The pid of the worker process `launcher` (torchrun's agent, in-process) started as `rank`."""
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
             continue
@@ -194,7 +194,7 @@ def _rank_pid(launcher: int, rank: int) -> int | None:
             stat = (p / "stat").read_text().split()
         except OSError:
             continue
-        if f"RANK={rank}".encode() in env and int(stat[4]) == os.getpgid(launcher):   # same process group
+        if f"RANK={rank}".encode() in env and int(stat[3]) == launcher:   # the launcher's own worker
             return int(p.name)
     return None
 
@@ -219,7 +219,7 @@ def test_a_killed_rank_is_named_and_the_resume_continues_the_same_mlflow_run(tmp
         codes = _wait({"job": job, "clean": ref}, tmp_path, t0)
     log = (tmp_path / "job.log").read_text()
     assert codes["job"] == 1, log[-4000:]
-    said = [line for line in log.splitlines() if "died" in line]
+    said = [line for line in log.splitlines() if " died (" in line]
     assert said == [f"lowprec run: rank 2 (pid {pid}) died (signal SIGKILL); torchrun stopped the other ranks. "
                     f"Continue the run with `lowprec run --nproc-per-node 4 {cfg} --out {out} --resume`"], log[-4000:]
     assert "Traceback" not in log, log[-4000:]
