@@ -38,10 +38,11 @@ ROOT = Path(__file__).resolve().parents[3]
 PINNED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_CBWR": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 TIMEOUT_S = 420
 # docs/parallel.md, "Equal to one process": FSDP2 x TP against one process. Step 0 is a forward from
-# the same parameters; up to the NVFP4 stage (BF16 and FP8) the runs differ by reduction orders only;
-# NVFP4 rounds gradients stochastically, each rank drawing its own shard's noise, so from its
-# promotion on the runs are two samples of the same noisy process
-STEP0_BOUND, LOSS_BOUND, STOCHASTIC_BOUND = 1e-5, 1e-4, 1e-2
+# the same parameters. While only BF16 and FP8 MLPs run, the two differ by reduction orders alone
+# (1e-4). Once attention runs in FP8 at this lr (3e-3), one such ulp now and then moves an attention
+# value across an FP8 rounding boundary and the runs drift apart as two correct runs do (measured:
+# 2.8e-3 for FSDP2 x TP, 9.4e-4 for DP x TP, the engine the tiny parity test holds to 1e-3 at lr 1e-3)
+STEP0_BOUND, LOSS_BOUND, DRIFT_BOUND = 1e-5, 1e-4, 1e-2
 
 
 def _env(**extra) -> dict:
@@ -162,9 +163,9 @@ def test_the_loss_curve_is_one_process_s(main_job):
     shown = " ".join(f"{r:.1e}" for r in rel)
     assert rel[0] < STEP0_BOUND, f"step 0 (a forward pass from the same parameters) differs: {shown}"
     events = [json.loads(line) for line in (d / "one" / "events.jsonl").read_text().splitlines()]
-    nvfp4 = next(e["step"] for e in events if e["kind"] == "promote" and e["stage"] == "middle_mlp_nvfp4")
-    assert max(rel[:nvfp4 + 1]) < LOSS_BOUND, f"before NVFP4 (step {nvfp4}): {shown}"
-    assert max(rel) < STOCHASTIC_BOUND, f"relative loss differences per step: {shown}"
+    attn = next(e["step"] for e in events if e["kind"] == "promote" and e["stage"] == "attn_fp8")
+    assert max(rel[:attn + 2]) < LOSS_BOUND, f"up to the first step of FP8 attention ({attn + 1}): {shown}"
+    assert max(rel) < DRIFT_BOUND, f"relative loss differences per step: {shown}"
 
 
 def test_the_job_is_one_mlflow_run_written_by_rank_0(main_job):
@@ -236,7 +237,7 @@ def test_a_killed_rank_is_named_and_the_resume_continues_the_same_mlflow_run(tmp
     losses = json.loads((out / "losses.json").read_text())
     reference = json.loads((tmp_path / "clean" / "losses.json").read_text())
     assert len(losses) == 24
-    assert max(abs(a - b) / b for a, b in zip(losses, reference)) < LOSS_BOUND   # FP8: no stochastic rounding
+    assert max(abs(a - b) / b for a, b in zip(losses, reference)) < LOSS_BOUND   # MLPs in FP8 at lr 1e-3
     events = [json.loads(line) for line in (out / "tracking" / "events.jsonl").read_text().splitlines()]
     keys = [(e["step"], e["kind"], tuple(e["sites"])) for e in events]
     assert len(keys) == len(set(keys)) and keys, keys   # each event once
