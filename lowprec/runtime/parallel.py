@@ -26,6 +26,10 @@ The engines:
   sub-mesh, then FSDP2 (`lowprec.runtime.fsdp.FullyShardedDP`) over the dp_shard sub-mesh,
   as torchtitan composes them; with tp 1 it is FSDP2 alone. The gradient norm counts a
   tensor-parallel shard on every rank and a tp-replicated parameter's FSDP shards on tp rank 0.
+* `HybridShardedDP`: HSDP, FSDP2 on a 2-D mesh (`dp_replicate`, `dp_shard`): each
+  parameter sharded over dp_shard and replicated over dp_replicate; FSDP2 reduce-scatters
+  the gradients over dp_shard and all-reduces them over dp_replicate (plain SUMs of the
+  loss / ranks gradients). Not combined with tp.
 * `Pipeline`: `torch.distributed.pipelining` with one stage per rank and a GPipe schedule
   over the config's microbatches; the loss (cross-entropy of the last stage's logits) lives
   on the last stage and is broadcast to every rank.
@@ -42,11 +46,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lowprec.runtime.engine import forward_backward
+from lowprec.runtime.engine import forward_backward, loss_of
 from lowprec.runtime.gradnorm import clip_, grad_norm, local_grad
 from lowprec.tracking.phases import NULL_CLOCK, Phase
 
-__all__ = ["DataTensorParallel", "ShardedTensorParallel", "Pipeline", "build_engine", "stage_bounds",
+__all__ = ["DataTensorParallel", "ShardedTensorParallel", "HybridShardedDP", "Pipeline", "build_engine", "stage_bounds",
            "local_state", "check_model_plan", "set_amax_group"]
 
 
@@ -185,6 +189,58 @@ class ShardedTensorParallel:
         return total
 
 
+class HybridShardedDP:
+    """HSDP: FSDP2 on a 2-D mesh (dp_replicate, dp_shard); see the module docstring."""
+
+    def __init__(self, model: nn.Module, mesh, microbatches: int):
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from lowprec.runtime.fsdp import block_modules
+
+        self.mesh, self.microbatches, self.world = mesh, microbatches, mesh.size()
+        for _, unit in reversed(block_modules(model)):   # inner units before the modules that hold them
+            fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):   # a plain SUM of the loss/world gradients (gloo: no AVG)
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
+        self.module = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.replica = mesh.get_local_rank("dp_replicate")
+        self.clock = NULL_CLOCK
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x, y: this rank's rows of the global batch. Returns the global mean loss."""
+        n = self.microbatches
+        chunks = list(zip(x.tensor_split(n), y.tensor_split(n))) if n > 1 else [(x, y)]
+        total = None
+        for k, (xc, yc) in enumerate(chunks):
+            if n > 1:   # accumulate locally; reduce after the last microbatch only
+                self.module.set_requires_gradient_sync(k == n - 1)
+            part = loss_of(self.module(xc, yc)) / (n * self.world)
+            part.backward()
+            total = part.detach() if total is None else total + part.detach()
+        dist.all_reduce(total)
+        self.clock.lap(Phase.BACKWARD)
+        return total
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        """The global norm from the shards of replica 0 (the other replicas hold the same)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norms = torch._foreach_norm([local_grad(g) for g in grads], 2.0)
+        squares = torch.stack([v.float() * v.float() for v in norms]) if self.replica == 0 else \
+            torch.zeros(len(grads))
+        dist.all_reduce(squares)
+        total = torch.linalg.vector_norm(squares.sqrt(), 2.0)
+        clip_(grads, total, max_norm)
+        return total
+
+
 class Pipeline:
     """This rank's stage of a GPipe schedule over `microbatches`; see the module docstring."""
 
@@ -235,6 +291,10 @@ def build_engine(model: nn.Module, par, microbatches: int):
 
     if par.pp > 1:
         return Pipeline(model, dist.get_rank(), par.pp, microbatches), 0, 1
+    if par.dp_replicate > 1 and par.dp_shard > 1:
+        mesh = init_device_mesh("cpu", (par.dp_replicate, par.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+        set_amax_group(model, dist.group.WORLD)
+        return HybridShardedDP(model, mesh, microbatches), dist.get_rank(), par.world
     dp_name = "dp_shard" if par.dp_shard > 1 else "dp_replicate"
     dp = par.dp_shard * par.dp_replicate
     mesh = init_device_mesh("cpu", (dp, par.tp), mesh_dim_names=(dp_name, "tp"))

@@ -10,7 +10,9 @@ real processes, all at once:
 * `torchrun --nproc-per-node 4 -m lowprec.cli run` with `parallel: {dp_replicate: 2, tp: 2}`;
 * `torchrun --nproc-per-node 2 -m lowprec.cli run` with `parallel: {pp: 2}` (GPipe, 2 microbatches);
 * `torchrun --nproc-per-node 2 -m lowprec.cli run` with `parallel: {dp_shard: 2}` (FSDP2,
-  `lowprec.runtime.fsdp.FullyShardedDP`: each block and the root `fully_shard`ed).
+  `lowprec.runtime.fsdp.FullyShardedDP`: each block and the root `fully_shard`ed);
+* `torchrun --nproc-per-node 4 -m lowprec.cli run` with `parallel: {dp_replicate: 2, dp_shard: 2}`
+  (HSDP, `lowprec.runtime.parallel.HybridShardedDP`: FSDP2 on a 2-D mesh).
 
 All four run the one loop of `lowprec.runtime.loop` with rewinds to in-memory snapshots
 (every 5 steps; each rank keeps its own shards or its own pipeline stage).
@@ -44,7 +46,7 @@ Losses, and why these bounds:
   1e-2 after skipped steps (gradient norm 7 against about 1 around it), so the config uses
   1e-3. The rewound stretch is compared too: the rewind returns both runs to their step-10
   checkpoints, which are as close as their step-10 losses.
-* FSDP2: the DP x TP bounds, for the same reason: each weight gradient is the sum of two
+* FSDP2 and HSDP: the DP x TP bounds, for the same reason: each weight gradient is the sum of two
   half-batch GEMMs (reduce-scattered), and a sharded parameter's norm comes from its two
   shards' squared norms. The forward sees the gathered weights and the dp-reduced amaxes,
   so step 0 is exact. Measured: 0 at step 0, at most 5.1e-5 over the 30 steps (a plain
@@ -94,7 +96,7 @@ CONFIG = {
 }
 # mode: (processes, the parallel: section, the single-process run it is compared with)
 PARALLEL = {"dp2xtp2": (4, {"dp_replicate": 2, "tp": 2}, "single"), "pp2": (2, {"pp": 2}, "single"),
-            "fsdp2": (2, {"dp_shard": 2}, "single")}
+            "fsdp2": (2, {"dp_shard": 2}, "single"), "hsdp2x2": (4, {"dp_replicate": 2, "dp_shard": 2}, "single")}
 
 
 def _launch(cmd: list[str], log: Path) -> subprocess.Popen:
@@ -172,7 +174,7 @@ def _rel(a: list[float], b: list[float]) -> list[float]:
     return [abs(x - y) / abs(y) if math.isfinite(y) else 0.0 for x, y in zip(a, b)]
 
 
-@pytest.mark.parametrize("mode", ["dp2xtp2", "fsdp2"])
+@pytest.mark.parametrize("mode", ["dp2xtp2", "fsdp2", "hsdp2x2"])
 def test_data_parallel_losses_track_single_process(runs, mode):
     rel = _rel(runs[mode]["losses"], runs["single"]["losses"])
     shown = " ".join(f"{r:.1e}" for r in rel)

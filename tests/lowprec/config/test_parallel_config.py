@@ -23,6 +23,7 @@ def test_the_degrees_multiply_to_the_processes():
     par = config(dp_shard=2, tp=2).parallel
     assert (par.world, par.data_ranks, par.mode) == (4, 2, "dp_shard2xtp2")
     assert config(pp=2).parallel.mode == "pp2"
+    assert config(dp_replicate=2, dp_shard=2).parallel.mode == "dp_replicate2xdp_shard2"
     assert config(dp_replicate=2, tp=2).to_dict()["parallel"]["dp_replicate"] == 2
 
 
@@ -33,7 +34,7 @@ def test_it_round_trips():
 
 @pytest.mark.parametrize("section, path, words", [
     ({"pp": 2, "dp_shard": 2}, "parallel.pp", "pipeline stages run alone here"),
-    ({"dp_replicate": 2, "dp_shard": 2}, "parallel.dp_replicate", "(HSDP) is not built here"),
+    ({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, "parallel.tp", "HSDP with tensor parallel (a 3-D mesh)"),
     ({"tp": 0}, "parallel.tp", "expected a number of ranks >= 1, found 0"),
     ({"peer_timeout_s": 0}, "parallel.peer_timeout_s", "expected seconds > 0"),
     ({"tp_size": 2}, "parallel.tp_size", "tp"),                                 # did you mean
