@@ -39,7 +39,7 @@ import re
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -198,18 +198,16 @@ class RankRun:
     engine: object
     state: object
     data: object
-    sites: list[str] | None = None
-    extra: dict = field(default_factory=dict)
+    sites: list[str] | None = None   # every site of the model, in forward order (for the monitor)
 
 
 def _build(prepared, par) -> RankRun:
     """This rank's engine, precision state and batches."""
-    import torch.distributed as dist
     from lowprec.runtime.data import TokenBatches
     from lowprec.runtime.parallel import build_engine, local_state
 
     tc = prepared.config.train
-    sites = list(prepared.controller.order) if prepared.controller is not None else list(prepared.state.sites)
+    sites = list(prepared.controller.order) if prepared.controller is not None else None
     engine, data_rank, data_ranks = build_engine(prepared.model, par, tc.microbatches)
     state, data = prepared.state, prepared.data
     if par.pp > 1:   # this rank keeps its stage's sites; the monitor packs every site's row
@@ -217,7 +215,6 @@ def _build(prepared, par) -> RankRun:
     if data_ranks > 1:
         data = TokenBatches(data.tokens, data.batch_size, data.block_size, seed=data.seed, rank=data_rank,
                             world=data_ranks)
-    assert dist.is_initialized()
     return RankRun(engine, state, data, sites)
 
 

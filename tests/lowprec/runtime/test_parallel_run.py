@@ -112,7 +112,7 @@ def _write(d: Path, name: str, cfg: dict) -> Path:
     return p
 
 
-def _mlflow_runs(uri: str, name: str) -> list:
+def _mlflow_runs(uri: str, name: str) -> tuple:
     from mlflow.tracking import MlflowClient
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("parallel-run")
