@@ -89,6 +89,9 @@ def _plan(args, console) -> int:
     except (ConfigError, ValueError, TypeError) as e:
         return _fail(console, e)
     console.print(_table(prepared))
+    note = _fast_path_note(prepared)
+    if note:
+        console.print(f"\nbackend: {note}")
     if prepared.controller is not None:
         console.print("\nrollout stages:")
         for st in prepared.controller.stages:
@@ -100,6 +103,11 @@ def _plan(args, console) -> int:
     else:
         console.print("\nevery runtime input is here (baseline, data): `lowprec run` can start")
     return EXIT_OK
+
+
+def _fast_path_note(prepared) -> str | None:
+    from lowprec.runtime.device_note import fast_path_note, model_device
+    return fast_path_note(prepared.config.precision.backend, model_device(prepared.model))
 
 
 def _table(prepared) -> str:
@@ -117,13 +125,18 @@ def _send_finished(out: Path, console) -> int | None:
     """`--resume` of a run that finished but was killed before its last records reached MLflow
     (its end among them: the MLflow run still says RUNNING): send them, as `lowprec sync` would,
     and exit 0 (2 when the server does not take them); None when there is nothing to send."""
+    from lowprec.base.writer_lock import WriterBusyError
     from lowprec.tracking.outbox import Outbox, sync_run_dir
     from lowprec.tracking.resume import RunState, buffered_run
     buf = out / "tracking"
     state, info = buffered_run(buf)
     if state is not RunState.FINISHED or Outbox(buf).n_pending() == 0:
         return None
-    res = sync_run_dir(buf, timeout=60)
+    try:
+        res = sync_run_dir(buf, timeout=60)
+    except WriterBusyError as e:   # a `lowprec sync` of this folder is sending right now
+        console.say(f"--resume: {out} holds a finished run; {e}: it sends the last records, nothing to resume")
+        return EXIT_UNUSABLE
     run_id = Outbox(buf).read_info().get("run_id")
     if res.pending:
         console.say(f"--resume: {out} holds a finished run whose last {res.pending} records were not sent "
@@ -145,22 +158,44 @@ def _cmd_run(args) -> int:
 
 def _run(args, console, started: float) -> int:
     from lowprec.runtime.faults import parse_injection
-    from lowprec.runtime.run import prepare_run
+    from lowprec.runtime.run_folder import RunFolder, RunFolderBusyError
     try:
         cfg = _load(args.config, args)
         faults = [parse_injection(t) for t in args.inject]
         name = cfg.tracking.run_name or Path(args.config).stem
         out = Path(args.out) if args.out else Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        ckpts = out / "checkpoints"
         if args.resume and not args.out:
             raise ConfigError("--resume", "needs --out DIR: the folder of the run to continue")
-        if not args.resume and ckpts.is_dir() and any(ckpts.iterdir()):
-            raise ConfigError("--out", f"{out} holds an earlier run's checkpoints; continue it with --resume, or "
-                              f"give a new --out")
-        if cfg.tracking.enabled:  # the run folder's MLflow run: continued only by --resume, never once finished
+    except (ConfigError, ValueError, TypeError) as e:
+        return _fail(console, e)
+    try:   # one writer per run folder: taken before anything is written, held until the run ends
+        folder = RunFolder.take(out)
+    except RunFolderBusyError as e:
+        return _fail(console, e)
+    with folder:
+        return _run_locked(args, console, started, folder, cfg, faults, name)
+
+
+def _run_locked(args, console, started: float, folder, cfg, faults, name: str) -> int:
+    """`lowprec run` once this process holds the run folder: refuse what the folder's state
+    does not allow (saying what that state is), check a resume's config, then train."""
+    from lowprec.runtime.resume_check import record_config, resume_mismatch
+    from lowprec.runtime.run import prepare_run
+    from lowprec.runtime.run_folder import FolderState, refusal
+    out, tracked = folder.folder, cfg.tracking.enabled
+    status = folder.status()
+    if args.resume and tracked and status.state is FolderState.FINISHED \
+            and (sent := _send_finished(out, console)) is not None:
+        return sent
+    line = refusal(status, resume=args.resume, config=args.config, tracked=tracked)
+    if line is None and args.resume:
+        line = resume_mismatch(out, cfg, args.config)
+    if line is not None:
+        console.say(line)
+        return EXIT_UNUSABLE
+    try:
+        if tracked:  # the run folder's MLflow run: continued only by --resume, never once finished
             from lowprec.tracking.resume import check_buffer
-            if args.resume and (sent := _send_finished(out, console)) is not None:
-                return sent
             check_buffer(out / "tracking", resume=args.resume)
         prepared = prepare_run(cfg, controller=not args.no_controller)
         names = dict(prepared.model.named_modules())
@@ -170,6 +205,13 @@ def _run(args, console, started: float) -> int:
                               f"{', '.join(list(prepared.state.sites)[:6])} ...")
     except (ConfigError, ValueError, TypeError) as e:
         return _fail(console, e)
+    if args.resume and (line := resume_mismatch(out, cfg, args.config, model=prepared.model)) is not None:
+        console.say(line)   # a folder without a config copy: its checkpoint against this model
+        return EXIT_UNUSABLE
+    if note := _fast_path_note(prepared):
+        console.say(note)
+    if status.state is FolderState.NEW:
+        record_config(out, cfg)
     from lowprec.runtime.run import train_prepared
     return train_prepared(prepared, out, name=name, resume=args.resume, faults=faults, started=started,
                           tracking_optional=args.tracking_optional, console=console)
