@@ -11,6 +11,14 @@ cannot be used: the message names the config path, what was found, what is allow
 `run` trained but its tracking records could not all be sent (its last line says how many
 wait in the outbox and the `lowprec sync` command that sends them; `--tracking-optional`
 makes that exit 0).
+
+A run folder has one writer: `run` locks `--out` (`run.lock`, an OS lock that dies with the
+process) before it writes anything there, and refuses, exit 2, a folder that a live process
+writes (naming its pid and host), a finished run, and a stopped run without `--resume`, each
+in words that say which it is (`lowprec.runtime.run_folder`); a `--resume` whose config
+differs from the one the run started with is refused before an MLflow run is touched
+(`lowprec.runtime.resume_check`). `backend: torch` on a device without FP8 tensor cores is
+named at start (`run`) and beside the plan (`plan`) (`lowprec.runtime.device_note`).
 """
 
 from __future__ import annotations
