@@ -180,6 +180,9 @@ def _run(args, console, started: float) -> int:
         folder = RunFolder.take(out)
     except RunFolderBusyError as e:
         return _fail(console, e)
+    except OSError as e:   # a file where the folder should be, a folder that cannot be written
+        console.say(f"--out {out}: cannot be a run folder ({e.strerror or e}); give a folder you can write")
+        return EXIT_UNUSABLE
     with folder:
         return _run_locked(args, console, started, folder, cfg, faults, name)
 

@@ -157,8 +157,11 @@ def refusal(status: FolderStatus, *, resume: bool, config: str, tracked: bool) -
     run = f"the MLflow run {status.run_id}" if status.run_id else "a run"
     if st is FolderState.ALIVE:
         return alive_line(f, status.holder)
-    if st is FolderState.FINISHED and (not resume or tracked):
+    if st is FolderState.FINISHED and tracked:
         return f"{f} holds {run}, which finished; a finished run is not continued: give a new --out to train again"
+    if st is FolderState.FINISHED and not resume:   # untracked: no MLflow run to keep closed
+        return (f"{f} holds {run}, which finished: give a new --out to train again, or train it further with "
+                f"--resume and a larger --steps")
     if st is FolderState.STOPPED and not resume:
         where = (f"from its checkpoint at step {status.step}" if status.step is not None
                  else "from step 0 (it has no checkpoint)")

@@ -93,7 +93,8 @@ class Outbox:
         line (left by a killed writer), a reader (`lowprec sync`) just stops before it."""
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.writer_lock = WriterLock.take(self.dir / WRITER_LOCK, f"the tracking outbox {self.dir}") if writer else None
+        self.writer_lock = (WriterLock.take(self.dir / WRITER_LOCK, f"the tracking outbox {self.dir}")
+                            if writer else None)
         self.path, self.ack_path = self.dir / OUTBOX, self.dir / ACK
         self._lock = threading.Lock()        # journal appends
         self._send_lock = threading.Lock()   # one sender at a time
