@@ -65,3 +65,20 @@ def test_a_refused_new_run_leaves_no_folder(tmp_path):
 def test_other_ranks_hold_nothing(tmp_path):
     with RunFolder.take(tmp_path / "out", rank=1) as f:
         assert not f.held and not (tmp_path / "out").exists()
+
+
+def test_a_folder_without_a_config_copy_is_checked_against_its_checkpoint(tmp_path):
+    import torch
+
+    from lowprec.runtime.resume_check import resume_mismatch
+    from lowprec.state.checkpoint import checkpoint_mismatch, save_checkpoint
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    path = save_checkpoint(tmp_path / "out" / "checkpoints", 4, model=model,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert checkpoint_mismatch(path, model) is None
+    wider = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Linear(16, 2))
+    assert checkpoint_mismatch(path, wider) == \
+        "0.weight is (16, 4) in this model but (8, 4) in the checkpoint step_00000004.pt"
+    line = resume_mismatch(tmp_path / "out", None, "c.yaml", model=wider)
+    assert line.startswith("--resume: 0.weight is (16, 4) in this model") and "--out NEW_DIR" in line
+    assert resume_mismatch(tmp_path / "out", None, "c.yaml", model=model) is None
