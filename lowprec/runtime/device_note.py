@@ -3,9 +3,10 @@
 The `torch` backend's point is speed: real FP8 GEMMs through `torch._scaled_mm` on GPUs with
 FP8 tensor cores (compute capability 8.9 and up: Ada, Hopper, Blackwell). On any other device
 PyTorch still runs `_scaled_mm`, but in software: the CPU kernel has no FP8 units to use, so a
-`backend: torch` run there is no faster than `backend: emulated` (which computes the same
-numbers, `lowprec.sites.backends.emulated`) and can be far slower on large GEMMs. A run that
-looks hung with no word of why is worse than a line at start; `fast_path_note` is that line,
+`backend: torch` run there gains nothing over `backend: emulated` (which computes the same
+numbers, `lowprec.sites.backends.emulated`) and is often slower (measured on a 2-core CPU,
+one square GEMM: 2.2x the upcast-and-FP32-matmul at 512, 1.1x at 2048). A slow run with no
+word of why looks hung; `fast_path_note` is that word,
 and `plan` shows it beside the plan. The backend is not switched behind the user's back:
 the note names `emulated` as the choice for this device and the config key that sets it.
 """
@@ -38,6 +39,6 @@ def fast_path_note(backend: str, device: torch.device) -> str | None:
         return None
     what = "the CPU" if device.type == "cpu" else f"this {device} device"
     return (f"precision.backend is 'torch', and on {what} torch._scaled_mm is emulated in software (no FP8 "
-            f"tensor cores): no faster than backend 'emulated', which computes the same numbers, and much "
-            f"slower on large GEMMs. The fast choice here is `precision.backend: emulated`; 'torch' pays off on "
-            f"GPUs with FP8 (compute capability 8.9+)")
+            f"tensor cores): it gains nothing over backend 'emulated', which computes the same numbers, and is "
+            f"often slower. The fast choice here is `precision.backend: emulated`; 'torch' pays off on GPUs with "
+            f"FP8 (compute capability 8.9+)")
