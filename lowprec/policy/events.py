@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from lowprec.base.writer_lock import WriterLock
+
 __all__ = ["EventKind", "Event", "EventLog", "replay", "read_events", "describe", "site_list", "SHOWN_SITES"]
 
 
@@ -118,11 +120,22 @@ def describe(e: Event, n: int = SHOWN_SITES) -> str:
 
 
 class EventLog:
-    """Append-only JSONL file of events; each append is flushed and fsynced."""
+    """Append-only JSONL file of events; each append is flushed and fsynced.
 
-    def __init__(self, path: str | os.PathLike):
+    exclusive: this log is the file's one writer: an OS lock on `<file>.lock` is held from
+    here until `close()` or the end of the process (`lowprec.base.writer_lock`); a second
+    writer is refused with WriterBusyError naming the live one."""
+
+    def __init__(self, path: str | os.PathLike, exclusive: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = (WriterLock.take(self.path.with_name(self.path.name + ".lock"), f"the event log {self.path}")
+                      if exclusive else None)
+
+    def close(self) -> None:
+        """Let go of the writer lock (an exclusive log's; idempotent)."""
+        if self._lock is not None:
+            self._lock.release()
 
     def append(self, events: Iterable[Event]) -> None:
         lines = "".join(e.to_json() + "\n" for e in events)

@@ -12,6 +12,14 @@ cannot be used: the message names the config path, what was found, what is allow
 `run` trained but its tracking records could not all be sent (its last line says how many
 wait in the outbox and the `lowprec sync` command that sends them; `--tracking-optional`
 makes that exit 0).
+
+A run folder has one writer: `run` locks `--out` (`run.lock`, an OS lock that dies with the
+process) before it writes anything there, and refuses, exit 2, a folder that a live process
+writes (naming its pid and host), a finished run, and a stopped run without `--resume`, each
+in words that say which it is (`lowprec.runtime.run_folder`); a `--resume` whose config
+differs from the one the run started with is refused before an MLflow run is touched
+(`lowprec.runtime.resume_check`). `backend: torch` on a device without FP8 tensor cores is
+named at start (`run`) and beside the plan (`plan`) (`lowprec.runtime.device_note`).
 """
 
 from __future__ import annotations
@@ -96,6 +104,9 @@ def _plan(args, console) -> int:
     except (ConfigError, ValueError, TypeError) as e:
         return _fail(console, e)
     console.print(_table(prepared))
+    note = _fast_path_note(prepared)
+    if note:
+        console.print(f"\nbackend: {note}")
     if prepared.controller is not None:
         console.print("\nrollout stages:")
         for st in prepared.controller.stages:
@@ -107,6 +118,11 @@ def _plan(args, console) -> int:
     else:
         console.print("\nevery runtime input is here (baseline, data): `lowprec run` can start")
     return EXIT_OK
+
+
+def _fast_path_note(prepared) -> str | None:
+    from lowprec.runtime.device_note import fast_path_note, model_device
+    return fast_path_note(prepared.config.precision.backend, model_device(prepared.model))
 
 
 def _table(prepared) -> str:
@@ -124,13 +140,18 @@ def _send_finished(out: Path, console) -> int | None:
     """`--resume` of a run that finished but was killed before its last records reached MLflow
     (its end among them: the MLflow run still says RUNNING): send them, as `lowprec sync` would,
     and exit 0 (2 when the server does not take them); None when there is nothing to send."""
+    from lowprec.base.writer_lock import WriterBusyError
     from lowprec.tracking.outbox import Outbox, sync_run_dir
     from lowprec.tracking.resume import RunState, buffered_run
     buf = out / "tracking"
     state, info = buffered_run(buf)
     if state is not RunState.FINISHED or Outbox(buf).n_pending() == 0:
         return None
-    res = sync_run_dir(buf, timeout=60)
+    try:
+        res = sync_run_dir(buf, timeout=60)
+    except WriterBusyError as e:   # a `lowprec sync` of this folder is sending right now
+        console.say(f"--resume: {out} holds a finished run; {e}: it sends the last records, nothing to resume")
+        return EXIT_UNUSABLE
     run_id = Outbox(buf).read_info().get("run_id")
     if res.pending:
         console.say(f"--resume: {out} holds a finished run whose last {res.pending} records were not sent "
@@ -152,11 +173,12 @@ def _cmd_run(args) -> int:
     return result() if callable(result) else result
 
 
-def _refuse(console, e: Exception, env) -> int:
+def _refuse(console, e: Exception | str, env) -> int:
     """A refused run: one line, from rank 0 only under torchrun (the others wait a moment, so
     that torchrun, which stops every rank at the first exit, lets rank 0 say it)."""
     if env is None or env.rank == 0:
-        return _fail(console, e)
+        console.say(str(e))
+        return EXIT_UNUSABLE
     from lowprec.runtime.parallel_run import REFUSED_GRACE_S
     time.sleep(REFUSED_GRACE_S)
     return EXIT_UNUSABLE
@@ -165,7 +187,7 @@ def _refuse(console, e: Exception, env) -> int:
 def _run(args, console, started: float):
     from lowprec.runtime.faults import parse_injection
     from lowprec.runtime.parallel_run import rank_env
-    from lowprec.runtime.run import prepare_run
+    from lowprec.runtime.run_folder import RunFolder, RunFolderBusyError
     env = rank_env()   # under torchrun: this rank's place in the job
     parallel = env is not None or args.nproc_per_node is not None
     try:
@@ -178,16 +200,43 @@ def _run(args, console, started: float):
         faults = [parse_injection(t) for t in args.inject]
         name = cfg.tracking.run_name or Path(args.config).stem
         out = Path(args.out) if args.out else Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        ckpts = out / "checkpoints"
         if args.resume and not args.out:
             raise ConfigError("--resume", "needs --out DIR: the folder of the run to continue")
-        if not args.resume and ckpts.is_dir() and any(ckpts.iterdir()):
-            raise ConfigError("--out", f"{out} holds an earlier run's checkpoints; continue it with --resume, or "
-                              f"give a new --out")
-        if cfg.tracking.enabled:  # the run folder's MLflow run: continued only by --resume, never once finished
+    except (ConfigError, ValueError, TypeError) as e:
+        return _refuse(console, e, env)
+    try:   # one writer per run folder (rank 0's for a job): taken before anything is written, held until the end
+        folder = RunFolder.take(out, rank=env.rank if env is not None else 0)
+    except RunFolderBusyError as e:
+        return _refuse(console, e, env)
+    except OSError as e:   # a file where the folder should be, a folder that cannot be written
+        return _refuse(console, f"--out {out}: cannot be a run folder ({e.strerror or e}); give a folder you can "
+                                f"write", env)
+    with folder:
+        return _run_locked(args, console, started, folder, cfg, faults, name, env)
+
+
+def _run_locked(args, console, started: float, folder, cfg, faults, name: str, env):
+    """`lowprec run` once this process holds the run folder (rank 0 under torchrun): refuse
+    what the folder's state does not allow (saying what that state is), check a resume's
+    config, then train: here, on this rank of a torchrun job, or by starting torchrun
+    (`--nproc-per-node`, once every check passed; the ranks take the folder themselves)."""
+    from lowprec.runtime.resume_check import record_config, resume_mismatch
+    from lowprec.runtime.run import prepare_run
+    from lowprec.runtime.run_folder import FolderState, refusal
+    out, tracked = folder.folder, cfg.tracking.enabled
+    lead = env is None or env.rank == 0   # the rank that writes the folder
+    status = folder.status()
+    if lead and args.resume and tracked and status.state is FolderState.FINISHED \
+            and (sent := _send_finished(out, console)) is not None:
+        return sent
+    line = refusal(status, resume=args.resume, config=args.config, tracked=tracked)
+    if line is None and args.resume:
+        line = resume_mismatch(out, cfg, args.config)
+    if line is not None:
+        return _refuse(console, line, env)
+    try:
+        if tracked and lead:  # the run folder's MLflow run: continued only by --resume, never once finished
             from lowprec.tracking.resume import check_buffer
-            if args.resume and (sent := _send_finished(out, console)) is not None:
-                return sent
             check_buffer(out / "tracking", resume=args.resume)
         prepared = prepare_run(cfg, controller=not args.no_controller)
         names = dict(prepared.model.named_modules())
@@ -200,6 +249,12 @@ def _run(args, console, started: float):
             check_prepared(prepared, cfg.parallel)
     except (ConfigError, ValueError, TypeError) as e:
         return _refuse(console, e, env)
+    if args.resume and (line := resume_mismatch(out, cfg, args.config, model=prepared.model)) is not None:
+        return _refuse(console, line, env)   # a folder without a config copy: its checkpoint against this model
+    if lead and (note := _fast_path_note(prepared)):
+        console.say(note)
+    if lead and status.state is FolderState.NEW:
+        record_config(out, cfg)
     if args.nproc_per_node is not None:
         from lowprec.runtime.parallel_run import Launch, launch_argv
         return Launch(args.nproc_per_node, *launch_argv(args, out))

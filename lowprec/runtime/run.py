@@ -283,9 +283,16 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
     if cfg.tracking.enabled:
         from lowprec.tracking.tracker import Tracker
         # resume: the MLflow run of a killed `lowprec run` is continued (never a finished one)
+        from lowprec.tracking.resume import BufferInUseError
         tel = cfg.telemetry
-        tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, name, buffer_dir=out / "tracking",
-                          resume=resume, system_metrics_s=tel.system_metrics_s if tel.enabled else None)
+        try:
+            tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, name, buffer_dir=out / "tracking",
+                              resume=resume, system_metrics_s=tel.system_metrics_s if tel.enabled else None)
+        except BufferInUseError as e:   # a live writer took the buffer since the checks (a `lowprec sync`)
+            if progress is not None:
+                progress.close()
+            say(str(e))
+            return EXIT_UNUSABLE
         tracker.log_config(cfg.to_dict())
     status = RunStatus.FAILED
     try:

@@ -143,7 +143,8 @@ class Session:
         self.last_signals = None
         self.rewinds = 0
         self.skipped = 0
-        self.log = EventLog(event_log) if event_log is not None else None
+        # the event log's one writer until close() (WriterBusyError: a live process writes it)
+        self.log = EventLog(event_log, exclusive=True) if event_log is not None else None
         self.on_events = on_events
         self.monitor = None
         self.group = group
@@ -440,6 +441,8 @@ class Session:
             self.monitor.close()
         if self.replayer is not None:
             self.replayer.close()
+        if self.log is not None:
+            self.log.close()
 
 
 def rollout_settings(rollout) -> dict:

@@ -63,7 +63,8 @@ from lowprec.state.integrity import CorruptCheckpointError, payload_integrity, v
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "rng_state",
            "restore_rng_state", "verify_checkpoint",
-           "checkpoint_to_resume", "CorruptCheckpointError", "NoUsableCheckpointError", "ABANDONED"]
+           "checkpoint_to_resume", "checkpoint_mismatch", "CorruptCheckpointError", "NoUsableCheckpointError",
+           "ABANDONED"]
 
 FORMAT, VERSION = "lowprec.state.checkpoint", 2
 _READS = (1, 2)   # version 1: written before checksums, loaded unverified
@@ -373,6 +374,23 @@ def _check_parts(payload: dict, path: Path, precision, controller, keep_current=
         if payload[key] is None and given is not None:
             raise ValueError(f"{path} holds no {key} state (it was saved without {key}=) but a "
                              f"{key} was given; pass {key}=None or resume from a checkpoint that has one")
+
+
+def checkpoint_mismatch(path: str | os.PathLike, model: nn.Module) -> str | None:
+    """Where the checkpoint at `path` does not fit `model`, in a few words (the first parameter
+    whose shape differs, or that one side lacks), or None when it fits. Reads the file with mmap,
+    changes nothing; a sharded (directory) checkpoint is not read here (None)."""
+    path = Path(path)
+    if path.is_dir():
+        return None
+    saved, live = _read_header(path, mmap=True)["model"], model.state_dict()
+    for k, t in live.items():
+        if k not in saved:
+            return f"the model has {k}, which the checkpoint {path.name} lacks"
+        if isinstance(t, torch.Tensor) and isinstance(saved[k], torch.Tensor) and saved[k].shape != t.shape:
+            return f"{k} is {tuple(t.shape)} in this model but {tuple(saved[k].shape)} in the checkpoint {path.name}"
+    extra = next((k for k in saved if k not in live), None)
+    return None if extra is None else f"the checkpoint {path.name} has {extra}, which this model lacks"
 
 
 def _check_model(saved: dict, model: nn.Module, path: Path) -> None:

@@ -9,8 +9,9 @@
         is an exit 2 (no empty mlflow.db is created and served).
     lowprec sync RUN_DIR [--tracking-uri URI] [--timeout S]
         sends what a tracker's buffer dir still holds (the server was away); exit 0 when
-        nothing is left, 1 when the server still does not take it, 2 on unusable input or a
-        server that does not answer.
+        nothing is left, 1 when the server still does not take it, 2 on unusable input, a
+        server that does not answer, or a run that is alive (a live process holds the folder's
+        writer lock: that run sends its own records; nothing is sent beside it).
 
 `report` and `sync` give the store --timeout seconds in all (60 by default,
 `lowprec.tracking.deadline`): a server that answers /health but never the API is an exit 2
@@ -203,6 +204,7 @@ def _stop_group(proc: subprocess.Popen) -> None:
 def _cmd_sync(args) -> int:
     import mlflow.tracking  # noqa: F401 - imported here, not in the time given to the store
 
+    from lowprec.base.writer_lock import WriterBusyError
     from lowprec.tracking.outbox import RUN_INFO, Outbox, sync_run_dir
 
     info = Path(args.run_dir) / RUN_INFO
@@ -214,6 +216,10 @@ def _cmd_sync(args) -> int:
                      timeout=0.9 * args.timeout)
     except (FileNotFoundError, ValueError) as e:
         print(f"lowprec sync: {e}", file=sys.stderr)
+        return 2
+    except WriterBusyError as e:   # a live run sends its own records; two senders would race on the ack
+        print(f"lowprec sync: {e.path.parent} is being written by a live process ({e.holder.describe()}): that "
+              f"run sends its records itself; sync a run whose process is gone. Nothing was sent", file=sys.stderr)
         return 2
     except NoAnswer as e:
         print(f"lowprec sync: {e}; {Outbox(args.run_dir).n_pending()} records stay buffered in {args.run_dir}",

@@ -24,6 +24,13 @@ re-sent with the same value; tags and artifacts overwrite; a run is created once
 looked up by its `lowprec.run_uid` tag before creating). Records the server refuses as
 invalid (a bad name, a changed param value) are moved to `rejected.jsonl` with the error
 instead of blocking everything behind them. MLflow is imported only when sending.
+
+One writer: an `Outbox(writer=True)` holds an exclusive OS lock on `writer.lock` in the
+folder (`lowprec.base.writer_lock`) from before it reads the journal until `close()` (or
+its process ends, however it ends); a second writer, in this process or another, is
+refused with `WriterBusyError` naming the live one. `sync_run_dir` takes the same lock
+while it sends, so it never sends beside a live run's own sender (that run sends its
+records itself) and a `--resume` never starts while a sync is sending.
 """
 
 from __future__ import annotations
@@ -36,11 +43,14 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from lowprec.base.writer_lock import WriterLock
 from lowprec.state.durable import write_text_atomically
 
-__all__ = ["Outbox", "SendResult", "SendError", "server_answers", "sync_run_dir", "local_artifact_location"]
+__all__ = ["Outbox", "SendResult", "SendError", "server_answers", "sync_run_dir", "local_artifact_location",
+           "WRITER_LOCK"]
 
 OUTBOX, ACK, RUN_INFO, REJECTED = "outbox.jsonl", "outbox.ack", "run.json", "rejected.jsonl"
+WRITER_LOCK = "writer.lock"
 MAX_METRICS, MAX_PARAMS_TAGS, MAX_ENTITIES, MAX_REQUEST_BYTES = 1000, 100, 1000, 900_000
 # MLflow error codes that mean "this record will never be accepted", not "try again later".
 PERMANENT = {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE",
@@ -78,15 +88,23 @@ class Outbox:
     """Journal + ack pointer of one run directory. Thread-safe within a process."""
 
     def __init__(self, run_dir: str | os.PathLike, writer: bool = False):
-        """`writer`: this process appends (the tracker); only a writer cuts a torn last line
-        (left by a killed writer), a reader (`lowprec sync`) just stops before it."""
+        """`writer`: this process appends (the tracker); it holds the folder's writer lock until
+        `close()` (WriterBusyError when a live process holds it). Only a writer cuts a torn last
+        line (left by a killed writer), a reader (`lowprec sync`) just stops before it."""
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.writer_lock = (WriterLock.take(self.dir / WRITER_LOCK, f"the tracking outbox {self.dir}")
+                            if writer else None)
         self.path, self.ack_path = self.dir / OUTBOX, self.dir / ACK
         self._lock = threading.Lock()        # journal appends
         self._send_lock = threading.Lock()   # one sender at a time
         self._seq, self._end = self._scan(writer)
         self.info = self.read_info()
+
+    def close(self) -> None:
+        """Let go of the writer lock (a writer's; idempotent)."""
+        if self.writer_lock is not None:
+            self.writer_lock.release()
 
     # ------------------------------------------------------------------ journal
     def _scan(self, writer: bool) -> tuple[int, int]:
@@ -348,17 +366,19 @@ def _create_run(client, box: Outbox, rec: dict) -> None:
 
 def sync_run_dir(run_dir: str | os.PathLike, tracking_uri: str | None = None,
                  timeout: float | None = None) -> SendResult:
-    """Send what a run directory's outbox still holds (`lowprec sync RUN_DIR`)."""
+    """Send what a run directory's outbox still holds (`lowprec sync RUN_DIR`), holding its writer
+    lock meanwhile: WriterBusyError when a live run (or another sync) writes it."""
     from lowprec.tracking.store import mlflow_client
 
     d = Path(run_dir)
     if not (d / OUTBOX).exists() or not (d / RUN_INFO).exists():
         raise FileNotFoundError(f"{d} holds no {OUTBOX} and {RUN_INFO}: pass the buffer_dir a Tracker wrote")
-    box = Outbox(d)
-    uri = tracking_uri or box.info.get("tracking_uri")
-    if not uri:
-        raise ValueError(f"{d / RUN_INFO} names no tracking URI; pass one (--tracking-uri)")
-    if not server_answers(uri):
-        return SendResult(0, 0, box.n_pending(), f"the tracking server {uri} does not answer")
-    deadline = None if timeout is None else time.monotonic() + timeout
-    return box.send(mlflow_client(uri), deadline)
+    with WriterLock.take(d / WRITER_LOCK, f"the tracking outbox {d}"):
+        box = Outbox(d)
+        uri = tracking_uri or box.info.get("tracking_uri")
+        if not uri:
+            raise ValueError(f"{d / RUN_INFO} names no tracking URI; pass one (--tracking-uri)")
+        if not server_answers(uri):
+            return SendResult(0, 0, box.n_pending(), f"the tracking server {uri} does not answer")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return box.send(mlflow_client(uri), deadline)

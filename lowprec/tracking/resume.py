@@ -8,7 +8,9 @@ MLflow run. What the folder holds decides what a new `Tracker` on it does:
       (killed), or ended FAILED      otherwise an error
     a run that ended FINISHED     -> never continued: an error, with or without resume=True
 
-Nothing is continued by accident: without `resume=True` a folder that holds a run is an error
+A folder that a live process writes (its writer lock is held: `lowprec.tracking.outbox`) is
+refused whatever it holds, naming that process. Nothing is continued by accident: without
+`resume=True` a folder that holds a run is an error
 (`BufferInUseError`, a ValueError) that says which run it holds and what to do, and a finished
 run is never reopened. The state is read from the journal (its last record is `terminate` when
 the run ended, `lowprec.tracking.outbox`), so it is right even when the process died right
@@ -27,7 +29,8 @@ import json
 import os
 from pathlib import Path
 
-from lowprec.tracking.outbox import OUTBOX, RUN_INFO, Outbox
+from lowprec.base.writer_lock import holder
+from lowprec.tracking.outbox import OUTBOX, RUN_INFO, WRITER_LOCK, Outbox
 from lowprec.tracking.records import RunStatus
 
 __all__ = ["RunState", "BufferInUseError", "buffered_run", "check_buffer", "ResumeFilter"]
@@ -74,9 +77,15 @@ def buffered_run(buffer_dir: str | os.PathLike) -> tuple[RunState, dict]:
     return (RunState.FINISHED if last.get("status") == RunStatus.FINISHED else RunState.FAILED), info
 
 
-def check_buffer(buffer_dir: str | os.PathLike, resume: bool) -> RunState:
+def check_buffer(buffer_dir: str | os.PathLike, resume: bool, held: bool = False) -> RunState:
     """The folder's state when a tracker may use it as asked (see the module doc); else
-    BufferInUseError naming the run and the fix."""
+    BufferInUseError naming the run and the fix. held: this process holds the folder's writer
+    lock (a Tracker); otherwise a live writer (a running run, a `lowprec sync`) is refused first."""
+    who = None if held else holder(Path(buffer_dir) / WRITER_LOCK)
+    if who is not None:
+        raise BufferInUseError(f"{buffer_dir} is being written by a live process ({who.describe()}); a buffer "
+                               f"folder has one writer: wait for it to end, or track in another buffer folder "
+                               f"(`lowprec run`: another --out)")
     state, info = buffered_run(buffer_dir)
     if state is RunState.NONE:
         return state
@@ -88,8 +97,9 @@ def check_buffer(buffer_dir: str | os.PathLike, resume: bool) -> RunState:
             f"{buffer_dir} holds {run}, which finished; a finished run is never continued. Track a new run "
             f"in another buffer folder (`lowprec run`: another --out)")
     if not resume:
+        how = "ended FAILED" if state is RunState.FAILED else "stopped without finishing (its process is gone)"
         raise BufferInUseError(
-            f"{buffer_dir} holds {run}, which did not finish ({state.value}); continue it with resume=True "
+            f"{buffer_dir} holds {run}, which {how}; continue it with resume=True "
             f"(`lowprec run CONFIG --out DIR --resume`), or track a new run in another buffer folder "
             f"(another --out)")
     return state

@@ -27,6 +27,9 @@ Why it looks like this:
   again); a finished run, or any run without `resume=True`, is a `BufferInUseError` that names
   the run and the fix (`lowprec.tracking.resume`): nothing is ever continued by accident. A
   continued run does not log again the metric points and events its journal already holds.
+  One writer: the tracker holds the folder's writer locks (the outbox's, the event log's) from
+  before it reads the folder until `finish()` or the end of its process; a tracker on a folder
+  that a live process writes is a `BufferInUseError` naming that process.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from lowprec.base.parse import read_yaml_file
+from lowprec.base.writer_lock import WriterBusyError
 from lowprec.policy.events import Event, EventLog
 from lowprec.state.durable import write_text_atomically
 from lowprec.tracking.outbox import Outbox, SendResult, server_answers
@@ -101,13 +105,24 @@ class Tracker:
         if info.get("uid") and info.get("tracking_uri") not in (None, tracking_uri):
             raise ValueError(f"{self.run_dir} belongs to a run tracked at {info['tracking_uri']}; "
                              f"use another buffer_dir for {tracking_uri}")
-        state = check_buffer(self.run_dir, resume)   # BufferInUseError: not to be continued
+        try:   # one writer per buffer folder, locked before anything in it is read or written
+            self.outbox = Outbox(self.run_dir, writer=True)
+            self._event_log = EventLog(self.run_dir / "events.jsonl", exclusive=True)
+        except WriterBusyError as e:
+            if hasattr(self, "outbox"):
+                self.outbox.close()
+            raise BufferInUseError(f"{self.run_dir} is being written by a live process ({e.holder.describe()}); a "
+                                   f"buffer folder has one writer: wait for it to end, or track in another "
+                                   f"buffer folder (`lowprec run`: another --out)") from None
+        try:
+            state = check_buffer(self.run_dir, resume, held=True)   # BufferInUseError: not to be continued
+        except BaseException:
+            self._release()
+            raise
         self.files = self.run_dir / "files"          # snapshots the outbox uploads
         self.files.mkdir(parents=True, exist_ok=True)
-        self.outbox = Outbox(self.run_dir, writer=True)
         self.signal_stats = tuple(signal_stats)
         self.flush_interval_s, self.probe_timeout_s, self.retry_max_s = flush_interval_s, probe_timeout_s, retry_max_s
-        self._event_log = EventLog(self.run_dir / "events.jsonl")
         self._events: list[Event] = self._event_log.read()           # journal thread only
         self._precision = PrecisionMapLog(self._read_json(self.files / "precision_map.json"))
         self._config: dict = {}
@@ -317,10 +332,16 @@ class Tracker:
         self._journal.join(timeout=5)
         self._sender.join(timeout=1)
         st = self.status()
+        self._release()
         if st["pending"] and warn_unsent:
             log.warning("lowprec tracking: %d records could not be sent (%s); they are kept in %s: "
                         "send them with `lowprec sync %s`", st["pending"], self.last_error, self.run_dir, self.run_dir)
         return st
+
+    def _release(self) -> None:
+        """Let go of the buffer folder's writer locks (the outbox's and the event log's)."""
+        self._event_log.close()
+        self.outbox.close()
 
     def __enter__(self) -> "Tracker":
         return self

@@ -138,7 +138,9 @@ def _flip_a_weight_bit(path: Path) -> None:
 
 
 def _tree(root: Path) -> dict:
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+    """Every file's size and mtime, but the run folder's lock file's (it names its latest holder)."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))
+            if p.name != "run.lock"}
 
 
 def test_resume_skips_a_corrupt_checkpoint_and_exits_2_when_all_are(project, capsys):

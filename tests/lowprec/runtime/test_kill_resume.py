@@ -284,7 +284,8 @@ def test_a_resumed_session_keeps_each_event_once_in_its_log(tmp_path):
     first.log.append([early])
     saved = first.state_dict()                     # the checkpoint at step 3
     first.events.append(late)
-    first.log.append([late])                       # then killed
+    first.log.append([late])                       # then killed: the OS lets go of its lock
+    first.close()
     again = Session(model, opt, NoSites(), None, event_log=log)
     again.load_state_dict(saved)
     assert again.events == [early] and read_events(log) == [early]

@@ -12,6 +12,7 @@ until the controller is wired in.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from lowprec.base.writer_lock import WriterBusyError
 from lowprec.policy.events import EventKind
 from lowprec.tracking.outbox import Outbox
 from lowprec.tracking.records import MAX_KEY, MAX_PARAM_VALUE, flatten_config, metric_key
@@ -83,6 +85,9 @@ def test_outbox_keeps_order_cuts_a_torn_line_and_reads_in_chunks(tmp_path):
     assert reader.n_pending() == 300 and box.path.read_bytes().endswith(b'"metr')
     assert len(reader.pending(max_bytes=2000)) < 300 and len(reader.pending()) == 300
     assert [r["metrics"][0][3] for r, _ in reader.pending()] == list(range(300))
+    with pytest.raises(WriterBusyError, match=f"pid {os.getpid()}"):   # one writer at a time
+        Outbox(tmp_path, writer=True)
+    box.close()                                      # the writer is gone (killed: the OS let go of its lock)
     assert Outbox(tmp_path, writer=True).n_pending() == 300 and box.path.read_bytes().endswith(b"}\n")
 
 

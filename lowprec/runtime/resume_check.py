@@ -1,0 +1,95 @@
+"""Whether a config can continue the run a folder holds (`lowprec run CONFIG --out DIR --resume`).
+
+A new run writes the config it trains (after --steps, --run-name and --as-baseline) to
+`DIR/config.yaml`. A resume compares its own config with that copy before anything is
+loaded and before an MLflow run is touched: the checkpoints hold the model, optimizer and
+data position the original config made, and the MLflow run holds its params, so a resume
+with another `model.args.d_model` or `train.seed` would fail half-way (a shape that does
+not fit) or, worse, go on training another run under the first one's name. The first key
+that differs is named with both values, with the two commands that work: the original
+config, or a new --out.
+
+Keys that may change on a resume: `train.steps` (train a stopped run further) and
+`train.log_every`, and the `tracking` and `telemetry` sections (where and what is
+recorded, not what is trained). A folder without `config.yaml` (written by an older
+lowprec) is checked against its newest checkpoint instead: a parameter whose shape differs
+from the model's is named (`lowprec.state.checkpoint.checkpoint_mismatch`).
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["CONFIG_COPY", "MAY_CHANGE", "record_config", "resume_mismatch"]
+
+CONFIG_COPY = "config.yaml"
+MAY_CHANGE = ("train.steps", "train.log_every", "tracking", "telemetry")
+
+
+def record_config(folder: Path, cfg) -> Path:
+    """Write the config a new run trains to `folder/config.yaml` (atomically)."""
+    from lowprec.state.durable import write_text_atomically
+    path = folder / CONFIG_COPY
+    write_text_atomically(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return path
+
+
+def _flatten(v: Any, key: str, out: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(v, dict) and v:
+        for k, x in v.items():
+            _flatten(x, f"{key}.{k}" if key else str(k), out)
+    elif isinstance(v, (list, tuple)) and v:
+        for i, x in enumerate(v):
+            _flatten(x, f"{key}.{i}" if key else str(i), out)
+    else:
+        out[key] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _may_change(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in MAY_CHANGE)
+
+
+def _differences(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
+    a, b = _flatten(old, "", {}), _flatten(new, "", {})
+    missing = object()
+    keys = list(a) + [k for k in b if k not in a]
+    return [(k, a.get(k, missing), b.get(k, missing)) for k in keys
+            if not _may_change(k) and a.get(k, missing) != b.get(k, missing)]
+
+
+def _shown(v: Any) -> str:
+    return "(absent)" if type(v) is object else repr(v)
+
+
+def resume_mismatch(folder: Path, cfg, config_path: str, model=None) -> str | None:
+    """The one line refusing to resume the run in `folder` with `cfg` (read from
+    `config_path`), or None when it fits. model: the model `cfg` builds, for a folder
+    without a config copy (checked against the newest checkpoint's shapes)."""
+    folder = Path(folder)
+    copy = folder / CONFIG_COPY
+    new_out = f"`lowprec run {shlex.quote(str(config_path))} --out NEW_DIR`"
+    if copy.is_file():
+        old = yaml.safe_load(copy.read_text()) or {}
+        diffs = _differences(old, cfg.to_dict())
+        if not diffs:
+            return None
+        key, was, now = diffs[0]
+        more = f" (and {len(diffs) - 1} more keys)" if len(diffs) > 1 else ""
+        return (f"--resume: {key} is {_shown(now)} in {config_path} but {_shown(was)} in the run {folder} holds"
+                f"{more}; a resume continues a run with the config it started with. Resume with that config "
+                f"(`lowprec run {shlex.quote(str(copy))} --out {shlex.quote(str(folder))} --resume`), or train this "
+                f"config as a new run ({new_out})")
+    if model is None:
+        return None
+    from lowprec.state.checkpoint import checkpoint_mismatch, latest_checkpoint
+    last = latest_checkpoint(folder / "checkpoints") if (folder / "checkpoints").is_dir() else None
+    why = checkpoint_mismatch(last, model) if last is not None else None
+    if why is None:
+        return None
+    return (f"--resume: {why}: {config_path} builds another model than the run {folder} holds; resume with the "
+            f"config that run started with, or train this config as a new run ({new_out})")
