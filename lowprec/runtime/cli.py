@@ -204,6 +204,14 @@ def _run(args, console, started: float):
             raise ConfigError("--resume", "needs --out DIR: the folder of the run to continue")
     except (ConfigError, ValueError, TypeError) as e:
         return _refuse(console, e, env)
+    store = None
+    if env is not None and env.world > 1:   # every rank of the job has come before anything is written
+        from lowprec.runtime.parallel_run import PeersMissing, join
+        try:
+            store = join(env, cfg.parallel.peer_timeout_s)
+        except PeersMissing as e:
+            console.say(str(e))
+            return EXIT_UNUSABLE
     try:   # one writer per run folder (rank 0's for a job): taken before anything is written, held until the end
         folder = RunFolder.take(out, rank=env.rank if env is not None else 0)
     except RunFolderBusyError as e:
@@ -212,10 +220,10 @@ def _run(args, console, started: float):
         return _refuse(console, f"--out {out}: cannot be a run folder ({e.strerror or e}); give a folder you can "
                                 f"write", env)
     with folder:
-        return _run_locked(args, console, started, folder, cfg, faults, name, env)
+        return _run_locked(args, console, started, folder, cfg, faults, name, env, store)
 
 
-def _run_locked(args, console, started: float, folder, cfg, faults, name: str, env):
+def _run_locked(args, console, started: float, folder, cfg, faults, name: str, env, store):
     """`lowprec run` once this process holds the run folder (rank 0 under torchrun): refuse
     what the folder's state does not allow (saying what that state is), check a resume's
     config, then train: here, on this rank of a torchrun job, or by starting torchrun
@@ -260,8 +268,8 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
         return Launch(args.nproc_per_node, *launch_argv(args, out))
     if env is not None and env.world > 1:
         from lowprec.runtime.parallel_run import train_ranks
-        return train_ranks(prepared, out, name=name, env=env, resume=args.resume, faults=faults, console=console,
-                           started=started, tracking_optional=args.tracking_optional)
+        return train_ranks(prepared, out, name=name, env=env, store=store, resume=args.resume, faults=faults,
+                           console=console, started=started, tracking_optional=args.tracking_optional)
     from lowprec.runtime.run import train_prepared
     return train_prepared(prepared, out, name=name, resume=args.resume, faults=faults, started=started,
                           tracking_optional=args.tracking_optional, console=console)

@@ -239,16 +239,11 @@ def merge_rank_events(out: Path, world: int) -> list:
     return [replace(e, evidence={**e.evidence, "ranks": ranks}) for e, ranks in extra.values()]
 
 
-def train_ranks(prepared, out: Path, *, name: str, env: RankEnv, resume: bool, faults, console, started: float,
-                tracking_optional: bool) -> int:
-    """This rank's part of a `lowprec run` under torchrun; the exit status."""
+def train_ranks(prepared, out: Path, *, name: str, env: RankEnv, store, resume: bool, faults, console,
+                started: float, tracking_optional: bool) -> int:
+    """This rank's part of a `lowprec run` under torchrun, once every rank joined (`store`, from
+    `join`); the exit status."""
     import torch.distributed as dist
-    par = prepared.config.parallel
-    try:
-        store = join(env, par.peer_timeout_s)
-    except PeersMissing as e:
-        console.say(str(e))
-        return EXIT_UNUSABLE
     dist.init_process_group("gloo", store=dist.PrefixStore("lowprec", store), rank=env.rank, world_size=env.world)
     try:
         return _train_rank(prepared, out, name=name, env=env, resume=resume, faults=faults, console=console,
