@@ -16,9 +16,11 @@ replaces them with their shards on the same modules. In a block's forward FSDP2 
 gathered the whole weight, so a PrecisionLinear quantizes the same plain tensor as one
 process (a DTensor weight would meet a plain input and be refused with a TypeError), and
 the weight's statistics are the whole tensor's. Activations and gradients are this rank's
-rows: `prepare(..., amax_group=<the dp group>)` reduces their tensor-wise amaxes over the
-ranks, so each scale is the global batch's. The engine refuses PrecisionLinear sites
-without an amax group when there is more than one rank.
+rows: with `precision.amax_scope: group`, `prepare(..., amax_group=<the dp group>)` reduces
+their amaxes over the ranks, so each scale is the global batch's (the engine refuses such
+sites without an amax group when there is more than one rank); with `local` each rank
+scales its own rows. Either way a site in an FP8 fast-path format runs the fast path
+(`lowprec.sites.fp8_parallel`).
 
 Gradients: each rank's loss is divided by microbatches x ranks and FSDP2's reduce-scatter
 is a plain SUM (divide factor 1: gloo has neither AVG nor PREMUL_SUM), so the summed
@@ -127,14 +129,17 @@ class FullyShardedDP:
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     def _check_amax_groups(self, model: nn.Module) -> None:
+        from lowprec.sites.amax_scope import AmaxScope
         from lowprec.sites.layers import PrecisionLinear
         if self.world == 1:
             return
-        bare = [m.fqn for m in model.modules() if isinstance(m, PrecisionLinear) and m.amax_group is None]
+        bare = [m.fqn for m in model.modules() if isinstance(m, PrecisionLinear) and m.amax_group is None
+                and m.amax_scope is AmaxScope.GROUP]
         if bare:
-            raise ValueError(f"{len(bare)} PrecisionLinear sites ({', '.join(bare[:3])}, ...) have no amax group; "
-                             f"each of {self.world} ranks would scale its own rows. Prepare with "
-                             f"lowprec.prepare(model, plan, amax_group=<the data-parallel group>)")
+            raise ValueError(f"{len(bare)} PrecisionLinear sites ({', '.join(bare[:3])}, ...) have amax_scope "
+                             f"'group' but no amax group; each of {self.world} ranks would scale its own rows. "
+                             f"Prepare with lowprec.prepare(model, plan, amax_group=<the data-parallel group>), "
+                             f"or set precision.amax_scope: local")
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x, y: this rank's rows of the global batch. Returns the global batch-mean loss

@@ -40,6 +40,8 @@ from lowprec.numerics.grid import saturates
 from lowprec.numerics.hadamard import RandomHadamard
 from lowprec.numerics.quant_stats import QuantStats
 from lowprec.numerics.quantize import quantize
+from lowprec.sites.amax_scope import AmaxScope
+from lowprec.sites.fp8_parallel import parallel_fast_linear
 from lowprec.sites.fp8_linear import (NO_HISTORY, DelayedTensors, FastRecipe, FP8LinearFn, WeightForms, cast_weight,
                                       fast_recipe)
 from lowprec.sites.quantized_gemms import QuantizedLinearFn
@@ -72,7 +74,7 @@ class PrecisionLinear(nn.Linear):
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, fmt: Format, backend, *,
                  fqn: str = "", transposed_weight: bool = False, seed: int = 0,
                  amax_group=None, emulate_bf16: bool = True, fused: bool = False,
-                 cache_weights: bool = True):
+                 cache_weights: bool = True, amax_scope: AmaxScope = AmaxScope.GROUP):
         nn.Module.__init__(self)
         out_f, in_f = (weight.shape[1], weight.shape[0]) if transposed_weight else weight.shape
         self.in_features, self.out_features = int(in_f), int(out_f)
@@ -82,6 +84,10 @@ class PrecisionLinear(nn.Linear):
         self.transposed_weight = transposed_weight
         self.backend = backend
         self.amax_group = amax_group
+        self.amax_scope = amax_scope
+        # forward calls on the FP8 fast path / on QuantizedLinearFn in a low-precision format
+        self.fast_calls = 0
+        self.slow_calls = 0
         self.emulate_bf16 = emulate_bf16
         self.fused = fused
         self.collect_stats = True
@@ -159,12 +165,19 @@ class PrecisionLinear(nn.Linear):
                 return F.linear(_bf16(x), _bf16(w), b)
             return F.linear(x, w, self.bias)
         if self._fast is not None and self._on_fast_path(x, w):
+            self.fast_calls += 1
             return _fast_linear(self, x, w, self._fast)
+        if self._fast is not None and x.dtype in _FAST_DTYPES and w.dtype in _FAST_DTYPES:
+            self.fast_calls += 1
+            return parallel_fast_linear(self, x, w, self._fast)
+        self.slow_calls += 1
         return QuantizedLinearFn.apply(x, w, self.bias, self, self.format)
 
     def _on_fast_path(self, x: torch.Tensor, w: torch.Tensor) -> bool:
-        """Plain tensors with no amax reduction over a group (lowprec.sites.fp8_linear)."""
-        return (self.amax_group is None and not hasattr(x, "to_local") and not hasattr(w, "to_local")
+        """Plain tensors with no amax reduction over a group (lowprec.sites.fp8_linear); DTensor
+        shards and data-parallel amaxes take `lowprec.sites.fp8_parallel`."""
+        local = self.amax_group is None or self.amax_scope is AmaxScope.LOCAL
+        return (local and not hasattr(x, "to_local") and not hasattr(w, "to_local")
                 and x.dtype in _FAST_DTYPES and w.dtype in _FAST_DTYPES)
 
     def quantize_operand(self, t: torch.Tensor, fmt: Format, role: str, *, record: bool = True,
@@ -233,6 +246,8 @@ class PrecisionLinear(nn.Linear):
         return amax
 
     def _amax_groups(self, role: str) -> list:
+        if self.amax_scope is AmaxScope.LOCAL:
+            return []
         groups = list(getattr(self, "_shard_groups", {}).get(role, ()))
         if self.amax_group is not None and role in _ACTIVATION_ROLES:
             groups.append(self.amax_group)

@@ -1,0 +1,190 @@
+"""Train the small GPT on the `torch` backend's FP8 fast path: one process, or under torchrun (gloo).
+
+Used by test_fast_path_distributed.py:
+
+    python dist_fast_worker.py OUT.pt single:FMT:SCOPE ...
+    python -m torch.distributed.run --standalone --nproc-per-node N dist_fast_worker.py OUT.pt MODE:FMT:SCOPE ...
+
+MODE: `single` (one process, the whole batch), `fsdp` (FullyShardedDP over every rank:
+DP N), `dptp` (experiments.parallel.DataTensorParallel on a (N/2, 2) mesh: TP 2, DP N/2;
+with N == 2 that is TP 2 alone), `layer` (one PrecisionLinear on data- and
+tensor-parallel shards against the same layer on the whole tensors, on every rank).
+SCOPE: `group` or `local` (`precision.amax_scope`). OUT.pt (rank 0) maps each variant to
+its per-step losses, the per-site fast-path / fallback call counts of every rank, and for
+`fsdp` each rank's loss of its own rows at the initial weights (no gradient step).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[3]
+for _p in (str(ROOT), str(ROOT / "tests" / "lowprec")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from dist_worker import MODEL, SITES, data, make_model  # noqa: E402
+from lowprec import prepare  # noqa: E402
+from lowprec.sites.plan import PrecisionPlan  # noqa: E402
+
+STEPS, LR, BATCH = 5, 1e-3, 4
+
+
+def plan_for(fmt: str, scope: str) -> PrecisionPlan:
+    return PrecisionPlan.from_dict({
+        "backend": "torch", "amax_scope": scope,
+        "keep_high_precision": [{"fqns": ["lm_head"]}],
+        "rules": [{"name": "blocks", "select": {"glob": "blocks.*"}, "format": fmt, "ladder": [fmt, "bf16"]}],
+    })
+
+
+def _counts(state) -> dict:
+    return {f: (s.module.fast_calls, s.module.slow_calls) for f, s in state.sites.items()}
+
+
+def _gather(obj) -> list:
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _train(model, state, engine_step) -> dict:
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for x, y in data()[:STEPS]:
+        opt.zero_grad()
+        losses.append(float(engine_step(x, y)))
+        opt.step()
+    return {"losses": losses, "counts": _gather(_counts(state)), "sites": sorted(state.sites)}
+
+
+def single_run(fmt: str, scope: str, rows=None) -> dict:
+    model = make_model()
+    state = prepare(model, plan_for(fmt, scope), seed=1)
+    out = _train(model, state, lambda x, y: _single_step(model, x, y))
+    fresh = make_model()
+    prepare(fresh, plan_for(fmt, scope), seed=1)
+    with torch.no_grad():   # the loss of rows r::n of the first batch, for n in (2, 4): local scope
+        x, y = data()[0]
+        out["row_losses"] = {n: [fresh(x[r::n], y[r::n])[1].item() for r in range(n)] for n in (2, 4)}
+    return out
+
+
+def _single_step(model, x, y):
+    _, loss = model(x, y)
+    loss.backward()
+    return loss.detach()
+
+
+def fsdp_run(fmt: str, scope: str) -> dict:
+    import torch.distributed as dist
+    from lowprec.runtime.fsdp import FullyShardedDP
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = make_model()
+    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
+    engine = FullyShardedDP(model, mesh_or_group=dist.group.WORLD)
+    x0, y0 = data()[0]
+    with torch.no_grad():
+        own = model(x0[rank::world], y0[rank::world])[1].item()
+    for s in state.sites.values():   # the forward above is no training step: forget it
+        s.module.fast_calls = s.module.slow_calls = 0
+        s.module._reset_histories()
+    out = _train(model, state, lambda x, y: engine.forward_backward(x[rank::world], y[rank::world]))
+    return {**out, "own_row_loss": _gather(own)}
+
+
+def dptp_run(fmt: str, scope: str) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from experiments.parallel import DataTensorParallel
+    world = dist.get_world_size()
+    dp = world // 2
+    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
+    model = make_model()
+    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=mesh.get_group("dp") if dp > 1 else None)
+    engine = DataTensorParallel(model, mesh, microbatches=1)
+    r = mesh.get_local_rank("dp")
+    return _train(model, state, lambda x, y: engine.forward_backward(x[r::dp], y[r::dp]))
+
+
+def layer_checks(fmt: str, scope: str) -> dict:
+    """One PrecisionLinear, column- then row-parallel on a (dp, tp) mesh with rows split over
+    dp, against the same layer on the whole tensors: max |difference| of y, dx, dw."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from lowprec.numerics.formats import get_format
+    from lowprec.sites.backends import get_backend
+    from lowprec.sites.layers import PrecisionLinear
+    from lowprec.sites.amax_scope import AmaxScope
+
+    world = dist.get_world_size()
+    dp = world // 2
+    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
+    g = torch.Generator().manual_seed(0)
+    w, x, gy = torch.randn(24, 16, generator=g), torch.randn(8, 16, generator=g), torch.randn(8, 24, generator=g)
+    x[0, 3] = 40.0   # one large value: the rank that does not hold it must still scale by it
+    f, backend = get_format(fmt), get_backend("torch")
+
+    def one(weight, inp, grad, amax_group=None):
+        layer = PrecisionLinear(weight, None, f, backend, amax_group=amax_group, amax_scope=AmaxScope(scope))
+        yy = layer(inp)
+        if any(p.is_partial() for p in getattr(yy, "placements", ())):
+            yy = yy.redistribute(placements=[Replicate()])   # what RowwiseParallel's output does
+        yy.backward(grad)
+        return layer, yy
+
+    out = {}
+    for style, w_pl, x_pl in (("col", Shard(0), Replicate()), ("row", Shard(1), Shard(1))):
+        ref_w, ref_x = torch.nn.Parameter(w.clone()), x.clone().requires_grad_()
+        _, ref_y = one(ref_w, ref_x, gy)
+        r = mesh.get_local_rank("dp")
+        wd = torch.nn.Parameter(distribute_tensor(w.clone(), mesh["tp"], [w_pl]))
+        xl = x[r::dp].clone().requires_grad_()
+        xd = distribute_tensor(xl.detach(), mesh["tp"], [x_pl]).requires_grad_()
+        layer, yd = one(wd, xd, _grad_for(gy[r::dp], w_pl, mesh), mesh.get_group("dp") if dp > 1 else None)
+        y_full = yd.full_tensor()
+        dw = wd.grad.full_tensor()
+        if dp > 1:
+            dist.all_reduce(dw, group=mesh.get_group("dp"))
+        out[style] = {"y": (y_full - ref_y[r::dp].detach()).abs().max().item(),
+                      "dx": (xd.grad.full_tensor() - ref_x.grad[r::dp]).abs().max().item(),
+                      "dw": (dw - ref_w.grad).abs().max().item(),
+                      "calls": (layer.fast_calls, layer.slow_calls)}
+    return _gather(out)
+
+
+def _grad_for(gy_local, w_pl, mesh):
+    """The output gradient as the layer's output is laid out: column-parallel Shard(-1)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    return distribute_tensor(gy_local, mesh["tp"], [Shard(1) if w_pl == Shard(0) else Replicate()])
+
+
+RUNS = {"single": single_run, "fsdp": fsdp_run, "dptp": dptp_run, "layer": layer_checks}
+
+
+def main(out_path: str, variants: list[str]) -> None:
+    import os
+    import torch.distributed as dist
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+    results = {}
+    for v in variants:
+        mode, fmt, scope = v.split(":")
+        results[v] = RUNS[mode](fmt, scope)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save(results, out_path)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(sys.argv[1], sys.argv[2:])
