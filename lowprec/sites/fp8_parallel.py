@@ -206,18 +206,18 @@ def _nd(pl2, ndim: int, lead):
     return tuple(out)
 
 
-def _weight_forms_group(layer, w: Tensor, recipe: FastRecipe, gw: OperandGroups) -> WeightForms:
-    from lowprec.sites.layers import _delayed
-    q, si, qt, sit, st = cast_group(w.detach(), recipe.fwd, recipe, gw, _delayed(layer, "weight", recipe),
-                                    layer.overflow_steps, 1, True)
+def _weight_forms_group(w: Tensor, recipe: FastRecipe, gw: OperandGroups, hist, overflow: Tensor) -> WeightForms:
+    q, si, qt, sit, st = cast_group(w.detach(), recipe.fwd, recipe, gw, hist, overflow, 1, True)
     return WeightForms(q, si, qt, sit, QuantStats(st) if recipe.stats else None)
 
 
-def parallel_fast_linear(layer, x: Tensor, w: Tensor, recipe: FastRecipe) -> Tensor:
+def parallel_fast_linear(layer, x: Tensor, w: Tensor, recipe: FastRecipe, weight_forms, delayed) -> Tensor:
     """The layer's forward on the fast path for DTensor shards and data-parallel amaxes
-    (see the module docstring); statistics into `layer.stats` on check steps."""
+    (see the module docstring); statistics into `layer.stats` on check steps.
+
+    weight_forms(layer, w, recipe) -> WeightForms (the layer's cached weight casts) and
+    delayed(layer, operand, recipe) -> DelayedTensors: the layer's own helpers."""
     from torch.distributed.tensor import Replicate
-    from lowprec.sites.layers import _delayed, _weight_forms
     from lowprec.sites.quantized_gemms import _gemm_placements, _t_placements, _to_local_2d, _wrap
 
     mesh_x = getattr(x, "device_mesh", None) if hasattr(x, "to_local") else None
@@ -248,11 +248,12 @@ def parallel_fast_linear(layer, x: Tensor, w: Tensor, recipe: FastRecipe) -> Ten
     stats = layer.collect_stats
     recipe = FastRecipe(recipe.scaling, recipe.fwd, recipe.bwd, stats, recipe.margin, recipe.most_recent,
                         count_overflow=recipe.delayed and not stats)
-    forms = (_weight_forms_group(layer, w_l, recipe, gw) if gw.all else _weight_forms(layer, w_l, recipe))
+    forms = (_weight_forms_group(w_l, recipe, gw, delayed(layer, "weight", recipe), layer.overflow_steps)
+             if gw.all else weight_forms(layer, w_l, recipe))
     grad_stats = (torch.zeros(len(QuantStats.FIELDS), dtype=torch.float64, device=x_l.device)
                   if stats and torch.is_grad_enabled() and not torch.compiler.is_compiling() else None)
     fused_bias = None if partial else bias
-    hx, hg = _delayed(layer, "input", recipe), _delayed(layer, "grad_output", recipe)
+    hx, hg = delayed(layer, "input", recipe), delayed(layer, "grad_output", recipe)
     if group_scope and (gx.all or gg.all or gw.all):
         y, stats_x = GroupFP8LinearFn.apply(x_l, w_l, fused_bias, forms.q, forms.scale_inv, forms.q_t,
                                             forms.scale_inv_t, hx, hg, layer.overflow_steps, grad_stats,

@@ -85,7 +85,7 @@ class PrecisionLinear(nn.Linear):
         self.backend = backend
         self.amax_group = amax_group
         self.amax_scope = amax_scope
-        # forward calls on the FP8 fast path / on QuantizedLinearFn in a low-precision format
+        # eager forward calls on the FP8 fast path / on QuantizedLinearFn in a low-precision format
         self.fast_calls = 0
         self.slow_calls = 0
         self.emulate_bf16 = emulate_bf16
@@ -164,13 +164,14 @@ class PrecisionLinear(nn.Linear):
                 b = None if self.bias is None else _bf16(self.bias)
                 return F.linear(_bf16(x), _bf16(w), b)
             return F.linear(x, w, self.bias)
+        counted = not torch.compiler.is_compiling()   # a compiled graph keeps no host counter
         if self._fast is not None and self._on_fast_path(x, w):
-            self.fast_calls += 1
+            self.fast_calls += counted
             return _fast_linear(self, x, w, self._fast)
         if self._fast is not None and x.dtype in _FAST_DTYPES and w.dtype in _FAST_DTYPES:
-            self.fast_calls += 1
-            return parallel_fast_linear(self, x, w, self._fast)
-        self.slow_calls += 1
+            self.fast_calls += counted
+            return parallel_fast_linear(self, x, w, self._fast, _weight_forms, _delayed)
+        self.slow_calls += counted
         return QuantizedLinearFn.apply(x, w, self.bias, self, self.format)
 
     def _on_fast_path(self, x: torch.Tensor, w: torch.Tensor) -> bool:
