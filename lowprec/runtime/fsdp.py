@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowprec.runtime.engine import loss_of
+from lowprec.runtime.fsdp_fp8 import plain_state_dict, refresh, wrap_weights
 from lowprec.runtime.gradnorm import clip_, grad_norm
 
 __all__ = ["FullyShardedDP", "block_modules"]
@@ -97,10 +98,14 @@ class FullyShardedDP:
         modules sharded as units before the root; default `block_modules`.
     reshard_after_forward: free the gathered weights of each unit after its forward and
         gather them again in backward (FSDP2's default; False keeps them, ZeRO-2 like).
+    fp8_all_gather: gather the weights of tensor-wise FP8 sites as FP8 bytes and one scale
+        (`lowprec.sites.fp8_allgather`); other sites, and a site after a fallback, gather
+        their high-precision weights. The optimizer must be built after the engine.
     """
 
     def __init__(self, model: nn.Module, *, mesh_or_group=None, microbatches: int = 1,
-                 shard: ShardSelector | None = None, reshard_after_forward: bool = True):
+                 shard: ShardSelector | None = None, reshard_after_forward: bool = True,
+                 fp8_all_gather: bool = False):
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         if microbatches < 1:
@@ -118,6 +123,7 @@ class FullyShardedDP:
         else:
             units = [(n, m) for n, m in model.named_modules() if n and shard(n, m) and _has_params(m)]
         self.units = [n for n, _ in units]
+        self.fp8_gathered = wrap_weights(model, self.world) if fp8_all_gather else []
         for _, unit in reversed(units):   # inner units before the modules that hold them
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
@@ -125,6 +131,9 @@ class FullyShardedDP:
             if isinstance(m, FSDPModule):   # per unit: a plain SUM of the loss/world gradients
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)
+        if self.fp8_gathered:   # before FSDP2's own pre-forward: modes and amaxes for this step's gathers
+            model.register_forward_pre_hook(lambda m, args: refresh(m), prepend=True)
+            model._register_state_dict_hook(plain_state_dict)
         self.module = model
         self.params = [p for p in model.parameters() if p.requires_grad]
 

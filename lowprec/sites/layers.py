@@ -41,6 +41,7 @@ from lowprec.numerics.hadamard import RandomHadamard
 from lowprec.numerics.quant_stats import QuantStats
 from lowprec.numerics.quantize import quantize
 from lowprec.sites.amax_scope import AmaxScope
+from lowprec.sites.fp8_allgather import FP8GatheredWeight
 from lowprec.sites.fp8_parallel import parallel_fast_linear
 from lowprec.sites.fp8_linear import (NO_HISTORY, DelayedTensors, FastRecipe, FP8LinearFn, WeightForms, cast_weight,
                                       fast_recipe)
@@ -279,6 +280,8 @@ def _delayed(layer: PrecisionLinear, operand: str, recipe: FastRecipe) -> Delaye
 def _weight_forms(layer: PrecisionLinear, w: torch.Tensor, recipe: FastRecipe) -> WeightForms:
     """The weight's FP8 casts (both layouts), from the layer's weight cache when the weight
     has not changed since (tensor-wise and row-wise; delayed scaling casts every time)."""
+    if isinstance(w, FP8GatheredWeight):   # FSDP2 gathered its FP8 bytes (lowprec.sites.fp8_allgather)
+        return w.forms()
     cache = layer.weight_cache
     use_cache = cache.enabled and not recipe.delayed and not torch.compiler.is_compiling()
     if use_cache:

@@ -100,6 +100,36 @@ def fsdp_run(fmt: str, scope: str) -> dict:
     return {**out, "own_row_loss": _gather(own)}
 
 
+def fsdp8_run(fmt: str, scope: str, fp8_all_gather: bool = True) -> dict:
+    """FSDP2 with the weights gathered in FP8; at step FALLBACK_STEP one site falls back to
+    bf16 on every rank (it gathers its high-precision weight from then on)."""
+    import torch.distributed as dist
+    from lowprec.runtime.fsdp import FullyShardedDP
+    from lowprec.numerics.formats import get_format
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = make_model()
+    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
+    engine = FullyShardedDP(model, mesh_or_group=dist.group.WORLD, fp8_all_gather=fp8_all_gather)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, gathered = [], []
+    for step, (x, y) in enumerate(data()[:STEPS]):
+        if step == FALLBACK_STEP:
+            state.site(FALLBACK_SITE).module.set_format(get_format("bf16"))
+        opt.zero_grad()
+        losses.append(float(engine.forward_backward(x[rank::world], y[rank::world])))
+        gathered.append(sorted(type(s.module.weight).__name__ == "FP8GatheredWeight" for s in state.sites.values()
+                               if s.module.weight is not None and not hasattr(s.module.weight, "to_local")).count(True))
+        opt.step()
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.state_dict().items()}
+    return {"losses": losses, "counts": _gather(_counts(state)), "sites": sorted(state.sites),
+            "state_types": sorted({type(getattr(v, "_local_tensor", v)).__name__ for v in model.state_dict().values()}),
+            "params": full, "wrapped": engine.fp8_gathered}
+
+
+FALLBACK_STEP, FALLBACK_SITE = 2, "blocks.0.mlp.fc"
+
+
 def dptp_run(fmt: str, scope: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -167,7 +197,8 @@ def _grad_for(gy_local, w_pl, mesh):
     return distribute_tensor(gy_local, mesh["tp"], [Shard(1) if w_pl == Shard(0) else Replicate()])
 
 
-RUNS = {"single": single_run, "fsdp": fsdp_run, "dptp": dptp_run, "layer": layer_checks}
+RUNS = {"single": single_run, "fsdp": fsdp_run, "fsdp8": fsdp8_run,
+        "fsdphp": lambda f, s: fsdp8_run(f, s, fp8_all_gather=False), "dptp": dptp_run, "layer": layer_checks}
 
 
 def main(out_path: str, variants: list[str]) -> None:
