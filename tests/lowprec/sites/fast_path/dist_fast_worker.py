@@ -128,6 +128,46 @@ def fsdp8_run(fmt: str, scope: str, fp8_all_gather: bool = True) -> dict:
 
 
 FALLBACK_STEP, FALLBACK_SITE = 2, "blocks.0.mlp.fc"
+LEDGER_MODEL = dict(vocab_size=256, block_size=16, n_layer=4, n_head=4, d_model=128)
+
+
+def ledger_run(fmt: str, scope: str) -> dict:
+    """The collectives of 4 FSDP2 steps of a BF16 GPT (blocks dominating its weights), with
+    and without FP8 all-gather, the controller's monitor checking every 2nd step: per
+    configuration and step, role -> (count, bytes, on the critical path)."""
+    import torch.distributed as dist
+    from experiments.ledger import CollectiveLedger
+    from experiments.model import build_gpt
+    from lowprec.policy.monitor import Monitor, MonitorConfig
+    from lowprec.runtime.fsdp import FullyShardedDP
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for fp8_gather in (False, True):
+        torch.manual_seed(0)
+        model = build_gpt(**LEDGER_MODEL).to(torch.bfloat16)
+        state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
+        engine = FullyShardedDP(model, mesh_or_group=dist.group.WORLD, fp8_all_gather=fp8_gather)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        monitor = Monitor(state, MonitorConfig(check_every=2), group=dist.group.WORLD)
+        steps = []
+        for step, (x, y) in enumerate(data()[:4]):
+            ledger = CollectiveLedger()
+            monitor.before_step(step)
+            with ledger, ledger.phase("fwd_bwd"):
+                loss = engine.forward_backward(x[rank::world], y[rank::world])
+            with ledger, ledger.phase("step"):
+                monitor.record(step, loss, torch.zeros(()))
+                opt.step()
+                opt.zero_grad()
+            if monitor.is_check_step(step):
+                with ledger, ledger.phase("check"):
+                    sites = monitor.check(step).sites
+                assert len(sites) == len(state.sites), sorted(sites)
+            steps.append(ledger.table())
+        out["fp8_gather" if fp8_gather else "hp_gather"] = steps
+        out["fast_calls"] = _gather(_counts(state))
+    return out
+
 
 
 def dptp_run(fmt: str, scope: str) -> dict:
@@ -197,7 +237,7 @@ def _grad_for(gy_local, w_pl, mesh):
     return distribute_tensor(gy_local, mesh["tp"], [Shard(1) if w_pl == Shard(0) else Replicate()])
 
 
-RUNS = {"single": single_run, "fsdp": fsdp_run, "fsdp8": fsdp8_run,
+RUNS = {"single": single_run, "ledger": ledger_run, "fsdp": fsdp_run, "fsdp8": fsdp8_run,
         "fsdphp": lambda f, s: fsdp8_run(f, s, fp8_all_gather=False), "dptp": dptp_run, "layer": layer_checks}
 
 

@@ -19,6 +19,14 @@ for fp8_tensorwise, fp8_delayed and fp8_rowwise. What must hold:
   variant, column- and row-parallel, rows split over dp) the column-parallel output (and
   at dp 1 the weight gradient) is bit for bit one process's, and everything else within 1e-5 (FP32
   partial sums of values about 1-10), delayed scaling exactly;
+* FP8 all-gather of weights (FSDP2, DP 2 and DP 4, `fsdp8`) trains bit for bit as the
+  high-precision all-gather (`fsdphp`) through a fallback of one site to bf16 at step 2
+  (that site gathers its high-precision weight from then on), and the state_dict holds
+  plain high-precision shards;
+* the ledger (experiments/ledger.py) of 4 FSDP2 steps of a BF16 GPT: the weight
+  all-gathers move at most 0.55x the bytes of BF16's with FP8 all-gather; `local` issues no
+  amax all-reduce per cast (one per step for the gathered weights' amaxes); `group` two per
+  site per step; a check step (every 2nd) issues exactly one statistics collective;
 * `amax_scope: local`: each rank's loss on its own rows at the initial weights equals one
   process's loss on those rows bit for bit (each rank its own scales); the same layer
   check with local scales differs from one process by far more than rounding (one large
@@ -45,9 +53,11 @@ FORMATS = ("fp8_tensorwise", "fp8_delayed", "fp8_rowwise")
 GROUP = [f"{m}:{f}:group" for m in ("fsdp", "dptp") for f in FORMATS]
 LOCAL = ["fsdp:fp8_tensorwise:local", "dptp:fp8_rowwise:local"]
 LAYER = [f"layer:{f}:group" for f in FORMATS]
+GATHER = ["fsdp8:fp8_tensorwise:group", "fsdphp:fp8_tensorwise:group"]
+LEDGER = ["ledger:fp8_tensorwise:group", "ledger:fp8_tensorwise:local"]
 JOBS = {
-    "w2": (2, GROUP + LOCAL + LAYER + ["layer:fp8_tensorwise:local"]),
-    "w4": (4, GROUP + LOCAL + ["layer:fp8_tensorwise:group"]),
+    "w2": (2, GROUP + LOCAL + LAYER + ["layer:fp8_tensorwise:local"] + GATHER + LEDGER),
+    "w4": (4, GROUP + LOCAL + ["layer:fp8_tensorwise:group"] + GATHER),
     "single": (1, [f"single:{f}:group" for f in FORMATS] + ["single:fp8_tensorwise:local",
                                                             "single:fp8_rowwise:local"]),
 }
@@ -133,3 +143,41 @@ def test_one_layer_on_shards_is_one_process(runs, world, variant):
 def test_local_scales_differ_on_one_layer(runs):
     for res in runs["w2"]["layer:fp8_tensorwise:local"]:
         assert res["row"]["y"] > 0.1 and res["col"]["dw"] > 0.1
+
+
+@pytest.mark.parametrize("world", ["w2", "w4"])
+def test_fp8_all_gather_trains_as_the_high_precision_gather(runs, world):
+    fp8, hp = runs[world]["fsdp8:fp8_tensorwise:group"], runs[world]["fsdphp:fp8_tensorwise:group"]
+    assert len(fp8["wrapped"]) == 8 and hp["wrapped"] == []
+    assert fp8["losses"] == hp["losses"]
+    assert fp8["params"].keys() == hp["params"].keys()
+    assert all(torch.equal(fp8["params"][k], hp["params"][k]) for k in hp["params"])
+    assert fp8["state_types"] == ["Tensor"]   # checkpoints see plain high-precision shards
+    for counts in fp8["counts"]:   # the site that fell back at step 2 ran two FP8 steps
+        assert counts.pop("blocks.0.mlp.fc") == (2, 0) and set(counts.values()) == {(5, 0)}
+
+
+def _per_step(run, mode, role):
+    return [t.get(role, (0, 0, 0)) for t in run[mode]]
+
+
+def test_ledger_fp8_all_gather_bytes(runs):
+    for variant in LEDGER:
+        run = runs["w2"][variant]
+        hp, fp8 = _per_step(run, "hp_gather", "weight_all_gather"), _per_step(run, "fp8_gather", "weight_all_gather")
+        for (n_hp, b_hp, crit_hp), (n_fp8, b_fp8, crit_fp8) in zip(hp, fp8):
+            assert n_hp == n_fp8 and crit_hp == crit_fp8 == 0
+            assert b_fp8 <= 0.55 * b_hp, (b_fp8, b_hp)
+
+
+def test_ledger_amax_reductions_by_scope(runs):
+    local, group = runs["w2"]["ledger:fp8_tensorwise:local"], runs["w2"]["ledger:fp8_tensorwise:group"]
+    assert [c for c, _, _ in _per_step(local, "hp_gather", "amax_all_reduce")] == [0] * 4
+    assert [c for c, _, _ in _per_step(local, "fp8_gather", "amax_all_reduce")] == [1] * 4
+    sites = len(local["fast_calls"][0])
+    assert [c for c, _, _ in _per_step(group, "hp_gather", "amax_all_reduce")] == [2 * sites] * 4
+    assert [c for c, _, _ in _per_step(group, "fp8_gather", "amax_all_reduce")] == [2 * sites + 1] * 4
+    for run in (local, group):
+        for mode in ("hp_gather", "fp8_gather"):
+            stats = [c for c, _, _ in _per_step(run, mode, "stats_all_gather")]
+            assert stats == [0, 1, 0, 1]   # check_every=2: steps 1 and 3, one collective for all sites
