@@ -45,7 +45,9 @@ from lowprec.sites.fp8_linear import WeightForms
 
 __all__ = ["FP8AllGatherWeight", "FP8GatheredWeight", "gathers_fp8"]
 
-_LAYOUT_OPS = {torch.ops.aten.empty_like.default, torch.ops.aten.new_zeros.default, torch.ops.aten.slice.Tensor,
+# the ops FSDP2 builds and moves shards with keep the wrapper; everything else (the optimizer's
+# arithmetic, `zeros_like` for its state) works on, and returns, plain tensors
+_LAYOUT_OPS = {torch.ops.aten.new_zeros.default, torch.ops.aten.slice.Tensor,
                torch.ops.aten.copy_.default, torch.ops.aten.view.default, torch.ops.aten.as_strided.default,
                torch.ops.aten._to_copy.default, torch.ops.aten._pin_memory.default, torch.ops.aten.split.Tensor,
                torch.ops.aten.clone.default, torch.ops.aten.detach.default, torch.ops.aten.alias.default}

@@ -8,7 +8,11 @@ Used by test_fast_path_distributed.py:
 MODE: `single` (one process, the whole batch), `fsdp` (FullyShardedDP over every rank:
 DP N), `dptp` (experiments.parallel.DataTensorParallel on a (N/2, 2) mesh: TP 2, DP N/2;
 with N == 2 that is TP 2 alone), `layer` (one PrecisionLinear on data- and
-tensor-parallel shards against the same layer on the whole tensors, on every rank).
+tensor-parallel shards against the same layer on the whole tensors, on every rank),
+`fsdp8` / `fsdphp` (FSDP2 with / without FP8 all-gather, one site falling back at step 2),
+`ledger` (the collectives per step, experiments/ledger.py), `ckpt` (a DCP checkpoint
+after step 3 and an exact resume; the checkpoint stays beside OUT.pt) and `reshard`
+(another world size loads the 4-rank `ckpt` checkpoint and trains on).
 SCOPE: `group` or `local` (`precision.amax_scope`). OUT.pt (rank 0) maps each variant to
 its per-step losses, the per-site fast-path / fallback call counts of every rank, and for
 `fsdp` each rank's loss of its own rows at the initial weights (no gradient step).
@@ -128,6 +132,58 @@ def fsdp8_run(fmt: str, scope: str, fp8_all_gather: bool = True) -> dict:
 
 
 FALLBACK_STEP, FALLBACK_SITE = 2, "blocks.0.mlp.fc"
+CKPT_STEP = 3
+
+
+def _fsdp8(fmt: str, scope: str):
+    import torch.distributed as dist
+    from lowprec.runtime.fsdp import FullyShardedDP
+    model = make_model()
+    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
+    engine = FullyShardedDP(model, mesh_or_group=dist.group.WORLD, fp8_all_gather=True)
+    return model, state, engine, torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def _steps(engine, opt, first: int, last: int) -> list[float]:
+    import torch.distributed as dist
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = []
+    for x, y in data()[first:last]:
+        opt.zero_grad()
+        out.append(float(engine.forward_backward(x[rank::world], y[rank::world])))
+        opt.step()
+    return out
+
+
+def ckpt_run(fmt: str, scope: str, out_dir: Path) -> dict:
+    """FSDP2 with FP8 all-gather: STEPS steps with a DCP checkpoint after CKPT_STEP, then a
+    fresh model that resumes from it; the checkpoint is left in out_dir/ckpt_w<world>."""
+    import torch.distributed as dist
+    from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    d = out_dir / f"ckpt_w{dist.get_world_size()}"
+    model, state, engine, opt = _fsdp8(fmt, scope)
+    first = _steps(engine, opt, 0, CKPT_STEP)
+    save_checkpoint(d, CKPT_STEP, model=model, optimizer=opt, precision=state)
+    straight = _steps(engine, opt, CKPT_STEP, STEPS)
+    model, state, engine, opt = _fsdp8(fmt, scope)
+    got = load_checkpoint(latest_checkpoint(d), model=model, optimizer=opt, precision=state)
+    resumed = _steps(engine, opt, got["step"], STEPS)
+    from torch.distributed.checkpoint import FileSystemReader
+    meta = FileSystemReader(str(latest_checkpoint(d))).read_metadata().state_dict_metadata
+    dtypes = {k: str(v.properties.dtype) for k, v in meta.items()
+              if hasattr(v, "properties") and k.endswith(".weight") and ".blocks." in f".{k}"}
+    return {"first": first, "straight": straight, "resumed": resumed, "weight_dtypes": dtypes}
+
+
+def reshard_run(fmt: str, scope: str, out_dir: Path) -> dict:
+    """Load the checkpoint a 4-rank ckpt run wrote (DCP resharding to this world) and train on."""
+    from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint
+    model, state, engine, opt = _fsdp8(fmt, scope)
+    got = load_checkpoint(latest_checkpoint(out_dir / "ckpt_w4"), model=model, optimizer=opt, precision=state,
+                          restore_rng=False)   # per-rank RNG states belong to 4 ranks; nothing here draws
+    return {"step": got["step"], "resumed": _steps(engine, opt, got["step"], STEPS)}
+
+
 LEDGER_MODEL = dict(vocab_size=256, block_size=16, n_layer=4, n_head=4, d_model=128)
 
 
@@ -249,7 +305,10 @@ def main(out_path: str, variants: list[str]) -> None:
     results = {}
     for v in variants:
         mode, fmt, scope = v.split(":")
-        results[v] = RUNS[mode](fmt, scope)
+        if mode in ("ckpt", "reshard"):
+            results[v] = (ckpt_run if mode == "ckpt" else reshard_run)(fmt, scope, Path(out_path).parent)
+        else:
+            results[v] = RUNS[mode](fmt, scope)
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(results, out_path)
     if dist.is_initialized():

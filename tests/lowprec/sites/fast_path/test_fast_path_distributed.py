@@ -27,6 +27,9 @@ for fp8_tensorwise, fp8_delayed and fp8_rowwise. What must hold:
   all-gathers move at most 0.55x the bytes of BF16's with FP8 all-gather; `local` issues no
   amax all-reduce per cast (one per step for the gathered weights' amaxes); `group` two per
   site per step; a check step (every 2nd) issues exactly one statistics collective;
+* checkpoint and resume (FSDP2 with FP8 all-gather, DP 4): a DCP checkpoint after step 3
+  holds FP32 weights; a fresh model resumed from it repeats the uninterrupted run's losses
+  bit for bit; 2 ranks load it (DCP resharding) and train on within 1e-6 of it;
 * `amax_scope: local`: each rank's loss on its own rows at the initial weights equals one
   process's loss on those rows bit for bit (each rank its own scales); the same layer
   check with local scales differs from one process by far more than rounding (one large
@@ -57,18 +60,26 @@ GATHER = ["fsdp8:fp8_tensorwise:group", "fsdphp:fp8_tensorwise:group"]
 LEDGER = ["ledger:fp8_tensorwise:group", "ledger:fp8_tensorwise:local"]
 JOBS = {
     "w2": (2, GROUP + LOCAL + LAYER + ["layer:fp8_tensorwise:local"] + GATHER + LEDGER),
-    "w4": (4, GROUP + LOCAL + ["layer:fp8_tensorwise:group"] + GATHER),
+    "w4": (4, GROUP + LOCAL + ["layer:fp8_tensorwise:group"] + GATHER + ["ckpt:fp8_tensorwise:group"]),
     "single": (1, [f"single:{f}:group" for f in FORMATS] + ["single:fp8_tensorwise:local",
                                                             "single:fp8_rowwise:local"]),
 }
+AFTER = {"reshard": (2, ["reshard:fp8_tensorwise:group"])}   # reads w4's checkpoint
 PINNED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, gloo):
     d = tmp_path_factory.mktemp("fast_path_distributed")
+    out = _run(d, JOBS)
+    out.update(_run(d, AFTER))
+    return out
+
+
+def _run(d: Path, specs: dict) -> dict:
+    """Launch the jobs of `specs` at once, wait for all; each one's results by name."""
     jobs = {}
-    for name, (n, variants) in JOBS.items():
+    for name, (n, variants) in specs.items():
         launch = ([sys.executable] if n == 1 else
                   [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)])
         with open(d / f"{name}.log", "w") as log:
@@ -181,3 +192,14 @@ def test_ledger_amax_reductions_by_scope(runs):
         for mode in ("hp_gather", "fp8_gather"):
             stats = [c for c, _, _ in _per_step(run, mode, "stats_all_gather")]
             assert stats == [0, 1, 0, 1]   # check_every=2: steps 1 and 3, one collective for all sites
+
+
+def test_checkpoint_resumes_exactly_and_reshards(runs):
+    run = runs["w4"]["ckpt:fp8_tensorwise:group"]
+    assert len(run["first"]) == 3 and len(run["straight"]) == 2
+    assert run["resumed"] == run["straight"]
+    assert run["weight_dtypes"] and set(run["weight_dtypes"].values()) == {"torch.float32"}
+    resharded = runs["reshard"]["reshard:fp8_tensorwise:group"]
+    assert resharded["step"] == 3
+    for a, b in zip(resharded["resumed"], run["straight"], strict=True):
+        assert abs(a - b) <= 1e-6 * abs(b)
