@@ -8,9 +8,10 @@ amaxes are reduced over a data-parallel group. The GEMMs run on the local shards
 * row-parallel (weight Shard(1), input Shard(-1)): the local GEMM's output is dequantized
   (`_scaled_mm` writes BF16/FP32) and returned as a Partial DTensor: the tensor-parallel
   style all-reduces the dequantized partial sums; the bias is added once (tp rank 0);
-* a sequence-sharded input (Shard(1) on the tp mesh dimension) is gathered by the style
-  before the layer; rows sharded over a mesh dimension (data parallel inside the mesh)
-  stay local.
+* a sequence-sharded input (Shard(1)) of a column-parallel tensor-wise site is gathered
+  here as FP8 bytes (`lowprec.sites.fp8_sequence`, with its style
+  `FP8SequenceColwiseParallel`); rows sharded over a mesh dimension that does not split
+  the weight (data parallel inside the mesh) stay local.
 
 DTensors are unwrapped with `to_local(grad_placements=...)` and the output wrapped with
 `DTensor.from_local`, both differentiable, so the backward of the local GEMMs runs on
@@ -192,6 +193,24 @@ class _BiasOnce(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------- the layer's call
 
+def _sequence(layer, x, w, recipe: FastRecipe, weight_forms, delayed, tp_dim: int, dp: tuple) -> Tensor:
+    """A sequence-sharded input of a column-parallel site: gathered in FP8 (lowprec.sites.fp8_sequence).
+    The gathered input needs one scale (its amax over the tp group) in either scope; with
+    `group` the weight's and the output gradient's amaxes are the whole tensors' too."""
+    from lowprec.sites.fp8_sequence import sequence_fp8_linear
+    stats = layer.collect_stats
+    recipe = FastRecipe(recipe.scaling, recipe.fwd, recipe.bwd, stats, recipe.margin, recipe.most_recent)
+    tp = x.device_mesh.get_group(tp_dim)
+    w_l = w.to_local().detach()
+    if layer.amax_scope is AmaxScope.GROUP:
+        forms = _weight_forms_group(w_l, recipe, OperandGroups((tp,), ()), delayed(layer, "weight", recipe),
+                                    layer.overflow_steps)
+        grad_groups = (tp, *dp)
+    else:
+        forms, grad_groups = weight_forms(layer, w_l, recipe), ()
+    return sequence_fp8_linear(layer, x, w, recipe, forms, tp_dim, dp, grad_groups)
+
+
 def _nd(pl2, ndim: int, lead):
     """2-D placements (rows, columns) in the terms of an N-D tensor whose leading dims are
     the rows: Shard(1) is the last dim, Shard(0) the leading dim `lead` is sharded on."""
@@ -234,6 +253,9 @@ def parallel_fast_linear(layer, x: Tensor, w: Tensor, recipe: FastRecipe, weight
         x_l, w_l, gx, gw, gg = x, w, OperandGroups(dp, ()), NONE, OperandGroups(dp, ())
     else:
         px, pw = _to_local_2d(x.detach())[2], _to_local_2d(w.detach())[2]
+        seq = [i for i, (a, b) in enumerate(zip(px, pw)) if a.is_shard(0) and b.is_shard(0)]
+        if seq and mesh.ndim == 1 and x.ndim == 3 and recipe.scaling is Scaling.TENSOR:
+            return _sequence(layer, x, w, recipe, weight_forms, delayed, seq[0], dp)
         out_pl = _gemm_placements(px, pw, mesh)
         pg = tuple(Replicate() if p.is_partial() else p for p in out_pl)   # the output gradient's
         dx_pl = _nd(_gemm_placements(pg, _t_placements(pw), mesh), x.ndim, x.placements)

@@ -293,7 +293,50 @@ def _grad_for(gy_local, w_pl, mesh):
     return distribute_tensor(gy_local, mesh["tp"], [Shard(1) if w_pl == Shard(0) else Replicate()])
 
 
-RUNS = {"single": single_run, "ledger": ledger_run, "fsdp": fsdp_run, "fsdp8": fsdp8_run,
+def seq_checks(fmt: str, scope: str) -> dict:
+    """One column-parallel PrecisionLinear on a sequence-sharded input over a 1-D TP mesh of
+    all ranks: FP8SequenceColwiseParallel (FP8 gather) against ColwiseParallel(input_layouts=
+    Shard(1)) (high-precision gather, then the fast path): max |difference| of y, dx, dw, and
+    the all-gather bytes each moved (experiments/ledger.py)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from experiments.ledger import CollectiveLedger
+    from lowprec.numerics.formats import get_format
+    from lowprec.sites.amax_scope import AmaxScope
+    from lowprec.sites.backends import get_backend
+    from lowprec.sites.fp8_sequence import FP8SequenceColwiseParallel
+    from lowprec.sites.layers import PrecisionLinear
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(24, 16, generator=g), torch.randn(24, generator=g)
+    x, gy = torch.randn(2, 8, 16, generator=g), torch.randn(2, 8, 24, generator=g)
+    x[1, 7, 5] = 30.0   # held by the last rank only
+    t = 8 // world
+    out = {}
+    for name, style in (("fp8", FP8SequenceColwiseParallel()), ("hp", ColwiseParallel(input_layouts=Shard(1)))):
+        parent = torch.nn.Module()
+        parent.lin = PrecisionLinear(torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone()), get_format(fmt),
+                                     get_backend("torch"), amax_scope=AmaxScope(scope))
+        parallelize_module(parent, mesh, {"lin": style})
+        xl = x[:, rank * t:(rank + 1) * t].clone().requires_grad_()
+        ledger = CollectiveLedger()
+        with ledger, ledger.phase("fwd_bwd"):
+            y = parent.lin(xl)
+            y.backward(gy[..., rank * (24 // world):(rank + 1) * (24 // world)])
+        out[name] = {"y": y.detach(), "dx": xl.grad, "dw": parent.lin.weight.grad.full_tensor(),
+                     "gather_bytes": ledger.table().get("weight_all_gather", (0, 0, 0))[1]
+                     + ledger.table().get("tp_all_gather", (0, 0, 0))[1],
+                     "calls": (parent.lin.fast_calls, parent.lin.slow_calls)}
+    diff = {k: (out["fp8"][k] - out["hp"][k]).abs().max().item() for k in ("y", "dx", "dw")}
+    return _gather({**diff, "bytes": (out["fp8"]["gather_bytes"], out["hp"]["gather_bytes"]),
+                    "calls": (out["fp8"]["calls"], out["hp"]["calls"])})
+
+
+RUNS = {"seq": seq_checks, "single": single_run, "ledger": ledger_run, "fsdp": fsdp_run, "fsdp8": fsdp8_run,
         "fsdphp": lambda f, s: fsdp8_run(f, s, fp8_all_gather=False), "dptp": dptp_run, "layer": layer_checks}
 
 

@@ -27,6 +27,11 @@ for fp8_tensorwise, fp8_delayed and fp8_rowwise. What must hold:
   all-gathers move at most 0.55x the bytes of BF16's with FP8 all-gather; `local` issues no
   amax all-reduce per cast (one per step for the gathered weights' amaxes); `group` two per
   site per step; a check step (every 2nd) issues exactly one statistics collective;
+* sequence parallel (TP 2, `seq`): a column-parallel site on a sequence-sharded input with
+  `FP8SequenceColwiseParallel` gathers FP8 bytes (a quarter of the FP32 gather's here,
+  half of BF16's) and gives the output, input gradient and weight gradient of
+  `ColwiseParallel(input_layouts=Shard(1))` (a high-precision gather, then the fast
+  path) bit for bit, in both scopes;
 * checkpoint and resume (FSDP2 with FP8 all-gather, DP 4): a DCP checkpoint after step 3
   holds FP32 weights; a fresh model resumed from it repeats the uninterrupted run's losses
   bit for bit; 2 ranks load it (DCP resharding) and train on within 1e-6 of it;
@@ -58,8 +63,9 @@ LOCAL = ["fsdp:fp8_tensorwise:local", "dptp:fp8_rowwise:local"]
 LAYER = [f"layer:{f}:group" for f in FORMATS]
 GATHER = ["fsdp8:fp8_tensorwise:group", "fsdphp:fp8_tensorwise:group"]
 LEDGER = ["ledger:fp8_tensorwise:group", "ledger:fp8_tensorwise:local"]
+SEQ = ["seq:fp8_tensorwise:group", "seq:fp8_tensorwise:local"]
 JOBS = {
-    "w2": (2, GROUP + LOCAL + LAYER + ["layer:fp8_tensorwise:local"] + GATHER + LEDGER),
+    "w2": (2, GROUP + LOCAL + LAYER + ["layer:fp8_tensorwise:local"] + GATHER + LEDGER + SEQ),
     "w4": (4, GROUP + LOCAL + ["layer:fp8_tensorwise:group"] + GATHER + ["ckpt:fp8_tensorwise:group"]),
     "single": (1, [f"single:{f}:group" for f in FORMATS] + ["single:fp8_tensorwise:local",
                                                             "single:fp8_rowwise:local"]),
@@ -203,3 +209,12 @@ def test_checkpoint_resumes_exactly_and_reshards(runs):
     assert resharded["step"] == 3
     for a, b in zip(resharded["resumed"], run["straight"], strict=True):
         assert abs(a - b) <= 1e-6 * abs(b)
+
+
+@pytest.mark.parametrize("variant", SEQ)
+def test_sequence_parallel_gathers_fp8_bytes(runs, variant):
+    for rank, res in enumerate(runs["w2"][variant]):
+        assert (res["y"], res["dx"], res["dw"]) == (0.0, 0.0, 0.0), f"rank {rank}: {res}"
+        fp8_bytes, hp_bytes = res["bytes"]
+        assert hp_bytes > 0 and fp8_bytes * 4 == hp_bytes   # FP32 input: 4 bytes an element, FP8 1
+        assert res["calls"] == ((1, 0), (1, 0))
