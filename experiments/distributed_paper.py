@@ -12,8 +12,9 @@ check step are 1 all-gather for all sites. Three recipes:
 
 * bf16: BF16 weights gathered, FP32 gradient reduce-scatter, BF16 TP/SP collectives;
 * lowprec: tensor-wise FP8 with FP8 weight all-gather (built for 1-D FSDP2; under FSDP x
-  TP these rows are the same design on paper), `group` or `local` amax scope; its
-  sequence-parallel all-gathers move BF16 (FP8 SP gathers are not built);
+  TP these rows are the same design on paper), `group` or `local` amax scope, FP8
+  sequence-parallel input gathers (`FP8SequenceColwiseParallel`; the input's amax is
+  all-reduced over TP before each, counted with the amax all-reduces);
 * torchao: float8 tensor-wise with `enable_fsdp_float8_all_gather` and
   `precompute_float8_dynamic_scale_for_fsdp` (1 all-reduce per step), Float8ColwiseParallel
   (the SP input is cast before its all-gather: FP8 bytes, one TP amax all-reduce each).
@@ -71,16 +72,19 @@ def rows(m: Llama, gpus: int, tp: int = 8) -> list[tuple[str, str, int, float]]:
         gather = 2 * _ring(dp) * (w * w_bytes + other * 2)
         out.append(("FSDP weight all-gather", recipe, 2 * (L + 1), gather))
         out.append(("FSDP grad reduce-scatter (FP32)", recipe, L + 1, _ring(dp) * (w + other) * 4))
-        sp_fwd_bytes = 1 if recipe == "torchao" else 2
+        sp_fwd_bytes = 2 if recipe == "bf16" else 1   # FP8 SP input gathers (both FP8 recipes)
         tp_bytes = _ring(tp) * act * (2 * sp_fwd_bytes + 2 * 2 + 4 * 2)   # fwd 2 AG + 2 RS, bwd 2 AG + 2 RS
         out.append(("TP/SP all-gather + reduce-scatter", recipe, 8 * L, tp_bytes))
-    # group scope under DP x TP, per block (lowprec.sites.fp8_parallel): inputs 5 x DP (column-
-    # parallel, replicated over TP) + 2 x (DP + TP) (row-parallel, split over TP); output
-    # gradients 5 x (DP + TP) + 2 x DP; the TP-sharded weights 7 x TP; + the FP8-gathered
-    # weights' amaxes once per step
-    group = (5 + 2 * 2 + 5 * 2 + 2 + 7) * L + 1
+    # group scope under DP x TP with SP, per block (lowprec.sites.fp8_parallel / fp8_sequence):
+    # inputs 5 x (DP + TP) (column-parallel, gathered in FP8 from sequence shards) + 2 x (DP +
+    # TP) (row-parallel, split over TP); output gradients 5 x (DP + TP) + 2 x DP; the
+    # TP-sharded weights 7 x TP; + the FP8-gathered weights' amaxes once per step
+    group = (5 * 2 + 2 * 2 + 5 * 2 + 2 + 7) * L + 1
     out.append(("amax all-reduce, group scope", "lowprec", group, (group - 1 + sites) * 4))
-    out.append(("amax all-reduce, local scope", "lowprec", 1, sites * 4))
+    # local scope: the FP8-gathered weights' amaxes once per step, and the SP input's amax
+    # over TP before each FP8 SP gather (qkv and gate/up share one input each: 2 per block
+    # as torchao, though lowprec casts per site: 5 per block)
+    out.append(("amax all-reduce, local scope", "lowprec", 5 * L + 1, (5 * L + sites) * 4))
     out.append(("amax all-reduce", "torchao", 2 * L + 1, (2 * L + sites) * 4))
     out.append(("statistics all-gather (check step)", "lowprec", 1, gpus * sites * 4 * 8 * 8))
     return out
