@@ -21,10 +21,13 @@ The statistics of input, weight and grad_output are kept as device tensors in
 `layer.stats` for the monitors. In `bf16`, operands are rounded to BF16 and the GEMM
 accumulates in FP32 (BF16 arithmetic is emulated; on a BF16 model it is a no-op).
 
-Distributed: a tensor-wise amax must be the amax of the whole tensor, so when an
-operand is a DTensor shard its amax is all-reduced (MAX) over the mesh dimensions it
-is sharded on, and activations/gradients are also reduced over `amax_group` (the
-data-parallel group) when one is given: the numerics then equal a single process's.
+Distributed (`amax_scope`, `lowprec.sites.amax_scope`): with `group`, a tensor-wise amax
+is the amax of the whole tensor: a DTensor shard's is all-reduced (MAX) over the mesh
+dimensions it is sharded on, and activations/gradients are also reduced over `amax_group`
+(the data-parallel group) when one is given, so the numerics equal a single process's;
+with `local` each rank scales its own shards. In the `torch` backend's FP8 formats both
+run the fast path (`lowprec.sites.fp8_parallel`); `fast_calls` / `slow_calls` count the
+eager forward calls on the fast path and on `QuantizedLinearFn`.
 """
 
 from __future__ import annotations
