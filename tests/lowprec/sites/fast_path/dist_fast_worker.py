@@ -10,9 +10,10 @@ DP N), `dptp` (experiments.parallel.DataTensorParallel on a (N/2, 2) mesh: TP 2,
 with N == 2 that is TP 2 alone), `layer` (one PrecisionLinear on data- and
 tensor-parallel shards against the same layer on the whole tensors, on every rank),
 `fsdp8` / `fsdphp` (FSDP2 with / without FP8 all-gather, one site falling back at step 2),
-`ledger` (the collectives per step, experiments/ledger.py), `ckpt` (a DCP checkpoint
-after step 3 and an exact resume; the checkpoint stays beside OUT.pt) and `reshard`
-(another world size loads the 4-rank `ckpt` checkpoint and trains on).
+`ledger` (the collectives per step, experiments/ledger.py), `ckpt` / `ckpt_dptp` (FSDP2
+with FP8 all-gather / DP x TP: a DCP checkpoint after step 3 and an exact resume; the
+checkpoint stays beside OUT.pt) and `reshard` / `reshard_dptp` (2 ranks load the 4-rank
+checkpoint and train on).
 SCOPE: `group` or `local` (`precision.amax_scope`). OUT.pt (rank 0) maps each variant to
 its per-step losses, the per-site fast-path / fallback call counts of every rank, and for
 `fsdp` each rank's loss of its own rows at the initial weights (no gradient step).
@@ -184,6 +185,51 @@ def reshard_run(fmt: str, scope: str, out_dir: Path) -> dict:
     return {"step": got["step"], "resumed": _steps(engine, opt, got["step"], STEPS)}
 
 
+def _dptp(fmt: str, scope: str):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from experiments.parallel import DataTensorParallel
+    dp = dist.get_world_size() // 2
+    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
+    model = make_model()
+    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=mesh.get_group("dp") if dp > 1 else None)
+    engine = DataTensorParallel(model, mesh, microbatches=1)
+    return model, state, engine, torch.optim.AdamW(model.parameters(), lr=LR), mesh.get_local_rank("dp"), dp
+
+
+def _dptp_steps(engine, opt, r: int, dp: int, first: int, last: int) -> list[float]:
+    out = []
+    for x, y in data()[first:last]:
+        opt.zero_grad()
+        out.append(float(engine.forward_backward(x[r::dp], y[r::dp])))
+        opt.step()
+    return out
+
+
+def ckpt_dptp_run(fmt: str, scope: str, out_dir: Path) -> dict:
+    """DP x TP on the fast path: a DCP checkpoint after CKPT_STEP and an exact resume; the
+    checkpoint stays in out_dir/ckpt_dptp_w<world>."""
+    import torch.distributed as dist
+    from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    d = out_dir / f"ckpt_dptp_w{dist.get_world_size()}"
+    model, state, engine, opt, r, dp = _dptp(fmt, scope)
+    _dptp_steps(engine, opt, r, dp, 0, CKPT_STEP)
+    save_checkpoint(d, CKPT_STEP, model=model, optimizer=opt, precision=state)
+    straight = _dptp_steps(engine, opt, r, dp, CKPT_STEP, STEPS)
+    model, state, engine, opt, r, dp = _dptp(fmt, scope)
+    got = load_checkpoint(latest_checkpoint(d), model=model, optimizer=opt, precision=state)
+    return {"straight": straight, "resumed": _dptp_steps(engine, opt, r, dp, got["step"], STEPS)}
+
+
+def reshard_dptp_run(fmt: str, scope: str, out_dir: Path) -> dict:
+    """TP 2 alone loads the DP 2 x TP 2 checkpoint (the dp replicas folded) and trains on."""
+    from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint
+    model, state, engine, opt, r, dp = _dptp(fmt, scope)
+    got = load_checkpoint(latest_checkpoint(out_dir / "ckpt_dptp_w4"), model=model, optimizer=opt,
+                          precision=state, restore_rng=False)
+    return {"step": got["step"], "resumed": _dptp_steps(engine, opt, r, dp, got["step"], STEPS)}
+
+
 LEDGER_MODEL = dict(vocab_size=256, block_size=16, n_layer=4, n_head=4, d_model=128)
 
 
@@ -336,6 +382,7 @@ def seq_checks(fmt: str, scope: str) -> dict:
                     "calls": (out["fp8"]["calls"], out["hp"]["calls"])})
 
 
+CKPT_RUNS = {"ckpt": ckpt_run, "reshard": reshard_run, "ckpt_dptp": ckpt_dptp_run, "reshard_dptp": reshard_dptp_run}
 RUNS = {"seq": seq_checks, "single": single_run, "ledger": ledger_run, "fsdp": fsdp_run, "fsdp8": fsdp8_run,
         "fsdphp": lambda f, s: fsdp8_run(f, s, fp8_all_gather=False), "dptp": dptp_run, "layer": layer_checks}
 
@@ -348,8 +395,8 @@ def main(out_path: str, variants: list[str]) -> None:
     results = {}
     for v in variants:
         mode, fmt, scope = v.split(":")
-        if mode in ("ckpt", "reshard"):
-            results[v] = (ckpt_run if mode == "ckpt" else reshard_run)(fmt, scope, Path(out_path).parent)
+        if mode in CKPT_RUNS:
+            results[v] = CKPT_RUNS[mode](fmt, scope, Path(out_path).parent)
         else:
             results[v] = RUNS[mode](fmt, scope)
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -34,7 +34,8 @@ for fp8_tensorwise, fp8_delayed and fp8_rowwise. What must hold:
   path) bit for bit, in both scopes;
 * checkpoint and resume (FSDP2 with FP8 all-gather, DP 4): a DCP checkpoint after step 3
   holds FP32 weights; a fresh model resumed from it repeats the uninterrupted run's losses
-  bit for bit; 2 ranks load it (DCP resharding) and train on within 1e-6 of it;
+  bit for bit; 2 ranks load it (DCP resharding) and train on within 1e-6 of it; the same
+  for DP 2 x TP 2 on the fast path (experiments.parallel), resharded to TP 2;
 * `amax_scope: local`: each rank's loss on its own rows at the initial weights equals one
   process's loss on those rows bit for bit (each rank its own scales); the same layer
   check with local scales differs from one process by far more than rounding (one large
@@ -61,16 +62,17 @@ FORMATS = ("fp8_tensorwise", "fp8_delayed", "fp8_rowwise")
 GROUP = [f"{m}:{f}:group" for m in ("fsdp", "dptp") for f in FORMATS]
 LOCAL = ["fsdp:fp8_tensorwise:local", "dptp:fp8_rowwise:local"]
 LAYER = [f"layer:{f}:group" for f in FORMATS]
+CKPT = ["ckpt:fp8_tensorwise:group", "ckpt_dptp:fp8_tensorwise:group"]
 GATHER = ["fsdp8:fp8_tensorwise:group", "fsdphp:fp8_tensorwise:group"]
 LEDGER = ["ledger:fp8_tensorwise:group", "ledger:fp8_tensorwise:local"]
 SEQ = ["seq:fp8_tensorwise:group", "seq:fp8_tensorwise:local"]
 JOBS = {
     "w2": (2, GROUP + LOCAL + LAYER + ["layer:fp8_tensorwise:local"] + GATHER + LEDGER + SEQ),
-    "w4": (4, GROUP + LOCAL + ["layer:fp8_tensorwise:group"] + GATHER + ["ckpt:fp8_tensorwise:group"]),
+    "w4": (4, GROUP + LOCAL + ["layer:fp8_tensorwise:group"] + GATHER + CKPT),
     "single": (1, [f"single:{f}:group" for f in FORMATS] + ["single:fp8_tensorwise:local",
                                                             "single:fp8_rowwise:local"]),
 }
-AFTER = {"reshard": (2, ["reshard:fp8_tensorwise:group"])}   # reads w4's checkpoint
+AFTER = {"reshard": (2, ["reshard:fp8_tensorwise:group", "reshard_dptp:fp8_tensorwise:group"])}   # w4's checkpoints
 PINNED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
@@ -218,3 +220,12 @@ def test_sequence_parallel_gathers_fp8_bytes(runs, variant):
         fp8_bytes, hp_bytes = res["bytes"]
         assert hp_bytes > 0 and fp8_bytes * 4 == hp_bytes   # FP32 input: 4 bytes an element, FP8 1
         assert res["calls"] == ((1, 0), (1, 0))
+
+
+def test_dp_x_tp_checkpoint_resumes_exactly_and_reshards(runs):
+    run = runs["w4"]["ckpt_dptp:fp8_tensorwise:group"]
+    assert len(run["straight"]) == 2 and run["resumed"] == run["straight"]
+    resharded = runs["reshard"]["reshard_dptp:fp8_tensorwise:group"]
+    assert resharded["step"] == 3
+    for a, b in zip(resharded["resumed"], run["straight"], strict=True):
+        assert abs(a - b) <= 1e-6 * abs(b)
