@@ -16,9 +16,11 @@ replaces them with their shards on the same modules. In a block's forward FSDP2 
 gathered the whole weight, so a PrecisionLinear quantizes the same plain tensor as one
 process (a DTensor weight would meet a plain input and be refused with a TypeError), and
 the weight's statistics are the whole tensor's. Activations and gradients are this rank's
-rows: `prepare(..., amax_group=<the dp group>)` reduces their tensor-wise amaxes over the
-ranks, so each scale is the global batch's. The engine refuses PrecisionLinear sites
-without an amax group when there is more than one rank.
+rows: with `precision.amax_scope: group`, `prepare(..., amax_group=<the dp group>)` reduces
+their amaxes over the ranks, so each scale is the global batch's (the engine refuses such
+sites without an amax group when there is more than one rank); with `local` each rank
+scales its own rows. Either way a site in an FP8 fast-path format runs the fast path
+(`lowprec.sites.fp8_parallel`).
 
 Gradients: each rank's loss is divided by microbatches x ranks and FSDP2's reduce-scatter
 is a plain SUM (divide factor 1: gloo has neither AVG nor PREMUL_SUM), so the summed
@@ -43,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowprec.runtime.engine import loss_of
+from lowprec.runtime.fsdp_fp8 import plain_state_dict, refresh, wrap_weights
 from lowprec.runtime.gradnorm import clip_, grad_norm
 
 __all__ = ["FullyShardedDP", "block_modules"]
@@ -95,10 +98,14 @@ class FullyShardedDP:
         modules sharded as units before the root; default `block_modules`.
     reshard_after_forward: free the gathered weights of each unit after its forward and
         gather them again in backward (FSDP2's default; False keeps them, ZeRO-2 like).
+    fp8_all_gather: gather the weights of tensor-wise FP8 sites as FP8 bytes and one scale
+        (`lowprec.sites.fp8_allgather`); other sites, and a site after a fallback, gather
+        their high-precision weights. The optimizer must be built after the engine.
     """
 
     def __init__(self, model: nn.Module, *, mesh_or_group=None, microbatches: int = 1,
-                 shard: ShardSelector | None = None, reshard_after_forward: bool = True):
+                 shard: ShardSelector | None = None, reshard_after_forward: bool = True,
+                 fp8_all_gather: bool = False):
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         if microbatches < 1:
@@ -116,6 +123,7 @@ class FullyShardedDP:
         else:
             units = [(n, m) for n, m in model.named_modules() if n and shard(n, m) and _has_params(m)]
         self.units = [n for n, _ in units]
+        self.fp8_gathered = wrap_weights(model, self.world) if fp8_all_gather else []
         for _, unit in reversed(units):   # inner units before the modules that hold them
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
@@ -123,18 +131,24 @@ class FullyShardedDP:
             if isinstance(m, FSDPModule):   # per unit: a plain SUM of the loss/world gradients
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)
+        if self.fp8_gathered:   # before FSDP2's own pre-forward: modes and amaxes for this step's gathers
+            model.register_forward_pre_hook(lambda m, args: refresh(m), prepend=True)
+            model._register_state_dict_hook(plain_state_dict)
         self.module = model
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     def _check_amax_groups(self, model: nn.Module) -> None:
+        from lowprec.sites.amax_scope import AmaxScope
         from lowprec.sites.layers import PrecisionLinear
         if self.world == 1:
             return
-        bare = [m.fqn for m in model.modules() if isinstance(m, PrecisionLinear) and m.amax_group is None]
+        bare = [m.fqn for m in model.modules() if isinstance(m, PrecisionLinear) and m.amax_group is None
+                and m.amax_scope is AmaxScope.GROUP]
         if bare:
-            raise ValueError(f"{len(bare)} PrecisionLinear sites ({', '.join(bare[:3])}, ...) have no amax group; "
-                             f"each of {self.world} ranks would scale its own rows. Prepare with "
-                             f"lowprec.prepare(model, plan, amax_group=<the data-parallel group>)")
+            raise ValueError(f"{len(bare)} PrecisionLinear sites ({', '.join(bare[:3])}, ...) have amax_scope "
+                             f"'group' but no amax group; each of {self.world} ranks would scale its own rows. "
+                             f"Prepare with lowprec.prepare(model, plan, amax_group=<the data-parallel group>), "
+                             f"or set precision.amax_scope: local")
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x, y: this rank's rows of the global batch. Returns the global batch-mean loss

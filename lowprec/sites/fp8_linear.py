@@ -22,8 +22,8 @@ Nothing here reads a device value on the host.
 On CPU the same ops run the reference quantizer and `_scaled_mm` accumulates in FP32,
 so the fast path equals the `emulated` backend bit for bit there (tests/lowprec/fast_path).
 
-Not on the fast path (the layer uses `QuantizedLinearFn`): DTensor operands, amax
-reductions over a group, and every other format.
+DTensor operands and amax reductions over a group run the same GEMMs through
+`lowprec.sites.fp8_parallel`; every other format uses `QuantizedLinearFn`.
 """
 
 from __future__ import annotations

@@ -21,10 +21,13 @@ The statistics of input, weight and grad_output are kept as device tensors in
 `layer.stats` for the monitors. In `bf16`, operands are rounded to BF16 and the GEMM
 accumulates in FP32 (BF16 arithmetic is emulated; on a BF16 model it is a no-op).
 
-Distributed: a tensor-wise amax must be the amax of the whole tensor, so when an
-operand is a DTensor shard its amax is all-reduced (MAX) over the mesh dimensions it
-is sharded on, and activations/gradients are also reduced over `amax_group` (the
-data-parallel group) when one is given: the numerics then equal a single process's.
+Distributed (`amax_scope`, `lowprec.sites.amax_scope`): with `group`, a tensor-wise amax
+is the amax of the whole tensor: a DTensor shard's is all-reduced (MAX) over the mesh
+dimensions it is sharded on, and activations/gradients are also reduced over `amax_group`
+(the data-parallel group) when one is given, so the numerics equal a single process's;
+with `local` each rank scales its own shards. In the `torch` backend's FP8 formats both
+run the fast path (`lowprec.sites.fp8_parallel`); `fast_calls` / `slow_calls` count the
+eager forward calls on the fast path and on `QuantizedLinearFn`.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ from lowprec.numerics.grid import saturates
 from lowprec.numerics.hadamard import RandomHadamard
 from lowprec.numerics.quant_stats import QuantStats
 from lowprec.numerics.quantize import quantize
+from lowprec.sites.amax_scope import AmaxScope
+from lowprec.sites.fp8_allgather import FP8GatheredWeight
+from lowprec.sites.fp8_parallel import parallel_fast_linear
 from lowprec.sites.fp8_linear import (NO_HISTORY, DelayedTensors, FastRecipe, FP8LinearFn, WeightForms, cast_weight,
                                       fast_recipe)
 from lowprec.sites.quantized_gemms import QuantizedLinearFn
@@ -72,7 +78,7 @@ class PrecisionLinear(nn.Linear):
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, fmt: Format, backend, *,
                  fqn: str = "", transposed_weight: bool = False, seed: int = 0,
                  amax_group=None, emulate_bf16: bool = True, fused: bool = False,
-                 cache_weights: bool = True):
+                 cache_weights: bool = True, amax_scope: AmaxScope = AmaxScope.GROUP):
         nn.Module.__init__(self)
         out_f, in_f = (weight.shape[1], weight.shape[0]) if transposed_weight else weight.shape
         self.in_features, self.out_features = int(in_f), int(out_f)
@@ -82,6 +88,10 @@ class PrecisionLinear(nn.Linear):
         self.transposed_weight = transposed_weight
         self.backend = backend
         self.amax_group = amax_group
+        self.amax_scope = amax_scope
+        # eager forward calls on the FP8 fast path / on QuantizedLinearFn in a low-precision format
+        self.fast_calls = 0
+        self.slow_calls = 0
         self.emulate_bf16 = emulate_bf16
         self.fused = fused
         self.collect_stats = True
@@ -158,13 +168,21 @@ class PrecisionLinear(nn.Linear):
                 b = None if self.bias is None else _bf16(self.bias)
                 return F.linear(_bf16(x), _bf16(w), b)
             return F.linear(x, w, self.bias)
+        counted = not torch.compiler.is_compiling()   # a compiled graph keeps no host counter
         if self._fast is not None and self._on_fast_path(x, w):
+            self.fast_calls += counted
             return _fast_linear(self, x, w, self._fast)
+        if self._fast is not None and x.dtype in _FAST_DTYPES and w.dtype in _FAST_DTYPES:
+            self.fast_calls += counted
+            return parallel_fast_linear(self, x, w, self._fast, _weight_forms, _delayed)
+        self.slow_calls += counted
         return QuantizedLinearFn.apply(x, w, self.bias, self, self.format)
 
     def _on_fast_path(self, x: torch.Tensor, w: torch.Tensor) -> bool:
-        """Plain tensors with no amax reduction over a group (lowprec.sites.fp8_linear)."""
-        return (self.amax_group is None and not hasattr(x, "to_local") and not hasattr(w, "to_local")
+        """Plain tensors with no amax reduction over a group (lowprec.sites.fp8_linear); DTensor
+        shards and data-parallel amaxes take `lowprec.sites.fp8_parallel`."""
+        local = self.amax_group is None or self.amax_scope is AmaxScope.LOCAL
+        return (local and not hasattr(x, "to_local") and not hasattr(w, "to_local")
                 and x.dtype in _FAST_DTYPES and w.dtype in _FAST_DTYPES)
 
     def quantize_operand(self, t: torch.Tensor, fmt: Format, role: str, *, record: bool = True,
@@ -233,6 +251,8 @@ class PrecisionLinear(nn.Linear):
         return amax
 
     def _amax_groups(self, role: str) -> list:
+        if self.amax_scope is AmaxScope.LOCAL:
+            return []
         groups = list(getattr(self, "_shard_groups", {}).get(role, ()))
         if self.amax_group is not None and role in _ACTIVATION_ROLES:
             groups.append(self.amax_group)
@@ -263,6 +283,8 @@ def _delayed(layer: PrecisionLinear, operand: str, recipe: FastRecipe) -> Delaye
 def _weight_forms(layer: PrecisionLinear, w: torch.Tensor, recipe: FastRecipe) -> WeightForms:
     """The weight's FP8 casts (both layouts), from the layer's weight cache when the weight
     has not changed since (tensor-wise and row-wise; delayed scaling casts every time)."""
+    if isinstance(w, FP8GatheredWeight):   # FSDP2 gathered its FP8 bytes (lowprec.sites.fp8_allgather)
+        return w.forms()
     cache = layer.weight_cache
     use_cache = cache.enabled and not recipe.delayed and not torch.compiler.is_compiling()
     if use_cache:

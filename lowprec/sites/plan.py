@@ -44,6 +44,7 @@ from lowprec.sites.backends import BACKEND_NAMES
 from lowprec.base.parse import ConfigError, check_keys, read_yaml_file, read_yaml_text, suggest
 from lowprec.numerics.formats import FORMATS, Format, format_names, get_format
 from lowprec.numerics.quantize import check_layer_fits
+from lowprec.sites.amax_scope import AMAX_SCOPES, AmaxScope
 
 __all__ = ["PlanError", "ModelInfo", "Selector", "Rule", "PrecisionPlan", "SitePlan", "make_ladder",
            "selection_from_dict", "resolve", "format_plan_table", "is_linear", "linear_shape"]
@@ -52,7 +53,7 @@ BF16 = FORMATS["bf16"]
 BACKENDS = BACKEND_NAMES
 SELECTOR_KEYS = ("glob", "regex", "fqns", "first_layers", "last_layers", "module_type")
 RULE_KEYS = ("name", "select", "format", "ladder")
-PLAN_KEYS = ("backend", "default", "keep_high_precision", "rules", "fused")
+PLAN_KEYS = ("backend", "default", "keep_high_precision", "rules", "fused", "amax_scope")
 
 
 class PlanError(ConfigError):
@@ -182,6 +183,13 @@ def selection_from_dict(d: Any, path: str = "selection") -> Selector:
         raise e.under(path) from None
 
 
+def _amax_scope(v: Any, path: str) -> AmaxScope:
+    if v not in AMAX_SCOPES:
+        raise PlanError(path, f"unknown amax scope {v!r}.{suggest(str(v), AMAX_SCOPES)} Allowed: "
+                              f"{', '.join(AMAX_SCOPES)} (docs/config.md says what each costs).")
+    return AmaxScope(v)
+
+
 def _format(v: Any, path: str) -> Format:
     if isinstance(v, Format):
         return v
@@ -239,8 +247,11 @@ class PrecisionPlan:
     rules: tuple[Rule, ...] = ()
     keep_high_precision: tuple[Selector, ...] = ()
     fused: bool = False
+    amax_scope: AmaxScope = AmaxScope.GROUP
 
     def __post_init__(self) -> None:
+        if not isinstance(self.amax_scope, AmaxScope):
+            raise PlanError("amax_scope", f"amax_scope must be an AmaxScope, got {self.amax_scope!r}")
         if self.backend not in BACKENDS:
             raise PlanError("backend", f"unknown backend {self.backend!r}.{suggest(str(self.backend), BACKENDS)} "
                                        f"Allowed: {', '.join(BACKENDS)}.")
@@ -255,13 +266,14 @@ class PrecisionPlan:
         _check_keys(d, PLAN_KEYS, path)
         fused = d.get("fused", False)
         _expect(isinstance(fused, bool), fused, f"{path}.fused", "true or false")
+        scope = _amax_scope(d.get("amax_scope", AmaxScope.GROUP.value), f"{path}.amax_scope")
         keep, rules = (_list(d.get(k, []), f"{path}.{k}") for k in ("keep_high_precision", "rules"))
         try:
             return cls(_str(d.get("backend", "emulated"), f"{path}.backend"),
                        _format(d.get("default", "bf16"), f"{path}.default"),
                        tuple(Rule.from_dict(r, f"{path}.rules[{i}]", f"rules[{i}]") for i, r in enumerate(rules)),
                        tuple(selection_from_dict(s, f"{path}.keep_high_precision[{i}]") for i, s in enumerate(keep)),
-                       fused)
+                       fused, scope)
         except PlanError as e:
             raise e.under(path) from None
 
@@ -280,6 +292,7 @@ class PrecisionPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"backend": self.backend, "default": self.default.name, "fused": self.fused,
+                "amax_scope": self.amax_scope.value,
                 "keep_high_precision": [s.to_dict() for s in self.keep_high_precision],
                 "rules": [{"name": r.name, "select": r.select.to_dict(), "format": r.format.name,
                            "ladder": [f.name for f in r.ladder]} for r in self.rules]}

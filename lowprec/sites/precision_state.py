@@ -23,6 +23,7 @@ from torch import nn
 from lowprec.sites.backends import BackendName, get_backend
 from lowprec.numerics.formats import Format, get_format
 from lowprec.base.parse import suggest
+from lowprec.sites.amax_scope import AmaxScope
 from lowprec.sites.layers import PrecisionLinear
 from lowprec.numerics.quantize import check_layer_fits
 
@@ -193,7 +194,8 @@ def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0,
 
     amax_group: the data-parallel process group over which tensor-wise amaxes of
         activations and gradients are reduced (so that the numerics equal a single
-        process's); None for a single process or when that is not wanted.
+        process's); None for a single process or when that is not wanted. Used when the
+        plan's `amax_scope` is `group`; with `local` each rank scales by its own amaxes.
     seed: base seed of each site's stochastic-rounding generator and Hadamard signs.
     layer_cls: the class of the new layers, PrecisionLinear or a subclass (a framework's
         module protocol mixed in: `lowprec.integrations.torchtitan`); the `te` and `torchao`
@@ -214,19 +216,21 @@ def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0,
         raise ValueError(f"the {kind} backend makes its own layers; layer_cls={layer_cls.__name__} needs the "
                          f"emulated or torch backend")
     resolved = resolve(model, plan, supported=backend.supports)
+    scope = getattr(plan, "amax_scope", AmaxScope.GROUP)
+    group = amax_group if scope is AmaxScope.GROUP else None   # `local`: every rank its own amaxes
     sites, kept = [], []
     for i, sp in enumerate(resolved):
         if sp.reason.startswith("keep_high_precision"):
             kept.append((sp.fqn, sp.reason))
             continue
         if on_te:
-            layer = backend.make_site(sp.module, sp.format, name=sp.fqn, amax_reduction_group=amax_group)
+            layer = backend.make_site(sp.module, sp.format, name=sp.fqn, amax_reduction_group=group)
         elif on_torchao:
-            layer = backend.make_site(sp.module, sp.format, name=sp.fqn, amax_group=amax_group, fused=plan.fused)
+            layer = backend.make_site(sp.module, sp.format, name=sp.fqn, amax_group=group, fused=plan.fused)
         else:
             layer = layer_cls.from_module(
                 sp.module, sp.format, backend, fqn=sp.fqn, seed=seed * 1_000_003 + i,
-                amax_group=amax_group, fused=plan.fused)
+                amax_group=amax_group, fused=plan.fused, amax_scope=scope)
         _set_submodule(model, sp.fqn, layer)
         sites.append(Site(sp.fqn, layer, tuple(sp.ladder), sp.reason))
     return PrecisionState(sites, backend, kept)

@@ -597,3 +597,13 @@ def test_lowprec_plan_needs_only_the_config_and_the_model(tmp_path, monkeypatch,
     cfg.write_text(cfg.read_text().replace("{mlflow_run: bf16-baseline}", "{losses: absent.json}"))
     assert main(["plan", str(cfg)]) == 0
     assert "rollout.baseline.losses: 'absent.json' not found" in capsys.readouterr().out
+
+
+def test_amax_scope_parsed_validated_and_round_tripped():
+    from lowprec.sites.amax_scope import AmaxScope
+    assert PrecisionPlan.from_dict({}).amax_scope is AmaxScope.GROUP
+    plan = PrecisionPlan.from_dict({"amax_scope": "local"})
+    assert plan.amax_scope is AmaxScope.LOCAL
+    assert PrecisionPlan.from_dict(plan.to_dict()) == plan
+    with pytest.raises(PlanError, match=r"amax_scope: unknown amax scope 'lcoal'\. Did you mean 'local'"):
+        PrecisionPlan.from_dict({"amax_scope": "lcoal"})

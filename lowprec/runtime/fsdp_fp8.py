@@ -1,0 +1,82 @@
+"""FP8 all-gather of weights under FSDP2, the engine's side: wrap the weights, refresh the amaxes.
+
+`wrap_weights` makes every PrecisionLinear weight an `FP8AllGatherWeight`
+(`lowprec.sites.fp8_allgather` says what is gathered and why) before `fully_shard`;
+`refresh`, run by `FullyShardedDP` as a forward pre-hook of the root, switches each
+weight's gather mode to its site's current format and takes the amaxes of the weights
+that changed since the last forward (the optimizer step) in one all-reduce per shard
+group: a step with no change (another micro-batch, a replay) issues none.
+`plain_state_dict` (a state_dict hook) shows the shards as plain high-precision DTensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lowprec.sites.fp8_allgather import FP8AllGatherWeight, gathers_fp8
+from lowprec.sites.layers import PrecisionLinear
+
+__all__ = ["wrap_weights", "refresh", "plain_state_dict"]
+
+
+def wrap_weights(model: nn.Module, world: int) -> list[str]:
+    """Make the weight of every PrecisionLinear an `FP8AllGatherWeight` (before `fully_shard`;
+    the optimizer is built after). Weights whose rows do not split evenly over `world`
+    ranks stay plain (FSDP2 pads those shards). Returns the sites wrapped."""
+    done = []
+    for m in model.modules():
+        if isinstance(m, PrecisionLinear) and not m.transposed_weight and m.weight.shape[0] % world == 0:
+            m.weight = nn.Parameter(FP8AllGatherWeight(m.weight.data, m), requires_grad=m.weight.requires_grad)
+            done.append(m.fqn)
+    return done
+
+
+def _shards(model: nn.Module):
+    """(FSDPParam, its FP8AllGatherWeight shard) for every wrapped parameter."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = m._get_fsdp_state()._fsdp_param_group
+        for fp in (group.fsdp_params if group is not None else ()):
+            local = fp.sharded_param._local_tensor
+            if isinstance(local, FP8AllGatherWeight):
+                yield fp, local
+
+
+@torch.no_grad()
+def refresh(model: nn.Module) -> None:
+    """Before a forward: switch each weight's gather mode to its site's format, and take the
+    amaxes of the FP8-gathered weights that changed in one all-reduce (MAX) per shard group."""
+    pending: dict = {}
+    for fp, w in _shards(model):
+        fp8 = gathers_fp8(w._site)
+        if fp8 != w._fp8:   # FSDP2 keeps the gather buffers of the last mode: drop them
+            w._fp8 = fp8
+            fp.all_gather_outputs = []
+            fp._unsharded_inner_tensors = []
+            if hasattr(fp, "_unsharded_param"):
+                del fp._unsharded_param
+        # the sharded DTensor's version counter: in-place updates below it (inside DTensor's
+        # and the wrapper's dispatch) do not count on the inner tensors
+        version = fp.sharded_param._version
+        if fp8 and (w._amax is None or w._amax_version != version):
+            pending.setdefault(fp.mesh_info.mesh.get_group(), []).append((w, version))
+    for group, ws in pending.items():
+        local = torch.stack([torch.where(torch.isfinite(w._tensor), w._tensor.abs(), 0.0).amax().float()
+                             for w, _ in ws])
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        for (w, version), a in zip(ws, local):
+            w._amax, w._amax_version = a, version
+
+
+def plain_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """A state_dict hook: every wrapped shard as the plain high-precision DTensor shard it
+    holds, so snapshots and DCP checkpoints hold high-precision weights and no subclass."""
+    from torch.distributed.tensor import DTensor
+    for k, v in state_dict.items():
+        if isinstance(v, DTensor) and isinstance(v._local_tensor, FP8AllGatherWeight):
+            state_dict[k] = DTensor.from_local(v._local_tensor._tensor, v.device_mesh, v.placements,
+                                               run_check=False, shape=v.shape, stride=v.stride())

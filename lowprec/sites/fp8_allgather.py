@@ -1,0 +1,172 @@
+"""FP8 all-gather of weights under FSDP2: each rank sends its weight shard's FP8 bytes.
+
+FSDP2 all-gathers a parameter's shards before the module that holds it runs; a sharded
+tensor with `fsdp_pre_all_gather` / `fsdp_post_all_gather` decides what is sent and what
+the module receives (the protocol of `torch.distributed.fsdp.fully_shard`; torchao's
+float8 all-gather is built on it). `FP8AllGatherWeight` is such a shard for a
+`PrecisionLinear` whose format runs the fast path with tensor-wise scales:
+
+* pre-all-gather: the shard is cast to FP8 with the scale of the *whole* weight (its
+  amax all-reduced over the shard group), so the gathered bytes are exactly one
+  process's cast of the whole weight; the scale goes along as metadata. On a check step
+  (`collect_stats`) the shard's statistics go along too (the monitor sums them over ranks).
+* post-all-gather: the module gets `FP8GatheredWeight`, a tensor of the weight's shape
+  and dtype holding the FP8 bytes and the scale; the layer's fast path uses them as its
+  weight forms (`forms()`), and the weight's gradient is an ordinary high-precision tensor
+  that FSDP2 reduce-scatters as usual.
+* the amaxes: `refresh(model)` takes every FP8-gathered weight's amax in one all-reduce
+  (per shard group) once the weights have changed (after the optimizer step; torchao's
+  `precompute_float8_dynamic_scale_for_fsdp` is the model; the engine runs it before
+  every forward of the root, and it skips weights whose version has not changed); a
+  pre-all-gather that finds no amax takes its own all-reduce.
+* a site whose format is not tensor-wise FP8 on the fast path (a fallback to BF16, a
+  replay in high precision, row-wise or delayed scaling) gathers the high-precision shard;
+  `refresh` switches a weight between the two when its site's format changes (FSDP2 keeps
+  its gather buffers per parameter, so they are dropped and made again).
+
+The optimizer, `state_dict` and checkpoints see the high-precision shard: every op other
+than the layout ones FSDP2 uses runs on the plain tensor inside (and returns plain
+tensors). `lowprec.runtime.fsdp_fp8` swaps the weights in before `fully_shard` and runs
+`refresh` as a forward pre-hook of the root (`FullyShardedDP(fp8_all_gather=True)`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+
+from lowprec.numerics.formats import QuantSpec, Scaling
+from lowprec.numerics.fp8_ops import ELEMENTS
+from lowprec.numerics.quant_stats import QuantStats
+from lowprec.numerics.quantize import quantize
+from lowprec.sites.fp8_linear import WeightForms
+
+__all__ = ["FP8AllGatherWeight", "FP8GatheredWeight", "gathers_fp8"]
+
+# the ops FSDP2 builds and moves shards with keep the wrapper; everything else (the optimizer's
+# arithmetic, `zeros_like` for its state) works on, and returns, plain tensors
+_LAYOUT_OPS = {torch.ops.aten.new_zeros.default, torch.ops.aten.slice.Tensor,
+               torch.ops.aten.copy_.default, torch.ops.aten.view.default, torch.ops.aten.as_strided.default,
+               torch.ops.aten._to_copy.default, torch.ops.aten._pin_memory.default, torch.ops.aten.split.Tensor,
+               torch.ops.aten.clone.default, torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+
+
+def gathers_fp8(site) -> bool:
+    """Whether `site` (a PrecisionLinear) gathers its weight in FP8: tensor-wise FP8 on the fast path."""
+    fast = getattr(site, "_fast", None)
+    return fast is not None and fast.scaling is Scaling.TENSOR and not site.transposed_weight
+
+
+def _wrapper(cls, t: Tensor):
+    return Tensor._make_wrapper_subclass(cls, t.size(), strides=t.stride(), storage_offset=t.storage_offset(),
+                                         dtype=t.dtype, layout=t.layout, device=t.device,
+                                         requires_grad=t.requires_grad)
+
+
+class FP8AllGatherWeight(Tensor):
+    """A weight shard that FSDP2 all-gathers as FP8 when its site runs tensor-wise FP8."""
+
+    @staticmethod
+    def __new__(cls, tensor: Tensor, site):
+        return _wrapper(cls, tensor)
+
+    def __init__(self, tensor: Tensor, site):
+        self._tensor = tensor
+        self._site = site
+        self._amax: Tensor | None = None      # the whole weight's amax, from `refresh`
+        self._amax_version = -1               # the sharded parameter's version it was taken at
+        self._fp8 = gathers_fp8(site)         # the mode FSDP2's gather buffers are set up for
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        site = next(a._site for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _LAYOUT_OPS:
+            return out
+        return pytree.tree_map_only(Tensor, lambda t: cls(t, site), out)
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], {"site": self._site}
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return FP8AllGatherWeight(inner["_tensor"], ctx["site"])
+
+    def __repr__(self):
+        return f"FP8AllGatherWeight({self._site.fqn!r}, fp8={self._fp8}, shape={tuple(self.shape)})"
+
+    def _whole_amax(self, mesh) -> Tensor:
+        if self._amax is not None:   # `refresh` took it after the weights last changed
+            return self._amax
+        amax = torch.where(torch.isfinite(self._tensor), self._tensor.abs(), 0.0).amax().float()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        return amax
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        if not self._fp8:
+            dt = mp_policy.param_dtype or self._tensor.dtype
+            return (self._tensor.to(dt),), None
+        site = self._site
+        spec = QuantSpec(ELEMENTS[site._fast.fwd], Scaling.TENSOR)
+        q = quantize(self._tensor, spec, amax=self._whole_amax(mesh), stats=site.collect_stats, validate=False)
+        stats = q.stats.packed if site.collect_stats else None
+        return (q.to_storage().contiguous(),), (q.scale_inv.reshape(()).clone(), stats)
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        (data,) = outputs
+        if metadata is None:
+            if out is not None:
+                return None
+            return data, (data,)
+        scale_inv, stats = metadata
+        if out is not None:
+            out._scale_inv, out._stats = scale_inv, stats
+            return None
+        return FP8GatheredWeight(data, scale_inv, stats, param_dtype), (data,)
+
+
+class FP8GatheredWeight(Tensor):
+    """A whole weight as FSDP2 gathered it: FP8 bytes (out, in) and their scale_inv, in the
+    shape and dtype of the high-precision weight. The layer's fast path reads `forms()`;
+    any other op sees the dequantized weight."""
+
+    @staticmethod
+    def __new__(cls, data: Tensor, scale_inv: Tensor, stats, dtype: torch.dtype):
+        return Tensor._make_wrapper_subclass(cls, data.size(), strides=data.stride(),
+                                             storage_offset=data.storage_offset(), dtype=dtype,
+                                             device=data.device, requires_grad=False)
+
+    def __init__(self, data: Tensor, scale_inv: Tensor, stats, dtype: torch.dtype):
+        self._data, self._scale_inv, self._stats = data, scale_inv, stats
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        first = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+        if func in _LAYOUT_OPS and func is not torch.ops.aten.copy_.default:
+            inner = pytree.tree_map_only(cls, lambda t: t._data, (args, kwargs or {}))
+            out = func(*inner[0], **inner[1])
+            return pytree.tree_map_only(Tensor, lambda t: cls(t, first._scale_inv, first._stats, first.dtype), out)
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale_inv"], {"stats": self._stats, "dtype": self.dtype}
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return FP8GatheredWeight(inner["_data"], inner["_scale_inv"], ctx["stats"], ctx["dtype"])
+
+    def __repr__(self):
+        return f"FP8GatheredWeight(shape={tuple(self.shape)}, fp8={self._data.dtype})"
+
+    def dequantize(self) -> Tensor:
+        return (self._data.float() * self._scale_inv).to(self.dtype)
+
+    def forms(self):
+        """The fast path's `WeightForms`: the bytes, their transpose (one scale), the statistics."""
+        stats = None if self._stats is None else QuantStats(self._stats)
+        return WeightForms(self._data, self._scale_inv, self._data.t().contiguous(), self._scale_inv, stats)
+

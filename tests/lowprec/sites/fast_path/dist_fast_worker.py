@@ -1,0 +1,410 @@
+"""Train the small GPT on the `torch` backend's FP8 fast path: one process, or under torchrun (gloo).
+
+Used by test_fast_path_distributed.py:
+
+    python dist_fast_worker.py OUT.pt single:FMT:SCOPE ...
+    python -m torch.distributed.run --standalone --nproc-per-node N dist_fast_worker.py OUT.pt MODE:FMT:SCOPE ...
+
+MODE: `single` (one process, the whole batch), `fsdp` (FullyShardedDP over every rank:
+DP N), `dptp` (lowprec.runtime.parallel.DataTensorParallel on a (N/2, 2) mesh: TP 2, DP N/2;
+with N == 2 that is TP 2 alone), `layer` (one PrecisionLinear on data- and
+tensor-parallel shards against the same layer on the whole tensors, on every rank),
+`fsdp8` / `fsdphp` (FSDP2 with / without FP8 all-gather, one site falling back at step 2),
+`ledger` (the collectives per step, experiments/ledger.py), `ckpt` / `ckpt_dptp` (FSDP2
+with FP8 all-gather / DP x TP: a DCP checkpoint after step 3 and an exact resume; the
+checkpoint stays beside OUT.pt) and `reshard` / `reshard_dptp` (2 ranks load the 4-rank
+checkpoint and train on).
+SCOPE: `group` or `local` (`precision.amax_scope`). OUT.pt (rank 0) maps each variant to
+its per-step losses, the per-site fast-path / fallback call counts of every rank, and for
+`fsdp` each rank's loss of its own rows at the initial weights (no gradient step).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[3]
+for _p in (str(ROOT), str(ROOT / "tests" / "lowprec")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from dist_worker import MODEL, SITES, data, make_model  # noqa: E402
+from lowprec import prepare  # noqa: E402
+from lowprec.sites.plan import PrecisionPlan  # noqa: E402
+
+STEPS, LR, BATCH = 5, 1e-3, 4
+
+
+def plan_for(fmt: str, scope: str) -> PrecisionPlan:
+    return PrecisionPlan.from_dict({
+        "backend": "torch", "amax_scope": scope,
+        "keep_high_precision": [{"fqns": ["lm_head"]}],
+        "rules": [{"name": "blocks", "select": {"glob": "blocks.*"}, "format": fmt, "ladder": [fmt, "bf16"]}],
+    })
+
+
+def _counts(state) -> dict:
+    return {f: (s.module.fast_calls, s.module.slow_calls) for f, s in state.sites.items()}
+
+
+def _gather(obj) -> list:
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _train(model, state, engine_step) -> dict:
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for x, y in data()[:STEPS]:
+        opt.zero_grad()
+        losses.append(float(engine_step(x, y)))
+        opt.step()
+    return {"losses": losses, "counts": _gather(_counts(state)), "sites": sorted(state.sites)}
+
+
+def single_run(fmt: str, scope: str, rows=None) -> dict:
+    model = make_model()
+    state = prepare(model, plan_for(fmt, scope), seed=1)
+    out = _train(model, state, lambda x, y: _single_step(model, x, y))
+    fresh = make_model()
+    prepare(fresh, plan_for(fmt, scope), seed=1)
+    with torch.no_grad():   # the loss of rows r::n of the first batch, for n in (2, 4): local scope
+        x, y = data()[0]
+        out["row_losses"] = {n: [fresh(x[r::n], y[r::n])[1].item() for r in range(n)] for n in (2, 4)}
+    return out
+
+
+def _single_step(model, x, y):
+    _, loss = model(x, y)
+    loss.backward()
+    return loss.detach()
+
+
+def fsdp_run(fmt: str, scope: str) -> dict:
+    import torch.distributed as dist
+    from lowprec.runtime.fsdp import FullyShardedDP
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = make_model()
+    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
+    engine = FullyShardedDP(model, mesh_or_group=dist.group.WORLD)
+    x0, y0 = data()[0]
+    with torch.no_grad():
+        own = model(x0[rank::world], y0[rank::world])[1].item()
+    for s in state.sites.values():   # the forward above is no training step: forget it
+        s.module.fast_calls = s.module.slow_calls = 0
+        s.module._reset_histories()
+    out = _train(model, state, lambda x, y: engine.forward_backward(x[rank::world], y[rank::world]))
+    return {**out, "own_row_loss": _gather(own)}
+
+
+def fsdp8_run(fmt: str, scope: str, fp8_all_gather: bool = True) -> dict:
+    """FSDP2 with the weights gathered in FP8; at step FALLBACK_STEP one site falls back to
+    bf16 on every rank (it gathers its high-precision weight from then on)."""
+    import torch.distributed as dist
+    from lowprec.runtime.fsdp import FullyShardedDP
+    from lowprec.numerics.formats import get_format
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = make_model()
+    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
+    engine = FullyShardedDP(model, mesh_or_group=dist.group.WORLD, fp8_all_gather=fp8_all_gather)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, gathered = [], []
+    for step, (x, y) in enumerate(data()[:STEPS]):
+        if step == FALLBACK_STEP:
+            state.site(FALLBACK_SITE).module.set_format(get_format("bf16"))
+        opt.zero_grad()
+        losses.append(float(engine.forward_backward(x[rank::world], y[rank::world])))
+        gathered.append(sorted(type(s.module.weight).__name__ == "FP8GatheredWeight" for s in state.sites.values()
+                               if s.module.weight is not None and not hasattr(s.module.weight, "to_local")).count(True))
+        opt.step()
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.state_dict().items()}
+    return {"losses": losses, "counts": _gather(_counts(state)), "sites": sorted(state.sites),
+            "state_types": sorted({type(getattr(v, "_local_tensor", v)).__name__ for v in model.state_dict().values()}),
+            "params": full, "wrapped": engine.fp8_gathered}
+
+
+FALLBACK_STEP, FALLBACK_SITE = 2, "blocks.0.mlp.fc"
+CKPT_STEP = 3
+
+
+def _fsdp8(fmt: str, scope: str):
+    import torch.distributed as dist
+    from lowprec.runtime.fsdp import FullyShardedDP
+    model = make_model()
+    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
+    engine = FullyShardedDP(model, mesh_or_group=dist.group.WORLD, fp8_all_gather=True)
+    return model, state, engine, torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def _steps(engine, opt, first: int, last: int) -> list[float]:
+    import torch.distributed as dist
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = []
+    for x, y in data()[first:last]:
+        opt.zero_grad()
+        out.append(float(engine.forward_backward(x[rank::world], y[rank::world])))
+        opt.step()
+    return out
+
+
+def ckpt_run(fmt: str, scope: str, out_dir: Path) -> dict:
+    """FSDP2 with FP8 all-gather: STEPS steps with a DCP checkpoint after CKPT_STEP, then a
+    fresh model that resumes from it; the checkpoint is left in out_dir/ckpt_w<world>."""
+    import torch.distributed as dist
+    from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    d = out_dir / f"ckpt_w{dist.get_world_size()}"
+    model, state, engine, opt = _fsdp8(fmt, scope)
+    first = _steps(engine, opt, 0, CKPT_STEP)
+    save_checkpoint(d, CKPT_STEP, model=model, optimizer=opt, precision=state)
+    straight = _steps(engine, opt, CKPT_STEP, STEPS)
+    model, state, engine, opt = _fsdp8(fmt, scope)
+    got = load_checkpoint(latest_checkpoint(d), model=model, optimizer=opt, precision=state)
+    resumed = _steps(engine, opt, got["step"], STEPS)
+    from torch.distributed.checkpoint import FileSystemReader
+    meta = FileSystemReader(str(latest_checkpoint(d))).read_metadata().state_dict_metadata
+    dtypes = {k: str(v.properties.dtype) for k, v in meta.items()
+              if hasattr(v, "properties") and k.endswith(".weight") and ".blocks." in f".{k}"}
+    return {"first": first, "straight": straight, "resumed": resumed, "weight_dtypes": dtypes}
+
+
+def reshard_run(fmt: str, scope: str, out_dir: Path) -> dict:
+    """Load the checkpoint a 4-rank ckpt run wrote (DCP resharding to this world) and train on."""
+    from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint
+    model, state, engine, opt = _fsdp8(fmt, scope)
+    got = load_checkpoint(latest_checkpoint(out_dir / "ckpt_w4"), model=model, optimizer=opt, precision=state,
+                          restore_rng=False)   # per-rank RNG states belong to 4 ranks; nothing here draws
+    return {"step": got["step"], "resumed": _steps(engine, opt, got["step"], STEPS)}
+
+
+def _dptp(fmt: str, scope: str):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from lowprec.runtime.parallel import DataTensorParallel
+    dp = dist.get_world_size() // 2
+    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp_replicate", "tp"))
+    model = make_model()
+    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=mesh.get_group("dp_replicate") if dp > 1 else None)
+    engine = DataTensorParallel(model, mesh, microbatches=1)
+    return model, state, engine, torch.optim.AdamW(model.parameters(), lr=LR), mesh.get_local_rank("dp_replicate"), dp
+
+
+def _dptp_steps(engine, opt, r: int, dp: int, first: int, last: int) -> list[float]:
+    out = []
+    for x, y in data()[first:last]:
+        opt.zero_grad()
+        out.append(float(engine.forward_backward(x[r::dp], y[r::dp])))
+        opt.step()
+    return out
+
+
+def ckpt_dptp_run(fmt: str, scope: str, out_dir: Path) -> dict:
+    """DP x TP on the fast path: a DCP checkpoint after CKPT_STEP and an exact resume; the
+    checkpoint stays in out_dir/ckpt_dptp_w<world>."""
+    import torch.distributed as dist
+    from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    d = out_dir / f"ckpt_dptp_w{dist.get_world_size()}"
+    model, state, engine, opt, r, dp = _dptp(fmt, scope)
+    _dptp_steps(engine, opt, r, dp, 0, CKPT_STEP)
+    save_checkpoint(d, CKPT_STEP, model=model, optimizer=opt, precision=state)
+    straight = _dptp_steps(engine, opt, r, dp, CKPT_STEP, STEPS)
+    model, state, engine, opt, r, dp = _dptp(fmt, scope)
+    got = load_checkpoint(latest_checkpoint(d), model=model, optimizer=opt, precision=state)
+    return {"straight": straight, "resumed": _dptp_steps(engine, opt, r, dp, got["step"], STEPS)}
+
+
+def reshard_dptp_run(fmt: str, scope: str, out_dir: Path) -> dict:
+    """TP 2 alone loads the DP 2 x TP 2 checkpoint (the dp replicas folded) and trains on."""
+    from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint
+    model, state, engine, opt, r, dp = _dptp(fmt, scope)
+    got = load_checkpoint(latest_checkpoint(out_dir / "ckpt_dptp_w4"), model=model, optimizer=opt,
+                          precision=state, restore_rng=False)
+    return {"step": got["step"], "resumed": _dptp_steps(engine, opt, r, dp, got["step"], STEPS)}
+
+
+LEDGER_MODEL = dict(vocab_size=256, block_size=16, n_layer=4, n_head=4, d_model=128)
+
+
+def ledger_run(fmt: str, scope: str) -> dict:
+    """The collectives of 4 FSDP2 steps of a BF16 GPT (blocks dominating its weights), with
+    and without FP8 all-gather, the controller's monitor checking every 2nd step: per
+    configuration and step, role -> (count, bytes, on the critical path)."""
+    import torch.distributed as dist
+    from experiments.ledger import CollectiveLedger
+    from experiments.model import build_gpt
+    from lowprec.policy.monitor import Monitor, MonitorConfig
+    from lowprec.runtime.fsdp import FullyShardedDP
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for fp8_gather in (False, True):
+        torch.manual_seed(0)
+        model = build_gpt(**LEDGER_MODEL).to(torch.bfloat16)
+        state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
+        engine = FullyShardedDP(model, mesh_or_group=dist.group.WORLD, fp8_all_gather=fp8_gather)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        monitor = Monitor(state, MonitorConfig(check_every=2), group=dist.group.WORLD)
+        steps = []
+        for step, (x, y) in enumerate(data()[:4]):
+            ledger = CollectiveLedger()
+            monitor.before_step(step)
+            with ledger, ledger.phase("fwd_bwd"):
+                loss = engine.forward_backward(x[rank::world], y[rank::world])
+            with ledger, ledger.phase("step"):
+                monitor.record(step, loss, torch.zeros(()))
+                opt.step()
+                opt.zero_grad()
+            if monitor.is_check_step(step):
+                with ledger, ledger.phase("check"):
+                    sites = monitor.check(step).sites
+                assert len(sites) == len(state.sites), sorted(sites)
+            steps.append(ledger.table())
+        out["fp8_gather" if fp8_gather else "hp_gather"] = steps
+        out["fast_calls"] = _gather(_counts(state))
+    return out
+
+
+
+def dptp_run(fmt: str, scope: str) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from lowprec.runtime.parallel import DataTensorParallel
+    world = dist.get_world_size()
+    dp = world // 2
+    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp_replicate", "tp"))
+    model = make_model()
+    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=mesh.get_group("dp_replicate") if dp > 1 else None)
+    engine = DataTensorParallel(model, mesh, microbatches=1)
+    r = mesh.get_local_rank("dp_replicate")
+    return _train(model, state, lambda x, y: engine.forward_backward(x[r::dp], y[r::dp]))
+
+
+def layer_checks(fmt: str, scope: str) -> dict:
+    """One PrecisionLinear, column- then row-parallel on a (dp, tp) mesh with rows split over
+    dp, against the same layer on the whole tensors: max |difference| of y, dx, dw."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from lowprec.numerics.formats import get_format
+    from lowprec.sites.backends import get_backend
+    from lowprec.sites.layers import PrecisionLinear
+    from lowprec.sites.amax_scope import AmaxScope
+
+    world = dist.get_world_size()
+    dp = world // 2
+    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp_replicate", "tp"))
+    g = torch.Generator().manual_seed(0)
+    w, x, gy = torch.randn(24, 16, generator=g), torch.randn(8, 16, generator=g), torch.randn(8, 24, generator=g)
+    x[0, 3] = 40.0   # one large value: the rank that does not hold it must still scale by it
+    f, backend = get_format(fmt), get_backend("torch")
+
+    def one(weight, inp, grad, amax_group=None):
+        layer = PrecisionLinear(weight, None, f, backend, amax_group=amax_group, amax_scope=AmaxScope(scope))
+        yy = layer(inp)
+        if any(p.is_partial() for p in getattr(yy, "placements", ())):
+            yy = yy.redistribute(placements=[Replicate()])   # what RowwiseParallel's output does
+        yy.backward(grad)
+        return layer, yy
+
+    out = {}
+    for style, w_pl, x_pl in (("col", Shard(0), Replicate()), ("row", Shard(1), Shard(1))):
+        ref_w, ref_x = torch.nn.Parameter(w.clone()), x.clone().requires_grad_()
+        _, ref_y = one(ref_w, ref_x, gy)
+        r = mesh.get_local_rank("dp_replicate")
+        wd = torch.nn.Parameter(distribute_tensor(w.clone(), mesh["tp"], [w_pl]))
+        xl = x[r::dp].clone().requires_grad_()
+        xd = distribute_tensor(xl.detach(), mesh["tp"], [x_pl]).requires_grad_()
+        layer, yd = one(wd, xd, _grad_for(gy[r::dp], w_pl, mesh), mesh.get_group("dp_replicate") if dp > 1 else None)
+        y_full = yd.full_tensor()
+        dw = wd.grad.full_tensor()
+        if dp > 1:
+            dist.all_reduce(dw, group=mesh.get_group("dp_replicate"))
+        out[style] = {"y": (y_full - ref_y[r::dp].detach()).abs().max().item(),
+                      "dx": (xd.grad.full_tensor() - ref_x.grad[r::dp]).abs().max().item(),
+                      "dw": (dw - ref_w.grad).abs().max().item(),
+                      "calls": (layer.fast_calls, layer.slow_calls)}
+    return _gather(out)
+
+
+def _grad_for(gy_local, w_pl, mesh):
+    """The output gradient as the layer's output is laid out: column-parallel Shard(-1)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    return distribute_tensor(gy_local, mesh["tp"], [Shard(1) if w_pl == Shard(0) else Replicate()])
+
+
+def seq_checks(fmt: str, scope: str) -> dict:
+    """One column-parallel PrecisionLinear on a sequence-sharded input over a 1-D TP mesh of
+    all ranks: FP8SequenceColwiseParallel (FP8 gather) against ColwiseParallel(input_layouts=
+    Shard(1)) (high-precision gather, then the fast path): max |difference| of y, dx, dw, and
+    the all-gather bytes each moved (experiments/ledger.py)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from experiments.ledger import CollectiveLedger
+    from lowprec.numerics.formats import get_format
+    from lowprec.sites.amax_scope import AmaxScope
+    from lowprec.sites.backends import get_backend
+    from lowprec.sites.fp8_sequence import FP8SequenceColwiseParallel
+    from lowprec.sites.layers import PrecisionLinear
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(24, 16, generator=g), torch.randn(24, generator=g)
+    x, gy = torch.randn(2, 8, 16, generator=g), torch.randn(2, 8, 24, generator=g)
+    x[1, 7, 5] = 30.0   # held by the last rank only
+    t = 8 // world
+    out = {}
+    for name, style in (("fp8", FP8SequenceColwiseParallel()), ("hp", ColwiseParallel(input_layouts=Shard(1)))):
+        parent = torch.nn.Module()
+        parent.lin = PrecisionLinear(torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone()), get_format(fmt),
+                                     get_backend("torch"), amax_scope=AmaxScope(scope))
+        parallelize_module(parent, mesh, {"lin": style})
+        xl = x[:, rank * t:(rank + 1) * t].clone().requires_grad_()
+        ledger = CollectiveLedger()
+        with ledger, ledger.phase("fwd_bwd"):
+            y = parent.lin(xl)
+            y.backward(gy[..., rank * (24 // world):(rank + 1) * (24 // world)])
+        out[name] = {"y": y.detach(), "dx": xl.grad, "dw": parent.lin.weight.grad.full_tensor(),
+                     "gather_bytes": ledger.table().get("weight_all_gather", (0, 0, 0))[1]
+                     + ledger.table().get("tp_all_gather", (0, 0, 0))[1],
+                     "calls": (parent.lin.fast_calls, parent.lin.slow_calls)}
+    diff = {k: (out["fp8"][k] - out["hp"][k]).abs().max().item() for k in ("y", "dx", "dw")}
+    return _gather({**diff, "bytes": (out["fp8"]["gather_bytes"], out["hp"]["gather_bytes"]),
+                    "calls": (out["fp8"]["calls"], out["hp"]["calls"])})
+
+
+CKPT_RUNS = {"ckpt": ckpt_run, "reshard": reshard_run, "ckpt_dptp": ckpt_dptp_run, "reshard_dptp": reshard_dptp_run}
+RUNS = {"seq": seq_checks, "single": single_run, "ledger": ledger_run, "fsdp": fsdp_run, "fsdp8": fsdp8_run,
+        "fsdphp": lambda f, s: fsdp8_run(f, s, fp8_all_gather=False), "dptp": dptp_run, "layer": layer_checks}
+
+
+def main(out_path: str, variants: list[str]) -> None:
+    import os
+    import torch.distributed as dist
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+    results = {}
+    for v in variants:
+        mode, fmt, scope = v.split(":")
+        if mode in CKPT_RUNS:
+            results[v] = CKPT_RUNS[mode](fmt, scope, Path(out_path).parent)
+        else:
+            results[v] = RUNS[mode](fmt, scope)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save(results, out_path)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(sys.argv[1], sys.argv[2:])

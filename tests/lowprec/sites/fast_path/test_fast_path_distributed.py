@@ -1,0 +1,231 @@
+"""The `torch` backend's FP8 fast path under torchrun (gloo): FSDP2, TP and DP x TP.
+
+dist_fast_worker.py trains the small GPT (every block's linear layers in FP8) for 5 AdamW
+steps in each layout, and one process trains the same model on the same batches:
+
+* DP 2 and DP 4: `lowprec.runtime.fsdp.FullyShardedDP`;
+* TP 2 and DP 2 x TP 2: `lowprec.runtime.parallel.DataTensorParallel` (qkv and fc column-,
+  proj row-parallel DTensor sites);
+
+for fp8_tensorwise, fp8_delayed and fp8_rowwise. What must hold:
+
+* every FP8 site on every rank ran the fast path on every step (its call counters: 5 fast
+  calls, no fallback call);
+* `amax_scope: group`: the losses equal one process's within a relative 1e-6 at each of
+  the 5 steps. Not bit for bit: the batch-mean loss is a sum of per-rank means, an FSDP
+  weight gradient a sum of per-rank GEMMs and a row-parallel output a sum of per-rank
+  partial GEMMs; each rounds differently from one GEMM by an FP32 ulp (measured: 0 to
+  1.8e-7 relative). The FP8 bytes themselves are one process's: on one layer (the `layer`
+  variant, column- and row-parallel, rows split over dp) the column-parallel output (and
+  at dp 1 the weight gradient) is bit for bit one process's, and everything else within 1e-5 (FP32
+  partial sums of values about 1-10), delayed scaling exactly;
+* FP8 all-gather of weights (FSDP2, DP 2 and DP 4, `fsdp8`) trains bit for bit as the
+  high-precision all-gather (`fsdphp`) through a fallback of one site to bf16 at step 2
+  (that site gathers its high-precision weight from then on), and the state_dict holds
+  plain high-precision shards;
+* the ledger (experiments/ledger.py) of 4 FSDP2 steps of a BF16 GPT: the weight
+  all-gathers move at most 0.55x the bytes of BF16's with FP8 all-gather; `local` issues no
+  amax all-reduce per cast (one per step for the gathered weights' amaxes); `group` two per
+  site per step; a check step (every 2nd) issues exactly one statistics collective;
+* sequence parallel (TP 2, `seq`): a column-parallel site on a sequence-sharded input with
+  `FP8SequenceColwiseParallel` gathers FP8 bytes (a quarter of the FP32 gather's here,
+  half of BF16's) and gives the output, input gradient and weight gradient of
+  `ColwiseParallel(input_layouts=Shard(1))` (a high-precision gather, then the fast
+  path) bit for bit, in both scopes;
+* checkpoint and resume (FSDP2 with FP8 all-gather, DP 4): a DCP checkpoint after step 3
+  holds FP32 weights; a fresh model resumed from it repeats the uninterrupted run's losses
+  bit for bit; 2 ranks load it (DCP resharding) and train on within 1e-6 of it; the same
+  for DP 2 x TP 2 on the fast path (lowprec.runtime.parallel), resharded to TP 2;
+* `amax_scope: local`: each rank's loss on its own rows at the initial weights equals one
+  process's loss on those rows bit for bit (each rank its own scales); the same layer
+  check with local scales differs from one process by far more than rounding (one large
+  input value that only one rank holds), so the group checks can fail.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).resolve().parent / "dist_fast_worker.py"
+ROOT = Path(__file__).resolve().parents[4]
+TIMEOUT_S = 400
+FORMATS = ("fp8_tensorwise", "fp8_delayed", "fp8_rowwise")
+GROUP = [f"{m}:{f}:group" for m in ("fsdp", "dptp") for f in FORMATS]
+LOCAL = ["fsdp:fp8_tensorwise:local", "dptp:fp8_rowwise:local"]
+LAYER = [f"layer:{f}:group" for f in FORMATS]
+CKPT = ["ckpt:fp8_tensorwise:group", "ckpt_dptp:fp8_tensorwise:group"]
+GATHER = ["fsdp8:fp8_tensorwise:group", "fsdphp:fp8_tensorwise:group"]
+LEDGER = ["ledger:fp8_tensorwise:group", "ledger:fp8_tensorwise:local"]
+SEQ = ["seq:fp8_tensorwise:group", "seq:fp8_tensorwise:local"]
+JOBS = {
+    "w2": (2, GROUP + LOCAL + LAYER + ["layer:fp8_tensorwise:local"] + GATHER + LEDGER + SEQ),
+    "w4": (4, GROUP + LOCAL + ["layer:fp8_tensorwise:group"] + GATHER + CKPT),
+    "single": (1, [f"single:{f}:group" for f in FORMATS] + ["single:fp8_tensorwise:local",
+                                                            "single:fp8_rowwise:local"]),
+}
+AFTER = {"reshard": (2, ["reshard:fp8_tensorwise:group", "reshard_dptp:fp8_tensorwise:group"])}   # w4's checkpoints
+PINNED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, gloo):
+    d = tmp_path_factory.mktemp("fast_path_distributed")
+    out = _run(d, JOBS)
+    out.update(_run(d, AFTER))
+    return out
+
+
+def _run(d: Path, specs: dict) -> dict:
+    """Launch the jobs of `specs` at once, wait for all; each one's results by name."""
+    jobs = {}
+    for name, (n, variants) in specs.items():
+        launch = ([sys.executable] if n == 1 else
+                  [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)])
+        with open(d / f"{name}.log", "w") as log:
+            jobs[name] = subprocess.Popen([*launch, str(WORKER), str(d / f"{name}.pt"), *variants],
+                                          stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                          env={**os.environ, **PINNED}, start_new_session=True)
+    out = {}
+    try:
+        for name, proc in jobs.items():
+            try:
+                proc.wait(timeout=TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{name} ran past {TIMEOUT_S} s:\n{(d / f'{name}.log').read_text()[-4000:]}")
+            assert proc.returncode == 0, f"{name} failed:\n{(d / f'{name}.log').read_text()[-6000:]}"
+            out[name] = torch.load(d / f"{name}.pt", weights_only=True)
+    finally:
+        for proc in jobs.values():   # only the jobs started here, after a timeout or failure
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return out
+
+
+TRAINED = [(w, v) for w in ("w2", "w4") for v in GROUP + LOCAL]
+
+
+@pytest.mark.parametrize("world,variant", TRAINED)
+def test_every_site_runs_the_fast_path_every_step(runs, world, variant):
+    run = runs[world][variant]
+    assert len(run["counts"]) == JOBS[world][0] and len(run["sites"]) == 8
+    for rank, counts in enumerate(run["counts"]):
+        assert set(counts) == set(run["sites"])
+        assert all(c == (5, 0) for c in counts.values()), f"rank {rank}: (fast, fallback) calls {counts}"
+
+
+@pytest.mark.parametrize("world,variant", [(w, v) for w, v in TRAINED if v.endswith(":group")])
+def test_group_scope_losses_equal_one_process(runs, world, variant):
+    _, fmt, _ = variant.split(":")
+    ref = runs["single"][f"single:{fmt}:group"]["losses"]
+    got = runs[world][variant]["losses"]
+    assert len(got) == len(ref) == 5
+    for step, (a, b) in enumerate(zip(got, ref)):
+        assert abs(a - b) <= 1e-6 * abs(b), f"step {step}: {a} vs one process {b}"
+
+
+@pytest.mark.parametrize("world", ["w2", "w4"])
+def test_local_scope_is_one_process_per_rank(runs, world):
+    n = JOBS[world][0]
+    own = runs[world]["fsdp:fp8_tensorwise:local"]["own_row_loss"]
+    assert own == runs["single"]["single:fp8_tensorwise:local"]["row_losses"][n]
+    # the group scope's rank losses are not the per-rank ones: its scales are the batch's
+    grouped = runs[world]["fsdp:fp8_tensorwise:group"]["own_row_loss"]
+    assert grouped != own
+
+
+@pytest.mark.parametrize("world,variant", [("w2", v) for v in LAYER] + [("w4", "layer:fp8_tensorwise:group")])
+def test_one_layer_on_shards_is_one_process(runs, world, variant):
+    per_rank = runs[world][variant]
+    assert len(per_rank) == JOBS[world][0]
+    exact = variant.startswith("layer:fp8_delayed")
+    for rank, res in enumerate(per_rank):
+        for style in ("col", "row"):
+            r = res[style]
+            assert r["calls"] == (1, 0), f"rank {rank} {style}: {r['calls']}"
+            bound = 0.0 if exact else 1e-5
+            assert max(r["y"], r["dx"], r["dw"]) <= bound, f"rank {rank} {style}: {r}"
+        assert res["col"]["y"] == 0.0   # a local GEMM on one process's FP8 bytes
+        if world == "w2":               # one dp rank: the weight gradient is one GEMM too
+            assert res["col"]["dw"] == 0.0
+
+
+def test_local_scales_differ_on_one_layer(runs):
+    for res in runs["w2"]["layer:fp8_tensorwise:local"]:
+        assert res["row"]["y"] > 0.1 and res["col"]["dw"] > 0.1
+
+
+@pytest.mark.parametrize("world", ["w2", "w4"])
+def test_fp8_all_gather_trains_as_the_high_precision_gather(runs, world):
+    fp8, hp = runs[world]["fsdp8:fp8_tensorwise:group"], runs[world]["fsdphp:fp8_tensorwise:group"]
+    assert len(fp8["wrapped"]) == 8 and hp["wrapped"] == []
+    assert fp8["losses"] == hp["losses"]
+    assert fp8["params"].keys() == hp["params"].keys()
+    assert all(torch.equal(fp8["params"][k], hp["params"][k]) for k in hp["params"])
+    assert fp8["state_types"] == ["Tensor"]   # checkpoints see plain high-precision shards
+    for counts in fp8["counts"]:   # the site that fell back at step 2 ran two FP8 steps
+        assert counts.pop("blocks.0.mlp.fc") == (2, 0) and set(counts.values()) == {(5, 0)}
+
+
+def _per_step(run, mode, role):
+    return [t.get(role, (0, 0, 0)) for t in run[mode]]
+
+
+def test_ledger_fp8_all_gather_bytes(runs):
+    for variant in LEDGER:
+        run = runs["w2"][variant]
+        hp, fp8 = _per_step(run, "hp_gather", "weight_all_gather"), _per_step(run, "fp8_gather", "weight_all_gather")
+        for (n_hp, b_hp, crit_hp), (n_fp8, b_fp8, crit_fp8) in zip(hp, fp8):
+            assert n_hp == n_fp8 and crit_hp == crit_fp8 == 0
+            assert b_fp8 <= 0.55 * b_hp, (b_fp8, b_hp)
+
+
+def test_ledger_amax_reductions_by_scope(runs):
+    local, group = runs["w2"]["ledger:fp8_tensorwise:local"], runs["w2"]["ledger:fp8_tensorwise:group"]
+    assert [c for c, _, _ in _per_step(local, "hp_gather", "amax_all_reduce")] == [0] * 4
+    assert [c for c, _, _ in _per_step(local, "fp8_gather", "amax_all_reduce")] == [1] * 4
+    sites = len(local["fast_calls"][0])
+    assert [c for c, _, _ in _per_step(group, "hp_gather", "amax_all_reduce")] == [2 * sites] * 4
+    assert [c for c, _, _ in _per_step(group, "fp8_gather", "amax_all_reduce")] == [2 * sites + 1] * 4
+    for run in (local, group):
+        for mode in ("hp_gather", "fp8_gather"):
+            stats = [c for c, _, _ in _per_step(run, mode, "stats_all_gather")]
+            assert stats == [0, 1, 0, 1]   # check_every=2: steps 1 and 3, one collective for all sites
+
+
+def test_checkpoint_resumes_exactly_and_reshards(runs):
+    run = runs["w4"]["ckpt:fp8_tensorwise:group"]
+    assert len(run["first"]) == 3 and len(run["straight"]) == 2
+    assert run["resumed"] == run["straight"]
+    assert run["weight_dtypes"] and set(run["weight_dtypes"].values()) == {"torch.float32"}
+    resharded = runs["reshard"]["reshard:fp8_tensorwise:group"]
+    assert resharded["step"] == 3
+    for a, b in zip(resharded["resumed"], run["straight"], strict=True):
+        assert abs(a - b) <= 1e-6 * abs(b)
+
+
+@pytest.mark.parametrize("variant", SEQ)
+def test_sequence_parallel_gathers_fp8_bytes(runs, variant):
+    for rank, res in enumerate(runs["w2"][variant]):
+        assert (res["y"], res["dx"], res["dw"]) == (0.0, 0.0, 0.0), f"rank {rank}: {res}"
+        fp8_bytes, hp_bytes = res["bytes"]
+        assert hp_bytes > 0 and fp8_bytes * 4 == hp_bytes   # FP32 input: 4 bytes an element, FP8 1
+        assert res["calls"] == ((1, 0), (1, 0))
+
+
+def test_dp_x_tp_checkpoint_resumes_exactly_and_reshards(runs):
+    run = runs["w4"]["ckpt_dptp:fp8_tensorwise:group"]
+    assert len(run["straight"]) == 2 and run["resumed"] == run["straight"]
+    resharded = runs["reshard"]["reshard_dptp:fp8_tensorwise:group"]
+    assert resharded["step"] == 3
+    for a, b in zip(resharded["resumed"], run["straight"], strict=True):
+        assert abs(a - b) <= 1e-6 * abs(b)

@@ -1,0 +1,77 @@
+"""A NaN planted in one FP8 site on the fast path, under DP 2 x TP 2: the same demotion everywhere.
+
+The reference experiment of tests/experiments/test_parallel_parity.py on the `torch`
+backend (every FP8 site on its fast path: `lowprec.sites.fp8_parallel` under DP x TP),
+16 steps: `torchrun --nproc-per-node 4 -m lowprec.cli run` with `parallel: {dp_replicate: 2, tp: 2}`
+against `lowprec run` in one process. The NaN goes into blocks.1.mlp.fc's output from
+step 12: that site is column-parallel, so the NaN appears on the tp rank that holds the
+first output column only (rank 0 of each dp pair; `lowprec.runtime.faults`). Every rank
+must log the single process's decisions, in order and at the same steps: the step-12
+replays and the fallback of exactly that site, the promotion before it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[4]
+sys.path.insert(0, str(ROOT / "tests" / "experiments"))
+
+from test_parallel_parity import CONFIG, PINNED, SITE, _decisions  # noqa: E402
+
+TIMEOUT_S = 300
+INJECT = ["--inject", f"nan:{SITE}:12:16"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, gloo):
+    d = tmp_path_factory.mktemp("fast_faults")
+    cfg = copy.deepcopy(CONFIG)
+    cfg["precision"]["backend"] = "torch"
+    cfg["train"]["steps"] = 16
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (d / "dp2xtp2.yaml").write_text(yaml.safe_dump({**cfg, "parallel": {"dp_replicate": 2, "tp": 2}}))
+    commands = {
+        "single": [sys.executable, "-m", "lowprec.cli", "run", str(d / "config.yaml"), "--out", str(d / "single"),
+                   *INJECT],
+        "dp2xtp2": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
+                    "lowprec.cli", "run", str(d / "dp2xtp2.yaml"), "--out", str(d / "dp2xtp2"), *INJECT],
+    }
+    jobs = {}
+    for name, cmd in commands.items():
+        with open(d / f"{name}.log", "w") as log:
+            jobs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                          env={**os.environ, **PINNED}, start_new_session=True)
+    try:
+        for name, proc in jobs.items():
+            try:
+                proc.wait(timeout=TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{name} ran past {TIMEOUT_S} s:\n{(d / f'{name}.log').read_text()[-4000:]}")
+            assert proc.returncode == 0, f"{name} failed:\n{(d / f'{name}.log').read_text()[-6000:]}"
+    finally:
+        for proc in jobs.values():   # only the jobs started here, after a timeout or failure
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return {"single": (d / "single" / "events.jsonl").read_text(),
+            "ranks": [(d / "dp2xtp2" / f"events.rank{r}.jsonl").read_text() for r in range(4)]}
+
+
+def test_every_rank_demotes_exactly_the_nan_site_in_the_same_step(runs):
+    ref = _decisions(runs["single"])
+    fallbacks = [e for e in map(json.loads, runs["single"].splitlines()) if e["kind"] == "fallback"]
+    assert [(e["step"], e["sites"]) for e in fallbacks] == [(12, [SITE])], fallbacks
+    for rank, log in enumerate(runs["ranks"]):
+        assert _decisions(log) == ref, f"rank {rank}"

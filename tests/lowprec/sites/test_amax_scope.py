@@ -1,0 +1,49 @@
+"""`precision.amax_scope` in one process: what each scope asks of the layers and backends.
+
+The numerics under torchrun are in tests/lowprec/sites/fast_path/test_fast_path_distributed.py."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lowprec import prepare
+from lowprec.sites.amax_scope import AmaxScope
+from lowprec.sites.layers import PrecisionLinear
+from lowprec.sites.plan import PrecisionPlan
+
+
+def _plan(backend: str, scope: str) -> PrecisionPlan:
+    return PrecisionPlan.from_dict({"backend": backend, "amax_scope": scope, "rules": [
+        {"select": {"glob": "*"}, "format": "fp8_tensorwise", "ladder": ["fp8_tensorwise", "bf16"]}]})
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16))
+
+
+def test_local_scope_reduces_nothing_and_takes_the_plain_fast_path():
+    group = object()   # never used: local scales need no collective
+    state = prepare(_mlp(), _plan("torch", "local"), amax_group=group)
+    layers = [s.module for s in state.sites.values()]
+    assert all(isinstance(m, PrecisionLinear) and m.amax_scope is AmaxScope.LOCAL for m in layers)
+    assert all(m._amax_groups(role) == [] for m in layers for role in ("input", "grad_output", "weight"))
+    x = torch.randn(8, 32)
+    assert layers[0]._on_fast_path(x, layers[0].weight)   # the amax group plays no part
+    out = layers[1](torch.nn.functional.gelu(layers[0](x)))
+    out.sum().backward()
+    assert [(m.fast_calls, m.slow_calls) for m in layers] == [(1, 0), (1, 0)]
+
+
+def test_group_scope_keeps_the_data_parallel_group():
+    group = object()
+    state = prepare(_mlp(), _plan("emulated", "group"), amax_group=group)
+    m = next(iter(state.sites.values())).module
+    assert m.amax_scope is AmaxScope.GROUP and m._amax_groups("input") == [group]
+    assert m._amax_groups("weight") == []
+
+
+def test_torchao_accepts_a_data_parallel_group_under_local_scope():
+    state = prepare(_mlp(), _plan("torchao", "local"), amax_group=object())
+    assert len(state.sites) == 2
