@@ -36,7 +36,8 @@ import triton
 import triton.language as tl
 
 from lowprec.numerics.kernels.fp8_cast import (
-    _amax_partial_kernel, _bits, _encode, _finite_abs, _flat_grid, _load_f32, _prepare, _scale_of,
+    _amax_partial_kernel, _bits, _encode, _finite_abs, _flat_grid, _load_f32, _prepare, _scale_of, cdiv,
+    next_power_of_2,
 )
 from lowprec.numerics.quant_stats import QuantStats
 
@@ -239,38 +240,39 @@ def traced_launch(kernel, grid):
 
 
 def _grid(m: int, n: int, tile) -> tuple[int, int]:
-    return (max(1, triton.cdiv(m, tile[0])), max(1, triton.cdiv(n, tile[1])))
+    return (max(1, cdiv(m, tile[0])), max(1, cdiv(n, tile[1])))
 
 
 def _buffers(x2: torch.Tensor, transpose: bool, stats: bool, grid: tuple[int, int]):
     """q, q_t (empty without transpose) and the per-tile statistics partials ((tiles, 8) FP64,
-    every row written by its tile; no rows without stats or without elements, where no
+    every row written by its tile; None without stats, no rows without elements, where no
     kernel runs)."""
     m, n = x2.shape
-    tiles = grid[0] * grid[1] if stats and m and n else 0
-    q = torch.empty((m, n), dtype=torch.uint8, device=x2.device)
-    qt = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=x2.device)
-    part = torch.empty((tiles, _N_STATS), dtype=torch.float64, device=x2.device)
+    dev = x2.device
+    q = torch.empty((m, n), dtype=torch.uint8, device=dev)
+    qt = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=dev)
+    part = (torch.empty((grid[0] * grid[1] if m and n else 0, _N_STATS), dtype=torch.float64, device=dev)
+            if stats else None)
     return q, qt, part
 
 
-def _stats_of(part: torch.Tensor, stats: bool) -> torch.Tensor:
+def _stats_of(part: torch.Tensor | None) -> torch.Tensor | None:
     """The packed QuantStats vector from the partials: one small launch (the column sums);
-    empty without stats, zeros where the operand had no tile."""
-    if not stats:
-        return part.new_empty(0)
+    None without stats (`part` None), zeros where the operand had no tile."""
+    if part is None:
+        return None
     return part.sum(0) if part.shape[0] else part.new_zeros(_N_STATS)
 
 
-def _ptr(t: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+def _ptr(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
     """An argument for a pointer the kernel does not use (an empty output): any real buffer."""
-    return t if t.numel() else fallback
+    return t if t is not None and t.numel() else fallback
 
 
 def cast_transpose(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool = False, tile=_TILE,
                    launch=eager_launch):
     """Tensor-wise FP8 cast of `x` viewed as (M, N): `(q (M, N), scale_inv (), q_t (N, M) or
-    an empty tensor, packed stats (8,) FP64 or an empty tensor)`; q_t is q transposed."""
+    an empty tensor, packed stats (8,) FP64 or None)`; q_t is q transposed."""
     elem, x2, c = _prepare(x, elem, "cast_transpose")
     m, n = x2.shape
     grid = _grid(m, n, tile)
@@ -280,13 +282,13 @@ def cast_transpose(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool
     partial = torch.empty(p, dtype=torch.float32, device=x2.device)
     launch(_amax_partial_kernel, (p,))(_bits(x2), partial, x2.numel(), BLOCK=2048, BF16=c["BF16"], num_warps=8)
     if not x2.numel():
-        return _empty_result(x2, elem, q, qt, _stats_of(part, stats), scale_inv)
+        return _empty_result(x2, elem, q, qt, _stats_of(part), scale_inv)
     launch(_ct_kernel, grid)(
         _bits(x2), q, _ptr(qt, q), partial, p, partial, partial, 1, partial, partial, partial, 0, scale_inv,
-        _ptr(part, partial), m * n, m, n, n, BM=tile[0], BN=tile[1], BLOCK_P=triton.next_power_of_2(p), BLOCK_L=1, MB=c.pop("M"),
+        _ptr(part, partial), m * n, m, n, n, BM=tile[0], BN=tile[1], BLOCK_P=next_power_of_2(p), BLOCK_L=1, MB=c.pop("M"),
         DELAYED=False, MOST_RECENT=False, MARGIN_DIV=1.0, OVERFLOW=False, TRANSPOSE=transpose,
         STATS=stats, num_warps=4, **c)
-    return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), _stats_of(part, stats)
+    return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), _stats_of(part)
 
 
 def cast_transpose_delayed(x: torch.Tensor, elem, state: DelayedState, *, margin: int = 0,
@@ -294,7 +296,7 @@ def cast_transpose_delayed(x: torch.Tensor, elem, state: DelayedState, *, margin
                            overflow_index: int = 0, transpose: bool = True, stats: bool = False,
                            tile=_TILE, launch=eager_launch):
     """Delayed-scaling FP8 cast in one kernel: the scale from `state`'s history, this
-    operand's amax appended to it. Returns `(q, scale_inv (), q_t or empty, stats or empty)`.
+    operand's amax appended to it. Returns `(q, scale_inv (), q_t or empty, stats or None)`.
     With `overflow`, `overflow[overflow_index]` is incremented when amax * scale / 2 saturates."""
     elem, x2, c = _prepare(x, elem, "cast_transpose_delayed")
     m, n = x2.shape
@@ -304,21 +306,21 @@ def cast_transpose_delayed(x: torch.Tensor, elem, state: DelayedState, *, margin
     hist = state.history
     ov = overflow if overflow is not None else hist
     if not x2.numel():
-        return _empty_result(x2, elem, q, qt, _stats_of(part, stats), scale_inv)
+        return _empty_result(x2, elem, q, qt, _stats_of(part), scale_inv)
     launch(_ct_kernel, grid)(
         _bits(x2), q, _ptr(qt, q), hist, 1, hist, state.count, hist.numel(), state.scratch, state.ticket, ov,
         overflow_index if overflow is not None else 0, scale_inv, _ptr(part, hist), m * n, m, n, n, BM=tile[0], BN=tile[1], BLOCK_P=1,
-        BLOCK_L=triton.next_power_of_2(hist.numel()), MB=c.pop("M"), DELAYED=True,
+        BLOCK_L=next_power_of_2(hist.numel()), MB=c.pop("M"), DELAYED=True,
         MOST_RECENT=most_recent, MARGIN_DIV=float(2.0 ** margin), OVERFLOW=overflow is not None,
         TRANSPOSE=transpose, STATS=stats, num_warps=4, **c)
-    return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), _stats_of(part, stats)
+    return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), _stats_of(part)
 
 
 def cast_transpose_rowwise(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool = False,
                            tile=_TILE, launch=eager_launch):
     """Row-wise FP8 casts of `x` viewed as (M, N): `q` with one scale per row (over N) and
     `q_t` = the row-wise cast of x^T (one scale per column of x, over M). Returns
-    `(q, scale_inv (M, 1), q_t (N, M) or empty, scale_inv_t (N, 1) or empty, stats or empty)`."""
+    `(q, scale_inv (M, 1), q_t (N, M) or empty, scale_inv_t (N, 1) or empty, stats or None)`."""
     elem, x2, c = _prepare(x, elem, "cast_transpose_rowwise")
     m, n = x2.shape
     grid = _grid(m, n, tile)
@@ -332,11 +334,11 @@ def cast_transpose_rowwise(x: torch.Tensor, elem, *, transpose: bool = True, sta
         launch(_ct_row_kernel, grid)(_bits(x2), q, _ptr(qt, q), maxima, si, _ptr(sit, si),
                              _ptr(part, maxima), m * n, m, n, n, BM=tile[0], BN=tile[1], MB=c.pop("M"),
                              TRANSPOSE=transpose, STATS=stats, num_warps=4, **c)
-        st = _stats_of(part, stats)
+        st = _stats_of(part)
         if stats:   # the largest row maximum, which is also the largest column maximum
             first = torch.arange(_N_STATS, device=st.device) == 0
             st = torch.where(first, maxima.amax().to(st.dtype), st)
     else:   # no elements in a row or a column: the scales of an amax of 0, as quantize's
-        st = _stats_of(part, stats)
+        st = _stats_of(part)
         _fill_zero_amax_scale_inv(elem, si, sit)
     return q.view(elem.torch_dtype), si, qt.view(elem.torch_dtype), sit, st
