@@ -132,7 +132,7 @@ def _eager(kernel_impl, reference_impl, x: Tensor, *args):
 def _complete(x: Tensor, out: tuple) -> tuple:
     """The op's outputs from an implementation's: None (an absent output) becomes the empty
     tensor the op's schema returns (the statistics last, FP64; `scale_inv_t` FP32)."""
-    if None not in out:
+    if all(t is not None for t in out):   # not `None in out`: that compares tensors with ==
         return out
     last = len(out) - 1
     return tuple(_empty(x, 0, dtype=torch.float64 if i == last else torch.float32) if t is None else t

@@ -120,8 +120,8 @@ def _mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: torch.dtype, ge
     """a @ b^T (+ bias) for FP8 a (M, K) and b (N, K), both row-major, with their scale_inv (a
     scalar, or (M, 1) / (N, 1) row-wise), in `out_dtype` straight from `_scaled_mm` (on CPU,
     too: it accumulates in FP32, adds the bias and rounds once, as the emulated backend).
-    `gemm` (fprop, dgrad or wgrad) picks its `use_fast_accum` from `gemms`; on CUDA, shapes
-    that are not multiples of 16 are zero-padded when `gemms.pad_inner_dim`, refused otherwise.
+    `gemm` (fprop, dgrad or wgrad) picks its `use_fast_accum` from `gemms`; on CUDA, a K or N
+    that is not a multiple of 16 is zero-padded when `gemms.pad_inner_dim`, refused otherwise.
     A bias of the output's dtype (BF16) goes into the GEMM's epilogue (on CUDA an FP32 bias is
     cast to it first, as autocast does); on CPU another (an FP32 bias under a BF16 output) is
     added to the FP32 result before the one rounding, as the emulated backend does. Row-wise
@@ -129,9 +129,9 @@ def _mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: torch.dtype, ge
     sb = sb.reshape(1, -1) if sb.dim() == 2 else sb
     m, n = a.shape[0], b.shape[0]
     cuda = a.is_cuda
-    padded = cuda and (m % 16 or n % 16 or a.shape[1] % 16)
+    padded = cuda and misaligned(gemm, m, n, a.shape[1], rowwise=sa.dim() == 2)
     if padded and not gemms.pad_inner_dim:
-        raise ValueError(misaligned(gemm, m, n, a.shape[1]))
+        raise ValueError(padded)
     if padded:   # zeros change no product (sliced off below)
         from lowprec.sites.backends.scaled_mm import _pad16
         a, b, sa, sb = _pad16(a, b, sa, sb)

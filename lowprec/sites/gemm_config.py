@@ -15,10 +15,12 @@ defaults are torchao's (`torchao.float8.config.Float8LinearConfig`: `gemm_config
 with fast accumulation, `gemm_config_grad_input` and `gemm_config_grad_weight` without), so
 that the two run the same GEMMs. On CPU `_scaled_mm` accumulates in FP32 whatever the flag.
 
-`pad_inner_dim`: cuBLASLt's FP8 GEMMs need every dimension a multiple of 16 (on CUDA;
-the CPU kernel takes any shape). Off (torchao's default), a GEMM whose shapes do not fit is
-refused with an error that names this key; on, its operands are zero-padded to multiples of
-16 and the result sliced back (zeros change no product; it costs a copy of each operand).
+`pad_inner_dim`: on CUDA, `_scaled_mm` needs K and N (both dimensions of its second
+operand) multiples of 16; the CPU kernel takes any shape. The token count is K of the wgrad
+GEMM, so a batch of, say, 37 tokens does not fit there (an eval's forward does: tokens are
+M in fprop). Off (torchao's default), a GEMM that does not fit is refused with an error that
+names this key; on, its operands are zero-padded to multiples of 16 and the result sliced
+back (zeros change no product; it costs a copy of each operand).
 """
 
 from __future__ import annotations
@@ -64,10 +66,13 @@ class LinearGemmConfig:
         return (self.fprop.use_fast_accum, self.dgrad.use_fast_accum, self.wgrad.use_fast_accum)
 
 
-def misaligned(gemm: str, m: int, n: int, k: int) -> str | None:
+def misaligned(gemm: str, m: int, n: int, k: int, rowwise: bool = False) -> str | None:
     """Why a `gemm` of (m, k) x (n, k)^T cannot run unpadded on CUDA, or None if it can:
-    one line saying what was found, what is needed and the key that pads."""
-    bad = [f"{name} {v}" for name, v in (("M", m), ("N", n), ("K", k)) if v % ALIGN]
+    one line saying what was found, what is needed and the key that pads. `_scaled_mm`
+    checks K and N (both dimensions of its second operand); M, the rows, may be any, except
+    under row-wise scales, where it is held to 16 too (as the padding always did)."""
+    dims = (("M", m), ("N", n), ("K", k)) if rowwise else (("N", n), ("K", k))
+    bad = [f"{name} {v}" for name, v in dims if v % ALIGN]
     if not bad:
         return None
     return (f"the {gemm} FP8 GEMM ({m}x{k} @ {k}x{n}) has {', '.join(bad)}: cuBLASLt needs multiples of "

@@ -7,6 +7,7 @@ from torch import nn
 
 from lowprec.sites.backends import get_backend
 from lowprec.numerics.formats import get_format
+from lowprec.sites.gemm_config import LinearGemmConfig
 from lowprec.sites.layers import PrecisionLinear
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -82,15 +83,37 @@ def test_weight_cache_bit_identical_on_cuda(fmt):
 @pytest.mark.parametrize("fmt", ["fp8_tensorwise", "fp8_rowwise"])
 def test_odd_token_counts_are_padded(fmt):
     """An eval window of 37 tokens (not a multiple of 16) runs on the torch backend and
-    matches the emulated one (cuBLASLt needs multiples of 16: the backend zero-pads)."""
+    matches the emulated one: tensor-wise without padding (tokens are M in fprop, which
+    `_scaled_mm` takes as they are), row-wise with `pad_inner_dim` on."""
     torch.manual_seed(0)
     base = nn.Linear(256, 128, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1, 37, 256, device="cuda", dtype=torch.bfloat16)
+    gemm = LinearGemmConfig(pad_inner_dim=fmt == "fp8_rowwise")
     with torch.no_grad():
-        ys = [PrecisionLinear.from_module(base, get_format(fmt), get_backend(be))(x).float()
+        ys = [PrecisionLinear.from_module(base, get_format(fmt), get_backend(be), gemm=gemm)(x).float()
               for be in ("emulated", "torch")]
     assert ys[1].shape == (1, 37, 128)
     assert ((ys[0] - ys[1]).norm() / ys[0].norm()).item() < 2e-2
+
+
+def test_training_on_odd_token_counts_needs_padding():
+    """37 tokens are K of the wgrad GEMM: without `pad_inner_dim` the step is refused with a
+    one-line error naming the key; with it, the gradients match the emulated backend's."""
+    torch.manual_seed(0)
+    base = nn.Linear(256, 128, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(37, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(37, 128, device="cuda", dtype=torch.bfloat16)
+    layer = PrecisionLinear.from_module(base, get_format("fp8_tensorwise"), get_backend("torch"))
+    with pytest.raises(ValueError, match="pad_inner_dim: true"):
+        layer(x).backward(g)
+    grads = []
+    for be in ("emulated", "torch"):
+        layer = PrecisionLinear.from_module(base, get_format("fp8_tensorwise"), get_backend(be),
+                                            gemm=LinearGemmConfig(pad_inner_dim=True))
+        base.weight.grad = None
+        layer(x).backward(g)
+        grads.append(base.weight.grad.float())
+    assert ((grads[0] - grads[1]).norm() / grads[0].norm()).item() < 2e-2
 
 
 def test_autocast_fp32_model_gets_bf16_output():
