@@ -68,9 +68,17 @@ def per_call_us(fn, calls: int, repeats: int, cuda: bool) -> float:
 
 
 def _layer_step(layer, x, g, weight, cuda_graphs: bool = False):
-    """One fwd+bwd of `layer`, the weight changed before it as by an optimizer step; with
+    """One fwd+bwd of `layer`, the weight changed before it as by an optimizer step and the
+    gradients dropped as by `zero_grad(set_to_none=True)`: a step that added into the last
+    step's gradients would read, under CUDA graphs, memory the next replay has overwritten
+    (the "accessing tensor output of CUDAGraphs that has been overwritten" error). With
     `cuda_graphs`, each step a new replay of the recorded graphs."""
+    params = list(layer.parameters())
+
     def step():
+        x.grad = None
+        for p in params:
+            p.grad = None
         if cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         increment_version(weight)

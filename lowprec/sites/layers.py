@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lowprec.numerics.delayed import AmaxHistory
+from lowprec.numerics.delayed import AmaxHistory, static_address
 from lowprec.numerics.formats import Format, QuantSpec, ScaleEncoding, Scaling
 from lowprec.numerics.grid import saturates
 from lowprec.numerics.hadamard import RandomHadamard
@@ -96,7 +96,7 @@ class PrecisionLinear(nn.Linear):
         # weight, grad_output) saturated past twice the format's max while full statistics
         # were off: one tiny device op
         # per such operand, so a one-step overflow between checks is not missed
-        self.overflow_steps = torch.zeros(len(_OPERANDS), dtype=torch.float64, device=weight.device)
+        self.overflow_steps = static_address(torch.zeros(len(_OPERANDS), dtype=torch.float64, device=weight.device))
         self.histories: dict[str, AmaxHistory] = {}
         self.gemm = gemm or LinearGemmConfig()   # the fast path's three GEMMs (lowprec.sites.gemm_config)
         self.format = fmt
@@ -124,10 +124,10 @@ class PrecisionLinear(nn.Linear):
         dev, old = self.weight.device, self.overflow_steps.device
         if dev != old:
             if old.type == "meta":
-                self.overflow_steps = torch.zeros_like(self.overflow_steps, device=dev)
+                self.overflow_steps = static_address(torch.zeros_like(self.overflow_steps, device=dev))
                 self._reset_histories()
             else:
-                self.overflow_steps = self.overflow_steps.to(dev)
+                self.overflow_steps = static_address(self.overflow_steps.to(dev))
                 for h in self.histories.values():
                     h.to(dev)
             self.generator = _generator(dev, self.seed)   # a generator cannot change device: reseeded
@@ -194,7 +194,8 @@ class PrecisionLinear(nn.Linear):
         keep_stats = record and self.collect_stats
         key = None
         if (role == "weight" and self.weight_cache.enabled and cacheable(spec)
-                and not self._amax_groups(role) and not torch.compiler.is_compiling()):
+                and not self._amax_groups(role) and not torch.compiler.is_compiling()
+                and not (t.is_cuda and torch.cuda.is_current_stream_capturing())):
             key = cache_key(t, spec, self.fused)
             slot = f"{tuple(t.shape)}{t.stride()}"   # the forward's and the backward's layout
             q = self.weight_cache.get(slot, key, need_stats=keep_stats)
@@ -270,7 +271,10 @@ def _weight_forms(layer: PrecisionLinear, w: torch.Tensor, recipe: FastRecipe) -
     """The weight's FP8 casts (both layouts), from the layer's weight cache when the weight
     has not changed since (tensor-wise and row-wise; delayed scaling casts every time)."""
     cache = layer.weight_cache
-    use_cache = cache.enabled and not recipe.delayed and not torch.compiler.is_compiling()
+    # not under torch.compile (a graph casts in its own kernels) nor inside a CUDA-graph
+    # capture: a replay runs no Python, so a hit at capture would replay stale casts
+    use_cache = (cache.enabled and not recipe.delayed and not torch.compiler.is_compiling()
+                 and not (w.is_cuda and torch.cuda.is_current_stream_capturing()))
     if use_cache:
         # one slot: the key holds the weight's shape and strides
         key = cache_key(w, layer.format.weight, True, tag="fast")

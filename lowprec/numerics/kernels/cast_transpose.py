@@ -31,13 +31,15 @@ agree to rounding, not bit for bit). Element and scale numerics are
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from lowprec.numerics.kernels.fp8_cast import (
-    _amax_partial_kernel, _bits, _encode, _finite_abs, _flat_grid, _load_f32, _prepare, _scale_of, cdiv,
-    next_power_of_2,
+    _amax_partial_kernel, _bits, _checked, _consts, _encode, _finite_abs, _flat_grid, _load_f32, _prepare, _scale_of,
+    cdiv, next_power_of_2,
 )
 from lowprec.numerics.quant_stats import QuantStats
 
@@ -269,25 +271,40 @@ def _ptr(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
     return t if t is not None and t.numel() else fallback
 
 
+@functools.lru_cache(maxsize=1024)
+def _ct_plan(m: int, n: int, elem, bf16: bool, transpose: bool, stats: bool, tile, delayed: bool, hist_len: int):
+    """What `_ct_kernel`'s launch needs besides its tensors, for one shape and recipe: (grid,
+    programs of the amax pass, the constexpr keyword arguments). Computed once per shape (a
+    pure function of its arguments), so that a cast's host time is its allocations and its
+    launches."""
+    grid = _grid(m, n, tile)
+    p = _flat_grid(m * n, 2048)
+    c = _consts(elem, bf16)
+    kw = dict(BM=tile[0], BN=tile[1], BLOCK_P=1 if delayed else next_power_of_2(p),
+              BLOCK_L=next_power_of_2(hist_len) if delayed else 1, MB=c["M"], DELAYED=delayed,
+              TRANSPOSE=transpose, STATS=stats, num_warps=4,
+              **{k: v for k, v in c.items() if k != "M"})
+    return grid, p, kw
+
+
 def cast_transpose(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool = False, tile=_TILE,
                    launch=eager_launch):
     """Tensor-wise FP8 cast of `x` viewed as (M, N): `(q (M, N), scale_inv (), q_t (N, M) or
     an empty tensor, packed stats (8,) FP64 or None)`; q_t is q transposed."""
-    elem, x2, c = _prepare(x, elem, "cast_transpose")
+    elem, x2 = _checked(x, elem, "cast_transpose")
     m, n = x2.shape
-    grid = _grid(m, n, tile)
+    bf16 = x2.dtype == torch.bfloat16
+    grid, p, kw = _ct_plan(m, n, elem, bf16, transpose, stats, tuple(tile), False, 1)
     q, qt, part = _buffers(x2, transpose, stats, grid)
     scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
-    p = _flat_grid(x2.numel(), 2048)
     partial = torch.empty(p, dtype=torch.float32, device=x2.device)
-    launch(_amax_partial_kernel, (p,))(_bits(x2), partial, x2.numel(), BLOCK=2048, BF16=c["BF16"], num_warps=8)
-    if not x2.numel():
+    bits = _bits(x2)
+    launch(_amax_partial_kernel, (p,))(bits, partial, m * n, BLOCK=2048, BF16=bf16, num_warps=8)
+    if not m * n:
         return _empty_result(x2, elem, q, qt, _stats_of(part), scale_inv)
     launch(_ct_kernel, grid)(
-        _bits(x2), q, _ptr(qt, q), partial, p, partial, partial, 1, partial, partial, partial, 0, scale_inv,
-        _ptr(part, partial), m * n, m, n, n, BM=tile[0], BN=tile[1], BLOCK_P=next_power_of_2(p), BLOCK_L=1, MB=c.pop("M"),
-        DELAYED=False, MOST_RECENT=False, MARGIN_DIV=1.0, OVERFLOW=False, TRANSPOSE=transpose,
-        STATS=stats, num_warps=4, **c)
+        bits, q, _ptr(qt, q), partial, p, partial, partial, 1, partial, partial, partial, 0, scale_inv,
+        _ptr(part, partial), m * n, m, n, n, MOST_RECENT=False, MARGIN_DIV=1.0, OVERFLOW=False, **kw)
     return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), _stats_of(part)
 
 
@@ -298,21 +315,20 @@ def cast_transpose_delayed(x: torch.Tensor, elem, state: DelayedState, *, margin
     """Delayed-scaling FP8 cast in one kernel: the scale from `state`'s history, this
     operand's amax appended to it. Returns `(q, scale_inv (), q_t or empty, stats or None)`.
     With `overflow`, `overflow[overflow_index]` is incremented when amax * scale / 2 saturates."""
-    elem, x2, c = _prepare(x, elem, "cast_transpose_delayed")
+    elem, x2 = _checked(x, elem, "cast_transpose_delayed")
     m, n = x2.shape
-    grid = _grid(m, n, tile)
+    hist = state.history
+    grid, _, kw = _ct_plan(m, n, elem, x2.dtype == torch.bfloat16, transpose, stats, tuple(tile), True,
+                           hist.numel())
     q, qt, part = _buffers(x2, transpose, stats, grid)
     scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
-    hist = state.history
     ov = overflow if overflow is not None else hist
-    if not x2.numel():
+    if not m * n:
         return _empty_result(x2, elem, q, qt, _stats_of(part), scale_inv)
     launch(_ct_kernel, grid)(
         _bits(x2), q, _ptr(qt, q), hist, 1, hist, state.count, hist.numel(), state.scratch, state.ticket, ov,
-        overflow_index if overflow is not None else 0, scale_inv, _ptr(part, hist), m * n, m, n, n, BM=tile[0], BN=tile[1], BLOCK_P=1,
-        BLOCK_L=next_power_of_2(hist.numel()), MB=c.pop("M"), DELAYED=True,
-        MOST_RECENT=most_recent, MARGIN_DIV=float(2.0 ** margin), OVERFLOW=overflow is not None,
-        TRANSPOSE=transpose, STATS=stats, num_warps=4, **c)
+        overflow_index if overflow is not None else 0, scale_inv, _ptr(part, hist), m * n, m, n, n,
+        MOST_RECENT=most_recent, MARGIN_DIV=float(2.0 ** margin), OVERFLOW=overflow is not None, **kw)
     return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), _stats_of(part)
 
 

@@ -237,6 +237,13 @@ def _element(elem) -> ElementFormat:
 
 
 def _prepare(x: torch.Tensor, elem, what: str):
+    """(element format, x as a contiguous 2-D (rows, K) tensor, the kernels' constants: a copy)."""
+    elem, x2 = _checked(x, elem, what)
+    return elem, x2, dict(_consts(elem, x2.dtype == torch.bfloat16))
+
+
+def _checked(x: torch.Tensor, elem, what: str):
+    """(element format, x as a contiguous 2-D (rows, K) tensor), or a clear error."""
     elem = _element(elem)
     if x.dtype not in (torch.bfloat16, torch.float32, torch.float16):
         raise TypeError(f"{what} expects a BF16, FP16 or FP32 tensor, got {x.dtype}")
@@ -248,7 +255,7 @@ def _prepare(x: torch.Tensor, elem, what: str):
     x2 = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1] if x.dim() else 1)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    return elem, x2, dict(_consts(elem, x2.dtype == torch.bfloat16))
+    return elem, x2
 
 
 @functools.lru_cache(maxsize=None)
