@@ -23,9 +23,9 @@ the row-major quantization (amax, saturated, underflow, squared error, signal po
 non-finite, numel, underflow energy) from the same pass: each tile writes its counts and
 FP64 sums to its own row of a (tiles, 8) buffer, one column sum after the kernel packs
 them (no atomics: on an H100 the first version's six FP64 atomic adds per tile into one
-vector made a check step's cast 5.4x slower). Counts are exact, the three sums accumulated
-in FP64 from the exact grid magnitudes (their order differs from `quantize`'s, so they
-agree to rounding, not bit for bit). Element and scale numerics are
+vector made a check step's cast 5.4x slower). Counts are exact; the dequantized magnitude is
+`quantize`'s (|q| / scale, one FP32 rounding), the error, the squares and the three sums
+are FP64 (their order differs from `quantize`'s, so they agree to rounding, not bit for bit). Element and scale numerics are
 `lowprec.numerics.quantize.quantize`'s, bit for bit (`fp8_cast._encode`, `_scale_of`).
 """
 
@@ -67,7 +67,10 @@ def _tile_stats(part_ptr, first, amax, numel, ax, qa, sat, under, nonfin, scale)
     Slot 0 (amax) and slot 6 (numel) are written by the first tile only (`first`), 0 by the
     others, so that the column sums are the operand's values."""
     a64 = ax.to(tl.float64)
-    err = qa.to(tl.float64) / scale.to(tl.float64) - a64
+    # dq = |q| / scale in FP32, rounded once as `quantize` dequantizes; then the error, its
+    # square and the sums in FP64 (exact differences and squares of FP32 values). No FP64
+    # division per element: on a GPU that is many times the cost of the cast itself.
+    err = tl.math.div_rn(qa, scale).to(tl.float64) - a64
     sq = a64 * a64
     row = _stats_row(part_ptr)
     tl.store(row + 0, tl.where(first, tl.cast(amax, tl.float64), 0.0))
