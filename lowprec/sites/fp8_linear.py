@@ -165,7 +165,8 @@ class FP8LinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         siwt = siw if siwt is None else siwt   # one scale for both layouts unless row-wise
         need_dw = ctx.needs_input_grad[1]
-        overflow, hist_x, hist_g = (state[0], DelayedTensors(*state[1:5]), state[5:]) if state else (None, NO_HISTORY, ())
+        overflow, hist_x, hist_g = ((state[0], DelayedTensors(*state[1:5]), state[5:]) if state
+                                    else (None, NO_HISTORY, ()))
         qx, six, qxt, sixt, stats_x = _cast(x2, recipe.fwd, recipe, hist_x, overflow, 0, need_dw)
         y = _mm(qx, six, qw, siw, _output_dtype(x), "fprop", recipe.gemm, bias)
         ctx.save_for_backward(qxt, sixt, qwt, siwt, grad_stats, *hist_g, *state[:1])

@@ -297,8 +297,8 @@ def _fast_linear(layer: PrecisionLinear, x: torch.Tensor, w: torch.Tensor, recip
     # check step reports the input's and the weight's statistics only
     grad_stats = (torch.zeros(len(QuantStats.FIELDS), dtype=torch.float64, device=x.device)
                   if stats and torch.is_grad_enabled() and not torch.compiler.is_compiling() else None)
-    state = (delayed_state(layer.overflow_steps, _delayed(layer, "input", recipe), _delayed(layer, "grad_output", recipe))
-             if recipe.delayed else ())
+    state = (delayed_state(layer.overflow_steps, _delayed(layer, "input", recipe),
+                           _delayed(layer, "grad_output", recipe)) if recipe.delayed else ())
     y, stats_x = FP8LinearFn.apply(x, w, layer.bias, forms.q, forms.scale_inv, forms.q_t,
                                    forms.scale_inv_t if recipe.rowwise else None, grad_stats, recipe, *state)
     if stats:

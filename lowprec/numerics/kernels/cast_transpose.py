@@ -25,8 +25,8 @@ FP64 sums to its own row of a (tiles, 8) buffer, one column sum after the kernel
 them (no atomics: on an H100 the first version's six FP64 atomic adds per tile into one
 vector made a check step's cast 5.4x slower). Counts are exact; the dequantized magnitude is
 `quantize`'s (|q| / scale, one FP32 rounding), the error, the squares and the three sums
-are FP64 (their order differs from `quantize`'s, so they agree to rounding, not bit for bit). Element and scale numerics are
-`lowprec.numerics.quantize.quantize`'s, bit for bit (`fp8_cast._encode`, `_scale_of`).
+are FP64 (their order differs from `quantize`'s, so they agree to rounding, not bit for bit).
+Element and scale numerics are `lowprec.numerics.quantize.quantize`'s, bit for bit (`fp8_cast._encode`, `_scale_of`).
 """
 
 from __future__ import annotations
