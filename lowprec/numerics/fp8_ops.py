@@ -63,6 +63,14 @@ def element_code(elem) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def _cast_transpose():
+    """The kernels' module (`lowprec.numerics.kernels.cast_transpose`), imported at the first
+    cast that runs them (an import statement per call costs host time)."""
+    from lowprec.numerics.kernels import cast_transpose
+    return cast_transpose
+
+
+@functools.lru_cache(maxsize=None)
 def _interpreted_kernels() -> bool:
     """Whether Triton is installed and runs interpreted (its own switch, read once)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -93,11 +101,11 @@ def _empty(x: Tensor, *shape, dtype=torch.float32) -> Tensor:
 
 def _kernel_cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool, *, launch):
     """fp8_cast by the Triton kernels, launched by `launch` (eager, or traced into a graph)."""
-    from lowprec.numerics.kernels.cast_transpose import cast_transpose, cast_transpose_rowwise
+    ct = _cast_transpose()
     element = ELEMENTS[elem]
     if rowwise:
-        return cast_transpose_rowwise(x, element, transpose=transpose, stats=stats, launch=launch)
-    q, si, qt, st = cast_transpose(x, element, transpose=transpose, stats=stats, launch=launch)
+        return ct.cast_transpose_rowwise(x, element, transpose=transpose, stats=stats, launch=launch)
+    q, si, qt, st = ct.cast_transpose(x, element, transpose=transpose, stats=stats, launch=launch)
     return q, si, qt, None, st
 
 
@@ -124,8 +132,7 @@ def _eager(kernel_impl, reference_impl, x: Tensor, *args):
     `scale_inv_t`, the statistics off a check step) are None here: `_complete` makes them
     the op's empty tensors, and direct calls skip those allocations."""
     if uses_kernels(x):
-        from lowprec.numerics.kernels.cast_transpose import eager_launch
-        return kernel_impl(x, *args, launch=eager_launch)
+        return kernel_impl(x, *args, launch=_cast_transpose().eager_launch)
     return reference_impl(x, *args)
 
 
@@ -163,9 +170,9 @@ def _kernel_cast_delayed(x: Tensor, elem: int, history: Tensor, count: Tensor, s
                          ticket: Tensor, overflow: Tensor, overflow_index: int, margin: int,
                          most_recent: bool, transpose: bool, stats: bool, count_overflow: bool, *, launch):
     """fp8_cast_delayed by the Triton kernel, launched by `launch`."""
-    from lowprec.numerics.kernels.cast_transpose import DelayedState, cast_transpose_delayed
-    state = DelayedState(history, count, scratch, ticket)
-    return cast_transpose_delayed(x, ELEMENTS[elem], state, margin=margin, most_recent=most_recent,
+    ct = _cast_transpose()
+    state = ct.DelayedState(history, count, scratch, ticket)
+    return ct.cast_transpose_delayed(x, ELEMENTS[elem], state, margin=margin, most_recent=most_recent,
                                   overflow=overflow if count_overflow else None,
                                   overflow_index=overflow_index, transpose=transpose, stats=stats,
                                   launch=launch)
