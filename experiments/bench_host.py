@@ -12,14 +12,16 @@ holds the host up (so the time per call is the host's):
   `torch.ops.lowprec.fp8_cast` (the custom op's dispatch on top);
 * `_scaled_mm`: one FP8 GEMM call (CUDA only);
 * `nn.Linear fwd+bwd`, `PrecisionLinear fwd+bwd` (fp8_tensorwise, statistics off, the
-  weight changed before each step as by an optimizer), and the same layer under
+  weight changed before each step as by an optimizer and the gradients dropped as by
+  `zero_grad(set_to_none=True)`), and the same layer under
   `torch.compile` (the casts' kernels in the graph, then the casts kept opaque ops:
   `fp8_ops.opaque_in_graphs()`) and under `mode="reduce-overhead"` (CUDA graphs, CUDA only).
 
 Each row is the median over `--repeats` rounds of `--calls` calls, in microseconds per call,
 then divided by the `nn.Linear fwd+bwd` row for the layer rows. A CUDA run synchronises
 before and after each round only. On a CPU the casts run the reference quantizer (their
-rows then measure it, not the kernels' launch path), and the CUDA-only rows say so.
+rows then measure it, not the kernels' launch path), and the CUDA-only rows say so;
+`bench_host_noop.py` measures the layer's host time on a CPU with the launches as no-ops.
 
     python experiments/bench_host.py                 # on a GPU
     python experiments/bench_host.py --device cpu    # a smoke run here
@@ -68,9 +70,17 @@ def per_call_us(fn, calls: int, repeats: int, cuda: bool) -> float:
 
 
 def _layer_step(layer, x, g, weight, cuda_graphs: bool = False):
-    """One fwd+bwd of `layer`, the weight changed before it as by an optimizer step; with
+    """One fwd+bwd of `layer`, the weight changed before it as by an optimizer step and the
+    gradients dropped as by `zero_grad(set_to_none=True)`: a step that added into the last
+    step's gradients would read, under CUDA graphs, memory the next replay has overwritten
+    (the "accessing tensor output of CUDAGraphs that has been overwritten" error). With
     `cuda_graphs`, each step a new replay of the recorded graphs."""
+    params = list(layer.parameters())
+
     def step():
+        x.grad = None
+        for p in params:
+            p.grad = None
         if cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         increment_version(weight)

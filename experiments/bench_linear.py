@@ -146,7 +146,8 @@ def _compiled_rows(base: nn.Linear, args, cuda: bool, t, step, report, out) -> N
                     layer = _lowprec_layer(base, fmt, get_backend("torch"), args.quantizer == "fused")
                     layer.collect_stats = False
                     with opaque_in_graphs() if opaque else nullcontext():   # traced at the first call
-                        out[name] = (t(step(torch.compile(layer, mode=mode), layer.weight)), "")
+                        out[name] = (t(step(torch.compile(layer, mode=mode), layer.weight,
+                                            cuda_graphs=mode == "reduce-overhead")), "")
                 except Exception as e:  # report, keep measuring the others
                     out[name] = (float("nan"), f"FAILED {type(e).__name__}: {str(e)[:100]}")
             report(name, *out[name])
@@ -174,8 +175,18 @@ def measure_shape(d: int, tokens: int, args, cuda: bool, report) -> dict[str, tu
     out["memory copy (input, one pass)"] = (t(lambda: buf.copy_(x.detach())), "")
     report("memory copy (input, one pass)", *out["memory copy (input, one pass)"])
 
-    def step(layer, weight):
+    def step(layer, weight, cuda_graphs: bool = False):
+        """One optimizer step's layer work: the gradients dropped (as `zero_grad(set_to_none=True)`,
+        so that no step adds into a gradient an earlier CUDA-graph replay wrote), the weight
+        changed, then the micro-batches; with `cuda_graphs`, a new step for the graphs' outputs."""
+        params = list(layer.parameters())
+
         def run():
+            x.grad = None
+            for p in params:
+                p.grad = None
+            if cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
             if weight is not None:
                 increment_version(weight)   # as an optimizer step: the weight cache is stale
             for _ in range(args.micro_batches):

@@ -43,6 +43,16 @@ def history_record(history: torch.Tensor, count: torch.Tensor, amax: torch.Tenso
     count += 1
 
 
+def static_address(t: torch.Tensor) -> torch.Tensor:
+    """Mark `t`, state a compiled step updates in place, as a tensor whose address stays put
+    across calls: what `torch._dynamo.mark_static_address(t)` sets (guard=False), without
+    importing Dynamo for it. CUDA graphs (`mode="reduce-overhead"`) then replay the in-place
+    update into `t` itself; an input a graph mutates that is not static makes cudagraph trees
+    skip the graph (`check_for_mutation` in torch/_inductor/cudagraph_utils.py)."""
+    t._dynamo_static_input_type = "unguarded"
+    return t
+
+
 class AmaxHistory:
     """A ring of the last `config.history_len` amaxes of one operand, on one device."""
 
@@ -50,15 +60,15 @@ class AmaxHistory:
                  device: torch.device | str = "cpu"):
         self.config = config
         self.element = element
-        self.history = torch.zeros(config.history_len, dtype=torch.float32, device=device)
-        self.count = torch.zeros((), dtype=torch.int64, device=device)  # amaxes recorded so far
+        self.history = static_address(torch.zeros(config.history_len, dtype=torch.float32, device=device))
+        self.count = static_address(torch.zeros((), dtype=torch.int64, device=device))  # amaxes recorded so far
         self._scratch(device)
 
     def _scratch(self, device) -> None:
         """The fused delayed cast's scratch scalars (its running amax and its finishing
         ticket, zero between calls; `lowprec.numerics.kernels.cast_transpose`): not state."""
-        self.scratch = torch.zeros((), dtype=torch.float32, device=device)
-        self.ticket = torch.zeros((), dtype=torch.int32, device=device)
+        self.scratch = static_address(torch.zeros((), dtype=torch.float32, device=device))
+        self.ticket = static_address(torch.zeros((), dtype=torch.int32, device=device))
 
     def scale(self) -> torch.Tensor:
         """The scale to use now; 1.0 while the history is empty or all zero (as TE does)."""
@@ -74,8 +84,8 @@ class AmaxHistory:
         self.count.zero_()
 
     def to(self, device: torch.device | str) -> "AmaxHistory":
-        self.history = self.history.to(device)
-        self.count = self.count.to(device)
+        self.history = static_address(self.history.to(device))
+        self.count = static_address(self.count.to(device))
         self._scratch(device)
         return self
 

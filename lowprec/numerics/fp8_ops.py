@@ -63,6 +63,14 @@ def element_code(elem) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def _cast_transpose():
+    """The kernels' module (`lowprec.numerics.kernels.cast_transpose`), imported at the first
+    cast that runs them (an import statement per call costs host time)."""
+    from lowprec.numerics.kernels import cast_transpose
+    return cast_transpose
+
+
+@functools.lru_cache(maxsize=None)
 def _interpreted_kernels() -> bool:
     """Whether Triton is installed and runs interpreted (its own switch, read once)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -93,12 +101,12 @@ def _empty(x: Tensor, *shape, dtype=torch.float32) -> Tensor:
 
 def _kernel_cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool, *, launch):
     """fp8_cast by the Triton kernels, launched by `launch` (eager, or traced into a graph)."""
-    from lowprec.numerics.kernels.cast_transpose import cast_transpose, cast_transpose_rowwise
+    ct = _cast_transpose()
     element = ELEMENTS[elem]
     if rowwise:
-        return cast_transpose_rowwise(x, element, transpose=transpose, stats=stats, launch=launch)
-    q, si, qt, st = cast_transpose(x, element, transpose=transpose, stats=stats, launch=launch)
-    return q, si, qt, _empty(x, 0), st
+        return ct.cast_transpose_rowwise(x, element, transpose=transpose, stats=stats, launch=launch)
+    q, si, qt, st = ct.cast_transpose(x, element, transpose=transpose, stats=stats, launch=launch)
+    return q, si, qt, None, st
 
 
 def _reference_cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool):
@@ -107,10 +115,10 @@ def _reference_cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats:
     scaling = Scaling.ROW if rowwise else Scaling.TENSOR
     ref = quantize(x, QuantSpec(element, scaling), stats=stats, validate=False)
     q = ref.to_storage().contiguous()
-    st = ref.stats.packed if stats else _empty(x, 0, dtype=torch.float64)
+    st = ref.stats.packed if stats else None
     if not rowwise:
         qt = _transposed(q) if transpose else _empty(x, 0, 0, dtype=q.dtype)
-        return q, ref.scale_inv.reshape(()).clone(), qt, _empty(x, 0), st
+        return q, ref.scale_inv.reshape(()).clone(), qt, None, st
     si = ref.scale_inv.reshape(-1, 1).clone()
     if not transpose:
         return q, si, _empty(x, 0, 0, dtype=q.dtype), _empty(x, 0, 1), st
@@ -120,17 +128,28 @@ def _reference_cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats:
 
 def _eager(kernel_impl, reference_impl, x: Tensor, *args):
     """An op's implementation: its Triton kernels launched eagerly where they run on `x`,
-    else the reference quantizer."""
+    else the reference quantizer. Outputs the step does not have (a tensor-wise cast's
+    `scale_inv_t`, the statistics off a check step) are None here: `_complete` makes them
+    the op's empty tensors, and direct calls skip those allocations."""
     if uses_kernels(x):
-        from lowprec.numerics.kernels.cast_transpose import eager_launch
-        return kernel_impl(x, *args, launch=eager_launch)
+        return kernel_impl(x, *args, launch=_cast_transpose().eager_launch)
     return reference_impl(x, *args)
+
+
+def _complete(x: Tensor, out: tuple) -> tuple:
+    """The op's outputs from an implementation's: None (an absent output) becomes the empty
+    tensor the op's schema returns (the statistics last, FP64; `scale_inv_t` FP32)."""
+    if all(t is not None for t in out):   # not `None in out`: that compares tensors with ==
+        return out
+    last = len(out) - 1
+    return tuple(_empty(x, 0, dtype=torch.float64 if i == last else torch.float32) if t is None else t
+                 for i, t in enumerate(out))
 
 
 @torch.library.custom_op("lowprec::fp8_cast", mutates_args=())
 def fp8_cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool
              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _eager(_kernel_cast, _reference_cast, x, elem, rowwise, transpose, stats)
+    return _complete(x, _eager(_kernel_cast, _reference_cast, x, elem, rowwise, transpose, stats))
 
 
 @fp8_cast.register_fake
@@ -151,9 +170,9 @@ def _kernel_cast_delayed(x: Tensor, elem: int, history: Tensor, count: Tensor, s
                          ticket: Tensor, overflow: Tensor, overflow_index: int, margin: int,
                          most_recent: bool, transpose: bool, stats: bool, count_overflow: bool, *, launch):
     """fp8_cast_delayed by the Triton kernel, launched by `launch`."""
-    from lowprec.numerics.kernels.cast_transpose import DelayedState, cast_transpose_delayed
-    state = DelayedState(history, count, scratch, ticket)
-    return cast_transpose_delayed(x, ELEMENTS[elem], state, margin=margin, most_recent=most_recent,
+    ct = _cast_transpose()
+    state = ct.DelayedState(history, count, scratch, ticket)
+    return ct.cast_transpose_delayed(x, ELEMENTS[elem], state, margin=margin, most_recent=most_recent,
                                   overflow=overflow if count_overflow else None,
                                   overflow_index=overflow_index, transpose=transpose, stats=stats,
                                   launch=launch)
@@ -170,7 +189,7 @@ def _reference_cast_delayed(x, elem, history, count, scratch, ticket, overflow, 
     history_record(history, count, ref.amax)
     q = ref.to_storage().contiguous()
     qt = _transposed(q) if transpose else _empty(x, 0, 0, dtype=q.dtype)
-    st = ref.stats.packed if stats else _empty(x, 0, dtype=torch.float64)
+    st = ref.stats.packed if stats else None
     return q, ref.scale_inv.reshape(()).clone(), qt, st
 
 
@@ -180,8 +199,9 @@ def fp8_cast_delayed(x: Tensor, elem: int, history: Tensor, count: Tensor, scrat
                      ticket: Tensor, overflow: Tensor, overflow_index: int, margin: int,
                      most_recent: bool, transpose: bool, stats: bool, count_overflow: bool
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _eager(_kernel_cast_delayed, _reference_cast_delayed, x, elem, history, count, scratch, ticket,
-                  overflow, overflow_index, margin, most_recent, transpose, stats, count_overflow)
+    return _complete(x, _eager(_kernel_cast_delayed, _reference_cast_delayed, x, elem, history, count, scratch,
+                               ticket, overflow, overflow_index, margin, most_recent, transpose, stats,
+                               count_overflow))
 
 
 @fp8_cast_delayed.register_fake
@@ -210,7 +230,7 @@ def _kernels_in_graph(mode, op, types, args, kwargs, kernel_impl):
         return mode.__torch_dispatch__(op, types, args, kwargs)
     from lowprec.numerics.kernels.cast_transpose import traced_launch
     with mode:
-        return kernel_impl(*args, **kwargs, launch=traced_launch)
+        return _complete(args[0], kernel_impl(*args, **kwargs, launch=traced_launch))
 
 
 _OPAQUE = contextvars.ContextVar("lowprec_fp8_ops_opaque", default=False)
@@ -256,7 +276,8 @@ def _direct(x: Tensor) -> bool:
 
 
 def cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool):
-    """`torch.ops.lowprec.fp8_cast`, its implementation called directly where `_direct`."""
+    """`torch.ops.lowprec.fp8_cast`, its implementation called directly where `_direct`
+    (where absent outputs are None, not the op's empty tensors)."""
     if _direct(x):
         return _eager(_kernel_cast, _reference_cast, x, elem, rowwise, transpose, stats)
     return torch.ops.lowprec.fp8_cast(x, elem, rowwise, transpose, stats)
@@ -265,7 +286,8 @@ def cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool):
 def cast_delayed(x: Tensor, elem: int, history: Tensor, count: Tensor, scratch: Tensor, ticket: Tensor,
                  overflow: Tensor, overflow_index: int, margin: int, most_recent: bool, transpose: bool,
                  stats: bool, count_overflow: bool):
-    """`torch.ops.lowprec.fp8_cast_delayed`, called directly where `_direct`."""
+    """`torch.ops.lowprec.fp8_cast_delayed`, called directly where `_direct` (absent outputs
+    None)."""
     args = (elem, history, count, scratch, ticket, overflow, overflow_index, margin, most_recent, transpose,
             stats, count_overflow)
     if _direct(x):

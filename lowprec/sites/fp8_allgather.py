@@ -56,7 +56,7 @@ _LAYOUT_OPS = {torch.ops.aten.new_zeros.default, torch.ops.aten.slice.Tensor,
 def gathers_fp8(site) -> bool:
     """Whether `site` (a PrecisionLinear) gathers its weight in FP8: tensor-wise FP8 on the fast path."""
     fast = getattr(site, "_fast", None)
-    return fast is not None and fast.scaling is Scaling.TENSOR and not site.transposed_weight
+    return fast is not None and fast[0].scaling is Scaling.TENSOR and not site.transposed_weight
 
 
 def _wrapper(cls, t: Tensor):
@@ -110,7 +110,7 @@ class FP8AllGatherWeight(Tensor):
             dt = mp_policy.param_dtype or self._tensor.dtype
             return (self._tensor.to(dt),), None
         site = self._site
-        spec = QuantSpec(ELEMENTS[site._fast.fwd], Scaling.TENSOR)
+        spec = QuantSpec(ELEMENTS[site._fast[0].fwd], Scaling.TENSOR)
         q = quantize(self._tensor, spec, amax=self._whole_amax(mesh), stats=site.collect_stats, validate=False)
         stats = q.stats.packed if site.collect_stats else None
         return (q.to_storage().contiguous(),), (q.scale_inv.reshape(()).clone(), stats)

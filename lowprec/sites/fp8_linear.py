@@ -28,7 +28,7 @@ DTensor operands and amax reductions over a group run the same GEMMs through
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -37,8 +37,10 @@ from torch import Tensor
 from lowprec.numerics import fp8_ops
 from lowprec.numerics.formats import Format, Rounding, ScaleEncoding, Scaling
 from lowprec.numerics.quant_stats import QuantStats
+from lowprec.sites.gemm_config import LinearGemmConfig, misaligned
 
-__all__ = ["FastRecipe", "fast_recipe", "cast_weight", "FP8LinearFn", "WeightForms", "DelayedTensors"]
+__all__ = ["FastRecipe", "fast_recipe", "step_recipes", "cast_weight", "FP8LinearFn", "WeightForms",
+           "DelayedTensors", "delayed_state"]
 
 _FAST_SCALINGS = (Scaling.TENSOR, Scaling.DELAYED, Scaling.ROW)
 
@@ -54,18 +56,19 @@ class FastRecipe:
     margin: int = 0           # delayed scaling
     most_recent: bool = False
     count_overflow: bool = False   # delayed, statistics off: count overflow steps
+    gemm: LinearGemmConfig = LinearGemmConfig()   # the three GEMMs' settings (lowprec.sites.gemm_config)
+    # from `scaling`, kept as plain attributes (read several times per call)
+    rowwise: bool = field(init=False, repr=False, compare=False)
+    delayed: bool = field(init=False, repr=False, compare=False)
 
-    @property
-    def rowwise(self) -> bool:
-        return self.scaling is Scaling.ROW
-
-    @property
-    def delayed(self) -> bool:
-        return self.scaling is Scaling.DELAYED
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rowwise", self.scaling is Scaling.ROW)
+        object.__setattr__(self, "delayed", self.scaling is Scaling.DELAYED)
 
 
-def fast_recipe(fmt: Format) -> FastRecipe | None:
-    """The fast-path recipe of `fmt`, or None when the fast path cannot run it exactly."""
+def fast_recipe(fmt: Format, gemm: LinearGemmConfig | None = None) -> FastRecipe | None:
+    """The fast-path recipe of `fmt` with the GEMMs run as `gemm` says (torchao's defaults
+    without one), or None when the fast path cannot run `fmt` exactly."""
     specs = fmt.specs()
     if len(specs) != 5:
         return None
@@ -79,7 +82,15 @@ def fast_recipe(fmt: Format) -> FastRecipe | None:
         return None
     d = fmt.delayed
     return FastRecipe(fmt.input.scaling, fp8_ops.element_code(fwd), fp8_ops.element_code(bwd),
-                      margin=d.margin if d else 0, most_recent=bool(d and d.algo == "most_recent"))
+                      margin=d.margin if d else 0, most_recent=bool(d and d.algo == "most_recent"),
+                      gemm=gemm or LinearGemmConfig())
+
+
+def step_recipes(recipe: FastRecipe) -> tuple[FastRecipe, FastRecipe]:
+    """(a step without statistics, a check step): the two recipes a layer runs `recipe` with,
+    made once per format (a switch) rather than once per call."""
+    return (replace(recipe, stats=False, count_overflow=recipe.delayed),
+            replace(recipe, stats=True, count_overflow=False))
 
 
 class WeightForms(NamedTuple):
@@ -104,28 +115,34 @@ def _cast(t: Tensor, elem: int, recipe: FastRecipe, hist, overflow: Tensor | Non
     return q, si, qt, (sit if recipe.rowwise else si), st
 
 
-def _mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: torch.dtype, bias: Tensor | None = None
-        ) -> Tensor:
+def _mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: torch.dtype, gemm: str, gemms: LinearGemmConfig,
+        bias: Tensor | None = None) -> Tensor:
     """a @ b^T (+ bias) for FP8 a (M, K) and b (N, K), both row-major, with their scale_inv (a
     scalar, or (M, 1) / (N, 1) row-wise), in `out_dtype` straight from `_scaled_mm` (on CPU,
     too: it accumulates in FP32, adds the bias and rounds once, as the emulated backend).
+    `gemm` (fprop, dgrad or wgrad) picks its `use_fast_accum` from `gemms`; on CUDA, a K or N
+    that is not a multiple of 16 is zero-padded when `gemms.pad_inner_dim`, refused otherwise.
     A bias of the output's dtype (BF16) goes into the GEMM's epilogue (on CUDA an FP32 bias is
     cast to it first, as autocast does); on CPU another (an FP32 bias under a BF16 output) is
     added to the FP32 result before the one rounding, as the emulated backend does. Row-wise
     GEMMs on CUDA return BF16 (what cuBLAS supports there)."""
     sb = sb.reshape(1, -1) if sb.dim() == 2 else sb
     m, n = a.shape[0], b.shape[0]
-    padded = a.is_cuda and (m % 16 or n % 16 or a.shape[1] % 16)
-    if padded:   # cuBLASLt needs multiples of 16: zeros change no product (sliced off below)
+    cuda = a.is_cuda
+    padded = cuda and misaligned(gemm, m, n, a.shape[1], rowwise=sa.dim() == 2)
+    if padded and not gemms.pad_inner_dim:
+        raise ValueError(padded)
+    if padded:   # zeros change no product (sliced off below)
         from lowprec.sites.backends.scaled_mm import _pad16
         a, b, sa, sb = _pad16(a, b, sa, sb)
-    dt = torch.bfloat16 if a.is_cuda and sa.dim() == 2 else out_dtype
-    if a.is_cuda and bias is not None and dt != torch.float32 and not padded:
+    dt = torch.bfloat16 if cuda and sa.dim() == 2 else out_dtype
+    if cuda and bias is not None and dt != torch.float32 and not padded:
         bias = bias.to(dt)   # as F.linear under autocast: the bias in the output's dtype, fused
     fused = bias is not None and not padded and dt != torch.float32 and bias.dtype == dt
     if bias is not None and not fused:
         dt = torch.float32
-    out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=bias if fused else None, out_dtype=dt)
+    out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=bias if fused else None, out_dtype=dt,
+                           use_fast_accum=getattr(gemms, gemm).use_fast_accum)
     out = out[:m, :n] if padded else out
     if bias is not None and not fused:
         out = out + bias.float()
@@ -135,45 +152,55 @@ def _mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: torch.dtype, bi
 class FP8LinearFn(torch.autograd.Function):
     """y = x @ w^T + b with the weight's FP8 forms given (see the module docstring).
 
-    Inputs besides x, w and bias are device tensors the layer owns: the weight's casts,
-    the delayed histories of x and of the output gradient (history, count, scratch,
-    ticket), the overflow counters, and the buffer the output gradient's statistics go
-    to. Returns (y, the input's packed statistics or an empty tensor)."""
+    Inputs besides x, w and bias are device tensors the layer owns: the weight's casts, the
+    buffer the output gradient's statistics go to (or None), then, for delayed scaling only,
+    `state`: the overflow counters and the delayed histories of x and of the output gradient
+    (history, count, scratch, ticket each; `delayed_state`). Without delayed scaling the
+    function takes nine inputs, not eighteen: autograd's host time grows with each one.
+    Returns (y, the input's packed statistics: a tensor on a check step, else None or an
+    empty tensor)."""
 
     @staticmethod
-    def forward(ctx, x, w, bias, qw, siw, qwt, siwt, hx, cx, sx, tx, hg, cg, sg, tg, overflow,
-                grad_stats, recipe: FastRecipe):
+    def forward(ctx, x, w, bias, qw, siw, qwt, siwt, grad_stats, recipe: FastRecipe, *state):
         x2 = x.reshape(-1, x.shape[-1])
         siwt = siw if siwt is None else siwt   # one scale for both layouts unless row-wise
         need_dw = ctx.needs_input_grad[1]
-        hist_x = DelayedTensors(hx, cx, sx, tx)
+        overflow, hist_x, hist_g = ((state[0], DelayedTensors(*state[1:5]), state[5:]) if state
+                                    else (None, NO_HISTORY, ()))
         qx, six, qxt, sixt, stats_x = _cast(x2, recipe.fwd, recipe, hist_x, overflow, 0, need_dw)
-        out_dtype = _output_dtype(x)
-        y = _mm(qx, six, qw, siw, out_dtype, bias)
-        ctx.save_for_backward(qxt, sixt, qwt, siwt, hg, cg, sg, tg, overflow, grad_stats)
+        y = _mm(qx, six, qw, siw, _output_dtype(x), "fprop", recipe.gemm, bias)
+        ctx.save_for_backward(qxt, sixt, qwt, siwt, grad_stats, *hist_g, *state[:1])
         ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, x.shape, x.dtype, w.dtype
-        ctx.has_bias = bias is not None
-        ctx.mark_non_differentiable(stats_x)
+        ctx.has_bias, ctx.n_inputs = bias is not None, 9 + len(state)
+        if stats_x is not None:
+            ctx.mark_non_differentiable(stats_x)
         ctx.set_materialize_grads(False)   # no zeros for the statistics' (absent) gradient
         return y.reshape(*x.shape[:-1], y.shape[-1]), stats_x
 
     @staticmethod
     def backward(ctx, gy, _gstats):
-        qxt, sixt, qwt, siwt, hg, cg, sg, tg, overflow, grad_stats = ctx.saved_tensors
+        qxt, sixt, qwt, siwt, grad_stats, *state = ctx.saved_tensors
         recipe = ctx.recipe
         g2 = gy.reshape(-1, gy.shape[-1])
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         dx = dw = db = None
-        qg, sig, qgt, sigt, st = _cast(g2, recipe.bwd, recipe, DelayedTensors(hg, cg, sg, tg), overflow, 2, need_dw)
+        hist_g, overflow = (DelayedTensors(*state[:4]), state[4]) if state else (NO_HISTORY, None)
+        qg, sig, qgt, sigt, st = _cast(g2, recipe.bwd, recipe, hist_g, overflow, 2, need_dw)
         if recipe.stats and grad_stats is not None:
             grad_stats.copy_(st)
         if need_dx:
-            dx = _mm(qg, sig, qwt, siwt, ctx.x_dtype).reshape(ctx.x_shape)
+            dx = _mm(qg, sig, qwt, siwt, ctx.x_dtype, "dgrad", recipe.gemm).reshape(ctx.x_shape)
         if need_dw:
-            dw = _mm(qgt, sigt, qxt, sixt, ctx.w_dtype)
+            dw = _mm(qgt, sigt, qxt, sixt, ctx.w_dtype, "wgrad", recipe.gemm)
         if ctx.has_bias and need_db:
             db = g2.sum(0, dtype=torch.float32)   # one read of the BF16 gradient, FP32 sums
-        return (dx, dw, db) + (None,) * 15
+        return (dx, dw, db) + (None,) * (ctx.n_inputs - 3)
+
+
+def delayed_state(overflow: Tensor, x: "DelayedTensors", g: "DelayedTensors") -> tuple[Tensor, ...]:
+    """`FP8LinearFn`'s trailing inputs under delayed scaling: the overflow counters, then the
+    input's and the output gradient's (history, count, scratch, ticket)."""
+    return (overflow, *x, *g)
 
 
 class DelayedTensors(NamedTuple):

@@ -43,7 +43,7 @@ from lowprec.numerics.grid import saturates
 from lowprec.numerics.quant_stats import QuantStats
 from lowprec.numerics.quantize import quantize
 from lowprec.sites.amax_scope import AmaxScope
-from lowprec.sites.fp8_linear import FastRecipe, FP8LinearFn, WeightForms, _mm, _output_dtype
+from lowprec.sites.fp8_linear import FastRecipe, FP8LinearFn, WeightForms, _mm, _output_dtype, delayed_state
 
 __all__ = ["parallel_fast_linear", "OperandGroups", "GroupFP8LinearFn"]
 
@@ -150,7 +150,7 @@ class GroupFP8LinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         need_dw = ctx.needs_input_grad[1]
         qx, six, qxt, sixt, stats_x = cast_group(x2, recipe.fwd, recipe, gx, hist_x, overflow, 0, need_dw)
-        y = _mm(qx, six, qw, siw, _output_dtype(x), bias)
+        y = _mm(qx, six, qw, siw, _output_dtype(x), "fprop", recipe.gemm, bias)
         ctx.save_for_backward(qxt, sixt, qwt, siwt, overflow, grad_stats)
         ctx.hist_g, ctx.gg = hist_g, gg
         ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, x.shape, x.dtype, w.dtype
@@ -170,9 +170,9 @@ class GroupFP8LinearFn(torch.autograd.Function):
         if recipe.stats and grad_stats is not None:
             grad_stats.copy_(st)
         if need_dx:
-            dx = _mm(qg, sig, qwt, siwt, ctx.x_dtype).reshape(ctx.x_shape)
+            dx = _mm(qg, sig, qwt, siwt, ctx.x_dtype, "dgrad", recipe.gemm).reshape(ctx.x_shape)
         if need_dw:
-            dw = _mm(qgt, sigt, qxt, sixt, ctx.w_dtype)
+            dw = _mm(qgt, sigt, qxt, sixt, ctx.w_dtype, "wgrad", recipe.gemm)
         if ctx.has_bias and need_db:
             db = g2.sum(0, dtype=torch.float32)
         return (dx, dw, db) + (None,) * 11
@@ -198,8 +198,6 @@ def _sequence(layer, x, w, recipe: FastRecipe, weight_forms, delayed, tp_dim: in
     The gathered input needs one scale (its amax over the tp group) in either scope; with
     `group` the weight's and the output gradient's amaxes are the whole tensors' too."""
     from lowprec.sites.fp8_sequence import sequence_fp8_linear
-    stats = layer.collect_stats
-    recipe = FastRecipe(recipe.scaling, recipe.fwd, recipe.bwd, stats, recipe.margin, recipe.most_recent)
     tp = x.device_mesh.get_group(tp_dim)
     w_l = w.to_local().detach()
     if layer.amax_scope is AmaxScope.GROUP:
@@ -234,6 +232,8 @@ def parallel_fast_linear(layer, x: Tensor, w: Tensor, recipe: FastRecipe, weight
     """The layer's forward on the fast path for DTensor shards and data-parallel amaxes
     (see the module docstring); statistics into `layer.stats` on check steps.
 
+    recipe: the step's recipe (one of `fp8_linear.step_recipes`: statistics on or off), whose
+    `gemm` every GEMM here runs with.
     weight_forms(layer, w, recipe) -> WeightForms (the layer's cached weight casts) and
     delayed(layer, operand, recipe) -> DelayedTensors: the layer's own helpers."""
     from torch.distributed.tensor import Replicate
@@ -267,9 +267,7 @@ def parallel_fast_linear(layer, x: Tensor, w: Tensor, recipe: FastRecipe, weight
         if bias is not None:
             bias = bias.to_local() if hasattr(bias, "to_local") else bias
             partial = any(p.is_partial() for p in out_pl)
-    stats = layer.collect_stats
-    recipe = FastRecipe(recipe.scaling, recipe.fwd, recipe.bwd, stats, recipe.margin, recipe.most_recent,
-                        count_overflow=recipe.delayed and not stats)
+    stats = recipe.stats
     forms = (_weight_forms_group(w_l, recipe, gw, delayed(layer, "weight", recipe), layer.overflow_steps)
              if gw.all else weight_forms(layer, w_l, recipe))
     grad_stats = (torch.zeros(len(QuantStats.FIELDS), dtype=torch.float64, device=x_l.device)
@@ -281,9 +279,9 @@ def parallel_fast_linear(layer, x: Tensor, w: Tensor, recipe: FastRecipe, weight
                                             forms.scale_inv_t, hx, hg, layer.overflow_steps, grad_stats,
                                             recipe, gx, gg)
     else:
+        state = delayed_state(layer.overflow_steps, hx, hg) if recipe.delayed else ()
         y, stats_x = FP8LinearFn.apply(x_l, w_l, fused_bias, forms.q, forms.scale_inv, forms.q_t,
-                                       forms.scale_inv_t if recipe.rowwise else None, *hx, *hg,
-                                       layer.overflow_steps, grad_stats, recipe)
+                                       forms.scale_inv_t if recipe.rowwise else None, grad_stats, recipe, *state)
     if partial:
         keep = all(mesh.get_local_rank(i) == 0 for i, p in enumerate(out_pl) if p.is_partial())
         b = _BiasOnce.apply(bias, keep)

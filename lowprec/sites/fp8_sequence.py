@@ -58,7 +58,7 @@ class SequenceGatherFP8Fn(torch.autograd.Function):
         buf = torch.empty((world * qx.shape[0], k), dtype=torch.uint8, device=x.device)
         dist.all_gather_into_tensor(buf, qx.view(torch.uint8), group=tp_group)
         full = buf.view(qx.dtype).view(world, b, t, k).transpose(0, 1).reshape(b * world * t, k)
-        y = _mm(full, six, qw, siw, _output_dtype(x), bias)
+        y = _mm(full, six, qw, siw, _output_dtype(x), "fprop", recipe.gemm, bias)
         ctx.save_for_backward(full, six, qwt, siwt, grad_stats)
         ctx.meta, ctx.shape, ctx.x_dtype, ctx.w_dtype = meta, (b, t, k, world), x.dtype, w.dtype
         ctx.has_bias = bias is not None
@@ -74,18 +74,19 @@ class SequenceGatherFP8Fn(torch.autograd.Function):
         qg, sig, st = _cast(g2, recipe.bwd, grad_groups, recipe.stats and grad_stats is not None)
         if st is not None:
             grad_stats.copy_(st)
-        dx_full = _mm(qg, sig, qwt, siwt, ctx.x_dtype).reshape(b, world, t, k).transpose(0, 1).reshape(-1, k)
+        dx_full = _mm(qg, sig, qwt, siwt, ctx.x_dtype, "dgrad", recipe.gemm)
+        dx_full = dx_full.reshape(b, world, t, k).transpose(0, 1).reshape(-1, k)
         dx = torch.empty((b * t, k), dtype=ctx.x_dtype, device=gy.device)
         dist.reduce_scatter_tensor(dx, dx_full.contiguous(), group=tp_group)   # SUM of the partial input gradients
         dx = dx.reshape(b, t, k)
-        dw = _mm(qg.t().contiguous(), sig, full.t().contiguous(), six, ctx.w_dtype)
+        dw = _mm(qg.t().contiguous(), sig, full.t().contiguous(), six, ctx.w_dtype, "wgrad", recipe.gemm)
         db = g2.sum(0, dtype=torch.float32) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None, None, None, None
 
 
 def _gathers_fp8(module) -> bool:
     fast = getattr(module, "_fast", None)
-    return fast is not None and fast.scaling is Scaling.TENSOR
+    return fast is not None and fast[0].scaling is Scaling.TENSOR
 
 
 def _style():

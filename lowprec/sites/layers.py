@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lowprec.numerics.delayed import AmaxHistory
+from lowprec.numerics.delayed import AmaxHistory, static_address
 from lowprec.numerics.formats import Format, QuantSpec, ScaleEncoding, Scaling
 from lowprec.numerics.grid import saturates
 from lowprec.numerics.hadamard import RandomHadamard
@@ -47,7 +47,8 @@ from lowprec.sites.amax_scope import AmaxScope
 from lowprec.sites.fp8_allgather import FP8GatheredWeight
 from lowprec.sites.fp8_parallel import parallel_fast_linear
 from lowprec.sites.fp8_linear import (NO_HISTORY, DelayedTensors, FastRecipe, FP8LinearFn, WeightForms, cast_weight,
-                                      fast_recipe)
+                                      delayed_state, fast_recipe, step_recipes)
+from lowprec.sites.gemm_config import LinearGemmConfig
 from lowprec.sites.quantized_gemms import QuantizedLinearFn
 from lowprec.sites.weight_cache import WeightCache, cache_key, cacheable
 
@@ -78,7 +79,8 @@ class PrecisionLinear(nn.Linear):
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, fmt: Format, backend, *,
                  fqn: str = "", transposed_weight: bool = False, seed: int = 0,
                  amax_group=None, emulate_bf16: bool = True, fused: bool = False,
-                 cache_weights: bool = True, amax_scope: AmaxScope = AmaxScope.GROUP):
+                 cache_weights: bool = True, amax_scope: AmaxScope = AmaxScope.GROUP,
+                 gemm: LinearGemmConfig | None = None):
         nn.Module.__init__(self)
         out_f, in_f = (weight.shape[1], weight.shape[0]) if transposed_weight else weight.shape
         self.in_features, self.out_features = int(in_f), int(out_f)
@@ -105,15 +107,18 @@ class PrecisionLinear(nn.Linear):
         # weight, grad_output) saturated past twice the format's max while full statistics
         # were off: one tiny device op
         # per such operand, so a one-step overflow between checks is not missed
-        self.overflow_steps = torch.zeros(len(_OPERANDS), dtype=torch.float64, device=weight.device)
+        self.overflow_steps = static_address(torch.zeros(len(_OPERANDS), dtype=torch.float64, device=weight.device))
         self.histories: dict[str, AmaxHistory] = {}
+        self.gemm = gemm or LinearGemmConfig()   # the fast path's three GEMMs (lowprec.sites.gemm_config)
         self.format = fmt
-        self._fast = self._fast_recipe(fmt)
+        self._fast = self._fast_recipes(fmt)
         self._reset_histories()
 
-    def _fast_recipe(self, fmt: Format) -> FastRecipe | None:
-        """The fast-path recipe when the backend has a fast path and `fmt` is one of its formats."""
-        return fast_recipe(fmt) if getattr(self.backend, "fast_path", False) else None
+    def _fast_recipes(self, fmt: Format) -> tuple[FastRecipe, FastRecipe] | None:
+        """The fast-path recipes (without statistics, check step) when the backend has a fast
+        path and `fmt` is one of its formats: decided here, once per format, not per call."""
+        recipe = fast_recipe(fmt, self.gemm) if getattr(self.backend, "fast_path", False) else None
+        return None if recipe is None else step_recipes(recipe)
 
     @classmethod
     def from_module(cls, module: nn.Module, fmt: Format, backend, **kw) -> "PrecisionLinear":
@@ -130,10 +135,10 @@ class PrecisionLinear(nn.Linear):
         dev, old = self.weight.device, self.overflow_steps.device
         if dev != old:
             if old.type == "meta":
-                self.overflow_steps = torch.zeros_like(self.overflow_steps, device=dev)
+                self.overflow_steps = static_address(torch.zeros_like(self.overflow_steps, device=dev))
                 self._reset_histories()
             else:
-                self.overflow_steps = self.overflow_steps.to(dev)
+                self.overflow_steps = static_address(self.overflow_steps.to(dev))
                 for h in self.histories.values():
                     h.to(dev)
             self.generator = _generator(dev, self.seed)   # a generator cannot change device: reseeded
@@ -145,7 +150,7 @@ class PrecisionLinear(nn.Linear):
         if fmt is self.format:
             return
         self.format = fmt
-        self._fast = self._fast_recipe(fmt)
+        self._fast = self._fast_recipes(fmt)
         self.stats = {}
         self.weight_cache.clear()
         self._reset_histories()
@@ -171,10 +176,11 @@ class PrecisionLinear(nn.Linear):
         counted = not torch.compiler.is_compiling()   # a compiled graph keeps no host counter
         if self._fast is not None and self._on_fast_path(x, w):
             self.fast_calls += counted
-            return _fast_linear(self, x, w, self._fast)
+            return _fast_linear(self, x, w, self._fast[1 if self.collect_stats else 0])
         if self._fast is not None and x.dtype in _FAST_DTYPES and w.dtype in _FAST_DTYPES:
             self.fast_calls += counted
-            return parallel_fast_linear(self, x, w, self._fast, _weight_forms, _delayed)
+            return parallel_fast_linear(self, x, w, self._fast[1 if self.collect_stats else 0], _weight_forms,
+                                        _delayed)
         self.slow_calls += counted
         return QuantizedLinearFn.apply(x, w, self.bias, self, self.format)
 
@@ -182,6 +188,8 @@ class PrecisionLinear(nn.Linear):
         """Plain tensors with no amax reduction over a group (lowprec.sites.fp8_linear); DTensor
         shards and data-parallel amaxes take `lowprec.sites.fp8_parallel`."""
         local = self.amax_group is None or self.amax_scope is AmaxScope.LOCAL
+        if local and type(x) is torch.Tensor and type(w) is nn.Parameter:
+            return x.dtype in _FAST_DTYPES and w.dtype in _FAST_DTYPES   # the common case, in few checks
         return (local and not hasattr(x, "to_local") and not hasattr(w, "to_local")
                 and x.dtype in _FAST_DTYPES and w.dtype in _FAST_DTYPES)
 
@@ -206,7 +214,8 @@ class PrecisionLinear(nn.Linear):
         keep_stats = record and self.collect_stats
         key = None
         if (role == "weight" and self.weight_cache.enabled and cacheable(spec)
-                and not self._amax_groups(role) and not torch.compiler.is_compiling()):
+                and not self._amax_groups(role) and not torch.compiler.is_compiling()
+                and not (t.is_cuda and torch.cuda.is_current_stream_capturing())):
             key = cache_key(t, spec, self.fused)
             slot = f"{tuple(t.shape)}{t.stride()}"   # the forward's and the backward's layout
             q = self.weight_cache.get(slot, key, need_stats=keep_stats)
@@ -286,35 +295,36 @@ def _weight_forms(layer: PrecisionLinear, w: torch.Tensor, recipe: FastRecipe) -
     if isinstance(w, FP8GatheredWeight):   # FSDP2 gathered its FP8 bytes (lowprec.sites.fp8_allgather)
         return w.forms()
     cache = layer.weight_cache
-    use_cache = cache.enabled and not recipe.delayed and not torch.compiler.is_compiling()
+    # not under torch.compile (a graph casts in its own kernels) nor inside a CUDA-graph
+    # capture: a replay runs no Python, so a hit at capture would replay stale casts
+    use_cache = (cache.enabled and not recipe.delayed and not torch.compiler.is_compiling()
+                 and not (w.is_cuda and torch.cuda.is_current_stream_capturing()))
     if use_cache:
+        # one slot: the key holds the weight's shape and strides
         key = cache_key(w, layer.format.weight, True, tag="fast")
-        slot = f"fast{tuple(w.shape)}{w.stride()}"
-        hit = cache.get(slot, key, need_stats=recipe.stats)
+        hit = cache.get("fast", key, need_stats=recipe.stats)
         if hit is not None:
             return hit
     forms = cast_weight(w, recipe, _delayed(layer, "weight", recipe), layer.overflow_steps)
     if use_cache:
-        cache.put(slot, key, forms)
+        cache.put("fast", key, forms)
     return forms
 
 
 def _fast_linear(layer: PrecisionLinear, x: torch.Tensor, w: torch.Tensor, recipe: FastRecipe) -> torch.Tensor:
-    """The layer's forward on the fast path (`FP8LinearFn` on tensors and a recipe);
-    statistics into `layer.stats` on check steps."""
-    stats = layer.collect_stats
-    recipe = FastRecipe(recipe.scaling, recipe.fwd, recipe.bwd, stats, recipe.margin, recipe.most_recent,
-                        count_overflow=recipe.delayed and not stats)
+    """The layer's forward on the fast path (`FP8LinearFn` on tensors and the step's recipe,
+    one of `step_recipes`); statistics into `layer.stats` on check steps."""
+    stats = recipe.stats
     forms = _weight_forms(layer, w, recipe)
     # the output gradient's statistics are copied into this buffer by the backward; under
     # torch.compile AOTAutograd refuses a forward input written by the backward, so a compiled
     # check step reports the input's and the weight's statistics only
     grad_stats = (torch.zeros(len(QuantStats.FIELDS), dtype=torch.float64, device=x.device)
                   if stats and torch.is_grad_enabled() and not torch.compiler.is_compiling() else None)
-    y, stats_x = FP8LinearFn.apply(
-        x, w, layer.bias, forms.q, forms.scale_inv, forms.q_t, forms.scale_inv_t if recipe.rowwise else None,
-        *_delayed(layer, "input", recipe), *_delayed(layer, "grad_output", recipe),
-        layer.overflow_steps, grad_stats, recipe)
+    state = (delayed_state(layer.overflow_steps, _delayed(layer, "input", recipe),
+                           _delayed(layer, "grad_output", recipe)) if recipe.delayed else ())
+    y, stats_x = FP8LinearFn.apply(x, w, layer.bias, forms.q, forms.scale_inv, forms.q_t,
+                                   forms.scale_inv_t if recipe.rowwise else None, grad_stats, recipe, *state)
     if stats:
         layer.stats["input"] = QuantStats(stats_x)
         layer.stats["weight"] = forms.stats

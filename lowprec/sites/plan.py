@@ -41,6 +41,7 @@ import torch.nn as nn
 import yaml
 
 from lowprec.sites.backends import BACKEND_NAMES
+from lowprec.sites.gemm_config import LinearGemmConfig
 from lowprec.base.parse import ConfigError, check_keys, read_yaml_file, read_yaml_text, suggest
 from lowprec.numerics.formats import FORMATS, Format, format_names, get_format
 from lowprec.numerics.quantize import check_layer_fits
@@ -53,7 +54,7 @@ BF16 = FORMATS["bf16"]
 BACKENDS = BACKEND_NAMES
 SELECTOR_KEYS = ("glob", "regex", "fqns", "first_layers", "last_layers", "module_type")
 RULE_KEYS = ("name", "select", "format", "ladder")
-PLAN_KEYS = ("backend", "default", "keep_high_precision", "rules", "fused", "amax_scope")
+PLAN_KEYS = ("backend", "default", "keep_high_precision", "rules", "fused", "amax_scope", "gemm")
 
 
 class PlanError(ConfigError):
@@ -248,6 +249,7 @@ class PrecisionPlan:
     keep_high_precision: tuple[Selector, ...] = ()
     fused: bool = False
     amax_scope: AmaxScope = AmaxScope.GROUP
+    gemm: LinearGemmConfig = field(default_factory=LinearGemmConfig)   # the fast path's GEMMs
 
     def __post_init__(self) -> None:
         if not isinstance(self.amax_scope, AmaxScope):
@@ -269,11 +271,15 @@ class PrecisionPlan:
         scope = _amax_scope(d.get("amax_scope", AmaxScope.GROUP.value), f"{path}.amax_scope")
         keep, rules = (_list(d.get(k, []), f"{path}.{k}") for k in ("keep_high_precision", "rules"))
         try:
+            gemm = LinearGemmConfig.from_dict(d.get("gemm"), f"{path}.gemm")
+        except ConfigError as e:
+            raise PlanError(e.path, e.message) from None
+        try:
             return cls(_str(d.get("backend", "emulated"), f"{path}.backend"),
                        _format(d.get("default", "bf16"), f"{path}.default"),
                        tuple(Rule.from_dict(r, f"{path}.rules[{i}]", f"rules[{i}]") for i, r in enumerate(rules)),
                        tuple(selection_from_dict(s, f"{path}.keep_high_precision[{i}]") for i, s in enumerate(keep)),
-                       fused, scope)
+                       fused, scope, gemm)
         except PlanError as e:
             raise e.under(path) from None
 
@@ -292,7 +298,7 @@ class PrecisionPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"backend": self.backend, "default": self.default.name, "fused": self.fused,
-                "amax_scope": self.amax_scope.value,
+                "amax_scope": self.amax_scope.value, "gemm": self.gemm.to_dict(),
                 "keep_high_precision": [s.to_dict() for s in self.keep_high_precision],
                 "rules": [{"name": r.name, "select": r.select.to_dict(), "format": r.format.name,
                            "ladder": [f.name for f in r.ladder]} for r in self.rules]}

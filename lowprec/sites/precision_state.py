@@ -230,7 +230,7 @@ def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0,
         else:
             layer = layer_cls.from_module(
                 sp.module, sp.format, backend, fqn=sp.fqn, seed=seed * 1_000_003 + i,
-                amax_group=amax_group, fused=plan.fused, amax_scope=scope)
+                amax_group=amax_group, fused=plan.fused, amax_scope=scope, gemm=plan.gemm)
         _set_submodule(model, sp.fqn, layer)
         sites.append(Site(sp.fqn, layer, tuple(sp.ladder), sp.reason))
     return PrecisionState(sites, backend, kept)

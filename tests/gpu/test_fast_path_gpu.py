@@ -7,6 +7,7 @@ from torch import nn
 
 from lowprec.sites.backends import get_backend
 from lowprec.numerics.formats import get_format
+from lowprec.sites.gemm_config import LinearGemmConfig
 from lowprec.sites.layers import PrecisionLinear
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -82,15 +83,37 @@ def test_weight_cache_bit_identical_on_cuda(fmt):
 @pytest.mark.parametrize("fmt", ["fp8_tensorwise", "fp8_rowwise"])
 def test_odd_token_counts_are_padded(fmt):
     """An eval window of 37 tokens (not a multiple of 16) runs on the torch backend and
-    matches the emulated one (cuBLASLt needs multiples of 16: the backend zero-pads)."""
+    matches the emulated one: tensor-wise without padding (tokens are M in fprop, which
+    `_scaled_mm` takes as they are), row-wise with `pad_inner_dim` on."""
     torch.manual_seed(0)
     base = nn.Linear(256, 128, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1, 37, 256, device="cuda", dtype=torch.bfloat16)
+    gemm = LinearGemmConfig(pad_inner_dim=fmt == "fp8_rowwise")
     with torch.no_grad():
-        ys = [PrecisionLinear.from_module(base, get_format(fmt), get_backend(be))(x).float()
+        ys = [PrecisionLinear.from_module(base, get_format(fmt), get_backend(be), gemm=gemm)(x).float()
               for be in ("emulated", "torch")]
     assert ys[1].shape == (1, 37, 128)
     assert ((ys[0] - ys[1]).norm() / ys[0].norm()).item() < 2e-2
+
+
+def test_training_on_odd_token_counts_needs_padding():
+    """37 tokens are K of the wgrad GEMM: without `pad_inner_dim` the step is refused with a
+    one-line error naming the key; with it, the gradients match the emulated backend's."""
+    torch.manual_seed(0)
+    base = nn.Linear(256, 128, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(37, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(37, 128, device="cuda", dtype=torch.bfloat16)
+    layer = PrecisionLinear.from_module(base, get_format("fp8_tensorwise"), get_backend("torch"))
+    with pytest.raises(ValueError, match="pad_inner_dim: true"):
+        layer(x).backward(g)
+    grads = []
+    for be in ("emulated", "torch"):
+        layer = PrecisionLinear.from_module(base, get_format("fp8_tensorwise"), get_backend(be),
+                                            gemm=LinearGemmConfig(pad_inner_dim=True))
+        base.weight.grad = None
+        layer(x).backward(g)
+        grads.append(base.weight.grad.float())
+    assert ((grads[0] - grads[1]).norm() / grads[0].norm()).item() < 2e-2
 
 
 def test_autocast_fp32_model_gets_bf16_output():
@@ -177,10 +200,13 @@ def test_compiled_cast_is_the_kernels_in_inductors_code(rowwise):
 
 
 @pytest.mark.parametrize("fmt", ["fp8_tensorwise", "fp8_delayed"])
-def test_fast_path_under_cuda_graphs_trains_as_eager(fmt):
+def test_fast_path_under_cuda_graphs_trains_as_eager(fmt, monkeypatch):
     """torch.compile(mode="reduce-overhead") replays a fast-path layer's steps as CUDA graphs
-    (the casts are in the graph): three SGD steps give eager's weights, and the delayed
-    history advances as in eager (its in-place updates are replayed too)."""
+    (the casts are in the graph; a graph cudagraph trees would skip, as for a written input
+    that is not static, is an error here): three SGD steps give eager's weights, and the
+    delayed history advances as in eager (its in-place updates are replayed too)."""
+    import torch._inductor.config as inductor_config
+    monkeypatch.setattr(inductor_config.triton, "cudagraph_or_error", True)
     torch.manual_seed(0)
     base = nn.Linear(1024, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
     layers = [PrecisionLinear.from_module(nn.Linear(1024, 1024, bias=False, device="cuda", dtype=torch.bfloat16),
@@ -205,3 +231,51 @@ def test_fast_path_under_cuda_graphs_trains_as_eager(fmt):
     for key, h in layers[0].histories.items():
         assert torch.equal(h.count, layers[1].histories[key].count)
         assert torch.equal(h.history, layers[1].histories[key].history)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_tensorwise", "fp8_delayed"])
+def test_fast_path_under_a_manual_cuda_graph_trains_as_eager(fmt):
+    """A whole training step (forward, backward, SGD) captured with `torch.cuda.graph`, as in
+    PyTorch's CUDA-graph docs, and replayed on new data: the weight's casts are redone in every
+    replay (the weight cache is bypassed while capturing: a hit then would replay the casts of
+    the captured weight), and the delayed state is updated in place, as eager's."""
+    torch.manual_seed(0)
+    base = nn.Linear(1024, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
+    layers = [PrecisionLinear.from_module(nn.Linear(1024, 1024, bias=False, device="cuda", dtype=torch.bfloat16),
+                                          get_format(fmt), get_backend("torch")) for _ in range(2)]
+    for layer in layers:
+        with torch.no_grad():
+            layer.weight.copy_(base.weight)
+        layer.collect_stats = False
+    opts = [torch.optim.SGD(layer.parameters(), lr=1e-2) for layer in layers]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    data = [(torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, generator=g),
+             torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, generator=g)) for _ in range(4)]
+    eager, graphed = layers
+    # warm-up on a side stream (one eager step on both, so that both start alike), then capture
+    static_x, static_dy = data[0][0].clone(), data[0][1].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for layer, opt in zip(layers, opts):
+            layer(static_x).backward(static_dy)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed(static_x).backward(static_dy)
+        opts[1].step()
+    for x, dy in data[1:]:
+        static_x.copy_(x)
+        static_dy.copy_(dy)
+        graph.replay()
+        eager(x).backward(dy)
+        opts[0].step()
+        opts[0].zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    a, b = eager.weight.float(), graphed.weight.float()
+    assert ((a - b).norm() / a.norm()).item() < 1e-3
+    for key, h in eager.histories.items():
+        assert torch.equal(h.count, graphed.histories[key].count)
+        assert torch.equal(h.history, graphed.histories[key].history)

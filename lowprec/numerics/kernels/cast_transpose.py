@@ -23,20 +23,23 @@ the row-major quantization (amax, saturated, underflow, squared error, signal po
 non-finite, numel, underflow energy) from the same pass: each tile writes its counts and
 FP64 sums to its own row of a (tiles, 8) buffer, one column sum after the kernel packs
 them (no atomics: on an H100 the first version's six FP64 atomic adds per tile into one
-vector made a check step's cast 5.4x slower). Counts are exact, the three sums accumulated
-in FP64 from the exact grid magnitudes (their order differs from `quantize`'s, so they
-agree to rounding, not bit for bit). Element and scale numerics are
-`lowprec.numerics.quantize.quantize`'s, bit for bit (`fp8_cast._encode`, `_scale_of`).
+vector made a check step's cast 5.4x slower). Counts are exact; the dequantized magnitude is
+`quantize`'s (|q| / scale, one FP32 rounding), the error, the squares and the three sums
+are FP64 (their order differs from `quantize`'s, so they agree to rounding, not bit for bit).
+Element and scale numerics are `lowprec.numerics.quantize.quantize`'s, bit for bit (`fp8_cast._encode`, `_scale_of`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from lowprec.numerics.kernels.fp8_cast import (
-    _amax_partial_kernel, _bits, _encode, _finite_abs, _flat_grid, _load_f32, _prepare, _scale_of,
+    _amax_partial_kernel, _bits, _checked, _consts, _encode, _finite_abs, _flat_grid, _load_f32, _prepare, _scale_of,
+    cdiv, next_power_of_2,
 )
 from lowprec.numerics.quant_stats import QuantStats
 
@@ -64,7 +67,10 @@ def _tile_stats(part_ptr, first, amax, numel, ax, qa, sat, under, nonfin, scale)
     Slot 0 (amax) and slot 6 (numel) are written by the first tile only (`first`), 0 by the
     others, so that the column sums are the operand's values."""
     a64 = ax.to(tl.float64)
-    err = qa.to(tl.float64) / scale.to(tl.float64) - a64
+    # dq = |q| / scale in FP32, rounded once as `quantize` dequantizes; then the error, its
+    # square and the sums in FP64 (exact differences and squares of FP32 values). No FP64
+    # division per element: on a GPU that is many times the cost of the cast itself.
+    err = tl.math.div_rn(qa, scale).to(tl.float64) - a64
     sq = a64 * a64
     row = _stats_row(part_ptr)
     tl.store(row + 0, tl.where(first, tl.cast(amax, tl.float64), 0.0))
@@ -239,54 +245,70 @@ def traced_launch(kernel, grid):
 
 
 def _grid(m: int, n: int, tile) -> tuple[int, int]:
-    return (max(1, triton.cdiv(m, tile[0])), max(1, triton.cdiv(n, tile[1])))
+    return (max(1, cdiv(m, tile[0])), max(1, cdiv(n, tile[1])))
 
 
 def _buffers(x2: torch.Tensor, transpose: bool, stats: bool, grid: tuple[int, int]):
     """q, q_t (empty without transpose) and the per-tile statistics partials ((tiles, 8) FP64,
-    every row written by its tile; no rows without stats or without elements, where no
+    every row written by its tile; None without stats, no rows without elements, where no
     kernel runs)."""
     m, n = x2.shape
-    tiles = grid[0] * grid[1] if stats and m and n else 0
-    q = torch.empty((m, n), dtype=torch.uint8, device=x2.device)
-    qt = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=x2.device)
-    part = torch.empty((tiles, _N_STATS), dtype=torch.float64, device=x2.device)
+    dev = x2.device
+    q = torch.empty((m, n), dtype=torch.uint8, device=dev)
+    qt = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=dev)
+    part = (torch.empty((grid[0] * grid[1] if m and n else 0, _N_STATS), dtype=torch.float64, device=dev)
+            if stats else None)
     return q, qt, part
 
 
-def _stats_of(part: torch.Tensor, stats: bool) -> torch.Tensor:
+def _stats_of(part: torch.Tensor | None) -> torch.Tensor | None:
     """The packed QuantStats vector from the partials: one small launch (the column sums);
-    empty without stats, zeros where the operand had no tile."""
-    if not stats:
-        return part.new_empty(0)
+    None without stats (`part` None), zeros where the operand had no tile."""
+    if part is None:
+        return None
     return part.sum(0) if part.shape[0] else part.new_zeros(_N_STATS)
 
 
-def _ptr(t: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+def _ptr(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
     """An argument for a pointer the kernel does not use (an empty output): any real buffer."""
-    return t if t.numel() else fallback
+    return t if t is not None and t.numel() else fallback
+
+
+@functools.lru_cache(maxsize=1024)
+def _ct_plan(m: int, n: int, elem, bf16: bool, transpose: bool, stats: bool, tile, delayed: bool, hist_len: int):
+    """What `_ct_kernel`'s launch needs besides its tensors, for one shape and recipe: (grid,
+    programs of the amax pass, the constexpr keyword arguments). Computed once per shape (a
+    pure function of its arguments), so that a cast's host time is its allocations and its
+    launches."""
+    grid = _grid(m, n, tile)
+    p = _flat_grid(m * n, 2048)
+    c = _consts(elem, bf16)
+    kw = dict(BM=tile[0], BN=tile[1], BLOCK_P=1 if delayed else next_power_of_2(p),
+              BLOCK_L=next_power_of_2(hist_len) if delayed else 1, MB=c["M"], DELAYED=delayed,
+              TRANSPOSE=transpose, STATS=stats, num_warps=4,
+              **{k: v for k, v in c.items() if k != "M"})
+    return grid, p, kw
 
 
 def cast_transpose(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool = False, tile=_TILE,
                    launch=eager_launch):
     """Tensor-wise FP8 cast of `x` viewed as (M, N): `(q (M, N), scale_inv (), q_t (N, M) or
-    an empty tensor, packed stats (8,) FP64 or an empty tensor)`; q_t is q transposed."""
-    elem, x2, c = _prepare(x, elem, "cast_transpose")
+    an empty tensor, packed stats (8,) FP64 or None)`; q_t is q transposed."""
+    elem, x2 = _checked(x, elem, "cast_transpose")
     m, n = x2.shape
-    grid = _grid(m, n, tile)
+    bf16 = x2.dtype == torch.bfloat16
+    grid, p, kw = _ct_plan(m, n, elem, bf16, transpose, stats, tuple(tile), False, 1)
     q, qt, part = _buffers(x2, transpose, stats, grid)
     scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
-    p = _flat_grid(x2.numel(), 2048)
     partial = torch.empty(p, dtype=torch.float32, device=x2.device)
-    launch(_amax_partial_kernel, (p,))(_bits(x2), partial, x2.numel(), BLOCK=2048, BF16=c["BF16"], num_warps=8)
-    if not x2.numel():
-        return _empty_result(x2, elem, q, qt, _stats_of(part, stats), scale_inv)
+    bits = _bits(x2)
+    launch(_amax_partial_kernel, (p,))(bits, partial, m * n, BLOCK=2048, BF16=bf16, num_warps=8)
+    if not m * n:
+        return _empty_result(x2, elem, q, qt, _stats_of(part), scale_inv)
     launch(_ct_kernel, grid)(
-        _bits(x2), q, _ptr(qt, q), partial, p, partial, partial, 1, partial, partial, partial, 0, scale_inv,
-        _ptr(part, partial), m * n, m, n, n, BM=tile[0], BN=tile[1], BLOCK_P=triton.next_power_of_2(p), BLOCK_L=1, MB=c.pop("M"),
-        DELAYED=False, MOST_RECENT=False, MARGIN_DIV=1.0, OVERFLOW=False, TRANSPOSE=transpose,
-        STATS=stats, num_warps=4, **c)
-    return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), _stats_of(part, stats)
+        bits, q, _ptr(qt, q), partial, p, partial, partial, 1, partial, partial, partial, 0, scale_inv,
+        _ptr(part, partial), m * n, m, n, n, MOST_RECENT=False, MARGIN_DIV=1.0, OVERFLOW=False, **kw)
+    return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), _stats_of(part)
 
 
 def cast_transpose_delayed(x: torch.Tensor, elem, state: DelayedState, *, margin: int = 0,
@@ -294,31 +316,30 @@ def cast_transpose_delayed(x: torch.Tensor, elem, state: DelayedState, *, margin
                            overflow_index: int = 0, transpose: bool = True, stats: bool = False,
                            tile=_TILE, launch=eager_launch):
     """Delayed-scaling FP8 cast in one kernel: the scale from `state`'s history, this
-    operand's amax appended to it. Returns `(q, scale_inv (), q_t or empty, stats or empty)`.
+    operand's amax appended to it. Returns `(q, scale_inv (), q_t or empty, stats or None)`.
     With `overflow`, `overflow[overflow_index]` is incremented when amax * scale / 2 saturates."""
-    elem, x2, c = _prepare(x, elem, "cast_transpose_delayed")
+    elem, x2 = _checked(x, elem, "cast_transpose_delayed")
     m, n = x2.shape
-    grid = _grid(m, n, tile)
+    hist = state.history
+    grid, _, kw = _ct_plan(m, n, elem, x2.dtype == torch.bfloat16, transpose, stats, tuple(tile), True,
+                           hist.numel())
     q, qt, part = _buffers(x2, transpose, stats, grid)
     scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
-    hist = state.history
     ov = overflow if overflow is not None else hist
-    if not x2.numel():
-        return _empty_result(x2, elem, q, qt, _stats_of(part, stats), scale_inv)
+    if not m * n:
+        return _empty_result(x2, elem, q, qt, _stats_of(part), scale_inv)
     launch(_ct_kernel, grid)(
         _bits(x2), q, _ptr(qt, q), hist, 1, hist, state.count, hist.numel(), state.scratch, state.ticket, ov,
-        overflow_index if overflow is not None else 0, scale_inv, _ptr(part, hist), m * n, m, n, n, BM=tile[0], BN=tile[1], BLOCK_P=1,
-        BLOCK_L=triton.next_power_of_2(hist.numel()), MB=c.pop("M"), DELAYED=True,
-        MOST_RECENT=most_recent, MARGIN_DIV=float(2.0 ** margin), OVERFLOW=overflow is not None,
-        TRANSPOSE=transpose, STATS=stats, num_warps=4, **c)
-    return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), _stats_of(part, stats)
+        overflow_index if overflow is not None else 0, scale_inv, _ptr(part, hist), m * n, m, n, n,
+        MOST_RECENT=most_recent, MARGIN_DIV=float(2.0 ** margin), OVERFLOW=overflow is not None, **kw)
+    return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), _stats_of(part)
 
 
 def cast_transpose_rowwise(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool = False,
                            tile=_TILE, launch=eager_launch):
     """Row-wise FP8 casts of `x` viewed as (M, N): `q` with one scale per row (over N) and
     `q_t` = the row-wise cast of x^T (one scale per column of x, over M). Returns
-    `(q, scale_inv (M, 1), q_t (N, M) or empty, scale_inv_t (N, 1) or empty, stats or empty)`."""
+    `(q, scale_inv (M, 1), q_t (N, M) or empty, scale_inv_t (N, 1) or empty, stats or None)`."""
     elem, x2, c = _prepare(x, elem, "cast_transpose_rowwise")
     m, n = x2.shape
     grid = _grid(m, n, tile)
@@ -332,11 +353,11 @@ def cast_transpose_rowwise(x: torch.Tensor, elem, *, transpose: bool = True, sta
         launch(_ct_row_kernel, grid)(_bits(x2), q, _ptr(qt, q), maxima, si, _ptr(sit, si),
                              _ptr(part, maxima), m * n, m, n, n, BM=tile[0], BN=tile[1], MB=c.pop("M"),
                              TRANSPOSE=transpose, STATS=stats, num_warps=4, **c)
-        st = _stats_of(part, stats)
+        st = _stats_of(part)
         if stats:   # the largest row maximum, which is also the largest column maximum
             first = torch.arange(_N_STATS, device=st.device) == 0
             st = torch.where(first, maxima.amax().to(st.dtype), st)
     else:   # no elements in a row or a column: the scales of an amax of 0, as quantize's
-        st = _stats_of(part, stats)
+        st = _stats_of(part)
         _fill_zero_amax_scale_inv(elem, si, sit)
     return q.view(elem.torch_dtype), si, qt.view(elem.torch_dtype), sit, st

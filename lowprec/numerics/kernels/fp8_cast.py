@@ -30,6 +30,7 @@ underflow, nonfinite and numel. The sums (`sq_error`, `signal_power`,
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -236,6 +237,13 @@ def _element(elem) -> ElementFormat:
 
 
 def _prepare(x: torch.Tensor, elem, what: str):
+    """(element format, x as a contiguous 2-D (rows, K) tensor, the kernels' constants: a copy)."""
+    elem, x2 = _checked(x, elem, what)
+    return elem, x2, dict(_consts(elem, x2.dtype == torch.bfloat16))
+
+
+def _checked(x: torch.Tensor, elem, what: str):
+    """(element format, x as a contiguous 2-D (rows, K) tensor), or a clear error."""
     elem = _element(elem)
     if x.dtype not in (torch.bfloat16, torch.float32, torch.float16):
         raise TypeError(f"{what} expects a BF16, FP16 or FP32 tensor, got {x.dtype}")
@@ -244,15 +252,28 @@ def _prepare(x: torch.Tensor, elem, what: str):
             f"{what} runs Triton kernels: on a CUDA tensor, or on a {x.device.type} tensor "
             f"only with Triton's interpreter (TRITON_INTERPRET=1 set before triton is first "
             f"imported). For CPU quantization use lowprec.numerics.quantize.quantize.")
-    k = x.shape[-1] if x.dim() else 1
-    x2 = x.reshape(math.prod(x.shape[:-1]), k)
+    x2 = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1] if x.dim() else 1)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    bf16 = x2.dtype == torch.bfloat16
-    consts = dict(MAX=elem.max, M=elem.mantissa_bits, BIAS=1 - elem.min_normal_exp,
-                  HAS_INF=elem.has_inf, THR=overflow_threshold(elem), ODD=_odd_max(elem), EPS=_EPS,
-                  BF16=bf16)
-    return elem, x2, consts
+    return elem, x2
+
+
+@functools.lru_cache(maxsize=None)
+def _consts(elem: ElementFormat, bf16: bool) -> dict:
+    """The kernels' constexpr arguments of an element format (computed once per format:
+    the host time of a cast is mostly such per-call work). Callers get a copy."""
+    return dict(MAX=elem.max, M=elem.mantissa_bits, BIAS=1 - elem.min_normal_exp, HAS_INF=elem.has_inf,
+                THR=overflow_threshold(elem), ODD=_odd_max(elem), EPS=_EPS, BF16=bf16)
+
+
+def cdiv(n: int, d: int) -> int:
+    """ceil(n / d) for host code (`triton.cdiv` is a constexpr function: slow on the host)."""
+    return -(-n // d)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (>= 1), as `triton.next_power_of_2`, in plain Python."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _bits(x2: torch.Tensor) -> torch.Tensor:
@@ -291,7 +312,7 @@ def cast_rowwise(x: torch.Tensor, elem, *, stats: bool = False, block_k: int | N
     rows, k = x2.shape
     out, counts, amax = _outputs(x2, elem, stats)
     scale_inv = torch.empty((rows, 1), dtype=torch.float32, device=x2.device)
-    bk = block_k or min(triton.next_power_of_2(max(k, 16)), 4096)
+    bk = block_k or min(next_power_of_2(max(k, 16)), 4096)
     if rows:
         _rowwise_kernel[(rows,)](_bits(x2), out, scale_inv, counts, amax, k, k,
                                  BLOCK_K=bk, STATS=stats, num_warps=8 if bk >= 2048 else 4, **c)
@@ -299,7 +320,7 @@ def cast_rowwise(x: torch.Tensor, elem, *, stats: bool = False, block_k: int | N
 
 
 def _flat_grid(n: int, block: int) -> int:
-    return max(1, min(triton.cdiv(n, block), _MAX_PARTIALS))
+    return max(1, min(cdiv(n, block), _MAX_PARTIALS))
 
 
 def cast_tensorwise(x: torch.Tensor, elem, *, stats: bool = False, block: int | None = None):
@@ -317,7 +338,7 @@ def cast_tensorwise(x: torch.Tensor, elem, *, stats: bool = False, block: int | 
     scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
     _amax_partial_kernel[(p,)](_bits(x2), partial, n, BLOCK=bl, BF16=c["BF16"], num_warps=8)
     _cast_kernel[(p,)](_bits(x2), out, partial, p, partial, scale_inv, counts, amax, n, BLOCK=bl,
-                       BLOCK_P=triton.next_power_of_2(p), DELAYED=False, STATS=stats, num_warps=8, **c)
+                       BLOCK_P=next_power_of_2(p), DELAYED=False, STATS=stats, num_warps=8, **c)
     return _result(out, scale_inv, elem, counts, amax, n, stats)
 
 

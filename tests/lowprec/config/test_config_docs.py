@@ -16,6 +16,7 @@ from lowprec.config import (DataConfig, EvalConfig, ModelConfig, LowprecConfig, 
                             TrackingConfig, TrainConfig)
 from lowprec.base.parse import to_data
 from lowprec.numerics.formats import Format
+from lowprec.sites.gemm_config import GEMM_ROLES, LinearGemmConfig
 from lowprec.sites.plan import PLAN_KEYS, RULE_KEYS, SELECTOR_KEYS, PrecisionPlan, Rule, Selector
 
 PAGE = Path(__file__).resolve().parents[3] / "docs" / "config.md"
@@ -80,6 +81,9 @@ def precision_keys() -> dict[str, Any]:
     # a rule without a name is named after its position (Rule.from_dict), not Rule's own default
     assert PrecisionPlan.from_dict({"rules": [{"select": {"glob": "*"}, "format": "bf16"}]}).rules[0].name == "rules[0]"
     keys["rules[].name"] = "rules[<i>]"
+    keys.update(code_keys(LinearGemmConfig, "gemm."))
+    # each GEMM's default is LinearGemmConfig's (torchao's), not GemmConfig's own
+    keys.update({f"gemm.{r}.use_fast_accum": getattr(LinearGemmConfig(), r).use_fast_accum for r in GEMM_ROLES})
     return keys
 
 

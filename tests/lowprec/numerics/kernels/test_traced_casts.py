@@ -173,13 +173,19 @@ def test_direct_calls_skip_only_the_dispatcher():
             return func(*args, **(kwargs or {}))
 
     x = torch.randn(48, 40, dtype=torch.bfloat16)
-    direct = fp8_ops.cast(x, 0, False, True, True)
-    with Seen() as seen:
-        through_op = fp8_ops.cast(x, 0, False, True, True)
-    assert "lowprec.fp8_cast.default" in seen.ops
-    for a, b in zip(direct, through_op):
-        assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
-                           b.view(torch.uint8) if b.dtype.itemsize == 1 else b)
+    for stats in (True, False):
+        direct = fp8_ops.cast(x, 0, False, True, stats)
+        with Seen() as seen:
+            through_op = fp8_ops.cast(x, 0, False, True, stats)
+        assert "lowprec.fp8_cast.default" in seen.ops
+        # a direct call does not allocate what the step lacks (None); the op returns it empty
+        absent = [i for i, a in enumerate(direct) if a is None]
+        assert absent == ([3] if stats else [3, 4])
+        assert all(through_op[i].numel() == 0 for i in absent)
+        for a, b in zip(direct, through_op):
+            if a is not None:
+                assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                                   b.view(torch.uint8) if b.dtype.itemsize == 1 else b)
 
 
 def test_opaque_in_graphs_keeps_the_op_whole_on_cuda(hopper_driver):

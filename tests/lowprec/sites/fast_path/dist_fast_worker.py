@@ -33,10 +33,19 @@ for _p in (str(ROOT), str(ROOT / "tests" / "lowprec")):
         sys.path.insert(0, _p)
 
 from dist_worker import MODEL, SITES, data, make_model  # noqa: E402
+from fast_path_checks import ScaledMMFlags  # noqa: E402
 from lowprec import prepare  # noqa: E402
 from lowprec.sites.plan import PrecisionPlan  # noqa: E402
 
 STEPS, LR, BATCH = 5, 1e-3, 4
+# `layer` and `seq` run every GEMM with the opposite of torchao's `use_fast_accum` and
+# report the flag each `_scaled_mm` got (on CPU the flag changes no bit)
+GEMM_FLAGS = (False, True, True)
+
+
+def _gemm():
+    from lowprec.sites.gemm_config import GemmConfig, LinearGemmConfig
+    return LinearGemmConfig(*(GemmConfig(f) for f in GEMM_FLAGS))
 
 
 def plan_for(fmt: str, scope: str) -> PrecisionPlan:
@@ -306,22 +315,25 @@ def layer_checks(fmt: str, scope: str) -> dict:
     f, backend = get_format(fmt), get_backend("torch")
 
     def one(weight, inp, grad, amax_group=None):
-        layer = PrecisionLinear(weight, None, f, backend, amax_group=amax_group, amax_scope=AmaxScope(scope))
-        yy = layer(inp)
-        if any(p.is_partial() for p in getattr(yy, "placements", ())):
-            yy = yy.redistribute(placements=[Replicate()])   # what RowwiseParallel's output does
-        yy.backward(grad)
-        return layer, yy
+        layer = PrecisionLinear(weight, None, f, backend, amax_group=amax_group, amax_scope=AmaxScope(scope),
+                                gemm=_gemm())
+        with ScaledMMFlags() as calls:
+            yy = layer(inp)
+            if any(p.is_partial() for p in getattr(yy, "placements", ())):
+                yy = yy.redistribute(placements=[Replicate()])   # what RowwiseParallel's output does
+            yy.backward(grad)
+        return layer, yy, calls.fast_accum
 
     out = {}
     for style, w_pl, x_pl in (("col", Shard(0), Replicate()), ("row", Shard(1), Shard(1))):
         ref_w, ref_x = torch.nn.Parameter(w.clone()), x.clone().requires_grad_()
-        _, ref_y = one(ref_w, ref_x, gy)
+        _, ref_y, _ = one(ref_w, ref_x, gy)
         r = mesh.get_local_rank("dp_replicate")
         wd = torch.nn.Parameter(distribute_tensor(w.clone(), mesh["tp"], [w_pl]))
         xl = x[r::dp].clone().requires_grad_()
         xd = distribute_tensor(xl.detach(), mesh["tp"], [x_pl]).requires_grad_()
-        layer, yd = one(wd, xd, _grad_for(gy[r::dp], w_pl, mesh), mesh.get_group("dp_replicate") if dp > 1 else None)
+        dp_group = mesh.get_group("dp_replicate") if dp > 1 else None
+        layer, yd, flags = one(wd, xd, _grad_for(gy[r::dp], w_pl, mesh), dp_group)
         y_full = yd.full_tensor()
         dw = wd.grad.full_tensor()
         if dp > 1:
@@ -329,7 +341,7 @@ def layer_checks(fmt: str, scope: str) -> dict:
         out[style] = {"y": (y_full - ref_y[r::dp].detach()).abs().max().item(),
                       "dx": (xd.grad.full_tensor() - ref_x.grad[r::dp]).abs().max().item(),
                       "dw": (dw - ref_w.grad).abs().max().item(),
-                      "calls": (layer.fast_calls, layer.slow_calls)}
+                      "calls": (layer.fast_calls, layer.slow_calls), "gemm_flags": flags}
     return _gather(out)
 
 
@@ -366,20 +378,21 @@ def seq_checks(fmt: str, scope: str) -> dict:
     for name, style in (("fp8", FP8SequenceColwiseParallel()), ("hp", ColwiseParallel(input_layouts=Shard(1)))):
         parent = torch.nn.Module()
         parent.lin = PrecisionLinear(torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone()), get_format(fmt),
-                                     get_backend("torch"), amax_scope=AmaxScope(scope))
+                                     get_backend("torch"), amax_scope=AmaxScope(scope), gemm=_gemm())
         parallelize_module(parent, mesh, {"lin": style})
         xl = x[:, rank * t:(rank + 1) * t].clone().requires_grad_()
         ledger = CollectiveLedger()
-        with ledger, ledger.phase("fwd_bwd"):
+        with ledger, ledger.phase("fwd_bwd"), ScaledMMFlags() as calls:
             y = parent.lin(xl)
             y.backward(gy[..., rank * (24 // world):(rank + 1) * (24 // world)])
         out[name] = {"y": y.detach(), "dx": xl.grad, "dw": parent.lin.weight.grad.full_tensor(),
                      "gather_bytes": ledger.table().get("weight_all_gather", (0, 0, 0))[1]
                      + ledger.table().get("tp_all_gather", (0, 0, 0))[1],
-                     "calls": (parent.lin.fast_calls, parent.lin.slow_calls)}
+                     "calls": (parent.lin.fast_calls, parent.lin.slow_calls), "gemm_flags": calls.fast_accum}
     diff = {k: (out["fp8"][k] - out["hp"][k]).abs().max().item() for k in ("y", "dx", "dw")}
     return _gather({**diff, "bytes": (out["fp8"]["gather_bytes"], out["hp"]["gather_bytes"]),
-                    "calls": (out["fp8"]["calls"], out["hp"]["calls"])})
+                    "calls": (out["fp8"]["calls"], out["hp"]["calls"]),
+                    "gemm_flags": (out["fp8"]["gemm_flags"], out["hp"]["gemm_flags"])})
 
 
 CKPT_RUNS = {"ckpt": ckpt_run, "reshard": reshard_run, "ckpt_dptp": ckpt_dptp_run, "reshard_dptp": reshard_dptp_run}

@@ -1,5 +1,6 @@
 """Shared checks of the fast-path tests: statistics compared with their stated tolerance,
-and a test file run again in a fresh pytest process with Triton's interpreter on.
+the `use_fast_accum` of each `_scaled_mm` a step ran, and a test file run again in a
+fresh pytest process with Triton's interpreter on.
 
 Triton decides whether its kernels are interpreted when they are defined (at import),
 from TRITON_INTERPRET; the outer pytest process may already have imported Triton without
@@ -17,6 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 ROOT = Path(__file__).resolve().parents[4]
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -32,6 +36,21 @@ def run_interpreted(test_file: str, min_passed: int) -> str:
     passed = int(re.search(r"(\d+) passed", out).group(1))
     assert passed >= min_passed, out[-3000:]
     return out
+
+
+class ScaledMMFlags(TorchDispatchMode):
+    """A dispatch mode (`with ScaledMMFlags() as calls:`) recording the `use_fast_accum` of
+    every aten._scaled_mm call, forward and backward, in order (`calls.fast_accum`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fast_accum: list[bool] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._scaled_mm.default:
+            self.fast_accum.append(bool(kwargs.get("use_fast_accum", args[7] if len(args) > 7 else False)))
+        return func(*args, **kwargs)
 
 
 EXACT_FIELDS = ("amax", "saturated", "underflow", "nonfinite", "numel")

@@ -32,6 +32,8 @@ for fp8_tensorwise, fp8_delayed and fp8_rowwise. What must hold:
   half of BF16's) and gives the output, input gradient and weight gradient of
   `ColwiseParallel(input_layouts=Shard(1))` (a high-precision gather, then the fast
   path) bit for bit, in both scopes;
+* `precision.gemm` on shards (`layer`, `seq`): each `_scaled_mm` of the sharded paths
+  (fprop, dgrad, wgrad) gets its own `use_fast_accum`, here the opposite of the defaults;
 * checkpoint and resume (FSDP2 with FP8 all-gather, DP 4): a DCP checkpoint after step 3
   holds FP32 weights; a fresh model resumed from it repeats the uninterrupted run's losses
   bit for bit; 2 ranks load it (DCP resharding) and train on within 1e-6 of it; the same
@@ -74,6 +76,7 @@ JOBS = {
 }
 AFTER = {"reshard": (2, ["reshard:fp8_tensorwise:group", "reshard_dptp:fp8_tensorwise:group"])}   # w4's checkpoints
 PINNED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+GEMM_FLAGS = (False, True, True)   # the worker's `precision.gemm` in `layer` and `seq`: (fprop, dgrad, wgrad)
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +155,7 @@ def test_one_layer_on_shards_is_one_process(runs, world, variant):
         for style in ("col", "row"):
             r = res[style]
             assert r["calls"] == (1, 0), f"rank {rank} {style}: {r['calls']}"
+            assert r["gemm_flags"] == list(GEMM_FLAGS), f"rank {rank} {style}: fprop, dgrad, wgrad {r['gemm_flags']}"
             bound = 0.0 if exact else 1e-5
             assert max(r["y"], r["dx"], r["dw"]) <= bound, f"rank {rank} {style}: {r}"
         assert res["col"]["y"] == 0.0   # a local GEMM on one process's FP8 bytes
@@ -220,6 +224,7 @@ def test_sequence_parallel_gathers_fp8_bytes(runs, variant):
         fp8_bytes, hp_bytes = res["bytes"]
         assert hp_bytes > 0 and fp8_bytes * 4 == hp_bytes   # FP32 input: 4 bytes an element, FP8 1
         assert res["calls"] == ((1, 0), (1, 0))
+        assert res["gemm_flags"] == (list(GEMM_FLAGS), list(GEMM_FLAGS)), f"rank {rank}: {res['gemm_flags']}"
 
 
 def test_dp_x_tp_checkpoint_resumes_exactly_and_reshards(runs):

@@ -1,0 +1,209 @@
+"""Benchmark (issue 43): the host time of a `PrecisionLinear` fast-path step, on any CPU.
+
+`bench_host.py` measures the host side on a GPU. This harness measures it here: the layer
+runs the fast path's own host code (the recipe, the weight cache, the autograd function,
+the custom ops' Python, the kernels' argument preparation and buffer allocations) with
+each Triton kernel launch replaced by a no-op that counts it, so no kernel runs and the
+time per step is the host's: Python, autograd and the dispatcher. `torch._scaled_mm` is
+replaced too, by the allocation of its output (on this CPU a real 16x16 FP8 `_scaled_mm`
+costs about 21 us of arithmetic where a BF16 `torch.mm` costs 4: a GPU's launch costs
+neither). `nn.Linear` runs for real, on operands small enough (`--d-model 16 --tokens 16`
+by default) that its three GEMMs are mostly dispatch.
+
+The replacement is scoped to `noop_launches()` (restored on exit) and patches only what
+decides where a cast runs and what launches: `fp8_ops.uses_kernels` and
+`fp8_cast.kernels_available` say "the kernels", `cast_transpose.eager_launch` returns a
+no-op, `torch._scaled_mm` allocates. The FP8 outputs are
+then uninitialised memory; nothing reads them but the GEMMs.
+
+Rows: `nn.Linear fwd+bwd` (the baseline), `PrecisionLinear` on fp8_tensorwise, fp8_delayed
+and fp8_rowwise with statistics off, fp8_tensorwise on a check step (statistics on), and
+fp8_tensorwise under `torch.compile` (on CPU the casts stay opaque ops in the graph, which
+call the same no-op launches). Each step changes the weight (as an optimizer step does) and
+sets the gradients to None (as `zero_grad` does). Columns: the fastest of `--repeats`
+rounds of `--calls` steps (the rows interleaved), in microseconds of this thread's CPU
+time per step; the ratio to `nn.Linear`; the
+launches per step the no-ops stood in for (Triton kernels and `_scaled_mm` calls; on an
+H200 a Triton launch costs about 13.6 us of host time, bench_host.py's `Triton launch` row,
+not included here).
+
+`--profile ROW` prints the cProfile of that row's steps (the top functions by own time).
+
+    OMP_NUM_THREADS=1 python experiments/bench_host_noop.py
+    OMP_NUM_THREADS=1 python experiments/bench_host_noop.py --profile "fp8_tensorwise"
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import platform
+import pstats
+import shlex
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.autograd.graph import increment_version
+
+from lowprec.numerics import fp8_ops
+from lowprec.numerics.formats import get_format
+from lowprec.sites.backends import get_backend
+from lowprec.sites.layers import PrecisionLinear
+
+BASE = "nn.Linear fwd+bwd"
+# row name -> (format, statistics on, compiled)
+LAYERS = {
+    "PrecisionLinear fp8_tensorwise": ("fp8_tensorwise", False, False),
+    "PrecisionLinear fp8_delayed": ("fp8_delayed", False, False),
+    "PrecisionLinear fp8_rowwise": ("fp8_rowwise", False, False),
+    "PrecisionLinear fp8_tensorwise, check step": ("fp8_tensorwise", True, False),
+    "PrecisionLinear fp8_tensorwise (compiled)": ("fp8_tensorwise", False, True),
+}
+ROWS = (BASE, "nn.Linear fwd+bwd (compiled)", *LAYERS)
+
+
+class _Counter:
+    launches = 0
+
+
+@torch.library.custom_op("lowprec_bench::scaled_mm_noop", mutates_args=())
+def _scaled_mm_noop(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """What a compiled graph calls in place of `_scaled_mm` here: the output's allocation."""
+    _Counter.launches += 1
+    return torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@_scaled_mm_noop.register_fake
+def _(a, b, scale_a, scale_b, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@contextlib.contextmanager
+def noop_launches():
+    """Within this block the fast path's casts take the Triton path on CPU tensors, every
+    Triton launch is a no-op and `torch._scaled_mm` only allocates its output; each counts
+    itself (`_Counter.launches`)."""
+    from lowprec.numerics.kernels import cast_transpose, fp8_cast
+
+    def launch(kernel, grid):
+        def run(*args, **kwargs):
+            _Counter.launches += 1
+        return run
+
+    def scaled_mm(a, b, *, scale_a, scale_b, out_dtype=None, **kwargs):
+        if torch.compiler.is_compiling():   # one opaque node, as _scaled_mm is (not dead code)
+            return torch.ops.lowprec_bench.scaled_mm_noop(a, b, scale_a, scale_b, out_dtype or a.dtype)
+        _Counter.launches += 1
+        return torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype or a.dtype)
+
+    saved = (fp8_ops.uses_kernels, fp8_cast.kernels_available, cast_transpose.eager_launch, torch._scaled_mm)
+    fp8_ops.uses_kernels = lambda x: True
+    fp8_cast.kernels_available = lambda x: True
+    cast_transpose.eager_launch = launch
+    torch._scaled_mm = scaled_mm
+    try:
+        yield
+    finally:
+        (fp8_ops.uses_kernels, fp8_cast.kernels_available, cast_transpose.eager_launch,
+         torch._scaled_mm) = saved
+
+
+def _step(layer, x, g, weight):
+    """One training step's layer work: the weight changed (as by an optimizer), fwd+bwd, the
+    gradients dropped (as by zero_grad(set_to_none=True))."""
+    params = [p for p in layer.parameters()]
+
+    def step():
+        increment_version(weight)
+        layer(x).backward(g)
+        x.grad = None
+        for p in params:
+            p.grad = None
+    return step
+
+
+def measure(steps: dict, calls: int, repeats: int) -> dict[str, tuple[float, int]]:
+    """{row: (host microseconds per step, launches per step)}: the fastest of `repeats` rounds,
+    each round timing `calls` steps of every row in turn. Time is this thread's CPU time
+    (`time.thread_time`): nothing here waits on a device, and a shared CPU's other work then
+    adds only through caches; the fastest round, as that only ever adds time."""
+    launches = {}
+    for row, fn in steps.items():
+        for _ in range(3):
+            fn()
+        _Counter.launches = 0
+        fn()
+        launches[row] = _Counter.launches
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(repeats):
+        for row, fn in steps.items():
+            t0 = time.thread_time()
+            for _ in range(calls):
+                fn()
+            best[row] = min(best[row], (time.thread_time() - t0) / calls * 1e6)
+    return {row: (best[row], launches[row]) for row in steps}
+
+
+def make_step(row: str, d: int, n: int):
+    torch.manual_seed(0)
+    x = torch.randn(n, d, dtype=torch.bfloat16).requires_grad_(True)
+    g = torch.randn(n, d, dtype=torch.bfloat16)
+    base = nn.Linear(d, d, bias=False, dtype=torch.bfloat16)
+    if row in (BASE, "nn.Linear fwd+bwd (compiled)"):
+        run = torch.compile(base) if "compiled" in row else base
+        return _step(run, x, g, base.weight)
+    fmt, stats, compiled = LAYERS[row]
+    layer = PrecisionLinear.from_module(base, get_format(fmt), get_backend("torch"))
+    layer.collect_stats = stats
+    run = torch.compile(layer) if compiled else layer
+    return _step(run, x, g, layer.weight)
+
+
+def _profile(step, calls: int) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        step()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+    return out.getvalue()
+
+
+def main(argv=None) -> list[str]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--d-model", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--calls", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), metavar="ROW")
+    p.add_argument("--profile", metavar="ROW", choices=ROWS, help="print the cProfile of this row's steps")
+    args = p.parse_args(argv)
+    lines = [f"# command: {' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}",
+             f"# machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s); "
+             f"torch {torch.__version__}; d_model {args.d_model}, tokens {args.tokens}; kernel launches are "
+             f"no-ops; the fastest of {args.repeats} rounds of {args.calls} steps, rows interleaved",
+             f"| step | host us | x {BASE} | launches (no-op) |", "|---|---:|---:|---:|"]
+    print("\n".join(lines), flush=True)
+    rows = [BASE] + [r for r in args.rows if r != BASE]
+    with noop_launches():
+        res = measure({row: make_step(row, args.d_model, args.tokens) for row in rows}, args.calls, args.repeats)
+        base_us = res[BASE][0]
+        for row in rows:
+            us, launches = res[row]
+            lines.append(f"| {row} | {us:.1f} | {us / base_us:.2f} | {launches} |")
+            print(lines[-1], flush=True)
+        if args.profile:
+            text = _profile(make_step(args.profile, args.d_model, args.tokens), args.calls)
+            lines += text.splitlines()
+            print(text)
+    return lines
+
+
+if __name__ == "__main__":
+    main()
