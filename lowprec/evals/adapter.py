@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from lm_eval.api.model import LM  # noqa: E402
 from torch import nn  # noqa: E402
 
-from eval_suites.tokenizers import Tokenizer  # noqa: E402
+from lowprec.evals.tokenizers import Tokenizer  # noqa: E402
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
@@ -101,7 +101,7 @@ class LMAdapter(LM):
         missing = [a for a in ("encode", "decode", "prefix_token_id") if not hasattr(tokenizer, a)]
         if missing:
             raise TypeError(f"tokenizer {tokenizer!r} lacks {missing}; it needs encode(str)->list[int], "
-                            f"decode(list[int])->str and prefix_token_id (e.g. eval_suites.ByteTokenizer)")
+                            f"decode(list[int])->str and prefix_token_id (e.g. lowprec.evals.ByteTokenizer)")
         self.forward, self.tokenizer, self.max_length = forward, tokenizer, max_length
         self.batch_size, self.rolling_context_len, self.max_gen_toks = batch_size, rolling_context_len, max_gen_toks
         self.module = _module_of(forward, model)

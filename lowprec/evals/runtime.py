@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from lowprec.runtime.evals import EvalOutcome
 
-from eval_suites.corpora import DataUnavailable
-from eval_suites.suite import get_suite, run_suite
-from eval_suites.tasks import prepare_tasks
-from eval_suites.tokenizers import ByteTokenizer
+from lowprec.evals.corpora import DataUnavailable
+from lowprec.evals.suite import get_suite, run_suite
+from lowprec.evals.tasks import prepare_tasks
+from lowprec.evals.tokenizers import ByteTokenizer
 
 __all__ = ["LMEvalEvaluator"]
 

@@ -1,6 +1,6 @@
 """Named eval suites and `run_suite`: lm-eval over local tasks, through the LM adapter.
 
-An `EvalSuite` is a named set of tasks (see eval_suites.tasks) with a fast in-loop subset
+An `EvalSuite` is a named set of tasks (see lowprec.evals.tasks) with a fast in-loop subset
 and a full set (every document a task keeps). The fast subset is the first N documents of
 each task, a seeded sample of the whole task: N is the suite's `fast_limit` where it sets
 one, else the task's own `fast_docs` (16 held-out and 8 shift documents of ~1,000 bytes, 128
@@ -49,8 +49,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
-from eval_suites.tasks import BIGBENCH, get_task, prepare_tasks, unknown_name_error
-from eval_suites.tokenizers import Tokenizer
+from lowprec.evals.tasks import BIGBENCH, get_task, prepare_tasks, unknown_name_error
+from lowprec.evals.tokenizers import Tokenizer
 
 Mode = Literal["fast", "full"]
 DEFAULT_BOOTSTRAP_ITERS = {"fast": 100, "full": 1000}
@@ -220,7 +220,7 @@ def run_suite(suite: EvalSuite | str, forward: Callable[[Any], Any], tokenizer: 
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from eval_suites.adapter import LMAdapter
+    from lowprec.evals.adapter import LMAdapter
 
     adapter = LMAdapter(forward, tokenizer, max_length, batch_size=batch_size, device=device, model=model,
                         rolling_context_len=rolling_context_len)

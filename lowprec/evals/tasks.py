@@ -45,8 +45,8 @@ from typing import Literal
 
 import yaml
 
-from eval_suites import documents
-from eval_suites.corpora import DataUnavailable, held_out_sources, opt_in_error, shift_sources
+from lowprec.evals import documents
+from lowprec.evals.corpora import DataUnavailable, held_out_sources, opt_in_error, shift_sources
 
 GENERATOR = "eval_suites.tasks/2"
 HF_CACHE = "hf_datasets"     # datasets' Arrow copies of the JSONL, kept next to them

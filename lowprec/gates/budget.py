@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from gates.errors import GateSpecError, suggest
+from lowprec.gates.errors import GateSpecError, suggest
 
 __all__ = ["ErrorBudget", "BUDGET_KEYS"]
 

@@ -3,17 +3,17 @@
     lowprec gate --baseline RUN [RUN ...] --candidate RUN --gates NAME|FILE [--tracking-uri URI] [--step N]
                  [--markdown FILE] [--junit FILE] [--inconclusive {pass,fail}] [--timeout S] [--power]
 
-One baseline: the paired comparison of gates.gate. Several (run ids, or one name that several
-finished runs carry, e.g. one config at several seeds): seed-aware, gates.gate.check_spread asks
+One baseline: the paired comparison of lowprec.gates.gate. Several (run ids, or one name that several
+finished runs carry, e.g. one config at several seeds): seed-aware, lowprec.gates.gate.check_spread asks
 whether the candidate lies outside the baselines' seed spread. A gate whose metric cannot move
 (at its floor or ceiling: no candidate could regress by more than allowed) is refused (exit 2)
 unless the gate file marks it `informational: true`. `--power` prints, per gate, the smallest
-regression detected with 80% probability (gates.power), also in the Markdown and the JUnit.
+regression detected with 80% probability (lowprec.gates.power), also in the Markdown and the JUnit.
 
 `register(subparsers)` adds the command to `lowprec`'s parser: pyproject.toml declares it in
-the entry point group `lowprec.commands` (`gate = "gates.cli:register"`), which lowprec.cli
-reads, so lowprec never imports gates. When the command runs, this module reads the gate file (gates.spec), each run's eval
-metrics and per-example scores (gates.runs), checks every gate (gates.gate), prints the table,
+the entry point group `lowprec.commands` (`gate = "lowprec.gates.cli:register"`), which lowprec.cli
+reads, so the core never imports lowprec.gates. When the command runs, this module reads the gate file (lowprec.gates.spec), each run's eval
+metrics and per-example scores (lowprec.gates.runs), checks every gate (lowprec.gates.gate), prints the table,
 appends Markdown to `--markdown` (append, so `$GITHUB_STEP_SUMMARY` keeps what other steps
 wrote) and writes JUnit XML to `--junit`.
 
@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from gates.errors import GateInputError, GateSpecError
-from gates.gate import GateSummary, check_all, check_spread, summarize
-from gates.report import junit_xml, markdown, power_table, table
-from gates.runs import check_comparable, load_scores, open_client, resolve_runs
-from gates.spec import GateSpec, gate_names
+from lowprec.gates.errors import GateInputError, GateSpecError
+from lowprec.gates.gate import GateSummary, check_all, check_spread, summarize
+from lowprec.gates.report import junit_xml, markdown, power_table, table
+from lowprec.gates.runs import check_comparable, load_scores, open_client, resolve_runs
+from lowprec.gates.spec import GateSpec, gate_names
 
 from lowprec.tracking.cli import default_tracking_uri
 from lowprec.tracking.deadline import DEFAULT_TIMEOUT_S, Deadline, NoAnswer

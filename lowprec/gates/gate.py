@@ -9,7 +9,7 @@ means worse: r = candidate - baseline for `lower_is_better`, baseline - candidat
 `higher_is_better`. The allowed regression is `max_regression`: an absolute amount, or a
 fraction of |baseline value|. From a two-sided central interval [lo, hi] for r at level
 `confidence` (paired bootstrap over per-example scores, or a normal interval from the two
-stderrs; see gates.stats):
+stderrs; see lowprec.gates.stats):
 
 * `regress`      when lo > allowed   (the whole interval lies above the allowed regression),
 * `pass`         when hi <= allowed  (the whole interval lies at or below it),
@@ -41,16 +41,16 @@ from statistics import NormalDist
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
-from gates.errors import GateInputError, GateSpecError, suggest
-from gates.scores import MetricScores, Scores
-from gates.stats import normal_interval, paired_bootstrap_interval, paired_differences
+from lowprec.gates.errors import GateInputError, GateSpecError, suggest
+from lowprec.gates.scores import MetricScores, Scores
+from lowprec.gates.stats import (HIGHER_IS_BETTER, LOWER_IS_BETTER, normal_interval, paired_bootstrap_interval,
+                                 paired_differences)
 from lowprec.policy.verdicts import Verdict
 
 __all__ = ["LOWER_IS_BETTER", "HIGHER_IS_BETTER", "DIRECTIONS",
            "PAIRED_BOOTSTRAP", "STDERR", "STATISTICS", "Tolerance", "Noise", "Gate", "GateResult", "GateSummary",
            "check_all", "check_spread", "summarize", "step_gate", "SEED_SPREAD"]
 
-LOWER_IS_BETTER, HIGHER_IS_BETTER = "lower_is_better", "higher_is_better"
 DIRECTIONS = (LOWER_IS_BETTER, HIGHER_IS_BETTER)
 PAIRED_BOOTSTRAP, STDERR = "paired_bootstrap", "stderr"
 SEED_SPREAD = "seed_spread"   # several baselines (check_spread), not a gate file value
@@ -165,7 +165,7 @@ class GateSummary:
 
 @dataclass(frozen=True)
 class Gate:
-    """One metric's gate (a row of a gate file; `gates.spec` builds these from YAML)."""
+    """One metric's gate (a row of a gate file; `lowprec.gates.spec` builds these from YAML)."""
 
     metric: str
     direction: str
@@ -213,12 +213,12 @@ class Gate:
 
     def value_bounds(self) -> tuple[float, float]:
         """The values the metric can take: `bounds`, else from its name (accuracies [0, 1])."""
-        from gates.power import metric_bounds
+        from lowprec.gates.power import metric_bounds
         return self.bounds if self.bounds is not None else metric_bounds(self.metric)
 
     def cannot_fire(self, baseline_value: float) -> str | None:
         """Why no candidate can regress on this gate against this baseline value, or None."""
-        from gates.power import headroom
+        from lowprec.gates.power import headroom
         if not math.isfinite(baseline_value):
             return None
         lo, hi = self.value_bounds()
@@ -232,11 +232,11 @@ class Gate:
                 f"candidate can regress by more: the gate cannot fire")
 
     def with_power(self, r: "GateResult") -> "GateResult":
-        """`r` with the smallest regression this gate detects with 80% probability (gates.power):
+        """`r` with the smallest regression this gate detects with 80% probability (lowprec.gates.power):
         the allowed regression, the eval's sampling error (from r's interval) and the calibrated noise."""
         from dataclasses import replace as _replace
-        from gates.power import detectable
-        from gates.stats import z_value
+        from lowprec.gates.power import detectable
+        from lowprec.gates.stats import z_value
         if r.statistic == SEED_SPREAD:
             return r   # check_spread has set it from the baselines' spread
         if r.interval is None or r.allowed is None or r.baseline_value is None:
@@ -333,8 +333,8 @@ def check_spread(gate: Gate, baselines: list[Scores], candidate: Scores) -> Gate
     interval of one more seed, r +- t(k-1) * s * sqrt(1 + 1/k): where a candidate whose numerics
     change nothing would lie. `regress` when its lower end exceeds the allowed regression (of
     the baselines' mean), `pass` when its upper end does not, else `inconclusive`."""
-    from gates.power import POWER
-    from gates.stats import t_quantile
+    from lowprec.gates.power import POWER
+    from lowprec.gates.stats import t_quantile
     if len(baselines) < 2:
         raise GateInputError(f"a seed spread needs at least 2 baselines, got {len(baselines)}")
     values = [b.get(gate.metric).value for b in baselines]

@@ -5,7 +5,7 @@ this checker compares the two with a gate file (`eval.gates`), example by exampl
 returns a `GateSummary` (a `Verdict` and a reason) that the rollout controller acts on.
 
 With `error_budget:` in the gate file the checks of one run share one error budget
-(gates.budget: Bonferroni spending over the planned checks and the gates): the i-th check
+(lowprec.gates.budget: Bonferroni spending over the planned checks and the gates): the i-th check
 reads every gate at the confidence its share allows. `lowprec run` says how many checks it
 plans through `plan_checks(n)` (one per rollout stage, per periodic eval, and the final one);
 a gate file's `planned_checks` wins over it. Without `error_budget:` every check uses the
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gates.gate import GateSummary, check_all, summarize
-from gates.scores import Scores
-from gates.spec import GateSpec, gate_file
+from lowprec.gates.gate import GateSummary, check_all, summarize
+from lowprec.gates.scores import Scores
+from lowprec.gates.spec import GateSpec, gate_file
 
 __all__ = ["GateFileChecker"]
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from statistics import NormalDist
 
+from lowprec.gates.stats import HIGHER_IS_BETTER
+
 __all__ = ["clopper_pearson", "detectable", "headroom", "metric_bounds", "POWER"]
 
 POWER = 0.8
@@ -80,5 +82,4 @@ def metric_bounds(metric: str) -> tuple[float, float]:
 
 def headroom(value: float, direction: str, bounds: tuple[float, float]) -> float:
     """How much worse than `value` the metric can still get (inf when unbounded that way)."""
-    from gates.gate import HIGHER_IS_BETTER
     return value - bounds[0] if direction == HIGHER_IS_BETTER else bounds[1] - value

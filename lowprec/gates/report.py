@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import xml.etree.ElementTree as ET
 
-from gates.gate import GateResult, GateSummary
+from lowprec.gates.gate import GateResult, GateSummary
 from lowprec.policy.verdicts import Verdict
 
 __all__ = ["table", "markdown", "junit_xml", "power_table", "power_rows", "HEADERS", "POWER_HEADERS"]

@@ -1,4 +1,4 @@
-"""Read a run's eval results from MLflow into `gates.scores.Scores` (what `lowprec gate` compares).
+"""Read a run's eval results from MLflow into `lowprec.gates.scores.Scores` (what `lowprec gate` compares).
 
     scores = load_scores("sqlite:////abs/mlflow.db", run_id, metrics=spec.metrics)   # last eval step
     scores = load_scores("http://127.0.0.1:5000", run_id, metrics=spec.metrics, step=300)
@@ -31,8 +31,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterable
 
-from gates.errors import GateInputError
-from gates.scores import STDERR_SUFFIX, MetricScores, Scores, missing_metric_message
+from lowprec.gates.errors import GateInputError
+from lowprec.gates.scores import STDERR_SUFFIX, MetricScores, Scores, missing_metric_message
 from lowprec.tracking.outbox import server_answers
 from lowprec.tracking.records import RunStatus, eval_artifact_name
 

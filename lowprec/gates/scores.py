@@ -1,7 +1,7 @@
 """What a gate compares: per metric, a value, its standard error and per-example scores.
 
 `Scores` is a plain in-memory object, free of MLflow, so that the same gate code runs in the
-training loop (the rollout controller's evaluator hands over dicts) and in CI (`gates.runs`
+training loop (the rollout controller's evaluator hands over dicts) and in CI (`lowprec.gates.runs`
 reads a stored run into the same object):
 
     scores = Scores.from_eval(results, samples, prefix="eval")
@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from gates.errors import GateInputError, suggest
+from lowprec.gates.errors import GateInputError, suggest
 from lowprec.tracking.records import eval_metric_name, eval_metrics
 
 __all__ = ["MetricScores", "Scores", "STDERR_SUFFIX"]

@@ -10,7 +10,7 @@
     defaults: {confidence: 0.95, bootstrap_samples: 2000, seed: 0}
 
 `GateSpec.from_yaml(ref)` reads such a file (by path, or by the name of one that ships with this
-package: `default`, `inloop`, `telemetry`; see `gate_file`) into frozen `gates.gate.Gate` objects and checks it
+package: `default`, `inloop`, `telemetry`; see `gate_file`) into frozen `lowprec.gates.gate.Gate` objects and checks it
 all at load time: unknown keys (with a did-you-mean), a direction or statistic that does not
 exist, a missing, negative or non-numeric tolerance, a confidence outside (0.5, 1), a metric
 gated twice. Every problem is a `GateSpecError` naming the file, the gate (index and metric)
@@ -33,9 +33,9 @@ import yaml
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
-from gates.errors import GateSpecError, suggest
-from gates.budget import ErrorBudget
-from gates.gate import PAIRED_BOOTSTRAP, TOLERANCE_KINDS, Gate, Noise, Tolerance
+from lowprec.gates.errors import GateSpecError, suggest
+from lowprec.gates.budget import ErrorBudget
+from lowprec.gates.gate import PAIRED_BOOTSTRAP, TOLERANCE_KINDS, Gate, Noise, Tolerance
 
 __all__ = ["GateSpec", "GateSpecError", "gate_file", "gate_names", "is_gate_name", "BUILTIN_DEFAULTS", "TOP_KEYS",
            "GATE_KEYS", "DEFAULT_KEYS"]
@@ -47,11 +47,13 @@ DEFAULT_KEYS = tuple(BUILTIN_DEFAULTS)
 GATE_KEYS = ("metric", "direction", "max_regression") + DEFAULT_KEYS + ("informational", "noise", "bounds")
 # a gate file's name (one shipped in this package): no folder, no suffix; anything else is a path
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+# the package holding the shipped gate files: the repository's top-level gates/ folder, installed under lowprec
+FILES = "lowprec.gates.files"
 
 
 def gate_names() -> tuple[str, ...]:
     """The names of the gate files that ship with this package (its `*.yaml` files)."""
-    return tuple(sorted(f.name.removesuffix(".yaml") for f in resources.files("gates").iterdir()
+    return tuple(sorted(f.name.removesuffix(".yaml") for f in resources.files(FILES).iterdir()
                         if f.name.endswith(".yaml")))
 
 
@@ -72,7 +74,7 @@ def gate_file(ref: str | os.PathLike) -> "Path | Traversable":
         raise GateSpecError(f"no gate file named {ref!r} ships with lowprec.{suggest(ref, names)} The named gate "
                             f"files are: {', '.join(names)}; give one of these names, or the path of a gate file "
                             f"of your own (e.g. ./my_gates.yaml, see docs/gates.md)")
-    return resources.files("gates") / f"{ref}.yaml"   # a Path where the package is installed as files
+    return resources.files(FILES) / f"{ref}.yaml"   # a Path where the package is installed as files
 
 
 NOISE_KEYS = ("sd", "mean")
@@ -153,7 +155,7 @@ class GateSpec:
 
     gates: tuple[Gate, ...]
     source: str = "<gates>"
-    error_budget: ErrorBudget | None = None   # the in-loop gate's budget over a run's checks (gates.budget)
+    error_budget: ErrorBudget | None = None   # the in-loop gate's budget over a run's checks (lowprec.gates.budget)
 
     def __post_init__(self):
         if not self.gates:

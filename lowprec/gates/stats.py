@@ -15,7 +15,7 @@ Two ways, chosen by what the evaluation kept:
   the same examples (it ignores their positive correlation), so it more often says
   "inconclusive" than the paired interval would.
 
-Both return a two-sided central interval at level `confidence` (see gates.gate for how the
+Both return a two-sided central interval at level `confidence` (see lowprec.gates.gate for how the
 verdicts read it).
 """
 
@@ -25,6 +25,9 @@ import math
 from statistics import NormalDist
 
 import numpy as np
+
+# the two directions a gated metric can have (a gate file's `direction:`)
+LOWER_IS_BETTER, HIGHER_IS_BETTER = "lower_is_better", "higher_is_better"
 
 __all__ = ["z_value", "t_quantile", "t_cdf", "normal_interval", "paired_bootstrap_interval", "paired_differences", "CHUNK_ELEMENTS"]
 

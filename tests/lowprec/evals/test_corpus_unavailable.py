@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CONFIG = """
 model: {factory: experiments.model:build_gpt, args: {vocab_size: 256, block_size: 16, n_layer: 1, n_head: 2, d_model: 16}}
 data: {factory: experiments.data:shakespeare_tokens, args: {max_bytes: 10000}, block_size: 16}
@@ -55,7 +55,7 @@ def test_missing_corpus_without_registry_exits_2_saying_where_to_put_it(tmp_path
 
 
 def test_corpus_dir_raises_corpus_unavailable(tmp_path, monkeypatch):
-    import eval_suites.corpora as c
+    import lowprec.evals.corpora as c
 
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)

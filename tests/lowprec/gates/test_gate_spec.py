@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gates import Gate, GateSpec, GateSpecError, Tolerance
+from lowprec.gates import Gate, GateSpec, GateSpecError, Tolerance
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GOOD = """
 gates:
   - metric: eval/heldout_shakespeare/bits_per_byte
@@ -136,8 +136,8 @@ def test_missing_file(tmp_path):
 
 
 def test_shipped_gate_files_by_name(tmp_path, monkeypatch):
-    from gates.inloop import GateFileChecker
-    from gates.spec import gate_file, gate_names
+    from lowprec.gates.inloop import GateFileChecker
+    from lowprec.gates.spec import gate_file, gate_names
     monkeypatch.chdir(tmp_path)                   # a name is found through the package, not the working folder
     assert {"default", "inloop", "telemetry"} <= set(gate_names())
     for name in ("default", "inloop"):

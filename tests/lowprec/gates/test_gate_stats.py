@@ -18,10 +18,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gates.stats as gstats
-from gates import (HIGHER_IS_BETTER, LOWER_IS_BETTER, Gate, GateInputError, MetricScores, Scores, Tolerance, check_all,
+import lowprec.gates.stats as gstats
+from lowprec.gates import (HIGHER_IS_BETTER, LOWER_IS_BETTER, Gate, GateInputError, MetricScores, Scores, Tolerance, check_all,
                    summarize)
-from gates.stats import normal_interval, paired_bootstrap_interval, z_value
+from lowprec.gates.stats import normal_interval, paired_bootstrap_interval, z_value
 from lowprec.policy.verdicts import Verdict
 
 FAST = settings(max_examples=40, deadline=None)

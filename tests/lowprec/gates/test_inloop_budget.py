@@ -18,11 +18,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gates.budget import ErrorBudget
-from gates.errors import GateSpecError
-from gates.inloop import GateFileChecker
-from gates.power import clopper_pearson
-from gates.spec import GateSpec
+from lowprec.gates.budget import ErrorBudget
+from lowprec.gates.errors import GateSpecError
+from lowprec.gates.inloop import GateFileChecker
+from lowprec.gates.power import clopper_pearson
+from lowprec.gates.spec import GateSpec
 from lowprec.policy.verdicts import Verdict
 
 GATE = """
@@ -101,7 +101,7 @@ def test_lowprec_run_tells_the_checker_how_many_checks_it_plans(monkeypatch):
 
     import yaml
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     monkeypatch.chdir(root)
     d = yaml.safe_load((root / "experiments" / "configs" / "default.yaml").read_text())
     d["rollout"].pop("baseline")                      # no BF16 loss curve here: no loss-gap detector

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gates.spec import GateSpec
+from lowprec.gates.spec import GateSpec
 
 # three training runs and two gate calls as real processes (~45 s); their tokens/s are compared,
 # so they run alone, after the parallel part of `make test` (a busy second worker skews them)
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 METRIC = "telemetry/tokens_per_s"
 STEP_S = 0.1           # the baseline's sleep in every training step
 SLOWED_S = 4 * STEP_S  # the slowed run's: each step 4x as long (start-up, counted in tokens/s, dilutes it)
