@@ -5,7 +5,7 @@
     python -m experiments.pretrained finetune [--steps 32] [--baseline] [--config experiments/configs/smollm2_rollout.yaml]
     python -m experiments.pretrained step-time
 
-`eval` scores multiple-choice tasks (HellaSwag and BIG-bench, from ../shared/data, through
+`eval` scores multiple-choice tasks (HellaSwag and BIG-bench, from the data folder `experiments.data.SHARED`, through
 lowprec.evals) with the same weights under each plan and prints acc and acc_norm with their
 standard errors and, per task, the paired difference to BF16 (same items, candidate minus
 baseline, with its standard error and a paired-bootstrap 95% interval from `lowprec.gates.stats`).

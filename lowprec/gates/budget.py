@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from lowprec.gates.errors import GateSpecError, suggest
+from lowprec.base.parse import suggest
+from lowprec.gates.errors import GateSpecError
 
 __all__ = ["ErrorBudget", "BUDGET_KEYS"]
 

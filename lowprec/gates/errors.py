@@ -11,10 +11,7 @@
 
 from __future__ import annotations
 
-import difflib
-from typing import Iterable
-
-__all__ = ["GateSpecError", "GateInputError", "suggest"]
+__all__ = ["GateSpecError", "GateInputError"]
 
 
 class GateSpecError(ValueError):
@@ -37,8 +34,3 @@ class GateSpecError(ValueError):
 class GateInputError(ValueError):
     """The baseline or candidate numbers a gate needs are not there (or cannot be reached)."""
 
-
-def suggest(name: str, choices: Iterable[str], n: int = 3, cutoff: float = 0.5) -> str:
-    """' Did you mean 'x', 'y'?' for an unknown name, or '' when nothing is close."""
-    close = difflib.get_close_matches(str(name), list(choices), n=n, cutoff=cutoff)
-    return f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""

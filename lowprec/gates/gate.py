@@ -41,7 +41,8 @@ from statistics import NormalDist
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
-from lowprec.gates.errors import GateInputError, GateSpecError, suggest
+from lowprec.base.parse import suggest
+from lowprec.gates.errors import GateInputError, GateSpecError
 from lowprec.gates.scores import MetricScores, Scores
 from lowprec.gates.stats import (HIGHER_IS_BETTER, LOWER_IS_BETTER, normal_interval, paired_bootstrap_interval,
                                  paired_differences)

@@ -9,7 +9,7 @@ With `error_budget:` in the gate file the checks of one run share one error budg
 reads every gate at the confidence its share allows. `lowprec run` says how many checks it
 plans through `plan_checks(n)` (one per rollout stage, per periodic eval, and the final one);
 a gate file's `planned_checks` wins over it. Without `error_budget:` every check uses the
-file's own confidence, as before.
+file's own confidence.
 """
 
 from __future__ import annotations

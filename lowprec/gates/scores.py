@@ -22,7 +22,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from lowprec.gates.errors import GateInputError, suggest
+from lowprec.base.parse import suggest
+from lowprec.gates.errors import GateInputError
 from lowprec.tracking.records import eval_metric_name, eval_metrics
 
 __all__ = ["MetricScores", "Scores", "STDERR_SUFFIX"]

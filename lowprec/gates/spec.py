@@ -33,7 +33,8 @@ import yaml
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
-from lowprec.gates.errors import GateSpecError, suggest
+from lowprec.base.parse import suggest
+from lowprec.gates.errors import GateSpecError
 from lowprec.gates.budget import ErrorBudget
 from lowprec.gates.gate import PAIRED_BOOTSTRAP, TOLERANCE_KINDS, Gate, Noise, Tolerance
 

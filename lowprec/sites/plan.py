@@ -41,11 +41,12 @@ import torch.nn as nn
 import yaml
 
 from lowprec.sites.backends import BACKEND_NAMES
+from lowprec.base.enums import StrEnum
 from lowprec.base.parse import ConfigError, check_keys, read_yaml_file, read_yaml_text, suggest
 from lowprec.numerics.formats import FORMATS, Format, format_names, get_format
 from lowprec.numerics.quantize import check_layer_fits
 
-__all__ = ["PlanError", "ModelInfo", "Selector", "Rule", "PrecisionPlan", "SitePlan", "make_ladder",
+__all__ = ["PlanError", "ModelInfo", "Selector", "Rule", "PrecisionPlan", "SitePlan", "SiteReason", "ReasonKind", "make_ladder",
            "selection_from_dict", "resolve", "format_plan_table", "is_linear", "linear_shape"]
 
 BF16 = FORMATS["bf16"]
@@ -299,6 +300,29 @@ def linear_shape(module: nn.Module) -> tuple[int, int]:
     return (module.nf, module.weight.shape[0]) if type(module).__name__ == "Conv1D" else tuple(module.weight.shape[:2])
 
 
+class ReasonKind(StrEnum):
+    """Which part of the plan decided a layer's format."""
+
+    KEEP_HIGH_PRECISION = "keep_high_precision"   # a precision.keep_high_precision selector: not swapped
+    RULE = "rule"                                 # a precision.rules entry
+    DEFAULT = "default"                           # precision.default
+
+
+@dataclass(frozen=True)
+class SiteReason:
+    """Why a layer runs what it runs: the kind, and the rule or selector behind it (str() is what
+    `lowprec plan` prints in its "why" column)."""
+    kind: ReasonKind
+    detail: str = ""   # the rule's name and selector, or the keep selector
+
+    @property
+    def kept_high_precision(self) -> bool:
+        return self.kind is ReasonKind.KEEP_HIGH_PRECISION
+
+    def __str__(self) -> str:
+        return f"{self.kind.value} {self.detail}" if self.detail else self.kind.value
+
+
 @dataclass(frozen=True)
 class SitePlan:
     """One linear layer: its format now, its fallback ladder, and why."""
@@ -306,7 +330,7 @@ class SitePlan:
     module: nn.Module
     format: Format
     ladder: tuple[Format, ...]
-    reason: str
+    reason: SiteReason
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -349,13 +373,13 @@ def resolve(model: nn.Module, plan: PrecisionPlan, *, site_filter: Callable[[nn.
         matching = [i for i, r in enumerate(plan.rules) if r.select.matches(fqn, m, info)]
         hit.update(matching)
         if keep is not None:
-            planned.append((SitePlan(fqn, m, BF16, (BF16,), f"keep_high_precision ({keep.describe()})"), None))
+            planned.append((SitePlan(fqn, m, BF16, (BF16,), SiteReason(ReasonKind.KEEP_HIGH_PRECISION, f"({keep.describe()})")), None))
         elif matching:
             r = plan.rules[matching[-1]]
-            planned.append((SitePlan(fqn, m, r.format, r.ladder, f"rule {r.name} ({r.select.describe()})"),
+            planned.append((SitePlan(fqn, m, r.format, r.ladder, SiteReason(ReasonKind.RULE, f"{r.name} ({r.select.describe()})")),
                             f"precision.rules[{matching[-1]}]"))
         else:
-            planned.append((SitePlan(fqn, m, plan.default, make_ladder(plan.default), "default"), "precision.default"))
+            planned.append((SitePlan(fqn, m, plan.default, make_ladder(plan.default), SiteReason(ReasonKind.DEFAULT)), "precision.default"))
     for i, r in enumerate(plan.rules):
         if i not in hit:
             raise _no_match(f"precision.rules[{i}].select", f"rule {r.name!r}", "linear layer", r.select, linears, info)
@@ -378,7 +402,7 @@ def resolve(model: nn.Module, plan: PrecisionPlan, *, site_filter: Callable[[nn.
 def format_plan_table(sites: list[SitePlan]) -> str:
     """A plain-text table: FQN, shape (out x in), format now, ladder, why."""
     rows = [("FQN", "shape (out x in)", "format", "ladder", "why")]
-    rows += [(s.fqn, "%d x %d" % s.shape, s.format.name, " -> ".join(f.name for f in s.ladder), s.reason)
+    rows += [(s.fqn, "%d x %d" % s.shape, s.format.name, " -> ".join(f.name for f in s.ladder), str(s.reason))
              for s in sites]
     widths = [max(len(r[c]) for r in rows) for c in range(5)]
     lines = ["  ".join(r[c].ljust(widths[c]) for c in range(5)).rstrip() for r in rows]
