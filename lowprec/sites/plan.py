@@ -41,10 +41,10 @@ import torch.nn as nn
 import yaml
 
 from lowprec.sites.backends import BACKEND_NAMES
-from lowprec.base.enums import StrEnum
 from lowprec.base.parse import ConfigError, check_keys, read_yaml_file, read_yaml_text, suggest
 from lowprec.numerics.formats import FORMATS, Format, format_names, get_format
 from lowprec.numerics.quantize import check_layer_fits
+from lowprec.sites.reasons import ReasonKind, SiteReason
 
 __all__ = ["PlanError", "ModelInfo", "Selector", "Rule", "PrecisionPlan", "SitePlan", "SiteReason", "ReasonKind", "make_ladder",
            "selection_from_dict", "resolve", "format_plan_table", "is_linear", "linear_shape"]
@@ -298,29 +298,6 @@ def is_linear(module: nn.Module, fqn: str = "") -> bool:
 def linear_shape(module: nn.Module) -> tuple[int, int]:
     """(out, in) of a linear-like module, whatever the layout its weight is stored in."""
     return (module.nf, module.weight.shape[0]) if type(module).__name__ == "Conv1D" else tuple(module.weight.shape[:2])
-
-
-class ReasonKind(StrEnum):
-    """Which part of the plan decided a layer's format."""
-
-    KEEP_HIGH_PRECISION = "keep_high_precision"   # a precision.keep_high_precision selector: not swapped
-    RULE = "rule"                                 # a precision.rules entry
-    DEFAULT = "default"                           # precision.default
-
-
-@dataclass(frozen=True)
-class SiteReason:
-    """Why a layer runs what it runs: the kind, and the rule or selector behind it (str() is what
-    `lowprec plan` prints in its "why" column)."""
-    kind: ReasonKind
-    detail: str = ""   # the rule's name and selector, or the keep selector
-
-    @property
-    def kept_high_precision(self) -> bool:
-        return self.kind is ReasonKind.KEEP_HIGH_PRECISION
-
-    def __str__(self) -> str:
-        return f"{self.kind.value} {self.detail}" if self.detail else self.kind.value
 
 
 @dataclass(frozen=True)

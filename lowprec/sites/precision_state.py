@@ -24,7 +24,7 @@ from lowprec.sites.backends import Backend, BackendName, SiteModule, get_backend
 from lowprec.numerics.formats import Format, get_format
 from lowprec.base.parse import suggest
 from lowprec.sites.layers import PrecisionLinear
-from lowprec.sites.plan import ReasonKind, SiteReason
+from lowprec.sites.reasons import ReasonKind, SiteReason
 from lowprec.numerics.quantize import check_layer_fits
 
 __all__ = ["Site", "PrecisionState", "prepare"]
@@ -191,7 +191,7 @@ def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
 
 def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0,
             layer_cls: type[PrecisionLinear] | None = None) -> PrecisionState:
-    """Swap the plan's linear layers for PrecisionLinear (same parameters) in place.
+    """Swap the plan's linear layers for the backend's sites (same parameters) in place.
 
     amax_group: the data-parallel process group over which tensor-wise amaxes of
         activations and gradients are reduced (so that the numerics equal a single
