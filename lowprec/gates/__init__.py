@@ -18,8 +18,8 @@ May import: lowprec.tracking, lowprec.policy, lowprec.base.
 """
 
 from lowprec.gates.errors import GateInputError, GateSpecError
-from lowprec.gates.gate import (HIGHER_IS_BETTER, LOWER_IS_BETTER, Gate, GateResult, GateSummary, Tolerance, check_all,
-                        step_gate, summarize)
+from lowprec.gates.gate import (HIGHER_IS_BETTER, LOWER_IS_BETTER, Gate, GateResult, GateSummary, Tolerance,
+                                check_all, step_gate, summarize)
 from lowprec.gates.scores import MetricScores, Scores
 from lowprec.gates.spec import GateSpec
 from lowprec.policy.verdicts import Verdict

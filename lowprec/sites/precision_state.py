@@ -122,7 +122,7 @@ class PrecisionState:
         delayed-scaling amax histories and the stochastic-rounding generators (copies, small:
         no parameters). `load_scaling_state` puts them back, so that the same step can run
         again from the same scales and random draws (replays, the LR probe)."""
-        return {fqn: ({k: h.state_dict() for k, h in getattr(s.module, "histories", {}).items()},
+        return {fqn: ({k: h.state_dict() for k, h in s.module.histories.items()},
                       s.module.generator.get_state() if hasattr(s.module, "generator") else None)
                 for fqn, s in self.sites.items()}
 
@@ -147,7 +147,7 @@ class PrecisionState:
         for fqn, s in self.sites.items():
             m = s.module
             out[fqn] = {"format": m.format.name,
-                        "histories": {k: h.state_dict() for k, h in getattr(m, "histories", {}).items()}}
+                        "histories": {k: h.state_dict() for k, h in m.histories.items()}}
             if hasattr(m, "generator"):  # TE sites keep their own RNG and FP8 state
                 out[fqn]["generator"] = m.generator.get_state()
                 out[fqn]["seed"] = m.seed  # also fixes the Hadamard signs

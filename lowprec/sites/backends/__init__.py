@@ -1,7 +1,7 @@
 """Backends that run a quantized linear layer's GEMMs: `emulated`, `torch`, `te`, `torchao`.
 
 `emulated` and `torch` share `lowprec.sites.layers.PrecisionLinear` and differ only in the
-GEMM (`Backend.gemm`): the emulated one multiplies grid values in FP32 on any device,
+GEMM (their `gemm`): the emulated one multiplies grid values in FP32 on any device,
 the torch one calls `torch._scaled_mm` on real FP8 tensors. `te` swaps in Transformer
 Engine modules instead (see `lowprec.sites.backends.te`), and `torchao` swaps in torchao's
 `Float8Linear` (see `lowprec.sites.backends.torchao_backend`); both are imported only when named.

@@ -59,8 +59,9 @@ class Backend(Protocol):
                   fused: bool = False, layer_cls: type | None = None) -> SiteModule:
         """The site that replaces `linear` (sharing its parameters), in format `fmt`.
 
-        name: the site's FQN (in error messages); seed: its stochastic-rounding and Hadamard seed;
-        amax_group: the process group tensor-wise amaxes are reduced over (None: each rank's own);
-        fused: the plan's `fused` (cast kernels); layer_cls: a PrecisionLinear subclass for the
-        backends whose sites are PrecisionLinear (a framework's module protocol mixed in), None
-        for PrecisionLinear itself. A backend that cannot honour one of these raises ValueError."""
+        name: the site's FQN (in error messages); seed: its stochastic-rounding and Hadamard seed
+        (a backend with neither ignores it); amax_group: the process group tensor-wise amaxes are
+        reduced over (None: each rank's own); fused: the plan's `fused` (fused quantization kernels
+        where the backend has them); layer_cls: a PrecisionLinear subclass for the backends whose
+        sites are PrecisionLinear (a framework's module protocol mixed in), None for PrecisionLinear
+        itself. A backend that cannot honour an `amax_group` or a `layer_cls` raises ValueError."""

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from lowprec.evals import (SUITES, ByteTokenizer, DataUnavailable, EvalSuite, LMAdapter, build_docs,  # noqa: E402
-                         get_suite, run_suite, tasks)
+                           get_suite, run_suite, tasks)
 from experiments.data import SHARED  # noqa: E402
 from experiments.model import build_gpt  # noqa: E402
 

@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lowprec.gates.stats as gstats
-from lowprec.gates import (HIGHER_IS_BETTER, LOWER_IS_BETTER, Gate, GateInputError, MetricScores, Scores, Tolerance, check_all,
-                   summarize)
+from lowprec.gates import (HIGHER_IS_BETTER, LOWER_IS_BETTER, Gate, GateInputError, MetricScores, Scores, Tolerance,
+                           check_all, summarize)
 from lowprec.gates.stats import normal_interval, paired_bootstrap_interval, z_value
 from lowprec.policy.verdicts import Verdict
 
