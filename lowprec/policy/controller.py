@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from lowprec.numerics.formats import FORMATS
+from lowprec.numerics.formats import Format, get_format
 from lowprec.policy.anomaly import Anomaly, StepDetectors
 from lowprec.policy.attribution import Attribution
 from lowprec.policy.decisions import Action, ControllerConfig, Decision, Stage, apply_decision
@@ -69,34 +69,35 @@ __all__ = ["Action", "Stage", "Thresholds", "ControllerConfig", "Decision", "Rol
 _FORWARD_ROLES = ("input", "weight", "output")
 
 
-def _bits(name: str) -> int:
-    return FORMATS[name].bits
+def _bits(fmt: Format | str) -> int:
+    """The format's bit width; the controller's state and decisions name formats, its ladders hold them."""
+    return get_format(fmt).bits
 
 
-def _high(name: str) -> bool:
-    return FORMATS[name].is_high_precision
+def _high(fmt: Format | str) -> bool:
+    return get_format(fmt).is_high_precision
 
 
 class RolloutController(SlowSignalRules):
     """Stages, fallbacks, rollbacks, cooldowns and quarantine over a set of sites."""
 
-    def __init__(self, ladders: dict[str, tuple[str, ...]], initial: dict[str, str],
+    def __init__(self, ladders: dict[str, tuple[Format | str, ...]], initial: dict[str, str],
                  stages: list[Stage], config: ControllerConfig = ControllerConfig(), *,
                  baseline: dict[int, float] | None = None,
                  gate: Callable[[int], GateOutcome] | None = None):
+        self.ladders: dict[str, tuple[Format, ...]] = {k: tuple(map(get_format, v)) for k, v in ladders.items()}
         for s in stages:
             for site in s.sites:
-                if site not in ladders:
+                if site not in self.ladders:
                     raise ValueError(f"stage {s.name!r} names site {site!r}, which is not a site")
-                if s.format not in ladders[site]:
+                if get_format(s.format) not in self.ladders[site]:
                     raise ValueError(f"stage {s.name!r} puts {site!r} in {s.format}, which is not on its "
-                                     f"ladder {' -> '.join(ladders[site])}; add it to the ladder")
-        self.ladders = {k: tuple(v) for k, v in ladders.items()}
+                                     f"ladder {self._ladder_text(site)}; add it to the ladder")
         self.order = list(self.ladders)   # forward order: the order the caller lists sites in
         for site, fmt in initial.items():
-            if site in self.ladders and fmt not in self.ladders[site]:
+            if site in self.ladders and get_format(fmt) not in self.ladders[site]:
                 raise ValueError(f"site {site!r} starts in {fmt}, which is not on its ladder "
-                                 f"{' -> '.join(self.ladders[site])}")
+                                 f"{self._ladder_text(site)}")
         self.initial = dict(initial)
         self.current = dict(initial)
         self.stages = list(stages)
@@ -121,12 +122,15 @@ class RolloutController(SlowSignalRules):
         self.lr_history: list[tuple[int, float]] = []   # (step, LR sensitivity) of the last probes
 
     # ------------------------------------------------------------------ helpers
+    def _ladder_text(self, site: str) -> str:
+        return " -> ".join(f.name for f in self.ladders[site])
+
     def _up(self, site: str) -> str | None:
-        """The next format up the ladder (higher precision), or None at the top."""
+        """The name of the next format up the ladder (higher precision), or None at the top."""
         cur_bits = _bits(self.current[site])
         for f in self.ladders[site]:
-            if _bits(f) > cur_bits:
-                return f
+            if f.bits > cur_bits:
+                return f.name
         return None
 
     def _move(self, sites: list[str], to: dict[str, str], kind: str, step: int, reason: str,

@@ -94,7 +94,7 @@ def _job_config(tmp_path: Path, monkeypatch, plan_text: str = PLAN_YAML):
 def _batches(seq_len: int, batch: int):
     """Real text, one token per byte (the debug model's vocabulary is 2048): a Shakespeare play
     (fixed text: the run's decisions must not move when the repository's docs are edited)."""
-    from eval_suites.corpora import clean_text, split_texts
+    from lowprec.evals.corpora import clean_text, split_texts
     text = clean_text(split_texts()[0][0].read_bytes())
     ids = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
     n = seq_len + 1
