@@ -1,0 +1,116 @@
+"""lowprec's rollout under torchtitan's real Trainer: `torchtitan.train` under torchrun, gloo, CPU.
+
+torchtitan 0.3's own entry point (`torchtitan.train.main`: its ConfigManager, config registry,
+Trainer, llama3 debugmodel, Hugging Face text data loader and tokenizer over local files,
+FSDP2 / TP parallelisms, DCP checkpointer) runs a job whose config function returns
+`lowprec_trainer(config)`. What torchtitan needs to run on a CPU at all is in
+titan_launch.py and the job module (titan_helpers.py).
+
+The MLP layers start in FP8 and a stage promotes the attention at a check. A NaN is planted
+in one MLP layer's output on rank 0 only, in the 4th step: every rank sees the step's loss
+as NaN (the step's loss is reduced over the ranks), replays it through torchtitan's forward
+and backward with halves of the FP8 sites in high precision, blames that one layer, and
+falls it back to BF16; the step is withheld from the optimizers (torchtitan's "Loss is not
+finite" stop does not end the job) and training goes on. The job is then resumed from
+torchtitan's checkpoint: lowprec's state comes back from it on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'lowprec[torchtitan]')")
+pytest.importorskip("tokenizers")
+pytest.importorskip("datasets")
+
+from titan_helpers import TitanJob, fault  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SITE = "layers.1.feed_forward.w2"
+PLAN = """\
+precision:
+  backend: emulated
+  default: bf16
+  keep_high_precision: [{fqns: [lm_head]}]
+  rules:
+    - {name: mlp, select: {glob: "layers.*.feed_forward.*"}, format: fp8_tensorwise, ladder: [fp8_tensorwise, bf16]}
+    - {name: attn, select: {glob: "layers.*.attention.*"}, format: bf16, ladder: [fp8_tensorwise, bf16]}
+rollout:
+  check_every: 2
+  min_steps: 2
+  cooldown_steps: 1000
+  thresholds: {site_patience: 1}
+  stages:
+    - {name: attn_fp8, select: {glob: "layers.*.attention.*"}, format: fp8_tensorwise}
+tracking: {enabled: false}
+"""
+NAN_AT = 3     # the 4th step (lowprec counts from 0, torchtitan's log from 1)
+STEPS = 6
+
+
+def decisions(events: list[str]) -> list[tuple]:
+    """(kind, step, stage, sites) of each event (its JSON line)."""
+    import json
+    out = []
+    for line in events:
+        e = json.loads(line)
+        out.append((e["kind"], e["step"], e.get("stage"), tuple(sorted(e["sites"]))))
+    return out
+
+
+def _ok(proc) -> str:
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    return log
+
+
+def _check_fault_run(reports: list[dict], log: str) -> list[tuple]:
+    """Every rank fell the planted site back at the NaN step and skipped that step alone."""
+    want = decisions(reports[0]["events"])
+    for r in reports:
+        assert decisions(r["events"]) == want, f"rank {r['rank']} decided otherwise"
+        assert r["formats"][SITE] == "bf16"
+        assert {f for n, f in r["formats"].items() if n != SITE} == {"fp8_tensorwise"}   # the rest as promoted
+        assert r["skipped"] == 1 and r["step"] == STEPS and r["titan_step"] == STEPS
+        assert math.isnan(r["losses"][NAN_AT]) and all(math.isfinite(v) for i, v in enumerate(r["losses"])
+                                                       if i != NAN_AT)
+    # bisected by replays through torchtitan's forward and backward, then blamed, fallen back, skipped;
+    # the attention stage promoted at the next check after two stable steps
+    assert [d[:2] for d in want] == [("replay", NAN_AT)] * 5 + [("fallback", NAN_AT), ("skip_step", NAN_AT),
+                                                                 ("promote", NAN_AT + 2)], want
+    assert want[5][3] == (SITE,) and want[-1][2] == "attn_fp8"
+    assert f"lowprec: step {NAN_AT + 1} had a non-finite loss and was withheld" in log
+    assert f"step: {NAN_AT + 1:2d}" not in log   # torchtitan logged no metrics line for the withheld step
+    return want
+
+
+def test_nan_on_one_rank_falls_back_everywhere_skips_and_resumes_fsdp2(tmp_path, gloo, free_port):
+    job = TitanJob(tmp_path, PLAN, steps=STEPS, checkpoint_every=2, faults=[fault("nan", SITE, NAN_AT, NAN_AT + 1)])
+    log = _ok(job.run(2, free_port()))
+    assert "dp_shard=2, cp=1, tp=1" in log   # torchtitan's mesh: FSDP 2
+    first = job.reports(2)
+    want = _check_fault_run(first, log)
+    # rank 0's event log (the converter's event_log) holds the same events
+    logged = (tmp_path / "events.jsonl").read_text().splitlines()
+    assert decisions(logged) == want
+
+    # resumed by torchtitan from its step-6 checkpoint, two more steps, no fault
+    job.update(steps=STEPS + 2, faults=[])
+    log = _ok(job.run(2, free_port()))
+    assert f"Loading the checkpoint from {job.dump / 'checkpoint' / f'step-{STEPS}'}" in log
+    for before, after in zip(first, job.reports(2)):
+        assert after["restored"] and after["step"] == STEPS + 2 and after["skipped"] == 1
+        assert after["formats"][SITE] == "bf16"               # the fallback came back with the checkpoint
+        assert after["events"][:len(before["events"])] == before["events"]
+        a, b = after["losses"][:STEPS], before["losses"]
+        assert all(x == y or (x != x and y != y) for x, y in zip(a, b)), (a, b)
+
+
+def test_nan_on_one_rank_under_fsdp2_x_tp2_gives_the_same_decisions(tmp_path, gloo, free_port):
+    job = TitanJob(tmp_path, PLAN, steps=STEPS, checkpoint_every=STEPS, faults=[fault("nan", SITE, NAN_AT, NAN_AT + 1)])
+    log = _ok(job.run(4, free_port(), "--parallelism.tensor_parallel_degree", "2"))
+    assert "dp_shard=2, cp=1, tp=2" in log   # torchtitan's mesh: FSDP 2 x TP 2
+    _check_fault_run(job.reports(4), log)
