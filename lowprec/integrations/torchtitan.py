@@ -82,15 +82,14 @@ from torchtitan.tools.logging import logger  # noqa: E402
 from lowprec.base.parse import ConfigError  # noqa: E402
 from lowprec.config import ConfigRole, LowprecConfig  # noqa: E402
 from lowprec.integrations.core import framework_config  # noqa: E402
+from lowprec.integrations.torchtitan_trainer import (PREPARED_ATTR, LowprecTrainer, Prepared,  # noqa: E402
+                                                     lowprec_trainer, prepared_of)
 from lowprec.sites.backends import BackendName  # noqa: E402
 from lowprec.sites.layers import PrecisionLinear  # noqa: E402
 from lowprec.sites.precision_state import PrecisionState, prepare  # noqa: E402
 
 __all__ = ["LowprecConverter", "LowprecTrainer", "Prepared", "TitanPrecisionLinear", "load_config",
            "lowprec_trainer", "prepared_of"]
-
-_ATTR = "_lowprec_prepared"   # the built model's attribute holding its Prepared
-
 
 def _refuse(path: str, found, why: str, fix: str) -> ConfigError:
     return ConfigError(path, f"is {found!r}; under torchtitan {why}. Fix: {fix}")
@@ -147,23 +146,13 @@ class TitanPrecisionLinear(PrecisionLinear, Module):
 
 
 @dataclass(frozen=True)
-class _Setup:
+class Setup:
     """What the converter hands the model it wraps: the checked config, read once."""
 
     source: str
     config: LowprecConfig
     seed: int
     event_log: str
-
-
-@dataclass
-class Prepared:
-    """A built model's lowprec part: the converter's setup and the PrecisionState of its layers.
-    `hosted` is the LowprecTrainer's HostedRollout once a trainer hosts it."""
-
-    setup: _Setup
-    state: PrecisionState
-    hosted: object = None
 
 
 class LowprecConverter(ModelConfigConverter):
@@ -188,7 +177,7 @@ class LowprecConverter(ModelConfigConverter):
             where = e.path if e.path.startswith(("LowprecConverter.", str(config.config))) else \
                 f"{e.path} (in {config.config})"
             raise type(e)(where, e.message) from None
-        self.setup = _Setup(str(config.config), cfg, config.seed, config.event_log)
+        self.setup = Setup(str(config.config), cfg, config.seed, config.event_log)
 
     def convert(self, model_config: Module.Config) -> Module.Config:
         """The same model config, its model class made one that prepares itself after building."""
@@ -205,7 +194,7 @@ class LowprecConverter(ModelConfigConverter):
 
 
 def _not_hosted(module, args) -> None:
-    if getattr(module, _ATTR).hosted is None:
+    if getattr(module, PREPARED_ATTR).hosted is None:
         raise RuntimeError("lowprec: the model trains but no LowprecTrainer hosts its rollout, so it would never "
                            "decide. Fix: return lowprec_trainer(config) from the job's config function "
                            "(lowprec.integrations.torchtitan)")
@@ -228,7 +217,7 @@ def _lowprec_model_class(base: type) -> type:
                                   "or LowprecConverter")
             setup = config._lowprec
             state = prepare(self, setup.config.precision, seed=setup.seed, layer_cls=TitanPrecisionLinear)
-            setattr(self, _ATTR, Prepared(setup, state))
+            setattr(self, PREPARED_ATTR, Prepared(setup, state))
             self._lowprec_guard = self.register_forward_pre_hook(_not_hosted)
             logger.info(f"lowprec: {len(state.sites)} precision sites {_summary(state)}")
 
@@ -243,13 +232,3 @@ def _summary(state: PrecisionState) -> str:
     return "(" + ", ".join(f"{n} in {f}" for f, n in sorted(counts.items())) + ")"
 
 
-def prepared_of(model: nn.Module) -> Prepared:
-    """The lowprec part of a model built with LowprecConverter."""
-    p = getattr(model, _ATTR, None)
-    if p is None:
-        raise ValueError(f"{type(model).__name__} was not built with LowprecConverter; add "
-                         "LowprecConverter.Config(config=...) to model_registry(..., converters=[...])")
-    return p
-
-
-from lowprec.integrations.torchtitan_trainer import LowprecTrainer, lowprec_trainer  # noqa: E402

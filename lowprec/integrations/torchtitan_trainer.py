@@ -51,18 +51,44 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torchtitan.distributed import utils as dist_utils
-from torchtitan.tools.logging import logger
-from torchtitan.trainer import Trainer
 
-from lowprec.integrations.core import HostedRollout
-from lowprec.integrations.state_files import MissingRolloutStateError
-from lowprec.policy.decisions import Action
-from lowprec.state.ranks import process_rank, world_size
+from lowprec.integrations.extras import require
 
-__all__ = ["LowprecTrainer", "lowprec_trainer"]
+require("torchtitan", "torchtitan", "torchtitan")
+
+from torchtitan.distributed import utils as dist_utils  # noqa: E402
+from torchtitan.tools.logging import logger  # noqa: E402
+from torchtitan.trainer import Trainer  # noqa: E402
+
+from lowprec.integrations.core import HostedRollout  # noqa: E402
+from lowprec.integrations.state_files import MissingRolloutStateError  # noqa: E402
+from lowprec.policy.decisions import Action  # noqa: E402
+from lowprec.state.ranks import process_rank, world_size  # noqa: E402
+
+__all__ = ["LowprecTrainer", "Prepared", "lowprec_trainer", "prepared_of"]
 
 STATE_KEY = "lowprec"   # the rollout's entry in torchtitan's checkpoint states
+PREPARED_ATTR = "_lowprec_prepared"   # a built model's attribute holding its Prepared
+
+
+@dataclass
+class Prepared:
+    """A built model's lowprec part (`LowprecConverter` sets it): the converter's `setup`
+    (the checked config, seed, event log) and the PrecisionState of its layers; `hosted`, the
+    LowprecTrainer's HostedRollout once a trainer hosts it."""
+
+    setup: object
+    state: object
+    hosted: object = None
+
+
+def prepared_of(model) -> Prepared:
+    """The lowprec part of a model built with LowprecConverter."""
+    p = getattr(model, PREPARED_ATTR, None)
+    if p is None:
+        raise ValueError(f"{type(model).__name__} was not built with LowprecConverter; add "
+                         "LowprecConverter.Config(config=...) to model_registry(..., converters=[...])")
+    return p
 
 
 class _LossTap:
@@ -99,6 +125,29 @@ class _Drawn:
         item = next(self.it)
         self.items.append(item)
         return item
+
+
+class _Optimizers:
+    """torchtitan's OptimizersContainer as lowprec's session and rewind snapshots use it. Before
+    the first step there is no optimizer state yet, and the container's `state_dict()` would
+    create it with a zero-lr step, which AdamW counts as a step: a snapshot then keeps "no state"
+    and restoring it clears the state, as it was."""
+
+    def __init__(self, container):
+        self.container = container
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["container"], name)
+
+    def state_dict(self) -> dict:
+        return self.container.state_dict() if any(o.state for o in self.container.optimizers) else {}
+
+    def load_state_dict(self, saved: dict) -> None:
+        if saved:
+            self.container.load_state_dict(saved)
+            return
+        for o in self.container.optimizers:
+            o.state.clear()
 
 
 class _RolloutState:
@@ -140,7 +189,6 @@ class LowprecTrainer(Trainer):
         (false: start the rollout again from the plan's formats)."""
 
     def __init__(self, config: Config):
-        from lowprec.integrations.torchtitan import prepared_of
         super().__init__(config)
         dims = self.parallel_dims
         if dims.pp_enabled or len(self.model_parts) != 1:
@@ -165,7 +213,7 @@ class LowprecTrainer(Trainer):
         from lowprec.integrations.torchtitan_probe import lr_probe_for
         probe = lr_probe_for(self, prepared.setup.config.rollout, clip)
         root = Path(config.dump_folder)
-        self.hosted.start(self.optimizers, self.lr_schedulers, clip=clip, eval_forward=self._logits,
+        self.hosted.start(_Optimizers(self.optimizers), self.lr_schedulers, clip=clip, eval_forward=self._logits,
                           run_name=f"{config.model_spec.name}-{config.model_spec.flavor}",
                           buffer_root=root / "lowprec", lr_probe=probe)
         if prepared.setup.event_log and process_rank() == 0:

@@ -53,7 +53,9 @@ def debugmodel_lowprec():
     config.dataloader.dataset_path = SETTINGS["data"]
     config.training.seq_len, config.training.local_batch_size = 64, 2
     config.training.steps = SETTINGS["steps"]
-    config.validator.enable = False
+    config.validator.enable = SETTINGS["validator"]   # its first batch: the LR probe's held batch
+    config.validator.freq = 1000
+    config.validator.dataloader.dataset, config.validator.dataloader.dataset_path = "c4_test", SETTINGS["validation"]
     config.activation_checkpoint = None   # the fault's site keeps its name (no checkpoint wrapper)
     config.debug.seed = 0
     config.checkpoint.enable, config.checkpoint.interval = True, SETTINGS["checkpoint_every"]
@@ -72,10 +74,13 @@ def _sum_reduction(parallelize):
 
 
 def _faults(optimizers, model_parts, parallel_dims):
-    """The injected fault, on one rank: ticks once per optimizer step."""
-    if not SETTINGS["faults"] or torch.distributed.get_rank() != SETTINGS["fault_rank"]:
+    """The injected faults of this rank (a fault's rank -1: every rank); they tick once per optimizer step."""
+    rank = torch.distributed.get_rank()
+    mine = [Injection(**{{k: v for k, v in f.items() if k != "rank"}}) for f in SETTINGS["faults"]
+            if f["rank"] in (-1, rank)]
+    if not mine:
         return
-    faults = Faults(model_parts[0], [Injection(**f) for f in SETTINGS["faults"]])
+    faults = Faults(model_parts[0], mine)
     optimizers.register_step_post_hook(lambda *a: faults.tick(faults.iteration + 1))
 
 
@@ -117,11 +122,12 @@ def write_tokenizer(folder: Path) -> Path:
     return folder
 
 
-def write_text_data(folder: Path) -> Path:
-    """A Shakespeare play, one paragraph per JSONL record ({"text": ...}), as the data loader's local path."""
+def write_text_data(folder: Path, split: int = 0) -> Path:
+    """A Shakespeare play, one paragraph per JSONL record ({"text": ...}), as the data loader's
+    local path: the first training play (split 0) or the first held-out one (split 1)."""
     from eval_suites.corpora import clean_text, split_texts
     folder.mkdir(parents=True, exist_ok=True)
-    text = clean_text(split_texts()[0][0].read_bytes())
+    text = clean_text(split_texts()[split][0].read_bytes())
     paragraphs = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 40]
     (folder / "train.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
     return folder
@@ -130,14 +136,16 @@ def write_text_data(folder: Path) -> Path:
 class TitanJob:
     """One torchtitan job folder: tokenizer, data, lowprec YAML, config module, dump folder."""
 
-    def __init__(self, tmp: Path, plan: str, *, steps: int, checkpoint_every: int, faults=(), fault_rank: int = 0):
+    def __init__(self, tmp: Path, plan: str, *, steps: int, checkpoint_every: int, faults=(), validator: bool = False):
+        """faults: `fault(...)`s; validator: torchtitan's validation data on (the LR probe's held batch)."""
         self.tmp = tmp
         self.dump = tmp / "dump"
         (tmp / "lowprec.yaml").write_text(plan)
         self.settings = {"plan": str(tmp / "lowprec.yaml"), "events": str(tmp / "events.jsonl"),
                          "tokenizer": str(write_tokenizer(tmp / "tokenizer")), "data": str(write_text_data(tmp / "data")),
+                         "validation": str(write_text_data(tmp / "validation", split=1)),
                          "steps": steps, "checkpoint_every": checkpoint_every, "dump": str(self.dump),
-                         "faults": [dict(f) for f in faults], "fault_rank": fault_rank}
+                         "faults": [dict(f) for f in faults], "validator": validator}
         self._write()
 
     def _write(self) -> None:
@@ -160,6 +168,7 @@ class TitanJob:
         return [json.loads((self.dump / f"lowprec_rank{r}.json").read_text()) for r in range(nproc)]
 
 
-def fault(kind: str, site: str, start: int, stop: int) -> dict:
-    """An injection's fields (lowprec.runtime.faults.Injection), as the job's settings carry them."""
-    return {"kind": kind, "site": site, "start": start, "stop": stop}
+def fault(kind: str, site: str, start: int, stop: int, factor: float = 1e4, rank: int = -1) -> dict:
+    """An injection's fields (lowprec.runtime.faults.Injection) and the rank it is injected on
+    (-1: every rank), as the job's settings carry them."""
+    return {"kind": kind, "site": site, "start": start, "stop": stop, "factor": factor, "rank": rank}
