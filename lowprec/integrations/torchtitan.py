@@ -20,7 +20,8 @@ converters to the model's *config tree* before the model is built. lowprec takes
 * `convert(model_config)` wraps the root model config: the model class becomes a subclass
   whose constructor builds the model as before and then runs `lowprec.prepare(model, plan)`,
   so the planned linear layers become `TitanPrecisionLinear`s (a `PrecisionLinear` that is a
-  torchtitan `Module`, holding the same Parameters, their `param_init` and sharding config).
+  torchtitan `Module`, holding the same Parameters, their `param_init` and sharding config;
+  with the `torchao` backend, its own site class with torchtitan's `Module` mixed in).
   The plan's selectors need the built modules, so the swap happens at build, on the meta
   device, before torchtitan's parallelisms; `to_empty` + `init_weights` initialize the layers.
 * `lowprec_trainer(config)` makes the job's `Trainer.Config` a `LowprecTrainer.Config`:
@@ -41,11 +42,11 @@ What is refused, and why (each reason is torchtitan's):
 * the `te` backend: Transformer Engine's layers need CUDA (its modules cannot be built on
   the meta device torchtitan builds models on and initialized through torchtitan's
   `init_weights`, which only its own `Module`s carry);
-* the `torchao` backend: torchtitan's Trainer requires every submodule to satisfy its `Module`
-  protocol (`verify_module_protocol`) and initializes weights only through it; torchao's
-  `Float8Linear` is made one by torchtitan's own float8 converter, which owns those layers
-  for the whole run (no per-layer switch); use that converter instead, or lowprec's `torch`
-  backend, whose FP8 GEMMs are `torch._scaled_mm` like torchao's;
+* the `torchao` backend under tensor parallelism (it runs under FSDP / HSDP: its sites get
+  torchtitan's `Module` mixed in, as torchtitan's float8 converter does with torchao's
+  layer): torchao's `Float8Linear` runs on TP shards only through torchao's float8 TP
+  styles, which torchtitan's parallelize applies to its own float8 converter's layers;
+  refused when the trainer is built;
 * pipeline parallelism: torchtitan's pipeline schedule computes the loss on the last stage
   only (the other stages' `forward_backward_step` returns -1), runs forward and backward of
   every micro-batch inside one `schedule.step`, and splits the model after it was built, so
@@ -108,12 +109,6 @@ def load_config(path: str | Path) -> LowprecConfig:
         raise _refuse("precision.backend", str(backend), "Transformer Engine's layers need CUDA and are not "
                       "torchtitan Modules, which torchtitan builds on the meta device and initializes through "
                       "its init_weights", "use `backend: torch` (FP8 GEMMs by torch._scaled_mm) or `emulated`")
-    if backend is BackendName.TORCHAO:
-        raise _refuse("precision.backend", str(backend), "every layer must satisfy torchtitan's Module protocol "
-                      "(Trainer's verify_module_protocol, init_weights); torchao's Float8Linear is one only "
-                      "through torchtitan's own float8 converter, which owns those layers for the whole run",
-                      "use `backend: torch` (FP8 GEMMs by torch._scaled_mm, as torchao's) or torchtitan's "
-                      "float8 converter without lowprec")
     return cfg
 
 
@@ -216,13 +211,33 @@ def _lowprec_model_class(base: type) -> type:
                                   "would replace the LoRA layers, adapters and all. Fix: drop LoRAConverter "
                                   "or LowprecConverter")
             setup = config._lowprec
-            state = prepare(self, setup.config.precision, seed=setup.seed, layer_cls=TitanPrecisionLinear)
+            state = _prepare(self, setup)
             setattr(self, PREPARED_ATTR, Prepared(setup, state))
             self._lowprec_guard = self.register_forward_pre_hook(_not_hosted)
             logger.info(f"lowprec: {len(state.sites)} precision sites {_summary(state)}")
 
     LowprecModel.__name__ = LowprecModel.__qualname__ = f"Lowprec{base.__name__}"
     return LowprecModel
+
+
+def _prepare(model: nn.Module, setup: Setup) -> PrecisionState:
+    """lowprec's prepare on a torchtitan model, every new layer a torchtitan Module that keeps the
+    replaced layer's `param_init` and sharding config (the torchao backend's own site class gets
+    torchtitan's Module mixed in, as torchtitan's float8 converter does with torchao's layer)."""
+    plan = setup.config.precision
+    if BackendName(plan.backend) is not BackendName.TORCHAO:
+        return prepare(model, plan, seed=setup.seed, layer_cls=TitanPrecisionLinear)
+    kept = {n: (getattr(m, "_param_init", None), getattr(m, "_sharding_config", None))
+            for n, m in model.named_modules()}
+    state = prepare(model, plan, seed=setup.seed)
+    for fqn, site in state.sites.items():
+        cls = type(site.module)
+        site.module.__class__ = _TITAN_CLASSES.setdefault(cls, type(f"Titan{cls.__name__}", (cls, Module), {}))
+        site.module._param_init, site.module._sharding_config = kept[fqn]
+    return state
+
+
+_TITAN_CLASSES: dict[type, type] = {}   # a backend's site class -> the same with torchtitan's Module mixed in
 
 
 def _summary(state: PrecisionState) -> str:

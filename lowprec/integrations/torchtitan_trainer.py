@@ -195,6 +195,8 @@ class LowprecTrainer(Trainer):
             raise _pp_refusal(dims)
         model = self.model_parts[0]
         prepared = prepared_of(model)
+        if dims.tp_enabled and str(prepared.setup.config.precision.backend) == "torchao":
+            raise _torchao_tp_refusal(dims)
         self.max_norm = config.training.max_norm
         config.training.max_norm = math.inf   # torchtitan measures; lowprec clips (before the optimizers)
         self._loss_mesh = dims.get_optional_mesh("loss")
@@ -325,3 +327,12 @@ def _pp_refusal(dims) -> Exception:
         f"schedule.step, and the model is split after lowprec prepared it, so the step's loss, its replay and "
         f"the sites a rank holds are not where the rollout reads them. Fix: pipeline_parallel_degree 1 "
         f"(FSDP, HSDP and TP work)"))
+
+
+def _torchao_tp_refusal(dims) -> Exception:
+    from lowprec.base.parse import ConfigError
+    return ConfigError("precision.backend", (
+        f"is 'torchao' with tensor_parallel_degree {dims.tp}; torchao's Float8Linear runs on tensor-parallel "
+        f"shards only through torchao's float8 TP styles, which torchtitan's parallelize applies to its own "
+        f"float8 converter's layers, not to lowprec's sites (their weights arrive as plain DTensor shards). "
+        f"Fix: `backend: torch` or `emulated` under TP, or tensor_parallel_degree 1 (FSDP and HSDP work)"))

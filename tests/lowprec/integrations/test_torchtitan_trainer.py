@@ -151,3 +151,17 @@ def test_fsdp2_x_tp2_nan_on_one_rank_falls_back_on_every_rank(tmp_path, gloo, fr
     for r in reports:
         assert r["skipped"] == 1 and r["step"] == STEPS and r["titan_step"] == STEPS
         assert all(math.isfinite(v) for i, v in enumerate(r["losses"]) if i != NAN_AT)
+
+
+def test_fsdp2_torchao_backend_nan_on_one_rank_falls_back_on_every_rank(tmp_path, gloo, free_port):
+    """The torchao backend's sites (torchao's Float8Linear, emulated on CPU) as torchtitan Modules."""
+    pytest.importorskip("torchao")
+    job = TitanJob(tmp_path, PLAN.replace("backend: emulated", "backend: torchao"), steps=STEPS,
+                   checkpoint_every=STEPS, faults=[fault("nan", SITE, NAN_AT, NAN_AT + 1, rank=0)])
+    log = _ok(job.run(2, free_port()))
+    reports = job.reports(2)
+    want = _check_nan_fallback(reports, log)
+    assert len(want) == 8
+    for r in reports:
+        assert r["skipped"] == 1 and r["step"] == STEPS
+        assert all(math.isfinite(v) for i, v in enumerate(r["losses"]) if i != NAN_AT)
