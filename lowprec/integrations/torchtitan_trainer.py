@@ -40,6 +40,9 @@ lowprec joins at the points torchtitan has:
   `lowprec`, one entry per rank (each rank's histories and generators are its own), so a job
   torchtitan resumes resumes its rollout. A checkpoint without it is refused unless
   `lowprec_restore` is false.
+
+Refused when the trainer is built, each with torchtitan's reason: pipeline parallelism
+(`_pp_refusal`) and the `torchao` backend under tensor parallelism (`_torchao_tp_refusal`).
 """
 
 # no `from __future__ import annotations`: torchtitan (tyro) resolves the config dataclasses' field types
