@@ -26,7 +26,7 @@ lowprec joins at the points torchtitan has:
   `HostedRollout.after_optimizer_step`: a rewind puts model, optimizers, schedulers and RNG
   back from an in-memory snapshot (each rank its own shards: `MemorySnapshots` over the
   sharded state dicts), the data goes on; tracking; eval checkpoints of an `eval:` section
-  (every rank runs the forward together; rank 0 logs).
+  (one-rank jobs).
 * torchtitan stops a job whose logged loss is not finite ("Loss is not finite" in
   `Trainer.train_step`, raised after the optimizers and schedulers stepped). When lowprec
   withheld that step, the weights never saw it: the trainer goes on (that step's metrics
@@ -41,8 +41,9 @@ lowprec joins at the points torchtitan has:
   torchtitan resumes resumes its rollout. A checkpoint without it is refused unless
   `lowprec_restore` is false.
 
-Refused when the trainer is built, each with torchtitan's reason: pipeline parallelism
-(`_pp_refusal`) and the `torchao` backend under tensor parallelism (`_torchao_tp_refusal`).
+Refused when the trainer is built, each with its reason: pipeline parallelism (`_pp_refusal`),
+the `torchao` backend under tensor parallelism (`_torchao_tp_refusal`), and an `eval:` section
+in a job of more than one rank (`_eval_refusal`: lm-eval returns results on local rank 0 only).
 """
 
 # no `from __future__ import annotations`: torchtitan (tyro) resolves the config dataclasses' field types
@@ -200,6 +201,8 @@ class LowprecTrainer(Trainer):
         prepared = prepared_of(model)
         if dims.tp_enabled and str(prepared.setup.config.precision.backend) == "torchao":
             raise _torchao_tp_refusal(dims)
+        if prepared.setup.config.eval is not None and world_size() > 1:
+            raise _eval_refusal()
         self.max_norm = config.training.max_norm
         config.training.max_norm = math.inf   # torchtitan measures; lowprec clips (before the optimizers)
         self._loss_mesh = dims.get_optional_mesh("loss")
@@ -220,7 +223,7 @@ class LowprecTrainer(Trainer):
         root = Path(config.dump_folder)
         self.hosted.start(_Optimizers(self.optimizers), self.lr_schedulers, clip=clip, eval_forward=self._logits,
                           run_name=f"{config.model_spec.name}-{config.model_spec.flavor}",
-                          buffer_root=root / "lowprec", lr_probe=probe)
+                          buffer_root=root / "lowprec", lr_probe=probe, max_length=config.training.seq_len)
         if prepared.setup.event_log and process_rank() == 0:
             from lowprec.policy.events import EventLog
             self.hosted.session.log = EventLog(prepared.setup.event_log)
@@ -339,3 +342,12 @@ def _torchao_tp_refusal(dims) -> Exception:
         f"shards only through torchao's float8 TP styles, which torchtitan's parallelize applies to its own "
         f"float8 converter's layers, not to lowprec's sites (their weights arrive as plain DTensor shards). "
         f"Fix: `backend: torch` or `emulated` under TP, or tensor_parallel_degree 1 (FSDP and HSDP work)"))
+
+
+def _eval_refusal() -> Exception:
+    from lowprec.base.parse import ConfigError
+    return ConfigError("eval", (
+        f"is set in a job of {world_size()} ranks; an eval suite runs lm-eval's simple_evaluate, which returns its "
+        f"results only in the process with LOCAL_RANK 0 (lm_eval/evaluator.py), while the sharded model's forward "
+        f"needs every rank to evaluate, and every rank must hear the same verdict. Fix: remove `eval:` from the "
+        f"lowprec config of a multi-rank torchtitan job (evaluate its checkpoints in a one-rank job)"))

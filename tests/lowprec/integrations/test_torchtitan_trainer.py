@@ -165,3 +165,18 @@ def test_fsdp2_torchao_backend_nan_on_one_rank_falls_back_on_every_rank(tmp_path
     for r in reports:
         assert r["skipped"] == 1 and r["step"] == STEPS
         assert all(math.isfinite(v) for i, v in enumerate(r["losses"]) if i != NAN_AT)
+
+
+def test_one_rank_job_runs_the_final_eval_and_tracks_it(tmp_path, gloo, free_port):
+    """An `eval:` section's final eval (lm-eval over local tasks) through the model's logits,
+    tracked into MLflow; a one-rank job (lm-eval returns results on local rank 0 only)."""
+    pytest.importorskip("lm_eval")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    plan = PLAN.replace("tracking: {enabled: false}", f'tracking: {{uri: "{uri}", experiment: titan}}') + \
+        "eval: {suite: default, every: 0, mode: fast, final_mode: fast, gates: null, high_precision: false}\n"
+    job = TitanJob(tmp_path, plan, steps=2, checkpoint_every=2)
+    _ok(job.run(1, free_port()))
+    client, run = _mlflow_run(uri)
+    assert run.info.status == "FINISHED"
+    evals = {k for k in run.data.metrics if k.startswith("eval/")}
+    assert any(k.startswith("eval/heldout_shakespeare/") for k in evals), sorted(run.data.metrics)
