@@ -177,7 +177,8 @@ def test_one_fault_trace_gives_the_same_decisions_in_all_four_hosts(tmp_path, mo
     framework = tmp_path / "framework.yaml"   # the HF, Lightning and torchtitan hosts' file: the same, untracked
     framework.write_text(CONFIG + "tracking: {enabled: false}\n")
     got = {"own loop (Session)": own_loop(config), "HF Trainer": hf_trainer(framework, tmp_path),
-           "Lightning": lightning_trainer(framework, tmp_path), "torchtitan Trainer": torchtitan_trainer(framework, tmp_path, free_port())}
+           "Lightning": lightning_trainer(framework, tmp_path),
+           "torchtitan Trainer": torchtitan_trainer(framework, tmp_path, free_port())}
     want = got["own loop (Session)"]
     kinds = [d[0] for d in want]
     # the trace is not empty: both stages promoted, then the overflowing site fell back

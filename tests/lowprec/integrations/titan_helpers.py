@@ -142,7 +142,8 @@ class TitanJob:
         self.dump = tmp / "dump"
         (tmp / "lowprec.yaml").write_text(plan)
         self.settings = {"plan": str(tmp / "lowprec.yaml"), "events": str(tmp / "events.jsonl"),
-                         "tokenizer": str(write_tokenizer(tmp / "tokenizer")), "data": str(write_text_data(tmp / "data")),
+                         "tokenizer": str(write_tokenizer(tmp / "tokenizer")),
+                         "data": str(write_text_data(tmp / "data")),
                          "validation": str(write_text_data(tmp / "validation", split=1)),
                          "steps": steps, "checkpoint_every": checkpoint_every, "dump": str(self.dump),
                          "faults": [dict(f) for f in faults], "validator": validator}

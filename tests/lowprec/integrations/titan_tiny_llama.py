@@ -1,8 +1,9 @@
 """A torchtitan job (config-registry module) training the four-hosts test's tiny Llama under torchtitan's Trainer.
 
 `torchrun --nproc-per-node 1 titan_launch.py --module titan_tiny_llama --config tiny_llama_lowprec`,
-run in a folder holding the job's settings, `titan_tiny_llama.json` (test_four_hosts writes it). The model is the Hugging Face tiny Llama of
-llama_helpers (the same initial weights, module names and logits) as a torchtitan model; the
+run in a folder holding the job's settings, `titan_tiny_llama.json` (test_four_hosts writes it).
+The model is the Hugging Face tiny Llama of llama_helpers (the same initial weights, module
+names and logits) as a torchtitan model; the
 data are the same batches in the same order, with labels shifted as the Hugging Face model
 shifts them (torchtitan's summed cross-entropy over the global token count is then the same
 mean loss); AdamW at a constant learning rate, clipped to norm 1; the overflow injected into
