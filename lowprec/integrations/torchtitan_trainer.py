@@ -211,7 +211,8 @@ class LowprecTrainer(Trainer):
         self._withheld = False
         self.restored = False
         params = [p for p in model.parameters()]
-        self.hosted = HostedRollout(prepared.setup.config, model, seed=prepared.setup.seed, state=prepared.state)
+        self.hosted = HostedRollout(prepared.setup.config, model, seed=prepared.setup.seed, state=prepared.state,
+                                    baseline=_baseline(prepared.setup.config))
         prepared.hosted = self.hosted
         model._lowprec_guard.remove()
 
@@ -323,6 +324,20 @@ class LowprecTrainer(Trainer):
                 f"torchtitan resumes from a checkpoint that holds no lowprec rollout state (written without "
                 f"LowprecTrainer), so lowprec cannot go on where it was; return lowprec_trainer(config, "
                 f"restore=False) to start the rollout again from the plan's formats") from e
+
+
+def _baseline(cfg) -> dict[int, float] | None:
+    """The baseline loss curve `rollout.baseline` names (a losses file, or an MLflow run's), for the loss gap."""
+    b = cfg.rollout.baseline if cfg.rollout is not None else None
+    if b is None:
+        return None
+    if b.losses is not None:
+        from lowprec.policy.rollout import read_losses
+        return read_losses(b.losses)
+    from lowprec.runtime.baseline import losses_of_run
+    from lowprec.tracking.cli import default_tracking_uri
+    curve = losses_of_run(cfg.tracking.uri or default_tracking_uri(), cfg.tracking.experiment, b.mlflow_run)
+    return {i: float(v) for i, v in enumerate(curve) if math.isfinite(float(v))}
 
 
 def _pp_refusal(dims) -> Exception:
