@@ -69,6 +69,17 @@ __all__ = ["Action", "Stage", "Thresholds", "ControllerConfig", "Decision", "Rol
 _FORWARD_ROLES = ("input", "weight", "output")
 
 
+# events of a window judgment that are no instability: its looks, and a verdict of not precision
+_JUDGING = (EventKind.WINDOW, EventKind.NOT_PRECISION)
+
+
+def _cleared(d: Decision) -> bool:
+    """Whether a check's events are a window judgment that cleared precision, and nothing else
+    (no rewind): the check goes on to retries and promotion."""
+    return (d.action is not Action.REWIND and all(e.kind in _JUDGING for e in d.events)
+            and any(e.kind == EventKind.NOT_PRECISION for e in d.events))
+
+
 def _bits(name: str) -> int:
     return FORMATS[name].bits
 
@@ -191,6 +202,15 @@ class RolloutController(SlowSignalRules):
         """This step's global anomaly, if any (see `lowprec.policy.anomaly`); call once per step with
         the host values of the loss and the global grad norm, before `observe_step`."""
         return self.detectors.observe(step, loss, grad_norm)
+
+    def rewound(self, back: int) -> None:
+        """Training went back to step `back`: the detectors forget what the steps from it on
+        let in (their losses and grad norms are not the run's any more), and anomalies of
+        those steps that wait for a check are dropped."""
+        self.detectors.rewound(back)
+        if self.loss_gap is not None:
+            self.loss_gap.rewound(back)
+        self.pending = [(names, ev) for names, ev in self.pending if ev.get("step", -1) < back]
 
     def replay_candidates(self) -> tuple[list[str], list[list[str]]]:
         """What a replay may put in high precision: the low-precision sites in forward
@@ -323,8 +343,9 @@ class RolloutController(SlowSignalRules):
         suspects = [(site, crossed) for _, site, crossed in suspects]
         # 3. global signals (lowprec.policy.drift)
         self._global_rule(step, signals, blamed, suspects, d)
-        if d.events:
-            self.stable_since = step
+        if d.events and not _cleared(d):
+            if any(e.kind not in _JUDGING for e in d.events):
+                self.stable_since = step   # an instability: the schedule starts over
             return d
         # 4. retries after cooldown
         due = [s for s in self.order if s in self.retry_at and step >= self.retry_at[s]]
@@ -336,7 +357,7 @@ class RolloutController(SlowSignalRules):
         # 5. promotion
         if step - self.stable_since >= self.config.min_steps and self.promoted < len(self.stages):
             self._promote(step, d)
-        if d.events:
+        if any(e.kind not in _JUDGING for e in d.events):
             self.stable_since = step
         return d
 

@@ -426,10 +426,28 @@ def test_a_loss_gap_precision_did_not_cause_demotes_nothing_and_is_not_judged_ag
     assert groups[0] == [s for s in STAGES[ctl.promoted - 1].sites]
     # the same gap at the next check: accepted, not judged again (one window per suspicion)
     d = ctl.observe(99, signals(99, loss=2.3))
-    assert len(calls) == 1 and not d.changes
+    assert len(calls) == 1 and {e.kind for e in d.events} <= {EventKind.PROMOTE}
     # a gap that grows further above it is a new suspicion
     ctl.observe(109, signals(109, loss=2.9))
     assert len(calls) == 2
+
+
+def test_a_verdict_of_not_precision_does_not_hold_the_schedule_up():
+    """The same run with and without a loss gap judged not precision's at step 89: the next
+    stage promotes at the same check (the suspicion cost its window, not min_steps more)."""
+    def next_promotion(judged: bool) -> int:
+        ctl = _gapped()
+        if judged:
+            ctl.judge, calls = _judged(False)
+            assert any(e.kind == EventKind.NOT_PRECISION for e in ctl.observe(89, signals(89, loss=2.3)).events)
+        else:
+            assert not ctl.observe(89, signals(89)).events
+        for step in range(99, 300, CHECK):
+            if any(e.kind == EventKind.PROMOTE for e in ctl.observe(step, signals(step, loss=2.3 if judged else 2.0)).events):
+                return step
+        raise AssertionError("no promotion")
+
+    assert next_promotion(True) == next_promotion(False)
 
 
 def test_a_loss_gap_precision_closes_rolls_the_newest_stage_back_and_rewinds():
