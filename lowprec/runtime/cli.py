@@ -31,6 +31,9 @@ def register(sub) -> None:
                        "runtime inputs (baseline run, data) still missing")
     p.add_argument("config", help="training config YAML (see docs/config.md)")
     p.add_argument("--verbose", action="store_true", help="show other libraries' output and INFO lines too")
+    p.add_argument("--model-factory", default=None, metavar="MODULE:FUNCTION",
+                   help="check a framework callback's YAML (no model: section; docs/integrations.md) against the "
+                        "model this function returns, as LowprecCallback.from_yaml does")
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("run", help="train a config: staged rollout, monitors, fallbacks, evals, MLflow tracking")
@@ -82,6 +85,8 @@ def _cmd_plan(args) -> int:
 
 def _plan(args, console) -> int:
     from lowprec.runtime.run import prepare_run
+    if getattr(args, "model_factory", None):
+        return _plan_framework(args, console)
     missing: dict[str, str] = {}
     try:
         cfg = _load(args.config)
@@ -99,6 +104,33 @@ def _plan(args, console) -> int:
             console.print(f"  {key}: {why}")
     else:
         console.print("\nevery runtime input is here (baseline, data): `lowprec run` can start")
+    return EXIT_OK
+
+
+def _plan_framework(args, console) -> int:
+    """`plan --model-factory`: a callback's YAML checked as `LowprecCallback.from_yaml` checks it
+    (baseline read, stages resolved against the model, evaluator and gates found)."""
+    from types import SimpleNamespace
+    from lowprec.config import ConfigRole, LowprecConfig
+    from lowprec.integrations.core import HostedRollout
+    from lowprec.runtime.run import load_factory
+    try:
+        cfg = LowprecConfig.from_yaml(args.config, role=ConfigRole.FRAMEWORK)
+        build = load_factory(args.model_factory, "--model-factory", [Path(args.config).resolve().parent, Path.cwd()])
+        model = build()
+        hosted = HostedRollout(cfg, model)
+        controller = None
+        if cfg.rollout is not None:
+            from lowprec.policy.rollout import build_controller
+            controller = build_controller(cfg.rollout, hosted.state, model, baseline=hosted.baseline)
+    except (ConfigError, ValueError, TypeError) as e:
+        return _fail(console, e)
+    console.print(_table(SimpleNamespace(state=hosted.state, model=model)))
+    if controller is not None:
+        console.print("\nrollout stages:")
+        for st in controller.stages:
+            console.print(f"  {st.name}: {len(st.sites)} sites -> {st.format}")
+    console.print("\nthe callback's config is valid for this model: LowprecCallback.from_yaml will accept it")
     return EXIT_OK
 
 
