@@ -267,9 +267,12 @@ class RolloutController(SlowSignalRules):
             return
         self.streak = self.streak + 1 if step - self.last_anomaly == 1 else 1
         self.last_anomaly = step
-        d.events.append(Event(step, EventKind.SKIP_STEP, (), {}, {}, (
-            f"{a.names} persists with every site in high precision: not precision, nothing demoted"),
-            {**evidence, "streak": self.streak}))
+        accepted = (self.streak >= self.config.persist_steps and not (a.loss_is_off and self.config.rewind)
+                    and not a.nonfinite)
+        if not accepted:   # an accepted step is applied: no skip to record
+            d.events.append(Event(step, EventKind.SKIP_STEP, (), {}, {}, (
+                f"{a.names} persists with every site in high precision: not precision, nothing demoted"),
+                {**evidence, "streak": self.streak}))
         if self.streak < self.config.persist_steps:
             return
         self.streak = 0

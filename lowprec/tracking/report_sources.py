@@ -306,10 +306,10 @@ def events_tags(events: list[Event], run_name: str = "") -> dict[str, str]:
     promoted = [e.stage or "?" for e in by[EventKind.PROMOTE]]
     fb_sites = [f"{s}@{e.step}" for e in by[EventKind.FALLBACK] for s in e.sites]
     quarantined = sorted({s for e in by[EventKind.QUARANTINE] for s in e.sites})
-    gates = [f"step {e.step}{' ' + e.stage if e.stage else ''}: {e.evidence.get('verdict', e.reason)}"
+    gates = [f"step {e.step}{' ' + e.stage if e.stage else ''}: {_gate_outcome(e, events)}"
              for e in by[EventKind.GATE]]
     tags = {
-        "lowprec.stage": promoted[-1] if promoted else "none",
+        "lowprec.stage": _stage_now(events),
         "lowprec.stages_promoted": ", ".join(promoted) or "none",
         "lowprec.fallbacks": str(len(fb_sites)),
         "lowprec.fallback_sites": ", ".join(fb_sites) or "none",
@@ -318,7 +318,7 @@ def events_tags(events: list[Event], run_name: str = "") -> dict[str, str]:
         "lowprec.skipped_steps": str(len(by[EventKind.SKIP_STEP])),
         "lowprec.replays": str(len(by[EventKind.REPLAY])),
         "lowprec.quarantined": ", ".join(quarantined) or "none",
-        "lowprec.gate": str(by[EventKind.GATE][-1].evidence.get("verdict", "?")) if gates else "none",
+        "lowprec.gate": _gate_outcome(by[EventKind.GATE][-1], events) if gates else "none",
         "lowprec.gates": "; ".join(gates) or "none",
         "mlflow.loggedArtifacts": json.dumps([{"path": "events.json", "type": "table"}]),
     }
@@ -326,8 +326,27 @@ def events_tags(events: list[Event], run_name: str = "") -> dict[str, str]:
     return tags
 
 
+def _stage_now(events: list[Event]) -> str:
+    """The newest stage still promoted at the end (a rollback takes its stage back), or "none"."""
+    promoted: list[str] = []
+    for e in events:
+        if e.kind == EventKind.PROMOTE:
+            promoted.append(e.stage or "?")
+        elif e.kind == EventKind.ROLLBACK and e.stage in promoted:
+            promoted.remove(e.stage)
+    return promoted[-1] if promoted else "none"
+
+
+def _gate_outcome(gate: Event, events: list[Event]) -> str:
+    """A gate's verdict as it stands: a regression the window judgment found not to be
+    precision's (a NOT_PRECISION event at the same step) demoted nothing and says so."""
+    verdict = str(gate.evidence.get("verdict", "?"))
+    cleared = any(e.kind == EventKind.NOT_PRECISION and e.step == gate.step for e in events)
+    return f"{verdict} (not precision: nothing demoted)" if verdict == "regress" and cleared else verdict
+
+
 def _note(events: list[Event], tags: dict[str, str], run_name: str) -> str:
-    head = (f"**lowprec rollout {run_name}**: stage reached **{tags['lowprec.stage']}**, "
+    head = (f"**lowprec rollout {run_name}**: stage now **{tags['lowprec.stage']}**, "
             f"{tags['lowprec.fallbacks']} fallbacks, {tags['lowprec.rollbacks']} rollbacks, "
             f"{tags['lowprec.rewinds']} rewinds, quarantined: {tags['lowprec.quarantined']}, "
             f"last gate: {tags['lowprec.gate']}.\n\n"

@@ -125,6 +125,8 @@ def test_a_persistent_anomaly_without_rewind_is_accepted_as_the_new_level():
     ctl.observe_step(30, anomaly(30), None, none)
     d = ctl.observe_step(31, anomaly(31), None, none)
     assert d.action is Action.CONTINUE and [e.kind for e in d.events][-1] == EventKind.ACCEPT
+    # the accepted step is applied: it is not also recorded as skipped
+    assert EventKind.SKIP_STEP not in [e.kind for e in d.events]
     nan = Anomaly(50, (AnomalyKind.NONFINITE,), math.nan, math.nan, {})
     ctl.observe_step(50, nan, None, none)
     assert ctl.observe_step(51, Anomaly(51, nan.kinds, math.nan, math.nan, {}), None, none).action \

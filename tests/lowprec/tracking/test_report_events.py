@@ -1,7 +1,8 @@
 """Every kind of event the controller can emit is drawn: the kinds are read from the code
 (every `EventKind.X` the policy layer passes to an `Event` or a format move), each has a
 style, and `lowprec report` draws a run that holds one event of each kind, read back from a
-real MLflow (SQLite) store."""
+real MLflow (SQLite) store. The run's tags say its final state (the stage still promoted, a
+regression that demoted nothing)."""
 
 from __future__ import annotations
 
@@ -66,8 +67,8 @@ def every_kind_run() -> ReportData:
         EventKind.NOT_PRECISION: Event(40, EventKind.NOT_PRECISION, reason="loss_gap: not precision",
                                        evidence={"loss_gap": {"gap": 0.03, "threshold": 0.02, "step": 38},
                                                  "decided_by": "control_window"}),
-        EventKind.GATE: Event(45, EventKind.GATE, reason="gate at eval checkpoint: pass",
-                              evidence={"verdict": "pass", "detail": ""}),
+        EventKind.GATE: Event(40, EventKind.GATE, reason="gate at eval checkpoint: regress",
+                              evidence={"verdict": "regress", "detail": "eval loss +3%"}),
         EventKind.ROLLBACK: Event(50, EventKind.ROLLBACK, fc, dict.fromkeys(fc, "fp8_tensorwise"),
                                   dict.fromkeys(fc, "bf16"), "global signal: loss_spike", {"loss_spike": {"value": 9.0}},
                                   "mlp_fp8"),
@@ -102,6 +103,12 @@ def test_lowprec_report_draws_a_tracked_run_holding_every_kind(tmp_path, sqlite_
             tracker.log_precision(step, current, {f: sum(v == f for v in current.values()) / len(current)
                                                    for f in set(current.values())})
     assert tracker.finish("FINISHED", timeout=60)["pending"] == 0   # its own report drawn too
+    from mlflow.tracking import MlflowClient
+    tags = MlflowClient(uri).get_run(tracker.run_id).data.tags
+    # from the final state: mlp_fp8 was rolled back (no stage is promoted at the end), and the
+    # regression at step 40 was judged not precision's (nothing demoted)
+    assert tags["lowprec.stage"] == "none" and "stage now **none**" in tags["mlflow.note.content"]
+    assert tags["lowprec.gate"] == "regress (not precision: nothing demoted)"
     assert sorted(p.name for p in (tracker.files / "report").iterdir()) == PICTURES
     out = tmp_path / "pics"
     assert main(["report", tracker.run_id, "--tracking-uri", uri, "--out", str(out)]) == 0
