@@ -56,6 +56,11 @@ from lowprec.integrations.extras import require
 
 transformers = require("transformers", "hf", "Hugging Face transformers (and accelerate)")
 
+from lowprec.base.quiet import quiet_imports  # noqa: E402
+
+with quiet_imports():   # transformers' model code loads torchao (its quantizers): without the chatter
+    import transformers.modeling_utils  # noqa: E402,F401
+
 from lowprec.config import LowprecConfig  # noqa: E402
 from lowprec.integrations.core import Attach, HostedCallback, HostedRollout, allreduce_grads, framework_config  # noqa: E402
 from lowprec.integrations.state_files import (MissingRolloutStateError, differing_weights, read_rollout_state,  # noqa: E402
