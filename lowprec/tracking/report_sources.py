@@ -14,7 +14,8 @@ pictures can never disagree.
 rewind, the redone steps in the map they were redone in; the rewinds from the REWIND events
 and `train/rewound_to`, `rewinds`); the timeline and the FLOP-share panel are both drawn from
 it (`flops_share_steps`), so they cannot contradict each other. A step logged twice (after a
-rewind) keeps the later value; of its `time/` series only the later pass's points (those
+rewind) keeps the later value, and steps a rewind abandoned that the run never redid (past its
+end) are dropped (`_final_trajectory`); of its `time/` series only the later pass's points (those
 logged after the step's earlier `time/window_s`): a phase the redone window did not log
 counts as 0 there, not as the abandoned pass's seconds (`_final_pass`). A site's `output` signals
 other than `nonfinite` are never measured and not read (older runs logged them as zeros).
@@ -67,6 +68,11 @@ class ReportData:
 
     @property
     def last_step(self) -> int:
+        """The last step of the final trajectory: of the training loss where there is one (a
+        rewind's abandoned steps past the run's end are not on it), else of anything logged."""
+        loss = self.metrics.get(TRAIN_LOSS)
+        if loss:
+            return max(loss[-1][0], self.initial_step)
         steps = [s for series in self.metrics.values() for s, _ in series[-1:]] + [e.step for e in self.events]
         return max(steps, default=self.initial_step)
 
@@ -123,6 +129,35 @@ def _wanted(key: str, sites: set[str]) -> bool:
     site, role, stat = (key[len("signal/"):].rsplit("/", 2) + ["", ""])[:3]
     # a site's output is only checked for non-finite values: older runs logged zeros for the rest
     return site in sites and (role != "output" or stat == "nonfinite")
+
+
+TRAIN_LOSS, REWOUND_TO = "train/loss", "train/rewound_to"
+_REWIND_MARKS = (REWOUND_TO, "train/loss_rewound")   # logged at the step that rewound: kept
+
+
+def _final_trajectory(points: dict[str, list[tuple[int, float, float]]]) -> dict[str, dict[int, float]]:
+    """{key: [(step, timestamp, value)]} -> {key: {step: value}} along the final trajectory:
+    a rewind to step B (a `train/rewound_to` point, logged when it happened) abandons every
+    point logged before it at a step from B on; the redone steps log theirs again, and the
+    abandoned steps past the run's end are dropped. Otherwise the latest value of a step wins.
+    Timestamps order the points (the journal's line first); MLflow's are milliseconds, finer
+    than a training step, so an abandoned step's points are older than the rewind and a
+    redone step's points are not."""
+    backs = sorted((ts, int(v)) for _, ts, v in points.get(REWOUND_TO, []))
+    out: dict[str, dict[int, float]] = {}
+    for key, pts in points.items():
+        kept: dict[int, float] = {}
+        i = 0
+        for step, ts, v in sorted(pts, key=lambda p: p[1]):
+            while key not in _REWIND_MARKS and i < len(backs) and backs[i][0] <= ts:
+                kept = {k: x for k, x in kept.items() if k < backs[i][1]}
+                i += 1
+            kept[step] = v
+        while key not in _REWIND_MARKS and i < len(backs):
+            kept = {k: x for k, x in kept.items() if k < backs[i][1]}
+            i += 1
+        out[key] = kept
+    return out
 
 
 def _final_pass(timed: dict[str, list[tuple[int, float, float]]]) -> dict[str, dict[int, float]]:
@@ -234,19 +269,20 @@ def from_run_dir(run_dir: str | os.PathLike) -> ReportData:
     events = read_events(d / "events.jsonl")
     pmap = json.loads((d / "files" / "precision_map.json").read_text()) if (d / "files" / "precision_map.json").exists() else {}
     sites = set(fallback_sites(events))
-    points: dict[str, dict[int, float]] = {}
+    logged: dict[str, list[tuple[int, float, float]]] = {}
     timed: dict[str, list[tuple[int, float, float]]] = {}
     journal = d / "outbox.jsonl"
     if journal.exists():
         with open(journal) as f:
-            for line in f:
+            for n, line in enumerate(f):
                 if '"op":"metrics"' not in line:
                     continue
                 for k, v, ts, step in json.loads(line)["metrics"]:
                     if k.startswith("time/"):
                         timed.setdefault(k, []).append((int(step), float(ts), float(v)))
-                    elif _wanted(k, sites):
-                        points.setdefault(k, {})[int(step)] = float(v)  # the latest value of a step wins
+                    elif _wanted(k, sites):   # ordered by the journal's line, then its timestamp
+                        logged.setdefault(k, []).append((int(step), (n, float(ts)), float(v)))
+    points = _final_trajectory(logged)
     points.update(_final_pass(timed))
     metrics = {k: sorted(v.items()) for k, v in points.items()}
     cfg_file = d / "files" / "config.yaml"
@@ -277,7 +313,8 @@ def from_mlflow(client, run_id: str) -> ReportData:
             if key.startswith("time/"):
                 timed[key] = [(m.step, m.timestamp, m.value) for m in hist]
             else:
-                metrics[key] = sorted({m.step: m.value for m in hist}.items())
+                metrics[key] = [(m.step, m.timestamp, m.value) for m in hist]
+    metrics = {k: sorted(v.items()) for k, v in _final_trajectory(metrics).items()}
     metrics.update({k: sorted(v.items()) for k, v in _final_pass(timed).items()})
     data = ReportData(run.info.run_name or run_id, pmap.get("initial", {}), pmap.get("initial_step", 0),
                       events, metrics, metrics.get(BASELINE_LOSS, []), _thresholds(run.data.params))
