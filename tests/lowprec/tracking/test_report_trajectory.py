@@ -47,3 +47,23 @@ def test_a_rewound_run_is_drawn_to_its_last_step_not_to_the_abandoned_one(tmp_pa
         (curve,) = [ln for ln in fig.axes[0].lines if ln.get_label().startswith("candidate")]
         assert max(curve.get_xdata()) == 70
         assert {ax.get_xlim()[1] for ax in timeline_figure(data).axes[:2]} == {70}
+
+
+def test_eval_axes_carry_no_offset_under_the_verdicts_and_signal_legends_sit_beside_the_data():
+    from lowprec.tracking.report import evals_figure, signals_figure
+    from lowprec.tracking.report_sources import ReportData
+    site = "blocks.0.mlp.fc"
+    events = [Event(20, EventKind.FALLBACK, (site,), {site: "fp8_tensorwise"}, {site: "bf16"}, "saturated",
+                    {"input/saturated_frac": 0.03}, "mlp_fp8"),
+              Event(30, EventKind.GATE, reason="gate: pass", evidence={"verdict": "pass"})]
+    metrics = {"eval/heldout/word_perplexity": [(10, 1.2e7), (30, 1.1e7)], "train/loss": [(s, 3.0) for s in range(40)],
+               f"signal/{site}/input/saturated_frac": [(s, 0.001 * s) for s in range(0, 40, 5)]}
+    data = ReportData("big", dict.fromkeys(SITES, "fp8_tensorwise"), 0, events, metrics)
+    fig = evals_figure(data)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    FigureCanvasAgg(fig).draw()
+    assert fig.axes[0].yaxis.get_offset_text().get_text() == ""
+    fig = signals_figure(data)
+    FigureCanvasAgg(fig).draw()
+    ax = fig.axes[0]
+    assert ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1
