@@ -103,34 +103,10 @@ class HostedRollout:
         self._ended = False
 
     def _validate(self) -> None:
-        """Everything the config names, checked now rather than when training starts: the
-        baseline loss curve read (a losses file, or the MLflow run `rollout.baseline` names,
-        looked up in the `tracking:` store), the stages resolved against the prepared model
-        (each selects a site), the evaluator and the gate file found. A ConfigError names
-        what is wrong."""
-        from lowprec.base.parse import ConfigError
-        cfg = self.config
-        if self.baseline is None and cfg.rollout is not None and cfg.rollout.baseline is not None:
-            from lowprec.runtime.run import read_baseline
-            try:
-                self.baseline = read_baseline(cfg)
-            except (LookupError, FileNotFoundError) as e:
-                raise ConfigError("rollout.baseline", str(e).strip("'\"")) from None
-        if cfg.rollout is not None:
-            from lowprec.policy.rollout import build_controller
-            build_controller(cfg.rollout, self.state, self.model, baseline=self.baseline)
-        if cfg.eval is not None:
-            from lowprec.runtime.evals import EVALUATORS, GATE_CHECKERS, load_entry_point
-            try:
-                ev_cls = load_entry_point(EVALUATORS, cfg.eval.evaluator)
-                if hasattr(ev_cls, "check_config"):
-                    ev_cls.check_config(cfg.eval)
-                if cfg.eval.gates:
-                    load_entry_point(GATE_CHECKERS, "default")(cfg.eval.gates)
-            except ConfigError:
-                raise
-            except (LookupError, ValueError, KeyError, FileNotFoundError) as e:
-                raise ConfigError("eval", str(e).strip("'\"")) from None
+        """Everything the config names, checked now rather than when training starts
+        (`lowprec.runtime.framework_check`); the baseline curve it names is read here."""
+        from lowprec.runtime.framework_check import check_framework_config
+        self.baseline, _ = check_framework_config(self.config, self.state, self.model, self.baseline)
 
     @classmethod
     def from_yaml(cls, path: str | Path, model: nn.Module, **kwargs) -> "HostedRollout":

@@ -112,20 +112,18 @@ def _plan_framework(args, console) -> int:
     (baseline read, stages resolved against the model, evaluator and gates found)."""
     from types import SimpleNamespace
     from lowprec.config import ConfigRole, LowprecConfig
-    from lowprec.integrations.core import HostedRollout
+    from lowprec.runtime.framework_check import check_framework_config
     from lowprec.runtime.run import load_factory
+    from lowprec.sites.precision_state import prepare
     try:
         cfg = LowprecConfig.from_yaml(args.config, role=ConfigRole.FRAMEWORK)
         build = load_factory(args.model_factory, "--model-factory", [Path(args.config).resolve().parent, Path.cwd()])
         model = build()
-        hosted = HostedRollout(cfg, model)
-        controller = None
-        if cfg.rollout is not None:
-            from lowprec.policy.rollout import build_controller
-            controller = build_controller(cfg.rollout, hosted.state, model, baseline=hosted.baseline)
+        state = prepare(model, cfg.precision)
+        _, controller = check_framework_config(cfg, state, model)
     except (ConfigError, ValueError, TypeError) as e:
         return _fail(console, e)
-    console.print(_table(SimpleNamespace(state=hosted.state, model=model)))
+    console.print(_table(SimpleNamespace(state=state, model=model)))
     if controller is not None:
         console.print("\nrollout stages:")
         for st in controller.stages:
