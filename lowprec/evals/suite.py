@@ -193,6 +193,31 @@ def _random_streams_kept() -> Iterator[None]:
         torch.random.set_rng_state(states[2])
 
 
+@contextlib.contextmanager
+def _quiet_git_hash():
+    """lm-eval records the git commit of the working directory (`git describe --always`, its
+    stderr not redirected), so outside a git repository every evaluation printed git's "fatal:
+    not a git repository". For the call, lm-eval's evaluator asks git with stderr discarded
+    (the same hash where there is one); the function is put back after."""
+    import subprocess
+
+    import lm_eval.evaluator as ev
+    original = ev.get_git_commit_hash
+
+    def quiet() -> str | None:
+        try:
+            out = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=False)
+        except OSError:
+            return None
+        return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+    ev.get_git_commit_hash = quiet
+    try:
+        yield
+    finally:
+        ev.get_git_commit_hash = original
+
+
 def run_suite(suite: EvalSuite | str, forward: Callable[[Any], Any], tokenizer: Tokenizer, max_length: int,
               mode: Mode = "fast", batch_size: int = 32, device: Any = "cpu", *, model: Any = None,
               limit: int | None = None,
@@ -227,7 +252,7 @@ def run_suite(suite: EvalSuite | str, forward: Callable[[Any], Any], tokenizer: 
     wanted = {t: limit for t in suite.tasks} if limit is not None else suite.limits(mode)
     samples = None if wanted is None else {
         t: list(range(min(wanted[t], prepared.n_docs[t]))) for t in prepared.ready}
-    with _random_streams_kept(), _default_sigterm():
+    with _random_streams_kept(), _default_sigterm(), _quiet_git_hash():
         res = lm_eval.simple_evaluate(
             model=adapter, tasks=list(prepared.ready),
             task_manager=TaskManager(include_path=str(prepared.cache_dir), include_defaults=False),

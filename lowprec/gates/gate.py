@@ -296,9 +296,10 @@ class Gate:
         se_b, se_c = b.stderr_estimate(), c.stderr_estimate()
         delta = sign * (c.value - b.value)
         if se_b is None or se_c is None:
-            lacking = " and ".join(name for name, se in (("baseline", se_b), ("candidate", se_c)) if se is None)
+            lacking = " and the ".join(name for name, se in (("baseline", se_b), ("candidate", se_c)) if se is None)
+            verb = "have" if se_b is None and se_c is None else "has"
             return GateResult(Verdict.INCONCLUSIVE, delta=delta, interval=None, n=None, statistic=STDERR, **base,
-                              reason=f"{self.metric}: regression {delta:+.4g} but the {lacking} has neither a "
+                              reason=f"{self.metric}: regression {delta:+.4g} but the {lacking} {verb} neither a "
                                      f"stderr ({self.metric}_stderr) nor per-example scores, so no interval can "
                                      f"be formed; log them with the eval results.")
         interval = normal_interval(delta, se_b, se_c, self.confidence)

@@ -96,12 +96,19 @@ class HostedRollout:
         config = framework_config(config)
         self.config, self.model, self.baseline = config, model, baseline
         self.state = prepare(model, config.precision, seed=seed) if state is None else state
+        self._validate()
         self.session: Session | None = None
         self.after: AfterStep | None = None
         self.tracker = None
         self.evals = None
         self._pending: StepResult | None = None
         self._ended = False
+
+    def _validate(self) -> None:
+        """Everything the config names, checked now rather than when training starts
+        (`lowprec.runtime.framework_check`); the baseline curve it names is read here."""
+        from lowprec.runtime.framework_check import check_framework_config
+        self.baseline, _ = check_framework_config(self.config, self.state, self.model, self.baseline)
 
     @classmethod
     def from_yaml(cls, path: str | Path, model: nn.Module, **kwargs) -> "HostedRollout":

@@ -69,6 +69,17 @@ __all__ = ["Action", "Stage", "Thresholds", "ControllerConfig", "Decision", "Rol
 _FORWARD_ROLES = ("input", "weight", "output")
 
 
+# events of a window judgment that are no instability: its looks, and a verdict of not precision
+_JUDGING = (EventKind.WINDOW, EventKind.NOT_PRECISION)
+
+
+def _cleared(d: Decision) -> bool:
+    """Whether a check's events are a window judgment that cleared precision, and nothing else
+    (no rewind): the check goes on to retries and promotion."""
+    return (d.action is not Action.REWIND and all(e.kind in _JUDGING for e in d.events)
+            and any(e.kind == EventKind.NOT_PRECISION for e in d.events))
+
+
 def _bits(fmt: Format | str) -> int:
     """The format's bit width; the controller's state and decisions name formats, its ladders hold them."""
     return get_format(fmt).bits
@@ -196,6 +207,15 @@ class RolloutController(SlowSignalRules):
         the host values of the loss and the global grad norm, before `observe_step`."""
         return self.detectors.observe(step, loss, grad_norm)
 
+    def rewound(self, back: int) -> None:
+        """Training went back to step `back`: the detectors forget what the steps from it on
+        let in (their losses and grad norms are not the run's any more), and anomalies of
+        those steps that wait for a check are dropped."""
+        self.detectors.rewound(back)
+        if self.loss_gap is not None:
+            self.loss_gap.rewound(back)
+        self.pending = [(names, ev) for names, ev in self.pending if ev.get("step", -1) < back]
+
     def replay_candidates(self) -> tuple[list[str], list[list[str]]]:
         """What a replay may put in high precision: the low-precision sites in forward
         order, and the groups to try first (the promoted stages, newest first, then the
@@ -251,9 +271,12 @@ class RolloutController(SlowSignalRules):
             return
         self.streak = self.streak + 1 if step - self.last_anomaly == 1 else 1
         self.last_anomaly = step
-        d.events.append(Event(step, EventKind.SKIP_STEP, (), {}, {}, (
-            f"{a.names} persists with every site in high precision: not precision, nothing demoted"),
-            {**evidence, "streak": self.streak}))
+        accepted = (self.streak >= self.config.persist_steps and not (a.loss_is_off and self.config.rewind)
+                    and not a.nonfinite)
+        if not accepted:   # an accepted step is applied: no skip to record
+            d.events.append(Event(step, EventKind.SKIP_STEP, (), {}, {}, (
+                f"{a.names} persists with every site in high precision: not precision, nothing demoted"),
+                {**evidence, "streak": self.streak}))
         if self.streak < self.config.persist_steps:
             return
         self.streak = 0
@@ -327,8 +350,9 @@ class RolloutController(SlowSignalRules):
         suspects = [(site, crossed) for _, site, crossed in suspects]
         # 3. global signals (lowprec.policy.drift)
         self._global_rule(step, signals, blamed, suspects, d)
-        if d.events:
-            self.stable_since = step
+        if d.events and not _cleared(d):
+            if any(e.kind not in _JUDGING for e in d.events):
+                self.stable_since = step   # an instability: the schedule starts over
             return d
         # 4. retries after cooldown
         due = [s for s in self.order if s in self.retry_at and step >= self.retry_at[s]]
@@ -340,7 +364,7 @@ class RolloutController(SlowSignalRules):
         # 5. promotion
         if step - self.stable_since >= self.config.min_steps and self.promoted < len(self.stages):
             self._promote(step, d)
-        if d.events:
+        if any(e.kind not in _JUDGING for e in d.events):
             self.stable_since = step
         return d
 

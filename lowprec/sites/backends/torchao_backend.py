@@ -102,8 +102,10 @@ def require_torchao() -> None:
 
 
 def _float8():
+    from lowprec.base.quiet import quiet_imports
     require_torchao()
-    return importlib.import_module("torchao.float8")
+    with quiet_imports():   # torchao's unloadable optional extensions and pytree's deprecations: not the user's
+        return importlib.import_module("torchao.float8")
 
 
 def _why_not(fmt: Format) -> str:

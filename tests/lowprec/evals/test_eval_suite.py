@@ -132,3 +132,18 @@ def test_opt_in_tasks_without_data_are_an_error_not_a_warning(gpt, tmp_path, rec
     with pytest.raises(DataUnavailable, match="no eval data folder was given"):
         run_suite("multiple_choice", gpt, ByteTokenizer(), MAX_LEN, cache_dir=tmp_path / "cache")
     assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+
+
+def test_an_evaluation_outside_a_git_repository_prints_no_git_error(gpt, tmp_path, monkeypatch, capfd):
+    """lm-eval records the working directory's git commit; outside a repository git's "fatal: not
+    a git repository" is not printed (once per evaluation, it was), and lm-eval's function is put back."""
+    import lm_eval.evaluator as ev
+    before = ev.get_git_commit_hash
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))   # no repository above it either
+    suite = EvalSuite("tiny", ("heldout_shakespeare",), fast_limit=2)
+    capfd.readouterr()
+    run_suite(suite, gpt, ByteTokenizer(), MAX_LEN, mode="fast", bootstrap_iters=0, cache_dir=tmp_path / "cache")
+    err = capfd.readouterr().err
+    assert "not a git repository" not in err, err
+    assert ev.get_git_commit_hash is before

@@ -137,7 +137,9 @@ def test_inconclusive_cases_say_why():
     assert "1 only candidate" in r.reason
     no_se = Scores({"eval/t/m": MetricScores(1.0)})
     r = g.check(no_se, no_se)
-    assert r.verdict == Verdict.INCONCLUSIVE and "neither a stderr" in r.reason
+    assert r.verdict == Verdict.INCONCLUSIVE and "the baseline and the candidate have neither a stderr" in r.reason
+    r = g.check(Scores({"eval/t/m": MetricScores(1.0, 0.1)}), no_se)
+    assert "the candidate has neither a stderr" in r.reason
     nan = Scores({"eval/t/m": MetricScores(math.nan, 0.1)})
     ok = Scores({"eval/t/m": MetricScores(1.0, 0.1)})
     assert g.check(ok, nan).verdict == Verdict.REGRESS and g.check(nan, ok).verdict == Verdict.INCONCLUSIVE
