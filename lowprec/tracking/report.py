@@ -162,7 +162,8 @@ def signals_figure(data: ReportData):
                           3.9, 8) + "\n" + textwrap.shorten(reason_text(ev, site, data.thresholds), 60)
         ax.set_title(title, fontsize=8, loc="left")
         ax.tick_params(labelsize=7)
-        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)   # beside the data
+        # under the panel, clear of the data, and leaving the panel its width for the title
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(0.0, -0.3), ncol=3, frameon=False)
         if not keys:
             ax.text(0.5, 0.5, f"signal/{site}/... not logged", ha="center", va="center",
                     transform=ax.transAxes, fontsize=8)

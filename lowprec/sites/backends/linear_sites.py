@@ -20,7 +20,7 @@ class PrecisionLinearSites:
     """Mixed into a backend: its sites are `PrecisionLinear` (or the subclass `layer_cls`) around
     the linear layer's own parameters, running their GEMMs on this backend."""
 
-    def make_site(self, linear: nn.Module, fmt: Format | str, *, name: str, seed: int = 0, amax_group=None,
+    def make_site(self, linear: nn.Module, fmt: Format | str, *, name: str = "", seed: int = 0, amax_group=None,
                   amax_scope: AmaxScope = AmaxScope.GROUP, fused: bool = False,
                   layer_cls: type[PrecisionLinear] | None = None) -> PrecisionLinear:
         cls = layer_cls or PrecisionLinear

@@ -49,7 +49,7 @@ def test_a_rewound_run_is_drawn_to_its_last_step_not_to_the_abandoned_one(tmp_pa
         assert {ax.get_xlim()[1] for ax in timeline_figure(data).axes[:2]} == {70}
 
 
-def test_eval_axes_carry_no_offset_under_the_verdicts_and_signal_legends_sit_beside_the_data():
+def test_eval_axes_carry_no_offset_under_the_verdicts_and_signal_legends_stay_off_the_data():
     from lowprec.tracking.report import evals_figure, signals_figure
     from lowprec.tracking.report_sources import ReportData
     site = "blocks.0.mlp.fc"
@@ -66,4 +66,5 @@ def test_eval_axes_carry_no_offset_under_the_verdicts_and_signal_legends_sit_bes
     fig = signals_figure(data)
     FigureCanvasAgg(fig).draw()
     ax = fig.axes[0]
-    assert ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1
+    legend, panel = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend.y1 <= panel.y0 or legend.x0 >= panel.x1   # under the panel or beside it, never over the data
