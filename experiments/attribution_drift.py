@@ -12,6 +12,10 @@ part of its steps' batches, so a window replay meets them again:
   * `shuffle`: 10 batches whose tokens are shuffled within each sequence;
   * `repeat`: one batch repeated for 15 steps;
   * `lr_schedule`: the learning rate x5 for 20 steps (the replay uses the LRs the steps used).
+A step-tied non-precision fault, which a window trained again later does not meet (the
+window judgment's control, the same window trained again as configured, tells it apart):
+  * `step_input`: the input of one of blocks 1-3 (not block 0, where the stages' sites that
+    matter are) x1e4 on 4 fixed loop passes, whatever the batch.
 Precision drift faults (in the quantized path of one site, drawn with the seed from its
 kind's `SITES`, for as long as the site stays in low precision; t: steps since the fault
 began):
@@ -65,11 +69,14 @@ from lowprec.runtime import Session
 from lowprec.policy.verdicts import Verdict
 
 FAULT_AT, END, EVAL_EVERY, EVAL_TOL = 165, 215, 10, 0.01
-OTHER = ("input_scale", "shuffle", "repeat", "lr_schedule", "eval_shuffle")
+OTHER = ("input_scale", "shuffle", "repeat", "lr_schedule", "step_input", "eval_shuffle")
 PRECISION = ("underflow", "saturation", "slight_scale", "eval_scale")
-SEEDS = {k: list(range(2000 + 100 * i, 2000 + 100 * i + 3)) for i, k in enumerate(OTHER + PRECISION)}
+# seeds by kind, in the order the kinds were added (a new kind takes the next hundred: the others keep theirs)
+_ADDED = ("input_scale", "shuffle", "repeat", "lr_schedule", "eval_shuffle") + PRECISION + ("step_input",)
+SEEDS = {k: list(range(2000 + 100 * i, 2000 + 100 * i + 3)) for i, k in enumerate(_ADDED)}
 EVAL_OF = {"eval_scale": "slight_scale", "eval_shuffle": "shuffle"}   # an eval-gate kind and the fault it plants
-DURATION = {"input_scale": 5, "shuffle": 10, "repeat": 15, "lr_schedule": 20, "eval_shuffle": 10}
+DURATION = {"input_scale": 5, "shuffle": 10, "repeat": 15, "lr_schedule": 20, "step_input": 4, "eval_shuffle": 10}
+STEP_INPUT = 1e4   # `step_input`: the block input's factor on its fixed steps
 LOSS_GAP = {"loss_gap": 0.015, "loss_gap_smoothing": 0.5}
 # The precision faults' calibration (module docstring): the amax's exponent of 2 per step of
 # the underflow (grows) and the saturation (shrinks), the wrong scale's range (the weight's
@@ -137,6 +144,10 @@ class PlantedDrift:
             block = model.blocks[random.Random(fault.seed).randrange(len(model.blocks))]
             self.hooks.append(block.register_forward_pre_hook(
                 lambda mod, args: (args[0] * 8.0,) + args[1:] if self.now else None))
+        elif kind == "step_input":   # tied to the loop's passes, not to the batch: a later replay misses it
+            block = model.blocks[1 + random.Random(fault.seed).randrange(len(model.blocks) - 1)]
+            self.hooks.append(block.register_forward_pre_hook(
+                lambda mod, args: (args[0] * STEP_INPUT,) + args[1:] if self.fault.active(self.t) else None))
 
     def _quantize(self, module, original, kind):
         def quantize_operand(t, fmt, role, **kw):

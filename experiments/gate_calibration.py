@@ -38,9 +38,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from gates import GateSpec, Scores, check_all
-from gates.gate import HIGHER_IS_BETTER
-from gates.power import clopper_pearson
+from lowprec.gates import GateSpec, Scores, check_all
+from lowprec.gates.gate import HIGHER_IS_BETTER
+from lowprec.gates.power import clopper_pearson
 from lowprec.policy.verdicts import Verdict
 
 KINDS = ("bf16", "fp32")
@@ -64,7 +64,7 @@ def train_eval(cfg, kind: str, seed: int, out: Path, steps: int | None) -> dict:
     path = out / f"{kind}_seed{seed}.json"
     if path.is_file():
         return json.loads(path.read_text())
-    from eval_suites import ByteTokenizer, EvalSuite, run_suite
+    from lowprec.evals import ByteTokenizer, EvalSuite, run_suite
     from lowprec.runtime.run import execute, prepare_run
     t0 = time.perf_counter()
     prepared = prepare_run(kind_config(cfg, kind, seed), controller=False)
@@ -153,7 +153,7 @@ def compare(spec: GateSpec, runs: dict, pairs: list, drops) -> dict:
 
 def spread(spec: GateSpec, runs: dict, n: int, k: int, drops) -> dict:
     """Seed-aware baselines: candidate fp32_s against the k BF16 runs of seeds s+1..s+k (mod n)."""
-    from gates.gate import check_spread
+    from lowprec.gates.gate import check_spread
     scores = {key: Scores.from_eval(r["results"], r["samples"]) for key, r in runs.items()}
     out = {"alarms": {g.metric: 0 for g in spec.gates}, "any": 0, "detect": {g.metric: {d: 0 for d in drops}
                                                                               for g in spec.gates}}
@@ -183,7 +183,7 @@ FIXTURE_RUNS = (("bf16", 0), ("bf16", 1), ("bf16", 2), ("bf16", 3), ("fp32", 0),
 
 
 def export_fixture(runs: dict, path: Path) -> None:
-    """A few recorded runs, gated metrics only, rounded (tests/gates/data/calibrated_runs.json)."""
+    """A few recorded runs, gated metrics only, rounded (tests/lowprec/gates/data/calibrated_runs.json)."""
     keep = {"heldout_shakespeare": ("bits_per_byte",), "cloze_shakespeare": ("acc",), "shift_milton": ("bits_per_byte",)}
     out = {}
     for kind, seed in FIXTURE_RUNS:

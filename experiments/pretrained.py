@@ -5,10 +5,10 @@
     python -m experiments.pretrained finetune [--steps 32] [--baseline] [--config experiments/configs/smollm2_rollout.yaml]
     python -m experiments.pretrained step-time
 
-`eval` scores multiple-choice tasks (HellaSwag and BIG-bench, from ../shared/data, through
-`eval_suites`) with the same weights under each plan and prints acc and acc_norm with their
+`eval` scores multiple-choice tasks (HellaSwag and BIG-bench, from the data folder `experiments.data.SHARED`, through
+lowprec.evals) with the same weights under each plan and prints acc and acc_norm with their
 standard errors and, per task, the paired difference to BF16 (same items, candidate minus
-baseline, with its standard error and a paired-bootstrap 95% interval from `gates.stats`).
+baseline, with its standard error and a paired-bootstrap 95% interval from `lowprec.gates.stats`).
 Plans: `bf16` (the sites of smollm2_fp8.yaml with BF16-rounded GEMM operands: the baseline,
 always run), `fp8` and `nvfp4` (experiments/configs/smollm2_{fp8,nvfp4}.yaml), or a path
 to any YAML with a `precision:` section. The baseline is itself a dequantized Q4_1 model
@@ -117,7 +117,7 @@ def prepared_copy(base: torch.nn.Module, name: str, seed: int = 0):
 
 
 def paired(base: dict[str, float], cand: dict[str, float], confidence: float) -> Paired:
-    from gates.stats import paired_bootstrap_interval, paired_differences
+    from lowprec.gates.stats import paired_bootstrap_interval, paired_differences
 
     d, _ = paired_differences(base, cand, 1.0)
     n = int(d.size)
@@ -128,7 +128,7 @@ def paired(base: dict[str, float], cand: dict[str, float], confidence: float) ->
 
 def evaluate_plan(base: torch.nn.Module, tokenizer, name: str, settings: EvalSettings) -> PlanRun:
     """Run the tasks on a copy of `base` prepared with plan `name` (statistics collection off)."""
-    from eval_suites import EvalSuite, HFTokenizer, run_suite
+    from lowprec.evals import EvalSuite, HFTokenizer, run_suite
 
     model, state = prepared_copy(base, name)
     state.collect_stats(False)   # quantizer statistics are for the monitors; they cost 2-3x here
@@ -183,7 +183,7 @@ def run_eval(settings: EvalSettings, json_out: Path | None = None, *, base: torc
              tokenizer=None) -> list[PlanRun]:
     """BF16 and then each plan of `settings` on copies of `base` (loaded here when not given)."""
     smollm2.require()
-    from eval_suites import EvalSuite
+    from lowprec.evals import EvalSuite
 
     for name in settings.plans:
         plan_path(name)            # an unknown plan or task fails before the model loads
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "eval":
             tasks = args.tasks
             if tasks == ["all"]:
-                from eval_suites import get_suite
+                from lowprec.evals import get_suite
                 tasks = list(get_suite("multiple_choice").tasks)
             settings = EvalSettings(plans=tuple(args.plan or ("fp8", "nvfp4")), tasks=tuple(tasks),
                                     limit=args.limit, max_length=args.max_length, batch_size=args.batch_size)

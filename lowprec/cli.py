@@ -3,9 +3,9 @@
 The subcommands come from registrars, functions `register(subparsers)` that add one or
 more commands: the built-ins listed in `BUILTIN_REGISTRARS` (`plan` and `run` from
 lowprec.runtime.cli; `profile` from lowprec.profile.cli; `report`, `ui`, `sync` from
-lowprec.tracking.cli), then every entry point in the group `lowprec.commands` that an installed package declares. The `gates`
-package declares `gate` that way (`gate = "gates.cli:register"` in pyproject.toml), so
-lowprec never imports gates: imports flow one way, `gates -> lowprec`."""
+lowprec.tracking.cli), then every entry point in the group `lowprec.commands` that an installed package declares.
+lowprec.gates declares `gate` that way (`gate = "lowprec.gates.cli:register"` in pyproject.toml), so
+this module never imports it: imports flow one way, `lowprec.gates -> the core`."""
 
 from __future__ import annotations
 

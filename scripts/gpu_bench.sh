@@ -170,7 +170,7 @@ if "tests" in phases: need += ["pytest", "hypothesis"]
 if "linear" in phases: need += ["experiments.bench_linear"]
 if "profile" in phases: need += ["experiments.profile_linear", "experiments.bench_host"]
 if "quantize" in phases: need += ["experiments.bench_quantize"]
-if "mainjob" in phases: need += ["lowprec.cli", "gates.cli", "eval_suites", "experiments.model", "experiments.data"]
+if "mainjob" in phases: need += ["lowprec.cli", "lowprec.gates.cli", "lowprec.evals", "experiments.model", "experiments.data"]
 if "te" in phases: need += ["lowprec.sites.backends.te"]
 bad = []
 for name in need:

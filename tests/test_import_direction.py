@@ -1,8 +1,10 @@
-"""Imports flow one way: gates, eval_suites and experiments use lowprec, never the reverse.
+"""Imports flow one way: experiments use lowprec, never the reverse; inside lowprec, the core never
+imports lowprec.gates or lowprec.evals.
 
 Every .py file under lowprec/ is parsed with `ast` (nothing is imported), so an import
 inside a function counts as much as one at the top: a lazy import is still a dependency.
-lowprec finds gate, evaluator and command implementations through entry points instead.
+The core (lowprec/cli.py, the runtime) finds gate, evaluator and command implementations
+through entry points instead.
 
 The folders under lowprec/ are its layers. Each folder's `__init__` docstring says which
 other folders it may import ('May import: ...'); the tests read those rules from the
@@ -20,7 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lowprec"
 
-OUTSIDE = ("gates", "eval_suites", "experiments")  # the packages built on lowprec
+OUTSIDE = ("experiments", "gates", "eval_suites")  # built on lowprec; the last two are data folders, not packages
+PLUGINS = ("lowprec.gates", "lowprec.evals")     # reached from the core only through entry points
 TRACKING = ("mlflow", "matplotlib", "lowprec.tracking")
 
 def _module_name(path: Path) -> str:
@@ -65,12 +68,26 @@ def _violations(files: list[Path], forbidden: tuple[str, ...]) -> list[str]:
     return sorted(bad.values())
 
 
-def test_lowprec_never_imports_gates_eval_suites_or_experiments():
+def test_lowprec_never_imports_experiments_or_the_data_folders():
     files = sorted(PACKAGE.rglob("*.py"))
     assert len(files) > 20, f"found only {len(files)} files under {PACKAGE}"
     bad = _violations(files, OUTSIDE)
-    assert not bad, ("lowprec must not import the packages built on it (declare an entry point in "
-                     "pyproject.toml and look it up from lowprec instead):\n" + "\n".join(bad))
+    assert not bad, ("lowprec must not import what is built on it, nor the top-level data folders (their "
+                     "files are the package data lowprec.gates.files and lowprec.evals.texts):\n" + "\n".join(bad))
+
+
+def test_the_core_never_imports_gates_or_evals():
+    """Only lowprec.gates and lowprec.evals import themselves: the CLI and the runtime find them
+    through entry points (pyproject.toml), so the core runs and installs without them."""
+    files = [p for p in sorted(PACKAGE.rglob("*.py"))
+             if not any(p.is_relative_to(PACKAGE / plugin.split(".")[1]) for plugin in PLUGINS)]
+    assert PACKAGE / "cli.py" in files and PACKAGE / "runtime" / "evals.py" in files and len(files) > 60, len(files)
+    bad = _violations(files, PLUGINS)
+    assert not bad, ("the core must not import lowprec.gates or lowprec.evals (declare an entry point in "
+                     "pyproject.toml and look it up instead):\n" + "\n".join(bad))
+    for a, b in (PLUGINS, PLUGINS[::-1]):   # and neither imports the other
+        own = sorted((PACKAGE / a.split(".")[1]).rglob("*.py"))
+        assert own and not (cross := _violations(own, (b,))), cross
 
 
 def _may_import() -> dict[str, set[str]]:
@@ -111,7 +128,9 @@ _ALL_MODULES = {_module_name(p) for p in PACKAGE.rglob("*.py")}
 
 def test_every_folder_is_a_layer_that_imports_only_what_its_docstring_allows():
     rules = _may_import()
-    assert {"base", "numerics", "sites", "policy", "state", "tracking", "config", "runtime"} <= set(rules), sorted(rules)
+    assert {"base", "numerics", "sites", "policy", "state", "tracking", "config", "runtime", "gates", "evals"} <= set(rules), sorted(rules)
+    assert not [(a, b) for a in rules for b in rules[a] if f"lowprec.{b}" in PLUGINS and a != b], \
+        "no layer's 'May import' may name lowprec.gates or lowprec.evals"
     bad = []
     for module, edges in _graph().items():
         src = _package_of(module)

@@ -7,7 +7,9 @@ so pip takes the local CPU build), used from an empty folder of the user's own:
 - with an `eval:` section and no `gates:` key, `lowprec plan`, `lowprec run` (the default eval
   suite, the shipped in-loop gate `inloop`) and `lowprec gate --gates default` all succeed with
   no warning on stderr: gate files and eval texts come from the installed package, nothing
-  from the repository or a folder beside it.
+  from the repository or a folder beside it;
+- the wheel installs exactly one top-level package, `lowprec`, with the gate files and the
+  default suite's texts as its package data (`lowprec/gates/files`, `lowprec/evals/texts`).
 
 Slow: the environment is installed once for the module (a minute or two; pip's cache is
 reused) and each `lowprec run` is a subprocess.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 import shutil
 import subprocess
 import sys
@@ -124,6 +127,7 @@ def installed(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
                     str(src)], check=True, capture_output=True, timeout=300)
     wheel = next(dist.glob("lowprec-*.whl"))
+    _check_wheel_contents(wheel)
     venv = tmp / "venv"
     subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(venv)], check=True, timeout=300)
     py = venv / "bin" / "python"
@@ -134,13 +138,33 @@ def installed(tmp_path_factory):
     for what in (["torch==2.13.0"], [f"{wheel}[telemetry]"]):
         p = subprocess.run(pip + what, env=env, capture_output=True, text=True, timeout=1500)
         assert p.returncode == 0, f"pip install {what}: {p.stderr[-3000:]}"
-    where = subprocess.run([py, "-c", "import lowprec, gates, eval_suites; print(lowprec.__file__); "
-                            "print(gates.__file__); print(eval_suites.__file__)"],
+    where = subprocess.run([py, "-c", "import lowprec, lowprec.gates, lowprec.evals; print(lowprec.__file__); "
+                            "print(lowprec.gates.__file__); print(lowprec.evals.__file__)"],
                            cwd=tmp, env=env, capture_output=True, text=True, check=True).stdout.split()
+    for name in ("gates", "eval_suites"):   # no generic top-level names installed
+        p = subprocess.run([py, "-c", f"import {name}"], cwd=tmp, env=env, capture_output=True, text=True)
+        assert p.returncode != 0 and "ModuleNotFoundError" in p.stderr, (name, p.stderr[-500:])
     site = Path(subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True).stdout.strip())
     assert all(Path(w).is_relative_to(site) for w in where), where
     return venv / "bin" / "lowprec", env
+
+
+def _check_wheel_contents(wheel: Path) -> None:
+    """One top-level package, `lowprec`, and the shipped gate files and texts inside it."""
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        info = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
+        top_level = z.read(info).decode().split()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"lowprec"} and top_level == ["lowprec"], (tops, top_level)
+    gate_files = sorted(n for n in names if n.startswith("lowprec/gates/files/") and n.endswith(".yaml"))
+    assert gate_files == [f"lowprec/gates/files/{g}.yaml" for g in ("default", "inloop", "telemetry")], gate_files
+    texts = [n for n in names if n.startswith("lowprec/evals/texts/")]
+    for held_out in ("hamlet", "macbeth", "sonnets", "tempest"):
+        assert f"lowprec/evals/texts/shakespeare/{held_out}_gut.txt" in texts, texts
+    assert sum(n.startswith("lowprec/evals/texts/milton/") for n in texts) >= 5, texts
+    assert "lowprec/evals/texts/README.md" in texts, texts
 
 
 def _user_folder(tmp_path: Path, config: str) -> Path:

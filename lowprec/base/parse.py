@@ -37,7 +37,7 @@ import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Iterable, TypeVar
 
 
 __all__ = ["ConfigError", "parse", "check_keys", "to_data", "describe_type", "found", "read_yaml_file",
@@ -48,9 +48,10 @@ _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 
-def suggest(name: str, choices: list[str] | tuple[str, ...], n: int = 3) -> str:
-    """A ' Did you mean ...?' clause for an unknown name, or ''."""
-    close = difflib.get_close_matches(name, list(choices), n=n, cutoff=0.5)
+def suggest(name: str, choices: Iterable[str], n: int = 3, cutoff: float = 0.5) -> str:
+    """A ' Did you mean 'x', 'y'?' clause for an unknown name, or '' when nothing is close: the one
+    did-you-mean of the package (config keys, formats, backends, sites, suites, gate files)."""
+    close = difflib.get_close_matches(str(name), list(choices), n=n, cutoff=cutoff)
     return f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
 
 class ConfigError(ValueError):

@@ -2,7 +2,7 @@
 
 * `lowprec.integrations.hf`: a `transformers.TrainerCallback` (extra `lowprec[hf]`);
 * `lowprec.integrations.lightning`: a Lightning `Callback` (extra `lowprec[lightning]`);
-* `lowprec.integrations.torchtitan`: a torchtitan model converter (extra `lowprec[torchtitan]`).
+* `lowprec.integrations.torchtitan`: a torchtitan model converter and the Trainer that hosts the rollout (extra `lowprec[torchtitan]`).
 
 The framework-neutral part (the config file, the session inside a loop that someone else
 steps, eval checkpoints and tracking) is `lowprec.integrations.core`. Importing this package

@@ -86,20 +86,29 @@ class HostedRollout:
     """lowprec's plan, session, evals and tracking inside a framework's training loop."""
 
     def __init__(self, config: LowprecConfig | str | Path, model: nn.Module, *, seed: int = 0,
-                 baseline: dict[int, float] | None = None):
+                 baseline: dict[int, float] | None = None, state=None):
         """Prepares `model` now (its planned Linear layers become PrecisionLinear holding the same
         Parameters), so do this before the framework wraps the model or builds the optimizer.
-        baseline: the BF16 run's loss per step, for `rollout.thresholds.loss_gap`."""
+        baseline: the BF16 run's loss per step, for `rollout.thresholds.loss_gap`.
+        state: the PrecisionState of a model prepared already (a framework that prepares its
+        layers when it builds the model: torchtitan's converter); `model` is then not prepared again."""
         from lowprec.sites.precision_state import prepare
         config = framework_config(config)
         self.config, self.model, self.baseline = config, model, baseline
-        self.state = prepare(model, config.precision, seed=seed)
+        self.state = prepare(model, config.precision, seed=seed) if state is None else state
+        self._validate()
         self.session: Session | None = None
         self.after: AfterStep | None = None
         self.tracker = None
         self.evals = None
         self._pending: StepResult | None = None
         self._ended = False
+
+    def _validate(self) -> None:
+        """Everything the config names, checked now rather than when training starts
+        (`lowprec.runtime.framework_check`); the baseline curve it names is read here."""
+        from lowprec.runtime.framework_check import check_framework_config
+        self.baseline, _ = check_framework_config(self.config, self.state, self.model, self.baseline)
 
     @classmethod
     def from_yaml(cls, path: str | Path, model: nn.Module, **kwargs) -> "HostedRollout":
@@ -119,11 +128,15 @@ class HostedRollout:
     def start(self, optimizer: torch.optim.Optimizer, scheduler=None, *, max_grad_norm: float | None = 1.0,
               eval_forward: Callable[[torch.Tensor], torch.Tensor] | None = None, eval_tokenizer=None,
               max_length: int = 256, run_name: str = "lowprec", buffer_root: str | Path = "lowprec-runs",
-              attach: Attach | None = None, group=None) -> Session:
+              attach: Attach | None = None, group=None, clip: Callable[[], torch.Tensor] | None = None,
+              lr_probe=None) -> Session:
         """Build the controller, the session, the eval checkpoints and the tracker, when the
         framework has built its optimizer and scheduler (the unwrapped torch objects).
         eval_forward(tokens) -> logits: how `eval:` suites run the model (default: the model).
-        attach: the framework's open MLflow run to track into; None opens one (if `tracking.enabled`)."""
+        attach: the framework's open MLflow run to track into; None opens one (if `tracking.enabled`).
+        clip: the framework's own global-norm clip (returns the norm before clipping), for
+        sharded parameters; default clip_grad_norm_ over the model at `max_grad_norm`.
+        lr_probe: the LR probe (`lowprec.runtime.lrprobe.LRProbe`) when `rollout.lr_probe` is on."""
         cfg = self.config
         self.tracker = self._open_tracker(run_name, buffer_root, attach)
         if cfg.eval is not None:
@@ -136,7 +149,7 @@ class HostedRollout:
             controller = build_controller(cfg.rollout, self.state, self.model, baseline=self.baseline,
                                           gate=self.evals.gate if self.evals is not None else None)
         self.session = Session(self.model, optimizer, self.state, controller, scheduler=scheduler,
-                               max_grad_norm=max_grad_norm, group=group,
+                               max_grad_norm=max_grad_norm, group=group, clip=clip, lr_probe=lr_probe,
                                on_events=self.tracker.log_events if self.tracker is not None else None,
                                **rollout_settings(cfg.rollout))
         self.after = AfterStep(self.session, self.state, tracker=self.tracker, evals=self.evals,
@@ -181,14 +194,15 @@ class HostedRollout:
             self.session.withhold_gradients()
         return result
 
-    def after_optimizer_step(self) -> StepResult | None:
+    def after_optimizer_step(self, lr: float | None = None) -> StepResult | None:
         """After the framework's optimizer and scheduler step: rewind or go on, then what every
-        host does after a step (`lowprec.runtime.after_step`: keep, track, evaluate)."""
+        host does after a step (`lowprec.runtime.after_step`: keep, track, evaluate).
+        lr: the learning rate to log (default: the optimizer's first param group's)."""
         result, self._pending = self._pending, None
         if result is None:
             return None   # the framework stepped without a backward lowprec saw
         self.session.finish(result)
-        self.after(result, float(result.loss), self.session.optimizer.param_groups[0]["lr"])
+        self.after(result, float(result.loss), self.session.optimizer.param_groups[0]["lr"] if lr is None else lr)
         return result
 
     @property

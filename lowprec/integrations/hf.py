@@ -13,7 +13,9 @@ What the callback does at the Trainer's events (the framework-neutral part is
   `max_grad_norm` is used by lowprec's clip, which must see the norm before clipping to
   find grad-norm spikes (the Trainer's own clip is turned off for the run and restored at
   the end). With the Trainer's MLflow reporting on (`report_to` includes "mlflow"), lowprec
-  tracks into the run the Trainer opened: one run, not two.
+  tracks into the run the Trainer opened: one run, not two, in the YAML's `tracking:` store
+  and experiment (set at `on_init_end`, before the Trainer opens it). Where the run goes is
+  said on stderr when training starts.
 * every micro-batch's forward: a forward hook keeps the model's inputs and its `loss`
   (with the weight the Trainer's backward gave it, read by a gradient hook on the loss, so
   gradient accumulation and `num_items_in_batch` are replayed exactly).
@@ -42,6 +44,7 @@ FSDP and DeepSpeed under the Trainer are refused at `on_train_begin` (DDP is sup
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,11 @@ from torch import nn
 from lowprec.integrations.extras import require
 
 transformers = require("transformers", "hf", "Hugging Face transformers (and accelerate)")
+
+from lowprec.base.quiet import quiet_imports  # noqa: E402
+
+with quiet_imports():   # transformers' model code loads torchao (its quantizers): without the chatter
+    import transformers.modeling_utils  # noqa: E402,F401
 
 from lowprec.config import LowprecConfig  # noqa: E402
 from lowprec.integrations.core import Attach, HostedCallback, HostedRollout, allreduce_grads, framework_config  # noqa: E402
@@ -168,6 +176,21 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
         return replay
 
     # ------------------------------------------------------------------ Trainer events
+    def on_init_end(self, args, state, control, **kwargs):
+        """The Trainer is built, its MLflow reporting not started: with `report_to` holding
+        "mlflow", the run it opens goes to the YAML's `tracking:` store and experiment (a
+        tracking URI already set, in MLflow or its environment variable, stays when the
+        YAML names none)."""
+        tc = self.hosted.config.tracking
+        if "mlflow" not in (args.report_to or []) or not tc.enabled:
+            return
+        import mlflow
+        from mlflow.tracking._tracking_service.utils import is_tracking_uri_set
+        from lowprec.tracking.cli import default_tracking_uri
+        if tc.uri is not None or not is_tracking_uri_set():
+            mlflow.set_tracking_uri(tc.uri or default_tracking_uri())
+        mlflow.set_experiment(tc.experiment)
+
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         for name in ("fsdp", "deepspeed"):
             if getattr(args, name, None):
@@ -195,6 +218,11 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
                           eval_tokenizer=self.eval_tokenizer, max_length=self.max_length,
                           run_name=args.run_name or Path(args.output_dir).name,
                           buffer_root=Path(args.output_dir) / "lowprec", attach=attach)
+        tracker = self.hosted.tracker
+        if tracker is not None and state.is_world_process_zero:
+            whose = ", the Trainer's run" if attach is not None else ""
+            print(f"lowprec: tracking into MLflow run {tracker.run_id} (experiment {tracker.experiment!r}{whose}) "
+                  f"at {tracker.tracking_uri}", file=sys.stderr)
         if saved is not None:
             try:
                 self.hosted.load_state_dict(saved)

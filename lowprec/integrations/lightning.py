@@ -42,7 +42,7 @@ micro-batches per step):
 Under DDP a replay runs the LightningModule itself (not the DDP wrapper) and averages the
 gradients with `allreduce_grads`. (Lightning's SIGTERM handler logs and carries on; lm-eval
 forks a bootstrap pool that it ends with SIGTERM, so the `eval:` suites run with the default
-handler and put Lightning's back after: `eval_suites.suite`.)
+handler and put Lightning's back after: `lowprec.evals.suite`.)
 
 What Lightning does not allow, said plainly: `trainer.global_step` never goes back, so a
 rewind of N steps leaves the run N optimizer steps short of `max_steps` in lowprec's count

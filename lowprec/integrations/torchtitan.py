@@ -1,63 +1,62 @@
-"""lowprec as a torchtitan model converter: staged low-precision rollout under `torchtitan.train`.
+"""lowprec in torchtitan: a model converter that prepares the layers and a Trainer that hosts the rollout.
 
 For torchtitan 0.3 (`torchtitan>=0.3,<0.4`). A torchtitan 0.3 job is a Python function that
 returns a `Trainer.Config` (a "config registry" module, `--module my_configs --config fn`); its
 model comes from a model's `model_registry(flavor, converters=[...])`, which applies the
-converters to the model's *config tree* before the model is built. lowprec plugs in there,
-as torchtitan's own float8 converter does, and adds a post-optimizer-build function:
+converters to the model's *config tree* before the model is built. lowprec takes part twice:
 
     from torchtitan.models.llama3 import model_registry
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
-    from lowprec.integrations.torchtitan import LowprecConverter, with_rollout
+    from lowprec.integrations.torchtitan import LowprecConverter, lowprec_trainer
 
     def llama3_debugmodel_lowprec():
         config = llama3_debugmodel()
-        config.model_spec = with_rollout(model_registry(
-            "debugmodel", converters=[LowprecConverter.Config(config="precision.yaml")]))
-        return config
+        config.model_spec = model_registry("debugmodel", converters=[LowprecConverter.Config(config="lowprec.yaml")])
+        return lowprec_trainer(config)     # torchtitan.train then builds a LowprecTrainer
 
-What each part does (torchtitan's protocol: `ModelConfigConverter.convert(model_config)`
-and `ModelSpec.post_optimizer_build_fn(optimizers, model_parts, parallel_dims)`):
-
-* `LowprecConverter(config)` reads and validates the YAML file (`precision:` and optional
-  `rollout:`; a `ConfigError` names the key, what was found and the fix) and refuses what the
-  protocol cannot carry (below), so a job fails at start, not after hours.
+* `LowprecConverter(config)` reads and validates the YAML file (a `lowprec run` config
+  without `model:`, `data:` and `train:`: `precision:`, `rollout:`, `eval:`, `tracking:`; a
+  `ConfigError` names the key, the file, what was found and the fix) when torchtitan reads the job.
 * `convert(model_config)` wraps the root model config: the model class becomes a subclass
   whose constructor builds the model as before and then runs `lowprec.prepare(model, plan)`,
   so the planned linear layers become `TitanPrecisionLinear`s (a `PrecisionLinear` that is a
-  torchtitan `Module`, holding the same Parameters and their `param_init`). The plan's
-  selectors need the built modules (types, parents, block indices), so the swap happens at
-  build, on the meta device; `to_empty` + `init_weights` materialize and initialize the layers.
-* `with_rollout(model_spec)` sets the spec's `post_optimizer_build_fn` (after the model's own,
-  if it has one): it registers the rollout on torchtitan's optimizers as a step post-hook, so
-  after every `optimizer.step()` lowprec keeps the step's quantizer statistics (on check
-  steps) and on every `check_every`-th step the controller decides: stage promotions after
-  `min_steps` stable steps, fallbacks by the statistics rules (a site's saturated or flushed
-  fraction or SQNR across its thresholds for `site_patience` checks; NaN/Inf in a site's
-  forward operands), cooldown retries and quarantine. Without it a rollout never decides:
-  the model's first forward then stops the job and says how to add it.
+  torchtitan `Module`, holding the same Parameters, their `param_init` and sharding config;
+  with the `torchao` backend, its own site class with torchtitan's `Module` mixed in).
+  The plan's selectors need the built modules, so the swap happens at build, on the meta
+  device, before torchtitan's parallelisms; `to_empty` + `init_weights` initialize the layers.
+* `lowprec_trainer(config)` makes the job's `Trainer.Config` a `LowprecTrainer.Config`:
+  `LowprecTrainer` (`lowprec.integrations.torchtitan_trainer`) is torchtitan's `Trainer`
+  with `lowprec.integrations.core.HostedRollout` driven from it, as the HF and Lightning
+  callbacks drive it: the loss of every micro-batch (its loss function wrapped), the grad
+  norm where torchtitan computes it, skips (the step withheld from the optimizers in their
+  step pre-hook), replay attribution, rewinds from in-memory snapshots of each rank's shards,
+  the LR probe, eval checkpoints and the gate, MLflow tracking from rank 0, and the rollout's
+  state in torchtitan's checkpoints. Its docstring says how each is done.
 
-What the protocol cannot support, and why. A converter sees the model config, lowprec's
-layers see the forwards, the hook sees the end of each optimizer step; none sees the loss,
-the grad norm (computed and clipped inside `Trainer.train_step`) or a closure that redoes the
-step, and none has a say over `optimizer.step()`. So:
+A model built with the converter but trained by torchtitan's plain `Trainer` stops at its
+first forward with an error that says to use `lowprec_trainer` (it would otherwise train
+without ever deciding).
 
-* no skip: a step with NaN/Inf or a spike is applied by torchtitan before the hook runs;
-* no rewind (`rollout.rewind.enabled: true` is refused): it needs the loop and the data loader;
-* no replay attribution (`rollout.attribution` has no effect): it needs the step's closure;
-* no loss or grad-norm anomaly detection, no loss gap (`thresholds.loss_gap` and `baseline`
-  are refused); a NaN still falls back the site whose own operands went non-finite;
-* no LR probe (`rollout.lr_probe.enabled: true` is refused): no held batch, no forward-only loss;
-* only the `emulated` and `torch` backends (`te` and `torchao` are refused): their layers are
-  not torchtitan Modules, which torchtitan's `init_weights` and protocol check need;
-* no pipeline parallelism (refused when the optimizers are built): the stages split the model
-  after the build, and one rank's rollout would name layers it does not hold;
-* no LoRA converter (refused at build): lowprec would replace the LoRA layers, adapters and all;
-* the rollout's state is not in torchtitan's checkpoints: a resumed job starts again from the
-  plan's formats.
+What is refused, and why (each reason is torchtitan's):
 
-No global state: each built model holds its own `TitanRollout` (`rollout_of(model)`): its
-PrecisionState, controller, monitor, events and step.
+* the `te` backend: Transformer Engine's layers need CUDA (its modules cannot be built on
+  the meta device torchtitan builds models on and initialized through torchtitan's
+  `init_weights`, which only its own `Module`s carry);
+* the `torchao` backend under tensor parallelism (it runs under FSDP / HSDP: its sites get
+  torchtitan's `Module` mixed in, as torchtitan's float8 converter does with torchao's
+  layer): torchao's `Float8Linear` runs on TP shards only through torchao's float8 TP
+  styles, which torchtitan's parallelize applies to its own float8 converter's layers;
+  refused when the trainer is built;
+* pipeline parallelism: torchtitan's pipeline schedule computes the loss on the last stage
+  only (the other stages' `forward_backward_step` returns -1), runs forward and backward of
+  every micro-batch inside one `schedule.step`, and splits the model after it was built, so
+  the step's loss, a replay and the sites a rank holds are not where the rollout reads them;
+  refused when the trainer is built;
+* LoRA's converter together with lowprec's: lowprec would replace the LoRA layers, adapters
+  and all (refused when the model is built).
+
+No global state: each built model holds its own `Prepared` (`prepared_of(model)`): the
+checked config and the PrecisionState.
 """
 
 # no `from __future__ import annotations`: torchtitan (tyro) resolves the config dataclasses' field types
@@ -83,53 +82,50 @@ from torchtitan.tools.logging import logger  # noqa: E402
 
 from lowprec.base.parse import ConfigError  # noqa: E402
 from lowprec.config import ConfigRole, LowprecConfig  # noqa: E402
-from lowprec.policy.decisions import apply_decision  # noqa: E402
-from lowprec.policy.events import Event, EventLog  # noqa: E402
-from lowprec.policy.monitor import Monitor  # noqa: E402
-from lowprec.policy.rollout import RolloutConfig, build_controller  # noqa: E402
+from lowprec.integrations.core import framework_config  # noqa: E402
+from lowprec.integrations.torchtitan_trainer import (PREPARED_ATTR, LowprecTrainer, Prepared,  # noqa: E402
+                                                     lowprec_trainer, prepared_of)
 from lowprec.sites.backends import BackendName  # noqa: E402
 from lowprec.sites.layers import PrecisionLinear  # noqa: E402
-from lowprec.sites.plan import PrecisionPlan  # noqa: E402
-from lowprec.sites.precision_state import prepare  # noqa: E402
+from lowprec.sites.precision_state import PrecisionState, prepare  # noqa: E402
 
-__all__ = ["LowprecConverter", "TitanPrecisionLinear", "TitanRollout", "load_config",
-           "post_optimizer_build_fn", "rollout_of", "with_rollout"]
-
-_ATTR = "_lowprec_rollout"   # the built model's attribute holding its TitanRollout
-
+__all__ = ["LowprecConverter", "LowprecTrainer", "Prepared", "TitanPrecisionLinear", "load_config",
+           "lowprec_trainer", "prepared_of"]
 
 def _refuse(path: str, found, why: str, fix: str) -> ConfigError:
-    return ConfigError(path, f"is {found!r}; under torchtitan's model converter {why}. Fix: {fix}")
+    return ConfigError(path, f"is {found!r}; under torchtitan {why}. Fix: {fix}")
 
 
-def load_config(path: str | Path) -> tuple[PrecisionPlan, RolloutConfig | None]:
-    """The plan and the rollout of a lowprec YAML file, checked against what a torchtitan
-    converter can do (see the module docstring). Raises ConfigError."""
+def load_config(path: str | Path) -> LowprecConfig:
+    """The lowprec config of a torchtitan job (role FRAMEWORK), checked against what torchtitan
+    allows (see the module docstring). Raises ConfigError."""
     if not str(path):
         raise ConfigError("LowprecConverter.Config.config", "is empty; name the lowprec YAML file (a "
-                          "`precision:` section and optionally `rollout:`), e.g. "
-                          "LowprecConverter.Config(config=\"precision.yaml\")")
-    cfg = LowprecConfig.from_yaml(path, role=ConfigRole.SESSION)
-    plan, rollout = cfg.precision, cfg.rollout
-    if BackendName(plan.backend) in (BackendName.TE, BackendName.TORCHAO):
-        raise _refuse("precision.backend", str(plan.backend), "layers must be torchtitan Modules (its "
-                      "init_weights initializes only those) and this backend makes its own", "use "
-                      "`backend: emulated` or `backend: torch`")
-    if rollout is not None:
-        if rollout.rewind.enabled:
-            raise _refuse("rollout.rewind.enabled", True, "the training loop and its data loader are "
-                          "torchtitan's: a converter cannot restore model, optimizer and scheduler",
-                          "set `rewind: false` (fallbacks still happen at check steps)")
-        if rollout.lr_probe.enabled:
-            raise _refuse("rollout.lr_probe.enabled", True, "there is no held batch and no forward-only loss "
-                          "to probe with", "set `lr_probe: false`")
-        if rollout.thresholds.loss_gap is not None:
-            raise _refuse("rollout.thresholds.loss_gap", rollout.thresholds.loss_gap, "the loss never reaches "
-                          "the converter", "remove `loss_gap` (null)")
-        if rollout.baseline is not None:
-            raise _refuse("rollout.baseline", "set", "the loss never reaches the converter, so there is "
-                          "nothing to compare with a baseline", "remove `baseline`")
-    return plan, rollout
+                          "`precision:` section and optionally `rollout:`, `eval:`, `tracking:`), e.g. "
+                          "LowprecConverter.Config(config=\"lowprec.yaml\")")
+    cfg = _framework_config_with_probe(path)
+    backend = BackendName(cfg.precision.backend)
+    if backend is BackendName.TE:
+        raise _refuse("precision.backend", str(backend), "Transformer Engine's layers need CUDA and are not "
+                      "torchtitan Modules, which torchtitan builds on the meta device and initializes through "
+                      "its init_weights", "use `backend: torch` (FP8 GEMMs by torch._scaled_mm) or `emulated`")
+    return cfg
+
+
+def _framework_config_with_probe(path: str | Path) -> LowprecConfig:
+    """The file as a framework's config, `rollout.lr_probe` included: the HF and Lightning hosts
+    have no held batch and refuse the probe; LowprecTrainer takes torchtitan's validation data's."""
+    from lowprec.base.parse import read_yaml_file
+    from lowprec.policy.rollout import parse_rollout
+    doc = read_yaml_file(path, "a mapping with sections precision, rollout, eval, tracking")
+    rollout = doc.get("rollout")
+    probe = isinstance(rollout, dict) and rollout.get("lr_probe") not in (None, False) and not (
+        isinstance(rollout.get("lr_probe"), dict) and rollout["lr_probe"].get("enabled") is False)
+    if not probe:
+        return framework_config(path)
+    without = {**doc, "rollout": {**rollout, "lr_probe": False}}
+    cfg = LowprecConfig.from_dict(without, source=str(path), role=ConfigRole.FRAMEWORK)
+    return dataclasses.replace(cfg, rollout=parse_rollout(rollout, "rollout"))
 
 
 class TitanPrecisionLinear(PrecisionLinear, Module):
@@ -145,12 +141,11 @@ class TitanPrecisionLinear(PrecisionLinear, Module):
 
 
 @dataclass(frozen=True)
-class _Setup:
+class Setup:
     """What the converter hands the model it wraps: the checked config, read once."""
 
     source: str
-    plan: PrecisionPlan
-    rollout: RolloutConfig | None
+    config: LowprecConfig
     seed: int
     event_log: str
 
@@ -161,23 +156,23 @@ class LowprecConverter(ModelConfigConverter):
     @dataclass(kw_only=True, slots=True)
     class Config(ModelConfigConverter.Config):
         config: str = ""
-        """Path of the lowprec YAML file: a `precision:` section and an optional `rollout:` one."""
+        """Path of the lowprec YAML file: `precision:`, and optionally `rollout:`, `eval:`, `tracking:`."""
 
         seed: int = 0
         """Base seed of every site's stochastic-rounding generator and Hadamard signs."""
 
         event_log: str = ""
-        """A JSONL file the rollout's events (promotions, fallbacks, retries) are appended to; "" for none."""
+        """A JSONL file rank 0 appends the rollout's events (promotions, fallbacks, retries) to; "" for none."""
 
     def __init__(self, config: Config):
         self.config = config
         try:
-            plan, rollout = load_config(config.config)
+            cfg = load_config(config.config)
         except ConfigError as e:   # say which file the key is in
             where = e.path if e.path.startswith(("LowprecConverter.", str(config.config))) else \
                 f"{e.path} (in {config.config})"
             raise type(e)(where, e.message) from None
-        self.setup = _Setup(str(config.config), plan, rollout, config.seed, config.event_log)
+        self.setup = Setup(str(config.config), cfg, config.seed, config.event_log)
 
     def convert(self, model_config: Module.Config) -> Module.Config:
         """The same model config, its model class made one that prepares itself after building."""
@@ -191,6 +186,13 @@ class LowprecConverter(ModelConfigConverter):
         values = {f.name: getattr(model_config, f.name) for f in dataclasses.fields(model_config) if f.init}
         logger.info(f"lowprec: {base.__name__} will prepare its linear layers by {self.setup.source}")
         return cls.Config(**values, _lowprec=self.setup)
+
+
+def _not_hosted(module, args) -> None:
+    if getattr(module, PREPARED_ATTR).hosted is None:
+        raise RuntimeError("lowprec: the model trains but no LowprecTrainer hosts its rollout, so it would never "
+                           "decide. Fix: return lowprec_trainer(config) from the job's config function "
+                           "(lowprec.integrations.torchtitan)")
 
 
 def _lowprec_model_class(base: type) -> type:
@@ -208,130 +210,40 @@ def _lowprec_model_class(base: type) -> type:
                 raise ConfigError("converters", f"hold a LoRA converter (LoRA layers {lora[:3]}); lowprec "
                                   "would replace the LoRA layers, adapters and all. Fix: drop LoRAConverter "
                                   "or LowprecConverter")
-            setattr(self, _ATTR, TitanRollout(config._lowprec, self))
+            setup = config._lowprec
+            state = _prepare(self, setup)
+            setattr(self, PREPARED_ATTR, Prepared(setup, state))
+            self._lowprec_guard = self.register_forward_pre_hook(_not_hosted)
+            logger.info(f"lowprec: {len(state.sites)} precision sites {_summary(state)}")
 
     LowprecModel.__name__ = LowprecModel.__qualname__ = f"Lowprec{base.__name__}"
     return LowprecModel
 
 
-def rollout_of(model: nn.Module) -> "TitanRollout":
-    """The TitanRollout of a model built with LowprecConverter."""
-    r = getattr(model, _ATTR, None)
-    if r is None:
-        raise ValueError(f"{type(model).__name__} was not built with LowprecConverter; add "
-                         "LowprecConverter.Config(config=...) to model_registry(..., converters=[...])")
-    return r
+def _prepare(model: nn.Module, setup: Setup) -> PrecisionState:
+    """lowprec's prepare on a torchtitan model, every new layer a torchtitan Module that keeps the
+    replaced layer's `param_init` and sharding config (the torchao backend's own site class gets
+    torchtitan's Module mixed in, as torchtitan's float8 converter does with torchao's layer)."""
+    plan = setup.config.precision
+    if BackendName(plan.backend) is not BackendName.TORCHAO:
+        return prepare(model, plan, seed=setup.seed, layer_cls=TitanPrecisionLinear)
+    kept = {n: (getattr(m, "_param_init", None), getattr(m, "_sharding_config", None))
+            for n, m in model.named_modules()}
+    state = prepare(model, plan, seed=setup.seed)
+    for fqn, site in state.sites.items():
+        cls = type(site.module)
+        site.module.__class__ = _TITAN_CLASSES.setdefault(cls, type(f"Titan{cls.__name__}", (cls, Module), {}))
+        site.module._param_init, site.module._sharding_config = kept[fqn]
+    return state
 
 
-def post_optimizer_build_fn(optimizers, model_parts: list[nn.Module], parallel_dims) -> None:
-    """torchtitan's post-optimizer-build function: conclude each step with lowprec's rollout."""
-    if parallel_dims is not None and getattr(parallel_dims, "pp_enabled", False):
-        raise _refuse("parallelism.pipeline_parallel_degree", parallel_dims.pp, "pipeline stages split the "
-                      "model after it was built, and a rank's rollout would name layers it does not hold",
-                      "run lowprec without pipeline parallelism (degree 1)")
-    rollouts = [getattr(m, _ATTR) for m in model_parts if hasattr(m, _ATTR)]
-    if not rollouts:
-        raise ValueError("with_rollout's post_optimizer_build_fn found no model built with LowprecConverter; "
-                         "add LowprecConverter.Config(config=...) to model_registry(..., converters=[...])")
-    for r in rollouts:
-        r.attach(optimizers)
+_TITAN_CLASSES: dict[type, type] = {}   # a backend's site class -> the same with torchtitan's Module mixed in
 
 
-def with_rollout(model_spec):
-    """`model_spec` whose post_optimizer_build_fn also registers lowprec's rollout (after the
-    model's own function, e.g. MoE load balancing)."""
-    own = model_spec.post_optimizer_build_fn
-
-    def build_fn(optimizers, model_parts, parallel_dims):
-        if own is not None:
-            own(optimizers, model_parts, parallel_dims)
-        post_optimizer_build_fn(optimizers, model_parts, parallel_dims)
-
-    return dataclasses.replace(model_spec, post_optimizer_build_fn=build_fn)
+def _summary(state: PrecisionState) -> str:
+    counts: dict[str, int] = {}
+    for fmt in state.formats().values():
+        counts[fmt] = counts.get(fmt, 0) + 1
+    return "(" + ", ".join(f"{n} in {f}" for f, n in sorted(counts.items())) + ")"
 
 
-class TitanRollout:
-    """The rollout of one built model: its sites, controller and monitor; decides after each
-    optimizer step (`after_optimizer_step`)."""
-
-    def __init__(self, setup: _Setup, model: nn.Module):
-        self.plan, self.rollout = setup.plan, setup.rollout
-        self.log = EventLog(setup.event_log) if setup.event_log else None
-        self.state = prepare(model, setup.plan, seed=setup.seed, layer_cls=TitanPrecisionLinear)
-        self.controller = None
-        self.monitor: Monitor | None = None
-        self.events: list[Event] = []
-        self.step = 0                     # the training step the next after_optimizer_step concludes
-        self.attached = False
-        self._hook = None
-        if self.rollout is None:
-            self.state.collect_stats(False)   # the plan as it is: nothing reads statistics
-        else:
-            self.controller = build_controller(self.rollout, self.state, model)
-            # the monitor's buffers live on the weights' device, which a meta model does not have
-            # yet: it is built at the first forward (or the first step, whichever comes first)
-            self._hook = model.register_forward_pre_hook(lambda *_: self._start())
-            mc = self.rollout.monitor_config()
-            self.state.collect_stats(mc.stats_every_step or mc.check_every == 1)   # is step 0 a check step?
-        logger.info(f"lowprec: {len(self.state.sites)} precision sites {self._summary()}"
-                    f"{'' if self.rollout is None else f', {len(self.rollout.stages)} rollout stage(s)'}")
-
-    def attach(self, optimizers) -> None:
-        """Conclude every step of `optimizers` (torchtitan's OptimizersContainer or a torch optimizer)."""
-        if self.attached:
-            raise RuntimeError("lowprec: the rollout is already attached to an optimizer")
-        optimizers.register_step_post_hook(lambda *a, **k: self.after_optimizer_step())
-        self.attached = True
-
-    def after_optimizer_step(self) -> None:
-        """Conclude one training step: keep the statistics, and on a check step let the
-        controller decide; changes apply from the next step."""
-        if self.controller is None:
-            self.step += 1
-            return
-        self._start()
-        mon, s = self.monitor, self.step
-        mon.record_statistics(s)
-        if mon.is_check_step(s):
-            decision = self.controller.observe_step(s, None, mon.check(s))
-            if decision.changes:
-                apply_decision(self.state, decision)
-            if decision.events:
-                self.events += decision.events
-                if self.log is not None:
-                    self.log.append(decision.events)
-                for e in decision.events:
-                    logger.info(f"lowprec: {e.summary()}")
-        self.step = s + 1
-        mon.before_step(self.step)   # statistics on for the next step if it is a check step
-
-    def _start(self) -> None:
-        """Build the monitor once the weights are materialized (not on the meta device)."""
-        if self.monitor is not None:
-            return
-        if not self.attached:
-            raise RuntimeError("lowprec: the model trains but its rollout was never attached to the optimizers, "
-                               "so it would never decide. Fix: config.model_spec = with_rollout(model_registry("
-                               "..., converters=[LowprecConverter.Config(...)])) (lowprec.integrations.torchtitan)")
-        if any(s.module.weight.is_meta for s in self.state.sites.values()):
-            raise RuntimeError("lowprec: the model's weights are still on the meta device at its first forward; "
-                               "materialize it (to_empty + init_weights) before training")
-        self.monitor = Monitor(self.state, self.rollout.monitor_config())
-        self.monitor.before_step(self.step)
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-
-    def _summary(self) -> str:
-        counts: dict[str, int] = {}
-        for fmt in self.state.formats().values():
-            counts[fmt] = counts.get(fmt, 0) + 1
-        return "(" + ", ".join(f"{n} in {f}" for f, n in sorted(counts.items())) + ")"
-
-    def close(self) -> None:
-        """Remove the monitor's hooks (the model keeps its precision layers)."""
-        if self.monitor is not None:
-            self.monitor.close()
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None

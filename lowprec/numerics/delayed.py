@@ -5,7 +5,8 @@ A delayed-scaling operand is quantized with a scale computed from the amaxes of
 maximum of the history or its most recent entry. The current amax is recorded after
 use. Everything stays on the device: no host sync per step.
 
-Two deliberate differences from Transformer Engine (see FACTS.md and TE issue #982):
+Two deliberate differences from Transformer Engine (NVIDIA/TransformerEngine issue #982: a layer
+switched back to FP8 under delayed scaling reuses its stale scale and amax history there):
 a history is reset, not reused, when a site is promoted again (a stale history from
 before a fallback would scale the new format with numbers from another regime), and
 the state is plain tensors (`state_dict()` loads with `weights_only=True`).

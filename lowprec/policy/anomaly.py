@@ -110,14 +110,19 @@ class StepDetectors:
         if kinds:
             return Anomaly(step, kinds, loss, grad_norm, evidence)
         for _, det, value in self._checks(loss, grad_norm):
-            det.update(value)
+            det.update(value, step)
         return None
+
+    def rewound(self, back: int) -> None:
+        """Training went back to step `back`: forget the values of the steps from it on."""
+        for _, det, _ in self._checks(0.0, 0.0):
+            det.rewound(back)
 
     def accept_level(self) -> None:
         """Forget the spike histories (after a persistent change of level that nothing could
         undo: the new level is the normal one from now on)."""
-        self.loss_spike.values.clear()
-        self.grad_spike.values.clear()
+        self.loss_spike.clear()
+        self.grad_spike.clear()
 
     def state_dict(self) -> dict:
         return {"loss_spike": self.loss_spike.state_dict(), "grad_spike": self.grad_spike.state_dict(),

@@ -26,7 +26,8 @@ anomalous step to replay: `judge_window` asks the same question of a window of s
 its docstring). The window's losses as trained are compared with the same steps' losses
 with sites in high precision, first on the current weights (a forward per batch: the
 cheap first look), then, when that does not decide, by training the window again from
-the last snapshot.
+the last snapshot, in high precision and as configured (the control: a fault tied to the
+window's steps does not recur in a retrain, whatever its precision).
 
 This module is pure logic: `replay(sites) -> Replay` (and the window's `look` and
 `retrain`) are the caller's (a `Session` runs the model), so its tests need no model.
@@ -36,9 +37,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable, Sequence
 
-__all__ = ["Replay", "Attribution", "attribute", "WindowLook", "WindowDeferred", "WindowAttribution",
+__all__ = ["Replay", "Attribution", "attribute", "WindowLook", "WindowDecision", "WindowDeferred", "WindowAttribution",
            "judge_window"]
 
 
@@ -121,6 +123,17 @@ def attribute(candidates: Sequence[str], groups: Sequence[Sequence[str]],
 
 # ---------------------------------------------------------------------------- slow signals
 NARROW = 0.5   # a narrowed-down set must close this fraction of what every candidate closed
+class WindowDecision(str, Enum):
+    """What decided a window's judgment."""
+
+    FIRST_LOOK = "first_look"        # the current weights, as configured against high precision
+    CONTROL = "control_window"       # the window trained again as configured closed the gap too
+    WINDOW_REPLAY = "window_replay"  # the window trained again with sites in high precision
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class WindowLook:
     """The window's tail losses with `high_precision` sites in high precision: on the current
@@ -161,10 +174,13 @@ class WindowAttribution:
     configured: tuple[float, ...]          # the tail's losses as trained
     baseline: tuple[float, ...]            # the baseline's at those steps
     looks: tuple[WindowLook, ...]
-    decided_by: str                        # "first_look" or "window_replay"
+    decided_by: "WindowDecision"
     seconds: float = 0.0
     retrained_steps: int = 0
     forwards: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decided_by", WindowDecision(self.decided_by))
 
     @property
     def windows(self) -> int:
@@ -172,7 +188,7 @@ class WindowAttribution:
 
     @property
     def evidence(self) -> dict:
-        return {"precision_to_blame": self.precision_to_blame, "decided_by": self.decided_by,
+        return {"precision_to_blame": self.precision_to_blame, "decided_by": self.decided_by.value,
                 "window": list(self.steps), "tail_steps": list(self.tail), "losses_as_trained": list(self.configured),
                 "losses_baseline": list(self.baseline), "looks": [x.to_evidence() for x in self.looks],
                 "window_replays": self.windows, "retrained_steps": self.retrained_steps,
@@ -204,13 +220,18 @@ def judge_window(candidates: Sequence[str], groups: Sequence[Sequence[str]], *,
     numerics of the forward now (a scale, a saturation) and the first look alone decides,
     narrowed down (by `attribute`, at most `max_looks` looks) on the current weights. When
     it does not, the weights may have been damaged during the window (gradients flushed to
-    zero look the same both ways on the weights they left), so the window is trained again:
-    every candidate in high precision, then the groups (stages, newest first), then halving,
-    at most `max_windows` windows. A window that does not close the gap with every
-    candidate in high precision: precision is not to blame. While narrowing down (first look
-    or window), a set is clean only when it also closes at least NARROW (half) of what every
-    candidate closed: with a gap of 1-2%, retraining noise and the share of the gap another
-    stage's coarser format causes (NVFP4 against the BF16 baseline) close 30% on their own."""
+    zero look the same both ways on the weights they left), so the window is trained again
+    with every candidate in high precision. When that does not close the gap, precision is
+    not to blame. When it does, the same window is trained again as configured (the
+    control): a fault tied to the window's steps (a bad batch, a corrupted input) does not
+    recur in a retrain, so a retrain closes the gap whatever its precision. Precision is to
+    blame only when the control does not close the gap and every candidate in high precision
+    closes it measured from the control's losses; the groups (stages, newest first), then
+    halving, narrow it down, at most `max_windows` windows in high precision (the control is
+    one more). While narrowing down (first look or window), a set is clean only when it also
+    closes at least NARROW (half) of what every candidate closed: with a gap of 1-2%,
+    retraining noise and the share of the gap another stage's coarser format causes (NVFP4
+    against the BF16 baseline) close 30% on their own."""
     import time
     t0 = time.perf_counter()
     cands = list(dict.fromkeys(candidates))
@@ -224,13 +245,13 @@ def judge_window(candidates: Sequence[str], groups: Sequence[Sequence[str]], *,
         v = (reference - _mean(losses)) / gap
         return v if math.isfinite(v) else 0.0
 
-    def done(blame: bool, blamed: Sequence[str], by: str) -> WindowAttribution:
+    def done(blame: bool, blamed: Sequence[str], by: WindowDecision) -> WindowAttribution:
         return WindowAttribution(blame, tuple(blamed), steps, tuple(tail), tuple(configured), tuple(baseline),
                                  tuple(looks), by, time.perf_counter() - t0,
                                  counts["retrained"] * (steps[1] - steps[0] + 1), counts["forwards"])
 
     if not cands:
-        return done(False, (), "first_look")
+        return done(False, (), WindowDecision.FIRST_LOOK)
     as_is = list(look(()))
     counts["forwards"] += len(as_is)
     reference = _mean(as_is)
@@ -252,15 +273,33 @@ def judge_window(candidates: Sequence[str], groups: Sequence[Sequence[str]], *,
 
     found = attribute(cands, groups, first, max_looks)
     if found.precision_to_blame:
-        return done(True, found.blamed, "first_look")
+        return done(True, found.blamed, WindowDecision.FIRST_LOOK)
 
-    def window(sites: tuple[str, ...]) -> Replay:
+    def retrained(sites: tuple[str, ...], reference: float) -> WindowLook:
         losses = list(retrain(sites))
         counts["retrained"] += 1
-        c = closed_by(losses, _mean(configured))
-        need = needed([x for x in looks if x.retrained])
-        looks.append(WindowLook(sites, tuple(losses), c, True))
-        return Replay(sites, _mean(losses), c, c < need)
+        looks.append(WindowLook(sites, tuple(losses), closed_by(losses, reference), True))
+        return looks[-1]
+
+    every = retrained(tuple(cands), _mean(configured))
+    if every.closed < close:
+        return done(False, (), WindowDecision.WINDOW_REPLAY)
+    # the control: the same window trained again as configured. When it closes the gap too,
+    # the fault did not recur (a bad batch, a step-tied fault): not precision's
+    control = retrained((), _mean(configured))
+    if control.closed >= close:
+        return done(False, (), WindowDecision.CONTROL)
+    reference = _mean(control.losses)
+    every_closed = closed_by(every.losses, reference)
+    if every_closed < close:
+        return done(False, (), WindowDecision.CONTROL)
+
+    def window(sites: tuple[str, ...]) -> Replay:
+        if sites == every.high_precision:      # trained already: measured against the control
+            return Replay(sites, _mean(every.losses), every_closed, False)
+        look = retrained(sites, reference)
+        need = max(close, NARROW * every_closed)
+        return Replay(sites, _mean(look.losses), look.closed, look.closed < need)
 
     found = attribute(cands, groups, window, max_windows)
-    return done(found.precision_to_blame, found.blamed, "window_replay")
+    return done(found.precision_to_blame, found.blamed, WindowDecision.WINDOW_REPLAY)

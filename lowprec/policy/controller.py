@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from lowprec.numerics.formats import FORMATS
+from lowprec.numerics.formats import Format, get_format
 from lowprec.policy.anomaly import Anomaly, StepDetectors
 from lowprec.policy.attribution import Attribution
 from lowprec.policy.decisions import Action, ControllerConfig, Decision, Stage, apply_decision
@@ -69,34 +69,46 @@ __all__ = ["Action", "Stage", "Thresholds", "ControllerConfig", "Decision", "Rol
 _FORWARD_ROLES = ("input", "weight", "output")
 
 
-def _bits(name: str) -> int:
-    return FORMATS[name].bits
+# events of a window judgment that are no instability: its looks, and a verdict of not precision
+_JUDGING = (EventKind.WINDOW, EventKind.NOT_PRECISION)
 
 
-def _high(name: str) -> bool:
-    return FORMATS[name].is_high_precision
+def _cleared(d: Decision) -> bool:
+    """Whether a check's events are a window judgment that cleared precision, and nothing else
+    (no rewind): the check goes on to retries and promotion."""
+    return (d.action is not Action.REWIND and all(e.kind in _JUDGING for e in d.events)
+            and any(e.kind == EventKind.NOT_PRECISION for e in d.events))
+
+
+def _bits(fmt: Format | str) -> int:
+    """The format's bit width; the controller's state and decisions name formats, its ladders hold them."""
+    return get_format(fmt).bits
+
+
+def _high(fmt: Format | str) -> bool:
+    return get_format(fmt).is_high_precision
 
 
 class RolloutController(SlowSignalRules):
     """Stages, fallbacks, rollbacks, cooldowns and quarantine over a set of sites."""
 
-    def __init__(self, ladders: dict[str, tuple[str, ...]], initial: dict[str, str],
+    def __init__(self, ladders: dict[str, tuple[Format | str, ...]], initial: dict[str, str],
                  stages: list[Stage], config: ControllerConfig = ControllerConfig(), *,
                  baseline: dict[int, float] | None = None,
                  gate: Callable[[int], GateOutcome] | None = None):
+        self.ladders: dict[str, tuple[Format, ...]] = {k: tuple(map(get_format, v)) for k, v in ladders.items()}
         for s in stages:
             for site in s.sites:
-                if site not in ladders:
+                if site not in self.ladders:
                     raise ValueError(f"stage {s.name!r} names site {site!r}, which is not a site")
-                if s.format not in ladders[site]:
+                if get_format(s.format) not in self.ladders[site]:
                     raise ValueError(f"stage {s.name!r} puts {site!r} in {s.format}, which is not on its "
-                                     f"ladder {' -> '.join(ladders[site])}; add it to the ladder")
-        self.ladders = {k: tuple(v) for k, v in ladders.items()}
+                                     f"ladder {self._ladder_text(site)}; add it to the ladder")
         self.order = list(self.ladders)   # forward order: the order the caller lists sites in
         for site, fmt in initial.items():
-            if site in self.ladders and fmt not in self.ladders[site]:
+            if site in self.ladders and get_format(fmt) not in self.ladders[site]:
                 raise ValueError(f"site {site!r} starts in {fmt}, which is not on its ladder "
-                                 f"{' -> '.join(self.ladders[site])}")
+                                 f"{self._ladder_text(site)}")
         self.initial = dict(initial)
         self.current = dict(initial)
         self.stages = list(stages)
@@ -121,12 +133,15 @@ class RolloutController(SlowSignalRules):
         self.lr_history: list[tuple[int, float]] = []   # (step, LR sensitivity) of the last probes
 
     # ------------------------------------------------------------------ helpers
+    def _ladder_text(self, site: str) -> str:
+        return " -> ".join(f.name for f in self.ladders[site])
+
     def _up(self, site: str) -> str | None:
-        """The next format up the ladder (higher precision), or None at the top."""
+        """The name of the next format up the ladder (higher precision), or None at the top."""
         cur_bits = _bits(self.current[site])
         for f in self.ladders[site]:
-            if _bits(f) > cur_bits:
-                return f
+            if f.bits > cur_bits:
+                return f.name
         return None
 
     def _move(self, sites: list[str], to: dict[str, str], kind: str, step: int, reason: str,
@@ -192,6 +207,15 @@ class RolloutController(SlowSignalRules):
         the host values of the loss and the global grad norm, before `observe_step`."""
         return self.detectors.observe(step, loss, grad_norm)
 
+    def rewound(self, back: int) -> None:
+        """Training went back to step `back`: the detectors forget what the steps from it on
+        let in (their losses and grad norms are not the run's any more), and anomalies of
+        those steps that wait for a check are dropped."""
+        self.detectors.rewound(back)
+        if self.loss_gap is not None:
+            self.loss_gap.rewound(back)
+        self.pending = [(names, ev) for names, ev in self.pending if ev.get("step", -1) < back]
+
     def replay_candidates(self) -> tuple[list[str], list[list[str]]]:
         """What a replay may put in high precision: the low-precision sites in forward
         order, and the groups to try first (the promoted stages, newest first, then the
@@ -247,9 +271,12 @@ class RolloutController(SlowSignalRules):
             return
         self.streak = self.streak + 1 if step - self.last_anomaly == 1 else 1
         self.last_anomaly = step
-        d.events.append(Event(step, EventKind.SKIP_STEP, (), {}, {}, (
-            f"{a.names} persists with every site in high precision: not precision, nothing demoted"),
-            {**evidence, "streak": self.streak}))
+        accepted = (self.streak >= self.config.persist_steps and not (a.loss_is_off and self.config.rewind)
+                    and not a.nonfinite)
+        if not accepted:   # an accepted step is applied: no skip to record
+            d.events.append(Event(step, EventKind.SKIP_STEP, (), {}, {}, (
+                f"{a.names} persists with every site in high precision: not precision, nothing demoted"),
+                {**evidence, "streak": self.streak}))
         if self.streak < self.config.persist_steps:
             return
         self.streak = 0
@@ -323,8 +350,9 @@ class RolloutController(SlowSignalRules):
         suspects = [(site, crossed) for _, site, crossed in suspects]
         # 3. global signals (lowprec.policy.drift)
         self._global_rule(step, signals, blamed, suspects, d)
-        if d.events:
-            self.stable_since = step
+        if d.events and not _cleared(d):
+            if any(e.kind not in _JUDGING for e in d.events):
+                self.stable_since = step   # an instability: the schedule starts over
             return d
         # 4. retries after cooldown
         due = [s for s in self.order if s in self.retry_at and step >= self.retry_at[s]]
@@ -336,7 +364,7 @@ class RolloutController(SlowSignalRules):
         # 5. promotion
         if step - self.stable_since >= self.config.min_steps and self.promoted < len(self.stages):
             self._promote(step, d)
-        if d.events:
+        if any(e.kind not in _JUDGING for e in d.events):
             self.stable_since = step
         return d
 

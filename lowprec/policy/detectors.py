@@ -5,7 +5,8 @@ fraction, underflow as a fraction of values or of energy, SQNR) and the presets 
 the published ones:
 
 * `SpikeDetector`: a value above mean + 6 sigma of the last 128 values (OLMo-core's
-  stability monitor), for loss and grad norm;
+  stability monitor), for loss and grad norm; in a run shorter than twice that, of the
+  newer half of the values seen (early training's values do not widen the limit later);
 * `LargeValueDetector`: at least 10x the max of the first 100 values (Megatron-LM's
   rerun state machine);
 * `LossGapDetector`: the relative gap between the smoothed loss and a baseline loss
@@ -16,7 +17,8 @@ the published ones:
 
 NaN/Inf in the loss or gradients is no detector's business (`lowprec.policy.anomaly` flags it);
 the detectors ignore non-finite values. `test(value)` asks without remembering (for
-replays), `update(value)` also lets a normal value into the history. The spike and
+replays), `update(value)` also lets a normal value into the history; `rewound(step)` forgets
+what the steps a rewind discarded let in. The spike and
 large-value detectors run on every step (`lowprec.policy.anomaly.StepDetectors`), the loss gap at
 each check; the controller owns them all (their state rides in its `state_dict`).
 """
@@ -105,35 +107,61 @@ def intrinsic(key: str) -> bool:
 
 
 class SpikeDetector:
-    """A value above mean + `sigmas` standard deviations of the last `window` values."""
+    """A value above mean + `sigmas` standard deviations of the reference: the newest of the
+    last `window` values, at most half of the values seen (a short run's reference forgets
+    its first half, early training's large and falling values, which would otherwise widen
+    the limit past any later jump), and at least `min_history`."""
 
     def __init__(self, window: int = 128, sigmas: float = 6.0, min_history: int = 16):
         self.window, self.sigmas, self.min_history = window, sigmas, min_history
         self.values: deque[float] = deque(maxlen=window)
+        self.steps: deque[int] = deque(maxlen=window)   # the step of each value (for `rewound`)
+        self.seen = 0                                    # values let in since the start (or a reset)
+
+    def reference(self) -> list[float]:
+        n = min(len(self.values), max(self.min_history, self.seen // 2))
+        return list(self.values)[len(self.values) - n:]
 
     def test(self, value: float) -> tuple[bool, dict]:
-        """(is_spike, evidence) against the current history, remembering nothing. Non-finite
+        """(is_spike, evidence) against the current reference, remembering nothing. Non-finite
         values are no spike (NaN is handled apart)."""
-        if not math.isfinite(value) or len(self.values) < self.min_history:
+        ref = self.reference()
+        if not math.isfinite(value) or len(ref) < self.min_history:
             return False, {}
-        n = len(self.values)
-        mean = sum(self.values) / n
-        std = math.sqrt(sum((v - mean) ** 2 for v in self.values) / max(n - 1, 1))
+        n = len(ref)
+        mean = sum(ref) / n
+        std = math.sqrt(sum((v - mean) ** 2 for v in ref) / max(n - 1, 1))
         limit = mean + self.sigmas * std
         return value > limit, {"value": value, "mean": mean, "std": std, "limit": limit, "window": n}
 
-    def update(self, value: float) -> tuple[bool, dict]:
+    def update(self, value: float, step: int = -1) -> tuple[bool, dict]:
         """`test`, then a finite value that is no spike joins the history."""
         spike, evidence = self.test(value)
         if not spike and math.isfinite(value):
             self.values.append(value)
+            self.steps.append(step)
+            self.seen += 1
         return spike, evidence
 
+    def clear(self) -> None:
+        self.values.clear()
+        self.steps.clear()
+        self.seen = 0
+
+    def rewound(self, back: int) -> None:
+        """Training went back to step `back`: the values of the steps from it on are gone."""
+        while self.steps and self.steps[-1] >= back:
+            self.steps.pop()
+            self.values.pop()
+            self.seen -= 1
+
     def state_dict(self) -> dict:
-        return {"values": list(self.values)}
+        return {"values": list(self.values), "steps": list(self.steps), "seen": self.seen}
 
     def load_state_dict(self, s: dict) -> None:
         self.values = deque(s["values"], maxlen=self.window)
+        self.steps = deque(s.get("steps", [-1] * len(self.values)), maxlen=self.window)
+        self.seen = int(s.get("seen", len(self.values)))
 
 
 class LargeValueDetector:
@@ -141,8 +169,15 @@ class LargeValueDetector:
 
     def __init__(self, factor: float = 10.0, warmup: int = 100):
         self.factor, self.warmup = factor, warmup
-        self.seen = 0
-        self.reference = 0.0
+        self.early: list[tuple[int, float]] = []   # (step, value) of the warmup values
+
+    @property
+    def seen(self) -> int:
+        return len(self.early)
+
+    @property
+    def reference(self) -> float:
+        return max((v for _, v in self.early), default=0.0)
 
     def test(self, value: float) -> tuple[bool, dict]:
         """(is_large, evidence), remembering nothing; nothing is large during the warmup."""
@@ -151,19 +186,25 @@ class LargeValueDetector:
         limit = self.factor * self.reference
         return value >= limit, {"value": value, "reference_max": self.reference, "limit": limit}
 
-    def update(self, value: float) -> tuple[bool, dict]:
+    def update(self, value: float, step: int = -1) -> tuple[bool, dict]:
         """`test`; during the warmup a finite value raises the reference instead."""
         if math.isfinite(value) and self.seen < self.warmup:
-            self.seen += 1
-            self.reference = max(self.reference, value)
+            self.early.append((step, value))
             return False, {}
         return self.test(value)
 
+    def rewound(self, back: int) -> None:
+        """Training went back to step `back`: warmup values of the steps from it on are gone."""
+        self.early = [(k, v) for k, v in self.early if k < back]
+
     def state_dict(self) -> dict:
-        return {"seen": self.seen, "reference": self.reference}
+        return {"early": [list(x) for x in self.early]}
 
     def load_state_dict(self, s: dict) -> None:
-        self.seen, self.reference = int(s["seen"]), float(s["reference"])
+        if "early" in s:
+            self.early = [(int(k), float(v)) for k, v in s["early"]]
+        else:   # a checkpoint that kept only the count and the max
+            self.early = [(-1, float(s["reference"]))] * int(s["seen"])
 
 
 class LossGapDetector:
@@ -175,6 +216,7 @@ class LossGapDetector:
         self.ema: float | None = None
         self.base_ema: float | None = None
         self.accepted = 0.0   # a gap judged not precision's: fires again only this far above it
+        self.history: list[tuple[int, float, float]] = []   # (step, ema, base_ema) after each update
 
     def accept(self, gap: float) -> None:
         """A gap of `gap` was judged not to be precision's (`lowprec.policy.attribution.judge_window`):
@@ -195,6 +237,7 @@ class LossGapDetector:
         a = self.smoothing
         self.ema = loss if self.ema is None else a * self.ema + (1 - a) * loss
         self.base_ema = base if self.base_ema is None else a * self.base_ema + (1 - a) * base
+        self.history = [*self.history[-(HISTORY - 1):], (step, self.ema, self.base_ema)]
         gap = (self.ema - self.base_ema) / abs(self.base_ema)
         if gap <= self.threshold:
             self.accepted = 0.0
@@ -203,14 +246,23 @@ class LossGapDetector:
             ev["accepted"] = self.accepted
         return gap > self.threshold + self.accepted, ev
 
+    def rewound(self, back: int) -> None:
+        """Training went back to step `back`: the smoothed losses are those before it, as if
+        the steps from `back` on had never been seen."""
+        self.history = [h for h in self.history if h[0] < back]
+        self.ema, self.base_ema = self.history[-1][1:] if self.history else (None, None)
+
     def state_dict(self) -> dict:
-        return {"ema": self.ema, "base_ema": self.base_ema, "accepted": self.accepted}
+        return {"ema": self.ema, "base_ema": self.base_ema, "accepted": self.accepted,
+                "history": [list(h) for h in self.history]}
 
     def load_state_dict(self, s: dict) -> None:
         self.ema, self.base_ema = s["ema"], s["base_ema"]
         self.accepted = float(s.get("accepted", 0.0))   # absent before window replays
+        self.history = [(int(k), float(e), float(b)) for k, e, b in s.get("history", [])]
 
 
+HISTORY = 4096   # smoothed losses a LossGapDetector keeps for rewinds (more than any rewind goes back)
 LR_HISTORY = 4   # earlier LR-probe results a new one is compared with (lr_hold_level)
 
 

@@ -18,7 +18,9 @@ out), a global signal blames that site. With no site to blame:
   nothing is demoted: a NOT_PRECISION event holds the evidence (the window's losses as
   trained, with every site in high precision, and the baseline's), the loss-gap detector
   accepts that gap (it fires again when the gap grows `loss_gap` above it), and training
-  goes on (or, with `not_precision_rewind` and `rewind`, goes back to the window's start);
+  goes on (or, with `not_precision_rewind` and `rewind`, goes back to the window's start).
+  A verdict of not precision does not hold the schedule up: the promotion that was due
+  comes at the first check after the judgment;
 * otherwise (a fast signal handed over, or nothing to judge a slow one by) the newest
   stage rolls back, and with `rewind` on the loop is asked to restore the last good state
   and skip batches.
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from lowprec.policy.attribution import WindowAttribution, WindowDeferred
+from lowprec.policy.attribution import WindowAttribution, WindowDecision, WindowDeferred
 from lowprec.policy.decisions import Action, Decision
 from lowprec.policy.detectors import LossGapDetector, Thresholds
 from lowprec.policy.events import Event, EventKind
@@ -114,14 +116,17 @@ class SlowSignalRules:
             return True
         for look in att.looks[1:]:
             how = "window trained again" if look.retrained else "current weights"
+            with_ = (f"with {len(look.high_precision)} site(s) in high precision" if look.high_precision
+                     else "as configured (the control)")
             d.events.append(Event(step, EventKind.WINDOW, look.high_precision, {}, {}, (
-                f"{reason}: {how} with {len(look.high_precision)} site(s) in high precision closes "
-                f"{look.closed:.0%} of the gap"), look.to_evidence()))
+                f"{reason}: {how} {with_} closes {look.closed:.0%} of the gap"), look.to_evidence()))
         ev = {**evidence, **att.evidence}
         if not att.precision_to_blame:
+            why = ("the window trained again as configured closes the gap too: the fault did not recur"
+                   if att.decided_by is WindowDecision.CONTROL
+                   else "every site in high precision does not close the window's gap")
             d.events.append(Event(step, EventKind.NOT_PRECISION, (), {}, {}, (
-                f"{reason}: not precision (every site in high precision does not close the window's gap); "
-                "nothing demoted"), ev))
+                f"{reason}: not precision ({why}); nothing demoted"), ev))
             gap = evidence.get("loss_gap", {}).get("gap")
             if self.loss_gap is not None and gap is not None:
                 # the smoothed gap still rises towards the tail's level: accept the higher
@@ -133,9 +138,8 @@ class SlowSignalRules:
                 d.rewind_before = att.steps[0]
                 d.events.append(Event(step, EventKind.REWIND, (), {}, {}, f"rewind after {reason} (not precision)",
                                       {"skip_batches": d.skip_batches, "to_step": att.steps[0]}))
-            self.stable_since = step
-            return True
-        why = f"{reason}: closed by {att.decided_by.replace('_', ' ')} with these sites in high precision"
+            return True   # the schedule goes on: a suspicion cleared holds nothing up past its window
+        why = f"{reason}: closed by {att.decided_by.value.replace('_', ' ')} with these sites in high precision"
         if self.promoted and set(att.blamed) == set(groups[0]):
             self._rollback_newest(step, why, ev, d)
         else:

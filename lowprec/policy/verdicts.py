@@ -1,6 +1,6 @@
 """Gate verdicts, defined once: what an evaluation gate says and what the controller reads.
 
-A gate (gates/, or any checker of a user's) compares a candidate's evals with a baseline's
+A gate (lowprec.gates, or any checker of a user's) compares a candidate's evals with a baseline's
 and answers with an object that has a `verdict` and a one-sentence `reason`
 (`GateOutcome`). The rollout controller reads only those two: `regress` rolls the newest
 stage back, `pass` lets the next stage through, `inconclusive` holds it.
@@ -28,7 +28,7 @@ class Verdict(StrEnum):
 
 @runtime_checkable
 class GateOutcome(Protocol):
-    """What the controller reads from a gate's result (gates.GateSummary is one)."""
+    """What the controller reads from a gate's result (lowprec.gates.GateSummary is one)."""
 
     @property
     def verdict(self) -> Verdict: ...

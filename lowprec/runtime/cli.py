@@ -40,6 +40,9 @@ def register(sub) -> None:
                        "runtime inputs (baseline run, data) still missing")
     p.add_argument("config", help="training config YAML (see docs/config.md)")
     p.add_argument("--verbose", action="store_true", help="show other libraries' output and INFO lines too")
+    p.add_argument("--model-factory", default=None, metavar="MODULE:FUNCTION",
+                   help="check a framework callback's YAML (no model: section; docs/integrations.md) against the "
+                        "model this function returns, as LowprecCallback.from_yaml does")
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("run", help="train a config: staged rollout, monitors, fallbacks, evals, MLflow tracking")
@@ -55,7 +58,7 @@ def register(sub) -> None:
                    help="exit 0 even when tracking records could not be sent (they wait in the run's outbox for "
                         "`lowprec sync`); without it such a run exits 3")
     p.add_argument("--inject", action="append", default=[], metavar="KIND:SITE:START:STOP[:FACTOR[:EVERY]]",
-                   help="inject a fault (nan, overflow, lr_spike, loss_spike) to see the controller act; repeatable")
+                   help="inject a fault (nan, overflow, input, lr_spike, loss_spike) to see the controller act; repeatable")
     p.add_argument("--verbose", action="store_true",
                    help="show other libraries' output (progress bars, INFO lines) on the terminal too; it is "
                         "always in the run folder's lowprec.log")
@@ -94,6 +97,8 @@ def _cmd_plan(args) -> int:
 
 def _plan(args, console) -> int:
     from lowprec.runtime.run import prepare_run
+    if getattr(args, "model_factory", None):
+        return _plan_framework(args, console)
     missing: dict[str, str] = {}
     try:
         cfg = _load(args.config)
@@ -123,6 +128,31 @@ def _plan(args, console) -> int:
 def _fast_path_note(prepared) -> str | None:
     from lowprec.runtime.device_note import fast_path_note, model_device
     return fast_path_note(prepared.config.precision.backend, model_device(prepared.model))
+
+
+def _plan_framework(args, console) -> int:
+    """`plan --model-factory`: a callback's YAML checked as `LowprecCallback.from_yaml` checks it
+    (baseline read, stages resolved against the model, evaluator and gates found)."""
+    from types import SimpleNamespace
+    from lowprec.config import ConfigRole, LowprecConfig
+    from lowprec.runtime.framework_check import check_framework_config
+    from lowprec.runtime.run import load_factory
+    from lowprec.sites.precision_state import prepare
+    try:
+        cfg = LowprecConfig.from_yaml(args.config, role=ConfigRole.FRAMEWORK)
+        build = load_factory(args.model_factory, "--model-factory", [Path(args.config).resolve().parent, Path.cwd()])
+        model = build()
+        state = prepare(model, cfg.precision)
+        _, controller = check_framework_config(cfg, state, model)
+    except (ConfigError, ValueError, TypeError) as e:
+        return _fail(console, e)
+    console.print(_table(SimpleNamespace(state=state, model=model)))
+    if controller is not None:
+        console.print("\nrollout stages:")
+        for st in controller.stages:
+            console.print(f"  {st.name}: {len(st.sites)} sites -> {st.format}")
+    console.print("\nthe callback's config is valid for this model: LowprecCallback.from_yaml will accept it")
+    return EXIT_OK
 
 
 def _table(prepared) -> str:

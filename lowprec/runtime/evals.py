@@ -7,10 +7,10 @@ The runtime does not know what is evaluated or how a verdict is reached. It take
 * a `GateChecker`: `check(baseline, candidate) -> GateOutcome` (a `Verdict` and a
   reason) and the `metrics` it gates (`eval/<task>/<metric>`).
 
-Implementations are found by name through Python entry points, so lowprec never imports
-them: the group `lowprec.evaluators` (`eval.evaluator` in a config; the repository's
-`eval_suites` declares `lm_eval`) and `lowprec.gate_checkers` (`default`: the gate files
-of the repository's `gates`). Each entry point is a class; `check_config(eval_config)`, when
+Implementations are found by name through Python entry points, so the runtime never imports
+them: the group `lowprec.evaluators` (`eval.evaluator` in a config; lowprec declares `lm_eval`,
+lowprec.evals.runtime) and `lowprec.gate_checkers` (`default`: the gate files of
+lowprec.gates.inloop). Each entry point is a class; `check_config(eval_config)`, when
 it has one, validates a config before step 0.
 
 `EvalCheckpoints` runs them: every `eval.every` steps, before every stage promotion (the

@@ -6,6 +6,8 @@ Kinds:
   only while the site runs below high precision, so a fallback cures it);
 * `overflow`: `SITE`'s input scaled by FACTOR (1e4), every EVERY-th step (intermittent
   activation outliers; also only below high precision);
+* `input`: `SITE`'s input scaled by FACTOR in every format (a data fault tied to its
+  steps: a replay in high precision meets it too, a later one does not);
 * `lr_spike`: the learning rate times FACTOR (no site);
 * `loss_spike`: the loss, and so its gradients, times FACTOR (no site; a data fault).
 
@@ -28,12 +30,13 @@ __all__ = ["FaultKind", "Injection", "parse_injection", "Faults"]
 class FaultKind(str, Enum):
     NAN = "nan"
     OVERFLOW = "overflow"
+    INPUT = "input"
     LR_SPIKE = "lr_spike"
     LOSS_SPIKE = "loss_spike"
 
     @property
     def needs_site(self) -> bool:
-        return self in (FaultKind.NAN, FaultKind.OVERFLOW)
+        return self in (FaultKind.NAN, FaultKind.OVERFLOW, FaultKind.INPUT)
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class Injection:
                              f"{self.kind.value}:blocks.1.mlp.fc:40:60")
 
     def active(self, iteration: int, module=None) -> bool:
-        low = module is None or not module.format.is_high_precision
+        low = module is None or self.kind is FaultKind.INPUT or not module.format.is_high_precision
         return self.start <= iteration < self.stop and (iteration - self.start) % self.every == 0 and low
 
 
@@ -120,7 +123,7 @@ class Faults:
         for j in self.injections:
             if j.kind is FaultKind.NAN and j.site in names:
                 self._hooks.append(names[j.site].register_forward_hook(self._nan_hook(j), prepend=True))
-            elif j.kind is FaultKind.OVERFLOW and j.site in names:
+            elif j.kind in (FaultKind.OVERFLOW, FaultKind.INPUT) and j.site in names:
                 self._hooks.append(names[j.site].register_forward_pre_hook(self._overflow_hook(j)))
             elif j.kind is FaultKind.LOSS_SPIKE and root:
                 self._hooks.append(module.register_forward_hook(self._loss_hook(j)))

@@ -179,7 +179,7 @@ def join(env: RankEnv, timeout_s: float):
     except (RuntimeError, dist.DistError) as e:
         raise PeersMissing(f"rank {env.rank}: no rank 0 answered at {where} within parallel.peer_timeout_s = "
                            f"{timeout_s:g} s ({str(e).splitlines()[0][:120]}); start every rank (torchrun does)")
-    key = f"lowprec/joined/{env.attempt}"
+    key = f"lowprec.joined.{env.attempt}"
     came = store.add(key, 1)
     deadline = time.monotonic() + timeout_s
     while came < env.world and time.monotonic() < deadline:

@@ -137,6 +137,27 @@ def high_precision_baseline(cfg):
     return replace(cfg, precision=PrecisionPlan.from_dict(d), rollout=None, eval=ev)
 
 
+def _takes_labels(model: nn.Module) -> bool:
+    """A Hugging Face causal LM: `forward(input_ids, attention_mask, ..., labels, ...)`, whose
+    second positional parameter is not the targets."""
+    import inspect
+    try:
+        params = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return params[:1] == ["input_ids"] and "labels" in params[2:]
+
+
+def _as_labels(module, args, kwargs):
+    """The loop's `model(x, y)` as a Hugging Face causal LM's call: `input_ids=x` and `labels`
+    that the model's own one-token shift turns into the targets y (labels[t + 1] = y[t]; HF
+    pads the last position, so each row's last target is not counted)."""
+    if len(args) == 2 and "labels" not in kwargs:
+        x, y = args
+        return (), {**kwargs, "input_ids": x, "labels": torch.cat([y[:, :1], y[:, :-1]], dim=1)}
+    return None
+
+
 def _batch_source(cfg, raw):
     """The data factory's result as the loop's batch source (ConfigError where it cannot be one)."""
     from lowprec.runtime.data import as_batch_source
@@ -165,6 +186,8 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True,
     if not isinstance(model, nn.Module):
         raise ConfigError("model.factory", f"{cfg.model.factory} returned a {type(model).__name__}, not a "
                           f"torch.nn.Module")
+    if _takes_labels(model):
+        model.register_forward_pre_hook(_as_labels, with_kwargs=True)
     try:
         state = prepare(model, cfg.precision, seed=tc.seed)
     except ConfigError:

@@ -315,6 +315,8 @@ class Session:
             return False
         self.rewinds += 1
         self.step_index = result.rewound_to = back
+        if self.controller is not None:
+            self.controller.rewound(back)
         if self.window is not None:
             self.window.rewound(back)
         self._prepare(back)

@@ -15,12 +15,12 @@ eager code, its Triton kernels inlined into a compiled graph), into both layouts
 needed in (cast+transpose); the forward saves only the FP8 transposed input and the
 weight's FP8 transpose for the backward (no BF16 or FP32 copy); `_scaled_mm` writes BF16
 directly (and adds a BF16 bias in its epilogue). The weight's FP8 forms are cached across gradient-accumulation
-micro-batches (`lowprec.sites.weight_cache`; delayed scaling excepted, as before). Statistics are
+micro-batches (`lowprec.sites.weight_cache`; delayed scaling excepted: its scale moves between uses). Statistics are
 computed only when the layer's `collect_stats` is on (check steps), by the same kernels.
 Nothing here reads a device value on the host.
 
 On CPU the same ops run the reference quantizer and `_scaled_mm` accumulates in FP32,
-so the fast path equals the `emulated` backend bit for bit there (tests/lowprec/fast_path).
+so the fast path equals the `emulated` backend bit for bit there (tests/lowprec/sites/fast_path).
 
 DTensor operands and amax reductions over a group run the same GEMMs through
 `lowprec.sites.fp8_parallel`; every other format uses `QuantizedLinearFn`.
@@ -133,8 +133,8 @@ def _mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: torch.dtype, ge
     if padded and not gemms.pad_inner_dim:
         raise ValueError(padded)
     if padded:   # zeros change no product (sliced off below)
-        from lowprec.sites.backends.scaled_mm import _pad16
-        a, b, sa, sb = _pad16(a, b, sa, sb)
+        from lowprec.numerics.padding import pad16
+        a, b, sa, sb = pad16(a, b, sa, sb)
     dt = torch.bfloat16 if cuda and sa.dim() == 2 else out_dtype
     if cuda and bias is not None and dt != torch.float32 and not padded:
         bias = bias.to(dt)   # as F.linear under autocast: the bias in the output's dtype, fused

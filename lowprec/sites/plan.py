@@ -46,8 +46,9 @@ from lowprec.base.parse import ConfigError, check_keys, read_yaml_file, read_yam
 from lowprec.numerics.formats import FORMATS, Format, format_names, get_format
 from lowprec.numerics.quantize import check_layer_fits
 from lowprec.sites.amax_scope import AMAX_SCOPES, AmaxScope
+from lowprec.sites.reasons import ReasonKind, SiteReason
 
-__all__ = ["PlanError", "ModelInfo", "Selector", "Rule", "PrecisionPlan", "SitePlan", "make_ladder",
+__all__ = ["PlanError", "ModelInfo", "Selector", "Rule", "PrecisionPlan", "SitePlan", "SiteReason", "ReasonKind", "make_ladder",
            "selection_from_dict", "resolve", "format_plan_table", "is_linear", "linear_shape"]
 
 BF16 = FORMATS["bf16"]
@@ -325,7 +326,7 @@ class SitePlan:
     module: nn.Module
     format: Format
     ladder: tuple[Format, ...]
-    reason: str
+    reason: SiteReason
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -368,13 +369,13 @@ def resolve(model: nn.Module, plan: PrecisionPlan, *, site_filter: Callable[[nn.
         matching = [i for i, r in enumerate(plan.rules) if r.select.matches(fqn, m, info)]
         hit.update(matching)
         if keep is not None:
-            planned.append((SitePlan(fqn, m, BF16, (BF16,), f"keep_high_precision ({keep.describe()})"), None))
+            planned.append((SitePlan(fqn, m, BF16, (BF16,), SiteReason(ReasonKind.KEEP_HIGH_PRECISION, f"({keep.describe()})")), None))
         elif matching:
             r = plan.rules[matching[-1]]
-            planned.append((SitePlan(fqn, m, r.format, r.ladder, f"rule {r.name} ({r.select.describe()})"),
+            planned.append((SitePlan(fqn, m, r.format, r.ladder, SiteReason(ReasonKind.RULE, f"{r.name} ({r.select.describe()})")),
                             f"precision.rules[{matching[-1]}]"))
         else:
-            planned.append((SitePlan(fqn, m, plan.default, make_ladder(plan.default), "default"), "precision.default"))
+            planned.append((SitePlan(fqn, m, plan.default, make_ladder(plan.default), SiteReason(ReasonKind.DEFAULT)), "precision.default"))
     for i, r in enumerate(plan.rules):
         if i not in hit:
             raise _no_match(f"precision.rules[{i}].select", f"rule {r.name!r}", "linear layer", r.select, linears, info)
@@ -397,7 +398,7 @@ def resolve(model: nn.Module, plan: PrecisionPlan, *, site_filter: Callable[[nn.
 def format_plan_table(sites: list[SitePlan]) -> str:
     """A plain-text table: FQN, shape (out x in), format now, ladder, why."""
     rows = [("FQN", "shape (out x in)", "format", "ladder", "why")]
-    rows += [(s.fqn, "%d x %d" % s.shape, s.format.name, " -> ".join(f.name for f in s.ladder), s.reason)
+    rows += [(s.fqn, "%d x %d" % s.shape, s.format.name, " -> ".join(f.name for f in s.ladder), str(s.reason))
              for s in sites]
     widths = [max(len(r[c]) for r in rows) for c in range(5)]
     lines = ["  ".join(r[c].ljust(widths[c]) for c in range(5)).rstrip() for r in rows]

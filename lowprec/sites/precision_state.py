@@ -20,11 +20,12 @@ from typing import Iterable, Iterator
 
 from torch import nn
 
-from lowprec.sites.backends import BackendName, get_backend
+from lowprec.sites.backends import Backend, BackendName, SiteModule, get_backend
 from lowprec.numerics.formats import Format, get_format
 from lowprec.base.parse import suggest
 from lowprec.sites.amax_scope import AmaxScope
 from lowprec.sites.layers import PrecisionLinear
+from lowprec.sites.reasons import ReasonKind, SiteReason
 from lowprec.numerics.quantize import check_layer_fits
 
 __all__ = ["Site", "PrecisionState", "prepare"]
@@ -35,9 +36,9 @@ class Site:
     """One switchable layer: where it is, what it runs in now, where it may fall back to."""
 
     fqn: str
-    module: PrecisionLinear
+    module: SiteModule          # PrecisionLinear, or the te / torchao backend's own site module
     ladder: tuple[Format, ...]
-    reason: str = ""
+    reason: SiteReason = SiteReason(ReasonKind.DEFAULT)
 
     @property
     def format(self) -> Format:
@@ -52,7 +53,8 @@ class Site:
 class PrecisionState:
     """The sites of a prepared model and their formats; switching never touches parameters."""
 
-    def __init__(self, sites: Iterable[Site], backend, kept_high_precision: Iterable[tuple[str, str]] = ()):
+    def __init__(self, sites: Iterable[Site], backend: Backend,
+                 kept_high_precision: Iterable[tuple[str, SiteReason]] = ()):
         self.sites: dict[str, Site] = {s.fqn: s for s in sites}
         self.backend = backend
         self.kept_high_precision = dict(kept_high_precision)  # fqn -> reason, not swapped
@@ -121,7 +123,7 @@ class PrecisionState:
         delayed-scaling amax histories and the stochastic-rounding generators (copies, small:
         no parameters). `load_scaling_state` puts them back, so that the same step can run
         again from the same scales and random draws (replays, the LR probe)."""
-        return {fqn: ({k: h.state_dict() for k, h in getattr(s.module, "histories", {}).items()},
+        return {fqn: ({k: h.state_dict() for k, h in s.module.histories.items()},
                       s.module.generator.get_state() if hasattr(s.module, "generator") else None)
                 for fqn, s in self.sites.items()}
 
@@ -146,7 +148,7 @@ class PrecisionState:
         for fqn, s in self.sites.items():
             m = s.module
             out[fqn] = {"format": m.format.name,
-                        "histories": {k: h.state_dict() for k, h in getattr(m, "histories", {}).items()}}
+                        "histories": {k: h.state_dict() for k, h in m.histories.items()}}
             if hasattr(m, "generator"):  # TE sites keep their own RNG and FP8 state
                 out[fqn]["generator"] = m.generator.get_state()
                 out[fqn]["seed"] = m.seed  # also fixes the Hadamard signs
@@ -189,48 +191,42 @@ def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
 
 
 def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0,
-            layer_cls: type[PrecisionLinear] = PrecisionLinear) -> PrecisionState:
-    """Swap the plan's linear layers for PrecisionLinear (same parameters) in place.
+            layer_cls: type[PrecisionLinear] | None = None) -> PrecisionState:
+    """Swap the plan's linear layers for the backend's sites (same parameters) in place.
 
     amax_group: the data-parallel process group over which tensor-wise amaxes of
         activations and gradients are reduced (so that the numerics equal a single
         process's); None for a single process or when that is not wanted. Used when the
         plan's `amax_scope` is `group`; with `local` each rank scales by its own amaxes.
     seed: base seed of each site's stochastic-rounding generator and Hadamard signs.
-    layer_cls: the class of the new layers, PrecisionLinear or a subclass (a framework's
-        module protocol mixed in: `lowprec.integrations.torchtitan`); the `te` and `torchao`
-        backends make their own layers and take only PrecisionLinear.
+    layer_cls: a subclass of PrecisionLinear for the new layers (a framework's module protocol
+        mixed in: `lowprec.integrations.torchtitan`), None for PrecisionLinear; the `te` and
+        `torchao` backends make their own layers and refuse one.
+    Every backend builds its sites through `Backend.make_site`.
     """
     from lowprec.sites.plan import resolve  # noqa: local import keeps `import lowprec` light
 
     backend = get_backend(plan.backend)
     kind = BackendName(plan.backend)
-    on_te, on_torchao = kind is BackendName.TE, kind is BackendName.TORCHAO
-    if on_te:
+    if kind is BackendName.TE:
         from lowprec.sites.backends.te import require_te
         require_te()
-    if on_torchao:
+    if kind is BackendName.TORCHAO:
         from lowprec.sites.backends.torchao_backend import require_torchao
         require_torchao()
-    if (on_te or on_torchao) and layer_cls is not PrecisionLinear:
+    if layer_cls is not None and kind in (BackendName.TE, BackendName.TORCHAO):
         raise ValueError(f"the {kind} backend makes its own layers; layer_cls={layer_cls.__name__} needs the "
                          f"emulated or torch backend")
     resolved = resolve(model, plan, supported=backend.supports)
     scope = getattr(plan, "amax_scope", AmaxScope.GROUP)
-    group = amax_group if scope is AmaxScope.GROUP else None   # `local`: every rank its own amaxes
     sites, kept = [], []
     for i, sp in enumerate(resolved):
-        if sp.reason.startswith("keep_high_precision"):
+        if sp.reason.kept_high_precision:
             kept.append((sp.fqn, sp.reason))
             continue
-        if on_te:
-            layer = backend.make_site(sp.module, sp.format, name=sp.fqn, amax_reduction_group=group)
-        elif on_torchao:
-            layer = backend.make_site(sp.module, sp.format, name=sp.fqn, amax_group=group, fused=plan.fused)
-        else:
-            layer = layer_cls.from_module(
-                sp.module, sp.format, backend, fqn=sp.fqn, seed=seed * 1_000_003 + i,
-                amax_group=amax_group, fused=plan.fused, amax_scope=scope, gemm=plan.gemm)
+        layer = backend.make_site(sp.module, sp.format, name=sp.fqn, seed=seed * 1_000_003 + i,
+                                  amax_group=amax_group, amax_scope=scope, fused=plan.fused, gemm=plan.gemm,
+                                  layer_cls=layer_cls)
         _set_submodule(model, sp.fqn, layer)
         sites.append(Site(sp.fqn, layer, tuple(sp.ladder), sp.reason))
     return PrecisionState(sites, backend, kept)

@@ -21,7 +21,7 @@ The key (`cache_key`) holds everything the quantization reads:
   tensor behind the Parameter (`.to()`, FSDP's unsharded gather) is a miss;
 * the operand's `QuantSpec` and the `fused` flag.
 
-What is never cached (`cacheable` says False and the layer quantizes as before):
+What is never cached (`cacheable` says False and the layer quantizes the weight on every call):
 
 * delayed scaling: the scale comes from an amax history that the layer's own forward
   records into, so the scale moves between the forward and the backward and between

@@ -135,7 +135,8 @@ def _cmd_ui(args) -> int:
     if missing:
         print(f"lowprec ui: {missing}", file=sys.stderr)
         return 2
-    # Job consumers are not needed to browse runs and cost start-up time (see FACTS.md).
+    # `mlflow server` starts job-consumer processes unless this is false (mlflow/server/jobs/__init__.py);
+    # browsing runs needs none, and they cost start-up time.
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     print(f"lowprec ui: http://127.0.0.1:{args.port} (store {uri}); Ctrl+C stops it", file=sys.stderr)
     return _serve(cmd, env)

@@ -162,7 +162,8 @@ def signals_figure(data: ReportData):
                           3.9, 8) + "\n" + textwrap.shorten(reason_text(ev, site, data.thresholds), 60)
         ax.set_title(title, fontsize=8, loc="left")
         ax.tick_params(labelsize=7)
-        ax.legend(fontsize=6)
+        # under the panel, clear of the data, and leaving the panel its width for the title
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(0.0, -0.3), ncol=3, frameon=False)
         if not keys:
             ax.text(0.5, 0.5, f"signal/{site}/... not logged", ha="center", va="center",
                     transform=ax.transAxes, fontsize=8)
@@ -271,6 +272,8 @@ def evals_figure(data: ReportData):
         ax.tick_params(labelsize=7)
         ax.set_xlabel(STEP_LABEL, fontsize=8)
         ax.set_ylabel(unit_label(name), fontsize=8)
+        # no offset or multiplier text above the axis, where the verdicts are written
+        ax.ticklabel_format(axis="y", style="plain", useOffset=False)
         ax.legend(fontsize=6)
     against = f"against {data.baseline_name} (dotted: its last)" if base_series else f"({NO_BASELINE})"
     fig.suptitle(fit_title(f"{data.run_name}: evals per checkpoint {against}; gate verdicts dash-dotted, "

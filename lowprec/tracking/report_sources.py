@@ -14,7 +14,8 @@ pictures can never disagree.
 rewind, the redone steps in the map they were redone in; the rewinds from the REWIND events
 and `train/rewound_to`, `rewinds`); the timeline and the FLOP-share panel are both drawn from
 it (`flops_share_steps`), so they cannot contradict each other. A step logged twice (after a
-rewind) keeps the later value; of its `time/` series only the later pass's points (those
+rewind) keeps the later value, and steps a rewind abandoned that the run never redid (past its
+end) are dropped (`_final_trajectory`); of its `time/` series only the later pass's points (those
 logged after the step's earlier `time/window_s`): a phase the redone window did not log
 counts as 0 there, not as the abandoned pass's seconds (`_final_pass`). A site's `output` signals
 other than `nonfinite` are never measured and not read (older runs logged them as zeros).
@@ -67,6 +68,11 @@ class ReportData:
 
     @property
     def last_step(self) -> int:
+        """The last step of the final trajectory: of the training loss where there is one (a
+        rewind's abandoned steps past the run's end are not on it), else of anything logged."""
+        loss = self.metrics.get(TRAIN_LOSS)
+        if loss:
+            return max(loss[-1][0], self.initial_step)
         steps = [s for series in self.metrics.values() for s, _ in series[-1:]] + [e.step for e in self.events]
         return max(steps, default=self.initial_step)
 
@@ -123,6 +129,35 @@ def _wanted(key: str, sites: set[str]) -> bool:
     site, role, stat = (key[len("signal/"):].rsplit("/", 2) + ["", ""])[:3]
     # a site's output is only checked for non-finite values: older runs logged zeros for the rest
     return site in sites and (role != "output" or stat == "nonfinite")
+
+
+TRAIN_LOSS, REWOUND_TO = "train/loss", "train/rewound_to"
+_REWIND_MARKS = (REWOUND_TO, "train/loss_rewound")   # logged at the step that rewound: kept
+
+
+def _final_trajectory(points: dict[str, list[tuple[int, float, float]]]) -> dict[str, dict[int, float]]:
+    """{key: [(step, timestamp, value)]} -> {key: {step: value}} along the final trajectory:
+    a rewind to step B (a `train/rewound_to` point, logged when it happened) abandons every
+    point logged before it at a step from B on; the redone steps log theirs again, and the
+    abandoned steps past the run's end are dropped. Otherwise the latest value of a step wins.
+    Timestamps order the points (the journal's line first); MLflow's are milliseconds, finer
+    than a training step, so an abandoned step's points are older than the rewind and a
+    redone step's points are not."""
+    backs = sorted((ts, int(v)) for _, ts, v in points.get(REWOUND_TO, []))
+    out: dict[str, dict[int, float]] = {}
+    for key, pts in points.items():
+        kept: dict[int, float] = {}
+        i = 0
+        for step, ts, v in sorted(pts, key=lambda p: p[1]):
+            while key not in _REWIND_MARKS and i < len(backs) and backs[i][0] <= ts:
+                kept = {k: x for k, x in kept.items() if k < backs[i][1]}
+                i += 1
+            kept[step] = v
+        while key not in _REWIND_MARKS and i < len(backs):
+            kept = {k: x for k, x in kept.items() if k < backs[i][1]}
+            i += 1
+        out[key] = kept
+    return out
 
 
 def _final_pass(timed: dict[str, list[tuple[int, float, float]]]) -> dict[str, dict[int, float]]:
@@ -234,19 +269,20 @@ def from_run_dir(run_dir: str | os.PathLike) -> ReportData:
     events = read_events(d / "events.jsonl")
     pmap = json.loads((d / "files" / "precision_map.json").read_text()) if (d / "files" / "precision_map.json").exists() else {}
     sites = set(fallback_sites(events))
-    points: dict[str, dict[int, float]] = {}
+    logged: dict[str, list[tuple[int, float, float]]] = {}
     timed: dict[str, list[tuple[int, float, float]]] = {}
     journal = d / "outbox.jsonl"
     if journal.exists():
         with open(journal) as f:
-            for line in f:
+            for n, line in enumerate(f):
                 if '"op":"metrics"' not in line:
                     continue
                 for k, v, ts, step in json.loads(line)["metrics"]:
                     if k.startswith("time/"):
                         timed.setdefault(k, []).append((int(step), float(ts), float(v)))
-                    elif _wanted(k, sites):
-                        points.setdefault(k, {})[int(step)] = float(v)  # the latest value of a step wins
+                    elif _wanted(k, sites):   # ordered by the journal's line, then its timestamp
+                        logged.setdefault(k, []).append((int(step), (n, float(ts)), float(v)))
+    points = _final_trajectory(logged)
     points.update(_final_pass(timed))
     metrics = {k: sorted(v.items()) for k, v in points.items()}
     cfg_file = d / "files" / "config.yaml"
@@ -277,7 +313,8 @@ def from_mlflow(client, run_id: str) -> ReportData:
             if key.startswith("time/"):
                 timed[key] = [(m.step, m.timestamp, m.value) for m in hist]
             else:
-                metrics[key] = sorted({m.step: m.value for m in hist}.items())
+                metrics[key] = [(m.step, m.timestamp, m.value) for m in hist]
+    metrics = {k: sorted(v.items()) for k, v in _final_trajectory(metrics).items()}
     metrics.update({k: sorted(v.items()) for k, v in _final_pass(timed).items()})
     data = ReportData(run.info.run_name or run_id, pmap.get("initial", {}), pmap.get("initial_step", 0),
                       events, metrics, metrics.get(BASELINE_LOSS, []), _thresholds(run.data.params))
@@ -306,10 +343,10 @@ def events_tags(events: list[Event], run_name: str = "") -> dict[str, str]:
     promoted = [e.stage or "?" for e in by[EventKind.PROMOTE]]
     fb_sites = [f"{s}@{e.step}" for e in by[EventKind.FALLBACK] for s in e.sites]
     quarantined = sorted({s for e in by[EventKind.QUARANTINE] for s in e.sites})
-    gates = [f"step {e.step}{' ' + e.stage if e.stage else ''}: {e.evidence.get('verdict', e.reason)}"
+    gates = [f"step {e.step}{' ' + e.stage if e.stage else ''}: {_gate_outcome(e, events)}"
              for e in by[EventKind.GATE]]
     tags = {
-        "lowprec.stage": promoted[-1] if promoted else "none",
+        "lowprec.stage": _stage_now(events),
         "lowprec.stages_promoted": ", ".join(promoted) or "none",
         "lowprec.fallbacks": str(len(fb_sites)),
         "lowprec.fallback_sites": ", ".join(fb_sites) or "none",
@@ -318,7 +355,7 @@ def events_tags(events: list[Event], run_name: str = "") -> dict[str, str]:
         "lowprec.skipped_steps": str(len(by[EventKind.SKIP_STEP])),
         "lowprec.replays": str(len(by[EventKind.REPLAY])),
         "lowprec.quarantined": ", ".join(quarantined) or "none",
-        "lowprec.gate": str(by[EventKind.GATE][-1].evidence.get("verdict", "?")) if gates else "none",
+        "lowprec.gate": _gate_outcome(by[EventKind.GATE][-1], events) if gates else "none",
         "lowprec.gates": "; ".join(gates) or "none",
         "mlflow.loggedArtifacts": json.dumps([{"path": "events.json", "type": "table"}]),
     }
@@ -326,8 +363,27 @@ def events_tags(events: list[Event], run_name: str = "") -> dict[str, str]:
     return tags
 
 
+def _stage_now(events: list[Event]) -> str:
+    """The newest stage still promoted at the end (a rollback takes its stage back), or "none"."""
+    promoted: list[str] = []
+    for e in events:
+        if e.kind == EventKind.PROMOTE:
+            promoted.append(e.stage or "?")
+        elif e.kind == EventKind.ROLLBACK and e.stage in promoted:
+            promoted.remove(e.stage)
+    return promoted[-1] if promoted else "none"
+
+
+def _gate_outcome(gate: Event, events: list[Event]) -> str:
+    """A gate's verdict as it stands: a regression the window judgment found not to be
+    precision's (a NOT_PRECISION event at the same step) demoted nothing and says so."""
+    verdict = str(gate.evidence.get("verdict", "?"))
+    cleared = any(e.kind == EventKind.NOT_PRECISION and e.step == gate.step for e in events)
+    return f"{verdict} (not precision: nothing demoted)" if verdict == "regress" and cleared else verdict
+
+
 def _note(events: list[Event], tags: dict[str, str], run_name: str) -> str:
-    head = (f"**lowprec rollout {run_name}**: stage reached **{tags['lowprec.stage']}**, "
+    head = (f"**lowprec rollout {run_name}**: stage now **{tags['lowprec.stage']}**, "
             f"{tags['lowprec.fallbacks']} fallbacks, {tags['lowprec.rollbacks']} rollbacks, "
             f"{tags['lowprec.rewinds']} rewinds, quarantined: {tags['lowprec.quarantined']}, "
             f"last gate: {tags['lowprec.gate']}.\n\n"

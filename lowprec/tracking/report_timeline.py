@@ -27,12 +27,14 @@ FORMAT_COLORS = {"bf16": "#d9d9d9", "fp8_delayed": "#9ecae1", "fp8_tensorwise": 
                  "fp8_rowwise": "#2171b5", "fp8_blockwise": "#41ab5d", "mxfp8": "#238b45",
                  "mxfp4": "#fd8d3c", "nvfp4": "#d94801"}
 _EXTRA = ["#807dba", "#e7298a", "#a6761d", "#66a61e", "#e6ab02"]
+# a (colour, line style) per EventKind (tests/lowprec/tracking/test_report_events.py checks every kind has one)
 EVENT_STYLE = {EventKind.PROMOTE: ("#238b45", ":"), EventKind.ROLLBACK: ("#cb181d", "--"),
                EventKind.REWIND: ("#67000d", "--"), EventKind.SKIP_STEP: ("#969696", ":"),
                EventKind.FALLBACK: ("#cb181d", "-"), EventKind.RETRY: ("#6a51a3", ":"),
                EventKind.QUARANTINE: ("#000000", "-"), EventKind.GATE: ("#08519c", "-."),
                EventKind.REPLAY: ("#fdae6b", ":"), EventKind.ACCEPT: ("#737373", "-."),
-               EventKind.HOLD: ("#d94801", "-.")}
+               EventKind.HOLD: ("#d94801", "-."), EventKind.WINDOW: ("#9e9ac8", ":"),
+               EventKind.NOT_PRECISION: ("#54278f", "-.")}
 _BLOCK = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
 
 
@@ -269,6 +271,8 @@ def _draw_strip(strip, ax, data: ReportData, last: int) -> None:
             items.append((e.step, f"gate {e.stage + ' ' if e.stage else ''}{v}", "#006d2c" if v == "pass" else "#a50f15"))
         elif e.kind == EventKind.HOLD:
             items.append((e.step, f"hold {e.stage or ''}".strip(), color))
+        elif e.kind == EventKind.NOT_PRECISION:   # a window judged: what precision was cleared of
+            items.append((e.step, "not precision", color))
     for x, lvl, text, color in _place_labels(items, last - data.initial_step):
         strip.text(x, lvl + 0.5, text, fontsize=7.5, color=color, va="center", ha="left", clip_on=False,
                    bbox=dict(boxstyle="round,pad=0.15", fc="white", ec=color, lw=0.6))

@@ -26,7 +26,7 @@ import importlib.util
 import pytest
 import torch
 
-from eval_suites import DataUnavailable
+from lowprec.evals import DataUnavailable
 from experiments import smollm2
 from experiments.pretrained import PLANS, EvalSettings, prepared_copy, report, run_eval
 from lowprec.sites.layers import PrecisionLinear

@@ -95,7 +95,7 @@ def test_a_broken_or_clashing_entry_point_is_left_out_with_a_warning(monkeypatch
     import lowprec.cli as cli
 
     eps = [EntryPoint("broken", "no_such_module_for_lowprec_tests:register", cli.ENTRY_POINT_GROUP),
-           EntryPoint("plan", "gates.cli:register", cli.ENTRY_POINT_GROUP)]
+           EntryPoint("plan", "lowprec.gates.cli:register", cli.ENTRY_POINT_GROUP)]
     monkeypatch.setattr(cli, "entry_points", lambda group: [e for e in eps if e.group == group])
     parser = cli.build_parser()
     err = capsys.readouterr().err

@@ -1,25 +1,24 @@
 """Backends that run a quantized linear layer's GEMMs: `emulated`, `torch`, `te`, `torchao`.
 
 `emulated` and `torch` share `lowprec.sites.layers.PrecisionLinear` and differ only in the
-GEMM (`Backend.gemm`): the emulated one multiplies grid values in FP32 on any device,
+GEMM (their `gemm`): the emulated one multiplies grid values in FP32 on any device,
 the torch one calls `torch._scaled_mm` on real FP8 tensors. `te` swaps in Transformer
 Engine modules instead (see `lowprec.sites.backends.te`), and `torchao` swaps in torchao's
 `Float8Linear` (see `lowprec.sites.backends.torchao_backend`); both are imported only when named.
-`get_backend(name)` turns the config's string into an object; an unknown name lists the
-known ones.
+Every backend implements `Backend` (lowprec.sites.backends.protocol: `supports`, `make_site`,
+`fast_path`, `fp8_storage`) and every backend's site satisfies `SiteModule`; the two whose
+sites are PrecisionLinear also have `gemm(a, b)`, a @ b.T in FP32 for two `Quantized`
+operands, K last in both. `get_backend(name)` turns the config's string into an object; an
+unknown name lists the known ones.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
-import torch
-
-from lowprec.numerics.formats import Format
 from lowprec.base.parse import suggest
 from lowprec.base.enums import StrEnum
+from lowprec.sites.backends.protocol import Backend, SiteModule, UnsupportedFormatError
 
-__all__ = ["Backend", "BackendName", "get_backend", "BACKEND_NAMES"]
+__all__ = ["Backend", "BackendName", "SiteModule", "UnsupportedFormatError", "get_backend", "BACKEND_NAMES"]
 
 
 class BackendName(StrEnum):
@@ -35,18 +34,7 @@ class BackendName(StrEnum):
 BACKEND_NAMES = tuple(b.value for b in BackendName)
 
 
-class Backend(Protocol):
-    name: str
-
-    def supports(self, fmt: Format) -> tuple[bool, str]:
-        """(True, "") if this backend can run `fmt`, else (False, why and what to do)."""
-
-    def gemm(self, a, b) -> torch.Tensor:
-        """a @ b.T in FP32 for two `Quantized` operands (or plain tensors), K last in both.
-        (`te` and `torchao` have no gemm: their sites are whole modules, built by `make_site`.)"""
-
-
-def get_backend(name: str | BackendName) -> "Backend":
+def get_backend(name: str | BackendName) -> Backend:
     try:
         kind = BackendName(name)
     except ValueError:

@@ -14,6 +14,7 @@ import torch
 
 from lowprec.numerics.formats import Format
 from lowprec.numerics.quantize import Quantized
+from lowprec.sites.backends.linear_sites import PrecisionLinearSites
 
 __all__ = ["EmulatedBackend", "dequantize_for_gemm"]
 
@@ -28,8 +29,10 @@ def dequantize_for_gemm(t) -> torch.Tensor:
     return (vb * t.scale_inv).reshape(rows, k)
 
 
-class EmulatedBackend:
+class EmulatedBackend(PrecisionLinearSites):
     name = "emulated"
+    fast_path = False     # every format through PrecisionLinear's quantized GEMMs
+    fp8_storage = False   # cached weights stay FP32 grid values (what this GEMM multiplies)
 
     def supports(self, fmt: Format) -> tuple[bool, str]:
         return True, ""

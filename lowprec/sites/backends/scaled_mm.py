@@ -16,8 +16,8 @@ row-wise GEMMs on CUDA return BF16 upcast to FP32 (documented in docs/performanc
 BF16 output: `gemm(a, b, out_dtype=torch.bfloat16)` on CUDA asks `_scaled_mm` for a BF16
 result directly (the epilogue rounds the FP32 accumulator once; no FP32 tensor and no
 separate cast pass), which is what `PrecisionLinear` asks for when its input is BF16. On
-CPU the result stays FP32 and the layer casts it, exactly as before, so CPU numerics and
-the bit-for-bit agreement with the `emulated` backend are unchanged.
+CPU the result stays FP32 and the layer casts it, so CPU numerics agree bit for bit with
+the `emulated` backend.
 """
 
 from __future__ import annotations
@@ -25,14 +25,16 @@ from __future__ import annotations
 import torch
 
 from lowprec.numerics.formats import Format, Scaling
+from lowprec.numerics.padding import pad16
 from lowprec.numerics.quantize import Quantized
+from lowprec.sites.backends.linear_sites import PrecisionLinearSites
 
 __all__ = ["ScaledMMBackend"]
 
 _SUPPORTED = (Scaling.TENSOR, Scaling.DELAYED, Scaling.ROW)
 
 
-class ScaledMMBackend:
+class ScaledMMBackend(PrecisionLinearSites):
     name = "torch"
     native_out_dtype = True   # gemm takes out_dtype (BF16 on CUDA)
     fp8_storage = True        # cached weights keep their FP8 storage form (lowprec.sites.weight_cache)
@@ -69,7 +71,7 @@ class ScaledMMBackend:
         if qa.is_cuda and (m % 16 or qb.shape[0] % 16 or qa.shape[1] % 16):
             # cuBLASLt needs every dimension a multiple of 16 (an eval window of odd length):
             # zero rows/columns change no product and no scale; the padding is sliced off
-            qa, qb, sa, sb = _pad16(qa, qb, sa, sb)
+            qa, qb, sa, sb = pad16(qa, qb, sa, sb)
         native_bf16 = a.values.is_cuda and out_dtype == torch.bfloat16
         cuda_rowwise = a.values.is_cuda and sa.dim() == 2
         mm_dtype = torch.bfloat16 if (cuda_rowwise or native_bf16) else torch.float32
@@ -80,15 +82,3 @@ class ScaledMMBackend:
     def __repr__(self) -> str:
         return "ScaledMMBackend()"
 
-
-def _pad16(qa, qb, sa, sb):
-    """Zero-pad a (M, K) and b (N, K) to multiples of 16; row-wise scales padded with ones."""
-    import torch.nn.functional as F
-    pm, pn, pk = (-qa.shape[0]) % 16, (-qb.shape[0]) % 16, (-qa.shape[1]) % 16
-    qa = F.pad(qa.view(torch.uint8), (0, pk, 0, pm)).view(qa.dtype)  # FP8 zero is all bits 0
-    qb = F.pad(qb.view(torch.uint8), (0, pk, 0, pn)).view(qb.dtype)
-    if sa.dim() == 2 and pm:
-        sa = F.pad(sa, (0, 0, 0, pm), value=1.0)
-    if sb.dim() == 2 and pn:
-        sb = F.pad(sb, (0, pn), value=1.0)
-    return qa, qb, sa, sb

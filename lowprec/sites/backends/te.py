@@ -40,7 +40,7 @@ names checked at tags v2.6 and v2.9; paths under transformer_engine/):
   overrides `register_parameter` only to stash init metadata and forward reads
   `getattr(self, "weight")`, so `te_linear.weight = existing_parameter` re-binds it.
   Outside `torch.autocast` the input dtype must equal the parameter dtype.
-* Fresh amax history (FACTS.md, TE issue #982): a module that leaves FP8 keeps its
+* Fresh amax history (NVIDIA/TransformerEngine issue #982): a module that leaves FP8 keeps its
   `fp8_meta["scaling_fwd"|"scaling_bwd"]` scale and amax history and reuses them when it
   comes back. Changing one module's recipe in place is unsafe: the reduction buffers
   register a module once (`buffer_index_and_autocast_key` in
@@ -63,6 +63,8 @@ import torch
 import torch.nn.functional as F
 
 from lowprec.numerics.formats import E2M1, E4M3, E5M2, FORMATS, Format, Rounding, ScaleEncoding, Scaling, get_format
+from lowprec.sites.amax_scope import AmaxScope
+from lowprec.sites.backends.protocol import UnsupportedFormatError
 
 __all__ = ["probe", "require_te", "RecipeSpec", "UnsupportedFormatError", "recipe_spec", "recipe_for",
            "supports", "te_format_names", "TELinearSite", "TEBackend", "autocast_region"]
@@ -132,10 +134,6 @@ def require_te() -> None:
     ok, reason = probe()
     if not ok:
         raise RuntimeError(f"backend 'te' is not available: {reason}")
-
-
-class UnsupportedFormatError(ValueError):
-    """A lowprec format that no Transformer Engine recipe computes."""
 
 
 class _NoRecipe(Exception):
@@ -320,6 +318,9 @@ class TELinearSite(torch.nn.Module):
         self.site_name, self.amax_reduction_group = name, amax_reduction_group
         self._te_modules: dict[Format, Any] = {}        # plain dict: no submodules, no TE extra state
         self._recipes: dict[Format, Any] = {}
+        self.collect_stats = True     # TE computes its own scales; lowprec reads no statistics from it
+        self.stats: dict = {}
+        self.histories: dict = {}     # TE's delayed-scaling histories live in its modules
         self.format = get_format("bf16")
         self.set_format(fmt)
 
@@ -388,10 +389,20 @@ class TEBackend:
     """`lowprec.sites.backends.get_backend("te")`: sites are whole te.Linear modules, not GEMMs."""
 
     name = "te"
+    fast_path = False     # sites are TE modules, not PrecisionLinear
+    fp8_storage = False
 
     def supports(self, fmt: Format | str) -> tuple[bool, str]:
         return supports(fmt)
 
     def make_site(self, linear: torch.nn.Linear, fmt: Format | str = "bf16", *, name: str | None = None,
-                  amax_reduction_group=None) -> TELinearSite:
-        return TELinearSite(linear, fmt, name=name, amax_reduction_group=amax_reduction_group)
+                  seed: int = 0, amax_group=None, amax_scope: AmaxScope = AmaxScope.GROUP, fused: bool = False, gemm=None,
+                  layer_cls: type | None = None) -> TELinearSite:
+        """A TELinearSite; `amax_group` is TE's `amax_reduction_group`. TE has its own cast kernels and
+        random state, so `fused` and `seed` do not apply; a `layer_cls` is refused (TE makes the layer)."""
+        if amax_scope is AmaxScope.LOCAL:   # every rank its own amaxes
+            amax_group = None
+        if layer_cls is not None:
+            raise ValueError(f"the te backend makes its own layers; layer_cls={layer_cls.__name__} needs the "
+                             f"emulated or torch backend")
+        return TELinearSite(linear, fmt, name=name, amax_reduction_group=amax_group)

@@ -67,6 +67,8 @@ from torch import nn
 
 from lowprec.numerics.formats import E2M1, FORMATS, Format, ScaleEncoding, Scaling, get_format
 from lowprec.numerics.quantize import quantize
+from lowprec.sites.amax_scope import AmaxScope
+from lowprec.sites.backends.protocol import UnsupportedFormatError
 
 __all__ = ["MIN_VERSION", "RECIPES", "UnsupportedFormatError", "probe", "require_torchao", "recipe_name",
            "float8_config", "TorchAOLinearSite", "TorchAOBackend"]
@@ -75,10 +77,6 @@ MIN_VERSION = (0, 12)
 # lowprec format -> torchao recipe (`Float8LinearConfig.from_recipe_name`) with the same numerics
 RECIPES = {"fp8_tensorwise": "tensorwise", "fp8_rowwise_e4m3_pow2": "rowwise"}
 _HOW_TO_INSTALL = "pip install 'lowprec[torchao]' (torchao>=0.12), or use backend 'emulated' or 'torch'"
-
-
-class UnsupportedFormatError(ValueError):
-    """A lowprec format that no torchao float8 training recipe computes."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -104,8 +102,10 @@ def require_torchao() -> None:
 
 
 def _float8():
+    from lowprec.base.quiet import quiet_imports
     require_torchao()
-    return importlib.import_module("torchao.float8")
+    with quiet_imports():   # torchao's unloadable optional extensions and pytree's deprecations: not the user's
+        return importlib.import_module("torchao.float8")
 
 
 def _why_not(fmt: Format) -> str:
@@ -298,6 +298,8 @@ class TorchAOBackend:
     """
 
     name = "torchao"
+    fast_path = False     # sites are torchao Float8Linear modules, not PrecisionLinear
+    fp8_storage = False
 
     def __init__(self, emulate: bool | None = None):
         self.emulate = emulate
@@ -316,7 +318,15 @@ class TorchAOBackend:
         return (True, "") if ok else (False, why)
 
     def make_site(self, linear: nn.Linear, fmt: Format | str = "bf16", *, name: str | None = None,
-                  amax_group=None, fused: bool = False) -> TorchAOLinearSite:
+                  seed: int = 0, amax_group=None, amax_scope: AmaxScope = AmaxScope.GROUP, fused: bool = False, gemm=None,
+                  layer_cls: type | None = None) -> TorchAOLinearSite:
+        """A TorchAOLinearSite (`seed` does not apply: no stochastic rounding or Hadamard here); an
+        `amax_group` and a `layer_cls` are refused."""
+        if amax_scope is AmaxScope.LOCAL:   # every rank its own amaxes
+            amax_group = None
+        if layer_cls is not None:
+            raise ValueError(f"the torchao backend makes its own layers; layer_cls={layer_cls.__name__} needs "
+                             f"the emulated or torch backend")
         if amax_group is not None:
             raise ValueError(
                 "backend 'torchao' computes each rank's scales from its local tensors (torchao reduces "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from eval_suites.corpora import clean_text, split_texts
+from lowprec.evals.corpora import clean_text, split_texts
 
 BLOCK = 64
 

@@ -1,8 +1,9 @@
 """One fault trace through the four hosts lowprec runs in gives the same decisions.
 
 The hosts: a user's own loop (`lowprec.runtime.Session`, what `lowprec run`'s loop drives),
-the Hugging Face Trainer callback, the Lightning callback and the torchtitan converter (its
-model-config converter and post-optimizer-build function, as torchtitan 0.3 calls them). Each
+the Hugging Face Trainer callback, the Lightning callback and torchtitan's real Trainer
+(`torchtitan.train` under torchrun with `LowprecTrainer`: the converter prepares the model
+when torchtitan builds it, the trainer hosts the rollout). Each
 trains the tiny Llama from the same initial weights on the same batches in the same order with
 AdamW (constant LR, gradients clipped to norm 1), under one config: two stages promoted on
 schedule, then an overflow injected into one MLP site's input (delayed scaling saturates
@@ -10,9 +11,9 @@ it) at the same steps. The decisions (promotions, the fallback: kind, step, stag
 must be the same in all four (the numbers in their evidence may differ in the last bits:
 each framework computes the loss in its own way).
 
-torchtitan's converter sees no loss, so the trace is one every host can see: statistics
-from the quantizers, not loss spikes (the loss detectors are set out of reach here, and the
-overflow's loss is applied by every host alike).
+The trace is the quantizers' statistics, not loss spikes (the loss detectors are set out of
+reach here, and the overflow's loss is applied by every host alike): each host computes the
+loss in its own way, so loss-based decisions could differ in the last bits.
 """
 
 from __future__ import annotations
@@ -140,66 +141,44 @@ def lightning_trainer(config, tmp) -> list[tuple]:
     return _decisions(lp.session.events)
 
 
-def torchtitan_converter(config, tmp) -> list[tuple]:
-    """The converter as torchtitan 0.3 drives it: `LowprecConverter.Config` built and applied to
-    the model config (what a model's `model_registry(..., converters=[...])` does), the model
-    built from that config, then the model spec's `post_optimizer_build_fn` (`with_rollout`'s)
-    given the optimizer, whose step post-hook concludes each step. The model is the same tiny
-    Llama, as a torchtitan model whose config builds it (its modules keep their HF names)."""
-    from dataclasses import dataclass
+def torchtitan_trainer(config, tmp, port) -> list[tuple]:
+    """torchtitan's real Trainer (`torchtitan.train`'s main under torchrun, one rank, gloo, CPU),
+    built by `lowprec_trainer`: the job module titan_tiny_llama.py trains the same tiny Llama
+    (as a torchtitan model) on the same batches with the same optimizer and overflow."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.protocols.model import BaseModel
-    from torchtitan.protocols.model_spec import ModelSpec
-
-    from lowprec.integrations.torchtitan import LowprecConverter, rollout_of, with_rollout
-
-    class TinyLlama(BaseModel):
-        @dataclass(kw_only=True, slots=True)
-        class Config(BaseModel.Config):
-            def update_from_config(self, *, config, **kwargs) -> None:
-                pass
-
-            def get_nparams_and_flops(self, model, seq_len: int) -> tuple[int, int]:
-                return 0, 0
-
-        def __init__(self, config):
-            super().__init__()
-            hf = tiny_llama()
-            self.model, self.lm_head = hf.model, hf.lm_head   # the same modules, under the same names
-            self._hf = (hf,)                                  # its forward and loss, not a submodule
-
-        def forward(self, **batch):
-            return self._hf[0](**batch).loss
-
-    model_config = LowprecConverter.Config(config=str(config)).build().convert(TinyLlama.Config())
-    spec = with_rollout(ModelSpec(name="tiny_llama", flavor="test", model=model_config, parallelize_fn=None,
-                                  pipelining_fn=None, post_optimizer_build_fn=None, state_dict_adapter=None))
-    model = spec.model.build()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    spec.post_optimizer_build_fn(opt, [model], ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1,
-                                                            world_size=1))
-    faults = Faults(model, [OVERFLOW])
-    for i, batch in enumerate(_batches()):
-        faults.tick(i)
-        opt.zero_grad()
-        model(**batch).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # as torchtitan's train_step does
-        opt.step()
-    rollout = rollout_of(model)
-    rollout.close()
-    return _decisions(rollout.events)
+    from titan_helpers import HERE, REPO, write_tokenizer
+    job = tmp / "titan"
+    job.mkdir()
+    (job / "titan_tiny_llama.json").write_text(json.dumps({
+        "plan": str(config), "events": "", "tokenizer": str(write_tokenizer(job / "tokenizer")),
+        "dump": str(job / "dump"), "steps": STEPS, "lr": LR,
+        "faults": [{"kind": OVERFLOW.kind.value, "site": OVERFLOW.site, "start": OVERFLOW.start,
+                    "stop": OVERFLOW.stop, "factor": OVERFLOW.factor}]}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO)]), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "1", "--master-addr",
+                        "127.0.0.1", "--master-port", str(port), str(HERE / "titan_launch.py"), "--module",
+                        "titan_tiny_llama", "--config", "tiny_llama_lowprec"],
+                       cwd=job, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    from lowprec.policy.events import Event
+    return _decisions(Event.from_dict(json.loads(x)) for x in json.loads((job / "dump" / "events.json").read_text()))
 
 
-def test_one_fault_trace_gives_the_same_decisions_in_all_four_hosts(tmp_path, monkeypatch):
+def test_one_fault_trace_gives_the_same_decisions_in_all_four_hosts(tmp_path, monkeypatch, free_port):
     pytest.importorskip("torchtitan")
     monkeypatch.chdir(tmp_path)
-    config = tmp_path / "lowprec.yaml"     # what a Session and torchtitan's converter read
+    config = tmp_path / "lowprec.yaml"     # what a Session reads
     config.write_text(CONFIG)
-    framework = tmp_path / "framework.yaml"   # the HF and Lightning callbacks' file: the same, untracked
+    framework = tmp_path / "framework.yaml"   # the HF, Lightning and torchtitan hosts' file: the same, untracked
     framework.write_text(CONFIG + "tracking: {enabled: false}\n")
     got = {"own loop (Session)": own_loop(config), "HF Trainer": hf_trainer(framework, tmp_path),
-           "Lightning": lightning_trainer(framework, tmp_path), "torchtitan": torchtitan_converter(config, tmp_path)}
+           "Lightning": lightning_trainer(framework, tmp_path),
+           "torchtitan Trainer": torchtitan_trainer(framework, tmp_path, free_port())}
     want = got["own loop (Session)"]
     kinds = [d[0] for d in want]
     # the trace is not empty: both stages promoted, then the overflowing site fell back

@@ -8,7 +8,7 @@ One known difference is not a bug: PyTorch's float8_e5m2 cast does not saturate
 (|v| >= 61440 gives inf, the rounding of the first value past 57344), while lowprec
 saturates every finite value to +-57344. The naive route therefore clamps to +-max before
 casting, and test_e5m2_cast_differs_only_by_saturation pins the difference down.
-float8_e4m3fn casts saturate in PyTorch 2.13 (FACTS.md) but gave NaN past 464 in 2.11
+float8_e4m3fn casts saturate in PyTorch 2.13 but gave NaN past 464 in 2.11
 (seen on CPU and CUDA), so E4M3 values are clamped before the cast too.
 
 The CUDA variants run where a GPU is present (and are skipped elsewhere): the same

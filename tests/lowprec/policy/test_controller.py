@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from lowprec.policy.anomaly import AnomalyKind
 from lowprec.policy.controller import Action, ControllerConfig, RolloutController, Stage, Thresholds
+from lowprec.policy.detectors import SpikeDetector
 from lowprec.policy.events import EventKind, replay
 from lowprec.numerics.formats import FORMATS
 from lowprec.policy.monitor import Signals, SiteSignals
@@ -426,10 +427,28 @@ def test_a_loss_gap_precision_did_not_cause_demotes_nothing_and_is_not_judged_ag
     assert groups[0] == [s for s in STAGES[ctl.promoted - 1].sites]
     # the same gap at the next check: accepted, not judged again (one window per suspicion)
     d = ctl.observe(99, signals(99, loss=2.3))
-    assert len(calls) == 1 and not d.changes
+    assert len(calls) == 1 and {e.kind for e in d.events} <= {EventKind.PROMOTE}
     # a gap that grows further above it is a new suspicion
     ctl.observe(109, signals(109, loss=2.9))
     assert len(calls) == 2
+
+
+def test_a_verdict_of_not_precision_does_not_hold_the_schedule_up():
+    """The same run with and without a loss gap judged not precision's at step 89: the next
+    stage promotes at the same check (the suspicion cost its window, not min_steps more)."""
+    def next_promotion(judged: bool) -> int:
+        ctl = _gapped()
+        if judged:
+            ctl.judge, calls = _judged(False)
+            assert any(e.kind == EventKind.NOT_PRECISION for e in ctl.observe(89, signals(89, loss=2.3)).events)
+        else:
+            assert not ctl.observe(89, signals(89)).events
+        for step in range(99, 300, CHECK):
+            if any(e.kind == EventKind.PROMOTE for e in ctl.observe(step, signals(step, loss=2.3 if judged else 2.0)).events):
+                return step
+        raise AssertionError("no promotion")
+
+    assert next_promotion(True) == next_promotion(False)
 
 
 def test_a_loss_gap_precision_closes_rolls_the_newest_stage_back_and_rewinds():
@@ -500,3 +519,36 @@ def test_an_eval_regression_is_judged_by_its_window_too():
     ctl.judge, _ = _judged(True, STAGES[ctl.promoted - 1].sites)
     d = ctl.observe_gate(100, _Regress())
     assert any(e.kind == EventKind.ROLLBACK for e in d.events) and d.action is Action.CONTINUE
+
+
+# ---------------------------------------------------------------------------- what a rewind discarded
+def test_a_rewind_leaves_the_detectors_as_if_the_discarded_steps_never_happened():
+    """Steps 60-89 train on (their losses drift up, under the gap's threshold, one grad norm
+    jumps), then the run goes back to step 60: the loss gap's smoothed loss, the spike
+    histories and the pending anomalies are those of a run that stopped at step 59, so the
+    redone steps are judged against what the run kept, not what it threw away."""
+    kept = [(s, signals(s)) for s in range(9, 60, CHECK)]
+    discarded = [(s, signals(s, loss=2.004, norm=1.2)) for s in range(69, 90, CHECK)]
+    rewound, reference = (make(baseline={s: 2.0 for s in range(400)}, loss_gap=0.01) for _ in range(2))
+    run(rewound, kept + discarded)
+    run(reference, kept)
+    assert rewound.loss_gap.ema != reference.loss_gap.ema
+    rewound.pending.append(("loss_spike", {"step": 75}))
+    rewound.rewound(60)
+    assert rewound.loss_gap.state_dict() == reference.loss_gap.state_dict()
+    assert rewound.detectors.state_dict() == reference.detectors.state_dict()
+    assert rewound.pending == reference.pending == []
+
+
+def test_the_spike_reference_forgets_early_training():
+    """Early training's grad norms (large and falling) do not widen the limit later: a jump
+    to 5x the settled level is a spike at step 80 of a run whose first 20 norms were 4-8."""
+    det = SpikeDetector(window=128, sigmas=6.0, min_history=16)
+    early = [8.0 - 0.2 * i for i in range(20)]          # 8 down to 4.2
+    settled = [0.7 + 0.05 * ((i * 7) % 5 - 2) for i in range(60)]
+    for step, v in enumerate(early + settled):
+        assert not det.update(v, step)[0]
+    spike, ev = det.test(3.5)
+    assert spike and ev["window"] == 40 and ev["limit"] < 1.5
+    det.rewound(60)                                     # the steps 60..79 are gone: the reference is 30..59
+    assert len(det.values) == 60 and det.reference() == settled[10:40]

