@@ -144,7 +144,7 @@ class DataTensorParallel:
 class ShardedTensorParallel:
     """FSDP2 over tensor-parallel shards on a 2-D mesh (dp_shard, tp); see the module docstring."""
 
-    def __init__(self, model: nn.Module, mesh, microbatches: int):
+    def __init__(self, model: nn.Module, mesh, microbatches: int, fp8_all_gather: bool = False):
         from lowprec.runtime.fsdp import FullyShardedDP
 
         self.mesh = mesh
@@ -152,7 +152,8 @@ class ShardedTensorParallel:
         self.tp_rank = mesh.get_local_rank("tp")
         if self.tp > 1:
             model.tensor_parallel(mesh["tp"])
-        self.fsdp = FullyShardedDP(model, mesh_or_group=mesh["dp_shard"], microbatches=microbatches)
+        self.fsdp = FullyShardedDP(model, mesh_or_group=mesh["dp_shard"], microbatches=microbatches,
+                                   fp8_all_gather=fp8_all_gather)
         self.module, self.params = self.fsdp.module, self.fsdp.params
         self.world_group = dist.group.WORLD   # the mesh spans every rank
         self.clock = NULL_CLOCK
@@ -300,6 +301,6 @@ def build_engine(model: nn.Module, par, microbatches: int):
     mesh = init_device_mesh("cpu", (dp, par.tp), mesh_dim_names=(dp_name, "tp"))
     if dp > 1:
         set_amax_group(model, mesh.get_group(dp_name))
-    engine = (ShardedTensorParallel(model, mesh, microbatches) if par.dp_shard > 1
+    engine = (ShardedTensorParallel(model, mesh, microbatches, fp8_all_gather=par.fp8_all_gather) if par.dp_shard > 1
               else DataTensorParallel(model, mesh, microbatches))
     return engine, mesh.get_local_rank(dp_name), dp

@@ -37,6 +37,8 @@ def test_it_round_trips():
     ({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, "parallel.tp", "HSDP with tensor parallel (a 3-D mesh)"),
     ({"tp": 0}, "parallel.tp", "expected a number of ranks >= 1, found 0"),
     ({"peer_timeout_s": 0}, "parallel.peer_timeout_s", "expected seconds > 0"),
+    ({"dp_shard": 2, "tp": 2, "fp8_all_gather": True}, "parallel.fp8_all_gather", "runs under FSDP2 alone"),
+    ({"dp_replicate": 2, "fp8_all_gather": True}, "parallel.fp8_all_gather", "runs under FSDP2 alone"),
     ({"tp_size": 2}, "parallel.tp_size", "tp"),                                 # did you mean
     ({"dp_shard": 3}, "train.batch_size", "8 does not split into 3 data-parallel ranks x 1 microbatches"),
 ])
@@ -50,3 +52,13 @@ def test_evals_are_refused_with_more_than_one_process():
     with pytest.raises(ConfigError) as e:
         LowprecConfig.from_dict({**BASE, "eval": {"every": 0}, "parallel": {"tp": 2}})
     assert e.value.path == "eval" and "evaluation checkpoints run in one process only" in e.value.message
+
+
+def test_fp8_all_gather_reaches_the_fsdp2_engine():
+    """`parallel.fp8_all_gather` is read from the config and handed to FSDP2's engine (the
+    engine's own FP8 gather is tested under torchrun: tests/lowprec/sites/fast_path)."""
+    import inspect
+    from lowprec.runtime.parallel import ShardedTensorParallel
+    assert config(dp_shard=2, fp8_all_gather=True).parallel.fp8_all_gather
+    assert not config(dp_shard=2).parallel.fp8_all_gather
+    assert "fp8_all_gather" in inspect.signature(ShardedTensorParallel).parameters
