@@ -17,6 +17,9 @@ job resumed, and the distributed arguments refused before anything starts.
   exit 2, one line, no traceback, no output folder, and no torchrun started; under a bare
   torchrun the process-count refusal is said once, by rank 0; a lone rank whose peer never
   comes says so after `peer_timeout_s` and exits 2.
+* Evals under `dp_shard: 2`: a tiny job with `eval:` (the default suite, the in-loop gate)
+  runs on both ranks, rank 1's gate event is rank 0's verdict, rank 0 logs the eval metrics,
+  and `lowprec gate --gates inloop --inconclusive fail` against the one-process run passes.
 """
 
 from __future__ import annotations
@@ -330,7 +333,8 @@ def test_evals_run_on_every_rank_and_the_gate_against_one_process_passes(tmp_pat
         assert any(k.startswith(f"eval/{task}/") for k in logged), sorted(logged)
     ids = {n: (tmp_path / n / "run_id").read_text().strip() for n in ("one", "sharded")}
     p = subprocess.run([sys.executable, "-m", "lowprec.cli", "gate", "--baseline", ids["one"], "--candidate",
-                        ids["sharded"], "--gates", "default", "--tracking-uri", uri], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300, env=_env())
+                        ids["sharded"], "--gates", "inloop", "--inconclusive", "fail", "--tracking-uri", uri],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300, env=_env())
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "eval/heldout_shakespeare/bits_per_byte" in p.stdout, p.stdout
+    # the fast subset's gate file: every gate decided (an inconclusive one fails here) and passed
+    assert "lowprec gate: PASS: all 2 gates pass" in p.stdout, p.stdout
