@@ -44,7 +44,9 @@ class LMEvalEvaluator:
         except KeyError as e:
             raise ValueError(f"eval.suite: {e.args[0]}") from None
 
-    def evaluate(self, mode: str) -> EvalOutcome:
+    def evaluate(self, mode: str) -> EvalOutcome | None:
+        """This process's outcome; None on a torchrun rank other than local rank 0 (lm-eval's results
+        are there only), which runs the same forwards."""
         r = run_suite(self.config.suite, self.forward, self.tokenizer, self.max_length, mode=mode,
                       batch_size=self.config.batch_size, model=self.model, data_dir=self.data_dir)
-        return EvalOutcome(r.results, r.samples, r.seconds)
+        return None if r is None else EvalOutcome(r.results, r.samples, r.seconds)

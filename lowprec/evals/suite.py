@@ -222,7 +222,7 @@ def run_suite(suite: EvalSuite | str, forward: Callable[[Any], Any], tokenizer: 
               mode: Mode = "fast", batch_size: int = 32, device: Any = "cpu", *, model: Any = None,
               limit: int | None = None,
               bootstrap_iters: int | None = None, rolling_context_len: int = 1,
-              cache_dir: str | Path | None = None, data_dir: str | Path | None = None) -> EvalResult:
+              cache_dir: str | Path | None = None, data_dir: str | Path | None = None) -> EvalResult | None:
     """Run a suite's tasks with lm-eval on the model `forward` (LongTensor[B,T] -> logits [B,T,V]).
 
     `mode` picks the fast subset (see `EvalSuite.limits`) or the full set; `limit` (documents
@@ -231,7 +231,9 @@ def run_suite(suite: EvalSuite | str, forward: Callable[[Any], Any], tokenizer: 
     put in eval mode when `forward` is not the module itself. `cache_dir` holds the tasks' files
     (default `.cache/eval_suites` in the working folder); `data_dir` is the folder of the opt-in
     tasks' data: an opt-in task whose file is not there raises DataUnavailable, naming it and how
-    to get it, before anything is evaluated."""
+    to get it, before anything is evaluated. Under torchrun every process runs every request (the
+    adapter is one lm-eval rank, so a sharded model's collective forwards match on every rank)
+    and lm-eval builds results only where LOCAL_RANK is 0: elsewhere this returns None."""
     suite = get_suite(suite)
     t0 = time.perf_counter()
     suite.limits(mode)                                   # checks mode
@@ -258,6 +260,8 @@ def run_suite(suite: EvalSuite | str, forward: Callable[[Any], Any], tokenizer: 
             task_manager=TaskManager(include_path=str(prepared.cache_dir), include_defaults=False),
             samples=samples, bootstrap_iters=bootstrap_iters, log_samples=True,
             random_seed=None, numpy_random_seed=None, torch_random_seed=None)
+    if res is None:   # lm-eval builds results where LOCAL_RANK is 0 only (every rank ran the same forwards)
+        return None
     return EvalResult(
         suite=suite.name, mode=mode, results=results_of(res), samples=samples_of(res),
         n={task: len(res["samples"][task]) for task in prepared.ready},

@@ -16,7 +16,9 @@ it has one, validates a config before step 0.
 `EvalCheckpoints` runs them: every `eval.every` steps, before every stage promotion (the
 controller's `gate(step)`) and at the end; the model as it is and, where any layer runs
 below high precision, the same weights under `state.high_precision()` (`eval_hp/...`);
-the in-loop gate compares the two, so the cost of precision is measured directly.
+the in-loop gate compares the two, so the cost of precision is measured directly. Under
+torchrun (`share`) every rank runs the same evals, since a sharded model's forwards are
+collective; the rank that has the results logs and gates and its outcome goes to every rank.
 """
 
 from __future__ import annotations
@@ -69,8 +71,11 @@ class _NoGate:
 class EvalCheckpoints:
     """The periodic, pre-promotion and end-of-run evals of one training run."""
 
-    def __init__(self, config, evaluator: Evaluator, checker: GateChecker | None, state, *, tracker=None):
+    def __init__(self, config, evaluator: Evaluator, checker: GateChecker | None, state, *, tracker=None,
+                 share=None):
         self.config, self.evaluator, self.checker, self.state, self.tracker = config, evaluator, checker, state, tracker
+        # under torchrun: rank 0's (outcome, results, results_hp) handed to every rank (None: one process)
+        self.share = share
         for metric in checker.metrics if checker is not None else ():
             parts = metric.split("/")
             if len(parts) != 3 or parts[0] != "eval" or parts[1] not in evaluator.tasks:
@@ -82,13 +87,11 @@ class EvalCheckpoints:
     def due(self, step: int) -> bool:
         return self.config.every > 0 and step > 0 and step % self.config.every == 0
 
-    def evaluate(self, step: int, mode: str | None = None):
-        """Evaluate now (and in high precision where that differs), log, gate; returns the
-        in-loop gate's outcome (None without a gate)."""
-        mode = mode or self.config.mode
-        self.state.collect_stats(False)   # evals feed no quantizer statistics (the session turns them back on)
+    def _measure(self, mode: str) -> tuple[EvalOutcome | None, EvalOutcome | None]:
+        """(the model as it is, the same weights in high precision or None). Under torchrun every
+        rank runs both (the forwards are collective); an evaluator returns None where its
+        results are not (lm-eval: any rank but local rank 0)."""
         current = self.evaluator.evaluate(mode)
-        self.last = current
         low = any(not s.format.is_high_precision for s in self.state.sites.values())
         hp = None
         if self.config.high_precision:
@@ -97,7 +100,16 @@ class EvalCheckpoints:
                     hp = self.evaluator.evaluate(mode)
             else:
                 hp = current   # every layer is in high precision already: the same numbers
-        if self.tracker is not None:
+        return current, hp
+
+    def evaluate(self, step: int, mode: str | None = None):
+        """Evaluate now (and in high precision where that differs), log, gate; returns the
+        in-loop gate's outcome (None without a gate). Under torchrun the rank with the results
+        logs and gates, and `share` hands its outcome to every rank, so every controller decides alike."""
+        mode = mode or self.config.mode
+        self.state.collect_stats(False)   # evals feed no quantizer statistics (the session turns them back on)
+        current, hp = self._measure(mode)
+        if self.tracker is not None and current is not None:
             kind = dict(mode=mode, suite=getattr(self.config, "suite", None))   # the gate compares only evals of one kind
             self.tracker.log_eval(step, current.results, samples=current.samples, prefix="eval", **kind)
             if hp is not None:
@@ -105,13 +117,19 @@ class EvalCheckpoints:
             seconds = current.seconds + (hp.seconds if hp is not None and hp is not current else 0.0)
             self.tracker.log_metrics(step, {"time/eval_seconds": seconds})
         outcome = None
-        if self.checker is not None and hp is not None:
+        if self.checker is not None and hp is not None and current is not None:
             outcome = self.checker.check(hp, current)
+        seconds = current.seconds if current is not None else 0.0
+        results, results_hp = (current.results if current is not None else None,
+                               hp.results if hp is not None else None)
+        if self.share is not None:
+            outcome, results, results_hp = self.share((outcome, results, results_hp))
+            current = current if current is not None else EvalOutcome(results)
+        self.last = current
         verdict = getattr(outcome, "verdict", None)
         self.history.append({"step": step, "mode": mode, "verdict": None if verdict is None else str(
             getattr(verdict, "value", verdict)), "reason": getattr(outcome, "reason", ""),
-            "results": current.results, "results_hp": hp.results if hp is not None else None,
-            "seconds": current.seconds})
+            "results": results, "results_hp": results_hp, "seconds": seconds})
         return outcome
 
     def gate(self, step: int):

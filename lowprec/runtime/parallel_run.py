@@ -27,6 +27,10 @@ be logged with the ranks that did. Checkpoints are written every `train.ckpt_eve
 (sharded, `torch.distributed.checkpoint`), so `--resume` continues a killed job, and its
 MLflow run, from the newest one.
 
+**Evals** (`eval:`, not with pp): every rank runs every eval checkpoint's forwards, which a
+sharded model needs on all ranks; rank 0 has lm-eval's results, logs them, reaches the in-loop
+gate's verdict and broadcasts it, so every rank's controller decides alike.
+
 **A rank that dies** takes the job down: torchrun stops the others, and the launcher of
 `lowprec run --nproc-per-node` says which rank died and how (its exit code or signal) and
 the command that continues the run.
@@ -256,6 +260,14 @@ def train_ranks(prepared, out: Path, *, name: str, env: RankEnv, store, resume: 
         dist.destroy_process_group()
 
 
+def _from_rank_0(payload):
+    """Rank 0's `payload` on every rank (an eval's outcome: lm-eval's results exist on rank 0 only)."""
+    import torch.distributed as dist
+    box = [payload if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _tracker(cfg, out: Path, name: str, resume: bool):
     """Rank 0's MLflow run (one per job; `resume` continues the killed job's)."""
     from lowprec.runtime.run import _tracking_uri
@@ -290,11 +302,16 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, resume: bool, f
     progress = console.progress(cfg.train.steps, mix=run.state.flops_share) if lead else None
     telemetry = Telemetry(cfg.telemetry if lead else TelemetryConfig(enabled=False), device=torch.device("cpu"),
                           model=run.engine.module, state=run.state, started=started)
+    evals = prepared.evals
+    if evals is not None:   # every rank evaluates (collective forwards); rank 0 logs, gates and shares
+        evals.tracker, evals.share = tracker, _from_rank_0
+        if prepared.controller is not None and evals.checker is not None:
+            prepared.controller.gate = evals.gate
     status = RunStatus.FAILED
     try:
         res = train(cfg.train, run.engine, run.state, run.data, out_dir=out, controller=prepared.controller,
                     rollout=cfg.rollout, sites=run.sites, tracker=tracker, baseline=prepared.baseline, resume=resume,
-                    faults=faults, telemetry=telemetry, progress=progress, checkpoints=True)
+                    faults=faults, telemetry=telemetry, progress=progress, checkpoints=True, evals=evals)
         dist.barrier()   # every rank's event log is complete
         if tracker is not None:
             tracker.log_events(merge_rank_events(out, env.world))

@@ -48,10 +48,13 @@ def test_bad_sections_are_refused_at_load(section, path, words):
     assert e.value.path == path and words in e.value.message, str(e.value)
 
 
-def test_evals_are_refused_with_more_than_one_process():
+def test_evals_are_refused_under_pp_only():
     with pytest.raises(ConfigError) as e:
-        LowprecConfig.from_dict({**BASE, "eval": {"every": 0}, "parallel": {"tp": 2}})
-    assert e.value.path == "eval" and "evaluation checkpoints run in one process only" in e.value.message
+        LowprecConfig.from_dict({**BASE, "eval": {"every": 0}, "parallel": {"pp": 2}})
+    assert e.value.path == "eval" and "a pipeline stage holds a part of it" in e.value.message
+    cfg = LowprecConfig.from_dict({**BASE, "eval": {"every": 0}, "parallel": {"tp": 2}})
+    assert cfg.eval is not None and cfg.parallel.tp == 2
+
 
 
 def test_fp8_all_gather_reaches_the_fsdp2_engine():

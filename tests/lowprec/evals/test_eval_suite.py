@@ -147,3 +147,24 @@ def test_an_evaluation_outside_a_git_repository_prints_no_git_error(gpt, tmp_pat
     err = capfd.readouterr().err
     assert "not a git repository" not in err, err
     assert ev.get_git_commit_hash is before
+
+
+def test_a_torchrun_rank_other_than_local_rank_0_runs_the_same_forwards_and_gets_none(gpt, monkeypatch):
+    # lm-eval builds results only where LOCAL_RANK is 0; a sharded model needs every rank's forwards alike
+    suite = EvalSuite("tiny", ("heldout_shakespeare", "cloze_shakespeare"), fast_limit=3)
+    shapes = {}
+
+    def counted(rank):
+        seen = shapes.setdefault(rank, [])
+
+        def forward(x):
+            seen.append(tuple(x.shape))
+            return gpt(x)
+        return forward
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    r = run_suite(suite, counted(0), ByteTokenizer(), MAX_LEN, mode="fast", bootstrap_iters=0, model=gpt)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert run_suite(suite, counted(1), ByteTokenizer(), MAX_LEN, mode="fast", bootstrap_iters=0, model=gpt) is None
+    assert r.n == {"heldout_shakespeare": 3, "cloze_shakespeare": 3}
+    assert shapes[0] and shapes[1] == shapes[0]

@@ -17,6 +17,9 @@ job resumed, and the distributed arguments refused before anything starts.
   exit 2, one line, no traceback, no output folder, and no torchrun started; under a bare
   torchrun the process-count refusal is said once, by rank 0; a lone rank whose peer never
   comes says so after `peer_timeout_s` and exits 2.
+* Evals under `dp_shard: 2`: a tiny job with `eval:` (the default suite, the in-loop gate)
+  runs on both ranks, rank 1's gate event is rank 0's verdict, rank 0 logs the eval metrics,
+  and `lowprec gate --gates inloop --inconclusive fail` against the one-process run passes.
 """
 
 from __future__ import annotations
@@ -295,3 +298,43 @@ def test_hostile_arguments_are_one_line_exit_2_and_no_folder(tmp_path, gloo):
         f"lowprec run: rank 0: 1 of 2 ranks joined at 127.0.0.1:{free} within parallel.peer_timeout_s = 2 s; the "
         f"others never started or cannot reach it: start all 2 (torchrun --nproc-per-node 2), or raise the timeout"]
     assert not [name for name, out in outs.items() if out.exists()], "a refused job left its output folder"
+
+
+# ----------------------------------------------------------------------------- evals under dp_shard 2
+
+def test_evals_run_on_every_rank_and_the_gate_against_one_process_passes(tmp_path, gloo, sqlite_store):
+    uri = sqlite_store(tmp_path)
+    ev = {"evaluator": "lm_eval", "suite": "default", "every": 0, "mode": "fast", "final_mode": "fast",
+          "high_precision": True, "gates": "inloop"}
+    cfgs = {}
+    for name, par in (("sharded", {"dp_shard": 2}), ("one", {})):
+        cfg = tiny_job(uri, name, **par)
+        cfg["train"].update(steps=8, ckpt_every=4)
+        cfgs[name] = _write(tmp_path, name, {**cfg, "eval": ev})
+    t0 = time.perf_counter()
+    jobs = {"sharded": _start(_lowprec(str(cfgs["sharded"]), "--out", str(tmp_path / "sharded"),
+                                       "--nproc-per-node", "2"), tmp_path / "sharded.log"),
+            "one": _start(_lowprec(str(cfgs["one"]), "--out", str(tmp_path / "one")), tmp_path / "one.log")}
+    for name, code in _wait(jobs, tmp_path, t0).items():
+        assert code == 0, f"{name} failed (exit {code}):\n{(tmp_path / f'{name}.log').read_text()[-6000:]}"
+    # the in-loop gate's pass, broadcast from rank 0, let every rank promote the stage as one process did
+    one = _events(tmp_path / "one", "events.jsonl")
+    assert ("mlp" in {stage for _, kind, stage in one if kind == "promote"}), one
+    for r in range(2):
+        assert _events(tmp_path / "sharded", f"events.rank{r}.jsonl") == one, f"rank {r}"
+    lead, other = ((tmp_path / "sharded" / f"events.rank{r}.jsonl").read_text() for r in (0, 1))
+    assert lead == other   # evidence too: rank 1's gate event carries rank 0's verdict and detail
+    gate = next(json.loads(line) for line in other.splitlines() if json.loads(line)["kind"] == "gate")
+    assert gate["evidence"]["verdict"] == "pass" and "gates pass" in gate["evidence"]["detail"], gate
+    client, runs = _mlflow_runs(uri, "sharded")
+    assert len(runs) == 1
+    logged = runs[0].data.metrics
+    for task in ("heldout_shakespeare", "cloze_shakespeare", "shift_milton"):
+        assert any(k.startswith(f"eval/{task}/") for k in logged), sorted(logged)
+    ids = {n: (tmp_path / n / "run_id").read_text().strip() for n in ("one", "sharded")}
+    p = subprocess.run([sys.executable, "-m", "lowprec.cli", "gate", "--baseline", ids["one"], "--candidate",
+                        ids["sharded"], "--gates", "inloop", "--inconclusive", "fail", "--tracking-uri", uri],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300, env=_env())
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    # the fast subset's gate file: every gate decided (an inconclusive one fails here) and passed
+    assert "lowprec gate: PASS: all 2 gates pass" in p.stdout, p.stdout
