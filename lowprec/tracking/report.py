@@ -19,7 +19,10 @@
 * `evals.png`: eval results per checkpoint with 95% intervals (±1.96 stderr, or the
   logged `_ci_low`/`_ci_high`) beside the baseline run's (often only its final eval, also
   drawn as a dotted level), gate verdicts, stage changes, fallbacks and rewinds marked; eval
-  results only (`is_eval_metric`: not how long an eval took, not `eval_mode/*`).
+  results only (`is_eval_metric`: not how long an eval took, not `eval_mode/*`). Fast in-loop
+  evals and full ones (`eval_mode/<prefix>`, `eval_modes`) are separate series: the fast ones
+  joined by a line, the full ones larger markers joined to nothing. The same weights in high
+  precision (`eval_hp/...`) in their own colour, hollow, drawn above the candidate.
 
 The baseline run (`ReportData.baseline_name`, its curves in `baseline_metrics`) is the one
 `lowprec report RUN --baseline RUN` names, else the loss-gap baseline the run recorded
@@ -55,7 +58,7 @@ __all__ = ["render_report", "report_figures", "timeline_figure", "loss_figure", 
 
 
 # ------------------------------------------------------------------ loss, signals, evals
-CANDIDATE_COLOR, BASELINE_COLOR = "#08519c", "#636363"
+CANDIDATE_COLOR, BASELINE_COLOR, HP_COLOR = "#08519c", "#636363", "#d94801"
 STEP_LABEL = "step (optimizer steps)"
 NO_BASELINE = "no baseline run: pass lowprec report RUN --baseline RUN, or log train/baseline_loss"
 # units of the eval metrics and signal statistics, by the last part of their name
@@ -226,17 +229,48 @@ def lr_sensitivity_figure(data: ReportData):
     return fig
 
 
-def _eval_series(metrics: dict) -> dict[str, tuple[list, list, list]]:
+def _eval_series(metrics: dict, prefix: str = "eval") -> dict[str, tuple[list, list, list]]:
+    """{task/metric: (steps, values, [(below, above)] of the 95% interval)} of `<prefix>/...`."""
     out = {}
     for k, pts in metrics.items():
-        if not is_eval_metric(k):
+        if not k.startswith(prefix + "/") or not is_eval_metric("eval/" + k[len(prefix) + 1:]):
             continue
         se, lo, hi = dict(metrics.get(k + "_stderr", [])), dict(metrics.get(k + "_ci_low", [])), dict(metrics.get(k + "_ci_high", []))
         ys = [v for _, v in pts]
         low = [v - (v - lo[s] if s in lo else 1.96 * se.get(s, 0.0)) for s, v in pts]
         high = [v + (hi[s] - v if s in hi else 1.96 * se.get(s, 0.0)) for s, v in pts]
-        out[k[len("eval/"):]] = ([s for s, _ in pts], ys, [(y - a, b - y) for y, a, b in zip(ys, low, high)])
+        out[k[len(prefix) + 1:]] = ([s for s, _ in pts], ys, [(y - a, b - y) for y, a, b in zip(ys, low, high)])
     return out
+
+
+def eval_modes(metrics: dict, prefix: str, steps: list[int]) -> list[tuple[str, list[int], bool]]:
+    """The steps of one eval series split by the kind of eval (`eval_mode/<prefix>`, 1 full, 0 fast,
+    `Tracker.log_eval(mode=...)`): [(what, steps, full)], in-loop (fast) first; one unnamed group where
+    the run logged no modes or only one kind."""
+    mode = dict(metrics.get(f"eval_mode/{prefix}", []))
+    full = [s for s in steps if mode.get(s) == 1.0]
+    fast = [s for s in steps if s in mode and mode[s] != 1.0]
+    rest = [s for s in steps if s not in mode]
+    if not (full and (fast or rest)):
+        return [("", steps, False)]
+    return [("in-loop (fast) evals", fast + rest, False),
+            ("final (full) eval" if len(full) == 1 else "full evals", full, True)]
+
+
+def _draw_evals(ax, series, metrics: dict, prefix: str, color: str, label: str, marker: str, z: float,
+                hollow: bool = False) -> None:
+    """One eval series with its intervals: fast in-loop evals joined by a line, full evals as
+    larger unjoined markers (the two kinds measure different things and are never one line)."""
+    steps, ys, err = series
+    at = {s: (y, e) for s, y, e in zip(steps, ys, err)}
+    for what, group, full in eval_modes(metrics, prefix, steps):
+        if not group:
+            continue
+        gy, ge = [at[s][0] for s in group], [at[s][1] for s in group]
+        ax.errorbar(group, gy, yerr=list(zip(*ge)), fmt="none", lw=1, capsize=3, ecolor=color, zorder=z)
+        ax.plot(group, gy, marker=marker, ls="" if full else ("--" if hollow else "-"), ms=8 if full else 5,
+                lw=1, color=color, mfc="none" if hollow else color, mew=1.4 if hollow else 1, zorder=z + 0.5,
+                label=f"{label}, {what}" if what else label)
 
 
 def evals_figure(data: ReportData):
@@ -244,21 +278,20 @@ def evals_figure(data: ReportData):
     if not series:
         return None
     base_series = _eval_series(data.baseline_metrics)
+    hp_series = _eval_series(data.metrics, "eval_hp")
     fig, axes = _panels(len(series), 4.3, 3.2)
     for ax, (name, (steps, ys, err)) in zip(axes, sorted(series.items())):
         interval = any(a or b for a, b in err)
-        # the intervals, then the line itself under its label (what the legend and a reader find)
-        ax.errorbar(steps, ys, yerr=list(zip(*err)), fmt="none", lw=1, capsize=3, ecolor=CANDIDATE_COLOR)
-        ax.plot(steps, ys, "o-", ms=4, lw=1, color=CANDIDATE_COLOR, label=candidate_label(data))
+        _draw_evals(ax, (steps, ys, err), data.metrics, "eval", CANDIDATE_COLOR, candidate_label(data), "o", 3)
         if name in base_series:   # the baseline run's evals (a baseline often has only its final one)
-            bsteps, bys, berr = base_series[name]
-            ax.errorbar(bsteps, bys, yerr=list(zip(*berr)), fmt="none", lw=0.9, capsize=3, ecolor=BASELINE_COLOR)
-            ax.plot(bsteps, bys, "D--", ms=4, lw=0.9, color=BASELINE_COLOR, label=baseline_label(data))
+            bys = base_series[name][1]
+            _draw_evals(ax, base_series[name], data.baseline_metrics, "eval", BASELINE_COLOR, baseline_label(data),
+                        "D", 2)
             ax.axhline(bys[-1], color=BASELINE_COLOR, ls=":", lw=0.8)
-        hp = data.metrics.get(f"eval_hp/{name}")
-        if hp:   # the same weights in high precision: the gap is what precision costs
-            ax.plot([s for s, _ in hp], [v for _, v in hp], "s--", ms=3, lw=0.9, color="#969696",
-                    label="same weights, high precision", zorder=1.5)   # under the candidate's line
+        hp = hp_series.get(name)
+        if hp:   # the same weights in high precision, drawn over the candidate: the gap is what precision costs
+            _draw_evals(ax, hp, data.metrics, "eval_hp", HP_COLOR, "same weights, high precision", "s", 4,
+                        hollow=True)
         top = ax.get_xaxis_transform()
         for e in data.events:
             if e.kind == EventKind.GATE:
