@@ -9,9 +9,11 @@
 * `loss.png`: training loss of the run (the candidate) beside the baseline run's and their
   relative gap, with the stage changes, fallbacks and rewinds marked on the same step axis, the rewound (redone) steps hatched and the loss that caused each rewind
   (`train/loss_rewound`, never in `train/loss`) as a cross.
-* `fallback_signals.png`: for each site that fell back, the signal that triggered it (from
-  the event's evidence) and the same signal in the baseline run (dashed, where it logged
-  one), its threshold and the moment of the fallback.
+* `fallback_signals.png`: for each site that fell back, the signals that triggered it and
+  nothing else (`fallback_signal_keys`: the site's signals the event's evidence names, else
+  the training loss or gradient norm its global detector watched; at most `MAX_SIGNALS`) and
+  the same series in the baseline run (dashed, where it logged one), the threshold and the
+  moment of the fallback.
 * `lr_sensitivity.png`: the learning-rate probe's sensitivity (`train/lr_sensitivity`, see
   `lowprec.runtime.lrprobe`) at each probe, the level above which a promotion is held
   (`rollout.lr_probe.hold_above`, or the median of the probes before plus `hold_rise`: the
@@ -69,7 +71,8 @@ _UNITS = {"acc": "accuracy (fraction, higher is better)", "acc_norm": "accuracy 
           "word_perplexity": "perplexity per word (lower is better)",
           "saturated_frac": "saturated (fraction of elements)", "underflow_frac": "underflow (fraction of elements)",
           "underflow_energy_frac": "underflow (fraction of energy)", "sqnr_db": "SQNR (dB)",
-          "rel_mse": "relative MSE", "amax": "absolute max", "nonfinite": "non-finite elements (count)"}
+          "rel_mse": "relative MSE", "amax": "absolute max", "nonfinite": "non-finite elements (count)",
+          "loss": "training loss (nats/token)", "grad_norm": "gradient norm (L2)"}
 
 
 def unit_label(name: str) -> str:
@@ -129,6 +132,30 @@ def _panels(n: int, width: float, height: float):
     return fig, axes[:n]
 
 
+MAX_SIGNALS = 4   # series per fallback panel: the evidence's own signals, most relevant first
+# the global signals a fallback's reason or evidence names (lowprec.policy.anomaly.AnomalyKind,
+# the loss gap, the window's losses) -> the training curve that shows them
+_GLOBAL_SIGNALS = {"loss": ("train/loss",), "losses": ("train/loss",), "loss_gap": ("train/loss",),
+                   "loss_spike": ("train/loss",), "loss_large": ("train/loss",),
+                   "grad_norm_spike": ("train/grad_norm",), "grad_norm_large": ("train/grad_norm",),
+                   "nan_inf": ("train/loss", "train/grad_norm")}
+
+
+def fallback_signal_keys(ev, site: str, data: ReportData) -> list[str]:
+    """The logged series that show why `site` fell back at `ev`, at most `MAX_SIGNALS`: the
+    site's `signal/<site>/<role>/<stat>` the evidence names (in its order), else the training
+    curves of the global signals its reason or evidence names (`_GLOBAL_SIGNALS`); never the
+    site's other series."""
+    keys = [f"signal/{site}/{g['role']}/{g['signal']}" for g in signals_of(ev, site, data.thresholds)]
+    if not any(k in data.metrics for k in keys):
+        reason = str(ev.reason or "").replace(" ", "_")
+        named = [n for n in _GLOBAL_SIGNALS if n in ev.evidence or n in reason]
+        if any(n != "loss" and n != "losses" for n in named):   # a named detector: not the loss logged beside it
+            named = [n for n in named if n not in ("loss", "losses")]
+        keys = [k for n in named for k in _GLOBAL_SIGNALS[n]]
+    return [k for k in dict.fromkeys(keys) if k in data.metrics][:MAX_SIGNALS]
+
+
 def signals_figure(data: ReportData):
     import textwrap
 
@@ -139,17 +166,15 @@ def signals_figure(data: ReportData):
     for ax, site in zip(axes, sites):
         ev = next(e for e in data.events if e.kind == EventKind.FALLBACK and site in e.sites)
         sigs = signals_of(ev, site, data.thresholds)
-        keys = [f"signal/{site}/{g['role']}/{g['signal']}" for g in sigs]
-        keys = [k for k in dict.fromkeys(keys) if k in data.metrics]
-        if not sigs:  # no named signal in the evidence: the usual suspects
-            keys = [k for k in data.metrics if k.startswith(f"signal/{site}/")
-                    and k.endswith(("/saturated_frac", "/underflow_frac", "/underflow_energy_frac", "/nonfinite"))]
-        for k in sorted(keys):
+        keys = fallback_signal_keys(ev, site, data)
+        for k in keys:
             line, = ax.plot(*zip(*data.metrics[k]), lw=1, marker=".", ms=3, label="/".join(k.rsplit("/", 2)[-2:]))
-            if k in data.baseline_metrics:   # the same site's signal in the baseline run
-                ax.plot(*zip(*data.baseline_metrics[k]), lw=0.9, ls="--", color=line.get_color(), alpha=0.6,
+            base = data.baseline_metrics.get(k) or (data.baseline if k == "train/loss" else None)
+            if base:   # the same series in the baseline run
+                ax.plot(*zip(*base), lw=0.9, ls="--", color=line.get_color(), alpha=0.6,
                         label=f"{'/'.join(k.rsplit('/', 2)[-2:])}, baseline")
-        for thr in sorted({float(g["threshold"]) for g in sigs if "threshold" in g}):
+        drawn = {k.rsplit("/", 1)[-1] for k in keys}
+        for thr in sorted({float(g["threshold"]) for g in sigs if "threshold" in g and g["signal"] in drawn}):
             ax.axhline(thr, color="#a50f15", ls="--", lw=1, label="threshold")
         seen = set()
         for e in data.events:
@@ -168,7 +193,7 @@ def signals_figure(data: ReportData):
         # under the panel, clear of the data, and leaving the panel its width for the title
         ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(0.0, -0.3), ncol=3, frameon=False)
         if not keys:
-            ax.text(0.5, 0.5, f"signal/{site}/... not logged", ha="center", va="center",
+            ax.text(0.5, 0.5, "no logged signal named by the fallback's evidence", ha="center", va="center",
                     transform=ax.transAxes, fontsize=8)
     more = f" (first 12 of {len(fallback_sites(data.events))} sites)" if len(fallback_sites(data.events)) > 12 else ""
     base = f"; dashed: {data.baseline_name}" if data.baseline_name else ""
