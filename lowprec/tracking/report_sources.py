@@ -40,7 +40,7 @@ from pathlib import Path
 
 from lowprec.base.parse import read_yaml_file
 from lowprec.policy.events import Event, EventKind, describe, read_events, replay
-from lowprec.tracking.records import BASELINE_LOSS, flatten_config
+from lowprec.tracking.records import BASELINE_LOSS, flatten_config, tidy_numbers
 
 __all__ = ["ReportData", "from_run_dir", "from_mlflow", "events_table", "events_tags", "signals_of",
            "fallback_sites", "rewinds", "precision_history", "flops_share_steps", "STATS"]
@@ -390,6 +390,6 @@ def _note(events: list[Event], tags: dict[str, str], run_name: str) -> str:
             f"last gate: {tags['lowprec.gate']}.\n\n"
             "Events (all in the `events.json` table and `events.jsonl`; pictures in `report/`):\n\n"
             "| step | kind | stage | what happened |\n|---:|---|---|---|\n")
-    rows = [f"| {e.step} | {e.kind} | {e.stage or ''} | {describe(e).replace('|', '/')} |" for e in events[-40:]]
+    rows = [f"| {e.step} | {e.kind} | {e.stage or ''} | {tidy_numbers(describe(e)).replace('|', '/')} |" for e in events[-40:]]
     more = f"\n\n({len(events) - 40} earlier events not shown)" if len(events) > 40 else ""
     return head + "\n".join(rows) + more
