@@ -346,9 +346,10 @@ def check_spread(gate: Gate, baselines: list[Scores], candidate: Scores) -> Gate
     base = dict(metric=gate.metric, candidate_value=c, direction=gate.direction, confidence=gate.confidence,
                 informational=gate.informational, n=k, statistic=SEED_SPREAD)
     if not all(math.isfinite(v) for v in values):
+        shown = ", ".join(f"{v:.4g}" for v in values)
         return GateResult(Verdict.INCONCLUSIVE, delta=None, interval=None, baseline_value=None, allowed=None,
                           tolerance=gate.max_regression.describe(), **base,
-                          reason=f"{gate.metric}: a baseline's value is not finite ({values}); re-evaluate it.")
+                          reason=f"{gate.metric}: a baseline's value is not finite ({shown}); re-evaluate it.")
     m = sum(values) / k
     allowed = gate.max_regression.allowed(m)
     tol = gate.max_regression.describe(m)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from lowprec.base.parse import ConfigError
-from lowprec.tracking.records import RunStatus
+from lowprec.tracking.records import RunStatus, tidy_numbers
 
 # `lowprec run`'s exit status: trained (and tracked); a config or input it cannot use (nothing
 # written); trained, but tracking records could not be sent (they wait in the outbox)
@@ -383,7 +383,7 @@ def summary_text(name: str, res, prepared: PreparedRun, out: Path, run_id: str |
     if res.telemetry:
         lines += telemetry_lines(res.telemetry, _baseline_telemetry(prepared))
     for e in res.events:
-        lines.append("  " + e.summary())
+        lines.append("  " + tidy_numbers(e.summary()))
     log = out / "lowprec.log"
     lines.append(f"  files: {out}" + (f" (other libraries' output: {log})" if log.is_file() else ""))
     if run_id:

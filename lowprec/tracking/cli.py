@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from lowprec.tracking.deadline import DEFAULT_TIMEOUT_S, Deadline, NoAnswer
+from lowprec.tracking.records import tidy_numbers
 
 __all__ = ["add_commands", "default_tracking_uri", "ui_command"]
 
@@ -108,7 +109,7 @@ def _cmd_report(args) -> int:
     if data.events:   # what happened, in the words of the run's summary and its MLflow note
         print(f"{len(data.events)} events:")
         for e in data.events:
-            print("  " + e.summary())
+            print("  " + tidy_numbers(e.summary()))
     return 0
 
 

@@ -14,7 +14,10 @@ naming rules can be read (and tested) in one place:
   precision), lm-eval's `acc,none` written `acc`; per-example scores in one JSON artifact per
   call, `evals/<prefix>_step<NNNNNN>.json`;
 * the precision map over time: initial, changes, final, and the FLOP share per format,
-  with a format that disappeared logged as 0 rather than left at its last value.
+  with a format that disappeared logged as 0 rather than left at its last value;
+* text for people (run summaries, the MLflow note, report notes): numbers at `NUMBER_DIGITS`
+  significant digits (`number`), and float noise that a reason carries over from `str(float)`
+  (`0.9600000000000004`) cut the same way (`tidy_numbers`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from lowprec.base.enums import StrEnum
 __all__ = ["SIGNAL_STATS", "BASELINE_LOSS", "LR_SENSITIVITY", "MAX_KEY", "MAX_PARAM_VALUE", "MAX_TAG_VALUE", "now_ms",
            "metric_key", "fit_value", "flatten_config", "signal_metrics", "eval_metrics", "eval_metric_name",
            "eval_samples", "eval_artifact_name", "EVAL_PREFIX", "merge", "chunk",
-           "PrecisionMapLog", "RunStatus"]
+           "PrecisionMapLog", "RunStatus", "NUMBER_DIGITS", "number", "tidy_numbers"]
 
 SIGNAL_STATS = ("amax", "saturated_frac", "underflow_frac", "underflow_energy_frac", "rel_mse", "sqnr_db",
                 "nonfinite")
@@ -216,3 +219,24 @@ class PrecisionMapLog:
         shares = ", ".join(f"{f} {v:.1%}" for f, v in sorted(share.items(), key=lambda kv: -kv[1]))
         return rows, {"lowprec.precision_map": fit_value(summary, MAX_TAG_VALUE, "precision_map.json"),
                       "lowprec.flops_share": shares}
+
+
+NUMBER_DIGITS = 4   # significant digits of a number in text for people
+# a decimal with more than 6 digits after the point, as `str(float)` writes a computed value
+_LONG_DECIMAL = re.compile(r"(?<![\w.])-?\d+\.\d{7,}(?:e[+-]?\d+)?(?![\w.])")
+
+
+def number(v: Any) -> str:
+    """`v` for a person: a float at `NUMBER_DIGITS` significant digits (`0.96`, `3.1e-05`), a
+    list or tuple of them element by element, anything else as `str` writes it."""
+    if isinstance(v, bool) or not isinstance(v, (float, list, tuple)):
+        return str(v)
+    if isinstance(v, float):
+        return f"{v:.{NUMBER_DIGITS}g}"
+    return "[" + ", ".join(number(x) for x in v) + "]"
+
+
+def tidy_numbers(text: str) -> str:
+    """`text` with every long decimal (`0.9600000000000004`, `3.520367988700015`) written at
+    `NUMBER_DIGITS` significant digits; integers, versions and short decimals stay as they are."""
+    return _LONG_DECIMAL.sub(lambda m: number(float(m.group())), text)

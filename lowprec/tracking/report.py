@@ -9,9 +9,11 @@
 * `loss.png`: training loss of the run (the candidate) beside the baseline run's and their
   relative gap, with the stage changes, fallbacks and rewinds marked on the same step axis, the rewound (redone) steps hatched and the loss that caused each rewind
   (`train/loss_rewound`, never in `train/loss`) as a cross.
-* `fallback_signals.png`: for each site that fell back, the signal that triggered it (from
-  the event's evidence) and the same signal in the baseline run (dashed, where it logged
-  one), its threshold and the moment of the fallback.
+* `fallback_signals.png`: for each site that fell back, the signals that triggered it and
+  nothing else (`fallback_signal_keys`: the site's signals the event's evidence names, else
+  the training loss or gradient norm its global detector watched; at most `MAX_SIGNALS`) and
+  the same series in the baseline run (dashed, where it logged one), the threshold and the
+  moment of the fallback.
 * `lr_sensitivity.png`: the learning-rate probe's sensitivity (`train/lr_sensitivity`, see
   `lowprec.runtime.lrprobe`) at each probe, the level above which a promotion is held
   (`rollout.lr_probe.hold_above`, or the median of the probes before plus `hold_rise`: the
@@ -19,7 +21,10 @@
 * `evals.png`: eval results per checkpoint with 95% intervals (±1.96 stderr, or the
   logged `_ci_low`/`_ci_high`) beside the baseline run's (often only its final eval, also
   drawn as a dotted level), gate verdicts, stage changes, fallbacks and rewinds marked; eval
-  results only (`is_eval_metric`: not how long an eval took, not `eval_mode/*`).
+  results only (`is_eval_metric`: not how long an eval took, not `eval_mode/*`). Fast in-loop
+  evals and full ones (`eval_mode/<prefix>`, `eval_modes`) are separate series: the fast ones
+  joined by a line, the full ones larger markers joined to nothing. The same weights in high
+  precision (`eval_hp/...`) in their own colour, hollow, drawn above the candidate.
 
 The baseline run (`ReportData.baseline_name`, its curves in `baseline_metrics`) is the one
 `lowprec report RUN --baseline RUN` names, else the loss-gap baseline the run recorded
@@ -55,7 +60,7 @@ __all__ = ["render_report", "report_figures", "timeline_figure", "loss_figure", 
 
 
 # ------------------------------------------------------------------ loss, signals, evals
-CANDIDATE_COLOR, BASELINE_COLOR = "#08519c", "#636363"
+CANDIDATE_COLOR, BASELINE_COLOR, HP_COLOR = "#08519c", "#636363", "#d94801"
 STEP_LABEL = "step (optimizer steps)"
 NO_BASELINE = "no baseline run: pass lowprec report RUN --baseline RUN, or log train/baseline_loss"
 # units of the eval metrics and signal statistics, by the last part of their name
@@ -66,7 +71,8 @@ _UNITS = {"acc": "accuracy (fraction, higher is better)", "acc_norm": "accuracy 
           "word_perplexity": "perplexity per word (lower is better)",
           "saturated_frac": "saturated (fraction of elements)", "underflow_frac": "underflow (fraction of elements)",
           "underflow_energy_frac": "underflow (fraction of energy)", "sqnr_db": "SQNR (dB)",
-          "rel_mse": "relative MSE", "amax": "absolute max", "nonfinite": "non-finite elements (count)"}
+          "rel_mse": "relative MSE", "amax": "absolute max", "nonfinite": "non-finite elements (count)",
+          "loss": "training loss (nats/token)", "grad_norm": "gradient norm (L2)"}
 
 
 def unit_label(name: str) -> str:
@@ -126,6 +132,30 @@ def _panels(n: int, width: float, height: float):
     return fig, axes[:n]
 
 
+MAX_SIGNALS = 4   # series per fallback panel: the evidence's own signals, most relevant first
+# the global signals a fallback's reason or evidence names (lowprec.policy.anomaly.AnomalyKind,
+# the loss gap, the window's losses) -> the training curve that shows them
+_GLOBAL_SIGNALS = {"loss": ("train/loss",), "losses": ("train/loss",), "loss_gap": ("train/loss",),
+                   "loss_spike": ("train/loss",), "loss_large": ("train/loss",),
+                   "grad_norm_spike": ("train/grad_norm",), "grad_norm_large": ("train/grad_norm",),
+                   "nan_inf": ("train/loss", "train/grad_norm")}
+
+
+def fallback_signal_keys(ev, site: str, data: ReportData) -> list[str]:
+    """The logged series that show why `site` fell back at `ev`, at most `MAX_SIGNALS`: the
+    site's `signal/<site>/<role>/<stat>` the evidence names (in its order), else the training
+    curves of the global signals its reason or evidence names (`_GLOBAL_SIGNALS`); never the
+    site's other series."""
+    keys = [f"signal/{site}/{g['role']}/{g['signal']}" for g in signals_of(ev, site, data.thresholds)]
+    if not any(k in data.metrics for k in keys):
+        reason = str(ev.reason or "").replace(" ", "_")
+        named = [n for n in _GLOBAL_SIGNALS if n in ev.evidence or n in reason]
+        if any(n != "loss" and n != "losses" for n in named):   # a named detector: not the loss logged beside it
+            named = [n for n in named if n not in ("loss", "losses")]
+        keys = [k for n in named for k in _GLOBAL_SIGNALS[n]]
+    return [k for k in dict.fromkeys(keys) if k in data.metrics][:MAX_SIGNALS]
+
+
 def signals_figure(data: ReportData):
     import textwrap
 
@@ -136,17 +166,15 @@ def signals_figure(data: ReportData):
     for ax, site in zip(axes, sites):
         ev = next(e for e in data.events if e.kind == EventKind.FALLBACK and site in e.sites)
         sigs = signals_of(ev, site, data.thresholds)
-        keys = [f"signal/{site}/{g['role']}/{g['signal']}" for g in sigs]
-        keys = [k for k in dict.fromkeys(keys) if k in data.metrics]
-        if not sigs:  # no named signal in the evidence: the usual suspects
-            keys = [k for k in data.metrics if k.startswith(f"signal/{site}/")
-                    and k.endswith(("/saturated_frac", "/underflow_frac", "/underflow_energy_frac", "/nonfinite"))]
-        for k in sorted(keys):
+        keys = fallback_signal_keys(ev, site, data)
+        for k in keys:
             line, = ax.plot(*zip(*data.metrics[k]), lw=1, marker=".", ms=3, label="/".join(k.rsplit("/", 2)[-2:]))
-            if k in data.baseline_metrics:   # the same site's signal in the baseline run
-                ax.plot(*zip(*data.baseline_metrics[k]), lw=0.9, ls="--", color=line.get_color(), alpha=0.6,
+            base = data.baseline_metrics.get(k) or (data.baseline if k == "train/loss" else None)
+            if base:   # the same series in the baseline run
+                ax.plot(*zip(*base), lw=0.9, ls="--", color=line.get_color(), alpha=0.6,
                         label=f"{'/'.join(k.rsplit('/', 2)[-2:])}, baseline")
-        for thr in sorted({float(g["threshold"]) for g in sigs if "threshold" in g}):
+        drawn = {k.rsplit("/", 1)[-1] for k in keys}
+        for thr in sorted({float(g["threshold"]) for g in sigs if "threshold" in g and g["signal"] in drawn}):
             ax.axhline(thr, color="#a50f15", ls="--", lw=1, label="threshold")
         seen = set()
         for e in data.events:
@@ -165,7 +193,7 @@ def signals_figure(data: ReportData):
         # under the panel, clear of the data, and leaving the panel its width for the title
         ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(0.0, -0.3), ncol=3, frameon=False)
         if not keys:
-            ax.text(0.5, 0.5, f"signal/{site}/... not logged", ha="center", va="center",
+            ax.text(0.5, 0.5, "no logged signal named by the fallback's evidence", ha="center", va="center",
                     transform=ax.transAxes, fontsize=8)
     more = f" (first 12 of {len(fallback_sites(data.events))} sites)" if len(fallback_sites(data.events)) > 12 else ""
     base = f"; dashed: {data.baseline_name}" if data.baseline_name else ""
@@ -226,17 +254,48 @@ def lr_sensitivity_figure(data: ReportData):
     return fig
 
 
-def _eval_series(metrics: dict) -> dict[str, tuple[list, list, list]]:
+def _eval_series(metrics: dict, prefix: str = "eval") -> dict[str, tuple[list, list, list]]:
+    """{task/metric: (steps, values, [(below, above)] of the 95% interval)} of `<prefix>/...`."""
     out = {}
     for k, pts in metrics.items():
-        if not is_eval_metric(k):
+        if not k.startswith(prefix + "/") or not is_eval_metric("eval/" + k[len(prefix) + 1:]):
             continue
         se, lo, hi = dict(metrics.get(k + "_stderr", [])), dict(metrics.get(k + "_ci_low", [])), dict(metrics.get(k + "_ci_high", []))
         ys = [v for _, v in pts]
         low = [v - (v - lo[s] if s in lo else 1.96 * se.get(s, 0.0)) for s, v in pts]
         high = [v + (hi[s] - v if s in hi else 1.96 * se.get(s, 0.0)) for s, v in pts]
-        out[k[len("eval/"):]] = ([s for s, _ in pts], ys, [(y - a, b - y) for y, a, b in zip(ys, low, high)])
+        out[k[len(prefix) + 1:]] = ([s for s, _ in pts], ys, [(y - a, b - y) for y, a, b in zip(ys, low, high)])
     return out
+
+
+def eval_modes(metrics: dict, prefix: str, steps: list[int]) -> list[tuple[str, list[int], bool]]:
+    """The steps of one eval series split by the kind of eval (`eval_mode/<prefix>`, 1 full, 0 fast,
+    `Tracker.log_eval(mode=...)`): [(what, steps, full)], in-loop (fast) first; one unnamed group where
+    the run logged no modes or only one kind."""
+    mode = dict(metrics.get(f"eval_mode/{prefix}", []))
+    full = [s for s in steps if mode.get(s) == 1.0]
+    fast = [s for s in steps if s in mode and mode[s] != 1.0]
+    rest = [s for s in steps if s not in mode]
+    if not (full and (fast or rest)):
+        return [("", steps, False)]
+    return [("in-loop (fast) evals", fast + rest, False),
+            ("final (full) eval" if len(full) == 1 else "full evals", full, True)]
+
+
+def _draw_evals(ax, series, metrics: dict, prefix: str, color: str, label: str, marker: str, z: float,
+                hollow: bool = False) -> None:
+    """One eval series with its intervals: fast in-loop evals joined by a line, full evals as
+    larger unjoined markers (the two kinds measure different things and are never one line)."""
+    steps, ys, err = series
+    at = {s: (y, e) for s, y, e in zip(steps, ys, err)}
+    for what, group, full in eval_modes(metrics, prefix, steps):
+        if not group:
+            continue
+        gy, ge = [at[s][0] for s in group], [at[s][1] for s in group]
+        ax.errorbar(group, gy, yerr=list(zip(*ge)), fmt="none", lw=1, capsize=3, ecolor=color, zorder=z)
+        ax.plot(group, gy, marker=marker, ls="" if full else ("--" if hollow else "-"), ms=8 if full else 5,
+                lw=1, color=color, mfc="none" if hollow else color, mew=1.4 if hollow else 1, zorder=z + 0.5,
+                label=f"{label}, {what}" if what else label)
 
 
 def evals_figure(data: ReportData):
@@ -244,21 +303,20 @@ def evals_figure(data: ReportData):
     if not series:
         return None
     base_series = _eval_series(data.baseline_metrics)
+    hp_series = _eval_series(data.metrics, "eval_hp")
     fig, axes = _panels(len(series), 4.3, 3.2)
     for ax, (name, (steps, ys, err)) in zip(axes, sorted(series.items())):
         interval = any(a or b for a, b in err)
-        # the intervals, then the line itself under its label (what the legend and a reader find)
-        ax.errorbar(steps, ys, yerr=list(zip(*err)), fmt="none", lw=1, capsize=3, ecolor=CANDIDATE_COLOR)
-        ax.plot(steps, ys, "o-", ms=4, lw=1, color=CANDIDATE_COLOR, label=candidate_label(data))
+        _draw_evals(ax, (steps, ys, err), data.metrics, "eval", CANDIDATE_COLOR, candidate_label(data), "o", 3)
         if name in base_series:   # the baseline run's evals (a baseline often has only its final one)
-            bsteps, bys, berr = base_series[name]
-            ax.errorbar(bsteps, bys, yerr=list(zip(*berr)), fmt="none", lw=0.9, capsize=3, ecolor=BASELINE_COLOR)
-            ax.plot(bsteps, bys, "D--", ms=4, lw=0.9, color=BASELINE_COLOR, label=baseline_label(data))
+            bys = base_series[name][1]
+            _draw_evals(ax, base_series[name], data.baseline_metrics, "eval", BASELINE_COLOR, baseline_label(data),
+                        "D", 2)
             ax.axhline(bys[-1], color=BASELINE_COLOR, ls=":", lw=0.8)
-        hp = data.metrics.get(f"eval_hp/{name}")
-        if hp:   # the same weights in high precision: the gap is what precision costs
-            ax.plot([s for s, _ in hp], [v for _, v in hp], "s--", ms=3, lw=0.9, color="#969696",
-                    label="same weights, high precision", zorder=1.5)   # under the candidate's line
+        hp = hp_series.get(name)
+        if hp:   # the same weights in high precision, drawn over the candidate: the gap is what precision costs
+            _draw_evals(ax, hp, data.metrics, "eval_hp", HP_COLOR, "same weights, high precision", "s", 4,
+                        hollow=True)
         top = ax.get_xaxis_transform()
         for e in data.events:
             if e.kind == EventKind.GATE:

@@ -80,7 +80,7 @@ def add_baseline(data: ReportData, client, ref: str, experiment_id: str, sites: 
     def wanted(k: str) -> bool:
         if k.startswith("signal/"):
             return k[len("signal/"):].rsplit("/", 2)[0] in sites
-        return k in ("train/loss", LR_SENSITIVITY) or k.startswith("eval/")
+        return k in ("train/loss", LR_SENSITIVITY) or k.startswith(("eval/", "eval_mode/eval"))
     data.baseline_name = base.info.run_name or base.info.run_id
     data.baseline_metrics = baseline_curves(client, base, wanted)
     if asked or not data.baseline:

@@ -1,7 +1,8 @@
 """What a rollout report is drawn from, read from a tracker's buffer dir or from an MLflow run.
 
 `ReportData` holds the precision map at the first logged step, the controller events, and
-the metric histories the pictures need: everything under `train/`, `eval/`, `precision/`,
+the metric histories the pictures need: everything under `train/`, `eval/`, `eval_hp/`,
+`eval_mode/` (which evals were fast in-loop ones, which full), `precision/`,
 `time/` (seconds per log window by phase) and `telemetry/` (the run summary), and the
 `signal/<site>/...` series of the sites that fell back (not the thousands of others).
 `from_run_dir` reads the tracker's local journal (what `finish` draws, even with the server
@@ -39,13 +40,13 @@ from pathlib import Path
 
 from lowprec.base.parse import read_yaml_file
 from lowprec.policy.events import Event, EventKind, describe, read_events, replay
-from lowprec.tracking.records import BASELINE_LOSS, flatten_config
+from lowprec.tracking.records import BASELINE_LOSS, flatten_config, tidy_numbers
 
 __all__ = ["ReportData", "from_run_dir", "from_mlflow", "events_table", "events_tags", "signals_of",
            "fallback_sites", "rewinds", "precision_history", "flops_share_steps", "STATS"]
 
 Series = list[tuple[int, float]]
-_KEPT_PREFIXES = ("train/", "eval/", "eval_hp/", "precision/", "time/", "telemetry/")
+_KEPT_PREFIXES = ("train/", "eval/", "eval_hp/", "eval_mode/", "precision/", "time/", "telemetry/")
 WINDOW = "time/window_s"
 STATS = ("amax", "saturated_frac", "underflow_frac", "underflow_energy_frac", "rel_mse", "sqnr_db", "nonfinite")
 # rollout.thresholds keys (lowprec.policy.detectors.Thresholds) -> the stat they bound
@@ -389,6 +390,6 @@ def _note(events: list[Event], tags: dict[str, str], run_name: str) -> str:
             f"last gate: {tags['lowprec.gate']}.\n\n"
             "Events (all in the `events.json` table and `events.jsonl`; pictures in `report/`):\n\n"
             "| step | kind | stage | what happened |\n|---:|---|---|---|\n")
-    rows = [f"| {e.step} | {e.kind} | {e.stage or ''} | {describe(e).replace('|', '/')} |" for e in events[-40:]]
+    rows = [f"| {e.step} | {e.kind} | {e.stage or ''} | {tidy_numbers(describe(e)).replace('|', '/')} |" for e in events[-40:]]
     more = f"\n\n({len(events) - 40} earlier events not shown)" if len(events) > 40 else ""
     return head + "\n".join(rows) + more

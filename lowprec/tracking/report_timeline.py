@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 
 from lowprec.policy.events import Event, EventKind, site_list
+from lowprec.tracking.records import number, tidy_numbers
 from lowprec.tracking.report_sources import ReportData, flops_share_steps, precision_history, rewinds, signals_of
 
 __all__ = ["timeline_figure", "FORMAT_COLORS", "EVENT_STYLE", "new_figure", "numbered_events", "reason_text",
@@ -56,7 +57,7 @@ def _color(fmt: str, order: list[str]) -> str:
 
 
 def _short(v) -> str:
-    return f"{v:.3g}" if isinstance(v, float) else str(v)
+    return number(v)
 
 
 def reason_text(e: Event, site: str | None = None, thresholds: dict | None = None) -> str:
@@ -67,7 +68,7 @@ def reason_text(e: Event, site: str | None = None, thresholds: dict | None = Non
         thr = f" {op} {_short(sig['threshold'])}" if "threshold" in sig else ""
         val = f" {_short(sig['value'])}" if "value" in sig else ""
         parts.append(f"{sig.get('role', '')} {sig['signal']}{val}{thr}".strip())
-    return ", ".join(parts) or e.reason
+    return ", ".join(parts) or tidy_numbers(e.reason)
 
 
 # ------------------------------------------------------------------ precision timeline
@@ -210,10 +211,10 @@ def _notes(data: ReportData) -> list[str]:
             if e.kind == EventKind.REWIND and "to_step" not in e.evidence and "checkpoint_step" not in e.evidence:
                 back = dict(data.metrics.get("train/rewound_to", [])).get(e.step)
                 what += f" back to step {int(back)}" if back is not None else ""
-            out.append(f"{k:>2}  step {e.step:<6} {e.kind:<9} {what}  ({e.reason}{extra})")
+            out.append(f"{k:>2}  step {e.step:<6} {e.kind:<9} {what}  ({tidy_numbers(e.reason)}{extra})")
     for e in data.events:
         if e.kind == EventKind.QUARANTINE:
-            out.append(f" X  step {e.step:<6} quarantine {site_list(e.sites)}  ({e.reason})")
+            out.append(f" X  step {e.step:<6} quarantine {site_list(e.sites)}  ({tidy_numbers(e.reason)})")
     return out
 
 

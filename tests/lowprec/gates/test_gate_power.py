@@ -83,3 +83,10 @@ def test_informational_results_never_decide():
     assert r[0].verdict is Verdict.REGRESS and r[0].informational
     s = summarize(r)
     assert s.verdict is Verdict.PASS and "1 informational not counted" in s.reason
+
+
+def test_seed_spread_reason_prints_no_float_noise():
+    gate = Gate("eval/t/bpb", "lower_is_better", Tolerance("relative", 0.01))
+    bases = [_scores(v) for v in (0.8 + 0.16, math.nan)]    # 0.9600000000000001 as computed
+    r = check_spread(gate, bases, _scores(3.5))
+    assert r.verdict is Verdict.INCONCLUSIVE and "not finite (0.96, nan)" in r.reason, r.reason
