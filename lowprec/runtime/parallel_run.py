@@ -284,10 +284,9 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, resume: bool, f
                 tracking_optional: bool) -> int:
     import torch
     import torch.distributed as dist
-    from lowprec.runtime.baseline import LOSSES_ARTIFACT
     from lowprec.runtime.console import LOG_NAME
     from lowprec.runtime.loop import train
-    from lowprec.runtime.run import EXIT_OK, EXIT_UNSENT, _tracking_uri, summary_text, unsent_line
+    from lowprec.runtime.run import EXIT_OK, EXIT_UNSENT, _tracking_uri, close_run, summary_text, unsent_line
     from lowprec.state.checkpoint import NoUsableCheckpointError
     from lowprec.tracking.records import RunStatus
     from lowprec.tracking.telemetry import Telemetry, TelemetryConfig
@@ -321,12 +320,7 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, resume: bool, f
             console.say(f"--resume: {e}")
         return EXIT_UNUSABLE
     finally:
-        if progress is not None:
-            progress.close()
-        if tracker is not None:
-            if status is RunStatus.FINISHED:
-                tracker.log_artifact(out / LOSSES_ARTIFACT)
-            tracker.finish(status, warn_unsent=False)
+        close_run(progress, tracker, status, out)
     if not lead:
         return EXIT_OK
     run_id = tracker.run_id if tracker is not None else None

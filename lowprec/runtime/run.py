@@ -326,13 +326,7 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
         say(f"--resume: {e}")
         return EXIT_UNUSABLE
     finally:
-        if progress is not None:
-            progress.close()
-        if tracker is not None:
-            if status is RunStatus.FINISHED:
-                from lowprec.runtime.baseline import LOSSES_ARTIFACT
-                tracker.log_artifact(out / LOSSES_ARTIFACT)
-            tracker.finish(status, warn_unsent=False)   # unsent records: said below, last
+        close_run(progress, tracker, status, out)   # unsent records: said below, last
     run_id = tracker.run_id if tracker is not None else None
     if run_id:
         (out / "run_id").write_text(run_id + "\n")
@@ -343,6 +337,19 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
         say(unsent + ("" if tracking_optional else f" (exit {EXIT_UNSENT}; --tracking-optional exits 0)"))
         return EXIT_OK if tracking_optional else EXIT_UNSENT
     return EXIT_OK
+
+
+def close_run(progress, tracker, status, out: Path) -> None:
+    """The end of a `lowprec run` (one process or rank 0 of a job), however the training ended:
+    the progress line closed; a finished run's losses uploaded; the MLflow run given its final
+    status (unsent records are the caller's to say, last)."""
+    if progress is not None:
+        progress.close()
+    if tracker is not None:
+        if status is RunStatus.FINISHED:
+            from lowprec.runtime.baseline import LOSSES_ARTIFACT
+            tracker.log_artifact(out / LOSSES_ARTIFACT)
+        tracker.finish(status, warn_unsent=False)
 
 
 def unsent_line(tracker) -> str | None:

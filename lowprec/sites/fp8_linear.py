@@ -39,7 +39,7 @@ from lowprec.numerics.formats import Format, Rounding, ScaleEncoding, Scaling
 from lowprec.numerics.quant_stats import QuantStats
 from lowprec.sites.gemm_config import LinearGemmConfig, misaligned
 
-__all__ = ["FastRecipe", "fast_recipe", "step_recipes", "cast_weight", "FP8LinearFn", "WeightForms",
+__all__ = ["FastRecipe", "fast_recipe", "step_recipes", "cast_weight", "FP8LinearFn", "grad_gemms", "WeightForms",
            "DelayedTensors", "delayed_state"]
 
 _FAST_SCALINGS = (Scaling.TENSOR, Scaling.DELAYED, Scaling.ROW)
@@ -182,19 +182,28 @@ class FP8LinearFn(torch.autograd.Function):
         qxt, sixt, qwt, siwt, grad_stats, *state = ctx.saved_tensors
         recipe = ctx.recipe
         g2 = gy.reshape(-1, gy.shape[-1])
-        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        dx = dw = db = None
         hist_g, overflow = (DelayedTensors(*state[:4]), state[4]) if state else (NO_HISTORY, None)
-        qg, sig, qgt, sigt, st = _cast(g2, recipe.bwd, recipe, hist_g, overflow, 2, need_dw)
+        qg, sig, qgt, sigt, st = _cast(g2, recipe.bwd, recipe, hist_g, overflow, 2, ctx.needs_input_grad[1])
         if recipe.stats and grad_stats is not None:
             grad_stats.copy_(st)
-        if need_dx:
-            dx = _mm(qg, sig, qwt, siwt, ctx.x_dtype, "dgrad", recipe.gemm).reshape(ctx.x_shape)
-        if need_dw:
-            dw = _mm(qgt, sigt, qxt, sixt, ctx.w_dtype, "wgrad", recipe.gemm)
-        if ctx.has_bias and need_db:
-            db = g2.sum(0, dtype=torch.float32)   # one read of the BF16 gradient, FP32 sums
-        return (dx, dw, db) + (None,) * (ctx.n_inputs - 3)
+        return grad_gemms(ctx, g2, (qg, sig, qgt, sigt), (qwt, siwt), (qxt, sixt)) + (None,) * (ctx.n_inputs - 3)
+
+
+def grad_gemms(ctx, g2: Tensor, grad, w_t, x_t) -> tuple:
+    """(dx, dw, db) of an FP8 linear layer's backward, each only where autograd asks for it:
+    dgrad and wgrad from the cast output gradient `grad` = (q, scale_inv, q_t, scale_inv_t)
+    and the forward's saved casts `w_t` = (qwt, siwt), `x_t` = (qxt, sixt); the bias gradient
+    from the high-precision gradient `g2`. `ctx` holds the recipe, shapes, dtypes and has_bias."""
+    qg, sig, qgt, sigt = grad
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    dx = dw = db = None
+    if need_dx:
+        dx = _mm(qg, sig, *w_t, ctx.x_dtype, "dgrad", ctx.recipe.gemm).reshape(ctx.x_shape)
+    if need_dw:
+        dw = _mm(qgt, sigt, *x_t, ctx.w_dtype, "wgrad", ctx.recipe.gemm)
+    if ctx.has_bias and need_db:
+        db = g2.sum(0, dtype=torch.float32)   # one read of the BF16 gradient, FP32 sums
+    return dx, dw, db
 
 
 def delayed_state(overflow: Tensor, x: "DelayedTensors", g: "DelayedTensors") -> tuple[Tensor, ...]:

@@ -43,7 +43,7 @@ from lowprec.numerics.grid import saturates
 from lowprec.numerics.quant_stats import QuantStats
 from lowprec.numerics.quantize import quantize
 from lowprec.sites.amax_scope import AmaxScope
-from lowprec.sites.fp8_linear import FastRecipe, FP8LinearFn, WeightForms, _mm, _output_dtype, delayed_state
+from lowprec.sites.fp8_linear import FastRecipe, FP8LinearFn, WeightForms, _mm, _output_dtype, grad_gemms, delayed_state
 
 __all__ = ["parallel_fast_linear", "OperandGroups", "GroupFP8LinearFn"]
 
@@ -164,18 +164,11 @@ class GroupFP8LinearFn(torch.autograd.Function):
         qxt, sixt, qwt, siwt, overflow, grad_stats = ctx.saved_tensors
         recipe = ctx.recipe
         g2 = gy.reshape(-1, gy.shape[-1])
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dx = dw = db = None
-        qg, sig, qgt, sigt, st = cast_group(g2, recipe.bwd, recipe, ctx.gg, ctx.hist_g, overflow, 2, need_dw)
+        qg, sig, qgt, sigt, st = cast_group(g2, recipe.bwd, recipe, ctx.gg, ctx.hist_g, overflow, 2,
+                                            ctx.needs_input_grad[1])
         if recipe.stats and grad_stats is not None:
             grad_stats.copy_(st)
-        if need_dx:
-            dx = _mm(qg, sig, qwt, siwt, ctx.x_dtype, "dgrad", recipe.gemm).reshape(ctx.x_shape)
-        if need_dw:
-            dw = _mm(qgt, sigt, qxt, sixt, ctx.w_dtype, "wgrad", recipe.gemm)
-        if ctx.has_bias and need_db:
-            db = g2.sum(0, dtype=torch.float32)
-        return (dx, dw, db) + (None,) * 11
+        return grad_gemms(ctx, g2, (qg, sig, qgt, sigt), (qwt, siwt), (qxt, sixt)) + (None,) * 11
 
 
 class _BiasOnce(torch.autograd.Function):
