@@ -103,6 +103,32 @@ def campaign(sites: list[str]) -> list[Fault]:
     return out
 
 
+class FaultyQuantizer:
+    """A site's `OperandQuantizer` (lowprec.sites.operand_quantizer) whose `quantize` is a
+    fault's; every other attribute is the site's own."""
+
+    def __init__(self, inner, quantize):
+        self.inner, self.quantize = inner, quantize
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def plant_quantize(module, wrap) -> None:
+    """Route `module`'s quantizations through `wrap(original quantize)` until `unplant_quantize`:
+    the layer hands `QuantizedLinearFn` a `FaultyQuantizer` for every call."""
+    factory = module.operand_quantizer
+
+    def operand_quantizer():
+        q = factory()
+        return FaultyQuantizer(q, wrap(q.quantize))
+    module.operand_quantizer = operand_quantizer
+
+
+def unplant_quantize(module) -> None:
+    del module.operand_quantizer   # the class's own method again
+
+
 class Planted:
     """Installs one fault on the model for the loop passes it is active (`step` is the pass,
     set by the loop)."""
@@ -111,11 +137,10 @@ class Planted:
         self.fault, self.model, self.state, self.opt = fault, model, state, opt
         self.step = 0
         self.hooks = []
-        self.saved_quantize = None
+        self.planted = None
         if fault.precision:
-            module = state.sites[fault.site].module
-            self.saved_quantize = module.quantize_operand
-            module.quantize_operand = self._quantize(module, self.saved_quantize)
+            self.planted = module = state.sites[fault.site].module
+            plant_quantize(module, lambda original: self._quantize(module, original))
         elif fault.kind == "nan_input":
             self.hooks.append(model.tok_emb.register_forward_hook(self._nan_embedding))
         elif fault.kind == "grad_spike":
@@ -172,8 +197,8 @@ class Planted:
     def remove(self):
         for h in self.hooks:
             h.remove()
-        if self.saved_quantize is not None:
-            del self.state.sites[self.fault.site].module.quantize_operand
+        if self.planted is not None:
+            unplant_quantize(self.planted)
 
 
 def build(replay: bool):

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 import torch
 
-from experiments.attribution_bench import restore_warm
+from experiments.attribution_bench import plant_quantize, restore_warm, unplant_quantize
 from experiments.model import build_gpt
 from lowprec.policy.events import EventKind
 from lowprec.sites.plan import PrecisionPlan
@@ -138,8 +138,8 @@ class PlantedDrift:
         kind = fault.base_kind
         if fault.precision:
             self.module = state.sites[fault.site].module
-            original = self.module.quantize_operand
-            self.module.quantize_operand = self._quantize(self.module, original, kind)
+            module = self.module
+            plant_quantize(module, lambda original: self._quantize(module, original, kind))
         elif kind == "input_scale":
             block = model.blocks[random.Random(fault.seed).randrange(len(model.blocks))]
             self.hooks.append(block.register_forward_pre_hook(
@@ -191,7 +191,7 @@ class PlantedDrift:
         for h in self.hooks:
             h.remove()
         if self.module is not None:
-            del self.module.quantize_operand
+            unplant_quantize(self.module)
 
 
 def held_out_loss(model, batches) -> float:

@@ -8,8 +8,8 @@ RowwiseParallel) and FSDP2 treat it as the linear layer it is.
 
 Its format can change at any step (`set_format`). In a low-precision format, the
 forward and backward run as Transformer Engine runs them, three GEMMs each with
-quantized operands and FP32 accumulation (`lowprec.sites.quantized_gemms` runs them; this
-module quantizes each operand):
+quantized operands and FP32 accumulation (`lowprec.sites.quantized_gemms` runs them with
+the `OperandQuantizer` this layer hands it for the call, `lowprec.sites.operand_quantizer`):
 
     fprop  y  = x  @ w^T      operands (input, weight)
     dgrad  dx = dy @ w        operands (grad_output, weight^T)
@@ -33,32 +33,25 @@ eager forward calls on the fast path and on `QuantizedLinearFn`.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from lowprec.numerics.delayed import AmaxHistory, static_address
-from lowprec.numerics.formats import Format, QuantSpec, ScaleEncoding, Scaling
-from lowprec.numerics.grid import saturates
+from lowprec.numerics.formats import Format, Scaling
 from lowprec.numerics.hadamard import RandomHadamard
 from lowprec.numerics.quant_stats import QuantStats
-from lowprec.numerics.quantize import quantize
 from lowprec.sites.amax_scope import AmaxScope
 from lowprec.sites.fp8_allgather import FP8GatheredWeight
 from lowprec.sites.fp8_parallel import parallel_fast_linear
 from lowprec.sites.fp8_linear import (NO_HISTORY, DelayedTensors, FastRecipe, FP8LinearFn, WeightForms, cast_weight,
                                       delayed_state, fast_recipe, step_recipes)
 from lowprec.sites.gemm_config import LinearGemmConfig
+from lowprec.sites.operand_quantizer import OPERAND_OF, OPERANDS, OperandQuantizer, bf16_round
 from lowprec.sites.quantized_gemms import QuantizedLinearFn
-from lowprec.sites.weight_cache import WeightCache, cache_key, cacheable
+from lowprec.sites.weight_cache import WeightCache, cache_key
 
 __all__ = ["PrecisionLinear", "linear_weight_view"]
 
-# the operand each GEMM role quantizes: its amax history and its statistics are the operand's
-_OPERAND = {"input": "input", "input_wgrad": "input", "weight": "weight",
-            "grad_output": "grad_output", "grad_output_wgrad": "grad_output"}
-_ACTIVATION_ROLES = ("input", "input_wgrad", "grad_output", "grad_output_wgrad")
-_OPERANDS = ("input", "weight", "grad_output")  # the operands, in overflow_steps' order
 _FAST_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
 
@@ -107,7 +100,7 @@ class PrecisionLinear(nn.Linear):
         # weight, grad_output) saturated past twice the format's max while full statistics
         # were off: one tiny device op
         # per such operand, so a one-step overflow between checks is not missed
-        self.overflow_steps = static_address(torch.zeros(len(_OPERANDS), dtype=torch.float64, device=weight.device))
+        self.overflow_steps = static_address(torch.zeros(len(OPERANDS), dtype=torch.float64, device=weight.device))
         self.histories: dict[str, AmaxHistory] = {}
         self.gemm = gemm or LinearGemmConfig()   # the fast path's three GEMMs (lowprec.sites.gemm_config)
         self.format = fmt
@@ -161,7 +154,7 @@ class PrecisionLinear(nn.Linear):
         if cfg is None:
             return
         for role, spec in self.format.specs().items():
-            key = _OPERAND[role]
+            key = OPERAND_OF[role]
             if spec.scaling is Scaling.DELAYED and key not in self.histories:
                 self.histories[key] = AmaxHistory(cfg, spec.element, self.weight.device)
 
@@ -170,8 +163,8 @@ class PrecisionLinear(nn.Linear):
         w = self.weight.t() if self.transposed_weight else self.weight
         if self.format.is_high_precision:
             if self.emulate_bf16 and x.dtype == torch.float32:
-                b = None if self.bias is None else _bf16(self.bias)
-                return F.linear(_bf16(x), _bf16(w), b)
+                b = None if self.bias is None else bf16_round(self.bias)
+                return F.linear(bf16_round(x), bf16_round(w), b)
             return F.linear(x, w, self.bias)
         counted = not torch.compiler.is_compiling()   # a compiled graph keeps no host counter
         if self._fast is not None and self._on_fast_path(x, w):
@@ -182,7 +175,7 @@ class PrecisionLinear(nn.Linear):
             return parallel_fast_linear(self, x, w, self._fast[1 if self.collect_stats else 0], _weight_forms,
                                         _delayed)
         self.slow_calls += counted
-        return QuantizedLinearFn.apply(x, w, self.bias, self, self.format)
+        return QuantizedLinearFn.apply(x, w, self.bias, self.format, self.operand_quantizer())
 
     def _on_fast_path(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """Plain tensors with no amax reduction over a group (lowprec.sites.fp8_linear); DTensor
@@ -193,93 +186,19 @@ class PrecisionLinear(nn.Linear):
         return (local and not hasattr(x, "to_local") and not hasattr(w, "to_local")
                 and x.dtype in _FAST_DTYPES and w.dtype in _FAST_DTYPES)
 
-    def quantize_operand(self, t: torch.Tensor, fmt: Format, role: str, *, record: bool = True,
-                         scale: torch.Tensor | None = None):
-        """Quantize one 2-D operand (local tensor) for GEMM `role`; high precision if no spec.
-
-        record: this is the step's first quantization of the operand (`_OPERAND[role]`): its
-            amax goes into the delayed-scaling history and its statistics are kept. False
-            when the backward quantizes again an operand that a GEMM before it already
-            quantized (weight^T for dgrad, the input or grad_output for wgrad), where the
-            first one could not be reused transposed: that step's statistics and history
-            are the first quantization's.
-        scale: the delayed scale the first quantization used. Transformer Engine's backward
-            uses the forward's FP8 tensors, so an operand has one scale per step; the
-            history's own scale has moved since, by the amax the first one recorded.
-        """
-        spec: QuantSpec | None = getattr(fmt, role)
-        if spec is None:
-            return _bf16(t) if self.emulate_bf16 and t.dtype == torch.float32 else t
-        operand = _OPERAND[role]
-        keep_stats = record and self.collect_stats
-        key = None
-        if (role == "weight" and self.weight_cache.enabled and cacheable(spec)
-                and not self._amax_groups(role) and not torch.compiler.is_compiling()
-                and not (t.is_cuda and torch.cuda.is_current_stream_capturing())):
-            key = cache_key(t, spec, self.fused)
-            slot = f"{tuple(t.shape)}{t.stride()}"   # the forward's and the backward's layout
-            q = self.weight_cache.get(slot, key, need_stats=keep_stats)
-            if q is not None:
-                if keep_stats:
-                    self.stats[operand] = q.stats
-                return q
-        amax = None
-        hist = self.histories.get(operand) if spec.scaling is Scaling.DELAYED else None
-        if hist is not None:
-            scale = hist.scale() if scale is None else scale
-        elif _needs_global_amax(spec):
-            amax = self._global_amax(t, role)
-        q = quantize(t, spec, amax=amax, scale=scale if hist is not None else None,
-                     generator=self.generator, hadamard=self.hadamard, stats=keep_stats,
-                     fused=self.fused, validate=False)
-        if hist is not None and record:
-            amax = self._reduce_max(q.amax, role)
-            if not self.collect_stats:
-                # past twice the format's max: the largest values lose more than half their size
-                self.overflow_steps[_OPERANDS.index(operand)] += saturates(
-                    amax * scale * 0.5, spec.element).to(torch.float64)
-            hist.record(amax)
-        if keep_stats:
-            self.stats[operand] = q.stats
-        if key is not None:
-            self.weight_cache.put(slot, key, q, storage=getattr(self.backend, "fp8_storage", False))
-        return q
-
-    # ------------------------------------------------------------------ distributed amax
-    def _global_amax(self, t: torch.Tensor, role: str) -> torch.Tensor | None:
-        groups = self._amax_groups(role)
-        if not groups:
-            return None
-        local = torch.where(torch.isfinite(t), t.abs(), 0.0).amax().float()
-        return self._reduce_max(local, role)
-
-    def _reduce_max(self, amax: torch.Tensor, role: str) -> torch.Tensor:
-        for g in self._amax_groups(role):
-            amax = amax.clone()
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=g)
-        return amax
-
-    def _amax_groups(self, role: str) -> list:
-        if self.amax_scope is AmaxScope.LOCAL:
-            return []
-        groups = list(getattr(self, "_shard_groups", {}).get(role, ()))
-        if self.amax_group is not None and role in _ACTIVATION_ROLES:
-            groups.append(self.amax_group)
-        return groups
+    def operand_quantizer(self) -> OperandQuantizer:
+        """What `QuantizedLinearFn` needs of this layer for one call: its settings now, and the
+        holders the quantizations update in place (this layer's own `stats`, `histories`,
+        `overflow_steps` and `weight_cache`; lowprec.sites.operand_quantizer)."""
+        return OperandQuantizer(self.fqn, self.backend, self.stats, self.histories, self.overflow_steps,
+                                self.weight_cache, self.generator, self.hadamard, amax_group=self.amax_group,
+                                amax_scope=self.amax_scope, collect_stats=self.collect_stats,
+                                emulate_bf16=self.emulate_bf16, fused=self.fused)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, format={self.format.name}, "
                 f"backend={getattr(self.backend, 'name', self.backend)}")
-
-
-def _bf16(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.bfloat16).to(t.dtype)
-
-
-def _needs_global_amax(spec: QuantSpec) -> bool:
-    """Whether the scale depends on the amax of the whole tensor."""
-    return spec.scaling is Scaling.TENSOR or spec.scale_encoding is ScaleEncoding.E4M3_FP32
 
 
 def _delayed(layer: PrecisionLinear, operand: str, recipe: FastRecipe) -> DelayedTensors:

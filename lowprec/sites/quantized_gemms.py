@@ -4,38 +4,27 @@
     dgrad  dx = dy @ w        operands (grad_output, weight^T)
     wgrad  dw = dy^T @ x      operands (grad_output_wgrad, input_wgrad), K = tokens
 
-The layer quantizes each operand (`PrecisionLinear.quantize_operand`: scaling, delayed
-histories, statistics, the weight cache); this module decides which quantizations the
-backward can reuse transposed, pads the wgrad token dimension to whole blocks, runs the
-GEMMs on the layer's backend, and carries DTensor operands through: local shards in,
-results wrapped back with the placements a GEMM of those shards has.
+`QuantizedLinearFn` takes tensors, the format (the recipe) and an `OperandQuantizer`
+(lowprec.sites.operand_quantizer: scaling, delayed histories, statistics, the weight cache,
+the backend), never the layer. This module decides which quantizations the backward can
+reuse transposed, pads the wgrad token dimension to whole blocks, runs the GEMMs, and
+carries DTensor operands through: local shards in, results wrapped back with the
+placements a GEMM of those shards has; the groups an operand is sharded over go to each
+quantization as an argument.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from lowprec.numerics.formats import Format, QuantSpec, Rounding, Scaling
 from lowprec.numerics.quantize import Quantized
+from lowprec.sites.operand_quantizer import OperandQuantizer
 
-__all__ = ["QuantizedLinearFn", "OperandQuantizer"]
-
-
-class OperandQuantizer(Protocol):
-    """What `QuantizedLinearFn` asks of the layer it runs for (`PrecisionLinear` is one):
-    quantize an operand in its role, and the GEMM backend. `_shard_groups` is set here for
-    the amax reduction over the shards of DTensor operands."""
-
-    fqn: str
-    backend: Any
-    _shard_groups: dict
-
-    def quantize_operand(self, t: torch.Tensor, fmt: Format, role: str, *, record: bool = True,
-                         scale: torch.Tensor | None = None) -> Quantized: ...
+__all__ = ["QuantizedLinearFn"]
 
 
 # ---------------------------------------------------------------------- DTensor plumbing
@@ -99,32 +88,34 @@ def _gemm_placements(pa, pb, mesh):
 
 
 def _shard_groups(mesh, placements) -> list:
+    """The process groups of the mesh dimensions an operand with `placements` is sharded on."""
     if mesh is None or placements is None:
         return []
     return [mesh.get_group(i) for i, p in enumerate(placements) if p.is_shard()]
 
 
 class QuantizedLinearFn(torch.autograd.Function):
-    """fprop / dgrad / wgrad with quantized operands (see the module docstring)."""
+    """fprop / dgrad / wgrad with quantized operands (see the module docstring).
+
+    Inputs: x, w, bias (tensors or DTensors), `fmt` (the format: which spec each GEMM role
+    quantizes with) and `quant` (the site's `OperandQuantizer`). Returns y. The statistics
+    and delayed-scaling amaxes of the operands go into `quant`'s holders."""
 
     @staticmethod
-    def forward(ctx, x, w, bias, layer: "OperandQuantizer", fmt: Format):
+    def forward(ctx, x, w, bias, fmt: Format, quant: OperandQuantizer):
         x2, mesh_x, px = _to_local_2d(x)
         w2, mesh_w, pw = _to_local_2d(w)
         if (mesh_x is None) != (mesh_w is None):
             kinds = ["DTensor" if m is not None else "plain" for m in (mesh_x, mesh_w)]
             raise TypeError(
-                f"PrecisionLinear {layer.fqn!r} got a {kinds[0]} input and a {kinds[1]} weight; "
+                f"PrecisionLinear {quant.fqn!r} got a {kinds[0]} input and a {kinds[1]} weight; "
                 f"as in DTensor's own operators, convert both to DTensors on one mesh (a "
                 f"tensor-parallel style does this for the input) or neither")
         mesh = mesh_x or mesh_w
-        layer._shard_groups = {
-            "input": _shard_groups(mesh, px), "weight": _shard_groups(mesh, pw),
-            "input_wgrad": _shard_groups(mesh, px)}
-        qx = layer.quantize_operand(x2, fmt, "input")
-        qw = layer.quantize_operand(w2, fmt, "weight")
+        qx = quant.quantize(x2, fmt, "input", shard_groups=_shard_groups(mesh, px))
+        qw = quant.quantize(w2, fmt, "weight", shard_groups=_shard_groups(mesh, pw))
         y_dtype = _output_dtype(x)
-        y = _gemm(layer, qx, qw, y_dtype)
+        y = quant.gemm(qx, qw, y_dtype)
         out_pl = _gemm_placements(px, pw, mesh) if mesh is not None else None
         if bias is not None:
             b = bias.to_local() if hasattr(bias, "to_local") else bias
@@ -142,7 +133,7 @@ class QuantizedLinearFn(torch.autograd.Function):
         # where the backward must quantize them again, it does so with the forward's scales
         ctx.scales = (_delayed_scale(qx), _delayed_scale(qw))
         ctx.save_for_backward(None if ctx.qx is not None else x2, w2)
-        ctx.layer, ctx.fmt, ctx.has_bias = layer, fmt, bias is not None
+        ctx.quant, ctx.fmt, ctx.has_bias = quant, fmt, bias is not None
         ctx.meta = (x_local_shape, x.dtype, mesh, px, pw)
         y = y.to(y_dtype)
         if mesh is None:
@@ -155,19 +146,17 @@ class QuantizedLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x2, w2 = ctx.saved_tensors
-        layer, fmt = ctx.layer, ctx.fmt
+        quant, fmt = ctx.quant, ctx.fmt
         x_shape, x_dtype, mesh, px, pw = ctx.meta
         g2, _, pg = _to_local_2d(gy)
-        layer._shard_groups = {
-            "grad_output": _shard_groups(mesh, pg), "grad_output_wgrad": _shard_groups(mesh, pg),
-            "weight": _shard_groups(mesh, pw), "input_wgrad": _shard_groups(mesh, px)}
+        groups_g, groups_w, groups_x = _shard_groups(mesh, pg), _shard_groups(mesh, pw), _shard_groups(mesh, px)
         dx = dw = db = qg = None
         scale_x, scale_w = ctx.scales
         if ctx.needs_input_grad[0]:
-            qg = layer.quantize_operand(g2, fmt, "grad_output")
+            qg = quant.quantize(g2, fmt, "grad_output", shard_groups=groups_g)
             qwt = (_transpose(ctx.qw) if ctx.qw is not None
-                   else layer.quantize_operand(w2.t(), fmt, "weight", record=False, scale=scale_w))
-            dx = _gemm(layer, qg, qwt, x_dtype).to(x_dtype)
+                   else quant.quantize(w2.t(), fmt, "weight", shard_groups=groups_w, record=False, scale=scale_w))
+            dx = quant.gemm(qg, qwt, x_dtype).to(x_dtype)
             if mesh is None:
                 dx = dx.reshape(x_shape)
             else:
@@ -181,17 +170,17 @@ class QuantizedLinearFn(torch.autograd.Function):
                        and _transposable(fmt.grad_output, fmt.grad_output_wgrad, qg))
             # without dgrad (an input that needs no gradient) this is grad_output's only
             # quantization in the step: it records the amax and keeps the statistics
-            again = dict(record=qg is None, scale=_delayed_scale(qg))
+            again = dict(shard_groups=groups_g, record=qg is None, scale=_delayed_scale(qg))
             if ctx.qx is not None:
                 qgt = (_transpose(qg) if reuse_g
-                       else layer.quantize_operand(g2.t(), fmt, "grad_output_wgrad", **again))
+                       else quant.quantize(g2.t(), fmt, "grad_output_wgrad", **again))
                 qxt = _transpose(ctx.qx)
             else:
                 gt, xt = _pad_tokens(g2.t(), x2.t(), fmt)
                 qgt = (_transpose(qg) if reuse_g
-                       else layer.quantize_operand(gt, fmt, "grad_output_wgrad", **again))
-                qxt = layer.quantize_operand(xt, fmt, "input_wgrad", record=False, scale=scale_x)
-            dw = _gemm(layer, qgt, qxt, w2.dtype).to(w2.dtype)
+                       else quant.quantize(gt, fmt, "grad_output_wgrad", **again))
+                qxt = quant.quantize(xt, fmt, "input_wgrad", shard_groups=groups_x, record=False, scale=scale_x)
+            dw = quant.gemm(qgt, qxt, w2.dtype).to(w2.dtype)
             if mesh is not None:
                 dw = _wrap(dw, mesh, _gemm_placements(_t_placements(pg), _t_placements(px), mesh),
                            None, ctx.global_shapes[1])
@@ -270,14 +259,6 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
     if x.is_cuda and torch.is_autocast_enabled("cuda"):
         return torch.get_autocast_dtype("cuda")
     return x.dtype
-
-
-def _gemm(layer: "OperandQuantizer", a, b, out_dtype: torch.dtype) -> torch.Tensor:
-    """a @ b^T on the layer's backend; in `out_dtype` where the backend produces it natively
-    (the `torch` backend's BF16 output on CUDA), else in FP32 (the caller casts)."""
-    if getattr(layer.backend, "native_out_dtype", False):
-        return layer.backend.gemm(a, b, out_dtype=out_dtype)
-    return layer.backend.gemm(a, b)
 
 
 def _wrap(t, mesh, placements, lead_shape, global_shape, lead_placements=None):

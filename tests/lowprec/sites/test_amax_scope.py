@@ -28,7 +28,8 @@ def test_local_scope_reduces_nothing_and_takes_the_plain_fast_path():
     state = prepare(_mlp(), _plan("torch", "local"), amax_group=group)
     layers = [s.module for s in state.sites.values()]
     assert all(isinstance(m, PrecisionLinear) and m.amax_scope is AmaxScope.LOCAL for m in layers)
-    assert all(m._amax_groups(role) == [] for m in layers for role in ("input", "grad_output", "weight"))
+    assert all(m.operand_quantizer().amax_groups(role, shard_groups=[object()]) == []
+               for m in layers for role in ("input", "grad_output", "weight"))
     x = torch.randn(8, 32)
     assert layers[0]._on_fast_path(x, layers[0].weight)   # the amax group plays no part
     out = layers[1](torch.nn.functional.gelu(layers[0](x)))
@@ -40,8 +41,11 @@ def test_group_scope_keeps_the_data_parallel_group():
     group = object()
     state = prepare(_mlp(), _plan("emulated", "group"), amax_group=group)
     m = next(iter(state.sites.values())).module
-    assert m.amax_scope is AmaxScope.GROUP and m._amax_groups("input") == [group]
-    assert m._amax_groups("weight") == []
+    quant = m.operand_quantizer()
+    assert m.amax_scope is AmaxScope.GROUP and quant.amax_groups("input") == [group]
+    assert quant.amax_groups("weight") == []
+    shard = object()   # a DTensor operand's shard group, given by QuantizedLinearFn for the call
+    assert quant.amax_groups("input", [shard]) == [shard, group] and quant.amax_groups("weight", [shard]) == [shard]
 
 
 def test_torchao_accepts_a_data_parallel_group_under_local_scope():
