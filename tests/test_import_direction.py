@@ -11,6 +11,10 @@ other folders it may import ('May import: ...'); the tests read those rules from
 folders, hold every import to them, and find no cycle between modules or between packages.
 The lower layers (base, numerics, sites, policy, state) stay clear of the tracking layer:
 no MLflow, no matplotlib. Tracking reads them, not the other way round.
+
+What imports cannot show, one object writing another's state at run time (an autograd
+function writing onto its layer, a private attribute set from outside), is held by
+tests/test_object_boundaries.py.
 """
 
 from __future__ import annotations

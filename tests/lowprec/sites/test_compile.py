@@ -1,8 +1,8 @@
 """torch.compile over a model with PrecisionLinear layers: fwd+bwd run and equal eager bit for
 bit, and a format switch compiles at most once per (site, format), then stays cached.
 
-Known limit (reported in issue 15's notes): `QuantizedLinearFn.forward` mutates the layer's
-Python state (statistics dict, shard groups, amax histories), which Dynamo cannot put inside
+Known limit (reported in issue 15's notes): `QuantizedLinearFn.forward` updates Python state
+the layer hands it (its `OperandQuantizer`'s statistics dict and amax histories), which Dynamo cannot put inside
 the autograd.Function's graph ("HOP: Unsafe side effect"), so the quantized GEMMs run as a
 graph break: the model around them compiles, they run eagerly (with the fused quantizer's
 own compiled kernels). The counts below are of the graphs Dynamo hands the backend."""
