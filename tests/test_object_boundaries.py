@@ -26,6 +26,7 @@ state; these rules can, read from the source with `ast` (nothing is imported):
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,11 @@ def _files() -> list[Path]:
     return files
 
 
+@cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 def _rel(path: Path) -> str:
     return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()
 
@@ -112,13 +118,13 @@ def _targets(node: ast.AST) -> list[ast.expr]:
 
 
 def _attribute_writes(tree: ast.AST):
-    """(node, object expression, attribute name, text) of every `obj.name = ...` and
-    `setattr(obj, "name", ...)` (a literal name) under `tree`."""
+    """(node, object expression, attribute name, text) of every `obj.name = ...`,
+    `setattr(obj, "name", ...)` and `object.__setattr__(obj, "name", ...)` (a literal name) under `tree`."""
     for node in ast.walk(tree):
         for t in _targets(node):
             if isinstance(t, ast.Attribute):
                 yield node, t.value, t.attr, ast.unparse(t)
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+        if (isinstance(node, ast.Call) and ast.unparse(node.func) in ("setattr", "object.__setattr__")
                 and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
                 and isinstance(node.args[1].value, str)):
             yield node, node.args[0], node.args[1].value, f"{ast.unparse(node.args[0])}.{node.args[1].value}"
@@ -149,7 +155,7 @@ def _is_autograd_function(cls: ast.ClassDef) -> bool:
 
 def autograd_function_writes(path: Path) -> list[tuple[str, int, str]]:
     found = []
-    for cls in ast.walk(ast.parse(path.read_text())):
+    for cls in ast.walk(_tree(path)):
         if not (isinstance(cls, ast.ClassDef) and _is_autograd_function(cls)):
             continue
         for fn in cls.body:
@@ -174,7 +180,7 @@ def test_autograd_functions_write_onto_nothing_but_ctx():
 
 def private_writes(path: Path) -> list[tuple[str, int, str]]:
     found = []
-    for node, obj, name, text in _attribute_writes(ast.parse(path.read_text())):
+    for node, obj, name, text in _attribute_writes(_tree(path)):
         own = isinstance(obj, ast.Name) and obj.id in _OWN | {"ctx"}
         through = obj
         via_private = False
@@ -200,7 +206,7 @@ def _classes() -> dict[str, list[tuple[Path, bool]]]:
     """class name -> [(its module, whether it is a record: a dataclass or NamedTuple)]."""
     out: dict[str, list[tuple[Path, bool]]] = {}
     for path in _files():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.ClassDef):
                 deco = {ast.unparse(d).split("(")[0].rsplit(".", 1)[-1] for d in node.decorator_list}
                 bases = {ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases}
@@ -251,7 +257,7 @@ def _typed_names(fn: ast.FunctionDef | ast.AsyncFunctionDef, classes) -> dict[st
 
 def foreign_writes(path: Path, classes) -> list[tuple[str, int, str]]:
     found = []
-    for fn in ast.walk(ast.parse(path.read_text())):
+    for fn in ast.walk(_tree(path)):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         typed = _typed_names(fn, classes)
@@ -296,6 +302,7 @@ def host(session: "Session", engine: Engine | None, other):
     engine.clock = 2
     other._private = 3
     setattr(other, "_also", 4)
+    object.__setattr__(other, "_frozen", 8)
     other._part.name = 5
     made = Session()
     made.step_index = 6
@@ -315,7 +322,7 @@ def test_the_rules_catch_the_cases_they_name(tmp_path):
     fn = [msg.split(" writes ")[1].split(":")[0] for _, _, msg in autograd_function_writes(path)]
     assert fn == ["layer._groups", "layer.seen", "layer.count"], fn
     private = sorted(key.split(": ")[1] for key, _, _ in private_writes(path))
-    assert private == ["layer._groups", "other._also", "other._part.name", "other._private"], private
+    assert private == ["layer._groups", "other._also", "other._frozen", "other._part.name", "other._private"], private
     classes = {"Session": [(Path("runtime/session.py"), False)], "Engine": [(Path("runtime/engine.py"), False)],
                "Record": [(Path("runtime/record.py"), True)]}
     foreign = sorted(key.split(": ")[1] for key, _, _ in foreign_writes(path, classes))
