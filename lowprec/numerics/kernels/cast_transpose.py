@@ -20,10 +20,12 @@ both from the tile they hold in registers:
 
 `stats=True` (a constexpr: free when off) also gives the packed `QuantStats` vector of
 the row-major quantization (amax, saturated, underflow, squared error, signal power,
-non-finite, numel, underflow energy) from the same pass: each tile writes its counts and
-FP64 sums to its own row of a (tiles, 8) buffer, one column sum after the kernel packs
-them (no atomics: on an H100 the first version's six FP64 atomic adds per tile into one
-vector made a check step's cast 5.4x slower). Counts are exact; the dequantized magnitude is
+non-finite, numel, underflow energy) from the same pass: each tile writes its amax, counts
+and FP64 sums to its own row of a (tiles, 8) buffer (no atomics on the sums: on an H100
+six FP64 atomic adds per tile into one vector made a check step's cast 5.4x slower), and
+the last tile to finish (a ticket counter: the slot after the partial maxima, after the
+row/column maxima, or the delayed state's) reads the rows in order and writes the vector,
+so a check step launches no more kernels than a plain one. Counts are exact; the dequantized magnitude is
 `quantize`'s (|q| / scale, one FP32 rounding), the error, the squares and the three sums
 are FP64 (their order differs from `quantize`'s, so they agree to rounding, not bit for bit).
 Element and scale numerics are `lowprec.numerics.quantize.quantize`'s, bit for bit (`fp8_cast._encode`, `_scale_of`).
@@ -48,6 +50,7 @@ __all__ = ["cast_transpose", "cast_transpose_delayed", "cast_transpose_rowwise",
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)
 _TILE = (64, 64)
 _N_STATS = len(QuantStats.FIELDS)
+_BLOCK_T = 64      # rows of the statistics partials the last tile reads at a time
 
 
 # ----------------------------------------------------------------------------- device code
@@ -60,12 +63,12 @@ def _stats_row(part_ptr):
 
 
 @triton.jit
-def _tile_stats(part_ptr, first, amax, numel, ax, qa, sat, under, nonfin, scale):
-    """Write this tile's counts and FP64 sums to its own row of the (tiles, 8) partials (slots
-    as QuantStats; the host sums the rows). No atomics: one address per tile and slot, so the
-    check step costs what the sums cost, and the result does not depend on the tiles' order.
-    Slot 0 (amax) and slot 6 (numel) are written by the first tile only (`first`), 0 by the
-    others, so that the column sums are the operand's values."""
+def _tile_stats(part_ptr, first, numel, ax, qa, sat, under, nonfin, scale):
+    """Write this tile's amax, counts and FP64 sums to its own row of the (tiles, 8) partials
+    (slots as QuantStats). No atomics: one address per tile and slot, so the check step costs
+    what the sums cost, and the result does not depend on the tiles' order. Slot 6 (numel) is
+    written by the first tile only (`first`), 0 by the others, so that the column sums are
+    the operand's values; slot 0 is the tile's amax (`_finish_stats` takes their maximum)."""
     a64 = ax.to(tl.float64)
     # dq = |q| / scale in FP32, rounded once as `quantize` dequantizes; then the error, its
     # square and the sums in FP64 (exact differences and squares of FP32 values). No FP64
@@ -73,7 +76,7 @@ def _tile_stats(part_ptr, first, amax, numel, ax, qa, sat, under, nonfin, scale)
     err = tl.math.div_rn(qa, scale).to(tl.float64) - a64
     sq = a64 * a64
     row = _stats_row(part_ptr)
-    tl.store(row + 0, tl.where(first, tl.cast(amax, tl.float64), 0.0))
+    tl.store(row + 0, tl.max(tl.max(a64, axis=1), axis=0))
     tl.store(row + 1, tl.sum(tl.sum(sat.to(tl.float64), axis=1), axis=0))
     tl.store(row + 2, tl.sum(tl.sum(under.to(tl.float64), axis=1), axis=0))
     tl.store(row + 3, tl.sum(tl.sum(err * err, axis=1), axis=0))
@@ -81,6 +84,33 @@ def _tile_stats(part_ptr, first, amax, numel, ax, qa, sat, under, nonfin, scale)
     tl.store(row + 5, tl.sum(tl.sum(nonfin.to(tl.float64), axis=1), axis=0))
     tl.store(row + 6, tl.where(first, tl.cast(numel, tl.float64), 0.0))
     tl.store(row + 7, tl.sum(tl.sum(tl.where(under, sq, 0.0), axis=1), axis=0))
+
+
+@triton.jit
+def _finish_stats(part_ptr, out_ptr, BLOCK_T: tl.constexpr):
+    """The packed statistics from the (tiles, 8) partials, by the last tile to finish (its
+    caller holds the ticket that says so): the column sums, the maximum for slot 0 (the
+    amax), rows read in their fixed order (the same figures whatever order the tiles ran in).
+    No separate launch sums them."""
+    n = tl.num_programs(0) * tl.num_programs(1)
+    cols = tl.arange(0, 8)
+    acc = tl.zeros((8,), tl.float64)
+    top = tl.zeros((8,), tl.float64)
+    for start in range(0, n, BLOCK_T):
+        rows = start + tl.arange(0, BLOCK_T)
+        blk = tl.load(part_ptr + rows[:, None].to(tl.int64) * 8 + cols[None, :], mask=rows[:, None] < n,
+                      other=0.0)
+        acc += tl.sum(blk, axis=0)
+        top = tl.maximum(top, tl.max(blk, axis=0))
+    tl.store(out_ptr + cols, tl.where(cols == 0, top, acc))
+
+
+@triton.jit
+def _last_tile(ticket_ptr):
+    """Whether this tile is the last of the launch to get here (a float ticket counter that
+    starts at 0; atomics are acquire-release, so the last one sees every other tile's stores)."""
+    t = tl.atomic_add(ticket_ptr, 1.0)
+    return t == (tl.num_programs(0) * tl.num_programs(1) - 1).to(tl.float32)
 
 
 @triton.jit
@@ -102,18 +132,17 @@ def _history_scale(hist_ptr, count_ptr, L, BLOCK_L: tl.constexpr, MAX: tl.conste
 
 @triton.jit
 def _ct_kernel(x_ptr, q_ptr, qt_ptr, partial_ptr, P, hist_ptr, count_ptr, L, scratch_ptr, ticket_ptr,
-               overflow_ptr, overflow_index, scale_inv_ptr, stats_ptr, numel, M, N, stride_x,
-               BM: tl.constexpr, BN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr,
+               overflow_ptr, overflow_index, scale_inv_ptr, stats_ptr, stats_out_ptr, numel, M, N,
+               stride_x, BM: tl.constexpr, BN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr,
                MAX: tl.constexpr, MB: tl.constexpr, BIAS: tl.constexpr, HAS_INF: tl.constexpr,
                THR: tl.constexpr, ODD: tl.constexpr, EPS: tl.constexpr, DELAYED: tl.constexpr,
                MOST_RECENT: tl.constexpr, MARGIN_DIV: tl.constexpr, OVERFLOW: tl.constexpr,
-               TRANSPOSE: tl.constexpr, STATS: tl.constexpr, BF16: tl.constexpr):
+               TRANSPOSE: tl.constexpr, STATS: tl.constexpr, BF16: tl.constexpr, BLOCK_T: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if DELAYED:
         scale = _history_scale(hist_ptr, count_ptr, L, BLOCK_L, MAX, MARGIN_DIV, MOST_RECENT)
         scale_inv = (1.0 / scale.to(tl.float64)).to(tl.float32)
-        amax = 0.0   # this operand's amax is known to the last tile only (below)
     else:
         po = tl.arange(0, BLOCK_P)
         amax = tl.max(tl.load(partial_ptr + po, mask=po < P, other=0.0), axis=0)
@@ -130,8 +159,11 @@ def _ct_kernel(x_ptr, q_ptr, qt_ptr, partial_ptr, P, hist_ptr, count_ptr, L, scr
     if TRANSPOSE:
         mt = (cols[:, None] < N) & (rows[None, :] < M)
         tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(code), mask=mt)
-    if STATS:   # delayed: the amax is the last tile's to write (below)
-        _tile_stats(stats_ptr, first, amax, numel, ax, qa, sat & m, under & m, nonfin & m, scale)
+    if STATS:
+        _tile_stats(stats_ptr, first, numel, ax, qa, sat & m, under & m, nonfin & m, scale)
+        if not DELAYED:   # the ticket: after the partial maxima (delayed: the history's, below)
+            if _last_tile(partial_ptr + P):
+                _finish_stats(stats_ptr, stats_out_ptr, BLOCK_T)
     if DELAYED:
         tl.atomic_max(scratch_ptr, tl.max(tl.max(ax, axis=1), axis=0))
         ticket = tl.atomic_add(ticket_ptr, 1)
@@ -148,8 +180,8 @@ def _ct_kernel(x_ptr, q_ptr, qt_ptr, partial_ptr, P, hist_ptr, count_ptr, L, scr
                     over = half > THR
                 ov = overflow_ptr + overflow_index
                 tl.store(ov, tl.load(ov) + over.to(tl.float64))
-            if STATS:   # into this tile's row of the partials, whose slot 0 it wrote as 0
-                tl.store(_stats_row(stats_ptr), amax.to(tl.float64))
+            if STATS:
+                _finish_stats(stats_ptr, stats_out_ptr, BLOCK_T)
             tl.store(scratch_ptr, 0.0)
             tl.store(ticket_ptr, 0)
 
@@ -168,10 +200,11 @@ def _amax_rows_cols_kernel(x_ptr, maxima_ptr, M, N, stride_x, BM: tl.constexpr,
 
 
 @triton.jit
-def _ct_row_kernel(x_ptr, q_ptr, qt_ptr, maxima_ptr, si_ptr, sit_ptr, stats_ptr, numel, M, N, stride_x,
-                   BM: tl.constexpr, BN: tl.constexpr, MAX: tl.constexpr, MB: tl.constexpr,
+def _ct_row_kernel(x_ptr, q_ptr, qt_ptr, maxima_ptr, si_ptr, sit_ptr, stats_ptr, stats_out_ptr, numel, M, N,
+                   stride_x, BM: tl.constexpr, BN: tl.constexpr, MAX: tl.constexpr, MB: tl.constexpr,
                    BIAS: tl.constexpr, HAS_INF: tl.constexpr, THR: tl.constexpr, ODD: tl.constexpr,
-                   EPS: tl.constexpr, TRANSPOSE: tl.constexpr, STATS: tl.constexpr, BF16: tl.constexpr):
+                   EPS: tl.constexpr, TRANSPOSE: tl.constexpr, STATS: tl.constexpr, BF16: tl.constexpr,
+                   BLOCK_T: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -194,9 +227,11 @@ def _ct_row_kernel(x_ptr, q_ptr, qt_ptr, maxima_ptr, si_ptr, sit_ptr, stats_ptr,
         tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(code_t), mask=mt)
         if pid_m == 0:
             tl.store(sit_ptr + cols, csi, mask=cm)
-    if STATS:   # slot 0 (the operand's amax) is set by the host from the maxima
-        _tile_stats(stats_ptr, (pid_m == 0) & (pid_n == 0), 0.0, numel, ax, qa, sat & m, under & m,
+    if STATS:   # the ticket: the slot after the maxima, zeroed with them
+        _tile_stats(stats_ptr, (pid_m == 0) & (pid_n == 0), numel, ax, qa, sat & m, under & m,
                     nonfin & m, rs[:, None])
+        if _last_tile(maxima_ptr + M + N):
+            _finish_stats(stats_ptr, stats_out_ptr, BLOCK_T)
 
 
 # ----------------------------------------------------------------------------- host code
@@ -248,25 +283,22 @@ def _grid(m: int, n: int, tile) -> tuple[int, int]:
     return (max(1, cdiv(m, tile[0])), max(1, cdiv(n, tile[1])))
 
 
-def _buffers(x2: torch.Tensor, transpose: bool, stats: bool, grid: tuple[int, int]):
-    """q, q_t (empty without transpose) and the per-tile statistics partials ((tiles, 8) FP64,
-    every row written by its tile; None without stats, no rows without elements, where no
-    kernel runs)."""
+def _buffers(x2: torch.Tensor, transpose: bool, stats: bool, grid: tuple[int, int], stats_out):
+    """q, q_t (empty without transpose), the per-tile statistics partials ((tiles, 8) FP64,
+    every row written by its tile) and the packed statistics (8,) FP64 that the last tile
+    writes (`stats_out` when given, else a new tensor; zeros for an operand without
+    elements, where no kernel runs); both None without stats."""
     m, n = x2.shape
     dev = x2.device
     q = torch.empty((m, n), dtype=torch.uint8, device=dev)
     qt = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=dev)
-    part = (torch.empty((grid[0] * grid[1] if m and n else 0, _N_STATS), dtype=torch.float64, device=dev)
-            if stats else None)
-    return q, qt, part
-
-
-def _stats_of(part: torch.Tensor | None) -> torch.Tensor | None:
-    """The packed QuantStats vector from the partials: one small launch (the column sums);
-    None without stats (`part` None), zeros where the operand had no tile."""
-    if part is None:
-        return None
-    return part.sum(0) if part.shape[0] else part.new_zeros(_N_STATS)
+    if not stats:
+        return q, qt, None, None
+    part = torch.empty((grid[0] * grid[1], _N_STATS), dtype=torch.float64, device=dev)
+    st = torch.empty(_N_STATS, dtype=torch.float64, device=dev) if stats_out is None else stats_out
+    if not (m and n):
+        st.zero_()
+    return q, qt, part, st
 
 
 def _ptr(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
@@ -285,36 +317,38 @@ def _ct_plan(m: int, n: int, elem, bf16: bool, transpose: bool, stats: bool, til
     c = _consts(elem, bf16)
     kw = dict(BM=tile[0], BN=tile[1], BLOCK_P=1 if delayed else next_power_of_2(p),
               BLOCK_L=next_power_of_2(hist_len) if delayed else 1, MB=c["M"], DELAYED=delayed,
-              TRANSPOSE=transpose, STATS=stats, num_warps=4,
+              TRANSPOSE=transpose, STATS=stats, BLOCK_T=_BLOCK_T, num_warps=4,
               **{k: v for k, v in c.items() if k != "M"})
     return grid, p, kw
 
 
 def cast_transpose(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool = False, tile=_TILE,
-                   launch=eager_launch):
+                   launch=eager_launch, stats_out: torch.Tensor | None = None):
     """Tensor-wise FP8 cast of `x` viewed as (M, N): `(q (M, N), scale_inv (), q_t (N, M) or
-    an empty tensor, packed stats (8,) FP64 or None)`; q_t is q transposed."""
+    an empty tensor, packed stats (8,) FP64 or None)`; q_t is q transposed. With `stats`,
+    `stats_out` (an (8,) FP64 tensor) may be given for the statistics to be written to."""
     elem, x2 = _checked(x, elem, "cast_transpose")
     m, n = x2.shape
     bf16 = x2.dtype == torch.bfloat16
     grid, p, kw = _ct_plan(m, n, elem, bf16, transpose, stats, tuple(tile), False, 1)
-    q, qt, part = _buffers(x2, transpose, stats, grid)
+    q, qt, part, st = _buffers(x2, transpose, stats, grid, stats_out)
     scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
-    partial = torch.empty(p, dtype=torch.float32, device=x2.device)
+    partial = torch.empty(p + 1, dtype=torch.float32, device=x2.device)   # the maxima, then the ticket
     bits = _bits(x2)
-    launch(_amax_partial_kernel, (p,))(bits, partial, m * n, BLOCK=2048, BF16=bf16, num_warps=8)
+    launch(_amax_partial_kernel, (p,))(bits, partial, m * n, BLOCK=2048, BF16=bf16, TICKET=stats, num_warps=8)
     if not m * n:
-        return _empty_result(x2, elem, q, qt, _stats_of(part), scale_inv)
+        return _empty_result(x2, elem, q, qt, st, scale_inv)
     launch(_ct_kernel, grid)(
         bits, q, _ptr(qt, q), partial, p, partial, partial, 1, partial, partial, partial, 0, scale_inv,
-        _ptr(part, partial), m * n, m, n, n, MOST_RECENT=False, MARGIN_DIV=1.0, OVERFLOW=False, **kw)
-    return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), _stats_of(part)
+        _ptr(part, partial), _ptr(st, partial), m * n, m, n, n,
+        MOST_RECENT=False, MARGIN_DIV=1.0, OVERFLOW=False, **kw)
+    return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), st
 
 
 def cast_transpose_delayed(x: torch.Tensor, elem, state: DelayedState, *, margin: int = 0,
                            most_recent: bool = False, overflow: torch.Tensor | None = None,
                            overflow_index: int = 0, transpose: bool = True, stats: bool = False,
-                           tile=_TILE, launch=eager_launch):
+                           tile=_TILE, launch=eager_launch, stats_out: torch.Tensor | None = None):
     """Delayed-scaling FP8 cast in one kernel: the scale from `state`'s history, this
     operand's amax appended to it. Returns `(q, scale_inv (), q_t or empty, stats or None)`.
     With `overflow`, `overflow[overflow_index]` is incremented when amax * scale / 2 saturates."""
@@ -323,41 +357,38 @@ def cast_transpose_delayed(x: torch.Tensor, elem, state: DelayedState, *, margin
     hist = state.history
     grid, _, kw = _ct_plan(m, n, elem, x2.dtype == torch.bfloat16, transpose, stats, tuple(tile), True,
                            hist.numel())
-    q, qt, part = _buffers(x2, transpose, stats, grid)
+    q, qt, part, st = _buffers(x2, transpose, stats, grid, stats_out)
     scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
     ov = overflow if overflow is not None else hist
     if not m * n:
-        return _empty_result(x2, elem, q, qt, _stats_of(part), scale_inv)
+        return _empty_result(x2, elem, q, qt, st, scale_inv)
     launch(_ct_kernel, grid)(
         _bits(x2), q, _ptr(qt, q), hist, 1, hist, state.count, hist.numel(), state.scratch, state.ticket, ov,
-        overflow_index if overflow is not None else 0, scale_inv, _ptr(part, hist), m * n, m, n, n,
-        MOST_RECENT=most_recent, MARGIN_DIV=float(2.0 ** margin), OVERFLOW=overflow is not None, **kw)
-    return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), _stats_of(part)
+        overflow_index if overflow is not None else 0, scale_inv, _ptr(part, hist), _ptr(st, hist),
+        m * n, m, n, n, MOST_RECENT=most_recent, MARGIN_DIV=float(2.0 ** margin), OVERFLOW=overflow is not None,
+        **kw)
+    return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), st
 
 
 def cast_transpose_rowwise(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool = False,
-                           tile=_TILE, launch=eager_launch):
+                           tile=_TILE, launch=eager_launch, stats_out: torch.Tensor | None = None):
     """Row-wise FP8 casts of `x` viewed as (M, N): `q` with one scale per row (over N) and
     `q_t` = the row-wise cast of x^T (one scale per column of x, over M). Returns
     `(q, scale_inv (M, 1), q_t (N, M) or empty, scale_inv_t (N, 1) or empty, stats or None)`."""
     elem, x2, c = _prepare(x, elem, "cast_transpose_rowwise")
     m, n = x2.shape
     grid = _grid(m, n, tile)
-    q, qt, part = _buffers(x2, transpose, stats, grid)
-    maxima = torch.zeros(m + n, dtype=torch.float32, device=x2.device)
+    q, qt, part, st = _buffers(x2, transpose, stats, grid, stats_out)
+    # row maxima, column maxima, then the statistics' ticket: one zeroed buffer
+    maxima = torch.zeros(m + n + 1, dtype=torch.float32, device=x2.device)
     si = torch.empty((m, 1), dtype=torch.float32, device=x2.device)
     sit = torch.empty((n, 1) if transpose else (0, 1), dtype=torch.float32, device=x2.device)
     if m and n:
         launch(_amax_rows_cols_kernel, grid)(_bits(x2), maxima, m, n, n, BM=tile[0], BN=tile[1],
-                                     BF16=c["BF16"], num_warps=4)
-        launch(_ct_row_kernel, grid)(_bits(x2), q, _ptr(qt, q), maxima, si, _ptr(sit, si),
-                             _ptr(part, maxima), m * n, m, n, n, BM=tile[0], BN=tile[1], MB=c.pop("M"),
-                             TRANSPOSE=transpose, STATS=stats, num_warps=4, **c)
-        st = _stats_of(part)
-        if stats:   # the largest row maximum, which is also the largest column maximum
-            first = torch.arange(_N_STATS, device=st.device) == 0
-            st = torch.where(first, maxima.amax().to(st.dtype), st)
+                                             BF16=c["BF16"], num_warps=4)
+        launch(_ct_row_kernel, grid)(_bits(x2), q, _ptr(qt, q), maxima, si, _ptr(sit, si), _ptr(part, maxima),
+                                     _ptr(st, maxima), m * n, m, n, n, BM=tile[0], BN=tile[1], MB=c.pop("M"),
+                                     TRANSPOSE=transpose, STATS=stats, BLOCK_T=_BLOCK_T, num_warps=4, **c)
     else:   # no elements in a row or a column: the scales of an amax of 0, as quantize's
-        st = _stats_of(part)
         _fill_zero_amax_scale_inv(elem, si, sit)
     return q.view(elem.torch_dtype), si, qt.view(elem.torch_dtype), sit, st

@@ -168,8 +168,14 @@ def _rowwise_kernel(x_ptr, out_ptr, scale_inv_ptr, stats_ptr, amax_ptr, K, strid
 
 
 @triton.jit
-def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr, BF16: tl.constexpr):
+def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr, BF16: tl.constexpr, TICKET: tl.constexpr):
+    """One partial maximum per program into partial[pid]; with TICKET, program 0 also zeroes
+    partial[programs], the float ticket counter of the cast launched next (cast_transpose's
+    statistics: no separate launch clears it)."""
     pid = tl.program_id(0)
+    if TICKET:
+        if pid == 0:
+            tl.store(partial_ptr + tl.num_programs(0), 0.0)
     step = tl.num_programs(0).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros((), tl.float32)
@@ -336,7 +342,8 @@ def cast_tensorwise(x: torch.Tensor, elem, *, stats: bool = False, block: int | 
     p = _flat_grid(n, bl)
     partial = torch.empty(p, dtype=torch.float32, device=x2.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
-    _amax_partial_kernel[(p,)](_bits(x2), partial, n, BLOCK=bl, BF16=c["BF16"], num_warps=8)
+    _amax_partial_kernel[(p,)](_bits(x2), partial, n, BLOCK=bl, BF16=c["BF16"], TICKET=False,
+                                     num_warps=8)
     _cast_kernel[(p,)](_bits(x2), out, partial, p, partial, scale_inv, counts, amax, n, BLOCK=bl,
                        BLOCK_P=next_power_of_2(p), DELAYED=False, STATS=stats, num_warps=8, **c)
     return _result(out, scale_inv, elem, counts, amax, n, stats)

@@ -24,7 +24,7 @@ from lowprec.numerics.kernels.fp8_cast import _EPS, _odd_max, overflow_threshold
 HOPPER = GPUTarget("cuda", 90, 32)
 POINTERS = dict(x_ptr="*i16", q_ptr="*u8", qt_ptr="*u8", partial_ptr="*fp32", hist_ptr="*fp32",
                 count_ptr="*i64", scratch_ptr="*fp32", ticket_ptr="*i32", overflow_ptr="*fp64",
-                scale_inv_ptr="*fp32", stats_ptr="*fp64", maxima_ptr="*fp32",
+                scale_inv_ptr="*fp32", stats_ptr="*fp64", stats_out_ptr="*fp64", maxima_ptr="*fp32",
                 si_ptr="*fp32", sit_ptr="*fp32")
 INTS = dict(numel="i64")
 
@@ -32,7 +32,8 @@ INTS = dict(numel="i64")
 def _consts(elem) -> dict:
     """The element's constexprs, as `fp8_cast._prepare` gives them for a BF16 operand."""
     return dict(BM=64, BN=64, MAX=elem.max, MB=elem.mantissa_bits, BIAS=1 - elem.min_normal_exp,
-                HAS_INF=elem.has_inf, THR=overflow_threshold(elem), ODD=_odd_max(elem), EPS=_EPS, BF16=True)
+                HAS_INF=elem.has_inf, THR=overflow_threshold(elem), ODD=_odd_max(elem), EPS=_EPS, BF16=True,
+                BLOCK_T=64)
 
 
 def _compile(kernel, const: dict):
