@@ -32,7 +32,8 @@ Inductor's own generated kernels are not seen). On an H200 a Triton launch costs
 `--profile ROW` prints the cProfile of that row's steps (the top functions by own time).
 
     OMP_NUM_THREADS=1 python experiments/bench_host_noop.py
-    OMP_NUM_THREADS=1 python experiments/bench_host_noop.py --profile "fp8_tensorwise"
+    OMP_NUM_THREADS=1 python experiments/bench_host_noop.py --runs 5   # medians of 5 runs
+    OMP_NUM_THREADS=1 python experiments/bench_host_noop.py --profile "PrecisionLinear fp8_tensorwise"
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import io
 import platform
 import pstats
 import shlex
+import statistics
 import sys
 import time
 
@@ -207,22 +209,28 @@ def main(argv=None) -> list[str]:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--runs", type=int, default=1,
+                   help="measure this many times (all rows each time); the table gives the medians of the runs' "
+                        "microseconds and of their ratios to nn.Linear in the same run")
     p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), metavar="ROW")
     p.add_argument("--profile", metavar="ROW", choices=ROWS, help="print the cProfile of this row's steps")
     args = p.parse_args(argv)
     lines = [f"# command: {' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}",
              f"# machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s); "
              f"torch {torch.__version__}; d_model {args.d_model}, tokens {args.tokens}; kernel launches are "
-             f"no-ops; the fastest of {args.repeats} rounds of {args.calls} steps, rows interleaved",
+             f"no-ops; the fastest of {args.repeats} rounds of {args.calls} steps, rows interleaved; "
+             f"median of {args.runs} run(s)",
              f"| step | host us | x {BASE} | Triton + GEMM | other | launches |", "|---|---:|---:|---:|---:|---:|"]
     print("\n".join(lines), flush=True)
     rows = [BASE] + [r for r in args.rows if r != BASE]
     with noop_launches():
-        res = measure({row: make_step(row, args.d_model, args.tokens) for row in rows}, args.calls, args.repeats)
-        base_us = res[BASE][0]
+        steps = {row: make_step(row, args.d_model, args.tokens) for row in rows}
+        runs = [measure(steps, args.calls, args.repeats) for _ in range(args.runs)]
         for row in rows:
-            us, (kernels, other) = res[row]
-            lines.append(f"| {row} | {us:.1f} | {us / base_us:.2f} | {kernels} | {other} | {kernels + other} |")
+            us = statistics.median(r[row][0] for r in runs)
+            ratio = statistics.median(r[row][0] / r[BASE][0] for r in runs)
+            kernels, other = runs[-1][row][1]
+            lines.append(f"| {row} | {us:.1f} | {ratio:.2f} | {kernels} | {other} | {kernels + other} |")
             print(lines[-1], flush=True)
         if args.profile:
             text = _profile(make_step(args.profile, args.d_model, args.tokens), args.calls)

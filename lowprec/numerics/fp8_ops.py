@@ -99,15 +99,29 @@ def _empty(x: Tensor, *shape, dtype=torch.float32) -> Tensor:
 # ----------------------------------------------------------------------------- fp8_cast
 
 
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+
+
+def _plain(x: Tensor) -> bool:
+    """Whether `x` is what the kernels' unchecked entry points take: contiguous, 2-D, of a
+    dtype they read (else the public functions, which check and reshape)."""
+    return x.dim() == 2 and x.dtype in _KERNEL_DTYPES and x.is_contiguous()
+
+
 def _kernel_cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool, *, launch, stats_out=None):
     """fp8_cast by the Triton kernels, launched by `launch` (eager, or traced into a graph)."""
     ct = _cast_transpose()
     element = ELEMENTS[elem]
+    if not _plain(x):
+        if rowwise:
+            return ct.cast_transpose_rowwise(x, element, transpose=transpose, stats=stats, launch=launch,
+                                             stats_out=stats_out)
+        q, si, qt, st = ct.cast_transpose(x, element, transpose=transpose, stats=stats, launch=launch,
+                                          stats_out=stats_out)
+        return q, si, qt, None, st
     if rowwise:
-        return ct.cast_transpose_rowwise(x, element, transpose=transpose, stats=stats, launch=launch,
-                                         stats_out=stats_out)
-    q, si, qt, st = ct.cast_transpose(x, element, transpose=transpose, stats=stats, launch=launch,
-                                      stats_out=stats_out)
+        return ct.rowwise(x, element, transpose, stats, launch, stats_out)
+    q, si, qt, st = ct.tensorwise(x, element, transpose, stats, launch, stats_out)
     return q, si, qt, None, st
 
 
@@ -182,11 +196,14 @@ def _kernel_cast_delayed(x: Tensor, elem: int, history: Tensor, count: Tensor, s
                          stats_out=None):
     """fp8_cast_delayed by the Triton kernel, launched by `launch`."""
     ct = _cast_transpose()
-    state = ct.DelayedState(history, count, scratch, ticket)
-    return ct.cast_transpose_delayed(x, ELEMENTS[elem], state, margin=margin, most_recent=most_recent,
-                                  overflow=overflow if count_overflow else None,
-                                  overflow_index=overflow_index, transpose=transpose, stats=stats,
-                                  launch=launch, stats_out=stats_out)
+    over = overflow if count_overflow else None
+    if not _plain(x):
+        return ct.cast_transpose_delayed(x, ELEMENTS[elem], ct.DelayedState(history, count, scratch, ticket),
+                                         margin=margin, most_recent=most_recent, overflow=over,
+                                         overflow_index=overflow_index, transpose=transpose, stats=stats,
+                                         launch=launch, stats_out=stats_out)
+    return ct.delayed(x, ELEMENTS[elem], (history, count, scratch, ticket), margin, most_recent, over,
+                      overflow_index, transpose, stats, launch, stats_out)
 
 
 def _reference_cast_delayed(x, elem, history, count, scratch, ticket, overflow, overflow_index, margin,
@@ -292,7 +309,10 @@ def cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool, stat
     tensor the statistics are written to (and returned as), by the kernel itself where it
     runs directly."""
     if _direct(x):
-        return _eager(_kernel_cast, _reference_cast, x, elem, rowwise, transpose, stats, stats_out=stats_out)
+        if uses_kernels(x):
+            return _kernel_cast(x, elem, rowwise, transpose, stats, launch=_cast_transpose().eager_launch,
+                                stats_out=stats_out)
+        return _into(_reference_cast(x, elem, rowwise, transpose, stats), stats_out)
     return _into(torch.ops.lowprec.fp8_cast(x, elem, rowwise, transpose, stats), stats_out)
 
 
