@@ -43,7 +43,7 @@ import torch
 
 from lowprec.numerics.kernels.cast_transpose_kernels import _amax_rows_cols_kernel, _ct_kernel, _ct_row_kernel
 from lowprec.numerics.kernels.fp8_cast import (
-    _amax_partial_kernel, _bits, _checked, _consts, _flat_grid, cdiv, next_power_of_2,
+    _amax_partial_kernel, _checked, _consts, _flat_grid, cdiv, next_power_of_2,
 )
 from lowprec.numerics.quant_stats import QuantStats
 
@@ -65,10 +65,10 @@ def _fill_zero_amax_scale_inv(elem, *scale_invs: torch.Tensor) -> None:
         t.copy_(_div(1.0, scale).expand_as(t))
 
 
-def _empty_result(x2, elem, q, qt, st, scale_inv):
+def _empty_result(elem, q, qt, st, scale_inv):
     """An operand with no elements: the scale of an all-zero tensor."""
     _fill_zero_amax_scale_inv(elem, scale_inv)
-    return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), st
+    return q, scale_inv, qt, st
 
 
 class DelayedState:
@@ -103,13 +103,13 @@ def _grid(m: int, n: int, tile) -> tuple[int, int]:
     return (max(1, cdiv(m, tile[0])), max(1, cdiv(n, tile[1])))
 
 
-def _buffers(m: int, n: int, dev, transpose: bool, stats: bool, tiles: int, stats_out):
-    """q, q_t (empty without transpose), the per-tile statistics partials ((tiles, 8) FP64,
+def _buffers(m: int, n: int, dev, fp8: torch.dtype, transpose: bool, stats: bool, tiles: int, stats_out):
+    """q, q_t (FP8 `fp8`; q_t empty without transpose), the per-tile statistics partials ((tiles, 8) FP64,
     every row written by its tile) and the packed statistics (8,) FP64 that the last tile
     writes (`stats_out` when given, else a new tensor; zeros for an operand without
     elements, where no kernel runs); both None without stats."""
-    q = torch.empty((m, n), dtype=torch.uint8, device=dev)
-    qt = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=dev)
+    q = torch.empty((m, n), dtype=fp8, device=dev)
+    qt = torch.empty((n, m) if transpose else (0, 0), dtype=fp8, device=dev)
     if not stats:
         return q, qt, None, None
     part = torch.empty((tiles, _N_STATS), dtype=torch.float64, device=dev)
@@ -174,17 +174,16 @@ def tensorwise(x2: torch.Tensor, elem, transpose: bool, stats: bool, launch=eage
     dev = x2.device
     plan = _plan(m, n, elem, x2.dtype, transpose, stats, tile)
     p = plan.p
-    q, qt, part, st = _buffers(m, n, dev, transpose, stats, plan.grid[0] * plan.grid[1], stats_out)
+    q, qt, part, st = _buffers(m, n, dev, plan.fp8, transpose, stats, plan.grid[0] * plan.grid[1], stats_out)
     scale_inv = torch.empty((), dtype=torch.float32, device=dev)
     partial = torch.empty(p + 1, dtype=torch.float32, device=dev)   # the maxima, then the ticket
-    bits = _bits(x2)
-    launch(_amax_partial_kernel, (p,))(bits, partial, m * n, **plan.amax_kw)
+    launch(_amax_partial_kernel, (p,))(x2, partial, m * n, **plan.amax_kw)
     if not m * n:
-        return _empty_result(x2, elem, q, qt, st, scale_inv)
+        return _empty_result(elem, q, qt, st, scale_inv)
     launch(_ct_kernel, plan.grid)(
-        bits, q, qt if transpose else q, partial, p, partial, partial, 1, partial, partial, partial, 0, scale_inv,
+        x2, q, qt if transpose else q, partial, p, partial, partial, 1, partial, partial, partial, 0, scale_inv,
         part if stats else partial, st if stats else partial, m * n, m, n, n, **plan.kw)
-    return q.view(plan.fp8), scale_inv, qt.view(plan.fp8), st
+    return q, scale_inv, qt, st
 
 
 def cast_transpose_delayed(x: torch.Tensor, elem, state: DelayedState, *, margin: int = 0,
@@ -208,15 +207,15 @@ def delayed(x2: torch.Tensor, elem, state: tuple, margin: int, most_recent: bool
     hist, count, scratch, ticket = state
     plan = _plan(m, n, elem, x2.dtype, transpose, stats, tile, True, hist.numel(), most_recent, margin,
                  overflow is not None)
-    q, qt, part, st = _buffers(m, n, dev, transpose, stats, plan.grid[0] * plan.grid[1], stats_out)
+    q, qt, part, st = _buffers(m, n, dev, plan.fp8, transpose, stats, plan.grid[0] * plan.grid[1], stats_out)
     scale_inv = torch.empty((), dtype=torch.float32, device=dev)
     if not m * n:
-        return _empty_result(x2, elem, q, qt, st, scale_inv)
+        return _empty_result(elem, q, qt, st, scale_inv)
     launch(_ct_kernel, plan.grid)(
-        _bits(x2), q, qt if transpose else q, hist, 1, hist, count, hist.numel(), scratch,
+        x2, q, qt if transpose else q, hist, 1, hist, count, hist.numel(), scratch,
         ticket, hist if overflow is None else overflow, 0 if overflow is None else overflow_index,
         scale_inv, part if stats else hist, st if stats else hist, m * n, m, n, n, **plan.kw)
-    return q.view(plan.fp8), scale_inv, qt.view(plan.fp8), st
+    return q, scale_inv, qt, st
 
 
 def cast_transpose_rowwise(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool = False,
@@ -234,17 +233,16 @@ def rowwise(x2: torch.Tensor, elem, transpose: bool, stats: bool, launch=eager_l
     m, n = x2.shape
     dev = x2.device
     plan = _row_plan(m, n, elem, x2.dtype, transpose, stats, tile)
-    q, qt, part, st = _buffers(m, n, dev, transpose, stats, plan.grid[0] * plan.grid[1], stats_out)
+    q, qt, part, st = _buffers(m, n, dev, plan.fp8, transpose, stats, plan.grid[0] * plan.grid[1], stats_out)
     # row maxima, column maxima, then the statistics' ticket: one zeroed buffer
     maxima = torch.zeros(m + n + 1, dtype=torch.float32, device=dev)
     si = torch.empty((m, 1), dtype=torch.float32, device=dev)
     sit = torch.empty((n, 1) if transpose else (0, 1), dtype=torch.float32, device=dev)
     if m and n:
-        bits = _bits(x2)
-        launch(_amax_rows_cols_kernel, plan.grid)(bits, maxima, m, n, n, **plan.amax_kw)
-        launch(_ct_row_kernel, plan.grid)(bits, q, qt if transpose else q, maxima, si, sit if transpose else si,
+        launch(_amax_rows_cols_kernel, plan.grid)(x2, maxima, m, n, n, **plan.amax_kw)
+        launch(_ct_row_kernel, plan.grid)(x2, q, qt if transpose else q, maxima, si, sit if transpose else si,
                                           part if stats else maxima, st if stats else maxima, m * n, m, n, n,
                                           **plan.kw)
     else:   # no elements in a row or a column: the scales of an amax of 0, as quantize's
         _fill_zero_amax_scale_inv(elem, si, sit)
-    return q.view(plan.fp8), si, qt.view(plan.fp8), sit, st
+    return q, si, qt, sit, st

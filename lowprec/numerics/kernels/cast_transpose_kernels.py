@@ -18,6 +18,13 @@ _FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
+def _as(code, ptr):
+    """FP8 codes (uint8) as the element type of `ptr` (FP8 or uint8: the same bits), so that
+    the host allocates the FP8 tensors it returns (no dtype view per output)."""
+    return code.to(ptr.dtype.element_ty, bitcast=True)
+
+
+@triton.jit
 def _stats_row(part_ptr):
     """This tile's row of the (tiles, 8) statistics partials."""
     return part_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * 8
@@ -116,10 +123,10 @@ def _ct_kernel(x_ptr, q_ptr, qt_ptr, partial_ptr, P, hist_ptr, count_ptr, L, scr
     m = (rows[:, None] < M) & (cols[None, :] < N)
     x = _load_f32(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], m, BF16)
     code, ax, sat, under, nonfin, qa = _encode(x, scale, MAX, MB, BIAS, HAS_INF, THR, ODD)
-    tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], code, mask=m)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], _as(code, q_ptr), mask=m)
     if TRANSPOSE:
         mt = (cols[:, None] < N) & (rows[None, :] < M)
-        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(code), mask=mt)
+        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], _as(tl.trans(code), qt_ptr), mask=mt)
     if STATS:
         _tile_stats(stats_ptr, first, numel, ax, qa, sat & m, under & m, nonfin & m, scale)
         if not DELAYED:   # the ticket: after the partial maxima (delayed: the history's, below)
@@ -177,7 +184,7 @@ def _ct_row_kernel(x_ptr, q_ptr, qt_ptr, maxima_ptr, si_ptr, sit_ptr, stats_ptr,
     ramax = tl.load(maxima_ptr + rows, mask=rm, other=0.0)
     rs, rsi = _scale_of(ramax, MAX, EPS)
     code, ax, sat, under, nonfin, qa = _encode(x, rs[:, None], MAX, MB, BIAS, HAS_INF, THR, ODD)
-    tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], code, mask=m)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], _as(code, q_ptr), mask=m)
     if pid_n == 0:
         tl.store(si_ptr + rows, rsi, mask=rm)
     if TRANSPOSE:
@@ -185,7 +192,7 @@ def _ct_row_kernel(x_ptr, q_ptr, qt_ptr, maxima_ptr, si_ptr, sit_ptr, stats_ptr,
         cs, csi = _scale_of(camax, MAX, EPS)
         code_t, _, _, _, _, _ = _encode(x, cs[None, :], MAX, MB, BIAS, HAS_INF, THR, ODD)
         mt = cm[:, None] & rm[None, :]
-        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(code_t), mask=mt)
+        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], _as(tl.trans(code_t), qt_ptr), mask=mt)
         if pid_m == 0:
             tl.store(sit_ptr + cols, csi, mask=cm)
     if STATS:   # the ticket: the slot after the maxima, zeroed with them

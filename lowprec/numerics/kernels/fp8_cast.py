@@ -71,10 +71,11 @@ class CastStats:
 
 @triton.jit
 def _load_f32(ptrs, mask, BF16: tl.constexpr):
-    """FP32 values of BF16 (given as int16 bits: shifted into FP32's top half, exact; the
-    interpreter's own BF16 conversion loses the smallest subnormals) or FP16/FP32 input."""
+    """FP32 values of BF16 (a BF16 or an int16 tensor of its bits, read as int16 bits and
+    shifted into FP32's top half, exact; the interpreter's own BF16 conversion loses the
+    smallest subnormals) or FP16/FP32 input."""
     if BF16:
-        bits = tl.load(ptrs, mask=mask, other=0).to(tl.int32) << 16
+        bits = tl.load(ptrs, mask=mask, other=0).to(tl.int16, bitcast=True).to(tl.int32) << 16
         return bits.to(tl.float32, bitcast=True)
     return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
