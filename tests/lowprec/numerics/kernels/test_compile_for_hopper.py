@@ -33,7 +33,7 @@ def _consts(elem) -> dict:
     """The element's constexprs, as `fp8_cast._prepare` gives them for a BF16 operand."""
     return dict(BM=64, BN=64, MAX=elem.max, MB=elem.mantissa_bits, BIAS=1 - elem.min_normal_exp,
                 HAS_INF=elem.has_inf, THR=overflow_threshold(elem), ODD=_odd_max(elem), EPS=_EPS, BF16=True,
-                BLOCK_T=64)
+                BLOCK_T=ct._BLOCK_T)
 
 
 def _compile(kernel, const: dict, pointers: dict | None = None):
