@@ -17,20 +17,23 @@ no-op, `torch._scaled_mm` allocates. The FP8 outputs are
 then uninitialised memory; nothing reads them but the GEMMs.
 
 Rows: `nn.Linear fwd+bwd` (the baseline), `PrecisionLinear` on fp8_tensorwise, fp8_delayed
-and fp8_rowwise with statistics off, fp8_tensorwise on a check step (statistics on), and
+and fp8_rowwise with statistics off, fp8_tensorwise and fp8_rowwise on a check step (statistics on), and
 fp8_tensorwise under `torch.compile` (on CPU the casts stay opaque ops in the graph, which
 call the same no-op launches). Each step changes the weight (as an optimizer step does) and
 sets the gradients to None (as `zero_grad` does). Columns: the fastest of `--repeats`
 rounds of `--calls` steps (the rows interleaved), in microseconds of this thread's CPU
-time per step; the ratio to `nn.Linear`; the
-launches per step the no-ops stood in for (Triton kernels and `_scaled_mm` calls; on an
-H200 a Triton launch costs about 13.6 us of host time, bench_host.py's `Triton launch` row,
-not included here).
+time per step; the ratio to `nn.Linear`; the device launches of one step on a GPU: the
+Triton kernels and `_scaled_mm` calls the no-ops stood in for, and every other PyTorch op
+that launches a kernel there (`torch.zeros`, a sum, a copy; counted under the autograd
+profiler as the innermost ATen ops that are not views or allocations; in a compiled row
+Inductor's own generated kernels are not seen). On an H200 a Triton launch costs about
+13.6 us of host time (bench_host.py's `Triton launch` row), not included here.
 
 `--profile ROW` prints the cProfile of that row's steps (the top functions by own time).
 
     OMP_NUM_THREADS=1 python experiments/bench_host_noop.py
-    OMP_NUM_THREADS=1 python experiments/bench_host_noop.py --profile "fp8_tensorwise"
+    OMP_NUM_THREADS=1 python experiments/bench_host_noop.py --runs 5   # medians of 5 runs
+    OMP_NUM_THREADS=1 python experiments/bench_host_noop.py --profile "PrecisionLinear fp8_tensorwise"
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import io
 import platform
 import pstats
 import shlex
+import statistics
 import sys
 import time
 
@@ -61,6 +65,7 @@ LAYERS = {
     "PrecisionLinear fp8_delayed": ("fp8_delayed", False, False),
     "PrecisionLinear fp8_rowwise": ("fp8_rowwise", False, False),
     "PrecisionLinear fp8_tensorwise, check step": ("fp8_tensorwise", True, False),
+    "PrecisionLinear fp8_rowwise, check step": ("fp8_rowwise", True, False),
     "PrecisionLinear fp8_tensorwise (compiled)": ("fp8_tensorwise", False, True),
 }
 ROWS = (BASE, "nn.Linear fwd+bwd (compiled)", *LAYERS)
@@ -127,8 +132,33 @@ def _step(layer, x, g, weight):
     return step
 
 
-def measure(steps: dict, calls: int, repeats: int) -> dict[str, tuple[float, int]]:
-    """{row: (host microseconds per step, launches per step)}: the fastest of `repeats` rounds,
+# ATen ops that launch nothing on a device (views, allocations, metadata)
+_NO_KERNEL = frozenset("aten::" + n for n in (
+    "empty", "empty_strided", "empty_like", "view", "_unsafe_view", "reshape", "as_strided", "detach", "alias",
+    "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze", "squeeze", "resolve_conj",
+    "resolve_neg", "lift_fresh", "_reshape_alias", "contiguous", "set_", "result_type"))
+
+
+def _launches_below(event) -> bool:
+    return any((c.name.startswith("aten::") and c.name not in _NO_KERNEL) or _launches_below(c)
+               for c in event.cpu_children)
+
+
+def count_launches(step) -> tuple[int, int]:
+    """(Triton kernels and `_scaled_mm` calls, other kernel-launching ATen ops) of one step:
+    the no-ops' own count, and the profiler's innermost ATen ops that are not views or
+    allocations (`torch.zeros` is its fill, `sum` its reduction)."""
+    from torch.profiler import ProfilerActivity, profile
+    _Counter.launches = 0
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    other = sum(1 for e in prof.events() if e.name.startswith("aten::") and e.name not in _NO_KERNEL
+                and not _launches_below(e))
+    return _Counter.launches, other
+
+
+def measure(steps: dict, calls: int, repeats: int) -> dict[str, tuple[float, tuple[int, int]]]:
+    """{row: (host microseconds per step, `count_launches`)}: the fastest of `repeats` rounds,
     each round timing `calls` steps of every row in turn. Time is this thread's CPU time
     (`time.thread_time`): nothing here waits on a device, and a shared CPU's other work then
     adds only through caches; the fastest round, as that only ever adds time."""
@@ -136,9 +166,7 @@ def measure(steps: dict, calls: int, repeats: int) -> dict[str, tuple[float, int
     for row, fn in steps.items():
         for _ in range(3):
             fn()
-        _Counter.launches = 0
-        fn()
-        launches[row] = _Counter.launches
+        launches[row] = count_launches(fn)
     best = dict.fromkeys(steps, float("inf"))
     for _ in range(repeats):
         for row, fn in steps.items():
@@ -181,22 +209,28 @@ def main(argv=None) -> list[str]:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--runs", type=int, default=1,
+                   help="measure this many times (all rows each time); the table gives the medians of the runs' "
+                        "microseconds and of their ratios to nn.Linear in the same run")
     p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), metavar="ROW")
     p.add_argument("--profile", metavar="ROW", choices=ROWS, help="print the cProfile of this row's steps")
     args = p.parse_args(argv)
     lines = [f"# command: {' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}",
              f"# machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s); "
              f"torch {torch.__version__}; d_model {args.d_model}, tokens {args.tokens}; kernel launches are "
-             f"no-ops; the fastest of {args.repeats} rounds of {args.calls} steps, rows interleaved",
-             f"| step | host us | x {BASE} | launches (no-op) |", "|---|---:|---:|---:|"]
+             f"no-ops; the fastest of {args.repeats} rounds of {args.calls} steps, rows interleaved; "
+             f"median of {args.runs} run(s)",
+             f"| step | host us | x {BASE} | Triton + GEMM | other | launches |", "|---|---:|---:|---:|---:|---:|"]
     print("\n".join(lines), flush=True)
     rows = [BASE] + [r for r in args.rows if r != BASE]
     with noop_launches():
-        res = measure({row: make_step(row, args.d_model, args.tokens) for row in rows}, args.calls, args.repeats)
-        base_us = res[BASE][0]
+        steps = {row: make_step(row, args.d_model, args.tokens) for row in rows}
+        runs = [measure(steps, args.calls, args.repeats) for _ in range(args.runs)]
         for row in rows:
-            us, launches = res[row]
-            lines.append(f"| {row} | {us:.1f} | {us / base_us:.2f} | {launches} |")
+            us = statistics.median(r[row][0] for r in runs)
+            ratio = statistics.median(r[row][0] / r[BASE][0] for r in runs)
+            kernels, other = runs[-1][row][1]
+            lines.append(f"| {row} | {us:.1f} | {ratio:.2f} | {kernels} | {other} | {kernels + other} |")
             print(lines[-1], flush=True)
         if args.profile:
             text = _profile(make_step(args.profile, args.d_model, args.tokens), args.calls)

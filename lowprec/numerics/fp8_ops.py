@@ -99,13 +99,29 @@ def _empty(x: Tensor, *shape, dtype=torch.float32) -> Tensor:
 # ----------------------------------------------------------------------------- fp8_cast
 
 
-def _kernel_cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool, *, launch):
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+
+
+def _plain(x: Tensor) -> bool:
+    """Whether `x` is what the kernels' unchecked entry points take: contiguous, 2-D, of a
+    dtype they read (else the public functions, which check and reshape)."""
+    return x.dim() == 2 and x.dtype in _KERNEL_DTYPES and x.is_contiguous()
+
+
+def _kernel_cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool, *, launch, stats_out=None):
     """fp8_cast by the Triton kernels, launched by `launch` (eager, or traced into a graph)."""
     ct = _cast_transpose()
     element = ELEMENTS[elem]
+    if not _plain(x):
+        if rowwise:
+            return ct.cast_transpose_rowwise(x, element, transpose=transpose, stats=stats, launch=launch,
+                                             stats_out=stats_out)
+        q, si, qt, st = ct.cast_transpose(x, element, transpose=transpose, stats=stats, launch=launch,
+                                          stats_out=stats_out)
+        return q, si, qt, None, st
     if rowwise:
-        return ct.cast_transpose_rowwise(x, element, transpose=transpose, stats=stats, launch=launch)
-    q, si, qt, st = ct.cast_transpose(x, element, transpose=transpose, stats=stats, launch=launch)
+        return ct.rowwise(x, element, transpose, stats, launch, stats_out)
+    q, si, qt, st = ct.tensorwise(x, element, transpose, stats, launch, stats_out)
     return q, si, qt, None, st
 
 
@@ -126,14 +142,22 @@ def _reference_cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats:
     return q, si, ref_t.to_storage().contiguous(), ref_t.scale_inv.reshape(-1, 1).clone(), st
 
 
-def _eager(kernel_impl, reference_impl, x: Tensor, *args):
+def _eager(kernel_impl, reference_impl, x: Tensor, *args, stats_out: Tensor | None = None):
     """An op's implementation: its Triton kernels launched eagerly where they run on `x`,
     else the reference quantizer. Outputs the step does not have (a tensor-wise cast's
     `scale_inv_t`, the statistics off a check step) are None here: `_complete` makes them
-    the op's empty tensors, and direct calls skip those allocations."""
+    the op's empty tensors, and direct calls skip those allocations. `stats_out` (direct
+    calls): where the statistics go, written by the kernels themselves."""
     if uses_kernels(x):
-        return kernel_impl(x, *args, launch=_cast_transpose().eager_launch)
-    return reference_impl(x, *args)
+        return kernel_impl(x, *args, launch=_cast_transpose().eager_launch, stats_out=stats_out)
+    return _into(reference_impl(x, *args), stats_out)
+
+
+def _into(out: tuple, stats_out: Tensor | None) -> tuple:
+    """`out` with its statistics (the last output) copied into `stats_out` when one is given."""
+    if stats_out is None or out[-1] is None:
+        return out
+    return (*out[:-1], stats_out.copy_(out[-1]))
 
 
 def _complete(x: Tensor, out: tuple) -> tuple:
@@ -168,14 +192,18 @@ def _(x, elem, rowwise, transpose, stats):
 
 def _kernel_cast_delayed(x: Tensor, elem: int, history: Tensor, count: Tensor, scratch: Tensor,
                          ticket: Tensor, overflow: Tensor, overflow_index: int, margin: int,
-                         most_recent: bool, transpose: bool, stats: bool, count_overflow: bool, *, launch):
+                         most_recent: bool, transpose: bool, stats: bool, count_overflow: bool, *, launch,
+                         stats_out=None):
     """fp8_cast_delayed by the Triton kernel, launched by `launch`."""
     ct = _cast_transpose()
-    state = ct.DelayedState(history, count, scratch, ticket)
-    return ct.cast_transpose_delayed(x, ELEMENTS[elem], state, margin=margin, most_recent=most_recent,
-                                  overflow=overflow if count_overflow else None,
-                                  overflow_index=overflow_index, transpose=transpose, stats=stats,
-                                  launch=launch)
+    over = overflow if count_overflow else None
+    if not _plain(x):
+        return ct.cast_transpose_delayed(x, ELEMENTS[elem], ct.DelayedState(history, count, scratch, ticket),
+                                         margin=margin, most_recent=most_recent, overflow=over,
+                                         overflow_index=overflow_index, transpose=transpose, stats=stats,
+                                         launch=launch, stats_out=stats_out)
+    return ct.delayed(x, ELEMENTS[elem], (history, count, scratch, ticket), margin, most_recent, over,
+                      overflow_index, transpose, stats, launch, stats_out)
 
 
 def _reference_cast_delayed(x, elem, history, count, scratch, ticket, overflow, overflow_index, margin,
@@ -275,24 +303,29 @@ def _direct(x: Tensor) -> bool:
             and torch._C._len_torch_dispatch_stack() == 0)
 
 
-def cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool):
+def cast(x: Tensor, elem: int, rowwise: bool, transpose: bool, stats: bool, stats_out: Tensor | None = None):
     """`torch.ops.lowprec.fp8_cast`, its implementation called directly where `_direct`
-    (where absent outputs are None, not the op's empty tensors)."""
+    (where absent outputs are None, not the op's empty tensors). `stats_out`: an (8,) FP64
+    tensor the statistics are written to (and returned as), by the kernel itself where it
+    runs directly."""
     if _direct(x):
-        return _eager(_kernel_cast, _reference_cast, x, elem, rowwise, transpose, stats)
-    return torch.ops.lowprec.fp8_cast(x, elem, rowwise, transpose, stats)
+        if uses_kernels(x):
+            return _kernel_cast(x, elem, rowwise, transpose, stats, launch=_cast_transpose().eager_launch,
+                                stats_out=stats_out)
+        return _into(_reference_cast(x, elem, rowwise, transpose, stats), stats_out)
+    return _into(torch.ops.lowprec.fp8_cast(x, elem, rowwise, transpose, stats), stats_out)
 
 
 def cast_delayed(x: Tensor, elem: int, history: Tensor, count: Tensor, scratch: Tensor, ticket: Tensor,
                  overflow: Tensor, overflow_index: int, margin: int, most_recent: bool, transpose: bool,
-                 stats: bool, count_overflow: bool):
+                 stats: bool, count_overflow: bool, stats_out: Tensor | None = None):
     """`torch.ops.lowprec.fp8_cast_delayed`, called directly where `_direct` (absent outputs
-    None)."""
+    None); `stats_out` as `cast`'s."""
     args = (elem, history, count, scratch, ticket, overflow, overflow_index, margin, most_recent, transpose,
             stats, count_overflow)
     if _direct(x):
-        return _eager(_kernel_cast_delayed, _reference_cast_delayed, x, *args)
-    return torch.ops.lowprec.fp8_cast_delayed(x, *args)
+        return _eager(_kernel_cast_delayed, _reference_cast_delayed, x, *args, stats_out=stats_out)
+    return _into(torch.ops.lowprec.fp8_cast_delayed(x, *args), stats_out)
 
 
 # ----------------------------------------------------------------------------- traffic model
@@ -307,9 +340,8 @@ def kernel_traffic(op, args, kwargs, out) -> tuple[int, int, int, int] | None:
     * row-wise: zeroing the row/column maxima, the maxima pass (one read), the cast of both
       layouts (a second read): 3 launches;
     * delayed: one kernel, one read (the scale comes from the history, the amax goes into it);
-    * statistics (check steps): each tile's counts and sums written from the same pass to
-      its row of a (tiles, 8) buffer, then one small launch sums the rows (row-wise 2 more
-      for the amax).
+    * statistics (check steps): each tile's amax, counts and sums written from the same pass
+      to its row of a (tiles, 8) buffer, which the last tile to finish sums (no launch more).
 
     For `count_traffic(custom_cost=...)` in experiments/traffic.py; None for other ops."""
     name = str(op).split(".")[1] if "." in str(op) else str(op)
@@ -319,17 +351,15 @@ def kernel_traffic(op, args, kwargs, out) -> tuple[int, int, int, int] | None:
     xb = x.numel() * x.element_size()
     q, qt = out[0], out[2]
     written = q.numel() + qt.numel() + sum(t.numel() * t.element_size() for t in (out[1], out[-1]))
-    stats = bool(args[4] if name == "fp8_cast" else args[11])
-    small = 1 if stats else 0
     if name == "fp8_cast_delayed":
         hist = args[2]
-        return 1, small, xb + hist.numel() * 4, written
+        return 1, 0, xb + hist.numel() * 4, written
     rowwise = bool(args[2])
     if not rowwise:
-        return 2, small, 2 * xb, written
+        return 2, 0, 2 * xb, written
     m, n = x.shape
-    maxima = 4 * (m + n)
-    return 2, 1 + small + (2 if stats else 0), 2 * xb + maxima, written + out[3].numel() * 4 + maxima
+    maxima = 4 * (m + n + 1)
+    return 2, 1, 2 * xb + maxima, written + out[3].numel() * 4 + maxima
 
 
 def traffic_cost(op, args, kwargs, out) -> tuple[int, int, int] | None:

@@ -104,14 +104,15 @@ class WeightForms(NamedTuple):
 
 
 def _cast(t: Tensor, elem: int, recipe: FastRecipe, hist, overflow: Tensor | None, index: int,
-          transpose: bool):
-    """(q, scale_inv, q_t, scale_inv_t, packed stats) of one operand by one custom op."""
+          transpose: bool, stats_out: Tensor | None = None):
+    """(q, scale_inv, q_t, scale_inv_t, packed stats) of one operand by one custom op; the
+    statistics written into `stats_out` when given."""
     if recipe.delayed:
         q, si, qt, st = fp8_ops.cast_delayed(
             t, elem, hist.history, hist.count, hist.scratch, hist.ticket, overflow, index,
-            recipe.margin, recipe.most_recent, transpose, recipe.stats, recipe.count_overflow)
+            recipe.margin, recipe.most_recent, transpose, recipe.stats, recipe.count_overflow, stats_out)
         return q, si, qt, si, st
-    q, si, qt, sit, st = fp8_ops.cast(t, elem, recipe.rowwise, transpose, recipe.stats)
+    q, si, qt, sit, st = fp8_ops.cast(t, elem, recipe.rowwise, transpose, recipe.stats, stats_out)
     return q, si, qt, (sit if recipe.rowwise else si), st
 
 
@@ -183,9 +184,8 @@ class FP8LinearFn(torch.autograd.Function):
         recipe = ctx.recipe
         g2 = gy.reshape(-1, gy.shape[-1])
         hist_g, overflow = (DelayedTensors(*state[:4]), state[4]) if state else (NO_HISTORY, None)
-        qg, sig, qgt, sigt, st = _cast(g2, recipe.bwd, recipe, hist_g, overflow, 2, ctx.needs_input_grad[1])
-        if recipe.stats and grad_stats is not None:
-            grad_stats.copy_(st)
+        qg, sig, qgt, sigt, _ = _cast(g2, recipe.bwd, recipe, hist_g, overflow, 2, ctx.needs_input_grad[1],
+                                      grad_stats if recipe.stats else None)
         return grad_gemms(ctx, g2, (qg, sig, qgt, sigt), (qwt, siwt), (qxt, sixt)) + (None,) * (ctx.n_inputs - 3)
 
 

@@ -1,5 +1,6 @@
 """experiments/bench_host_noop.py: the CPU host-time harness runs every row, counts the launches
-the no-ops stood in for, and puts back what it replaced."""
+a GPU would make (the no-ops' and the other kernel-launching ATen ops), and puts back what it
+replaced."""
 
 from __future__ import annotations
 
@@ -20,10 +21,17 @@ def test_every_row_runs_and_the_patches_are_undone():
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in lines if line.startswith("| ")
             and not line.startswith("| step")}
     assert list(rows) == list(bench_host_noop.ROWS)
-    launches = {row: int(cells[-1].rstrip(" |")) for row, cells in rows.items()}
-    assert launches["nn.Linear fwd+bwd"] == 0
-    # three casts (two Triton kernels each; delayed: one) and three GEMMs a step
-    assert launches["PrecisionLinear fp8_tensorwise"] == 9
-    assert launches["PrecisionLinear fp8_delayed"] == 6
-    assert launches["PrecisionLinear fp8_tensorwise (compiled)"] == 9
+    launches = {row: [int(c.rstrip(" |")) for c in cells[-3:]] for row, cells in rows.items()}
+    assert all(k + o == total for k, o, total in launches.values())
+    # nn.Linear: its three GEMMs, seen by the profiler as ATen mm
+    assert launches["nn.Linear fwd+bwd"] == [0, 3, 3]
+    # three casts (two Triton kernels each; delayed: one) and three GEMMs a step; row-wise
+    # also zeroes each cast's maxima; a check step adds no kernel (the last tile sums the
+    # statistics), only the zeroed buffer the output gradient's statistics are written to
+    assert launches["PrecisionLinear fp8_tensorwise"] == [9, 0, 9]
+    assert launches["PrecisionLinear fp8_delayed"] == [6, 0, 6]
+    assert launches["PrecisionLinear fp8_rowwise"] == [9, 3, 12]
+    assert launches["PrecisionLinear fp8_tensorwise, check step"] == [9, 1, 10]
+    assert launches["PrecisionLinear fp8_rowwise, check step"] == [9, 4, 13]
+    assert launches["PrecisionLinear fp8_tensorwise (compiled)"][0] == 9
     assert all(float(cells[0]) > 0 for cells in rows.values())

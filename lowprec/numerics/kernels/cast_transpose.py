@@ -20,183 +20,38 @@ both from the tile they hold in registers:
 
 `stats=True` (a constexpr: free when off) also gives the packed `QuantStats` vector of
 the row-major quantization (amax, saturated, underflow, squared error, signal power,
-non-finite, numel, underflow energy) from the same pass: each tile writes its counts and
-FP64 sums to its own row of a (tiles, 8) buffer, one column sum after the kernel packs
-them (no atomics: on an H100 the first version's six FP64 atomic adds per tile into one
-vector made a check step's cast 5.4x slower). Counts are exact; the dequantized magnitude is
-`quantize`'s (|q| / scale, one FP32 rounding), the error, the squares and the three sums
-are FP64 (their order differs from `quantize`'s, so they agree to rounding, not bit for bit).
-Element and scale numerics are `lowprec.numerics.quantize.quantize`'s, bit for bit (`fp8_cast._encode`, `_scale_of`).
+non-finite, numel, underflow energy) from the same pass: each tile writes its amax, counts
+and FP64 sums to its own row of a (tiles, 8) buffer (no atomics on the sums: on an H100
+six FP64 atomic adds per tile into one vector made a check step's cast 5.4x slower), and
+the last tile to finish (a ticket counter: the slot after the partial maxima, after the
+row/column maxima, or the delayed state's) reads the rows in order and writes the vector,
+so a check step launches no more kernels than a plain one. Counts are exact; the
+dequantized magnitude is `quantize`'s (|q| / scale, one FP32 rounding), the error, the
+squares and the three sums are FP64 (their order differs from `quantize`'s, so they agree
+to rounding, not bit for bit).
+Element and scale numerics are `lowprec.numerics.quantize.quantize`'s, bit for bit
+(`fp8_cast._encode`, `_scale_of`). The kernels themselves are in `cast_transpose_kernels`;
+this module allocates their buffers and launches them.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
+from lowprec.numerics.kernels.cast_transpose_kernels import _amax_rows_cols_kernel, _ct_kernel, _ct_row_kernel
 from lowprec.numerics.kernels.fp8_cast import (
-    _amax_partial_kernel, _bits, _checked, _consts, _encode, _finite_abs, _flat_grid, _load_f32, _prepare, _scale_of,
-    cdiv, next_power_of_2,
+    _amax_partial_kernel, _checked, _consts, _flat_grid, cdiv, next_power_of_2,
 )
 from lowprec.numerics.quant_stats import QuantStats
 
 __all__ = ["cast_transpose", "cast_transpose_delayed", "cast_transpose_rowwise", "DelayedState"]
 
-_FP32_MAX = tl.constexpr(3.4028234663852886e38)
 _TILE = (64, 64)
 _N_STATS = len(QuantStats.FIELDS)
-
-
-# ----------------------------------------------------------------------------- device code
-
-
-@triton.jit
-def _stats_row(part_ptr):
-    """This tile's row of the (tiles, 8) statistics partials."""
-    return part_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * 8
-
-
-@triton.jit
-def _tile_stats(part_ptr, first, amax, numel, ax, qa, sat, under, nonfin, scale):
-    """Write this tile's counts and FP64 sums to its own row of the (tiles, 8) partials (slots
-    as QuantStats; the host sums the rows). No atomics: one address per tile and slot, so the
-    check step costs what the sums cost, and the result does not depend on the tiles' order.
-    Slot 0 (amax) and slot 6 (numel) are written by the first tile only (`first`), 0 by the
-    others, so that the column sums are the operand's values."""
-    a64 = ax.to(tl.float64)
-    # dq = |q| / scale in FP32, rounded once as `quantize` dequantizes; then the error, its
-    # square and the sums in FP64 (exact differences and squares of FP32 values). No FP64
-    # division per element: on a GPU that is many times the cost of the cast itself.
-    err = tl.math.div_rn(qa, scale).to(tl.float64) - a64
-    sq = a64 * a64
-    row = _stats_row(part_ptr)
-    tl.store(row + 0, tl.where(first, tl.cast(amax, tl.float64), 0.0))
-    tl.store(row + 1, tl.sum(tl.sum(sat.to(tl.float64), axis=1), axis=0))
-    tl.store(row + 2, tl.sum(tl.sum(under.to(tl.float64), axis=1), axis=0))
-    tl.store(row + 3, tl.sum(tl.sum(err * err, axis=1), axis=0))
-    tl.store(row + 4, tl.sum(tl.sum(sq, axis=1), axis=0))
-    tl.store(row + 5, tl.sum(tl.sum(nonfin.to(tl.float64), axis=1), axis=0))
-    tl.store(row + 6, tl.where(first, tl.cast(numel, tl.float64), 0.0))
-    tl.store(row + 7, tl.sum(tl.sum(tl.where(under, sq, 0.0), axis=1), axis=0))
-
-
-@triton.jit
-def _history_scale(hist_ptr, count_ptr, L, BLOCK_L: tl.constexpr, MAX: tl.constexpr,
-                   MARGIN_DIV: tl.constexpr, MOST_RECENT: tl.constexpr):
-    """`AmaxHistory.scale()`: (MAX / amax) / 2**margin, 1 where the history is empty or the
-    scale not finite. PyTorch's `float / tensor` is reciprocal(t) * float: done alike."""
-    if MOST_RECENT:
-        cnt = tl.load(count_ptr)
-        amax = tl.load(hist_ptr + (tl.maximum(cnt - 1, 0) % L))
-    else:
-        lo = tl.arange(0, BLOCK_L)
-        amax = tl.max(tl.load(hist_ptr + lo, mask=lo < L, other=0.0), axis=0)
-    rec = (1.0 / amax.to(tl.float64)).to(tl.float32)
-    s = (rec * MAX) / MARGIN_DIV
-    ok = (amax > 0) & (s <= _FP32_MAX)
-    return tl.where(ok, s, 1.0)
-
-
-@triton.jit
-def _ct_kernel(x_ptr, q_ptr, qt_ptr, partial_ptr, P, hist_ptr, count_ptr, L, scratch_ptr, ticket_ptr,
-               overflow_ptr, overflow_index, scale_inv_ptr, stats_ptr, numel, M, N, stride_x,
-               BM: tl.constexpr, BN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr,
-               MAX: tl.constexpr, MB: tl.constexpr, BIAS: tl.constexpr, HAS_INF: tl.constexpr,
-               THR: tl.constexpr, ODD: tl.constexpr, EPS: tl.constexpr, DELAYED: tl.constexpr,
-               MOST_RECENT: tl.constexpr, MARGIN_DIV: tl.constexpr, OVERFLOW: tl.constexpr,
-               TRANSPOSE: tl.constexpr, STATS: tl.constexpr, BF16: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if DELAYED:
-        scale = _history_scale(hist_ptr, count_ptr, L, BLOCK_L, MAX, MARGIN_DIV, MOST_RECENT)
-        scale_inv = (1.0 / scale.to(tl.float64)).to(tl.float32)
-        amax = 0.0   # this operand's amax is known to the last tile only (below)
-    else:
-        po = tl.arange(0, BLOCK_P)
-        amax = tl.max(tl.load(partial_ptr + po, mask=po < P, other=0.0), axis=0)
-        scale, scale_inv = _scale_of(amax, MAX, EPS)
-    first = (pid_m == 0) & (pid_n == 0)
-    if first:
-        tl.store(scale_inv_ptr, scale_inv)
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
-    m = (rows[:, None] < M) & (cols[None, :] < N)
-    x = _load_f32(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], m, BF16)
-    code, ax, sat, under, nonfin, qa = _encode(x, scale, MAX, MB, BIAS, HAS_INF, THR, ODD)
-    tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], code, mask=m)
-    if TRANSPOSE:
-        mt = (cols[:, None] < N) & (rows[None, :] < M)
-        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(code), mask=mt)
-    if STATS:   # delayed: the amax is the last tile's to write (below)
-        _tile_stats(stats_ptr, first, amax, numel, ax, qa, sat & m, under & m, nonfin & m, scale)
-    if DELAYED:
-        tl.atomic_max(scratch_ptr, tl.max(tl.max(ax, axis=1), axis=0))
-        ticket = tl.atomic_add(ticket_ptr, 1)
-        if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:   # every other tile is done
-            amax = tl.atomic_max(scratch_ptr, 0.0)                   # read after all of theirs
-            cnt = tl.load(count_ptr)
-            tl.store(hist_ptr + cnt % L, amax)
-            tl.store(count_ptr, cnt + 1)
-            if OVERFLOW:   # past twice the max: as lowprec.numerics.grid.saturates(amax * scale * 0.5)
-                half = amax * scale * 0.5
-                if ODD:
-                    over = half >= THR
-                else:
-                    over = half > THR
-                ov = overflow_ptr + overflow_index
-                tl.store(ov, tl.load(ov) + over.to(tl.float64))
-            if STATS:   # into this tile's row of the partials, whose slot 0 it wrote as 0
-                tl.store(_stats_row(stats_ptr), amax.to(tl.float64))
-            tl.store(scratch_ptr, 0.0)
-            tl.store(ticket_ptr, 0)
-
-
-@triton.jit
-def _amax_rows_cols_kernel(x_ptr, maxima_ptr, M, N, stride_x, BM: tl.constexpr,
-                           BN: tl.constexpr, BF16: tl.constexpr):
-    """Row maxima into maxima[:M], column maxima into maxima[M:] (one base pointer and an
-    offset, not two views: a graph then sees one buffer written)."""
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    m = (rows[:, None] < M) & (cols[None, :] < N)
-    ax, _ = _finite_abs(_load_f32(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], m, BF16))
-    tl.atomic_max(maxima_ptr + rows, tl.max(ax, axis=1), mask=rows < M)
-    tl.atomic_max(maxima_ptr + M + cols, tl.max(ax, axis=0), mask=cols < N)
-
-
-@triton.jit
-def _ct_row_kernel(x_ptr, q_ptr, qt_ptr, maxima_ptr, si_ptr, sit_ptr, stats_ptr, numel, M, N, stride_x,
-                   BM: tl.constexpr, BN: tl.constexpr, MAX: tl.constexpr, MB: tl.constexpr,
-                   BIAS: tl.constexpr, HAS_INF: tl.constexpr, THR: tl.constexpr, ODD: tl.constexpr,
-                   EPS: tl.constexpr, TRANSPOSE: tl.constexpr, STATS: tl.constexpr, BF16: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
-    rm = rows < M
-    cm = cols < N
-    m = rm[:, None] & cm[None, :]
-    x = _load_f32(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], m, BF16)
-    ramax = tl.load(maxima_ptr + rows, mask=rm, other=0.0)
-    rs, rsi = _scale_of(ramax, MAX, EPS)
-    code, ax, sat, under, nonfin, qa = _encode(x, rs[:, None], MAX, MB, BIAS, HAS_INF, THR, ODD)
-    tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], code, mask=m)
-    if pid_n == 0:
-        tl.store(si_ptr + rows, rsi, mask=rm)
-    if TRANSPOSE:
-        camax = tl.load(maxima_ptr + M + cols, mask=cm, other=0.0)
-        cs, csi = _scale_of(camax, MAX, EPS)
-        code_t, _, _, _, _, _ = _encode(x, cs[None, :], MAX, MB, BIAS, HAS_INF, THR, ODD)
-        mt = cm[:, None] & rm[None, :]
-        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(code_t), mask=mt)
-        if pid_m == 0:
-            tl.store(sit_ptr + cols, csi, mask=cm)
-    if STATS:   # slot 0 (the operand's amax) is set by the host from the maxima
-        _tile_stats(stats_ptr, (pid_m == 0) & (pid_n == 0), 0.0, numel, ax, qa, sat & m, under & m,
-                    nonfin & m, rs[:, None])
+_BLOCK_T = 256     # rows of the statistics partials the last tile reads at a time
 
 
 # ----------------------------------------------------------------------------- host code
@@ -210,10 +65,10 @@ def _fill_zero_amax_scale_inv(elem, *scale_invs: torch.Tensor) -> None:
         t.copy_(_div(1.0, scale).expand_as(t))
 
 
-def _empty_result(x2, elem, q, qt, st, scale_inv):
+def _empty_result(elem, q, qt, st, scale_inv):
     """An operand with no elements: the scale of an all-zero tensor."""
     _fill_zero_amax_scale_inv(elem, scale_inv)
-    return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), st
+    return q, scale_inv, qt, st
 
 
 class DelayedState:
@@ -248,116 +103,146 @@ def _grid(m: int, n: int, tile) -> tuple[int, int]:
     return (max(1, cdiv(m, tile[0])), max(1, cdiv(n, tile[1])))
 
 
-def _buffers(x2: torch.Tensor, transpose: bool, stats: bool, grid: tuple[int, int]):
-    """q, q_t (empty without transpose) and the per-tile statistics partials ((tiles, 8) FP64,
-    every row written by its tile; None without stats, no rows without elements, where no
-    kernel runs)."""
-    m, n = x2.shape
-    dev = x2.device
-    q = torch.empty((m, n), dtype=torch.uint8, device=dev)
-    qt = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=dev)
-    part = (torch.empty((grid[0] * grid[1] if m and n else 0, _N_STATS), dtype=torch.float64, device=dev)
-            if stats else None)
-    return q, qt, part
+def _buffers(m: int, n: int, dev, fp8: torch.dtype, transpose: bool, stats: bool, tiles: int, stats_out):
+    """q, q_t (FP8 `fp8`; q_t empty without transpose), the per-tile statistics partials ((tiles, 8) FP64,
+    every row written by its tile) and the packed statistics (8,) FP64 that the last tile
+    writes (`stats_out` when given, else a new tensor; zeros for an operand without
+    elements, where no kernel runs); both None without stats."""
+    q = torch.empty((m, n), dtype=fp8, device=dev)
+    qt = torch.empty((n, m) if transpose else (0, 0), dtype=fp8, device=dev)
+    if not stats:
+        return q, qt, None, None
+    part = torch.empty((tiles, _N_STATS), dtype=torch.float64, device=dev)
+    st = torch.empty(_N_STATS, dtype=torch.float64, device=dev) if stats_out is None else stats_out
+    if not (m and n):
+        st.zero_()
+    return q, qt, part, st
 
 
-def _stats_of(part: torch.Tensor | None) -> torch.Tensor | None:
-    """The packed QuantStats vector from the partials: one small launch (the column sums);
-    None without stats (`part` None), zeros where the operand had no tile."""
-    if part is None:
-        return None
-    return part.sum(0) if part.shape[0] else part.new_zeros(_N_STATS)
-
-
-def _ptr(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
-    """An argument for a pointer the kernel does not use (an empty output): any real buffer."""
-    return t if t is not None and t.numel() else fallback
+class _Plan(NamedTuple):
+    """A launch plan: the grid, the amax pass's programs and keyword arguments, the cast's
+    keyword arguments (constexprs), the FP8 dtype of the result."""
+    grid: tuple[int, int]
+    p: int
+    amax_kw: dict
+    kw: dict
+    fp8: torch.dtype
 
 
 @functools.lru_cache(maxsize=1024)
-def _ct_plan(m: int, n: int, elem, bf16: bool, transpose: bool, stats: bool, tile, delayed: bool, hist_len: int):
-    """What `_ct_kernel`'s launch needs besides its tensors, for one shape and recipe: (grid,
-    programs of the amax pass, the constexpr keyword arguments). Computed once per shape (a
-    pure function of its arguments), so that a cast's host time is its allocations and its
-    launches."""
+def _plan(m: int, n: int, elem, dtype: torch.dtype, transpose: bool, stats: bool, tile, delayed: bool = False,
+          hist_len: int = 1, most_recent: bool = False, margin: int = 0, overflow: bool = False) -> _Plan:
+    """What `_ct_kernel`'s launches need besides their tensors, for one shape and recipe.
+    Computed once (a pure function of its arguments), so that a cast's host time is its
+    allocations and its launches."""
+    bf16 = dtype == torch.bfloat16
     grid = _grid(m, n, tile)
     p = _flat_grid(m * n, 2048)
     c = _consts(elem, bf16)
     kw = dict(BM=tile[0], BN=tile[1], BLOCK_P=1 if delayed else next_power_of_2(p),
               BLOCK_L=next_power_of_2(hist_len) if delayed else 1, MB=c["M"], DELAYED=delayed,
-              TRANSPOSE=transpose, STATS=stats, num_warps=4,
+              TRANSPOSE=transpose, STATS=stats, BLOCK_T=_BLOCK_T, MOST_RECENT=most_recent,
+              MARGIN_DIV=float(2.0 ** margin), OVERFLOW=overflow, num_warps=4,
               **{k: v for k, v in c.items() if k != "M"})
-    return grid, p, kw
+    return _Plan(grid, p, dict(BLOCK=2048, BF16=bf16, TICKET=stats, num_warps=8), kw, elem.torch_dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _row_plan(m: int, n: int, elem, dtype: torch.dtype, transpose: bool, stats: bool, tile) -> _Plan:
+    """`_plan` of the row-wise pair (`_amax_rows_cols_kernel`, `_ct_row_kernel`)."""
+    c = dict(_consts(elem, dtype == torch.bfloat16))
+    kw = dict(BM=tile[0], BN=tile[1], MB=c.pop("M"), TRANSPOSE=transpose, STATS=stats, BLOCK_T=_BLOCK_T,
+              num_warps=4, **c)
+    return _Plan(_grid(m, n, tile), 0, dict(BM=tile[0], BN=tile[1], BF16=c["BF16"], num_warps=4), kw,
+                 elem.torch_dtype)
 
 
 def cast_transpose(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool = False, tile=_TILE,
-                   launch=eager_launch):
+                   launch=eager_launch, stats_out: torch.Tensor | None = None):
     """Tensor-wise FP8 cast of `x` viewed as (M, N): `(q (M, N), scale_inv (), q_t (N, M) or
-    an empty tensor, packed stats (8,) FP64 or None)`; q_t is q transposed."""
+    an empty tensor, packed stats (8,) FP64 or None)`; q_t is q transposed. With `stats`,
+    `stats_out` (an (8,) FP64 tensor) may be given for the statistics to be written to."""
     elem, x2 = _checked(x, elem, "cast_transpose")
+    return tensorwise(x2, elem, transpose, stats, launch, stats_out, tuple(tile))
+
+
+def tensorwise(x2: torch.Tensor, elem, transpose: bool, stats: bool, launch=eager_launch, stats_out=None,
+               tile=_TILE):
+    """`cast_transpose` of a contiguous 2-D BF16/FP16/FP32 operand its caller has checked
+    (`lowprec.numerics.fp8_ops`' eager calls: no argument checks per call)."""
     m, n = x2.shape
-    bf16 = x2.dtype == torch.bfloat16
-    grid, p, kw = _ct_plan(m, n, elem, bf16, transpose, stats, tuple(tile), False, 1)
-    q, qt, part = _buffers(x2, transpose, stats, grid)
-    scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
-    partial = torch.empty(p, dtype=torch.float32, device=x2.device)
-    bits = _bits(x2)
-    launch(_amax_partial_kernel, (p,))(bits, partial, m * n, BLOCK=2048, BF16=bf16, num_warps=8)
+    dev = x2.device
+    plan = _plan(m, n, elem, x2.dtype, transpose, stats, tile)
+    p = plan.p
+    q, qt, part, st = _buffers(m, n, dev, plan.fp8, transpose, stats, plan.grid[0] * plan.grid[1], stats_out)
+    scale_inv = torch.empty((), dtype=torch.float32, device=dev)
+    partial = torch.empty(p + 1, dtype=torch.float32, device=dev)   # the maxima, then the ticket
+    launch(_amax_partial_kernel, (p,))(x2, partial, m * n, **plan.amax_kw)
     if not m * n:
-        return _empty_result(x2, elem, q, qt, _stats_of(part), scale_inv)
-    launch(_ct_kernel, grid)(
-        bits, q, _ptr(qt, q), partial, p, partial, partial, 1, partial, partial, partial, 0, scale_inv,
-        _ptr(part, partial), m * n, m, n, n, MOST_RECENT=False, MARGIN_DIV=1.0, OVERFLOW=False, **kw)
-    return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), _stats_of(part)
+        return _empty_result(elem, q, qt, st, scale_inv)
+    launch(_ct_kernel, plan.grid)(
+        x2, q, qt if transpose else q, partial, p, partial, partial, 1, partial, partial, partial, 0, scale_inv,
+        part if stats else partial, st if stats else partial, m * n, m, n, n, **plan.kw)
+    return q, scale_inv, qt, st
 
 
 def cast_transpose_delayed(x: torch.Tensor, elem, state: DelayedState, *, margin: int = 0,
                            most_recent: bool = False, overflow: torch.Tensor | None = None,
                            overflow_index: int = 0, transpose: bool = True, stats: bool = False,
-                           tile=_TILE, launch=eager_launch):
+                           tile=_TILE, launch=eager_launch, stats_out: torch.Tensor | None = None):
     """Delayed-scaling FP8 cast in one kernel: the scale from `state`'s history, this
     operand's amax appended to it. Returns `(q, scale_inv (), q_t or empty, stats or None)`.
     With `overflow`, `overflow[overflow_index]` is incremented when amax * scale / 2 saturates."""
     elem, x2 = _checked(x, elem, "cast_transpose_delayed")
+    return delayed(x2, elem, (state.history, state.count, state.scratch, state.ticket), margin, most_recent,
+                   overflow, overflow_index, transpose, stats, launch, stats_out, tuple(tile))
+
+
+def delayed(x2: torch.Tensor, elem, state: tuple, margin: int, most_recent: bool, overflow, overflow_index: int,
+            transpose: bool, stats: bool, launch=eager_launch, stats_out=None, tile=_TILE):
+    """`cast_transpose_delayed` of a checked contiguous 2-D operand (as `tensorwise`); `state`
+    is (history, count, scratch, ticket) as `DelayedState` holds them."""
     m, n = x2.shape
-    hist = state.history
-    grid, _, kw = _ct_plan(m, n, elem, x2.dtype == torch.bfloat16, transpose, stats, tuple(tile), True,
-                           hist.numel())
-    q, qt, part = _buffers(x2, transpose, stats, grid)
-    scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
-    ov = overflow if overflow is not None else hist
+    dev = x2.device
+    hist, count, scratch, ticket = state
+    plan = _plan(m, n, elem, x2.dtype, transpose, stats, tile, True, hist.numel(), most_recent, margin,
+                 overflow is not None)
+    q, qt, part, st = _buffers(m, n, dev, plan.fp8, transpose, stats, plan.grid[0] * plan.grid[1], stats_out)
+    scale_inv = torch.empty((), dtype=torch.float32, device=dev)
     if not m * n:
-        return _empty_result(x2, elem, q, qt, _stats_of(part), scale_inv)
-    launch(_ct_kernel, grid)(
-        _bits(x2), q, _ptr(qt, q), hist, 1, hist, state.count, hist.numel(), state.scratch, state.ticket, ov,
-        overflow_index if overflow is not None else 0, scale_inv, _ptr(part, hist), m * n, m, n, n,
-        MOST_RECENT=most_recent, MARGIN_DIV=float(2.0 ** margin), OVERFLOW=overflow is not None, **kw)
-    return q.view(elem.torch_dtype), scale_inv, qt.view(elem.torch_dtype), _stats_of(part)
+        return _empty_result(elem, q, qt, st, scale_inv)
+    launch(_ct_kernel, plan.grid)(
+        x2, q, qt if transpose else q, hist, 1, hist, count, hist.numel(), scratch,
+        ticket, hist if overflow is None else overflow, 0 if overflow is None else overflow_index,
+        scale_inv, part if stats else hist, st if stats else hist, m * n, m, n, n, **plan.kw)
+    return q, scale_inv, qt, st
 
 
 def cast_transpose_rowwise(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool = False,
-                           tile=_TILE, launch=eager_launch):
+                           tile=_TILE, launch=eager_launch, stats_out: torch.Tensor | None = None):
     """Row-wise FP8 casts of `x` viewed as (M, N): `q` with one scale per row (over N) and
     `q_t` = the row-wise cast of x^T (one scale per column of x, over M). Returns
     `(q, scale_inv (M, 1), q_t (N, M) or empty, scale_inv_t (N, 1) or empty, stats or None)`."""
-    elem, x2, c = _prepare(x, elem, "cast_transpose_rowwise")
+    elem, x2 = _checked(x, elem, "cast_transpose_rowwise")
+    return rowwise(x2, elem, transpose, stats, launch, stats_out, tuple(tile))
+
+
+def rowwise(x2: torch.Tensor, elem, transpose: bool, stats: bool, launch=eager_launch, stats_out=None,
+            tile=_TILE):
+    """`cast_transpose_rowwise` of a checked contiguous 2-D operand (as `tensorwise`)."""
     m, n = x2.shape
-    grid = _grid(m, n, tile)
-    q, qt, part = _buffers(x2, transpose, stats, grid)
-    maxima = torch.zeros(m + n, dtype=torch.float32, device=x2.device)
-    si = torch.empty((m, 1), dtype=torch.float32, device=x2.device)
-    sit = torch.empty((n, 1) if transpose else (0, 1), dtype=torch.float32, device=x2.device)
+    dev = x2.device
+    plan = _row_plan(m, n, elem, x2.dtype, transpose, stats, tile)
+    q, qt, part, st = _buffers(m, n, dev, plan.fp8, transpose, stats, plan.grid[0] * plan.grid[1], stats_out)
+    # row maxima, column maxima, then the statistics' ticket: one zeroed buffer
+    maxima = torch.zeros(m + n + 1, dtype=torch.float32, device=dev)
+    si = torch.empty((m, 1), dtype=torch.float32, device=dev)
+    sit = torch.empty((n, 1) if transpose else (0, 1), dtype=torch.float32, device=dev)
     if m and n:
-        launch(_amax_rows_cols_kernel, grid)(_bits(x2), maxima, m, n, n, BM=tile[0], BN=tile[1],
-                                     BF16=c["BF16"], num_warps=4)
-        launch(_ct_row_kernel, grid)(_bits(x2), q, _ptr(qt, q), maxima, si, _ptr(sit, si),
-                             _ptr(part, maxima), m * n, m, n, n, BM=tile[0], BN=tile[1], MB=c.pop("M"),
-                             TRANSPOSE=transpose, STATS=stats, num_warps=4, **c)
-        st = _stats_of(part)
-        if stats:   # the largest row maximum, which is also the largest column maximum
-            first = torch.arange(_N_STATS, device=st.device) == 0
-            st = torch.where(first, maxima.amax().to(st.dtype), st)
+        launch(_amax_rows_cols_kernel, plan.grid)(x2, maxima, m, n, n, **plan.amax_kw)
+        launch(_ct_row_kernel, plan.grid)(x2, q, qt if transpose else q, maxima, si, sit if transpose else si,
+                                          part if stats else maxima, st if stats else maxima, m * n, m, n, n,
+                                          **plan.kw)
     else:   # no elements in a row or a column: the scales of an amax of 0, as quantize's
-        st = _stats_of(part)
         _fill_zero_amax_scale_inv(elem, si, sit)
-    return q.view(elem.torch_dtype), si, qt.view(elem.torch_dtype), sit, st
+    return q, si, qt, sit, st

@@ -71,10 +71,11 @@ class CastStats:
 
 @triton.jit
 def _load_f32(ptrs, mask, BF16: tl.constexpr):
-    """FP32 values of BF16 (given as int16 bits: shifted into FP32's top half, exact; the
-    interpreter's own BF16 conversion loses the smallest subnormals) or FP16/FP32 input."""
+    """FP32 values of BF16 (a BF16 or an int16 tensor of its bits, read as int16 bits and
+    shifted into FP32's top half, exact; the interpreter's own BF16 conversion loses the
+    smallest subnormals) or FP16/FP32 input."""
     if BF16:
-        bits = tl.load(ptrs, mask=mask, other=0).to(tl.int32) << 16
+        bits = tl.load(ptrs, mask=mask, other=0).to(tl.int16, bitcast=True).to(tl.int32) << 16
         return bits.to(tl.float32, bitcast=True)
     return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
@@ -168,8 +169,14 @@ def _rowwise_kernel(x_ptr, out_ptr, scale_inv_ptr, stats_ptr, amax_ptr, K, strid
 
 
 @triton.jit
-def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr, BF16: tl.constexpr):
+def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr, BF16: tl.constexpr, TICKET: tl.constexpr):
+    """One partial maximum per program into partial[pid]; with TICKET, program 0 also zeroes
+    partial[programs], the float ticket counter of the cast launched next (cast_transpose's
+    statistics: no separate launch clears it)."""
     pid = tl.program_id(0)
+    if TICKET:
+        if pid == 0:
+            tl.store(partial_ptr + tl.num_programs(0), 0.0)
     step = tl.num_programs(0).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros((), tl.float32)
@@ -336,7 +343,8 @@ def cast_tensorwise(x: torch.Tensor, elem, *, stats: bool = False, block: int | 
     p = _flat_grid(n, bl)
     partial = torch.empty(p, dtype=torch.float32, device=x2.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x2.device)
-    _amax_partial_kernel[(p,)](_bits(x2), partial, n, BLOCK=bl, BF16=c["BF16"], num_warps=8)
+    _amax_partial_kernel[(p,)](_bits(x2), partial, n, BLOCK=bl, BF16=c["BF16"], TICKET=False,
+                                     num_warps=8)
     _cast_kernel[(p,)](_bits(x2), out, partial, p, partial, scale_inv, counts, amax, n, BLOCK=bl,
                        BLOCK_P=next_power_of_2(p), DELAYED=False, STATS=stats, num_warps=8, **c)
     return _result(out, scale_inv, elem, counts, amax, n, stats)

@@ -22,9 +22,9 @@ from lowprec.numerics.kernels import cast_transpose as ct  # noqa: E402
 from lowprec.numerics.kernels.fp8_cast import _EPS, _odd_max, overflow_threshold  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
-POINTERS = dict(x_ptr="*i16", q_ptr="*u8", qt_ptr="*u8", partial_ptr="*fp32", hist_ptr="*fp32",
+POINTERS = dict(x_ptr="*bf16", q_ptr="*u8", qt_ptr="*u8", partial_ptr="*fp32", hist_ptr="*fp32",
                 count_ptr="*i64", scratch_ptr="*fp32", ticket_ptr="*i32", overflow_ptr="*fp64",
-                scale_inv_ptr="*fp32", stats_ptr="*fp64", maxima_ptr="*fp32",
+                scale_inv_ptr="*fp32", stats_ptr="*fp64", stats_out_ptr="*fp64", maxima_ptr="*fp32",
                 si_ptr="*fp32", sit_ptr="*fp32")
 INTS = dict(numel="i64")
 
@@ -32,17 +32,19 @@ INTS = dict(numel="i64")
 def _consts(elem) -> dict:
     """The element's constexprs, as `fp8_cast._prepare` gives them for a BF16 operand."""
     return dict(BM=64, BN=64, MAX=elem.max, MB=elem.mantissa_bits, BIAS=1 - elem.min_normal_exp,
-                HAS_INF=elem.has_inf, THR=overflow_threshold(elem), ODD=_odd_max(elem), EPS=_EPS, BF16=True)
+                HAS_INF=elem.has_inf, THR=overflow_threshold(elem), ODD=_odd_max(elem), EPS=_EPS, BF16=True,
+                BLOCK_T=ct._BLOCK_T)
 
 
-def _compile(kernel, const: dict):
+def _compile(kernel, const: dict, pointers: dict | None = None):
     names = list(inspect.signature(kernel.fn).parameters)
     sig, constexprs = {}, {}
+    pointers = dict(POINTERS, **(pointers or {}))
     for i, name in enumerate(names):
         if name in const:
             sig[name], constexprs[(i,)] = "constexpr", const[name]
         else:
-            sig[name] = POINTERS.get(name) or INTS.get(name, "i32")
+            sig[name] = pointers.get(name) or INTS.get(name, "i32")
     return triton.compile(compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs), target=HOPPER)
 
 
@@ -52,14 +54,18 @@ def _compile(kernel, const: dict):
 def test_cast_transpose_compiles_for_sm90(elem, stats, delayed):
     const = dict(_consts(elem), BLOCK_P=1 if delayed else 64, BLOCK_L=16 if delayed else 1, DELAYED=delayed,
                  MOST_RECENT=False, MARGIN_DIV=1.0, OVERFLOW=delayed, TRANSPOSE=True, STATS=stats)
-    k = _compile(ct._ct_kernel, const)
+    # the FP8 outputs as the host allocates them (the kernel stores its codes bitcast to them)
+    fp8 = "*fp8e4nv" if elem is E4M3 else "*fp8e5"
+    k = _compile(ct._ct_kernel, const, dict(q_ptr=fp8, qt_ptr=fp8))
     assert k.asm["cubin"] and "sm_90" in k.asm["ptx"]
+    a = _compile(ct._amax_partial_kernel, dict(BLOCK=2048, BF16=True, TICKET=stats), dict(partial_ptr="*fp32"))
+    assert a.asm["cubin"]
 
 
 @pytest.mark.parametrize("stats", [False, True], ids=["plain", "stats"])
 def test_rowwise_kernels_compile_for_sm90(stats):
     c = _consts(E4M3)
-    k = _compile(ct._ct_row_kernel, dict(c, TRANSPOSE=True, STATS=stats))
+    k = _compile(ct._ct_row_kernel, dict(c, TRANSPOSE=True, STATS=stats), dict(q_ptr="*fp8e4nv", qt_ptr="*fp8e4nv"))
     assert k.asm["cubin"]
     m = _compile(ct._amax_rows_cols_kernel, dict(BM=64, BN=64, BF16=True))
     assert m.asm["cubin"]

@@ -94,10 +94,11 @@ def test_tensorwise_cast_is_its_two_kernels_on_cuda(hopper_driver, stats):
     calls = _kernel_calls(gm)
     assert [name for name, _ in calls] == ["_amax_partial_kernel", "_ct_kernel"]
     assert calls[0][1] == {"partial_ptr"}
-    # the cast writes q, q^T, the scale and (check steps) its statistics partials, never x
+    # the cast writes q, q^T, the scale and (check steps) its statistics partials, their sum
+    # and the ticket after the partial maxima (no third launch sums them), never x
     written = calls[1][1]
     assert {"q_ptr", "qt_ptr", "scale_inv_ptr"} <= written and "x_ptr" not in written
-    assert ("stats_ptr" in written) == stats
+    assert ("stats_ptr" in written) == ("stats_out_ptr" in written) == ("partial_ptr" in written) == stats
     assert not any("lowprec" in t for t in _targets(gm))
 
 
@@ -111,8 +112,8 @@ def test_rowwise_cast_is_its_two_kernels_on_cuda(hopper_driver):
     calls = _kernel_calls(gm)
     assert [name for name, _ in calls] == ["_amax_rows_cols_kernel", "_ct_row_kernel"]
     assert calls[0][1] == {"maxima_ptr"}
-    assert {"q_ptr", "qt_ptr", "si_ptr", "sit_ptr", "stats_ptr"} <= calls[1][1]
-    assert "x_ptr" not in calls[1][1] and "maxima_ptr" not in calls[1][1]
+    assert {"q_ptr", "qt_ptr", "si_ptr", "sit_ptr", "stats_ptr", "stats_out_ptr"} <= calls[1][1]
+    assert "x_ptr" not in calls[1][1] and "maxima_ptr" in calls[1][1]     # the statistics' ticket
 
 
 def test_delayed_cast_is_one_kernel_and_its_state_updates_on_cuda(hopper_driver):
