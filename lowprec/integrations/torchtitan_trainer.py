@@ -46,8 +46,8 @@ lowprec joins at the points torchtitan has:
   names the MLflow run), so a job torchtitan resumes resumes its rollout. A checkpoint without it is refused unless
   `lowprec_restore` is false.
 
-Refused when the trainer is built, each with its reason: pipeline parallelism (`_pp_refusal`)
-and the `torchao` backend under tensor parallelism (`_torchao_tp_refusal`).
+Refused when the trainer is built: pipeline parallelism (`_pp_refusal`: not built in lowprec;
+the refusal says what torchtitan's pipeline schedule changes and what hosting it takes).
 """
 
 # no `from __future__ import annotations`: torchtitan (tyro) resolves the config dataclasses' field types
@@ -213,8 +213,6 @@ class LowprecTrainer(Trainer):
             raise _pp_refusal(dims)
         model = self.model_parts[0]
         prepared = prepared_of(model)
-        if dims.tp_enabled and str(prepared.setup.config.precision.backend) == "torchao":
-            raise _torchao_tp_refusal(dims)
         self.max_norm = config.training.max_norm
         config.training.max_norm = math.inf   # torchtitan measures; lowprec clips (before the optimizers)
         self._loss_mesh = dims.get_optional_mesh("loss")
@@ -369,20 +367,17 @@ def _baseline(cfg) -> dict[int, float] | None:
 
 
 def _pp_refusal(dims) -> Exception:
+    """lowprec does not host torchtitan's pipeline schedule yet. Under it (torchtitan/trainer.py,
+    `forward_backward_step` with pp): the loss exists on the last stage only (the other stages
+    return -1), the schedule was built with torchtitan's loss function before this trainer could
+    wrap it, every micro-batch's forward and backward run inside one `pp_schedule.step`, and each
+    rank holds some of the sites lowprec prepared (`model_parts`). Hosting it takes: the loss
+    broadcast from the last stage, the tap on the schedule's own loss function, a replay through
+    `pp_schedule.step`, and a PrecisionState per rank's stages (as `lowprec run`'s Pipeline engine keeps)."""
     from lowprec.base.parse import ConfigError
     return ConfigError("parallelism.pipeline_parallel_degree", (
-        f"is {dims.pp}; under torchtitan's pipeline schedule the loss exists on the last stage only (the other "
-        f"stages' forward_backward_step returns -1), forward and backward of every micro-batch run inside one "
-        f"schedule.step, and the model is split after lowprec prepared it, so the step's loss, its replay and "
-        f"the sites a rank holds are not where the rollout reads them. Fix: pipeline_parallel_degree 1 "
-        f"(FSDP, HSDP and TP work)"))
-
-
-def _torchao_tp_refusal(dims) -> Exception:
-    from lowprec.base.parse import ConfigError
-    return ConfigError("precision.backend", (
-        f"is 'torchao' with tensor_parallel_degree {dims.tp}; torchao's Float8Linear runs on tensor-parallel "
-        f"shards only through torchao's float8 TP styles, which torchtitan's parallelize applies to its own "
-        f"float8 converter's layers, not to lowprec's sites (their weights arrive as plain DTensor shards). "
-        f"Fix: `backend: torch` or `emulated` under TP, or tensor_parallel_degree 1 (FSDP and HSDP work)"))
+        f"is {dims.pp}; lowprec does not host torchtitan's pipeline schedule yet (the loss lives on the last "
+        f"stage only and every micro-batch runs inside one schedule step, so the step's loss and its replay "
+        f"are not where the rollout reads them). Fix: pipeline_parallel_degree 1 (FSDP, HSDP and TP work), or "
+        f"pipeline stages with `lowprec run` (parallel: {{pp: N}})"))
 
