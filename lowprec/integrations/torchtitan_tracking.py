@@ -2,8 +2,9 @@
 
 Rank 0 tracks through a buffer folder (`lowprec.tracking.tracker`) under
 `<dump_folder>/lowprec/`. The job's run is named next to torchtitan's checkpoints, in
-`<dump_folder>/lowprec/tracking.json` (`{"buffer": <folder name>, "run_id": ...}`), and in the
-rollout's entry of each checkpoint (`LowprecTrainer`'s `Stateful`). The tracker opens when the
+`<dump_folder>/lowprec/tracking.json` (`{"buffer": <folder name>}`; the folder's run.json has
+the MLflow run id once the run exists), and in the rollout's entry of each checkpoint
+(`LowprecTrainer`'s `Stateful`: the folder and the run id). The tracker opens when the
 trainer is built, before torchtitan loads its checkpoint, so the decision is taken from what
 torchtitan will load:
 
@@ -47,7 +48,7 @@ class JobRun:
         self.folder, self.resume, self.continues = folder, resume, continues
 
     def record(self, run_id: str | None) -> dict:
-        """What names this run: in tracking.json and in the checkpoint's rollout entry."""
+        """What names this run in the checkpoint's rollout entry."""
         return {"buffer": self.folder.name, "run_id": run_id}
 
 
@@ -78,7 +79,7 @@ def job_run(root: Path, run_name: str, resumes: bool) -> JobRun:
         continues = (info.get("run_id") or f"uid {info['uid']}") if state is RunState.FINISHED else None
     run = JobRun(root / f"{run_name}-{uuid.uuid4().hex[:8]}", False, continues)
     root.mkdir(parents=True, exist_ok=True)
-    write_text_atomically(pointer, json.dumps(run.record(None)))
+    write_text_atomically(pointer, json.dumps({"buffer": run.folder.name}))
     return run
 
 
