@@ -19,6 +19,9 @@ tracks into MLflow. Rank 0 is then SIGKILLed one step after a checkpoint (its st
 MLflow), and torchtitan resumes the job from that checkpoint with an `eval:` section added:
 lowprec's state comes back on every rank, the job goes on in the same MLflow run without a
 point or event logged twice, and the final eval runs on both ranks with rank 0's outcome on each.
+Under FSDP 2 x TP 2 the sites are the torchao backend's (torchao's Float8Linear).
+
+Two torchrun launches of 2 ranks (killed, then resumed) and one of 4 ranks.
 """
 
 from __future__ import annotations
