@@ -50,8 +50,9 @@ What is not hosted, and why:
   some stages' sites. Hosting it takes the loss broadcast from the last stage, the schedule's
   loss function tapped, a replay through `pp_schedule.step` and a PrecisionState per rank's
   stages (`lowprec_trainer`'s `_pp_refusal` says so; `lowprec run` has pipeline stages);
-* LoRA's converter together with lowprec's: lowprec would replace the LoRA layers, adapters
-  and all (refused when the model is built).
+* LoRA's converter together with lowprec's (refused when the model is built): not built;
+  lowprec's swap would replace the LoRA layers, adapters and all. Hosting it takes a site that
+  wraps the LoRA layer's frozen base GEMM and leaves the adapters in high precision.
 
 No global state: each built model holds its own `Prepared` (`prepared_of(model)`): the
 checked config and the PrecisionState.
