@@ -172,6 +172,7 @@ def _check_one_run_continued(client, uri: str, run_id: str, job, lead: dict) -> 
     buffer = json.loads((job.dump / "lowprec" / "tracking.json").read_text())["buffer"]
     sent = decisions((job.dump / "lowprec" / buffer / "events.jsonl").read_text().splitlines())
     assert sent == decisions(lead["events"]), sent   # every event of the job once, none twice
+    assert decisions((job.tmp / "events.jsonl").read_text().splitlines()) == sent   # rank 0's event log too
 
 
 def _check_final_eval_on_both_ranks(client, run_id: str, reports: list[dict]) -> None:
