@@ -177,12 +177,6 @@ class ParallelConfig:
             raise ConfigError("pp", (
                 f"{self.pp} pipeline stages with dp_replicate {self.dp_replicate}, dp_shard {self.dp_shard}, "
                 f"tp {self.tp}: pipeline stages run alone here; set the other degrees to 1, or pp: 1"))
-        if self.dp_replicate > 1 and self.dp_shard > 1 and self.tp > 1:
-            raise ConfigError("tp", (
-                f"{self.tp} with dp_replicate {self.dp_replicate} and dp_shard {self.dp_shard}: HSDP with tensor "
-                f"parallel (a 3-D mesh) is not built here; drop one of the three (tp: 1, or dp_shard: "
-                f"{self.dp_replicate * self.dp_shard} with dp_replicate: 1)"))
-
         if self.fp8_all_gather and (self.dp_shard == 1 or self.tp > 1 or self.dp_replicate > 1):
             raise ConfigError("fp8_all_gather", (
                 f"true with dp_shard {self.dp_shard}, tp {self.tp}, dp_replicate {self.dp_replicate}: the FP8 "

@@ -129,16 +129,19 @@ class HostedRollout:
               eval_forward: Callable[[torch.Tensor], torch.Tensor] | None = None, eval_tokenizer=None,
               max_length: int = 256, run_name: str = "lowprec", buffer_root: str | Path = "lowprec-runs",
               attach: Attach | None = None, group=None, clip: Callable[[], torch.Tensor] | None = None,
-              lr_probe=None) -> Session:
+              lr_probe=None, buffer: str | Path | None = None, resume_tracking: bool = False) -> Session:
         """Build the controller, the session, the eval checkpoints and the tracker, when the
         framework has built its optimizer and scheduler (the unwrapped torch objects).
         eval_forward(tokens) -> logits: how `eval:` suites run the model (default: the model).
         attach: the framework's open MLflow run to track into; None opens one (if `tracking.enabled`).
         clip: the framework's own global-norm clip (returns the norm before clipping), for
         sharded parameters; default clip_grad_norm_ over the model at `max_grad_norm`.
-        lr_probe: the LR probe (`lowprec.runtime.lrprobe.LRProbe`) when `rollout.lr_probe` is on."""
+        lr_probe: the LR probe (`lowprec.runtime.lrprobe.LRProbe`) when `rollout.lr_probe` is on.
+        buffer: the tracker's buffer folder (default: a new one under `buffer_root`);
+        resume_tracking: continue the unfinished MLflow run that folder holds (a resumed job's,
+        `lowprec.tracking.resume`: what its journal holds is not logged again)."""
         cfg = self.config
-        self.tracker = self._open_tracker(run_name, buffer_root, attach)
+        self.tracker = self._open_tracker(run_name, buffer_root, attach, buffer, resume_tracking)
         if cfg.eval is not None:
             from lowprec.runtime.evals import eval_checkpoints
             self.evals = eval_checkpoints(cfg.eval, self.model, self.state, max_length=max_length, tracker=self.tracker,
@@ -159,7 +162,8 @@ class HostedRollout:
             self.tracker.log_precision(0, self.state.formats(), self.state.flops_share())
         return self.session
 
-    def _open_tracker(self, run_name: str, buffer_root: str | Path, attach: Attach | None):
+    def _open_tracker(self, run_name: str, buffer_root: str | Path, attach: Attach | None,
+                      buffer: str | Path | None = None, resume: bool = False):
         tc = self.config.tracking
         if not tc.enabled and attach is None:
             return None
@@ -167,8 +171,9 @@ class HostedRollout:
         from lowprec.tracking.tracker import Tracker
         uri = attach.tracking_uri if attach is not None else (tc.uri or default_tracking_uri())
         name = tc.run_name or run_name
-        folder = Path(buffer_root) / (attach.run_id if attach is not None else f"{name}-{uuid.uuid4().hex[:8]}")
-        return Tracker(uri, tc.experiment, name, rank=process_rank(), buffer_dir=folder,
+        folder = Path(buffer) if buffer is not None else \
+            Path(buffer_root) / (attach.run_id if attach is not None else f"{name}-{uuid.uuid4().hex[:8]}")
+        return Tracker(uri, tc.experiment, name, rank=process_rank(), buffer_dir=folder, resume=resume,
                        run_id=attach.run_id if attach is not None else None)
 
     # ------------------------------------------------------------------ each step

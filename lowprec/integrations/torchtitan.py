@@ -37,23 +37,22 @@ A model built with the converter but trained by torchtitan's plain `Trainer` sto
 first forward with an error that says to use `lowprec_trainer` (it would otherwise train
 without ever deciding).
 
-What is refused, and why (each reason is torchtitan's):
+What is not hosted, and why:
 
-* the `te` backend: Transformer Engine's layers need CUDA (its modules cannot be built on
-  the meta device torchtitan builds models on and initialized through torchtitan's
-  `init_weights`, which only its own `Module`s carry);
-* the `torchao` backend under tensor parallelism (it runs under FSDP / HSDP: its sites get
-  torchtitan's `Module` mixed in, as torchtitan's float8 converter does with torchao's
-  layer): torchao's `Float8Linear` runs on TP shards only through torchao's float8 TP
-  styles, which torchtitan's parallelize applies to its own float8 converter's layers;
-  refused when the trainer is built;
-* pipeline parallelism: torchtitan's pipeline schedule computes the loss on the last stage
-  only (the other stages' `forward_backward_step` returns -1), runs forward and backward of
-  every micro-batch inside one `schedule.step`, and splits the model after it was built, so
-  the step's loss, a replay and the sites a rank holds are not where the rollout reads them;
-  refused when the trainer is built;
-* LoRA's converter together with lowprec's: lowprec would replace the LoRA layers, adapters
-  and all (refused when the model is built).
+* the `te` backend (refused when the model is built): not built. Transformer Engine's layers
+  need CUDA, so nothing on a CPU can build or test them; hosting them takes what the
+  `torchao` sites have: a site class with torchtitan's `Module` mixed in, built on the meta
+  device (TE's `device="meta"`) and initialized from torchtitan's `init_weights`, tested on a GPU;
+* pipeline parallelism (refused when the trainer is built): not built. torchtitan's pipeline
+  schedule (torchtitan/trainer.py, `forward_backward_step` with pp) computes the loss on the
+  last stage only (the other stages return -1), with the loss function it was built with, and
+  runs every micro-batch's forward and backward inside one `pp_schedule.step`; each rank holds
+  some stages' sites. Hosting it takes the loss broadcast from the last stage, the schedule's
+  loss function tapped, a replay through `pp_schedule.step` and a PrecisionState per rank's
+  stages (`lowprec_trainer`'s `_pp_refusal` says so; `lowprec run` has pipeline stages);
+* LoRA's converter together with lowprec's (refused when the model is built): not built;
+  lowprec's swap would replace the LoRA layers, adapters and all. Hosting it takes a site that
+  wraps the LoRA layer's frozen base GEMM and leaves the adapters in high precision.
 
 No global state: each built model holds its own `Prepared` (`prepared_of(model)`): the
 checked config and the PrecisionState.
@@ -106,9 +105,10 @@ def load_config(path: str | Path) -> LowprecConfig:
     cfg = _framework_config_with_probe(path)
     backend = BackendName(cfg.precision.backend)
     if backend is BackendName.TE:
-        raise _refuse("precision.backend", str(backend), "Transformer Engine's layers need CUDA and are not "
-                      "torchtitan Modules, which torchtitan builds on the meta device and initializes through "
-                      "its init_weights", "use `backend: torch` (FP8 GEMMs by torch._scaled_mm) or `emulated`")
+        raise _refuse("precision.backend", str(backend), "lowprec does not host Transformer Engine's layers in "
+                      "torchtitan yet (they need CUDA, and under torchtitan they must be its Modules, built on the "
+                      "meta device and initialized by its init_weights)",
+                      "use `backend: torch` (FP8 GEMMs by torch._scaled_mm), `torchao` or `emulated`")
     return cfg
 
 

@@ -25,25 +25,29 @@ lowprec joins at the points torchtitan has:
 * after the step (torchtitan's `train_step` returned: optimizers and schedulers stepped):
   `HostedRollout.after_optimizer_step`: a rewind puts model, optimizers, schedulers and RNG
   back from an in-memory snapshot (each rank its own shards: `MemorySnapshots` over the
-  sharded state dicts), the data goes on; tracking; eval checkpoints of an `eval:` section
-  (one-rank jobs).
+  sharded state dicts), the data goes on; tracking; eval checkpoints of an `eval:` section.
+* evals (`eval:`): every rank runs every eval's forwards (the sharded model's forward is
+  collective), in the same order; lm-eval returns results in the process of local rank 0 only,
+  so rank 0 logs them, reaches the gate's verdict and hands the outcome to every rank
+  (`lowprec.state.ranks.from_rank_0`, as `lowprec run` does under torchrun): every rank's
+  controller decides alike.
 * torchtitan stops a job whose logged loss is not finite ("Loss is not finite" in
   `Trainer.train_step`, raised after the optimizers and schedulers stepped). When lowprec
   withheld that step, the weights never saw it: the trainer goes on (that step's metrics
   line is not written). A non-finite loss lowprec applied still stops the job.
 * the LR probe (`rollout.lr_probe`): on the held batch of torchtitan's validator (its first
   batch; `validator.enable` must be on), through torchtitan's forward and loss.
-* MLflow: rank 0 tracks into the run `tracking:` names (`dump_folder/lowprec` buffers it);
-  torchtitan's own metrics logging is left as it is.
+* MLflow: rank 0 tracks into one run per job (`dump_folder/lowprec` buffers it); a job torchtitan
+  resumes after a kill or a failure continues that same run, logging nothing twice
+  (`lowprec.integrations.torchtitan_tracking`); torchtitan's own metrics logging is left as it is.
 * resume: the rollout's state (formats, scaling histories, generators, controller, monitors,
   events, lowprec's step) is a `Stateful` in torchtitan's checkpoint states, under the key
-  `lowprec`, one entry per rank (each rank's histories and generators are its own), so a job
-  torchtitan resumes resumes its rollout. A checkpoint without it is refused unless
+  `lowprec`, one entry per rank (each rank's histories and generators are its own, and rank 0's
+  names the MLflow run), so a job torchtitan resumes resumes its rollout. A checkpoint without it is refused unless
   `lowprec_restore` is false.
 
-Refused when the trainer is built, each with its reason: pipeline parallelism (`_pp_refusal`),
-the `torchao` backend under tensor parallelism (`_torchao_tp_refusal`), and an `eval:` section
-in a job of more than one rank (`_eval_refusal`: lm-eval returns results on local rank 0 only).
+Refused when the trainer is built: pipeline parallelism (`_pp_refusal`: not built in lowprec;
+the refusal says what torchtitan's pipeline schedule changes and what hosting it takes).
 """
 
 # no `from __future__ import annotations`: torchtitan (tyro) resolves the config dataclasses' field types
@@ -66,8 +70,10 @@ from torchtitan.trainer import Trainer  # noqa: E402
 
 from lowprec.integrations.core import HostedRollout  # noqa: E402
 from lowprec.integrations.state_files import MissingRolloutStateError  # noqa: E402
+from lowprec.integrations.torchtitan_tracking import (JobRun, check_resumed_run, job_run,  # noqa: E402
+                                                      torchtitan_resumes)
 from lowprec.policy.decisions import Action  # noqa: E402
-from lowprec.state.ranks import process_rank, world_size  # noqa: E402
+from lowprec.state.ranks import from_rank_0, process_rank, world_size  # noqa: E402
 
 __all__ = ["LowprecTrainer", "Prepared", "lowprec_trainer", "prepared_of"]
 
@@ -155,15 +161,18 @@ class _Optimizers:
 
 
 class _RolloutState:
-    """The rollout as a torch `Stateful` in torchtitan's checkpoint: one bytes entry per rank."""
+    """The rollout as a torch `Stateful` in torchtitan's checkpoint: one bytes entry per rank,
+    {"rollout": HostedRollout's state, "tracking": the MLflow run rank 0 tracks into, or None}."""
 
     def __init__(self, trainer: "LowprecTrainer"):
         self.trainer = trainer
         self.key = f"rank{process_rank()}_of_{world_size()}"
 
     def state_dict(self) -> dict:
+        t, run = self.trainer, self.trainer.job_run
         buf = io.BytesIO()
-        torch.save(self.trainer.hosted.state_dict(), buf)
+        torch.save({"rollout": t.hosted.state_dict(),
+                    "tracking": run.record(t.hosted.tracker.run_id) if run is not None else None}, buf)
         return {self.key: buf.getvalue()}
 
     def load_state_dict(self, saved: dict) -> None:
@@ -171,8 +180,13 @@ class _RolloutState:
         if not isinstance(raw, (bytes, bytearray)):
             raise ValueError(f"the checkpoint's lowprec state has no entry {self.key!r} (found {sorted(saved)}); "
                              f"it was saved by another number of ranks: resume with that number")
-        self.trainer.hosted.load_state_dict(torch.load(io.BytesIO(raw), weights_only=True))
-        self.trainer.restored = True
+        t, saved = self.trainer, torch.load(io.BytesIO(raw), weights_only=True)
+        t.hosted.load_state_dict(saved["rollout"])
+        t.restored = True
+        if t.job_run is not None:
+            warning = check_resumed_run(saved.get("tracking"), t.job_run, t.hosted.tracker.run_id)
+            if warning:
+                logger.warning(warning)
 
 
 def lowprec_trainer(config: Trainer.Config, *, restore: bool = True) -> "LowprecTrainer.Config":
@@ -199,10 +213,6 @@ class LowprecTrainer(Trainer):
             raise _pp_refusal(dims)
         model = self.model_parts[0]
         prepared = prepared_of(model)
-        if dims.tp_enabled and str(prepared.setup.config.precision.backend) == "torchao":
-            raise _torchao_tp_refusal(dims)
-        if prepared.setup.config.eval is not None and world_size() > 1:
-            raise _eval_refusal()
         self.max_norm = config.training.max_norm
         config.training.max_norm = math.inf   # torchtitan measures; lowprec clips (before the optimizers)
         self._loss_mesh = dims.get_optional_mesh("loss")
@@ -221,16 +231,32 @@ class LowprecTrainer(Trainer):
 
         from lowprec.integrations.torchtitan_probe import lr_probe_for
         probe = lr_probe_for(self, prepared.setup.config.rollout, clip)
-        root = Path(config.dump_folder)
+        run_name = f"{config.model_spec.name}-{config.model_spec.flavor}"
+        self.job_run = self._job_run(config, run_name)
         self.hosted.start(_Optimizers(self.optimizers), self.lr_schedulers, clip=clip, eval_forward=self._logits,
-                          run_name=f"{config.model_spec.name}-{config.model_spec.flavor}",
-                          buffer_root=root / "lowprec", lr_probe=probe, max_length=config.training.seq_len)
+                          run_name=run_name, lr_probe=probe, max_length=config.training.seq_len,
+                          buffer=self.job_run.folder if self.job_run else None,
+                          resume_tracking=self.job_run is not None and self.job_run.resume)
+        if self.job_run is not None and self.job_run.continues:
+            self.hosted.tracker.log_tags({"lowprec.continues_run": self.job_run.continues})
+            logger.info(f"lowprec: MLflow run {self.job_run.continues} finished; this resumed job tracks into a "
+                        f"new run (tag lowprec.continues_run)")
+        if self.hosted.evals is not None:   # every rank evaluates; rank 0's outcome goes to every rank
+            self.hosted.evals.share = from_rank_0
         if prepared.setup.event_log and process_rank() == 0:
             from lowprec.policy.events import EventLog
             self.hosted.session.log = EventLog(prepared.setup.event_log)
         self.optimizers.register_step_pre_hook(self._before_optimizer_step)
         if getattr(self.checkpointer, "enable", False):
             self._checkpoint_rollout(config.lowprec_restore)
+
+    def _job_run(self, config, run_name: str) -> JobRun | None:
+        """Rank 0's MLflow run: the resumed job's own when torchtitan resumes (`torchtitan_tracking`)."""
+        cfg = prepared_of(self.model_parts[0]).setup.config
+        if process_rank() != 0 or not cfg.tracking.enabled:
+            return None
+        resumes = torchtitan_resumes(self.checkpointer, config.checkpoint.load_step)
+        return job_run(Path(config.dump_folder) / "lowprec", cfg.tracking.run_name or run_name, resumes)
 
     def _checkpoint_rollout(self, restore: bool) -> None:
         """The rollout's state in torchtitan's checkpoint states (see the module docstring)."""
@@ -341,28 +367,17 @@ def _baseline(cfg) -> dict[int, float] | None:
 
 
 def _pp_refusal(dims) -> Exception:
+    """lowprec does not host torchtitan's pipeline schedule yet. Under it (torchtitan/trainer.py,
+    `forward_backward_step` with pp): the loss exists on the last stage only (the other stages
+    return -1), the schedule was built with torchtitan's loss function before this trainer could
+    wrap it, every micro-batch's forward and backward run inside one `pp_schedule.step`, and each
+    rank holds some of the sites lowprec prepared (`model_parts`). Hosting it takes: the loss
+    broadcast from the last stage, the tap on the schedule's own loss function, a replay through
+    `pp_schedule.step`, and a PrecisionState per rank's stages (as `lowprec run`'s Pipeline engine keeps)."""
     from lowprec.base.parse import ConfigError
     return ConfigError("parallelism.pipeline_parallel_degree", (
-        f"is {dims.pp}; under torchtitan's pipeline schedule the loss exists on the last stage only (the other "
-        f"stages' forward_backward_step returns -1), forward and backward of every micro-batch run inside one "
-        f"schedule.step, and the model is split after lowprec prepared it, so the step's loss, its replay and "
-        f"the sites a rank holds are not where the rollout reads them. Fix: pipeline_parallel_degree 1 "
-        f"(FSDP, HSDP and TP work)"))
+        f"is {dims.pp}; lowprec does not host torchtitan's pipeline schedule yet (the loss lives on the last "
+        f"stage only and every micro-batch runs inside one schedule step, so the step's loss and its replay "
+        f"are not where the rollout reads them). Fix: pipeline_parallel_degree 1 (FSDP, HSDP and TP work), or "
+        f"pipeline stages with `lowprec run` (parallel: {{pp: N}})"))
 
-
-def _torchao_tp_refusal(dims) -> Exception:
-    from lowprec.base.parse import ConfigError
-    return ConfigError("precision.backend", (
-        f"is 'torchao' with tensor_parallel_degree {dims.tp}; torchao's Float8Linear runs on tensor-parallel "
-        f"shards only through torchao's float8 TP styles, which torchtitan's parallelize applies to its own "
-        f"float8 converter's layers, not to lowprec's sites (their weights arrive as plain DTensor shards). "
-        f"Fix: `backend: torch` or `emulated` under TP, or tensor_parallel_degree 1 (FSDP and HSDP work)"))
-
-
-def _eval_refusal() -> Exception:
-    from lowprec.base.parse import ConfigError
-    return ConfigError("eval", (
-        f"is set in a job of {world_size()} ranks; an eval suite runs lm-eval's simple_evaluate, which returns its "
-        f"results only in the process with LOCAL_RANK 0 (lm_eval/evaluator.py), while the sharded model's forward "
-        f"needs every rank to evaluate, and every rank must hear the same verdict. Fix: remove `eval:` from the "
-        f"lowprec config of a multi-rank torchtitan job (evaluate its checkpoints in a one-rank job)"))

@@ -29,7 +29,9 @@ The engines:
 * `HybridShardedDP`: HSDP, FSDP2 on a 2-D mesh (`dp_replicate`, `dp_shard`): each
   parameter sharded over dp_shard and replicated over dp_replicate; FSDP2 reduce-scatters
   the gradients over dp_shard and all-reduces them over dp_replicate (plain SUMs of the
-  loss / ranks gradients). Not combined with tp.
+  loss / ranks gradients). With tp, the 3-D mesh (`dp_replicate`, `dp_shard`, `tp`) as
+  torchtitan composes it: `model.tensor_parallel` on the tp sub-mesh first, then HSDP on the
+  (`dp_replicate`, `dp_shard`) sub-mesh.
 * `Pipeline`: `torch.distributed.pipelining` with one stage per rank and a GPipe schedule
   over the config's microbatches; the loss (cross-entropy of the last stage's logits) lives
   on the last stage and is broadcast to every rank.
@@ -191,16 +193,25 @@ class ShardedTensorParallel:
 
 
 class HybridShardedDP:
-    """HSDP: FSDP2 on a 2-D mesh (dp_replicate, dp_shard); see the module docstring."""
+    """HSDP: FSDP2 on a 2-D mesh (dp_replicate, dp_shard), over tensor-parallel shards when the
+    mesh has a third dimension tp; see the module docstring."""
 
-    def __init__(self, model: nn.Module, mesh, microbatches: int):
+    def __init__(self, model: nn.Module, mesh, microbatches: int, dp_group=None):
+        """dp_group: the ranks of this rank's (dp_replicate, dp_shard) sub-mesh (default: every rank)."""
         from torch.distributed.fsdp import FSDPModule, fully_shard
         from lowprec.runtime.fsdp import block_modules
 
-        self.mesh, self.microbatches, self.world = mesh, microbatches, mesh.size()
+        names = mesh.mesh_dim_names
+        self.tp = mesh["tp"].size() if "tp" in names else 1
+        self.tp_rank = mesh.get_local_rank("tp") if "tp" in names else 0
+        if self.tp > 1:
+            model.tensor_parallel(mesh["tp"])
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if "tp" in names else mesh
+        self.mesh, self.microbatches, self.world = mesh, microbatches, dp_mesh.size()
+        self.dp_group = dp_group
         for _, unit in reversed(block_modules(model)):   # inner units before the modules that hold them
-            fully_shard(unit, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(unit, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
         for m in model.modules():
             if isinstance(m, FSDPModule):   # a plain SUM of the loss/world gradients (gloo: no AVG)
                 m.set_gradient_divide_factor(1.0)
@@ -225,17 +236,22 @@ class HybridShardedDP:
             part = loss_of(self.module(xc, yc)) / (n * self.world)
             part.backward()
             total = part.detach() if total is None else total + part.detach()
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=self.dp_group)
         self.clock.lap(Phase.BACKWARD)
         return total
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
-        """The global norm from the shards of replica 0 (the other replicas hold the same)."""
+        """The global norm from the shards of replica 0 (the other replicas hold the same); under
+        tp a tp-replicated parameter counts only its tp rank 0's shards."""
         grads = [p.grad for p in self.params if p.grad is not None]
         norms = torch._foreach_norm([local_grad(g) for g in grads], 2.0)
-        squares = torch.stack([v.float() * v.float() for v in norms]) if self.replica == 0 else \
-            torch.zeros(len(grads))
+        squares = torch.zeros(len(grads))
+        if self.replica == 0:
+            for i, (g, v) in enumerate(zip(grads, norms)):
+                names = g.device_mesh.mesh_dim_names or ()
+                if self.tp_rank == 0 or ("tp" in names and g.placements[names.index("tp")].is_shard()):
+                    squares[i] = v.float() * v.float()
         dist.all_reduce(squares)
         total = torch.linalg.vector_norm(squares.sqrt(), 2.0)
         clip_(grads, total, max_norm)
@@ -293,9 +309,7 @@ def build_engine(model: nn.Module, par, microbatches: int):
     if par.pp > 1:
         return Pipeline(model, dist.get_rank(), par.pp, microbatches), 0, 1
     if par.dp_replicate > 1 and par.dp_shard > 1:
-        mesh = init_device_mesh("cpu", (par.dp_replicate, par.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
-        set_amax_group(model, dist.group.WORLD)
-        return HybridShardedDP(model, mesh, microbatches), dist.get_rank(), par.world
+        return _hybrid(model, par, microbatches)
     dp_name = "dp_shard" if par.dp_shard > 1 else "dp_replicate"
     dp = par.dp_shard * par.dp_replicate
     mesh = init_device_mesh("cpu", (dp, par.tp), mesh_dim_names=(dp_name, "tp"))
@@ -304,3 +318,19 @@ def build_engine(model: nn.Module, par, microbatches: int):
     engine = (ShardedTensorParallel(model, mesh, microbatches, fp8_all_gather=par.fp8_all_gather) if par.dp_shard > 1
               else DataTensorParallel(model, mesh, microbatches))
     return engine, mesh.get_local_rank(dp_name), dp
+
+
+def _hybrid(model: nn.Module, par, microbatches: int):
+    """HSDP (x TP): the engine, this rank's data rank and the data ranks (see build_engine)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims, names = (par.dp_replicate, par.dp_shard), ("dp_replicate", "dp_shard")
+    if par.tp == 1:
+        mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
+        set_amax_group(model, dist.group.WORLD)
+        return HybridShardedDP(model, mesh, microbatches), dist.get_rank(), par.world
+    mesh = init_device_mesh("cpu", (*dims, par.tp), mesh_dim_names=(*names, "tp"))
+    dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()   # this tp rank's data ranks
+    set_amax_group(model, dp_group)
+    data_rank = mesh.get_local_rank("dp_replicate") * par.dp_shard + mesh.get_local_rank("dp_shard")
+    return HybridShardedDP(model, mesh, microbatches, dp_group), data_rank, par.data_ranks

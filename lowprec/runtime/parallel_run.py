@@ -260,14 +260,6 @@ def train_ranks(prepared, out: Path, *, name: str, env: RankEnv, store, resume: 
         dist.destroy_process_group()
 
 
-def _from_rank_0(payload):
-    """Rank 0's `payload` on every rank (an eval's outcome: lm-eval's results exist on rank 0 only)."""
-    import torch.distributed as dist
-    box = [payload if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _tracker(cfg, out: Path, name: str, resume: bool):
     """Rank 0's MLflow run (one per job; `resume` continues the killed job's)."""
     from lowprec.runtime.run import _tracking_uri
@@ -288,6 +280,7 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, resume: bool, f
     from lowprec.runtime.loop import train
     from lowprec.runtime.run import EXIT_OK, EXIT_UNSENT, _tracking_uri, close_run, summary_text, unsent_line
     from lowprec.state.checkpoint import NoUsableCheckpointError
+    from lowprec.state.ranks import from_rank_0
     from lowprec.tracking.records import RunStatus
     from lowprec.tracking.telemetry import Telemetry, TelemetryConfig
 
@@ -303,7 +296,7 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, resume: bool, f
                           model=run.engine.module, state=run.state, started=started)
     evals = prepared.evals
     if evals is not None:   # every rank evaluates (collective forwards); rank 0 logs, gates and shares
-        evals.tracker, evals.share = tracker, _from_rank_0
+        evals.tracker, evals.share = tracker, from_rank_0
         if prepared.controller is not None and evals.checker is not None:
             prepared.controller.gate = evals.gate
     status = RunStatus.FAILED

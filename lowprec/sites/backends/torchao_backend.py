@@ -255,6 +255,9 @@ class TorchAOLinearSite(nn.Module):
             self.stats["grad_output"] = self._quant_stats(g2.t(), self.format.grad_output_wgrad)
 
     def _quant_stats(self, t: torch.Tensor, spec):
+        """Statistics of this rank's part (a tensor-parallel DTensor's local shard: the monitor
+        combines every rank's, as it does PrecisionLinear's)."""
+        t = t.to_local() if hasattr(t, "to_local") else t
         return quantize(t, spec, stats=True, fused=self.fused, validate=False).stats
 
     # ------------------------------------------------------------------ checks

@@ -25,6 +25,8 @@ def test_the_degrees_multiply_to_the_processes():
     assert config(pp=2).parallel.mode == "pp2"
     assert config(dp_replicate=2, dp_shard=2).parallel.mode == "dp_replicate2xdp_shard2"
     assert config(dp_replicate=2, tp=2).to_dict()["parallel"]["dp_replicate"] == 2
+    hsdp_tp = config(dp_replicate=2, dp_shard=2, tp=2).parallel   # HSDP x TP: a 3-D mesh
+    assert (hsdp_tp.world, hsdp_tp.data_ranks, hsdp_tp.mode) == (8, 4, "dp_replicate2xdp_shard2xtp2")
 
 
 def test_it_round_trips():
@@ -34,7 +36,6 @@ def test_it_round_trips():
 
 @pytest.mark.parametrize("section, path, words", [
     ({"pp": 2, "dp_shard": 2}, "parallel.pp", "pipeline stages run alone here"),
-    ({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, "parallel.tp", "HSDP with tensor parallel (a 3-D mesh)"),
     ({"tp": 0}, "parallel.tp", "expected a number of ranks >= 1, found 0"),
     ({"peer_timeout_s": 0}, "parallel.peer_timeout_s", "expected seconds > 0"),
     ({"dp_shard": 2, "tp": 2, "fp8_all_gather": True}, "parallel.fp8_all_gather", "runs under FSDP2 alone"),

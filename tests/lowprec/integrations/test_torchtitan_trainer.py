@@ -15,13 +15,20 @@ finite" stop does not end the job) and training goes on. Under FSDP 2 the run al
 data fault (the logits x100 for two steps on every rank): replays with every site in high
 precision clear precision, both steps are skipped and the run rewinds to an in-memory
 snapshot of the sharded state; the LR probe runs on torchtitan's validation batch; rank 0
-tracks into MLflow. The job is then resumed from torchtitan's checkpoint: lowprec's state
-comes back from it on every rank.
+tracks into MLflow. Rank 0 is then SIGKILLed one step after a checkpoint (its step sent to
+MLflow), and torchtitan resumes the job from that checkpoint with an `eval:` section added:
+lowprec's state comes back on every rank, the job goes on in the same MLflow run without a
+point or event logged twice, and the final eval runs on both ranks with rank 0's outcome on each.
+Under FSDP 2 x TP 2 the sites are the torchao backend's (torchao's Float8Linear).
+
+Two torchrun launches of 2 ranks (killed, then resumed) and one of 4 ranks.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections import Counter
 
 import pytest
 
@@ -105,14 +112,20 @@ def _mlflow_run(uri: str):
     return client, runs[0]
 
 
-def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_and_resume(tmp_path, gloo, free_port):
+EVAL = "eval: {suite: default, every: 0, mode: fast, final_mode: fast, gates: inloop, high_precision: true}\n"
+
+
+def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(tmp_path, gloo, free_port):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     faults = [fault("nan", SITE, NAN_AT, NAN_AT + 1, rank=0), fault("loss_spike", "", SPIKE_AT, SPIKE_AT + 2, 100.0)]
-    steps = 10
-    job = TitanJob(tmp_path, FULL.replace("URI", uri), steps=steps, checkpoint_every=5, faults=faults, validator=True)
-    log = _ok(job.run(2, free_port()))
+    steps, plan = 10, FULL.replace("URI", uri)
+    job = TitanJob(tmp_path, plan, steps=steps + 2, checkpoint_every=5, faults=faults, validator=True,
+                   kill_at=steps + 1)
+    proc = job.run(2, free_port())
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "SIGKILL" in log, log[-6000:]   # rank 0 died after step 11
     assert "dp_shard=2, cp=1, tp=1" in log   # torchtitan's mesh: FSDP 2
-    first = job.reports(2)
+    first = job.reports(2)   # as of the step-10 checkpoint
     want = _check_nan_fallback(first, log)
     # the spike: replayed with every site in high precision (not precision's), skipped twice, then a rewind
     assert [d[:2] for d in want[8:]] == [("replay", SPIKE_AT), ("skip_step", SPIKE_AT), ("replay", SPIKE_AT + 1),
@@ -124,26 +137,60 @@ def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_and_resume(tmp_path, g
     # rank 0's event log (the converter's event_log) holds the same events
     assert decisions((tmp_path / "events.jsonl").read_text().splitlines()) == want
     client, run = _mlflow_run(uri)
-    assert run.info.status == "FINISHED"
+    assert run.info.status == "RUNNING"   # killed
     metrics = run.data.metrics
     assert "train/loss" in metrics and "train/rewound_to" in metrics
     assert math.isfinite(metrics["train/lr_sensitivity"])   # the LR probe ran, on torchtitan's validation batch
 
-    # resumed by torchtitan from its last checkpoint, two more steps, no faults
-    job.update(steps=steps + 2, faults=[])
+    # resumed by torchtitan from its step-10 checkpoint, no faults, an eval at the end
+    job.update(plan=plan + EVAL, kill_at=-1, faults=[])
     log = _ok(job.run(2, free_port()))
     assert f"Loading the checkpoint from {job.dump / 'checkpoint' / f'step-{steps}'}" in log
-    for before, after in zip(first, job.reports(2)):
+    last = job.reports(2)
+    for before, after in zip(first, last):
         assert after["restored"] and after["step"] == before["step"] + 2 and after["rewinds"] == 1
         assert after["formats"][SITE] == "bf16"               # the fallback came back with the checkpoint
         assert after["events"][:len(before["events"])] == before["events"]
         a, b = after["losses"][:len(before["losses"])], before["losses"]
         assert all(x == y or (x != x and y != y) for x, y in zip(a, b)), (a, b)
+    _check_one_run_continued(client, uri, run.info.run_id, job, last[0])
+    _check_final_eval_on_both_ranks(client, run.info.run_id, last)
 
 
-def test_fsdp2_x_tp2_nan_on_one_rank_falls_back_on_every_rank(tmp_path, gloo, free_port):
-    job = TitanJob(tmp_path, PLAN, steps=STEPS, checkpoint_every=STEPS,
-                   faults=[fault("nan", SITE, NAN_AT, NAN_AT + 1, rank=0)])
+def _check_one_run_continued(client, uri: str, run_id: str, job, lead: dict) -> None:
+    """The resumed job went on in the killed job's MLflow run: each (key, step) once, except
+    the steps the rewind redid (twice: `train/loss` draws them again), and each event once."""
+    _, run = _mlflow_run(uri)
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    back = int(run.data.metrics["train/rewound_to"])
+    redone = range(back, SPIKE_AT + 1)   # steps 4, 5, 6: trained, rewound over, trained again
+    for key in run.data.metrics:
+        counts = Counter(m.step for m in client.get_metric_history(run_id, key))
+        assert all(n == 1 or (n == 2 and s in redone) for s, n in counts.items()), (key, counts)
+    losses = Counter(m.step for m in client.get_metric_history(run_id, "train/loss"))
+    assert losses == Counter(range(lead["step"])) + Counter(redone), losses
+    buffer = json.loads((job.dump / "lowprec" / "tracking.json").read_text())["buffer"]
+    sent = decisions((job.dump / "lowprec" / buffer / "events.jsonl").read_text().splitlines())
+    assert sent == decisions(lead["events"]), sent   # every event of the job once, none twice
+    assert decisions((job.tmp / "events.jsonl").read_text().splitlines()) == sent   # rank 0's event log too
+
+
+def _check_final_eval_on_both_ranks(client, run_id: str, reports: list[dict]) -> None:
+    """Both ranks ran the final eval; rank 1 holds rank 0's outcome (lm-eval's results are rank 0's)."""
+    evals = [[{k: v for k, v in e.items() if k != "seconds"} for e in r["evals"]] for r in reports]   # each its own time
+    assert len(evals[0]) == 1 and evals[0][0]["verdict"] == "pass", evals[0]
+    assert evals[1] == evals[0]
+    logged = client.get_run(run_id).data.metrics
+    assert any(k.startswith("eval/heldout_shakespeare/") for k in logged), sorted(logged)
+    assert any(k.startswith("eval_hp/heldout_shakespeare/") for k in logged), sorted(logged)
+
+
+def test_fsdp2_x_tp2_torchao_backend_nan_on_one_rank_falls_back_on_every_rank(tmp_path, gloo, free_port):
+    """The torchao backend's sites (torchao's Float8Linear, emulated on CPU) as torchtitan Modules,
+    on tensor-parallel shards under FSDP 2 x TP 2."""
+    pytest.importorskip("torchao")
+    job = TitanJob(tmp_path, PLAN.replace("backend: emulated", "backend: torchao"), steps=STEPS,
+                   checkpoint_every=STEPS, faults=[fault("nan", SITE, NAN_AT, NAN_AT + 1, rank=0)])
     log = _ok(job.run(4, free_port(), "--parallelism.tensor_parallel_degree", "2"))
     assert "dp_shard=2, cp=1, tp=2" in log   # torchtitan's mesh: FSDP 2 x TP 2
     reports = job.reports(4)
@@ -153,31 +200,3 @@ def test_fsdp2_x_tp2_nan_on_one_rank_falls_back_on_every_rank(tmp_path, gloo, fr
         assert r["skipped"] == 1 and r["step"] == STEPS and r["titan_step"] == STEPS
         assert all(math.isfinite(v) for i, v in enumerate(r["losses"]) if i != NAN_AT)
 
-
-def test_fsdp2_torchao_backend_nan_on_one_rank_falls_back_on_every_rank(tmp_path, gloo, free_port):
-    """The torchao backend's sites (torchao's Float8Linear, emulated on CPU) as torchtitan Modules."""
-    pytest.importorskip("torchao")
-    job = TitanJob(tmp_path, PLAN.replace("backend: emulated", "backend: torchao"), steps=STEPS,
-                   checkpoint_every=STEPS, faults=[fault("nan", SITE, NAN_AT, NAN_AT + 1, rank=0)])
-    log = _ok(job.run(2, free_port()))
-    reports = job.reports(2)
-    want = _check_nan_fallback(reports, log)
-    assert len(want) == 8
-    for r in reports:
-        assert r["skipped"] == 1 and r["step"] == STEPS
-        assert all(math.isfinite(v) for i, v in enumerate(r["losses"]) if i != NAN_AT)
-
-
-def test_one_rank_job_runs_the_final_eval_and_tracks_it(tmp_path, gloo, free_port):
-    """An `eval:` section's final eval (lm-eval over local tasks) through the model's logits,
-    tracked into MLflow; a one-rank job (lm-eval returns results on local rank 0 only)."""
-    pytest.importorskip("lm_eval")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    plan = PLAN.replace("tracking: {enabled: false}", f'tracking: {{uri: "{uri}", experiment: titan}}') + \
-        "eval: {suite: default, every: 0, mode: fast, final_mode: fast, gates: null, high_precision: false}\n"
-    job = TitanJob(tmp_path, plan, steps=2, checkpoint_every=2)
-    _ok(job.run(1, free_port()))
-    client, run = _mlflow_run(uri)
-    assert run.info.status == "FINISHED"
-    evals = {k for k in run.data.metrics if k.startswith("eval/")}
-    assert any(k.startswith("eval/heldout_shakespeare/") for k in evals), sorted(run.data.metrics)

@@ -5,7 +5,10 @@ torchtitan's `HuggingFaceTokenizer` loads, real text as the JSONL files its Hugg
 data loader reads from a local path, the lowprec YAML and a config-registry module) and runs
 `torchrun --nproc-per-node N titan_launch.py --module lowprec_job --config debugmodel_lowprec`.
 Each rank writes what its rollout ended with (formats, events, lowprec's step, skips, the
-losses, whether it resumed lowprec's state) to `dump/lowprec_rank<R>.json`.
+losses, whether it resumed lowprec's state, its evals) to `dump/lowprec_rank<R>.json`. With
+`kill_at` set, each rank writes it when torchtitan's step `kill_at` begins (the rollout as the
+checkpoint before holds it), and rank 0, once that step is trained and its tracking sent,
+SIGKILLs itself: a job that dies mid-run, for torchtitan to resume.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ REPO = HERE.parents[2]
 JOB = '''\
 import dataclasses
 import json
+import os
+import signal
 from pathlib import Path
 
 import torch
@@ -91,13 +96,26 @@ class RecordingTrainer(LowprecTrainer):
     class Config(LowprecTrainer.Config):
         pass
 
+    def train_step(self, data_iterator):
+        kill = self.step == SETTINGS["kill_at"]
+        if kill:
+            self._report(self.step - 1)   # torchtitan counts the step that begins
+        super().train_step(data_iterator)
+        if kill and torch.distributed.get_rank() == 0:
+            self.hosted.tracker.flush(60)   # the step's points are in the run: a resume must not log them again
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def train(self):
         super().train()
+        self._report(self.step)
+
+    def _report(self, titan_step):
         h = self.hosted
         rank = torch.distributed.get_rank()
-        out = {{"rank": rank, "formats": h.state.formats(), "step": h.step, "titan_step": self.step,
+        out = {{"rank": rank, "formats": h.state.formats(), "step": h.step, "titan_step": titan_step,
                "skipped": h.session.skipped, "rewinds": h.session.rewinds, "restored": self.restored,
-               "losses": h.losses, "events": [e.to_json() for e in h.session.events]}}
+               "losses": h.losses, "events": [e.to_json() for e in h.session.events],
+               "evals": h.evals.history if h.evals is not None else None}}
         Path(SETTINGS["dump"], f"lowprec_rank{{rank}}.json").write_text(json.dumps(out))
 
 
@@ -136,8 +154,10 @@ def write_text_data(folder: Path, split: int = 0) -> Path:
 class TitanJob:
     """One torchtitan job folder: tokenizer, data, lowprec YAML, config module, dump folder."""
 
-    def __init__(self, tmp: Path, plan: str, *, steps: int, checkpoint_every: int, faults=(), validator: bool = False):
-        """faults: `fault(...)`s; validator: torchtitan's validation data on (the LR probe's held batch)."""
+    def __init__(self, tmp: Path, plan: str, *, steps: int, checkpoint_every: int, faults=(), validator: bool = False,
+                 kill_at: int = -1):
+        """faults: `fault(...)`s; validator: torchtitan's validation data on (the LR probe's held batch);
+        kill_at: torchtitan's step after which rank 0 SIGKILLs itself (-1: none)."""
         self.tmp = tmp
         self.dump = tmp / "dump"
         (tmp / "lowprec.yaml").write_text(plan)
@@ -146,13 +166,16 @@ class TitanJob:
                          "data": str(write_text_data(tmp / "data")),
                          "validation": str(write_text_data(tmp / "validation", split=1)),
                          "steps": steps, "checkpoint_every": checkpoint_every, "dump": str(self.dump),
-                         "faults": [dict(f) for f in faults], "validator": validator}
+                         "faults": [dict(f) for f in faults], "validator": validator, "kill_at": kill_at}
         self._write()
 
     def _write(self) -> None:
         (self.tmp / "lowprec_job.py").write_text(JOB.format(settings=json.dumps(self.settings)))
 
-    def update(self, **settings) -> None:
+    def update(self, plan: str | None = None, **settings) -> None:
+        """New settings (and lowprec YAML) for the next run of the job."""
+        if plan is not None:
+            Path(self.settings["plan"]).write_text(plan)
         self.settings.update(settings)
         self._write()
 

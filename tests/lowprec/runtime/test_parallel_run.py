@@ -17,8 +17,8 @@ job resumed, and the distributed arguments refused before anything starts.
   exit 2, one line, no traceback, no output folder, and no torchrun started; under a bare
   torchrun the process-count refusal is said once, by rank 0; a lone rank whose peer never
   comes says so after `peer_timeout_s` and exits 2.
-* Evals under `dp_shard: 2`: a tiny job with `eval:` (the default suite, the in-loop gate)
-  runs on both ranks, rank 1's gate event is rank 0's verdict, rank 0 logs the eval metrics,
+* Evals under `{dp_shard: 2, tp: 2}`: a tiny job with `eval:` (the default suite, the in-loop
+  gate) runs on all 4 ranks, rank 3's gate event is rank 0's verdict, rank 0 logs the eval metrics,
   and `lowprec gate --gates inloop --inconclusive fail` against the one-process run passes.
 """
 
@@ -300,30 +300,30 @@ def test_hostile_arguments_are_one_line_exit_2_and_no_folder(tmp_path, gloo):
     assert not [name for name, out in outs.items() if out.exists()], "a refused job left its output folder"
 
 
-# ----------------------------------------------------------------------------- evals under dp_shard 2
+# ----------------------------------------------------------------------------- evals under dp_shard 2 x tp 2
 
 def test_evals_run_on_every_rank_and_the_gate_against_one_process_passes(tmp_path, gloo, sqlite_store):
     uri = sqlite_store(tmp_path)
     ev = {"evaluator": "lm_eval", "suite": "default", "every": 0, "mode": "fast", "final_mode": "fast",
           "high_precision": True, "gates": "inloop"}
     cfgs = {}
-    for name, par in (("sharded", {"dp_shard": 2}), ("one", {})):
+    for name, par in (("sharded", {"dp_shard": 2, "tp": 2}), ("one", {})):
         cfg = tiny_job(uri, name, **par)
         cfg["train"].update(steps=8, ckpt_every=4)
         cfgs[name] = _write(tmp_path, name, {**cfg, "eval": ev})
     t0 = time.perf_counter()
     jobs = {"sharded": _start(_lowprec(str(cfgs["sharded"]), "--out", str(tmp_path / "sharded"),
-                                       "--nproc-per-node", "2"), tmp_path / "sharded.log"),
+                                       "--nproc-per-node", "4"), tmp_path / "sharded.log"),
             "one": _start(_lowprec(str(cfgs["one"]), "--out", str(tmp_path / "one")), tmp_path / "one.log")}
     for name, code in _wait(jobs, tmp_path, t0).items():
         assert code == 0, f"{name} failed (exit {code}):\n{(tmp_path / f'{name}.log').read_text()[-6000:]}"
     # the in-loop gate's pass, broadcast from rank 0, let every rank promote the stage as one process did
     one = _events(tmp_path / "one", "events.jsonl")
     assert ("mlp" in {stage for _, kind, stage in one if kind == "promote"}), one
-    for r in range(2):
+    for r in range(4):
         assert _events(tmp_path / "sharded", f"events.rank{r}.jsonl") == one, f"rank {r}"
-    lead, other = ((tmp_path / "sharded" / f"events.rank{r}.jsonl").read_text() for r in (0, 1))
-    assert lead == other   # evidence too: rank 1's gate event carries rank 0's verdict and detail
+    lead, other = ((tmp_path / "sharded" / f"events.rank{r}.jsonl").read_text() for r in (0, 3))
+    assert lead == other   # evidence too: rank 3's gate event carries rank 0's verdict and detail
     gate = next(json.loads(line) for line in other.splitlines() if json.loads(line)["kind"] == "gate")
     assert gate["evidence"]["verdict"] == "pass" and "gates pass" in gate["evidence"]["detail"], gate
     client, runs = _mlflow_runs(uri, "sharded")
