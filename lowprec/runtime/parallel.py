@@ -26,10 +26,13 @@ The engines:
   sub-mesh, then FSDP2 (`lowprec.runtime.fsdp.FullyShardedDP`) over the dp_shard sub-mesh,
   as torchtitan composes them; with tp 1 it is FSDP2 alone. The gradient norm counts a
   tensor-parallel shard on every rank and a tp-replicated parameter's FSDP shards on tp rank 0.
+  With `fp8_all_gather` FSDP2 gathers each tp shard's FP8 bytes over dp_shard, scaled by
+  the whole weight's amax (one all-reduce over every rank per step; lowprec.runtime.fsdp_fp8).
 * `HybridShardedDP`: HSDP, FSDP2 on a 2-D mesh (`dp_replicate`, `dp_shard`): each
   parameter sharded over dp_shard and replicated over dp_replicate; FSDP2 reduce-scatters
   the gradients over dp_shard and all-reduces them over dp_replicate (plain SUMs of the
-  loss / ranks gradients). Not combined with tp.
+  loss / ranks gradients); `fp8_all_gather` as under FSDP2 (the amaxes over every rank).
+  Not combined with tp.
 * `Pipeline`: `torch.distributed.pipelining` with one stage per rank and a GPipe schedule
   over the config's microbatches; the loss (cross-entropy of the last stage's logits) lives
   on the last stage and is broadcast to every rank.
@@ -153,7 +156,8 @@ class ShardedTensorParallel:
         if self.tp > 1:
             model.tensor_parallel(mesh["tp"])
         self.fsdp = FullyShardedDP(model, mesh_or_group=mesh["dp_shard"], microbatches=microbatches,
-                                   fp8_all_gather=fp8_all_gather)
+                                   fp8_all_gather=fp8_all_gather,
+                                   weight_amax_group=dist.group.WORLD if self.tp > 1 else None)
         self.module, self.params = self.fsdp.module, self.fsdp.params
         self.world_group = dist.group.WORLD   # the mesh spans every rank
         self.clock = NULL_CLOCK
@@ -193,11 +197,14 @@ class ShardedTensorParallel:
 class HybridShardedDP:
     """HSDP: FSDP2 on a 2-D mesh (dp_replicate, dp_shard); see the module docstring."""
 
-    def __init__(self, model: nn.Module, mesh, microbatches: int):
+    def __init__(self, model: nn.Module, mesh, microbatches: int, fp8_all_gather: bool = False):
         from torch.distributed.fsdp import FSDPModule, fully_shard
         from lowprec.runtime.fsdp import block_modules
+        from lowprec.runtime.fsdp_fp8 import install, wrap_weights
 
         self.mesh, self.microbatches, self.world = mesh, microbatches, mesh.size()
+        self.fp8_gathered = (wrap_weights(model, mesh["dp_shard"].size(), dist.group.WORLD)
+                             if fp8_all_gather else [])
         for _, unit in reversed(block_modules(model)):   # inner units before the modules that hold them
             fully_shard(unit, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -205,6 +212,8 @@ class HybridShardedDP:
             if isinstance(m, FSDPModule):   # a plain SUM of the loss/world gradients (gloo: no AVG)
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)
+        if self.fp8_gathered:
+            install(model)
         self.module = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.replica = mesh.get_local_rank("dp_replicate")
@@ -295,7 +304,7 @@ def build_engine(model: nn.Module, par, microbatches: int):
     if par.dp_replicate > 1 and par.dp_shard > 1:
         mesh = init_device_mesh("cpu", (par.dp_replicate, par.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
         set_amax_group(model, dist.group.WORLD)
-        return HybridShardedDP(model, mesh, microbatches), dist.get_rank(), par.world
+        return HybridShardedDP(model, mesh, microbatches, par.fp8_all_gather), dist.get_rank(), par.world
     dp_name = "dp_shard" if par.dp_shard > 1 else "dp_replicate"
     dp = par.dp_shard * par.dp_replicate
     mesh = init_device_mesh("cpu", (dp, par.tp), mesh_dim_names=(dp_name, "tp"))

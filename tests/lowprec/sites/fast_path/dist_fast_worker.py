@@ -239,6 +239,85 @@ def reshard_dptp_run(fmt: str, scope: str, out_dir: Path) -> dict:
     return {"step": got["step"], "resumed": _dptp_steps(engine, opt, r, dp, got["step"], STEPS)}
 
 
+def _fsdptp(fmt: str, scope: str, fp8: bool = True, tp: int = 2):
+    """FSDP2 x TP (lowprec.runtime.parallel.ShardedTensorParallel) on a (dp_shard, tp) mesh of
+    every rank; tp 1 is FSDP2 alone. (model, state, engine, optimizer, dp rank, dp)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from lowprec.runtime.parallel import ShardedTensorParallel
+    dp = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
+    model = make_model()
+    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=mesh.get_group("dp_shard") if dp > 1 else None)
+    engine = ShardedTensorParallel(model, mesh, microbatches=1, fp8_all_gather=fp8)
+    return model, state, engine, torch.optim.AdamW(model.parameters(), lr=LR), mesh.get_local_rank("dp_shard"), dp
+
+
+def _hsdp(fmt: str, scope: str, fp8: bool = True):
+    """HSDP (lowprec.runtime.parallel.HybridShardedDP) on a (2, world/2) mesh; as `_fsdptp`."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from lowprec.runtime.parallel import HybridShardedDP
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model = make_model()
+    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
+    engine = HybridShardedDP(model, mesh, microbatches=1, fp8_all_gather=fp8)
+    return model, state, engine, torch.optim.AdamW(model.parameters(), lr=LR), dist.get_rank(), world
+
+
+def gather2d_run(fmt: str, scope: str, layout: str, fp8: bool) -> dict:
+    """FSDP2 x TP 2 (`fsdptp`) or HSDP 2 x 2 (`hsdp`) with / without FP8 all-gather, one site
+    falling back to bf16 at FALLBACK_STEP on every rank: losses, the whole parameters after
+    STEPS steps, the state_dict's local types, the counters."""
+    from lowprec.numerics.formats import get_format
+    model, state, engine, opt, r, dp = (_fsdptp if layout == "fsdptp" else _hsdp)(fmt, scope, fp8)
+    seen = []   # per forward of a site: did FSDP2 hand it FP8 bytes (lowprec.sites.fp8_allgather)?
+    for s in state.sites.values():
+        s.module.register_forward_pre_hook(lambda m, a: seen.append(
+            type(getattr(m.weight, "_local_tensor", m.weight)).__name__ == "FP8GatheredWeight"))
+    losses = _dptp_steps(engine, opt, r, dp, 0, FALLBACK_STEP)
+    state.site(FALLBACK_SITE).module.set_format(get_format("bf16"))
+    losses += _dptp_steps(engine, opt, r, dp, FALLBACK_STEP, STEPS)
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.state_dict().items()}
+    return {"losses": losses, "counts": _gather(_counts(state)), "params": full,
+            "state_types": sorted({type(getattr(v, "_local_tensor", v)).__name__ for v in model.state_dict().values()}),
+            "wrapped": getattr(getattr(engine, "fsdp", engine), "fp8_gathered"), "fp8_forwards": _gather(sum(seen))}
+
+
+def ckpt_fsdptp_run(fmt: str, scope: str, out_dir: Path) -> dict:
+    """FSDP2 x TP with FP8 all-gather: a DCP checkpoint after CKPT_STEP, then a fresh model
+    that resumes from it; the checkpoint stays in out_dir/ckpt_fsdptp_w<world>."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemReader
+    from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    d = out_dir / f"ckpt_fsdptp_w{dist.get_world_size()}"
+    model, state, engine, opt, r, dp = _fsdptp(fmt, scope)
+    first = _dptp_steps(engine, opt, r, dp, 0, CKPT_STEP)
+    save_checkpoint(d, CKPT_STEP, model=model, optimizer=opt, precision=state)
+    straight = _dptp_steps(engine, opt, r, dp, CKPT_STEP, STEPS)
+    model, state, engine, opt, r, dp = _fsdptp(fmt, scope)
+    got = load_checkpoint(latest_checkpoint(d), model=model, optimizer=opt, precision=state)
+    resumed = _dptp_steps(engine, opt, r, dp, got["step"], STEPS)
+    meta = FileSystemReader(str(latest_checkpoint(d))).read_metadata().state_dict_metadata
+    dtypes = {k: str(v.properties.dtype) for k, v in meta.items()
+              if hasattr(v, "properties") and k.endswith(".weight") and ".blocks." in f".{k}"}
+    return {"first": first, "straight": straight, "resumed": resumed, "weight_dtypes": dtypes,
+            "wrapped": engine.fsdp.fp8_gathered}
+
+
+def reshard_fsdptp_run(fmt: str, scope: str, out_dir: Path) -> dict:
+    """FSDP2 alone (dp_shard = this world, tp 1, FP8 all-gather) loads the 4-rank FSDP2 x TP
+    checkpoint (DCP resharding: other placements, another world) and trains on."""
+    from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint
+    model, state, engine, opt, r, dp = _fsdptp(fmt, scope, tp=1)
+    got = load_checkpoint(latest_checkpoint(out_dir / "ckpt_fsdptp_w4"), model=model, optimizer=opt,
+                          precision=state, restore_rng=False)   # per-rank RNG states belong to 4 ranks
+    return {"step": got["step"], "resumed": _dptp_steps(engine, opt, r, dp, got["step"], STEPS),
+            "wrapped": engine.fsdp.fp8_gathered}
+
+
 LEDGER_MODEL = dict(vocab_size=256, block_size=16, n_layer=4, n_head=4, d_model=128)
 
 
@@ -395,9 +474,14 @@ def seq_checks(fmt: str, scope: str) -> dict:
                     "gemm_flags": (out["fp8"]["gemm_flags"], out["hp"]["gemm_flags"])})
 
 
-CKPT_RUNS = {"ckpt": ckpt_run, "reshard": reshard_run, "ckpt_dptp": ckpt_dptp_run, "reshard_dptp": reshard_dptp_run}
+CKPT_RUNS = {"ckpt": ckpt_run, "reshard": reshard_run, "ckpt_dptp": ckpt_dptp_run, "reshard_dptp": reshard_dptp_run,
+             "ckpt_fsdptp": ckpt_fsdptp_run, "reshard_fsdptp": reshard_fsdptp_run}
 RUNS = {"seq": seq_checks, "single": single_run, "ledger": ledger_run, "fsdp": fsdp_run, "fsdp8": fsdp8_run,
-        "fsdphp": lambda f, s: fsdp8_run(f, s, fp8_all_gather=False), "dptp": dptp_run, "layer": layer_checks}
+        "fsdphp": lambda f, s: fsdp8_run(f, s, fp8_all_gather=False), "dptp": dptp_run, "layer": layer_checks,
+        "fsdptp8": lambda f, s: gather2d_run(f, s, "fsdptp", True),
+        "fsdptphp": lambda f, s: gather2d_run(f, s, "fsdptp", False),
+        "hsdp8": lambda f, s: gather2d_run(f, s, "hsdp", True),
+        "hsdphp": lambda f, s: gather2d_run(f, s, "hsdp", False)}
 
 
 def main(out_path: str, variants: list[str]) -> None:
