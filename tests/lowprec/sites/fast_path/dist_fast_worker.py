@@ -10,10 +10,10 @@ DP N), `dptp` (lowprec.runtime.parallel.DataTensorParallel on a (N/2, 2) mesh: T
 with N == 2 that is TP 2 alone), `layer` (one PrecisionLinear on data- and
 tensor-parallel shards against the same layer on the whole tensors, on every rank),
 `fsdp8` / `fsdphp` (FSDP2 with / without FP8 all-gather, one site falling back at step 2),
-`ledger` (the collectives per step, experiments/ledger.py), `ckpt` / `ckpt_dptp` (FSDP2
-with FP8 all-gather / DP x TP: a DCP checkpoint after step 3 and an exact resume; the
-checkpoint stays beside OUT.pt) and `reshard` / `reshard_dptp` (2 ranks load the 4-rank
-checkpoint and train on).
+`fsdptp8` / `fsdptphp` and `hsdp8` / `hsdphp` (the same under FSDP2 x TP 2 and HSDP 2 x 2),
+`ledger` (the collectives per step, experiments/ledger.py), `ckpt_fsdptp` (FSDP2 x TP 2
+with FP8 all-gather: a DCP checkpoint after step 3 and an exact resume; the checkpoint
+stays beside OUT.pt) and `reshard_fsdptp` (2 ranks load the 4-rank checkpoint and train on).
 SCOPE: `group` or `local` (`precision.amax_scope`). OUT.pt (rank 0) maps each variant to
 its per-step losses, the per-site fast-path / fallback call counts of every rank, and for
 `fsdp` each rank's loss of its own rows at the initial weights (no gradient step).
@@ -145,55 +145,6 @@ FALLBACK_STEP, FALLBACK_SITE = 2, "blocks.0.mlp.fc"
 CKPT_STEP = 3
 
 
-def _fsdp8(fmt: str, scope: str):
-    import torch.distributed as dist
-    from lowprec.runtime.fsdp import FullyShardedDP
-    model = make_model()
-    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
-    engine = FullyShardedDP(model, mesh_or_group=dist.group.WORLD, fp8_all_gather=True)
-    return model, state, engine, torch.optim.AdamW(model.parameters(), lr=LR)
-
-
-def _steps(engine, opt, first: int, last: int) -> list[float]:
-    import torch.distributed as dist
-    world, rank = dist.get_world_size(), dist.get_rank()
-    out = []
-    for x, y in data()[first:last]:
-        opt.zero_grad()
-        out.append(float(engine.forward_backward(x[rank::world], y[rank::world])))
-        opt.step()
-    return out
-
-
-def ckpt_run(fmt: str, scope: str, out_dir: Path) -> dict:
-    """FSDP2 with FP8 all-gather: STEPS steps with a DCP checkpoint after CKPT_STEP, then a
-    fresh model that resumes from it; the checkpoint is left in out_dir/ckpt_w<world>."""
-    import torch.distributed as dist
-    from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    d = out_dir / f"ckpt_w{dist.get_world_size()}"
-    model, state, engine, opt = _fsdp8(fmt, scope)
-    first = _steps(engine, opt, 0, CKPT_STEP)
-    save_checkpoint(d, CKPT_STEP, model=model, optimizer=opt, precision=state)
-    straight = _steps(engine, opt, CKPT_STEP, STEPS)
-    model, state, engine, opt = _fsdp8(fmt, scope)
-    got = load_checkpoint(latest_checkpoint(d), model=model, optimizer=opt, precision=state)
-    resumed = _steps(engine, opt, got["step"], STEPS)
-    from torch.distributed.checkpoint import FileSystemReader
-    meta = FileSystemReader(str(latest_checkpoint(d))).read_metadata().state_dict_metadata
-    dtypes = {k: str(v.properties.dtype) for k, v in meta.items()
-              if hasattr(v, "properties") and k.endswith(".weight") and ".blocks." in f".{k}"}
-    return {"first": first, "straight": straight, "resumed": resumed, "weight_dtypes": dtypes}
-
-
-def reshard_run(fmt: str, scope: str, out_dir: Path) -> dict:
-    """Load the checkpoint a 4-rank ckpt run wrote (DCP resharding to this world) and train on."""
-    from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint
-    model, state, engine, opt = _fsdp8(fmt, scope)
-    got = load_checkpoint(latest_checkpoint(out_dir / "ckpt_w4"), model=model, optimizer=opt, precision=state,
-                          restore_rng=False)   # per-rank RNG states belong to 4 ranks; nothing here draws
-    return {"step": got["step"], "resumed": _steps(engine, opt, got["step"], STEPS)}
-
-
 def _dptp(fmt: str, scope: str):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -213,30 +164,6 @@ def _dptp_steps(engine, opt, r: int, dp: int, first: int, last: int) -> list[flo
         out.append(float(engine.forward_backward(x[r::dp], y[r::dp])))
         opt.step()
     return out
-
-
-def ckpt_dptp_run(fmt: str, scope: str, out_dir: Path) -> dict:
-    """DP x TP on the fast path: a DCP checkpoint after CKPT_STEP and an exact resume; the
-    checkpoint stays in out_dir/ckpt_dptp_w<world>."""
-    import torch.distributed as dist
-    from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    d = out_dir / f"ckpt_dptp_w{dist.get_world_size()}"
-    model, state, engine, opt, r, dp = _dptp(fmt, scope)
-    _dptp_steps(engine, opt, r, dp, 0, CKPT_STEP)
-    save_checkpoint(d, CKPT_STEP, model=model, optimizer=opt, precision=state)
-    straight = _dptp_steps(engine, opt, r, dp, CKPT_STEP, STEPS)
-    model, state, engine, opt, r, dp = _dptp(fmt, scope)
-    got = load_checkpoint(latest_checkpoint(d), model=model, optimizer=opt, precision=state)
-    return {"straight": straight, "resumed": _dptp_steps(engine, opt, r, dp, got["step"], STEPS)}
-
-
-def reshard_dptp_run(fmt: str, scope: str, out_dir: Path) -> dict:
-    """TP 2 alone loads the DP 2 x TP 2 checkpoint (the dp replicas folded) and trains on."""
-    from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint
-    model, state, engine, opt, r, dp = _dptp(fmt, scope)
-    got = load_checkpoint(latest_checkpoint(out_dir / "ckpt_dptp_w4"), model=model, optimizer=opt,
-                          precision=state, restore_rng=False)
-    return {"step": got["step"], "resumed": _dptp_steps(engine, opt, r, dp, got["step"], STEPS)}
 
 
 def _fsdptp(fmt: str, scope: str, fp8: bool = True, tp: int = 2):
@@ -308,10 +235,11 @@ def ckpt_fsdptp_run(fmt: str, scope: str, out_dir: Path) -> dict:
 
 
 def reshard_fsdptp_run(fmt: str, scope: str, out_dir: Path) -> dict:
-    """FSDP2 alone (dp_shard = this world, tp 1, FP8 all-gather) loads the 4-rank FSDP2 x TP
-    checkpoint (DCP resharding: other placements, another world) and trains on."""
+    """TP 2 on 2 ranks (dp_shard 1, FP8 all-gather) loads the 4-rank DP 2 x TP 2 checkpoint
+    (DCP resharding: the dp shards folded, another world) and trains on. The tp degree
+    stays: the reference GPT's TP plan stores qkv's rows in tp-rank order."""
     from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint
-    model, state, engine, opt, r, dp = _fsdptp(fmt, scope, tp=1)
+    model, state, engine, opt, r, dp = _fsdptp(fmt, scope, tp=2)
     got = load_checkpoint(latest_checkpoint(out_dir / "ckpt_fsdptp_w4"), model=model, optimizer=opt,
                           precision=state, restore_rng=False)   # per-rank RNG states belong to 4 ranks
     return {"step": got["step"], "resumed": _dptp_steps(engine, opt, r, dp, got["step"], STEPS),
@@ -361,16 +289,7 @@ def ledger_run(fmt: str, scope: str) -> dict:
 
 
 def dptp_run(fmt: str, scope: str) -> dict:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from lowprec.runtime.parallel import DataTensorParallel
-    world = dist.get_world_size()
-    dp = world // 2
-    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp_replicate", "tp"))
-    model = make_model()
-    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=mesh.get_group("dp_replicate") if dp > 1 else None)
-    engine = DataTensorParallel(model, mesh, microbatches=1)
-    r = mesh.get_local_rank("dp_replicate")
+    model, state, engine, _, r, dp = _dptp(fmt, scope)
     return _train(model, state, lambda x, y: engine.forward_backward(x[r::dp], y[r::dp]))
 
 
@@ -474,8 +393,7 @@ def seq_checks(fmt: str, scope: str) -> dict:
                     "gemm_flags": (out["fp8"]["gemm_flags"], out["hp"]["gemm_flags"])})
 
 
-CKPT_RUNS = {"ckpt": ckpt_run, "reshard": reshard_run, "ckpt_dptp": ckpt_dptp_run, "reshard_dptp": reshard_dptp_run,
-             "ckpt_fsdptp": ckpt_fsdptp_run, "reshard_fsdptp": reshard_fsdptp_run}
+CKPT_RUNS = {"ckpt_fsdptp": ckpt_fsdptp_run, "reshard_fsdptp": reshard_fsdptp_run}
 RUNS = {"seq": seq_checks, "single": single_run, "ledger": ledger_run, "fsdp": fsdp_run, "fsdp8": fsdp8_run,
         "fsdphp": lambda f, s: fsdp8_run(f, s, fp8_all_gather=False), "dptp": dptp_run, "layer": layer_checks,
         "fsdptp8": lambda f, s: gather2d_run(f, s, "fsdptp", True),
