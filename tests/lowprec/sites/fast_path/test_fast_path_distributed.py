@@ -19,7 +19,7 @@ for fp8_tensorwise, fp8_delayed and fp8_rowwise. What must hold:
   variant, column- and row-parallel, rows split over dp) the column-parallel output (and
   at dp 1 the weight gradient) is bit for bit one process's, and everything else within 1e-5 (FP32
   partial sums of values about 1-10), delayed scaling exactly;
-* FP8 all-gather of weights (FSDP2, DP 2 and DP 4, `fsdp8`) trains bit for bit as the
+* FP8 all-gather of weights (FSDP2, DP 2, `fsdp8`) trains bit for bit as the
   high-precision all-gather (`fsdphp`) through a fallback of one site to bf16 at step 2
   (that site gathers its high-precision weight from then on), and the state_dict holds
   plain high-precision shards;
@@ -75,7 +75,7 @@ LEDGER = ["ledger:fp8_tensorwise:group", "ledger:fp8_tensorwise:local"]
 SEQ = ["seq:fp8_tensorwise:group", "seq:fp8_tensorwise:local"]
 JOBS = {
     "w2": (2, GROUP + LOCAL + LAYER + ["layer:fp8_tensorwise:local"] + GATHER + LEDGER + SEQ),
-    "w4": (4, GROUP + LOCAL + ["layer:fp8_tensorwise:group"] + GATHER + GATHER2D + CKPT),
+    "w4": (4, GROUP + LOCAL + ["layer:fp8_tensorwise:group"] + GATHER2D + CKPT),
     "single": (1, [f"single:{f}:group" for f in FORMATS] + ["single:fp8_tensorwise:local",
                                                             "single:fp8_rowwise:local"]),
 }
@@ -173,7 +173,7 @@ def test_local_scales_differ_on_one_layer(runs):
         assert res["row"]["y"] > 0.1 and res["col"]["dw"] > 0.1
 
 
-@pytest.mark.parametrize("world", ["w2", "w4"])
+@pytest.mark.parametrize("world", ["w2"])
 def test_fp8_all_gather_trains_as_the_high_precision_gather(runs, world):
     fp8, hp = runs[world]["fsdp8:fp8_tensorwise:group"], runs[world]["fsdphp:fp8_tensorwise:group"]
     assert len(fp8["wrapped"]) == 8 and hp["wrapped"] == []
