@@ -249,22 +249,37 @@ def reshard_fsdptp_run(fmt: str, scope: str, out_dir: Path) -> dict:
 LEDGER_MODEL = dict(vocab_size=256, block_size=16, n_layer=4, n_head=4, d_model=128)
 
 
-def ledger_run(fmt: str, scope: str) -> dict:
-    """The collectives of 4 FSDP2 steps of a BF16 GPT (blocks dominating its weights), with
-    and without FP8 all-gather, the controller's monitor checking every 2nd step: per
-    configuration and step, role -> (count, bytes, on the critical path)."""
+def _ledger_engine(model, fmt: str, scope: str, fp8_gather: bool, tp: int):
+    """(state, engine, dp rank, dp) of the ledger's GPT: FSDP2 over every rank (tp 1) or
+    FSDP2 x TP on a (world/tp, tp) mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from lowprec.runtime.fsdp import FullyShardedDP
+    from lowprec.runtime.parallel import ShardedTensorParallel
+    if tp == 1:
+        state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
+        engine = FullyShardedDP(model, mesh_or_group=dist.group.WORLD, fp8_all_gather=fp8_gather)
+        return state, engine, dist.get_rank(), dist.get_world_size()
+    dp = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
+    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=mesh.get_group("dp_shard"))
+    engine = ShardedTensorParallel(model, mesh, microbatches=1, fp8_all_gather=fp8_gather)
+    return state, engine, mesh.get_local_rank("dp_shard"), dp
+
+
+def ledger_run(fmt: str, scope: str, tp: int = 1) -> dict:
+    """The collectives of 4 FSDP2 (x TP `tp`) steps of a BF16 GPT (blocks dominating its
+    weights), with and without FP8 all-gather, the controller's monitor checking every 2nd
+    step: per configuration and step, role -> (count, bytes, on the critical path)."""
     import torch.distributed as dist
     from experiments.ledger import CollectiveLedger
     from experiments.model import build_gpt
     from lowprec.policy.monitor import Monitor, MonitorConfig
-    from lowprec.runtime.fsdp import FullyShardedDP
-    world, rank = dist.get_world_size(), dist.get_rank()
     out = {}
     for fp8_gather in (False, True):
         torch.manual_seed(0)
         model = build_gpt(**LEDGER_MODEL).to(torch.bfloat16)
-        state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
-        engine = FullyShardedDP(model, mesh_or_group=dist.group.WORLD, fp8_all_gather=fp8_gather)
+        state, engine, rank, world = _ledger_engine(model, fmt, scope, fp8_gather, tp)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         monitor = Monitor(state, MonitorConfig(check_every=2), group=dist.group.WORLD)
         steps = []
@@ -396,6 +411,7 @@ def seq_checks(fmt: str, scope: str) -> dict:
 CKPT_RUNS = {"ckpt_fsdptp": ckpt_fsdptp_run, "reshard_fsdptp": reshard_fsdptp_run}
 RUNS = {"seq": seq_checks, "single": single_run, "ledger": ledger_run, "fsdp": fsdp_run, "fsdp8": fsdp8_run,
         "fsdphp": lambda f, s: fsdp8_run(f, s, fp8_all_gather=False), "dptp": dptp_run, "layer": layer_checks,
+        "ledger_fsdptp": lambda f, s: ledger_run(f, s, tp=2),
         "fsdptp8": lambda f, s: gather2d_run(f, s, "fsdptp", True),
         "fsdptphp": lambda f, s: gather2d_run(f, s, "fsdptp", False),
         "hsdp8": lambda f, s: gather2d_run(f, s, "hsdp", True),
