@@ -11,9 +11,10 @@ with N == 2 that is TP 2 alone), `layer` (one PrecisionLinear on data- and
 tensor-parallel shards against the same layer on the whole tensors, on every rank),
 `fsdp8` / `fsdphp` (FSDP2 with / without FP8 all-gather, one site falling back at step 2),
 `fsdptp8` / `fsdptphp` and `hsdp8` / `hsdphp` (the same under FSDP2 x TP 2 and HSDP 2 x 2),
-`ledger` (the collectives per step, experiments/ledger.py), `ckpt_fsdptp` (FSDP2 x TP 2
-with FP8 all-gather: a DCP checkpoint after step 3 and an exact resume; the checkpoint
-stays beside OUT.pt) and `reshard_fsdptp` (2 ranks load the 4-rank checkpoint and train on).
+`ledger` / `ledger_fsdptp` (the collectives per step, experiments/ledger.py, FSDP2 / FSDP2
+x TP 2), `ckpt_fsdptp` (`fsdptp8` with a DCP checkpoint after step 3 and an exact resume;
+the checkpoint stays beside OUT.pt) and `reshard_fsdptp` (2 ranks load the 4-rank
+checkpoint and train on).
 SCOPE: `group` or `local` (`precision.amax_scope`). OUT.pt (rank 0) maps each variant to
 its per-step losses, the per-site fast-path / fallback call counts of every rank, and for
 `fsdp` each rank's loss of its own rows at the initial weights (no gradient step).
@@ -193,45 +194,45 @@ def _hsdp(fmt: str, scope: str, fp8: bool = True):
     return model, state, engine, torch.optim.AdamW(model.parameters(), lr=LR), dist.get_rank(), world
 
 
-def gather2d_run(fmt: str, scope: str, layout: str, fp8: bool) -> dict:
-    """FSDP2 x TP 2 (`fsdptp`) or HSDP 2 x 2 (`hsdp`) with / without FP8 all-gather, one site
-    falling back to bf16 at FALLBACK_STEP on every rank: losses, the whole parameters after
-    STEPS steps, the state_dict's local types, the counters."""
-    from lowprec.numerics.formats import get_format
-    model, state, engine, opt, r, dp = (_fsdptp if layout == "fsdptp" else _hsdp)(fmt, scope, fp8)
-    seen = []   # per forward of a site: did FSDP2 hand it FP8 bytes (lowprec.sites.fp8_allgather)?
+def _watch_fp8(state) -> list:
+    """Per forward of a site: whether FSDP2 handed it FP8 bytes (lowprec.sites.fp8_allgather)."""
+    seen = []
     for s in state.sites.values():
         s.module.register_forward_pre_hook(lambda m, a: seen.append(
             type(getattr(m.weight, "_local_tensor", m.weight)).__name__ == "FP8GatheredWeight"))
+    return seen
+
+
+def gather2d_run(fmt: str, scope: str, layout: str, fp8: bool, ckpt: Path | None = None) -> dict:
+    """FSDP2 x TP 2 (`fsdptp`) or HSDP 2 x 2 (`hsdp`) with / without FP8 all-gather, one site
+    falling back to bf16 at FALLBACK_STEP on every rank: losses, the whole parameters after
+    STEPS steps, the state_dict's local types, the counters. With `ckpt` (a directory) a DCP
+    checkpoint after CKPT_STEP, and a fresh model that resumes from it (`resumed`)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from lowprec.numerics.formats import get_format
+    from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    build = _fsdptp if layout == "fsdptp" else _hsdp
+    model, state, engine, opt, r, dp = build(fmt, scope, fp8)
+    seen = _watch_fp8(state)
     losses = _dptp_steps(engine, opt, r, dp, 0, FALLBACK_STEP)
     state.site(FALLBACK_SITE).module.set_format(get_format("bf16"))
-    losses += _dptp_steps(engine, opt, r, dp, FALLBACK_STEP, STEPS)
+    losses += _dptp_steps(engine, opt, r, dp, FALLBACK_STEP, CKPT_STEP)
+    if ckpt is not None:
+        save_checkpoint(ckpt, CKPT_STEP, model=model, optimizer=opt, precision=state)
+    losses += _dptp_steps(engine, opt, r, dp, CKPT_STEP, STEPS)
     full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for n, p in model.state_dict().items()}
-    return {"losses": losses, "counts": _gather(_counts(state)), "params": full,
-            "state_types": sorted({type(getattr(v, "_local_tensor", v)).__name__ for v in model.state_dict().values()}),
-            "wrapped": getattr(getattr(engine, "fsdp", engine), "fp8_gathered"), "fp8_forwards": _gather(sum(seen))}
-
-
-def ckpt_fsdptp_run(fmt: str, scope: str, out_dir: Path) -> dict:
-    """FSDP2 x TP with FP8 all-gather: a DCP checkpoint after CKPT_STEP, then a fresh model
-    that resumes from it; the checkpoint stays in out_dir/ckpt_fsdptp_w<world>."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint import FileSystemReader
-    from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    d = out_dir / f"ckpt_fsdptp_w{dist.get_world_size()}"
-    model, state, engine, opt, r, dp = _fsdptp(fmt, scope)
-    first = _dptp_steps(engine, opt, r, dp, 0, CKPT_STEP)
-    save_checkpoint(d, CKPT_STEP, model=model, optimizer=opt, precision=state)
-    straight = _dptp_steps(engine, opt, r, dp, CKPT_STEP, STEPS)
-    model, state, engine, opt, r, dp = _fsdptp(fmt, scope)
-    got = load_checkpoint(latest_checkpoint(d), model=model, optimizer=opt, precision=state)
-    resumed = _dptp_steps(engine, opt, r, dp, got["step"], STEPS)
-    meta = FileSystemReader(str(latest_checkpoint(d))).read_metadata().state_dict_metadata
-    dtypes = {k: str(v.properties.dtype) for k, v in meta.items()
-              if hasattr(v, "properties") and k.endswith(".weight") and ".blocks." in f".{k}"}
-    return {"first": first, "straight": straight, "resumed": resumed, "weight_dtypes": dtypes,
-            "wrapped": engine.fsdp.fp8_gathered}
+    out = {"losses": losses, "counts": _gather(_counts(state)), "params": full,
+           "state_types": sorted({type(getattr(v, "_local_tensor", v)).__name__ for v in model.state_dict().values()}),
+           "wrapped": getattr(getattr(engine, "fsdp", engine), "fp8_gathered"), "fp8_forwards": _gather(sum(seen))}
+    if ckpt is not None:
+        model, state, engine, opt, r, dp = build(fmt, scope, fp8)
+        got = load_checkpoint(latest_checkpoint(ckpt), model=model, optimizer=opt, precision=state)
+        out["resumed"] = _dptp_steps(engine, opt, r, dp, got["step"], STEPS)
+        meta = FileSystemReader(str(latest_checkpoint(ckpt))).read_metadata().state_dict_metadata
+        out["weight_dtypes"] = {k: str(v.properties.dtype) for k, v in meta.items()
+                                if hasattr(v, "properties") and k.endswith(".weight") and ".blocks." in f".{k}"}
+    return out
 
 
 def reshard_fsdptp_run(fmt: str, scope: str, out_dir: Path) -> dict:
@@ -408,7 +409,8 @@ def seq_checks(fmt: str, scope: str) -> dict:
                     "gemm_flags": (out["fp8"]["gemm_flags"], out["hp"]["gemm_flags"])})
 
 
-CKPT_RUNS = {"ckpt_fsdptp": ckpt_fsdptp_run, "reshard_fsdptp": reshard_fsdptp_run}
+CKPT_RUNS = {"ckpt_fsdptp": lambda f, s, d: gather2d_run(f, s, "fsdptp", True, d / "ckpt_fsdptp_w4"),
+             "reshard_fsdptp": reshard_fsdptp_run}
 RUNS = {"seq": seq_checks, "single": single_run, "ledger": ledger_run, "fsdp": fsdp_run, "fsdp8": fsdp8_run,
         "fsdphp": lambda f, s: fsdp8_run(f, s, fp8_all_gather=False), "dptp": dptp_run, "layer": layer_checks,
         "ledger_fsdptp": lambda f, s: ledger_run(f, s, tp=2),
