@@ -57,18 +57,6 @@ ALLOWED: dict[str, str] = {
     "lowprec/runtime/fsdp_fp8.py: fp._unsharded_inner_tensors":
         "FSDP2's FSDPParam keeps its gather buffers here and has no public way to drop them "
         "(torch/distributed/fsdp/_fully_shard/_fsdp_param.py)",
-    "lowprec/runtime/fsdp_fp8.py: w._fp8":
-        "FP8AllGatherWeight's mode, set by runtime.fsdp_fp8.refresh: to become a method of "
-        "FP8AllGatherWeight (lowprec/sites/fp8_allgather.py, files of the FP8 all-gather work, r2-39)",
-    "lowprec/runtime/fsdp_fp8.py: w._amax":
-        "FP8AllGatherWeight's amax, set by runtime.fsdp_fp8.refresh (as w._fp8)",
-    "lowprec/runtime/fsdp_fp8.py: w._amax_version":
-        "FP8AllGatherWeight's amax version, set by runtime.fsdp_fp8.refresh (as w._fp8)",
-    "lowprec/sites/fp8_allgather.py: out._scale_inv":
-        "FSDP2's fsdp_post_all_gather(out=...) protocol: the sharded weight refills the gathered "
-        "FP8GatheredWeight it made before, in place; both classes live in that module",
-    "lowprec/sites/fp8_allgather.py: out._stats":
-        "FP8GatheredWeight's constructor (as out._scale_inv)",
     "lowprec/integrations/torchtitan_probe.py: trainer._tap.paused":
         "the probe pauses LowprecTrainer's loss tap; to become a LowprecTrainer method "
         "(lowprec/integrations/torchtitan_trainer.py, files of the torchtitan work, r2-40)",

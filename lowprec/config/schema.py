@@ -159,8 +159,8 @@ class ParallelConfig:
     gradients all-reduced) or fully sharded (`dp_shard`: FSDP2), tensor parallel (`tp`) and
     pipeline stages (`pp`). The product of the degrees is the number of processes torchrun
     starts. `peer_timeout_s`: how long a rank waits at start for the others before it says so
-    and exits. `fp8_all_gather`: FSDP2 all-gathers each FP8 site's weight as its FP8 bytes and
-    scale instead of BF16 (docs/distributed.md)."""
+    and exits. `fp8_all_gather`: FSDP2 (dp_shard > 1; alone, x TP or HSDP) all-gathers each FP8
+    site's weight as its FP8 bytes and scale instead of BF16 (docs/distributed.md)."""
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
@@ -177,11 +177,16 @@ class ParallelConfig:
             raise ConfigError("pp", (
                 f"{self.pp} pipeline stages with dp_replicate {self.dp_replicate}, dp_shard {self.dp_shard}, "
                 f"tp {self.tp}: pipeline stages run alone here; set the other degrees to 1, or pp: 1"))
-        if self.fp8_all_gather and (self.dp_shard == 1 or self.tp > 1 or self.dp_replicate > 1):
+        if self.fp8_all_gather and self.dp_replicate > 1 and self.dp_shard > 1 and self.tp > 1:
             raise ConfigError("fp8_all_gather", (
-                f"true with dp_shard {self.dp_shard}, tp {self.tp}, dp_replicate {self.dp_replicate}: the FP8 "
-                f"all-gather runs under FSDP2 alone (dp_shard > 1, tp: 1, dp_replicate: 1); under FSDP2 x TP and "
-                f"HSDP weights are gathered in high precision: set fp8_all_gather: false there"))
+                f"true with dp_replicate {self.dp_replicate}, dp_shard {self.dp_shard} and tp {self.tp}: the FP8 "
+                f"all-gather runs under FSDP2, FSDP2 x TP and HSDP, not yet on the 3-D mesh of HSDP x TP. Set "
+                f"fp8_all_gather: false, or drop one of the three degrees"))
+        if self.fp8_all_gather and self.dp_shard == 1:
+            raise ConfigError("fp8_all_gather", (
+                f"true with dp_shard 1: only FSDP2 all-gathers weights (dp_shard > 1, alone, with tp or with "
+                f"dp_replicate); replicated data parallel and tp alone gather none. Set dp_shard > 1, or "
+                f"fp8_all_gather: false"))
 
     @property
     def world(self) -> int:

@@ -4,6 +4,10 @@ Kinds:
 
 * `nan`: NaN in the first output column of `SITE` (a fault of low precision: it fires
   only while the site runs below high precision, so a fallback cures it);
+* `nan_one`: as `nan`, in one element only, the first row's first column, and on rank 0
+  only (rank 0 reads the global batch's first row and, under tensor parallel, holds the
+  first column): a fault on exactly one rank of a data x tensor parallel job (a row-parallel
+  site's partial sums carry it to its tp group); one process gets the same element;
 * `overflow`: `SITE`'s input scaled by FACTOR (1e4), every EVERY-th step (intermittent
   activation outliers; also only below high precision);
 * `input`: `SITE`'s input scaled by FACTOR in every format (a data fault tied to its
@@ -29,6 +33,7 @@ __all__ = ["FaultKind", "Injection", "parse_injection", "Faults"]
 
 class FaultKind(str, Enum):
     NAN = "nan"
+    NAN_ONE = "nan_one"
     OVERFLOW = "overflow"
     INPUT = "input"
     LR_SPIKE = "lr_spike"
@@ -36,7 +41,7 @@ class FaultKind(str, Enum):
 
     @property
     def needs_site(self) -> bool:
-        return self in (FaultKind.NAN, FaultKind.OVERFLOW, FaultKind.INPUT)
+        return self in (FaultKind.NAN, FaultKind.NAN_ONE, FaultKind.OVERFLOW, FaultKind.INPUT)
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,22 @@ def _nan_first_column(out: torch.Tensor) -> torch.Tensor:
                               shape=out.shape, stride=out.stride())
 
 
+def _nan_one_element(out: torch.Tensor) -> torch.Tensor | None:
+    """`out` with NaN in its first element on rank 0 (see `nan_one`); None elsewhere (unchanged)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    if getattr(out, "device_mesh", None) is None:
+        out = out.clone()
+        out[(0,) * out.ndim] = float("nan")
+        return out
+    from torch.distributed.tensor import DTensor
+    local = out.to_local().clone()
+    local[(0,) * local.ndim] = float("nan")
+    return DTensor.from_local(local, out.device_mesh, out.placements, run_check=False,
+                              shape=out.shape, stride=out.stride())
+
+
 def _scale_loss(out, factor: float):
     if isinstance(out, torch.Tensor):
         return out * factor
@@ -121,7 +142,7 @@ class Faults:
         self._hooks = []
         names = dict(module.named_modules())
         for j in self.injections:
-            if j.kind is FaultKind.NAN and j.site in names:
+            if j.kind in (FaultKind.NAN, FaultKind.NAN_ONE) and j.site in names:
                 self._hooks.append(names[j.site].register_forward_hook(self._nan_hook(j), prepend=True))
             elif j.kind in (FaultKind.OVERFLOW, FaultKind.INPUT) and j.site in names:
                 self._hooks.append(names[j.site].register_forward_pre_hook(self._overflow_hook(j)))
@@ -131,7 +152,7 @@ class Faults:
     def _nan_hook(self, j: Injection):
         def hook(mod, args, out):
             if j.active(self.iteration, mod):
-                return _nan_first_column(out)
+                return _nan_first_column(out) if j.kind is FaultKind.NAN else _nan_one_element(out)
         return hook
 
     def _overflow_hook(self, j: Injection):

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowprec.runtime.engine import loss_of
-from lowprec.runtime.fsdp_fp8 import plain_state_dict, refresh, wrap_weights
+from lowprec.runtime.fsdp_fp8 import install, wrap_weights
 from lowprec.runtime.gradnorm import clip_, grad_norm
 
 __all__ = ["FullyShardedDP", "block_modules"]
@@ -101,11 +101,14 @@ class FullyShardedDP:
     fp8_all_gather: gather the weights of tensor-wise FP8 sites as FP8 bytes and one scale
         (`lowprec.sites.fp8_allgather`); other sites, and a site after a fallback, gather
         their high-precision weights. The optimizer must be built after the engine.
+    weight_amax_group: where the gathered weights' amaxes are all-reduced (one all-reduce
+        per step for all of them); default the data-parallel group. Under FSDP2 x TP every
+        rank of the mesh (`lowprec.runtime.parallel.ShardedTensorParallel` passes it).
     """
 
     def __init__(self, model: nn.Module, *, mesh_or_group=None, microbatches: int = 1,
                  shard: ShardSelector | None = None, reshard_after_forward: bool = True,
-                 fp8_all_gather: bool = False):
+                 fp8_all_gather: bool = False, weight_amax_group=None):
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         if microbatches < 1:
@@ -123,7 +126,7 @@ class FullyShardedDP:
         else:
             units = [(n, m) for n, m in model.named_modules() if n and shard(n, m) and _has_params(m)]
         self.units = [n for n, _ in units]
-        self.fp8_gathered = wrap_weights(model, self.world) if fp8_all_gather else []
+        self.fp8_gathered = wrap_weights(model, self.world, weight_amax_group) if fp8_all_gather else []
         for _, unit in reversed(units):   # inner units before the modules that hold them
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
@@ -132,8 +135,7 @@ class FullyShardedDP:
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)
         if self.fp8_gathered:   # before FSDP2's own pre-forward: modes and amaxes for this step's gathers
-            model.register_forward_pre_hook(lambda m, args: refresh(m), prepend=True)
-            model._register_state_dict_hook(plain_state_dict)
+            install(model)
         self.module = model
         self.params = [p for p in model.parameters() if p.requires_grad]
 

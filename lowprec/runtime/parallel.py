@@ -26,12 +26,15 @@ The engines:
   sub-mesh, then FSDP2 (`lowprec.runtime.fsdp.FullyShardedDP`) over the dp_shard sub-mesh,
   as torchtitan composes them; with tp 1 it is FSDP2 alone. The gradient norm counts a
   tensor-parallel shard on every rank and a tp-replicated parameter's FSDP shards on tp rank 0.
+  With `fp8_all_gather` FSDP2 gathers each tp shard's FP8 bytes over dp_shard, scaled by
+  the whole weight's amax (one all-reduce over every rank per step; lowprec.runtime.fsdp_fp8).
 * `HybridShardedDP`: HSDP, FSDP2 on a 2-D mesh (`dp_replicate`, `dp_shard`): each
   parameter sharded over dp_shard and replicated over dp_replicate; FSDP2 reduce-scatters
   the gradients over dp_shard and all-reduces them over dp_replicate (plain SUMs of the
-  loss / ranks gradients). With tp, the 3-D mesh (`dp_replicate`, `dp_shard`, `tp`) as
-  torchtitan composes it: `model.tensor_parallel` on the tp sub-mesh first, then HSDP on the
-  (`dp_replicate`, `dp_shard`) sub-mesh.
+  loss / ranks gradients); `fp8_all_gather` as under FSDP2 (the amaxes over every rank). With
+  tp, the 3-D mesh (`dp_replicate`, `dp_shard`, `tp`) as torchtitan composes it:
+  `model.tensor_parallel` on the tp sub-mesh first, then HSDP on the (`dp_replicate`,
+  `dp_shard`) sub-mesh (weights gathered in high precision there).
 * `Pipeline`: `torch.distributed.pipelining` with one stage per rank and a GPipe schedule
   over the config's microbatches; the loss (cross-entropy of the last stage's logits) lives
   on the last stage and is broadcast to every rank.
@@ -155,7 +158,8 @@ class ShardedTensorParallel:
         if self.tp > 1:
             model.tensor_parallel(mesh["tp"])
         self.fsdp = FullyShardedDP(model, mesh_or_group=mesh["dp_shard"], microbatches=microbatches,
-                                   fp8_all_gather=fp8_all_gather)
+                                   fp8_all_gather=fp8_all_gather,
+                                   weight_amax_group=dist.group.WORLD if self.tp > 1 else None)
         self.module, self.params = self.fsdp.module, self.fsdp.params
         self.world_group = dist.group.WORLD   # the mesh spans every rank
         self.clock = NULL_CLOCK
@@ -196,10 +200,12 @@ class HybridShardedDP:
     """HSDP: FSDP2 on a 2-D mesh (dp_replicate, dp_shard), over tensor-parallel shards when the
     mesh has a third dimension tp; see the module docstring."""
 
-    def __init__(self, model: nn.Module, mesh, microbatches: int, dp_group=None):
+    def __init__(self, model: nn.Module, mesh, microbatches: int, dp_group=None,
+                 fp8_all_gather: bool = False):
         """dp_group: the ranks of this rank's (dp_replicate, dp_shard) sub-mesh (default: every rank)."""
         from torch.distributed.fsdp import FSDPModule, fully_shard
         from lowprec.runtime.fsdp import block_modules
+        from lowprec.runtime.fsdp_fp8 import install, wrap_weights
 
         names = mesh.mesh_dim_names
         self.tp = mesh["tp"].size() if "tp" in names else 1
@@ -209,6 +215,8 @@ class HybridShardedDP:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if "tp" in names else mesh
         self.mesh, self.microbatches, self.world = mesh, microbatches, dp_mesh.size()
         self.dp_group = dp_group
+        self.fp8_gathered = (wrap_weights(model, mesh["dp_shard"].size(), dist.group.WORLD)
+                             if fp8_all_gather else [])
         for _, unit in reversed(block_modules(model)):   # inner units before the modules that hold them
             fully_shard(unit, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
@@ -216,6 +224,8 @@ class HybridShardedDP:
             if isinstance(m, FSDPModule):   # a plain SUM of the loss/world gradients (gloo: no AVG)
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)
+        if self.fp8_gathered:
+            install(model)
         self.module = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.replica = mesh.get_local_rank("dp_replicate")
@@ -328,7 +338,7 @@ def _hybrid(model: nn.Module, par, microbatches: int):
     if par.tp == 1:
         mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
         set_amax_group(model, dist.group.WORLD)
-        return HybridShardedDP(model, mesh, microbatches), dist.get_rank(), par.world
+        return HybridShardedDP(model, mesh, microbatches, fp8_all_gather=par.fp8_all_gather), dist.get_rank(), par.world
     mesh = init_device_mesh("cpu", (*dims, par.tp), mesh_dim_names=(*names, "tp"))
     dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()   # this tp rank's data ranks
     set_amax_group(model, dp_group)

@@ -15,7 +15,8 @@ float8 all-gather is built on it). `FP8AllGatherWeight` is such a shard for a
   weight forms (`forms()`), and the weight's gradient is an ordinary high-precision tensor
   that FSDP2 reduce-scatters as usual.
 * the amaxes: `refresh(model)` takes every FP8-gathered weight's amax in one all-reduce
-  (per shard group) once the weights have changed (after the optimizer step; torchao's
+  (over the weight's amax group: the shard group under FSDP2, every rank of the mesh under
+  FSDP2 x TP and HSDP, so each rank's scale is the whole weight's) once the weights have changed (after the optimizer step; torchao's
   `precompute_float8_dynamic_scale_for_fsdp` is the model; the engine runs it before
   every forward of the root, and it skips weights whose version has not changed); a
   pre-all-gather that finds no amax takes its own all-reduce.
@@ -23,6 +24,11 @@ float8 all-gather is built on it). `FP8AllGatherWeight` is such a shard for a
   replay in high precision, row-wise or delayed scaling) gathers the high-precision shard;
   `refresh` switches a weight between the two when its site's format changes (FSDP2 keeps
   its gather buffers per parameter, so they are dropped and made again).
+
+Under FSDP2 x TP the weight is a DTensor sharded over tp whose local tensor is the
+`FP8AllGatherWeight`; FSDP2 shards that local tensor over dp and gathers it back, and wraps
+the `FP8GatheredWeight` (the tp shard's bytes) in the tp DTensor again, which
+`lowprec.sites.fp8_parallel` unwraps to run the local GEMM on those bytes.
 
 The optimizer, `state_dict` and checkpoints see the high-precision shard: every op other
 than the layout ones FSDP2 uses runs on the plain tensor inside (and returns plain
@@ -69,31 +75,49 @@ class FP8AllGatherWeight(Tensor):
     """A weight shard that FSDP2 all-gathers as FP8 when its site runs tensor-wise FP8."""
 
     @staticmethod
-    def __new__(cls, tensor: Tensor, site):
+    def __new__(cls, tensor: Tensor, site, group=None):
         return _wrapper(cls, tensor)
 
-    def __init__(self, tensor: Tensor, site):
+    def __init__(self, tensor: Tensor, site, group=None):
         self._tensor = tensor
         self._site = site
+        self._group = group                   # the amax all-reduce's group; None: FSDP2's shard group
         self._amax: Tensor | None = None      # the whole weight's amax, from `refresh`
-        self._amax_version = -1               # the sharded parameter's version it was taken at
+        self._amax_version = None             # the parameter's versions it was taken at
         self._fp8 = gathers_fp8(site)         # the mode FSDP2's gather buffers are set up for
+
+    def set_mode(self, fp8: bool) -> bool:
+        """Gather FP8 (True) or high precision from the next gather; True when the mode changed."""
+        changed, self._fp8 = fp8 != self._fp8, fp8
+        return changed
+
+    def amax_stale(self, version) -> bool:
+        """Whether this shard's weight changed (`version`) since its amax was last taken."""
+        return self._amax is None or self._amax_version != version
+
+    def local_amax(self) -> Tensor:
+        """This shard's finite amax (FP32), to be all-reduced into the whole weight's."""
+        return torch.where(torch.isfinite(self._tensor), self._tensor.abs(), 0.0).amax().float()
+
+    def set_amax(self, amax: Tensor, version) -> None:
+        """The whole weight's amax, taken at the parameter's `version`."""
+        self._amax, self._amax_version = amax, version
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
-        site = next(a._site for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+        first = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
         args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _LAYOUT_OPS:
             return out
-        return pytree.tree_map_only(Tensor, lambda t: cls(t, site), out)
+        return pytree.tree_map_only(Tensor, lambda t: cls(t, first._site, first._group), out)
 
     def __tensor_flatten__(self):
-        return ["_tensor"], {"site": self._site}
+        return ["_tensor"], {"site": self._site, "group": self._group}
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
-        return FP8AllGatherWeight(inner["_tensor"], ctx["site"])
+        return FP8AllGatherWeight(inner["_tensor"], ctx["site"], ctx["group"])
 
     def __repr__(self):
         return f"FP8AllGatherWeight({self._site.fqn!r}, fp8={self._fp8}, shape={tuple(self.shape)})"
@@ -101,8 +125,8 @@ class FP8AllGatherWeight(Tensor):
     def _whole_amax(self, mesh) -> Tensor:
         if self._amax is not None:   # `refresh` took it after the weights last changed
             return self._amax
-        amax = torch.where(torch.isfinite(self._tensor), self._tensor.abs(), 0.0).amax().float()
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        amax = self.local_amax()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group() if self._group is None else self._group)
         return amax
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
@@ -122,8 +146,9 @@ class FP8AllGatherWeight(Tensor):
                 return None
             return data, (data,)
         scale_inv, stats = metadata
-        if out is not None:
-            out._scale_inv, out._stats = scale_inv, stats
+        if out is not None:   # FSDP2's unsharded parameter: the gathered weight, or a tp DTensor of it
+            inner = getattr(out, "_local_tensor", out)
+            inner.rescale(scale_inv, stats)
             return None
         return FP8GatheredWeight(data, scale_inv, stats, param_dtype), (data,)
 
@@ -164,6 +189,10 @@ class FP8GatheredWeight(Tensor):
 
     def dequantize(self) -> Tensor:
         return (self._data.float() * self._scale_inv).to(self.dtype)
+
+    def rescale(self, scale_inv: Tensor, stats) -> None:
+        """This step's scale and statistics for the bytes FSDP2 gathered into this buffer in place."""
+        self._scale_inv, self._stats = scale_inv, stats
 
     def forms(self):
         """The fast path's `WeightForms`: the bytes, their transpose (one scale), the statistics."""

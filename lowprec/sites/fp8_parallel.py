@@ -43,6 +43,7 @@ from lowprec.numerics.grid import saturates
 from lowprec.numerics.quant_stats import QuantStats
 from lowprec.numerics.quantize import quantize
 from lowprec.sites.amax_scope import AmaxScope
+from lowprec.sites.fp8_allgather import FP8GatheredWeight
 from lowprec.sites.fp8_linear import FastRecipe, FP8LinearFn, WeightForms, _mm, _output_dtype, grad_gemms, delayed_state
 
 __all__ = ["parallel_fast_linear", "OperandGroups", "GroupFP8LinearFn"]
@@ -261,8 +262,11 @@ def parallel_fast_linear(layer, x: Tensor, w: Tensor, recipe: FastRecipe, weight
             bias = bias.to_local() if hasattr(bias, "to_local") else bias
             partial = any(p.is_partial() for p in out_pl)
     stats = recipe.stats
+    # a tp shard that FSDP2 gathered as FP8 bytes (lowprec.sites.fp8_allgather) is already
+    # scaled by the whole weight's amax: the bytes `_weight_forms_group` would cast
+    gathered = isinstance(w_l, FP8GatheredWeight)
     forms = (_weight_forms_group(w_l, recipe, gw, delayed(layer, "weight", recipe), layer.overflow_steps)
-             if gw.all else weight_forms(layer, w_l, recipe))
+             if gw.all and not gathered else weight_forms(layer, w_l, recipe))
     grad_stats = (torch.zeros(len(QuantStats.FIELDS), dtype=torch.float64, device=x_l.device)
                   if stats and torch.is_grad_enabled() and not torch.compiler.is_compiling() else None)
     fused_bias = None if partial else bias

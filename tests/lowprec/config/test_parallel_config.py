@@ -38,8 +38,10 @@ def test_it_round_trips():
     ({"pp": 2, "dp_shard": 2}, "parallel.pp", "pipeline stages run alone here"),
     ({"tp": 0}, "parallel.tp", "expected a number of ranks >= 1, found 0"),
     ({"peer_timeout_s": 0}, "parallel.peer_timeout_s", "expected seconds > 0"),
-    ({"dp_shard": 2, "tp": 2, "fp8_all_gather": True}, "parallel.fp8_all_gather", "runs under FSDP2 alone"),
-    ({"dp_replicate": 2, "fp8_all_gather": True}, "parallel.fp8_all_gather", "runs under FSDP2 alone"),
+    ({"dp_replicate": 2, "fp8_all_gather": True}, "parallel.fp8_all_gather", "only FSDP2 all-gathers weights"),
+    ({"tp": 2, "fp8_all_gather": True}, "parallel.fp8_all_gather", "true with dp_shard 1"),
+    ({"dp_replicate": 2, "dp_shard": 2, "tp": 2, "fp8_all_gather": True}, "parallel.fp8_all_gather",
+     "not yet on the 3-D mesh of HSDP x TP"),
     ({"tp_size": 2}, "parallel.tp_size", "tp"),                                 # did you mean
     ({"dp_shard": 3}, "train.batch_size", "8 does not split into 3 data-parallel ranks x 1 microbatches"),
 ])
@@ -65,4 +67,9 @@ def test_fp8_all_gather_reaches_the_fsdp2_engine():
     from lowprec.runtime.parallel import ShardedTensorParallel
     assert config(dp_shard=2, fp8_all_gather=True).parallel.fp8_all_gather
     assert not config(dp_shard=2).parallel.fp8_all_gather
-    assert "fp8_all_gather" in inspect.signature(ShardedTensorParallel).parameters
+    # FSDP2 x TP and HSDP gather FP8 too
+    assert config(dp_shard=2, tp=2, fp8_all_gather=True).parallel.fp8_all_gather
+    assert config(dp_replicate=2, dp_shard=2, fp8_all_gather=True).parallel.fp8_all_gather
+    from lowprec.runtime.parallel import HybridShardedDP
+    for engine in (ShardedTensorParallel, HybridShardedDP):
+        assert "fp8_all_gather" in inspect.signature(engine).parameters

@@ -10,9 +10,10 @@ DP N), `dptp` (lowprec.runtime.parallel.DataTensorParallel on a (N/2, 2) mesh: T
 with N == 2 that is TP 2 alone), `layer` (one PrecisionLinear on data- and
 tensor-parallel shards against the same layer on the whole tensors, on every rank),
 `fsdp8` / `fsdphp` (FSDP2 with / without FP8 all-gather, one site falling back at step 2),
-`ledger` (the collectives per step, experiments/ledger.py), `ckpt` / `ckpt_dptp` (FSDP2
-with FP8 all-gather / DP x TP: a DCP checkpoint after step 3 and an exact resume; the
-checkpoint stays beside OUT.pt) and `reshard` / `reshard_dptp` (2 ranks load the 4-rank
+`fsdptp8` / `fsdptphp` and `hsdp8` / `hsdphp` (the same under FSDP2 x TP 2 and HSDP 2 x 2),
+`ledger` / `ledger_fsdptp` (the collectives per step, experiments/ledger.py, FSDP2 / FSDP2
+x TP 2), `ckpt_fsdptp` (`fsdptp8` with a DCP checkpoint after step 3 and an exact resume;
+the checkpoint stays beside OUT.pt) and `reshard_fsdptp` (2 ranks load the 4-rank
 checkpoint and train on).
 SCOPE: `group` or `local` (`precision.amax_scope`). OUT.pt (rank 0) maps each variant to
 its per-step losses, the per-site fast-path / fallback call counts of every rank, and for
@@ -145,55 +146,6 @@ FALLBACK_STEP, FALLBACK_SITE = 2, "blocks.0.mlp.fc"
 CKPT_STEP = 3
 
 
-def _fsdp8(fmt: str, scope: str):
-    import torch.distributed as dist
-    from lowprec.runtime.fsdp import FullyShardedDP
-    model = make_model()
-    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
-    engine = FullyShardedDP(model, mesh_or_group=dist.group.WORLD, fp8_all_gather=True)
-    return model, state, engine, torch.optim.AdamW(model.parameters(), lr=LR)
-
-
-def _steps(engine, opt, first: int, last: int) -> list[float]:
-    import torch.distributed as dist
-    world, rank = dist.get_world_size(), dist.get_rank()
-    out = []
-    for x, y in data()[first:last]:
-        opt.zero_grad()
-        out.append(float(engine.forward_backward(x[rank::world], y[rank::world])))
-        opt.step()
-    return out
-
-
-def ckpt_run(fmt: str, scope: str, out_dir: Path) -> dict:
-    """FSDP2 with FP8 all-gather: STEPS steps with a DCP checkpoint after CKPT_STEP, then a
-    fresh model that resumes from it; the checkpoint is left in out_dir/ckpt_w<world>."""
-    import torch.distributed as dist
-    from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    d = out_dir / f"ckpt_w{dist.get_world_size()}"
-    model, state, engine, opt = _fsdp8(fmt, scope)
-    first = _steps(engine, opt, 0, CKPT_STEP)
-    save_checkpoint(d, CKPT_STEP, model=model, optimizer=opt, precision=state)
-    straight = _steps(engine, opt, CKPT_STEP, STEPS)
-    model, state, engine, opt = _fsdp8(fmt, scope)
-    got = load_checkpoint(latest_checkpoint(d), model=model, optimizer=opt, precision=state)
-    resumed = _steps(engine, opt, got["step"], STEPS)
-    from torch.distributed.checkpoint import FileSystemReader
-    meta = FileSystemReader(str(latest_checkpoint(d))).read_metadata().state_dict_metadata
-    dtypes = {k: str(v.properties.dtype) for k, v in meta.items()
-              if hasattr(v, "properties") and k.endswith(".weight") and ".blocks." in f".{k}"}
-    return {"first": first, "straight": straight, "resumed": resumed, "weight_dtypes": dtypes}
-
-
-def reshard_run(fmt: str, scope: str, out_dir: Path) -> dict:
-    """Load the checkpoint a 4-rank ckpt run wrote (DCP resharding to this world) and train on."""
-    from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint
-    model, state, engine, opt = _fsdp8(fmt, scope)
-    got = load_checkpoint(latest_checkpoint(out_dir / "ckpt_w4"), model=model, optimizer=opt, precision=state,
-                          restore_rng=False)   # per-rank RNG states belong to 4 ranks; nothing here draws
-    return {"step": got["step"], "resumed": _steps(engine, opt, got["step"], STEPS)}
-
-
 def _dptp(fmt: str, scope: str):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -215,49 +167,120 @@ def _dptp_steps(engine, opt, r: int, dp: int, first: int, last: int) -> list[flo
     return out
 
 
-def ckpt_dptp_run(fmt: str, scope: str, out_dir: Path) -> dict:
-    """DP x TP on the fast path: a DCP checkpoint after CKPT_STEP and an exact resume; the
-    checkpoint stays in out_dir/ckpt_dptp_w<world>."""
+def _fsdptp(fmt: str, scope: str, fp8: bool = True, tp: int = 2):
+    """FSDP2 x TP (lowprec.runtime.parallel.ShardedTensorParallel) on a (dp_shard, tp) mesh of
+    every rank; tp 1 is FSDP2 alone. (model, state, engine, optimizer, dp rank, dp)."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from lowprec.runtime.parallel import ShardedTensorParallel
+    dp = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
+    model = make_model()
+    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=mesh.get_group("dp_shard") if dp > 1 else None)
+    engine = ShardedTensorParallel(model, mesh, microbatches=1, fp8_all_gather=fp8)
+    return model, state, engine, torch.optim.AdamW(model.parameters(), lr=LR), mesh.get_local_rank("dp_shard"), dp
+
+
+def _hsdp(fmt: str, scope: str, fp8: bool = True):
+    """HSDP (lowprec.runtime.parallel.HybridShardedDP) on a (2, world/2) mesh; as `_fsdptp`."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from lowprec.runtime.parallel import HybridShardedDP
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model = make_model()
+    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
+    engine = HybridShardedDP(model, mesh, microbatches=1, fp8_all_gather=fp8)
+    return model, state, engine, torch.optim.AdamW(model.parameters(), lr=LR), dist.get_rank(), world
+
+
+def _watch_fp8(state) -> list:
+    """Per forward of a site: whether FSDP2 handed it FP8 bytes (lowprec.sites.fp8_allgather)."""
+    seen = []
+    for s in state.sites.values():
+        s.module.register_forward_pre_hook(lambda m, a: seen.append(
+            type(getattr(m.weight, "_local_tensor", m.weight)).__name__ == "FP8GatheredWeight"))
+    return seen
+
+
+def gather2d_run(fmt: str, scope: str, layout: str, fp8: bool, ckpt: Path | None = None) -> dict:
+    """FSDP2 x TP 2 (`fsdptp`) or HSDP 2 x 2 (`hsdp`) with / without FP8 all-gather, one site
+    falling back to bf16 at FALLBACK_STEP on every rank: losses, the whole parameters after
+    STEPS steps, the state_dict's local types, the counters. With `ckpt` (a directory) a DCP
+    checkpoint after CKPT_STEP, and a fresh model that resumes from it (`resumed`)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from lowprec.numerics.formats import get_format
     from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    d = out_dir / f"ckpt_dptp_w{dist.get_world_size()}"
-    model, state, engine, opt, r, dp = _dptp(fmt, scope)
-    _dptp_steps(engine, opt, r, dp, 0, CKPT_STEP)
-    save_checkpoint(d, CKPT_STEP, model=model, optimizer=opt, precision=state)
-    straight = _dptp_steps(engine, opt, r, dp, CKPT_STEP, STEPS)
-    model, state, engine, opt, r, dp = _dptp(fmt, scope)
-    got = load_checkpoint(latest_checkpoint(d), model=model, optimizer=opt, precision=state)
-    return {"straight": straight, "resumed": _dptp_steps(engine, opt, r, dp, got["step"], STEPS)}
+    build = _fsdptp if layout == "fsdptp" else _hsdp
+    model, state, engine, opt, r, dp = build(fmt, scope, fp8)
+    seen = _watch_fp8(state)
+    losses = _dptp_steps(engine, opt, r, dp, 0, FALLBACK_STEP)
+    state.site(FALLBACK_SITE).module.set_format(get_format("bf16"))
+    losses += _dptp_steps(engine, opt, r, dp, FALLBACK_STEP, CKPT_STEP)
+    if ckpt is not None:
+        save_checkpoint(ckpt, CKPT_STEP, model=model, optimizer=opt, precision=state)
+    losses += _dptp_steps(engine, opt, r, dp, CKPT_STEP, STEPS)
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.state_dict().items()}
+    out = {"losses": losses, "counts": _gather(_counts(state)), "params": full,
+           "state_types": sorted({type(getattr(v, "_local_tensor", v)).__name__ for v in model.state_dict().values()}),
+           "wrapped": getattr(getattr(engine, "fsdp", engine), "fp8_gathered"), "fp8_forwards": _gather(sum(seen))}
+    if ckpt is not None:
+        model, state, engine, opt, r, dp = build(fmt, scope, fp8)
+        got = load_checkpoint(latest_checkpoint(ckpt), model=model, optimizer=opt, precision=state)
+        out["resumed"] = _dptp_steps(engine, opt, r, dp, got["step"], STEPS)
+        meta = FileSystemReader(str(latest_checkpoint(ckpt))).read_metadata().state_dict_metadata
+        out["weight_dtypes"] = {k: str(v.properties.dtype) for k, v in meta.items()
+                                if hasattr(v, "properties") and k.endswith(".weight") and ".blocks." in f".{k}"}
+    return out
 
 
-def reshard_dptp_run(fmt: str, scope: str, out_dir: Path) -> dict:
-    """TP 2 alone loads the DP 2 x TP 2 checkpoint (the dp replicas folded) and trains on."""
+def reshard_fsdptp_run(fmt: str, scope: str, out_dir: Path) -> dict:
+    """TP 2 on 2 ranks (dp_shard 1, FP8 all-gather) loads the 4-rank DP 2 x TP 2 checkpoint
+    (DCP resharding: the dp shards folded, another world) and trains on. The tp degree
+    stays: the reference GPT's TP plan stores qkv's rows in tp-rank order."""
     from lowprec.state.checkpoint import latest_checkpoint, load_checkpoint
-    model, state, engine, opt, r, dp = _dptp(fmt, scope)
-    got = load_checkpoint(latest_checkpoint(out_dir / "ckpt_dptp_w4"), model=model, optimizer=opt,
-                          precision=state, restore_rng=False)
-    return {"step": got["step"], "resumed": _dptp_steps(engine, opt, r, dp, got["step"], STEPS)}
+    model, state, engine, opt, r, dp = _fsdptp(fmt, scope, tp=2)
+    got = load_checkpoint(latest_checkpoint(out_dir / "ckpt_fsdptp_w4"), model=model, optimizer=opt,
+                          precision=state, restore_rng=False)   # per-rank RNG states belong to 4 ranks
+    return {"step": got["step"], "resumed": _dptp_steps(engine, opt, r, dp, got["step"], STEPS),
+            "wrapped": engine.fsdp.fp8_gathered}
 
 
 LEDGER_MODEL = dict(vocab_size=256, block_size=16, n_layer=4, n_head=4, d_model=128)
 
 
-def ledger_run(fmt: str, scope: str) -> dict:
-    """The collectives of 4 FSDP2 steps of a BF16 GPT (blocks dominating its weights), with
-    and without FP8 all-gather, the controller's monitor checking every 2nd step: per
-    configuration and step, role -> (count, bytes, on the critical path)."""
+def _ledger_engine(model, fmt: str, scope: str, fp8_gather: bool, tp: int):
+    """(state, engine, dp rank, dp) of the ledger's GPT: FSDP2 over every rank (tp 1) or
+    FSDP2 x TP on a (world/tp, tp) mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from lowprec.runtime.fsdp import FullyShardedDP
+    from lowprec.runtime.parallel import ShardedTensorParallel
+    if tp == 1:
+        state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
+        engine = FullyShardedDP(model, mesh_or_group=dist.group.WORLD, fp8_all_gather=fp8_gather)
+        return state, engine, dist.get_rank(), dist.get_world_size()
+    dp = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
+    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=mesh.get_group("dp_shard"))
+    engine = ShardedTensorParallel(model, mesh, microbatches=1, fp8_all_gather=fp8_gather)
+    return state, engine, mesh.get_local_rank("dp_shard"), dp
+
+
+def ledger_run(fmt: str, scope: str, tp: int = 1) -> dict:
+    """The collectives of 4 FSDP2 (x TP `tp`) steps of a BF16 GPT (blocks dominating its
+    weights), with and without FP8 all-gather, the controller's monitor checking every 2nd
+    step: per configuration and step, role -> (count, bytes, on the critical path)."""
     import torch.distributed as dist
     from experiments.ledger import CollectiveLedger
     from experiments.model import build_gpt
     from lowprec.policy.monitor import Monitor, MonitorConfig
-    from lowprec.runtime.fsdp import FullyShardedDP
-    world, rank = dist.get_world_size(), dist.get_rank()
     out = {}
     for fp8_gather in (False, True):
         torch.manual_seed(0)
         model = build_gpt(**LEDGER_MODEL).to(torch.bfloat16)
-        state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
-        engine = FullyShardedDP(model, mesh_or_group=dist.group.WORLD, fp8_all_gather=fp8_gather)
+        state, engine, rank, world = _ledger_engine(model, fmt, scope, fp8_gather, tp)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         monitor = Monitor(state, MonitorConfig(check_every=2), group=dist.group.WORLD)
         steps = []
@@ -282,16 +305,7 @@ def ledger_run(fmt: str, scope: str) -> dict:
 
 
 def dptp_run(fmt: str, scope: str) -> dict:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from lowprec.runtime.parallel import DataTensorParallel
-    world = dist.get_world_size()
-    dp = world // 2
-    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp_replicate", "tp"))
-    model = make_model()
-    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=mesh.get_group("dp_replicate") if dp > 1 else None)
-    engine = DataTensorParallel(model, mesh, microbatches=1)
-    r = mesh.get_local_rank("dp_replicate")
+    model, state, engine, _, r, dp = _dptp(fmt, scope)
     return _train(model, state, lambda x, y: engine.forward_backward(x[r::dp], y[r::dp]))
 
 
@@ -395,9 +409,15 @@ def seq_checks(fmt: str, scope: str) -> dict:
                     "gemm_flags": (out["fp8"]["gemm_flags"], out["hp"]["gemm_flags"])})
 
 
-CKPT_RUNS = {"ckpt": ckpt_run, "reshard": reshard_run, "ckpt_dptp": ckpt_dptp_run, "reshard_dptp": reshard_dptp_run}
+CKPT_RUNS = {"ckpt_fsdptp": lambda f, s, d: gather2d_run(f, s, "fsdptp", True, d / "ckpt_fsdptp_w4"),
+             "reshard_fsdptp": reshard_fsdptp_run}
 RUNS = {"seq": seq_checks, "single": single_run, "ledger": ledger_run, "fsdp": fsdp_run, "fsdp8": fsdp8_run,
-        "fsdphp": lambda f, s: fsdp8_run(f, s, fp8_all_gather=False), "dptp": dptp_run, "layer": layer_checks}
+        "fsdphp": lambda f, s: fsdp8_run(f, s, fp8_all_gather=False), "dptp": dptp_run, "layer": layer_checks,
+        "ledger_fsdptp": lambda f, s: ledger_run(f, s, tp=2),
+        "fsdptp8": lambda f, s: gather2d_run(f, s, "fsdptp", True),
+        "fsdptphp": lambda f, s: gather2d_run(f, s, "fsdptp", False),
+        "hsdp8": lambda f, s: gather2d_run(f, s, "hsdp", True),
+        "hsdphp": lambda f, s: gather2d_run(f, s, "hsdp", False)}
 
 
 def main(out_path: str, variants: list[str]) -> None:

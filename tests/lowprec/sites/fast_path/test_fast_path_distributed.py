@@ -19,7 +19,7 @@ for fp8_tensorwise, fp8_delayed and fp8_rowwise. What must hold:
   variant, column- and row-parallel, rows split over dp) the column-parallel output (and
   at dp 1 the weight gradient) is bit for bit one process's, and everything else within 1e-5 (FP32
   partial sums of values about 1-10), delayed scaling exactly;
-* FP8 all-gather of weights (FSDP2, DP 2 and DP 4, `fsdp8`) trains bit for bit as the
+* FP8 all-gather of weights (FSDP2, DP 2, `fsdp8`) trains bit for bit as the
   high-precision all-gather (`fsdphp`) through a fallback of one site to bf16 at step 2
   (that site gathers its high-precision weight from then on), and the state_dict holds
   plain high-precision shards;
@@ -34,10 +34,15 @@ for fp8_tensorwise, fp8_delayed and fp8_rowwise. What must hold:
   path) bit for bit, in both scopes;
 * `precision.gemm` on shards (`layer`, `seq`): each `_scaled_mm` of the sharded paths
   (fprop, dgrad, wgrad) gets its own `use_fast_accum`, here the opposite of the defaults;
-* checkpoint and resume (FSDP2 with FP8 all-gather, DP 4): a DCP checkpoint after step 3
-  holds FP32 weights; a fresh model resumed from it repeats the uninterrupted run's losses
-  bit for bit; 2 ranks load it (DCP resharding) and train on within 1e-6 of it; the same
-  for DP 2 x TP 2 on the fast path (lowprec.runtime.parallel), resharded to TP 2;
+* FP8 all-gather under FSDP2 x TP (DP 2 x TP 2: each tp shard's FP8 bytes gathered over
+  dp, `fsdptp8`) and HSDP (2 x 2, `hsdp8`) trains bit for bit as the high-precision gather
+  through the same fallback, every FP8 site's forward gets FP8 bytes until it falls back;
+* checkpoint and resume under DP 2 x TP 2 with FP8 all-gather (FSDP2 x TP,
+  lowprec.runtime.parallel.ShardedTensorParallel; the `fsdptp8` run above, after its
+  fallback): a DCP checkpoint after step 3 holds FP32 weights; a fresh model resumed from
+  it repeats the uninterrupted run's losses bit for bit;
+  2 ranks (TP 2, the dp shards folded) load it (DCP resharding) and train on: the first
+  step within 1e-6, the next within 1e-4 (the bf16 site's input roundings; see the test);
 * `amax_scope: local`: each rank's loss on its own rows at the initial weights equals one
   process's loss on those rows bit for bit (each rank its own scales); the same layer
   check with local scales differs from one process by far more than rounding (one large
@@ -64,17 +69,18 @@ FORMATS = ("fp8_tensorwise", "fp8_delayed", "fp8_rowwise")
 GROUP = [f"{m}:{f}:group" for m in ("fsdp", "dptp") for f in FORMATS]
 LOCAL = ["fsdp:fp8_tensorwise:local", "dptp:fp8_rowwise:local"]
 LAYER = [f"layer:{f}:group" for f in FORMATS]
-CKPT = ["ckpt:fp8_tensorwise:group", "ckpt_dptp:fp8_tensorwise:group"]
+CKPT = ["ckpt_fsdptp:fp8_tensorwise:group"]
 GATHER = ["fsdp8:fp8_tensorwise:group", "fsdphp:fp8_tensorwise:group"]
+GATHER2D = [f"{m}:fp8_tensorwise:group" for m in ("fsdptphp", "hsdp8", "hsdphp")]   # fsdptp8: the ckpt run
 LEDGER = ["ledger:fp8_tensorwise:group", "ledger:fp8_tensorwise:local"]
 SEQ = ["seq:fp8_tensorwise:group", "seq:fp8_tensorwise:local"]
 JOBS = {
     "w2": (2, GROUP + LOCAL + LAYER + ["layer:fp8_tensorwise:local"] + GATHER + LEDGER + SEQ),
-    "w4": (4, GROUP + LOCAL + ["layer:fp8_tensorwise:group"] + GATHER + CKPT),
+    "w4": (4, GROUP + LOCAL + ["layer:fp8_tensorwise:group"] + GATHER2D + CKPT),
     "single": (1, [f"single:{f}:group" for f in FORMATS] + ["single:fp8_tensorwise:local",
                                                             "single:fp8_rowwise:local"]),
 }
-AFTER = {"reshard": (2, ["reshard:fp8_tensorwise:group", "reshard_dptp:fp8_tensorwise:group"])}   # w4's checkpoints
+AFTER = {"reshard": (2, ["reshard_fsdptp:fp8_tensorwise:group"])}   # w4's checkpoint
 PINNED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 GEMM_FLAGS = (False, True, True)   # the worker's `precision.gemm` in `layer` and `seq`: (fprop, dgrad, wgrad)
 
@@ -168,7 +174,7 @@ def test_local_scales_differ_on_one_layer(runs):
         assert res["row"]["y"] > 0.1 and res["col"]["dw"] > 0.1
 
 
-@pytest.mark.parametrize("world", ["w2", "w4"])
+@pytest.mark.parametrize("world", ["w2"])
 def test_fp8_all_gather_trains_as_the_high_precision_gather(runs, world):
     fp8, hp = runs[world]["fsdp8:fp8_tensorwise:group"], runs[world]["fsdphp:fp8_tensorwise:group"]
     assert len(fp8["wrapped"]) == 8 and hp["wrapped"] == []
@@ -206,15 +212,34 @@ def test_ledger_amax_reductions_by_scope(runs):
             assert stats == [0, 1, 0, 1]   # check_every=2: steps 1 and 3, one collective for all sites
 
 
-def test_checkpoint_resumes_exactly_and_reshards(runs):
-    run = runs["w4"]["ckpt:fp8_tensorwise:group"]
-    assert len(run["first"]) == 3 and len(run["straight"]) == 2
-    assert run["resumed"] == run["straight"]
+@pytest.mark.parametrize("layout", ["fsdptp", "hsdp"])
+def test_fp8_all_gather_2d_trains_as_the_high_precision_gather(runs, layout):
+    fp8 = runs["w4"]["ckpt_fsdptp:fp8_tensorwise:group" if layout == "fsdptp" else "hsdp8:fp8_tensorwise:group"]
+    hp = runs["w4"][f"{layout}hp:fp8_tensorwise:group"]
+    assert len(fp8["wrapped"]) == 8 and hp["wrapped"] == []
+    assert fp8["losses"] == hp["losses"]
+    assert fp8["params"].keys() == hp["params"].keys()
+    assert all(torch.equal(fp8["params"][k], hp["params"][k]) for k in hp["params"])
+    assert fp8["state_types"] == ["Tensor"]   # checkpoints see plain high-precision shards
+    # 8 sites x 2 steps, then 7 x 3 after blocks.0.mlp.fc fell back: FP8 bytes on every rank
+    assert fp8["fp8_forwards"] == [37] * 4 and hp["fp8_forwards"] == [0] * 4
+    for counts in fp8["counts"]:
+        assert counts.pop("blocks.0.mlp.fc") == (2, 0) and set(counts.values()) == {(5, 0)}
+
+
+def test_dp_x_tp_fp8_all_gather_checkpoint_resumes_exactly_and_reshards(runs):
+    run = runs["w4"]["ckpt_fsdptp:fp8_tensorwise:group"]   # blocks.0.mlp.fc fell back at step 2
+    assert len(run["wrapped"]) == 8 and len(run["losses"]) == 5
+    straight = run["losses"][3:]
+    assert run["resumed"] == straight
     assert run["weight_dtypes"] and set(run["weight_dtypes"].values()) == {"torch.float32"}
-    resharded = runs["reshard"]["reshard:fp8_tensorwise:group"]
-    assert resharded["step"] == 3
-    for a, b in zip(resharded["resumed"], run["straight"], strict=True):
-        assert abs(a - b) <= 1e-6 * abs(b)
+    resharded = runs["reshard"]["reshard_fsdptp:fp8_tensorwise:group"]
+    assert resharded["step"] == 3 and len(resharded["wrapped"]) == 8
+    # step 3 runs on the loaded weights: only the sums' order differs (dp 1 against dp 2).
+    # Step 4's weights carry step 3's gradients, FP32 sums in another order; the bf16 site
+    # rounds its input to bf16, where an FP32 ulp can flip a rounding (measured 1e-5).
+    for (a, b), bound in zip(zip(resharded["resumed"], straight, strict=True), (1e-6, 1e-4)):
+        assert abs(a - b) <= bound * abs(b), (resharded["resumed"], straight)
 
 
 @pytest.mark.parametrize("variant", SEQ)
@@ -225,12 +250,3 @@ def test_sequence_parallel_gathers_fp8_bytes(runs, variant):
         assert hp_bytes > 0 and fp8_bytes * 4 == hp_bytes   # FP32 input: 4 bytes an element, FP8 1
         assert res["calls"] == ((1, 0), (1, 0))
         assert res["gemm_flags"] == (list(GEMM_FLAGS), list(GEMM_FLAGS)), f"rank {rank}: {res['gemm_flags']}"
-
-
-def test_dp_x_tp_checkpoint_resumes_exactly_and_reshards(runs):
-    run = runs["w4"]["ckpt_dptp:fp8_tensorwise:group"]
-    assert len(run["straight"]) == 2 and run["resumed"] == run["straight"]
-    resharded = runs["reshard"]["reshard_dptp:fp8_tensorwise:group"]
-    assert resharded["step"] == 3
-    for a, b in zip(resharded["resumed"], run["straight"], strict=True):
-        assert abs(a - b) <= 1e-6 * abs(b)

@@ -3,11 +3,13 @@
 The reference experiment of tests/experiments/test_parallel_parity.py on the `torch`
 backend (every FP8 site on its fast path: `lowprec.sites.fp8_parallel` under DP x TP),
 16 steps: `torchrun --nproc-per-node 4 -m lowprec.cli run` with `parallel: {dp_replicate: 2, tp: 2}`
-against `lowprec run` in one process. The NaN goes into blocks.1.mlp.fc's output from
-step 12: that site is column-parallel, so the NaN appears on the tp rank that holds the
-first output column only (rank 0 of each dp pair; `lowprec.runtime.faults`). Every rank
-must log the single process's decisions, in order and at the same steps: the step-12
-replays and the fallback of exactly that site, the promotion before it.
+against `lowprec run` in one process. The NaN (`nan_one`, `lowprec.runtime.faults`) goes
+into one element of blocks.1.mlp.fc's output from step 12, on exactly one rank: rank 0
+holds the global batch's first row (dp rank 0) and, that site being column-parallel, the
+first output column (tp rank 0); the other three ranks' outputs of that site are finite.
+One process gets the same element. Every rank must log the single process's decisions,
+in order and at the same steps (the same records, step for step, on all four ranks): the
+step-12 replays and the fallback of exactly that site, the promotion before it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests" / "experiments"))
 from test_parallel_parity import CONFIG, PINNED, SITE, _decisions  # noqa: E402
 
 TIMEOUT_S = 300
-INJECT = ["--inject", f"nan:{SITE}:12:16"]
+INJECT = ["--inject", f"nan_one:{SITE}:12:16"]
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +77,5 @@ def test_every_rank_demotes_exactly_the_nan_site_in_the_same_step(runs):
     assert [(e["step"], e["sites"]) for e in fallbacks] == [(12, [SITE])], fallbacks
     for rank, log in enumerate(runs["ranks"]):
         assert _decisions(log) == ref, f"rank {rank}"
+        got = [(e["step"], e["sites"]) for e in map(json.loads, log.splitlines()) if e["kind"] == "fallback"]
+        assert got == [(12, [SITE])], f"rank {rank}: {got}"
