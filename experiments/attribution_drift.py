@@ -15,7 +15,10 @@ part of its steps' batches, so a window replay meets them again:
 A step-tied non-precision fault, which a window trained again later does not meet (the
 window judgment's control, the same window trained again as configured, tells it apart):
   * `step_input`: the input of one of blocks 1-3 (not block 0, where the stages' sites that
-    matter are) x1e4 on 4 fixed loop passes, whatever the batch.
+    matter are) x1e4 on 4 fixed loop passes, whatever the batch;
+  * `step_layer`: the input of one low-precision layer that the judgment's first subset (the
+    newest stage, `middle_mlp_nvfp4`: blocks 1-2's MLP layers) does not contain, x1e4 on 4
+    fixed loop passes: a healthy first subset must not be blamed for a fault elsewhere.
 Precision drift faults (in the quantized path of one site, drawn with the seed from its
 kind's `SITES`, for as long as the site stays in low precision; t: steps since the fault
 began):
@@ -54,12 +57,13 @@ fault, not precision).
 from __future__ import annotations
 
 import random
+import re
 import time
 from dataclasses import dataclass
 
 import torch
 
-from experiments.attribution_bench import plant_quantize, restore_warm, unplant_quantize
+from experiments.attribution_bench import ROLLOUT, plant_quantize, restore_warm, unplant_quantize
 from experiments.model import build_gpt
 from lowprec.policy.events import EventKind
 from lowprec.sites.plan import PrecisionPlan
@@ -69,14 +73,17 @@ from lowprec.runtime import Session
 from lowprec.policy.verdicts import Verdict
 
 FAULT_AT, END, EVAL_EVERY, EVAL_TOL = 165, 215, 10, 0.01
-OTHER = ("input_scale", "shuffle", "repeat", "lr_schedule", "step_input", "eval_shuffle")
+OTHER = ("input_scale", "shuffle", "repeat", "lr_schedule", "step_input", "step_layer", "eval_shuffle")
 PRECISION = ("underflow", "saturation", "slight_scale", "eval_scale")
 # seeds by kind, in the order the kinds were added (a new kind takes the next hundred: the others keep theirs)
-_ADDED = ("input_scale", "shuffle", "repeat", "lr_schedule", "eval_shuffle") + PRECISION + ("step_input",)
+_ADDED = ("input_scale", "shuffle", "repeat", "lr_schedule", "eval_shuffle") + PRECISION + ("step_input", "step_layer")
 SEEDS = {k: list(range(2000 + 100 * i, 2000 + 100 * i + 3)) for i, k in enumerate(_ADDED)}
 EVAL_OF = {"eval_scale": "slight_scale", "eval_shuffle": "shuffle"}   # an eval-gate kind and the fault it plants
-DURATION = {"input_scale": 5, "shuffle": 10, "repeat": 15, "lr_schedule": 20, "step_input": 4, "eval_shuffle": 10}
-STEP_INPUT = 1e4   # `step_input`: the block input's factor on its fixed steps
+DURATION = {"input_scale": 5, "shuffle": 10, "repeat": 15, "lr_schedule": 20, "step_input": 4, "step_layer": 4,
+            "eval_shuffle": 10}
+STEP_INPUT = 1e4   # `step_input`, `step_layer`: the input's factor on their fixed steps
+# `step_layer`'s layers: not in the newest stage, the first subset the window judgment tries
+FIRST_SUBSET = re.compile(ROLLOUT["stages"][-1]["select"]["regex"])
 LOSS_GAP = {"loss_gap": 0.015, "loss_gap_smoothing": 0.5}
 # The precision faults' calibration (module docstring): the amax's exponent of 2 per step of
 # the underflow (grows) and the saturation (shrinks), the wrong scale's range (the weight's
@@ -118,13 +125,17 @@ class Drift:
 
 def campaign(sites: list[str], kinds) -> list[Drift]:
     """The faults of `kinds`, three seeds each; a precision fault's site drawn with its seed
-    from its kind's `SITES` that run in low precision (`sites`)."""
+    from its kind's `SITES` that run in low precision (`sites`), a `step_layer`'s from the
+    low-precision sites outside the first subset."""
     def site(kind: str, seed: int) -> str:
-        pool = [x for x in SITES[kind] if x in sites]
+        pool = ([x for x in sites if not FIRST_SUBSET.match(x)] if kind == "step_layer"
+                else [x for x in SITES[kind] if x in sites])
         if not pool:
-            raise ValueError(f"none of {kind}'s sites {SITES[kind]} runs in low precision here")
+            raise ValueError(f"none of {kind}'s sites {SITES.get(kind, 'outside the first subset')} "
+                             f"runs in low precision here")
         return random.Random(seed).choice(pool)
-    return [Drift(k, s, site(k, s) if k in PRECISION else "") for k in OTHER + PRECISION if k in kinds
+    return [Drift(k, s, site(k, s) if k in PRECISION + ("step_layer",) else "")
+            for k in OTHER + PRECISION if k in kinds
             for s in SEEDS[k]]
 
 
@@ -147,6 +158,9 @@ class PlantedDrift:
         elif kind == "step_input":   # tied to the loop's passes, not to the batch: a later replay misses it
             block = model.blocks[1 + random.Random(fault.seed).randrange(len(model.blocks) - 1)]
             self.hooks.append(block.register_forward_pre_hook(
+                lambda mod, args: (args[0] * STEP_INPUT,) + args[1:] if self.fault.active(self.t) else None))
+        elif kind == "step_layer":   # one layer outside the first subset, on fixed passes
+            self.hooks.append(state.sites[fault.site].module.register_forward_pre_hook(
                 lambda mod, args: (args[0] * STEP_INPUT,) + args[1:] if self.fault.active(self.t) else None))
 
     def _quantize(self, module, original, kind):

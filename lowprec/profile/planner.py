@@ -121,7 +121,7 @@ def order_stages(choices: Mapping[str, SiteChoice], profile: Profile, stages: in
     if not levels:
         return []
     count = {lv: 1 for lv in levels}
-    flops = {lv: sum(c.flop_share for c in members[lv]) for lv in levels}
+    flops = {lv: math.fsum(c.flop_share for c in members[lv]) for lv in levels}
     for _ in range(max(0, stages - len(levels))):
         lv = max((lv for lv in levels if count[lv] < len(members[lv])), key=lambda lv: flops[lv] / count[lv],
                  default=None)
@@ -145,16 +145,17 @@ def order_stages(choices: Mapping[str, SiteChoice], profile: Profile, stages: in
         groups = [g for g in groups if g]
         for i, g in enumerate(groups):
             name = lv if len(groups) == 1 else f"{lv}_{i + 1}of{len(groups)}"
-            out.append(StagePlan(name, lv, tuple(c.fqn for c in g), sum(c.flop_share for c in g)))
+            out.append(StagePlan(name, lv, tuple(c.fqn for c in g), math.fsum(c.flop_share for c in g)))
     return out
 
 
 def final_shares(choices: Mapping[str, SiteChoice]) -> dict[str, float]:
-    """Share of the sites' GEMM FLOPs per final format."""
-    total = sum(c.flop_share for c in choices.values()) or 1.0
-    out: dict[str, float] = {}
+    """Share of the sites' GEMM FLOPs per final format (sums without rounding noise: `math.fsum`)."""
+    total = math.fsum(c.flop_share for c in choices.values()) or 1.0
+    shares: dict[str, list[float]] = {}
     for c in choices.values():
-        out[c.format] = out.get(c.format, 0.0) + c.flop_share / total
+        shares.setdefault(c.format, []).append(c.flop_share)
+    out = {f: math.fsum(v) / total for f, v in shares.items()}
     return dict(sorted(out.items(), key=lambda kv: _bits(kv[0])))
 
 

@@ -21,6 +21,7 @@ telemetry of `lowprec run` (the `on_precision_change` and `clock` hooks give it 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -118,11 +119,13 @@ class AfterStep:
     def _track(self, step: int, lr: float, checked: bool, result, window_extra: dict[str, float]) -> None:
         rec, t = self.record, self.tracker
         window = rec.losses[-self.log_every:]
-        metrics: dict[str, Any] = {"train/loss": sum(window) / len(window), "train/loss_last": rec.losses[-1],
+        # a skipped step's non-finite loss trained nothing: the mean is over the finite ones
+        kept = [s for s, v in zip(range(step - len(window) + 1, step + 1), window) if math.isfinite(v)]
+        mean = sum(v for v in window if math.isfinite(v)) / len(kept) if kept else math.nan
+        metrics: dict[str, Any] = {"train/loss": mean, "train/loss_last": rec.losses[-1],
                                    "train/grad_norm": rec.grad_norms[-1], "train/lr": lr}
-        if self.baseline and step in self.baseline:
-            metrics["train/baseline_loss"] = sum(self.baseline.get(s, self.baseline[step]) for s in
-                                                 range(step - len(window) + 1, step + 1)) / len(window)
+        if self.baseline and step in self.baseline and kept:
+            metrics["train/baseline_loss"] = sum(self.baseline.get(s, self.baseline[step]) for s in kept) / len(kept)
         t.log_metrics(step, {**metrics, **window_extra})
         if checked and self.session.last_signals is not None:
             t.log_signals(step, self.session.last_signals)

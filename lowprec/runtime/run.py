@@ -19,6 +19,7 @@ a summary: the loss, its gap to the baseline, the FLOP share per format, every e
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 import sysconfig
 from dataclasses import dataclass, replace
@@ -368,14 +369,14 @@ def unsent_line(tracker) -> str | None:
 def summary_text(name: str, res, prepared: PreparedRun, out: Path, run_id: str | None, uri: str) -> str:
     """The run in a few lines: loss and its gap to the baseline, evals, FLOPs, events, where it is."""
     tail = min(50, len(res.losses))
-    mean = sum(res.losses[-tail:]) / max(tail, 1)
+    kept = [s for s in range(len(res.losses) - tail, len(res.losses)) if math.isfinite(res.losses[s])]
+    mean = sum(res.losses[s] for s in kept) / len(kept) if kept else math.nan   # skipped NaN steps trained nothing
     lines = [f"run {name}: {len(res.losses)} steps, {res.seconds_per_step * 1e3:.0f} ms/step, "
              f"{res.rewinds} rewinds, {res.skipped} skipped steps, {len(res.events)} events"]
-    line = f"  loss (mean of the last {tail} steps) {mean:.4f}"
+    line = f"  loss (mean of the last {tail} steps{f', {len(kept)} finite' if len(kept) < tail else ''}) {mean:.4f}"
     base = prepared.baseline
-    first = len(res.losses) - tail
-    if base and all(s in base for s in range(first, len(res.losses))):
-        bl = sum(base[s] for s in range(first, len(res.losses))) / max(tail, 1)
+    if base and kept and all(s in base for s in kept):
+        bl = sum(base[s] for s in kept) / len(kept)
         line += f"; baseline {bl:.4f}; gap {(mean - bl) / bl:+.2%}"
     lines.append(line)
     if res.flops_share:

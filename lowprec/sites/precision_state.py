@@ -72,12 +72,13 @@ class PrecisionState:
         return {fqn: s.format.name for fqn, s in self.sites.items()}
 
     def flops_share(self) -> dict[str, float]:
-        """Share of GEMM FLOPs per format over the switchable sites (kept layers excluded)."""
+        """Share of GEMM FLOPs per format over the switchable sites (kept layers excluded): the
+        format's FLOPs (an exact integer sum) over the total, one rounding per share."""
         total = sum(s.flops_per_token for s in self.sites.values()) or 1
-        share: dict[str, float] = {}
+        flops: dict[str, int] = {}
         for s in self.sites.values():
-            share[s.format.name] = share.get(s.format.name, 0.0) + s.flops_per_token / total
-        return share
+            flops[s.format.name] = flops.get(s.format.name, 0) + s.flops_per_token
+        return {name: f / total for name, f in flops.items()}
 
     def stats(self) -> dict[str, dict]:
         """fqn -> {role: QuantStats} from the last step (device tensors, no sync)."""

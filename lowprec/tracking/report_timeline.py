@@ -52,6 +52,16 @@ def fit_title(text: str, width_in: float, fontsize: float) -> str:
     return "\n".join(textwrap.fill(line, chars, break_long_words=True) for line in text.split("\n"))
 
 
+NOTE_CHARS = 150   # the event list's characters per line: 8 pt monospace (0.6 em a character) in ~10.5 in
+
+
+def wrap_notes(lines: list[str], chars: int = NOTE_CHARS) -> list[str]:
+    """The event list's lines wrapped to `chars`, continuations indented under the event's kind."""
+    import textwrap
+    return [w for line in lines for w in textwrap.wrap(line, chars, subsequent_indent=" " * 14,
+                                                         break_long_words=True) or [""]]
+
+
 def _color(fmt: str, order: list[str]) -> str:
     return FORMAT_COLORS.get(fmt) or _EXTRA[order.index(fmt) % len(_EXTRA)]
 
@@ -120,6 +130,7 @@ def timeline_figure(data: ReportData):
     share_steps, share = flops_share_steps(data, history)
     notes = _notes(data)
     shown = notes[:30] + ([f"    ... {len(notes) - 30} more in the events.json table"] if len(notes) > 30 else [])
+    shown = wrap_notes(shown)
     heights = [0.55, max(3.0, 0.075 * n), 1.1 if share else 0.0, 0.3 + 0.15 * max(len(shown), 1)]
     fig = new_figure(13, sum(heights) + 0.9)
     gs = fig.add_gridspec(4, 1, height_ratios=heights, hspace=0.02)

@@ -59,3 +59,25 @@ def test_eval_scale_reaches_the_held_out_forward_while_the_site_is_low_precision
         assert held_out_loss(model, batch) == clean
     finally:
         session.close()
+
+
+def test_step_layer_hits_one_layer_outside_the_first_subset_on_its_fixed_passes():
+    from experiments.attribution_drift import FIRST_SUBSET, campaign
+    model, session, batch = _small()
+    try:
+        low = sorted(session.state.sites)
+        faults = campaign(low, ["step_layer"])
+        assert len(faults) == 3 and not any(FIRST_SUBSET.match(f.site) for f in faults)
+        assert FIRST_SUBSET.match("blocks.1.mlp.fc") and FIRST_SUBSET.match("blocks.2.mlp.proj")
+        fault = faults[0]
+        assert not fault.precision
+        clean = held_out_loss(model, batch)
+        planted = PlantedDrift(fault, model, session.state)
+        for t, active in ((FAULT_AT - 1, False), (FAULT_AT, True), (FAULT_AT + 3, True), (FAULT_AT + 4, False)):
+            planted.t = t
+            assert (held_out_loss(model, batch) != clean) == active, t
+        planted.remove()
+        planted.t = FAULT_AT
+        assert held_out_loss(model, batch) == clean
+    finally:
+        session.close()

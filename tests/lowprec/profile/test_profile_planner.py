@@ -184,3 +184,15 @@ def test_a_site_takes_its_least_sensitive_format_of_a_width():
     capped = choose_formats(profile(entries), {"a": [FP8, BF16], "b": [FP8, BF16]}, budget=0.01,
                             max_share={"mxfp8": 0.0})
     assert (capped["a"].format, capped["b"].format) == (FP8, FP8)   # the cap sends a to its other FP8
+
+
+def test_shares_are_summed_without_rounding_noise():
+    """16 FP8 sites of 6% each: a running sum gives 0.9600000000000004, the plan says 0.96."""
+    from lowprec.profile.planner import SiteChoice
+    ch = {f"s{i}": SiteChoice(f"s{i}", FP8, (FP8, BF16), 0.06, "") for i in range(16)}
+    ch["t"] = SiteChoice("t", BF16, (BF16,), 0.04, "")
+    assert sum([0.06] * 16) == 0.9600000000000004
+    assert final_shares(ch) == {FP8: 0.96, BF16: 0.04}
+    p = profile([cost(f, FP8, 0.06, 0.001) for f in ch])
+    stages = order_stages({f: c for f, c in ch.items() if c.format == FP8}, p, stages=1)
+    assert [s.flop_share for s in stages] == [0.96]

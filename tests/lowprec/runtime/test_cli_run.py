@@ -213,3 +213,35 @@ def test_loss_gap_baseline_named_by_mlflow_run(project, capsys):
     assert main(["run", "gap.yaml", "--out", "cand"]) == 0
     out = capsys.readouterr().out
     assert "baseline" in out and "gap" in out and (project / "cand" / "run_id").is_file()
+
+
+def test_a_skipped_nan_step_leaves_no_hole_in_the_logged_loss_nor_in_the_summary(project):
+    """A NaN step the controller skipped trained nothing: the logged window mean of
+    `train/loss` and the summary's loss are over the finite steps (a NaN there left the
+    report's loss curve with a gap of a whole logging window on each side)."""
+    import math
+    from types import SimpleNamespace
+    from lowprec.policy.events import EventKind
+    from lowprec.runtime.faults import parse_injection
+    from lowprec.runtime.loop import RunResult
+    from lowprec.runtime.run import run_config, summary_text
+
+    class Tracker:
+        def __init__(self):
+            self.metrics = []
+
+        def log_metrics(self, step, metrics):
+            self.metrics.append((step, dict(metrics)))
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    cfg = _config({"train.steps": 12, "train.log_every": 4})
+    tracker = Tracker()
+    res = run_config(cfg, project / "out", tracker=tracker, faults=[parse_injection("nan:up:5:6")])
+    assert any(e.kind is EventKind.SKIP_STEP for e in res.events) and not all(map(math.isfinite, res.losses))
+    logged = [m["train/loss"] for _, m in tracker.metrics if "train/loss" in m]
+    assert logged and all(math.isfinite(v) for v in logged), logged
+    mine = RunResult(losses=list(res.losses), seconds_per_step=0.1, events=[])   # its losses, no telemetry
+    text = summary_text("r", mine, SimpleNamespace(baseline=None), project, None, "sqlite:///x.db")
+    assert "finite)" in text and " nan" not in text, text

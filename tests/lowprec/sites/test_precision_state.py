@@ -178,3 +178,15 @@ def test_checkpoint_resumes_bit_identically_in_a_fresh_process(tmp_path):
     resumed = run("resume")
     assert len(full) == len(resumed) == 20
     assert full == resumed  # bit-identical: same floats, not merely close
+
+
+def test_flops_share_is_one_rounding_of_the_exact_fraction():
+    """16 sites of 18 FLOPs per token in FP8 and one of 12 in BF16: summing the sites' shares
+    (0.06 each) gives 0.9600000000000004; the share is 288/300, rounded once."""
+    model = nn.Sequential(*[nn.Linear(3, 1, bias=False) for _ in range(16)], nn.Linear(2, 1, bias=False))
+    plan = {"backend": "emulated", "default": "bf16",
+            "rules": [{"name": "fp8", "select": {"regex": r"^([0-9]|1[0-5])$"}, "format": "fp8_tensorwise"}]}
+    state = prepare(model, PrecisionPlan.from_dict(plan))
+    assert sum([18 / 300] * 16) == 0.9600000000000004
+    share = state.flops_share()
+    assert share == {"fp8_tensorwise": 288 / 300, "bf16": 12 / 300} and str(share["fp8_tensorwise"]) == "0.96"

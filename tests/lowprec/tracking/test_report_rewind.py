@@ -139,3 +139,17 @@ def test_render_report_after_a_rewind_writes_the_pictures(tmp_path):
 
 if __name__ == "__main__":
     pytest.main([__file__])
+
+
+def test_the_event_list_stays_inside_the_picture():
+    """A rewind's reason with its evidence is longer than the figure is wide: the list wraps."""
+    from dataclasses import replace
+    data = rewound_run()
+    long = ("rewind: loss_spike, grad_norm_spike for 2 steps in a row, not precision's, "
+            "grad_norm_spike 4.023 > 1.764, loss_spike 5.269 > 4.37, " * 3)
+    data = replace(data, events=[data.events[0], replace(data.events[1], reason=long)])
+    fig = timeline_figure(data)
+    renderer = _drawn(fig)
+    texts = [t for ax in fig.axes for t in ax.texts if "step 20" in t.get_text()]
+    assert texts and "4.37" in texts[0].get_text()
+    assert all(t.get_window_extent(renderer).x1 <= fig.bbox.x1 for t in texts)
