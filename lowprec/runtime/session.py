@@ -42,58 +42,25 @@ site of the model (a pipeline rank holds some), and every rank decides alike.
 from __future__ import annotations
 
 import json
-
-import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from lowprec.policy.anomaly import Anomaly
-from lowprec.policy.attribution import Attribution, Replay, attribute
+from lowprec.policy.attribution import Attribution
 from lowprec.policy.controller import Action, Decision, RolloutController, apply_decision
 from lowprec.policy.events import Event, EventLog
 from lowprec.policy.monitor import Monitor, MonitorConfig
 from lowprec.runtime.lrprobe import LRProbe, ProbeResult
 from lowprec.runtime.replay import StepReplayer
+from lowprec.runtime.session_parts import (StepResult, _default_clip, _EvalTimedGate, _probe_from_config,
+                                           attribute_by_replay, measure_on_host, rollout_settings)
 from lowprec.runtime.snapshots import MemorySnapshots, Snapshots
 from lowprec.runtime.window import WindowReplayer
 from lowprec.tracking.phases import NULL_CLOCK, LapClock, Phase, counted_as
 
 __all__ = ["Session", "StepResult", "rollout_settings"]
-
-
-@dataclass
-class StepResult:
-    """What `Session.step` did with one step."""
-
-    step: int                          # the step this call concluded
-    decision: Decision
-    loss: torch.Tensor
-    grad_norm: torch.Tensor
-    applied: bool = False              # the optimizer stepped
-    rewound_to: int | None = None      # training goes on from this step (a rewind)
-    anomaly: Anomaly | None = None     # this step's global anomaly, if any
-    attribution: Attribution | None = None   # the replays that explained it, if any
-
-    @property
-    def action(self):
-        return self.decision.action
-
-    @property
-    def events(self) -> list[Event]:
-        return self.decision.events
-
-
-def _default_clip(model: nn.Module, max_norm: float | None) -> Callable[[], torch.Tensor]:
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def clip() -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(params, math.inf if max_norm is None else max_norm)
-    return clip
 
 
 class Session:
@@ -160,20 +127,13 @@ class Session:
             self.monitor = Monitor(state, self.monitor_config, group=group, sites=sites)
             self._remote = set(sites or ()) - set(state.sites)
             judged = window_close is not None and controller.loss_gap is not None
-            if snapshots is None and controller.config.rewind:
-                if snapshot_every * (snapshot_keep - 1) < self.rewind_margin:
-                    raise ValueError(
-                        f"rollout.rewind: {snapshot_keep} snapshots every {snapshot_every} steps never reach "
-                        f"{self.rewind_margin} steps back (two checks, where a rewind goes); keep at least "
-                        f"{-(-self.rewind_margin // snapshot_every) + 1} snapshots or take them more often")
-                snapshots = MemorySnapshots(model, optimizer, every=snapshot_every, keep=snapshot_keep,
-                                            margin=self.rewind_margin, scheduler=scheduler, data=data)
-            elif snapshots is None and judged:   # a window replay starts from one (never rewound to)
-                snapshots = MemorySnapshots(model, optimizer, every=snapshot_every, keep=snapshot_keep,
-                                            margin=self.rewind_margin, scheduler=scheduler, data=data)
+            if snapshots is None and (controller.config.rewind or judged):
+                snapshots = self._default_snapshots(snapshot_every, snapshot_keep)
             if judged:
-                self.window = WindowReplayer(self, close=window_close, max_windows=window_replays,
-                                             max_looks=max_replays, min_length=self.monitor_config.check_every)
+                self.window = WindowReplayer(model, optimizer, state, controller, snapshots, clip=self.clip,
+                                             measure=self._measure, close=window_close,
+                                             max_windows=window_replays, max_looks=max_replays,
+                                             min_length=self.monitor_config.check_every)
                 controller.judge = self.window.judge
         else:
             state.collect_stats(False)   # no monitor reads them: quantize without statistics
@@ -186,6 +146,16 @@ class Session:
         if lr_probe is None and controller is not None and lr_probe_config is not None and lr_probe_config.enabled:
             self.lr_probe = _probe_from_config(lr_probe_config, model, optimizer, state, self.clip, held_batch)
         self._prepare(start_step)
+
+    def _default_snapshots(self, every: int, keep: int) -> MemorySnapshots:
+        """In-memory snapshots for rewinds, or for a window replay to start from (never rewound to)."""
+        if self.controller.config.rewind and every * (keep - 1) < self.rewind_margin:
+            raise ValueError(
+                f"rollout.rewind: {keep} snapshots every {every} steps never reach "
+                f"{self.rewind_margin} steps back (two checks, where a rewind goes); keep at least "
+                f"{-(-self.rewind_margin // every) + 1} snapshots or take them more often")
+        return MemorySnapshots(self.model, self.optimizer, every=every, keep=keep, margin=self.rewind_margin,
+                               scheduler=self.scheduler, data=self.data)
 
     @property
     def rewind_margin(self) -> int:
@@ -240,6 +210,17 @@ class Session:
         """The sensitivity the probe measured at the start of `step`, None if it did not run there."""
         r = self.lr_probe_result
         return r.sensitivity if r is not None and r.step == step else None
+
+    def resume_at(self, step: int) -> None:
+        """Go on from `step` (a checkpoint's, after `load_state_dict`): the next step concluded is
+        `step`, and in-memory snapshots start there."""
+        self.step_index = step
+        if isinstance(self.snapshots, MemorySnapshots):
+            self.snapshots.take(step)
+
+    def use_clock(self, clock: LapClock) -> None:
+        """Lap the step's phases on `clock` from now on (the host's telemetry, started after set-up)."""
+        self.clock = clock
 
     def resume_statistics(self) -> None:
         """After something switched quantizer statistics off (an evaluation), set them as the
@@ -340,19 +321,8 @@ class Session:
         return self.monitor is not None and self.monitor.is_check_step(step)
 
     def _measure(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> tuple[float, float]:
-        """(loss, grad norm) on the host, the same on every rank: the one host read of a step.
-        Under data parallelism the loss is each rank's: the mean over ranks (one small
-        all-gather; the grad norm is global already, its max guards against drift)."""
-        if grad_norm is None:
-            grad_norm = self.clip()
-        v = torch.stack([loss.detach().reshape(()).double(), grad_norm.detach().reshape(()).double().to(loss.device)])
-        if self.group is not None or (dist.is_available() and dist.is_initialized()):
-            parts = [torch.empty_like(v) for _ in range(dist.get_world_size(self.group))]
-            dist.all_gather(parts, v, group=self.group)
-            every = torch.stack(parts)
-            v = torch.stack([every[:, 0].mean(), every[:, 1].amax()])
-        loss_h, norm_h = v.tolist()
-        return loss_h, norm_h
+        """(loss, grad norm) on the host, the same on every rank (`session_parts.measure_on_host`)."""
+        return measure_on_host(loss, self.clip() if grad_norm is None else grad_norm, self.group)
 
     def _decide(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, closure, result: StepResult,
                 forward=None) -> Decision:
@@ -386,16 +356,7 @@ class Session:
         return decision
 
     def _attribute(self, closure: Callable[[], torch.Tensor]) -> Attribution:
-        ctl = self.controller
-        low, groups = ctl.replay_candidates()
-
-        def run(sites: tuple[str, ...]) -> Replay:
-            loss, norm = self.replayer.replay(closure, sites)
-            return Replay(sites, loss, norm, ctl.detectors.anomalous(loss, norm))
-        try:
-            return attribute(low, groups, run, self.max_replays) if low else Attribution(False, (), ())
-        finally:
-            self.replayer.finish()
+        return attribute_by_replay(self.controller, self.replayer, closure, self.max_replays)
 
     def after_eval(self, step: int, result: Any) -> Decision:
         """Report a periodic evaluation's gate outcome (`.verdict`, `.reason`); a regression
@@ -445,43 +406,3 @@ class Session:
             self.replayer.close()
         if self.log is not None:
             self.log.close()
-
-
-def rollout_settings(rollout) -> dict:
-    """What a Session takes from a parsed `rollout:` section: when signals are read, the
-    snapshot cadence and the LR probe's settings (keyword arguments of `Session`; empty for
-    no rollout)."""
-    if rollout is None:
-        return {}
-    return {"monitor": rollout.monitor_config(), "snapshot_every": rollout.rewind.snapshot_every,
-            "snapshot_keep": rollout.rewind.keep,
-            "max_replays": rollout.attribution.max_replays if rollout.attribution.replay else 0,
-            "window_close": rollout.attribution.window_close if rollout.attribution.window else None,
-            "window_replays": rollout.attribution.window_replays,
-            "lr_probe_config": rollout.lr_probe}
-
-
-def _probe_from_config(cfg, model: nn.Module, optimizer: torch.optim.Optimizer, state, clip,
-                       held_batch) -> LRProbe:
-    from lowprec.base.parse import ConfigError
-    if held_batch is None:
-        raise ConfigError("rollout.lr_probe", (
-            "is enabled, and the probe needs a held batch: pass held_batch=(x, y), a batch training never "
-            "draws, to Session (or Session.from_yaml / build), or lr_probe=LRProbe(...); or set "
-            "lr_probe.enabled: false"))
-    return LRProbe.for_model(model, optimizer, held_batch, state=state, clip=clip, factors=cfg.factors,
-                             every_checks=cfg.every_checks)
-
-
-class _EvalTimedGate:
-    """The controller's `gate(step)` (an evaluation before a promotion, called inside the
-    check), its time booked as `eval` on the session's clock, not as the check's `monitor`."""
-
-    def __init__(self, gate: Callable[[int], Any], session: "Session"):
-        self.gate, self.session = gate, session
-
-    def __call__(self, step: int):
-        clock = self.session.clock   # read now: the host sets it after building the session
-        clock.lap(Phase.MONITOR)     # the check up to here
-        with counted_as(clock, Phase.EVAL):
-            return self.gate(step)
