@@ -37,7 +37,7 @@ from lowprec.runtime.after_step import AfterStep
 from lowprec.runtime.engine import Engine
 from lowprec.runtime.lrprobe import LRProbe
 from lowprec.runtime.faults import Faults, Injection
-from lowprec.runtime.session import Session, rollout_settings
+from lowprec.runtime.session import Session, SessionSettings
 from lowprec.runtime.snapshots import DiskSnapshots
 from lowprec.tracking.phases import PassOutcome, Phase
 from lowprec.tracking.telemetry import Telemetry, TelemetryConfig
@@ -135,7 +135,7 @@ def _build_session(tc, engine: Engine, state, data, out: Path, controller, rollo
                       clip=lambda: engine.clip_grad_norm(tc.grad_clip), sites=sites, group=group,
                       event_log=out / f"events{world_suffix}.jsonl" if controller is not None else None,
                       on_events=tracker.log_events if tracker is not None else None, lr_probe=lr_probe,
-                      **rollout_settings(rollout))
+                      settings=SessionSettings.from_rollout(rollout))
     return session, opt, sched
 
 

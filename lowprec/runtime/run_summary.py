@@ -36,7 +36,7 @@ def summary_text(name: str, res, prepared, out: Path, run_id: str | None, uri: s
                               if isinstance(v, float) and not m.endswith("_stderr"))
             lines.append(f"  eval {task}: {shown}")
     if res.telemetry:
-        lines += telemetry_lines(res.telemetry, _baseline_telemetry(prepared))
+        lines += telemetry_lines(res.telemetry, _baseline_telemetry(prepared, uri))
     for e in res.events:
         lines.append("  " + tidy_numbers(e.summary()))
     log = out / "lowprec.log"
@@ -49,16 +49,15 @@ def summary_text(name: str, res, prepared, out: Path, run_id: str | None, uri: s
     return "\n".join(lines)
 
 
-def _baseline_telemetry(prepared) -> tuple[str, dict[str, float]] | None:
-    """(name, telemetry/* numbers) of the run's loss-gap baseline in MLflow, when it names one."""
+def _baseline_telemetry(prepared, uri: str) -> tuple[str, dict[str, float]] | None:
+    """(name, telemetry/* numbers) of the run's loss-gap baseline in the MLflow store at `uri`, when it names one."""
     cfg = prepared.config
     b = cfg.rollout.baseline if cfg.rollout is not None else None
     if b is None or b.mlflow_run is None:
         return None
     from lowprec.runtime.baseline import telemetry_of_run
-    from lowprec.runtime.run import _tracking_uri
     try:
-        return b.mlflow_run, telemetry_of_run(_tracking_uri(cfg), cfg.tracking.experiment, b.mlflow_run)
+        return b.mlflow_run, telemetry_of_run(uri, cfg.tracking.experiment, b.mlflow_run)
     except ConfigError:
         return None
 

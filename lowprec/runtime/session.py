@@ -51,59 +51,50 @@ from torch import nn
 from lowprec.policy.attribution import Attribution
 from lowprec.policy.controller import Action, Decision, RolloutController, apply_decision
 from lowprec.policy.events import Event, EventLog
-from lowprec.policy.monitor import Monitor, MonitorConfig
+from lowprec.policy.monitor import Monitor
 from lowprec.runtime.lrprobe import LRProbe, ProbeResult
 from lowprec.runtime.replay import StepReplayer
 from lowprec.runtime.session_parts import (StepResult, _default_clip, _EvalTimedGate, _probe_from_config,
-                                           attribute_by_replay, measure_on_host, rollout_settings)
+                                           attribute_by_replay, measure_on_host)
+from lowprec.runtime.session_settings import SessionSettings
 from lowprec.runtime.snapshots import MemorySnapshots, Snapshots
 from lowprec.runtime.window import WindowReplayer
 from lowprec.tracking.phases import NULL_CLOCK, LapClock, Phase, counted_as
 
-__all__ = ["Session", "StepResult", "rollout_settings"]
+__all__ = ["Session", "SessionSettings", "StepResult"]
 
 
 class Session:
     """Monitor + controller + snapshots around one training loop (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, state, controller:
-                 RolloutController | None = None, *, monitor: MonitorConfig | None = None, scheduler=None, data=None,
-                 snapshots: Snapshots | None = None, max_grad_norm: float | None = 1.0,
-                 clip: Callable[[], torch.Tensor] | None = None, sites: list[str] | None = None,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, state,
+                 controller: RolloutController | None = None, *, settings: SessionSettings | None = None,
+                 scheduler=None, data=None, snapshots: Snapshots | None = None,
+                 clip: Callable[[], torch.Tensor] | None = None, lr_probe: LRProbe | None = None,
+                 held_batch: tuple[torch.Tensor, torch.Tensor] | None = None, sites: list[str] | None = None,
                  group=None, event_log: str | Path | None = None,
                  on_events: Callable[[list[Event]], None] | None = None, start_step: int = 0,
-                 snapshot_every: int = 20, snapshot_keep: int = 2, max_replays: int = 8,
-                 window_close: float | None = 0.3, window_replays: int = 3,
-                 lr_probe: LRProbe | None = None, lr_probe_config=None,
-                 held_batch: tuple[torch.Tensor, torch.Tensor] | None = None, clock: LapClock = NULL_CLOCK):
-        """state: the PrecisionState of `lowprec.prepare(model, plan)` (this rank's sites).
-        controller: from `lowprec.policy.rollout.build_controller`; None runs the plan as it is
-            (no statistics, no decisions: every step is applied).
-        monitor: when the signals are read (the rollout's `monitor_config()`).
-        snapshots: where rewinds go back to; default, when the controller may rewind,
-            in-memory snapshots every `snapshot_every` steps, `snapshot_keep` of them.
-        clip: returns the (global) grad norm after clipping; default clip_grad_norm_ over
-            the model's parameters with `max_norm` (None: measure, do not clip).
-        sites: every site of the model in forward order, when `state` holds only this
-            rank's (a pipeline stage); group: the process group the monitor combines over.
-        max_replays: replays per anomalous step to find whether precision is to blame (0:
-            none; anomalies then wait for the next check's statistics).
-        window_close: a slow signal (the loss gap, an eval regression) is judged by the window
-            since the last snapshot (`lowprec.runtime.window`): the fraction of its loss gap
-            that high precision must close to blame precision; None: not judged (the newest
-            stage rolls back). window_replays: windows trained again per suspicion, at most.
+                 clock: LapClock = NULL_CLOCK):
+        """The config section: `settings` (`SessionSettings.from_rollout(rollout)`; default, the
+        defaults). The objects it drives: `model`, `optimizer`, `scheduler`, `data` (skipped
+        on a rewind), `state` (the PrecisionState of `lowprec.prepare(model, plan)`, this rank's
+        sites) and `controller` (`lowprec.policy.rollout.build_controller`; None runs the plan
+        as it is: no statistics, no decisions, every step applied).
+        snapshots: where rewinds go back to; default, when the controller may rewind or judge a
+            window, in-memory snapshots as `settings` say.
+        clip: returns the (global) grad norm after clipping; default clip_grad_norm_ over the
+            model's parameters with `settings.max_grad_norm`.
         lr_probe: the learning-rate probe run at the start of its check steps (needs a
-            controller); default, when `lr_probe_config` (the rollout's `lr_probe`) is enabled,
-            `LRProbe.for_model` on `held_batch` (x, y), a batch training never draws, the same
-            on every rank (the probe's number is not combined across ranks, and every rank
-            must decide alike).
-        clock: laps the step's phases (clipping and the optimizer, collectives, replays and
-            restores as recovery, monitoring, the gate's evaluations before a promotion as eval,
-            snapshots, the LR probe) for `lowprec.tracking.telemetry`.
+            controller); default, when `settings.lr_probe` is enabled, `LRProbe.for_model` on
+            `held_batch` (x, y), a batch training never draws, the same on every rank.
+        sites: every site of the model in forward order, when `state` holds only this rank's (a
+            pipeline stage); group: the process group the monitor combines over.
+        clock: laps the step's phases for `lowprec.tracking.telemetry` (`use_clock` replaces it).
         """
+        cfg = settings or SessionSettings()
         self.model, self.optimizer, self.state = model, optimizer, state
         self.controller, self.scheduler, self.data = controller, scheduler, data
-        self.clip = clip or _default_clip(model, max_grad_norm)
+        self.clip = clip or _default_clip(model, cfg.max_grad_norm)
         self.clock = clock
         self.step_index = start_step
         self.events: list[Event] = []
@@ -115,24 +106,24 @@ class Session:
         self.on_events = on_events
         self.monitor = None
         self.group = group
-        self.max_replays = max_replays
+        self.max_replays = cfg.max_replays
         self.replayer: StepReplayer | None = None
         self.window: WindowReplayer | None = None
         self._remote: set[str] = set()
-        self.monitor_config = monitor or MonitorConfig()
-        if controller is not None and max_replays > 0:
+        self.monitor_config = cfg.monitor
+        if controller is not None and cfg.max_replays > 0:
             self.replayer = StepReplayer(state, optimizer, self._measure)
             self.replayer.attach(model)
         if controller is not None:
             self.monitor = Monitor(state, self.monitor_config, group=group, sites=sites)
             self._remote = set(sites or ()) - set(state.sites)
-            judged = window_close is not None and controller.loss_gap is not None
+            judged = cfg.window_close is not None and controller.loss_gap is not None
             if snapshots is None and (controller.config.rewind or judged):
-                snapshots = self._default_snapshots(snapshot_every, snapshot_keep)
+                snapshots = self._default_snapshots(cfg.snapshot_every, cfg.snapshot_keep)
             if judged:
                 self.window = WindowReplayer(model, optimizer, state, controller, snapshots, clip=self.clip,
-                                             measure=self._measure, close=window_close,
-                                             max_windows=window_replays, max_looks=max_replays,
+                                             measure=self._measure, close=cfg.window_close,
+                                             max_windows=cfg.window_replays, max_looks=cfg.max_replays,
                                              min_length=self.monitor_config.check_every)
                 controller.judge = self.window.judge
         else:
@@ -143,8 +134,8 @@ class Session:
         self.lr_probe = lr_probe
         self.lr_probe_result: ProbeResult | None = None   # the newest probe
         self._probed: tuple[int, int] | None = None         # (step, rewinds) it ran at
-        if lr_probe is None and controller is not None and lr_probe_config is not None and lr_probe_config.enabled:
-            self.lr_probe = _probe_from_config(lr_probe_config, model, optimizer, state, self.clip, held_batch)
+        if lr_probe is None and controller is not None and cfg.lr_probe is not None and cfg.lr_probe.enabled:
+            self.lr_probe = _probe_from_config(cfg.lr_probe, model, optimizer, state, self.clip, held_batch)
         self._prepare(start_step)
 
     def _default_snapshots(self, every: int, keep: int) -> MemorySnapshots:
@@ -172,7 +163,8 @@ class Session:
         state = prepare(model, plan, seed=seed)
         controller = None if rollout is None else build_controller(rollout, state, model, baseline=baseline,
                                                                    gate=gate)
-        return cls(model, optimizer, state, controller, **{**rollout_settings(rollout), **kwargs})
+        kwargs.setdefault("settings", SessionSettings.from_rollout(rollout))
+        return cls(model, optimizer, state, controller, **kwargs)
 
     @classmethod
     def from_yaml(cls, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs) -> "Session":

@@ -1,7 +1,8 @@
 """The pieces a `lowprec.runtime.session.Session` is made of besides its step logic: what it
-returns per step (`StepResult`), what it takes from a parsed `rollout:` section
-(`rollout_settings`), its default gradient clip, the LR probe built from the config, and the
-gate wrapper that books a promotion's evaluation as `eval` time on the session's clock."""
+returns per step (`StepResult`), its one host read per step (`measure_on_host`), the
+replays that blame an anomalous step's sites (`attribute_by_replay`), its default gradient
+clip, the LR probe built from the config, and the gate wrapper that books a promotion's
+evaluation as `eval` time on the session's clock."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from lowprec.policy.events import Event
 from lowprec.runtime.lrprobe import LRProbe
 from lowprec.tracking.phases import Phase, counted_as
 
-__all__ = ["StepResult", "rollout_settings"]
+__all__ = ["StepResult", "measure_on_host", "attribute_by_replay"]
 
 
 @dataclass
@@ -51,20 +52,6 @@ def _default_clip(model: nn.Module, max_norm: float | None) -> Callable[[], torc
     def clip() -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(params, math.inf if max_norm is None else max_norm)
     return clip
-
-
-def rollout_settings(rollout) -> dict:
-    """What a Session takes from a parsed `rollout:` section: when signals are read, the
-    snapshot cadence and the LR probe's settings (keyword arguments of `Session`; empty for
-    no rollout)."""
-    if rollout is None:
-        return {}
-    return {"monitor": rollout.monitor_config(), "snapshot_every": rollout.rewind.snapshot_every,
-            "snapshot_keep": rollout.rewind.keep,
-            "max_replays": rollout.attribution.max_replays if rollout.attribution.replay else 0,
-            "window_close": rollout.attribution.window_close if rollout.attribution.window else None,
-            "window_replays": rollout.attribution.window_replays,
-            "lr_probe_config": rollout.lr_probe}
 
 
 def _probe_from_config(cfg, model: nn.Module, optimizer: torch.optim.Optimizer, state, clip,
