@@ -24,7 +24,7 @@ from experiments.model import build_gpt
 from lowprec import prepare
 from lowprec.sites.plan import PrecisionPlan
 from lowprec.policy.rollout import build_controller, parse_rollout
-from lowprec.runtime import Session
+from lowprec.runtime import Session, SessionSettings
 
 PLAN = {"backend": "emulated", "keep_high_precision": [{"fqns": ["lm_head"]}],
         "rules": [{"name": "blocks", "select": {"glob": "blocks.*"}, "format": "fp8_tensorwise"}]}
@@ -41,8 +41,8 @@ def build(check_every: int, monitored: bool, args):
         rollout = {"check_every": check_every, "min_steps": 10**9,
                    "stages": [{"name": "s", "select": {"glob": "blocks.*"}, "format": "fp8_tensorwise"}]}
         spec = parse_rollout(rollout)
-        session = Session(model, opt, state, build_controller(spec, state, model), monitor=spec.monitor_config(),
-                          max_grad_norm=1.0)
+        session = Session(model, opt, state, build_controller(spec, state, model),
+                          settings=SessionSettings(monitor=spec.monitor_config(), max_grad_norm=1.0))
     else:
         state.collect_stats(False)
     return model, opt, session

@@ -126,7 +126,7 @@ def finetune(cfg: dict, out_dir: str | Path, *, steps: int | None = None, contro
     from lowprec.sites.plan import PrecisionPlan
     from lowprec.policy.rollout import build_controller, parse_rollout
     from lowprec.runtime.loop import warmup_schedule
-    from lowprec.runtime.session import Session
+    from lowprec.runtime.session import Session, SessionSettings
 
     tc, fs = parse(cfg)
     n_steps = tc.steps if steps is None else steps
@@ -155,7 +155,8 @@ def finetune(cfg: dict, out_dir: str | Path, *, steps: int | None = None, contro
             rollout["thresholds"] = {**(rollout.get("thresholds") or {}), "loss_gap": fs.loss_gap}
         ctl = build_controller(parse_rollout(rollout), state, lm, baseline=baseline)
     sched = warmup_schedule(opt, tc.warmup)
-    session = Session(model, opt, state, ctl, scheduler=sched, max_grad_norm=tc.grad_clip,
+    session = Session(model, opt, state, ctl, scheduler=sched,
+                      settings=SessionSettings(max_grad_norm=tc.grad_clip),
                       event_log=out / "events.jsonl" if ctl is not None else None,
                       on_events=lambda evs: [log("  event " + e.summary()) for e in evs])
     res = FinetuneResult()

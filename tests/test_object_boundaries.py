@@ -60,15 +60,6 @@ ALLOWED: dict[str, str] = {
     "lowprec/integrations/torchtitan_probe.py: trainer._tap.paused":
         "the probe pauses LowprecTrainer's loss tap; to become a LowprecTrainer method "
         "(lowprec/integrations/torchtitan_trainer.py, files of the torchtitan work, r2-40)",
-    "lowprec/runtime/session.py: controller.judge":
-        "the window judgment given to the controller from outside; fixed by 44b (Session from its "
-        "parts, r2-44b): remove this entry after that merge",
-    "lowprec/runtime/loop.py: session.step_index":
-        "loop.train sets the session's step index on resume; fixed by 44b (r2-44b): remove after that merge",
-    "lowprec/runtime/loop.py: session.clock":
-        "loop.train sets the session's clock; fixed by 44b (r2-44b): remove after that merge",
-    "lowprec/runtime/loop.py: engine.clock":
-        "loop.train sets the engine's clock; fixed by 44b (r2-44b): remove after that merge",
 }
 
 

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 from lowprec.base.parse import suggest
 from lowprec.gates.errors import GateSpecError
 from lowprec.gates.budget import ErrorBudget
-from lowprec.gates.gate import PAIRED_BOOTSTRAP, TOLERANCE_KINDS, Gate, Noise, Tolerance
+from lowprec.gates.gate import PAIRED_BOOTSTRAP, Gate, Noise, Tolerance
+from lowprec.gates.tolerance import TOLERANCE_KINDS
 
 __all__ = ["GateSpec", "GateSpecError", "gate_file", "gate_names", "is_gate_name", "BUILTIN_DEFAULTS", "TOP_KEYS",
            "GATE_KEYS", "DEFAULT_KEYS"]

@@ -37,7 +37,7 @@ from lowprec.config import ConfigRole, LowprecConfig
 from lowprec.policy.decisions import Action
 from lowprec.state.ranks import process_rank, world_size
 from lowprec.runtime.after_step import AfterStep
-from lowprec.runtime.session import Session, StepResult, rollout_settings
+from lowprec.runtime.session import Session, SessionSettings, StepResult
 from lowprec.tracking.records import RunStatus
 from lowprec.policy.verdicts import Verdict
 
@@ -152,9 +152,9 @@ class HostedRollout:
             controller = build_controller(cfg.rollout, self.state, self.model, baseline=self.baseline,
                                           gate=self.evals.gate if self.evals is not None else None)
         self.session = Session(self.model, optimizer, self.state, controller, scheduler=scheduler,
-                               max_grad_norm=max_grad_norm, group=group, clip=clip, lr_probe=lr_probe,
+                               group=group, clip=clip, lr_probe=lr_probe,
                                on_events=self.tracker.log_events if self.tracker is not None else None,
-                               **rollout_settings(cfg.rollout))
+                               settings=SessionSettings.from_rollout(cfg.rollout, max_grad_norm=max_grad_norm))
         self.after = AfterStep(self.session, self.state, tracker=self.tracker, evals=self.evals,
                                baseline=self.baseline)
         if self.tracker is not None:

@@ -124,7 +124,7 @@ def check_layer_fits(fmt: Format, out_features: int, in_features: int, name: str
     """Raise ValueError if the linear layer `name` (weight out x in) cannot run `fmt`: the
     weight must fit the weight blocks; inputs reduce over `in`, output gradients over `out`.
     The *_wgrad operands reduce over tokens, unknown until training. The one check of a
-    layer's shape, at plan time (`lowprec.sites.plan.resolve`) and at runtime (`set_format`)."""
+    layer's shape, at plan time (`lowprec.sites.resolution.resolve`) and at runtime (`set_format`)."""
     out, inp = out_features, in_features
     for role, rows, k, what in (("weight", out, inp, "weight (out x in)"), ("input", 0, inp, "input (tokens x in)"),
                                 ("grad_output", 0, out, "grad_output (tokens x out)")):

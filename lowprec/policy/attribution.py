@@ -232,28 +232,13 @@ def judge_window(candidates: Sequence[str], groups: Sequence[Sequence[str]], *,
     closes at least NARROW (half) of what every candidate closed: with a gap of 1-2%,
     retraining noise and the share of the gap another stage's coarser format causes (NVFP4
     against the BF16 baseline) close 30% on their own."""
-    import time
-    t0 = time.perf_counter()
+    j = _Judgment(configured, baseline, steps, tail)
     cands = list(dict.fromkeys(candidates))
-    gap = _mean(configured) - _mean(baseline)
-    looks: list[WindowLook] = []
-    counts = {"retrained": 0, "forwards": 0}
-
-    def closed_by(losses: Sequence[float], reference: float) -> float:
-        if not gap > 0 or not losses:
-            return 0.0
-        v = (reference - _mean(losses)) / gap
-        return v if math.isfinite(v) else 0.0
-
-    def done(blame: bool, blamed: Sequence[str], by: WindowDecision) -> WindowAttribution:
-        return WindowAttribution(blame, tuple(blamed), steps, tuple(tail), tuple(configured), tuple(baseline),
-                                 tuple(looks), by, time.perf_counter() - t0,
-                                 counts["retrained"] * (steps[1] - steps[0] + 1), counts["forwards"])
-
+    looks = j.looks
     if not cands:
-        return done(False, (), WindowDecision.FIRST_LOOK)
+        return j.done(False, (), WindowDecision.FIRST_LOOK)
     as_is = list(look(()))
-    counts["forwards"] += len(as_is)
+    j.forwards += len(as_is)
     reference = _mean(as_is)
     looks.append(WindowLook((), tuple(as_is), 0.0, False))
 
@@ -265,21 +250,56 @@ def judge_window(candidates: Sequence[str], groups: Sequence[Sequence[str]], *,
 
     def first(sites: tuple[str, ...]) -> Replay:
         losses = list(look(sites))
-        counts["forwards"] += len(losses)
-        c = closed_by(losses, reference)
+        j.forwards += len(losses)
+        c = j.closed_by(losses, reference)
         need = needed(looks[1:])
         looks.append(WindowLook(sites, tuple(losses), c, False))
         return Replay(sites, _mean(losses), c, c < need)
 
     found = attribute(cands, groups, first, max_looks)
     if found.precision_to_blame:
-        return done(True, found.blamed, WindowDecision.FIRST_LOOK)
+        return j.done(True, found.blamed, WindowDecision.FIRST_LOOK)
+    return _judge_by_retraining(j, cands, groups, retrain, close, max_windows)
+
+
+class _Judgment:
+    """One `judge_window` call's running record: the gap, every look so far, what they cost."""
+
+    def __init__(self, configured: Sequence[float], baseline: Sequence[float], steps: tuple[int, int],
+                 tail: Sequence[int]):
+        import time
+        self.clock, self.t0 = time.perf_counter, time.perf_counter()
+        self.configured, self.baseline, self.steps, self.tail = configured, baseline, steps, tail
+        self.gap = _mean(configured) - _mean(baseline)
+        self.looks: list[WindowLook] = []
+        self.retrained = 0
+        self.forwards = 0
+
+    def closed_by(self, losses: Sequence[float], reference: float) -> float:
+        if not self.gap > 0 or not losses:
+            return 0.0
+        v = (reference - _mean(losses)) / self.gap
+        return v if math.isfinite(v) else 0.0
+
+    def done(self, blame: bool, blamed: Sequence[str], by: WindowDecision) -> WindowAttribution:
+        steps = self.steps
+        return WindowAttribution(blame, tuple(blamed), steps, tuple(self.tail), tuple(self.configured),
+                                 tuple(self.baseline), tuple(self.looks), by, self.clock() - self.t0,
+                                 self.retrained * (steps[1] - steps[0] + 1), self.forwards)
+
+
+def _judge_by_retraining(j: _Judgment, cands: list[str], groups: Sequence[Sequence[str]],
+                         retrain: Callable[[tuple[str, ...]], Sequence[float]], close: float,
+                         max_windows: int) -> WindowAttribution:
+    """`judge_window` after a first look that did not close the gap: the window trained again
+    with every candidate in high precision, the control, then narrowing down by windows."""
+    configured, closed_by, done = j.configured, j.closed_by, j.done
 
     def retrained(sites: tuple[str, ...], reference: float) -> WindowLook:
         losses = list(retrain(sites))
-        counts["retrained"] += 1
-        looks.append(WindowLook(sites, tuple(losses), closed_by(losses, reference), True))
-        return looks[-1]
+        j.retrained += 1
+        j.looks.append(WindowLook(sites, tuple(losses), closed_by(losses, reference), True))
+        return j.looks[-1]
 
     every = retrained(tuple(cands), _mean(configured))
     if every.closed < close:

@@ -53,7 +53,7 @@ class SlowSignalRules:
     """Rule 3 of the controller: global signals, the loss gap and gate regressions (module docstring)."""
 
     def _init_slow_signals(self, th: Thresholds, baseline: dict[int, float] | None) -> None:
-        # set by the session that can train the window again (lowprec.runtime.window)
+        # given by the session that can train the window again (`use_judge`; lowprec.runtime.window)
         self.judge: Judge | None = None
         if th.loss_gap is not None and not baseline:
             raise ValueError(f"thresholds.loss_gap is {th.loss_gap} but no baseline loss curve was given: "
@@ -61,6 +61,10 @@ class SlowSignalRules:
         self.loss_gap = LossGapDetector(baseline, th.loss_gap, th.loss_gap_smoothing) \
             if baseline and th.loss_gap is not None else None
 
+
+    def use_judge(self, judge: Judge | None) -> None:
+        """Judge the loss gap by its window with `judge` (the session's window replayer) from now on."""
+        self.judge = judge
     def _global_rule(self, step: int, signals: Signals, blamed: list[str],
                      suspects: list[tuple[str, dict]], d: Decision) -> None:
         """Rule 3 at a check, after the per-site rules blamed `blamed`; `suspects`: the sites

@@ -21,6 +21,6 @@ lowprec.numerics, lowprec.base.
 
 from lowprec.runtime.faults import FaultKind, Injection, parse_injection
 from lowprec.runtime.lrprobe import LRProbe, ProbeResult
-from lowprec.runtime.session import Session, StepResult
+from lowprec.runtime.session import Session, SessionSettings, StepResult
 
-__all__ = ["Session", "StepResult", "LRProbe", "ProbeResult", "Injection", "FaultKind", "parse_injection"]
+__all__ = ["Session", "SessionSettings", "StepResult", "LRProbe", "ProbeResult", "Injection", "FaultKind", "parse_injection"]

@@ -156,7 +156,7 @@ def _plan_framework(args, console) -> int:
 
 
 def _table(prepared) -> str:
-    from lowprec.sites.plan import SitePlan, format_plan_table
+    from lowprec.sites.resolution import SitePlan, format_plan_table
     from lowprec.numerics.formats import get_format
     state, bf16 = prepared.state, get_format("bf16")
     sites = {f: SitePlan(f, s.module, s.format, s.ladder, s.reason) for f, s in state.sites.items()}

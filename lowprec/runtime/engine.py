@@ -28,7 +28,7 @@ from torch import nn
 
 from lowprec.tracking.phases import NULL_CLOCK, LapClock, Phase
 
-__all__ = ["Engine", "SingleProcess", "loss_of", "forward_backward"]
+__all__ = ["Engine", "Clocked", "SingleProcess", "loss_of", "forward_backward"]
 
 
 class Engine(Protocol):
@@ -38,6 +38,16 @@ class Engine(Protocol):
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor: ...
+
+
+class Clocked:
+    """An engine that laps its phases (forward, backward, collectives) on the run's clock."""
+
+    clock: LapClock = NULL_CLOCK
+
+    def use_clock(self, clock: LapClock) -> None:
+        """Lap the phases on `clock` from the next step."""
+        self.clock = clock
 
 
 def loss_of(out) -> torch.Tensor:
@@ -74,7 +84,7 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, microba
     return total
 
 
-class SingleProcess:
+class SingleProcess(Clocked):
     """One process: the whole model, gradient accumulation over `microbatches` row chunks.
     `clock`: where forward and backward time is lapped (the loop sets its telemetry's)."""
 

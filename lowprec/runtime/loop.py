@@ -37,8 +37,8 @@ from lowprec.runtime.after_step import AfterStep
 from lowprec.runtime.engine import Engine
 from lowprec.runtime.lrprobe import LRProbe
 from lowprec.runtime.faults import Faults, Injection
-from lowprec.runtime.session import Session, rollout_settings
-from lowprec.runtime.snapshots import DiskSnapshots, MemorySnapshots
+from lowprec.runtime.session import Session, SessionSettings
+from lowprec.runtime.snapshots import DiskSnapshots
 from lowprec.tracking.phases import PassOutcome, Phase
 from lowprec.tracking.telemetry import Telemetry, TelemetryConfig
 
@@ -87,8 +87,41 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rank = process_rank()
     n_steps = tc.steps if steps is None else steps
+    session, opt, sched = _build_session(tc, engine, state, data, out, controller, rollout, sites, group, tracker)
+    res = RunResult()
+    tele = telemetry or Telemetry(TelemetryConfig(enabled=False))
+    after = AfterStep(session, state, tracker=tracker, evals=evals, log_every=tc.log_every, baseline=baseline,
+                      total_steps=n_steps, clock=tele.clock, on_precision_change=tele.formats_changed,
+                      window_metrics=tele.window,
+                      current_formats=state.formats if sites is None else lambda: dict(controller.current))
+    # resume: None = no checkpoint yet (start at 0); every checkpoint bad: NoUsableCheckpointError
+    iteration = 0   # loop passes, rewinds included: injected faults happen once, in time
+    if resume and (last := checkpoint_to_resume(out / "checkpoints")) is not None:
+        iteration = _resume(last, engine, opt, sched, state, data, session, after, res)
+    if tracker is not None:
+        tracker.log_precision(session.step_index, state.formats(), state.flops_share())
+    injected = Faults(engine.module, faults)
+    first = session.step_index
+    tele.begin()
+    session.use_clock(tele.clock)
+    if hasattr(engine, "use_clock"):   # the engines of torch.distributed keep no clock
+        engine.use_clock(tele.clock)
+    t0 = time.perf_counter()
+    try:
+        _steps(_Loop(tc, engine, opt, sched, state, data, session, after, tele, injected, progress, checkpoints,
+                     out / "checkpoints"), res, n_steps, iteration)
+    finally:
+        injected.remove()
+        session.close()
+    _conclude(res, after.record, engine, session, evals, tracker, tele, rank=process_rank(), out=out,
+              n_steps=n_steps, seconds=(time.perf_counter() - t0) / max(n_steps - first, 1))
+    return res
+
+
+def _build_session(tc, engine: Engine, state, data, out: Path, controller, rollout, sites, group, tracker):
+    """The optimizer (AdamW), its warmup schedule and the Session that drives them."""
+    rank = process_rank()
     opt = torch.optim.AdamW(engine.params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     sched = warmup_schedule(opt, tc.warmup)
     ckpt_dir = out / "checkpoints"
@@ -102,75 +135,88 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
                       clip=lambda: engine.clip_grad_norm(tc.grad_clip), sites=sites, group=group,
                       event_log=out / f"events{world_suffix}.jsonl" if controller is not None else None,
                       on_events=tracker.log_events if tracker is not None else None, lr_probe=lr_probe,
-                      **rollout_settings(rollout))
-    res = RunResult()
-    iteration = 0   # loop passes, rewinds included: injected faults happen once, in time
-    tele = telemetry or Telemetry(TelemetryConfig(enabled=False))
-    after = AfterStep(session, state, tracker=tracker, evals=evals, log_every=tc.log_every, baseline=baseline,
-                      total_steps=n_steps, clock=tele.clock, on_precision_change=tele.formats_changed,
-                      window_metrics=tele.window,
-                      current_formats=state.formats if sites is None else lambda: dict(controller.current))
-    rec = after.record
-    # resume: None = no checkpoint yet (start at 0); every checkpoint bad: NoUsableCheckpointError
-    if resume and (last := checkpoint_to_resume(ckpt_dir)) is not None:
-        info = load_checkpoint(last, model=engine.module, optimizer=opt, precision=state, controller=session)
-        data.load_state_dict(info["data_state"])
-        extra = info["extra"] or {}
-        sched.load_state_dict(extra["scheduler"])
-        after.load_state_dict(extra)
-        iteration = int(extra["iteration"])
-        res.passes = int(extra.get("passes", 0))   # the summary's
-        session.step_index = info["step"]
-        if isinstance(session.snapshots, MemorySnapshots):
-            session.snapshots.take(info["step"])
-    if tracker is not None:
-        tracker.log_precision(session.step_index, state.formats(), state.flops_share())
-    injected = Faults(engine.module, faults)
-    first = session.step_index
-    tele.begin()
-    clock = session.clock = tele.clock
-    if hasattr(engine, "clock"):
-        engine.clock = clock
-    t0 = time.perf_counter()
-    try:
-        while session.step_index < n_steps:
-            step = session.step_index
-            injected.tick(iteration)
-            iteration += 1
-            clock.lap(Phase.OTHER)
-            if checkpoints and step % tc.ckpt_every == 0:
-                save_checkpoint(ckpt_dir, step, model=engine.module, optimizer=opt, precision=state,
-                                controller=session, data_state=data.state_dict(), keep=tc.ckpt_keep,
-                                extra={**after.state_dict(), "scheduler": sched.state_dict(),
-                                       "iteration": iteration - 1, "passes": res.passes})
-                clock.lap(Phase.CHECKPOINT)
-            if (factor := injected.lr_factor()) != 1.0:
-                for g in opt.param_groups:
-                    g["lr"] *= factor
-            lr = opt.param_groups[0]["lr"]
-            x, y = data.next()
-            clock.lap(Phase.DATA)
-            loss = engine.forward_backward(x, y)
-            clock.lap(Phase.BACKWARD)   # what the engine did not lap itself
-            out_step = session.step(loss, closure=lambda: engine.forward_backward(x, y))
-            res.passes += 1
-            tokens = x.numel() * getattr(engine, "data_parallel_size", 1)
-            value = loss.item()
-            if not after.keep(out_step, value):
-                tele.end_pass(step, PassOutcome.REWOUND, tokens, rewound_to=out_step.rewound_to)
-                if progress is not None:
-                    progress.update(session.step_index, tokens=tokens)
-                continue
-            tele.end_pass(step, PassOutcome.APPLIED if out_step.applied else PassOutcome.SKIPPED, tokens)
-            after.after_applied(out_step, lr)
+                      settings=SessionSettings.from_rollout(rollout))
+    return session, opt, sched
+
+
+def _resume(last: Path, engine: Engine, opt, sched, state, data, session: Session, after: AfterStep,
+            res: "RunResult") -> int:
+    """Load the checkpoint `last` into everything; the loop pass it was taken at."""
+    info = load_checkpoint(last, model=engine.module, optimizer=opt, precision=state, controller=session)
+    data.load_state_dict(info["data_state"])
+    extra = info["extra"] or {}
+    sched.load_state_dict(extra["scheduler"])
+    after.load_state_dict(extra)
+    res.passes = int(extra.get("passes", 0))   # the summary's
+    session.resume_at(info["step"])
+    return int(extra["iteration"])
+
+
+@dataclass
+class _Loop:
+    """What the step loop drives (all built by `train`)."""
+
+    tc: object
+    engine: Engine
+    opt: torch.optim.Optimizer
+    sched: object
+    state: object
+    data: object
+    session: Session
+    after: AfterStep
+    tele: Telemetry
+    injected: Faults
+    progress: object
+    checkpoints: bool
+    ckpt_dir: Path
+
+
+def _steps(lp: _Loop, res: "RunResult", n_steps: int, iteration: int) -> None:
+    """Run passes until the session reaches `n_steps` (rewound passes included)."""
+    tc, engine, opt, sched, state, data = lp.tc, lp.engine, lp.opt, lp.sched, lp.state, lp.data
+    session, after, tele, injected, progress = lp.session, lp.after, lp.tele, lp.injected, lp.progress
+    clock = tele.clock
+    while session.step_index < n_steps:
+        step = session.step_index
+        injected.tick(iteration)
+        iteration += 1
+        clock.lap(Phase.OTHER)
+        if lp.checkpoints and step % tc.ckpt_every == 0:
+            save_checkpoint(lp.ckpt_dir, step, model=engine.module, optimizer=opt, precision=state,
+                            controller=session, data_state=data.state_dict(), keep=tc.ckpt_keep,
+                            extra={**after.state_dict(), "scheduler": sched.state_dict(),
+                                   "iteration": iteration - 1, "passes": res.passes})
+            clock.lap(Phase.CHECKPOINT)
+        if (factor := injected.lr_factor()) != 1.0:
+            for g in opt.param_groups:
+                g["lr"] *= factor
+        lr = opt.param_groups[0]["lr"]
+        x, y = data.next()
+        clock.lap(Phase.DATA)
+        loss = engine.forward_backward(x, y)
+        clock.lap(Phase.BACKWARD)   # what the engine did not lap itself
+        out_step = session.step(loss, closure=lambda: engine.forward_backward(x, y))
+        res.passes += 1
+        tokens = x.numel() * getattr(engine, "data_parallel_size", 1)
+        value = loss.item()
+        if not after.keep(out_step, value):
+            tele.end_pass(step, PassOutcome.REWOUND, tokens, rewound_to=out_step.rewound_to)
             if progress is not None:
-                progress.update(session.step_index, loss=value, tokens=tokens)
-    finally:
-        injected.remove()
-        session.close()
+                progress.update(session.step_index, tokens=tokens)
+            continue
+        tele.end_pass(step, PassOutcome.APPLIED if out_step.applied else PassOutcome.SKIPPED, tokens)
+        after.after_applied(out_step, lr)
+        if progress is not None:
+            progress.update(session.step_index, loss=value, tokens=tokens)
+
+
+def _conclude(res: "RunResult", rec, engine: Engine, session: Session, evals, tracker, tele: Telemetry, *,
+              rank: int, out: Path, n_steps: int, seconds: float) -> None:
+    """Fill `res` from the record, the final evaluation and the telemetry; rank 0 writes the files."""
+    clock = tele.clock
     res.losses, res.grad_norms, res.formats, res.flops_share = rec.losses, rec.grad_norms, rec.formats, rec.flops_share
     res.rewinds = rec.rewinds
-    res.seconds_per_step = (time.perf_counter() - t0) / max(n_steps - first, 1)
+    res.seconds_per_step = seconds
     if evals is not None:
         clock.lap(Phase.OTHER)
         evals.final(n_steps)
@@ -189,7 +235,6 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
         if res.telemetry:
             (out / "telemetry.json").write_text(json.dumps({"metrics": res.telemetry, "sources": tele.sources()},
                                                            indent=1))
-    return res
 
 
 HELD_SEED_OFFSET = 7919   # the LR probe's held batch: a TokenBatches of seed train.seed + this

@@ -51,9 +51,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lowprec.runtime.engine import forward_backward, loss_of
+from lowprec.runtime.engine import Clocked, forward_backward, loss_of
 from lowprec.runtime.gradnorm import clip_, grad_norm, local_grad
-from lowprec.tracking.phases import NULL_CLOCK, Phase
+from lowprec.tracking.phases import Phase
 
 __all__ = ["DataTensorParallel", "ShardedTensorParallel", "HybridShardedDP", "Pipeline", "build_engine", "stage_bounds",
            "local_state", "check_model_plan", "set_amax_group"]
@@ -110,7 +110,7 @@ def _all_reduce_grads(params: list[nn.Parameter], group) -> None:
         g.copy_(chunk.view_as(g))
 
 
-class DataTensorParallel:
+class DataTensorParallel(Clocked):
     """Replicated data parallel x tensor parallel on a 2-D mesh (dp_replicate, tp); see the module docstring."""
 
     def __init__(self, model: nn.Module, mesh, microbatches: int):
@@ -123,7 +123,6 @@ class DataTensorParallel:
             model.tensor_parallel(mesh["tp"])
         self.params = list(model.parameters())
         self.tp_rank = mesh.get_local_rank("tp")
-        self.clock = NULL_CLOCK   # the loop sets its telemetry's clock
 
     @property
     def data_parallel_size(self) -> int:
@@ -146,7 +145,7 @@ class DataTensorParallel:
         return total
 
 
-class ShardedTensorParallel:
+class ShardedTensorParallel(Clocked):
     """FSDP2 over tensor-parallel shards on a 2-D mesh (dp_shard, tp); see the module docstring."""
 
     def __init__(self, model: nn.Module, mesh, microbatches: int, fp8_all_gather: bool = False):
@@ -162,7 +161,6 @@ class ShardedTensorParallel:
                                    weight_amax_group=dist.group.WORLD if self.tp > 1 else None)
         self.module, self.params = self.fsdp.module, self.fsdp.params
         self.world_group = dist.group.WORLD   # the mesh spans every rank
-        self.clock = NULL_CLOCK
 
     @property
     def data_parallel_size(self) -> int:
@@ -196,7 +194,7 @@ class ShardedTensorParallel:
         return total
 
 
-class HybridShardedDP:
+class HybridShardedDP(Clocked):
     """HSDP: FSDP2 on a 2-D mesh (dp_replicate, dp_shard), over tensor-parallel shards when the
     mesh has a third dimension tp; see the module docstring."""
 
@@ -229,7 +227,6 @@ class HybridShardedDP:
         self.module = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.replica = mesh.get_local_rank("dp_replicate")
-        self.clock = NULL_CLOCK
 
     @property
     def data_parallel_size(self) -> int:

@@ -42,101 +42,59 @@ site of the model (a pipeline rank holds some), and every rank decides alike.
 from __future__ import annotations
 
 import json
-
-import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from lowprec.policy.anomaly import Anomaly
-from lowprec.policy.attribution import Attribution, Replay, attribute
+from lowprec.policy.attribution import Attribution
 from lowprec.policy.controller import Action, Decision, RolloutController, apply_decision
 from lowprec.policy.events import Event, EventLog
-from lowprec.policy.monitor import Monitor, MonitorConfig
+from lowprec.policy.monitor import Monitor
 from lowprec.runtime.lrprobe import LRProbe, ProbeResult
 from lowprec.runtime.replay import StepReplayer
+from lowprec.runtime.session_parts import (StepResult, _default_clip, _EvalTimedGate, _probe_from_config,
+                                           attribute_by_replay, measure_on_host)
+from lowprec.runtime.session_settings import SessionSettings
 from lowprec.runtime.snapshots import MemorySnapshots, Snapshots
 from lowprec.runtime.window import WindowReplayer
 from lowprec.tracking.phases import NULL_CLOCK, LapClock, Phase, counted_as
 
-__all__ = ["Session", "StepResult", "rollout_settings"]
-
-
-@dataclass
-class StepResult:
-    """What `Session.step` did with one step."""
-
-    step: int                          # the step this call concluded
-    decision: Decision
-    loss: torch.Tensor
-    grad_norm: torch.Tensor
-    applied: bool = False              # the optimizer stepped
-    rewound_to: int | None = None      # training goes on from this step (a rewind)
-    anomaly: Anomaly | None = None     # this step's global anomaly, if any
-    attribution: Attribution | None = None   # the replays that explained it, if any
-
-    @property
-    def action(self):
-        return self.decision.action
-
-    @property
-    def events(self) -> list[Event]:
-        return self.decision.events
-
-
-def _default_clip(model: nn.Module, max_norm: float | None) -> Callable[[], torch.Tensor]:
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def clip() -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(params, math.inf if max_norm is None else max_norm)
-    return clip
+__all__ = ["Session", "SessionSettings", "StepResult"]
 
 
 class Session:
     """Monitor + controller + snapshots around one training loop (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, state, controller:
-                 RolloutController | None = None, *, monitor: MonitorConfig | None = None, scheduler=None, data=None,
-                 snapshots: Snapshots | None = None, max_grad_norm: float | None = 1.0,
-                 clip: Callable[[], torch.Tensor] | None = None, sites: list[str] | None = None,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, state,
+                 controller: RolloutController | None = None, *, settings: SessionSettings | None = None,
+                 scheduler=None, data=None, snapshots: Snapshots | None = None,
+                 clip: Callable[[], torch.Tensor] | None = None, lr_probe: LRProbe | None = None,
+                 held_batch: tuple[torch.Tensor, torch.Tensor] | None = None, sites: list[str] | None = None,
                  group=None, event_log: str | Path | None = None,
                  on_events: Callable[[list[Event]], None] | None = None, start_step: int = 0,
-                 snapshot_every: int = 20, snapshot_keep: int = 2, max_replays: int = 8,
-                 window_close: float | None = 0.3, window_replays: int = 3,
-                 lr_probe: LRProbe | None = None, lr_probe_config=None,
-                 held_batch: tuple[torch.Tensor, torch.Tensor] | None = None, clock: LapClock = NULL_CLOCK):
-        """state: the PrecisionState of `lowprec.prepare(model, plan)` (this rank's sites).
-        controller: from `lowprec.policy.rollout.build_controller`; None runs the plan as it is
-            (no statistics, no decisions: every step is applied).
-        monitor: when the signals are read (the rollout's `monitor_config()`).
-        snapshots: where rewinds go back to; default, when the controller may rewind,
-            in-memory snapshots every `snapshot_every` steps, `snapshot_keep` of them.
-        clip: returns the (global) grad norm after clipping; default clip_grad_norm_ over
-            the model's parameters with `max_norm` (None: measure, do not clip).
-        sites: every site of the model in forward order, when `state` holds only this
-            rank's (a pipeline stage); group: the process group the monitor combines over.
-        max_replays: replays per anomalous step to find whether precision is to blame (0:
-            none; anomalies then wait for the next check's statistics).
-        window_close: a slow signal (the loss gap, an eval regression) is judged by the window
-            since the last snapshot (`lowprec.runtime.window`): the fraction of its loss gap
-            that high precision must close to blame precision; None: not judged (the newest
-            stage rolls back). window_replays: windows trained again per suspicion, at most.
+                 clock: LapClock = NULL_CLOCK):
+        """The config section: `settings` (`SessionSettings.from_rollout(rollout)`; default, the
+        defaults). The objects it drives: `model`, `optimizer`, `scheduler`, `data` (skipped
+        on a rewind), `state` (the PrecisionState of `lowprec.prepare(model, plan)`, this rank's
+        sites) and `controller` (`lowprec.policy.rollout.build_controller`; None runs the plan
+        as it is: no statistics, no decisions, every step applied).
+        snapshots: where rewinds go back to; default, when the controller may rewind or judge a
+            window, in-memory snapshots as `settings` say.
+        clip: returns the (global) grad norm after clipping; default clip_grad_norm_ over the
+            model's parameters with `settings.max_grad_norm`.
         lr_probe: the learning-rate probe run at the start of its check steps (needs a
-            controller); default, when `lr_probe_config` (the rollout's `lr_probe`) is enabled,
-            `LRProbe.for_model` on `held_batch` (x, y), a batch training never draws, the same
-            on every rank (the probe's number is not combined across ranks, and every rank
-            must decide alike).
-        clock: laps the step's phases (clipping and the optimizer, collectives, replays and
-            restores as recovery, monitoring, the gate's evaluations before a promotion as eval,
-            snapshots, the LR probe) for `lowprec.tracking.telemetry`.
+            controller); default, when `settings.lr_probe` is enabled, `LRProbe.for_model` on
+            `held_batch` (x, y), a batch training never draws, the same on every rank.
+        sites: every site of the model in forward order, when `state` holds only this rank's (a
+            pipeline stage); group: the process group the monitor combines over.
+        clock: laps the step's phases for `lowprec.tracking.telemetry` (`use_clock` replaces it).
         """
+        cfg = settings or SessionSettings()
         self.model, self.optimizer, self.state = model, optimizer, state
         self.controller, self.scheduler, self.data = controller, scheduler, data
-        self.clip = clip or _default_clip(model, max_grad_norm)
+        self.clip = clip or _default_clip(model, cfg.max_grad_norm)
         self.clock = clock
         self.step_index = start_step
         self.events: list[Event] = []
@@ -148,33 +106,26 @@ class Session:
         self.on_events = on_events
         self.monitor = None
         self.group = group
-        self.max_replays = max_replays
+        self.max_replays = cfg.max_replays
         self.replayer: StepReplayer | None = None
         self.window: WindowReplayer | None = None
         self._remote: set[str] = set()
-        self.monitor_config = monitor or MonitorConfig()
-        if controller is not None and max_replays > 0:
+        self.monitor_config = cfg.monitor
+        if controller is not None and cfg.max_replays > 0:
             self.replayer = StepReplayer(state, optimizer, self._measure)
             self.replayer.attach(model)
         if controller is not None:
             self.monitor = Monitor(state, self.monitor_config, group=group, sites=sites)
             self._remote = set(sites or ()) - set(state.sites)
-            judged = window_close is not None and controller.loss_gap is not None
-            if snapshots is None and controller.config.rewind:
-                if snapshot_every * (snapshot_keep - 1) < self.rewind_margin:
-                    raise ValueError(
-                        f"rollout.rewind: {snapshot_keep} snapshots every {snapshot_every} steps never reach "
-                        f"{self.rewind_margin} steps back (two checks, where a rewind goes); keep at least "
-                        f"{-(-self.rewind_margin // snapshot_every) + 1} snapshots or take them more often")
-                snapshots = MemorySnapshots(model, optimizer, every=snapshot_every, keep=snapshot_keep,
-                                            margin=self.rewind_margin, scheduler=scheduler, data=data)
-            elif snapshots is None and judged:   # a window replay starts from one (never rewound to)
-                snapshots = MemorySnapshots(model, optimizer, every=snapshot_every, keep=snapshot_keep,
-                                            margin=self.rewind_margin, scheduler=scheduler, data=data)
+            judged = cfg.window_close is not None and controller.loss_gap is not None
+            if snapshots is None and (controller.config.rewind or judged):
+                snapshots = self._default_snapshots(cfg.snapshot_every, cfg.snapshot_keep)
             if judged:
-                self.window = WindowReplayer(self, close=window_close, max_windows=window_replays,
-                                             max_looks=max_replays, min_length=self.monitor_config.check_every)
-                controller.judge = self.window.judge
+                self.window = WindowReplayer(model, optimizer, state, controller, snapshots, clip=self.clip,
+                                             measure=self._measure, close=cfg.window_close,
+                                             max_windows=cfg.window_replays, max_looks=cfg.max_replays,
+                                             min_length=self.monitor_config.check_every)
+                controller.use_judge(self.window.judge)
         else:
             state.collect_stats(False)   # no monitor reads them: quantize without statistics
         self.snapshots = snapshots
@@ -183,9 +134,19 @@ class Session:
         self.lr_probe = lr_probe
         self.lr_probe_result: ProbeResult | None = None   # the newest probe
         self._probed: tuple[int, int] | None = None         # (step, rewinds) it ran at
-        if lr_probe is None and controller is not None and lr_probe_config is not None and lr_probe_config.enabled:
-            self.lr_probe = _probe_from_config(lr_probe_config, model, optimizer, state, self.clip, held_batch)
+        if lr_probe is None and controller is not None and cfg.lr_probe is not None and cfg.lr_probe.enabled:
+            self.lr_probe = _probe_from_config(cfg.lr_probe, model, optimizer, state, self.clip, held_batch)
         self._prepare(start_step)
+
+    def _default_snapshots(self, every: int, keep: int) -> MemorySnapshots:
+        """In-memory snapshots for rewinds, or for a window replay to start from (never rewound to)."""
+        if self.controller.config.rewind and every * (keep - 1) < self.rewind_margin:
+            raise ValueError(
+                f"rollout.rewind: {keep} snapshots every {every} steps never reach "
+                f"{self.rewind_margin} steps back (two checks, where a rewind goes); keep at least "
+                f"{-(-self.rewind_margin // every) + 1} snapshots or take them more often")
+        return MemorySnapshots(self.model, self.optimizer, every=every, keep=keep, margin=self.rewind_margin,
+                               scheduler=self.scheduler, data=self.data)
 
     @property
     def rewind_margin(self) -> int:
@@ -202,7 +163,8 @@ class Session:
         state = prepare(model, plan, seed=seed)
         controller = None if rollout is None else build_controller(rollout, state, model, baseline=baseline,
                                                                    gate=gate)
-        return cls(model, optimizer, state, controller, **{**rollout_settings(rollout), **kwargs})
+        kwargs.setdefault("settings", SessionSettings.from_rollout(rollout))
+        return cls(model, optimizer, state, controller, **kwargs)
 
     @classmethod
     def from_yaml(cls, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs) -> "Session":
@@ -240,6 +202,17 @@ class Session:
         """The sensitivity the probe measured at the start of `step`, None if it did not run there."""
         r = self.lr_probe_result
         return r.sensitivity if r is not None and r.step == step else None
+
+    def resume_at(self, step: int) -> None:
+        """Go on from `step` (a checkpoint's, after `load_state_dict`): the next step concluded is
+        `step`, and in-memory snapshots start there."""
+        self.step_index = step
+        if isinstance(self.snapshots, MemorySnapshots):
+            self.snapshots.take(step)
+
+    def use_clock(self, clock: LapClock) -> None:
+        """Lap the step's phases on `clock` from now on (the host's telemetry, started after set-up)."""
+        self.clock = clock
 
     def resume_statistics(self) -> None:
         """After something switched quantizer statistics off (an evaluation), set them as the
@@ -340,19 +313,8 @@ class Session:
         return self.monitor is not None and self.monitor.is_check_step(step)
 
     def _measure(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> tuple[float, float]:
-        """(loss, grad norm) on the host, the same on every rank: the one host read of a step.
-        Under data parallelism the loss is each rank's: the mean over ranks (one small
-        all-gather; the grad norm is global already, its max guards against drift)."""
-        if grad_norm is None:
-            grad_norm = self.clip()
-        v = torch.stack([loss.detach().reshape(()).double(), grad_norm.detach().reshape(()).double().to(loss.device)])
-        if self.group is not None or (dist.is_available() and dist.is_initialized()):
-            parts = [torch.empty_like(v) for _ in range(dist.get_world_size(self.group))]
-            dist.all_gather(parts, v, group=self.group)
-            every = torch.stack(parts)
-            v = torch.stack([every[:, 0].mean(), every[:, 1].amax()])
-        loss_h, norm_h = v.tolist()
-        return loss_h, norm_h
+        """(loss, grad norm) on the host, the same on every rank (`session_parts.measure_on_host`)."""
+        return measure_on_host(loss, self.clip() if grad_norm is None else grad_norm, self.group)
 
     def _decide(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, closure, result: StepResult,
                 forward=None) -> Decision:
@@ -386,16 +348,7 @@ class Session:
         return decision
 
     def _attribute(self, closure: Callable[[], torch.Tensor]) -> Attribution:
-        ctl = self.controller
-        low, groups = ctl.replay_candidates()
-
-        def run(sites: tuple[str, ...]) -> Replay:
-            loss, norm = self.replayer.replay(closure, sites)
-            return Replay(sites, loss, norm, ctl.detectors.anomalous(loss, norm))
-        try:
-            return attribute(low, groups, run, self.max_replays) if low else Attribution(False, (), ())
-        finally:
-            self.replayer.finish()
+        return attribute_by_replay(self.controller, self.replayer, closure, self.max_replays)
 
     def after_eval(self, step: int, result: Any) -> Decision:
         """Report a periodic evaluation's gate outcome (`.verdict`, `.reason`); a regression
@@ -445,43 +398,3 @@ class Session:
             self.replayer.close()
         if self.log is not None:
             self.log.close()
-
-
-def rollout_settings(rollout) -> dict:
-    """What a Session takes from a parsed `rollout:` section: when signals are read, the
-    snapshot cadence and the LR probe's settings (keyword arguments of `Session`; empty for
-    no rollout)."""
-    if rollout is None:
-        return {}
-    return {"monitor": rollout.monitor_config(), "snapshot_every": rollout.rewind.snapshot_every,
-            "snapshot_keep": rollout.rewind.keep,
-            "max_replays": rollout.attribution.max_replays if rollout.attribution.replay else 0,
-            "window_close": rollout.attribution.window_close if rollout.attribution.window else None,
-            "window_replays": rollout.attribution.window_replays,
-            "lr_probe_config": rollout.lr_probe}
-
-
-def _probe_from_config(cfg, model: nn.Module, optimizer: torch.optim.Optimizer, state, clip,
-                       held_batch) -> LRProbe:
-    from lowprec.base.parse import ConfigError
-    if held_batch is None:
-        raise ConfigError("rollout.lr_probe", (
-            "is enabled, and the probe needs a held batch: pass held_batch=(x, y), a batch training never "
-            "draws, to Session (or Session.from_yaml / build), or lr_probe=LRProbe(...); or set "
-            "lr_probe.enabled: false"))
-    return LRProbe.for_model(model, optimizer, held_batch, state=state, clip=clip, factors=cfg.factors,
-                             every_checks=cfg.every_checks)
-
-
-class _EvalTimedGate:
-    """The controller's `gate(step)` (an evaluation before a promotion, called inside the
-    check), its time booked as `eval` on the session's clock, not as the check's `monitor`."""
-
-    def __init__(self, gate: Callable[[int], Any], session: "Session"):
-        self.gate, self.session = gate, session
-
-    def __call__(self, step: int):
-        clock = self.session.clock   # read now: the host sets it after building the session
-        clock.lap(Phase.MONITOR)     # the check up to here
-        with counted_as(clock, Phase.EVAL):
-            return self.gate(step)

@@ -47,21 +47,28 @@ class _Entry:
 class WindowReplayer:
     """The steps since the oldest snapshot, and the judge of a window of them (module docstring)."""
 
-    def __init__(self, session, *, close: float, max_windows: int, max_looks: int, min_length: int):
-        self.session, self.close = session, close
+    def __init__(self, model, optimizer, state, controller, snapshots, *, clip: Callable[[], torch.Tensor],
+                 measure: Callable[[torch.Tensor, torch.Tensor], tuple[float, float]], close: float,
+                 max_windows: int, max_looks: int, min_length: int):
+        """The parts it replays with, all the session's: `controller` (its loss gap and when the
+        formats last changed), `snapshots` (where a window starts), `clip` (the global grad norm
+        after clipping) and `measure(loss, grad_norm)` (both on the host, combined over ranks)."""
+        self.model, self.optimizer, self.state = model, optimizer, state
+        self.controller, self.snapshots, self.clip, self.measure = controller, snapshots, clip, measure
+        self.close = close
         self.max_windows, self.max_looks, self.min_length = max_windows, max(1, max_looks), max(2, min_length)
         self.entries: dict[int, _Entry] = {}
         self.judged: list[WindowAttribution] = []   # every judgment so far (its cost is in it)
 
     # ------------------------------------------------------------------ the record
     def record(self, step: int, closure, forward, loss: float) -> None:
-        lrs = [float(g["lr"]) for g in self.session.optimizer.param_groups]
+        lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         self.entries[step] = _Entry(closure, forward, lrs, float(loss))
 
     def concluded(self, step: int, applied: bool) -> None:
         if step in self.entries:
             self.entries[step].applied = applied
-        kept = getattr(self.session.snapshots, "steps", None)
+        kept = getattr(self.snapshots, "steps", None)
         if kept:
             self.entries = {k: e for k, e in self.entries.items() if k >= kept[0]}
 
@@ -77,8 +84,8 @@ class WindowReplayer:
               ) -> WindowAttribution | WindowDeferred | None:
         """The controller's judge (`RolloutController.judge`); None when no window can be replayed,
         WindowDeferred when none can be yet (no snapshot since the formats last changed)."""
-        s = self.session
-        ctl, snaps = s.controller, s.snapshots
+        s = self
+        ctl, snaps = self.controller, self.snapshots
         if ctl is None or ctl.loss_gap is None or not hasattr(snaps, "latest"):
             return None
         last = max((k for k in self.entries if k <= step), default=None)
@@ -121,16 +128,16 @@ class WindowReplayer:
         return att
 
     def _high(self, sites: tuple[str, ...]):
-        local = [x for x in sites if x in self.session.state.sites]
-        return self.session.state.high_precision(local) if local else contextlib.nullcontext()
+        local = [x for x in sites if x in self.state.sites]
+        return self.state.high_precision(local) if local else contextlib.nullcontext()
 
     def _loss(self, loss: torch.Tensor) -> float:
         """The loss on the host, averaged over data-parallel ranks as the session measures it."""
-        return self.session._measure(loss, torch.zeros((), device=loss.device))[0]
+        return self.measure(loss, torch.zeros((), device=loss.device))[0]
 
     def _look(self, tail: list[int], sites: tuple[str, ...]) -> list[float]:
         out = []
-        opt = self.session.optimizer
+        opt = self.optimizer
         with self._high(sites):
             for k in tail:
                 e = self.entries[k]
@@ -143,7 +150,7 @@ class WindowReplayer:
         return out
 
     def _retrain(self, start, steps: list[int], last: int, tail: list[int], sites: tuple[str, ...]) -> list[float]:
-        s = self.session
+        s = self
         s.snapshots.load(start)
         out = []
         with self._high(sites):
@@ -155,7 +162,7 @@ class WindowReplayer:
                 loss = e.closure()
                 norm = s.clip()
                 if k in tail:
-                    out.append(s._measure(loss, norm)[0])
+                    out.append(s.measure(loss, norm)[0])
                 if e.applied and k < last:
                     s.optimizer.step()
         s.optimizer.zero_grad(set_to_none=True)

@@ -10,8 +10,8 @@
 
 `PrecisionPlan.from_yaml` / `from_dict` turn strings into typed, frozen objects at once and
 fail with a `PlanError` whose `path` (`precision.rules[1].format`) says where, with a
-did-you-mean and the allowed values. `resolve(model, plan)` gives every linear layer its
-format, ladder and reason (`format_plan_table` prints them) and checks what needs the model.
+did-you-mean and the allowed values. `lowprec.sites.resolution.resolve(model, plan)` gives every
+linear layer its format, ladder and reason and checks what needs the model.
 
 * Precedence: keep_high_precision beats every rule; among rules the LAST match wins (as in
   CSS or torchtitan: general rules first, refinements after); otherwise `default`.
@@ -30,12 +30,11 @@ format, ladder and reason (`format_plan_table` prints them) and checks what need
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch.nn as nn
 import yaml
@@ -44,12 +43,11 @@ from lowprec.sites.backends import BACKEND_NAMES
 from lowprec.sites.gemm_config import LinearGemmConfig
 from lowprec.base.parse import ConfigError, check_keys, read_yaml_file, read_yaml_text, suggest
 from lowprec.numerics.formats import FORMATS, Format, format_names, get_format
-from lowprec.numerics.quantize import check_layer_fits
 from lowprec.sites.amax_scope import AMAX_SCOPES, AmaxScope
 from lowprec.sites.reasons import ReasonKind, SiteReason
 
-__all__ = ["PlanError", "ModelInfo", "Selector", "Rule", "PrecisionPlan", "SitePlan", "SiteReason", "ReasonKind", "make_ladder",
-           "selection_from_dict", "resolve", "format_plan_table", "is_linear", "linear_shape"]
+__all__ = ["PlanError", "ModelInfo", "Selector", "Rule", "PrecisionPlan", "SiteReason", "ReasonKind", "make_ladder",
+           "selection_from_dict"]
 
 BF16 = FORMATS["bf16"]
 BACKENDS = BACKEND_NAMES
@@ -306,101 +304,3 @@ class PrecisionPlan:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump({"precision": self.to_dict()}, sort_keys=False)
-
-
-def is_linear(module: nn.Module, fqn: str = "") -> bool:
-    """nn.Linear, or GPT-2's `Conv1D` (by name and `nf`: no transformers import; weight stored (in, out))."""
-    return isinstance(module, nn.Linear) or (
-        type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight"))
-
-
-def linear_shape(module: nn.Module) -> tuple[int, int]:
-    """(out, in) of a linear-like module, whatever the layout its weight is stored in."""
-    return (module.nf, module.weight.shape[0]) if type(module).__name__ == "Conv1D" else tuple(module.weight.shape[:2])
-
-
-@dataclass(frozen=True)
-class SitePlan:
-    """One linear layer: its format now, its fallback ladder, and why."""
-    fqn: str
-    module: nn.Module
-    format: Format
-    ladder: tuple[Format, ...]
-    reason: SiteReason
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return linear_shape(self.module)
-
-
-def _no_match(path: str, what: str, noun: str, sel: Selector, candidates: dict, info: ModelInfo) -> PlanError:
-    """Why `sel` matched nothing among `candidates`: each field's own count, and the nearest names."""
-    counts = "; ".join(f"{a.describe()} alone matches {sum(a.matches(f, m, info) for f, m in candidates.items())}"
-                       for a in (Selector(**{k: getattr(sel, k)}) for k in sel.to_dict()))
-    hints = [f"{n!r} is not a module.{suggest(n, list(info.modules))}" for n in sel.fqns or () if n not in info.modules]
-    if sel.module_type is not None:
-        types = sorted({type(m).__name__ for m in info.modules.values()})
-        hints.append(f"Module types in the model: {', '.join(types)}.{suggest(sel.module_type, types)}")
-    if sel.first_layers is not None or sel.last_layers is not None:
-        outer = [f"{f or '<root>'} ({len(k)} blocks)" for f, k in info.block_lists.items() if info.block(f) is None]
-        hints.append(f"Block lists: {', '.join(outer)}." if outer else "The model has no ModuleList of blocks.")
-    for pattern in (sel.glob, sel.regex):
-        if pattern is not None:
-            close = difflib.get_close_matches(pattern, list(candidates), n=3, cutoff=0.3)
-            hints.append(f"{'Nearest' if close else 'Some'} FQNs: {', '.join(close or list(candidates)[:3])}.")
-    return PlanError(path, f"{what} ({sel.describe()}) matches no {noun} ({counts}). {' '.join(hints)}")
-
-
-def resolve(model: nn.Module, plan: PrecisionPlan, *, site_filter: Callable[[nn.Module, str], bool] = is_linear,
-            supported: Callable[[Format], tuple[bool, str]] = lambda fmt: (True, "")) -> list[SitePlan]:
-    """Every module that `site_filter(module, fqn)` accepts, with its format, ladder and reason. PlanError
-    for a selector that matches nothing, a format `supported` refuses, a shape the blocks do not divide."""
-    info = ModelInfo.of(model)
-    linears = {f: m for f, m in info.modules.items() if site_filter(m, f)}
-    if not linears:
-        raise PlanError("model", f"{type(model).__name__} has no linear layers (nn.Linear or Conv1D) to plan")
-    for i, sel in enumerate(plan.keep_high_precision):
-        if not any(sel.matches(f, m, info) for f, m in info.modules.items()):
-            raise _no_match(f"precision.keep_high_precision[{i}]", "keep_high_precision selector", "module", sel,
-                            info.modules, info)
-    planned, hit = [], set()  # (SitePlan, config path its format came from), rules that matched
-    for fqn, m in linears.items():
-        keep = next((s for s in plan.keep_high_precision if s.matches(fqn, m, info)), None)
-        matching = [i for i, r in enumerate(plan.rules) if r.select.matches(fqn, m, info)]
-        hit.update(matching)
-        if keep is not None:
-            planned.append((SitePlan(fqn, m, BF16, (BF16,), SiteReason(ReasonKind.KEEP_HIGH_PRECISION, f"({keep.describe()})")), None))
-        elif matching:
-            r = plan.rules[matching[-1]]
-            planned.append((SitePlan(fqn, m, r.format, r.ladder, SiteReason(ReasonKind.RULE, f"{r.name} ({r.select.describe()})")),
-                            f"precision.rules[{matching[-1]}]"))
-        else:
-            planned.append((SitePlan(fqn, m, plan.default, make_ladder(plan.default), SiteReason(ReasonKind.DEFAULT)), "precision.default"))
-    for i, r in enumerate(plan.rules):
-        if i not in hit:
-            raise _no_match(f"precision.rules[{i}].select", f"rule {r.name!r}", "linear layer", r.select, linears, info)
-    runs = [n for n, f in FORMATS.items() if supported(f)[0]]
-    for site, base in planned:
-        for fmt in site.ladder if base is not None else ():
-            path = base if base.endswith("default") else f"{base}.{'format' if fmt == site.format else 'ladder'}"
-            ok, why = supported(fmt)
-            if not ok:
-                raise PlanError(path, f"backend {plan.backend!r} cannot run {fmt.name}: {why}. It runs: "
-                                      f"{', '.join(runs) or 'nothing'}. Pick one of those or another backend.")
-            try:
-                check_layer_fits(fmt, *site.shape, site.fqn)
-            except ValueError as e:
-                raise PlanError(path, f"{e} To keep only this layer out, add {{fqns: [{site.fqn}]}} "
-                                      f"to precision.keep_high_precision.") from None
-    return [site for site, _ in planned]
-
-
-def format_plan_table(sites: list[SitePlan]) -> str:
-    """A plain-text table: FQN, shape (out x in), format now, ladder, why."""
-    rows = [("FQN", "shape (out x in)", "format", "ladder", "why")]
-    rows += [(s.fqn, "%d x %d" % s.shape, s.format.name, " -> ".join(f.name for f in s.ladder), str(s.reason))
-             for s in sites]
-    widths = [max(len(r[c]) for r in rows) for c in range(5)]
-    lines = ["  ".join(r[c].ljust(widths[c]) for c in range(5)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)

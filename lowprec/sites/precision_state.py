@@ -1,6 +1,6 @@
 """`prepare(model, plan) -> PrecisionState`: swap linear layers in, then switch them at runtime.
 
-`prepare` resolves the plan against the model (`lowprec.sites.plan.resolve`), replaces every
+`prepare` resolves the plan against the model (`lowprec.sites.resolution.resolve`), replaces every
 linear layer that is not kept in high precision by a `PrecisionLinear` holding the same
 Parameter objects, and returns the `PrecisionState` that knows every site: its FQN,
 its current format and its ladder (the formats it may fall back through). Everything
@@ -205,7 +205,7 @@ def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0,
         `torchao` backends make their own layers and refuse one.
     Every backend builds its sites through `Backend.make_site`.
     """
-    from lowprec.sites.plan import resolve  # noqa: local import keeps `import lowprec` light
+    from lowprec.sites.resolution import resolve  # noqa: local import keeps `import lowprec` light
 
     backend = get_backend(plan.backend)
     kind = BackendName(plan.backend)

@@ -1,6 +1,6 @@
 """Why a layer runs the format it runs: which part of the precision plan decided it.
 
-`lowprec.sites.plan.resolve` gives every layer a `SiteReason`; `prepare` keeps the layers whose
+`lowprec.sites.resolution.resolve` gives every layer a `SiteReason`; `prepare` keeps the layers whose
 reason is `keep_high_precision` out of the swap and `lowprec plan` prints the reason in its
 "why" column. A small module of its own so that `PrecisionState` can type its sites with it
 without importing the plan's parser.

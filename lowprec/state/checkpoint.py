@@ -55,6 +55,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from lowprec.state.checkpoint_fit import _check_model, _check_optim, _check_parts
 from lowprec.state.ranks import process_rank, world_size
 from lowprec.state.durable import check_plain, fsync_dir, save_atomically, write_synced
 from lowprec.state.rng import check_rng_devices, restore_rng_state, rng_state
@@ -358,24 +359,6 @@ def _load_dcp(path: Path, model, optimizer, restore_rng: bool, precision, contro
     return local
 
 
-def _check_parts(payload: dict, path: Path, precision, controller, keep_current=()) -> None:
-    unknown = set(keep_current) - {"precision", "controller"}
-    if unknown:
-        raise ValueError(f"keep_current names {sorted(unknown)}; it takes 'precision' and 'controller'")
-    for key, given, how in (("precision", precision, "the PrecisionState returned by prepare()"),
-                            ("controller", controller, "the rollout controller")):
-        if key in keep_current:
-            if given is not None:
-                raise ValueError(f"{key}= was given and keep_current names {key!r}: choose one")
-            continue
-        if payload[key] is not None and given is None:
-            raise ValueError(f"{path} holds {key} state but no {key}= was given; pass {how}, as "
-                             f"the run that wrote it did, or the run will not continue as it was")
-        if payload[key] is None and given is not None:
-            raise ValueError(f"{path} holds no {key} state (it was saved without {key}=) but a "
-                             f"{key} was given; pass {key}=None or resume from a checkpoint that has one")
-
-
 def checkpoint_mismatch(path: str | os.PathLike, model: nn.Module) -> str | None:
     """Where the checkpoint at `path` does not fit `model`, in a few words (the first parameter
     whose shape differs, or that one side lacks), or None when it fits. Reads the file with mmap,
@@ -391,29 +374,6 @@ def checkpoint_mismatch(path: str | os.PathLike, model: nn.Module) -> str | None
             return f"{k} is {tuple(t.shape)} in this model but {tuple(saved[k].shape)} in the checkpoint {path.name}"
     extra = next((k for k in saved if k not in live), None)
     return None if extra is None else f"the checkpoint {path.name} has {extra}, which this model lacks"
-
-
-def _check_model(saved: dict, model: nn.Module, path: Path) -> None:
-    live = model.state_dict()
-    missing = sorted(set(live) - set(saved))
-    unknown = sorted(set(saved) - set(live))
-    shapes = [f"{k} (checkpoint {tuple(saved[k].shape)}, model {tuple(live[k].shape)})"
-              for k in live if k in saved and isinstance(saved[k], torch.Tensor)
-              and saved[k].shape != live[k].shape]
-    if missing or unknown or shapes:
-        raise ValueError(f"{path} does not fit this model: keys missing from the checkpoint "
-                         f"{missing[:5]}, keys the model lacks {unknown[:5]}, shapes that differ "
-                         f"{shapes[:5]}; build the model with the config that wrote the checkpoint "
-                         f"(and prepare it with the same plan) before loading")
-
-
-def _check_optim(saved: dict, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    want = [len(g["params"]) for g in optimizer.param_groups]
-    got = [len(g["params"]) for g in saved.get("param_groups", [])]
-    if want != got:
-        raise ValueError(f"{path} has optimizer parameter groups of sizes {got}, this optimizer "
-                         f"has {want}; create the optimizer over the same parameters and groups "
-                         f"as the run that wrote the checkpoint")
 
 
 # ----------------------------------------------------------------------------- distributed

@@ -472,7 +472,7 @@ def test_a_loss_gap_blamed_on_one_site_falls_that_site_back():
 
 def test_without_a_window_the_loss_gap_rolls_back_as_before():
     ctl = _gapped()
-    ctl.judge = lambda step, c, g: None
+    ctl.use_judge(lambda step, c, g: None)
     d = ctl.observe(89, signals(89, loss=2.3))
     assert any(e.kind == EventKind.ROLLBACK for e in d.events)
 
@@ -486,7 +486,7 @@ def test_a_loss_gap_waits_for_a_window_that_starts_after_the_last_format_change(
     assert ctl.formats_changed_at > 0   # the last promotion's check
     answers = [WindowDeferred(ctl.formats_changed_at - 10, ctl.formats_changed_at)]
     judge, calls = _judged(True, STAGES[ctl.promoted - 1].sites)
-    ctl.judge = lambda step, c, g: answers.pop(0) if answers else judge(step, c, g)
+    ctl.use_judge(lambda step, c, g: answers.pop(0) if answers else judge(step, c, g))
     d = ctl.observe(89, signals(89, loss=2.3))
     assert not d.changes and d.action is Action.CONTINUE and ctl.current == promoted
     (ev,) = [e for e in d.events if e.kind == EventKind.WINDOW]

@@ -153,11 +153,12 @@ def test_build_controller_resolves_stages_and_reads_the_named_baseline(tmp_path,
 
 
 def test_session_skips_a_nan_step_once_and_forces_a_check():
-    from lowprec.runtime import Session
+    from lowprec.runtime import Session, SessionSettings
     model, state = prepared()
     rollout = parse_rollout(section(check_every=4))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    session = Session(model, opt, state, build_controller(rollout, state, model), monitor=rollout.monitor_config())
+    session = Session(model, opt, state, build_controller(rollout, state, model),
+                      settings=SessionSettings(monitor=rollout.monitor_config()))
     actions = []
     for step in range(8):
         x = torch.randn(4, 16)

@@ -21,7 +21,7 @@ from experiments.model import build_gpt
 from lowprec import prepare
 from lowprec.sites.plan import PrecisionPlan
 from lowprec.policy.rollout import build_controller, parse_rollout
-from lowprec.runtime import Injection, Session
+from lowprec.runtime import Injection, Session, SessionSettings
 from lowprec.runtime.data import TokenBatches
 
 SITE = "blocks.1.mlp.fc"
@@ -42,7 +42,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, replay: bool) -> Non
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         ctl = build_controller(parse_rollout(ROLLOUT), state, model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-        session = Session(ddp, opt, state, ctl, max_grad_norm=1.0, event_log=f"{out_dir}/events_rank{rank}.jsonl")
+        session = Session(ddp, opt, state, ctl, settings=SessionSettings(max_grad_norm=1.0),
+                          event_log=f"{out_dir}/events_rank{rank}.jsonl")
         data = TokenBatches(tokens_of(split_texts()[0], 200_000), 8, 32, seed=0, rank=rank, world=world)
         fault = Injection("nan", 20, 1000, SITE)
         site = model.get_submodule(SITE)

@@ -9,8 +9,9 @@ import pytest
 import torch.nn as nn
 
 from lowprec.numerics.formats import FORMATS, get_format
-from lowprec.sites.plan import (ModelInfo, PlanError, PrecisionPlan, ReasonKind, Rule, Selector, SitePlan, format_plan_table,
-                          is_linear, linear_shape, make_ladder, resolve, selection_from_dict)
+from lowprec.sites.plan import (ModelInfo, PlanError, PrecisionPlan, ReasonKind, Rule, Selector, make_ladder,
+                          selection_from_dict)
+from lowprec.sites.resolution import SitePlan, format_plan_table, is_linear, linear_shape, resolve
 
 BF16, FP8, NVFP4 = FORMATS["bf16"], FORMATS["fp8_tensorwise"], FORMATS["nvfp4"]
 

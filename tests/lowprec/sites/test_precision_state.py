@@ -89,7 +89,8 @@ def test_set_format_refuses_activation_blocks_that_do_not_divide_like_the_plan()
     """mxfp8's 1x32 weight blocks fit a (48, 64) weight, but its grad_output blocks (1x32
     over out = 48) do not: set_format refuses it with the plan's message, before it
     switches any of the sites it was given (here "0" fits and comes first)."""
-    from lowprec.sites.plan import PlanError, resolve
+    from lowprec.sites.plan import PlanError
+    from lowprec.sites.resolution import resolve
 
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 48))
     state = prepare(model, PrecisionPlan.from_dict({"backend": "emulated"}))  # bf16 everywhere

@@ -21,7 +21,7 @@ import pytest
 
 from lowprec.cli import main
 from lowprec.runtime.loop import RunResult
-from lowprec.runtime.run import summary_text
+from lowprec.runtime.run_summary import summary_text
 
 
 def _lowprec(cwd: Path, *args: str, **kw) -> subprocess.Popen:

@@ -50,7 +50,8 @@ from lowprec.sites.backends.torchao_backend import (TorchAOBackend, TorchAOLinea
 from lowprec.numerics.formats import get_format  # noqa: E402
 from lowprec.sites.layers import PrecisionLinear  # noqa: E402
 from lowprec.policy.monitor import Monitor, MonitorConfig  # noqa: E402
-from lowprec.sites.plan import PlanError, PrecisionPlan, resolve  # noqa: E402
+from lowprec.sites.plan import PlanError, PrecisionPlan  # noqa: E402
+from lowprec.sites.resolution import resolve  # noqa: E402
 from lowprec.numerics.quantize import quantize  # noqa: E402
 
 ROWWISE, TENSORWISE = "fp8_rowwise_e4m3_pow2", "fp8_tensorwise"
