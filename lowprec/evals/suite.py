@@ -21,7 +21,7 @@ The per-task counts reach lm-eval as `simple_evaluate(samples={task: [0, ..., N-
 - `n`: documents scored per task; `seconds`: wall time; `higher_is_better`: lm-eval's
   {task: {metric: bool}}.
 
-Suites (`SUITES`): `default` (held-out Shakespeare, cloze, Milton: every text ships with this
+Suites (`SUITES`, defined in the shipped suites.yaml, the repository's eval_suites/): `default` (held-out Shakespeare, cloze, Milton: every text ships with this
 package) and `shakespeare` need no data folder; `shift` (Milton and the opt-in Austen, King
 James Bible and Moby Dick corpora) and `multiple_choice` (BIG-bench, HellaSwag) read the data
 folder the caller gives (`data_dir`, `eval.data_dir` in a config), and raise DataUnavailable
@@ -49,7 +49,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
-from lowprec.evals.tasks import BIGBENCH, get_task, prepare_tasks, unknown_name_error
+from lowprec.evals.tasks import get_task, prepare_tasks, unknown_name_error
 from lowprec.evals.tokenizers import Tokenizer
 
 Mode = Literal["fast", "full"]
@@ -85,16 +85,36 @@ class EvalSuite:
         return {t: self.fast_limit or get_task(t).fast_docs for t in self.tasks}
 
 
-_SHAKESPEARE = ("heldout_shakespeare", "cloze_shakespeare")
-_SHIFT = ("shift_milton", "shift_austen", "shift_kjv", "shift_mobydick")
-_MC = tuple(f"bigbench_{name}" for name in BIGBENCH) + ("hellaswag",)
+SUITE_FILES = "lowprec.evals.suite_files"   # the repository's eval_suites/, installed under lowprec
 
-SUITES: Mapping[str, EvalSuite] = MappingProxyType({s.name: s for s in (
-    EvalSuite("shakespeare", _SHAKESPEARE),
-    EvalSuite("shift", _SHIFT),
-    EvalSuite("default", _SHAKESPEARE + ("shift_milton",)),   # only texts that ship with the package
-    EvalSuite("multiple_choice", _MC),
-)})
+
+def load_suites(text: str, source: str = "suites.yaml") -> Mapping[str, EvalSuite]:
+    """The suites a suites.yaml text defines ({name: {tasks: [...], fast_limit: N}}), checked:
+    every task known, no key but `tasks` and `fast_limit`."""
+    import yaml
+
+    raw = yaml.safe_load(text) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: expected a mapping of suite names to suites, found {type(raw).__name__}")
+    suites = {}
+    for name, body in raw.items():
+        if not isinstance(body, dict) or "tasks" not in body:
+            raise ValueError(f"{source}: suite {name!r} must be a mapping with `tasks: [...]`, found {body!r}")
+        unknown = set(body) - {"tasks", "fast_limit"}
+        if unknown:
+            raise ValueError(f"{source}: suite {name!r} has unknown keys {sorted(unknown)}; allowed: tasks, fast_limit")
+        suites[str(name)] = EvalSuite(str(name), tuple(body["tasks"]), body.get("fast_limit"))
+    return MappingProxyType(suites)
+
+
+def _shipped_suites() -> Mapping[str, EvalSuite]:
+    from importlib.resources import files
+
+    ref = files(SUITE_FILES).joinpath("suites.yaml")
+    return load_suites(ref.read_text(encoding="utf-8"), str(ref))
+
+
+SUITES: Mapping[str, EvalSuite] = _shipped_suites()
 
 
 def get_suite(suite: EvalSuite | str) -> EvalSuite:
