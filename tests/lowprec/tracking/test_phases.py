@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from lowprec.tracking import phases
 from lowprec.tracking.phases import (ALWAYS_WASTED, NULL_CLOCK, Bucket, CpuLapClock, GoodputLedger, PassOutcome,
                                      Phase)
 from lowprec.tracking.telemetry import Telemetry, TelemetryConfig
@@ -16,24 +17,46 @@ def busy(seconds: float) -> None:
         pass
 
 
-def test_cpu_laps_add_up_to_the_wall_time_and_split_by_phase():
+class FakeTime:
+    """A host clock that moves only when told to: the laps' arithmetic checked exactly."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_cpu_laps_add_up_to_the_wall_time_and_split_by_phase(monkeypatch):
+    fake = FakeTime()
+    monkeypatch.setattr(phases, "time", fake)
     clock = CpuLapClock()
-    t0 = time.perf_counter()
-    busy(0.02)
+    fake.now += 0.02
     clock.lap(Phase.DATA)
-    busy(0.04)
+    fake.now += 0.04
     clock.lap(Phase.FORWARD)
     clock.end_pass()
-    busy(0.01)
+    fake.now += 0.01
     clock.lap(Phase.DATA)
     clock.end_pass()
-    wall = time.perf_counter() - t0
     first, second = clock.flush()
-    assert first[Phase.DATA] == pytest.approx(0.02, abs=0.005)
-    assert first[Phase.FORWARD] == pytest.approx(0.04, abs=0.005)
-    assert second == {Phase.DATA: pytest.approx(0.01, abs=0.005)}
-    assert sum(first.values()) + sum(second.values()) == pytest.approx(wall, abs=1e-3)
+    assert first == {Phase.DATA: pytest.approx(0.02, abs=1e-12), Phase.FORWARD: pytest.approx(0.04, abs=1e-12)}
+    assert second == {Phase.DATA: pytest.approx(0.01, abs=1e-12)}
+    assert sum(first.values()) + sum(second.values()) == pytest.approx(fake.now - 100.0, abs=1e-12)
     assert clock.flush() == []   # flushed once
+
+
+def test_cpu_laps_run_on_the_real_host_clock():
+    """On the real clock the laps of a pass add up to the wall time between its first and last lap."""
+    clock = CpuLapClock()
+    t0 = time.perf_counter()
+    busy(0.005)
+    clock.lap(Phase.DATA)
+    busy(0.005)
+    clock.lap(Phase.FORWARD)
+    (laps,) = clock.flush(include_open=True)
+    assert laps[Phase.DATA] >= 0.005 and laps[Phase.FORWARD] >= 0.005
+    assert sum(laps.values()) <= time.perf_counter() - t0 + 1e-3
 
 
 def test_override_books_every_lap_as_the_override_phase():
@@ -95,24 +118,28 @@ def test_every_always_wasted_phase_has_a_bucket_and_no_step_phase_does():
     assert all(isinstance(b, Bucket) for b in ALWAYS_WASTED.values())
 
 
-def test_telemetry_windows_and_summary_from_laps():
-    tele = Telemetry(TelemetryConfig(energy="off", mfu=False), started=time.perf_counter() - 1.0)
+def test_telemetry_windows_and_summary_from_laps(monkeypatch):
+    from lowprec.tracking import telemetry
+    fake = FakeTime()
+    monkeypatch.setattr(phases, "time", fake)
+    monkeypatch.setattr(telemetry, "time", fake)
+    tele = Telemetry(TelemetryConfig(energy="off", mfu=False), started=fake.now - 1.0)
     tele.begin()
-    assert tele.ledger.buckets[Bucket.STARTUP] >= 1.0
+    assert tele.ledger.buckets[Bucket.STARTUP] == pytest.approx(1.0)
     for step in range(4):
-        busy(0.01)
+        fake.now += 0.01
         tele.clock.lap(Phase.DATA)
-        busy(0.03)
+        fake.now += 0.03
         tele.clock.lap(Phase.FORWARD)
         tele.end_pass(step, PassOutcome.APPLIED if step != 2 else PassOutcome.SKIPPED, tokens=1000)
         if step % 2 == 1:
             w = tele.window(step)
             assert w["time/window_s"] == pytest.approx(w["time/data_s"] + w["time/forward_s"])
-            assert w["time/data_s"] == pytest.approx(0.02, abs=0.006)
+            assert w["time/data_s"] == pytest.approx(0.02)
             assert w["throughput/tokens_per_s"] == pytest.approx((2000 if step == 1 else 1000) / w["time/window_s"])
     out = tele.finish()
     assert out["telemetry/trained_tokens"] == 3000
-    assert out["telemetry/bucket/skipped_s"] == pytest.approx(0.04, abs=0.01)
+    assert out["telemetry/bucket/skipped_s"] == pytest.approx(0.04)
     assert out["telemetry/tokens_per_s"] == pytest.approx(3000 / out["telemetry/wall_s"])
     assert out["telemetry/goodput"] == pytest.approx(out["telemetry/bucket/productive_s"] / out["telemetry/wall_s"])
     assert "telemetry/energy_j" not in out and "telemetry/mfu" not in out   # both off
