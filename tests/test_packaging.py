@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = {"lowprec.gates.files": "gates", "lowprec.evals.texts": "eval_suites/texts"}
+DATA = {"lowprec.gates.files": "gates", "lowprec.evals.suite_files": "eval_suites", "lowprec.evals.texts": "eval_suites/texts"}
 
 
 def _setuptools() -> dict:
