@@ -68,3 +68,17 @@ def tiny_lm():
         shutil.copy(Path(__file__).with_name("tiny_lm.py"), Path(folder) / f"{name}.py")
         return name
     return write
+
+
+def pytest_collection_modifyitems(config, items):
+    """The test files that hold a `slow` test first, each file's tests kept together and in order.
+
+    `make test` hands whole files to two workers (`--dist loadfile --no-loadscope-reorder`), each
+    taking the next file when it is done: a long file taken last would leave one worker running
+    it alone, so the long ones are taken first and the short ones fill in at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    first_seen: dict = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.path, i)
+    order = {id(item): (item.path not in slow_files, first_seen[item.path], i) for i, item in enumerate(items)}
+    items.sort(key=lambda item: order[id(item)])
