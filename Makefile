@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 
 .PHONY: setup run test test-fast bench gpu-prep gpu-dry-run
 
-# `make test`: two pytest workers (pytest-xdist), a test file each at a time, then alone the
-# tests that compare timings across runs (marker `serial`). One BLAS thread per process, so that
+# `make test`: two pytest workers (pytest-xdist), a test file each at a time, the files in the
+# order tests/conftest.py gives (the long ones first, so that the two workers end together:
+# --no-loadscope-reorder, since xdist would otherwise order files by their number of tests),
+# then alone the tests that compare timings across runs (marker `serial`). One BLAS thread per process, so that
 # two workers on two cores do not oversubscribe them (the processes the tests start inherit it).
 PYTEST := OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q
 setup: $(STAMP)
@@ -56,12 +58,12 @@ test: $(STAMP)
 		  ( apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null 2>&1 ) ) || \
 		echo "postgresql could not be installed; the PostgreSQL tracking test will skip"; \
 	fi
-	$(PYTEST) -n 2 --dist loadfile -x -m "not serial" --durations=15
+	$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder -x -m "not serial" --durations=15
 	$(PYTEST) -x -m serial --durations=5
 
 # For iteration: everything but the slow tests (under 2 minutes).
 test-fast: $(STAMP)
-	$(PYTEST) -n 2 --dist loadfile -x -m "not slow and not serial"
+	$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder -x -m "not slow and not serial"
 
 bench: $(STAMP)
 	$(VENV)/bin/python experiments/bench_quantize.py

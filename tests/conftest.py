@@ -68,3 +68,33 @@ def tiny_lm():
         shutil.copy(Path(__file__).with_name("tiny_lm.py"), Path(folder) / f"{name}.py")
         return name
     return write
+
+
+# The longest files (measured with `--durations`), taken first in this order; the other files that
+# hold a `slow` test follow, then the rest. A hint for balance only: a stale list costs time, not
+# correctness.
+LONGEST_FIRST = ("test_wheel_install.py", "test_torchtitan_trainer.py", "test_kill_resume.py",
+                 "test_golden_trace.py", "test_smoke.py", "test_parallel_run.py", "test_gate_e2e.py",
+                 "test_fast_path_distributed.py", "test_hf_gate.py", "test_run_output.py",
+                 "test_one_writer.py", "test_run_tracking.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest test files first, each file's tests kept together and in order.
+
+    `make test` hands whole files to two workers (`--dist loadfile --no-loadscope-reorder`), each
+    taking the next file when it is done: a long file taken last would leave one worker running
+    it alone, so the long ones are taken first (LONGEST_FIRST, then the files that hold a `slow`
+    test) and the short ones fill in at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    first_seen: dict = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.path, i)
+
+    def rank(path) -> int:
+        if path.name in LONGEST_FIRST:
+            return LONGEST_FIRST.index(path.name)
+        return len(LONGEST_FIRST) + (path not in slow_files)
+
+    order = {id(item): (rank(item.path), first_seen[item.path], i) for i, item in enumerate(items)}
+    items.sort(key=lambda item: order[id(item)])

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -16,6 +17,7 @@ def _plan(config: Path):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_gpu_llama_plans(tmp_path):
     """Every linear layer of the 155M Llama is listed; the first and last blocks and the head
     stay high precision; both stages select sites; the backend is the torch one. The config's
@@ -40,6 +42,7 @@ def test_gpu_llama_plans(tmp_path):
     assert "mlp_fp8: 30 sites" in stages and "attn_fp8: 40 sites" in stages
 
 
+@pytest.mark.slow
 def test_gpu_llama_without_baseline_lists_it_as_missing():
     """As written, the plan prints and says that only the BF16 baseline run is still missing
     (train it first, with the command); a plan needs no baseline, so it exits 0."""

@@ -90,6 +90,7 @@ def _main(store, capsys, *args: str) -> tuple[int, str, str]:
     return code, cap.out, cap.err
 
 
+@pytest.mark.slow
 def test_harmless_difference_passes_planted_4pct_regresses_with_power(store):
     spec = GateSpec.from_yaml(DEFAULT)
     md, xml = store["root"] / "summary.md", store["root"] / "gate.xml"

@@ -88,6 +88,7 @@ def test_log_eval_records_mode_and_suite(store):
     assert doc["mode"] == "full" and doc["suite"] == "default"
 
 
+@pytest.mark.slow
 def test_killed_candidate_is_refused(store):
     p = _gate(store, "killed")
     assert p.returncode == 2, p.stdout + p.stderr
@@ -98,6 +99,7 @@ def test_killed_candidate_is_refused(store):
     assert p.stdout == ""
 
 
+@pytest.mark.slow
 def test_fast_eval_is_not_compared_with_a_full_one(store):
     p = _gate(store, "fastend")
     assert p.returncode == 2, p.stdout + p.stderr

@@ -7,9 +7,12 @@ that changes any decision, event or loss fails here. Re-record only for an inten
 
 import json
 
+import pytest
+
 from golden_trace import GOLDEN, trace
 
 
+@pytest.mark.slow
 def test_loop_matches_the_golden_trace(tmp_path):
     want = json.loads(GOLDEN.read_text())
     got = json.loads(json.dumps(trace(tmp_path)))

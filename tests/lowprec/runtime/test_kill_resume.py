@@ -9,8 +9,10 @@ checkpoint being written (a `*.tmp` in the checkpoint folder), an eval checkpoin
 (the step before it logged), and the tracker's journal growing (`outbox.jsonl`) or being sent
 (`outbox.ack` changing). The run is tiny (48 steps,
 a checkpoint every 3 steps, a rollout stage promoted at step 7, lm-eval evals of the
-`shakespeare` suite in fast mode at steps 16, 32 and 48); the test takes about two minutes
-on two cores, most of it Python start-up. evals.jsonl and the eval metrics are checked too.
+`shakespeare` suite in fast mode at steps 16, 32 and 48); its steps sleep a quarter second
+each while the file `slow` exists (during the kills, not in the reference run or the last
+resume; the numbers do not depend on it); the test takes about two minutes on two cores,
+most of it Python start-up. evals.jsonl and the eval metrics are checked too.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ STEPS = 48
 SEED = 12
 EVAL_AFTER = (15, 31, STEPS - 1)   # the steps after which an eval runs (eval.every 16, the final one)
 
-def _config(uri: str, experiment: str) -> dict:
+def _config(uri: str, experiment: str, slow_while: str | None = None) -> dict:
     return {
-        "model": {"factory": "killlm:build", "args": {"vocab": 256, "width": 32, "step_seconds": 0.25}},
+        "model": {"factory": "killlm:build", "args": {"vocab": 256, "width": 32, "step_seconds": 0.25,
+                                                      "slow_while": slow_while}},
         "data": {"factory": "killlm:tokens", "args": {"vocab": 256, "seed": 0}, "block_size": 16},
         "train": {"steps": STEPS, "batch_size": 4, "warmup": 2, "ckpt_every": 3, "log_every": 2},
         "precision": {"backend": "emulated", "default": "bf16", "keep_high_precision": [{"fqns": ["head"]}],
@@ -149,15 +152,17 @@ def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_p
     from mlflow.tracking import MlflowClient
     uri = sqlite_store(tmp_path / "store")
     tiny_lm(tmp_path, "killlm")
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(_config(uri, "kill")))
+    slow = tmp_path / "slow"   # steps sleep while it exists: only while the process may be killed
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(_config(uri, "kill", slow_while=str(slow))))
 
-    _finish(_start(tmp_path, "ref", resume=False))   # the uninterrupted reference
+    _finish(_start(tmp_path, "ref", resume=False))   # the uninterrupted reference, at full speed
     ref = tmp_path / "ref"
     assert any(e[1] == EventKind.PROMOTE for e in _events_jsonl(ref)), "the rollout must promote a stage"
 
     out, rng = tmp_path / "out", random.Random(SEED)
     kinds = ["time", "checkpoint", "journal", "ack", "eval"]
     kills, resume, log = 0, False, []
+    slow.touch()
     while kills < N_KILLS:
         how = kinds[kills % len(kinds)] if kills < len(kinds) else rng.choice(kinds)
         p = _start(tmp_path, "out", resume)
@@ -167,6 +172,7 @@ def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_p
         kills, resume = kills + 1, True
         log.append((how, _progress(out)))
     else:
+        slow.unlink()   # nothing left to kill
         _ended(_start(tmp_path, "out", resume=True))
     print("kills:", *log, sep="\n  ")
     assert kills >= N_KILLS * 3 // 4, log   # all of them, unless the run ended first

@@ -1,12 +1,13 @@
 """One writer per run folder (issue 42): a live `lowprec run` is never resumed beside itself.
 
-A tracked run trains (slowly: each step sleeps); while it trains, a `--resume`, a plain run on
-its folder and a `lowprec sync` of its outbox are started at once: all three exit 2 with one line
-that names the live run's pid and host. The run is then SIGKILLed and its folder is free at
-once: resumes with another model width and another seed are refused (exit 2, one line naming
-the key and both values and the commands that work) before MLflow is touched, and the right
-`--resume` continues the run: one MLflow run, FINISHED, exactly one point per (key, step),
-every event once, the losses bit for bit those of an uninterrupted run.
+A tracked run trains (slowly: each step sleeps while the file `slow` exists); while it trains, a
+`--resume`, a plain run on its folder and a `lowprec sync` of its outbox are started at once: all
+three exit 2 with one line that names the live run's pid and host. The run is then SIGKILLed and
+its folder is free at once: resumes with another model width and another seed are refused (exit 2,
+one line naming the key and both values and the commands that work) before MLflow is touched, and
+the right `--resume` continues the run at full speed (`slow` removed, the config unchanged): one
+MLflow run, FINISHED, exactly one point per (key, step), every event once, the losses bit for bit
+those of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from lowprec.cli import main
 STEPS = 60
 
 
-def _config(uri: str, *, width: int = 32, seed: int = 0, step_seconds: float = 0.5, tracked: bool = True) -> dict:
+def _config(uri: str, *, width: int = 32, seed: int = 0, step_seconds: float = 0.5, tracked: bool = True,
+            slow_while: str | None = None) -> dict:
     return {
-        "model": {"factory": "tinylm:build", "args": {"vocab": 64, "width": width, "step_seconds": step_seconds}},
+        "model": {"factory": "tinylm:build", "args": {"vocab": 64, "width": width, "step_seconds": step_seconds,
+                                                      "slow_while": slow_while}},
         "data": {"factory": "tinylm:tokens", "block_size": 16},
         "train": {"steps": STEPS, "batch_size": 4, "warmup": 2, "ckpt_every": 4, "log_every": 1, "seed": seed},
         "precision": {"backend": "emulated", "default": "bf16", "keep_high_precision": [{"fqns": ["head"]}],
@@ -70,7 +73,7 @@ def project(tmp_path, monkeypatch, tiny_lm, sqlite_store):
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     uri = sqlite_store(tmp_path / "store")
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(_config(uri)))
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(_config(uri, slow_while=str(tmp_path / "slow"))))
     return tmp_path, uri
 
 
@@ -94,7 +97,7 @@ def _refused_while_alive(root: Path, first: subprocess.Popen) -> None:
 
 def _refused_mismatch(root: Path, uri: str, capsys, change: dict, key: str, was, now) -> None:
     """A resume with another config: exit 2, one line, nothing written, MLflow untouched."""
-    (root / "other.yaml").write_text(yaml.safe_dump(_config(uri, **change)))
+    (root / "other.yaml").write_text(yaml.safe_dump(_config(uri, slow_while=str(root / "slow"), **change)))
     files, store = _files(root / "out"), _files(root / "store")
     capsys.readouterr()
     assert main(["run", "other.yaml", "--out", "out", "--resume"]) == 2
@@ -106,11 +109,12 @@ def _refused_mismatch(root: Path, uri: str, capsys, change: dict, key: str, was,
     assert _files(root / "out") == files and _files(root / "store") == store
 
 
-@pytest.mark.slow   # a run of 60 half-second steps, four more `lowprec` processes
+@pytest.mark.slow   # a run of half-second steps until killed, four more `lowprec` processes
 def test_a_live_run_has_one_writer_and_a_killed_one_resumes_exactly(project, capsys):
     from mlflow.tracking import MlflowClient
     root, uri = project
     journal = root / "out" / "tracking" / "outbox.jsonl"
+    (root / "slow").touch()
     first = _lowprec(root, "run", "run.yaml", "--out", "out")
     deadline = time.monotonic() + 240
     while first.poll() is None and max(_loss_steps(journal), default=-1) < 2 and time.monotonic() < deadline:
@@ -120,6 +124,7 @@ def test_a_live_run_has_one_writer_and_a_killed_one_resumes_exactly(project, cap
 
     first.send_signal(signal.SIGKILL)
     first.communicate(timeout=60)
+    (root / "slow").unlink()   # the resume need not sleep: numbers do not depend on it
     run_id = json.loads((root / "out" / "tracking" / "run.json").read_text())["run_id"]
     client = MlflowClient(uri)
     assert client.get_run(run_id).info.status == "RUNNING"

@@ -58,6 +58,7 @@ def runs(tmp_path_factory, sqlite_store):
     return clean, faulted
 
 
+@pytest.mark.slow
 def test_a_fault_on_fixed_steps_demotes_nothing(runs):
     _, faulted = runs
     kinds = [e.kind for e in faulted.events]

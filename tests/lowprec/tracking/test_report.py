@@ -78,6 +78,7 @@ def _has_color(png: bytes, hex_color: str, tol: int = 6) -> bool:
     return int((np.abs(img - want).max(-1) <= tol).sum()) > 500
 
 
+@pytest.mark.slow
 def test_thirty_layer_timeline_and_the_other_pictures(tmp_path):
     data = thirty_layer_rollout()
     paths = render_report(data, tmp_path)
