@@ -9,6 +9,7 @@ cast+transpose kernel, every scaling, with and without statistics, is compiled t
 from __future__ import annotations
 
 import inspect
+import os
 
 import pytest
 
@@ -20,6 +21,11 @@ pytest.importorskip("triton.backends.nvidia")
 from lowprec.numerics.formats import E4M3, E5M2  # noqa: E402
 from lowprec.numerics.kernels import cast_transpose as ct  # noqa: E402
 from lowprec.numerics.kernels.fp8_cast import _EPS, _odd_max, overflow_threshold  # noqa: E402
+
+# these tests compile the kernels' source for sm_90; under TRITON_INTERPRET=1 `triton.jit` gives
+# interpreted functions, which have no compiler path (the interpreter tests run the kernels instead)
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="TRITON_INTERPRET=1: the kernels are interpreted, not compiled")
 
 HOPPER = GPUTarget("cuda", 90, 32)
 POINTERS = dict(x_ptr="*bf16", q_ptr="*u8", qt_ptr="*u8", partial_ptr="*fp32", hist_ptr="*fp32",
