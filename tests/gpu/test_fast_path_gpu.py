@@ -199,14 +199,8 @@ def test_compiled_cast_is_the_kernels_in_inductors_code(rowwise):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("fmt", ["fp8_tensorwise", "fp8_delayed"])
-def test_fast_path_under_cuda_graphs_trains_as_eager(fmt, monkeypatch):
-    """torch.compile(mode="reduce-overhead") replays a fast-path layer's steps as CUDA graphs
-    (the casts are in the graph; a graph cudagraph trees would skip, as for a written input
-    that is not static, is an error here): three SGD steps give eager's weights, and the
-    delayed history advances as in eager (its in-place updates are replayed too)."""
-    import torch._inductor.config as inductor_config
-    monkeypatch.setattr(inductor_config.triton, "cudagraph_or_error", True)
+def _twin_layers(fmt: str) -> list:
+    """Two fast-path layers (d 1024, BF16) with the same weights and no statistics."""
     torch.manual_seed(0)
     base = nn.Linear(1024, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
     layers = [PrecisionLinear.from_module(nn.Linear(1024, 1024, bias=False, device="cuda", dtype=torch.bfloat16),
@@ -215,6 +209,18 @@ def test_fast_path_under_cuda_graphs_trains_as_eager(fmt, monkeypatch):
         with torch.no_grad():
             layer.weight.copy_(base.weight)
         layer.collect_stats = False
+    return layers
+
+
+@pytest.mark.parametrize("fmt", ["fp8_tensorwise", "fp8_delayed"])
+def test_fast_path_under_cuda_graphs_trains_as_eager(fmt, monkeypatch):
+    """torch.compile(mode="reduce-overhead") replays a fast-path layer's steps as CUDA graphs
+    (the casts are in the graph; a graph cudagraph trees would skip, as for a written input
+    that is not static, is an error here): three SGD steps give eager's weights, and the
+    delayed history advances as in eager (its in-place updates are replayed too)."""
+    import torch._inductor.config as inductor_config
+    monkeypatch.setattr(inductor_config.triton, "cudagraph_or_error", True)
+    layers = _twin_layers(fmt)
     runs = [layers[0], torch.compile(layers[1], mode="reduce-overhead")]
     opts = [torch.optim.SGD(layer.parameters(), lr=1e-2) for layer in layers]
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -239,14 +245,7 @@ def test_fast_path_under_a_manual_cuda_graph_trains_as_eager(fmt):
     PyTorch's CUDA-graph docs, and replayed on new data: the weight's casts are redone in every
     replay (the weight cache is bypassed while capturing: a hit then would replay the casts of
     the captured weight), and the delayed state is updated in place, as eager's."""
-    torch.manual_seed(0)
-    base = nn.Linear(1024, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
-    layers = [PrecisionLinear.from_module(nn.Linear(1024, 1024, bias=False, device="cuda", dtype=torch.bfloat16),
-                                          get_format(fmt), get_backend("torch")) for _ in range(2)]
-    for layer in layers:
-        with torch.no_grad():
-            layer.weight.copy_(base.weight)
-        layer.collect_stats = False
+    layers = _twin_layers(fmt)
     opts = [torch.optim.SGD(layer.parameters(), lr=1e-2) for layer in layers]
     g = torch.Generator(device="cuda").manual_seed(1)
     data = [(torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, generator=g),

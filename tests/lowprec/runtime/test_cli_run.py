@@ -168,25 +168,28 @@ def test_resume_skips_a_corrupt_checkpoint_and_exits_2_when_all_are(project, cap
     assert _tree(project) == before   # nothing written, nothing removed
 
 
+class MetricsTracker:
+    """A tracker that keeps what `log_metrics` is given and takes every other call silently."""
+
+    def __init__(self):
+        self.metrics = []
+
+    def log_metrics(self, step, metrics):
+        self.metrics.append((step, dict(metrics)))
+
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
 def test_the_loss_that_caused_a_rewind_is_tracked_under_its_own_names(project):
     from lowprec.policy.events import EventKind
     from lowprec.runtime.faults import parse_injection
     from lowprec.runtime.run import run_config
 
-    class Tracker:
-        def __init__(self):
-            self.metrics = []
-
-        def log_metrics(self, step, metrics):
-            self.metrics.append((step, dict(metrics)))
-
-        def __getattr__(self, name):
-            return lambda *a, **k: None
-
     cfg = _config({"train.steps": 20, "train.log_every": 1, "rollout.check_every": 2,
                    "rollout.rewind": {"enabled": True, "snapshot_every": 2, "keep": 4},
                    "rollout.thresholds": {"spike_min_history": 4}})
-    tracker = Tracker()
+    tracker = MetricsTracker()
     res = run_config(cfg, project / "out", tracker=tracker, faults=[parse_injection("loss_spike::12:14:1000")])
     rewinds = [e.step for e in res.events if e.kind is EventKind.REWIND]
     assert res.rewinds >= 1 and rewinds
@@ -226,18 +229,8 @@ def test_a_skipped_nan_step_leaves_no_hole_in_the_logged_loss_nor_in_the_summary
     from lowprec.runtime.loop import RunResult
     from lowprec.runtime.run import run_config, summary_text
 
-    class Tracker:
-        def __init__(self):
-            self.metrics = []
-
-        def log_metrics(self, step, metrics):
-            self.metrics.append((step, dict(metrics)))
-
-        def __getattr__(self, name):
-            return lambda *a, **k: None
-
     cfg = _config({"train.steps": 12, "train.log_every": 4})
-    tracker = Tracker()
+    tracker = MetricsTracker()
     res = run_config(cfg, project / "out", tracker=tracker, faults=[parse_injection("nan:up:5:6")])
     assert any(e.kind is EventKind.SKIP_STEP for e in res.events) and not all(map(math.isfinite, res.losses))
     logged = [m["train/loss"] for _, m in tracker.metrics if "train/loss" in m]
