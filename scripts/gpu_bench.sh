@@ -346,9 +346,9 @@ phase_body() {
     # NVML's energy counter (telemetry.energy: auto): nvidia-ml-py is in the image, not carried
     "$PY" -c "import pynvml; pynvml.nvmlInit(); print('NVML driver', pynvml.nvmlSystemGetDriverVersion())" \
       || echo "WARNING: pynvml/NVML unavailable: the energy per token will not be NVML-measured"
-    "$PY" -m lowprec.cli run "$cfg" --as-baseline --run-name bf16-baseline --out "$out/bf16-baseline" || return $?
-    "$PY" -m lowprec.cli run "$cfg" --out "$out/staged-rollout" || return $?
-    "$PY" -m lowprec.cli gate --baseline "$(cat "$out/bf16-baseline/run_id")" \
+    "$PY" -P -m lowprec.cli run "$cfg" --as-baseline --run-name bf16-baseline --out "$out/bf16-baseline" || return $?
+    "$PY" -P -m lowprec.cli run "$cfg" --out "$out/staged-rollout" || return $?
+    "$PY" -P -m lowprec.cli gate --baseline "$(cat "$out/bf16-baseline/run_id")" \
       --candidate "$(cat "$out/staged-rollout/run_id")" --gates gates/default.yaml \
       --markdown "$out/gate.md" --junit "$out/gate.xml" || rc=$?
     echo "Gate verdict (exit $rc): $(case $rc in 0) echo pass;; 1) echo REGRESSION;; *) echo unusable input;; esac)"
