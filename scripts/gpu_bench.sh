@@ -40,7 +40,7 @@ ALL_PHASES=(tests quantize linear profile mainjob te)
 # --- the plan ------------------------------------------------------------------------------
 # Seconds each phase may run (its `timeout`), and what each needs carried in (folders under
 # the wheels folder; te: every te/cNN, one per call) and present in the repository.
-declare -A BUDGET=([tests]=150 [quantize]=120 [linear]=270 [profile]=90 [mainjob]=480 [te]=480)
+declare -A BUDGET=([tests]=200 [quantize]=120 [linear]=230 [profile]=90 [mainjob]=480 [te]=480)
 declare -A CARRY=([tests]="ao" [quantize]="" [linear]="ao" [profile]="" [mainjob]="job data" [te]="")
 declare -A FILES=(
   [tests]="tests/gpu tests/lowprec/numerics/test_quantize_torch_parity.py tests/lowprec/numerics/kernels/test_fp8_cast.py"
