@@ -212,7 +212,8 @@ def _lowprec_model_class(base: type) -> type:
                                   "or LowprecConverter")
             setup = config._lowprec
             state = _prepare(self, setup)
-            setattr(self, PREPARED_ATTR, Prepared(setup, state))
+            from lowprec.sites.plan import ModelInfo
+            setattr(self, PREPARED_ATTR, Prepared(setup, state, info=ModelInfo.of(self)))
             self._lowprec_guard = self.register_forward_pre_hook(_not_hosted)
             logger.info(f"lowprec: {len(state.sites)} precision sites {_summary(state)}")
 
