@@ -16,8 +16,9 @@ rank. Format changes apply on the rank that holds the site; statistics of every 
 every rank through the monitor's one all-gather (each rank packs zeros for sites it lacks).
 
 `last_stage_loss`: torchtitan's schedule computes the loss on the last stage only (the other
-stages' `forward_backward_step` returns -1); one broadcast over the pp mesh gives every stage
-the last stage's loss, so every rank measures the same step and decides alike.
+stages' `forward_backward_step` returns -1); one broadcast over the pp mesh
+(`lowprec.runtime.parallel.from_last_stage`, as `lowprec run`'s pipeline engine does) gives
+every stage the last stage's loss, so every rank measures the same step and decides alike.
 """
 
 from __future__ import annotations
@@ -25,11 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lowprec.integrations.core import WholeModel
-from lowprec.runtime.parallel import local_state
+from lowprec.runtime.parallel import from_last_stage, local_state
 
 __all__ = ["Stages", "stages_of", "last_stage_loss", "refuse_unhosted"]
 
@@ -70,8 +70,7 @@ def last_stage_loss(local: torch.Tensor, pp_mesh) -> torch.Tensor:
     if pp_mesh is None:
         return local
     out = local.detach().reshape(-1).sum().float().clone()   # -1 (shape [1]) on the other stages
-    dist.broadcast(out, group=pp_mesh.get_group(), group_src=pp_mesh.size() - 1)
-    return out
+    return from_last_stage(out, pp_mesh.get_group(), pp_mesh.size())
 
 
 def refuse_unhosted(cfg) -> None:
