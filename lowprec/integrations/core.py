@@ -86,6 +86,20 @@ class WholeModel:
     info: object
 
 
+class _WholeMap:
+    """The whole model's precision map under pipeline stages, for tracking: the controller's
+    record of every site's format (the same on every rank) and the FLOP shares it gives."""
+
+    def __init__(self, whole: WholeModel, controller):
+        self.whole, self.controller = whole, controller
+
+    def formats(self) -> dict[str, str]:
+        return dict(self.controller.current)
+
+    def flops_share(self) -> dict[str, float]:
+        return self.whole.state.flops_share(self.controller.current)
+
+
 @dataclass(frozen=True)
 class GapOutcome:
     """The verdict of a framework's own evaluation against the same weights in high precision."""
@@ -116,6 +130,7 @@ class HostedRollout:
         self.after: AfterStep | None = None
         self.tracker = None
         self.evals = None
+        self.map = self.state   # what tracking logs as the precision map (`start`: the whole model's under stages)
         self._pending: StepResult | None = None
         self._ended = False
 
@@ -175,11 +190,11 @@ class HostedRollout:
                                group=group, clip=clip, lr_probe=lr_probe, sites=sites, event_log=event_log,
                                on_events=self.tracker.log_events if self.tracker is not None else None,
                                settings=SessionSettings.from_rollout(cfg.rollout, max_grad_norm=max_grad_norm))
-        self.after = AfterStep(self.session, self.state, tracker=self.tracker, evals=self.evals,
-                               baseline=self.baseline, current_formats=self.formats)
+        self.map = self.state if self.whole is None or controller is None else _WholeMap(self.whole, controller)
+        self.after = AfterStep(self.session, self.map, tracker=self.tracker, evals=self.evals, baseline=self.baseline)
         if self.tracker is not None:
             self.tracker.log_config(cfg.to_dict())
-            self.tracker.log_precision(0, self.state.formats(), self.state.flops_share())
+            self.tracker.log_precision(0, self.map.formats(), self.map.flops_share())
         return self.session
 
     def _open_tracker(self, run_name: str, buffer_root: str | Path, attach: Attach | None,
@@ -233,10 +248,7 @@ class HostedRollout:
     def formats(self) -> dict[str, str]:
         """Every site's format now (fqn -> format name). Under pipeline stages (`whole`) the
         controller's record, which covers every stage and is the same on every rank."""
-        ctl = self.session.controller if self.session is not None else None
-        if self.whole is not None and ctl is not None:
-            return dict(ctl.current)
-        return self.state.formats()
+        return self.map.formats()
 
     @property
     def below_high_precision(self) -> bool:
@@ -266,7 +278,7 @@ class HostedRollout:
                                             f"eval/{name}/precision_gap": gap})
         if tolerance is not None and self.session is not None:
             if self.session.after_eval(step, outcome).changes and self.tracker is not None:
-                self.tracker.log_precision(step, self.state.formats(), self.state.flops_share())
+                self.tracker.log_precision(step, self.map.formats(), self.map.flops_share())
         return outcome
 
     # ------------------------------------------------------------------ resume
@@ -301,7 +313,7 @@ class HostedRollout:
         self.after.load_state_dict({"losses": saved["losses"]})
         if self.tracker is not None:
             self.tracker.log_metrics(self.step, {"train/resumed_at": self.step})
-            self.tracker.log_precision(self.step, self.state.formats(), self.state.flops_share())
+            self.tracker.log_precision(self.step, self.map.formats(), self.map.flops_share())
 
     # ------------------------------------------------------------------ the end
     def end(self, status: RunStatus = RunStatus.FINISHED) -> None:

@@ -214,10 +214,12 @@ def test_pipeline_2_stages_nan_on_the_stage_that_holds_the_site_skip_and_rewind(
     part): every rank sees the last stage's loss, the NaN planted on the rank whose stage holds SITE
     is bisected by replays through torchtitan's pipeline schedule and that site falls back there
     (every rank's controller records it); the logits spike is skipped and rewound (each rank's own
-    stages' parameters and optimizer state)."""
+    stages' parameters and optimizer state); rank 0 tracks every stage's precision map."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     plan = PLAN.replace("  thresholds: {site_patience: 1}", """\
   thresholds: {site_patience: 1, large_warmup: 2, large_factor: 3.0}
-  rewind: {enabled: true, snapshot_every: 2, keep: 3}""")
+  rewind: {enabled: true, snapshot_every: 2, keep: 3}""").replace(
+        "tracking: {enabled: false}", f'tracking: {{uri: "{uri}", experiment: titan}}')
     steps = 10
     job = TitanJob(tmp_path, plan, steps=steps, checkpoint_every=steps,
                    faults=[fault("nan", SITE, NAN_AT, NAN_AT + 1, rank=PP_SITE_RANK),
@@ -235,3 +237,7 @@ def test_pipeline_2_stages_nan_on_the_stage_that_holds_the_site_skip_and_rewind(
         assert r["rewinds"] == 1 and r["titan_step"] == steps and r["skipped"] == 2   # NaN, spike; then the rewind
         assert r["step"] == 4 + (steps - SPIKE_AT - 2) and len(r["losses"]) == r["step"]
         assert r["losses"] == reports[0]["losses"]   # the last stage's loss on every rank
+    # rank 0 tracks the whole model's precision map: SITE's BF16 share, though SITE is rank 1's
+    client, run = _mlflow_run(uri)
+    shares = {k.rsplit("/", 1)[1]: v for k, v in run.data.metrics.items() if k.startswith("precision/flops_share/")}
+    assert 0 < shares["bf16"] < 0.1 and shares["bf16"] + shares["fp8_tensorwise"] == pytest.approx(1), shares
