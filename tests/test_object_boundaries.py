@@ -57,9 +57,6 @@ ALLOWED: dict[str, str] = {
     "lowprec/runtime/fsdp_fp8.py: fp._unsharded_inner_tensors":
         "FSDP2's FSDPParam keeps its gather buffers here and has no public way to drop them "
         "(torch/distributed/fsdp/_fully_shard/_fsdp_param.py)",
-    "lowprec/integrations/torchtitan_probe.py: trainer._tap.paused":
-        "the probe pauses LowprecTrainer's loss tap; to become a LowprecTrainer method "
-        "(lowprec/integrations/torchtitan_trainer.py, files of the torchtitan work, r2-40)",
 }
 
 

@@ -41,7 +41,8 @@ from lowprec.runtime.session import Session, SessionSettings, StepResult
 from lowprec.tracking.records import RunStatus
 from lowprec.policy.verdicts import Verdict
 
-__all__ = ["framework_config", "HostedRollout", "HostedCallback", "Attach", "GapOutcome", "allreduce_grads"]
+__all__ = ["framework_config", "HostedRollout", "HostedCallback", "Attach", "GapOutcome", "WholeModel",
+           "allreduce_grads"]
 
 STATE_FORMAT, STATE_VERSION = "lowprec.hosted_rollout", 1
 
@@ -75,6 +76,31 @@ def allreduce_grads(model: nn.Module, group=None) -> None:
 
 
 @dataclass(frozen=True)
+class WholeModel:
+    """A model split into pipeline stages, as a rank that holds some of them sees the whole:
+    `state`, a PrecisionState naming every site of the model in forward order (the controller
+    decides over all of them, alike on every rank), and `info`, the whole model's modules and
+    block lists (`lowprec.sites.plan.ModelInfo`, taken before the split: the stages'
+    selectors resolve against it)."""
+    state: object
+    info: object
+
+
+class _WholeMap:
+    """The whole model's precision map under pipeline stages, for tracking: the controller's
+    record of every site's format (the same on every rank) and the FLOP shares it gives."""
+
+    def __init__(self, whole: WholeModel, controller):
+        self.whole, self.controller = whole, controller
+
+    def formats(self) -> dict[str, str]:
+        return dict(self.controller.current)
+
+    def flops_share(self) -> dict[str, float]:
+        return self.whole.state.flops_share(self.controller.current)
+
+
+@dataclass(frozen=True)
 class GapOutcome:
     """The verdict of a framework's own evaluation against the same weights in high precision."""
     verdict: Verdict
@@ -86,21 +112,25 @@ class HostedRollout:
     """lowprec's plan, session, evals and tracking inside a framework's training loop."""
 
     def __init__(self, config: LowprecConfig | str | Path, model: nn.Module, *, seed: int = 0,
-                 baseline: dict[int, float] | None = None, state=None):
+                 baseline: dict[int, float] | None = None, state=None, whole: WholeModel | None = None):
         """Prepares `model` now (its planned Linear layers become PrecisionLinear holding the same
         Parameters), so do this before the framework wraps the model or builds the optimizer.
         baseline: the BF16 run's loss per step, for `rollout.thresholds.loss_gap`.
         state: the PrecisionState of a model prepared already (a framework that prepares its
-        layers when it builds the model: torchtitan's converter); `model` is then not prepared again."""
+        layers when it builds the model: torchtitan's converter); `model` is then not prepared again.
+        whole: `model` and `state` are this rank's pipeline stages of the model `whole` names:
+        the controller decides over every site, the session over this rank's (as `lowprec run`'s
+        pipeline engine: `Session(sites=...)`)."""
         from lowprec.sites.precision_state import prepare
         config = framework_config(config)
-        self.config, self.model, self.baseline = config, model, baseline
+        self.config, self.model, self.baseline, self.whole = config, model, baseline, whole
         self.state = prepare(model, config.precision, seed=seed) if state is None else state
         self._validate()
         self.session: Session | None = None
         self.after: AfterStep | None = None
         self.tracker = None
         self.evals = None
+        self.map = self.state   # what tracking logs as the precision map (`start`: the whole model's under stages)
         self._pending: StepResult | None = None
         self._ended = False
 
@@ -108,7 +138,8 @@ class HostedRollout:
         """Everything the config names, checked now rather than when training starts
         (`lowprec.runtime.framework_check`); the baseline curve it names is read here."""
         from lowprec.runtime.framework_check import check_framework_config
-        self.baseline, _ = check_framework_config(self.config, self.state, self.model, self.baseline)
+        state, model = (self.state, self.model) if self.whole is None else (self.whole.state, self.whole.info)
+        self.baseline, _ = check_framework_config(self.config, state, model, self.baseline)
 
     @classmethod
     def from_yaml(cls, path: str | Path, model: nn.Module, **kwargs) -> "HostedRollout":
@@ -129,7 +160,8 @@ class HostedRollout:
               eval_forward: Callable[[torch.Tensor], torch.Tensor] | None = None, eval_tokenizer=None,
               max_length: int = 256, run_name: str = "lowprec", buffer_root: str | Path = "lowprec-runs",
               attach: Attach | None = None, group=None, clip: Callable[[], torch.Tensor] | None = None,
-              lr_probe=None, buffer: str | Path | None = None, resume_tracking: bool = False) -> Session:
+              lr_probe=None, buffer: str | Path | None = None, resume_tracking: bool = False,
+              event_log: str | Path | None = None) -> Session:
         """Build the controller, the session, the eval checkpoints and the tracker, when the
         framework has built its optimizer and scheduler (the unwrapped torch objects).
         eval_forward(tokens) -> logits: how `eval:` suites run the model (default: the model).
@@ -139,7 +171,8 @@ class HostedRollout:
         lr_probe: the LR probe (`lowprec.runtime.lrprobe.LRProbe`) when `rollout.lr_probe` is on.
         buffer: the tracker's buffer folder (default: a new one under `buffer_root`);
         resume_tracking: continue the unfinished MLflow run that folder holds (a resumed job's,
-        `lowprec.tracking.resume`: what its journal holds is not logged again)."""
+        `lowprec.tracking.resume`: what its journal holds is not logged again).
+        event_log: a JSONL file the session appends the rollout's events to (one writer)."""
         cfg = self.config
         self.tracker = self._open_tracker(run_name, buffer_root, attach, buffer, resume_tracking)
         if cfg.eval is not None:
@@ -149,17 +182,19 @@ class HostedRollout:
         controller = None
         if cfg.rollout is not None:
             from lowprec.policy.rollout import build_controller
-            controller = build_controller(cfg.rollout, self.state, self.model, baseline=self.baseline,
+            state, model = (self.state, self.model) if self.whole is None else (self.whole.state, self.whole.info)
+            controller = build_controller(cfg.rollout, state, model, baseline=self.baseline,
                                           gate=self.evals.gate if self.evals is not None else None)
+        sites = list(self.whole.state.sites) if self.whole is not None and controller is not None else None
         self.session = Session(self.model, optimizer, self.state, controller, scheduler=scheduler,
-                               group=group, clip=clip, lr_probe=lr_probe,
+                               group=group, clip=clip, lr_probe=lr_probe, sites=sites, event_log=event_log,
                                on_events=self.tracker.log_events if self.tracker is not None else None,
                                settings=SessionSettings.from_rollout(cfg.rollout, max_grad_norm=max_grad_norm))
-        self.after = AfterStep(self.session, self.state, tracker=self.tracker, evals=self.evals,
-                               baseline=self.baseline)
+        self.map = self.state if self.whole is None or controller is None else _WholeMap(self.whole, controller)
+        self.after = AfterStep(self.session, self.map, tracker=self.tracker, evals=self.evals, baseline=self.baseline)
         if self.tracker is not None:
             self.tracker.log_config(cfg.to_dict())
-            self.tracker.log_precision(0, self.state.formats(), self.state.flops_share())
+            self.tracker.log_precision(0, self.map.formats(), self.map.flops_share())
         return self.session
 
     def _open_tracker(self, run_name: str, buffer_root: str | Path, attach: Attach | None,
@@ -210,6 +245,11 @@ class HostedRollout:
         self.after(result, float(result.loss), self.session.optimizer.param_groups[0]["lr"] if lr is None else lr)
         return result
 
+    def formats(self) -> dict[str, str]:
+        """Every site's format now (fqn -> format name). Under pipeline stages (`whole`) the
+        controller's record, which covers every stage and is the same on every rank."""
+        return self.map.formats()
+
     @property
     def below_high_precision(self) -> bool:
         """Some layer runs below high precision now (a high-precision eval would differ)."""
@@ -238,7 +278,7 @@ class HostedRollout:
                                             f"eval/{name}/precision_gap": gap})
         if tolerance is not None and self.session is not None:
             if self.session.after_eval(step, outcome).changes and self.tracker is not None:
-                self.tracker.log_precision(step, self.state.formats(), self.state.flops_share())
+                self.tracker.log_precision(step, self.map.formats(), self.map.flops_share())
         return outcome
 
     # ------------------------------------------------------------------ resume
@@ -273,7 +313,7 @@ class HostedRollout:
         self.after.load_state_dict({"losses": saved["losses"]})
         if self.tracker is not None:
             self.tracker.log_metrics(self.step, {"train/resumed_at": self.step})
-            self.tracker.log_precision(self.step, self.state.formats(), self.state.flops_share())
+            self.tracker.log_precision(self.step, self.map.formats(), self.map.flops_share())
 
     # ------------------------------------------------------------------ the end
     def end(self, status: RunStatus = RunStatus.FINISHED) -> None:

@@ -31,7 +31,8 @@ converters to the model's *config tree* before the model is built. lowprec takes
   norm where torchtitan computes it, skips (the step withheld from the optimizers in their
   step pre-hook), replay attribution, rewinds from in-memory snapshots of each rank's shards,
   the LR probe, eval checkpoints and the gate, MLflow tracking from rank 0, and the rollout's
-  state in torchtitan's checkpoints. Its docstring says how each is done.
+  state in torchtitan's checkpoints, under FSDP, HSDP, TP and pipeline parallelism. Its
+  docstring says how each is done.
 
 A model built with the converter but trained by torchtitan's plain `Trainer` stops at its
 first forward with an error that says to use `lowprec_trainer` (it would otherwise train
@@ -43,13 +44,11 @@ What is not hosted, and why:
   need CUDA, so nothing on a CPU can build or test them; hosting them takes what the
   `torchao` sites have: a site class with torchtitan's `Module` mixed in, built on the meta
   device (TE's `device="meta"`) and initialized from torchtitan's `init_weights`, tested on a GPU;
-* pipeline parallelism (refused when the trainer is built): not built. torchtitan's pipeline
-  schedule (torchtitan/trainer.py, `forward_backward_step` with pp) computes the loss on the
-  last stage only (the other stages return -1), with the loss function it was built with, and
-  runs every micro-batch's forward and backward inside one `pp_schedule.step`; each rank holds
-  some stages' sites. Hosting it takes the loss broadcast from the last stage, the schedule's
-  loss function tapped, a replay through `pp_schedule.step` and a PrecisionState per rank's
-  stages (`lowprec_trainer`'s `_pp_refusal` says so; `lowprec run` has pipeline stages);
+* under pipeline parallelism, eval suites and the LR probe (refused when the trainer is built):
+  not built. Both run the model's forward on their own batches, which under torchtitan's
+  pipeline schedule must be a schedule step on every stage (`pp_schedule.eval`, as its
+  Validator does); training itself is hosted under pipeline parallelism
+  (`lowprec.integrations.torchtitan_stages`);
 * LoRA's converter together with lowprec's (refused when the model is built): not built;
   lowprec's swap would replace the LoRA layers, adapters and all. Hosting it takes a site that
   wraps the LoRA layer's frozen base GEMM and leaves the adapters in high precision.
@@ -212,7 +211,8 @@ def _lowprec_model_class(base: type) -> type:
                                   "or LowprecConverter")
             setup = config._lowprec
             state = _prepare(self, setup)
-            setattr(self, PREPARED_ATTR, Prepared(setup, state))
+            from lowprec.sites.plan import ModelInfo
+            setattr(self, PREPARED_ATTR, Prepared(setup, state, info=ModelInfo.of(self)))
             self._lowprec_guard = self.register_forward_pre_hook(_not_hosted)
             logger.info(f"lowprec: {len(state.sites)} precision sites {_summary(state)}")
 

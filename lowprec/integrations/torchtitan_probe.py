@@ -44,30 +44,21 @@ def lr_probe_for(trainer, rollout, clip):
     from torchtitan.components.loss import IGNORE_INDEX
     input_dict, labels = _held_batch(trainer)
     local_tokens = (labels != IGNORE_INDEX).sum()
-    tokens = trainer._global_loss(local_tokens)   # the global count, as train_step computes it
+    tokens = trainer.global_loss(local_tokens)   # the global count, as train_step computes it
 
     def forward_backward() -> torch.Tensor:
-        seen, trainer._tap.paused = trainer.ntokens_seen, True
-        try:
-            with torch.enable_grad():
-                loss = trainer.forward_backward_step(input_dict=dict(input_dict), labels=labels,
-                                                     global_valid_tokens=tokens)
-            return trainer._global_loss(loss.detach())
-        finally:
-            trainer.ntokens_seen, trainer._tap.paused = seen, False
+        with trainer.not_recorded(), torch.enable_grad():
+            loss = trainer.forward_backward_step(input_dict=dict(input_dict), labels=labels, global_valid_tokens=tokens)
+        return trainer.global_loss(loss.detach())
 
     def held_loss() -> torch.Tensor:
-        seen, trainer._tap.paused = trainer.ntokens_seen, True
-        try:
-            with torch.no_grad():
-                inputs, y, extra = trainer.post_dataloading_process(dict(input_dict), labels)
-                with trainer.train_context():
-                    pred = trainer.model_parts[0](inputs, **extra)
-                    kw = {"positions": extra["positions"]} if "positions" in extra else {}
-                    loss, _ = trainer.loss_fn(pred, y, tokens, **kw)
-            return trainer._global_loss(loss.detach())
-        finally:
-            trainer.ntokens_seen, trainer._tap.paused = seen, False
+        with trainer.not_recorded(), torch.no_grad():
+            inputs, y, extra = trainer.post_dataloading_process(dict(input_dict), labels)
+            with trainer.train_context():
+                pred = trainer.model_parts[0](inputs, **extra)
+                kw = {"positions": extra["positions"]} if "positions" in extra else {}
+                loss, _ = trainer.loss_fn(pred, y, tokens, **kw)
+        return trainer.global_loss(loss.detach())
 
     optimizer = trainer.optimizers.optimizers[0]
     return LRProbe(trainer.model_parts[0], optimizer, forward_backward, held_loss,

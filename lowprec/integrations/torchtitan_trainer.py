@@ -5,12 +5,14 @@ A job's config function returns `lowprec_trainer(config)` (`lowprec.integrations
 stays as it is (its train loop, data loader, parallelisms, checkpointer, metrics logging);
 lowprec joins at the points torchtitan has:
 
-* the loss: the trainer's loss function is wrapped, so the loss of every micro-batch is
-  kept (torchtitan's per-micro-batch loss, the rank's token sum over the global token count)
-  with the step's global token count; the step's loss is their sum over micro-batches and
-  over the data-parallel ranks (one all-reduce over torchtitan's `loss` mesh), the mean loss
+* the loss: torchtitan's `forward_backward_step` is extended to keep what it returns (per
+  micro-batch, or per pipeline step: the rank's token sum over the global token count) with
+  the step's global token count; the step's loss is their sum, from the last pipeline stage
+  (one broadcast over the pp mesh: the other stages hold -1) and summed over the
+  data-parallel ranks (one all-reduce over torchtitan's `loss` mesh): the mean loss
   torchtitan logs, the same on every rank.
-* the grad norm: torchtitan's `clip_grad_norm_` (its sharding-aware global norm). lowprec
+* the grad norm: torchtitan's `clip_grad_norm_` (its sharding-aware global norm, reduced
+  over the pipeline stages through its `pp_mesh`). lowprec
   must see the norm before clipping (a grad-norm spike is invisible after it), so torchtitan's
   own clip runs with `max_norm` inf (it measures; its logged `grad_norm` is the same
   unclipped norm) and lowprec clips at `training.max_norm` with that same function in the
@@ -21,7 +23,10 @@ lowprec joins at the points torchtitan has:
   `optimizers.step()` changes nothing (AdamW's moments and step count included); torchtitan
   still steps its LR schedulers, as lowprec's own loop does on a skip.
 * replay attribution: the closure runs torchtitan's own `forward_backward_step` again on the
-  step's micro-batches (recorded as torchtitan draws them) with the same global token count.
+  step's micro-batches (recorded as torchtitan draws them, grouped as its train step groups
+  them) with the same global token count; under pipeline parallelism that is one
+  `pp_schedule.step` per group on every stage (every rank replays alike: each measured the
+  same loss and norm), the sites of each stage in high precision on the rank that holds them.
 * after the step (torchtitan's `train_step` returned: optimizers and schedulers stepped):
   `HostedRollout.after_optimizer_step`: a rewind puts model, optimizers, schedulers and RNG
   back from an in-memory snapshot (each rank its own shards: `MemorySnapshots` over the
@@ -46,12 +51,16 @@ lowprec joins at the points torchtitan has:
   names the MLflow run), so a job torchtitan resumes resumes its rollout. A checkpoint without it is refused unless
   `lowprec_restore` is false.
 
-Refused when the trainer is built: pipeline parallelism (`_pp_refusal`: not built in lowprec;
-the refusal says what torchtitan's pipeline schedule changes and what hosting it takes).
+* pipeline parallelism: each rank hosts the sites of its own stages, the controller decides
+  over every site of the model (`lowprec.integrations.torchtitan_stages`); skips, rewinds
+  (each rank snapshots its own stages' parameters and optimizer state) and replays as above.
+  Refused under it when the trainer is built: `eval:` and `rollout.lr_probe` (both run the
+  model's forward outside the schedule; `refuse_unhosted` says what it takes).
 """
 
 # no `from __future__ import annotations`: torchtitan (tyro) resolves the config dataclasses' field types
 
+import contextlib
 import dataclasses
 import io
 import math
@@ -70,6 +79,7 @@ from torchtitan.trainer import Trainer  # noqa: E402
 
 from lowprec.integrations.core import HostedRollout  # noqa: E402
 from lowprec.integrations.state_files import MissingRolloutStateError  # noqa: E402
+from lowprec.integrations.torchtitan_stages import last_stage_loss, refuse_unhosted, stages_of  # noqa: E402
 from lowprec.integrations.torchtitan_tracking import (JobRun, check_resumed_run, job_run,  # noqa: E402
                                                       torchtitan_resumes)
 from lowprec.policy.decisions import Action  # noqa: E402
@@ -84,12 +94,14 @@ PREPARED_ATTR = "_lowprec_prepared"   # a built model's attribute holding its Pr
 @dataclass
 class Prepared:
     """A built model's lowprec part (`LowprecConverter` sets it): the converter's `setup`
-    (the checked config, seed, event log) and the PrecisionState of its layers; `hosted`, the
+    (the checked config, seed, event log), the PrecisionState of its layers and `info`, the
+    whole model's ModelInfo (both taken when it was built); `hosted`, the
     LowprecTrainer's HostedRollout once a trainer hosts it."""
 
     setup: object
     state: object
     hosted: object = None
+    info: object = None   # the whole model's ModelInfo, taken when it was built (before a pipeline split)
 
 
 def prepared_of(model) -> Prepared:
@@ -99,27 +111,6 @@ def prepared_of(model) -> Prepared:
         raise ValueError(f"{type(model).__name__} was not built with LowprecConverter; add "
                          "LowprecConverter.Config(config=...) to model_registry(..., converters=[...])")
     return p
-
-
-class _LossTap:
-    """torchtitan's loss function, keeping each micro-batch's loss and the global token count."""
-
-    def __init__(self, loss_fn):
-        self.loss_fn = loss_fn
-        self.losses: list[torch.Tensor] = []
-        self.global_valid_tokens = None
-        self.paused = False
-
-    def __call__(self, pred, labels, global_valid_tokens, **kwargs):
-        out = self.loss_fn(pred, labels, global_valid_tokens, **kwargs)
-        if not self.paused:
-            loss = out[0] if isinstance(out, tuple) else out
-            self.losses.append(loss.detach())
-            self.global_valid_tokens = global_valid_tokens
-        return out
-
-    def __getattr__(self, name):   # set_lm_head and the like: the wrapped loss's
-        return getattr(self.__dict__["loss_fn"], name)
 
 
 class _Drawn:
@@ -209,25 +200,31 @@ class LowprecTrainer(Trainer):
     def __init__(self, config: Config):
         super().__init__(config)
         dims = self.parallel_dims
-        if dims.pp_enabled or len(self.model_parts) != 1:
-            raise _pp_refusal(dims)
-        model = self.model_parts[0]
-        prepared = prepared_of(model)
+        parts = [prepared_of(m) for m in self.model_parts]
+        prepared = parts[0]
+        if dims.pp_enabled:
+            refuse_unhosted(prepared.setup.config)
+        stages = stages_of(self.model_parts, parts, dims.pp_enabled)
         self.max_norm = config.training.max_norm
         config.training.max_norm = math.inf   # torchtitan measures; lowprec clips (before the optimizers)
         self._loss_mesh = dims.get_optional_mesh("loss")
-        self.loss_fn = self._tap = _LossTap(self.loss_fn)
+        self._pp_mesh = dims.get_optional_mesh("pp") if dims.pp_enabled else None
+        self._losses: list[torch.Tensor] = []
+        self._tokens = None
+        self._recording = True
         self._drawn: _Drawn | None = None
         self._withheld = False
         self.restored = False
-        params = [p for p in model.parameters()]
-        self.hosted = HostedRollout(prepared.setup.config, model, seed=prepared.setup.seed, state=prepared.state,
-                                    baseline=_baseline(prepared.setup.config))
-        prepared.hosted = self.hosted
-        model._lowprec_guard.remove()
+        params = [p for m in self.model_parts for p in m.parameters()]
+        self.hosted = HostedRollout(prepared.setup.config, stages.model, seed=prepared.setup.seed, state=stages.state,
+                                    baseline=_baseline(prepared.setup.config), whole=stages.whole)
+        for model, p in zip(self.model_parts, parts):
+            p.hosted = self.hosted
+            model._lowprec_guard.remove()
 
         def clip() -> torch.Tensor:
-            return dist_utils.clip_grad_norm_(params, self.max_norm, foreach=True, ep_enabled=dims.ep_enabled)
+            return dist_utils.clip_grad_norm_(params, self.max_norm, foreach=True, pp_mesh=self._pp_mesh,
+                                              ep_enabled=dims.ep_enabled)
 
         from lowprec.integrations.torchtitan_probe import lr_probe_for
         probe = lr_probe_for(self, prepared.setup.config.rollout, clip)
@@ -236,16 +233,15 @@ class LowprecTrainer(Trainer):
         self.hosted.start(_Optimizers(self.optimizers), self.lr_schedulers, clip=clip, eval_forward=self._logits,
                           run_name=run_name, lr_probe=probe, max_length=config.training.seq_len,
                           buffer=self.job_run.folder if self.job_run else None,
-                          resume_tracking=self.job_run is not None and self.job_run.resume)
+                          resume_tracking=self.job_run is not None and self.job_run.resume,
+                          event_log=prepared.setup.event_log if prepared.setup.event_log and process_rank() == 0
+                          else None)
         if self.job_run is not None and self.job_run.continues:
             self.hosted.tracker.log_tags({"lowprec.continues_run": self.job_run.continues})
             logger.info(f"lowprec: MLflow run {self.job_run.continues} finished; this resumed job tracks into a "
                         f"new run (tag lowprec.continues_run)")
         if self.hosted.evals is not None:   # every rank evaluates; rank 0's outcome goes to every rank
             self.hosted.evals.share = from_rank_0
-        if prepared.setup.event_log and process_rank() == 0:
-            from lowprec.policy.events import EventLog
-            self.hosted.session.log = EventLog(prepared.setup.event_log)
         self.optimizers.register_step_pre_hook(self._before_optimizer_step)
         if getattr(self.checkpointer, "enable", False):
             self._checkpoint_rollout(config.lowprec_restore)
@@ -269,7 +265,7 @@ class LowprecTrainer(Trainer):
     # ------------------------------------------------------------------ each step
     def train_step(self, data_iterator) -> None:
         self._drawn = _Drawn(data_iterator)
-        self._tap.losses.clear()
+        self._losses.clear()
         self._withheld = False
         self.hosted.begin_step()   # the RNG and scaling state a replay starts from
         try:
@@ -287,38 +283,60 @@ class LowprecTrainer(Trainer):
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         """The optimizers' step pre-hook: decide; a skip or rewind withholds the gradients."""
-        if not self._tap.losses or self._drawn is None:
+        if not self._losses or self._drawn is None:
             return None   # not a training step lowprec saw
-        loss = self._global_loss(torch.stack(self._tap.losses).sum())
+        loss = self.global_loss(torch.stack([x.reshape(-1).sum() for x in self._losses]).sum())
         result = self.hosted.before_optimizer_step(loss, self._closure(list(self._drawn.items)))
         self._withheld = result.decision.action is not Action.CONTINUE
         return None
 
-    def _global_loss(self, local: torch.Tensor) -> torch.Tensor:
-        """The rank's loss summed over the data-parallel ranks: the step's mean loss, as torchtitan logs it."""
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
+        """torchtitan's, keeping the loss it returns and the global token count (see the module docstring)."""
+        loss = super().forward_backward_step(input_dict=input_dict, labels=labels,
+                                             global_valid_tokens=global_valid_tokens)
+        if self._recording:
+            self._losses.append(loss.detach())
+            self._tokens = global_valid_tokens
+        return loss
+
+    @contextlib.contextmanager
+    def not_recorded(self):
+        """Forwards that are not the step's (a replay, the LR probe): their losses are not kept
+        and torchtitan's count of tokens seen stays as it was."""
+        seen, self._recording = self.ntokens_seen, False
+        try:
+            yield
+        finally:
+            self.ntokens_seen, self._recording = seen, True
+
+    def global_loss(self, local: torch.Tensor) -> torch.Tensor:
+        """The rank's loss (its forward_backward_step's) as the step's mean loss torchtitan logs,
+        the same on every rank: the last pipeline stage's, summed over the data-parallel ranks."""
         local = local.full_tensor() if hasattr(local, "full_tensor") else local
+        local = last_stage_loss(local, self._pp_mesh)
         if self._loss_mesh is None:
             return local
         return dist_utils.dist_sum_tensor(local, self._loss_mesh)
 
     def _closure(self, drawn: list):
-        """The step's forward and backward again, on the micro-batches it drew, through torchtitan."""
-        tokens = self._tap.global_valid_tokens
+        """The step's forward and backward again, on the micro-batches it drew, through torchtitan
+        (under pipeline parallelism: its schedule, one step per group of micro-batches)."""
+        tokens, n = self._tokens, self.num_pipeline_parallel_microbatches
+        groups = [drawn[i:i + n] for i in range(0, len(drawn), n)]
 
         def replay() -> torch.Tensor:
-            seen, self._tap.paused = self.ntokens_seen, True
-            try:
-                total = None
-                with torch.enable_grad():
-                    for input_dict, labels in drawn:
-                        inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
-                                  for k, v in input_dict.items()}
-                        loss = self.forward_backward_step(input_dict=inputs, labels=labels.to(self.device),
-                                                          global_valid_tokens=tokens).detach()
-                        total = loss if total is None else total + loss
-                return self._global_loss(total)
-            finally:
-                self.ntokens_seen, self._tap.paused = seen, False
+            total = None
+            with self.not_recorded(), torch.enable_grad():
+                for group in groups:
+                    inputs = [{k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in d.items()}
+                              for d, _ in group]
+                    labels = [y.to(self.device) for _, y in group]
+                    if self._pp_mesh is None:
+                        inputs, labels = inputs[0], labels[0]
+                    loss = self.forward_backward_step(input_dict=inputs, labels=labels,
+                                                      global_valid_tokens=tokens).detach().reshape(-1).sum()
+                    total = loss if total is None else total + loss
+            return self.global_loss(total)
         return replay
 
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -364,20 +382,3 @@ def _baseline(cfg) -> dict[int, float] | None:
     from lowprec.tracking.cli import default_tracking_uri
     curve = losses_of_run(cfg.tracking.uri or default_tracking_uri(), cfg.tracking.experiment, b.mlflow_run)
     return {i: float(v) for i, v in enumerate(curve) if math.isfinite(float(v))}
-
-
-def _pp_refusal(dims) -> Exception:
-    """lowprec does not host torchtitan's pipeline schedule yet. Under it (torchtitan/trainer.py,
-    `forward_backward_step` with pp): the loss exists on the last stage only (the other stages
-    return -1), the schedule was built with torchtitan's loss function before this trainer could
-    wrap it, every micro-batch's forward and backward run inside one `pp_schedule.step`, and each
-    rank holds some of the sites lowprec prepared (`model_parts`). Hosting it takes: the loss
-    broadcast from the last stage, the tap on the schedule's own loss function, a replay through
-    `pp_schedule.step`, and a PrecisionState per rank's stages (as `lowprec run`'s Pipeline engine keeps)."""
-    from lowprec.base.parse import ConfigError
-    return ConfigError("parallelism.pipeline_parallel_degree", (
-        f"is {dims.pp}; lowprec does not host torchtitan's pipeline schedule yet (the loss lives on the last "
-        f"stage only and every micro-batch runs inside one schedule step, so the step's loss and its replay "
-        f"are not where the rollout reads them). Fix: pipeline_parallel_degree 1 (FSDP, HSDP and TP work), or "
-        f"pipeline stages with `lowprec run` (parallel: {{pp: N}})"))
-

@@ -256,14 +256,15 @@ def read_losses(path: str | Path, where: str = "rollout.baseline.losses") -> dic
     return curve
 
 
-def build_controller(rollout: RolloutConfig, state, model: torch.nn.Module, *,
+def build_controller(rollout: RolloutConfig, state, model: torch.nn.Module | ModelInfo, *,
                      baseline: dict[int, float] | None = None,
                      gate: Callable[[int], GateOutcome] | None = None) -> RolloutController:
     """The controller over `state`'s sites (every site of the model, in forward order):
-    the stages' selectors resolved against the prepared model. `baseline` ({step: loss})
+    the stages' selectors resolved against the prepared model (or its `ModelInfo`, taken
+    before the model was split into pipeline stages). `baseline` ({step: loss})
     is the loss-gap curve; without it, a `baseline: {losses: FILE}` is read here, and a
     `baseline: {mlflow_run: RUN}` must be resolved by the caller and passed as `baseline`."""
-    info = ModelInfo.of(model)
+    info = model if isinstance(model, ModelInfo) else ModelInfo.of(model)
     stages = []
     for i, st in enumerate(rollout.stages):
         sel = st.selector

@@ -56,7 +56,7 @@ from lowprec.runtime.gradnorm import clip_, grad_norm, local_grad
 from lowprec.tracking.phases import Phase
 
 __all__ = ["DataTensorParallel", "ShardedTensorParallel", "HybridShardedDP", "Pipeline", "build_engine", "stage_bounds",
-           "local_state", "check_model_plan", "set_amax_group"]
+           "local_state", "from_last_stage", "check_model_plan", "set_amax_group"]
 
 
 def stage_bounds(n_layer: int, pp: int) -> list[tuple[int, int]]:
@@ -73,6 +73,15 @@ def local_state(state, fqns):
     keep = set(fqns)
     return PrecisionState([s for f, s in state.sites.items() if f in keep], state.backend,
                           state.kept_high_precision.items())
+
+
+def from_last_stage(loss: torch.Tensor, group, stages: int) -> torch.Tensor:
+    """The last pipeline stage's `loss` on every stage of `group` (`stages` ranks): one broadcast,
+    in place (the same shape and dtype on every rank). The loss exists on the last stage only;
+    every rank must measure the same step to decide alike (`lowprec run`'s Pipeline engine,
+    torchtitan's pipeline schedule in `lowprec.integrations.torchtitan_stages`)."""
+    dist.broadcast(loss, group_src=stages - 1, group=group)
+    return loss
 
 
 def check_model_plan(model: nn.Module, tp: int, pp: int) -> None:
@@ -297,8 +306,7 @@ class Pipeline:
                 loss = loss + p.detach()
         else:
             self.schedule.step()
-        dist.broadcast(loss, group_src=self.pp - 1, group=self.group)
-        return loss
+        return from_last_stage(loss, self.group, self.pp)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         mine = dict(self.module.named_parameters())

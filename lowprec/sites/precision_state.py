@@ -71,13 +71,16 @@ class PrecisionState:
         """fqn -> current format name (the precision map)."""
         return {fqn: s.format.name for fqn, s in self.sites.items()}
 
-    def flops_share(self) -> dict[str, float]:
+    def flops_share(self, formats: dict[str, str] | None = None) -> dict[str, float]:
         """Share of GEMM FLOPs per format over the switchable sites (kept layers excluded): the
-        format's FLOPs (an exact integer sum) over the total, one rounding per share."""
+        format's FLOPs (an exact integer sum) over the total, one rounding per share.
+        formats: fqn -> format name to count instead of the sites' own (a pipeline rank's record
+        of every stage's sites, whose layers it does not hold)."""
         total = sum(s.flops_per_token for s in self.sites.values()) or 1
         flops: dict[str, int] = {}
-        for s in self.sites.values():
-            flops[s.format.name] = flops.get(s.format.name, 0) + s.flops_per_token
+        for fqn, s in self.sites.items():
+            name = s.format.name if formats is None else formats[fqn]
+            flops[name] = flops.get(name, 0) + s.flops_per_token
         return {name: f / total for name, f in flops.items()}
 
     def stats(self) -> dict[str, dict]:

@@ -21,7 +21,10 @@ lowprec's state comes back on every rank, the job goes on in the same MLflow run
 point or event logged twice, and the final eval runs on both ranks with rank 0's outcome on each.
 Under FSDP 2 x TP 2 the sites are the torchao backend's (torchao's Float8Linear).
 
-Two torchrun launches of 2 ranks (killed, then resumed) and one of 4 ranks.
+Under pipeline parallelism 2 (torchtitan's default looped schedule) each rank hosts its own
+stages' sites, the controller every site; the NaN is planted on the rank that holds the site.
+
+Three torchrun launches of 2 ranks (killed, then resumed; pipeline) and one of 4 ranks.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def _ok(proc) -> str:
     return log
 
 
-def _check_nan_fallback(reports: list[dict], log: str) -> list[tuple]:
+def _check_nan_fallback(reports: list[dict], log: str, pipelined: bool = False) -> list[tuple]:
     """Every rank decided alike: the planted site fell back at the NaN step, which was skipped."""
     want = decisions(reports[0]["events"])
     for r in reports:
@@ -100,7 +103,9 @@ def _check_nan_fallback(reports: list[dict], log: str) -> list[tuple]:
                                                                      ("promote", NAN_AT + 2)], want
     assert want[5][3] == (SITE,) and want[7][2] == "attn_fp8"
     assert f"lowprec: step {NAN_AT + 1} had a non-finite loss and was withheld" in log
-    assert f"step: {NAN_AT + 1:2d}" not in log   # torchtitan logged no metrics line for the withheld step
+    # torchtitan logged no metrics line for the withheld step (under a pipeline the first stage logs its -1)
+    lines = [line for line in log.splitlines() if f"step: {NAN_AT + 1:2d}" in line]
+    assert all("loss: -1.00000" in line for line in lines) if pipelined else not lines, lines
     return want
 
 
@@ -200,3 +205,39 @@ def test_fsdp2_x_tp2_torchao_backend_nan_on_one_rank_falls_back_on_every_rank(tm
         assert r["skipped"] == 1 and r["step"] == STEPS and r["titan_step"] == STEPS
         assert all(math.isfinite(v) for i, v in enumerate(r["losses"]) if i != NAN_AT)
 
+
+PP_SITE_RANK = 1   # torchtitan's default Interleaved1F1B, 2 ranks: 4 stages, layers.1 in stage 1 on rank 1
+
+
+def test_pipeline_2_stages_nan_on_the_stage_that_holds_the_site_skip_and_rewind(tmp_path, gloo, free_port):
+    """Pipeline parallelism 2 (torchtitan's default looped schedule: two stages per rank, each a model
+    part): every rank sees the last stage's loss, the NaN planted on the rank whose stage holds SITE
+    is bisected by replays through torchtitan's pipeline schedule and that site falls back there
+    (every rank's controller records it); the logits spike is skipped and rewound (each rank's own
+    stages' parameters and optimizer state); rank 0 tracks every stage's precision map."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    plan = PLAN.replace("  thresholds: {site_patience: 1}", """\
+  thresholds: {site_patience: 1, large_warmup: 2, large_factor: 3.0}
+  rewind: {enabled: true, snapshot_every: 2, keep: 3}""").replace(
+        "tracking: {enabled: false}", f'tracking: {{uri: "{uri}", experiment: titan}}')
+    steps = 10
+    job = TitanJob(tmp_path, plan, steps=steps, checkpoint_every=steps,
+                   faults=[fault("nan", SITE, NAN_AT, NAN_AT + 1, rank=PP_SITE_RANK),
+                           fault("loss_spike", "", SPIKE_AT, SPIKE_AT + 2, 100.0)])
+    log = _ok(job.run(2, free_port(), "--parallelism.pipeline_parallel_degree", "2"))
+    assert "pp=2" in log and "with 2 microbatches and 4 stages" in log   # torchtitan's pipeline, 2 stages per rank
+    reports = job.reports(2)
+    want = _check_nan_fallback(reports, log, pipelined=True)
+    assert [d[:2] for d in want[8:]] == [("replay", SPIKE_AT), ("skip_step", SPIKE_AT), ("replay", SPIKE_AT + 1),
+                                         ("skip_step", SPIKE_AT + 1), ("rewind", SPIKE_AT + 1)], want
+    local = [set(r["local"]) for r in reports]
+    assert SITE in local[PP_SITE_RANK] and not local[0] & local[1]   # each site on one rank
+    assert local[0] | local[1] == set(reports[0]["formats"])          # together every site of the model
+    for r in reports:
+        assert r["rewinds"] == 1 and r["titan_step"] == steps and r["skipped"] == 2   # NaN, spike; then the rewind
+        assert r["step"] == 4 + (steps - SPIKE_AT - 2) and len(r["losses"]) == r["step"]
+        assert r["losses"] == reports[0]["losses"]   # the last stage's loss on every rank
+    # rank 0 tracks the whole model's precision map: SITE's BF16 share, though SITE is rank 1's
+    client, run = _mlflow_run(uri)
+    shares = {k.rsplit("/", 1)[1]: v for k, v in run.data.metrics.items() if k.startswith("precision/flops_share/")}
+    assert 0 < shares["bf16"] < 0.1 and shares["bf16"] + shares["fp8_tensorwise"] == pytest.approx(1), shares

@@ -79,14 +79,17 @@ def _sum_reduction(parallelize):
 
 
 def _faults(optimizers, model_parts, parallel_dims):
-    """The injected faults of this rank (a fault's rank -1: every rank); they tick once per optimizer step."""
+    """The injected faults of this rank (a fault's rank -1: every rank), in whichever of its model
+    parts (pipeline stages) holds the site; a loss spike on the part that ends in the model's head.
+    They tick once per optimizer step."""
     rank = torch.distributed.get_rank()
     mine = [Injection(**{{k: v for k, v in f.items() if k != "rank"}}) for f in SETTINGS["faults"]
             if f["rank"] in (-1, rank)]
     if not mine:
         return
-    faults = Faults(model_parts[0], mine)
-    optimizers.register_step_post_hook(lambda *a: faults.tick(faults.iteration + 1))
+    for part in model_parts:
+        faults = Faults(part, mine, root=getattr(part, "lm_head", None) is not None)
+        optimizers.register_step_post_hook(lambda *a, faults=faults: faults.tick(faults.iteration + 1))
 
 
 class RecordingTrainer(LowprecTrainer):
@@ -112,7 +115,8 @@ class RecordingTrainer(LowprecTrainer):
     def _report(self, titan_step):
         h = self.hosted
         rank = torch.distributed.get_rank()
-        out = {{"rank": rank, "formats": h.state.formats(), "step": h.step, "titan_step": titan_step,
+        out = {{"rank": rank, "formats": h.formats(), "local": sorted(h.state.sites), "step": h.step,
+               "titan_step": titan_step,
                "skipped": h.session.skipped, "rewinds": h.session.rewinds, "restored": self.restored,
                "losses": h.losses, "events": [e.to_json() for e in h.session.events],
                "evals": h.evals.history if h.evals is not None else None}}

@@ -13,6 +13,10 @@ registry, data loader, checkpointer):
   memory statistics.
 * `torch.distributed.set_timeout`, which torchtitan calls after the first step to shorten
   the process groups' timeouts, is not in torch 2.13: the timeouts stay as `init` set them.
+* pipeline schedules: torchtitan 0.3 hands `pp_schedule.step` the microbatches already split
+  (`arg_mbs=`, `kwarg_mbs=`, `target_mbs=`); torch 2.13's `step` takes the whole batch only
+  (`torch/distributed/pipelining/schedules.py`). `step` is given the keyword form: it then does
+  what torch's own `step` does around `_step_microbatches`, on the given microbatches.
 
 Two more CPU settings are the job's own (the config module the test writes): FlexAttention
 has no backward on CPU (the SDPA attention module instead), and gloo has no PREMUL_SUM
@@ -42,6 +46,32 @@ import torch.distributed  # noqa: E402
 if not hasattr(torch.distributed, "set_timeout"):
     import torchtitan.distributed.utils as titan_dist  # noqa: E402
     titan_dist.set_pg_timeouts = lambda timeout, parallel_dims: None
+
+from torch.distributed.pipelining import schedules as _schedules  # noqa: E402
+
+
+def _premade_microbatches(step):
+    """A schedule's `step` that also takes the microbatches already split (`arg_mbs=`,
+    `kwarg_mbs=`, `target_mbs=`), as torchtitan 0.3's `pp_forward_backward_step` passes them;
+    torch 2.13's `step` takes only the whole batch and splits it itself. What torch's `step`
+    does around `_step_microbatches`, with the given microbatches."""
+    def run(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
+            loss_kwargs=None, **kwargs):
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return step(self, *args, losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs, **kwargs)
+        stages = getattr(self, "_stages", None) or [self._stage]
+        for stage in stages:
+            stage.has_backward = self._has_backward
+            stage.clear_runtime_states()
+        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+        last = [s for s in stages if s.is_last]
+        return self._merge_outputs(last[0].output_chunks) if last and return_outputs else None
+    return run
+
+
+if "arg_mbs" not in _schedules.PipelineScheduleSingle.step.__code__.co_varnames:
+    for _cls in (_schedules.PipelineScheduleSingle, _schedules.PipelineScheduleMulti):
+        _cls.step = _premade_microbatches(_cls.step)
 
 from torchtitan.train import main  # noqa: E402
 
