@@ -12,11 +12,14 @@ allows:
 
 Each operand is cast once, by one custom op (`lowprec.numerics.fp8_ops`; called directly in
 eager code, its Triton kernels inlined into a compiled graph), into both layouts it is
-needed in (cast+transpose); the forward saves only the FP8 transposed input and the
-weight's FP8 transpose for the backward (no BF16 or FP32 copy); `_scaled_mm` writes BF16
-directly (and adds a BF16 bias in its epilogue). The weight's FP8 forms are cached across gradient-accumulation
-micro-batches (`lowprec.sites.weight_cache`; delayed scaling excepted: its scale moves between uses). Statistics are
-computed only when the layer's `collect_stats` is on (check steps), by the same kernels.
+needed in (cast+transpose); in eager code on a step without statistics the input and a weight
+that must be cast are cast together, one launch per kernel (`cast_input_and_weight`); the
+forward saves only the FP8 transposed input and the weight's FP8 transpose for the backward
+(no BF16 or FP32 copy); `_scaled_mm` writes BF16 directly (and adds a BF16 bias in its
+epilogue). The weight's FP8 forms are cached across gradient-accumulation micro-batches
+(`lowprec.sites.weight_cache`; delayed scaling excepted: its scale moves between uses).
+Statistics are computed only when the layer's `collect_stats` is on (check steps), by the
+same kernels.
 Nothing here reads a device value on the host.
 
 On CPU the same ops run the reference quantizer and `_scaled_mm` accumulates in FP32,
@@ -247,17 +250,17 @@ def _output_dtype(x: Tensor) -> torch.dtype:
 NO_HISTORY = DelayedTensors(None, None, None, None)
 
 
-def cast_input_and_weight(x2: Tensor, w: Tensor, recipe: FastRecipe, hist_x: DelayedTensors, hist_w: DelayedTensors,
+def cast_input_and_weight(x: Tensor, w: Tensor, recipe: FastRecipe, hist_x: DelayedTensors, hist_w: DelayedTensors,
                           overflow: Tensor | None, need_xt: bool) -> tuple[InputForms, WeightForms] | None:
-    """The input's (x2 (M, K), transposed too when `need_xt`) and the weight's FP8 casts in one
+    """The input's (x as (M, K), transposed too when `need_xt`) and the weight's FP8 casts in one
     launch per kernel (`lowprec.numerics.kernels.cast_pair`: 7 launches a tensor-wise step
     instead of 9, 5 instead of 6 delayed), or None where the pair does not run and each
     operand is cast on its own: a check step (each cast sums its statistics in its launch),
     row-wise scaling, a traced or dispatch-mode call, the reference quantizer (no kernels),
     operands the paired kernels do not take."""
-    if recipe.stats or recipe.rowwise or not (fp8_ops._direct(x2) and fp8_ops.uses_kernels(x2)):
+    if recipe.stats or recipe.rowwise or not (fp8_ops._direct(x) and fp8_ops.uses_kernels(x)):
         return None
-    w = w.detach()
+    x2, w = x.reshape(-1, x.shape[-1]), w.detach()
     if not (x2.dim() == 2 and w.dim() == 2 and x2.shape[1] == w.shape[1] and x2.numel() and w.numel()
             and x2.is_contiguous() and w.is_contiguous() and x2.device == w.device
             and x2.dtype in _PAIR_DTYPES and w.dtype in _PAIR_DTYPES):

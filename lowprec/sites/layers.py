@@ -212,7 +212,7 @@ def _weight_forms(layer: PrecisionLinear, w: torch.Tensor, recipe: FastRecipe,
                   x: torch.Tensor | None = None) -> tuple[WeightForms, InputForms | None]:
     """The weight's FP8 casts (both layouts), from the layer's weight cache when the weight
     has not changed since (tensor-wise and row-wise; delayed scaling casts every time). Given
-    the input `x` (2-D), a weight that must be cast is cast with it in one launch where the
+    the input `x`, a weight that must be cast is cast with it in one launch where the
     pair runs (`cast_input_and_weight`), and the input's casts come back too (else None)."""
     if isinstance(w, FP8GatheredWeight):   # FSDP2 gathered its FP8 bytes (lowprec.sites.fp8_allgather)
         return w.forms(), None
@@ -246,7 +246,7 @@ def _fast_linear(layer: PrecisionLinear, x: torch.Tensor, w: torch.Tensor, recip
     """The layer's forward on the fast path (`FP8LinearFn` on tensors and the step's recipe,
     one of `step_recipes`); statistics into `layer.stats` on check steps."""
     stats = recipe.stats
-    forms, x_forms = _weight_forms(layer, w, recipe, x.reshape(-1, x.shape[-1]))
+    forms, x_forms = _weight_forms(layer, w, recipe, x)
     # the output gradient's statistics are copied into this buffer by the backward; under
     # torch.compile AOTAutograd refuses a forward input written by the backward, so a compiled
     # check step reports the input's and the weight's statistics only

@@ -31,7 +31,8 @@ squares and the three sums are FP64 (their order differs from `quantize`'s, so t
 to rounding, not bit for bit).
 Element and scale numerics are `lowprec.numerics.quantize.quantize`'s, bit for bit
 (`fp8_cast._encode`, `_scale_of`). The kernels themselves are in `cast_transpose_kernels`;
-this module allocates their buffers and launches them.
+this module allocates their buffers and launches them (eager launches warm:
+`lowprec.numerics.kernels.warm_launch`); `cast_pair` casts a layer's input and weight together.
 """
 
 from __future__ import annotations
