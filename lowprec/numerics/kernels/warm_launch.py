@@ -14,7 +14,9 @@ launches whose arguments specialise the same way (the same dtypes, the same 16-b
 alignment of every pointer, the same integers: the plan fixes all but `vary`'s) call that
 kernel's launcher (`CompiledKernel.run`, what
 `JITFunction.run` calls last) with the same arguments in the same order, on the current
-device's current stream. `warm` is a dict its caller keeps per launch plan (a shape and
+device's current stream. The arguments are those of Triton 3.6 to 3.9's `JITFunction.run`:
+the grid, stream, function, packed metadata, launch metadata, the two launch hooks, then every
+parameter's value in signature order, constexprs included. `warm` is a dict its caller keeps per launch plan (a shape and
 recipe: the constexprs are the plan's), so the key holds only what can change between two
 calls of one plan. Triton's own path is kept wherever the shortcut could differ from it: a
 kernel Triton returned no `CompiledKernel` for (the interpreter), and a launch hook being
