@@ -7,6 +7,8 @@ holds the host up (so the time per call is the host's):
 
 * `torch.empty`: one allocation, the floor of any PyTorch call;
 * `Triton launch`: one `_amax_partial_kernel` launch (CUDA only): Triton's own launch path;
+  `Triton launch, warm`: the same launch as the fast path's eager casts make it, the compiled
+  kernel's launcher called directly (`lowprec.numerics.kernels.warm_launch`);
 * `fp8_cast, direct` / `fp8_cast, dispatcher`: a tensor-wise cast+transpose as the layer
   calls it (`lowprec.numerics.fp8_ops.cast`, no dispatcher in eager code) and through
   `torch.ops.lowprec.fp8_cast` (the custom op's dispatch on top);
@@ -47,7 +49,7 @@ from lowprec.numerics.formats import get_format
 from lowprec.sites.backends import get_backend
 from lowprec.sites.layers import PrecisionLinear
 
-ROWS = ("torch.empty", "Triton launch", "fp8_cast, direct", "fp8_cast, dispatcher", "_scaled_mm",
+ROWS = ("torch.empty", "Triton launch", "Triton launch, warm", "fp8_cast, direct", "fp8_cast, dispatcher", "_scaled_mm",
         "nn.Linear fwd+bwd", "nn.Linear fwd+bwd (compiled)", "PrecisionLinear fwd+bwd",
         "PrecisionLinear fwd+bwd (compiled)",
         "PrecisionLinear fwd+bwd (compiled, casts opaque)", "PrecisionLinear fwd+bwd (compiled, CUDA graphs)")
@@ -90,6 +92,19 @@ def _layer_step(layer, x, g, weight, cuda_graphs: bool = False):
     return step
 
 
+def _warm_amax_launch(xs, partial):
+    """The `Triton launch` row's launch as a warm launch (the plan's dict kept across calls)."""
+    from lowprec.numerics.kernels.fp8_cast import _amax_partial_kernel, _bits
+    from lowprec.numerics.kernels.warm_launch import warm_launch
+    warm: dict = {}
+
+    def launch():
+        xb = _bits(xs)
+        warm_launch(_amax_partial_kernel, (1,), warm, (xb,))(xb, partial, xs.numel(), BLOCK=2048, BF16=True,
+                                                             TICKET=False, num_warps=8)
+    return launch
+
+
 def measure(args) -> dict[str, tuple[float, str]]:
     cuda = args.device == "cuda"
     dev, d, n = args.device, args.d_model, args.tokens
@@ -106,8 +121,9 @@ def measure(args) -> dict[str, tuple[float, str]]:
         xs = x[:1, :16].contiguous()
         out["Triton launch"] = (t(lambda: _amax_partial_kernel[(1,)](_bits(xs), partial, xs.numel(), BLOCK=2048,
                                                                       BF16=True, TICKET=False, num_warps=8)), "")
+        out["Triton launch, warm"] = (t(_warm_amax_launch(xs, partial)), "")
     else:
-        out["Triton launch"] = only_cuda
+        out["Triton launch"] = out["Triton launch, warm"] = only_cuda
     out["fp8_cast, direct"] = (t(lambda: fp8_ops.cast(x, 0, False, True, False)), "")
     out["fp8_cast, dispatcher"] = (t(lambda: torch.ops.lowprec.fp8_cast(x, 0, False, True, False)), "")
     if cuda:

@@ -26,14 +26,20 @@ time per step; the ratio to `nn.Linear`; the device launches of one step on a GP
 Triton kernels and `_scaled_mm` calls the no-ops stood in for, and every other PyTorch op
 that launches a kernel there (`torch.zeros`, a sum, a copy; counted under the autograd
 profiler as the innermost ATen ops that are not views or allocations; in a compiled row
-Inductor's own generated kernels are not seen). On an H200 a Triton launch costs about
-13.6 us of host time (bench_host.py's `Triton launch` row), not included here.
+Inductor's own generated kernels are not seen). `est GPU us` adds `--launch-us` per launch
+(default 14.7: the H200's `Triton launch` row of bench_host.py, Triton's own launch path of a
+3-argument kernel, 2026-11-27) to the host figure, a prediction of the GPU host's time that
+leaves out that host's slower Python and CUDA's allocator; `est x` divides it by the
+`nn.Linear` row's estimate. `--triton` runs Triton's own host launch path for sm_90 on this
+CPU instead of no-ops (experiments/triton_nolaunch.py; the fast path's warm launches
+included), so the host figure holds what Triton does per launch except the driver call.
 
 `--profile ROW` prints the cProfile of that row's steps (the top functions by own time).
 
     OMP_NUM_THREADS=1 python experiments/bench_host_noop.py
     OMP_NUM_THREADS=1 python experiments/bench_host_noop.py --runs 5   # medians of 5 runs
     OMP_NUM_THREADS=1 python experiments/bench_host_noop.py --profile "PrecisionLinear fp8_tensorwise"
+    OMP_NUM_THREADS=1 python experiments/bench_host_noop.py --triton --launch-us 0   # Triton's own launch path
 """
 
 from __future__ import annotations
@@ -89,15 +95,25 @@ def _(a, b, scale_a, scale_b, out_dtype):
 
 
 @contextlib.contextmanager
-def noop_launches():
+def noop_launches(triton_path: bool = False):
     """Within this block the fast path's casts take the Triton path on CPU tensors, every
     Triton launch is a no-op and `torch._scaled_mm` only allocates its output; each counts
-    itself (`_Counter.launches`)."""
+    itself (`_Counter.launches`). With `triton_path`, the Triton launches run Triton's own
+    host path for sm_90 instead (experiments/triton_nolaunch.py: binding, specialisation, the
+    warm launches' direct calls), ending in a launcher that counts."""
     from lowprec.numerics.kernels import cast_transpose, fp8_cast
 
-    def launch(kernel, grid):
+    def launch(kernel, grid, warm=None, vary=()):
         def run(*args, **kwargs):
             _Counter.launches += 1
+        return run
+
+    def counted(kernel, grid, warm=None, vary=()):
+        inner = eager(kernel, grid) if warm is None else eager(kernel, grid, warm, vary)
+
+        def run(*args, **kwargs):
+            _Counter.launches += 1
+            return inner(*args, **kwargs)
         return run
 
     def scaled_mm(a, b, *, scale_a, scale_b, out_dtype=None, **kwargs):
@@ -106,13 +122,22 @@ def noop_launches():
         _Counter.launches += 1
         return torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype or a.dtype)
 
+    eager = cast_transpose.eager_launch
     saved = (fp8_ops.uses_kernels, fp8_cast.kernels_available, cast_transpose.eager_launch, torch._scaled_mm)
     fp8_ops.uses_kernels = lambda x: True
     fp8_cast.kernels_available = lambda x: True
-    cast_transpose.eager_launch = launch
+    cast_transpose.eager_launch = counted if triton_path else launch
     torch._scaled_mm = scaled_mm
+    driver = contextlib.nullcontext()
+    if triton_path:
+        try:
+            from experiments.triton_nolaunch import nolaunch_driver
+        except ImportError:   # run as a script: its own folder is on the path
+            from triton_nolaunch import nolaunch_driver
+        driver = nolaunch_driver(record=False)
     try:
-        yield
+        with driver:
+            yield
     finally:
         (fp8_ops.uses_kernels, fp8_cast.kernels_available, cast_transpose.eager_launch,
          torch._scaled_mm) = saved
@@ -214,23 +239,34 @@ def main(argv=None) -> list[str]:
                         "microseconds and of their ratios to nn.Linear in the same run")
     p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), metavar="ROW")
     p.add_argument("--profile", metavar="ROW", choices=ROWS, help="print the cProfile of this row's steps")
+    p.add_argument("--launch-us", type=float, default=14.7,
+                   help="host microseconds one device launch adds on the GPU, for the estimate columns (default: "
+                        "the H200's `Triton launch` row of bench_host.py, 2026-11-27: Triton's own launch path)")
+    p.add_argument("--triton", action="store_true",
+                   help="run Triton's own host launch path for sm_90 (experiments/triton_nolaunch.py) instead of "
+                        "no-op launches; needs Triton's NVIDIA backend (compiles the kernels once)")
     args = p.parse_args(argv)
     lines = [f"# command: {' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}",
              f"# machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s); "
              f"torch {torch.__version__}; d_model {args.d_model}, tokens {args.tokens}; kernel launches are "
-             f"no-ops; the fastest of {args.repeats} rounds of {args.calls} steps, rows interleaved; "
-             f"median of {args.runs} run(s)",
-             f"| step | host us | x {BASE} | Triton + GEMM | other | launches |", "|---|---:|---:|---:|---:|---:|"]
+             f"{'Triton host paths ending in a no-op launcher' if args.triton else 'no-ops'}; the fastest of "
+             f"{args.repeats} rounds of {args.calls} steps, rows interleaved; median of {args.runs} run(s); est GPU = "
+             f"host us + launches x {args.launch_us} us",
+             f"| step | host us | x {BASE} | est GPU us | est x | Triton + GEMM | other | launches |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     print("\n".join(lines), flush=True)
     rows = [BASE] + [r for r in args.rows if r != BASE]
-    with noop_launches():
+    with noop_launches(args.triton):
         steps = {row: make_step(row, args.d_model, args.tokens) for row in rows}
         runs = [measure(steps, args.calls, args.repeats) for _ in range(args.runs)]
+        base_est = statistics.median(r[BASE][0] + sum(r[BASE][1]) * args.launch_us for r in runs)
         for row in rows:
             us = statistics.median(r[row][0] for r in runs)
             ratio = statistics.median(r[row][0] / r[BASE][0] for r in runs)
             kernels, other = runs[-1][row][1]
-            lines.append(f"| {row} | {us:.1f} | {ratio:.2f} | {kernels} | {other} | {kernels + other} |")
+            est = us + (kernels + other) * args.launch_us
+            lines.append(f"| {row} | {us:.1f} | {ratio:.2f} | {est:.1f} | {est / base_est:.2f} | {kernels} | {other} "
+                         f"| {kernels + other} |")
             print(lines[-1], flush=True)
         if args.profile:
             text = _profile(make_step(args.profile, args.d_model, args.tokens), args.calls)

@@ -12,11 +12,14 @@ allows:
 
 Each operand is cast once, by one custom op (`lowprec.numerics.fp8_ops`; called directly in
 eager code, its Triton kernels inlined into a compiled graph), into both layouts it is
-needed in (cast+transpose); the forward saves only the FP8 transposed input and the
-weight's FP8 transpose for the backward (no BF16 or FP32 copy); `_scaled_mm` writes BF16
-directly (and adds a BF16 bias in its epilogue). The weight's FP8 forms are cached across gradient-accumulation
-micro-batches (`lowprec.sites.weight_cache`; delayed scaling excepted: its scale moves between uses). Statistics are
-computed only when the layer's `collect_stats` is on (check steps), by the same kernels.
+needed in (cast+transpose); in eager code on a step without statistics the input and a weight
+that must be cast are cast together, one launch per kernel (`cast_input_and_weight`); the
+forward saves only the FP8 transposed input and the weight's FP8 transpose for the backward
+(no BF16 or FP32 copy); `_scaled_mm` writes BF16 directly (and adds a BF16 bias in its
+epilogue). The weight's FP8 forms are cached across gradient-accumulation micro-batches
+(`lowprec.sites.weight_cache`; delayed scaling excepted: its scale moves between uses).
+Statistics are computed only when the layer's `collect_stats` is on (check steps), by the
+same kernels.
 Nothing here reads a device value on the host.
 
 On CPU the same ops run the reference quantizer and `_scaled_mm` accumulates in FP32,
@@ -28,6 +31,7 @@ DTensor operands and amax reductions over a group run the same GEMMs through
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -39,8 +43,8 @@ from lowprec.numerics.formats import Format, Rounding, ScaleEncoding, Scaling
 from lowprec.numerics.quant_stats import QuantStats
 from lowprec.sites.gemm_config import LinearGemmConfig, misaligned
 
-__all__ = ["FastRecipe", "fast_recipe", "step_recipes", "cast_weight", "FP8LinearFn", "grad_gemms", "WeightForms",
-           "DelayedTensors", "delayed_state"]
+__all__ = ["FastRecipe", "fast_recipe", "step_recipes", "cast_weight", "cast_input_and_weight", "FP8LinearFn",
+           "grad_gemms", "WeightForms", "InputForms", "DelayedTensors", "delayed_state"]
 
 _FAST_SCALINGS = (Scaling.TENSOR, Scaling.DELAYED, Scaling.ROW)
 
@@ -150,29 +154,46 @@ def _mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: torch.dtype, ge
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
+class InputForms(NamedTuple):
+    """The input's FP8 casts when the layer made them before `FP8LinearFn` (with the weight's,
+    in one launch: `cast_input_and_weight`); q_t is empty where no weight gradient is asked for."""
+
+    q: Tensor
+    scale_inv: Tensor
+    q_t: Tensor
+
+
 class FP8LinearFn(torch.autograd.Function):
     """y = x @ w^T + b with the weight's FP8 forms given (see the module docstring).
 
     Inputs besides x, w and bias are device tensors the layer owns: the weight's casts, the
-    buffer the output gradient's statistics go to (or None), then, for delayed scaling only,
-    `state`: the overflow counters and the delayed histories of x and of the output gradient
-    (history, count, scratch, ticket each; `delayed_state`). Without delayed scaling the
-    function takes nine inputs, not eighteen: autograd's host time grows with each one.
-    Returns (y, the input's packed statistics: a tensor on a check step, else None or an
-    empty tensor)."""
+    buffer the output gradient's statistics go to (or None), the recipe, the input's casts
+    when the layer made them (`InputForms`, else None: the function casts x), then, for
+    delayed scaling only, `state`: the overflow counters and the delayed histories of x and
+    of the output gradient (history, count, scratch, ticket each; `delayed_state`). Without
+    delayed scaling the function takes ten inputs, not nineteen: autograd's host time grows
+    with each one. Returns (y, the input's packed statistics: a tensor on a check step, else
+    None or an empty tensor)."""
 
     @staticmethod
-    def forward(ctx, x, w, bias, qw, siw, qwt, siwt, grad_stats, recipe: FastRecipe, *state):
+    def forward(ctx, x, w, bias, qw, siw, qwt, siwt, grad_stats, recipe: FastRecipe, x_forms: InputForms | None,
+                *state):
         x2 = x.reshape(-1, x.shape[-1])
         siwt = siw if siwt is None else siwt   # one scale for both layouts unless row-wise
         need_dw = ctx.needs_input_grad[1]
         overflow, hist_x, hist_g = ((state[0], DelayedTensors(*state[1:5]), state[5:]) if state
                                     else (None, NO_HISTORY, ()))
-        qx, six, qxt, sixt, stats_x = _cast(x2, recipe.fwd, recipe, hist_x, overflow, 0, need_dw)
+        if x_forms is None:
+            qx, six, qxt, sixt, stats_x = _cast(x2, recipe.fwd, recipe, hist_x, overflow, 0, need_dw)
+        else:
+            (qx, six, qxt), sixt, stats_x = x_forms, x_forms.scale_inv, None
+            if need_dw and qxt.numel() != x2.numel():
+                raise ValueError("FP8LinearFn: the weight needs a gradient but the input's casts have no "
+                                 "transposed form; cast x with its transpose (cast_input_and_weight(need_xt=True))")
         y = _mm(qx, six, qw, siw, _output_dtype(x), "fprop", recipe.gemm, bias)
         ctx.save_for_backward(qxt, sixt, qwt, siwt, grad_stats, *hist_g, *state[:1])
         ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, x.shape, x.dtype, w.dtype
-        ctx.has_bias, ctx.n_inputs = bias is not None, 9 + len(state)
+        ctx.has_bias, ctx.n_inputs = bias is not None, 10 + len(state)
         if stats_x is not None:
             ctx.mark_non_differentiable(stats_x)
         ctx.set_materialize_grads(False)   # no zeros for the statistics' (absent) gradient
@@ -227,6 +248,40 @@ def _output_dtype(x: Tensor) -> torch.dtype:
 
 
 NO_HISTORY = DelayedTensors(None, None, None, None)
+
+
+def cast_input_and_weight(x: Tensor, w: Tensor, recipe: FastRecipe, hist_x: DelayedTensors, hist_w: DelayedTensors,
+                          overflow: Tensor | None, need_xt: bool) -> tuple[InputForms, WeightForms] | None:
+    """The input's (x as (M, K), transposed too when `need_xt`) and the weight's FP8 casts in one
+    launch per kernel (`lowprec.numerics.kernels.cast_pair`: 7 launches a tensor-wise step
+    instead of 9, 5 instead of 6 delayed), or None where the pair does not run and each
+    operand is cast on its own: a check step (each cast sums its statistics in its launch),
+    row-wise scaling, a traced or dispatch-mode call, the reference quantizer (no kernels),
+    operands the paired kernels do not take."""
+    if recipe.stats or recipe.rowwise or not (fp8_ops._direct(x) and fp8_ops.uses_kernels(x)):
+        return None
+    x2, w = x.reshape(-1, x.shape[-1]), w.detach()
+    if not (x2.dim() == 2 and w.dim() == 2 and x2.shape[1] == w.shape[1] and x2.numel() and w.numel()
+            and x2.is_contiguous() and w.is_contiguous() and x2.device == w.device
+            and x2.dtype in _PAIR_DTYPES and w.dtype in _PAIR_DTYPES):
+        return None
+    ct = fp8_ops._cast_transpose()
+    delayed = ((tuple(hist_x), tuple(hist_w), recipe.margin, recipe.most_recent,
+                overflow if recipe.count_overflow else None) if recipe.delayed else None)
+    (qx, six, qxt), (qw, siw, qwt) = _cast_pair().pair(x2, w, fp8_ops.ELEMENTS[recipe.fwd], need_xt, ct.eager_launch,
+                                                        delayed)
+    return InputForms(qx, six, qxt), WeightForms(qw, siw, qwt, siw, None)
+
+
+_PAIR_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_pair():
+    """The paired kernels' module, imported at the first pair (it needs Triton; an import
+    statement per call costs host time)."""
+    from lowprec.numerics.kernels import cast_pair
+    return cast_pair
 
 
 def cast_weight(w: Tensor, recipe: FastRecipe, hist: DelayedTensors, overflow: Tensor | None) -> WeightForms:

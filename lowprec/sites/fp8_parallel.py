@@ -278,7 +278,8 @@ def parallel_fast_linear(layer, x: Tensor, w: Tensor, recipe: FastRecipe, weight
     else:
         state = delayed_state(layer.overflow_steps, hx, hg) if recipe.delayed else ()
         y, stats_x = FP8LinearFn.apply(x_l, w_l, fused_bias, forms.q, forms.scale_inv, forms.q_t,
-                                       forms.scale_inv_t if recipe.rowwise else None, grad_stats, recipe, *state)
+                                       forms.scale_inv_t if recipe.rowwise else None, grad_stats, recipe, None,
+                                       *state)
     if partial:
         keep = all(mesh.get_local_rank(i) == 0 for i, p in enumerate(out_pl) if p.is_partial())
         b = _BiasOnce.apply(bias, keep)

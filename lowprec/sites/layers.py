@@ -43,8 +43,8 @@ from lowprec.numerics.quant_stats import QuantStats
 from lowprec.sites.amax_scope import AmaxScope
 from lowprec.sites.fp8_allgather import FP8GatheredWeight
 from lowprec.sites.fp8_parallel import parallel_fast_linear
-from lowprec.sites.fp8_linear import (NO_HISTORY, DelayedTensors, FastRecipe, FP8LinearFn, WeightForms, cast_weight,
-                                      delayed_state, fast_recipe, step_recipes)
+from lowprec.sites.fp8_linear import (NO_HISTORY, DelayedTensors, FastRecipe, FP8LinearFn, InputForms, WeightForms,
+                                      cast_input_and_weight, cast_weight, delayed_state, fast_recipe, step_recipes)
 from lowprec.sites.gemm_config import LinearGemmConfig
 from lowprec.sites.operand_quantizer import OPERAND_OF, OPERANDS, OperandQuantizer, bf16_round
 from lowprec.sites.quantized_gemms import QuantizedLinearFn
@@ -172,7 +172,7 @@ class PrecisionLinear(nn.Linear):
             return _fast_linear(self, x, w, self._fast[1 if self.collect_stats else 0])
         if self._fast is not None and x.dtype in _FAST_DTYPES and w.dtype in _FAST_DTYPES:
             self.fast_calls += counted
-            return parallel_fast_linear(self, x, w, self._fast[1 if self.collect_stats else 0], _weight_forms,
+            return parallel_fast_linear(self, x, w, self._fast[1 if self.collect_stats else 0], _weight_casts,
                                         _delayed)
         self.slow_calls += counted
         return QuantizedLinearFn.apply(x, w, self.bias, self.format, self.operand_quantizer())
@@ -208,11 +208,14 @@ def _delayed(layer: PrecisionLinear, operand: str, recipe: FastRecipe) -> Delaye
     return DelayedTensors(h.history, h.count, h.scratch, h.ticket)
 
 
-def _weight_forms(layer: PrecisionLinear, w: torch.Tensor, recipe: FastRecipe) -> WeightForms:
+def _weight_forms(layer: PrecisionLinear, w: torch.Tensor, recipe: FastRecipe,
+                  x: torch.Tensor | None = None) -> tuple[WeightForms, InputForms | None]:
     """The weight's FP8 casts (both layouts), from the layer's weight cache when the weight
-    has not changed since (tensor-wise and row-wise; delayed scaling casts every time)."""
+    has not changed since (tensor-wise and row-wise; delayed scaling casts every time). Given
+    the input `x`, a weight that must be cast is cast with it in one launch where the
+    pair runs (`cast_input_and_weight`), and the input's casts come back too (else None)."""
     if isinstance(w, FP8GatheredWeight):   # FSDP2 gathered its FP8 bytes (lowprec.sites.fp8_allgather)
-        return w.forms()
+        return w.forms(), None
     cache = layer.weight_cache
     # not under torch.compile (a graph casts in its own kernels) nor inside a CUDA-graph
     # capture: a replay runs no Python, so a hit at capture would replay stale casts
@@ -223,18 +226,27 @@ def _weight_forms(layer: PrecisionLinear, w: torch.Tensor, recipe: FastRecipe) -
         key = cache_key(w, layer.format.weight, True, tag="fast")
         hit = cache.get("fast", key, need_stats=recipe.stats)
         if hit is not None:
-            return hit
-    forms = cast_weight(w, recipe, _delayed(layer, "weight", recipe), layer.overflow_steps)
+            return hit, None
+    both = None if x is None else cast_input_and_weight(
+        x, w, recipe, _delayed(layer, "input", recipe), _delayed(layer, "weight", recipe), layer.overflow_steps,
+        w.requires_grad and torch.is_grad_enabled())
+    x_forms, forms = (None, cast_weight(w, recipe, _delayed(layer, "weight", recipe), layer.overflow_steps)
+                      ) if both is None else both
     if use_cache:
         cache.put("fast", key, forms)
-    return forms
+    return forms, x_forms
+
+
+def _weight_casts(layer: PrecisionLinear, w: torch.Tensor, recipe: FastRecipe) -> WeightForms:
+    """`_weight_forms` of the weight alone (what `parallel_fast_linear` asks for)."""
+    return _weight_forms(layer, w, recipe)[0]
 
 
 def _fast_linear(layer: PrecisionLinear, x: torch.Tensor, w: torch.Tensor, recipe: FastRecipe) -> torch.Tensor:
     """The layer's forward on the fast path (`FP8LinearFn` on tensors and the step's recipe,
     one of `step_recipes`); statistics into `layer.stats` on check steps."""
     stats = recipe.stats
-    forms = _weight_forms(layer, w, recipe)
+    forms, x_forms = _weight_forms(layer, w, recipe, x)
     # the output gradient's statistics are copied into this buffer by the backward; under
     # torch.compile AOTAutograd refuses a forward input written by the backward, so a compiled
     # check step reports the input's and the weight's statistics only
@@ -243,7 +255,7 @@ def _fast_linear(layer: PrecisionLinear, x: torch.Tensor, w: torch.Tensor, recip
     state = (delayed_state(layer.overflow_steps, _delayed(layer, "input", recipe),
                            _delayed(layer, "grad_output", recipe)) if recipe.delayed else ())
     y, stats_x = FP8LinearFn.apply(x, w, layer.bias, forms.q, forms.scale_inv, forms.q_t,
-                                   forms.scale_inv_t if recipe.rowwise else None, grad_stats, recipe, *state)
+                                   forms.scale_inv_t if recipe.rowwise else None, grad_stats, recipe, x_forms, *state)
     if stats:
         layer.stats["input"] = QuantStats(stats_x)
         layer.stats["weight"] = forms.stats

@@ -17,7 +17,7 @@ def test_every_row_is_measured_or_says_it_needs_cuda(tmp_path):
     assert lines[0].startswith("# command: ") and "cpu" in lines[1]
     rows = json.loads(js.read_text())["rows"]
     assert list(rows) == list(bench_host.ROWS)
-    cuda_only = {"Triton launch", "_scaled_mm", "PrecisionLinear fwd+bwd (compiled, CUDA graphs)"}
+    cuda_only = {"Triton launch", "Triton launch, warm", "_scaled_mm", "PrecisionLinear fwd+bwd (compiled, CUDA graphs)"}
     for name, row in rows.items():
         if name in cuda_only:
             assert row["us"] is None and row["note"] == "CUDA only"

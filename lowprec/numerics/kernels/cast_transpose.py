@@ -31,7 +31,8 @@ squares and the three sums are FP64 (their order differs from `quantize`'s, so t
 to rounding, not bit for bit).
 Element and scale numerics are `lowprec.numerics.quantize.quantize`'s, bit for bit
 (`fp8_cast._encode`, `_scale_of`). The kernels themselves are in `cast_transpose_kernels`;
-this module allocates their buffers and launches them.
+this module allocates their buffers and launches them (eager launches warm:
+`lowprec.numerics.kernels.warm_launch`); `cast_pair` casts a layer's input and weight together.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from lowprec.numerics.kernels.cast_transpose_kernels import _amax_rows_cols_kern
 from lowprec.numerics.kernels.fp8_cast import (
     _amax_partial_kernel, _checked, _consts, _flat_grid, cdiv, next_power_of_2,
 )
+from lowprec.numerics.kernels.warm_launch import warm_launch
 from lowprec.numerics.quant_stats import QuantStats
 
 __all__ = ["cast_transpose", "cast_transpose_delayed", "cast_transpose_rowwise", "DelayedState"]
@@ -87,15 +89,19 @@ class DelayedState:
         self.ticket = torch.zeros((), dtype=torch.int32, device=dev) if ticket is None else ticket
 
 
-def eager_launch(kernel, grid):
-    """`kernel[grid]`: a plain Triton launch (eager calls, the custom ops' implementations)."""
-    return kernel[grid]
+def eager_launch(kernel, grid, warm: dict | None = None, vary: tuple = ()):
+    """`kernel[grid]` (eager calls, the custom ops' implementations); with `warm`, the launch
+    plan's dict of compiled kernels, Triton binds and specialises the arguments once per
+    specialisation, not per launch; `vary`: the arguments the plan does not fix
+    (`lowprec.numerics.kernels.warm_launch`)."""
+    return warm_launch(kernel, grid, warm, vary)
 
 
-def traced_launch(kernel, grid):
+def traced_launch(kernel, grid, warm: dict | None = None, vary: tuple = ()):
     """The launch as `torch.library.wrap_triton` gives it: under make_fx / AOTAutograd (the
     decomposition of lowprec's cast ops in `lowprec.numerics.fp8_ops`) the kernel becomes a
-    node of the graph, so Inductor launches it itself (and CUDA graphs can capture it)."""
+    node of the graph, so Inductor launches it itself (and CUDA graphs can capture it);
+    `warm` and `vary` are not used (Inductor's wrapper launches the compiled kernel)."""
     return torch.library.wrap_triton(kernel)[grid]
 
 
@@ -121,12 +127,14 @@ def _buffers(m: int, n: int, dev, fp8: torch.dtype, transpose: bool, stats: bool
 
 class _Plan(NamedTuple):
     """A launch plan: the grid, the amax pass's programs and keyword arguments, the cast's
-    keyword arguments (constexprs), the FP8 dtype of the result."""
+    keyword arguments (constexprs), the FP8 dtype of the result, and the compiled kernels its
+    eager launches call directly (`eager_launch`'s `warm`; filled at the first launches)."""
     grid: tuple[int, int]
     p: int
     amax_kw: dict
     kw: dict
     fp8: torch.dtype
+    warm: dict
 
 
 @functools.lru_cache(maxsize=1024)
@@ -144,7 +152,7 @@ def _plan(m: int, n: int, elem, dtype: torch.dtype, transpose: bool, stats: bool
               TRANSPOSE=transpose, STATS=stats, BLOCK_T=_BLOCK_T, MOST_RECENT=most_recent,
               MARGIN_DIV=float(2.0 ** margin), OVERFLOW=overflow, num_warps=4,
               **{k: v for k, v in c.items() if k != "M"})
-    return _Plan(grid, p, dict(BLOCK=2048, BF16=bf16, TICKET=stats, num_warps=8), kw, elem.torch_dtype)
+    return _Plan(grid, p, dict(BLOCK=2048, BF16=bf16, TICKET=stats, num_warps=8), kw, elem.torch_dtype, {})
 
 
 @functools.lru_cache(maxsize=1024)
@@ -154,7 +162,7 @@ def _row_plan(m: int, n: int, elem, dtype: torch.dtype, transpose: bool, stats: 
     kw = dict(BM=tile[0], BN=tile[1], MB=c.pop("M"), TRANSPOSE=transpose, STATS=stats, BLOCK_T=_BLOCK_T,
               num_warps=4, **c)
     return _Plan(_grid(m, n, tile), 0, dict(BM=tile[0], BN=tile[1], BF16=c["BF16"], num_warps=4), kw,
-                 elem.torch_dtype)
+                 elem.torch_dtype, {})
 
 
 def cast_transpose(x: torch.Tensor, elem, *, transpose: bool = True, stats: bool = False, tile=_TILE,
@@ -177,10 +185,10 @@ def tensorwise(x2: torch.Tensor, elem, transpose: bool, stats: bool, launch=eage
     q, qt, part, st = _buffers(m, n, dev, plan.fp8, transpose, stats, plan.grid[0] * plan.grid[1], stats_out)
     scale_inv = torch.empty((), dtype=torch.float32, device=dev)
     partial = torch.empty(p + 1, dtype=torch.float32, device=dev)   # the maxima, then the ticket
-    launch(_amax_partial_kernel, (p,))(x2, partial, m * n, **plan.amax_kw)
+    launch(_amax_partial_kernel, (p,), plan.warm, (x2,))(x2, partial, m * n, **plan.amax_kw)
     if not m * n:
         return _empty_result(elem, q, qt, st, scale_inv)
-    launch(_ct_kernel, plan.grid)(
+    launch(_ct_kernel, plan.grid, plan.warm, (x2, st))(
         x2, q, qt if transpose else q, partial, p, partial, partial, 1, partial, partial, partial, 0, scale_inv,
         part if stats else partial, st if stats else partial, m * n, m, n, n, **plan.kw)
     return q, scale_inv, qt, st
@@ -211,7 +219,7 @@ def delayed(x2: torch.Tensor, elem, state: tuple, margin: int, most_recent: bool
     scale_inv = torch.empty((), dtype=torch.float32, device=dev)
     if not m * n:
         return _empty_result(elem, q, qt, st, scale_inv)
-    launch(_ct_kernel, plan.grid)(
+    launch(_ct_kernel, plan.grid, plan.warm, (x2, st, *state, overflow, overflow_index))(
         x2, q, qt if transpose else q, hist, 1, hist, count, hist.numel(), scratch,
         ticket, hist if overflow is None else overflow, 0 if overflow is None else overflow_index,
         scale_inv, part if stats else hist, st if stats else hist, m * n, m, n, n, **plan.kw)
@@ -239,10 +247,10 @@ def rowwise(x2: torch.Tensor, elem, transpose: bool, stats: bool, launch=eager_l
     si = torch.empty((m, 1), dtype=torch.float32, device=dev)
     sit = torch.empty((n, 1) if transpose else (0, 1), dtype=torch.float32, device=dev)
     if m and n:
-        launch(_amax_rows_cols_kernel, plan.grid)(x2, maxima, m, n, n, **plan.amax_kw)
-        launch(_ct_row_kernel, plan.grid)(x2, q, qt if transpose else q, maxima, si, sit if transpose else si,
-                                          part if stats else maxima, st if stats else maxima, m * n, m, n, n,
-                                          **plan.kw)
+        launch(_amax_rows_cols_kernel, plan.grid, plan.warm, (x2,))(x2, maxima, m, n, n, **plan.amax_kw)
+        launch(_ct_row_kernel, plan.grid, plan.warm, (x2, st))(
+            x2, q, qt if transpose else q, maxima, si, sit if transpose else si, part if stats else maxima,
+            st if stats else maxima, m * n, m, n, n, **plan.kw)
     else:   # no elements in a row or a column: the scales of an amax of 0, as quantize's
         _fill_zero_amax_scale_inv(elem, si, sit)
     return q, si, qt, sit, st

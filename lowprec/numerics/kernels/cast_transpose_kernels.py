@@ -106,8 +106,80 @@ def _ct_kernel(x_ptr, q_ptr, qt_ptr, partial_ptr, P, hist_ptr, count_ptr, L, scr
                THR: tl.constexpr, ODD: tl.constexpr, EPS: tl.constexpr, DELAYED: tl.constexpr,
                MOST_RECENT: tl.constexpr, MARGIN_DIV: tl.constexpr, OVERFLOW: tl.constexpr,
                TRANSPOSE: tl.constexpr, STATS: tl.constexpr, BF16: tl.constexpr, BLOCK_T: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    _ct_tile(tl.program_id(0), tl.program_id(1), tl.num_programs(0) * tl.num_programs(1), x_ptr, q_ptr, qt_ptr,
+             partial_ptr, P, hist_ptr, count_ptr, L, scratch_ptr, ticket_ptr, overflow_ptr, overflow_index,
+             scale_inv_ptr, stats_ptr, stats_out_ptr, numel, M, N, stride_x, BM, BN, BLOCK_P, BLOCK_L, MAX, MB,
+             BIAS, HAS_INF, THR, ODD, EPS, DELAYED, MOST_RECENT, MARGIN_DIV, OVERFLOW, TRANSPOSE, STATS, BF16,
+             BLOCK_T)
+
+
+@triton.jit
+def _amax_pair_kernel(xa_ptr, xb_ptr, partial_ptr, NA, NB, PA, BLOCK: tl.constexpr, BF16_A: tl.constexpr,
+                      BF16_B: tl.constexpr):
+    """`fp8_cast._amax_partial_kernel` of two operands in one launch: programs [0, PA) write
+    A's partial maxima to partial[:PA], the rest B's to partial[PA:] (one maximum each)."""
+    pid = tl.program_id(0)
+    if pid < PA:
+        amax = _amax_part(xa_ptr, NA, pid, PA, BLOCK, BF16_A)
+    else:
+        amax = _amax_part(xb_ptr, NB, pid - PA, tl.num_programs(0) - PA, BLOCK, BF16_B)
+    tl.store(partial_ptr + pid, amax)
+
+
+@triton.jit
+def _amax_part(x_ptr, N, pid, programs, BLOCK: tl.constexpr, BF16: tl.constexpr):
+    """Program `pid` of `programs`' maximum of |x| over its blocks of the flat x (finite values).
+    `programs` may be a constant (Triton makes an integer argument of 1 one): widened by way of
+    `pid`, a tensor."""
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((), tl.float32)
+    for start in range(pid.to(tl.int64) * BLOCK, N, (pid * 0 + programs).to(tl.int64) * BLOCK):
+        ax, _ = _finite_abs(_load_f32(x_ptr + start + offs, start + offs < N, BF16))
+        amax = tl.maximum(amax, tl.max(ax, axis=0))
+    return amax
+
+
+@triton.jit
+def _ct_pair_kernel(xa_ptr, qa_ptr, qta_ptr, sia_ptr, xb_ptr, qb_ptr, qtb_ptr, sib_ptr, partial_ptr, PA, PB,
+                    hista_ptr, counta_ptr, scratcha_ptr, ticketa_ptr, histb_ptr, countb_ptr, scratchb_ptr,
+                    ticketb_ptr, L, overflow_ptr, MA, NA, MB_ROWS, NB, BM: tl.constexpr, BN: tl.constexpr,
+                    BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, MAX: tl.constexpr, MB: tl.constexpr,
+                    BIAS: tl.constexpr, HAS_INF: tl.constexpr, THR: tl.constexpr, ODD: tl.constexpr,
+                    EPS: tl.constexpr, DELAYED: tl.constexpr, MOST_RECENT: tl.constexpr, MARGIN_DIV: tl.constexpr,
+                    OVERFLOW: tl.constexpr, TRANSPOSE_A: tl.constexpr, BF16_A: tl.constexpr,
+                    BF16_B: tl.constexpr):
+    """`_ct_kernel` of two operands of one element format in one launch (a layer's input, A,
+    and its weight, B, both transposed for the backward unless TRANSPOSE_A is off): a 1-D grid
+    of A's tiles then B's, each program casting its operand's tile as `_ct_kernel` would.
+    Tensor-wise: A's partial maxima are partial[:PA], B's partial[PA:PA + PB] (the amax pair
+    pass's). Delayed: each operand its own history, count, scratch and ticket (overflow
+    counted at index 0 for A, 1 for B, as the layer's separate casts do). No statistics."""
+    pid = tl.program_id(0)
+    gna = tl.cdiv(NA, BN)
+    tiles_a = tl.cdiv(MA, BM) * gna
+    if pid < tiles_a:
+        _ct_tile(pid // gna, pid % gna, tiles_a, xa_ptr, qa_ptr, qta_ptr, partial_ptr, PA, hista_ptr, counta_ptr,
+                 L, scratcha_ptr, ticketa_ptr, overflow_ptr, 0, sia_ptr, partial_ptr, partial_ptr, MA * NA, MA, NA,
+                 NA, BM, BN, BLOCK_P, BLOCK_L, MAX, MB, BIAS, HAS_INF, THR, ODD, EPS, DELAYED, MOST_RECENT,
+                 MARGIN_DIV, OVERFLOW, TRANSPOSE_A, False, BF16_A, 1)
+    else:
+        gnb = tl.cdiv(NB, BN)
+        t = pid - tiles_a
+        _ct_tile(t // gnb, t % gnb, tl.cdiv(MB_ROWS, BM) * gnb, xb_ptr, qb_ptr, qtb_ptr, partial_ptr + PA, PB,
+                 histb_ptr, countb_ptr, L, scratchb_ptr, ticketb_ptr, overflow_ptr, 1, sib_ptr, partial_ptr,
+                 partial_ptr, MB_ROWS * NB, MB_ROWS, NB, NB, BM, BN, BLOCK_P, BLOCK_L, MAX, MB, BIAS, HAS_INF, THR,
+                 ODD, EPS, DELAYED, MOST_RECENT, MARGIN_DIV, OVERFLOW, True, False, BF16_B, 1)
+
+
+@triton.jit
+def _ct_tile(pid_m, pid_n, tiles, x_ptr, q_ptr, qt_ptr, partial_ptr, P, hist_ptr, count_ptr, L, scratch_ptr,
+             ticket_ptr, overflow_ptr, overflow_index, scale_inv_ptr, stats_ptr, stats_out_ptr, numel, M, N,
+             stride_x, BM: tl.constexpr, BN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr,
+             MAX: tl.constexpr, MB: tl.constexpr, BIAS: tl.constexpr, HAS_INF: tl.constexpr,
+             THR: tl.constexpr, ODD: tl.constexpr, EPS: tl.constexpr, DELAYED: tl.constexpr,
+             MOST_RECENT: tl.constexpr, MARGIN_DIV: tl.constexpr, OVERFLOW: tl.constexpr,
+             TRANSPOSE: tl.constexpr, STATS: tl.constexpr, BF16: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Tile (pid_m, pid_n) of an operand cast in `tiles` tiles (`_ct_kernel`'s body)."""
     if DELAYED:
         scale = _history_scale(hist_ptr, count_ptr, L, BLOCK_L, MAX, MARGIN_DIV, MOST_RECENT)
         scale_inv = (1.0 / scale.to(tl.float64)).to(tl.float32)
@@ -135,7 +207,7 @@ def _ct_kernel(x_ptr, q_ptr, qt_ptr, partial_ptr, P, hist_ptr, count_ptr, L, scr
     if DELAYED:
         tl.atomic_max(scratch_ptr, tl.max(tl.max(ax, axis=1), axis=0))
         ticket = tl.atomic_add(ticket_ptr, 1)
-        if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:   # every other tile is done
+        if ticket == tiles - 1:   # every other tile of this operand is done
             amax = tl.atomic_max(scratch_ptr, 0.0)                   # read after all of theirs
             cnt = tl.load(count_ptr)
             tl.store(hist_ptr + cnt % L, amax)

@@ -156,6 +156,39 @@ def test_fast_path_is_taken():
     assert type(y.grad_fn).__name__ == "FP8LinearFnBackward"
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="the paired kernels run in the interpreter subprocess")
+def test_input_and_weight_are_cast_together_on_plain_steps():
+    """Under the kernels, a plain tensor-wise or delayed step casts x and w in one pair (so the
+    equality with the emulated backend above covers the pair), a check step and row-wise
+    scaling cast each operand alone, and a cached weight leaves x to FP8LinearFn."""
+    from lowprec.numerics.kernels import cast_pair
+    calls = []
+    real = cast_pair.pair
+
+    def spy(*args, **kwargs):
+        calls.append(args[2].name)
+        return real(*args, **kwargs)
+    cast_pair.pair = spy
+    try:
+        for name, check, paired in (("fp8_tensorwise", False, 2), ("fp8_delayed", False, 2),
+                                    ("fp8_tensorwise", True, 0), ("fp8_rowwise", False, 0)):
+            calls.clear()
+            layer = PrecisionLinear.from_module(nn.Linear(32, 16), get_format(name), get_backend("torch"))
+            layer.collect_stats = check
+            x = torch.randn(8, 32, requires_grad=True)
+            for _ in range(2):   # the weight changes between the steps, as after an optimizer step
+                layer(x).sum().backward()
+                with torch.no_grad():
+                    layer.weight.mul_(0.5)
+            assert len(calls) == paired, (name, check, calls)
+            if name == "fp8_tensorwise" and not check:
+                layer(x).sum().backward()   # the weight changed: a pair
+                layer(x).sum().backward()   # the same weight: a cache hit, x cast alone
+                assert len(calls) == paired + 1
+    finally:
+        cast_pair.pair = real
+
+
 @pytest.mark.parametrize("fmt", FAST)
 def test_saves_fp8_for_backward(fmt):
     """What the layer keeps for its backward is the FP8 input (transposed), the FP8 weight
@@ -279,4 +312,4 @@ def test_no_host_read_between_checks():
 @pytest.mark.slow
 def test_linear_under_interpreter():
     """This file again with the Triton kernels behind the custom ops (TRITON_INTERPRET=1)."""
-    run_interpreted(__file__, min_passed=12)
+    run_interpreted(__file__, min_passed=13)
