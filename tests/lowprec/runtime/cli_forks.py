@@ -135,8 +135,8 @@ def _serve() -> list[str] | None:
 
 def _become_child(req: dict) -> None:
     os.chdir(req["cwd"])
-    for fd, (path, flags) in enumerate(((os.devnull, os.O_RDONLY), (req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
-                                        (req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC))):
+    write = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    for fd, (path, flags) in enumerate(((os.devnull, os.O_RDONLY), (req["stdout"], write), (req["stderr"], write))):
         new = os.open(path, flags, 0o644)
         os.dup2(new, fd)
         os.close(new)

@@ -11,8 +11,12 @@ checkpoint being written (a `*.tmp` in the checkpoint folder), an eval checkpoin
 a checkpoint every 3 steps, a rollout stage promoted at step 7, lm-eval evals of the
 `shakespeare` suite in fast mode at steps 16, 32 and 48); its steps sleep a quarter second
 each while the file `slow` exists (during the kills, not in the reference run or the last
-resume; the numbers do not depend on it); the test takes about two minutes on two cores,
-most of it Python start-up. evals.jsonl and the eval metrics are checked too.
+resume; the numbers do not depend on it). evals.jsonl and the eval metrics are checked too.
+
+The reference run and the last resume are `python -m lowprec.cli run` processes; the 20 lives
+in between are forked from one process that has imported lowprec, MLflow and lm-eval
+(cli_forks.py): each is still a process of its own, SIGKILLed, running the same `main` with the
+same arguments, without paying the imports twenty times.
 """
 
 from __future__ import annotations
