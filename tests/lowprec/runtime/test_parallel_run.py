@@ -2,7 +2,7 @@
 job resumed, and the distributed arguments refused before anything starts.
 
 * The main job's config (experiments/configs/default.yaml: the GPT, its precision plan and
-  its three-stage rollout) made short (30 steps, checks every 5, stages after 5 stable
+  its three-stage rollout) made short (16 steps, checks every 3, stages after 3 stable
   steps; no loss-gap baseline run and no evals, which need runs and data of their own),
   trained by `lowprec run --nproc-per-node 4` with `parallel: {dp_shard: 2, tp: 2}` (FSDP2
   over tensor-parallel shards) and by `lowprec run` in one process, at once: every stage
@@ -43,6 +43,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[3]
 PINNED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_CBWR": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 TIMEOUT_S = 420
+MAIN_STEPS = 16   # the main job's three stages promote at steps 5, 8 and 11 (checks every 3 steps)
 # docs/parallel.md, "Equal to one process": FSDP2 x TP against one process. Step 0 is a forward from
 # the same parameters. While only BF16 and FP8 MLPs run, the two differ by reduction orders alone
 # (1e-4). Once attention runs in FP8 at this lr (3e-3), one such ulp now and then moves an attention
@@ -83,11 +84,11 @@ def _wait(jobs: dict[str, subprocess.Popen], logs: Path, t0: float) -> dict[str,
 
 
 def short_main_job(uri: str, **parallel) -> dict:
-    """experiments/configs/default.yaml, 30 steps, its rollout quicker, tracked at `uri`."""
+    """experiments/configs/default.yaml, MAIN_STEPS steps, its rollout quicker, tracked at `uri`."""
     cfg = yaml.safe_load((ROOT / "experiments" / "configs" / "default.yaml").read_text())
-    cfg["train"].update(steps=30, ckpt_every=10, log_every=5)
+    cfg["train"].update(steps=MAIN_STEPS, ckpt_every=10, log_every=5)
     ro = cfg["rollout"]
-    ro.update(check_every=5, min_steps=5, cooldown_steps=10)
+    ro.update(check_every=3, min_steps=3, cooldown_steps=6)
     ro.pop("baseline")
     ro["thresholds"].pop("loss_gap")
     cfg.pop("eval")
@@ -164,7 +165,7 @@ def test_the_stages_promote_alike_on_every_rank(main_job):
 def test_the_loss_curve_is_one_process_s(main_job):
     d, _, _ = main_job
     a, b = (json.loads((d / name / "losses.json").read_text()) for name in ("parallel", "one"))
-    assert len(a) == len(b) == 30
+    assert len(a) == len(b) == MAIN_STEPS
     rel = [abs(x - y) / abs(y) for x, y in zip(a, b)]
     shown = " ".join(f"{r:.1e}" for r in rel)
     assert rel[0] < STEP0_BOUND, f"step 0 (a forward pass from the same parameters) differs: {shown}"
@@ -183,7 +184,7 @@ def test_the_job_is_one_mlflow_run_written_by_rank_0(main_job):
     assert run.data.tags["lowprec.parallel"] == "dp_shard2xtp2 (4 processes)"
     assert run.data.params["parallel.dp_shard"] == "2" and run.data.params["parallel.tp"] == "2"
     steps = _loss_steps(client, run.info.run_id)
-    assert steps == sorted(set(steps)) and steps[-1] == 29, steps
+    assert steps == sorted(set(steps)) and steps[-1] == MAIN_STEPS - 1, steps
     assert any(k.startswith("signal/") for k in run.data.metrics), "no reduced statistics were logged"
     assert sorted(p.name for p in (d / "parallel").glob("events.rank*.jsonl")) == [
         f"events.rank{r}.jsonl" for r in range(4)]
