@@ -74,7 +74,7 @@ def tiny_lm():
 # hold a `slow` test follow, then the rest. A hint for balance only: a stale list costs time, not
 # correctness.
 LONGEST_FIRST = ("test_wheel_install.py", "test_torchtitan_trainer.py", "test_kill_resume.py",
-                 "test_golden_trace.py", "test_smoke.py", "test_parallel_run.py", "test_gate_e2e.py",
+                 "test_smoke.py", "test_parallel_run.py", "test_gate_e2e.py",
                  "test_fast_path_distributed.py", "test_hf_gate.py", "test_run_output.py",
                  "test_one_writer.py", "test_run_tracking.py")
 

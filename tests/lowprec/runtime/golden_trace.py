@@ -42,7 +42,10 @@ CONFIG = {
 }
 
 
-THREADS = 2   # the CPU's reductions split by thread: the bits of a loss depend on the count
+# The CPU's reductions split by thread: the bits of a loss depend on the count. One thread: two
+# would wait on each other whenever another process holds a core (a test worker beside this one),
+# which made the same 90 steps take five times as long.
+THREADS = 1
 
 
 def trace(out_dir: Path) -> dict:

@@ -1,8 +1,10 @@
 """`lowprec run`'s loop gives the recorded decisions, events and loss curve bit for bit.
 
-The golden file (tests/lowprec/runtime/golden/loop_trace.json) was recorded by
-golden_trace.py before the after-step logic and the config moved (issue 31); a refactor
-that changes any decision, event or loss fails here. Re-record only for an intended change.
+The golden file (tests/lowprec/runtime/golden/loop_trace.json) holds what golden_trace.py
+records: the decisions and events first recorded before the after-step logic and the config
+moved (issue 31), and the loss curve's bits on one intra-op thread (golden_trace.THREADS); a
+refactor that changes any decision, event or loss fails here. Re-record only for an intended
+change.
 """
 
 import json

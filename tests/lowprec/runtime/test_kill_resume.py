@@ -11,8 +11,12 @@ checkpoint being written (a `*.tmp` in the checkpoint folder), an eval checkpoin
 a checkpoint every 3 steps, a rollout stage promoted at step 7, lm-eval evals of the
 `shakespeare` suite in fast mode at steps 16, 32 and 48); its steps sleep a quarter second
 each while the file `slow` exists (during the kills, not in the reference run or the last
-resume; the numbers do not depend on it); the test takes about two minutes on two cores,
-most of it Python start-up. evals.jsonl and the eval metrics are checked too.
+resume; the numbers do not depend on it). evals.jsonl and the eval metrics are checked too.
+
+The reference run and the last resume are `python -m lowprec.cli run` processes; the 20 lives
+in between are forked from one process that has imported lowprec, MLflow and lm-eval
+(cli_forks.py): each is still a process of its own, SIGKILLed, running the same `main` with the
+same arguments, without paying the imports twenty times.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cli_forks import CliForks, Forked
 from lowprec.policy.events import EventKind
 
 N_KILLS = 20
@@ -52,9 +57,13 @@ def _config(uri: str, experiment: str, slow_while: str | None = None) -> dict:
     }
 
 
-def _start(cwd: Path, out: str, resume: bool) -> subprocess.Popen:
-    args = [sys.executable, "-m", "lowprec.cli", "run", "run.yaml", "--out", out] + (["--resume"] if resume else [])
-    return subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _start(cwd: Path, out: str, resume: bool, forks: CliForks | None = None) -> subprocess.Popen | Forked:
+    """`lowprec run run.yaml --out OUT [--resume]` in `cwd`: exec'd, or forked from `forks`."""
+    args = ["run", "run.yaml", "--out", out] + (["--resume"] if resume else [])
+    if forks is not None:
+        return forks.start(args, cwd)
+    return subprocess.Popen([sys.executable, "-m", "lowprec.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def _size(p: Path) -> int:
@@ -71,7 +80,7 @@ def _mtime(p: Path) -> int:
         return -1
 
 
-def _kill_at(p: subprocess.Popen, out: Path, how: str, rng: random.Random, give_up: float) -> bool:
+def _kill_at(p: Forked, out: Path, how: str, rng: random.Random, give_up: float) -> bool:
     """Wait for the moment `how` names, SIGKILL the process; False when it ended first."""
     ckpts, journal, ack = out / "checkpoints", out / "tracking" / "outbox.jsonl", out / "tracking" / "outbox.ack"
     t0, started, alive = time.monotonic(), None, None
@@ -147,8 +156,17 @@ def _events_jsonl(out: Path) -> list[tuple]:
     return [(r["step"], r["kind"], tuple(r.get("sites", ())), r.get("stage")) for r in rows]
 
 
-@pytest.mark.slow   # 22 `lowprec run` processes, about two minutes
-def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_path, sqlite_store, tiny_lm):
+@pytest.fixture
+def cli_forks(tmp_path):
+    """A server that forks `lowprec` command lines from one pre-imported process (cli_forks.py)."""
+    forks = CliForks(tmp_path / "forks")
+    yield forks
+    forks.close()
+
+
+@pytest.mark.slow   # 22 `lowprec run` processes, about a minute
+def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_path, sqlite_store, tiny_lm,
+                                                                            cli_forks):
     from mlflow.tracking import MlflowClient
     uri = sqlite_store(tmp_path / "store")
     tiny_lm(tmp_path, "killlm")
@@ -165,7 +183,7 @@ def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_p
     slow.touch()
     while kills < N_KILLS:
         how = kinds[kills % len(kinds)] if kills < len(kinds) else rng.choice(kinds)
-        p = _start(tmp_path, "out", resume)
+        p = _start(tmp_path, "out", resume, forks=cli_forks)
         if not _kill_at(p, out, how, rng, give_up=15.0):
             _ended(p)
             break   # it finished before the moment came

@@ -2,24 +2,27 @@
 job resumed, and the distributed arguments refused before anything starts.
 
 * The main job's config (experiments/configs/default.yaml: the GPT, its precision plan and
-  its three-stage rollout) made short (30 steps, checks every 5, stages after 5 stable
+  its three-stage rollout) made short (16 steps, checks every 3, stages after 3 stable
   steps; no loss-gap baseline run and no evals, which need runs and data of their own),
   trained by `lowprec run --nproc-per-node 4` with `parallel: {dp_shard: 2, tp: 2}` (FSDP2
   over tensor-parallel shards) and by `lowprec run` in one process, at once: every stage
   promotes at the same step in both, the losses agree within docs/parallel.md's bound, and
   the job is one MLflow run, FINISHED, with one `train/loss` point per logged step, written
   by rank 0 (tagged with the layout).
-* A 4-rank job whose rank 2 is SIGKILLed after its step-10 checkpoint: the launcher names
-  rank 2 and the signal and exits 1; `--resume` continues the same MLflow run to the end,
-  each logged step once, the losses those of the job run without a kill.
+* A 4-rank job with evals (the default suite, the in-loop gate) whose rank 2 is SIGKILLed after
+  its step-10 checkpoint: the launcher names rank 2 and the signal and exits 1; `--resume`
+  continues the same MLflow run to the end, each logged step once, the losses those of the job
+  run in one process without a kill.
+* Evals under `{dp_shard: 2, tp: 2}`, in that job: they run on all 4 ranks (before the
+  promotion, and at the end after the resume), rank 3's gate event is rank 0's verdict, every
+  rank's events are the one-process run's, rank 0 logs the eval metrics, and
+  `lowprec gate --gates inloop --inconclusive fail` against the one-process run passes.
 * Hostile arguments (a tp that does not divide the heads, a process count that is not the
   product of the degrees, pipeline stages with data parallel, a batch that does not split):
-  exit 2, one line, no traceback, no output folder, and no torchrun started; under a bare
+  exit 2, one line, no traceback, no output folder, and no torchrun started (refused while
+  `lowprec run` reads its arguments: its `main` is called in the test's process); under a bare
   torchrun the process-count refusal is said once, by rank 0; a lone rank whose peer never
   comes says so after `peer_timeout_s` and exits 2.
-* Evals under `{dp_shard: 2, tp: 2}`: a tiny job with `eval:` (the default suite, the in-loop
-  gate) runs on all 4 ranks, rank 3's gate event is rank 0's verdict, rank 0 logs the eval metrics,
-  and `lowprec gate --gates inloop --inconclusive fail` against the one-process run passes.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[3]
 PINNED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_CBWR": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 TIMEOUT_S = 420
+MAIN_STEPS = 16   # the main job's three stages promote at steps 5, 8 and 11 (checks every 3 steps)
 # docs/parallel.md, "Equal to one process": FSDP2 x TP against one process. Step 0 is a forward from
 # the same parameters. While only BF16 and FP8 MLPs run, the two differ by reduction orders alone
 # (1e-4). Once attention runs in FP8 at this lr (3e-3), one such ulp now and then moves an attention
@@ -80,11 +84,11 @@ def _wait(jobs: dict[str, subprocess.Popen], logs: Path, t0: float) -> dict[str,
 
 
 def short_main_job(uri: str, **parallel) -> dict:
-    """experiments/configs/default.yaml, 30 steps, its rollout quicker, tracked at `uri`."""
+    """experiments/configs/default.yaml, MAIN_STEPS steps, its rollout quicker, tracked at `uri`."""
     cfg = yaml.safe_load((ROOT / "experiments" / "configs" / "default.yaml").read_text())
-    cfg["train"].update(steps=30, ckpt_every=10, log_every=5)
+    cfg["train"].update(steps=MAIN_STEPS, ckpt_every=10, log_every=5)
     ro = cfg["rollout"]
-    ro.update(check_every=5, min_steps=5, cooldown_steps=10)
+    ro.update(check_every=3, min_steps=3, cooldown_steps=6)
     ro.pop("baseline")
     ro["thresholds"].pop("loss_gap")
     cfg.pop("eval")
@@ -161,7 +165,7 @@ def test_the_stages_promote_alike_on_every_rank(main_job):
 def test_the_loss_curve_is_one_process_s(main_job):
     d, _, _ = main_job
     a, b = (json.loads((d / name / "losses.json").read_text()) for name in ("parallel", "one"))
-    assert len(a) == len(b) == 30
+    assert len(a) == len(b) == MAIN_STEPS
     rel = [abs(x - y) / abs(y) for x, y in zip(a, b)]
     shown = " ".join(f"{r:.1e}" for r in rel)
     assert rel[0] < STEP0_BOUND, f"step 0 (a forward pass from the same parameters) differs: {shown}"
@@ -180,7 +184,7 @@ def test_the_job_is_one_mlflow_run_written_by_rank_0(main_job):
     assert run.data.tags["lowprec.parallel"] == "dp_shard2xtp2 (4 processes)"
     assert run.data.params["parallel.dp_shard"] == "2" and run.data.params["parallel.tp"] == "2"
     steps = _loss_steps(client, run.info.run_id)
-    assert steps == sorted(set(steps)) and steps[-1] == 29, steps
+    assert steps == sorted(set(steps)) and steps[-1] == MAIN_STEPS - 1, steps
     assert any(k.startswith("signal/") for k in run.data.metrics), "no reduced statistics were logged"
     assert sorted(p.name for p in (d / "parallel").glob("events.rank*.jsonl")) == [
         f"events.rank{r}.jsonl" for r in range(4)]
@@ -203,42 +207,62 @@ def _rank_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
-def test_a_killed_rank_is_named_and_the_resume_continues_the_same_mlflow_run(tmp_path, gloo, sqlite_store):
-    uri = sqlite_store(tmp_path)
-    cfg = _write(tmp_path, "job", tiny_job(uri, "killed", dp_shard=2, tp=2))
-    clean = _write(tmp_path, "clean", tiny_job(uri, "clean"))
-    out = tmp_path / "out"
+# the default suite, the in-loop gate: an eval before the promotion and one at the end
+EVAL = {"evaluator": "lm_eval", "suite": "default", "every": 0, "mode": "fast", "final_mode": "fast",
+        "high_precision": True, "gates": "inloop"}
+
+
+@pytest.fixture(scope="module")
+def killed_job(tmp_path_factory, gloo, sqlite_store):
+    """The tiny job with evals under `{dp_shard: 2, tp: 2}`, rank 2 SIGKILLed after the step-10
+    checkpoint, then `--resume`d; beside it the same job in one process, never killed. Returns
+    what each step left (the launcher's exit code and log, the MLflow run between the two) for
+    the tests below."""
+    d = tmp_path_factory.mktemp("killed_job")
+    uri = sqlite_store(d)
+    cfg = _write(d, "job", {**tiny_job(uri, "killed", dp_shard=2, tp=2), "eval": EVAL})
+    clean = _write(d, "clean", {**tiny_job(uri, "clean"), "eval": EVAL})
+    out = d / "out"
     t0 = time.perf_counter()
-    job = _start(_lowprec(str(cfg), "--out", str(out), "--nproc-per-node", "4"), tmp_path / "job.log")
-    ref = _start(_lowprec(str(clean), "--out", str(tmp_path / "clean")), tmp_path / "clean.log")
+    job = _start(_lowprec(str(cfg), "--out", str(out), "--nproc-per-node", "4"), d / "job.log")
+    ref = _start(_lowprec(str(clean), "--out", str(d / "clean")), d / "clean.log")
     try:
         while not (out / "checkpoints" / "step_00000010").is_dir():
-            assert job.poll() is None, (tmp_path / "job.log").read_text()[-4000:]
+            assert job.poll() is None, (d / "job.log").read_text()[-4000:]
             assert time.perf_counter() - t0 < TIMEOUT_S, "no step-10 checkpoint"
             time.sleep(0.2)
         pid = _rank_pid(job.pid, 2)
         assert pid is not None, "rank 2's process not found"
         os.kill(pid, signal.SIGKILL)
     finally:
-        codes = _wait({"job": job, "clean": ref}, tmp_path, t0)
-    log = (tmp_path / "job.log").read_text()
-    assert codes["job"] == 1, log[-4000:]
+        codes = _wait({"job": job, "clean": ref}, d, t0)
+    assert codes["clean"] == 0, (d / "clean.log").read_text()[-6000:]
+    _, runs = _mlflow_runs(uri, "killed")
+    killed = {"code": codes["job"], "pid": pid, "log": (d / "job.log").read_text(),
+              "runs": [(r.info.run_id, r.info.status) for r in runs]}
+    resumed = subprocess.run(_lowprec(str(cfg), "--out", str(out), "--nproc-per-node", "4", "--resume"), cwd=ROOT,
+                             env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    return {"dir": d, "uri": uri, "cfg": cfg, "out": out, "killed": killed, "resumed": resumed}
+
+
+def test_a_killed_rank_is_named_and_the_resume_continues_the_same_mlflow_run(killed_job):
+    d, uri, cfg, out, killed = (killed_job[k] for k in ("dir", "uri", "cfg", "out", "killed"))
+    log, pid = killed["log"], killed["pid"]
+    assert killed["code"] == 1, log[-4000:]
     said = [line for line in log.splitlines() if " died (" in line]
     assert said == [f"lowprec run: rank 2 (pid {pid}) died (signal SIGKILL); torchrun stopped the other ranks. "
                     f"Continue the run with `lowprec run --nproc-per-node 4 {cfg} --out {out} --resume`"], log[-4000:]
     assert "Traceback" not in log, log[-4000:]
-    client, runs = _mlflow_runs(uri, "killed")
-    assert len(runs) == 1 and runs[0].info.status == "RUNNING"
-    run_id = runs[0].info.run_id
+    assert len(killed["runs"]) == 1 and killed["runs"][0][1] == "RUNNING"
+    run_id = killed["runs"][0][0]
 
-    resumed = subprocess.run(_lowprec(str(cfg), "--out", str(out), "--nproc-per-node", "4", "--resume"), cwd=ROOT,
-                             env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    resumed = killed_job["resumed"]
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    _, runs = _mlflow_runs(uri, "killed")
+    client, runs = _mlflow_runs(uri, "killed")
     assert [(r.info.run_id, r.info.status) for r in runs] == [(run_id, "FINISHED")]
     assert _loss_steps(client, run_id) == list(range(1, 24, 2))   # log_every 2: each logged step once
     losses = json.loads((out / "losses.json").read_text())
-    reference = json.loads((tmp_path / "clean" / "losses.json").read_text())
+    reference = json.loads((d / "clean" / "losses.json").read_text())
     assert len(losses) == 24
     assert max(abs(a - b) / b for a, b in zip(losses, reference)) < LOSS_BOUND   # MLPs in FP8 at lr 1e-3
     events = [json.loads(line) for line in (out / "tracking" / "events.jsonl").read_text().splitlines()]
@@ -260,15 +284,9 @@ HOSTILE = {   # name: (parallel section, --nproc-per-node, other train keys, the
 }
 
 
-def test_hostile_arguments_are_one_line_exit_2_and_no_folder(tmp_path, gloo):
+def test_hostile_arguments_are_one_line_exit_2_and_no_folder(tmp_path, gloo, capfd):
     jobs, outs = {}, {}
     t0 = time.perf_counter()
-    for name, (par, n, train, _) in HOSTILE.items():
-        cfg = tiny_job("sqlite:///" + str(tmp_path / "never.db"), name, **par)
-        cfg["train"].update(train)
-        outs[name] = tmp_path / f"out_{name}"
-        jobs[name] = _start(_lowprec(str(_write(tmp_path, name, cfg)), "--out", str(outs[name]),
-                                     "--nproc-per-node", str(n)), tmp_path / f"{name}.log")
     # a bare torchrun with 2 processes for a 2 x 2 job: rank 0 says it, once
     bare = tiny_job("sqlite:///" + str(tmp_path / "never.db"), "bare", dp_shard=2, tp=2)
     outs["bare"] = tmp_path / "out_bare"
@@ -284,10 +302,19 @@ def test_hostile_arguments_are_one_line_exit_2_and_no_folder(tmp_path, gloo):
     jobs["lone"] = _start(_lowprec(str(_write(tmp_path, "lone", lone)), "--out", str(outs["lone"])),
                           tmp_path / "lone.log", RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free))
-    codes = _wait(jobs, tmp_path, t0)
-    for name, (_, _, _, start) in HOSTILE.items():
-        lines = (tmp_path / f"{name}.log").read_text().splitlines()
-        assert codes[name] == 2 and len(lines) == 1 and lines[0].startswith(start), (name, codes[name], lines)
+    # refused while the launcher reads its arguments, before torchrun: `lowprec run`'s main in this process
+    try:
+        from lowprec.cli import main
+        for name, (par, n, train, start) in HOSTILE.items():
+            cfg = tiny_job("sqlite:///" + str(tmp_path / "never.db"), name, **par)
+            cfg["train"].update(train)
+            outs[name] = tmp_path / f"out_{name}"
+            code = main(["run", str(_write(tmp_path, name, cfg)), "--out", str(outs[name]), "--nproc-per-node", str(n)])
+            said = capfd.readouterr()
+            lines = (said.out + said.err).splitlines()
+            assert code == 2 and len(lines) == 1 and lines[0].startswith(start), (name, code, lines)
+    finally:
+        codes = _wait(jobs, tmp_path, t0)
     bare_log = (tmp_path / "bare.log").read_text()
     ours = [line for line in bare_log.splitlines() if line.startswith("lowprec run:")]
     assert ours == [line for line in ours if "needs 4 processes" in line] and len(ours) == 1, bare_log[-3000:]
@@ -302,39 +329,29 @@ def test_hostile_arguments_are_one_line_exit_2_and_no_folder(tmp_path, gloo):
 
 # ----------------------------------------------------------------------------- evals under dp_shard 2 x tp 2
 
-def test_evals_run_on_every_rank_and_the_gate_against_one_process_passes(tmp_path, gloo, sqlite_store):
-    uri = sqlite_store(tmp_path)
-    ev = {"evaluator": "lm_eval", "suite": "default", "every": 0, "mode": "fast", "final_mode": "fast",
-          "high_precision": True, "gates": "inloop"}
-    cfgs = {}
-    for name, par in (("sharded", {"dp_shard": 2, "tp": 2}), ("one", {})):
-        cfg = tiny_job(uri, name, **par)
-        cfg["train"].update(steps=8, ckpt_every=4)
-        cfgs[name] = _write(tmp_path, name, {**cfg, "eval": ev})
-    t0 = time.perf_counter()
-    jobs = {"sharded": _start(_lowprec(str(cfgs["sharded"]), "--out", str(tmp_path / "sharded"),
-                                       "--nproc-per-node", "4"), tmp_path / "sharded.log"),
-            "one": _start(_lowprec(str(cfgs["one"]), "--out", str(tmp_path / "one")), tmp_path / "one.log")}
-    for name, code in _wait(jobs, tmp_path, t0).items():
-        assert code == 0, f"{name} failed (exit {code}):\n{(tmp_path / f'{name}.log').read_text()[-6000:]}"
+def test_evals_run_on_every_rank_and_the_gate_against_one_process_passes(killed_job):
+    """The killed job's evals: before its promotion (before the kill) and at the end (after the resume)."""
+    d, uri, out = killed_job["dir"], killed_job["uri"], killed_job["out"]
+    assert killed_job["resumed"].returncode == 0, killed_job["resumed"].stderr[-4000:]
     # the in-loop gate's pass, broadcast from rank 0, let every rank promote the stage as one process did
-    one = _events(tmp_path / "one", "events.jsonl")
+    one = _events(d / "clean", "events.jsonl")
     assert ("mlp" in {stage for _, kind, stage in one if kind == "promote"}), one
+    assert "gate" in {kind for _, kind, _ in one}, one
     for r in range(4):
-        assert _events(tmp_path / "sharded", f"events.rank{r}.jsonl") == one, f"rank {r}"
-    lead, other = ((tmp_path / "sharded" / f"events.rank{r}.jsonl").read_text() for r in (0, 3))
+        assert _events(out, f"events.rank{r}.jsonl") == one, f"rank {r}"
+    lead, other = ((out / f"events.rank{r}.jsonl").read_text() for r in (0, 3))
     assert lead == other   # evidence too: rank 3's gate event carries rank 0's verdict and detail
     gate = next(json.loads(line) for line in other.splitlines() if json.loads(line)["kind"] == "gate")
     assert gate["evidence"]["verdict"] == "pass" and "gates pass" in gate["evidence"]["detail"], gate
-    client, runs = _mlflow_runs(uri, "sharded")
+    client, runs = _mlflow_runs(uri, "killed")
     assert len(runs) == 1
     logged = runs[0].data.metrics
     for task in ("heldout_shakespeare", "cloze_shakespeare", "shift_milton"):
         assert any(k.startswith(f"eval/{task}/") for k in logged), sorted(logged)
-    ids = {n: (tmp_path / n / "run_id").read_text().strip() for n in ("one", "sharded")}
-    p = subprocess.run([sys.executable, "-m", "lowprec.cli", "gate", "--baseline", ids["one"], "--candidate",
-                        ids["sharded"], "--gates", "inloop", "--inconclusive", "fail", "--tracking-uri", uri],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=300, env=_env())
+    ids = {n: (d / n / "run_id").read_text().strip() for n in ("clean", "out")}
+    p = subprocess.run([sys.executable, "-m", "lowprec.cli", "gate", "--baseline", ids["clean"], "--candidate",
+                        ids["out"], "--gates", "inloop", "--inconclusive", "fail", "--tracking-uri", uri],
+                       cwd=d, capture_output=True, text=True, timeout=300, env=_env())
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     # the fast subset's gate file: every gate decided (an inconclusive one fails here) and passed
     assert "lowprec gate: PASS: all 2 gates pass" in p.stdout, p.stdout

@@ -1,0 +1,150 @@
+"""`lowprec` command lines run as processes forked from one that has imported lowprec already.
+
+A `lowprec run` process spends its first seconds of CPU importing torch, MLflow, lm-eval and
+lowprec before it trains a step; a campaign that starts twenty of them and kills each within
+seconds spends most of its time there. `CliForks` starts one server (this file, run as a
+script) that imports `lowprec.cli` and what `lowprec run` imports later (PRELOAD), then forks a
+child per command line. The child points its stdin at /dev/null and its stdout and stderr at
+files, sets `sys.argv` as `python -m lowprec.cli ARGS` would, and runs
+`sys.exit(lowprec.cli.main(ARGS))` at the top of its interpreter, so its exit (atexit
+handlers, the interpreter's shutdown) is a `python -m lowprec.cli` exit. It is a process of
+its own: SIGKILL ends it with nothing flushed and its file locks let go, as it would end a
+`lowprec run` started by exec. Nothing is shared with the server after the fork: the server
+opens no store, starts no thread and runs no torch operation.
+
+Only the server's children can be waited on, so the server also answers `poll` and `wait`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+PRELOAD = ("lowprec.cli", "lowprec.runtime.run", "lowprec.tracking.tracker", "lowprec.evals.suite",
+           "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store", "lm_eval.tasks", "lm_eval.evaluator")
+
+
+class Forked:
+    """One forked `lowprec` command: the `subprocess.Popen` calls the kill campaign makes."""
+
+    def __init__(self, server: "CliForks", pid: int, stdout: Path, stderr: Path):
+        self.server, self.pid, self.returncode = server, pid, None
+        self._out, self._err = stdout, stderr
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server.ask({"poll": self.pid})["returncode"]
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:   # not reaped yet: the pid is still this child's
+            os.kill(self.pid, sig)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        if self.returncode is None:
+            self.returncode = self.server.ask({"wait": self.pid, "timeout": timeout})["returncode"]
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(f"lowprec (pid {self.pid})", timeout)
+        return self._out.read_text(), self._err.read_text()
+
+
+class CliForks:
+    """The server: `start(argv, cwd)` forks a child that runs `lowprec ARGV` in `cwd`."""
+
+    def __init__(self, logs: Path):
+        self.logs, self.count = Path(logs), 0
+        self.logs.mkdir(parents=True, exist_ok=True)
+        with open(self.logs / "server.err", "w") as err:
+            self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=err, text=True, bufsize=1)
+
+    def ask(self, request: dict) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the fork server ended: {(self.logs / 'server.err').read_text()[-3000:]}")
+        return json.loads(line)
+
+    def start(self, argv: list[str], cwd: Path) -> Forked:
+        self.count += 1
+        out, err = self.logs / f"{self.count}.out", self.logs / f"{self.count}.err"
+        pid = self.ask({"argv": argv, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)})["pid"]
+        return Forked(self, pid, out, err)
+
+    def close(self) -> None:
+        """Stop the server; it kills and reaps the children still running (a test that failed)."""
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        self.proc.stdout.close()
+
+
+def _returncode(status: int) -> int:
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _wait(pid: int, timeout: float | None) -> int | None:
+    """The child's exit code (negative: the signal that ended it); None when it runs past `timeout`."""
+    if timeout is None:
+        return _returncode(os.waitpid(pid, 0)[1])
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got:
+            return _returncode(status)
+        time.sleep(0.01)
+    return None
+
+
+def _serve() -> list[str] | None:
+    """Answer requests until stdin closes (returns None); in a forked child, the argv to run."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    children = set()
+    for line in sys.stdin:
+        req = json.loads(line)
+        if "poll" in req:
+            got, status = os.waitpid(req["poll"], os.WNOHANG)
+            reply = {"returncode": _returncode(status) if got else None}
+            children.discard(req["poll"] if got else None)
+        elif "wait" in req:
+            reply = {"returncode": _wait(req["wait"], req["timeout"])}
+            children.discard(req["wait"] if reply["returncode"] is not None else None)
+        else:
+            assert threading.active_count() == 1, f"threads before a fork: {threading.enumerate()}"
+            sys.stdout.flush()
+            pid = os.fork()
+            if pid == 0:
+                _become_child(req)
+                return req["argv"]
+            children.add(pid)
+            reply = {"pid": pid}
+        print(json.dumps(reply), flush=True)
+    for pid in children:   # the client left with children running
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    return None
+
+
+def _become_child(req: dict) -> None:
+    os.chdir(req["cwd"])
+    write = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    for fd, (path, flags) in enumerate(((os.devnull, os.O_RDONLY), (req["stdout"], write), (req["stderr"], write))):
+        new = os.open(path, flags, 0o644)
+        os.dup2(new, fd)
+        os.close(new)
+    sys.path[0] = req["cwd"]   # `python -m` puts the working directory first
+    sys.argv = [str(Path(importlib.import_module("lowprec.cli").__file__)), *req["argv"]]
+
+
+if __name__ == "__main__":
+    argv = _serve()
+    if argv is not None:   # the forked child: this interpreter is now `python -m lowprec.cli ARGV`
+        sys.exit(importlib.import_module("lowprec.cli").main(argv))
