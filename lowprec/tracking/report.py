@@ -293,9 +293,12 @@ def _draw_evals(ax, series, metrics: dict, prefix: str, color: str, label: str, 
             continue
         gy, ge = [at[s][0] for s in group], [at[s][1] for s in group]
         ax.errorbar(group, gy, yerr=list(zip(*ge)), fmt="none", lw=1, capsize=3, ecolor=color, zorder=z)
-        ax.plot(group, gy, marker=marker, ls="" if full else ("--" if hollow else "-"), ms=8 if full else 5,
-                lw=1, color=color, mfc="none" if hollow else color, mew=1.4 if hollow else 1, zorder=z + 0.5,
-                label=f"{label}, {what}" if what else label)
+        # a hollow series is drawn wide and light under the others, its markers larger: where the
+        # two coincide, the thin line and small dots of the other lie inside it and both are seen
+        ms = (11 if full else 9) if hollow else (8 if full else 5)
+        ax.plot(group, gy, marker=marker, ls="" if full else "-", ms=ms, lw=4 if hollow else 1, color=color,
+                alpha=0.45 if hollow else 1.0, mfc="none" if hollow else color, mew=1.6 if hollow else 1,
+                zorder=z + 0.5, label=f"{label}, {what}" if what else label)
 
 
 def evals_figure(data: ReportData):
@@ -314,8 +317,8 @@ def evals_figure(data: ReportData):
                         "D", 2)
             ax.axhline(bys[-1], color=BASELINE_COLOR, ls=":", lw=0.8)
         hp = hp_series.get(name)
-        if hp:   # the same weights in high precision, drawn over the candidate: the gap is what precision costs
-            _draw_evals(ax, hp, data.metrics, "eval_hp", HP_COLOR, "same weights, high precision", "s", 4,
+        if hp:   # the same weights in high precision, under the candidate: the gap is what precision costs
+            _draw_evals(ax, hp, data.metrics, "eval_hp", HP_COLOR, "same weights, high precision", "s", 1,
                         hollow=True)
         top = ax.get_xaxis_transform()
         for e in data.events:
@@ -332,7 +335,12 @@ def evals_figure(data: ReportData):
         ax.set_ylabel(unit_label(name), fontsize=8)
         # no offset or multiplier text above the axis, where the verdicts are written
         ax.ticklabel_format(axis="y", style="plain", useOffset=False)
-        ax.legend(fontsize=6)
+    # one legend for every panel (they draw the same series), under the panels: never over the data
+    seen: dict[str, object] = {}
+    for ax in axes:
+        for handle, text in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(text, handle)
+    fig.legend(list(seen.values()), list(seen), loc="outside lower center", ncol=3, fontsize=7, frameon=False)
     against = f"against {data.baseline_name} (dotted: its last)" if base_series else f"({NO_BASELINE})"
     fig.suptitle(fit_title(f"{data.run_name}: evals per checkpoint {against}; gate verdicts dash-dotted, "
                            f"stage changes, fallbacks and rewinds as on the loss picture", 4.1 * len(axes[:3]), 11),

@@ -80,7 +80,9 @@ def test_loss_and_evals_draw_the_recorded_baseline_beside_the_candidate(two_runs
         assert {"candidate: tiny-rollout", "baseline: tiny-bf16"} <= set(drawn), pax.get_title(loc="left")
         assert list(drawn["baseline: tiny-bf16"].get_xdata()) == [20]   # the baseline's final eval
         assert list(drawn["candidate: tiny-rollout"].get_xdata()) == [10, 20]
-        assert pax.get_xlabel().startswith("step") and pax.get_ylabel() and pax.get_legend() is not None
+        assert pax.get_xlabel().startswith("step") and pax.get_ylabel()
+    legend, = fig.legends   # one legend for the panels, naming both runs
+    assert {"candidate: tiny-rollout", "baseline: tiny-bf16"} <= {t.get_text() for t in legend.get_texts()}
     bpb = next(a for a in panels if "heldout_shakespeare/bits_per_byte" in a.get_title(loc="left").replace("\n", ""))
     assert bpb.get_ylabel() == "bits per byte (lower is better)"
     want = MlflowClient(uri).get_metric_history(ids["base"], "eval/heldout_shakespeare/bits_per_byte")

@@ -52,7 +52,7 @@ def test_fast_and_full_evals_are_separate_series(data):
         assert not (40 in xs and len(xs) > 1), ln.get_label()
 
 
-def test_the_high_precision_series_is_drawn_apart_and_on_top(data):
+def test_the_high_precision_series_is_drawn_apart_and_under_the_candidate(data):
     lines = _lines(evals_figure(data))
     hp_fast = lines["same weights, high precision, in-loop (fast) evals"]
     hp_full = lines["same weights, high precision, final (full) eval"]
@@ -60,7 +60,11 @@ def test_the_high_precision_series_is_drawn_apart_and_on_top(data):
     assert list(hp_fast.get_xdata()) == [10, 20, 30] and list(hp_full.get_ydata()) == [1.595]
     assert hp_fast.get_color() == HP_COLOR != CANDIDATE_COLOR == cand.get_color()
     assert hp_fast.get_marker() != cand.get_marker() and hp_fast.get_markerfacecolor() == "none"  # hollow: both seen
-    assert hp_fast.get_zorder() > cand.get_zorder() and hp_full.get_zorder() > cand.get_zorder()
+    # wide, light and under the candidate's thin line, its hollow markers larger than the candidate's
+    # dots: where the two coincide both are seen
+    assert hp_fast.get_zorder() < cand.get_zorder() and hp_full.get_zorder() < cand.get_zorder()
+    assert hp_fast.get_linewidth() > cand.get_linewidth() and hp_fast.get_markersize() > cand.get_markersize()
+    assert hp_fast.get_alpha() < 1
 
 
 def test_a_run_with_one_kind_of_eval_keeps_one_series(data):

@@ -63,6 +63,8 @@ def test_eval_axes_carry_no_offset_under_the_verdicts_and_signal_legends_stay_of
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     FigureCanvasAgg(fig).draw()
     assert fig.axes[0].yaxis.get_offset_text().get_text() == ""
+    box = fig.legends[0].get_window_extent()   # the panels' one legend lies under every panel
+    assert all(box.y1 <= ax.get_window_extent().y0 for ax in fig.axes if ax.axison)
     fig = signals_figure(data)
     FigureCanvasAgg(fig).draw()
     ax = fig.axes[0]
