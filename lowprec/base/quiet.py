@@ -7,15 +7,22 @@ lowprec uses needs them; pytorch/ao issue 2919), and torch's pytree logs a depre
 each Enum torchao registers as a constant (torch/utils/_pytree.py, `register_constant`).
 `quiet_imports()` drops exactly those records, and only while the block runs: any other
 message of those loggers, every warning and every other logger go through as before.
+
+MLflow draws a "Downloading artifacts" progress bar on stderr for every artifact download,
+unless its documented switch `MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR` is false
+(https://mlflow.org/docs/latest/python_api/mlflow.environment_variables.html); MLflow reads it
+at each download. `quiet_artifact_downloads()` turns that one switch off while the block runs
+and puts it back after, so that `lowprec report` and `lowprec gate` print only their own lines.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 
-__all__ = ["quiet_imports", "NOISE"]
+__all__ = ["quiet_imports", "quiet_artifact_downloads", "NOISE"]
 
 # (logger, message pattern) of the records dropped: nothing else is
 NOISE = (("torchao", re.compile(r"^Failed to load .*torchao[/\\]_C\w*\.[\w.-]*so\b")),
@@ -43,3 +50,21 @@ def quiet_imports():
     finally:
         for logger, f in installed:
             logger.removeFilter(f)
+
+
+_PROGRESS_BAR = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+
+
+@contextlib.contextmanager
+def quiet_artifact_downloads():
+    """While the block runs, MLflow's artifact downloads draw no progress bar (module docstring);
+    the switch is as it was after, the user's own setting included."""
+    before = os.environ.get(_PROGRESS_BAR)
+    os.environ[_PROGRESS_BAR] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_PROGRESS_BAR, None)
+        else:
+            os.environ[_PROGRESS_BAR] = before

@@ -22,8 +22,6 @@ MLflow is imported by the functions, not by this module.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import math
 import re
@@ -31,6 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterable
 
+from lowprec.base.quiet import quiet_artifact_downloads
 from lowprec.gates.errors import GateInputError
 from lowprec.gates.scores import STDERR_SUFFIX, MetricScores, Scores, missing_metric_message
 from lowprec.tracking.outbox import server_answers
@@ -176,8 +175,7 @@ def _samples(client, run_id: str, prefixes: set[str], step: int, source: str,
             continue
         with tempfile.TemporaryDirectory(prefix="lowprec-gate-") as tmp:
             try:
-                # MLflow draws a progress bar on stderr for every download; keep it out of the CLI's output.
-                with contextlib.redirect_stderr(io.StringIO()):
+                with quiet_artifact_downloads():
                     local = client.download_artifacts(run_id, name, tmp)
                 doc = json.loads(Path(local).read_text())
                 if kinds is not None:

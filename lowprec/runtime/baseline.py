@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from lowprec.base.parse import ConfigError
+from lowprec.base.quiet import quiet_artifact_downloads
 
 __all__ = ["losses_of_run", "telemetry_of_run", "LOSSES_ARTIFACT"]
 
@@ -63,7 +64,8 @@ def _read(tracking_uri: str, experiment: str, ref: str) -> list[float]:
     run = _find_run(client, experiment, ref)
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            local = client.download_artifacts(run.info.run_id, LOSSES_ARTIFACT, tmp)
+            with quiet_artifact_downloads():
+                local = client.download_artifacts(run.info.run_id, LOSSES_ARTIFACT, tmp)
         except Exception as e:  # noqa: BLE001 - MLflow raises several kinds for a missing artifact
             raise ConfigError(_WHERE, f"run {run.info.run_id} has no {LOSSES_ARTIFACT} artifact ({type(e).__name__}); "
                               f"name a run that `lowprec run` trained") from None

@@ -39,6 +39,7 @@ from pathlib import Path
 
 
 from lowprec.base.parse import read_yaml_file
+from lowprec.base.quiet import quiet_artifact_downloads
 from lowprec.policy.events import Event, EventKind, describe, read_events, replay
 from lowprec.tracking.records import BASELINE_LOSS, flatten_config, tidy_numbers
 
@@ -299,7 +300,7 @@ def from_mlflow(client, run_id: str) -> ReportData:
     """Read a run through an MlflowClient (with its baseline run beside it:
     `lowprec.tracking.report_baseline.read_run`)."""
     run = client.get_run(run_id)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, quiet_artifact_downloads():
         names = {a.path for a in client.list_artifacts(run_id)}
         events, pmap = [], {}
         if "events.jsonl" in names:

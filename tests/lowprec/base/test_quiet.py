@@ -59,3 +59,29 @@ def test_only_the_known_records_and_only_inside_the_block(caplog):
         torchao.warning(noise)                                 # after the block: shown again
     assert [r.getMessage() for r in caplog.records] == ["Failed to quantize layer 3", noise]
     assert not torchao.filters and not pytree.filters
+
+
+def test_artifact_downloads_draw_no_progress_bar_inside_the_block_and_the_switch_is_restored(tmp_path, capfd,
+                                                                                               monkeypatch):
+    import os
+
+    from mlflow.tracking import MlflowClient
+
+    from lowprec.base.quiet import quiet_artifact_downloads
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.create_run(client.create_experiment("quiet", artifact_location=(tmp_path / "art").as_uri()))
+    (tmp_path / "events.jsonl").write_text("{}\n")
+    client.log_artifact(run.info.run_id, str(tmp_path / "events.jsonl"))
+    monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
+    capfd.readouterr()
+    client.download_artifacts(run.info.run_id, "events.jsonl", str(tmp_path / "a"))
+    assert "Downloading artifacts" in capfd.readouterr().err   # MLflow's own bar, outside the block
+    with quiet_artifact_downloads():
+        client.download_artifacts(run.info.run_id, "events.jsonl", str(tmp_path / "b"))
+    assert "Downloading artifacts" not in capfd.readouterr().err
+    assert "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR" not in os.environ   # as it was: unset
+    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "true")
+    with quiet_artifact_downloads():
+        pass
+    assert os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] == "true"   # the user's own setting kept
