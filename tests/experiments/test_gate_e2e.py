@@ -5,8 +5,11 @@ baseline), with every block's linear layers in FP8 (tensor-wise current scaling:
 candidate that should pass), and with every linear layer in FP4 E2M1 with one scale per
 tensor and none of the NVFP4 tricks (the planted regression). Each run is tracked with
 lowprec.tracking.tracker.Tracker and ends with the full `shakespeare` eval suite (held-out plays,
-cloze) logged with per-example scores. The gate command is run as a real subprocess, so
-its exit codes are the ones CI sees.
+cloze) logged with per-example scores. The pass and the fail verdicts come from the gate command
+run as a real subprocess, so their exit codes are the ones CI sees; the unusable-input cases call
+`lowprec.cli.main`, the function the `lowprec` command exits with, in this process (the same
+handler, status and stderr line, without three more process starts; tests/lowprec/gates/
+test_gate_cli.py runs such cases as subprocesses).
 """
 
 import copy
@@ -113,21 +116,25 @@ def test_logged_numbers_are_the_suites(store):
 
 
 @pytest.mark.parametrize("case", ["bad_run", "bad_metric", "bad_file"])
-def test_unusable_input_exits_2(store, case):
+def test_unusable_input_exits_2(store, case, capsys):
+    from lowprec.cli import main
+
     root, uri, runs, gates = store
-    base = runs["bf16"][0]
+    base, cand = runs["bf16"][0], runs["fp8"][0]
     if case == "bad_run":
-        p = _gate(uri, base, "0" * 32, gates)
-        assert "0" * 32 in p.stderr
+        cand, expect = "0" * 32, ["0" * 32]
     elif case == "bad_metric":
-        g = root / "bad_metric.yaml"
-        g.write_text(GATES.replace("eval/cloze_shakespeare/acc", "eval/cloze_shakespeare/accuracy"))
-        p = _gate(uri, base, runs["fp8"][0], g)
-        assert "eval/cloze_shakespeare/accuracy" in p.stderr and "eval/cloze_shakespeare/acc" in p.stderr
+        gates = root / "bad_metric.yaml"
+        gates.write_text(GATES.replace("eval/cloze_shakespeare/acc", "eval/cloze_shakespeare/accuracy"))
+        expect = ["eval/cloze_shakespeare/accuracy", "eval/cloze_shakespeare/acc"]
     else:
-        g = root / "bad_file.yaml"
-        g.write_text(GATES.replace("lower_is_better", "lower"))
-        p = _gate(uri, base, runs["fp8"][0], g)
-        assert "lower_is_better" in p.stderr
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert "Traceback" not in p.stderr and p.stderr.startswith("lowprec gate: ")
+        gates = root / "bad_file.yaml"
+        gates.write_text(GATES.replace("lower_is_better", "lower"))
+        expect = ["lower_is_better"]
+    capsys.readouterr()
+    code = main(["gate", "--baseline", base, "--candidate", cand, "--gates", str(gates), "--tracking-uri", uri])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert "Traceback" not in err and err.startswith("lowprec gate: "), err
+    for part in expect:
+        assert part in err, (part, err)

@@ -61,9 +61,11 @@ def test_bench_telemetry(tmp_path):
     assert "bookkeeping per step" in out and "| off |" in out
 
 
-def _tiny_config(src: str, dest: Path, **train) -> Path:
+def _tiny_config(src: str, dest: Path, model: dict | None = None, **train) -> Path:
+    """experiments/configs/<src> with `train` keys (and `model.args`) replaced, written to `dest`."""
     cfg = yaml.safe_load((ROOT / "experiments" / "configs" / src).read_text())
     cfg["train"] = {**cfg["train"], **train}
+    cfg["model"]["args"] = {**cfg["model"]["args"], **(model or {})}
     dest.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return dest
 
@@ -77,9 +79,12 @@ def test_telemetry_noise(tmp_path):
 
 @pytest.mark.slow
 def test_gate_calibration(tmp_path):
-    out = _run("gate_calibration", "--pairs", "2", "--steps", "3", "--drops", "0.05", "--tolerances", "0.01",
-               "--spread-k", "--threads", "1", "--out", str(tmp_path / "runs"), "--json", str(tmp_path / "r.json"),
-               timeout=1200)
+    # a one-block model of width 32: each of the 4 runs' full evals costs half the reference model's
+    tiny = {"n_layer": 1, "n_head": 1, "d_model": 32}
+    config = _tiny_config("gate_calibration.yaml", tmp_path / "tiny.yaml", model=tiny)
+    out = _run("gate_calibration", "--config", str(config), "--pairs", "2", "--steps", "3", "--drops", "0.05",
+               "--tolerances", "0.01", "--spread-k", "--threads", "1", "--out", str(tmp_path / "runs"),
+               "--json", str(tmp_path / "r.json"), timeout=1200)
     assert "false alarms" in out and (tmp_path / "r.json").is_file()
 
 
