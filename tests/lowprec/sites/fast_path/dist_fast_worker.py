@@ -5,7 +5,8 @@ Used by test_fast_path_distributed.py:
     python dist_fast_worker.py OUT.pt single:FMT:SCOPE ...
     python -m torch.distributed.run --standalone --nproc-per-node N dist_fast_worker.py OUT.pt MODE:FMT:SCOPE ...
 
-MODE: `single` (one process, the whole batch), `fsdp` (FullyShardedDP over every rank:
+MODE: `single` (one process's run, the whole batch, no process group in it: alone or on
+every rank of a launch), `fsdp` (FullyShardedDP over every rank:
 DP N), `dptp` (lowprec.runtime.parallel.DataTensorParallel on a (N/2, 2) mesh: TP 2, DP N/2;
 with N == 2 that is TP 2 alone), `layer` (one PrecisionLinear on data- and
 tensor-parallel shards against the same layer on the whole tensors, on every rank),

@@ -1,7 +1,8 @@
 """The `torch` backend's FP8 fast path under torchrun (gloo): FSDP2, TP and DP x TP.
 
 dist_fast_worker.py trains the small GPT (every block's linear layers in FP8) for 5 AdamW
-steps in each layout, and one process trains the same model on the same batches:
+steps in each layout, and a one-process run (no process group in it, on each rank of the
+2-rank launch) trains the same model on the same batches:
 
 * DP 2 and DP 4: `lowprec.runtime.fsdp.FullyShardedDP`;
 * TP 2 and DP 2 x TP 2: `lowprec.runtime.parallel.DataTensorParallel` (qkv and fc column-,
@@ -74,13 +75,12 @@ GATHER = ["fsdp8:fp8_tensorwise:group", "fsdphp:fp8_tensorwise:group"]
 GATHER2D = [f"{m}:fp8_tensorwise:group" for m in ("fsdptphp", "hsdp8", "hsdphp")]   # fsdptp8: the ckpt run
 LEDGER = ["ledger:fp8_tensorwise:group", "ledger:fp8_tensorwise:local"]
 SEQ = ["seq:fp8_tensorwise:group", "seq:fp8_tensorwise:local"]
-JOBS = {
-    "w2": (2, GROUP + LOCAL + LAYER + ["layer:fp8_tensorwise:local"] + GATHER + LEDGER + SEQ),
-    "w4": (4, GROUP + LOCAL + ["layer:fp8_tensorwise:group"] + GATHER2D + CKPT),
-    "single": (1, [f"single:{f}:group" for f in FORMATS] + ["single:fp8_tensorwise:local",
-                                                            "single:fp8_rowwise:local"]),
-}
-AFTER = {"reshard": (2, ["reshard_fsdptp:fp8_tensorwise:group"])}   # w4's checkpoint
+RESHARD = ["reshard_fsdptp:fp8_tensorwise:group"]   # loads w4's checkpoint
+# the one-process runs (no process group in them) go in the 2-rank launch: one process start less
+SINGLE = [f"single:{f}:group" for f in FORMATS] + ["single:fp8_tensorwise:local", "single:fp8_rowwise:local"]
+FIRST = {"w4": (4, GROUP + LOCAL + ["layer:fp8_tensorwise:group"] + GATHER2D + CKPT)}
+AFTER = {"w2": (2, SINGLE + GROUP + LOCAL + LAYER + ["layer:fp8_tensorwise:local"] + GATHER + LEDGER + SEQ + RESHARD)}
+JOBS = {**FIRST, **AFTER}
 PINNED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 GEMM_FLAGS = (False, True, True)   # the worker's `precision.gemm` in `layer` and `seq`: (fprop, dgrad, wgrad)
 
@@ -88,8 +88,8 @@ GEMM_FLAGS = (False, True, True)   # the worker's `precision.gemm` in `layer` an
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, gloo):
     d = tmp_path_factory.mktemp("fast_path_distributed")
-    out = _run(d, JOBS)
-    out.update(_run(d, AFTER))
+    out = _run(d, FIRST)
+    out.update(_run(d, AFTER))   # one 2-rank launch, after the checkpoint it reshards
     return out
 
 
@@ -97,8 +97,7 @@ def _run(d: Path, specs: dict) -> dict:
     """Launch the jobs of `specs` at once, wait for all; each one's results by name."""
     jobs = {}
     for name, (n, variants) in specs.items():
-        launch = ([sys.executable] if n == 1 else
-                  [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)])
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
         with open(d / f"{name}.log", "w") as log:
             jobs[name] = subprocess.Popen([*launch, str(WORKER), str(d / f"{name}.pt"), *variants],
                                           stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -135,7 +134,7 @@ def test_every_site_runs_the_fast_path_every_step(runs, world, variant):
 @pytest.mark.parametrize("world,variant", [(w, v) for w, v in TRAINED if v.endswith(":group")])
 def test_group_scope_losses_equal_one_process(runs, world, variant):
     _, fmt, _ = variant.split(":")
-    ref = runs["single"][f"single:{fmt}:group"]["losses"]
+    ref = runs["w2"][f"single:{fmt}:group"]["losses"]
     got = runs[world][variant]["losses"]
     assert len(got) == len(ref) == 5
     for step, (a, b) in enumerate(zip(got, ref)):
@@ -146,7 +145,7 @@ def test_group_scope_losses_equal_one_process(runs, world, variant):
 def test_local_scope_is_one_process_per_rank(runs, world):
     n = JOBS[world][0]
     own = runs[world]["fsdp:fp8_tensorwise:local"]["own_row_loss"]
-    assert own == runs["single"]["single:fp8_tensorwise:local"]["row_losses"][n]
+    assert own == runs["w2"]["single:fp8_tensorwise:local"]["row_losses"][n]
     # the group scope's rank losses are not the per-rank ones: its scales are the batch's
     grouped = runs[world]["fsdp:fp8_tensorwise:group"]["own_row_loss"]
     assert grouped != own
@@ -233,7 +232,7 @@ def test_dp_x_tp_fp8_all_gather_checkpoint_resumes_exactly_and_reshards(runs):
     straight = run["losses"][3:]
     assert run["resumed"] == straight
     assert run["weight_dtypes"] and set(run["weight_dtypes"].values()) == {"torch.float32"}
-    resharded = runs["reshard"]["reshard_fsdptp:fp8_tensorwise:group"]
+    resharded = runs["w2"]["reshard_fsdptp:fp8_tensorwise:group"]
     assert resharded["step"] == 3 and len(resharded["wrapped"]) == 8
     # step 3 runs on the loaded weights: only the sums' order differs (dp 1 against dp 2).
     # Step 4's weights carry step 3's gradients, FP32 sums in another order; the bf16 site
