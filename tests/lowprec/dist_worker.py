@@ -6,7 +6,8 @@ Used by test_distributed.py, which runs
     python -m torch.distributed.run --standalone --nproc-per-node 2 \\
         tests/lowprec/dist_worker.py OUT.pt tp:FMT fsdp:FMT ...          (2 gloo ranks)
 
-and compares the results. Every run builds the same model (same seed), applies the same
+and compares the results (`single` variants may go in the torchrun job too: rank 0 runs
+them without a process group). Every run builds the same model (same seed), applies the same
 plan (every linear layer of every block in FMT, backend `emulated`) and trains it for
 STEPS AdamW steps on the same batches of real text bytes. OUT.pt (written by rank 0,
 loadable with weights_only=True) maps each variant to its per-step losses, the weight
@@ -299,8 +300,9 @@ def main(out: str, variants: list[str]) -> None:
         for v in variants:
             mode, fmt, *rest = (v + ":").split(":")
             reduce = "noreduce" not in rest
-            if mode == "single":
-                results[v] = single_run(fmt)
+            if mode == "single":   # no collective in it: rank 0 alone, the one that saves
+                if not distributed or dist.get_rank() == 0:
+                    results[v] = single_run(fmt)
             elif mode == "layer":
                 results[v] = layer_checks()
             else:
