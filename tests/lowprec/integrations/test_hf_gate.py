@@ -34,8 +34,8 @@ def _train(tmp: Path, name: str, config: str) -> str:
 
 
 @pytest.mark.slow
-def test_gate_compares_a_rollout_trainer_run_with_a_bf16_one(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_gate_compares_a_rollout_trainer_run_with_a_bf16_one(tmp_path, monkeypatch, sqlite_store):
+    uri = sqlite_store(tmp_path)   # a copy of the session's migrated store: no schema migration here
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)   # the Trainer's MLflow reporting reads these
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "hf-gate")
     baseline = _train(tmp_path, "bf16", BF16_CONFIG)
