@@ -93,6 +93,7 @@ CONFIG = {
                 "stages": [{"name": "attn_fp8", "select": {"glob": "blocks.*.attn.*"},
                             "format": "fp8_tensorwise"}]},
     "tracking": {"enabled": False},
+    "telemetry": {"energy": "off"},   # no codecarbon meter in each of the 13 processes: nothing here reads energy
 }
 # mode: (processes, the parallel: section, the single-process run it is compared with)
 PARALLEL = {"dp2xtp2": (4, {"dp_replicate": 2, "tp": 2}, "single"), "pp2": (2, {"pp": 2}, "single"),

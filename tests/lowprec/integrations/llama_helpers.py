@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from lowprec.evals.corpora import clean_text, split_texts
+from experiments.data import split_texts   # the local copy of the corpus where present, else the sdist
+from lowprec.evals.corpora import clean_text
 
 BLOCK = 64
 

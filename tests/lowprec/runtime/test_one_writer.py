@@ -42,6 +42,7 @@ def _config(uri: str, *, width: int = 32, seed: int = 0, step_seconds: float = 0
         "rollout": {"check_every": 2, "min_steps": 2,
                     "stages": [{"name": "mlp", "select": {"fqns": ["up", "down"]}, "format": "fp8_tensorwise"}]},
         "tracking": {"uri": uri, "experiment": "one-writer", "run_name": "w"} if tracked else {"enabled": False},
+        "telemetry": {"energy": "off"},   # no codecarbon meter per process: nothing here reads energy
     }
 
 
