@@ -261,19 +261,15 @@ def cast_input_and_weight(x: Tensor, w: Tensor, recipe: FastRecipe, hist_x: Dela
     if recipe.stats or recipe.rowwise or not (fp8_ops._direct(x) and fp8_ops.uses_kernels(x)):
         return None
     x2, w = x.reshape(-1, x.shape[-1]), w.detach()
-    if not (x2.dim() == 2 and w.dim() == 2 and x2.shape[1] == w.shape[1] and x2.numel() and w.numel()
-            and x2.is_contiguous() and w.is_contiguous() and x2.device == w.device
-            and x2.dtype in _PAIR_DTYPES and w.dtype in _PAIR_DTYPES):
+    pairs = _cast_pair()
+    if not pairs.pairable(x2, w):
         return None
     ct = fp8_ops._cast_transpose()
     delayed = ((tuple(hist_x), tuple(hist_w), recipe.margin, recipe.most_recent,
                 overflow if recipe.count_overflow else None) if recipe.delayed else None)
-    (qx, six, qxt), (qw, siw, qwt) = _cast_pair().pair(x2, w, fp8_ops.ELEMENTS[recipe.fwd], need_xt, ct.eager_launch,
+    (qx, six, qxt), (qw, siw, qwt) = pairs.pair(x2, w, fp8_ops.ELEMENTS[recipe.fwd], need_xt, ct.eager_launch,
                                                         delayed)
     return InputForms(qx, six, qxt), WeightForms(qw, siw, qwt, siw, None)
-
-
-_PAIR_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
 
 @functools.lru_cache(maxsize=None)

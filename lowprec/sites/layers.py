@@ -227,11 +227,14 @@ def _weight_forms(layer: PrecisionLinear, w: torch.Tensor, recipe: FastRecipe,
         hit = cache.get("fast", key, need_stats=recipe.stats)
         if hit is not None:
             return hit, None
+    hist_w = _delayed(layer, "weight", recipe)
     both = None if x is None else cast_input_and_weight(
-        x, w, recipe, _delayed(layer, "input", recipe), _delayed(layer, "weight", recipe), layer.overflow_steps,
+        x, w, recipe, _delayed(layer, "input", recipe), hist_w, layer.overflow_steps,
         w.requires_grad and torch.is_grad_enabled())
-    x_forms, forms = (None, cast_weight(w, recipe, _delayed(layer, "weight", recipe), layer.overflow_steps)
-                      ) if both is None else both
+    if both is None:
+        x_forms, forms = None, cast_weight(w, recipe, hist_w, layer.overflow_steps)
+    else:
+        x_forms, forms = both
     if use_cache:
         cache.put("fast", key, forms)
     return forms, x_forms

@@ -44,14 +44,12 @@ class _PairPlan(NamedTuple):
 
 
 def pairable(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `pair` takes a and b: both 2-D, contiguous, non-empty, of a dtype the kernels
-    read, with the same inner dimension, on one device."""
-    return (a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1] and a.numel() > 0 and b.numel() > 0
-            and a.is_contiguous() and b.is_contiguous() and a.device == b.device
-            and a.dtype in _DTYPES and b.dtype in _DTYPES)
-
-
-_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+    """Whether `pair` takes a and b: each what the kernels' unchecked entry points take
+    (`fp8_ops._plain`: 2-D, contiguous, of a dtype they read), non-empty, with the same inner
+    dimension, on one device."""
+    from lowprec.numerics.fp8_ops import _plain   # fp8_ops imports the kernels lazily: no cycle at load
+    return (_plain(a) and _plain(b) and a.shape[1] == b.shape[1] and a.numel() > 0 and b.numel() > 0
+            and a.device == b.device)
 
 
 @functools.lru_cache(maxsize=512)

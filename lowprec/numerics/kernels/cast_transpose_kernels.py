@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowprec.numerics.kernels.fp8_cast import _encode, _finite_abs, _load_f32, _scale_of
+from lowprec.numerics.kernels.fp8_cast import _amax_part, _encode, _finite_abs, _load_f32, _scale_of
 
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -124,19 +124,6 @@ def _amax_pair_kernel(xa_ptr, xb_ptr, partial_ptr, NA, NB, PA, BLOCK: tl.constex
     else:
         amax = _amax_part(xb_ptr, NB, pid - PA, tl.num_programs(0) - PA, BLOCK, BF16_B)
     tl.store(partial_ptr + pid, amax)
-
-
-@triton.jit
-def _amax_part(x_ptr, N, pid, programs, BLOCK: tl.constexpr, BF16: tl.constexpr):
-    """Program `pid` of `programs`' maximum of |x| over its blocks of the flat x (finite values).
-    `programs` may be a constant (Triton makes an integer argument of 1 one): widened by way of
-    `pid`, a tensor."""
-    offs = tl.arange(0, BLOCK)
-    amax = tl.zeros((), tl.float32)
-    for start in range(pid.to(tl.int64) * BLOCK, N, (pid * 0 + programs).to(tl.int64) * BLOCK):
-        ax, _ = _finite_abs(_load_f32(x_ptr + start + offs, start + offs < N, BF16))
-        amax = tl.maximum(amax, tl.max(ax, axis=0))
-    return amax
 
 
 @triton.jit

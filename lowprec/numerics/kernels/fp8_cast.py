@@ -177,14 +177,20 @@ def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr, BF16: tl.co
     if TICKET:
         if pid == 0:
             tl.store(partial_ptr + tl.num_programs(0), 0.0)
-    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    tl.store(partial_ptr + pid, _amax_part(x_ptr, N, pid, tl.num_programs(0), BLOCK, BF16))
+
+
+@triton.jit
+def _amax_part(x_ptr, N, pid, programs, BLOCK: tl.constexpr, BF16: tl.constexpr):
+    """Program `pid` of `programs`' maximum of |x| over its blocks of the flat x (finite values).
+    `programs` may be a constant (Triton makes an integer argument of 1 one): widened by way of
+    `pid`, a tensor."""
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros((), tl.float32)
-    for start in range(pid.to(tl.int64) * BLOCK, N, step):
-        x = _load_f32(x_ptr + start + offs, start + offs < N, BF16)
-        ax, _ = _finite_abs(x)
+    for start in range(pid.to(tl.int64) * BLOCK, N, (pid * 0 + programs).to(tl.int64) * BLOCK):
+        ax, _ = _finite_abs(_load_f32(x_ptr + start + offs, start + offs < N, BF16))
         amax = tl.maximum(amax, tl.max(ax, axis=0))
-    tl.store(partial_ptr + pid, amax)
+    return amax
 
 
 @triton.jit
