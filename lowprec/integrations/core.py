@@ -138,8 +138,12 @@ class HostedRollout:
         """Everything the config names, checked now rather than when training starts
         (`lowprec.runtime.framework_check`); the baseline curve it names is read here."""
         from lowprec.runtime.framework_check import check_framework_config
-        state, model = (self.state, self.model) if self.whole is None else (self.whole.state, self.whole.info)
-        self.baseline, _ = check_framework_config(self.config, state, model, self.baseline)
+        self.baseline, _ = check_framework_config(self.config, *self._decided_over(), self.baseline)
+
+    def _decided_over(self):
+        """(PrecisionState, model or ModelInfo) the config is checked and the controller decides
+        over: this rank's, or under pipeline stages the whole model's (`whole`)."""
+        return (self.state, self.model) if self.whole is None else (self.whole.state, self.whole.info)
 
     @classmethod
     def from_yaml(cls, path: str | Path, model: nn.Module, **kwargs) -> "HostedRollout":
@@ -182,7 +186,7 @@ class HostedRollout:
         controller = None
         if cfg.rollout is not None:
             from lowprec.policy.rollout import build_controller
-            state, model = (self.state, self.model) if self.whole is None else (self.whole.state, self.whole.info)
+            state, model = self._decided_over()
             controller = build_controller(cfg.rollout, state, model, baseline=self.baseline,
                                           gate=self.evals.gate if self.evals is not None else None)
         sites = list(self.whole.state.sites) if self.whole is not None and controller is not None else None
