@@ -118,11 +118,16 @@ class StepDetectors:
         for _, det, _ in self._checks(0.0, 0.0):
             det.rewound(back)
 
-    def accept_level(self) -> None:
-        """Forget the spike histories (after a persistent change of level that nothing could
-        undo: the new level is the normal one from now on)."""
-        self.loss_spike.clear()
-        self.grad_spike.clear()
+    def accept_level(self, anomaly: Anomaly) -> None:
+        """A persistent change of level that nothing could undo: the anomaly's values are the
+        normal ones from now on. Each detector that fired is rebased on its value (a spike
+        detector's history scaled to it, a large-value detector's reference raised to it), so
+        that it stays armed; the detectors that did not fire keep their histories."""
+        level = {AnomalyKind.LOSS_SPIKE: anomaly.loss, AnomalyKind.LOSS_LARGE: anomaly.loss,
+                 AnomalyKind.GRAD_NORM_SPIKE: anomaly.grad_norm, AnomalyKind.GRAD_NORM_LARGE: anomaly.grad_norm}
+        for kind, det, _ in self._checks(0.0, 0.0):
+            if kind in anomaly.kinds:
+                det.rebase(level[kind])
 
     def state_dict(self) -> dict:
         return {"loss_spike": self.loss_spike.state_dict(), "grad_spike": self.grad_spike.state_dict(),

@@ -214,11 +214,11 @@ class RolloutController(SlowSignalRules, LadderMoves):
             # the gradients alone (the loss is fine), or nothing to go back to: skipping more
             # steps would stop training; the new level becomes the normal one
             d.action = Action.CONTINUE
-            self.detectors.accept_level()
+            self.detectors.accept_level(a)
             why = "rewind is off" if a.loss_is_off else "the loss is not off"
             d.events.append(Event(step, EventKind.ACCEPT, (), {}, {}, (
                 f"{a.names} for {self.config.persist_steps} steps in a row and {why}: "
-                "the step is applied and the detectors start over"), a.to_evidence()))
+                "the step is applied and the detectors that fired are rebased on this level"), a.to_evidence()))
 
     def observe(self, step: int, signals: Signals) -> Decision:
         """One check: the rules (see the module docstring) over the window's Signals. The

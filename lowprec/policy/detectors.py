@@ -143,10 +143,16 @@ class SpikeDetector:
             self.seen += 1
         return spike, evidence
 
-    def clear(self) -> None:
-        self.values.clear()
-        self.steps.clear()
-        self.seen = 0
+    def rebase(self, level: float) -> None:
+        """A persistent change of level to `level` was accepted: the history is scaled so that
+        its reference's mean is `level` (its spread scales alike), so a jump from the new level
+        is seen at once instead of after `min_history` new values."""
+        ref = self.reference()
+        mean = sum(ref) / len(ref) if ref else 0.0
+        if not (math.isfinite(level) and level > 0 and mean > 0):
+            return
+        ratio = level / mean
+        self.values = deque((v * ratio for v in self.values), maxlen=self.window)
 
     def rewound(self, back: int) -> None:
         """Training went back to step `back`: the values of the steps from it on are gone."""
@@ -192,6 +198,13 @@ class LargeValueDetector:
             self.early.append((step, value))
             return False, {}
         return self.test(value)
+
+    def rebase(self, level: float) -> None:
+        """A persistent level of `level` was accepted: it becomes the reference's max (the warmup
+        values scaled alike), so only `factor` x the new level is large from now on."""
+        ref = self.reference
+        if math.isfinite(level) and level > ref > 0:
+            self.early = [(k, v * level / ref) for k, v in self.early]
 
     def rewound(self, back: int) -> None:
         """Training went back to step `back`: warmup values of the steps from it on are gone."""

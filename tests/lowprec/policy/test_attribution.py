@@ -116,7 +116,8 @@ def test_not_precision_demotes_nothing_and_a_persistent_loss_anomaly_rewinds():
     assert ctl.observe_step(50, grads, None, none).action is Action.SKIP_STEP      # one bad batch: a skip
     again = ctl.observe_step(51, Anomaly(51, grads.kinds, 2.0, 50.0, {}), None, none)
     assert again.action is Action.CONTINUE and again.events[-1].kind == EventKind.ACCEPT   # a new level: no rewind,
-    assert ctl.detectors.grad_spike.values == type(ctl.detectors.grad_spike.values)()    # and not skipped forever
+    # and not skipped forever: the grad-norm detector that fired is rebased on the new level
+    assert ctl.detectors.grad_spike.values == type(ctl.detectors.grad_spike.values)()   # (it had no history here)
 
 
 def test_a_persistent_anomaly_without_rewind_is_accepted_as_the_new_level():
@@ -273,3 +274,27 @@ def test_narrowing_down_needs_half_of_what_every_site_closed_not_just_the_criter
     assert res.precision_to_blame and culprit in res.blamed and set(res.blamed) <= set(MLP)
     # every site, the control (closes nothing), ATTN
     assert [round(x.closed, 2) for x in res.looks if x.retrained][:3] == [0.9, 0.0, 0.32]
+
+
+def test_an_accepted_level_leaves_the_detectors_armed_for_a_jump_from_it():
+    """After a new grad-norm level is accepted, a 6x jump from it is flagged within a few steps
+    (a cleared history would stay blind for `spike_min_history` values), the loss detector that
+    did not fire keeps its history, and the new level itself is not "large" at every step."""
+    ctl = make(rewind=True, persist=2)
+    det, none = ctl.detectors, Attribution(False, (), ())
+    for step in range(40):                                        # normal training: ~0.7, loss ~2
+        assert det.observe(step, 2.0 + 0.01 * (step % 5), 0.7 + 0.02 * (step % 7)) is None
+    loss_history = list(det.loss_spike.values)
+    kinds = []
+    for step in (40, 41):                                         # a persistent 12x grad-norm level
+        a = det.observe(step, 2.0, 8.5)
+        kinds.append(set(a.kinds))
+        d = ctl.observe_step(step, a, None, none)
+    assert {AnomalyKind.GRAD_NORM_SPIKE, AnomalyKind.GRAD_NORM_LARGE} <= kinds[-1]
+    assert d.events[-1].kind == EventKind.ACCEPT and d.action is Action.CONTINUE
+    assert list(det.loss_spike.values) == loss_history              # the loss did not change level
+    for step in range(42, 46):                                    # the new level is normal now
+        assert det.observe(step, 2.0, 8.5 + 0.2 * (step % 3)) is None, step
+    jump = det.observe(46, 2.0, 6 * 8.5)                          # 6x the new level, 4 steps later
+    assert jump is not None and AnomalyKind.GRAD_NORM_SPIKE in jump.kinds
+    assert jump.evidence["grad_norm_spike"]["mean"] == pytest.approx(8.5, rel=0.1)
