@@ -214,15 +214,25 @@ def _random_streams_kept() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _quiet_git_hash():
-    """lm-eval records the git commit of the working directory (`git describe --always`, its
-    stderr not redirected), so outside a git repository every evaluation printed git's "fatal:
-    not a git repository". For the call, lm-eval's evaluator asks git with stderr discarded
-    (the same hash where there is one); the function is put back after."""
+def _lean_bookkeeping() -> Iterator[None]:
+    """lm-eval's bookkeeping around an evaluation, without its cost or its noise, for the call:
+
+    - the git commit of the working directory: lm-eval runs `git describe --always` with git's
+      stderr not redirected (outside a repository every evaluation printed "fatal: not a git
+      repository"); here git is asked with stderr discarded (the same hash where there is one);
+    - the environment report (`add_env_info`): lm-eval runs torch's `collect_env`, about ten
+      subprocesses (pip, conda, lscpu, nvidia-smi...) on every evaluation, ~0.4 s of CPU and a
+      second of wall time each, for a text lowprec never reads; here only the versions are kept;
+    - the bootstrap stderr: lm-eval forks a pool of `cpu_count()` processes for it unless its
+      documented `DISABLE_MULTIPROC` is set; set here, it draws the same resamples in this process
+      (the same seeded chunks, so the same stderr) without forking one process per core.
+
+    Everything is put back after (the environment variable as it was)."""
     import subprocess
 
     import lm_eval.evaluator as ev
-    original = ev.get_git_commit_hash
+    originals = ev.get_git_commit_hash, ev.add_env_info
+    multiproc = os.environ.get("DISABLE_MULTIPROC")
 
     def quiet() -> str | None:
         try:
@@ -231,11 +241,24 @@ def _quiet_git_hash():
             return None
         return (out.stdout.strip() or None) if out.returncode == 0 else None
 
-    ev.get_git_commit_hash = quiet
+    def versions(storage: dict) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+        for key, package in (("lm_eval_version", "lm_eval"), ("transformers_version", "transformers")):
+            try:
+                storage[key] = version(package)
+            except PackageNotFoundError:
+                storage[key] = "N/A"
+
+    ev.get_git_commit_hash, ev.add_env_info = quiet, versions
+    os.environ["DISABLE_MULTIPROC"] = "1"
     try:
         yield
     finally:
-        ev.get_git_commit_hash = original
+        ev.get_git_commit_hash, ev.add_env_info = originals
+        if multiproc is None:
+            os.environ.pop("DISABLE_MULTIPROC", None)
+        else:
+            os.environ["DISABLE_MULTIPROC"] = multiproc
 
 
 def run_suite(suite: EvalSuite | str, forward: Callable[[Any], Any], tokenizer: Tokenizer, max_length: int,
@@ -274,7 +297,7 @@ def run_suite(suite: EvalSuite | str, forward: Callable[[Any], Any], tokenizer: 
     wanted = {t: limit for t in suite.tasks} if limit is not None else suite.limits(mode)
     samples = None if wanted is None else {
         t: list(range(min(wanted[t], prepared.n_docs[t]))) for t in prepared.ready}
-    with _random_streams_kept(), _default_sigterm(), _quiet_git_hash():
+    with _random_streams_kept(), _default_sigterm(), _lean_bookkeeping():
         res = lm_eval.simple_evaluate(
             model=adapter, tasks=list(prepared.ready),
             task_manager=TaskManager(include_path=str(prepared.cache_dir), include_defaults=False),

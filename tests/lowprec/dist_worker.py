@@ -22,7 +22,7 @@ Variants `{mode}:{format}[:noreduce]`:
   fsdp    fully_shard on every block and on the root; each rank gets half of every
           batch; prepare(..., amax_group=WORLD) makes activation/gradient amaxes global.
   :noreduce  the same without the amax reduction (tp: no all-reduce over the shard group;
-          fsdp: amax_group=None): the control that shows the comparison can fail.
+          fsdp: amax_group=None), CONTROL_STEPS steps: the control that shows the comparison can fail.
   layer   one PrecisionLinear on batch- and sequence-sharded inputs (layer_checks).
 """
 
@@ -47,6 +47,7 @@ from small_gpt import batches, corpus_bytes  # noqa: E402
 
 MODEL = dict(vocab_size=256, block_size=16, n_layer=2, n_head=2, d_model=32)
 BATCH, SEQ, STEPS, LR, DATA_SEED = 4, 16, 20, 1e-3, 0
+CONTROL_STEPS = 5   # a `:noreduce` control fails both comparisons from its first steps on
 SITES = [f"blocks.{i}.{m}" for i in range(MODEL["n_layer"])
          for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
 
@@ -118,11 +119,11 @@ class Reference:
 
 
 def train(model, state, step_loss, unpermute=None, reference: Reference | None = None,
-          is_rank0: bool = True) -> dict:
-    """STEPS AdamW steps: the losses; with a reference, each step compared with it."""
+          is_rank0: bool = True, steps: int = STEPS) -> dict:
+    """`steps` AdamW steps: the losses; with a reference, each step compared with it."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, per_step = [], []
-    for x, y in data():
+    for x, y in data()[:steps]:
         if reference is not None:
             params = {}
             for n, p in model.named_parameters():
@@ -199,7 +200,8 @@ def tp_run(fmt: str, reduce: bool) -> dict:
     if not reduce:
         gemms._shard_groups = lambda mesh, placements: []
     try:
-        out = train(model, state, step, unpermute, Reference(fmt), dist.get_rank() == 0)
+        out = train(model, state, step, unpermute, Reference(fmt), dist.get_rank() == 0,
+                    STEPS if reduce else CONTROL_STEPS)
     finally:
         gemms._shard_groups = saved
     return {**out, "sharded": sharded}
@@ -238,7 +240,8 @@ def fsdp_run(fmt: str, reduce: bool) -> dict:
         dist.all_reduce(total)
         return loss, total.item()
 
-    return {**train(model, state, step, None, Reference(fmt), rank == 0), "sharded": sharded}
+    return {**train(model, state, step, None, Reference(fmt), rank == 0, STEPS if reduce else CONTROL_STEPS),
+            "sharded": sharded}
 
 
 # ----------------------------------------------------------------------------- one layer

@@ -136,17 +136,26 @@ def test_opt_in_tasks_without_data_are_an_error_not_a_warning(gpt, tmp_path, rec
 
 def test_an_evaluation_outside_a_git_repository_prints_no_git_error(gpt, tmp_path, monkeypatch, capfd):
     """lm-eval records the working directory's git commit; outside a repository git's "fatal: not
-    a git repository" is not printed (once per evaluation, it was), and lm-eval's function is put back."""
+    a git repository" is not printed (once per evaluation, it was). torch's `collect_env` (about ten
+    subprocesses per evaluation) is not run, the bootstrap stderr runs without a process pool, and
+    lm-eval's functions and the environment are put back after."""
     import lm_eval.evaluator as ev
-    before = ev.get_git_commit_hash
+    import torch.utils.collect_env as collect_env
+    before = ev.get_git_commit_hash, ev.add_env_info
+    collected, pooled = [], []
+    monkeypatch.setattr(collect_env, "get_pretty_env_info", lambda: collected.append(1) or "")
+    monkeypatch.setattr("multiprocessing.Pool", lambda *a, **k: pooled.append(1))
+    monkeypatch.delenv("DISABLE_MULTIPROC", raising=False)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))   # no repository above it either
-    suite = EvalSuite("tiny", ("heldout_shakespeare",), fast_limit=2)
+    suite = EvalSuite("tiny", ("cloze_shakespeare",), fast_limit=4)   # its perplexity's stderr is bootstrapped
     capfd.readouterr()
-    run_suite(suite, gpt, ByteTokenizer(), MAX_LEN, mode="fast", bootstrap_iters=0, cache_dir=tmp_path / "cache")
+    r = run_suite(suite, gpt, ByteTokenizer(), MAX_LEN, mode="fast", bootstrap_iters=10, cache_dir=tmp_path / "cache")
     err = capfd.readouterr().err
     assert "not a git repository" not in err, err
-    assert ev.get_git_commit_hash is before
+    assert r.results["cloze_shakespeare"]["perplexity_stderr"] > 0
+    assert collected == [] and pooled == []
+    assert (ev.get_git_commit_hash, ev.add_env_info) == before and "DISABLE_MULTIPROC" not in os.environ
 
 
 def test_a_torchrun_rank_other_than_local_rank_0_runs_the_same_forwards_and_gets_none(gpt, monkeypatch):

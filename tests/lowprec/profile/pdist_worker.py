@@ -1,9 +1,10 @@
 """One rank of a distributed profile of the small GPT (gloo, CPU), for test_profile_distributed.py.
 
-    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python pdist_worker.py OUT_DIR MODE
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python pdist_worker.py OUT_DIR MODE...
 
-MODE `same`: every rank builds the same model (seed 0); `other`: rank 1 adds 1e-3 to one
-weight. Writes OUT_DIR/rank<r>.json: the profile (`to_dict`) or {"error": message}.
+Each MODE in turn, in one process group: `same`: every rank builds the same model (seed 0);
+`other`: rank 1 adds 1e-3 to one weight. Writes OUT_DIR/<mode>/rank<r>.json: the profile
+(`to_dict`) or {"error": message}.
 `setup()` is also what the test's single-process profile uses.
 """
 
@@ -41,12 +42,18 @@ def setup():
     return model, state, held
 
 
-def main(out: str, mode: str) -> None:
+def main(out: str, modes: list[str]) -> None:
     import torch.distributed as dist
-    from lowprec.profile.measure import profile_sites
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    for mode in modes:
+        (Path(out) / mode).mkdir(exist_ok=True)
+        profile(Path(out) / mode, mode, dist.get_rank())
+    dist.destroy_process_group()
+
+
+def profile(out: Path, mode: str, rank: int) -> None:
+    from lowprec.profile.measure import profile_sites
     model, state, held = setup()
     if mode == "other" and rank == 1:
         with torch.no_grad():
@@ -56,9 +63,8 @@ def main(out: str, mode: str) -> None:
         result = prof.to_dict()
     except ValueError as e:
         result = {"error": str(e)}
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result, allow_nan=True))
-    dist.destroy_process_group()
+    (out / f"rank{rank}.json").write_text(json.dumps(result, allow_nan=True))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(sys.argv[1], sys.argv[2:])

@@ -17,13 +17,20 @@ WORKER = Path(__file__).with_name("pdist_worker.py")
 pytestmark = pytest.mark.slow
 
 
-def _run_ranks(out: Path, mode: str, port: int) -> list[dict]:
+@pytest.fixture(scope="module")
+def modes(tmp_path_factory, gloo, free_port) -> dict[str, list[dict]]:
+    """One 2-rank launch that profiles in both modes, `same` then `other`: each rank's result by mode."""
+    out = tmp_path_factory.mktemp("profile_distributed")
+    return _run_ranks(out, ("same", "other"), free_port())
+
+
+def _run_ranks(out: Path, modes: tuple[str, ...], port: int) -> dict[str, list[dict]]:
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         with open(out / f"log{rank}.txt", "w") as log:   # the child keeps its own descriptor
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), mode], env=env,
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), *modes], env=env,
                                           stdout=log, stderr=subprocess.STDOUT))
     try:
         for p in procs:
@@ -35,16 +42,16 @@ def _run_ranks(out: Path, mode: str, port: int) -> list[dict]:
                 p.wait()
     for rank, p in enumerate(procs):
         assert p.returncode == 0, (out / f"log{rank}.txt").read_text()[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return {mode: [json.loads((out / mode / f"rank{r}.json").read_text()) for r in range(2)] for mode in modes}
 
 
 def _close(a: float, b: float) -> bool:
     return a == b or abs(a - b) <= 1e-6 * max(abs(a), abs(b))
 
 
-def test_two_ranks_equal_single_process(tmp_path, gloo, free_port):
+def test_two_ranks_equal_single_process(modes):
     from lowprec.profile.measure import profile_sites
-    ranks = _run_ranks(tmp_path, "same", free_port())
+    ranks = modes["same"]
     model, state, held = setup()
     single = profile_sites(model, state, held, formats={f: FORMATS for f in state.sites})
     pairs = len(single.entries)
@@ -65,8 +72,8 @@ def test_two_ranks_equal_single_process(tmp_path, gloo, free_port):
     assert single.passes_per_rank == len(held) * (1 + pairs)
 
 
-def test_ranks_with_other_weights_are_refused(tmp_path, gloo, free_port):
-    ranks = _run_ranks(tmp_path, "other", free_port())
+def test_ranks_with_other_weights_are_refused(modes):
+    ranks = modes["other"]
     for r in ranks:
         assert "error" in r, r.keys()
         assert "ranks [1] hold other weights" in r["error"]

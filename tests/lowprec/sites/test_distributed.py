@@ -33,7 +33,7 @@ compared with a single process on the same model, data and plan in two ways:
 
 Without the amax reduction (tp: no all-reduce over the shard group; fsdp:
 amax_group=None) every step's gradients differ by 7-15%: the control that shows the
-comparison can fail. A last test runs one layer on batch- and sequence-sharded inputs.
+comparison can fail (5 steps: from the first on, measured 7-15% in each of 20). A last test runs one layer on batch- and sequence-sharded inputs.
 
 Runs: one torchrun job with all distributed variants and, on rank 0 without a process
 group, the independent single-process runs; each process on one thread, with the CPU kernels pinned (MKL_CBWR,
@@ -50,6 +50,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_worker import CONTROL_STEPS
 
 pytestmark = pytest.mark.slow
 
@@ -115,7 +116,7 @@ def test_runs_are_sharded_and_quantized(runs, variant):
     assert len(run["sites"]) == 8 and run["sites_with_stats"] == run["sites"]
     assert run["stats_roles"] == ["grad_output", "input", "weight"]
     assert run["amax_min"] > 0
-    assert len(run["losses"]) == len(run["per_step"]) == 20
+    assert len(run["losses"]) == len(run["per_step"]) == (CONTROL_STEPS if variant in CONTROLS else 20)
 
 
 @pytest.mark.parametrize("variant", CORRECT)
@@ -140,7 +141,7 @@ def test_without_amax_reduction_the_gradients_differ(runs, variant):
     worst = [max(s["grad_max"].values()) for s in runs[variant]["per_step"]]
     assert min(worst) > 1e-2, f"{variant}: local amaxes left some step's gradients unchanged: {worst}"
     assert not any(_clean_steps(runs[variant]))
-    # and the loss bound of issue 3 fails too (by 4e-5 to 2e-4 here)
+    # and the loss bound of issue 3 fails too (within 5 steps by 3e-5 to 9e-5 here)
     assert max(_rel(s["loss"], s["ref_loss"]) for s in runs[variant]["per_step"]) > 1e-5
 
 

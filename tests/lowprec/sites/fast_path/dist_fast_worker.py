@@ -6,7 +6,7 @@ Used by test_fast_path_distributed.py:
     python -m torch.distributed.run --standalone --nproc-per-node N dist_fast_worker.py OUT.pt MODE:FMT:SCOPE ...
 
 MODE: `single` (one process's run, the whole batch, no process group in it: alone or on
-every rank of a launch), `fsdp` (FullyShardedDP over every rank:
+rank 0 of a launch), `fsdp` (FullyShardedDP over every rank:
 DP N), `dptp` (lowprec.runtime.parallel.DataTensorParallel on a (N/2, 2) mesh: TP 2, DP N/2;
 with N == 2 that is TP 2 alone), `layer` (one PrecisionLinear on data- and
 tensor-parallel shards against the same layer on the whole tensors, on every rank),
@@ -71,20 +71,20 @@ def _gather(obj) -> list:
     return out
 
 
-def _train(model, state, engine_step) -> dict:
+def _train(model, state, engine_step, gather=_gather) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for x, y in data()[:STEPS]:
         opt.zero_grad()
         losses.append(float(engine_step(x, y)))
         opt.step()
-    return {"losses": losses, "counts": _gather(_counts(state)), "sites": sorted(state.sites)}
+    return {"losses": losses, "counts": gather(_counts(state)), "sites": sorted(state.sites)}
 
 
 def single_run(fmt: str, scope: str, rows=None) -> dict:
     model = make_model()
     state = prepare(model, plan_for(fmt, scope), seed=1)
-    out = _train(model, state, lambda x, y: _single_step(model, x, y))
+    out = _train(model, state, lambda x, y: _single_step(model, x, y), gather=lambda obj: [obj])
     fresh = make_model()
     prepare(fresh, plan_for(fmt, scope), seed=1)
     with torch.no_grad():   # the loss of rows r::n of the first batch, for n in (2, 4): local scope
@@ -429,6 +429,8 @@ def main(out_path: str, variants: list[str]) -> None:
     results = {}
     for v in variants:
         mode, fmt, scope = v.split(":")
+        if mode == "single" and dist.is_initialized() and dist.get_rank() != 0:
+            continue   # no collective in it: rank 0, the one that saves, runs it alone
         if mode in CKPT_RUNS:
             results[v] = CKPT_RUNS[mode](fmt, scope, Path(out_path).parent)
         else:

@@ -2,8 +2,8 @@
 
 The reference experiment of tests/experiments/test_parallel_parity.py on the `torch`
 backend (every FP8 site on its fast path: `lowprec.sites.fp8_parallel` under DP x TP),
-16 steps: `torchrun --nproc-per-node 4 -m lowprec.cli run` with `parallel: {dp_replicate: 2, tp: 2}`
-against `lowprec run` in one process. The NaN (`nan_one`, `lowprec.runtime.faults`) goes
+13 steps (the NaN's step the last): `torchrun --nproc-per-node 4 -m lowprec.cli run` with
+`parallel: {dp_replicate: 2, tp: 2}` against `lowprec run` in one process. The NaN (`nan_one`, `lowprec.runtime.faults`) goes
 into one element of blocks.1.mlp.fc's output from step 12, on exactly one rank: rank 0
 holds the global batch's first row (dp rank 0) and, that site being column-parallel, the
 first output column (tp rank 0); the other three ranks' outputs of that site are finite.
@@ -34,7 +34,8 @@ from fast_path_checks import INTERPRETED  # noqa: E402
 from test_parallel_parity import CONFIG, PINNED, SITE, _decisions  # noqa: E402
 
 TIMEOUT_S = 900 if INTERPRETED else 300   # a hang's net; interpreted kernels take ~3x as long
-INJECT = ["--inject", f"nan_one:{SITE}:12:16"]
+STEPS = 13
+INJECT = ["--inject", f"nan_one:{SITE}:12:{STEPS}"]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def runs(tmp_path_factory, gloo):
     d = tmp_path_factory.mktemp("fast_faults")
     cfg = copy.deepcopy(CONFIG)
     cfg["precision"]["backend"] = "torch"
-    cfg["train"]["steps"] = 16
+    cfg["train"]["steps"] = STEPS
     (d / "config.yaml").write_text(yaml.safe_dump(cfg))
     (d / "dp2xtp2.yaml").write_text(yaml.safe_dump({**cfg, "parallel": {"dp_replicate": 2, "tp": 2}}))
     commands = {
