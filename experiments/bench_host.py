@@ -97,11 +97,11 @@ def _warm_amax_launch(xs, partial):
     from lowprec.numerics.kernels.fp8_cast import _amax_partial_kernel, _bits
     from lowprec.numerics.kernels.warm_launch import warm_launch
     warm: dict = {}
+    kw = dict(BLOCK=2048, BF16=True, TICKET=False, num_warps=8)
 
     def launch():
         xb = _bits(xs)
-        warm_launch(_amax_partial_kernel, (1,), warm, (xb,))(xb, partial, xs.numel(), BLOCK=2048, BF16=True,
-                                                             TICKET=False, num_warps=8)
+        warm_launch(_amax_partial_kernel, (1,), warm, (xb,), kw)(xb, partial, xs.numel())
     return launch
 
 

@@ -79,6 +79,7 @@ ROWS = (BASE, "nn.Linear fwd+bwd (compiled)", *LAYERS)
 
 class _Counter:
     launches = 0
+    driver = None   # the recording driver's `Launches` under --triton (it counts the kernels' launches)
 
 
 @torch.library.custom_op("lowprec_bench::scaled_mm_noop", mutates_args=())
@@ -103,17 +104,9 @@ def noop_launches(triton_path: bool = False):
     warm launches' direct calls), ending in a launcher that counts."""
     from lowprec.numerics.kernels import cast_transpose, fp8_cast
 
-    def launch(kernel, grid, warm=None, vary=()):
+    def launch(kernel, grid, warm=None, vary=(), kw=None):
         def run(*args, **kwargs):
             _Counter.launches += 1
-        return run
-
-    def counted(kernel, grid, warm=None, vary=()):
-        inner = eager(kernel, grid) if warm is None else eager(kernel, grid, warm, vary)
-
-        def run(*args, **kwargs):
-            _Counter.launches += 1
-            return inner(*args, **kwargs)
         return run
 
     def scaled_mm(a, b, *, scale_a, scale_b, out_dtype=None, **kwargs):
@@ -122,11 +115,11 @@ def noop_launches(triton_path: bool = False):
         _Counter.launches += 1
         return torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype or a.dtype)
 
-    eager = cast_transpose.eager_launch
     saved = (fp8_ops.uses_kernels, fp8_cast.kernels_available, cast_transpose.eager_launch, torch._scaled_mm)
     fp8_ops.uses_kernels = lambda x: True
     fp8_cast.kernels_available = lambda x: True
-    cast_transpose.eager_launch = counted if triton_path else launch
+    if not triton_path:   # with it, the kernels' launches are the fast path's own, counted by the driver
+        cast_transpose.eager_launch = launch
     torch._scaled_mm = scaled_mm
     driver = contextlib.nullcontext()
     if triton_path:
@@ -136,9 +129,11 @@ def noop_launches(triton_path: bool = False):
             from triton_nolaunch import nolaunch_driver
         driver = nolaunch_driver(record=False)
     try:
-        with driver:
+        with driver as launches:
+            _Counter.driver = launches
             yield
     finally:
+        _Counter.driver = None
         (fp8_ops.uses_kernels, fp8_cast.kernels_available, cast_transpose.eager_launch,
          torch._scaled_mm) = saved
 
@@ -171,15 +166,18 @@ def _launches_below(event) -> bool:
 
 def count_launches(step) -> tuple[int, int]:
     """(Triton kernels and `_scaled_mm` calls, other kernel-launching ATen ops) of one step:
-    the no-ops' own count, and the profiler's innermost ATen ops that are not views or
+    the no-ops' own count (under `--triton`, the recording driver's count of the kernels'
+    launches, which the layer makes itself: no wrapper adds host time to them), and the profiler's innermost ATen ops that are not views or
     allocations (`torch.zeros` is its fill, `sum` its reduction)."""
     from torch.profiler import ProfilerActivity, profile
     _Counter.launches = 0
+    before = 0 if _Counter.driver is None else _Counter.driver.count
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     other = sum(1 for e in prof.events() if e.name.startswith("aten::") and e.name not in _NO_KERNEL
                 and not _launches_below(e))
-    return _Counter.launches, other
+    kernels = 0 if _Counter.driver is None else _Counter.driver.count - before
+    return _Counter.launches + kernels, other
 
 
 def measure(steps: dict, calls: int, repeats: int) -> dict[str, tuple[float, tuple[int, int]]]:

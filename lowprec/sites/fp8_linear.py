@@ -178,16 +178,15 @@ class FP8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, bias, qw, siw, qwt, siwt, grad_stats, recipe: FastRecipe, x_forms: InputForms | None,
                 *state):
-        x2 = x.reshape(-1, x.shape[-1])
         siwt = siw if siwt is None else siwt   # one scale for both layouts unless row-wise
         need_dw = ctx.needs_input_grad[1]
         overflow, hist_x, hist_g = ((state[0], DelayedTensors(*state[1:5]), state[5:]) if state
                                     else (None, NO_HISTORY, ()))
         if x_forms is None:
-            qx, six, qxt, sixt, stats_x = _cast(x2, recipe.fwd, recipe, hist_x, overflow, 0, need_dw)
+            qx, six, qxt, sixt, stats_x = _cast(_rows(x), recipe.fwd, recipe, hist_x, overflow, 0, need_dw)
         else:
             (qx, six, qxt), sixt, stats_x = x_forms, x_forms.scale_inv, None
-            if need_dw and qxt.numel() != x2.numel():
+            if need_dw and qxt.numel() != x.numel():
                 raise ValueError("FP8LinearFn: the weight needs a gradient but the input's casts have no "
                                  "transposed form; cast x with its transpose (cast_input_and_weight(need_xt=True))")
         y = _mm(qx, six, qw, siw, _output_dtype(x), "fprop", recipe.gemm, bias)
@@ -197,13 +196,13 @@ class FP8LinearFn(torch.autograd.Function):
         if stats_x is not None:
             ctx.mark_non_differentiable(stats_x)
         ctx.set_materialize_grads(False)   # no zeros for the statistics' (absent) gradient
-        return y.reshape(*x.shape[:-1], y.shape[-1]), stats_x
+        return (y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])), stats_x
 
     @staticmethod
     def backward(ctx, gy, _gstats):
         qxt, sixt, qwt, siwt, grad_stats, *state = ctx.saved_tensors
         recipe = ctx.recipe
-        g2 = gy.reshape(-1, gy.shape[-1])
+        g2 = _rows(gy)
         hist_g, overflow = (DelayedTensors(*state[:4]), state[4]) if state else (NO_HISTORY, None)
         qg, sig, qgt, sigt, _ = _cast(g2, recipe.bwd, recipe, hist_g, overflow, 2, ctx.needs_input_grad[1],
                                       grad_stats if recipe.stats else None)
@@ -219,7 +218,8 @@ def grad_gemms(ctx, g2: Tensor, grad, w_t, x_t) -> tuple:
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     dx = dw = db = None
     if need_dx:
-        dx = _mm(qg, sig, *w_t, ctx.x_dtype, "dgrad", ctx.recipe.gemm).reshape(ctx.x_shape)
+        dx = _mm(qg, sig, *w_t, ctx.x_dtype, "dgrad", ctx.recipe.gemm)
+        dx = dx if len(ctx.x_shape) == 2 else dx.reshape(ctx.x_shape)
     if need_dw:
         dw = _mm(qgt, sigt, *x_t, ctx.w_dtype, "wgrad", ctx.recipe.gemm)
     if ctx.has_bias and need_db:
@@ -241,6 +241,11 @@ class DelayedTensors(NamedTuple):
     ticket: Tensor | None
 
 
+def _rows(t: Tensor) -> Tensor:
+    """`t` as (rows, last dimension): itself when 2-D (a reshape is a view's host time)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
 def _output_dtype(x: Tensor) -> torch.dtype:
     if x.is_cuda and torch.is_autocast_enabled("cuda"):
         return torch.get_autocast_dtype("cuda")
@@ -260,7 +265,7 @@ def cast_input_and_weight(x: Tensor, w: Tensor, recipe: FastRecipe, hist_x: Dela
     operands the paired kernels do not take."""
     if recipe.stats or recipe.rowwise or not (fp8_ops._direct(x) and fp8_ops.uses_kernels(x)):
         return None
-    x2, w = x.reshape(-1, x.shape[-1]), w.detach()
+    x2, w = _rows(x), w.detach()
     pairs = _cast_pair()
     if not pairs.pairable(x2, w):
         return None

@@ -86,15 +86,15 @@ def pair(a: torch.Tensor, b: torch.Tensor, elem, transpose_a: bool, launch=eager
     sib = torch.empty((), dtype=torch.float32, device=dev)
     if delayed is None:
         partial = torch.empty(plan.pa + plan.pb, dtype=torch.float32, device=dev)
-        launch(_amax_pair_kernel, plan.amax_grid, plan.warm, (a, b))(a, b, partial, ma * k, mb * k, plan.pa,
-                                                                    **plan.amax_kw)
+        launch(_amax_pair_kernel, plan.amax_grid, plan.warm, (a, b), plan.amax_kw)(a, b, partial, ma * k, mb * k,
+                                                                                  plan.pa)
         state = (partial,) * 8
         vary = (a, b)
     else:
         partial = sa[0]
         state = (*sa, *sb)
         vary = (a, b, *state, overflow)
-    launch(_ct_pair_kernel, plan.grid, plan.warm, vary)(
+    launch(_ct_pair_kernel, plan.grid, plan.warm, vary, plan.kw)(
         a, qa, qta if transpose_a else qa, sia, b, qb, qtb, sib, partial, plan.pa, plan.pb, *state,
-        sa[0].numel() if sa else 1, partial if overflow is None else overflow, ma, k, mb, k, **plan.kw)
+        sa[0].numel() if sa else 1, partial if overflow is None else overflow, ma, k, mb, k)
     return (qa, sia, qta), (qb, sib, qtb)

@@ -89,20 +89,22 @@ class DelayedState:
         self.ticket = torch.zeros((), dtype=torch.int32, device=dev) if ticket is None else ticket
 
 
-def eager_launch(kernel, grid, warm: dict | None = None, vary: tuple = ()):
-    """`kernel[grid]` (eager calls, the custom ops' implementations); with `warm`, the launch
-    plan's dict of compiled kernels, Triton binds and specialises the arguments once per
-    specialisation, not per launch; `vary`: the arguments the plan does not fix
-    (`lowprec.numerics.kernels.warm_launch`)."""
-    return warm_launch(kernel, grid, warm, vary)
+def eager_launch(kernel, grid, warm: dict | None = None, vary: tuple = (), kw: dict | None = None):
+    """A callable of the kernel's positional arguments that launches `kernel[grid](*args, **kw)`
+    (eager calls, the custom ops' implementations); with `warm`, the launch plan's dict of
+    compiled kernels, Triton binds and specialises the arguments once per specialisation, not
+    per launch; `vary`: the arguments the plan does not fix; `kw`: the plan's keyword
+    arguments (`lowprec.numerics.kernels.warm_launch`)."""
+    return warm_launch(kernel, grid, warm, vary, kw)
 
 
-def traced_launch(kernel, grid, warm: dict | None = None, vary: tuple = ()):
+def traced_launch(kernel, grid, warm: dict | None = None, vary: tuple = (), kw: dict | None = None):
     """The launch as `torch.library.wrap_triton` gives it: under make_fx / AOTAutograd (the
     decomposition of lowprec's cast ops in `lowprec.numerics.fp8_ops`) the kernel becomes a
     node of the graph, so Inductor launches it itself (and CUDA graphs can capture it);
     `warm` and `vary` are not used (Inductor's wrapper launches the compiled kernel)."""
-    return torch.library.wrap_triton(kernel)[grid]
+    launcher, kw = torch.library.wrap_triton(kernel)[grid], kw or {}
+    return lambda *args: launcher(*args, **kw)
 
 
 def _grid(m: int, n: int, tile) -> tuple[int, int]:
@@ -185,12 +187,12 @@ def tensorwise(x2: torch.Tensor, elem, transpose: bool, stats: bool, launch=eage
     q, qt, part, st = _buffers(m, n, dev, plan.fp8, transpose, stats, plan.grid[0] * plan.grid[1], stats_out)
     scale_inv = torch.empty((), dtype=torch.float32, device=dev)
     partial = torch.empty(p + 1, dtype=torch.float32, device=dev)   # the maxima, then the ticket
-    launch(_amax_partial_kernel, (p,), plan.warm, (x2,))(x2, partial, m * n, **plan.amax_kw)
+    launch(_amax_partial_kernel, (p,), plan.warm, (x2,), plan.amax_kw)(x2, partial, m * n)
     if not m * n:
         return _empty_result(elem, q, qt, st, scale_inv)
-    launch(_ct_kernel, plan.grid, plan.warm, (x2, st))(
+    launch(_ct_kernel, plan.grid, plan.warm, (x2, st), plan.kw)(
         x2, q, qt if transpose else q, partial, p, partial, partial, 1, partial, partial, partial, 0, scale_inv,
-        part if stats else partial, st if stats else partial, m * n, m, n, n, **plan.kw)
+        part if stats else partial, st if stats else partial, m * n, m, n, n)
     return q, scale_inv, qt, st
 
 
@@ -219,10 +221,10 @@ def delayed(x2: torch.Tensor, elem, state: tuple, margin: int, most_recent: bool
     scale_inv = torch.empty((), dtype=torch.float32, device=dev)
     if not m * n:
         return _empty_result(elem, q, qt, st, scale_inv)
-    launch(_ct_kernel, plan.grid, plan.warm, (x2, st, *state, overflow, overflow_index))(
+    launch(_ct_kernel, plan.grid, plan.warm, (x2, st, *state, overflow, overflow_index), plan.kw)(
         x2, q, qt if transpose else q, hist, 1, hist, count, hist.numel(), scratch,
         ticket, hist if overflow is None else overflow, 0 if overflow is None else overflow_index,
-        scale_inv, part if stats else hist, st if stats else hist, m * n, m, n, n, **plan.kw)
+        scale_inv, part if stats else hist, st if stats else hist, m * n, m, n, n)
     return q, scale_inv, qt, st
 
 
@@ -247,10 +249,10 @@ def rowwise(x2: torch.Tensor, elem, transpose: bool, stats: bool, launch=eager_l
     si = torch.empty((m, 1), dtype=torch.float32, device=dev)
     sit = torch.empty((n, 1) if transpose else (0, 1), dtype=torch.float32, device=dev)
     if m and n:
-        launch(_amax_rows_cols_kernel, plan.grid, plan.warm, (x2,))(x2, maxima, m, n, n, **plan.amax_kw)
-        launch(_ct_row_kernel, plan.grid, plan.warm, (x2, st))(
+        launch(_amax_rows_cols_kernel, plan.grid, plan.warm, (x2,), plan.amax_kw)(x2, maxima, m, n, n)
+        launch(_ct_row_kernel, plan.grid, plan.warm, (x2, st), plan.kw)(
             x2, q, qt if transpose else q, maxima, si, sit if transpose else si, part if stats else maxima,
-            st if stats else maxima, m * n, m, n, n, **plan.kw)
+            st if stats else maxima, m * n, m, n, n)
     else:   # no elements in a row or a column: the scales of an amax of 0, as quantize's
         _fill_zero_amax_scale_inv(elem, si, sit)
     return q, si, qt, sit, st

@@ -14,7 +14,9 @@ launches whose arguments specialise the same way (the same dtypes, the same 16-b
 alignment of every pointer, the same integers: the plan fixes all but `vary`'s) call that
 kernel's launcher (`CompiledKernel.run`, what
 `JITFunction.run` calls last) with the same arguments in the same order, on the current
-device's current stream. The arguments are those of Triton 3.6 to 3.9's `JITFunction.run`:
+device's current stream (the launcher, its function handle and packed metadata, and the
+grid padded to three dimensions are read once, at that first launch: a plan's grid is
+fixed). The arguments are those of Triton 3.6 to 3.9's `JITFunction.run`:
 the grid, stream, function, packed metadata, launch metadata, the two launch hooks, then every
 parameter's value in signature order, constexprs included. `warm` is a dict its caller keeps per launch plan (a shape and
 recipe: the constexprs are the plan's), so the key holds only what can change between two
@@ -58,40 +60,49 @@ def _launchable(ck) -> bool:
 class _Warm:
     """One launch of `kernel` on `grid` through the compiled kernel cached in `warm`."""
 
-    __slots__ = ("kernel", "grid", "warm", "vary")
+    __slots__ = ("kernel", "grid", "warm", "vary", "kw")
 
-    def __init__(self, kernel, grid, warm: dict, vary: tuple):
-        self.kernel, self.grid, self.warm, self.vary = kernel, grid, warm, vary
+    def __init__(self, kernel, grid, warm: dict, vary: tuple, kw: dict):
+        self.kernel, self.grid, self.warm, self.vary, self.kw = kernel, grid, warm, vary, kw
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args):
         drv = driver.active
-        enter, exit_ = getattr(_hooks, "launch_enter_hook", None), getattr(_hooks, "launch_exit_hook", None)
+        enter = getattr(_hooks, "launch_enter_hook", None)
         hooked = _hooked(enter)
         device = drv.get_current_device()
         key = (id(self.kernel), device, specialisation_key(self.vary))
         hit = None if hooked else self.warm.get(key)
         if hit is None:
+            kwargs = self.kw
             ck = self.kernel[self.grid](*args, **kwargs)
             rest = self.kernel.arg_names[len(args):]
             if not hooked and _launchable(ck) and all(n in kwargs for n in rest):
-                self.warm[key] = (ck, tuple(kwargs[n] for n in rest))
+                grid = (*self.grid, 1, 1)[:3]
+                self.warm[key] = (ck, ck.run, ck.function, ck.packed_metadata, grid, tuple(kwargs[n] for n in rest))
             return ck
-        ck, consts = hit
-        grid = self.grid
+        ck, run, function, packed, grid, consts = hit
         # no launch metadata: it is built only for the enter hook, which is not set (an empty
         # chain is passed on as Triton passes it: calling it calls nothing)
-        ck.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-               drv.get_current_stream(device), ck.function, ck.packed_metadata, None, enter, exit_, *args, *consts)
+        run(grid[0], grid[1], grid[2], drv.get_current_stream(device), function, packed, None, enter,
+            getattr(_hooks, "launch_exit_hook", None), *args, *consts)
         return ck
 
 
-def warm_launch(kernel, grid, warm: dict | None = None, vary: tuple = ()):
-    """`kernel[grid]`, or with `warm` (the caller's per-plan dict) a launch that binds and
-    specialises its arguments through Triton once per specialisation (module docstring).
-    Every call of one plan must pass the same keyword arguments (its constexprs) and the
-    same positional arguments but for `vary`: the arguments whose dtype, alignment or value
-    may change between two calls of the plan (a caller's tensors; not the outputs the caller
-    allocates, whose dtypes the plan fixes and whose addresses the allocator aligns)."""
+def warm_launch(kernel, grid, warm: dict | None = None, vary: tuple = (), kw: dict | None = None):
+    """A callable of the kernel's positional arguments that launches `kernel[grid](*args, **kw)`;
+    with `warm` (the caller's per-plan dict), one that binds and specialises its arguments
+    through Triton once per specialisation (module docstring). `kw`: the plan's keyword
+    arguments (its constexprs and launch options), the plan's own dict, not copied per call.
+    Every call of one plan must pass the same `kw` and the same positional arguments but for
+    `vary`: the arguments whose dtype, alignment or value may change between two calls of the
+    plan (a caller's tensors; not the outputs the caller allocates, whose dtypes the plan fixes
+    and whose addresses the allocator aligns)."""
+    kw = {} if kw is None else kw
     if warm is None or not isinstance(kernel, JITFunction):   # the interpreter's kernels: Triton's path
-        return kernel[grid]
-    return _Warm(kernel, grid, warm, vary)
+        return _bound(kernel[grid], kw)
+    return _Warm(kernel, grid, warm, vary, kw)
+
+
+def _bound(launcher, kw: dict):
+    """`launcher` called with the plan's keyword arguments `kw` after the positional ones."""
+    return lambda *args: launcher(*args, **kw)

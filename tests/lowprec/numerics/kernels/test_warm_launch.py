@@ -26,8 +26,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="TRITON_INTERPRET=1: the kernels are interpreted, there is no launcher")
 
 
-def _triton(kernel, grid, warm=None, vary=()):
-    return kernel[grid]
+def _triton(kernel, grid, warm=None, vary=(), kw=None):
+    return lambda *args: kernel[grid](*args, **(kw or {}))
 
 
 def _same(a, b, mine: tuple) -> None:
