@@ -69,8 +69,8 @@ class CliForks:
         self.logs.mkdir(parents=True, exist_ok=True)
         with open(self.logs / "server.err", "w") as err:
             # -P: tests/ is not put first on sys.path (its lowprec/ folder would hide the package)
-            self.proc = subprocess.Popen([sys.executable, "-P", __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=err, text=True, bufsize=1)
+            self.proc = subprocess.Popen([sys.executable, "-P", __file__], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
 
     def ask(self, request: dict) -> dict:
         try:
@@ -178,3 +178,5 @@ if __name__ == "__main__":
     argv = _serve()
     if argv is not None:   # the forked child: this interpreter is now `python -m lowprec.cli ARGV`
         sys.exit(importlib.import_module("lowprec.cli").main(argv))
+    sys.stdout.flush()
+    os._exit(0)   # the server: no interpreter shutdown over everything it imported (seconds, for nothing)
