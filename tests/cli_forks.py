@@ -16,16 +16,19 @@ Only the server's children can be waited on, so the server also answers `poll` a
 
 The test session shares one server (`lowprec_forks` in tests/conftest.py, started by the first
 test that asks for it): tests that start `lowprec` only to read its output, files and exit code
-fork it from there (`run`, like `subprocess.run`; `start`, like `subprocess.Popen`). The child
-gets the environment of the test that started it. Tests of a real exec (the console script's
+fork it from there (`run`, like `subprocess.run`; `start`, like `subprocess.Popen`); `module=`
+runs another module as `python -m MODULE ARGS` would (runpy, as `__main__`: the experiments'
+scripts). The child gets the environment of the test that started it. Tests of a real exec (the console script's
 exit code, the wheel install, what a fresh interpreter imports) start processes of their own.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -83,26 +86,27 @@ class CliForks:
             raise RuntimeError(f"the fork server ended: {(self.logs / 'server.err').read_text()[-3000:]}")
         return json.loads(line)
 
-    def start(self, argv: list[str], cwd: Path, env: dict | None = None) -> Forked:
-        """`lowprec ARGV` in `cwd`, with `env` (default: this process's environment now)."""
+    def start(self, argv: list[str], cwd: Path, env: dict | None = None, module: str = "lowprec.cli") -> Forked:
+        """`python -m MODULE ARGV` (`lowprec ARGV`) in `cwd`, with `env` (default: this process's
+        environment now)."""
         self.count += 1
         out, err = self.logs / f"{self.count}.out", self.logs / f"{self.count}.err"
         env = dict(os.environ if env is None else env)
-        pid = self.ask({"argv": [str(a) for a in argv], "cwd": str(cwd), "stdout": str(out), "stderr": str(err),
-                        "env": env})["pid"]
+        pid = self.ask({"argv": [str(a) for a in argv], "module": module, "cwd": str(cwd), "stdout": str(out),
+                        "stderr": str(err), "env": env})["pid"]
         return Forked(self, pid, out, err)
 
-    def run(self, argv: list[str], cwd: Path, timeout: float = 600, env: dict | None = None
-            ) -> subprocess.CompletedProcess:
-        """`subprocess.run(["lowprec", *argv], cwd=cwd, capture_output=True, text=True)`, forked."""
-        child = self.start(argv, cwd, env)
+    def run(self, argv: list[str], cwd: Path, timeout: float = 600, env: dict | None = None,
+            module: str = "lowprec.cli") -> subprocess.CompletedProcess:
+        """`subprocess.run([python, "-m", MODULE, *argv], cwd=cwd, capture_output=True, text=True)`, forked."""
+        child = self.start(argv, cwd, env, module)
         try:
             out, err = child.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             child.send_signal(signal.SIGKILL)
             child.communicate(timeout=60)
             raise
-        return subprocess.CompletedProcess(["lowprec", *argv], child.returncode, out, err)
+        return subprocess.CompletedProcess(["python", "-m", module, *argv], child.returncode, out, err)
 
     def close(self) -> None:
         """Stop the server; it kills and reaps the children still running (a test that failed)."""
@@ -131,8 +135,8 @@ def _wait(pid: int, timeout: float | None) -> int | None:
     return None
 
 
-def _serve() -> list[str] | None:
-    """Answer requests until stdin closes (returns None); in a forked child, the argv to run."""
+def _serve() -> dict | None:
+    """Answer requests until stdin closes (returns None); in a forked child, the request to run."""
     for name in PRELOAD:
         importlib.import_module(name)
     children = set()
@@ -151,7 +155,7 @@ def _serve() -> list[str] | None:
             pid = os.fork()
             if pid == 0:
                 _become_child(req)
-                return req["argv"]
+                return req
             children.add(pid)
             reply = {"pid": pid}
         print(json.dumps(reply), flush=True)
@@ -171,12 +175,15 @@ def _become_child(req: dict) -> None:
         os.dup2(new, fd)
         os.close(new)
     sys.path.insert(0, req["cwd"])   # `python -m` puts the working directory first
-    sys.argv = [str(Path(importlib.import_module("lowprec.cli").__file__)), *req["argv"]]
+    sys.argv = [str(Path(importlib.util.find_spec(req["module"]).origin)), *req["argv"]]
 
 
 if __name__ == "__main__":
-    argv = _serve()
-    if argv is not None:   # the forked child: this interpreter is now `python -m lowprec.cli ARGV`
-        sys.exit(importlib.import_module("lowprec.cli").main(argv))
+    req = _serve()
+    if req is not None and req["module"] == "lowprec.cli":   # a forked child: now `python -m lowprec.cli ARGV`
+        sys.exit(importlib.import_module("lowprec.cli").main(req["argv"]))
+    if req is not None:   # `python -m MODULE ARGV`
+        runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+        sys.exit(0)
     sys.stdout.flush()
     os._exit(0)   # the server: no interpreter shutdown over everything it imported (seconds, for nothing)
