@@ -70,6 +70,17 @@ def tiny_lm():
     return write
 
 
+@pytest.fixture(scope="session")
+def lowprec_forks(tmp_path_factory):
+    """`lowprec_forks.run(argv, cwd)` / `.start(argv, cwd)`: `lowprec ARGV` as a process forked from
+    one server that imported lowprec, MLflow and lm-eval once for the session (tests/cli_forks.py),
+    in place of a `python -m lowprec.cli` start that imports them again."""
+    from cli_forks import CliForks
+    forks = CliForks(tmp_path_factory.mktemp("lowprec-forks"))
+    yield forks
+    forks.close()
+
+
 # The longest files (measured with `--durations`), taken first in this order; the other files that
 # hold a `slow` test follow, then the rest. A hint for balance only: a stale list costs time, not
 # correctness.

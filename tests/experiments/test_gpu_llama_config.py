@@ -1,8 +1,6 @@
 """experiments/configs/gpu_llama.yaml (issue 15's GPU main job) passes `lowprec plan` on CPU."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,13 +10,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "experiments" / "configs" / "gpu_llama.yaml"
 
 
-def _plan(config: Path):
-    return subprocess.run([sys.executable, "-m", "lowprec.cli", "plan", str(config)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.slow
-def test_gpu_llama_plans(tmp_path):
+def test_gpu_llama_plans(tmp_path, lowprec_forks):
     """Every linear layer of the 155M Llama is listed; the first and last blocks and the head
     stay high precision; both stages select sites; the backend is the torch one. The config's
     loss-gap baseline is an MLflow run that the job trains first, so the plan here reads a
@@ -29,7 +22,7 @@ def test_gpu_llama_plans(tmp_path):
     cfg["rollout"]["baseline"] = {"losses": "bf16_losses.json"}
     p = tmp_path / "cfg.yaml"
     p.write_text(yaml.safe_dump(cfg))
-    out = _plan(p)
+    out = lowprec_forks.run(["plan", str(p)], ROOT, timeout=300)   # forked from the session's server
     assert out.returncode == 0, out.stderr
     table = out.stdout.split("\n\n")[0]
     stages = out.stdout[out.stdout.index("rollout stages:"):]   # after the backend's device note, on a CPU
@@ -43,13 +36,12 @@ def test_gpu_llama_plans(tmp_path):
 
 
 @pytest.mark.slow
-def test_gpu_llama_without_baseline_lists_it_as_missing():
+def test_gpu_llama_without_baseline_lists_it_as_missing(lowprec_forks):
     """As written, the plan prints and says that only the BF16 baseline run is still missing
     (train it first, with the command); a plan needs no baseline, so it exits 0."""
     if (ROOT / "mlflow.db").exists():
-        import pytest
         pytest.skip("a local tracking store exists: the baseline run may be in it")
-    out = _plan(CONFIG)
+    out = lowprec_forks.run(["plan", str(CONFIG)], ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
     missing = out.stdout.split("still missing before `lowprec run` (1;")[1]
     assert "rollout.baseline.mlflow_run" in missing and "bf16-baseline" in missing and "--as-baseline" in missing

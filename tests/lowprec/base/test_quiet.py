@@ -5,9 +5,11 @@ kind, the user's own warnings and logs still show, and the loggers carry no filt
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,14 +23,44 @@ warnings.warn("the user's own warning")
 """
 
 
-def _stderr(code: str) -> str:
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+# One process imports torch (every order below imports it before anything else) and forks a child
+# per snippet: each child is a fresh start for transformers, torchao and lowprec, whose lines are
+# checked, without importing torch again. The child's stderr goes to its own file.
+FORKS = """
+import json, os, sys, traceback
+import torch
+codes, errs = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+for code, err in zip(codes, errs):
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 2)
+        try:
+            exec(compile(code, "<snippet>", "exec"), {"__name__": "__main__"})
+            status = 0
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    if status:
+        sys.exit(f"{code!r} failed: " + open(err).read())
+"""
+
+
+def _stderrs(tmp_path, *codes: str) -> list[str]:
+    """What each snippet wrote to stderr, run one after another as children of a process that imported torch."""
+    errs = [str(tmp_path / f"{i}.err") for i in range(len(codes))]
+    p = subprocess.run([sys.executable, "-c", FORKS, json.dumps(codes), json.dumps(errs)], capture_output=True,
+                       text=True, timeout=300)
     assert p.returncode == 0, p.stderr
-    return p.stderr
+    return [Path(e).read_text() for e in errs]
 
 
 @pytest.mark.slow
-def test_the_hf_integration_loads_transformers_without_the_chatter():
+def test_the_hf_integration_loads_transformers_without_the_chatter(tmp_path):
     """Quiet in either order of `import transformers` (lazy: it loads no model code) and the
     integration, and for the model code imported after. When the user's own `from transformers
     import Trainer` runs first, transformers loads torchao before any lowprec code exists in the
@@ -36,12 +68,14 @@ def test_the_hf_integration_loads_transformers_without_the_chatter():
     integration adds none."""
     pytest.importorskip("transformers")
     pytest.importorskip("torchao")
-    eager_first = _stderr("from transformers import Trainer\nimport lowprec.integrations.hf")
+    orders = (("import lowprec.integrations.hf", "import transformers"),
+              ("import transformers", "import lowprec.integrations.hf"))
+    eager_first, *errs = _stderrs(tmp_path, "from transformers import Trainer\nimport lowprec.integrations.hf",
+                                  *(f"{a}\n{b}\nfrom transformers import Trainer, LlamaForCausalLM\n" + USER
+                                    for a, b in orders))
     assert all(n in eager_first for n in NOISE)     # what a user saw (the check can fail)
     assert all(any(n in line for n in NOISE) for line in eager_first.splitlines()), eager_first  # nothing more
-    for first, second in (("import lowprec.integrations.hf", "import transformers"),
-                          ("import transformers", "import lowprec.integrations.hf")):
-        err = _stderr(f"{first}\n{second}\nfrom transformers import Trainer, LlamaForCausalLM\n" + USER)
+    for (first, _), err in zip(orders, errs):
         assert not any(n in err for n in NOISE), (first, err)
         assert "torchao: a message of another kind" in err and "the user's own warning" in err
 
@@ -62,14 +96,15 @@ def test_only_the_known_records_and_only_inside_the_block(caplog):
 
 
 def test_artifact_downloads_draw_no_progress_bar_inside_the_block_and_the_switch_is_restored(tmp_path, capfd,
-                                                                                               monkeypatch):
+                                                                                               monkeypatch,
+                                                                                               sqlite_store):
     import os
 
     from mlflow.tracking import MlflowClient
 
     from lowprec.base.quiet import quiet_artifact_downloads
 
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(sqlite_store(tmp_path))   # a copy of the session's migrated store
     run = client.create_run(client.create_experiment("quiet", artifact_location=(tmp_path / "art").as_uri()))
     (tmp_path / "events.jsonl").write_text("{}\n")
     client.log_artifact(run.info.run_id, str(tmp_path / "events.jsonl"))

@@ -22,7 +22,6 @@ import json
 import math
 import re
 import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -33,7 +32,6 @@ from lowprec.tracking.tracker import Tracker
 
 ROOT = Path(__file__).resolve().parents[3]
 DEFAULT = ROOT / "gates" / "default.yaml"
-LOWPREC = Path(sys.executable).with_name("lowprec")
 FAST = dict(flush_interval_s=0.2, retry_max_s=1.0, probe_timeout_s=0.5)
 STEP = 300
 
@@ -62,12 +60,9 @@ def _log(uri: str, root: Path, name: str, run: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    from mlflow.tracking import MlflowClient
-
+def store(tmp_path_factory, sqlite_store, lowprec_forks):
     root = tmp_path_factory.mktemp("gate-calibrated")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
-    MlflowClient(uri).search_experiments()
+    uri = sqlite_store(root)   # a copy of the session's migrated store
     runs = _runs()
     ids = {"base": _log(uri, root, "bf16-seed0", runs["bf16_seed0"]),
            "harmless": _log(uri, root, "fp32-seed0", runs["fp32_seed0"]),
@@ -75,12 +70,12 @@ def store(tmp_path_factory):
            "other_seed": _log(uri, root, "fp32-seed4", runs["fp32_seed4"]),
            "other_seed_bad": _log(uri, root, "fp32-seed4-planted15", _planted(runs["fp32_seed4"], 0.15))}
     ids["seeds"] = [_log(uri, root, "bf16-seeds", runs[f"bf16_seed{s}"]) for s in range(4)]
-    return {"uri": uri, "root": root, **ids}
+    return {"uri": uri, "root": root, "forks": lowprec_forks, **ids}
 
 
 def _cli(store, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(LOWPREC), "gate", "--tracking-uri", store["uri"], *args], capture_output=True,
-                          text=True, timeout=180, cwd=store["root"])
+    """`lowprec gate`, forked from the session's pre-imported server (`lowprec_forks`)."""
+    return store["forks"].run(["gate", "--tracking-uri", store["uri"], *args], store["root"], timeout=180)
 
 
 def _main(store, capsys, *args: str) -> tuple[int, str, str]:

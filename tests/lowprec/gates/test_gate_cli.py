@@ -4,14 +4,15 @@ Three runs, each with evals at steps 5 and 10 (`Tracker.log_eval(step, results, 
 a baseline, a good candidate (answers shuffled a little, bits per byte within noise) and a bad
 candidate (5% more bits per byte, 15 points less accuracy). The bad candidate is logged while
 its tracking server is away (an HTTP URI nothing answers) and sent later with `sync_run_dir`,
-so its eval artifacts went through the outbox. The CLI runs as a real process (exit codes).
+so its eval artifacts went through the outbox. The CLI runs as a process of its own (exit codes),
+forked from the session's pre-imported `lowprec_forks` server; tests/experiments/test_gate_e2e.py
+runs the `lowprec` console script itself.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -21,9 +22,7 @@ import pytest
 from lowprec.tracking.outbox import sync_run_dir
 from lowprec.tracking.tracker import Tracker
 
-pytestmark = pytest.mark.slow   # `lowprec gate` as a real process per test (mlflow import: seconds each)
-
-LOWPREC = Path(sys.executable).with_name("lowprec")
+pytestmark = pytest.mark.slow   # `lowprec gate` as a process per test
 N = 400
 FAST = dict(flush_interval_s=0.2, retry_max_s=1.0, probe_timeout_s=0.5)
 GATES = """
@@ -80,25 +79,22 @@ def _log_run(uri: str, name: str, kind: str, buffer_dir: Path, send_to: str | No
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    from mlflow.tracking import MlflowClient
-
+def store(tmp_path_factory, sqlite_store, lowprec_forks):
     root = tmp_path_factory.mktemp("gate-store")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
-    MlflowClient(uri).search_experiments()       # create and migrate the store once
+    uri = sqlite_store(root)                     # a copy of the session's migrated store
     dead = "http://127.0.0.1:9"                  # nothing answers there: the "server away" case
     runs = {kind: _log_run(uri, f"{kind}-run", kind, root / kind, send_to=dead if kind == "bad" else None)
             for kind in ("baseline", "good", "bad")}
     gates = root / "gates.yaml"
     gates.write_text(GATES)
-    return {"uri": uri, "root": root, "gates": gates, **runs}
+    return {"uri": uri, "root": root, "gates": gates, "forks": lowprec_forks, **runs}
 
 
 def gate(store, *args: str, baseline: str | None = None, candidate: str | None = None,
          gates: str | None = None) -> subprocess.CompletedProcess:
-    cmd = [str(LOWPREC), "gate", "--baseline", baseline or store["baseline"], "--candidate",
-           candidate or store["good"], "--gates", gates or str(store["gates"]), "--tracking-uri", store["uri"], *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=store["root"])
+    cmd = ["gate", "--baseline", baseline or store["baseline"], "--candidate", candidate or store["good"],
+           "--gates", gates or str(store["gates"]), "--tracking-uri", store["uri"], *args]
+    return store["forks"].run(cmd, cwd=store["root"], timeout=180)
 
 
 def test_tracker_stores_eval_samples_as_artifacts(store):

@@ -3,21 +3,21 @@
 Runs in a real SQLite store: a baseline logged with lowprec's Tracker (a fast eval at step 5,
 the final full eval at step 10, `log_eval(mode=, suite=)`), and candidates written with
 MlflowClient the way a run would leave them: one killed half-way (still RUNNING, last eval at
-step 9), one whose last eval is a fast one, one evaluated on another suite, one good.
+step 9), one whose last eval is a fast one, one evaluated on another suite, one good. The
+`lowprec gate` processes are forked from the session's pre-imported server (`lowprec_forks`,
+tests/cli_forks.py).
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from lowprec.tracking.tracker import Tracker
 
-LOWPREC = Path(sys.executable).with_name("lowprec")
 GATES = """
 gates:
   - metric: eval/t/acc
@@ -46,13 +46,12 @@ def _client_run(client, exp_id: str, name: str, evals: list[tuple[int, str]], *,
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
+def store(tmp_path_factory, sqlite_store, lowprec_forks):
     from mlflow.tracking import MlflowClient
 
     root = tmp_path_factory.mktemp("gate-refusals")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = sqlite_store(root)   # a copy of the session's migrated store
     client = MlflowClient(uri)
-    client.search_experiments()
     tracker = Tracker(uri, "refusals", "baseline", buffer_dir=root / "baseline", **FAST)
     tracker.log_config({"eval": {"suite": "default"}})
     tracker.log_eval(5, _results(0.6), samples=None, mode="fast", suite="default")
@@ -66,7 +65,7 @@ def store(tmp_path_factory):
             "good": _client_run(client, exp, "good", [(5, "fast"), (10, "full")])}
     gates = root / "gates.yaml"
     gates.write_text(GATES)
-    return {"uri": uri, "root": root, "gates": str(gates), "client": client, **runs}
+    return {"uri": uri, "root": root, "gates": str(gates), "client": client, "forks": lowprec_forks, **runs}
 
 
 def _args(store, candidate: str, *extra: str) -> list[str]:
@@ -75,8 +74,7 @@ def _args(store, candidate: str, *extra: str) -> list[str]:
 
 
 def _gate(store, candidate: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(LOWPREC), *_args(store, candidate, *extra)], capture_output=True, text=True,
-                          timeout=180, cwd=store["root"])
+    return store["forks"].run(_args(store, candidate, *extra), store["root"], timeout=180)
 
 
 def test_log_eval_records_mode_and_suite(store):
@@ -125,14 +123,13 @@ def test_good_candidate_passes_and_a_named_step_lifts_the_refusal(store, capsys)
 
 
 @pytest.mark.parametrize("flag", ["--junit", "--markdown"])
-def test_unwritable_output_fails_before_reading_any_run(tmp_path, flag):
+def test_unwritable_output_fails_before_reading_any_run(tmp_path, flag, lowprec_forks):
     missing_db = tmp_path / "none.db"
     gates = tmp_path / "g.yaml"
     gates.write_text(GATES)
     target = tmp_path / "no" / "such" / "out.xml" if flag == "--junit" else tmp_path   # a folder, not a file
-    p = subprocess.run([str(LOWPREC), "gate", "--baseline", "a" * 32, "--candidate", "b" * 32, "--gates", str(gates),
-                        "--tracking-uri", f"sqlite:///{missing_db}", flag, str(target)],
-                       capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    p = lowprec_forks.run(["gate", "--baseline", "a" * 32, "--candidate", "b" * 32, "--gates", str(gates),
+                           "--tracking-uri", f"sqlite:///{missing_db}", flag, str(target)], tmp_path, timeout=180)
     assert p.returncode == 2, p.stdout + p.stderr
     assert p.stderr.startswith(f"lowprec gate: {flag} {target}: ") and "Traceback" not in p.stderr
     assert ("does not exist" if flag == "--junit" else "is a folder") in p.stderr

@@ -1,8 +1,9 @@
 """`lowprec gate` on cost: three real `lowprec run`s of a user's tiny model, gated on tokens/s.
 
 A baseline, an unchanged rerun and a run whose every training step sleeps four times as long
-(tests/tiny_lm.py's `step_seconds`), each a `lowprec run` subprocess logging to a SQLite store
-in tmp_path. The tokens/s gate of gates/telemetry.yaml (its tolerance, read from the file)
+(tests/tiny_lm.py's `step_seconds`), each a `lowprec run` process logging to a SQLite store
+in tmp_path (forked, as the two `lowprec gate` calls are, from the session's pre-imported server
+`lowprec_forks`, tests/cli_forks.py: the three runs start alike, without imports). The tokens/s gate of gates/telemetry.yaml (its tolerance, read from the file)
 passes the rerun and catches the slowed run. Only that gate: energy on a CPU is codecarbon's
 estimate and moves with the machine's load (docs/gates.md, "Gates on cost (telemetry)"), too
 noisy for a test on a shared runner, so energy is off in these runs (which also shortens them).
@@ -11,8 +12,6 @@ noisy for a test on a shared runner, so energy is off in these runs (which also 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import yaml
 
 from lowprec.gates.spec import GateSpec
 
-# three training runs and two gate calls as real processes (~45 s); their tokens/s are compared,
+# three training runs and two gate calls as processes (~30 s); their tokens/s are compared,
 # so they run alone, after the parallel part of `make test` (a busy second worker skews them)
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
@@ -42,23 +41,18 @@ def _config(uri: str, step_seconds: float) -> dict:
     }
 
 
-def _lowprec(*args, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lowprec.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
-
-
-def _gate(root: Path, uri: str, ids: dict, candidate: str):
+def _gate(forks, root: Path, uri: str, ids: dict, candidate: str):
     md, junit = root / f"{candidate}.md", root / f"{candidate}.xml"
-    p = _lowprec("gate", "--baseline", ids["baseline"], "--candidate", ids[candidate], "--gates",
-                 str(root / "gates.yaml"), "--tracking-uri", uri, "--markdown", str(md), "--junit", str(junit),
-                 cwd=root)
+    p = forks.run(["gate", "--baseline", ids["baseline"], "--candidate", ids[candidate], "--gates",
+                   str(root / "gates.yaml"), "--tracking-uri", uri, "--markdown", str(md), "--junit", str(junit)],
+                  root, timeout=300)
     assert "Traceback" not in p.stderr, p.stderr
     assert p.returncode in (0, 1), p.stdout + p.stderr      # 2 would be unusable input
     row = next(line for line in p.stdout.splitlines() if line.startswith(METRIC)).split()[-1]   # the verdict
     return p, row, md.read_text(), ET.parse(junit).getroot()
 
 
-def test_the_tokens_per_s_gate_passes_a_rerun_and_catches_a_slowed_run(tmp_path, tiny_lm):
+def test_the_tokens_per_s_gate_passes_a_rerun_and_catches_a_slowed_run(tmp_path, tiny_lm, lowprec_forks):
     tiny_lm(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     # create the store's tables first: a first run into a fresh store was seen to start ~1.5 s later
@@ -69,7 +63,8 @@ def test_the_tokens_per_s_gate_passes_a_rerun_and_catches_a_slowed_run(tmp_path,
     for name, step_seconds in (("baseline", STEP_S), ("rerun", STEP_S), ("slowed", SLOWED_S)):
         cfg = tmp_path / f"{name}.yaml"
         cfg.write_text(yaml.safe_dump(_config(uri, step_seconds)))
-        p = _lowprec("run", str(cfg), "--out", str(tmp_path / name), "--run-name", name, cwd=tmp_path)
+        p = lowprec_forks.run(["run", str(cfg), "--out", str(tmp_path / name), "--run-name", name], tmp_path,
+                              timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
         ids[name] = (tmp_path / name / "run_id").read_text().strip()
     # the tokens/s gate of gates/telemetry.yaml, as it is there
@@ -81,7 +76,7 @@ def test_the_tokens_per_s_gate_passes_a_rerun_and_catches_a_slowed_run(tmp_path,
         "gates": [{"metric": METRIC, "direction": gate.direction, "max_regression": {"relative": tol}}]}))
     speed = {n: _telemetry(tmp_path / n) for n in ids}
 
-    p, row, md, junit = _gate(tmp_path, uri, ids, "slowed")
+    p, row, md, junit = _gate(lowprec_forks, tmp_path, uri, ids, "slowed")
     assert p.returncode == 1, (speed, p.stdout)
     assert "lowprec gate: REGRESS" in p.stdout and row.lower() == "regress", p.stdout
     assert md.startswith("### :x: lowprec gate: regress"), md
@@ -89,7 +84,7 @@ def test_the_tokens_per_s_gate_passes_a_rerun_and_catches_a_slowed_run(tmp_path,
     assert junit.get("failures") == "1" and junit.find(".//testcase/failure") is not None
     assert speed["slowed"] < speed["baseline"] * (1 - tol), speed   # what the sleep predicts
 
-    p, row, md, junit = _gate(tmp_path, uri, ids, "rerun")
+    p, row, md, junit = _gate(lowprec_forks, tmp_path, uri, ids, "rerun")
     assert p.returncode == 0, (speed, p.stdout)
     assert "lowprec gate: PASS" in p.stdout and row.lower() == "pass", p.stdout
     assert md.startswith("### :white_check_mark: lowprec gate: pass"), md

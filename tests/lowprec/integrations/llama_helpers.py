@@ -38,15 +38,13 @@ precision:
 FINAL_EVAL = "eval: {suite: default, every: 0, mode: fast, final_mode: fast, gates: null, high_precision: false}\n"
 
 
-def gate_table(baseline: str, candidate: str, uri: str, out) -> str:
-    """`lowprec gate` between two runs with the in-loop gate file; its markdown table (asserting a verdict)."""
-    import subprocess
-    import sys
+def gate_table(forks, baseline: str, candidate: str, uri: str, out) -> str:
+    """`lowprec gate` between two runs with the in-loop gate file, forked from `forks` (the session's
+    `lowprec_forks`); its markdown table (asserting a verdict)."""
     from pathlib import Path
     gates = Path(__file__).resolve().parents[3] / "gates" / "inloop.yaml"
-    p = subprocess.run([str(Path(sys.executable).with_name("lowprec")), "gate", "--baseline", baseline, "--candidate",
-                        candidate, "--gates", str(gates), "--tracking-uri", uri, "--markdown", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    p = forks.run(["gate", "--baseline", baseline, "--candidate", candidate, "--gates", str(gates),
+                   "--tracking-uri", uri, "--markdown", str(out)], Path(out).parent, timeout=300)
     assert p.returncode in (0, 1), p.stdout + p.stderr   # a verdict (pass or regression), not unusable input
     return Path(out).read_text()
 

@@ -34,7 +34,7 @@ def _train(tmp: Path, name: str, config: str) -> tuple[str, list[str]]:
 
 
 @pytest.mark.slow
-def test_gate_compares_a_rollout_trainer_run_with_a_bf16_one(tmp_path, monkeypatch, sqlite_store):
+def test_gate_compares_a_rollout_trainer_run_with_a_bf16_one(tmp_path, monkeypatch, sqlite_store, lowprec_forks):
     uri = sqlite_store(tmp_path)   # a copy of the session's migrated store: no schema migration here
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)   # the Trainer's MLflow reporting reads these
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "hf-gate")
@@ -42,5 +42,5 @@ def test_gate_compares_a_rollout_trainer_run_with_a_bf16_one(tmp_path, monkeypat
     candidate, kinds = _train(tmp_path, "rollout", CONFIG.replace("tracking: {experiment: hf-integration}\n", ""))
     assert baseline != candidate
     assert kinds.count("promote") == 2, kinds   # 25 steps: both stages promoted (steps 14 and 24) before the eval
-    table = gate_table(baseline, candidate, uri, tmp_path / "gate.md")
+    table = gate_table(lowprec_forks, baseline, candidate, uri, tmp_path / "gate.md")
     assert all(metric in table for metric in GATED)

@@ -15,7 +15,7 @@ from llama_helpers import BF16_CONFIG, CONFIG, FINAL_EVAL, gate_table  # noqa: E
 from test_hf_gate import GATED  # noqa: E402
 
 
-def _train(tmp: Path, name: str, config: str, uri: str) -> str:
+def _train(tmp: Path, name: str, config: str, uri: str) -> tuple[str, list[str]]:
     import lightning
     from lightning.pytorch.loggers import MLFlowLogger
 
@@ -24,19 +24,21 @@ def _train(tmp: Path, name: str, config: str, uri: str) -> str:
     module = LlamaModule()
     callback = LowprecCallback.from_yaml(tmp / f"{name}.yaml", module.model)
     logger = MLFlowLogger(experiment_name="lightning-gate", tracking_uri=uri, run_name=name)
-    trainer = lightning.Trainer(accelerator="cpu", devices=1, max_steps=40, enable_checkpointing=False,
+    trainer = lightning.Trainer(accelerator="cpu", devices=1, max_steps=25, enable_checkpointing=False,
                                 enable_progress_bar=False, enable_model_summary=False, logger=logger,
                                 log_every_n_steps=10, default_root_dir=str(tmp / name), callbacks=[callback])
     trainer.fit(module, loader(8 * 50))
     assert callback.hosted.tracker.run_id == logger.run_id   # one run: the logger's
-    return logger.run_id
+    return logger.run_id, [str(e.kind) for e in callback.hosted.session.events]
 
 
 @pytest.mark.slow
-def test_gate_compares_a_rollout_lightning_run_with_a_bf16_one(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_gate_compares_a_rollout_lightning_run_with_a_bf16_one(tmp_path, sqlite_store, lowprec_forks):
+    uri = sqlite_store(tmp_path)   # a copy of the session's migrated store: no schema migration here
     experiment(uri, "lightning-gate", tmp_path)
-    baseline = _train(tmp_path, "bf16", BF16_CONFIG, uri)
-    candidate = _train(tmp_path, "rollout", CONFIG.replace("tracking: {experiment: hf-integration}\n", ""), uri)
-    table = gate_table(baseline, candidate, uri, tmp_path / "gate.md")
+    baseline, _ = _train(tmp_path, "bf16", BF16_CONFIG, uri)
+    candidate, kinds = _train(tmp_path, "rollout", CONFIG.replace("tracking: {experiment: hf-integration}\n", ""), uri)
+    assert baseline != candidate
+    assert kinds.count("promote") == 2, kinds   # 25 steps: both stages promoted (steps 14 and 24) before the eval
+    table = gate_table(lowprec_forks, baseline, candidate, uri, tmp_path / "gate.md")
     assert all(metric in table for metric in GATED)

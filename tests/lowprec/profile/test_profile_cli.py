@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -146,10 +144,9 @@ def test_replan_from_a_saved_profile_measures_nothing(project, capsys):
 
 
 @pytest.mark.slow
-def test_bad_argument_as_a_subprocess_no_traceback(project):
-    p = subprocess.run([sys.executable, "-m", "lowprec.cli", "profile", "good.yaml", "--steps", "0",
-                        "--formats", "fp9", "--write", "w/p.yaml", "--out", "out", "--no-tracking"],
-                       cwd=project, capture_output=True, text=True, timeout=300)
+def test_bad_argument_as_a_subprocess_no_traceback(project, lowprec_forks):
+    p = lowprec_forks.run(["profile", "good.yaml", "--steps", "0", "--formats", "fp9", "--write", "w/p.yaml",
+                           "--out", "out", "--no-tracking"], project, timeout=300)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr.startswith("lowprec profile: ") and "--formats" in p.stderr
     assert not (project / "w").exists() and not (project / "out").exists()

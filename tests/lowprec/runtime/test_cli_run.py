@@ -1,15 +1,14 @@
 """`lowprec plan` and `lowprec run` reject the same configs, with the same message, exit 2.
 
 `plan` promises to validate a config exactly as `run` does before step 0. Every bad config
-below is walked through both commands (in process, for speed; two of them again as real
-subprocesses, to see the exit code and that no traceback reaches the user).
+below is walked through both commands (in process, for speed; two of them again as processes of
+their own, forked from the session's pre-imported server `lowprec_forks`, to see the exit code and
+that no traceback reaches the user).
 """
 
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -115,12 +114,11 @@ def test_plan_lists_a_missing_baseline_file_that_run_refuses(project, capsys):
 
 
 @pytest.mark.parametrize("name", ["string_lr", "stdlib_factory"])
-def test_as_a_subprocess_no_traceback(project, name):
+def test_as_a_subprocess_no_traceback(project, name, lowprec_forks):
     path = project / f"{name}.yaml"
     path.write_text(yaml.safe_dump(_config(BAD[name][0])))
     for cmd in ("plan", "run"):
-        p = subprocess.run([sys.executable, "-m", "lowprec.cli", cmd, str(path)], cwd=project,
-                           capture_output=True, text=True, timeout=300)
+        p = lowprec_forks.run([cmd, str(path)], project, timeout=300)
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
         assert p.stderr.startswith(f"lowprec {cmd}: ")
     assert not (project / "runs").exists()
@@ -143,7 +141,7 @@ def _tree(root: Path) -> dict:
             if p.name != "run.lock"}
 
 
-def test_resume_skips_a_corrupt_checkpoint_and_exits_2_when_all_are(project, capsys):
+def test_resume_skips_a_corrupt_checkpoint_and_exits_2_when_all_are(project, capsys, lowprec_forks):
     (project / "good.yaml").write_text(yaml.safe_dump(_config({"train.steps": 6})))
     assert main(["run", "good.yaml", "--out", "run"]) == 0
     ckpts = sorted((project / "run" / "checkpoints").glob("step_*.pt"))
@@ -159,8 +157,7 @@ def test_resume_skips_a_corrupt_checkpoint_and_exits_2_when_all_are(project, cap
     for p in sorted((project / "run" / "checkpoints").glob("step_*.pt")):
         _flip_a_weight_bit(p)
     before = _tree(project)
-    p = subprocess.run([sys.executable, "-m", "lowprec.cli", "run", "good.yaml", "--out", "run", "--resume"],
-                       cwd=project, capture_output=True, text=True, timeout=300)
+    p = lowprec_forks.run(["run", "good.yaml", "--out", "run", "--resume"], project, timeout=300)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr.startswith("lowprec run: --resume: every checkpoint in run/checkpoints is unusable"), p.stderr
     for name in ("step_00000000.pt", "step_00000002.pt", "step_00000004.pt"):

@@ -13,10 +13,10 @@ a checkpoint every 3 steps, a rollout stage promoted at step 7, lm-eval evals of
 each while the file `slow` exists (during the kills, not in the reference run or the last
 resume; the numbers do not depend on it). evals.jsonl and the eval metrics are checked too.
 
-The reference run and the last resume are `python -m lowprec.cli run` processes; the 20 lives
-in between are forked from one process that has imported lowprec, MLflow and lm-eval
-(cli_forks.py): each is still a process of its own, SIGKILLed, running the same `main` with the
-same arguments, without paying the imports twenty times.
+Every `lowprec run` here (the reference, the 20 lives, the last resume) is forked from one
+process that has imported lowprec, MLflow and lm-eval (tests/cli_forks.py, the session's
+`lowprec_forks`): each is still a process of its own, SIGKILLed, running the same `main` with the
+same arguments, without paying the imports 22 times.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import random
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -57,13 +56,9 @@ def _config(uri: str, experiment: str, slow_while: str | None = None) -> dict:
     }
 
 
-def _start(cwd: Path, out: str, resume: bool, forks: CliForks | None = None) -> subprocess.Popen | Forked:
-    """`lowprec run run.yaml --out OUT [--resume]` in `cwd`: exec'd, or forked from `forks`."""
-    args = ["run", "run.yaml", "--out", out] + (["--resume"] if resume else [])
-    if forks is not None:
-        return forks.start(args, cwd)
-    return subprocess.Popen([sys.executable, "-m", "lowprec.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def _start(forks: CliForks, cwd: Path, out: str, resume: bool) -> Forked:
+    """`lowprec run run.yaml --out OUT [--resume]` in `cwd`, forked from `forks`."""
+    return forks.start(["run", "run.yaml", "--out", out] + (["--resume"] if resume else []), cwd)
 
 
 def _size(p: Path) -> int:
@@ -130,7 +125,7 @@ def _last_loss_step(journal: Path) -> int:
     return steps[-1] if steps else -1
 
 
-def _finish(p: subprocess.Popen) -> None:
+def _finish(p: Forked) -> None:
     stdout, stderr = p.communicate(timeout=300)
     assert p.returncode == 0, stderr[-3000:]
 
@@ -144,7 +139,7 @@ def _progress(out: Path) -> str:
     return f"{ckpts[-1] if ckpts else '-'} loss@{max(steps, default=-1)}"
 
 
-def _ended(p: subprocess.Popen) -> None:
+def _ended(p: Forked) -> None:
     """The last `--resume`: it trains to the end, or finds the run finished (killed after its
     end was sent: refused, exit 2, nothing written)."""
     stdout, stderr = p.communicate(timeout=300)
@@ -156,24 +151,16 @@ def _events_jsonl(out: Path) -> list[tuple]:
     return [(r["step"], r["kind"], tuple(r.get("sites", ())), r.get("stage")) for r in rows]
 
 
-@pytest.fixture
-def cli_forks(tmp_path):
-    """A server that forks `lowprec` command lines from one pre-imported process (cli_forks.py)."""
-    forks = CliForks(tmp_path / "forks")
-    yield forks
-    forks.close()
-
-
 @pytest.mark.slow   # 22 `lowprec run` processes, about a minute
 def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_path, sqlite_store, tiny_lm,
-                                                                            cli_forks):
+                                                                            lowprec_forks):
     from mlflow.tracking import MlflowClient
     uri = sqlite_store(tmp_path / "store")
     tiny_lm(tmp_path, "killlm")
     slow = tmp_path / "slow"   # steps sleep while it exists: only while the process may be killed
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(_config(uri, "kill", slow_while=str(slow))))
 
-    _finish(_start(tmp_path, "ref", resume=False))   # the uninterrupted reference, at full speed
+    _finish(_start(lowprec_forks, tmp_path, "ref", resume=False))   # the uninterrupted reference, at full speed
     ref = tmp_path / "ref"
     assert any(e[1] == EventKind.PROMOTE for e in _events_jsonl(ref)), "the rollout must promote a stage"
 
@@ -183,7 +170,7 @@ def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_p
     slow.touch()
     while kills < N_KILLS:
         how = kinds[kills % len(kinds)] if kills < len(kinds) else rng.choice(kinds)
-        p = _start(tmp_path, "out", resume, forks=cli_forks)
+        p = _start(lowprec_forks, tmp_path, "out", resume)
         if not _kill_at(p, out, how, rng, give_up=15.0):
             _ended(p)
             break   # it finished before the moment came
@@ -191,7 +178,7 @@ def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_p
         log.append((how, _progress(out)))
     else:
         slow.unlink()   # nothing left to kill
-        _ended(_start(tmp_path, "out", resume=True))
+        _ended(_start(lowprec_forks, tmp_path, "out", resume=True))
     print("kills:", *log, sep="\n  ")
     assert kills >= N_KILLS * 3 // 4, log   # all of them, unless the run ended first
 

@@ -7,7 +7,8 @@ its folder is free at once: resumes with another model width and another seed ar
 one line naming the key and both values and the commands that work) before MLflow is touched, and
 the right `--resume` continues the run at full speed (`slow` removed, the config unchanged): one
 MLflow run, FINISHED, exactly one point per (key, step), every event once, the losses bit for bit
-those of an uninterrupted run.
+those of an uninterrupted run. The `lowprec` processes are forked from the session's pre-imported
+server (`lowprec_forks`, tests/cli_forks.py): each is a process of its own with its own pid.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cli_forks import CliForks, Forked
 from lowprec.cli import main
 
 STEPS = 60
@@ -46,11 +46,6 @@ def _config(uri: str, *, width: int = 32, seed: int = 0, step_seconds: float = 0
     }
 
 
-def _lowprec(cwd: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "lowprec.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
 def _loss_steps(journal: Path) -> list[int]:
     if not journal.exists():
         return []
@@ -69,20 +64,20 @@ def _event_keys(path: Path) -> list[tuple]:
 
 
 @pytest.fixture
-def project(tmp_path, monkeypatch, tiny_lm, sqlite_store):
+def project(tmp_path, monkeypatch, tiny_lm, sqlite_store, lowprec_forks):
     tiny_lm(tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     uri = sqlite_store(tmp_path / "store")
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(_config(uri, slow_while=str(tmp_path / "slow"))))
-    return tmp_path, uri
+    return tmp_path, uri, lowprec_forks
 
 
-def _refused_while_alive(root: Path, first: subprocess.Popen) -> None:
+def _refused_while_alive(forks: CliForks, root: Path, first: Forked) -> None:
     """A --resume, a plain run and a sync on the live run's folder, started together: all exit 2."""
-    others = {"resume": _lowprec(root, "run", "run.yaml", "--out", "out", "--resume"),
-              "plain": _lowprec(root, "run", "run.yaml", "--out", "out"),
-              "sync": _lowprec(root, "sync", "out/tracking")}
+    others = {"resume": forks.start(["run", "run.yaml", "--out", "out", "--resume"], root),
+              "plain": forks.start(["run", "run.yaml", "--out", "out"], root),
+              "sync": forks.start(["sync", "out/tracking"], root)}
     done = {k: (q.communicate(timeout=300), q.returncode) for k, q in others.items()}
     assert first.poll() is None, "the first run ended before the others were refused: the machine is too slow"
     host = socket.gethostname()
@@ -113,15 +108,15 @@ def _refused_mismatch(root: Path, uri: str, capsys, change: dict, key: str, was,
 @pytest.mark.slow   # a run of half-second steps until killed, four more `lowprec` processes
 def test_a_live_run_has_one_writer_and_a_killed_one_resumes_exactly(project, capsys):
     from mlflow.tracking import MlflowClient
-    root, uri = project
+    root, uri, forks = project
     journal = root / "out" / "tracking" / "outbox.jsonl"
     (root / "slow").touch()
-    first = _lowprec(root, "run", "run.yaml", "--out", "out")
+    first = forks.start(["run", "run.yaml", "--out", "out"], root)
     deadline = time.monotonic() + 240
     while first.poll() is None and max(_loss_steps(journal), default=-1) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert first.poll() is None, first.communicate()[1][-3000:]
-    _refused_while_alive(root, first)
+    _refused_while_alive(forks, root, first)
 
     first.send_signal(signal.SIGKILL)
     first.communicate(timeout=60)
@@ -135,7 +130,7 @@ def test_a_live_run_has_one_writer_and_a_killed_one_resumes_exactly(project, cap
     exp = client.get_experiment_by_name("one-writer")
     assert len(client.search_runs([exp.experiment_id])) == 1 and client.get_run(run_id).info.status == "RUNNING"
 
-    again = _lowprec(root, "run", "run.yaml", "--out", "out", "--resume")
+    again = forks.start(["run", "run.yaml", "--out", "out", "--resume"], root)
     out, err = again.communicate(timeout=600)
     assert again.returncode == 0, err[-3000:]
     assert (root / "out" / "run_id").read_text().strip() == run_id

@@ -6,15 +6,14 @@ when a process first opens it, without a lock, and the second process used to fa
 must now track live: every metric in the store, nothing left in either outbox, and no
 "not taking records" warning. A run whose records cannot be sent ends with a line that
 says how many wait in the outbox and the command that sends them, and exits 3 (0 with
-`--tracking-optional`); that command sends them.
+`--tracking-optional`); that command sends them. The `lowprec run` processes are forked from the
+session's pre-imported server (`lowprec_forks`, tests/cli_forks.py).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -52,16 +51,14 @@ def _journal_metrics(run_dir: Path) -> dict[str, set[tuple[int, float]]]:
 
 
 @pytest.mark.slow
-def test_two_runs_started_together_on_one_new_sqlite_store_both_track_live(tmp_path, tiny_lm):
+def test_two_runs_started_together_on_one_new_sqlite_store_both_track_live(tmp_path, tiny_lm, lowprec_forks):
     from mlflow.tracking import MlflowClient
     tiny_lm(tmp_path)
     db = tmp_path / "store" / "mlflow.db"
     uri = f"sqlite:///{db}"
     _write(tmp_path, uri)
     assert not db.exists()
-    procs = {name: subprocess.Popen([sys.executable, "-m", "lowprec.cli", "run", "tiny.yaml", "--out", name,
-                                     "--run-name", name], cwd=tmp_path, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
+    procs = {name: lowprec_forks.start(["run", "tiny.yaml", "--out", name, "--run-name", name], tmp_path)
              for name in ("a", "b")}
     client = None
     for name, p in procs.items():
@@ -82,11 +79,11 @@ def test_two_runs_started_together_on_one_new_sqlite_store_both_track_live(tmp_p
 
 
 @pytest.mark.slow
-def test_a_run_whose_records_cannot_be_sent_says_so_last_and_exits_3(tmp_path, tiny_lm, sqlite_store, free_port):
+def test_a_run_whose_records_cannot_be_sent_says_so_last_and_exits_3(tmp_path, tiny_lm, sqlite_store, free_port,
+                                                                      lowprec_forks):
     tiny_lm(tmp_path)
     _write(tmp_path, f"http://127.0.0.1:{free_port()}")   # nothing listens there
-    p = subprocess.run([sys.executable, "-m", "lowprec.cli", "run", "tiny.yaml", "--out", "away"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=600)
+    p = lowprec_forks.run(["run", "tiny.yaml", "--out", "away"], tmp_path)
     assert p.returncode == 3, p.stderr
     assert (tmp_path / "away" / "losses.json").is_file()   # it trained
     pending = Outbox(tmp_path / "away" / "tracking").n_pending()

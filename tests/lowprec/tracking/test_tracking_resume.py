@@ -1,7 +1,8 @@
 """A tracking buffer folder holds one run: continued only on resume and only when it did not
 finish (issue 12, items 1 and 2). The Tracker on its own (a server that is not there: only the
 journal is looked at), a FAILED run reopened in a SQLite store, and `lowprec run` killed with
-SIGKILL then resumed with `--resume`, as subprocesses.
+SIGKILL then resumed with `--resume`, as processes forked from the session's pre-imported server
+(`lowprec_forks`, tests/cli_forks.py).
 """
 
 from __future__ import annotations
@@ -113,18 +114,14 @@ def test_a_failed_run_is_reopened_and_closed_finished(tmp_path, sqlite_store):
 STEPS = 12
 
 
-def _lowprec(cwd: Path, *args: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "lowprec.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)
-
-
 def _tree(d: Path) -> dict:
     """Every file's bytes, but lock files' (they name their latest holder)."""
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file() and p.suffix != ".lock"}
 
 
 @pytest.mark.slow   # three `lowprec run` processes
-def test_lowprec_run_killed_then_resumed_continues_and_closes_the_same_run(tmp_path, sqlite_store, tiny_lm):
+def test_lowprec_run_killed_then_resumed_continues_and_closes_the_same_run(tmp_path, sqlite_store, tiny_lm,
+                                                                           lowprec_forks):
     from mlflow.tracking import MlflowClient
     uri = sqlite_store(tmp_path / "store")
     tiny_lm(tmp_path, "slowlm")
@@ -135,7 +132,7 @@ def test_lowprec_run_killed_then_resumed_continues_and_closes_the_same_run(tmp_p
            "tracking": {"uri": uri, "experiment": "killed", "run_name": "k"}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
     out, buf = tmp_path / "out", tmp_path / "out" / "tracking"
-    p = _lowprec(tmp_path, "run", "run.yaml", "--out", "out")
+    p = lowprec_forks.start(["run", "run.yaml", "--out", "out"], tmp_path)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and p.poll() is None:   # the run exists and step 6 is logged: kill it
         info = json.loads((buf / "run.json").read_text()) if (buf / "run.json").exists() else {}
@@ -150,7 +147,7 @@ def test_lowprec_run_killed_then_resumed_continues_and_closes_the_same_run(tmp_p
     time.sleep(0.5)
     assert client.get_run(run_id).info.status == "RUNNING"
 
-    p = _lowprec(tmp_path, "run", "run.yaml", "--out", "out", "--resume")
+    p = lowprec_forks.start(["run", "run.yaml", "--out", "out", "--resume"], tmp_path)
     stdout, stderr = p.communicate(timeout=300)
     assert p.returncode == 0, stderr[-3000:]
     assert (out / "run_id").read_text().strip() == run_id
@@ -162,7 +159,7 @@ def test_lowprec_run_killed_then_resumed_continues_and_closes_the_same_run(tmp_p
 
     # Resuming the finished run again: refused before anything is done, nothing written anywhere.
     before, store = _tree(tmp_path), _tree(tmp_path / "store")
-    p = _lowprec(tmp_path, "run", "run.yaml", "--out", "out", "--resume")
+    p = lowprec_forks.start(["run", "run.yaml", "--out", "out", "--resume"], tmp_path)
     stdout, stderr = p.communicate(timeout=300)
     assert p.returncode == 2 and "Traceback" not in stderr, stderr[-3000:]
     assert stderr.startswith("lowprec run: ") and run_id in stderr and "which finished" in stderr, stderr

@@ -5,8 +5,8 @@ fresh pytest process with Triton's interpreter on.
 Triton decides whether its kernels are interpreted when they are defined (at import),
 from TRITON_INTERPRET; the outer pytest process may already have imported Triton without
 it. The fast-path tests therefore run twice: in the outer process the custom ops take the
-reference quantizer (no interpreter), and `run_interpreted(__file__)` runs the same tests
-where the ops run the Triton kernels on CPU tensors.
+reference quantizer (no interpreter), and `run_interpreted(files)` runs the same tests
+where the ops run the Triton kernels on CPU tensors (one process for INTERPRETED_FILES).
 """
 
 from __future__ import annotations
@@ -26,15 +26,23 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def run_interpreted(test_file: str, min_passed: int) -> str:
-    """Run `test_file` with TRITON_INTERPRET=1; assert it passed at least `min_passed` tests."""
+# The files whose tests run again under the interpreter, with the fewest tests each must pass there;
+# one pytest process runs them all (test_fp8_ops.py::test_fast_path_files_under_interpreter).
+INTERPRETED_FILES = {"test_fp8_ops.py": 12, "test_fp8_linear.py": 13, "test_fast_path_traffic.py": 12}
+
+
+def run_interpreted(files: dict[str, int]) -> str:
+    """Run the test files (names in this folder: the fewest tests each must pass) in one pytest
+    process with TRITON_INTERPRET=1; assert that every one passed at least that many."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", test_file],
+    paths = [str(Path(__file__).with_name(name)) for name in files]
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-x", *paths],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
-    passed = int(re.search(r"(\d+) passed", out).group(1))
-    assert passed >= min_passed, out[-3000:]
+    for name, min_passed in files.items():
+        passed = len(re.findall(rf"^PASSED \S*{re.escape(name)}::", out, flags=re.MULTILINE))
+        assert passed >= min_passed, (name, passed, out[-3000:])
     return out
 
 

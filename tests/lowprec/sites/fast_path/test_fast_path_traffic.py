@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import increment_version
 
-from fast_path_checks import HAVE_TRITON, INTERPRETED, ROOT, run_interpreted
+from fast_path_checks import INTERPRETED, ROOT
 from lowprec.sites.backends import get_backend
 from lowprec.numerics.formats import get_format
 from lowprec.numerics.fp8_ops import kernel_traffic, traffic_cost
@@ -108,9 +108,3 @@ def test_model_counts_the_kernels_that_run(fmt, check):
     assert calls
     for name, launches in calls.items():       # e.g. "lowprec.fp8_cast.default"
         assert seen.ops[name].launches == sum(launches), (name, seen.ops[name].launches, launches)
-
-
-@pytest.mark.skipif(INTERPRETED or not HAVE_TRITON, reason="the outer process's test (needs Triton)")
-@pytest.mark.slow
-def test_traffic_under_interpreter():
-    run_interpreted(__file__, min_passed=12)

@@ -8,7 +8,7 @@ for bit (the same arithmetic by construction), and GEMM results within one FP32
 re-association of each other (`reassociation_bound`: which kernel, and so which summation
 order, the CPU's BLAS picks for each memory layout differs between machines), over several
 steps with check and non-check steps. Run here with the reference quantizer
-behind the ops and, in `test_linear_under_interpreter`, with the Triton kernels.
+behind the ops and, in `test_fp8_ops.py::test_fast_path_files_under_interpreter`, with the Triton kernels.
 
 Also: what a layer saves for its backward is FP8 (counted by saved_tensors_hooks), a
 non-check step reads nothing on the host, torch.compile traces the fast path in one
@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from fast_path_checks import HAVE_TRITON, INTERPRETED, ROOT, assert_same_stats, run_interpreted
+from fast_path_checks import INTERPRETED, ROOT, assert_same_stats
 from lowprec.sites.backends import get_backend
 from lowprec.numerics.formats import get_format
 from lowprec.sites.layers import PrecisionLinear
@@ -306,10 +306,3 @@ def test_no_host_read_between_checks():
             checks += 1
             assert set(signals.sites) == {"0", "2"} and len(signals.losses) == 5
     assert checks == 2
-
-
-@pytest.mark.skipif(INTERPRETED or not HAVE_TRITON, reason="the outer process's test (needs Triton)")
-@pytest.mark.slow
-def test_linear_under_interpreter():
-    """This file again with the Triton kernels behind the custom ops (TRITON_INTERPRET=1)."""
-    run_interpreted(__file__, min_passed=13)

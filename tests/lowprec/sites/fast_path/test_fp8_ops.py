@@ -5,7 +5,7 @@ the kernels accumulate in FP64 in another order, to 1e-6 relative), and the two 
 cast+transpose equal a cast and a transpose (row-wise: the row-wise cast of x^T).
 
 Every test runs twice: here, where the ops on CPU take the reference quantizer, and in
-`test_ops_under_interpreter`'s subprocess (TRITON_INTERPRET=1), where they run the Triton
+`test_fast_path_files_under_interpreter`'s subprocess (TRITON_INTERPRET=1), where they run the Triton
 kernels of `lowprec.numerics.kernels.cast_transpose` on CPU tensors.
 """
 
@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fast_path_checks import HAVE_TRITON, INTERPRETED, assert_same_stats, run_interpreted
+from fast_path_checks import HAVE_TRITON, INTERPRETED, INTERPRETED_FILES, assert_same_stats, run_interpreted
 from lowprec.numerics import fp8_ops
 from lowprec.numerics.delayed import AmaxHistory
 from lowprec.numerics.grid import saturates
@@ -210,9 +210,10 @@ def test_opcheck():
 
 @pytest.mark.skipif(INTERPRETED or not HAVE_TRITON, reason="the outer process's test (needs Triton)")
 @pytest.mark.slow
-def test_ops_under_interpreter():
-    """This file again with the Triton kernels behind the ops (TRITON_INTERPRET=1)."""
-    out = run_interpreted(__file__, min_passed=12)
+def test_fast_path_files_under_interpreter():
+    """This file, test_fp8_linear.py and test_fast_path_traffic.py again, in one process, with the
+    Triton kernels behind the ops (TRITON_INTERPRET=1)."""
+    out = run_interpreted(INTERPRETED_FILES)
     assert "uses_kernels=True" not in out    # (the inner run asserts it itself, below)
 
 

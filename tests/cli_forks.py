@@ -13,13 +13,22 @@ its own: SIGKILL ends it with nothing flushed and its file locks let go, as it w
 opens no store, starts no thread and runs no torch operation.
 
 Only the server's children can be waited on, so the server also answers `poll` and `wait`.
+
+The test session shares one server (`lowprec_forks` in tests/conftest.py, started by the first
+test that asks for it): tests that start `lowprec` only to read its output, files and exit code
+fork it from there (`run`, like `subprocess.run`; `start`, like `subprocess.Popen`); `module=`
+runs another module as `python -m MODULE ARGS` would (runpy, as `__main__`: the experiments'
+scripts). The child gets the environment of the test that started it. Tests of a real exec (the console script's
+exit code, the wheel install, what a fresh interpreter imports) start processes of their own.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -62,26 +71,49 @@ class CliForks:
         self.logs, self.count = Path(logs), 0
         self.logs.mkdir(parents=True, exist_ok=True)
         with open(self.logs / "server.err", "w") as err:
-            self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=err, text=True, bufsize=1)
+            # -P: tests/ is not put first on sys.path (its lowprec/ folder would hide the package)
+            self.proc = subprocess.Popen([sys.executable, "-P", __file__], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
 
     def ask(self, request: dict) -> dict:
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
         if not line:
             raise RuntimeError(f"the fork server ended: {(self.logs / 'server.err').read_text()[-3000:]}")
         return json.loads(line)
 
-    def start(self, argv: list[str], cwd: Path) -> Forked:
+    def start(self, argv: list[str], cwd: Path, env: dict | None = None, module: str = "lowprec.cli") -> Forked:
+        """`python -m MODULE ARGV` (`lowprec ARGV`) in `cwd`, with `env` (default: this process's
+        environment now)."""
         self.count += 1
         out, err = self.logs / f"{self.count}.out", self.logs / f"{self.count}.err"
-        pid = self.ask({"argv": argv, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)})["pid"]
+        env = dict(os.environ if env is None else env)
+        pid = self.ask({"argv": [str(a) for a in argv], "module": module, "cwd": str(cwd), "stdout": str(out),
+                        "stderr": str(err), "env": env})["pid"]
         return Forked(self, pid, out, err)
+
+    def run(self, argv: list[str], cwd: Path, timeout: float = 600, env: dict | None = None,
+            module: str = "lowprec.cli") -> subprocess.CompletedProcess:
+        """`subprocess.run([python, "-m", MODULE, *argv], cwd=cwd, capture_output=True, text=True)`, forked."""
+        child = self.start(argv, cwd, env, module)
+        try:
+            out, err = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGKILL)
+            child.communicate(timeout=60)
+            raise
+        return subprocess.CompletedProcess(["python", "-m", module, *argv], child.returncode, out, err)
 
     def close(self) -> None:
         """Stop the server; it kills and reaps the children still running (a test that failed)."""
-        self.proc.stdin.close()
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:   # it ended already (`ask` said why)
+            pass
         self.proc.wait(timeout=60)
         self.proc.stdout.close()
 
@@ -103,8 +135,8 @@ def _wait(pid: int, timeout: float | None) -> int | None:
     return None
 
 
-def _serve() -> list[str] | None:
-    """Answer requests until stdin closes (returns None); in a forked child, the argv to run."""
+def _serve() -> dict | None:
+    """Answer requests until stdin closes (returns None); in a forked child, the request to run."""
     for name in PRELOAD:
         importlib.import_module(name)
     children = set()
@@ -123,7 +155,7 @@ def _serve() -> list[str] | None:
             pid = os.fork()
             if pid == 0:
                 _become_child(req)
-                return req["argv"]
+                return req
             children.add(pid)
             reply = {"pid": pid}
         print(json.dumps(reply), flush=True)
@@ -134,17 +166,24 @@ def _serve() -> list[str] | None:
 
 
 def _become_child(req: dict) -> None:
+    os.environ.clear()
+    os.environ.update(req["env"])
     os.chdir(req["cwd"])
     write = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     for fd, (path, flags) in enumerate(((os.devnull, os.O_RDONLY), (req["stdout"], write), (req["stderr"], write))):
         new = os.open(path, flags, 0o644)
         os.dup2(new, fd)
         os.close(new)
-    sys.path[0] = req["cwd"]   # `python -m` puts the working directory first
-    sys.argv = [str(Path(importlib.import_module("lowprec.cli").__file__)), *req["argv"]]
+    sys.path.insert(0, req["cwd"])   # `python -m` puts the working directory first
+    sys.argv = [str(Path(importlib.util.find_spec(req["module"]).origin)), *req["argv"]]
 
 
 if __name__ == "__main__":
-    argv = _serve()
-    if argv is not None:   # the forked child: this interpreter is now `python -m lowprec.cli ARGV`
-        sys.exit(importlib.import_module("lowprec.cli").main(argv))
+    req = _serve()
+    if req is not None and req["module"] == "lowprec.cli":   # a forked child: now `python -m lowprec.cli ARGV`
+        sys.exit(importlib.import_module("lowprec.cli").main(req["argv"]))
+    if req is not None:   # `python -m MODULE ARGV`
+        runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+        sys.exit(0)
+    sys.stdout.flush()
+    os._exit(0)   # the server: no interpreter shutdown over everything it imported (seconds, for nothing)
