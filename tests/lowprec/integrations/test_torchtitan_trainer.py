@@ -209,7 +209,7 @@ def test_fsdp2_x_tp2_torchao_backend_nan_on_one_rank_falls_back_on_every_rank(tm
         assert all(math.isfinite(v) for i, v in enumerate(r["losses"]) if i != NAN_AT)
 
 
-# the final eval only, one pass (its forwards are pipeline steps of [1, 64] micro-batches: the cost)
+# evals before the promotion and at the end, one pass each (their forwards are pipeline steps: the cost)
 PP_EVAL = "eval: {suite: shakespeare, every: 0, mode: fast, final_mode: fast, gates: null, high_precision: false}\n"
 PP_SITE_RANK = 1   # torchtitan's default Interleaved1F1B, 2 ranks: 4 stages, layers.1 in stage 1 on rank 1
 
@@ -229,7 +229,9 @@ def test_pipeline_2_stages_nan_skip_rewind_probe_and_eval(tmp_path, gloo, free_p
     job = TitanJob(tmp_path, plan, steps=steps, checkpoint_every=steps, validator=True, reference=True,
                    faults=[fault("nan", SITE, NAN_AT, NAN_AT + 1, rank=PP_SITE_RANK),
                            fault("loss_spike", "", SPIKE_AT, SPIKE_AT + 2, 100.0)])
-    log = _ok(job.run(2, free_port(), "--parallelism.pipeline_parallel_degree", "2"))
+    # micro-batches of 4 rows (8 a step): an eval batch of 32 rows is 4 schedule steps, not 16
+    log = _ok(job.run(2, free_port(), "--parallelism.pipeline_parallel_degree", "2",
+                      "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatch_size", "4"))
     assert "pp=2" in log and "with 2 microbatches and 4 stages" in log   # torchtitan's pipeline, 2 stages per rank
     reports = job.reports(2)
     want = _check_nan_fallback(reports, log, pipelined=True)
@@ -255,8 +257,8 @@ def test_pipeline_2_stages_nan_skip_rewind_probe_and_eval(tmp_path, gloo, free_p
 
 
 def _check_against_one_process(job) -> None:
-    """Under the pipeline both ranks got the same eval logits (3 rows of 40 tokens: padded to two
-    schedule steps of [1, 64] micro-batches), LR probe result and held loss, and these equal the
+    """Under the pipeline both ranks got the same eval logits (3 rows of 40 tokens: padded to one
+    schedule step of two [4, 64] micro-batches), LR probe result and held loss, and these equal the
     whole model's in one process, run on the same micro-batches with the run's formats. The bound:
     the same ops on the same inputs, split across stages (measured: identical bits)."""
     import torch
