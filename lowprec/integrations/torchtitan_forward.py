@@ -28,7 +28,7 @@ __all__ = ["logits", "held_loss"]
 
 def logits(trainer, tokens: torch.Tensor) -> torch.Tensor:
     """The model's logits [B, T, V] on token ids [B, T], on every rank."""
-    if trainer._pp_mesh is None:
+    if trainer.pp_mesh is None:
         model = trainer.model_parts[0]
         return _as_logits(model, model(tokens.to(trainer.device)))
     return _pipeline_logits(trainer, tokens)
@@ -41,7 +41,7 @@ def held_loss(trainer, batches: list[tuple[dict, torch.Tensor]], tokens: torch.T
     with trainer.not_recorded(), torch.no_grad():
         processed = [trainer.post_dataloading_process(dict(d), y) for d, y in batches]
         with trainer.train_context():
-            if trainer._pp_mesh is None:
+            if trainer.pp_mesh is None:
                 (inputs, y, extra), = processed
                 pred = trainer.model_parts[0](inputs, **extra)
                 kw = {"positions": extra["positions"]} if "positions" in extra else {}
@@ -93,7 +93,7 @@ def _pipeline_logits(trainer, tokens: torch.Tensor) -> torch.Tensor:
 def _last_stage_outputs(trainer) -> torch.Tensor:
     """The last stage's outputs of the schedule step just run, as logits, on every pp rank
     (two broadcasts: their shape, then the values in float32)."""
-    group, size = trainer._pp_mesh.get_group(), trainer._pp_mesh.size()
+    group, size = trainer.pp_mesh.get_group(), trainer.pp_mesh.size()
     shape = torch.zeros(3, dtype=torch.int64, device=trainer.device)
     values = None
     if trainer.pp_has_last_stage:

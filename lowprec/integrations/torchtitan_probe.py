@@ -42,7 +42,7 @@ def _held_batch(trainer):
 def _micro_batches(trainer, input_dict: dict, labels: torch.Tensor) -> list[tuple[dict, torch.Tensor]]:
     """The held batch as one pipeline step's micro-batches (split along the batch, as many as
     training's), or as itself without pipeline parallelism."""
-    if trainer._pp_mesh is None:
+    if trainer.pp_mesh is None:
         return [(input_dict, labels)]
     n = trainer.num_pipeline_parallel_microbatches
     parts = {k: v.tensor_split(n) if isinstance(v, torch.Tensor) else [v] * n for k, v in input_dict.items()}
@@ -103,7 +103,7 @@ def lr_probe_for(trainer, rollout, clip):
 
     def forward_backward() -> torch.Tensor:
         with trainer.not_recorded(), torch.enable_grad():
-            if trainer._pp_mesh is None:
+            if trainer.pp_mesh is None:
                 (d, y), = batches
                 loss = trainer.forward_backward_step(input_dict=dict(d), labels=y, global_valid_tokens=tokens)
             else:

@@ -210,7 +210,7 @@ class LowprecTrainer(Trainer):
         self.max_norm = config.training.max_norm
         config.training.max_norm = math.inf   # torchtitan measures; lowprec clips (before the optimizers)
         self._loss_mesh = dims.get_optional_mesh("loss")
-        self._pp_mesh = dims.get_optional_mesh("pp") if dims.pp_enabled else None
+        self.pp_mesh = dims.get_optional_mesh("pp") if dims.pp_enabled else None   # None: no pipeline stages
         self._losses: list[torch.Tensor] = []
         self._tokens = None
         self._recording = True
@@ -225,7 +225,7 @@ class LowprecTrainer(Trainer):
             model._lowprec_guard.remove()
 
         def clip() -> torch.Tensor:
-            return dist_utils.clip_grad_norm_(params, self.max_norm, foreach=True, pp_mesh=self._pp_mesh,
+            return dist_utils.clip_grad_norm_(params, self.max_norm, foreach=True, pp_mesh=self.pp_mesh,
                                               ep_enabled=dims.ep_enabled)
 
         from lowprec.integrations.torchtitan_probe import lr_probe_for
@@ -315,7 +315,7 @@ class LowprecTrainer(Trainer):
         """The rank's loss (its forward_backward_step's) as the step's mean loss torchtitan logs,
         the same on every rank: the last pipeline stage's, summed over the data-parallel ranks."""
         local = local.full_tensor() if hasattr(local, "full_tensor") else local
-        local = last_stage_loss(local, self._pp_mesh)
+        local = last_stage_loss(local, self.pp_mesh)
         if self._loss_mesh is None:
             return local
         return dist_utils.dist_sum_tensor(local, self._loss_mesh)
@@ -333,7 +333,7 @@ class LowprecTrainer(Trainer):
                     inputs = [{k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in d.items()}
                               for d, _ in group]
                     labels = [y.to(self.device) for _, y in group]
-                    if self._pp_mesh is None:
+                    if self.pp_mesh is None:
                         inputs, labels = inputs[0], labels[0]
                     loss = self.forward_backward_step(input_dict=inputs, labels=labels,
                                                       global_valid_tokens=tokens).detach().reshape(-1).sum()
