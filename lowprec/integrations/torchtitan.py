@@ -44,11 +44,6 @@ What is not hosted, and why:
   need CUDA, so nothing on a CPU can build or test them; hosting them takes what the
   `torchao` sites have: a site class with torchtitan's `Module` mixed in, built on the meta
   device (TE's `device="meta"`) and initialized from torchtitan's `init_weights`, tested on a GPU;
-* under pipeline parallelism, eval suites and the LR probe (refused when the trainer is built):
-  not built. Both run the model's forward on their own batches, which under torchtitan's
-  pipeline schedule must be a schedule step on every stage (`pp_schedule.eval`, as its
-  Validator does); training itself is hosted under pipeline parallelism
-  (`lowprec.integrations.torchtitan_stages`);
 * LoRA's converter together with lowprec's (refused when the model is built): not built;
   lowprec's swap would replace the LoRA layers, adapters and all. Hosting it takes a site that
   wraps the LoRA layer's frozen base GEMM and leaves the adapters in high precision.

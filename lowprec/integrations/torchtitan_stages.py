@@ -31,7 +31,7 @@ from torch import nn
 from lowprec.integrations.core import WholeModel
 from lowprec.runtime.parallel import from_last_stage, local_state
 
-__all__ = ["Stages", "stages_of", "last_stage_loss", "refuse_unhosted"]
+__all__ = ["Stages", "stages_of", "last_stage_loss"]
 
 
 @dataclass(frozen=True)
@@ -71,18 +71,3 @@ def last_stage_loss(local: torch.Tensor, pp_mesh) -> torch.Tensor:
         return local
     out = local.detach().reshape(-1).sum().float().clone()   # -1 (shape [1]) on the other stages
     return from_last_stage(out, pp_mesh.get_group(), pp_mesh.size())
-
-
-def refuse_unhosted(cfg) -> None:
-    """ConfigError for what lowprec does not host under torchtitan's pipeline schedule: evals and
-    the LR probe run the model's forward on their own batches, which under pipeline parallelism
-    must go through the schedule (its `eval`, as torchtitan's Validator does) on every stage."""
-    from lowprec.base.parse import ConfigError
-    fix = "Fix: pipeline_parallel_degree 1 (FSDP, HSDP and TP host them), or drop it from the lowprec config"
-    if cfg.eval is not None:
-        raise ConfigError("eval", "is set; lowprec does not run eval suites through torchtitan's pipeline schedule "
-                          f"yet (an eval's forward would have to run as a schedule step on every stage). {fix}")
-    if cfg.rollout is not None and cfg.rollout.lr_probe.enabled:
-        raise ConfigError("rollout.lr_probe", "is enabled; lowprec does not run the LR probe through torchtitan's "
-                          "pipeline schedule yet (its held-batch loss is a forward outside the schedule). "
-                          f"{fix.replace('drop it', 'lr_probe.enabled: false')}")

@@ -41,7 +41,8 @@ lowprec joins at the points torchtitan has:
   withheld that step, the weights never saw it: the trainer goes on (that step's metrics
   line is not written). A non-finite loss lowprec applied still stops the job.
 * the LR probe (`rollout.lr_probe`): on the held batch of torchtitan's validator (its first
-  batch; `validator.enable` must be on), through torchtitan's forward and loss.
+  batch; `validator.enable` must be on), through torchtitan's forward and loss
+  (`lowprec.integrations.torchtitan_probe`).
 * MLflow: rank 0 tracks into one run per job (`dump_folder/lowprec` buffers it); a job torchtitan
   resumes after a kill or a failure continues that same run, logging nothing twice
   (`lowprec.integrations.torchtitan_tracking`); torchtitan's own metrics logging is left as it is.
@@ -53,9 +54,11 @@ lowprec joins at the points torchtitan has:
 
 * pipeline parallelism: each rank hosts the sites of its own stages, the controller decides
   over every site of the model (`lowprec.integrations.torchtitan_stages`); skips, rewinds
-  (each rank snapshots its own stages' parameters and optimizer state) and replays as above.
-  Refused under it when the trainer is built: `eval:` and `rollout.lr_probe` (both run the
-  model's forward outside the schedule; `refuse_unhosted` says what it takes).
+  (each rank snapshots its own stages' parameters and optimizer state) and replays as above;
+  an eval suite's forwards and the LR probe's held-batch loss are evaluation steps of
+  torchtitan's pipeline schedule on every stage, the last stage's logits or loss broadcast to
+  every rank (`lowprec.integrations.torchtitan_forward`); the probe's virtual step steps every
+  optimizer of the rank.
 """
 
 # no `from __future__ import annotations`: torchtitan (tyro) resolves the config dataclasses' field types
@@ -79,7 +82,8 @@ from torchtitan.trainer import Trainer  # noqa: E402
 
 from lowprec.integrations.core import HostedRollout  # noqa: E402
 from lowprec.integrations.state_files import MissingRolloutStateError  # noqa: E402
-from lowprec.integrations.torchtitan_stages import last_stage_loss, refuse_unhosted, stages_of  # noqa: E402
+from lowprec.integrations.torchtitan_forward import logits  # noqa: E402
+from lowprec.integrations.torchtitan_stages import last_stage_loss, stages_of  # noqa: E402
 from lowprec.integrations.torchtitan_tracking import (JobRun, check_resumed_run, job_run,  # noqa: E402
                                                       torchtitan_resumes)
 from lowprec.policy.decisions import Action  # noqa: E402
@@ -202,13 +206,11 @@ class LowprecTrainer(Trainer):
         dims = self.parallel_dims
         parts = [prepared_of(m) for m in self.model_parts]
         prepared = parts[0]
-        if dims.pp_enabled:
-            refuse_unhosted(prepared.setup.config)
         stages = stages_of(self.model_parts, parts, dims.pp_enabled)
         self.max_norm = config.training.max_norm
         config.training.max_norm = math.inf   # torchtitan measures; lowprec clips (before the optimizers)
         self._loss_mesh = dims.get_optional_mesh("loss")
-        self._pp_mesh = dims.get_optional_mesh("pp") if dims.pp_enabled else None
+        self.pp_mesh = dims.get_optional_mesh("pp") if dims.pp_enabled else None   # None: no pipeline stages
         self._losses: list[torch.Tensor] = []
         self._tokens = None
         self._recording = True
@@ -223,14 +225,14 @@ class LowprecTrainer(Trainer):
             model._lowprec_guard.remove()
 
         def clip() -> torch.Tensor:
-            return dist_utils.clip_grad_norm_(params, self.max_norm, foreach=True, pp_mesh=self._pp_mesh,
+            return dist_utils.clip_grad_norm_(params, self.max_norm, foreach=True, pp_mesh=self.pp_mesh,
                                               ep_enabled=dims.ep_enabled)
 
         from lowprec.integrations.torchtitan_probe import lr_probe_for
         probe = lr_probe_for(self, prepared.setup.config.rollout, clip)
         run_name = f"{config.model_spec.name}-{config.model_spec.flavor}"
         self.job_run = self._job_run(config, run_name)
-        self.hosted.start(_Optimizers(self.optimizers), self.lr_schedulers, clip=clip, eval_forward=self._logits,
+        self.hosted.start(_Optimizers(self.optimizers), self.lr_schedulers, clip=clip, eval_forward=lambda tokens: logits(self, tokens),
                           run_name=run_name, lr_probe=probe, max_length=config.training.seq_len,
                           buffer=self.job_run.folder if self.job_run else None,
                           resume_tracking=self.job_run is not None and self.job_run.resume,
@@ -313,7 +315,7 @@ class LowprecTrainer(Trainer):
         """The rank's loss (its forward_backward_step's) as the step's mean loss torchtitan logs,
         the same on every rank: the last pipeline stage's, summed over the data-parallel ranks."""
         local = local.full_tensor() if hasattr(local, "full_tensor") else local
-        local = last_stage_loss(local, self._pp_mesh)
+        local = last_stage_loss(local, self.pp_mesh)
         if self._loss_mesh is None:
             return local
         return dist_utils.dist_sum_tensor(local, self._loss_mesh)
@@ -331,21 +333,13 @@ class LowprecTrainer(Trainer):
                     inputs = [{k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in d.items()}
                               for d, _ in group]
                     labels = [y.to(self.device) for _, y in group]
-                    if self._pp_mesh is None:
+                    if self.pp_mesh is None:
                         inputs, labels = inputs[0], labels[0]
                     loss = self.forward_backward_step(input_dict=inputs, labels=labels,
                                                       global_valid_tokens=tokens).detach().reshape(-1).sum()
                     total = loss if total is None else total + loss
             return self.global_loss(total)
         return replay
-
-    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The model's logits on token ids (an eval suite's forward), on every rank."""
-        model = self.model_parts[0]
-        out = model(tokens.to(self.device))
-        if getattr(model, "_skip_lm_head", False):   # torchtitan's chunked loss applies the head itself
-            out = model.lm_head(out)
-        return out.full_tensor() if hasattr(out, "full_tensor") else out
 
     # ------------------------------------------------------------------ start, resume and end
     def train(self) -> None:

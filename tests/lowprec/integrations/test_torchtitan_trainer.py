@@ -22,7 +22,8 @@ point or event logged twice, and the final eval runs on both ranks with rank 0's
 Under FSDP 2 x TP 2 the sites are the torchao backend's (torchao's Float8Linear).
 
 Under pipeline parallelism 2 (torchtitan's default looped schedule) each rank hosts its own
-stages' sites, the controller every site; the NaN is planted on the rank that holds the site.
+stages' sites, the controller every site; the NaN is planted on the rank that holds the site;
+the LR probe and the final eval run through the pipeline schedule and agree with one process.
 
 Three torchrun launches of 2 ranks (killed, then resumed; pipeline) and one of 4 ranks.
 """
@@ -90,10 +91,12 @@ def _ok(proc) -> str:
 
 
 def _check_nan_fallback(reports: list[dict], log: str, pipelined: bool = False) -> list[tuple]:
-    """Every rank decided alike: the planted site fell back at the NaN step, which was skipped."""
-    want = decisions(reports[0]["events"])
+    """Every rank decided alike: the planted site fell back at the NaN step, which was skipped.
+    The decisions returned leave out in-loop gate events (an `eval:` section's)."""
+    every = decisions(reports[0]["events"])
+    want = [d for d in every if d[0] != "gate"]
     for r in reports:
-        assert decisions(r["events"]) == want, f"rank {r['rank']} decided otherwise"
+        assert decisions(r["events"]) == every, f"rank {r['rank']} decided otherwise"
         assert r["formats"][SITE] == "bf16"
         assert {f for n, f in r["formats"].items() if n != SITE} == {"fp8_tensorwise"}   # the rest as promoted
         assert math.isnan(r["losses"][NAN_AT])
@@ -206,30 +209,34 @@ def test_fsdp2_x_tp2_torchao_backend_nan_on_one_rank_falls_back_on_every_rank(tm
         assert all(math.isfinite(v) for i, v in enumerate(r["losses"]) if i != NAN_AT)
 
 
+# evals before the promotion and at the end, one pass each (their forwards are pipeline steps: the cost)
+PP_EVAL = "eval: {suite: shakespeare, every: 0, mode: fast, final_mode: fast, gates: null, high_precision: false}\n"
 PP_SITE_RANK = 1   # torchtitan's default Interleaved1F1B, 2 ranks: 4 stages, layers.1 in stage 1 on rank 1
 
 
-def test_pipeline_2_stages_nan_on_the_stage_that_holds_the_site_skip_and_rewind(tmp_path, gloo, free_port):
+def test_pipeline_2_stages_nan_skip_rewind_probe_and_eval(tmp_path, gloo, free_port):
     """Pipeline parallelism 2 (torchtitan's default looped schedule: two stages per rank, each a model
     part): every rank sees the last stage's loss, the NaN planted on the rank whose stage holds SITE
     is bisected by replays through torchtitan's pipeline schedule and that site falls back there
     (every rank's controller records it); the logits spike is skipped and rewound (each rank's own
-    stages' parameters and optimizer state); rank 0 tracks every stage's precision map."""
+    stages' parameters and optimizer state); rank 0 tracks every stage's precision map. The LR probe
+    (at every check) and the final eval run as steps of the pipeline schedule on both ranks: each
+    rank has the same eval outcome, probe result and eval logits, equal to the whole model's in one
+    process (`_check_against_one_process`)."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    plan = PLAN.replace("  thresholds: {site_patience: 1}", """\
-  thresholds: {site_patience: 1, large_warmup: 2, large_factor: 3.0}
-  rewind: {enabled: true, snapshot_every: 2, keep: 3}""").replace(
-        "tracking: {enabled: false}", f'tracking: {{uri: "{uri}", experiment: titan}}')
+    plan = FULL.replace("URI", uri) + PP_EVAL
     steps = 10
-    job = TitanJob(tmp_path, plan, steps=steps, checkpoint_every=steps,
+    job = TitanJob(tmp_path, plan, steps=steps, checkpoint_every=steps, validator=True, reference=True,
                    faults=[fault("nan", SITE, NAN_AT, NAN_AT + 1, rank=PP_SITE_RANK),
                            fault("loss_spike", "", SPIKE_AT, SPIKE_AT + 2, 100.0)])
-    log = _ok(job.run(2, free_port(), "--parallelism.pipeline_parallel_degree", "2"))
+    # micro-batches of 4 rows (8 a step): an eval batch of 32 rows is 4 schedule steps, not 16
+    log = _ok(job.run(2, free_port(), "--parallelism.pipeline_parallel_degree", "2",
+                      "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatch_size", "4"))
     assert "pp=2" in log and "with 2 microbatches and 4 stages" in log   # torchtitan's pipeline, 2 stages per rank
     reports = job.reports(2)
     want = _check_nan_fallback(reports, log, pipelined=True)
-    assert [d[:2] for d in want[8:]] == [("replay", SPIKE_AT), ("skip_step", SPIKE_AT), ("replay", SPIKE_AT + 1),
-                                         ("skip_step", SPIKE_AT + 1), ("rewind", SPIKE_AT + 1)], want
+    assert [d[:2] for d in want[8:13]] == [("replay", SPIKE_AT), ("skip_step", SPIKE_AT), ("replay", SPIKE_AT + 1),
+                                           ("skip_step", SPIKE_AT + 1), ("rewind", SPIKE_AT + 1)], want
     local = [set(r["local"]) for r in reports]
     assert SITE in local[PP_SITE_RANK] and not local[0] & local[1]   # each site on one rank
     assert local[0] | local[1] == set(reports[0]["formats"])          # together every site of the model
@@ -241,3 +248,25 @@ def test_pipeline_2_stages_nan_on_the_stage_that_holds_the_site_skip_and_rewind(
     client, run = _mlflow_run(uri)
     shares = {k.rsplit("/", 1)[1]: v for k, v in run.data.metrics.items() if k.startswith("precision/flops_share/")}
     assert 0 < shares["bf16"] < 0.1 and shares["bf16"] + shares["fp8_tensorwise"] == pytest.approx(1), shares
+    assert math.isfinite(run.data.metrics["train/lr_sensitivity"])   # the LR probe ran through the schedule
+    evals = [[{k: v for k, v in e.items() if k != "seconds"} for e in r["evals"]] for r in reports]
+    # before the promotion and at the end, each the same on both ranks
+    assert [e["step"] for e in evals[0]] == [NAN_AT + 2, reports[0]["step"]] and evals[1] == evals[0], evals
+    assert any(k.startswith("eval/heldout_shakespeare/") for k in run.data.metrics), sorted(run.data.metrics)
+    _check_against_one_process(job)
+
+
+def _check_against_one_process(job) -> None:
+    """Under the pipeline both ranks got the same eval logits (3 rows of 40 tokens: padded to one
+    schedule step of two [4, 64] micro-batches), LR probe result and held loss, and these equal the
+    whole model's in one process, run on the same micro-batches with the run's formats. The bound:
+    the same ops on the same inputs, split across stages (measured: identical bits)."""
+    import torch
+    ranks = [torch.load(job.dump / f"forwards_rank{r}.pt") for r in range(2)]
+    assert torch.equal(ranks[0]["logits"], ranks[1]["logits"]) and ranks[0]["logits"].shape[:2] == (3, 40)
+    assert ranks[0]["probe"] == ranks[1]["probe"] and math.isfinite(ranks[0]["probe"][-1])
+    assert torch.equal(ranks[0]["held_loss"], ranks[1]["held_loss"])
+    for r in ranks:
+        d = (r["logits"] - r["logits_one_process"]).abs().max().item()
+        h = (r["held_loss"].reshape(()) - r["held_loss_one_process"].float()).abs().item()
+        assert d <= 1e-5 and h <= 1e-5, (d, h, r["held_loss"], r["held_loss_one_process"])

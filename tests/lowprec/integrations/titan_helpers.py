@@ -111,6 +111,8 @@ class RecordingTrainer(LowprecTrainer):
     def train(self):
         super().train()
         self._report(self.step)
+        if SETTINGS["reference"]:
+            self._against_one_process()
 
     def _report(self, titan_step):
         h = self.hosted
@@ -121,6 +123,54 @@ class RecordingTrainer(LowprecTrainer):
                "losses": h.losses, "events": [e.to_json() for e in h.session.events],
                "evals": h.evals.history if h.evals is not None else None}}
         Path(SETTINGS["dump"], f"lowprec_rank{{rank}}.json").write_text(json.dumps(out))
+
+    def _against_one_process(self):
+        """An eval forward's logits and the LR probe's held loss, through this job's parallelism (every
+        rank, the model parts in eval mode), and the same from the whole model in this process (every
+        rank's parameters and sites' scaling state gathered, the run's formats, the parameters in the dtype
+        torchtitan's FSDP computes with), each micro-batch as the
+        pipeline schedule ran it, in the same order: to dump/forwards_rank<R>.pt."""
+        from torch.nn.functional import cross_entropy
+
+        from lowprec.integrations.torchtitan import prepared_of
+        from lowprec.integrations.torchtitan_forward import logits
+        from lowprec.integrations.torchtitan_probe import _held_batch
+        world = torch.distributed.get_world_size()
+        parts, scaling = [None] * world, [None] * world
+        torch.distributed.all_gather_object(parts, {{k: getattr(v, "full_tensor", v.detach)().detach()
+                                                     for m in self.model_parts for k, v in m.state_dict().items()}})
+        torch.distributed.all_gather_object(scaling, self.hosted.state.scaling_state())
+        tokens = torch.randint(0, 256, (3, 40), generator=torch.Generator().manual_seed(0))   # 3 rows of 40 tokens
+        for m in self.model_parts:
+            m.eval()
+        with torch.no_grad():
+            got, held = logits(self, tokens), self.hosted.session.lr_probe.held_loss()
+        whole = self.model_config.build()
+        whole._lowprec_guard.remove()
+        whole.init_weights(buffer_device=None)
+        missing, _ = whole.load_state_dict({{k: v for p in parts for k, v in p.items()}}, strict=False)
+        assert not [k for k in missing if k in dict(whole.named_parameters())], missing
+        state = prepared_of(whole).state
+        for fqn, fmt in self.hosted.formats().items():
+            state.set_format(fqn, fmt)
+        state.load_scaling_state({{k: v for s in scaling for k, v in s.items()}})
+        param_dtype = getattr(torch, self.config.training.mixed_precision_param)
+        for p in whole.parameters():   # FSDP computes with its parameters in mixed_precision_param (bf16)
+            p.data = p.data.to(param_dtype)
+        whole.eval()
+        rows = self.config.training.local_batch_size // self.num_pipeline_parallel_microbatches
+        steps = -(-3 // self.config.training.local_batch_size) * self.config.training.local_batch_size
+        with torch.no_grad():
+            padded = torch.zeros((steps, self.config.training.seq_len), dtype=torch.long)   # whole schedule steps
+            padded[:3, :40] = tokens
+            want = torch.cat([whole(x) for x in padded.split(rows)])[:3, :40].float()
+            input_dict, labels = _held_batch(self)
+            ce = [cross_entropy(whole(x).flatten(0, 1).float(), t.flatten(), reduction="sum", ignore_index=-100)
+                  for x, t in zip(input_dict["input"].split(rows), labels.split(rows))]
+            held_want = torch.stack(ce).sum() / (labels != -100).sum()
+        torch.save({{"logits": got, "logits_one_process": want, "held_loss": held.float(),
+                    "held_loss_one_process": held_want, "probe": dataclasses.astuple(self.hosted.session.lr_probe_result)}},
+                   Path(SETTINGS["dump"], f"forwards_rank{{torch.distributed.get_rank()}}.pt"))
 
 
 def _recording(config):
@@ -159,9 +209,11 @@ class TitanJob:
     """One torchtitan job folder: tokenizer, data, lowprec YAML, config module, dump folder."""
 
     def __init__(self, tmp: Path, plan: str, *, steps: int, checkpoint_every: int, faults=(), validator: bool = False,
-                 kill_at: int = -1):
+                 kill_at: int = -1, reference: bool = False):
         """faults: `fault(...)`s; validator: torchtitan's validation data on (the LR probe's held batch);
-        kill_at: torchtitan's step after which rank 0 SIGKILLs itself (-1: none)."""
+        kill_at: torchtitan's step after which rank 0 SIGKILLs itself (-1: none); reference: after
+        training, each rank writes an eval forward and the LR probe's held loss beside the whole
+        model's in one process (`dump/forwards_rank<R>.pt`)."""
         self.tmp = tmp
         self.dump = tmp / "dump"
         (tmp / "lowprec.yaml").write_text(plan)
@@ -170,7 +222,8 @@ class TitanJob:
                          "data": str(write_text_data(tmp / "data")),
                          "validation": str(write_text_data(tmp / "validation", split=1)),
                          "steps": steps, "checkpoint_every": checkpoint_every, "dump": str(self.dump),
-                         "faults": [dict(f) for f in faults], "validator": validator, "kill_at": kill_at}
+                         "faults": [dict(f) for f in faults], "validator": validator, "kill_at": kill_at,
+                         "reference": reference}
         self._write()
 
     def _write(self) -> None:
