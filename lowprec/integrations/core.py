@@ -38,6 +38,7 @@ from lowprec.policy.decisions import Action
 from lowprec.state.ranks import process_rank, world_size
 from lowprec.runtime.after_step import AfterStep
 from lowprec.runtime.session import Session, SessionSettings, StepResult
+from lowprec.sites.precision_state import StagedPrecisionMap
 from lowprec.tracking.records import RunStatus
 from lowprec.policy.verdicts import Verdict
 
@@ -84,20 +85,6 @@ class WholeModel:
     selectors resolve against it)."""
     state: object
     info: object
-
-
-class _WholeMap:
-    """The whole model's precision map under pipeline stages, for tracking: the controller's
-    record of every site's format (the same on every rank) and the FLOP shares it gives."""
-
-    def __init__(self, whole: WholeModel, controller):
-        self.whole, self.controller = whole, controller
-
-    def formats(self) -> dict[str, str]:
-        return dict(self.controller.current)
-
-    def flops_share(self) -> dict[str, float]:
-        return self.whole.state.flops_share(self.controller.current)
 
 
 @dataclass(frozen=True)
@@ -194,7 +181,8 @@ class HostedRollout:
                                group=group, clip=clip, lr_probe=lr_probe, sites=sites, event_log=event_log,
                                on_events=self.tracker.log_events if self.tracker is not None else None,
                                settings=SessionSettings.from_rollout(cfg.rollout, max_grad_norm=max_grad_norm))
-        self.map = self.state if self.whole is None or controller is None else _WholeMap(self.whole, controller)
+        self.map = (self.state if self.whole is None or controller is None else
+                    StagedPrecisionMap(self.whole.state, lambda: controller.current))
         self.after = AfterStep(self.session, self.map, tracker=self.tracker, evals=self.evals, baseline=self.baseline)
         if self.tracker is not None:
             self.tracker.log_config(cfg.to_dict())

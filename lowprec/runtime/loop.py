@@ -65,7 +65,8 @@ class RunResult:
         return {"steps": len(self.losses), "passes": self.passes, "rewinds": self.rewinds,
                 "skipped_steps": self.skipped, "events": len(self.events),
                 "seconds_per_step": self.seconds_per_step, "nonfinite_params": self.nonfinite_params,
-                "formats": self.formats[max(self.formats)] if self.formats else {}}
+                "formats": self.formats[max(self.formats)] if self.formats else {},
+                "flops_share": self.flops_share[max(self.flops_share)] if self.flops_share else {}}
 
 
 def warmup_schedule(optimizer: torch.optim.Optimizer, warmup: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -77,13 +78,16 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
           sites: list[str] | None = None, group=None, tracker=None, evals=None,
           baseline: dict[int, float] | None = None, resume: bool = False, faults: list[Injection] | tuple = (),
           steps: int | None = None, checkpoints: bool = True, telemetry: Telemetry | None = None,
-          progress=None) -> "RunResult":
+          progress=None, precision_map=None) -> "RunResult":
     """Train `engine`'s model for `steps` (default `tc.steps`) as the train section `tc` says.
 
     controller: a RolloutController (None: the plan as it is, no decisions); rollout: its
     parsed section (for the rewind source and snapshot cadence). sites/group: as Session.
     telemetry: where the time and energy go (`lowprec.tracking.telemetry`); default none.
     progress: told after every pass `update(steps done, loss=, tokens=)` (`lowprec.runtime.console.Progress`).
+    precision_map: what tracking, the summary and the results report as the model's formats and
+    FLOP shares (`formats()`, `flops_share()`); default `state`; under pipeline stages the whole
+    model's (`lowprec.sites.precision_state.StagedPrecisionMap`), where `state` holds this rank's sites.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -91,7 +95,8 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     session, opt, sched = _build_session(tc, engine, state, data, out, controller, rollout, sites, group, tracker)
     res = RunResult()
     tele = telemetry or Telemetry(TelemetryConfig(enabled=False))
-    after = AfterStep(session, state, tracker=tracker, evals=evals, log_every=tc.log_every, baseline=baseline,
+    tracked = state if precision_map is None else precision_map
+    after = AfterStep(session, tracked, tracker=tracker, evals=evals, log_every=tc.log_every, baseline=baseline,
                       total_steps=n_steps, clock=tele.clock, on_precision_change=tele.formats_changed,
                       window_metrics=tele.window,
                       current_formats=state.formats if sites is None else lambda: dict(controller.current))
@@ -100,7 +105,7 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     if resume and (last := checkpoint_to_resume(out / "checkpoints")) is not None:
         iteration = _resume(last, engine, opt, sched, state, data, session, after, res)
     if tracker is not None:
-        tracker.log_precision(session.step_index, state.formats(), state.flops_share())
+        tracker.log_precision(session.step_index, tracked.formats(), tracked.flops_share())
     injected = Faults(engine.module, faults)
     first = session.step_index
     tele.begin()

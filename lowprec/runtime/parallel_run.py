@@ -203,23 +203,28 @@ class RankRun:
     state: object
     data: object
     sites: list[str] | None = None   # every site of the model, in forward order (for the monitor)
+    precision_map: object = None     # what tracking reports (the whole model's under pp); None: state
 
 
 def _build(prepared, par) -> RankRun:
     """This rank's engine, precision state and batches."""
     from lowprec.runtime.data import TokenBatches
     from lowprec.runtime.parallel import build_engine, local_state
+    from lowprec.sites.precision_state import StagedPrecisionMap
 
     tc = prepared.config.train
     sites = list(prepared.controller.order) if prepared.controller is not None else None
     engine, data_rank, data_ranks = build_engine(prepared.model, par, tc.microbatches)
     state, data = prepared.state, prepared.data
+    whole = None
     if par.pp > 1:   # this rank keeps its stage's sites; the monitor packs every site's row
+        if prepared.controller is not None:   # tracked: every stage's sites, as the controller records them
+            whole = StagedPrecisionMap(state, lambda: prepared.controller.current)
         state = local_state(state, [f for f, _ in engine.module.named_modules() if f in state.sites])
     if data_ranks > 1:
         data = TokenBatches(data.tokens, data.batch_size, data.block_size, seed=data.seed, rank=data_rank,
                             world=data_ranks)
-    return RankRun(engine, state, data, sites)
+    return RankRun(engine, state, data, sites, whole)
 
 
 def merge_rank_events(out: Path, world: int) -> list:
@@ -291,7 +296,8 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, resume: bool, f
         console.log_to(out / LOG_NAME)
     dist.barrier()   # the run folder exists before any rank writes to it
     tracker = _tracker(cfg, out, name, resume) if lead and cfg.tracking.enabled else None
-    progress = console.progress(cfg.train.steps, mix=run.state.flops_share) if lead else None
+    tracked = run.precision_map or run.state
+    progress = console.progress(cfg.train.steps, mix=tracked.flops_share) if lead else None
     telemetry = Telemetry(cfg.telemetry if lead else TelemetryConfig(enabled=False), device=torch.device("cpu"),
                           model=run.engine.module, state=run.state, started=started)
     evals = prepared.evals
@@ -303,7 +309,8 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, resume: bool, f
     try:
         res = train(cfg.train, run.engine, run.state, run.data, out_dir=out, controller=prepared.controller,
                     rollout=cfg.rollout, sites=run.sites, tracker=tracker, baseline=prepared.baseline, resume=resume,
-                    faults=faults, telemetry=telemetry, progress=progress, checkpoints=True, evals=evals)
+                    faults=faults, telemetry=telemetry, progress=progress, checkpoints=True, evals=evals,
+                    precision_map=run.precision_map)
         dist.barrier()   # every rank's event log is complete
         if tracker is not None:
             tracker.log_events(merge_rank_events(out, env.world))

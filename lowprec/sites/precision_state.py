@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from torch import nn
 
@@ -28,7 +28,7 @@ from lowprec.sites.layers import PrecisionLinear
 from lowprec.sites.reasons import ReasonKind, SiteReason
 from lowprec.numerics.quantize import check_layer_fits
 
-__all__ = ["Site", "PrecisionState", "prepare"]
+__all__ = ["Site", "PrecisionState", "StagedPrecisionMap", "prepare"]
 
 
 @dataclass
@@ -186,6 +186,23 @@ class PrecisionState:
     def __repr__(self) -> str:
         share = ", ".join(f"{k} {v:.0%}" for k, v in self.flops_share().items())
         return f"PrecisionState({len(self.sites)} sites, backend={self.backend.name}, FLOPs: {share})"
+
+
+class StagedPrecisionMap:
+    """The whole model's precision map as a pipeline rank reports it (tracking, summaries, the
+    progress line): every site's format as `current()` records it (the controller's record, the
+    same on every rank) and the FLOP shares those formats give over the whole model's `state`,
+    whose layers this rank does not all hold. A PrecisionState serves where one rank holds
+    every site; this has its `formats()` and `flops_share()`."""
+
+    def __init__(self, state: PrecisionState, current: Callable[[], dict[str, str]]):
+        self.state, self.current = state, current
+
+    def formats(self) -> dict[str, str]:
+        return dict(self.current())
+
+    def flops_share(self) -> dict[str, float]:
+        return self.state.flops_share(self.current())
 
 
 def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:

@@ -134,6 +134,7 @@ def runs(tmp_path_factory, gloo):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     out = {name: {"losses": json.loads((d / name / "losses.json").read_text()),
+                  "summary": json.loads((d / name / "summary.json").read_text()),
                   "logs": [(d / name / "events.jsonl").read_text()]} for name in ("single",)}
     for mode, (n, _, _) in PARALLEL.items():
         out[mode] = {"losses": json.loads((d / mode / "losses.json").read_text()),
@@ -166,6 +167,10 @@ def test_every_rank_takes_the_single_process_decisions(runs, mode):
     assert _decisions(logs[0]) == _decisions(runs[PARALLEL[mode][2]]["logs"][0])
     summary = runs[mode]["summary"]
     assert summary["formats"][SITE] == "bf16" and summary["skipped_steps"] == 2
+    # rank 0 reports the whole model's precision map, under pipeline stages too (it holds one stage)
+    single = runs[PARALLEL[mode][2]]["summary"]
+    assert summary["formats"] == single["formats"] and summary["flops_share"] == single["flops_share"]
+    assert set(summary["flops_share"]) == {"fp8_tensorwise", "bf16"}
     assert summary["rewinds"] == 1
     assert not summary["nonfinite_params"]
 
