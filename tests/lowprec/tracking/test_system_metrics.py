@@ -11,14 +11,14 @@ def test_the_tracker_starts_and_stops_mlflows_system_metrics(tmp_path, sqlite_st
     tracker = Tracker(uri, "lowprec-tests", "system-metrics", buffer_dir=tmp_path / "run", flush_interval_s=0.1,
                       system_metrics_s=0.5)
     tracker.log_metrics(0, {"train/loss": 2.0})
-    deadline = time.monotonic() + 30
-    while tracker.system_metrics.monitor is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(1.6)   # three samples or so
-    tracker.finish("FINISHED", timeout=10, report=False)
-    assert tracker.system_metrics.monitor is None
     from mlflow.tracking import MlflowClient
     client = MlflowClient(uri)
+    deadline = time.monotonic() + 60   # the monitor samples every 0.5 s; under load its thread runs late
+    while time.monotonic() < deadline and (tracker.system_metrics.monitor is None or len(
+            client.get_metric_history(tracker.run_id, "system/cpu_utilization_percentage")) < 2):
+        time.sleep(0.2)
+    tracker.finish("FINISHED", timeout=10, report=False)
+    assert tracker.system_metrics.monitor is None
     run = client.get_run(tracker.run_id)
     assert run.info.status == "FINISHED"
     cpu = client.get_metric_history(tracker.run_id, "system/cpu_utilization_percentage")
