@@ -54,12 +54,10 @@ class _JoinedState(MutableMapping):
 
     def __init__(self, optimizers: list):
         self.optimizers = optimizers
+        self._owners = {p: o for o in optimizers for g in o.param_groups for p in g["params"]}
 
     def _owner(self, p):
-        for o in self.optimizers:
-            if p in o.state or any(p is q for g in o.param_groups for q in g["params"]):
-                return o
-        raise KeyError(p)
+        return self._owners[p]   # KeyError: not a parameter of these optimizers
 
     def __getitem__(self, p):
         return self._owner(p).state[p]

@@ -203,7 +203,7 @@ class RankRun:
     state: object
     data: object
     sites: list[str] | None = None   # every site of the model, in forward order (for the monitor)
-    precision_map: object = None     # what tracking reports (the whole model's under pp); None: state
+    precision_map: object = None     # what tracking reports: `state`, or the whole model's under pp
 
 
 def _build(prepared, par) -> RankRun:
@@ -224,7 +224,7 @@ def _build(prepared, par) -> RankRun:
     if data_ranks > 1:
         data = TokenBatches(data.tokens, data.batch_size, data.block_size, seed=data.seed, rank=data_rank,
                             world=data_ranks)
-    return RankRun(engine, state, data, sites, whole)
+    return RankRun(engine, state, data, sites, state if whole is None else whole)
 
 
 def merge_rank_events(out: Path, world: int) -> list:
@@ -296,8 +296,7 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, resume: bool, f
         console.log_to(out / LOG_NAME)
     dist.barrier()   # the run folder exists before any rank writes to it
     tracker = _tracker(cfg, out, name, resume) if lead and cfg.tracking.enabled else None
-    tracked = run.precision_map or run.state
-    progress = console.progress(cfg.train.steps, mix=tracked.flops_share) if lead else None
+    progress = console.progress(cfg.train.steps, mix=run.precision_map.flops_share) if lead else None
     telemetry = Telemetry(cfg.telemetry if lead else TelemetryConfig(enabled=False), device=torch.device("cpu"),
                           model=run.engine.module, state=run.state, started=started)
     evals = prepared.evals

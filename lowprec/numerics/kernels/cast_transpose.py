@@ -103,8 +103,7 @@ def traced_launch(kernel, grid, warm: dict | None = None, vary: tuple = (), kw: 
     decomposition of lowprec's cast ops in `lowprec.numerics.fp8_ops`) the kernel becomes a
     node of the graph, so Inductor launches it itself (and CUDA graphs can capture it);
     `warm` and `vary` are not used (Inductor's wrapper launches the compiled kernel)."""
-    launcher, kw = torch.library.wrap_triton(kernel)[grid], kw or {}
-    return lambda *args: launcher(*args, **kw)
+    return functools.partial(torch.library.wrap_triton(kernel)[grid], **(kw or {}))
 
 
 def _grid(m: int, n: int, tile) -> tuple[int, int]:

@@ -27,6 +27,8 @@ set (a profiler such as proton reads launch metadata from it).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
@@ -99,10 +101,5 @@ def warm_launch(kernel, grid, warm: dict | None = None, vary: tuple = (), kw: di
     and whose addresses the allocator aligns)."""
     kw = {} if kw is None else kw
     if warm is None or not isinstance(kernel, JITFunction):   # the interpreter's kernels: Triton's path
-        return _bound(kernel[grid], kw)
+        return functools.partial(kernel[grid], **kw)
     return _Warm(kernel, grid, warm, vary, kw)
-
-
-def _bound(launcher, kw: dict):
-    """`launcher` called with the plan's keyword arguments `kw` after the positional ones."""
-    return lambda *args: launcher(*args, **kw)
