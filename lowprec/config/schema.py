@@ -207,7 +207,7 @@ class ParallelConfig:
 
 
 def _check_parallel(cfg: "LowprecConfig") -> None:
-    """What `parallel:` asks of the other sections (each rank's share of a batch; no evals under pp)."""
+    """What `parallel:` asks of the other sections: each rank's share of a batch."""
     par, tc = cfg.parallel, cfg.train
     if par.world == 1:
         return
@@ -216,10 +216,6 @@ def _check_parallel(cfg: "LowprecConfig") -> None:
             f"{tc.batch_size} does not split into {par.data_ranks} data-parallel ranks x {tc.microbatches} "
             f"microbatches (parallel: dp_replicate {par.dp_replicate} x dp_shard {par.dp_shard}); make batch_size "
             f"a multiple of {tc.microbatches * par.data_ranks}"))
-    if cfg.eval is not None and par.pp > 1:
-        raise ConfigError("eval", (
-            f"is set with parallel: {par.mode} (pp {par.pp}); an eval needs the whole model's forward on every "
-            f"rank, and a pipeline stage holds a part of it: remove `eval:` (or use dp_shard / dp_replicate / tp)"))
 
 
 # the name of a gate file shipped with the gate package: no folder, no suffix (anything else is a path)

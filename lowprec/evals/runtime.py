@@ -37,6 +37,11 @@ class LMEvalEvaluator:
             raise DataUnavailable(f"eval.suite {config.suite!r}: {e} as eval.data_dir") from None
         self.tasks = tuple(prepared.ready)
 
+    def use_forward(self, forward) -> None:
+        """Score through `forward` (LongTensor[B, T] -> logits) from now on: under pipeline stages,
+        `lowprec run` hands the Pipeline engine's forward through every stage."""
+        self.forward = forward
+
     @staticmethod
     def check_config(config) -> None:
         try:

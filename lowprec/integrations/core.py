@@ -183,6 +183,9 @@ class HostedRollout:
                                settings=SessionSettings.from_rollout(cfg.rollout, max_grad_norm=max_grad_norm))
         self.map = (self.state if self.whole is None or controller is None else
                     StagedPrecisionMap(self.whole.state, lambda: controller.current))
+        if self.evals is not None:   # every rank runs the same eval passes: decided on the whole model's formats
+            self.evals.formats = (self.map.formats if self.whole is None or controller is not None
+                                  else self.whole.state.formats)
         self.after = AfterStep(self.session, self.map, tracker=self.tracker, evals=self.evals, baseline=self.baseline)
         if self.tracker is not None:
             self.tracker.log_config(cfg.to_dict())

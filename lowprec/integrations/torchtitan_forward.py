@@ -9,8 +9,9 @@ loss, torchtitan's loss function. Under pipeline parallelism no rank holds the w
 both are an evaluation step of torchtitan's pipeline schedule on every stage
 (`pp_schedule.eval`, as torchtitan's `Validator` calls it: the first stage takes the inputs,
 the last stage the targets and returns the outputs and the losses), and the last stage's
-result reaches every rank of the pp mesh through one broadcast
-(`lowprec.runtime.parallel.from_last_stage`). The schedule's stages keep the micro-batch shape
+result reaches every rank of the pp mesh by broadcast
+(`lowprec.runtime.pipeline_forward.last_stage_tensor`, shared with `lowprec run`'s Pipeline
+engine). The schedule's stages keep the micro-batch shape
 of training (torch's pipeline stages size their receive buffers at their first step), so a
 suite's batch [B, T] runs as micro-batches of torchtitan's [microbatch size, seq_len]: rows
 padded to whole schedule steps, positions padded to seq_len after the text (the model is
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from lowprec.runtime.parallel import from_last_stage
+from lowprec.runtime.pipeline_forward import last_stage_tensor
 
 __all__ = ["logits", "held_loss"]
 
@@ -91,19 +92,14 @@ def _pipeline_logits(trainer, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _last_stage_outputs(trainer) -> torch.Tensor:
-    """The last stage's outputs of the schedule step just run, as logits, on every pp rank
-    (two broadcasts: their shape, then the values in float32)."""
-    group, size = trainer.pp_mesh.get_group(), trainer.pp_mesh.size()
-    shape = torch.zeros(3, dtype=torch.int64, device=trainer.device)
+    """The last stage's outputs of the schedule step just run, as float32 logits, on every pp rank
+    (`lowprec.runtime.pipeline_forward.last_stage_tensor`)."""
     values = None
     if trainer.pp_has_last_stage:
         stage = next(s for s in _stages(trainer.pp_schedule) if s.is_last)
-        values = _as_logits(stage.submod, torch.cat(stage.output_chunks)).float()
-        shape.copy_(torch.tensor(values.shape))
-    from_last_stage(shape, group, size)
-    if values is None:
-        values = torch.empty(tuple(shape.tolist()), dtype=torch.float32, device=trainer.device)
-    return from_last_stage(values.contiguous(), group, size)
+        values = _as_logits(stage.submod, torch.cat(stage.output_chunks))
+    return last_stage_tensor(values, trainer.pp_mesh.get_group(), trainer.pp_mesh.size(), ndim=3,
+                             device=trainer.device)
 
 
 def _stages(schedule) -> list:

@@ -17,7 +17,7 @@ every rank through the monitor's one all-gather (each rank packs zeros for sites
 
 `last_stage_loss`: torchtitan's schedule computes the loss on the last stage only (the other
 stages' `forward_backward_step` returns -1); one broadcast over the pp mesh
-(`lowprec.runtime.parallel.from_last_stage`, as `lowprec run`'s pipeline engine does) gives
+(`lowprec.runtime.pipeline_forward.from_last_stage`, as `lowprec run`'s pipeline engine does) gives
 every stage the last stage's loss, so every rank measures the same step and decides alike.
 """
 
@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from lowprec.integrations.core import WholeModel
-from lowprec.runtime.parallel import from_last_stage, local_state
+from lowprec.runtime.parallel import local_state
+from lowprec.runtime.pipeline_forward import from_last_stage
 
 __all__ = ["Stages", "stages_of", "last_stage_loss"]
 

@@ -8,7 +8,8 @@
 
 Modules: `session` (Session), `snapshots` (in-memory and disk rewinds), `loop` (train),
 `engine` (the engine protocol, one process), `fsdp` (FullyShardedDP: FSDP2 for any model),
-`parallel` (the engines under torchrun: DP x TP, FSDP2 x TP, pipeline), `parallel_run`
+`parallel` (the engines under torchrun: DP x TP, FSDP2 x TP, pipeline), `pipeline_forward`
+(forwards through pipeline stages outside training), `parallel_run`
 (`lowprec run` on several processes: the launch, its checks, each rank's run),
 `data` (token batches), `lrprobe` (LRProbe: the loss after a virtual step at lr x2 / x0.5),
 `faults` (injected faults), `evals` (eval checkpoints, evaluator

@@ -3,7 +3,10 @@
 The runtime does not know what is evaluated or how a verdict is reached. It takes:
 
 * an `Evaluator`: `evaluate(mode) -> EvalOutcome` (per task: metrics; per example:
-  scores, for paired statistics) and the `tasks` it produces;
+  scores, for paired statistics) and the `tasks` it produces; optionally
+  `use_forward(forward)`, which `lowprec run` calls under pipeline stages with the pipeline's
+  logits function (no rank holds the whole model's forward there; an evaluator without it
+  is refused under `parallel: {pp: N}`);
 * a `GateChecker`: `check(baseline, candidate) -> GateOutcome` (a `Verdict` and a
   reason) and the `metrics` it gates (`eval/<task>/<metric>`).
 
@@ -19,6 +22,10 @@ below high precision, the same weights under `state.high_precision()` (`eval_hp/
 the in-loop gate compares the two, so the cost of precision is measured directly. Under
 torchrun (`share`) every rank runs the same evals, since a sharded model's forwards are
 collective; the rank that has the results logs and gates and its outcome goes to every rank.
+Whether any layer runs below high precision (so an `eval_hp` pass runs) is read from
+`formats()`, by default the state's; under pipeline stages the run hands the whole model's
+record (`lowprec.sites.precision_state.StagedPrecisionMap.formats`), so every rank runs the
+same passes.
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ class EvalCheckpoints:
         self.config, self.evaluator, self.checker, self.state, self.tracker = config, evaluator, checker, state, tracker
         # under torchrun: rank 0's (outcome, results, results_hp) handed to every rank (None: one process)
         self.share = share
+        self.formats = state.formats   # fqn -> format name of every site (see the module docstring)
         for metric in checker.metrics if checker is not None else ():
             parts = metric.split("/")
             if len(parts) != 3 or parts[0] != "eval" or parts[1] not in evaluator.tasks:
@@ -92,7 +100,8 @@ class EvalCheckpoints:
         rank runs both (the forwards are collective); an evaluator returns None where its
         results are not (lm-eval: any rank but local rank 0)."""
         current = self.evaluator.evaluate(mode)
-        low = any(not s.format.is_high_precision for s in self.state.sites.values())
+        from lowprec.numerics.formats import get_format
+        low = any(not get_format(name).is_high_precision for name in self.formats().values())
         hp = None
         if self.config.high_precision:
             if low:

@@ -23,6 +23,7 @@ across ranks); rank 0 writes losses.json, grad_norms.json and summary.json in `o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ class RunResult:
     nonfinite_params: bool = False
     evals: list[dict] = field(default_factory=list)
     final_eval: object = None
+    lr_probes: list = field(default_factory=list)   # every LR probe's ProbeResult, in order
     telemetry: dict[str, float] = field(default_factory=dict)   # the run's telemetry/* numbers
 
     def summary(self) -> dict:
@@ -66,7 +68,9 @@ class RunResult:
                 "skipped_steps": self.skipped, "events": len(self.events),
                 "seconds_per_step": self.seconds_per_step, "nonfinite_params": self.nonfinite_params,
                 "formats": self.formats[max(self.formats)] if self.formats else {},
-                "flops_share": self.flops_share[max(self.flops_share)] if self.flops_share else {}}
+                "flops_share": self.flops_share[max(self.flops_share)] if self.flops_share else {},
+                "evals": [{k: e[k] for k in ("step", "mode", "verdict", "results", "results_hp")} for e in self.evals],
+                "lr_probes": [dataclasses.asdict(r) for r in self.lr_probes]}
 
 
 def warmup_schedule(optimizer: torch.optim.Optimizer, warmup: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -233,6 +237,7 @@ def _conclude(res: "RunResult", rec, engine: Engine, session: Session, evals, tr
         tracker.log_tags(tele.sources())
     res.nonfinite_params = any(not torch.isfinite(p.detach()).all() for p in engine.params)
     res.events, res.skipped = session.events, session.skipped
+    res.lr_probes = list(session.lr_probe.results) if session.lr_probe is not None else []
     if rank == 0:
         (out / "losses.json").write_text(json.dumps(res.losses))
         (out / "grad_norms.json").write_text(json.dumps(res.grad_norms))

@@ -155,6 +155,7 @@ class LRProbe:
         self.model, self.optimizer, self.state = model, optimizer, state
         self.forward_backward, self.held_loss, self.clip = forward_backward, held_loss, clip
         self.factors, self.every_checks = factors, every_checks
+        self.results: list[ProbeResult] = []   # every probe run, in order (a rewound stretch probes again)
         ids = {id(p) for p in model.parameters()}
         self.params = list(model.parameters()) + [p for g in optimizer.param_groups for p in g["params"]
                                                    if id(p) not in ids]
@@ -214,4 +215,6 @@ class LRProbe:
                 saved.precision_and_rng()
         finally:
             saved.everything()
-        return ProbeResult(step, l0, tuple(losses.items()), _sensitivity(l0, losses))
+        result = ProbeResult(step, l0, tuple(losses.items()), _sensitivity(l0, losses))
+        self.results.append(result)
+        return result

@@ -37,7 +37,9 @@ The engines:
   `dp_shard`) sub-mesh (weights gathered in high precision there).
 * `Pipeline`: `torch.distributed.pipelining` with one stage per rank and a GPipe schedule
   over the config's microbatches; the loss (cross-entropy of the last stage's logits) lives
-  on the last stage and is broadcast to every rank.
+  on the last stage and is broadcast to every rank. Its forwards outside training (an eval
+  suite's `logits`, the LR probe's held `loss`) run through the stages in order
+  (`lowprec.runtime.pipeline_forward`), their result broadcast from the last stage.
 
 The gradient norm is formed as `torch.nn.utils.clip_grad_norm_` forms it on one process:
 the norm of the vector of per-parameter norms, in the model's parameter order; a sharded
@@ -53,10 +55,11 @@ from torch import nn
 
 from lowprec.runtime.engine import Clocked, forward_backward, loss_of
 from lowprec.runtime.gradnorm import clip_, grad_norm, local_grad
+from lowprec.runtime.pipeline_forward import chain_forward, from_last_stage, last_stage_tensor
 from lowprec.tracking.phases import Phase
 
 __all__ = ["DataTensorParallel", "ShardedTensorParallel", "HybridShardedDP", "Pipeline", "build_engine", "stage_bounds",
-           "local_state", "from_last_stage", "check_model_plan", "set_amax_group"]
+           "local_state", "check_model_plan", "set_amax_group"]
 
 
 def stage_bounds(n_layer: int, pp: int) -> list[tuple[int, int]]:
@@ -73,15 +76,6 @@ def local_state(state, fqns):
     keep = set(fqns)
     return PrecisionState([s for f, s in state.sites.items() if f in keep], state.backend,
                           state.kept_high_precision.items())
-
-
-def from_last_stage(loss: torch.Tensor, group, stages: int) -> torch.Tensor:
-    """The last pipeline stage's `loss` on every stage of `group` (`stages` ranks): one broadcast,
-    in place (the same shape and dtype on every rank). The loss exists on the last stage only;
-    every rank must measure the same step to decide alike (`lowprec run`'s Pipeline engine,
-    torchtitan's pipeline schedule in `lowprec.integrations.torchtitan_stages`)."""
-    dist.broadcast(loss, group_src=stages - 1, group=group)
-    return loss
 
 
 def check_model_plan(model: nn.Module, tp: int, pp: int) -> None:
@@ -307,6 +301,28 @@ class Pipeline:
         else:
             self.schedule.step()
         return from_last_stage(loss, self.group, self.pp)
+
+    @torch.no_grad()
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The batch-mean loss of a forward without gradients (the LR probe's held loss), on every
+        rank: the same microbatches, loss and sum as `forward_backward`, each microbatch one
+        `chain_forward` through the stages (no schedule step: the schedule's stages would
+        re-initialise on every switch between training and evaluation)."""
+        total = torch.zeros((), dtype=torch.float32)
+        n = self.microbatches
+        for k, (xc, yc) in enumerate(zip(x.tensor_split(n), y.tensor_split(n))):
+            out = chain_forward(self.module, xc, self.rank, self.pp, self.group)
+            if out is not None:
+                part = self._loss(out, yc)
+                total = part if k == 0 else total + part
+        return from_last_stage(total.detach().float(), self.group, self.pp)
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The whole model's logits [B, T, V] (float32) on token ids [B, T], on every rank: one
+        `chain_forward` of the whole batch (any B, T), the last stage's logits broadcast."""
+        out = chain_forward(self.module, tokens, self.rank, self.pp, self.group)
+        return last_stage_tensor(out, self.group, self.pp, ndim=3)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         mine = dict(self.module.named_parameters())

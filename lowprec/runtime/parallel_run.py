@@ -27,9 +27,12 @@ be logged with the ranks that did. Checkpoints are written every `train.ckpt_eve
 (sharded, `torch.distributed.checkpoint`), so `--resume` continues a killed job, and its
 MLflow run, from the newest one.
 
-**Evals** (`eval:`, not with pp): every rank runs every eval checkpoint's forwards, which a
-sharded model needs on all ranks; rank 0 has lm-eval's results, logs them, reaches the in-loop
-gate's verdict and broadcasts it, so every rank's controller decides alike.
+**Evals** (`eval:`): every rank runs every eval checkpoint's forwards, which a sharded model
+needs on all ranks; rank 0 has lm-eval's results, logs them, reaches the in-loop gate's
+verdict and broadcasts it, so every rank's controller decides alike. Under pipeline stages an
+eval's forward is the Pipeline engine's `logits` (through every stage, the last stage's
+logits broadcast: `lowprec.runtime.pipeline_forward`), and whether an `eval_hp` pass runs is
+read from the whole model's formats, so every rank runs the same passes.
 
 **A rank that dies** takes the job down: torchrun stops the others, and the launcher of
 `lowprec run --nproc-per-node` says which rank died and how (its exit code or signal) and
@@ -302,6 +305,9 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, resume: bool, f
     evals = prepared.evals
     if evals is not None:   # every rank evaluates (collective forwards); rank 0 logs, gates and shares
         evals.tracker, evals.share = tracker, from_rank_0
+        if cfg.parallel.pp > 1:   # the forward through every stage; the eval passes decided on the whole model
+            evals.evaluator.use_forward(run.engine.logits)
+            evals.formats = run.precision_map.formats if prepared.controller is not None else prepared.state.formats
         if prepared.controller is not None and evals.checker is not None:
             prepared.controller.gate = evals.gate
     status = RunStatus.FAILED

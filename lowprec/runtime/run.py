@@ -227,6 +227,11 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True,
         from lowprec.runtime.evals import eval_checkpoints
         max_len = cfg.data.block_size if cfg.data is not None and cfg.data.block_size else 256
         prepared.evals = eval_checkpoints(cfg.eval, model, state, max_length=max_len)
+        if cfg.parallel.pp > 1 and not callable(getattr(prepared.evals.evaluator, "use_forward", None)):
+            raise ConfigError("eval.evaluator", (
+                f"{cfg.eval.evaluator!r} has no use_forward(forward) method, which parallel: {{pp: {cfg.parallel.pp}}} "
+                f"needs (no rank holds the whole model's forward; the run hands the pipeline's): give the evaluator "
+                f"one, or use lm_eval"))
         checker = prepared.evals.checker
         if checker is not None and hasattr(checker, "plan_checks"):
             # a checker that shares one error budget over the run's checks needs their number:

@@ -28,6 +28,11 @@ and step 21 rewinding to the snapshot before the spike. Every rank replays the s
 lives on stage 1 only, so stage 0 replays through the pipeline and decides on the loss
 the last stage broadcasts.
 
+The one process and pp2 also run the final eval (the model as it is and in high
+precision) and the LR probe at every 2nd check: under pp both go through the two stages
+(`lowprec.runtime.pipeline_forward`); their metrics and probe losses equal the one
+process's (the bound and why: `test_pipeline_evals_and_lr_probes_equal_single_process`).
+
 Losses, and why these bounds:
 
 * PP: equal bit for bit. Each stage runs the same kernels on the same shapes as the
@@ -96,6 +101,13 @@ CONFIG = {
     "tracking": {"enabled": False},
     "telemetry": {"energy": "off"},   # no codecarbon meter in each of the 13 processes: nothing here reads energy
 }
+# the one process and pp2 also run an eval checkpoint (the final one, the model as it is and in high
+# precision) and the LR probe at every 2nd check; neither decides anything here (no in-loop gate,
+# the probe's holds off), so both runs take the decisions and losses the other modes are held to
+WITH_EVALS = {"eval": {"suite": "shakespeare", "every": 0, "mode": "fast", "final_mode": "fast", "gates": None,
+                       "high_precision": True},
+              "rollout": {**CONFIG["rollout"], "lr_probe": {"enabled": True, "every_checks": 2, "hold_above": None,
+                                                            "hold_rise": None}}}
 # mode: (processes, the parallel: section, the single-process run it is compared with)
 PARALLEL = {"dp2xtp2": (4, {"dp_replicate": 2, "tp": 2}, "single"), "pp2": (2, {"pp": 2}, "single"),
             "fsdp2": (2, {"dp_shard": 2}, "single"), "hsdp2x2": (4, {"dp_replicate": 2, "dp_shard": 2}, "single")}
@@ -111,10 +123,11 @@ def _launch(cmd: list[str], log: Path) -> subprocess.Popen:
 def runs(tmp_path_factory, gloo):
     d = tmp_path_factory.mktemp("parallel")
     cfg = d / "config.yaml"
-    cfg.write_text(yaml.safe_dump(CONFIG))
+    cfg.write_text(yaml.safe_dump({**CONFIG, **WITH_EVALS}))
     commands = {"single": [sys.executable, "-m", "lowprec.cli", "run", str(cfg), "--out", str(d / "single"), *INJECT]}
     for mode, (n, parallel, _) in PARALLEL.items():
-        (d / f"{mode}.yaml").write_text(yaml.safe_dump({**CONFIG, "parallel": parallel}))
+        extra = WITH_EVALS if mode == "pp2" else {}
+        (d / f"{mode}.yaml").write_text(yaml.safe_dump({**CONFIG, **extra, "parallel": parallel}))
         commands[mode] = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                           str(n), "-m", "lowprec.cli", "run", str(d / f"{mode}.yaml"), "--out", str(d / mode),
                           *INJECT]
@@ -194,3 +207,29 @@ def test_pipeline_losses_equal_single_process_bit_for_bit_through_a_rewind(runs)
     _rel(pp, single)
     diff = [i for i, (a, b) in enumerate(zip(pp, single)) if a != b and not (math.isnan(a) and math.isnan(b))]
     assert not diff, f"steps {diff} differ: {[(pp[i], single[i]) for i in diff][:5]}"
+
+
+def test_pipeline_evals_and_lr_probes_equal_single_process(runs):
+    """Under pp the final eval's forwards run through both stages (`Pipeline.logits`: the whole
+    batch, unpadded, through stage 0 then stage 1, the logits broadcast) and the LR probe's held
+    loss likewise (`Pipeline.loss`, the training step's microbatches). Each stage runs the one
+    process's kernels on the same tensors (the tensor-wise scales see the same activations), so
+    the bound is 1e-12 relative (float noise only; measured: equal); the metrics lm-eval derives
+    (sums and exps of the log-likelihoods) follow."""
+    pp, single = runs["pp2"]["summary"], runs["single"]["summary"]
+    assert [e["step"] for e in single["evals"]] == [STEPS] and single["evals"][0]["results_hp"] is not None
+    assert [e["step"] for e in pp["evals"]] == [STEPS]
+    for key in ("results", "results_hp"):
+        a, b = pp["evals"][0][key], single["evals"][0][key]
+        assert set(a) == set(b) == {"heldout_shakespeare", "cloze_shakespeare"}, (a, b)
+        for task in b:
+            for metric, v in b[task].items():
+                assert math.isclose(a[task][metric], v, rel_tol=1e-12, abs_tol=0.0), (key, task, metric, a[task], v)
+    # the low-precision and high-precision passes measure different models
+    assert single["evals"][0]["results"] != single["evals"][0]["results_hp"]
+    steps = [p["step"] for p in single["lr_probes"]]
+    assert len(steps) >= 2 and steps == [p["step"] for p in pp["lr_probes"]], (steps, pp["lr_probes"])
+    for a, b in zip(pp["lr_probes"], single["lr_probes"]):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-12) and math.isfinite(b["sensitivity"]), (a, b)
+        for (fa, la), (fb, lb) in zip(a["losses"], b["losses"]):
+            assert fa == fb and math.isclose(la, lb, rel_tol=1e-12), (a, b)

@@ -51,13 +51,11 @@ def test_bad_sections_are_refused_at_load(section, path, words):
     assert e.value.path == path and words in e.value.message, str(e.value)
 
 
-def test_evals_are_refused_under_pp_only():
-    with pytest.raises(ConfigError) as e:
-        LowprecConfig.from_dict({**BASE, "eval": {"every": 0}, "parallel": {"pp": 2}})
-    assert e.value.path == "eval" and "a pipeline stage holds a part of it" in e.value.message
-    cfg = LowprecConfig.from_dict({**BASE, "eval": {"every": 0}, "parallel": {"tp": 2}})
-    assert cfg.eval is not None and cfg.parallel.tp == 2
-
+def test_evals_load_under_every_parallel_mode():
+    """pp included: its evals run through every stage (tests/experiments/test_parallel_parity.py)."""
+    for par in ({"pp": 2}, {"tp": 2}, {"dp_shard": 2}):
+        cfg = LowprecConfig.from_dict({**BASE, "eval": {"every": 0}, "parallel": par})
+        assert cfg.eval is not None and cfg.parallel.world == 2
 
 
 def test_fp8_all_gather_reaches_the_fsdp2_engine():
