@@ -49,6 +49,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
+from lowprec.evals.aggregations import bootstrap_perplexities
 from lowprec.evals.tasks import get_task, prepare_tasks, unknown_name_error
 from lowprec.evals.tokenizers import Tokenizer
 
@@ -303,6 +304,8 @@ def run_suite(suite: EvalSuite | str, forward: Callable[[Any], Any], tokenizer: 
             task_manager=TaskManager(include_path=str(prepared.cache_dir), include_defaults=False),
             samples=samples, bootstrap_iters=bootstrap_iters, log_samples=True,
             random_seed=None, numpy_random_seed=None, torch_random_seed=None)
+        if res is not None:   # lm-eval bootstraps only its own perplexity's stderr: the same draws over ours
+            bootstrap_perplexities(res, bootstrap_iters)
     if res is None:   # lm-eval builds results where LOCAL_RANK is 0 only (every rank ran the same forwards)
         return None
     return EvalResult(

@@ -24,6 +24,10 @@ Tasks (`TASKS`):
   acc_norm, from `<data_dir>/eval/bigbench/<name>.json` and
   `<data_dir>/eval/hellaswag/hellaswag_val_part_a.jsonl`.
 
+The perplexities aggregate with lowprec's saturating functions (`lowprec.evals.aggregations`:
+inf where lm-eval's raise OverflowError), named in the YAML by lm-eval's `!function` tag; the
+cache holds the module file the tag loads.
+
 Every task's documents are shuffled with a fixed seed; the full set keeps the first 512
 rolling documents (the held-out plays give 483), 1,000 cloze items and 1,000 multiple-choice
 items (of up to 3,000), which bounds a full CI eval on a CPU.
@@ -46,9 +50,10 @@ from typing import Literal
 import yaml
 
 from lowprec.evals import documents
+from lowprec.evals.aggregations import SHIM_MODULE, SHIM_SOURCE
 from lowprec.evals.corpora import DataUnavailable, held_out_sources, opt_in_error, shift_sources
 
-GENERATOR = "eval_suites.tasks/2"
+GENERATOR = "eval_suites.tasks/3"
 HF_CACHE = "hf_datasets"     # datasets' Arrow copies of the JSONL, kept next to them
 BIGBENCH = ("goal_step_wikihow_goal_inference", "goal_step_wikihow_step_inference",
             "physical_intuition", "social_iqa", "strategyqa", "timedial", "understanding_fables",
@@ -172,6 +177,32 @@ def build_docs(name: str, data_dir: Path | None = None) -> list[dict]:
     return docs if spec.max_docs is None else docs[:spec.max_docs]
 
 
+class Function(str):
+    """An lm-eval `!function` tag in a task YAML: `module.name`, the module a file beside the YAML."""
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_Dumper.add_representer(Function, lambda d, v: d.represent_scalar("!function", str(v)))
+_Loader.add_constructor("!function", lambda loader, node: Function(loader.construct_scalar(node)))
+
+
+def read_task_yaml(text: str):
+    """A task YAML as this module writes it (its `!function` tags as `Function`)."""
+    return yaml.load(text, Loader=_Loader)
+
+
+def _saturating(name: str) -> Function:
+    """lowprec's aggregation `name` (lowprec.evals.aggregations: inf, not OverflowError, past a float's range)."""
+    return Function(f"{SHIM_MODULE}.{name}")
+
+
 def task_config(spec: TaskSpec, data_file: Path, sha256: str) -> dict:
     """The lm-eval task YAML (as a dict) of a task whose JSONL is at data_file."""
     cfg: dict = {"task": spec.name, "dataset_path": "json",
@@ -181,12 +212,13 @@ def task_config(spec: TaskSpec, data_file: Path, sha256: str) -> dict:
     if spec.kind == "rolling":
         cfg.update(output_type="loglikelihood_rolling", doc_to_text="", doc_to_target="text",
                    metric_list=[{"metric": m, "aggregation": agg, "higher_is_better": False}
-                                for m, agg in (("word_perplexity", "weighted_perplexity"),
-                                               ("byte_perplexity", "weighted_perplexity"),
+                                for m, agg in (("word_perplexity", _saturating("weighted_perplexity")),
+                                               ("byte_perplexity", _saturating("weighted_perplexity")),
                                                ("bits_per_byte", "bits_per_byte"))])
     elif spec.kind == "cloze":
         cfg.update(output_type="loglikelihood", doc_to_text="context", doc_to_target="target",
-                   metric_list=[{"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
+                   metric_list=[{"metric": "perplexity", "aggregation": _saturating("perplexity"),
+                                 "higher_is_better": False},
                                 {"metric": "acc", "aggregation": "mean", "higher_is_better": True}])
     else:
         cfg.update(output_type="multiple_choice", doc_to_text="query", doc_to_target="gold",
@@ -216,7 +248,7 @@ def _current_count(yaml_path: Path, data_file: Path, spec: TaskSpec) -> int | No
     if not (yaml_path.is_file() and data_file.is_file()):
         return None
     try:
-        cfg = yaml.safe_load(yaml_path.read_text(encoding="utf-8"))
+        cfg = read_task_yaml(yaml_path.read_text(encoding="utf-8"))
         meta = cfg["metadata"]
         recorded = cfg["dataset_kwargs"]["data_files"]["test"]
         hf_cache = cfg["dataset_kwargs"]["cache_dir"]
@@ -243,8 +275,16 @@ def write_task(name: str, cache_dir: Path | None = None, data_dir: Path | None =
     _atomic_write(data_file, data)
     cfg = task_config(spec, data_file, hashlib.sha256(data).hexdigest())
     yaml_path = cache_dir / f"{name}.yaml"
-    _atomic_write(yaml_path, yaml.safe_dump(cfg, sort_keys=False, allow_unicode=True).encode("utf-8"))
+    _atomic_write(yaml_path, yaml.dump(cfg, Dumper=_Dumper, sort_keys=False, allow_unicode=True).encode("utf-8"))
     return yaml_path
+
+
+def _write_shim(cache_dir: Path) -> None:
+    """The module file the tasks' `!function` aggregations load (lowprec.evals.aggregations), unless current."""
+    shim = cache_dir / f"{SHIM_MODULE}.py"
+    if not (shim.is_file() and shim.read_text(encoding="utf-8") == SHIM_SOURCE):
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        _atomic_write(shim, SHIM_SOURCE.encode("utf-8"))
 
 
 def prepare_tasks(names: Iterable[str], cache_dir: Path | None = None,
@@ -257,6 +297,7 @@ def prepare_tasks(names: Iterable[str], cache_dir: Path | None = None,
     for name in names:
         get_task(name)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    _write_shim(cache_dir)
     ready, missing, counts = [], {}, {}
     for name in names:
         yaml_path, data_file = cache_dir / f"{name}.yaml", cache_dir / f"{name}.jsonl"

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from lowprec.evals import SUITES, corpora, documents, tasks
 from lowprec.evals.corpora import DataUnavailable
@@ -39,7 +38,7 @@ def test_generation_is_deterministic(tmp_path):
         docs = [json.loads(line) for line in (a / f"{name}.jsonl").read_text().splitlines()]
         assert docs == tasks.build_docs(name)
         assert len({d["id"] for d in docs}) == len(docs)
-        cfg = yaml.safe_load((a / f"{name}.yaml").read_text())
+        cfg = tasks.read_task_yaml((a / f"{name}.yaml").read_text())   # its aggregations: !function tags
         data_file = cfg["dataset_kwargs"]["data_files"]["test"]
         assert data_file == str((a / f"{name}.jsonl").resolve())      # absolute, as lm-eval needs
 
