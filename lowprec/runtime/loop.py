@@ -18,7 +18,9 @@ it was seen. Resuming when every checkpoint is corrupt raises NoUsableCheckpoint
 rather than starting again at step 0.
 
 Every rank runs this loop with the same decisions (the session combines statistics
-across ranks); rank 0 writes losses.json, grad_norms.json and summary.json in `out_dir`.
+across ranks); rank 0 writes losses.json, grad_norms.json, summary.json (with the final
+eval's results) and, with the LR probe on, lr_probes.json (every probe this process ran) in
+`out_dir`.
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ class RunResult:
                 "seconds_per_step": self.seconds_per_step, "nonfinite_params": self.nonfinite_params,
                 "formats": self.formats[max(self.formats)] if self.formats else {},
                 "flops_share": self.flops_share[max(self.flops_share)] if self.flops_share else {},
-                "evals": [{k: e[k] for k in ("step", "mode", "verdict", "results", "results_hp")} for e in self.evals],
-                "lr_probes": [dataclasses.asdict(r) for r in self.lr_probes]}
+                "final_eval": ({k: self.evals[-1][k] for k in ("step", "mode", "results", "results_hp")}
+                               if self.evals else None)}
 
 
 def warmup_schedule(optimizer: torch.optim.Optimizer, warmup: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -242,6 +244,8 @@ def _conclude(res: "RunResult", rec, engine: Engine, session: Session, evals, tr
         (out / "losses.json").write_text(json.dumps(res.losses))
         (out / "grad_norms.json").write_text(json.dumps(res.grad_norms))
         (out / "summary.json").write_text(json.dumps(res.summary(), indent=1))
+        if res.lr_probes:   # the probes this process ran (a resumed run: those since the resume)
+            (out / "lr_probes.json").write_text(json.dumps([dataclasses.asdict(r) for r in res.lr_probes], indent=1))
         if res.telemetry:
             (out / "telemetry.json").write_text(json.dumps({"metrics": res.telemetry, "sources": tele.sources()},
                                                            indent=1))

@@ -153,6 +153,8 @@ def runs(tmp_path_factory, gloo):
         out[mode] = {"losses": json.loads((d / mode / "losses.json").read_text()),
                      "summary": json.loads((d / mode / "summary.json").read_text()),
                      "logs": [(d / mode / f"events.rank{r}.jsonl").read_text() for r in range(n)]}
+    for name in ("single", "pp2"):   # the runs with evals and the LR probe
+        out[name]["lr_probes"] = json.loads((d / name / "lr_probes.json").read_text())
     return out
 
 
@@ -216,20 +218,20 @@ def test_pipeline_evals_and_lr_probes_equal_single_process(runs):
     process's kernels on the same tensors (the tensor-wise scales see the same activations), so
     the bound is 1e-12 relative (float noise only; measured: equal); the metrics lm-eval derives
     (sums and exps of the log-likelihoods) follow."""
-    pp, single = runs["pp2"]["summary"], runs["single"]["summary"]
-    assert [e["step"] for e in single["evals"]] == [STEPS] and single["evals"][0]["results_hp"] is not None
-    assert [e["step"] for e in pp["evals"]] == [STEPS]
+    pp, single = runs["pp2"]["summary"]["final_eval"], runs["single"]["summary"]["final_eval"]
+    assert single["step"] == pp["step"] == STEPS and single["results_hp"] is not None
     for key in ("results", "results_hp"):
-        a, b = pp["evals"][0][key], single["evals"][0][key]
+        a, b = pp[key], single[key]
         assert set(a) == set(b) == {"heldout_shakespeare", "cloze_shakespeare"}, (a, b)
         for task in b:
             for metric, v in b[task].items():
                 assert math.isclose(a[task][metric], v, rel_tol=1e-12, abs_tol=0.0), (key, task, metric, a[task], v)
     # the low-precision and high-precision passes measure different models
-    assert single["evals"][0]["results"] != single["evals"][0]["results_hp"]
-    steps = [p["step"] for p in single["lr_probes"]]
-    assert len(steps) >= 2 and steps == [p["step"] for p in pp["lr_probes"]], (steps, pp["lr_probes"])
-    for a, b in zip(pp["lr_probes"], single["lr_probes"]):
+    assert single["results"] != single["results_hp"]
+    pp, single = runs["pp2"]["lr_probes"], runs["single"]["lr_probes"]
+    steps = [p["step"] for p in single]
+    assert len(steps) >= 2 and steps == [p["step"] for p in pp], (steps, pp)
+    for a, b in zip(pp, single):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-12) and math.isfinite(b["sensitivity"]), (a, b)
         for (fa, la), (fb, lb) in zip(a["losses"], b["losses"]):
             assert fa == fb and math.isclose(la, lb, rel_tol=1e-12), (a, b)
