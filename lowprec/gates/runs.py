@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterable
@@ -130,13 +131,18 @@ def resolve_runs(client, tracking_uri: str, refs: list[str]) -> list[str]:
     return ids
 
 
+# MLflow's SQL stores keep +-inf as +-the largest float (mlflow/store/tracking/sqlalchemy_store.py,
+# `sanitize_metric_value`); read back, that is the inf that was logged (a diverged model's perplexity)
+_STORED_INF = sys.float_info.max
+
+
 def _history(client, run_id: str, key: str) -> dict[int, float]:
-    """{step: value} of a metric; of several points at one step, the last recorded."""
+    """{step: value} of a metric; of several points at one step, the last recorded (+-inf as logged)."""
     out: dict[int, tuple[int, float]] = {}
     for m in client.get_metric_history(run_id, key):
         if m.step not in out or m.timestamp >= out[m.step][0]:
             out[m.step] = (m.timestamp, m.value)
-    return {s: v for s, (_, v) in out.items()}
+    return {s: math.copysign(math.inf, v) if abs(v) == _STORED_INF else v for s, (_, v) in out.items()}
 
 
 def _pick_step(histories: dict[str, dict[int, float]], step: int | None, source: str) -> int:

@@ -5,7 +5,8 @@ The model is the tiny GPT with its output head scaled x3000 (logits that blew up
 it does not predict costs it thousands of nats, far past the 709.78 at which `math.exp` of a
 mean negative log-likelihood overflows. A real lm-eval run (`run_suite`, 3 documents a task)
 scores it and the same GPT before the blow-up; `GateFileChecker` (what `EvalCheckpoints`
-calls) compares them.
+calls) compares them, and so does `lowprec gate`'s reading of the two runs logged to a real
+MLflow store (which keeps inf as the largest float).
 """
 
 from __future__ import annotations
@@ -86,3 +87,23 @@ def test_the_gate_fails_the_diverged_candidate_with_its_reason(evals, tmp_path):
     assert "2 regress of 2 gates" in outcome.reason and "the candidate's value is inf" in outcome.reason, outcome.reason
     same = checker.check(EvalOutcome(healthy.results, healthy.samples), EvalOutcome(healthy.results, healthy.samples))
     assert same.verdict is not Verdict.REGRESS, same.reason
+
+
+def test_lowprec_gate_reads_the_logged_inf_back_and_fails_the_candidate(evals, tmp_path, sqlite_store):
+    from lowprec.gates.gate import check_all, summarize
+    from lowprec.gates.runs import load_scores
+    from lowprec.gates.spec import GateSpec
+    from lowprec.tracking.tracker import Tracker
+    uri = sqlite_store(tmp_path)
+    ids = []
+    for name, r in zip(("healthy", "diverged"), evals):
+        tracker = Tracker(uri, "overflow", name, buffer_dir=tmp_path / name, system_metrics_s=None)
+        tracker.log_eval(10, r.results, samples=r.samples)
+        assert tracker.finish("FINISHED", timeout=120, report=False)["pending"] == 0
+        ids.append(tracker.run_id)
+    (tmp_path / "gates.yaml").write_text(GATES)
+    spec = GateSpec.from_yaml(tmp_path / "gates.yaml")
+    base, cand = (load_scores(uri, i, metrics=spec.metrics) for i in ids)
+    assert cand.get("eval/heldout_shakespeare/byte_perplexity").value == math.inf
+    summary = summarize(check_all(spec, base, cand))
+    assert summary.verdict is Verdict.REGRESS and "the candidate's value is inf" in summary.reason, summary.reason
