@@ -265,7 +265,7 @@ def _fast_linear(layer: PrecisionLinear, x: torch.Tensor, w: torch.Tensor, recip
     y, stats_x = FP8LinearFn.apply(x, w, layer.bias, forms.q, forms.scale_inv, forms.q_t,
                                    forms.scale_inv_t if recipe.rowwise else None, grad_stats, recipe, x_forms, *state)
     if stats:
-        layer.stats["input"] = QuantStats(stats_x)
+        layer.stats["input"] = QuantStats(stats_x if x_forms is None else x_forms.stats)
         layer.stats["weight"] = forms.stats
         if grad_stats is not None:
             layer.stats["grad_output"] = QuantStats(grad_stats)
