@@ -105,8 +105,8 @@ def _row_pair_plan(ma: int, mb: int, k: int, elem, dtype_a: torch.dtype, dtype_b
 
 def _outputs(ma: int, mb: int, k: int, dev, plan: _PairPlan, transpose_a: bool, stats: bool):
     """Both operands' FP8 outputs (q_a, q_a^T or empty, q_b, q_b^T), and with `stats` the
-    launch's (tiles, 8) statistics partials and each operand's packed statistics (views of one
-    (2, 8) tensor), else three None."""
+    launch's (tiles, 8) statistics partials and each operand's packed statistics (the rows of
+    one (2, 8) tensor: a layer keeps them, not the partials), else three None."""
     qa = torch.empty((ma, k), dtype=plan.fp8, device=dev)
     qta = torch.empty((k, ma) if transpose_a else (0, 0), dtype=plan.fp8, device=dev)
     qb = torch.empty((mb, k), dtype=plan.fp8, device=dev)
@@ -114,8 +114,8 @@ def _outputs(ma: int, mb: int, k: int, dev, plan: _PairPlan, transpose_a: bool, 
     if not stats:
         return qa, qta, qb, qtb, None, None, None
     part = torch.empty((plan.tiles, _N_STATS), dtype=torch.float64, device=dev)
-    sta, stb = torch.empty((2, _N_STATS), dtype=torch.float64, device=dev).unbind(0)
-    return qa, qta, qb, qtb, part, sta, stb
+    st = torch.empty((2, _N_STATS), dtype=torch.float64, device=dev)
+    return qa, qta, qb, qtb, part, st[0], st[1]
 
 
 def pair(a: torch.Tensor, b: torch.Tensor, elem, transpose_a: bool, launch=eager_launch, delayed=None,
