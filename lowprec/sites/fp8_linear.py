@@ -265,8 +265,8 @@ NO_HISTORY = DelayedTensors(None, None, None, None)
 def cast_input_and_weight(x: Tensor, w: Tensor, recipe: FastRecipe, hist_x: DelayedTensors, hist_w: DelayedTensors,
                           overflow: Tensor | None, need_xt: bool) -> tuple[InputForms, WeightForms] | None:
     """The input's (x as (M, K), transposed too when `need_xt`) and the weight's FP8 casts in one
-    launch per kernel (`lowprec.numerics.kernels.cast_pair`: 7 launches a tensor-wise step
-    instead of 9, 5 instead of 6 delayed, 6 instead of 8 row-wise), each operand's statistics
+    launch per kernel (`lowprec.numerics.kernels.cast_pair`: a fwd+bwd's launches 7 instead of
+    9 tensor-wise, 5 instead of 6 delayed, 9 instead of 12 row-wise), each operand's statistics
     its own on a check step, or None where the pair does not run and each operand is cast on
     its own: a traced or dispatch-mode call, the reference quantizer (no kernels), operands
     the paired kernels do not take."""

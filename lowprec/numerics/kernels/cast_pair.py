@@ -5,8 +5,9 @@ after an optimizer step (every step under delayed scaling), its weight w (N, K),
 both layouts, with the same element format. `pair` launches each of the kernels those two
 casts need once for both operands (`cast_pair_kernels`), over the two operands' programs side
 by side: tensor-wise the amax pass and the cast+transpose, delayed the one delayed kernel,
-row-wise the row/column maxima pass and the row-wise cast. A plain step's launches go from 9
-to 7 tensor-wise, 6 to 5 delayed, 6 to 4 for the two row-wise casts. Each program does what
+row-wise the row/column maxima pass and the row-wise cast (and one zeroed maxima buffer for
+both). A layer's fwd+bwd launches go from 9 to 7 tensor-wise, 6 to 5 delayed, 12 to 9
+row-wise, and on check steps 10 to 8 tensor-wise, 13 to 10 row-wise. Each program does what
 the separate cast's program would (`cast_transpose.tensorwise` / `delayed` / `rowwise`), so
 the bytes, the scales and the delayed histories are the separate casts'
 (tests/lowprec/sites/fast_path/test_fp8_ops.py).
@@ -28,6 +29,7 @@ from lowprec.numerics.kernels.cast_pair_kernels import (
 )
 from lowprec.numerics.kernels.cast_transpose import _BLOCK_T, _N_STATS, _TILE, eager_launch
 from lowprec.numerics.kernels.fp8_cast import _consts, _flat_grid, cdiv, next_power_of_2
+from lowprec.numerics.fp8_ops import _plain   # fp8_ops imports the kernels lazily: no cycle at load
 
 __all__ = ["pair", "pairable", "Cast"]
 
@@ -64,7 +66,6 @@ def pairable(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `pair` takes a and b: each what the kernels' unchecked entry points take
     (`fp8_ops._plain`: 2-D, contiguous, of a dtype they read), non-empty, with the same inner
     dimension, on one device."""
-    from lowprec.numerics.fp8_ops import _plain   # fp8_ops imports the kernels lazily: no cycle at load
     return (_plain(a) and _plain(b) and a.shape[1] == b.shape[1] and a.numel() > 0 and b.numel() > 0
             and a.device == b.device)
 
