@@ -159,11 +159,12 @@ def test_input_and_weight_in_one_launch_equal_their_separate_casts(scaling, stat
     """`cast_pair.pair` (the layer's input and weight together) against two separate casts
     (`cast_transpose.tensorwise` / `rowwise`): the same bytes in both layouts, scales and, on a
     check step, each operand's own statistics, bit for bit, over every BF16 value beside an
-    FP32 weight, ragged shapes, x without its transpose."""
+    FP32 weight, ragged shapes, x without its transpose. Check steps in E4M3 only (the
+    statistics' code does not depend on the element format; interpreted time is scarce)."""
     from lowprec.numerics.kernels import cast_pair
     from lowprec.numerics.kernels import cast_transpose as ct
     rowwise = scaling == "rowwise"
-    for elem in ELEMS:
+    for elem in ELEMS[:1] if stats else ELEMS:
         for a, b, tr in _pair_cases():
             got = cast_pair.pair(a, b, elem, tr, stats=stats, rowwise=rowwise)
             if rowwise:
@@ -182,15 +183,15 @@ def test_input_and_weight_in_one_launch_equal_their_separate_casts(scaling, stat
 def test_delayed_pair_equals_the_separate_casts(stats):
     """The delayed pair against two `cast_transpose.delayed` casts over moving histories: the
     same bytes, scales, histories, counts, overflow counters (plain steps) and statistics
-    (check steps, where the layer counts no overflow)."""
+    (check steps, where the layer counts no overflow; E4M3 only, two calls, as above)."""
     from lowprec.numerics.kernels import cast_pair
     from lowprec.numerics.kernels import cast_transpose as ct
-    for elem in ELEMS:
+    for elem in ELEMS[:1] if stats else ELEMS:
         for a, b, tr in _pair_cases():
             states = [(torch.tensor([0.0, 4.0, 0.0]), torch.tensor(1), torch.zeros(()),
                        torch.zeros((), dtype=torch.int32)) for _ in range(4)]
             over = [None, None] if stats else [torch.zeros(3, dtype=torch.float64) for _ in range(2)]
-            for _ in range(3):   # the histories move: the scales of later calls come from earlier amaxes
+            for _ in range(2 if stats else 3):   # the histories move: later scales come from earlier amaxes
                 got = cast_pair.pair(a, b, elem, tr, delayed=(states[0], states[1], 1, False, over[0]), stats=stats)
                 q, si, qt, st_ = ct.delayed(a, elem, states[2], 1, False, over[1], 0, tr, stats)
                 _same_cast(got[0], (q, si, qt, si, st_))
