@@ -160,7 +160,7 @@ def test_fast_path_is_taken():
 def test_input_and_weight_are_cast_together():
     """Under the kernels, every fast format casts x and w in one pair, on plain and check steps
     (so the equality with the emulated backend above covers the pair: on check steps its
-    statistics too), and a cached weight leaves x to FP8LinearFn."""
+    statistics too), under torch.no_grad as well, and a cached weight leaves x to FP8LinearFn."""
     from lowprec.numerics.kernels import cast_pair
     calls = []
     real = cast_pair.pair
@@ -181,8 +181,10 @@ def test_input_and_weight_are_cast_together():
                 with torch.no_grad():
                     layer.weight.mul_(0.5)
             assert len(calls) == 2, (name, check, calls)
+            with torch.no_grad():   # an evaluation after an optimizer step: a pair too, x transposed
+                layer(x)            # as FP8LinearFn's needs_input_grad (w.requires_grad) asks
+            assert len(calls) == 3
             if name == "fp8_tensorwise" and not check:
-                layer(x).sum().backward()   # the weight changed: a pair
                 layer(x).sum().backward()   # the same weight: a cache hit, x cast alone
                 assert len(calls) == 3
     finally:
