@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from lowprec.numerics.kernels.cast_pair_kernels import (
-    _amax_pair_kernel, _ct_pair_kernel, _ct_row_pair_kernel, _rows_cols_pair_kernel,
+    _amax_pair_kernel, _ct_pair_kernel, _ct_row_pair_kernel, _amax_rows_cols_pair_kernel,
 )
 from lowprec.numerics.kernels.cast_transpose import _BLOCK_T, _N_STATS, _TILE, eager_launch
 from lowprec.numerics.kernels.fp8_cast import _consts, _flat_grid, cdiv, next_power_of_2
@@ -166,7 +166,7 @@ def _pair_rowwise(a: torch.Tensor, b: torch.Tensor, elem, transpose_a: bool, lau
     sita = torch.empty((k, 1) if transpose_a else (0, 1), dtype=torch.float32, device=dev)
     sib = torch.empty((mb, 1), dtype=torch.float32, device=dev)
     sitb = torch.empty((k, 1), dtype=torch.float32, device=dev)
-    launch(_rows_cols_pair_kernel, plan.amax_grid, plan.warm, (a, b), plan.amax_kw)(a, b, maxima, ma, mb, k)
+    launch(_amax_rows_cols_pair_kernel, plan.amax_grid, plan.warm, (a, b), plan.amax_kw)(a, b, maxima, ma, mb, k)
     launch(_ct_row_pair_kernel, plan.grid, plan.warm, (a, b), plan.kw)(
         a, qa, qta if transpose_a else qa, sia, sita if transpose_a else sia, b, qb, qtb, sib, sitb, maxima,
         maxima if part is None else part, maxima if sta is None else sta, maxima if stb is None else stb, ma, mb, k)

@@ -83,7 +83,7 @@ def _ct_pair_kernel(xa_ptr, qa_ptr, qta_ptr, sia_ptr, xb_ptr, qb_ptr, qtb_ptr, s
 
 
 @triton.jit
-def _rows_cols_pair_kernel(xa_ptr, xb_ptr, maxima_ptr, MA, MB_ROWS, N, BM: tl.constexpr, BN: tl.constexpr,
+def _amax_rows_cols_pair_kernel(xa_ptr, xb_ptr, maxima_ptr, MA, MB_ROWS, N, BM: tl.constexpr, BN: tl.constexpr,
                            BF16_A: tl.constexpr, BF16_B: tl.constexpr):
     """`_amax_rows_cols_kernel` of A (MA, N) and B (MB_ROWS, N) in one launch: A's row maxima,
     column maxima and ticket slot in maxima[:MA + N + 1], B's in the MB_ROWS + N + 1 after."""
@@ -104,7 +104,7 @@ def _ct_row_pair_kernel(xa_ptr, qa_ptr, qta_ptr, sia_ptr, sita_ptr, xb_ptr, qb_p
                         HAS_INF: tl.constexpr, THR: tl.constexpr, ODD: tl.constexpr, EPS: tl.constexpr,
                         TRANSPOSE_A: tl.constexpr, STATS: tl.constexpr, BF16_A: tl.constexpr,
                         BF16_B: tl.constexpr, BLOCK_T: tl.constexpr):
-    """`_ct_row_kernel` of A and B in one launch, on `_rows_cols_pair_kernel`'s maxima (each
+    """`_ct_row_kernel` of A and B in one launch, on `_amax_rows_cols_pair_kernel`'s maxima (each
     operand's ticket the slot after its column maxima); B is always transposed, A unless
     TRANSPOSE_A is off. STATS: the module docstring."""
     pid = tl.program_id(0)

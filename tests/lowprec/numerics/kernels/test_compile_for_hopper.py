@@ -107,5 +107,5 @@ def test_rowwise_pair_kernels_compile_for_sm90():
     c = {k: v for k, v in _consts(E4M3).items() if k != "BF16"}
     const = dict(c, TRANSPOSE_A=True, STATS=True, BF16_A=True, BF16_B=False)
     assert _compile(cpk._ct_row_pair_kernel, const, PAIR_POINTERS).asm["cubin"]
-    assert _compile(cpk._rows_cols_pair_kernel, dict(BM=64, BN=64, BF16_A=True, BF16_B=False),
+    assert _compile(cpk._amax_rows_cols_pair_kernel, dict(BM=64, BN=64, BF16_A=True, BF16_B=False),
                     PAIR_POINTERS).asm["cubin"]
