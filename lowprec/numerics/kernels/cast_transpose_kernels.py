@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowprec.numerics.kernels.fp8_cast import _amax_part, _encode, _finite_abs, _load_f32, _scale_of
+from lowprec.numerics.kernels.fp8_cast import _encode, _finite_abs, _load_f32, _scale_of
 
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
