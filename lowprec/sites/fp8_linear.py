@@ -12,8 +12,9 @@ allows:
 
 Each operand is cast once, by one custom op (`lowprec.numerics.fp8_ops`; called directly in
 eager code, its Triton kernels inlined into a compiled graph), into both layouts it is
-needed in (cast+transpose); in eager code on a step without statistics the input and a weight
-that must be cast are cast together, one launch per kernel (`cast_input_and_weight`); the
+needed in (cast+transpose); in eager code the input and a weight that must be cast are cast
+together, one launch per kernel (`cast_input_and_weight`), each with its own statistics on a
+check step; the
 forward saves only the FP8 transposed input and the weight's FP8 transpose for the backward
 (no BF16 or FP32 copy); `_scaled_mm` writes BF16 directly (and adds a BF16 bias in its
 epilogue). The weight's FP8 forms are cached across gradient-accumulation micro-batches
@@ -156,11 +157,15 @@ def _mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: torch.dtype, ge
 
 class InputForms(NamedTuple):
     """The input's FP8 casts when the layer made them before `FP8LinearFn` (with the weight's,
-    in one launch: `cast_input_and_weight`); q_t is empty where no weight gradient is asked for."""
+    in one launch: `cast_input_and_weight`); q_t is empty where no weight gradient is asked for;
+    scale_inv_t is q_t's (scale_inv itself unless row-wise); stats: the packed statistics on a
+    check step, else None."""
 
     q: Tensor
     scale_inv: Tensor
     q_t: Tensor
+    scale_inv_t: Tensor
+    stats: Tensor | None
 
 
 class FP8LinearFn(torch.autograd.Function):
@@ -168,7 +173,8 @@ class FP8LinearFn(torch.autograd.Function):
 
     Inputs besides x, w and bias are device tensors the layer owns: the weight's casts, the
     buffer the output gradient's statistics go to (or None), the recipe, the input's casts
-    when the layer made them (`InputForms`, else None: the function casts x), then, for
+    when the layer made them (`InputForms`, else None: the function casts x; its statistics
+    are then the layer's to read, and the function returns None for them), then, for
     delayed scaling only, `state`: the overflow counters and the delayed histories of x and
     of the output gradient (history, count, scratch, ticket each; `delayed_state`). Without
     delayed scaling the function takes ten inputs, not nineteen: autograd's host time grows
@@ -185,7 +191,8 @@ class FP8LinearFn(torch.autograd.Function):
         if x_forms is None:
             qx, six, qxt, sixt, stats_x = _cast(_rows(x), recipe.fwd, recipe, hist_x, overflow, 0, need_dw)
         else:
-            (qx, six, qxt), sixt, stats_x = x_forms, x_forms.scale_inv, None
+            qx, six, qxt, sixt, _ = x_forms
+            stats_x = None
             if need_dw and qxt.numel() != x.numel():
                 raise ValueError("FP8LinearFn: the weight needs a gradient but the input's casts have no "
                                  "transposed form; cast x with its transpose (cast_input_and_weight(need_xt=True))")
@@ -258,12 +265,12 @@ NO_HISTORY = DelayedTensors(None, None, None, None)
 def cast_input_and_weight(x: Tensor, w: Tensor, recipe: FastRecipe, hist_x: DelayedTensors, hist_w: DelayedTensors,
                           overflow: Tensor | None, need_xt: bool) -> tuple[InputForms, WeightForms] | None:
     """The input's (x as (M, K), transposed too when `need_xt`) and the weight's FP8 casts in one
-    launch per kernel (`lowprec.numerics.kernels.cast_pair`: 7 launches a tensor-wise step
-    instead of 9, 5 instead of 6 delayed), or None where the pair does not run and each
-    operand is cast on its own: a check step (each cast sums its statistics in its launch),
-    row-wise scaling, a traced or dispatch-mode call, the reference quantizer (no kernels),
-    operands the paired kernels do not take."""
-    if recipe.stats or recipe.rowwise or not (fp8_ops._direct(x) and fp8_ops.uses_kernels(x)):
+    launch per kernel (`lowprec.numerics.kernels.cast_pair`: a fwd+bwd's launches 7 instead of
+    9 tensor-wise, 5 instead of 6 delayed, 9 instead of 12 row-wise), each operand's statistics
+    its own on a check step, or None where the pair does not run and each operand is cast on
+    its own: a traced or dispatch-mode call, the reference quantizer (no kernels), operands
+    the paired kernels do not take."""
+    if not (fp8_ops._direct(x) and fp8_ops.uses_kernels(x)):
         return None
     x2, w = _rows(x), w.detach()
     pairs = _cast_pair()
@@ -272,9 +279,10 @@ def cast_input_and_weight(x: Tensor, w: Tensor, recipe: FastRecipe, hist_x: Dela
     ct = fp8_ops._cast_transpose()
     delayed = ((tuple(hist_x), tuple(hist_w), recipe.margin, recipe.most_recent,
                 overflow if recipe.count_overflow else None) if recipe.delayed else None)
-    (qx, six, qxt), (qw, siw, qwt) = pairs.pair(x2, w, fp8_ops.ELEMENTS[recipe.fwd], need_xt, ct.eager_launch,
-                                                        delayed)
-    return InputForms(qx, six, qxt), WeightForms(qw, siw, qwt, siw, None)
+    cx, cw = pairs.pair(x2, w, fp8_ops.ELEMENTS[recipe.fwd], need_xt, ct.eager_launch, delayed, recipe.stats,
+                        recipe.rowwise)
+    return InputForms(*cx), WeightForms(cw.q, cw.scale_inv, cw.q_t, cw.scale_inv_t,
+                                        None if cw.stats is None else QuantStats(cw.stats))
 
 
 @functools.lru_cache(maxsize=None)

@@ -232,9 +232,10 @@ def _weight_forms(layer: PrecisionLinear, w: torch.Tensor, recipe: FastRecipe, x
         if hit is not None:
             return hit, None
     hist_w = _delayed(layer, "weight", recipe)
-    both = None if x is None else cast_input_and_weight(
-        x, w, recipe, hist_x, hist_w, layer.overflow_steps,
-        w.requires_grad and torch.is_grad_enabled())
+    # x's transpose exactly when FP8LinearFn's `needs_input_grad[1]` asks for it: that follows
+    # w.requires_grad, under torch.no_grad too (where no backward runs, but the function checks)
+    both = None if x is None else cast_input_and_weight(x, w, recipe, hist_x, hist_w, layer.overflow_steps,
+                                                        w.requires_grad)
     if both is None:
         x_forms, forms = None, cast_weight(w, recipe, hist_w, layer.overflow_steps)
     else:
@@ -265,7 +266,7 @@ def _fast_linear(layer: PrecisionLinear, x: torch.Tensor, w: torch.Tensor, recip
     y, stats_x = FP8LinearFn.apply(x, w, layer.bias, forms.q, forms.scale_inv, forms.q_t,
                                    forms.scale_inv_t if recipe.rowwise else None, grad_stats, recipe, x_forms, *state)
     if stats:
-        layer.stats["input"] = QuantStats(stats_x)
+        layer.stats["input"] = QuantStats(stats_x if x_forms is None else x_forms.stats)
         layer.stats["weight"] = forms.stats
         if grad_stats is not None:
             layer.stats["grad_output"] = QuantStats(grad_stats)

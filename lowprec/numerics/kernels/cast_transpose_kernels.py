@@ -3,8 +3,10 @@
 `_ct_kernel` casts one (BM, BN) tile of a tensor-wise or delayed-scaling operand into both
 layouts; `_amax_rows_cols_kernel` and `_ct_row_kernel` are the row-wise pair (row and column
 maxima, then the cast of both layouts). With STATS each tile writes its row of the
-statistics partials and the last tile to finish sums them (`_finish_stats`). The host code,
-the numerics and the statistics are described in `cast_transpose`.
+statistics partials and the last tile to finish sums them (`_finish_stats`). Each kernel's body
+is a tile function of the tile's indices (`_ct_tile`, `_rows_cols_tile`, `_ct_row_tile`), which
+`cast_pair_kernels` calls for two operands in one launch. The host code, the numerics and the
+statistics are described in `cast_transpose`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowprec.numerics.kernels.fp8_cast import _amax_part, _encode, _finite_abs, _load_f32, _scale_of
+from lowprec.numerics.kernels.fp8_cast import _encode, _finite_abs, _load_f32, _scale_of
 
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -55,12 +57,12 @@ def _tile_stats(part_ptr, first, numel, ax, qa, sat, under, nonfin, scale):
 
 
 @triton.jit
-def _finish_stats(part_ptr, out_ptr, BLOCK_T: tl.constexpr):
-    """The packed statistics from the (tiles, 8) partials, by the last tile to finish (its
-    caller holds the ticket that says so): the column sums, the maximum for slot 0 (the
-    amax), rows read in their fixed order (the same figures whatever order the tiles ran in).
-    No separate launch sums them."""
-    n = tl.num_programs(0) * tl.num_programs(1)
+def _finish_stats(part_ptr, out_ptr, n, BLOCK_T: tl.constexpr):
+    """The packed statistics from the operand's n rows of (tiles, 8) partials, by its last tile
+    to finish (its caller holds the ticket that says so): the column sums, the maximum for
+    slot 0 (the amax), rows read in their fixed order (the same figures whatever order the
+    tiles ran in). No separate launch sums them. `n` is the operand's tile count (a launch
+    that casts two operands, `cast_pair_kernels`, has more programs than that)."""
     cols = tl.arange(0, 8)
     acc = tl.zeros((8,), tl.float64)
     top = tl.zeros((8,), tl.float64)
@@ -74,11 +76,11 @@ def _finish_stats(part_ptr, out_ptr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _last_tile(ticket_ptr):
-    """Whether this tile is the last of the launch to get here (a float ticket counter that
-    starts at 0; atomics are acquire-release, so the last one sees every other tile's stores)."""
+def _last_tile(ticket_ptr, tiles):
+    """Whether this tile is the last of its operand's `tiles` to get here (a float ticket counter
+    that starts at 0; atomics are acquire-release, so the last one sees every other tile's stores)."""
     t = tl.atomic_add(ticket_ptr, 1.0)
-    return t == (tl.num_programs(0) * tl.num_programs(1) - 1).to(tl.float32)
+    return t == (tiles - 1).to(tl.float32)
 
 
 @triton.jit
@@ -106,67 +108,30 @@ def _ct_kernel(x_ptr, q_ptr, qt_ptr, partial_ptr, P, hist_ptr, count_ptr, L, scr
                THR: tl.constexpr, ODD: tl.constexpr, EPS: tl.constexpr, DELAYED: tl.constexpr,
                MOST_RECENT: tl.constexpr, MARGIN_DIV: tl.constexpr, OVERFLOW: tl.constexpr,
                TRANSPOSE: tl.constexpr, STATS: tl.constexpr, BF16: tl.constexpr, BLOCK_T: tl.constexpr):
-    _ct_tile(tl.program_id(0), tl.program_id(1), tl.num_programs(0) * tl.num_programs(1), x_ptr, q_ptr, qt_ptr,
-             partial_ptr, P, hist_ptr, count_ptr, L, scratch_ptr, ticket_ptr, overflow_ptr, overflow_index,
+    if DELAYED:
+        ticket = ticket_ptr
+    else:   # the statistics' ticket: the slot after the partial maxima
+        ticket = partial_ptr + P
+    _ct_tile(tl.program_id(0), tl.program_id(1), tl.num_programs(0) * tl.num_programs(1), 0, x_ptr, q_ptr, qt_ptr,
+             partial_ptr, P, hist_ptr, count_ptr, L, scratch_ptr, ticket, overflow_ptr, overflow_index,
              scale_inv_ptr, stats_ptr, stats_out_ptr, numel, M, N, stride_x, BM, BN, BLOCK_P, BLOCK_L, MAX, MB,
              BIAS, HAS_INF, THR, ODD, EPS, DELAYED, MOST_RECENT, MARGIN_DIV, OVERFLOW, TRANSPOSE, STATS, BF16,
              BLOCK_T)
 
 
 @triton.jit
-def _amax_pair_kernel(xa_ptr, xb_ptr, partial_ptr, NA, NB, PA, BLOCK: tl.constexpr, BF16_A: tl.constexpr,
-                      BF16_B: tl.constexpr):
-    """`fp8_cast._amax_partial_kernel` of two operands in one launch: programs [0, PA) write
-    A's partial maxima to partial[:PA], the rest B's to partial[PA:] (one maximum each)."""
-    pid = tl.program_id(0)
-    if pid < PA:
-        amax = _amax_part(xa_ptr, NA, pid, PA, BLOCK, BF16_A)
-    else:
-        amax = _amax_part(xb_ptr, NB, pid - PA, tl.num_programs(0) - PA, BLOCK, BF16_B)
-    tl.store(partial_ptr + pid, amax)
-
-
-@triton.jit
-def _ct_pair_kernel(xa_ptr, qa_ptr, qta_ptr, sia_ptr, xb_ptr, qb_ptr, qtb_ptr, sib_ptr, partial_ptr, PA, PB,
-                    hista_ptr, counta_ptr, scratcha_ptr, ticketa_ptr, histb_ptr, countb_ptr, scratchb_ptr,
-                    ticketb_ptr, L, overflow_ptr, MA, NA, MB_ROWS, NB, BM: tl.constexpr, BN: tl.constexpr,
-                    BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, MAX: tl.constexpr, MB: tl.constexpr,
-                    BIAS: tl.constexpr, HAS_INF: tl.constexpr, THR: tl.constexpr, ODD: tl.constexpr,
-                    EPS: tl.constexpr, DELAYED: tl.constexpr, MOST_RECENT: tl.constexpr, MARGIN_DIV: tl.constexpr,
-                    OVERFLOW: tl.constexpr, TRANSPOSE_A: tl.constexpr, BF16_A: tl.constexpr,
-                    BF16_B: tl.constexpr):
-    """`_ct_kernel` of two operands of one element format in one launch (a layer's input, A,
-    and its weight, B, both transposed for the backward unless TRANSPOSE_A is off): a 1-D grid
-    of A's tiles then B's, each program casting its operand's tile as `_ct_kernel` would.
-    Tensor-wise: A's partial maxima are partial[:PA], B's partial[PA:PA + PB] (the amax pair
-    pass's). Delayed: each operand its own history, count, scratch and ticket (overflow
-    counted at index 0 for A, 1 for B, as the layer's separate casts do). No statistics."""
-    pid = tl.program_id(0)
-    gna = tl.cdiv(NA, BN)
-    tiles_a = tl.cdiv(MA, BM) * gna
-    if pid < tiles_a:
-        _ct_tile(pid // gna, pid % gna, tiles_a, xa_ptr, qa_ptr, qta_ptr, partial_ptr, PA, hista_ptr, counta_ptr,
-                 L, scratcha_ptr, ticketa_ptr, overflow_ptr, 0, sia_ptr, partial_ptr, partial_ptr, MA * NA, MA, NA,
-                 NA, BM, BN, BLOCK_P, BLOCK_L, MAX, MB, BIAS, HAS_INF, THR, ODD, EPS, DELAYED, MOST_RECENT,
-                 MARGIN_DIV, OVERFLOW, TRANSPOSE_A, False, BF16_A, 1)
-    else:
-        gnb = tl.cdiv(NB, BN)
-        t = pid - tiles_a
-        _ct_tile(t // gnb, t % gnb, tl.cdiv(MB_ROWS, BM) * gnb, xb_ptr, qb_ptr, qtb_ptr, partial_ptr + PA, PB,
-                 histb_ptr, countb_ptr, L, scratchb_ptr, ticketb_ptr, overflow_ptr, 1, sib_ptr, partial_ptr,
-                 partial_ptr, MB_ROWS * NB, MB_ROWS, NB, NB, BM, BN, BLOCK_P, BLOCK_L, MAX, MB, BIAS, HAS_INF, THR,
-                 ODD, EPS, DELAYED, MOST_RECENT, MARGIN_DIV, OVERFLOW, True, False, BF16_B, 1)
-
-
-@triton.jit
-def _ct_tile(pid_m, pid_n, tiles, x_ptr, q_ptr, qt_ptr, partial_ptr, P, hist_ptr, count_ptr, L, scratch_ptr,
+def _ct_tile(pid_m, pid_n, tiles, row0, x_ptr, q_ptr, qt_ptr, partial_ptr, P, hist_ptr, count_ptr, L, scratch_ptr,
              ticket_ptr, overflow_ptr, overflow_index, scale_inv_ptr, stats_ptr, stats_out_ptr, numel, M, N,
              stride_x, BM: tl.constexpr, BN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr,
              MAX: tl.constexpr, MB: tl.constexpr, BIAS: tl.constexpr, HAS_INF: tl.constexpr,
              THR: tl.constexpr, ODD: tl.constexpr, EPS: tl.constexpr, DELAYED: tl.constexpr,
              MOST_RECENT: tl.constexpr, MARGIN_DIV: tl.constexpr, OVERFLOW: tl.constexpr,
              TRANSPOSE: tl.constexpr, STATS: tl.constexpr, BF16: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Tile (pid_m, pid_n) of an operand cast in `tiles` tiles (`_ct_kernel`'s body)."""
+    """Tile (pid_m, pid_n) of an operand cast in `tiles` tiles (`_ct_kernel`'s body). With STATS
+    the tile writes row `program_id` of the launch's partials at `stats_ptr` (`_tile_stats`) and
+    the operand's rows start at row `row0` (0 unless the launch casts another operand first);
+    `ticket_ptr`: the operand's ticket, a float counter (tensor-wise, zeroed by the amax pass)
+    or, delayed, the int32 one the history's update takes."""
     if DELAYED:
         scale = _history_scale(hist_ptr, count_ptr, L, BLOCK_L, MAX, MARGIN_DIV, MOST_RECENT)
         scale_inv = (1.0 / scale.to(tl.float64)).to(tl.float32)
@@ -188,9 +153,9 @@ def _ct_tile(pid_m, pid_n, tiles, x_ptr, q_ptr, qt_ptr, partial_ptr, P, hist_ptr
         tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], _as(tl.trans(code), qt_ptr), mask=mt)
     if STATS:
         _tile_stats(stats_ptr, first, numel, ax, qa, sat & m, under & m, nonfin & m, scale)
-        if not DELAYED:   # the ticket: after the partial maxima (delayed: the history's, below)
-            if _last_tile(partial_ptr + P):
-                _finish_stats(stats_ptr, stats_out_ptr, BLOCK_T)
+        if not DELAYED:   # tensor-wise: the float ticket (delayed: the history's, below)
+            if _last_tile(ticket_ptr, tiles):
+                _finish_stats(stats_ptr + row0 * 8, stats_out_ptr, tiles, BLOCK_T)
     if DELAYED:
         tl.atomic_max(scratch_ptr, tl.max(tl.max(ax, axis=1), axis=0))
         ticket = tl.atomic_add(ticket_ptr, 1)
@@ -208,7 +173,7 @@ def _ct_tile(pid_m, pid_n, tiles, x_ptr, q_ptr, qt_ptr, partial_ptr, P, hist_ptr
                 ov = overflow_ptr + overflow_index
                 tl.store(ov, tl.load(ov) + over.to(tl.float64))
             if STATS:
-                _finish_stats(stats_ptr, stats_out_ptr, BLOCK_T)
+                _finish_stats(stats_ptr + row0 * 8, stats_out_ptr, tiles, BLOCK_T)
             tl.store(scratch_ptr, 0.0)
             tl.store(ticket_ptr, 0)
 
@@ -218,8 +183,15 @@ def _amax_rows_cols_kernel(x_ptr, maxima_ptr, M, N, stride_x, BM: tl.constexpr,
                            BN: tl.constexpr, BF16: tl.constexpr):
     """Row maxima into maxima[:M], column maxima into maxima[M:] (one base pointer and an
     offset, not two views: a graph then sees one buffer written)."""
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    _rows_cols_tile(tl.program_id(0), tl.program_id(1), x_ptr, maxima_ptr, M, N, stride_x, BM, BN, BF16)
+
+
+@triton.jit
+def _rows_cols_tile(pid_m, pid_n, x_ptr, maxima_ptr, M, N, stride_x, BM: tl.constexpr, BN: tl.constexpr,
+                    BF16: tl.constexpr):
+    """Tile (pid_m, pid_n)'s row and column maxima (`_amax_rows_cols_kernel`'s body)."""
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
     m = (rows[:, None] < M) & (cols[None, :] < N)
     ax, _ = _finite_abs(_load_f32(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], m, BF16))
     tl.atomic_max(maxima_ptr + rows, tl.max(ax, axis=1), mask=rows < M)
@@ -232,8 +204,19 @@ def _ct_row_kernel(x_ptr, q_ptr, qt_ptr, maxima_ptr, si_ptr, sit_ptr, stats_ptr,
                    BIAS: tl.constexpr, HAS_INF: tl.constexpr, THR: tl.constexpr, ODD: tl.constexpr,
                    EPS: tl.constexpr, TRANSPOSE: tl.constexpr, STATS: tl.constexpr, BF16: tl.constexpr,
                    BLOCK_T: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    _ct_row_tile(tl.program_id(0), tl.program_id(1), tl.num_programs(0) * tl.num_programs(1), 0, x_ptr, q_ptr,
+                 qt_ptr, maxima_ptr, si_ptr, sit_ptr, stats_ptr, stats_out_ptr, numel, M, N, stride_x, BM, BN, MAX,
+                 MB, BIAS, HAS_INF, THR, ODD, EPS, TRANSPOSE, STATS, BF16, BLOCK_T)
+
+
+@triton.jit
+def _ct_row_tile(pid_m, pid_n, tiles, row0, x_ptr, q_ptr, qt_ptr, maxima_ptr, si_ptr, sit_ptr, stats_ptr,
+                 stats_out_ptr, numel, M, N, stride_x, BM: tl.constexpr, BN: tl.constexpr, MAX: tl.constexpr,
+                 MB: tl.constexpr, BIAS: tl.constexpr, HAS_INF: tl.constexpr, THR: tl.constexpr,
+                 ODD: tl.constexpr, EPS: tl.constexpr, TRANSPOSE: tl.constexpr, STATS: tl.constexpr,
+                 BF16: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Tile (pid_m, pid_n) of a row-wise operand cast in `tiles` tiles (`_ct_row_kernel`'s body;
+    `row0` and the statistics' partials as `_ct_tile`'s; the ticket: maxima[M + N])."""
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     rm = rows < M
@@ -257,5 +240,5 @@ def _ct_row_kernel(x_ptr, q_ptr, qt_ptr, maxima_ptr, si_ptr, sit_ptr, stats_ptr,
     if STATS:   # the ticket: the slot after the maxima, zeroed with them
         _tile_stats(stats_ptr, (pid_m == 0) & (pid_n == 0), numel, ax, qa, sat & m, under & m,
                     nonfin & m, rs[:, None])
-        if _last_tile(maxima_ptr + M + N):
-            _finish_stats(stats_ptr, stats_out_ptr, BLOCK_T)
+        if _last_tile(maxima_ptr + M + N, tiles):
+            _finish_stats(stats_ptr + row0 * 8, stats_out_ptr, tiles, BLOCK_T)

@@ -20,7 +20,7 @@ pytest.importorskip("triton.backends.nvidia")
 
 from lowprec.numerics.formats import E4M3, E5M2  # noqa: E402
 from lowprec.numerics.kernels import cast_transpose as ct  # noqa: E402
-from lowprec.numerics.kernels import cast_transpose_kernels as ctk  # noqa: E402
+from lowprec.numerics.kernels import cast_pair_kernels as cpk  # noqa: E402
 from lowprec.numerics.kernels.fp8_cast import _EPS, _odd_max, overflow_threshold  # noqa: E402
 
 # these tests compile the kernels' source for sm_90; under TRITON_INTERPRET=1 `triton.jit` gives
@@ -78,19 +78,36 @@ def test_rowwise_kernels_compile_for_sm90(stats):
     assert m.asm["cubin"]
 
 
-@pytest.mark.parametrize("delayed", [False, True], ids=["tensorwise", "delayed"])
-def test_pair_kernels_compile_for_sm90(delayed):
-    """The input+weight pair (`cast_pair`): an FP32 weight beside a BF16 input, and the amax
-    pass with A's program count specialised to the constant 1 (an operand of at most one block)."""
+PAIR_POINTERS = dict(qa_ptr="*fp8e4nv", qta_ptr="*fp8e4nv", qb_ptr="*fp8e4nv", qtb_ptr="*fp8e4nv", xa_ptr="*bf16",
+                     xb_ptr="*fp32", sia_ptr="*fp32", sib_ptr="*fp32", sita_ptr="*fp32", sitb_ptr="*fp32",
+                     hista_ptr="*fp32", histb_ptr="*fp32", counta_ptr="*i64", countb_ptr="*i64",
+                     scratcha_ptr="*fp32", scratchb_ptr="*fp32", ticketa_ptr="*i32", ticketb_ptr="*i32",
+                     part_ptr="*fp64", sta_ptr="*fp64", stb_ptr="*fp64")
+
+
+@pytest.mark.parametrize("delayed,stats", [(False, True), (True, False)], ids=["tensorwise-stats", "delayed"])
+def test_pair_kernels_compile_for_sm90(delayed, stats):
+    """The input+weight pair (`cast_pair`): an FP32 weight beside a BF16 input, with and without
+    each operand's statistics; tensor-wise also the amax pass (delayed scaling has none), with
+    the statistics' tickets, and without them with A's program count specialised to the
+    constant 1 (an operand of at most one block). A paired kernel with statistics holds the
+    statistics' code twice and takes ptxas 10-40 s here: one is compiled; the delayed and
+    row-wise tiles' statistics code is compiled in the separate kernels above."""
     c = {k: v for k, v in _consts(E4M3).items() if k != "BF16"}
     const = dict(c, BLOCK_P=1 if delayed else 64, BLOCK_L=16 if delayed else 1, DELAYED=delayed, MOST_RECENT=False,
-                 MARGIN_DIV=1.0, OVERFLOW=delayed, TRANSPOSE_A=True, BF16_A=True, BF16_B=False)
-    fp8 = dict(qa_ptr="*fp8e4nv", qta_ptr="*fp8e4nv", qb_ptr="*fp8e4nv", qtb_ptr="*fp8e4nv", xa_ptr="*bf16",
-               xb_ptr="*fp32", sia_ptr="*fp32", sib_ptr="*fp32", hista_ptr="*fp32", histb_ptr="*fp32",
-               counta_ptr="*i64", countb_ptr="*i64", scratcha_ptr="*fp32", scratchb_ptr="*fp32",
-               ticketa_ptr="*i32", ticketb_ptr="*i32")
-    assert _compile(ctk._ct_pair_kernel, const, fp8).asm["cubin"]
-    for pa in ({}, {"PA": 1}):
-        amax = _compile(ctk._amax_pair_kernel, dict(BLOCK=2048, BF16_A=True, BF16_B=False, **pa),
-                        dict(xa_ptr="*bf16", xb_ptr="*fp32"))
+                 MARGIN_DIV=1.0, OVERFLOW=delayed and not stats, TRANSPOSE_A=True, STATS=stats, BF16_A=True,
+                 BF16_B=False)
+    assert _compile(cpk._ct_pair_kernel, const, PAIR_POINTERS).asm["cubin"]
+    for amax_const in ([] if delayed else [{"TICKET": True}, {"TICKET": False, "PA": 1}]):
+        amax = _compile(cpk._amax_pair_kernel, dict(BLOCK=2048, BF16_A=True, BF16_B=False, **amax_const),
+                        PAIR_POINTERS)
         assert amax.asm["cubin"]
+
+
+def test_rowwise_pair_kernels_compile_for_sm90():
+    """The row-wise pair without statistics (with them: as in the docstring above)."""
+    c = {k: v for k, v in _consts(E4M3).items() if k != "BF16"}
+    const = dict(c, TRANSPOSE_A=True, STATS=False, BF16_A=True, BF16_B=False)
+    assert _compile(cpk._ct_row_pair_kernel, const, PAIR_POINTERS).asm["cubin"]
+    assert _compile(cpk._amax_rows_cols_pair_kernel, dict(BM=64, BN=64, BF16_A=True, BF16_B=False),
+                    PAIR_POINTERS).asm["cubin"]

@@ -80,6 +80,18 @@ def test_delayed_and_rowwise_warm_launches_equal_tritons():
             _same(a, c, (x, *state, overflow))
 
 
+def test_paired_warm_launches_equal_tritons():
+    """The input+weight pair (`cast_pair`), row-wise (the paired kernels with the most
+    arguments; the statistics' buffers are among them on plain steps too, as stand-ins): a BF16
+    input beside an FP32 weight."""
+    from lowprec.numerics.kernels import cast_pair
+    x = torch.randn(80, 48, dtype=torch.bfloat16)
+    w = torch.randn(40, 48, dtype=torch.float32)
+    for a, b, c in zip(*_three(lambda launch: cast_pair.pair(x, w, E4M3, True, launch, rowwise=True))):
+        _same(a, b, (x, w))
+        _same(a, c, (x, w))
+
+
 def test_a_new_specialisation_goes_through_triton_and_is_kept_apart():
     """An operand 2 bytes off a 16-byte boundary specialises differently: Triton launches it
     (its own path, a new entry in the plan's dict) and the aligned operand's kernel is kept."""

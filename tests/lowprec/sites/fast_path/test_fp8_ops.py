@@ -134,45 +134,73 @@ def test_random_shapes(rows, k, elem, mode, dtype, log_mag, zero_row, specials, 
         check_cast(x, elem, mode == "row")
 
 
-def _bytes(t):
-    return t.view(torch.uint8)
-
-
 def _same_cast(got, want):
+    """A pair's `Cast` against a separate cast's (q, scale_inv, q_t, scale_inv_t, stats): the
+    same bytes, scales and (both or neither) statistics, bit for bit."""
+    assert len(got) == len(want) == 5
+    assert (got.stats is None) == (want[4] is None)
     for g, w in zip(got, want):
-        assert torch.equal(_bytes(g) if g.element_size() == 1 else g, _bytes(w) if w.element_size() == 1 else w)
+        if g is not None:
+            assert torch.equal(_bytes(g) if g.element_size() == 1 else g, _bytes(w) if w.element_size() == 1 else w)
+
+
+def _pair_cases():
+    g = torch.Generator().manual_seed(1)
+    return [(ALL_BF16.reshape(512, 128), torch.randn(70, 128, generator=g) * 1e3, True),
+            (torch.randn(37, 90, generator=g).to(torch.bfloat16), torch.randn(3, 90, generator=g) * 1e-3, False),
+            (torch.randn(1, 16, generator=g), torch.randn(130, 16, generator=g).to(torch.bfloat16), True)]
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the paired kernels: in the interpreter subprocess")
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize("delayed", [False, True], ids=["tensorwise", "delayed"])
-def test_input_and_weight_in_one_launch_equal_their_separate_casts(delayed):
-    """`cast_pair.pair` (the layer's input and weight together) against two `cast_transpose`
-    casts: the same bytes in both layouts, scales, delayed histories, counts and overflow
-    counters, over every BF16 value beside an FP32 weight, ragged shapes, x without its transpose."""
+@pytest.mark.parametrize("stats", [False, True], ids=["plain", "check"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_input_and_weight_in_one_launch_equal_their_separate_casts(scaling, stats):
+    """`cast_pair.pair` (the layer's input and weight together) against two separate casts
+    (`cast_transpose.tensorwise` / `rowwise`): the same bytes in both layouts, scales and, on a
+    check step, each operand's own statistics, bit for bit, over every BF16 value beside an
+    FP32 weight, ragged shapes, x without its transpose. Check steps in E4M3 only (the
+    statistics' code does not depend on the element format; interpreted time is scarce)."""
     from lowprec.numerics.kernels import cast_pair
     from lowprec.numerics.kernels import cast_transpose as ct
-    g = torch.Generator().manual_seed(1)
-    cases = [(ALL_BF16.reshape(512, 128), torch.randn(70, 128, generator=g) * 1e3, True),
-             (torch.randn(37, 90, generator=g).to(torch.bfloat16), torch.randn(3, 90, generator=g) * 1e-3, False),
-             (torch.randn(1, 16, generator=g), torch.randn(130, 16, generator=g).to(torch.bfloat16), True)]
-    for elem in ELEMS:
-        for a, b, tr in cases:
-            if not delayed:
-                got = cast_pair.pair(a, b, elem, tr)
-                _same_cast(got[0], ct.tensorwise(a, elem, tr, False)[:3])
-                _same_cast(got[1], ct.tensorwise(b, elem, True, False)[:3])
-                continue
+    rowwise = scaling == "rowwise"
+    for elem in ELEMS[:1] if stats else ELEMS:
+        for a, b, tr in _pair_cases():
+            got = cast_pair.pair(a, b, elem, tr, stats=stats, rowwise=rowwise)
+            if rowwise:
+                _same_cast(got[0], ct.rowwise(a, elem, tr, stats))
+                _same_cast(got[1], ct.rowwise(b, elem, True, stats))
+            else:
+                q, si, qt, st_ = ct.tensorwise(a, elem, tr, stats)
+                _same_cast(got[0], (q, si, qt, si, st_))
+                q, si, qt, st_ = ct.tensorwise(b, elem, True, stats)
+                _same_cast(got[1], (q, si, qt, si, st_))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the paired kernels: in the interpreter subprocess")
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("stats", [False, True], ids=["plain", "check"])
+def test_delayed_pair_equals_the_separate_casts(stats):
+    """The delayed pair against two `cast_transpose.delayed` casts over moving histories: the
+    same bytes, scales, histories, counts, overflow counters (plain steps) and statistics
+    (check steps, where the layer counts no overflow; E4M3 only, two calls, as above)."""
+    from lowprec.numerics.kernels import cast_pair
+    from lowprec.numerics.kernels import cast_transpose as ct
+    for elem in ELEMS[:1] if stats else ELEMS:
+        for a, b, tr in _pair_cases():
             states = [(torch.tensor([0.0, 4.0, 0.0]), torch.tensor(1), torch.zeros(()),
                        torch.zeros((), dtype=torch.int32)) for _ in range(4)]
-            over = [torch.zeros(3, dtype=torch.float64) for _ in range(2)]
-            for _ in range(3):   # the histories move: the scales of later calls come from earlier amaxes
-                got = cast_pair.pair(a, b, elem, tr, delayed=(states[0], states[1], 1, False, over[0]))
-                _same_cast(got[0], ct.delayed(a, elem, states[2], 1, False, over[1], 0, tr, False)[:3])
-                _same_cast(got[1], ct.delayed(b, elem, states[3], 1, False, over[1], 1, True, False)[:3])
+            over = [None, None] if stats else [torch.zeros(3, dtype=torch.float64) for _ in range(2)]
+            for _ in range(2 if stats else 3):   # the histories move: later scales come from earlier amaxes
+                got = cast_pair.pair(a, b, elem, tr, delayed=(states[0], states[1], 1, False, over[0]), stats=stats)
+                q, si, qt, st_ = ct.delayed(a, elem, states[2], 1, False, over[1], 0, tr, stats)
+                _same_cast(got[0], (q, si, qt, si, st_))
+                q, si, qt, st_ = ct.delayed(b, elem, states[3], 1, False, over[1], 1, True, stats)
+                _same_cast(got[1], (q, si, qt, si, st_))
                 for s1, s2 in zip(states[0] + states[1], states[2] + states[3]):
                     assert torch.equal(s1, s2)
-                assert torch.equal(over[0], over[1])
+                if not stats:
+                    assert torch.equal(over[0], over[1])
 
 
 def test_fake_shapes_match():
