@@ -14,7 +14,9 @@
 #   quantize  bench_quantize.py's Triton rows against a memory copy (8192^2 BF16)
 #   linear    bench_linear.py's table (BF16, torchao, lowprec's backends; 6 shapes, largest first)
 #   profile   experiments/profile_linear.py: the kernels of one FP8 layer step at d 8192 beside
-#             the traffic model (issue 29, step 2); experiments/bench_host.py: the host time
+#             the traffic model (issue 29, step 2), plain and check step of each format;
+#             experiments/bench_host.py: the host time; experiments/kernel_registers.py:
+#             the cast kernels' registers and spills under this image's Triton
 #   mainjob   the GPU main job: experiments/configs/gpu_llama.yaml BF16 baseline, staged
 #             rollout, gate (as `make run` does for the CPU config)
 #   te        Transformer Engine: stage the carried parts; once all are there, build
@@ -46,7 +48,7 @@ declare -A FILES=(
   [tests]="tests/gpu tests/lowprec/numerics/test_quantize_torch_parity.py tests/lowprec/numerics/kernels/test_fp8_cast.py"
   [quantize]="experiments/bench_quantize.py lowprec/numerics/kernels"
   [linear]="experiments/bench_linear.py"
-  [profile]="experiments/profile_linear.py experiments/bench_host.py"
+  [profile]="experiments/profile_linear.py experiments/bench_host.py experiments/kernel_registers.py"
   [mainjob]="experiments/configs/gpu_llama.yaml gates/default.yaml pyproject.toml"
   [te]="scripts/te_install/install.sh tests/gpu/test_te_backend.py")
 # Device calls, for leases of 15 minutes (a session's device time): lease 1 = calls 1 and 2
@@ -168,7 +170,7 @@ phases = set(sys.argv[1:])
 need = ["torch", "lowprec", "lowprec.sites.backends", "yaml"]
 if "tests" in phases: need += ["pytest", "hypothesis"]
 if "linear" in phases: need += ["experiments.bench_linear"]
-if "profile" in phases: need += ["experiments.profile_linear", "experiments.bench_host"]
+if "profile" in phases: need += ["experiments.profile_linear", "experiments.bench_host", "experiments.kernel_registers"]
 if "quantize" in phases: need += ["experiments.bench_quantize"]
 if "mainjob" in phases: need += ["lowprec.cli", "lowprec.gates.cli", "lowprec.evals", "experiments.model", "experiments.data"]
 if "te" in phases: need += ["lowprec.sites.backends.te"]
@@ -330,10 +332,17 @@ phase_body() {
     "$PY" experiments/bench_linear.py --d-model 8192 2048 4096 --tokens 8192 16384 \
       --json "$WORK/linear.json" --deadline $((BUDGET[linear] - 90)) ;;
   profile)
+    # each format's plain step and check step (statistics on) in the same run: the check
+    # step's cast kernel against the plain one's (delayed too: its own `_ct_kernel` variant)
     "$PY" -m experiments.profile_linear --d-model 8192 --tokens 8192 \
-      --formats fp8_tensorwise fp8_rowwise --json "$WORK/profile.json" || rc=$?
+      --formats fp8_tensorwise fp8_delayed fp8_rowwise --json "$WORK/profile.json" || rc=$?
     # the host's part, piece by piece (issue 29: about 1.6 ms a step at d 2048)
     "$PY" experiments/bench_host.py --json "$WORK/host.json" || rc=$((rc > 0 ? rc : $?))
+    # registers and spills of the cast kernels as this image's Triton and ptxas compile them
+    # (seconds, no GPU work): beside the check step's `_ct_kernel` time above, whether the
+    # statistics spill here as they did under Triton 3.9 on the CPU (docs/performance.md)
+    "$PY" experiments/kernel_registers.py | tee "$WORK/registers.txt" \
+      || echo "kernel_registers.py failed (not counted against the phase)"
     return "$rc" ;;
   mainjob)
     # lowprec itself, for its entry points (the gate command, the lm_eval evaluator)

@@ -39,20 +39,23 @@ def _tile_stats(part_ptr, first, numel, ax, qa, sat, under, nonfin, scale):
     what the sums cost, and the result does not depend on the tiles' order. Slot 6 (numel) is
     written by the first tile only (`first`), 0 by the others, so that the column sums are
     the operand's values; slot 0 is the tile's amax (`_finish_stats` takes their maximum)."""
-    a64 = ax.to(tl.float64)
-    # dq = |q| / scale in FP32, rounded once as `quantize` dequantizes; then the error, its
-    # square and the sums in FP64 (exact differences and squares of FP32 values). No FP64
-    # division per element: on a GPU that is many times the cost of the cast itself.
-    err = tl.math.div_rn(qa, scale).to(tl.float64) - a64
-    sq = a64 * a64
+    # The amax and the counts are exact in FP32 / int32 (a tile has 4,096 elements): reduced
+    # there and widened once, so that no FP64 copy of them is live per element. dq = |q| /
+    # scale in FP32, rounded once as `quantize` dequantizes; then the error, its square and
+    # the sums in FP64 (exact differences and squares of FP32 values), each product formed at
+    # its reduction. No FP64 division per element: on a GPU that is many times the cost of
+    # the cast itself.
     row = _stats_row(part_ptr)
-    tl.store(row + 0, tl.max(tl.max(a64, axis=1), axis=0))
-    tl.store(row + 1, tl.sum(tl.sum(sat.to(tl.float64), axis=1), axis=0))
-    tl.store(row + 2, tl.sum(tl.sum(under.to(tl.float64), axis=1), axis=0))
-    tl.store(row + 3, tl.sum(tl.sum(err * err, axis=1), axis=0))
-    tl.store(row + 4, tl.sum(tl.sum(sq, axis=1), axis=0))
-    tl.store(row + 5, tl.sum(tl.sum(nonfin.to(tl.float64), axis=1), axis=0))
+    tl.store(row + 0, tl.max(tl.max(ax, axis=1), axis=0).to(tl.float64))
+    tl.store(row + 1, tl.sum(tl.sum(sat.to(tl.int32), axis=1), axis=0).to(tl.float64))
+    tl.store(row + 2, tl.sum(tl.sum(under.to(tl.int32), axis=1), axis=0).to(tl.float64))
+    tl.store(row + 5, tl.sum(tl.sum(nonfin.to(tl.int32), axis=1), axis=0).to(tl.float64))
     tl.store(row + 6, tl.where(first, tl.cast(numel, tl.float64), 0.0))
+    a64 = ax.to(tl.float64)
+    err = tl.math.div_rn(qa, scale).to(tl.float64) - a64
+    tl.store(row + 3, tl.sum(tl.sum(err * err, axis=1), axis=0))
+    sq = a64 * a64
+    tl.store(row + 4, tl.sum(tl.sum(sq, axis=1), axis=0))
     tl.store(row + 7, tl.sum(tl.sum(tl.where(under, sq, 0.0), axis=1), axis=0))
 
 
