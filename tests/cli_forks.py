@@ -36,8 +36,16 @@ import threading
 import time
 from pathlib import Path
 
+# What a `lowprec run` imports on its way (~1,200 modules, ~1.5 s of CPU in each child when left
+# to it): torch._dynamo (and with it sympy, torch.distributed) comes with the optimizer's
+# constructor, codecarbon with the energy meter, MLflow's system metrics, matplotlib's Figure
+# with the run's report at its end, lowprec's own lazily imported modules (the loop, the gates).
 PRELOAD = ("lowprec.cli", "lowprec.runtime.run", "lowprec.tracking.tracker", "lowprec.evals.suite",
-           "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store", "lm_eval.tasks", "lm_eval.evaluator")
+           "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store", "lm_eval.tasks", "lm_eval.evaluator",
+           "torch._dynamo", "codecarbon.emissions_tracker", "codecarbon.core.resource_tracker",
+           "mlflow.system_metrics.system_metrics_monitor", "matplotlib.figure", "scipy.io",
+           "lowprec.runtime.loop", "lowprec.runtime.parallel_run", "lowprec.tracking.telemetry",
+           "lowprec.tracking.peaks", "lowprec.tracking.report", "lowprec.evals.adapter", "lowprec.gates.cli")
 
 
 class Forked:
