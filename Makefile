@@ -19,9 +19,9 @@ $(STAMP): pyproject.toml
 
 # `make test`: two pytest workers (pytest-xdist), a test file each at a time, the files in the
 # order tests/conftest.py gives (the long ones first, so that the two workers end together:
-# --no-loadscope-reorder, since xdist would otherwise order files by their number of tests),
-# then alone the tests that compare timings across runs (marker `serial`). One BLAS thread per process, so that
-# two workers on two cores do not oversubscribe them (the processes the tests start inherit it).
+# --no-loadscope-reorder, since xdist would otherwise order files by their number of tests).
+# One BLAS thread per process, so that two workers on two cores do not oversubscribe them (the
+# processes the tests start inherit it).
 PYTEST := OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q
 setup: $(STAMP)
 
@@ -58,12 +58,11 @@ test: $(STAMP)
 		  ( apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null 2>&1 ) ) || \
 		echo "postgresql could not be installed; the PostgreSQL tracking test will skip"; \
 	fi
-	$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder -x -m "not serial" --durations=15
-	$(PYTEST) -x -m serial --durations=5
+	$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder -x --durations=15
 
 # For iteration: everything but the slow tests (under 2 minutes).
 test-fast: $(STAMP)
-	$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder -x -m "not slow and not serial"
+	$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder -x -m "not slow"
 
 bench: $(STAMP)
 	$(VENV)/bin/python experiments/bench_quantize.py

@@ -24,6 +24,7 @@ exit code, the wheel install, what a fresh interpreter imports) start processes 
 
 from __future__ import annotations
 
+import gc
 import importlib
 import importlib.util
 import json
@@ -36,8 +37,19 @@ import threading
 import time
 from pathlib import Path
 
+# What a `lowprec run` imports on its way (~1,200 modules, ~1.5 s of CPU in each child when left
+# to it): codecarbon with the energy meter, MLflow's system metrics, matplotlib's Figure with the
+# run's report at its end, lowprec's own lazily imported modules (the loop, the gates), and
+# torch._dynamo, which the optimizer's constructor imports. PRELOAD's objects are frozen (see
+# `_serve`); LATE's are imported after that and not: torch._dynamo brings Triton, whose
+# extension reports each of its objects never freed ("nanobind: leaked ...") on stderr at exit.
 PRELOAD = ("lowprec.cli", "lowprec.runtime.run", "lowprec.tracking.tracker", "lowprec.evals.suite",
-           "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store", "lm_eval.tasks", "lm_eval.evaluator")
+           "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store", "lm_eval.tasks", "lm_eval.evaluator",
+           "codecarbon.emissions_tracker", "codecarbon.core.resource_tracker",
+           "mlflow.system_metrics.system_metrics_monitor", "matplotlib.figure", "scipy.io",
+           "lowprec.runtime.loop", "lowprec.runtime.parallel_run", "lowprec.tracking.telemetry",
+           "lowprec.tracking.peaks", "lowprec.tracking.report", "lowprec.evals.adapter", "lowprec.gates.cli")
+LATE = ("torch._dynamo",)
 
 
 class Forked:
@@ -138,6 +150,12 @@ def _wait(pid: int, timeout: float | None) -> int | None:
 def _serve() -> dict | None:
     """Answer requests until stdin closes (returns None); in a forked child, the request to run."""
     for name in PRELOAD:
+        importlib.import_module(name)
+    # what the imports made goes to the collector's permanent generation: a child's collections,
+    # the last one at its interpreter's shutdown among them, pass over it instead of touching (and
+    # so copying) every page of it; 1.5 s of a `lowprec gate --help` child's 1.9 s was that
+    gc.freeze()
+    for name in LATE:
         importlib.import_module(name)
     children = set()
     for line in sys.stdin:

@@ -2,19 +2,20 @@
 `telemetry` extra into a fresh virtual environment outside the checkout (torch==2.13.0 first,
 so pip takes the local CPU build), used from an empty folder of the user's own:
 
-- `lowprec run` on a config and a model of the user's own trains, promotes a stage, rewinds on
-  an injected loss spike and leaves a FINISHED MLflow run;
-- with an `eval:` section and no `gates:` key, `lowprec plan`, `lowprec run` (the default eval
-  suite, the shipped in-loop gate `inloop`) and `lowprec gate --gates default` all succeed with
-  no warning on stderr: gate files and eval texts come from the installed package, nothing
-  from the repository or a folder beside it;
+- `lowprec plan` and `lowprec run` on a config and a model of the user's own, with an `eval:`
+  section and no `gates:` key: the run trains, passes the shipped in-loop gate `inloop` (the
+  default eval suite), promotes a stage, rewinds on an injected loss spike and leaves a
+  FINISHED MLflow run; then `lowprec gate --gates default` on it. All three succeed with no
+  warning on stderr: gate files and eval texts come from the installed package, nothing from
+  the repository or a folder beside it;
 - the wheel installs exactly one top-level package, `lowprec`, with the gate files and the
   default suite's texts as its package data (`lowprec/gates/files`, `lowprec/evals/texts`).
 
 Slow: the environment is installed once for the module, by one `pip install` (torch and the
 wheel with its dependencies resolved together; this interpreter's pip installs into a venv made
 without pip of its own, which saves the venv's pip bootstrap), and each `lowprec` command is a
-subprocess.
+subprocess: one `lowprec run` for both tests (its evals, gate and promotion in one, its spike
+and rewind in the other).
 """
 
 from __future__ import annotations
@@ -68,9 +69,12 @@ def tokens(n=20000, vocab=64):
     return (base % vocab).long()
 '''
 
+# the user's config: an eval section and no gates key (the default suite, whose texts ship with
+# the package, and the shipped in-loop gate `inloop`; byte tokens, as the evaluator's tokenizer),
+# one rollout stage, rewinds on
 CONFIG = '''
-model: {factory: "mymodel:build", args: {vocab: 64, width: 64, layers: 2}}
-data: {factory: "mymodel:tokens", args: {n: 20000}, block_size: 32}
+model: {factory: "mymodel:build", args: {vocab: 256, width: 32, layers: 2}}
+data: {factory: "mymodel:tokens", args: {n: 20000, vocab: 256}, block_size: 32}
 train: {steps: 60, batch_size: 8, lr: 3e-3, warmup: 5, ckpt_every: 20, log_every: 5}
 precision:
   backend: emulated
@@ -86,29 +90,8 @@ rollout:
   thresholds: {max_saturated_frac: 1.0, spike_min_history: 20, spike_sigmas: 8.0}
   stages:
     - {name: up_fp8, select: {glob: "layers.*.up"}, format: fp8_tensorwise}
-tracking: {uri: "sqlite:///TMP/mlflow.db", experiment: wheel-test, run_name: my-run}
-'''
-
-
-# the user's config with an eval section and no gates key: the default suite (its texts ship
-# with the package) and the shipped in-loop gate `inloop`; byte tokens, as the evaluator's tokenizer
-EVAL_CONFIG = '''
-model: {factory: "mymodel:build", args: {vocab: 256, width: 32, layers: 2}}
-data: {factory: "mymodel:tokens", args: {n: 20000, vocab: 256}, block_size: 32}
-train: {steps: 20, batch_size: 8, lr: 3e-3, warmup: 2, ckpt_every: 10, log_every: 5}
-precision:
-  backend: emulated
-  default: bf16
-  keep_high_precision: [{fqns: [head]}]
-  rules:
-    - {name: layers, select: {glob: "layers.*"}, format: bf16, ladder: [fp8_tensorwise, bf16]}
-rollout:
-  check_every: 5
-  min_steps: 5
-  stages:
-    - {name: up_fp8, select: {glob: "layers.*.up"}, format: fp8_tensorwise}
 eval: {suite: default, every: 0, mode: fast, final_mode: full, batch_size: 64}
-tracking: {uri: "sqlite:///TMP/mlflow.db", experiment: wheel-eval, run_name: with-evals}
+tracking: {uri: "sqlite:///TMP/mlflow.db", experiment: wheel-test, run_name: my-run}
 '''
 
 
@@ -187,46 +170,54 @@ def _user_folder(tmp_path: Path, config: str) -> Path:
 WARNING = re.compile(r"warn", re.I)
 
 
-def test_eval_section_and_gate_by_name_without_a_warning(installed, tmp_path):
+def _lowprec(installed, user: Path, *args, timeout=900) -> subprocess.CompletedProcess:
+    """`lowprec ARGS` from the venv in the user's folder: exit 0, no warning and no traceback on stderr."""
     lowprec, env = installed
-    user = _user_folder(tmp_path, EVAL_CONFIG)
+    p = subprocess.run([lowprec, *args], cwd=user, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"lowprec {args[0]}: " + p.stdout[-3000:] + p.stderr[-3000:]
+    warned = [line for line in p.stderr.splitlines() if WARNING.search(line)]
+    assert not warned and "Traceback" not in p.stderr, (args[0], warned or p.stderr[-3000:])
+    return p
+
+
+@pytest.fixture(scope="module")
+def user_run(installed, tmp_path_factory):
+    """The user's folder after `lowprec plan` and `lowprec run` (a loss spike injected at steps
+    40-41); (folder, plan's output)."""
+    user = _user_folder(tmp_path_factory.mktemp("user"), CONFIG)
     assert sorted(p.name for p in user.iterdir()) == ["config.yaml", "mymodel.py"]   # nothing of the repository
+    plan = _lowprec(installed, user, "plan", "config.yaml", timeout=300)
+    _lowprec(installed, user, "run", "config.yaml", "--out", "run", "--inject", "loss_spike::40:42:1000")
+    return user, plan.stdout
 
-    def lp(*args, timeout=900):
-        p = subprocess.run([lowprec, *args], cwd=user, env=env, capture_output=True, text=True, timeout=timeout)
-        assert p.returncode == 0, f"lowprec {args[0]}: " + p.stdout[-3000:] + p.stderr[-3000:]
-        warned = [line for line in p.stderr.splitlines() if WARNING.search(line)]
-        assert not warned and "Traceback" not in p.stderr, (args[0], warned or p.stderr[-3000:])
-        return p
 
-    plan = lp("plan", "config.yaml", timeout=300)
-    assert "layers.0.up" in plan.stdout and "up_fp8: 2 sites" in plan.stdout
-    lp("run", "config.yaml", "--out", "run")
+def _events(user: Path) -> list[dict]:
+    return [json.loads(line) for line in (user / "run" / "events.jsonl").read_text().splitlines()]
+
+
+def test_eval_section_and_gate_by_name_without_a_warning(installed, user_run):
+    user, plan = user_run
+    assert "layers.0.up" in plan and "up_fp8: 2 sites" in plan
     run_id = (user / "run" / "run_id").read_text().strip()
-    gate = lp("gate", "--baseline", run_id, "--candidate", run_id, "--gates", "default",
-              "--tracking-uri", f"sqlite:///{user}/mlflow.db", timeout=300)
+    gate = _lowprec(installed, user, "gate", "--baseline", run_id, "--candidate", run_id, "--gates", "default",
+                    "--tracking-uri", f"sqlite:///{user}/mlflow.db", timeout=300)
     assert "eval/heldout_shakespeare/bits_per_byte" in gate.stdout and "eval/shift_milton/bits_per_byte" in gate.stdout
 
     from mlflow.tracking import MlflowClient
     client = MlflowClient(f"sqlite:///{user}/mlflow.db")
     run = client.get_run(run_id)
-    assert run.info.status == "FINISHED" and run.data.params["eval.gates"] == "inloop"
+    assert run.data.params["eval.gates"] == "inloop"
     for task in ("heldout_shakespeare", "cloze_shakespeare", "shift_milton"):
         assert any(k.startswith(f"eval/{task}/") for k in run.data.metrics), (task, sorted(run.data.metrics))
     assert not any("austen" in k or "kjv" in k or "mobydick" in k for k in run.data.metrics)
-    events = [json.loads(line) for line in (user / "run" / "events.jsonl").read_text().splitlines()]
-    assert "promote" in [e["kind"] for e in events]           # promoted after the shipped in-loop gate passed
+    events = _events(user)   # promoted after the shipped in-loop gate passed, at the same step
+    gated, promoted = ([e for e in events if e["kind"] == kind] for kind in ("gate", "promote"))
+    assert gated[0]["evidence"]["verdict"] == "pass" and gated[0]["step"] == promoted[0]["step"], events
 
 
-def test_wheel_in_a_fresh_venv_runs_a_users_config(installed, tmp_path):
-    lowprec, env = installed
-    user = _user_folder(tmp_path, CONFIG)    # `lowprec plan` from the wheel: the test above
-    run = subprocess.run([lowprec, "run", "config.yaml", "--out", "run", "--inject", "loss_spike::40:42:1000"],
-                         cwd=user, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "Traceback" not in run.stderr
-
-    events = [json.loads(line) for line in (user / "run" / "events.jsonl").read_text().splitlines()]
+def test_wheel_in_a_fresh_venv_runs_a_users_config(user_run):
+    user, _ = user_run
+    events = _events(user)
     kinds = [e["kind"] for e in events]
     # a loss spike in two steps: not precision's (it persists when replayed in high precision),
     # so nothing is demoted; the first step is skipped, the second rewinds to before it

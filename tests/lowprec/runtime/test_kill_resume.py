@@ -53,6 +53,9 @@ def _config(uri: str, experiment: str, slow_while: str | None = None) -> dict:
         "eval": {"suite": "shakespeare", "every": 16, "mode": "fast", "final_mode": "fast", "gates": None,
                  "high_precision": False, "batch_size": 8},
         "tracking": {"uri": uri, "experiment": experiment, "run_name": "k"},
+        # no energy meter: on a CPU it is codecarbon's estimate, whose start takes ~1.2 s of every
+        # life (before its first step) and which no assertion here reads
+        "telemetry": {"energy": "off"},
     }
 
 
