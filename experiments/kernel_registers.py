@@ -29,9 +29,11 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from triton_nolaunch import nolaunch_driver  # noqa: E402
+try:   # one module object whoever imports it: Triton keeps a compiled kernel's launcher, bound to its driver
+    from experiments.triton_nolaunch import nolaunch_driver
+except ImportError:   # run as a script: its own folder goes on the path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from triton_nolaunch import nolaunch_driver  # noqa: E402
 
 from lowprec.numerics.kernels import cast_transpose as ct  # noqa: E402
 from lowprec.numerics.kernels.cast_transpose_kernels import _ct_kernel, _ct_row_kernel  # noqa: E402
