@@ -35,7 +35,8 @@ except ImportError:   # run as a script: its own folder goes on the path
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from triton_nolaunch import nolaunch_driver  # noqa: E402
 
-from lowprec.numerics.kernels import cast_transpose as ct  # noqa: E402
+from lowprec.numerics.kernels import cast_pair, cast_transpose as ct  # noqa: E402
+from lowprec.numerics.kernels.cast_pair_kernels import _ct_pair_kernel, _ct_row_pair_kernel  # noqa: E402
 from lowprec.numerics.kernels.cast_transpose_kernels import _ct_kernel, _ct_row_kernel  # noqa: E402
 from lowprec.numerics.kernels.fp8_cast import _element  # noqa: E402
 
@@ -90,8 +91,9 @@ def _compiled(kernel, launch) -> dict:
     return {k: v for k, v in cached().items() if k not in before}
 
 
-def _variants(m: int, n: int):
-    """(name, kernel, launch) of each variant: one launch each on a fresh (m, n) BF16 operand."""
+def _variants(m: int, n: int, pairs: bool = True):
+    """(name, stats, kernel, launch) of each variant: one launch each on a fresh (m, n) BF16 operand
+    (the pairs: beside an (m, n) FP32 weight, as a layer's eager step casts them together)."""
     e4m3 = _element("e4m3")
     x = torch.randn(m, n, dtype=torch.bfloat16)
     for stats in (False, True):
@@ -103,14 +105,26 @@ def _variants(m: int, n: int):
                                                     False, None, 0, True, s, ct.eager_launch, None, ct._TILE))
         yield ("row-wise", stats, _ct_row_kernel,
                lambda s=stats: ct.rowwise(x, e4m3, True, s, ct.eager_launch, None, ct._TILE))
+    if not pairs:
+        return
+    w = torch.randn(m, n, dtype=torch.float32)   # a layer's weight beside its input: the eager step's pair
+    for stats in (False, True):
+        yield ("tensor-wise pair", stats, _ct_pair_kernel, lambda s=stats: cast_pair.pair(x, w, e4m3, True, stats=s))
+        sa, sb = (ct.DelayedState(torch.zeros(16), torch.zeros((), dtype=torch.int64)) for _ in range(2))
+        yield ("delayed pair", stats, _ct_pair_kernel,
+               lambda s=stats, a=sa, b=sb: cast_pair.pair(
+                   x, w, e4m3, True, delayed=((a.history, a.count, a.scratch, a.ticket),
+                                               (b.history, b.count, b.scratch, b.ticket), 0, False, None), stats=s))
+        yield ("row-wise pair", stats, _ct_row_pair_kernel,
+               lambda s=stats: cast_pair.pair(x, w, e4m3, True, stats=s, rowwise=True))
 
 
-def table(m: int = 8192, n: int = 8192) -> list[dict]:
+def table(m: int = 8192, n: int = 8192, pairs: bool = True) -> list[dict]:
     """One row per variant: its kernel, statistics on or off, warps and ptxas's figures."""
     ptxas = _ptxas()
     rows = []
     with nolaunch_driver(record=False):
-        for name, stats, kernel, launch in _variants(m, n):
+        for name, stats, kernel, launch in _variants(m, n, pairs):
             for ck in _compiled(kernel, launch).values():
                 rows.append(dict(variant=name, stats=stats, kernel=kernel.__name__,
                                  warps=ck.metadata.num_warps, **_resources(ck.asm["ptx"], ptxas),
@@ -125,10 +139,10 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     rows = table(args.rows, args.cols)
     print(f"ptxas: {os.path.basename(_ptxas())}, target {rows[0]['target'] if rows else '?'}")
-    print(f"{'variant':<12} {'stats':<5} {'kernel':<15} {'warps':>5} {'regs':>5} {'stack B':>8} "
+    print(f"{'variant':<16} {'stats':<5} {'kernel':<19} {'warps':>5} {'regs':>5} {'stack B':>8} "
           f"{'spill st B':>10} {'spill ld B':>10} {'built regs':>10} {'built stack B':>13}")
     for r in rows:
-        print(f"{r['variant']:<12} {'on' if r['stats'] else 'off':<5} {r['kernel']:<15} {r['warps']:>5} "
+        print(f"{r['variant']:<16} {'on' if r['stats'] else 'off':<5} {r['kernel']:<19} {r['warps']:>5} "
               f"{r['regs']:>5} {r['stack']:>8} {r['spill_st']:>10} {r['spill_ld']:>10} {r['built_regs']:>10} "
               f"{r['built_stack']:>13}")
 
