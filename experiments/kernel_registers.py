@@ -8,7 +8,8 @@ registers per thread, spill stores and loads and the stack frame (`ptxas -v` ove
 kernel's PTX, with the newest ptxas the Triton wheel ships), and the registers and stack of
 the cubin Triton built itself (`cuobjdump -res-usage`: what a GPU would run; Triton passes
 ptxas its own options). Variants: tensor-wise, delayed
-and row-wise, statistics off and on, BF16 input, E4M3, 64x64 tiles and the plan's warps.
+and row-wise, statistics off and on, each alone and as the input-and-weight pair a layer's
+eager step launches (`cast_pair`); BF16 input, E4M3, 64x64 tiles and the plan's warps.
 
     .venv/bin/python experiments/kernel_registers.py
 
@@ -82,50 +83,55 @@ def _cubin_usage(cubin: bytes, ptxas: str) -> dict:
     return dict(built_regs=int(found.group(1)), built_stack=int(found.group(2)))
 
 
-def _compiled(kernel, launch) -> dict:
-    """The CompiledKernel objects `launch()` adds to `kernel`'s cache (its new specialisations)."""
-    def cached():
-        return {k: v for c in kernel.device_caches.values() for k, v in c[0].items()}
-    before = cached()
-    launch()
-    return {k: v for k, v in cached().items() if k not in before}
+def _launched(cast) -> list:
+    """(kernel, CompiledKernel) of every launch `cast(launch)` makes, each through Triton's own
+    path (`kernel[grid]`, never a warm launch): the kernel that launch compiled, or found compiled
+    already in this process, whichever ran before."""
+    out = []
+
+    def launch(kernel, grid, warm=None, vary=(), kw=None):
+        run = kernel[grid]
+        return lambda *args: out.append((kernel, run(*args, **(kw or {}))))
+    cast(launch)
+    return out
 
 
-def _variants(m: int, n: int, pairs: bool = True):
-    """(name, stats, kernel, launch) of each variant: one launch each on a fresh (m, n) BF16 operand
-    (the pairs: beside an (m, n) FP32 weight, as a layer's eager step casts them together)."""
+def _variants(m: int, n: int):
+    """(name, stats, kernel, cast) of each variant: `cast(launch)` casts a fresh (m, n) BF16
+    operand once, alone or (the pairs) beside an (m, n) FP32 weight, as a layer's eager step
+    casts them together; `kernel` is the cast+transpose kernel whose figures the row gives."""
     e4m3 = _element("e4m3")
     x = torch.randn(m, n, dtype=torch.bfloat16)
+    w = torch.randn(m, n, dtype=torch.float32)
+
+    def history():
+        st = ct.DelayedState(torch.zeros(16), torch.zeros((), dtype=torch.int64))
+        return st.history, st.count, st.scratch, st.ticket
     for stats in (False, True):
         yield ("tensor-wise", stats, _ct_kernel,
-               lambda s=stats: ct.tensorwise(x, e4m3, True, s, ct.eager_launch, None, ct._TILE))
-        state = ct.DelayedState(torch.zeros(16), torch.zeros((), dtype=torch.int64))
+               lambda launch, s=stats: ct.tensorwise(x, e4m3, True, s, launch, None, ct._TILE))
         yield ("delayed", stats, _ct_kernel,
-               lambda s=stats, st=state: ct.delayed(x, e4m3, (st.history, st.count, st.scratch, st.ticket), 0,
-                                                    False, None, 0, True, s, ct.eager_launch, None, ct._TILE))
+               lambda launch, s=stats, h=history(): ct.delayed(x, e4m3, h, 0, False, None, 0, True, s, launch, None,
+                                                               ct._TILE))
         yield ("row-wise", stats, _ct_row_kernel,
-               lambda s=stats: ct.rowwise(x, e4m3, True, s, ct.eager_launch, None, ct._TILE))
-    if not pairs:
-        return
-    w = torch.randn(m, n, dtype=torch.float32)   # a layer's weight beside its input: the eager step's pair
+               lambda launch, s=stats: ct.rowwise(x, e4m3, True, s, launch, None, ct._TILE))
     for stats in (False, True):
-        yield ("tensor-wise pair", stats, _ct_pair_kernel, lambda s=stats: cast_pair.pair(x, w, e4m3, True, stats=s))
-        sa, sb = (ct.DelayedState(torch.zeros(16), torch.zeros((), dtype=torch.int64)) for _ in range(2))
+        yield ("tensor-wise pair", stats, _ct_pair_kernel,
+               lambda launch, s=stats: cast_pair.pair(x, w, e4m3, True, launch, stats=s))
         yield ("delayed pair", stats, _ct_pair_kernel,
-               lambda s=stats, a=sa, b=sb: cast_pair.pair(
-                   x, w, e4m3, True, delayed=((a.history, a.count, a.scratch, a.ticket),
-                                               (b.history, b.count, b.scratch, b.ticket), 0, False, None), stats=s))
+               lambda launch, s=stats, a=history(), b=history(): cast_pair.pair(
+                   x, w, e4m3, True, launch, delayed=(a, b, 0, False, None), stats=s))
         yield ("row-wise pair", stats, _ct_row_pair_kernel,
-               lambda s=stats: cast_pair.pair(x, w, e4m3, True, stats=s, rowwise=True))
+               lambda launch, s=stats: cast_pair.pair(x, w, e4m3, True, launch, stats=s, rowwise=True))
 
 
-def table(m: int = 8192, n: int = 8192, pairs: bool = True) -> list[dict]:
+def table(m: int = 8192, n: int = 8192) -> list[dict]:
     """One row per variant: its kernel, statistics on or off, warps and ptxas's figures."""
     ptxas = _ptxas()
     rows = []
     with nolaunch_driver(record=False):
-        for name, stats, kernel, launch in _variants(m, n, pairs):
-            for ck in _compiled(kernel, launch).values():
+        for name, stats, kernel, cast in _variants(m, n):
+            for ck in [ck for k, ck in _launched(cast) if k is kernel]:
                 rows.append(dict(variant=name, stats=stats, kernel=kernel.__name__,
                                  warps=ck.metadata.num_warps, **_resources(ck.asm["ptx"], ptxas),
                                  **_cubin_usage(ck.asm["cubin"], ptxas)))
