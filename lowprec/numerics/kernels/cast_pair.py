@@ -70,6 +70,15 @@ def pairable(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.device == b.device)
 
 
+def _element_kw(elem) -> dict:
+    """The element format's constexprs as the paired kernels take them: no BF16 (each operand
+    has its own, BF16_A / BF16_B), the mantissa bits M as MB."""
+    c = dict(_consts(elem, False))   # a copy: the format's dict is cached
+    del c["BF16"]
+    c["MB"] = c.pop("M")
+    return c
+
+
 def _tiles(ma: int, mb: int, k: int) -> int:
     return cdiv(ma, _TILE[0]) * cdiv(k, _TILE[1]) + cdiv(mb, _TILE[0]) * cdiv(k, _TILE[1])
 
@@ -80,13 +89,11 @@ def _pair_plan(ma: int, mb: int, k: int, elem, dtype_a: torch.dtype, dtype_b: to
                overflow: bool) -> _PairPlan:
     tiles = _tiles(ma, mb, k)
     pa, pb = _flat_grid(ma * k, _BLOCK), _flat_grid(mb * k, _BLOCK)
-    c = dict(_consts(elem, False))
-    c.pop("BF16")
     kw = dict(BM=_TILE[0], BN=_TILE[1], BLOCK_P=1 if delayed else next_power_of_2(max(pa, pb)),
-              BLOCK_L=next_power_of_2(hist_len) if delayed else 1, MB=c.pop("M"), DELAYED=delayed,
+              BLOCK_L=next_power_of_2(hist_len) if delayed else 1, DELAYED=delayed,
               MOST_RECENT=most_recent, MARGIN_DIV=float(2.0 ** margin), OVERFLOW=overflow, TRANSPOSE_A=transpose_a,
               STATS=stats, BF16_A=dtype_a == torch.bfloat16, BF16_B=dtype_b == torch.bfloat16, BLOCK_T=_BLOCK_T,
-              num_warps=4, **c)
+              num_warps=4, **_element_kw(elem))
     amax_kw = dict(BLOCK=_BLOCK, BF16_A=kw["BF16_A"], BF16_B=kw["BF16_B"], TICKET=stats, num_warps=8)
     return _PairPlan((pa + pb,), (tiles,), pa, pb, tiles, amax_kw, kw, elem.torch_dtype, {})
 
@@ -95,11 +102,9 @@ def _pair_plan(ma: int, mb: int, k: int, elem, dtype_a: torch.dtype, dtype_b: to
 def _row_pair_plan(ma: int, mb: int, k: int, elem, dtype_a: torch.dtype, dtype_b: torch.dtype, transpose_a: bool,
                    stats: bool) -> _PairPlan:
     tiles = _tiles(ma, mb, k)
-    c = dict(_consts(elem, False))
-    c.pop("BF16")
     bf16 = dict(BF16_A=dtype_a == torch.bfloat16, BF16_B=dtype_b == torch.bfloat16)
-    kw = dict(BM=_TILE[0], BN=_TILE[1], MB=c.pop("M"), TRANSPOSE_A=transpose_a, STATS=stats, BLOCK_T=_BLOCK_T,
-              num_warps=4, **bf16, **c)
+    kw = dict(BM=_TILE[0], BN=_TILE[1], TRANSPOSE_A=transpose_a, STATS=stats, BLOCK_T=_BLOCK_T, num_warps=4,
+              **bf16, **_element_kw(elem))
     amax_kw = dict(BM=_TILE[0], BN=_TILE[1], num_warps=4, **bf16)
     return _PairPlan((tiles,), (tiles,), 0, 0, tiles, amax_kw, kw, elem.torch_dtype, {})
 
