@@ -45,7 +45,7 @@ from lowprec.numerics.quant_stats import QuantStats
 from lowprec.sites.gemm_config import LinearGemmConfig, misaligned
 
 __all__ = ["FastRecipe", "fast_recipe", "step_recipes", "cast_weight", "cast_input_and_weight", "FP8LinearFn",
-           "grad_gemms", "WeightForms", "InputForms", "DelayedTensors", "delayed_state"]
+           "grad_gemms", "GemmMeta", "WeightForms", "InputForms", "DelayedTensors", "delayed_state"]
 
 _FAST_SCALINGS = (Scaling.TENSOR, Scaling.DELAYED, Scaling.ROW)
 
@@ -124,7 +124,7 @@ def _cast(t: Tensor, elem: int, recipe: FastRecipe, hist, overflow: Tensor | Non
 def _mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: torch.dtype, gemm: str, gemms: LinearGemmConfig,
         bias: Tensor | None = None) -> Tensor:
     """a @ b^T (+ bias) for FP8 a (M, K) and b (N, K), both row-major, with their scale_inv (a
-    scalar, or (M, 1) / (N, 1) row-wise), in `out_dtype` straight from `_scaled_mm` (on CPU,
+    scalar, or row-wise (M, 1) and (N, 1) or (1, N)), in `out_dtype` straight from `_scaled_mm` (on CPU,
     too: it accumulates in FP32, adds the bias and rounds once, as the emulated backend).
     `gemm` (fprop, dgrad or wgrad) picks its `use_fast_accum` from `gemms`; on CUDA, a K or N
     that is not a multiple of 16 is zero-padded when `gemms.pad_inner_dim`, refused otherwise.
@@ -132,7 +132,8 @@ def _mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: torch.dtype, ge
     cast to it first, as autocast does); on CPU another (an FP32 bias under a BF16 output) is
     added to the FP32 result before the one rounding, as the emulated backend does. Row-wise
     GEMMs on CUDA return BF16 (what cuBLAS supports there)."""
-    sb = sb.reshape(1, -1) if sb.dim() == 2 else sb
+    if sb.dim() == 2 and sb.shape[0] != 1:   # a row-wise (N, 1) scale as B's (1, N); the pair's come so
+        sb = sb.reshape(1, -1)
     m, n = a.shape[0], b.shape[0]
     cuda = a.is_cuda
     padded = cuda and misaligned(gemm, m, n, a.shape[1], rowwise=sa.dim() == 2)
@@ -198,8 +199,7 @@ class FP8LinearFn(torch.autograd.Function):
                                  "transposed form; cast x with its transpose (cast_input_and_weight(need_xt=True))")
         y = _mm(qx, six, qw, siw, _output_dtype(x), "fprop", recipe.gemm, bias)
         ctx.save_for_backward(qxt, sixt, qwt, siwt, grad_stats, *hist_g, *state[:1])
-        ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, x.shape, x.dtype, w.dtype
-        ctx.has_bias, ctx.n_inputs = bias is not None, 10 + len(state)
+        ctx.meta = GemmMeta(recipe, x.shape, x.dtype, w.dtype, bias is not None, 10 + len(state))
         if stats_x is not None:
             ctx.mark_non_differentiable(stats_x)
         ctx.set_materialize_grads(False)   # no zeros for the statistics' (absent) gradient
@@ -208,28 +208,44 @@ class FP8LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy, _gstats):
         qxt, sixt, qwt, siwt, grad_stats, *state = ctx.saved_tensors
-        recipe = ctx.recipe
+        meta = ctx.meta
+        recipe = meta.recipe
         g2 = _rows(gy)
         hist_g, overflow = (DelayedTensors(*state[:4]), state[4]) if state else (NO_HISTORY, None)
         qg, sig, qgt, sigt, _ = _cast(g2, recipe.bwd, recipe, hist_g, overflow, 2, ctx.needs_input_grad[1],
                                       grad_stats if recipe.stats else None)
-        return grad_gemms(ctx, g2, (qg, sig, qgt, sigt), (qwt, siwt), (qxt, sixt)) + (None,) * (ctx.n_inputs - 3)
+        return grad_gemms(ctx.needs_input_grad, meta, g2, (qg, sig, qgt, sigt), (qwt, siwt),
+                          (qxt, sixt)) + (None,) * (meta.n_inputs - 3)
 
 
-def grad_gemms(ctx, g2: Tensor, grad, w_t, x_t) -> tuple:
-    """(dx, dw, db) of an FP8 linear layer's backward, each only where autograd asks for it:
-    dgrad and wgrad from the cast output gradient `grad` = (q, scale_inv, q_t, scale_inv_t)
-    and the forward's saved casts `w_t` = (qwt, siwt), `x_t` = (qxt, sixt); the bias gradient
-    from the high-precision gradient `g2`. `ctx` holds the recipe, shapes, dtypes and has_bias."""
+class GemmMeta(NamedTuple):
+    """What an FP8 linear function's backward needs besides its saved tensors: the recipe, the
+    input's shape and dtype, the weight's dtype, whether there is a bias, and how many inputs
+    the function took (its backward returns one gradient or None per input). One attribute of
+    the autograd context: each attribute set on it costs host time."""
+    recipe: FastRecipe
+    x_shape: torch.Size
+    x_dtype: torch.dtype
+    w_dtype: torch.dtype
+    has_bias: bool
+    n_inputs: int
+
+
+def grad_gemms(needs_input_grad: tuple, meta: GemmMeta, g2: Tensor, grad, w_t, x_t) -> tuple:
+    """(dx, dw, db) of an FP8 linear layer's backward, each only where autograd asks for it
+    (`needs_input_grad`, the context's): dgrad and wgrad from the cast output gradient `grad` =
+    (q, scale_inv, q_t, scale_inv_t) and the forward's saved casts `w_t` = (qwt, siwt), `x_t` =
+    (qxt, sixt); the bias gradient from the high-precision gradient `g2`."""
     qg, sig, qgt, sigt = grad
-    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    need_dx, need_dw, need_db = needs_input_grad[:3]
+    gemms = meta.recipe.gemm
     dx = dw = db = None
     if need_dx:
-        dx = _mm(qg, sig, *w_t, ctx.x_dtype, "dgrad", ctx.recipe.gemm)
-        dx = dx if len(ctx.x_shape) == 2 else dx.reshape(ctx.x_shape)
+        dx = _mm(qg, sig, *w_t, meta.x_dtype, "dgrad", gemms)
+        dx = dx if len(meta.x_shape) == 2 else dx.reshape(meta.x_shape)
     if need_dw:
-        dw = _mm(qgt, sigt, *x_t, ctx.w_dtype, "wgrad", ctx.recipe.gemm)
-    if ctx.has_bias and need_db:
+        dw = _mm(qgt, sigt, *x_t, meta.w_dtype, "wgrad", gemms)
+    if meta.has_bias and need_db:
         db = g2.sum(0, dtype=torch.float32)   # one read of the BF16 gradient, FP32 sums
     return dx, dw, db
 
@@ -272,7 +288,7 @@ def cast_input_and_weight(x: Tensor, w: Tensor, recipe: FastRecipe, hist_x: Dela
     the paired kernels do not take."""
     if not (fp8_ops._direct(x) and fp8_ops.uses_kernels(x)):
         return None
-    x2, w = _rows(x), w.detach()
+    x2 = _rows(x)   # w as it is: the kernels read its memory, no autograd sees the launch (no detach)
     pairs = _cast_pair()
     if not pairs.pairable(x2, w):
         return None

@@ -44,7 +44,8 @@ from lowprec.numerics.quant_stats import QuantStats
 from lowprec.numerics.quantize import quantize
 from lowprec.sites.amax_scope import AmaxScope
 from lowprec.sites.fp8_allgather import FP8GatheredWeight
-from lowprec.sites.fp8_linear import FastRecipe, FP8LinearFn, WeightForms, _mm, _output_dtype, grad_gemms, delayed_state
+from lowprec.sites.fp8_linear import (FastRecipe, FP8LinearFn, GemmMeta, WeightForms, _mm, _output_dtype, grad_gemms,
+                                      delayed_state)
 
 __all__ = ["parallel_fast_linear", "OperandGroups", "GroupFP8LinearFn"]
 
@@ -154,8 +155,7 @@ class GroupFP8LinearFn(torch.autograd.Function):
         y = _mm(qx, six, qw, siw, _output_dtype(x), "fprop", recipe.gemm, bias)
         ctx.save_for_backward(qxt, sixt, qwt, siwt, overflow, grad_stats)
         ctx.hist_g, ctx.gg = hist_g, gg
-        ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, x.shape, x.dtype, w.dtype
-        ctx.has_bias = bias is not None
+        ctx.meta = GemmMeta(recipe, x.shape, x.dtype, w.dtype, bias is not None, 14)
         ctx.mark_non_differentiable(stats_x)
         ctx.set_materialize_grads(False)
         return y.reshape(*x.shape[:-1], y.shape[-1]), stats_x
@@ -163,13 +163,15 @@ class GroupFP8LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy, _gstats):
         qxt, sixt, qwt, siwt, overflow, grad_stats = ctx.saved_tensors
-        recipe = ctx.recipe
+        meta = ctx.meta
+        recipe = meta.recipe
         g2 = gy.reshape(-1, gy.shape[-1])
         qg, sig, qgt, sigt, st = cast_group(g2, recipe.bwd, recipe, ctx.gg, ctx.hist_g, overflow, 2,
                                             ctx.needs_input_grad[1])
         if recipe.stats and grad_stats is not None:
             grad_stats.copy_(st)
-        return grad_gemms(ctx, g2, (qg, sig, qgt, sigt), (qwt, siwt), (qxt, sixt)) + (None,) * 11
+        return grad_gemms(ctx.needs_input_grad, meta, g2, (qg, sig, qgt, sigt), (qwt, siwt),
+                          (qxt, sixt)) + (None,) * (meta.n_inputs - 3)
 
 
 class _BiasOnce(torch.autograd.Function):

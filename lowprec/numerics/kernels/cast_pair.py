@@ -37,9 +37,11 @@ _BLOCK = 2048   # elements per amax-pass block, as the separate cast's
 
 
 class Cast(NamedTuple):
-    """One operand's casts: q (M, K), its scale_inv (a scalar, or (M, 1) row-wise), q^T (K, M)
-    or an empty tensor, q^T's scale_inv (the same scalar; (K, 1) row-wise), the packed
-    statistics ((8,) FP64) or None."""
+    """One operand's casts: q (M, K), its scale_inv, q^T (K, M) or an empty tensor, q^T's
+    scale_inv, the packed statistics ((8,) FP64) or None. Tensor-wise and delayed, both scales
+    are one scalar. Row-wise, each is one value per row of its layout, in the shape the layer's
+    GEMM takes it (`_pair_rowwise`): a's scale_inv (M, 1), a^T's (1, K) (or empty), b's (1, N)
+    and b^T's (1, K); the values are a separate cast's (M, 1) / (K, 1) ones."""
     q: torch.Tensor
     scale_inv: torch.Tensor
     q_t: torch.Tensor
@@ -113,14 +115,14 @@ def _outputs(ma: int, mb: int, k: int, dev, plan: _PairPlan, transpose_a: bool, 
     """Both operands' FP8 outputs (q_a, q_a^T or empty, q_b, q_b^T), and with `stats` the
     launch's (tiles, 8) statistics partials and each operand's packed statistics (the rows of
     one (2, 8) tensor: a layer keeps them, not the partials), else three None."""
-    qa = torch.empty((ma, k), dtype=plan.fp8, device=dev)
-    qta = torch.empty((k, ma) if transpose_a else (0, 0), dtype=plan.fp8, device=dev)
-    qb = torch.empty((mb, k), dtype=plan.fp8, device=dev)
-    qtb = torch.empty((k, mb), dtype=plan.fp8, device=dev)
+    qa = torch.empty(size=(ma, k), dtype=plan.fp8, device=dev)
+    qta = torch.empty(size=(k, ma) if transpose_a else (0, 0), dtype=plan.fp8, device=dev)
+    qb = torch.empty(size=(mb, k), dtype=plan.fp8, device=dev)
+    qtb = torch.empty(size=(k, mb), dtype=plan.fp8, device=dev)
     if not stats:
         return qa, qta, qb, qtb, None, None, None
-    part = torch.empty((plan.tiles, _N_STATS), dtype=torch.float64, device=dev)
-    st = torch.empty((2, _N_STATS), dtype=torch.float64, device=dev)
+    part = torch.empty(size=(plan.tiles, _N_STATS), dtype=torch.float64, device=dev)
+    st = torch.empty(size=(2, _N_STATS), dtype=torch.float64, device=dev)
     return qa, qta, qb, qtb, part, st[0], st[1]
 
 
@@ -140,8 +142,8 @@ def pair(a: torch.Tensor, b: torch.Tensor, elem, transpose_a: bool, launch=eager
     plan = _pair_plan(ma, mb, k, elem, a.dtype, b.dtype, transpose_a, stats, delayed is not None,
                       sa[0].numel() if sa else 1, most_recent, margin, overflow is not None)
     qa, qta, qb, qtb, part, sta, stb = _outputs(ma, mb, k, dev, plan, transpose_a, stats)
-    sia = torch.empty((), dtype=torch.float32, device=dev)
-    sib = torch.empty((), dtype=torch.float32, device=dev)
+    sia = torch.empty(size=(), dtype=torch.float32, device=dev)
+    sib = torch.empty(size=(), dtype=torch.float32, device=dev)
     if delayed is None:   # the partial maxima, then (statistics) a's and b's tickets
         partial = torch.empty(plan.pa + plan.pb + (2 if stats else 0), dtype=torch.float32, device=dev)
         launch(_amax_pair_kernel, plan.amax_grid, plan.warm, (a, b), plan.amax_kw)(a, b, partial, ma * k, mb * k,
@@ -167,10 +169,12 @@ def _pair_rowwise(a: torch.Tensor, b: torch.Tensor, elem, transpose_a: bool, lau
     plan = _row_pair_plan(ma, mb, k, elem, a.dtype, b.dtype, transpose_a, stats)
     qa, qta, qb, qtb, part, sta, stb = _outputs(ma, mb, k, dev, plan, transpose_a, stats)
     maxima = torch.zeros(ma + mb + 2 * k + 2, dtype=torch.float32, device=dev)
-    sia = torch.empty((ma, 1), dtype=torch.float32, device=dev)
-    sita = torch.empty((k, 1) if transpose_a else (0, 1), dtype=torch.float32, device=dev)
-    sib = torch.empty((mb, 1), dtype=torch.float32, device=dev)
-    sitb = torch.empty((k, 1), dtype=torch.float32, device=dev)
+    # the scales in the layouts the layer's GEMMs take them (no reshape per GEMM): a's as fprop's
+    # A (M, 1); a^T's as wgrad's B, b's as fprop's B and b^T's as dgrad's B, each (1, rows)
+    sia = torch.empty(size=(ma, 1), dtype=torch.float32, device=dev)
+    sita = torch.empty(size=(1, k) if transpose_a else (0, 1), dtype=torch.float32, device=dev)
+    sib = torch.empty(size=(1, mb), dtype=torch.float32, device=dev)
+    sitb = torch.empty(size=(1, k), dtype=torch.float32, device=dev)
     launch(_amax_rows_cols_pair_kernel, plan.amax_grid, plan.warm, (a, b), plan.amax_kw)(a, b, maxima, ma, mb, k)
     launch(_ct_row_pair_kernel, plan.grid, plan.warm, (a, b), plan.kw)(
         a, qa, qta if transpose_a else qa, sia, sita if transpose_a else sia, b, qb, qtb, sib, sitb, maxima,

@@ -85,8 +85,8 @@ class DelayedState:
                  ticket: torch.Tensor | None = None):
         self.history, self.count = history, count
         dev = history.device
-        self.scratch = torch.zeros((), dtype=torch.float32, device=dev) if scratch is None else scratch
-        self.ticket = torch.zeros((), dtype=torch.int32, device=dev) if ticket is None else ticket
+        self.scratch = torch.zeros(size=(), dtype=torch.float32, device=dev) if scratch is None else scratch
+        self.ticket = torch.zeros(size=(), dtype=torch.int32, device=dev) if ticket is None else ticket
 
 
 def eager_launch(kernel, grid, warm: dict | None = None, vary: tuple = (), kw: dict | None = None):
@@ -115,11 +115,11 @@ def _buffers(m: int, n: int, dev, fp8: torch.dtype, transpose: bool, stats: bool
     every row written by its tile) and the packed statistics (8,) FP64 that the last tile
     writes (`stats_out` when given, else a new tensor; zeros for an operand without
     elements, where no kernel runs); both None without stats."""
-    q = torch.empty((m, n), dtype=fp8, device=dev)
-    qt = torch.empty((n, m) if transpose else (0, 0), dtype=fp8, device=dev)
+    q = torch.empty(size=(m, n), dtype=fp8, device=dev)
+    qt = torch.empty(size=(n, m) if transpose else (0, 0), dtype=fp8, device=dev)
     if not stats:
         return q, qt, None, None
-    part = torch.empty((tiles, _N_STATS), dtype=torch.float64, device=dev)
+    part = torch.empty(size=(tiles, _N_STATS), dtype=torch.float64, device=dev)
     st = torch.empty(_N_STATS, dtype=torch.float64, device=dev) if stats_out is None else stats_out
     if not (m and n):
         st.zero_()
@@ -184,7 +184,7 @@ def tensorwise(x2: torch.Tensor, elem, transpose: bool, stats: bool, launch=eage
     plan = _plan(m, n, elem, x2.dtype, transpose, stats, tile)
     p = plan.p
     q, qt, part, st = _buffers(m, n, dev, plan.fp8, transpose, stats, plan.grid[0] * plan.grid[1], stats_out)
-    scale_inv = torch.empty((), dtype=torch.float32, device=dev)
+    scale_inv = torch.empty(size=(), dtype=torch.float32, device=dev)
     partial = torch.empty(p + 1, dtype=torch.float32, device=dev)   # the maxima, then the ticket
     launch(_amax_partial_kernel, (p,), plan.warm, (x2,), plan.amax_kw)(x2, partial, m * n)
     if not m * n:
@@ -217,7 +217,7 @@ def delayed(x2: torch.Tensor, elem, state: tuple, margin: int, most_recent: bool
     plan = _plan(m, n, elem, x2.dtype, transpose, stats, tile, True, hist.numel(), most_recent, margin,
                  overflow is not None)
     q, qt, part, st = _buffers(m, n, dev, plan.fp8, transpose, stats, plan.grid[0] * plan.grid[1], stats_out)
-    scale_inv = torch.empty((), dtype=torch.float32, device=dev)
+    scale_inv = torch.empty(size=(), dtype=torch.float32, device=dev)
     if not m * n:
         return _empty_result(elem, q, qt, st, scale_inv)
     launch(_ct_kernel, plan.grid, plan.warm, (x2, st, *state, overflow, overflow_index), plan.kw)(
@@ -245,8 +245,8 @@ def rowwise(x2: torch.Tensor, elem, transpose: bool, stats: bool, launch=eager_l
     q, qt, part, st = _buffers(m, n, dev, plan.fp8, transpose, stats, plan.grid[0] * plan.grid[1], stats_out)
     # row maxima, column maxima, then the statistics' ticket: one zeroed buffer
     maxima = torch.zeros(m + n + 1, dtype=torch.float32, device=dev)
-    si = torch.empty((m, 1), dtype=torch.float32, device=dev)
-    sit = torch.empty((n, 1) if transpose else (0, 1), dtype=torch.float32, device=dev)
+    si = torch.empty(size=(m, 1), dtype=torch.float32, device=dev)
+    sit = torch.empty(size=(n, 1) if transpose else (0, 1), dtype=torch.float32, device=dev)
     if m and n:
         launch(_amax_rows_cols_kernel, plan.grid, plan.warm, (x2,), plan.amax_kw)(x2, maxima, m, n, n)
         launch(_ct_row_kernel, plan.grid, plan.warm, (x2, st), plan.kw)(

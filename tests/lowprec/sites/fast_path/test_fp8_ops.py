@@ -134,12 +134,17 @@ def test_random_shapes(rows, k, elem, mode, dtype, log_mag, zero_row, specials, 
         check_cast(x, elem, mode == "row")
 
 
-def _same_cast(got, want):
+def _same_cast(got, want, b_scales=()):
     """A pair's `Cast` against a separate cast's (q, scale_inv, q_t, scale_inv_t, stats): the
-    same bytes, scales and (both or neither) statistics, bit for bit."""
+    same bytes, scales and (both or neither) statistics, bit for bit. The fields named in
+    `b_scales` (row-wise scales the pair gives in a GEMM's B layout) are the separate cast's
+    (rows, 1) values as (1, rows)."""
     assert len(got) == len(want) == 5
     assert (got.stats is None) == (want[4] is None)
-    for g, w in zip(got, want):
+    for name, g, w in zip(got._fields, got, want):
+        if name in b_scales and w.numel():
+            assert w.shape == (w.numel(), 1) and g.shape == (1, w.numel())
+            w = w.reshape(1, -1)
         if g is not None:
             assert torch.equal(_bytes(g) if g.element_size() == 1 else g, _bytes(w) if w.element_size() == 1 else w)
 
@@ -168,8 +173,8 @@ def test_input_and_weight_in_one_launch_equal_their_separate_casts(scaling, stat
         for a, b, tr in _pair_cases():
             got = cast_pair.pair(a, b, elem, tr, stats=stats, rowwise=rowwise)
             if rowwise:
-                _same_cast(got[0], ct.rowwise(a, elem, tr, stats))
-                _same_cast(got[1], ct.rowwise(b, elem, True, stats))
+                _same_cast(got[0], ct.rowwise(a, elem, tr, stats), b_scales=("scale_inv_t",))
+                _same_cast(got[1], ct.rowwise(b, elem, True, stats), b_scales=("scale_inv", "scale_inv_t"))
             else:
                 q, si, qt, st_ = ct.tensorwise(a, elem, tr, stats)
                 _same_cast(got[0], (q, si, qt, si, st_))
