@@ -18,12 +18,14 @@ the checkpoint stays beside OUT.pt) and `reshard_fsdptp` (2 ranks load the 4-ran
 checkpoint and train on).
 SCOPE: `group` or `local` (`precision.amax_scope`). OUT.pt (rank 0) maps each variant to
 its per-step losses, the per-site fast-path / fallback call counts of every rank, and for
-`fsdp` each rank's loss of its own rows at the initial weights (no gradient step).
+`fsdp` each rank's loss of its own rows at the initial weights (no gradient step). Each rank
+prints each variant's wall and CPU seconds (in the launch's log: where a launch's time goes).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -428,6 +430,7 @@ def main(out_path: str, variants: list[str]) -> None:
         dist.init_process_group("gloo")
     results = {}
     for v in variants:
+        t0, c0 = time.perf_counter(), time.process_time()
         mode, fmt, scope = v.split(":")
         if mode == "single" and dist.is_initialized() and dist.get_rank() != 0:
             continue   # no collective in it: rank 0, the one that saves, runs it alone
@@ -435,6 +438,9 @@ def main(out_path: str, variants: list[str]) -> None:
             results[v] = CKPT_RUNS[mode](fmt, scope, Path(out_path).parent)
         else:
             results[v] = RUNS[mode](fmt, scope)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        print(f"rank {rank} {v}: {wall:.2f} s wall, {cpu:.2f} s CPU", flush=True)
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(results, out_path)
     if dist.is_initialized():
