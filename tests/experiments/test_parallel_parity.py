@@ -32,6 +32,8 @@ The one process and pp2 also run the final eval (the model as it is and in high
 precision) and the LR probe at every 2nd check: under pp both go through the two stages
 (`lowprec.runtime.pipeline_forward`); their metrics and probe losses equal the one
 process's (the bound and why: `test_pipeline_evals_and_lr_probes_equal_single_process`).
+Both are tracked, each into an SQLite MLflow store of its own: pp2's rank 0 (stage 0) logs the
+one process's precision map and FLOP shares, every stage's sites.
 
 Losses, and why these bounds:
 
@@ -123,10 +125,10 @@ def _launch(cmd: list[str], log: Path) -> subprocess.Popen:
 def runs(tmp_path_factory, gloo):
     d = tmp_path_factory.mktemp("parallel")
     cfg = d / "config.yaml"
-    cfg.write_text(yaml.safe_dump({**CONFIG, **WITH_EVALS}))
+    cfg.write_text(yaml.safe_dump({**CONFIG, **WITH_EVALS, **_tracked(d, "single")}))
     commands = {"single": [sys.executable, "-m", "lowprec.cli", "run", str(cfg), "--out", str(d / "single"), *INJECT]}
     for mode, (n, parallel, _) in PARALLEL.items():
-        extra = WITH_EVALS if mode == "pp2" else {}
+        extra = {**WITH_EVALS, **_tracked(d, mode)} if mode == "pp2" else {}
         (d / f"{mode}.yaml").write_text(yaml.safe_dump({**CONFIG, **extra, "parallel": parallel}))
         commands[mode] = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                           str(n), "-m", "lowprec.cli", "run", str(d / f"{mode}.yaml"), "--out", str(d / mode),
@@ -153,9 +155,29 @@ def runs(tmp_path_factory, gloo):
         out[mode] = {"losses": json.loads((d / mode / "losses.json").read_text()),
                      "summary": json.loads((d / mode / "summary.json").read_text()),
                      "logs": [(d / mode / f"events.rank{r}.jsonl").read_text() for r in range(n)]}
-    for name in ("single", "pp2"):   # the runs with evals and the LR probe
+    for name in ("single", "pp2"):   # the runs with evals, the LR probe and tracking
         out[name]["lr_probes"] = json.loads((d / name / "lr_probes.json").read_text())
+        out[name]["tracked"] = _tracked_precision(d, name)
     return out
+
+
+def _tracked(d: Path, name: str) -> dict:
+    """The tracking section of a run tracked into its own SQLite store in `d`."""
+    return {"tracking": {"uri": f"sqlite:///{d / name}.db", "experiment": "parity", "run_name": name}}
+
+
+def _tracked_precision(d: Path, name: str) -> dict:
+    """What the run logged to MLflow as its precision: the map over time (`precision_map.json`) and
+    every `precision/...` metric's (step, value) points."""
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(f"sqlite:///{d / name}.db")
+    [run] = client.search_runs([client.get_experiment_by_name("parity").experiment_id])
+    dest = d / f"{name}_artifacts"
+    dest.mkdir()
+    pmap = json.loads(Path(client.download_artifacts(run.info.run_id, "precision_map.json", str(dest))).read_text())
+    metrics = {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k))
+               for k in run.data.metrics if k.startswith("precision/")}
+    return {"map": pmap, "metrics": metrics}
 
 
 def _decisions(log: str) -> list[tuple]:
@@ -188,6 +210,21 @@ def test_every_rank_takes_the_single_process_decisions(runs, mode):
     assert set(summary["flops_share"]) == {"fp8_tensorwise", "bf16"}
     assert summary["rewinds"] == 1
     assert not summary["nonfinite_params"]
+
+
+def test_the_pipeline_run_tracks_the_one_process_s_precision_map(runs):
+    """pp2's rank 0 holds stage 0 (blocks.0) and tracks the run: what it logs to MLflow as the
+    precision map over time (`precision_map.json`: the first map, each change, the last) and the
+    FLOP shares at every logged step are the one process's, stage 1's sites and SITE's fallback
+    on stage 1 included, under the same site names."""
+    pp, single = runs["pp2"]["tracked"], runs["single"]["tracked"]
+    pmap = single["map"]
+    assert pmap["initial"][SITE] == "fp8_tensorwise" and pmap["final"][SITE] == "bf16"
+    assert {n.split(".")[1] for n in pmap["initial"]} == {"0", "1"}   # both stages' blocks
+    assert [c["step"] for c in pmap["changes"]] == [9, 12], pmap["changes"]
+    assert pp["map"] == pmap
+    assert set(single["metrics"]) == {"precision/flops_share/bf16", "precision/flops_share/fp8_tensorwise"}
+    assert pp["metrics"] == single["metrics"]
 
 
 def _rel(a: list[float], b: list[float]) -> list[float]:
