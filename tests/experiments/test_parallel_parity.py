@@ -221,7 +221,9 @@ def test_the_pipeline_run_tracks_the_one_process_s_precision_map(runs):
     pmap = single["map"]
     assert pmap["initial"][SITE] == "fp8_tensorwise" and pmap["final"][SITE] == "bf16"
     assert {n.split(".")[1] for n in pmap["initial"]} == {"0", "1"}   # both stages' blocks
-    assert [c["step"] for c in pmap["changes"]] == [9, 12], pmap["changes"]
+    promotion, fallback = pmap["changes"]   # the fallback decided at step 12 is logged at the next logged step
+    assert promotion["step"] == 9 and {n.split(".")[2] for n in promotion["formats"]} == {"attn"}, promotion
+    assert fallback["step"] > 12 and fallback["formats"] == {SITE: "bf16"}, fallback
     assert pp["map"] == pmap
     assert set(single["metrics"]) == {"precision/flops_share/bf16", "precision/flops_share/fp8_tensorwise"}
     assert pp["metrics"] == single["metrics"]
