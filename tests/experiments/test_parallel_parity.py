@@ -32,8 +32,8 @@ The one process and pp2 also run the final eval (the model as it is and in high
 precision) and the LR probe at every 2nd check: under pp both go through the two stages
 (`lowprec.runtime.pipeline_forward`); their metrics and probe losses equal the one
 process's (the bound and why: `test_pipeline_evals_and_lr_probes_equal_single_process`).
-Both are tracked, each into an SQLite MLflow store of its own: pp2's rank 0 (stage 0) logs the
-one process's precision map and FLOP shares, every stage's sites.
+pp2 is tracked (an SQLite MLflow store): its rank 0 (stage 0) logs the one process's precision
+map, every stage's sites, and its changes at the one process's decisions.
 
 Losses, and why these bounds:
 
@@ -125,7 +125,7 @@ def _launch(cmd: list[str], log: Path) -> subprocess.Popen:
 def runs(tmp_path_factory, gloo):
     d = tmp_path_factory.mktemp("parallel")
     cfg = d / "config.yaml"
-    cfg.write_text(yaml.safe_dump({**CONFIG, **WITH_EVALS, **_tracked(d, "single")}))
+    cfg.write_text(yaml.safe_dump({**CONFIG, **WITH_EVALS}))
     commands = {"single": [sys.executable, "-m", "lowprec.cli", "run", str(cfg), "--out", str(d / "single"), *INJECT]}
     for mode, (n, parallel, _) in PARALLEL.items():
         extra = {**WITH_EVALS, **_tracked(d, mode)} if mode == "pp2" else {}
@@ -155,9 +155,9 @@ def runs(tmp_path_factory, gloo):
         out[mode] = {"losses": json.loads((d / mode / "losses.json").read_text()),
                      "summary": json.loads((d / mode / "summary.json").read_text()),
                      "logs": [(d / mode / f"events.rank{r}.jsonl").read_text() for r in range(n)]}
-    for name in ("single", "pp2"):   # the runs with evals, the LR probe and tracking
+    for name in ("single", "pp2"):   # the runs with evals and the LR probe
         out[name]["lr_probes"] = json.loads((d / name / "lr_probes.json").read_text())
-        out[name]["tracked"] = _tracked_precision(d, name)
+    out["pp2"]["tracked"] = _tracked_precision(d, "pp2")
     return out
 
 
@@ -213,20 +213,22 @@ def test_every_rank_takes_the_single_process_decisions(runs, mode):
 
 
 def test_the_pipeline_run_tracks_the_one_process_s_precision_map(runs):
-    """pp2's rank 0 holds stage 0 (blocks.0) and tracks the run: what it logs to MLflow as the
-    precision map over time (`precision_map.json`: the first map, each change, the last) and the
-    FLOP shares at every logged step are the one process's, stage 1's sites and SITE's fallback
-    on stage 1 included, under the same site names."""
-    pp, single = runs["pp2"]["tracked"], runs["single"]["tracked"]
-    pmap = single["map"]
-    assert pmap["initial"][SITE] == "fp8_tensorwise" and pmap["final"][SITE] == "bf16"
+    """pp2's rank 0 holds stage 0 (blocks.0) and tracks the run in MLflow: its precision map over
+    time (`precision_map.json`: the first map, each change, the last) names every stage's sites as
+    the one process does, its changes are the one process's decisions (the promotion at step 9 and
+    SITE's fallback, on stage 1), and its last map and FLOP shares are the one process's."""
+    pmap, metrics = runs["pp2"]["tracked"]["map"], runs["pp2"]["tracked"]["metrics"]
+    single = runs["single"]["summary"]
+    events = [json.loads(line) for line in runs["single"]["logs"][0].splitlines()]
+    promote, fallback = (next(e for e in events if e["kind"] == kind) for kind in ("promote", "fallback"))
+    assert pmap["initial"] == {n: "fp8_tensorwise" if ".mlp." in n else "bf16" for n in single["formats"]}, pmap
     assert {n.split(".")[1] for n in pmap["initial"]} == {"0", "1"}   # both stages' blocks
-    promotion, fallback = pmap["changes"]   # the fallback decided at step 12 is logged at the next logged step
-    assert promotion["step"] == 9 and {n.split(".")[2] for n in promotion["formats"]} == {"attn"}, promotion
-    assert fallback["step"] > 12 and fallback["formats"] == {SITE: "bf16"}, fallback
-    assert pp["map"] == pmap
-    assert set(single["metrics"]) == {"precision/flops_share/bf16", "precision/flops_share/fp8_tensorwise"}
-    assert pp["metrics"] == single["metrics"]
+    assert [c["formats"] for c in pmap["changes"]] == [promote["to_format"], fallback["to_format"]], pmap
+    # the fallback decided at step 12 is logged at the next logged step
+    assert pmap["changes"][0]["step"] == promote["step"] == 9 and pmap["changes"][1]["step"] > 12
+    assert pmap["final"] == single["formats"] and pmap["flops_share"] == single["flops_share"]
+    assert set(metrics) == {f"precision/flops_share/{f}" for f in single["flops_share"]}
+    assert {k.rsplit("/", 1)[1]: points[-1][1] for k, points in metrics.items()} == single["flops_share"]
 
 
 def _rel(a: list[float], b: list[float]) -> list[float]:
