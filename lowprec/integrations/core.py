@@ -38,7 +38,7 @@ from lowprec.policy.decisions import Action
 from lowprec.state.ranks import process_rank, world_size
 from lowprec.runtime.after_step import AfterStep
 from lowprec.runtime.session import Session, SessionSettings, StepResult
-from lowprec.sites.precision_state import StagedPrecisionMap
+from lowprec.runtime.tracked_map import regather, tracked_map
 from lowprec.tracking.records import RunStatus
 from lowprec.policy.verdicts import Verdict
 
@@ -117,7 +117,8 @@ class HostedRollout:
         self.after: AfterStep | None = None
         self.tracker = None
         self.evals = None
-        self.map = self.state   # what tracking logs as the precision map (`start`: the whole model's under stages)
+        self.map = self.state   # what tracking logs as the precision map (`start`: the whole model's under stages,
+                                # `lowprec.runtime.tracked_map`)
         self._pending: StepResult | None = None
         self._ended = False
 
@@ -181,11 +182,9 @@ class HostedRollout:
                                group=group, clip=clip, lr_probe=lr_probe, sites=sites, event_log=event_log,
                                on_events=self.tracker.log_events if self.tracker is not None else None,
                                settings=SessionSettings.from_rollout(cfg.rollout, max_grad_norm=max_grad_norm))
-        self.map = (self.state if self.whole is None or controller is None else
-                    StagedPrecisionMap(self.whole.state, lambda: controller.current))
+        self.map = tracked_map(self.state, self.whole.state if self.whole is not None else None, controller)
         if self.evals is not None:   # every rank runs the same eval passes: decided on the whole model's formats
-            self.evals.formats = (self.map.formats if self.whole is None or controller is not None
-                                  else self.whole.state.formats)
+            self.evals.formats = self.map.formats
         self.after = AfterStep(self.session, self.map, tracker=self.tracker, evals=self.evals, baseline=self.baseline)
         if self.tracker is not None:
             self.tracker.log_config(cfg.to_dict())
@@ -241,8 +240,8 @@ class HostedRollout:
         return result
 
     def formats(self) -> dict[str, str]:
-        """Every site's format now (fqn -> format name). Under pipeline stages (`whole`) the
-        controller's record, which covers every stage and is the same on every rank."""
+        """Every site's format now (fqn -> format name), the same on every rank: under pipeline
+        stages (`whole`) every stage's sites (`lowprec.runtime.tracked_map`), once `start` ran."""
         return self.map.formats()
 
     @property
@@ -305,6 +304,7 @@ class HostedRollout:
                              f"{saved['world_size']} rank(s)")
         self.state.load_state_dict(saved["precision"])   # checks sites and formats before switching any
         self.session.load_state_dict(saved["session"])
+        regather(self.map)   # every rank loads its own sites' formats
         self.after.load_state_dict({"losses": saved["losses"]})
         if self.tracker is not None:
             self.tracker.log_metrics(self.step, {"train/resumed_at": self.step})

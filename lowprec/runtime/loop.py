@@ -35,13 +35,14 @@ import torch
 
 from lowprec.state.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from lowprec.runtime.data import TokenBatches
-from lowprec.state.ranks import process_rank
+from lowprec.state.ranks import on_any_rank, process_rank
 from lowprec.runtime.after_step import AfterStep
 from lowprec.runtime.engine import Engine
 from lowprec.runtime.lrprobe import LRProbe
 from lowprec.runtime.faults import Faults, Injection
 from lowprec.runtime.session import Session, SessionSettings
 from lowprec.runtime.snapshots import DiskSnapshots
+from lowprec.runtime.tracked_map import regather
 from lowprec.tracking.phases import PassOutcome, Phase
 from lowprec.tracking.telemetry import Telemetry, TelemetryConfig
 
@@ -92,8 +93,8 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     telemetry: where the time and energy go (`lowprec.tracking.telemetry`); default none.
     progress: told after every pass `update(steps done, loss=, tokens=)` (`lowprec.runtime.console.Progress`).
     precision_map: what tracking, the summary and the results report as the model's formats and
-    FLOP shares (`formats()`, `flops_share()`); default `state`; under pipeline stages the whole
-    model's (`lowprec.sites.precision_state.StagedPrecisionMap`), where `state` holds this rank's sites.
+    FLOP shares (`formats()`, `flops_share()`); default `state`; under pipeline stages, where
+    `state` holds this rank's sites, the whole model's (`lowprec.runtime.tracked_map.tracked_map`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -104,12 +105,12 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     tracked = state if precision_map is None else precision_map
     after = AfterStep(session, tracked, tracker=tracker, evals=evals, log_every=tc.log_every, baseline=baseline,
                       total_steps=n_steps, clock=tele.clock, on_precision_change=tele.formats_changed,
-                      window_metrics=tele.window,
-                      current_formats=state.formats if sites is None else lambda: dict(controller.current))
+                      window_metrics=tele.window)
     # resume: None = no checkpoint yet (start at 0); every checkpoint bad: NoUsableCheckpointError
     iteration = 0   # loop passes, rewinds included: injected faults happen once, in time
     if resume and (last := checkpoint_to_resume(out / "checkpoints")) is not None:
         iteration = _resume(last, engine, opt, sched, state, data, session, after, res)
+        regather(tracked)   # every rank loaded its sites' formats
     if tracker is not None:
         tracker.log_precision(session.step_index, tracked.formats(), tracked.flops_share())
     injected = Faults(engine.module, faults)
@@ -237,7 +238,7 @@ def _conclude(res: "RunResult", rec, engine: Engine, session: Session, evals, tr
     if tracker is not None and res.telemetry:
         tracker.log_metrics(n_steps, res.telemetry)
         tracker.log_tags(tele.sources())
-    res.nonfinite_params = any(not torch.isfinite(p.detach()).all() for p in engine.params)
+    res.nonfinite_params = on_any_rank(any(not torch.isfinite(p.detach()).all() for p in engine.params))
     res.events, res.skipped = session.events, session.skipped
     res.lr_probes = list(session.lr_probe.results) if session.lr_probe is not None else []
     if rank == 0:

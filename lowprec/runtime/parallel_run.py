@@ -20,7 +20,9 @@ within `parallel.peer_timeout_s` says how many came and exits 2.
 **Files and tracking.** Rank 0 creates the run folder, writes losses, summary and the
 MLflow run (one per job, through its outbox: the other ranks have no tracker, so no rank
 waits on tracking); every rank writes its own event log `events.rank<R>.jsonl`. The
-statistics rank 0 logs are the monitor's, reduced over every rank at each check. At the
+statistics rank 0 logs are the monitor's, reduced over every rank at each check; the precision
+map it logs and summary.json's are the whole model's, every stage's sites under pipeline stages
+(`lowprec.runtime.tracked_map`), as is summary.json's `nonfinite_params`. At the
 end every rank's events are merged into the run's event table (`merge_rank_events`): the
 ranks decide alike, so each event is logged once; one that some rank did not record would
 be logged with the ranks that did. Checkpoints are written every `train.ckpt_every` steps
@@ -206,28 +208,25 @@ class RankRun:
     state: object
     data: object
     sites: list[str] | None = None   # every site of the model, in forward order (for the monitor)
-    precision_map: object = None     # what tracking reports: `state`, or the whole model's under pp
+    precision_map: object = None     # what tracking reports (`lowprec.runtime.tracked_map`): the whole model's
 
 
 def _build(prepared, par) -> RankRun:
     """This rank's engine, precision state and batches."""
     from lowprec.runtime.data import TokenBatches
     from lowprec.runtime.parallel import build_engine, local_state
-    from lowprec.sites.precision_state import StagedPrecisionMap
+    from lowprec.runtime.tracked_map import tracked_map
 
     tc = prepared.config.train
     sites = list(prepared.controller.order) if prepared.controller is not None else None
     engine, data_rank, data_ranks = build_engine(prepared.model, par, tc.microbatches)
-    state, data = prepared.state, prepared.data
-    whole = None
+    state, data, whole = prepared.state, prepared.data, None
     if par.pp > 1:   # this rank keeps its stage's sites; the monitor packs every site's row
-        if prepared.controller is not None:   # tracked: every stage's sites, as the controller records them
-            whole = StagedPrecisionMap(state, lambda: prepared.controller.current)
-        state = local_state(state, [f for f, _ in engine.module.named_modules() if f in state.sites])
+        whole, state = state, local_state(state, [f for f, _ in engine.module.named_modules() if f in state.sites])
     if data_ranks > 1:
         data = TokenBatches(data.tokens, data.batch_size, data.block_size, seed=data.seed, rank=data_rank,
                             world=data_ranks)
-    return RankRun(engine, state, data, sites, state if whole is None else whole)
+    return RankRun(engine, state, data, sites, tracked_map(state, whole, prepared.controller))
 
 
 def merge_rank_events(out: Path, world: int) -> list:
@@ -304,10 +303,10 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, resume: bool, f
                           model=run.engine.module, state=run.state, started=started)
     evals = prepared.evals
     if evals is not None:   # every rank evaluates (collective forwards); rank 0 logs, gates and shares
-        evals.tracker, evals.share = tracker, from_rank_0
-        if cfg.parallel.pp > 1:   # the forward through every stage; the eval passes decided on the whole model
+        # the eval passes decided on the whole model's formats, which every rank tracks alike
+        evals.tracker, evals.share, evals.formats = tracker, from_rank_0, run.precision_map.formats
+        if cfg.parallel.pp > 1:   # the forward through every stage
             evals.evaluator.use_forward(run.engine.logits)
-            evals.formats = run.precision_map.formats if prepared.controller is not None else prepared.state.formats
         if prepared.controller is not None and evals.checker is not None:
             prepared.controller.gate = evals.gate
     status = RunStatus.FAILED

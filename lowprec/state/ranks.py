@@ -3,14 +3,15 @@
 The one place every module asks (the loop's per-rank files, the framework integrations'
 state files, checkpoints, tracking on rank 0): 0 and 1 when no process group is up; and
 `from_rank_0`, how rank 0's outcome (an eval's: lm-eval's results exist on rank 0 only) reaches
-every rank, so that every rank's controller decides alike.
+every rank, so that every rank's controller decides alike; `on_any_rank`, whether a condition
+holds on some rank (what rank 0 reports of state every rank holds a part of).
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
-__all__ = ["process_rank", "world_size", "from_rank_0"]
+__all__ = ["process_rank", "world_size", "from_rank_0", "on_any_rank"]
 
 
 def process_rank() -> int:
@@ -31,3 +32,13 @@ def from_rank_0(payload):
     box = [payload if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def on_any_rank(flag: bool) -> bool:
+    """True when `flag` is true on some rank; `flag` itself without a process group. Every
+    rank must call it (a collective)."""
+    if world_size() == 1:
+        return bool(flag)
+    flags: list = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(flag))
+    return any(flags)

@@ -32,6 +32,8 @@ The one process and pp2 also run the final eval (the model as it is and in high
 precision) and the LR probe at every 2nd check: under pp both go through the two stages
 (`lowprec.runtime.pipeline_forward`); their metrics and probe losses equal the one
 process's (the bound and why: `test_pipeline_evals_and_lr_probes_equal_single_process`).
+pp2 is tracked (an SQLite MLflow store): its rank 0 (stage 0) logs the one process's precision
+map, every stage's sites, and its changes at the one process's decisions.
 
 Losses, and why these bounds:
 
@@ -126,7 +128,7 @@ def runs(tmp_path_factory, gloo):
     cfg.write_text(yaml.safe_dump({**CONFIG, **WITH_EVALS}))
     commands = {"single": [sys.executable, "-m", "lowprec.cli", "run", str(cfg), "--out", str(d / "single"), *INJECT]}
     for mode, (n, parallel, _) in PARALLEL.items():
-        extra = WITH_EVALS if mode == "pp2" else {}
+        extra = {**WITH_EVALS, **_tracked(d, mode)} if mode == "pp2" else {}
         (d / f"{mode}.yaml").write_text(yaml.safe_dump({**CONFIG, **extra, "parallel": parallel}))
         commands[mode] = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                           str(n), "-m", "lowprec.cli", "run", str(d / f"{mode}.yaml"), "--out", str(d / mode),
@@ -155,7 +157,27 @@ def runs(tmp_path_factory, gloo):
                      "logs": [(d / mode / f"events.rank{r}.jsonl").read_text() for r in range(n)]}
     for name in ("single", "pp2"):   # the runs with evals and the LR probe
         out[name]["lr_probes"] = json.loads((d / name / "lr_probes.json").read_text())
+    out["pp2"]["tracked"] = _tracked_precision(d, "pp2")
     return out
+
+
+def _tracked(d: Path, name: str) -> dict:
+    """The tracking section of a run tracked into its own SQLite store in `d`."""
+    return {"tracking": {"uri": f"sqlite:///{d / name}.db", "experiment": "parity", "run_name": name}}
+
+
+def _tracked_precision(d: Path, name: str) -> dict:
+    """What the run logged to MLflow as its precision: the map over time (`precision_map.json`) and
+    every `precision/...` metric's (step, value) points."""
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(f"sqlite:///{d / name}.db")
+    [run] = client.search_runs([client.get_experiment_by_name("parity").experiment_id])
+    dest = d / f"{name}_artifacts"
+    dest.mkdir()
+    pmap = json.loads(Path(client.download_artifacts(run.info.run_id, "precision_map.json", str(dest))).read_text())
+    metrics = {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k))
+               for k in run.data.metrics if k.startswith("precision/")}
+    return {"map": pmap, "metrics": metrics}
 
 
 def _decisions(log: str) -> list[tuple]:
@@ -188,6 +210,25 @@ def test_every_rank_takes_the_single_process_decisions(runs, mode):
     assert set(summary["flops_share"]) == {"fp8_tensorwise", "bf16"}
     assert summary["rewinds"] == 1
     assert not summary["nonfinite_params"]
+
+
+def test_the_pipeline_run_tracks_the_one_process_s_precision_map(runs):
+    """pp2's rank 0 holds stage 0 (blocks.0) and tracks the run in MLflow: its precision map over
+    time (`precision_map.json`: the first map, each change, the last) names every stage's sites as
+    the one process does, its changes are the one process's decisions (the promotion at step 9 and
+    SITE's fallback, on stage 1), and its last map and FLOP shares are the one process's."""
+    pmap, metrics = runs["pp2"]["tracked"]["map"], runs["pp2"]["tracked"]["metrics"]
+    single = runs["single"]["summary"]
+    events = [json.loads(line) for line in runs["single"]["logs"][0].splitlines()]
+    promote, fallback = (next(e for e in events if e["kind"] == kind) for kind in ("promote", "fallback"))
+    assert pmap["initial"] == {n: "fp8_tensorwise" if ".mlp." in n else "bf16" for n in single["formats"]}, pmap
+    assert {n.split(".")[1] for n in pmap["initial"]} == {"0", "1"}   # both stages' blocks
+    assert [c["formats"] for c in pmap["changes"]] == [promote["to_format"], fallback["to_format"]], pmap
+    # the fallback decided at step 12 is logged at the next logged step
+    assert pmap["changes"][0]["step"] == promote["step"] == 9 and pmap["changes"][1]["step"] > 12
+    assert pmap["final"] == single["formats"] and pmap["flops_share"] == single["flops_share"]
+    assert set(metrics) == {f"precision/flops_share/{f}" for f in single["flops_share"]}
+    assert {k.rsplit("/", 1)[1]: points[-1][1] for k, points in metrics.items()} == single["flops_share"]
 
 
 def _rel(a: list[float], b: list[float]) -> list[float]:

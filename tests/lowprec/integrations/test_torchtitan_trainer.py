@@ -219,7 +219,8 @@ def test_pipeline_2_stages_nan_skip_rewind_probe_and_eval(tmp_path, gloo, free_p
     part): every rank sees the last stage's loss, the NaN planted on the rank whose stage holds SITE
     is bisected by replays through torchtitan's pipeline schedule and that site falls back there
     (every rank's controller records it); the logits spike is skipped and rewound (each rank's own
-    stages' parameters and optimizer state); rank 0 tracks every stage's precision map. The LR probe
+    stages' parameters and optimizer state); rank 0 tracks every stage's precision map, and would
+    without a controller (`lowprec.runtime.tracked_map`). The LR probe
     (at every check) and the final eval run as steps of the pipeline schedule on both ranks: each
     rank has the same eval outcome, probe result and eval logits, equal to the whole model's in one
     process (`_check_against_one_process`)."""
@@ -248,6 +249,14 @@ def test_pipeline_2_stages_nan_skip_rewind_probe_and_eval(tmp_path, gloo, free_p
     client, run = _mlflow_run(uri)
     shares = {k.rsplit("/", 1)[1]: v for k, v in run.data.metrics.items() if k.startswith("precision/flops_share/")}
     assert 0 < shares["bf16"] < 0.1 and shares["bf16"] + shares["fp8_tensorwise"] == pytest.approx(1), shares
+    # without a controller too (the plan as it is: a HostedRollout of the plan without `rollout:` over the
+    # stages as they ended): every stage's sites, as the ranks holding them run them, SITE's fallback on
+    # rank 1 included, though rank 0's copy of rank 1's layers never heard of it
+    for r in reports:
+        plain = r["without_controller"]
+        assert plain["formats"] == reports[0]["formats"] and plain["formats"][SITE] == "bf16", plain
+        assert plain["flops_share"] == pytest.approx(shares), (plain["flops_share"], shares)
+    assert reports[0]["without_controller"]["whole_copy"][SITE] == "fp8_tensorwise"
     assert math.isfinite(run.data.metrics["train/lr_sensitivity"])   # the LR probe ran through the schedule
     evals = [[{k: v for k, v in e.items() if k != "seconds"} for e in r["evals"]] for r in reports]
     # before the promotion and at the end, each the same on both ranks

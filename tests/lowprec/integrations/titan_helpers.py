@@ -110,19 +110,32 @@ class RecordingTrainer(LowprecTrainer):
 
     def train(self):
         super().train()
-        self._report(self.step)
         if SETTINGS["reference"]:
             self._against_one_process()
+        self._report(self.step, self._without_controller() if self.hosted.whole is not None else None)
 
-    def _report(self, titan_step):
+    def _report(self, titan_step, without_controller=None):
         h = self.hosted
         rank = torch.distributed.get_rank()
         out = {{"rank": rank, "formats": h.formats(), "local": sorted(h.state.sites), "step": h.step,
                "titan_step": titan_step,
                "skipped": h.session.skipped, "rewinds": h.session.rewinds, "restored": self.restored,
                "losses": h.losses, "events": [e.to_json() for e in h.session.events],
-               "evals": h.evals.history if h.evals is not None else None}}
+               "evals": h.evals.history if h.evals is not None else None, "without_controller": without_controller}}
         Path(SETTINGS["dump"], f"lowprec_rank{{rank}}.json").write_text(json.dumps(out))
+
+    def _without_controller(self):
+        """Under pipeline stages, what a HostedRollout of this plan without its rollout section (and
+        untracked) reports over this rank's stages as they are now (a collective: every rank builds one),
+        and this rank's copy of the whole model's sites (the other stages' layers it does not run)."""
+        from lowprec.integrations.core import HostedRollout
+        h = self.hosted
+        cfg = dataclasses.replace(h.config, rollout=None, eval=None,
+                                  tracking=dataclasses.replace(h.config.tracking, enabled=False))
+        plain = HostedRollout(cfg, h.model, state=h.state, whole=h.whole)
+        plain.start(h.session.optimizer)
+        return {{"formats": plain.formats(), "flops_share": plain.map.flops_share(),
+                "whole_copy": h.whole.state.formats()}}
 
     def _against_one_process(self):
         """An eval forward's logits and the LR probe's held loss, through this job's parallelism (every
