@@ -115,6 +115,11 @@ def noop_launches(triton_path: bool = False):
         _Counter.launches += 1
         return torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype or a.dtype)
 
+    # Inductor registers its extern `_scaled_mm` under the name of the function `torch._scaled_mm` is when its
+    # GEMM lowerings are first imported: imported under the patch below, the process's registry would hold this
+    # stand-in as `scaled_mm`, and a graph compiled elsewhere and loaded from Inductor's cache later in the
+    # process (its code calls `extern_kernels._scaled_mm`) would fail. Import them first, unpatched.
+    import torch._inductor.kernel.mm  # noqa: F401
     saved = (fp8_ops.uses_kernels, fp8_cast.kernels_available, cast_transpose.eager_launch, torch._scaled_mm)
     fp8_ops.uses_kernels = lambda x: True
     fp8_cast.kernels_available = lambda x: True

@@ -18,6 +18,11 @@ def test_every_row_runs_and_the_patches_are_undone():
     before = (fp8_ops.uses_kernels, torch._scaled_mm)
     lines = bench_host_noop.main(["--calls", "2", "--repeats", "1"])
     assert (fp8_ops.uses_kernels, torch._scaled_mm) == before
+    # Inductor's registry of extern GEMMs holds the real `_scaled_mm`, not the stand-in the compiled row
+    # ran under: a graph later loaded from Inductor's cache in this process calls it by that name
+    from torch._inductor.select_algorithm import extern_kernels
+    assert getattr(extern_kernels, "_scaled_mm", None) is torch._scaled_mm
+    assert not hasattr(extern_kernels, "scaled_mm")
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in lines if line.startswith("| ")
             and not line.startswith("| step")}
     assert list(rows) == list(bench_host_noop.ROWS)
