@@ -51,6 +51,7 @@ from torch import nn
 from lowprec.numerics.formats import Format, get_format
 from lowprec.numerics.quantize import QuantStats
 from lowprec.runtime.engine import loss_of
+from lowprec.state.ranks import from_every_rank
 
 __all__ = ["SiteCost", "Profile", "profile_sites", "site_role", "sample_sites", "bits_saved_share"]
 
@@ -201,9 +202,7 @@ def _fingerprint(params: Iterable[torch.Tensor], batches) -> torch.Tensor:
 
 
 def _check_same_on_ranks(fp: torch.Tensor, group) -> None:
-    world = dist.get_world_size(group)
-    got = [None] * world
-    dist.all_gather_object(got, fp.tolist(), group=group)
+    got = from_every_rank(fp.tolist(), group)
     bad = [r for r, g in enumerate(got) if g != got[0]]
     if bad:
         raise ValueError(f"ranks {bad} hold other weights or held batches than rank 0; a distributed profile "
@@ -329,9 +328,8 @@ def profile_sites(model: nn.Module, state, batches: Sequence[tuple[torch.Tensor,
         state.load_scaling_state(scaling)
     measured = mine
     if distributed and world > 1:
-        got = [None] * world
-        dist.all_gather_object(got, [c.to_dict() for c in mine], group=group)
-        measured = [SiteCost.from_dict(d) for part in got for d in part]
+        measured = [SiteCost.from_dict(d) for part in from_every_rank([c.to_dict() for c in mine], group)
+                    for d in part]
     by_pair = {(c.fqn, c.format): c for c in measured}
     entries = []
     for f in state.sites:

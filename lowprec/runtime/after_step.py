@@ -48,12 +48,11 @@ class AfterStep:
 
     def __init__(self, session, state, *, tracker=None, evals=None, log_every: int = 1,
                  baseline: dict[int, float] | None = None, total_steps: int | None = None,
-                 current_formats: Callable[[], dict[str, str]] | None = None, clock=None,
+                 clock=None,
                  on_precision_change: Callable[[], None] | None = None,
                  window_metrics: Callable[[int], dict[str, float]] | None = None):
         self.session, self.state, self.tracker, self.evals = session, state, tracker, evals
         self.log_every, self.baseline, self.total_steps = log_every, baseline, total_steps
-        self.current_formats = current_formats or state.formats
         self.clock = clock
         self.on_precision_change = on_precision_change or (lambda: None)
         self.window_metrics = window_metrics or (lambda step: {})
@@ -94,7 +93,7 @@ class AfterStep:
         checked = s.is_check_step(step)
         last = self.total_steps is not None and step == self.total_steps - 1
         if checked or last:
-            rec.formats[step] = self.current_formats()
+            rec.formats[step] = self.state.formats()
             rec.flops_share[step] = self.state.flops_share()
         if (step + 1) % self.log_every == 0 or checked or last:
             window = self.window_metrics(step)

@@ -48,13 +48,8 @@ class GatheredPrecisionMap:
 
     def gather(self) -> None:
         """Read every rank's sites' formats now (after they changed on some rank)."""
-        import torch.distributed as dist
-        from lowprec.state.ranks import world_size
-        held = self.local.formats()
-        if world_size() > 1:
-            parts: list = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(parts, held, group=self.group)
-            held = {fqn: fmt for part in parts for fqn, fmt in part.items()}
+        from lowprec.state.ranks import from_every_rank
+        held = {fqn: fmt for part in from_every_rank(self.local.formats(), self.group) for fqn, fmt in part.items()}
         missing = [fqn for fqn in self.whole.sites if fqn not in held]
         if missing:
             raise ValueError(f"{len(missing)} of the model's {len(self.whole.sites)} sites are held by no rank "

@@ -3,15 +3,16 @@
 The one place every module asks (the loop's per-rank files, the framework integrations'
 state files, checkpoints, tracking on rank 0): 0 and 1 when no process group is up; and
 `from_rank_0`, how rank 0's outcome (an eval's: lm-eval's results exist on rank 0 only) reaches
-every rank, so that every rank's controller decides alike; `on_any_rank`, whether a condition
-holds on some rank (what rank 0 reports of state every rank holds a part of).
+every rank, so that every rank's controller decides alike; `from_every_rank`, every rank's
+object on every rank, and `on_any_rank`, whether a condition holds on some rank (what rank 0
+reports of state every rank holds a part of).
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
-__all__ = ["process_rank", "world_size", "from_rank_0", "on_any_rank"]
+__all__ = ["process_rank", "world_size", "from_rank_0", "from_every_rank", "on_any_rank"]
 
 
 def process_rank() -> int:
@@ -34,11 +35,18 @@ def from_rank_0(payload):
     return box[0]
 
 
+def from_every_rank(payload, group=None) -> list:
+    """Every rank's `payload` (any picklable object) in rank order within `group` (None: every
+    rank), on every rank of it; `[payload]` without a process group. Every rank of `group` must
+    call it (a collective)."""
+    if world_size() == 1:
+        return [payload]
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, payload, group=group)
+    return parts
+
+
 def on_any_rank(flag: bool) -> bool:
     """True when `flag` is true on some rank; `flag` itself without a process group. Every
     rank must call it (a collective)."""
-    if world_size() == 1:
-        return bool(flag)
-    flags: list = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, bool(flag))
-    return any(flags)
+    return any(from_every_rank(bool(flag)))
