@@ -237,13 +237,11 @@ class LowprecTrainer(Trainer):
                           buffer=self.job_run.folder if self.job_run else None,
                           resume_tracking=self.job_run is not None and self.job_run.resume,
                           event_log=prepared.setup.event_log if prepared.setup.event_log and process_rank() == 0
-                          else None)
+                          else None, eval_share=from_rank_0)   # every rank evaluates; rank 0's outcome to every rank
         if self.job_run is not None and self.job_run.continues:
             self.hosted.tracker.log_tags({"lowprec.continues_run": self.job_run.continues})
             logger.info(f"lowprec: MLflow run {self.job_run.continues} finished; this resumed job tracks into a "
                         f"new run (tag lowprec.continues_run)")
-        if self.hosted.evals is not None:   # every rank evaluates; rank 0's outcome goes to every rank
-            self.hosted.evals.share = from_rank_0
         self.optimizers.register_step_pre_hook(self._before_optimizer_step)
         if getattr(self.checkpointer, "enable", False):
             self._checkpoint_rollout(config.lowprec_restore)

@@ -211,15 +211,15 @@ class RankRun:
     precision_map: object = None     # what tracking reports (`lowprec.runtime.tracked_map`): the whole model's
 
 
-def _build(prepared, par) -> RankRun:
-    """This rank's engine, precision state and batches."""
+def _build(prepared, par, clock) -> RankRun:
+    """This rank's engine (lapping on `clock`), precision state and batches."""
     from lowprec.runtime.data import TokenBatches
     from lowprec.runtime.parallel import build_engine, local_state
     from lowprec.runtime.tracked_map import tracked_map
 
     tc = prepared.config.train
     sites = list(prepared.controller.order) if prepared.controller is not None else None
-    engine, data_rank, data_ranks = build_engine(prepared.model, par, tc.microbatches)
+    engine, data_rank, data_ranks = build_engine(prepared.model, par, tc.microbatches, clock)
     state, data, whole = prepared.state, prepared.data, None
     if par.pp > 1:   # this rank keeps its stage's sites; the monitor packs every site's row
         whole, state = state, local_state(state, [f for f, _ in engine.module.named_modules() if f in state.sites])
@@ -292,23 +292,23 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, resume: bool, f
     from lowprec.tracking.telemetry import Telemetry, TelemetryConfig
 
     cfg, lead = prepared.config, env.rank == 0
-    run = _build(prepared, cfg.parallel)
+    tel = cfg.telemetry if lead else TelemetryConfig(enabled=False)
+    clock = Telemetry.clock_for(tel, torch.device("cpu"))   # the engine's and the session's, counting from begin()
+    run = _build(prepared, cfg.parallel, clock)
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         console.log_to(out / LOG_NAME)
     dist.barrier()   # the run folder exists before any rank writes to it
     tracker = _tracker(cfg, out, name, resume) if lead and cfg.tracking.enabled else None
     progress = console.progress(cfg.train.steps, mix=run.precision_map.flops_share) if lead else None
-    telemetry = Telemetry(cfg.telemetry if lead else TelemetryConfig(enabled=False), device=torch.device("cpu"),
-                          model=run.engine.module, state=run.state, started=started)
-    evals = prepared.evals
-    if evals is not None:   # every rank evaluates (collective forwards); rank 0 logs, gates and shares
-        # the eval passes decided on the whole model's formats, which every rank tracks alike
-        evals.tracker, evals.share, evals.formats = tracker, from_rank_0, run.precision_map.formats
-        if cfg.parallel.pp > 1:   # the forward through every stage
-            evals.evaluator.use_forward(run.engine.logits)
-        if prepared.controller is not None and evals.checker is not None:
-            prepared.controller.gate = evals.gate
+    telemetry = Telemetry(tel, device=torch.device("cpu"), model=run.engine.module, state=run.state, started=started,
+                          clock=clock)
+    evals = None
+    if prepared.evals is not None:   # every rank evaluates (collective forwards); rank 0 logs, gates and shares
+        # the eval passes decided on the whole model's formats, which every rank tracks alike; under
+        # pipeline stages scored through the forward through every stage
+        evals = prepared.evals.for_run(tracker=tracker, share=from_rank_0, formats=run.precision_map.formats,
+                                       forward=run.engine.logits if cfg.parallel.pp > 1 else None)
     status = RunStatus.FAILED
     try:
         res = train(cfg.train, run.engine, run.state, run.data, out_dir=out, controller=prepared.controller,

@@ -227,9 +227,9 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True,
         from lowprec.runtime.evals import eval_checkpoints
         max_len = cfg.data.block_size if cfg.data is not None and cfg.data.block_size else 256
         prepared.evals = eval_checkpoints(cfg.eval, model, state, max_length=max_len)
-        if cfg.parallel.pp > 1 and not callable(getattr(prepared.evals.evaluator, "use_forward", None)):
+        if cfg.parallel.pp > 1 and not callable(getattr(prepared.evals.evaluator, "with_forward", None)):
             raise ConfigError("eval.evaluator", (
-                f"{cfg.eval.evaluator!r} has no use_forward(forward) method, which parallel: {{pp: {cfg.parallel.pp}}} "
+                f"{cfg.eval.evaluator!r} has no with_forward(forward) method, which parallel: {{pp: {cfg.parallel.pp}}} "
                 f"needs (no rank holds the whole model's forward; the run hands the pipeline's): give the evaluator "
                 f"one, or use lm_eval"))
         checker = prepared.evals.checker
@@ -252,14 +252,11 @@ def execute(prepared: PreparedRun, out: str | Path, *, tracker=None, resume: boo
     from lowprec.tracking.telemetry import Telemetry
 
     cfg = prepared.config
-    evals = prepared.evals
-    if evals is not None:
-        evals.tracker = tracker
-        if prepared.controller is not None and evals.checker is not None:
-            prepared.controller.gate = evals.gate
+    evals = prepared.evals.for_run(tracker=tracker) if prepared.evals is not None else None
     device = next((p.device for p in prepared.model.parameters()), torch.device("cpu"))
     telemetry = Telemetry(cfg.telemetry, device=device, model=prepared.model, state=prepared.state, started=started)
-    return train(cfg.train, SingleProcess(prepared.model, cfg.train.microbatches), prepared.state, prepared.data,
+    engine = SingleProcess(prepared.model, cfg.train.microbatches, clock=telemetry.clock)
+    return train(cfg.train, engine, prepared.state, prepared.data,
                  out_dir=out, controller=prepared.controller, rollout=cfg.rollout, tracker=tracker, evals=evals,
                  baseline=prepared.baseline, resume=resume, faults=faults, steps=steps, telemetry=telemetry,
                  progress=progress)

@@ -74,7 +74,7 @@ class Session:
                  held_batch: tuple[torch.Tensor, torch.Tensor] | None = None, sites: list[str] | None = None,
                  group=None, event_log: str | Path | None = None,
                  on_events: Callable[[list[Event]], None] | None = None, start_step: int = 0,
-                 clock: LapClock = NULL_CLOCK):
+                 clock: LapClock = NULL_CLOCK, gate: Callable[[int], Any] | None = None):
         """The config section: `settings` (`SessionSettings.from_rollout(rollout)`; default, the
         defaults). The objects it drives: `model`, `optimizer`, `scheduler`, `data` (skipped
         on a rewind), `state` (the PrecisionState of `lowprec.prepare(model, plan)`, this rank's
@@ -89,13 +89,18 @@ class Session:
             `held_batch` (x, y), a batch training never draws, the same on every rank.
         sites: every site of the model in forward order, when `state` holds only this rank's (a
             pipeline stage); group: the process group the monitor combines over.
-        clock: laps the step's phases for `lowprec.tracking.telemetry` (`use_clock` replaces it).
+        clock: laps the step's phases for `lowprec.tracking.telemetry` (the run's telemetry's clock,
+            which counts from its `begin()`).
+        gate: gate(step), an evaluation before each promotion (`EvalCheckpoints.gate`); the
+            session hands it, and its window's judge, to the controller at every check.
         """
         cfg = settings or SessionSettings()
         self.model, self.optimizer, self.state = model, optimizer, state
         self.controller, self.scheduler, self.data = controller, scheduler, data
         self.clip = clip or _default_clip(model, cfg.max_grad_norm)
         self.clock = clock
+        # the promotion's evaluation, its time booked as `eval` on the clock
+        self.gate = _EvalTimedGate(gate, clock) if gate is not None else None
         self.step_index = start_step
         self.events: list[Event] = []
         self.last_signals = None
@@ -125,7 +130,6 @@ class Session:
                                              measure=self._measure, close=cfg.window_close,
                                              max_windows=cfg.window_replays, max_looks=cfg.max_replays,
                                              min_length=self.monitor_config.check_every)
-                controller.use_judge(self.window.judge)
         else:
             state.collect_stats(False)   # no monitor reads them: quantize without statistics
         self.snapshots = snapshots
@@ -156,13 +160,13 @@ class Session:
     # ------------------------------------------------------------------ building
     @classmethod
     def build(cls, model: nn.Module, optimizer: torch.optim.Optimizer, plan, rollout=None, *, seed: int = 0,
-              baseline: dict[int, float] | None = None, gate=None, **kwargs) -> "Session":
-        """prepare(model, plan) and a controller from the parsed `rollout:` section."""
+              baseline: dict[int, float] | None = None, **kwargs) -> "Session":
+        """prepare(model, plan) and a controller from the parsed `rollout:` section (`gate=` and the
+        other keywords go to the constructor)."""
         from lowprec.policy.rollout import build_controller
         from lowprec.sites.precision_state import prepare
         state = prepare(model, plan, seed=seed)
-        controller = None if rollout is None else build_controller(rollout, state, model, baseline=baseline,
-                                                                   gate=gate)
+        controller = None if rollout is None else build_controller(rollout, state, model, baseline=baseline)
         kwargs.setdefault("settings", SessionSettings.from_rollout(rollout))
         return cls(model, optimizer, state, controller, **kwargs)
 
@@ -210,10 +214,6 @@ class Session:
         if isinstance(self.snapshots, MemorySnapshots):
             self.snapshots.take(step)
 
-    def use_clock(self, clock: LapClock) -> None:
-        """Lap the step's phases on `clock` from now on (the host's telemetry, started after set-up)."""
-        self.clock = clock
-
     def resume_statistics(self) -> None:
         """After something switched quantizer statistics off (an evaluation), set them as the
         current step wants them (on for check steps only)."""
@@ -252,7 +252,7 @@ class Session:
         if self.monitor is not None:
             # with a closure an anomalous step is replayed, which finds a NaN's origin: the
             # monitor need not count non-finite outputs on the next check steps
-            self.monitor.count_outputs = closure is None or self.replayer is None
+            self.monitor.origins_by_replay(closure is not None and self.replayer is not None)
         if grad_norm is None:
             grad_norm = self.clip()
         self.clock.lap(Phase.OPTIMIZER)
@@ -321,8 +321,6 @@ class Session:
         if self.controller is None:
             return Decision()
         mon, ctl = self.monitor, self.controller
-        if ctl.gate is not None and not isinstance(ctl.gate, _EvalTimedGate):
-            ctl.gate = _EvalTimedGate(ctl.gate, self)   # set by the host after the session was built, too
         # every rank reads the same two numbers, so every rank branches (and replays) alike
         measured = self._measure(loss, grad_norm)
         self.clock.lap(Phase.COLLECTIVE)
@@ -343,9 +341,15 @@ class Session:
         if mon.is_check_step(step):
             signals = self.last_signals = mon.check(step)
             signals.lr_sensitivity = self._lr_sensitivity(step)
-        decision = self._carry_out(ctl.observe_step(step, anomaly, signals, attribution))
+        decision = self._carry_out(ctl.observe_step(step, anomaly, signals, attribution, gate=self.gate,
+                                                    judge=self._judge))
         self.clock.lap(Phase.MONITOR)
         return decision
+
+    @property
+    def _judge(self):
+        """The window's judgment of a slow signal, which the controller is handed at each check."""
+        return self.window.judge if self.window is not None else None
 
     def _attribute(self, closure: Callable[[], torch.Tensor]) -> Attribution:
         return attribute_by_replay(self.controller, self.replayer, closure, self.max_replays)
@@ -355,7 +359,7 @@ class Session:
         rolls the newest stage back. Same on every rank if `result` is."""
         if self.controller is None:
             return Decision()
-        decision = self._carry_out(self.controller.observe_gate(step, result))
+        decision = self._carry_out(self.controller.observe_gate(step, result, judge=self._judge))
         self.resume_statistics()   # evals switch statistics off
         return decision
 
