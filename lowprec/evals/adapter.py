@@ -30,18 +30,14 @@ it is given: no global state.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator, Sequence
 from itertools import groupby
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+import torch
+from lm_eval.api.model import LM
+from torch import nn
 
-import torch  # noqa: E402
-from lm_eval.api.model import LM  # noqa: E402
-from torch import nn  # noqa: E402
-
-from lowprec.evals.tokenizers import Tokenizer  # noqa: E402
+from lowprec.evals.tokenizers import Tokenizer
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
