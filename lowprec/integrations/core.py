@@ -197,9 +197,9 @@ class HostedRollout:
         tc = self.config.tracking
         if not tc.enabled and attach is None:
             return None
-        from lowprec.tracking.cli import default_tracking_uri
+        from lowprec.runtime.host import tracking_uri
         from lowprec.tracking.tracker import Tracker
-        uri = attach.tracking_uri if attach is not None else (tc.uri or default_tracking_uri())
+        uri = attach.tracking_uri if attach is not None else tracking_uri(self.config)
         name = tc.run_name or run_name
         folder = Path(buffer) if buffer is not None else \
             Path(buffer_root) / (attach.run_id if attach is not None else f"{name}-{uuid.uuid4().hex[:8]}")

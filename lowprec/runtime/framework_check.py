@@ -19,7 +19,7 @@ def check_framework_config(cfg, state, model, baseline: dict[int, float] | None 
     """(the baseline curve, the controller it builds or None) for `cfg` over `state` (the
     prepared `model`); raises ConfigError. `baseline`: a curve the caller passes itself."""
     if baseline is None and cfg.rollout is not None and cfg.rollout.baseline is not None:
-        from lowprec.runtime.run import read_baseline
+        from lowprec.runtime.host import read_baseline
         try:
             baseline = read_baseline(cfg)
         except (LookupError, FileNotFoundError) as e:

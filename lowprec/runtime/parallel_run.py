@@ -269,7 +269,7 @@ def train_ranks(prepared, out: Path, *, name: str, env: RankEnv, store, resume: 
 
 def _tracker(cfg, out: Path, name: str, resume: bool):
     """Rank 0's MLflow run (one per job; `resume` continues the killed job's)."""
-    from lowprec.runtime.run import _tracking_uri
+    from lowprec.runtime.host import tracking_uri as _tracking_uri
     from lowprec.tracking.tracker import Tracker
     tel, par = cfg.telemetry, cfg.parallel
     tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, name, buffer_dir=out / "tracking", resume=resume,
@@ -285,7 +285,8 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, resume: bool, f
     import torch.distributed as dist
     from lowprec.runtime.console import LOG_NAME
     from lowprec.runtime.loop import train
-    from lowprec.runtime.run import EXIT_OK, EXIT_UNSENT, _tracking_uri, close_run, summary_text, unsent_line
+    from lowprec.runtime.host import tracking_uri as _tracking_uri
+    from lowprec.runtime.run import EXIT_OK, EXIT_UNSENT, close_run, summary_text, unsent_line
     from lowprec.state.checkpoint import NoUsableCheckpointError
     from lowprec.state.ranks import from_rank_0
     from lowprec.tracking.records import RunStatus

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from lowprec.base.parse import ConfigError
+from lowprec.runtime.host import read_baseline, tracking_uri as _tracking_uri
 from lowprec.runtime.run_summary import summary_text
 from lowprec.tracking.records import RunStatus
 
@@ -100,31 +101,6 @@ def _call(fn: Callable, args: dict, what: str):
 def _search_paths(cfg) -> list[Path]:
     src = getattr(cfg, "source", None)
     return [p for p in (Path(src).parent if src and src != "<dict>" else None, Path.cwd()) if p is not None]
-
-
-def read_baseline(cfg) -> dict[int, float] | None:
-    """The loss curve `rollout.baseline` names: a losses file (beside the config, or from the
-    working directory), or an MLflow run's losses.json."""
-    from lowprec.policy.rollout import read_losses
-    b = cfg.rollout.baseline if cfg.rollout is not None else None
-    if b is None:
-        return None
-    if b.losses is not None:
-        p = Path(b.losses)
-        cands = [p] if p.is_absolute() else [q / p for q in _search_paths(cfg)]
-        found = next((c for c in cands if c.is_file()), None)
-        if found is None:
-            raise ConfigError("rollout.baseline.losses", f"{b.losses!r} not found (looked at "
-                              f"{', '.join(map(str, cands))}); give the losses.json a run wrote")
-        return read_losses(found)
-    from lowprec.runtime.baseline import losses_of_run
-    curve = losses_of_run(_tracking_uri(cfg), cfg.tracking.experiment, b.mlflow_run)
-    return {i: float(v) for i, v in enumerate(curve) if v == v and abs(float(v)) != float("inf")}
-
-
-def _tracking_uri(cfg) -> str:
-    uri = getattr(cfg.tracking, "uri", None) if cfg.tracking is not None else None
-    return uri or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
 def high_precision_baseline(cfg):

@@ -174,7 +174,10 @@ class Session:
     def from_yaml(cls, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs) -> "Session":
         """Build from a YAML file's `precision:` and (optional) `rollout:` sections."""
         from lowprec.config import ConfigRole, LowprecConfig
+        from lowprec.runtime.host import read_baseline
         cfg = LowprecConfig.from_yaml(path, role=ConfigRole.SESSION)
+        if "baseline" not in kwargs:   # a losses file beside the YAML, as every host reads it
+            kwargs["baseline"] = read_baseline(cfg)
         return cls.build(model, optimizer, cfg.precision, cfg.rollout, **kwargs)
 
     # ------------------------------------------------------------------ the step
