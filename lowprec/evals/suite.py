@@ -49,6 +49,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
+from lowprec.base.parse import ConfigError, check_keys
 from lowprec.evals.aggregations import bootstrap_perplexities
 from lowprec.evals.tasks import get_task, prepare_tasks, unknown_name_error
 from lowprec.evals.tokenizers import Tokenizer
@@ -101,9 +102,10 @@ def load_suites(text: str, source: str = "suites.yaml") -> Mapping[str, EvalSuit
     for name, body in raw.items():
         if not isinstance(body, dict) or "tasks" not in body:
             raise ValueError(f"{source}: suite {name!r} must be a mapping with `tasks: [...]`, found {body!r}")
-        unknown = set(body) - {"tasks", "fast_limit"}
-        if unknown:
-            raise ValueError(f"{source}: suite {name!r} has unknown keys {sorted(unknown)}; allowed: tasks, fast_limit")
+        try:
+            check_keys(body, ["tasks", "fast_limit"], str(name))   # the config parser's one key check
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e.path}", e.message) from None
         suites[str(name)] = EvalSuite(str(name), tuple(body["tasks"]), body.get("fast_limit"))
     return MappingProxyType(suites)
 

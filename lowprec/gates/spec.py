@@ -33,7 +33,7 @@ import yaml
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
-from lowprec.base.parse import suggest
+from lowprec.base.parse import ConfigError, check_keys, suggest
 from lowprec.gates.errors import GateSpecError
 from lowprec.gates.budget import ErrorBudget
 from lowprec.gates.gate import PAIRED_BOOTSTRAP, Gate, Noise, Tolerance
@@ -86,10 +86,11 @@ EXAMPLE = ("gates:\n  - metric: eval/heldout_shakespeare/bits_per_byte\n    dire
 
 
 def _check_keys(d: Mapping, allowed: tuple[str, ...], key_prefix: str = "") -> None:
-    for k in d:
-        if k not in allowed:
-            raise GateSpecError(f"unknown key {k!r}.{suggest(str(k), allowed)} Allowed keys: {', '.join(allowed)}.",
-                                key=f"{key_prefix}{k}")
+    """The config parser's one key check (`lowprec.base.parse.check_keys`), as a GateSpecError."""
+    try:
+        check_keys(d, list(allowed), key_prefix.rstrip("."))
+    except ConfigError as e:
+        raise GateSpecError(e.message, key=e.path) from None
 
 
 def _tolerance(x: Any) -> Tolerance:

@@ -178,7 +178,9 @@ def eval_checkpoints(config, model, state, *, max_length: int, tracker=None, sha
         evaluator = ev_cls(config, model, max_length=max_length, **evaluator_kwargs)
         checker = load_entry_point(GATE_CHECKERS, "default")(config.gates) if config.gates else None
         return EvalCheckpoints(config, evaluator, checker, state, tracker=tracker, share=share, formats=formats)
-    except ConfigError:
-        raise
+    except ConfigError as e:
+        if e.path.startswith("eval"):
+            raise
+        raise ConfigError("eval", str(e)) from None   # a gate file's error (its file, gate and key) under eval
     except (LookupError, ValueError, KeyError, FileNotFoundError) as e:
         raise ConfigError("eval", str(e).strip("'\"")) from None

@@ -36,8 +36,10 @@ def check_framework_config(cfg, state, model, baseline: dict[int, float] | None 
                 ev_cls.check_config(cfg.eval)
             if cfg.eval.gates:
                 load_entry_point(GATE_CHECKERS, "default")(cfg.eval.gates)
-        except ConfigError:
-            raise
+        except ConfigError as e:
+            if e.path.startswith("eval"):
+                raise
+            raise ConfigError("eval", str(e)) from None   # a gate file's error (its file, gate and key) under eval
         except (LookupError, ValueError, KeyError, FileNotFoundError) as e:
             raise ConfigError("eval", str(e).strip("'\"")) from None
     return baseline, controller
