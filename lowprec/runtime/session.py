@@ -89,18 +89,16 @@ class Session:
             `held_batch` (x, y), a batch training never draws, the same on every rank.
         sites: every site of the model in forward order, when `state` holds only this rank's (a
             pipeline stage); group: the process group the monitor combines over.
-        clock: laps the step's phases for `lowprec.tracking.telemetry` (the run's telemetry's clock,
-            which counts from its `begin()`).
-        gate: gate(step), an evaluation before each promotion (`EvalCheckpoints.gate`); the
-            session hands it, and its window's judge, to the controller at every check.
+        clock: laps the step's phases (the run's telemetry's, counting from its `begin()`).
+        gate: gate(step), an evaluation before each promotion (`EvalCheckpoints.gate`), handed to
+            the controller at every check with the window's judge.
         """
         cfg = settings or SessionSettings()
         self.model, self.optimizer, self.state = model, optimizer, state
         self.controller, self.scheduler, self.data = controller, scheduler, data
         self.clip = clip or _default_clip(model, cfg.max_grad_norm)
         self.clock = clock
-        # the promotion's evaluation, its time booked as `eval` on the clock
-        self.gate = _EvalTimedGate(gate, clock) if gate is not None else None
+        self.gate = _EvalTimedGate(gate, clock) if gate is not None else None   # booked as `eval` time
         self.step_index = start_step
         self.events: list[Event] = []
         self.last_signals = None
@@ -133,6 +131,7 @@ class Session:
         else:
             state.collect_stats(False)   # no monitor reads them: quantize without statistics
         self.snapshots = snapshots
+        self._window_judge = self.window.judge if self.window is not None else None   # handed over at each check
         if self.snapshots is not None:
             self.snapshots.after_step(start_step)
         self.lr_probe = lr_probe
@@ -176,9 +175,8 @@ class Session:
         from lowprec.config import ConfigRole, LowprecConfig
         from lowprec.runtime.host import read_baseline
         cfg = LowprecConfig.from_yaml(path, role=ConfigRole.SESSION)
-        if "baseline" not in kwargs:   # a losses file beside the YAML, as every host reads it
-            kwargs["baseline"] = read_baseline(cfg)
-        return cls.build(model, optimizer, cfg.precision, cfg.rollout, **kwargs)
+        baseline = kwargs.pop("baseline", None) or read_baseline(cfg)   # a losses file beside the YAML, as every host
+        return cls.build(model, optimizer, cfg.precision, cfg.rollout, baseline=baseline, **kwargs)
 
     # ------------------------------------------------------------------ the step
     def _prepare(self, step: int) -> None:
@@ -345,14 +343,9 @@ class Session:
             signals = self.last_signals = mon.check(step)
             signals.lr_sensitivity = self._lr_sensitivity(step)
         decision = self._carry_out(ctl.observe_step(step, anomaly, signals, attribution, gate=self.gate,
-                                                    judge=self._judge))
+                                                    judge=self._window_judge))
         self.clock.lap(Phase.MONITOR)
         return decision
-
-    @property
-    def _judge(self):
-        """The window's judgment of a slow signal, which the controller is handed at each check."""
-        return self.window.judge if self.window is not None else None
 
     def _attribute(self, closure: Callable[[], torch.Tensor]) -> Attribution:
         return attribute_by_replay(self.controller, self.replayer, closure, self.max_replays)
@@ -362,7 +355,7 @@ class Session:
         rolls the newest stage back. Same on every rank if `result` is."""
         if self.controller is None:
             return Decision()
-        decision = self._carry_out(self.controller.observe_gate(step, result, judge=self._judge))
+        decision = self._carry_out(self.controller.observe_gate(step, result, judge=self._window_judge))
         self.resume_statistics()   # evals switch statistics off
         return decision
 
