@@ -168,9 +168,10 @@ class HostedRollout:
         cfg = self.config
         self.tracker = self._open_tracker(run_name, buffer_root, attach, buffer, resume_tracking)
         if cfg.eval is not None:
+            from lowprec.runtime.baseline import baseline_evals
             from lowprec.runtime.evals import eval_checkpoints
             self.evals = eval_checkpoints(cfg.eval, self.model, self.state, max_length=max_length, tracker=self.tracker,
-                                          forward=eval_forward, tokenizer=eval_tokenizer)
+                                          forward=eval_forward, tokenizer=eval_tokenizer, baseline=baseline_evals(cfg))
         controller = None
         if cfg.rollout is not None:
             from lowprec.policy.rollout import build_controller

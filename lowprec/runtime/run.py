@@ -226,7 +226,8 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True,
     if cfg.eval is not None:
         from lowprec.runtime.evals import eval_checkpoints
         max_len = cfg.data.block_size if cfg.data is not None and cfg.data.block_size else 256
-        prepared.evals = eval_checkpoints(cfg.eval, model, state, max_length=max_len)
+        from lowprec.runtime.baseline import baseline_evals
+        prepared.evals = eval_checkpoints(cfg.eval, model, state, max_length=max_len, baseline=baseline_evals(cfg))
         if cfg.parallel.pp > 1 and not callable(getattr(prepared.evals.evaluator, "use_forward", None)):
             raise ConfigError("eval.evaluator", (
                 f"{cfg.eval.evaluator!r} has no use_forward(forward) method, which parallel: {{pp: {cfg.parallel.pp}}} "
