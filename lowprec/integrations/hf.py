@@ -275,7 +275,8 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
         self._micro.clear()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.hosted.before_optimizer_step(self._step_loss(), self._closure(), forward=self._forward())
+        self.hosted.before_optimizer_step(self._step_loss(), self._closure(), forward=self._forward(),
+                                          framework_step=state.global_step + 1)   # the Trainer counts it after
 
     def on_step_end(self, args, state, control, **kwargs):
         self._micro.clear()
