@@ -19,13 +19,21 @@ from pathlib import Path
 from lowprec.base.parse import ConfigError
 from lowprec.base.quiet import quiet_artifact_downloads
 
-__all__ = ["losses_of_run", "telemetry_of_run", "BaselineEvals", "baseline_evals", "LOSSES_ARTIFACT"]
+__all__ = ["losses_of_run", "telemetry_of_run", "BaselineEvals", "baseline_evals", "LOSSES_ARTIFACT", "RUN_HOW",
+           "TRAINER_HOW"]
 
 LOSSES_ARTIFACT = "losses.json"
 _WHERE = "rollout.baseline.mlflow_run"
 
 
-def _find_run(client, experiment: str, ref: str):
+RUN_HOW = "e.g. `lowprec run CONFIG --as-baseline --run-name {ref}`"
+# a framework's user trains with their trainer, not `lowprec run`
+TRAINER_HOW = ("with your trainer: the same training with lowprec's callback, every layer in bf16 (no stages) and "
+               "tracking on, under the run name {ref} (tracking.run_name, or the trainer's run name); at its end "
+               "the callback logs the losses.json a baseline needs")
+
+
+def _find_run(client, experiment: str, ref: str, how: str = RUN_HOW):
     from mlflow.exceptions import MlflowException
     try:
         return client.get_run(ref)
@@ -33,40 +41,43 @@ def _find_run(client, experiment: str, ref: str):
         pass
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
-        raise ConfigError(_WHERE, f"no run {ref!r}: the store has no experiment {experiment!r} (tracking.experiment)")
+        raise ConfigError(_WHERE, f"no run {ref!r}: the store has no experiment {experiment!r} (tracking.experiment); "
+                          f"train the baseline first, {how.format(ref=ref)}")
     runs = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{ref}' and "
                               f"attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"],
                               max_results=1)
     if not runs:
         raise ConfigError(_WHERE, f"no FINISHED run with id or name {ref!r} in experiment {experiment!r}; train the "
-                          f"baseline first (e.g. `lowprec run CONFIG --as-baseline --run-name {ref}`)")
+                          f"baseline first, {how.format(ref=ref)}")
     return runs[0]
 
 
-def _ask_store(read, tracking_uri: str, experiment: str, ref: str):
+def _ask_store(read, tracking_uri: str, experiment: str, ref: str, how: str = RUN_HOW):
     """`read(tracking_uri, experiment, ref)` within the tracking deadline; a SQLite store that
     is not there is a ConfigError (asking MLflow would create an empty one)."""
     if tracking_uri.startswith("sqlite:///"):
         db = Path(tracking_uri[len("sqlite:///"):])
         if not db.is_file():
             raise ConfigError(_WHERE, f"no run {ref!r}: there is no tracking store at {db} (tracking.uri); train "
-                              f"the baseline first, e.g. `lowprec run CONFIG --as-baseline --run-name {ref}`")
+                              f"the baseline first, {how.format(ref=ref)}")
     from lowprec.tracking.deadline import DEFAULT_TIMEOUT_S, Deadline, NoAnswer
     deadline = Deadline(DEFAULT_TIMEOUT_S, f"the tracking store {tracking_uri}")
     try:
-        return deadline.run(f"reading the baseline run {ref!r}", read, tracking_uri, experiment, ref)
+        return deadline.run(f"reading the baseline run {ref!r}", read, tracking_uri, experiment, ref, how)
     except NoAnswer as e:
         raise ConfigError(_WHERE, str(e)) from None
 
 
-def losses_of_run(tracking_uri: str, experiment: str, ref: str) -> list[float]:
-    return _ask_store(_read, tracking_uri, experiment, ref)
+def losses_of_run(tracking_uri: str, experiment: str, ref: str, how: str = RUN_HOW) -> list[float]:
+    """The baseline run's losses; `how`: how to make that baseline, said when it is missing
+    (`RUN_HOW` for `lowprec run`, `TRAINER_HOW` under a framework's trainer)."""
+    return _ask_store(_read, tracking_uri, experiment, ref, how)
 
 
-def _read(tracking_uri: str, experiment: str, ref: str) -> list[float]:
+def _read(tracking_uri: str, experiment: str, ref: str, how: str = RUN_HOW) -> list[float]:
     from mlflow.tracking import MlflowClient
     client = MlflowClient(tracking_uri)
-    run = _find_run(client, experiment, ref)
+    run = _find_run(client, experiment, ref, how)
     with tempfile.TemporaryDirectory() as tmp:
         try:
             with quiet_artifact_downloads():
@@ -83,7 +94,7 @@ def telemetry_of_run(tracking_uri: str, experiment: str, ref: str) -> dict[str, 
     return _ask_store(_read_telemetry, tracking_uri, experiment, ref)
 
 
-def _read_telemetry(tracking_uri: str, experiment: str, ref: str) -> dict[str, float]:
+def _read_telemetry(tracking_uri: str, experiment: str, ref: str, how: str = RUN_HOW) -> dict[str, float]:
     from mlflow.tracking import MlflowClient
     run = _find_run(MlflowClient(tracking_uri), experiment, ref)
     return {k: float(v) for k, v in run.data.metrics.items() if k.startswith("telemetry/")}
@@ -110,7 +121,7 @@ class BaselineEvals:
         return found if found is not None else self.by_step.get((int(step), None))   # logged without a mode
 
 
-def _read_evals(tracking_uri: str, experiment: str, ref: str) -> dict[tuple[int, str | None], dict]:
+def _read_evals(tracking_uri: str, experiment: str, ref: str, how: str = RUN_HOW) -> dict:
     from mlflow.tracking import MlflowClient
     client = MlflowClient(tracking_uri)
     run = _find_run(client, experiment, ref)

@@ -117,8 +117,10 @@ def read_baseline(cfg) -> dict[int, float] | None:
             raise ConfigError("rollout.baseline.losses", f"{b.losses!r} not found (looked at "
                               f"{', '.join(map(str, cands))}); give the losses.json a run wrote")
         return read_losses(found)
-    from lowprec.runtime.baseline import losses_of_run
-    curve = losses_of_run(_tracking_uri(cfg), cfg.tracking.experiment, b.mlflow_run)
+    from lowprec.config import ConfigRole
+    from lowprec.runtime.baseline import RUN_HOW, TRAINER_HOW, losses_of_run
+    how = TRAINER_HOW if cfg.role is ConfigRole.FRAMEWORK else RUN_HOW   # a Trainer's user has no `lowprec run`
+    curve = losses_of_run(_tracking_uri(cfg), cfg.tracking.experiment, b.mlflow_run, how)
     return {i: float(v) for i, v in enumerate(curve) if v == v and abs(float(v)) != float("inf")}
 
 

@@ -265,3 +265,19 @@ def test_mlflow_steps_are_the_trainers_global_steps_after_a_rewind(hf_run):
     assert rewind["step"] == SPIKE_AT + 2                               # the Trainer's step, not lowprec's 41
     later = [e for e in logged if e["step"] > SPIKE_AT + 2]
     assert all(e["evidence"]["lowprec_step"] < e["step"] - 1 for e in later)
+
+
+def test_the_runs_artifacts_go_beside_the_store_as_with_lowprec_run(hf_run):
+    """The callback creates the YAML's experiment the way `lowprec run` does: artifacts beside the
+    SQLite database (`<db dir>/mlruns/<experiment>`), not in the launch folder's ./mlruns."""
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+    uri = hf_run[3]
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("hf-integration")
+    where = (Path(uri[len("sqlite:///"):]).parent / "mlruns" / "hf-integration").as_uri()
+    assert exp.artifact_location == where
+    run = client.search_runs([exp.experiment_id])[0]
+    assert run.info.artifact_uri.startswith(where + "/")
+    assert any(client.list_artifacts(run.info.run_id, "report"))   # and they are there
