@@ -10,7 +10,7 @@ too, so `lowprec gate` would find the run's final evals at a step its control ne
 precision map, eval and event is recorded at the framework's current step, as the host last
 reported it (`HostedRollout.before_optimizer_step(..., framework_step=)`), whatever step
 lowprec's code passes. Where lowprec's own count differs (after a rewind), it is kept beside:
-the metric `lowprec/step` (the session's step count) and, on an event, `lowprec_step` in its
+the metric `train/lowprec_step` (the session's step count) and, on an event, `lowprec_step` in its
 evidence (lowprec's 0-based step, which is the framework's minus one until a rewind). A host
 that reports no framework step is logged at lowprec's steps, as before. Everything else
 (the run id, the run folder, finishing) is the wrapped tracker's.
@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 
 __all__ = ["FrameworkSteps", "LOWPREC_STEP"]
 
-LOWPREC_STEP = "lowprec/step"
+LOWPREC_STEP = "train/lowprec_step"
 
 
 class FrameworkSteps:

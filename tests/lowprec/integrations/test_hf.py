@@ -243,7 +243,7 @@ def test_the_trainers_own_evaluation_is_an_eval_checkpoint(tmp_path):
 def test_mlflow_steps_are_the_trainers_global_steps_after_a_rewind(hf_run):
     """One step counter in the run: lowprec's metrics, evals and events carry the Trainer's
     global step (1-based, never going back), and lowprec's own count is kept beside it where a
-    rewind made the two differ (`lowprec/step`, an event's `lowprec_step`)."""
+    rewind made the two differ (`train/lowprec_step`, an event's `lowprec_step`)."""
     import json
 
     from mlflow.tracking import MlflowClient
@@ -251,14 +251,14 @@ def test_mlflow_steps_are_the_trainers_global_steps_after_a_rewind(hf_run):
     client = MlflowClient(uri)
     run = client.search_runs([client.get_experiment_by_name("hf-integration").experiment_id])[0]
     rid = run.info.run_id
-    steps = {k: {m.step for m in client.get_metric_history(rid, k)} for k in ("train/loss", "loss", "lowprec/step",
+    steps = {k: {m.step for m in client.get_metric_history(rid, k)} for k in ("train/loss", "loss", "train/lowprec_step",
                                                                              "train/loss_rewound")}
     assert trainer.state.global_step == 50 and max(steps["train/loss"]) == 50   # lowprec's own count ends short
     assert steps["train/loss"] | steps["train/loss_rewound"] == set(range(1, 51))
     assert steps["loss"] <= steps["train/loss"]                        # the Trainer's logging steps are among them
-    last = client.get_metric_history(rid, "lowprec/step")
+    last = client.get_metric_history(rid, "train/lowprec_step")
     assert max(last, key=lambda m: m.step).value == lp.step < 50      # lowprec's count, where it differs
-    assert min(steps["lowprec/step"]) >= SPIKE_AT + 2                  # only after the rewind
+    assert min(steps["train/lowprec_step"]) >= SPIKE_AT + 2                  # only after the rewind
     path = client.download_artifacts(rid, "events.jsonl", str(lp.hosted.tracker.run_dir / "dl-steps"))
     logged = [json.loads(line) for line in open(path).read().splitlines()]
     (rewind,) = [e for e in logged if e["kind"] == EventKind.REWIND]
