@@ -32,7 +32,9 @@ anything and refuses a corrupt checkpoint (`CorruptCheckpointError`, naming the 
 the tensors). `latest_checkpoint` ignores temporary names (`*.tmp`) and, newest first,
 verifies each candidate (reading every byte) and skips, with a warning naming it, one that
 does not open (cut short by a copy or a full disk) or does not match its checksums.
-`checkpoint_to_resume` tells "no checkpoint" (None) from "every checkpoint is bad"
+A save that runs out of space (a full disk, a quota) removes its temporary and raises
+`lowprec.state.durable.NoSpaceError` naming the checkpoint, its folder and the space free;
+the checkpoints written before are untouched. `checkpoint_to_resume` tells "no checkpoint" (None) from "every checkpoint is bad"
 (`NoUsableCheckpointError`, naming each one and why).
 
 Saving step s then removes checkpoints beyond the newest `keep` and a killed writer's
@@ -57,7 +59,7 @@ from torch import nn
 
 from lowprec.state.checkpoint_fit import _check_model, _check_optim, _check_parts
 from lowprec.state.ranks import process_rank, world_size
-from lowprec.state.durable import check_plain, fsync_dir, save_atomically, write_synced
+from lowprec.state.durable import check_plain, fsync_dir, no_space, save_atomically, write_synced
 from lowprec.state.rng import check_rng_devices, restore_rng_state, rng_state
 from lowprec.state.integrity import CorruptCheckpointError, payload_integrity, verify_manifest, verify_payload, \
     write_manifest
@@ -126,9 +128,12 @@ def _save_dcp(directory: Path, step: int, model, optimizer, local: dict, keep, b
         # forget it and save none, or the next step would be the optimizer's second
         optimizer.state.clear()
         optim_sd = {k: v for k, v in optim_sd.items() if not k.startswith("state.")}
-    dcp.save({"model": model_sd, "optim": optim_sd},
-             storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-    write_synced(tmp / f"rank_{rank:05d}.pt", {**local, "dcp_optim": {"flat": True, "has_state": not fresh}})
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd},
+                 storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+        write_synced(tmp / f"rank_{rank:05d}.pt", {**local, "dcp_optim": {"flat": True, "has_state": not fresh}})
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        raise no_space(e, tmp, final) or e
     _barrier()  # every rank's files are on disk
     if rank == 0:
         write_manifest(tmp)   # the SHA-256 of every rank's files
