@@ -52,6 +52,8 @@ __all__ = ["QuantStats", "sqnr_db", "Quantized", "quantize", "fake_quantize", "r
 _EPS = 1e-12                       # amax floor for FP32 scales (torchao's choice)
 _NVFP4_TENSOR_RANGE = 6.0 * 448.0  # E2M1 max times E4M3 max
 _FP32_MAX = torch.finfo(torch.float32).max
+_NVFP4_TINY = _NVFP4_TENSOR_RANGE / _FP32_MAX   # a tensor amax below it: 2688 / amax overflows FP32
+_NVFP4_UP = 2.0 ** 64
 # Scalings whose fused kernel compiles with dynamic shapes on CPU and CUDA alike. Row and
 # block scalings take the eager path even with fused=True: with a symbolic block width,
 # Inductor's CUDA codegen fails (CantSplit) on torch 2.11, see docs/performance.md.
@@ -242,23 +244,15 @@ def _finite_amax(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def _scales(spec: QuantSpec, bamax: torch.Tensor, ax: torch.Tensor, amax_t, scale_t):
-    """(scale, scale_inv) per block; x * scale is on the element grid's range."""
+    """(scale, scale_inv, up) per block; x * scale is on the element grid's range (x * up *
+    scale where `up` is not None: see _nvfp4_scales)."""
     elem = spec.element
     enc = spec.scale_encoding
     if spec.scaling is Scaling.DELAYED:
         s = scale_t.reshape(1, 1, 1, 1).expand_as(bamax)
-        return s, _div(1.0, s)
+        return s, _div(1.0, s), None
     if enc is ScaleEncoding.E4M3_FP32:
-        tamax = ax.amax() if amax_t is None else amax_t
-        # full_like(...) / t, not a Python float / t: PyTorch computes `float / tensor` as
-        # reciprocal(t) * float, which is 1 ulp off the quotient for about a quarter of inputs.
-        s_enc = torch.where(tamax > 0, torch.full_like(tamax, _NVFP4_TENSOR_RANGE) / tamax,
-                            1.0).clamp(max=_FP32_MAX)
-        sb = round_to_grid((bamax / elem.max) * s_enc, E4M3)       # E4M3 block decode scale
-        # at most FP32 max, as Transformer Engine clamps it: for a tensor amax below ~1e-35,
-        # s_enc is FP32 max and s_enc / sb overflows; an infinite scale turns 0 into NaN
-        scale = torch.where(sb > 0, s_enc / sb, 0.0).clamp(max=_FP32_MAX)
-        return scale, sb / s_enc
+        return _nvfp4_scales(bamax, ax.amax() if amax_t is None else amax_t, elem)
     if enc is ScaleEncoding.E8M0:
         a = bamax.clamp(min=2.0 ** -126)
         e = ((a.view(torch.int32) >> 23) & 0xFF) - 127 - elem.max_exp      # OCP: floor(log2 amax) - emax
@@ -266,13 +260,34 @@ def _scales(spec: QuantSpec, bamax: torch.Tensor, ax: torch.Tensor, amax_t, scal
             e = e + (a > elem.max * torch.exp2(e.float())).to(e.dtype)
         e = torch.where(bamax > 0, e, -127).clamp(-127, 127)
         x_scale = torch.exp2(e.float())                                   # the E8M0 value
-        return 1.0 / x_scale, x_scale
+        return 1.0 / x_scale, x_scale, None
     amax = bamax if amax_t is None else amax_t.reshape(-1, 1, 1, 1).expand_as(bamax)
     amax = amax.clamp(min=_EPS)
     scale = _div(elem.max, amax)
     if enc is ScaleEncoding.POW2:
         scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)  # round down to 2**k
-    return scale, _div(1.0, scale)
+    return scale, _div(1.0, scale), None
+
+
+def _nvfp4_scales(bamax: torch.Tensor, tamax: torch.Tensor, elem):
+    """NVFP4's (scale, scale_inv, up): the FP32 tensor encode scale 2688 / amax, the E4M3 block
+    decode scales, and `up`, a power of two the magnitudes are multiplied by before the scale.
+
+    For a tensor amax below 2688 / FP32 max (~7.9e-36) the encode scale overflows FP32 (Transformer
+    Engine clamps it to FP32 max, and such a tensor then lost up to 31%: an all-2**-126 tensor came
+    back as 8.08e-39). There the tensor is taken 2**64 times larger (exact: every |x| is below
+    ~1.6e-16) and scaled as such, and 2**-64 goes into the decode scale; `up` is 1 otherwise,
+    which leaves every other tensor's numbers as they were, bit for bit."""
+    up = torch.where(tamax < _NVFP4_TINY, _NVFP4_UP, 1.0)
+    tamax, bamax = tamax * up, bamax * up   # exact: powers of two, far from overflow
+    # full_like(...) / t, not a Python float / t: PyTorch computes `float / tensor` as
+    # reciprocal(t) * float, which is 1 ulp off the quotient for about a quarter of inputs.
+    s_enc = torch.where(tamax > 0, torch.full_like(tamax, _NVFP4_TENSOR_RANGE) / tamax,
+                        1.0).clamp(max=_FP32_MAX)
+    sb = round_to_grid((bamax / elem.max) * s_enc, E4M3)       # E4M3 block decode scale
+    # at most FP32 max, as Transformer Engine clamps it: an infinite scale turns 0 into NaN
+    scale = torch.where(sb > 0, s_enc / sb, 0.0).clamp(max=_FP32_MAX)
+    return scale, (sb / s_enc) / up, up
 
 
 def _div(num: float, den: torch.Tensor) -> torch.Tensor:
@@ -292,10 +307,10 @@ def _core(x2: torch.Tensor, spec: QuantSpec, block, amax_t, scale_t, noise, want
     elem = spec.element
     xb = _as_blocks(x2, block)
     fin, ax, bamax = _finite_amax(xb)
-    scale, scale_inv = _scales(spec, bamax, ax, amax_t, scale_t)
+    scale, scale_inv, up = _scales(spec, bamax, ax, amax_t, scale_t)
     # |x * scale| where x is finite (scales are >= 0, and |a*b| = |a|*|b| in IEEE
     # arithmetic); the sign comes from x; non-finite positions are overwritten below
-    av = ax * scale
+    av = ax * scale if up is None else (ax * up) * scale
     nb = None if noise is None else _as_blocks(noise, block)
     qa = round_magnitude(av, elem, nb)              # |q|, 0 where x is not finite
     q = torch.copysign(qa, xb)
