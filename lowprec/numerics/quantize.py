@@ -269,6 +269,16 @@ def _scales(spec: QuantSpec, bamax: torch.Tensor, ax: torch.Tensor, amax_t, scal
     return scale, _div(1.0, scale), None
 
 
+def _below_fp32_max(av: torch.Tensor, scale: torch.Tensor, elem) -> torch.Tensor:
+    """MX blocks whose E8M0 scale 2**e is so large (e >= 120 for E4M3) that a grid value times
+    it exceeds FP32 max: a block of amax near FP32 max has values that round up to 2**(128 - e)
+    (255.99 -> 256 at 2**120), which dequantize to Inf. There |x * scale| is capped at the
+    largest grid value of the binade below 2**(128 - e), (2 - 2**-m) * 2**(127 - e), whose
+    dequantized value is finite; every other block's cap is above the format's max (a no-op)."""
+    cap = (2.0 - 2.0 ** -elem.mantissa_bits) * (scale * 2.0 ** 127)   # inf where 2**(127 - e) overflows
+    return torch.minimum(av, cap)
+
+
 def _nvfp4_scales(bamax: torch.Tensor, tamax: torch.Tensor, elem):
     """NVFP4's (scale, scale_inv, up): the FP32 tensor encode scale 2688 / amax, the E4M3 block
     decode scales, and `up`, a power of two the magnitudes are multiplied by before the scale.
@@ -311,6 +321,8 @@ def _core(x2: torch.Tensor, spec: QuantSpec, block, amax_t, scale_t, noise, want
     # |x * scale| where x is finite (scales are >= 0, and |a*b| = |a|*|b| in IEEE
     # arithmetic); the sign comes from x; non-finite positions are overwritten below
     av = ax * scale if up is None else (ax * up) * scale
+    if spec.scale_encoding is ScaleEncoding.E8M0:
+        av = _below_fp32_max(av, scale, elem)
     nb = None if noise is None else _as_blocks(noise, block)
     qa = round_magnitude(av, elem, nb)              # |q|, 0 where x is not finite
     q = torch.copysign(qa, xb)
