@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from lowprec.numerics.block_scales import _div
 from lowprec.numerics.formats import DelayedScalingConfig, ElementFormat
 
 __all__ = ["AmaxHistory", "history_scale", "history_record"]
@@ -34,8 +35,7 @@ def history_scale(history: torch.Tensor, count: torch.Tensor, element: ElementFo
         amax = history[(count - 1).clamp(min=0) % history.numel()]
     else:
         amax = history.amax()
-    quotient = (torch.full_like(amax, element.max, dtype=torch.float64) / amax.double()).float()
-    scale = quotient / (2.0 ** margin)
+    scale = _div(element.max, amax) / (2.0 ** margin)
     return torch.where((amax > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
 
 

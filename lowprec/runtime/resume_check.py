@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 __all__ = ["CONFIG_COPY", "MAY_CHANGE", "STEPS_TAG", "record_config", "resume_mismatch", "started_steps",
-           "resume_line"]
+           "resume_line", "logged_config"]
 
 STEPS_TAG = "train.steps"   # the MLflow tag: the steps a run is trained to (the param: those it started with)
 
@@ -139,3 +139,13 @@ def resume_line(folder: Path, cfg, checkpoint: Path, step: int) -> tuple[str | N
         line += (f"; train.steps is {steps}, the run started with {was}: MLflow keeps the param "
                  f"train.steps={was}, the tag {STEPS_TAG} says {steps}")
     return None, line
+
+
+def logged_config(cfg, folder: Path, resume) -> dict:
+    """The config as MLflow params: on a resume with other `train.steps`, the value the run
+    started with (a param cannot change; the tag `train.steps` holds the new one)."""
+    logged = cfg.to_dict()
+    was = started_steps(folder) if resume else None
+    if was is not None and isinstance(logged.get("train"), dict):
+        logged["train"] = {**logged["train"], "steps": was}
+    return logged

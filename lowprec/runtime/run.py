@@ -18,7 +18,6 @@ a summary: the loss, its gap to the baseline, the FLOP share per format, every e
 
 from __future__ import annotations
 
-import errno
 import importlib
 import math
 import sys
@@ -31,7 +30,7 @@ import torch
 from torch import nn
 
 from lowprec.base.parse import ConfigError
-from lowprec.runtime.resume_check import STEPS_TAG
+from lowprec.runtime.resume_check import STEPS_TAG, logged_config
 from lowprec.runtime.run_summary import summary_text
 from lowprec.tracking.records import RunStatus
 
@@ -329,7 +328,7 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
                 progress.close()
             say(str(e))
             return EXIT_UNUSABLE
-        tracker.log_config(_logged_config(cfg, out, resume))
+        tracker.log_config(logged_config(cfg, out, resume))
         tracker.log_tags({STEPS_TAG: str(cfg.train.steps)})   # the param keeps the steps the run started with
     status = RunStatus.FAILED
     try:
@@ -340,7 +339,8 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
         say(f"--resume: {e}")
         return EXIT_UNUSABLE
     except OSError as e:
-        if e.errno not in _NO_SPACE:
+        from lowprec.state.durable import NO_SPACE
+        if e.errno not in NO_SPACE:
             raise
         status = RunStatus.KILLED
         why = f"the disk is full: {e}"
@@ -363,20 +363,6 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
         say(unsent + ("" if tracking_optional else f" (exit {EXIT_UNSENT}; --tracking-optional exits 0)"))
         return EXIT_OK if tracking_optional else EXIT_UNSENT
     return EXIT_OK
-
-
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-def _logged_config(cfg, out: Path, resume) -> dict:
-    """The config as MLflow params: on a resume with other `train.steps`, the value the run
-    started with (a param cannot change; the tag `train.steps` holds the new one)."""
-    from lowprec.runtime.resume_check import started_steps
-    logged = cfg.to_dict()
-    was = started_steps(out) if resume else None
-    if was is not None and isinstance(logged.get("train"), dict):
-        logged["train"] = {**logged["train"], "steps": was}
-    return logged
 
 
 def close_run(progress, tracker, status, out: Path) -> None:

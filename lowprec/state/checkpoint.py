@@ -32,13 +32,11 @@ anything and refuses a corrupt checkpoint (`CorruptCheckpointError`, naming the 
 the tensors). `latest_checkpoint` ignores temporary names (`*.tmp`) and, newest first,
 verifies each candidate (reading every byte) and skips, with a warning naming it, one that
 does not open (cut short by a copy or a full disk) or does not match its checksums.
-A save that runs out of space (a full disk, a quota) removes its temporary and raises
-`lowprec.state.durable.NoSpaceError` naming the checkpoint, its folder and the space free;
-the checkpoints written before are untouched. `checkpoint_to_resume` tells "no checkpoint" (None) from "every checkpoint is bad"
+`checkpoint_to_resume` tells "no checkpoint" (None) from "every checkpoint is bad"
 (`NoUsableCheckpointError`, naming each one and why).
 
 Saving step s then removes checkpoints beyond the newest `keep` and a killed writer's
-temporaries. Checkpoints of steps after s belong to a timeline that a rewind (or a resume
+temporaries; a save out of space raises `durable.NoSpaceError`, its temporary removed. Checkpoints of steps after s belong to a timeline that a rewind (or a resume
 that fell back past a corrupt checkpoint) abandoned: resuming into them would undo the
 rewind, yet the rewind may have gone further back than needed, so they are not deleted but
 moved to `abandoned/` (out of reach of `latest_checkpoint`, rewinds and pruning; a later
@@ -133,7 +131,7 @@ def _save_dcp(directory: Path, step: int, model, optimizer, local: dict, keep, b
                  storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
         write_synced(tmp / f"rank_{rank:05d}.pt", {**local, "dcp_optim": {"flat": True, "has_state": not fresh}})
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        raise no_space(e, tmp, final) or e
+        raise no_space(e, tmp, final) or e   # a full disk: NoSpaceError, the temporary removed
     _barrier()  # every rank's files are on disk
     if rank == 0:
         write_manifest(tmp)   # the SHA-256 of every rank's files

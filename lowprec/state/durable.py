@@ -27,9 +27,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["check_plain", "write_synced", "fsync_dir", "save_atomically", "NoSpaceError", "free_bytes", "no_space"]
+__all__ = ["check_plain", "write_synced", "fsync_dir", "save_atomically", "NoSpaceError", "free_bytes", "no_space", "NO_SPACE"]
 
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)   # the errnos of a full disk or quota
 
 
 def free_bytes(folder: Path) -> int | None:
@@ -75,7 +75,7 @@ def no_space(e: BaseException, tmp: Path, final: Path) -> NoSpaceError | None:
         if x is None or id(x) in seen:
             continue
         seen.add(id(x))
-        if isinstance(x, OSError) and x.errno in _NO_SPACE:
+        if isinstance(x, OSError) and x.errno in NO_SPACE:
             err = _failed_write(Path(tmp), x, Path(final))
             return err if isinstance(err, NoSpaceError) else None
         if isinstance(x, tuple):
@@ -98,7 +98,7 @@ def _failed_write(tmp: Path, e: OSError, final: Path) -> OSError:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
-    return NoSpaceError(final, e, written) if e.errno in _NO_SPACE else e
+    return NoSpaceError(final, e, written) if e.errno in NO_SPACE else e
 
 _PLAIN = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.Size, torch.dtype,
           torch.device, torch.Tensor, nn.Parameter)
