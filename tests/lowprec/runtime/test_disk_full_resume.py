@@ -1,6 +1,6 @@
 """`lowprec run` on a disk that fills up, and what a `--resume` says and refuses.
 
-The full disk is real: a tmpfs of 1 MB mounted for the test (it needs the right to mount,
+The full disk is real: a tmpfs of 4 MB mounted for the test (it needs the right to mount,
 root here; skipped with the reason elsewhere), filled with a file that leaves room for the
 first two checkpoints and not the third. The run must stop with one line naming the
 checkpoint, its folder and the space free (exit 4), mark its MLflow run KILLED with the
@@ -34,10 +34,10 @@ CFG = {
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 1 MB tmpfs at tmp_path/fs, unmounted afterwards (skipped where mounting is not allowed)."""
+    """A 4 MB tmpfs at tmp_path/fs, unmounted afterwards (skipped where mounting is not allowed)."""
     fs = tmp_path / "fs"
     fs.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(fs)], capture_output=True, text=True)
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(fs)], capture_output=True, text=True)
     if p.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here ({p.stderr.strip() or p.returncode}): needs root")
     yield fs
