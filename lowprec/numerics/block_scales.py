@@ -15,7 +15,7 @@ import torch
 from lowprec.numerics.formats import E4M3, QuantSpec, ScaleEncoding, Scaling
 from lowprec.numerics.grid import round_to_grid
 
-__all__ = ["block_scales", "below_fp32_max"]
+__all__ = ["block_scales", "below_fp32_max", "nvfp4_up"]
 
 _EPS = 1e-12                       # amax floor for FP32 scales (torchao's choice)
 _NVFP4_TENSOR_RANGE = 6.0 * 448.0  # E2M1 max times E4M3 max
@@ -60,6 +60,12 @@ def below_fp32_max(av: torch.Tensor, scale: torch.Tensor, elem) -> torch.Tensor:
     return torch.minimum(av, cap)
 
 
+def nvfp4_up(tensor_amax: torch.Tensor) -> torch.Tensor:
+    """What NVFP4 multiplies a tensor of this amax by before its scale: 2**64 below 2688 /
+    FP32 max (there `Quantized.values` are on the grid of x * 2**64 * scale), else 1."""
+    return torch.where(tensor_amax < _NVFP4_TINY, _NVFP4_UP, 1.0)
+
+
 def _nvfp4_scales(bamax: torch.Tensor, tamax: torch.Tensor, elem):
     """NVFP4's (scale, scale_inv, up): the FP32 tensor encode scale 2688 / amax, the E4M3 block
     decode scales, and `up`, a power of two the magnitudes are multiplied by before the scale.
@@ -69,7 +75,7 @@ def _nvfp4_scales(bamax: torch.Tensor, tamax: torch.Tensor, elem):
     back as 8.08e-39). There the tensor is taken 2**64 times larger (exact: every |x| is below
     ~1.6e-16) and scaled as such, and 2**-64 goes into the decode scale; `up` is 1 otherwise,
     which leaves every other tensor's numbers as they were, bit for bit."""
-    up = torch.where(tamax < _NVFP4_TINY, _NVFP4_UP, 1.0)
+    up = nvfp4_up(tamax)
     tamax, bamax = tamax * up, bamax * up   # exact: powers of two, far from overflow
     # full_like(...) / t, not a Python float / t: PyTorch computes `float / tensor` as
     # reciprocal(t) * float, which is 1 ulp off the quotient for about a quarter of inputs.

@@ -61,7 +61,9 @@ class Quantized:
     """A quantized operand: `values` on the element grid in the scaled domain.
 
     `values` has the shape of the 2-D operand view (float32, exact grid points),
-    `scale` / `scale_inv` have one entry per block, shaped `(rows/r, 1, K/c, 1)`.
+    `scale` / `scale_inv` have one entry per block, shaped `(rows/r, 1, K/c, 1)`: `values` are
+    x * scale on the grid (NVFP4 on a tensor of amax below ~7.9e-36: x * 2**64 * scale, whose
+    scale would overflow FP32 otherwise; `lowprec.numerics.block_scales.nvfp4_up`).
     `amax` is the operand's amax over finite values (what a delayed-scaling history
     records). `dequantize()` returns the operand's shape (in the Hadamard domain when the spec
     applies the transform: both GEMM operands are transformed, so it cancels).

@@ -31,6 +31,7 @@ named at start (`run`) and beside the plan (`plan`) (`lowprec.runtime.device_not
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -297,9 +298,13 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
     if args.resume and env is None and args.nproc_per_node is None:   # one process: chosen once, here
         from lowprec.state.checkpoint import NoUsableCheckpointError, checkpoint_to_resume, list_checkpoints
         try:
-            chosen = checkpoint_to_resume(out / "checkpoints")   # each unusable one: one warning
+            with warnings.catch_warnings(record=True) as skipped:   # said once each, unless none is usable
+                warnings.simplefilter("always")
+                chosen = checkpoint_to_resume(out / "checkpoints")
         except NoUsableCheckpointError as e:
-            return _refuse(console, f"--resume: {e}", env)
+            return _refuse(console, f"--resume: {e}", env)   # one line naming every one
+        for w in skipped:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if args.resume and (line := resume_mismatch(out, cfg, args.config, model=prepared.model,
                                                 checkpoint=chosen)) is not None:
         return _refuse(console, line, env)   # its checkpoint against this model, before MLflow is touched
