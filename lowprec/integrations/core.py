@@ -295,7 +295,8 @@ class HostedRollout:
             raise RuntimeError("HostedRollout.state_dict() before start(): there is no session to save yet")
         return {"format": STATE_FORMAT, "version": STATE_VERSION, "world_size": world_size(),
                 "precision": self.state.state_dict(), "session": self.session.state_dict(),
-                "losses": list(self.losses), "framework_step": self._framework_step}
+                "losses": list(self.losses), "framework_step": self._framework_step,
+                "evals": self.evals.state_dict() if self.evals is not None else None}   # the gate's checks made
 
     def load_state_dict(self, saved: dict) -> None:
         """Go on from `saved` (a `state_dict()`), after `start`: the layers' formats and the
@@ -315,7 +316,7 @@ class HostedRollout:
         self.state.load_state_dict(saved["precision"])   # checks sites and formats before switching any
         self.session.load_state_dict(saved["session"])
         regather(self.map)   # every rank loads its own sites' formats
-        self.after.load_state_dict({"losses": saved["losses"]})
+        self.after.load_state_dict({"losses": saved["losses"], "evals": saved.get("evals")})
         self._framework_step = saved.get("framework_step", self._framework_step)   # absent before one step
         if self.tracker is not None:
             self.tracker.log_metrics(self.step, {"train/resumed_at": self.step})
