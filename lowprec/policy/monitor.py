@@ -125,7 +125,10 @@ class Monitor:
         unlisted = [s for s in state.sites if s not in set(self.sites)]
         if unlisted:
             raise ValueError(f"sites= must list every site of the state; it lacks {unlisted[:4]}")
-        dev = next(iter(state.sites.values())).module.weight.device if state.sites else torch.device("cpu")
+        # a linear site's weight, or an expert site's statistics buffer (lowprec.sites.experts)
+        first = next(iter(state.sites.values())).module if state.sites else None
+        dev = (torch.device("cpu") if first is None else first.weight.device if hasattr(first, "weight")
+               else first.overflow_steps.device)
         self.device = dev
         self._losses: list[torch.Tensor] = []
         self._norms: list[torch.Tensor] = []

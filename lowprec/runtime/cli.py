@@ -157,13 +157,15 @@ def _plan_framework(args, console) -> int:
 
 def _table(prepared) -> str:
     from lowprec.sites.resolution import SitePlan, format_plan_table
+    from lowprec.sites.flop_count import describe_shares
     from lowprec.numerics.formats import get_format
     state, bf16 = prepared.state, get_format("bf16")
     sites = {f: SitePlan(f, s.module, s.format, s.ladder, s.reason) for f, s in state.sites.items()}
     sites.update({f: SitePlan(f, prepared.model.get_submodule(f), bf16, (bf16,), why)
                   for f, why in state.kept_high_precision.items()})
-    order = [f for f, _ in prepared.model.named_modules() if f in sites]
-    return format_plan_table([sites[f] for f in order])
+    modules = dict(prepared.model.named_modules())
+    order = [f for f in modules if f in sites]
+    return format_plan_table([sites[f] for f in order]) + "\n\n" + describe_shares(state, modules)
 
 
 def _send_finished(out: Path, console) -> int | None:

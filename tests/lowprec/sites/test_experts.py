@@ -1,0 +1,61 @@
+"""Grouped experts are sites (lowprec.sites.experts): a tiny Qwen3-MoE (transformers 5's fused
+experts) prepared by a plan that selects experts by layer, kind and index; FLOP shares that count
+every GEMM of the model."""
+
+import pytest
+import torch
+
+from lowprec.sites.plan import PlanError, PrecisionPlan
+from lowprec.sites.precision_state import prepare
+from tests.lowprec.moe_models import tiny_qwen3_moe
+
+LINEAR_FP8 = {"rules": [{"select": {"module_type": "Linear"}, "format": "fp8_tensorwise"}]}
+
+
+def test_a_linear_rule_does_not_claim_the_whole_moe_model():
+    """Fails on d588cb5: 9 sites, flops_share() == {'fp8_tensorwise': 1.0} with every expert in BF16."""
+    state = prepare(tiny_qwen3_moe(), PrecisionPlan.from_dict(LINEAR_FP8))
+    share = state.flops_share()
+    assert 0 < share["fp8_tensorwise"] < 1 and share["bf16"] > 0.3, share
+    assert "model.layers.1.mlp.experts.3" in state.sites and len(state.sites) == 9 + 2 * 4
+    assert {state.sites[f"model.layers.{i}.mlp.experts.{e}"].format.name for i in (0, 1) for e in range(4)} == {"bf16"}
+    assert set(state.other_gemms) == {"model.layers.0.mlp.gate", "model.layers.1.mlp.gate"}   # HF's routers
+
+
+def test_experts_selected_by_layer_kind_and_index_keep_their_parameters():
+    model = tiny_qwen3_moe()
+    experts = model.model.layers[1].mlp.experts
+    params, keys = {n: p for n, p in experts.named_parameters()}, set(model.state_dict())
+    ids = torch.randint(0, 64, (2, 12))
+    plan = PrecisionPlan.from_dict({"rules": [
+        {"name": "experts", "select": {"kind": "experts"}, "format": "fp8_tensorwise"},
+        {"name": "l1", "select": {"kind": "experts", "layers": [1], "experts": [0, 2]}, "format": "mxfp8"}]})
+    state = prepare(model, plan)
+    got = {f: s.format.name for f, s in state.sites.items() if ".experts." in f}
+    assert got["model.layers.1.mlp.experts.0"] == got["model.layers.1.mlp.experts.2"] == "mxfp8"
+    assert got["model.layers.1.mlp.experts.1"] == got["model.layers.0.mlp.experts.2"] == "fp8_tensorwise"
+    assert all(s.format.name == "bf16" for f, s in state.sites.items() if ".experts." not in f)
+    assert {n: p for n, p in experts.named_parameters()} == params    # the same Parameter objects
+    assert set(model.state_dict()) == keys                              # checkpoints keep their keys
+    model(ids).logits.sum().backward()
+    assert experts.gate_up_proj.grad is not None and experts.gate_up_proj.grad[0].abs().sum() > 0
+    assert state.sites["model.layers.1.mlp.experts.0"].module.tokens >= 0
+    assert sum(state.sites[f"model.layers.1.mlp.experts.{e}"].module.tokens for e in range(4)) == 2 * 12 * 2
+
+
+def test_bf16_experts_follow_transformers_own_forward():
+    model = tiny_qwen3_moe()
+    ids = torch.randint(0, 64, (2, 12))
+    ref = model(ids).logits
+    prepare(model, PrecisionPlan.from_dict({}))
+    torch.testing.assert_close(model(ids).logits, ref, atol=0.05, rtol=0.05)   # BF16 grid on every operand
+
+
+def test_a_router_is_switched_only_by_a_rule_that_names_it_and_bad_selectors_say_why():
+    with pytest.raises(PlanError, match="unknown site kind 'expert'.*experts"):
+        PrecisionPlan.from_dict({"rules": [{"select": {"kind": "expert"}, "format": "fp8_tensorwise"}]})
+    with pytest.raises(PlanError, match="expert indices"):
+        PrecisionPlan.from_dict({"rules": [{"select": {"experts": 3}, "format": "fp8_tensorwise"}]})
+    with pytest.raises(PlanError, match="matches no linear layer or expert"):
+        prepare(tiny_qwen3_moe(), PrecisionPlan.from_dict(
+            {"rules": [{"select": {"kind": "experts", "experts": [9]}, "format": "fp8_tensorwise"}]}))
