@@ -146,8 +146,11 @@ class ExpertSite(nn.Module):
                                 self._hadamard[projection], amax_group=self.amax_group, amax_scope=self.amax_scope,
                                 collect_stats=self.collect_stats, emulate_bf16=True, fused=self.fused)
 
-    def forward(self, x):
-        raise TypeError(f"expert site {self.fqn!r} runs inside its grouped-experts module, not on its own")
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        """The expert's output rows (its last projection's, before the routing weights), unchanged:
+        its grouped-experts module passes them through here when hooks are registered on the
+        site (the monitor's non-finite count, an injected fault), so hooks see the expert alone."""
+        return y
 
     def extra_repr(self) -> str:
         return f"expert={self.expert_index}, format={self.format.name}, shapes={self.shapes}"
@@ -193,6 +196,19 @@ class _Experts:
         return GroupedQuantizedFn.apply(x.reshape(-1, x.shape[-1]), w, counts, tuple(s.format for s in sites),
                                         tuple(s.operand_quantizer(name) for s in sites))
 
+    def _through_sites(self, y: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+        """The last projection's rows through each expert site's hooks (`ExpertSite.forward`);
+        `y` itself when no site has a hook (no call per expert)."""
+        sites = self._lowprec_sites
+        if not any(s._forward_hooks or s._forward_pre_hooks for s in sites):
+            return y
+        parts, start = [], 0
+        for s, c in zip(sites, counts):
+            if c:
+                parts.append(s(y[start:start + c]))
+            start += c
+        return torch.cat(parts) if parts else y
+
     @property
     def _lowprec_sites(self) -> list[ExpertSite]:
         return [m for m in self.children() if isinstance(m, ExpertSite)]
@@ -210,7 +226,7 @@ class _HFExperts(_Experts):
         counts = tuple(torch.bincount(flat[order], minlength=n).tolist())
         x = hidden_states[token]
         gate, up = self._project("gate_up_proj", x, counts).chunk(2, dim=-1)
-        y = self._project("down_proj", self.act_fn(gate) * up, counts)
+        y = self._through_sites(self._project("down_proj", self.act_fn(gate) * up, counts), counts)
         y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
         return torch.zeros_like(hidden_states).index_add_(0, token, y.to(hidden_states.dtype))
 
@@ -221,7 +237,7 @@ class _TitanExperts(_Experts):
     def forward(self, x_RD, num_tokens_per_expert_E):
         counts = tuple(int(c) for c in num_tokens_per_expert_E.tolist())
         h = F.silu(self._project("w1_EFD", x_RD, counts)) * self._project("w3_EFD", x_RD, counts)
-        return self._project("w2_EDF", h, counts).type_as(x_RD)
+        return self._through_sites(self._project("w2_EDF", h, counts), counts).type_as(x_RD)
 
 
 _CLASSES: dict[type, type] = {}
