@@ -83,7 +83,7 @@ class ExpertSite(nn.Module):
         self.out_features = sum(o * i for o, i in shapes.values()) // self.in_features
         self.routed_fraction = Fraction(top_k, num_experts)
         self.amax_group, self.amax_scope, self.fused = amax_group, amax_scope, fused
-        self.collect_stats, self.tokens = True, 0
+        self.collect_stats, self.tokens, self._window_tokens = True, 0, 0
         self.stats = MergedStats()
         device = device if device is not None and torch.device(device).type != "meta" else "cpu"
         self.register_buffer("overflow_steps", torch.zeros(len(OPERANDS), dtype=torch.float64, device=device),
@@ -128,6 +128,18 @@ class ExpertSite(nn.Module):
             for role, spec in self.format.specs().items():
                 if spec.scaling is Scaling.DELAYED and OPERAND_OF[role] not in self._histories[p]:
                     self._histories[p][OPERAND_OF[role]] = AmaxHistory(cfg, spec.element, self.overflow_steps.device)
+
+    def routed(self, count: int) -> None:
+        """`count` tokens were routed to this expert in this forward; on check steps (statistics
+        on) they add to the check window's count that `take_tokens` hands the monitor."""
+        self.tokens = int(count)
+        if self.collect_stats:
+            self._window_tokens += int(count)
+
+    def take_tokens(self) -> int:
+        """The tokens routed to this expert since the last call (statistics steps only); resets."""
+        n, self._window_tokens = self._window_tokens, 0
+        return n
 
     def set_format(self, fmt: Format) -> None:
         """Switch to `fmt`; the parent's Parameters are untouched, a delayed history starts fresh."""
@@ -191,10 +203,12 @@ class _Experts:
         w = getattr(self, name)
         w = w.to_local() if hasattr(w, "to_local") else w
         sites = self._lowprec_sites
-        for s, c in zip(sites, counts):
-            s.tokens = int(c)
         return GroupedQuantizedFn.apply(x.reshape(-1, x.shape[-1]), w, counts, tuple(s.format for s in sites),
                                         tuple(s.operand_quantizer(name) for s in sites))
+
+    def _routed(self, counts: tuple[int, ...]) -> None:
+        for s, c in zip(self._lowprec_sites, counts):
+            s.routed(c)
 
     def _through_sites(self, y: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
         """The last projection's rows through each expert site's hooks (`ExpertSite.forward`);
@@ -224,6 +238,7 @@ class _HFExperts(_Experts):
         order = order[flat[order] < n]                   # index n: a token dropped (expert parallelism)
         token = order // top_k_index.shape[-1]
         counts = tuple(torch.bincount(flat[order], minlength=n).tolist())
+        self._routed(counts)
         x = hidden_states[token]
         gate, up = self._project("gate_up_proj", x, counts).chunk(2, dim=-1)
         y = self._through_sites(self._project("down_proj", self.act_fn(gate) * up, counts), counts)
@@ -236,6 +251,7 @@ class _TitanExperts(_Experts):
 
     def forward(self, x_RD, num_tokens_per_expert_E):
         counts = tuple(int(c) for c in num_tokens_per_expert_E.tolist())
+        self._routed(counts)
         h = F.silu(self._project("w1_EFD", x_RD, counts)) * self._project("w3_EFD", x_RD, counts)
         return self._through_sites(self._project("w2_EDF", h, counts), counts).type_as(x_RD)
 
