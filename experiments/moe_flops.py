@@ -37,10 +37,12 @@ def model_shares(layers: int, dense_layers: int, dense_width: int, vocab: int, b
 
 
 def main() -> None:
-    print(f"{'model':<15} {'experts':>8} {'shared':>8} {'router':>8} {'dense':>8}")
+    print("| model | routed experts | shared experts | router | dense (attention, dense layers, head) |\n"
+          "|---|---:|---:|---:|---:|")
     for name, spec in MODELS.items():
         sh = model_shares(**spec)
-        print(f"{name:<15} " + " ".join(f"{float(sh[k]):>8.1%}" for k in ("experts", "shared_experts", "router", "dense")))
+        print(f"| {name} | " + " | ".join(f"{float(sh[k]):.1%}" for k in ("experts", "shared_experts", "router", "dense"))
+              + " |")
 
 
 if __name__ == "__main__":
