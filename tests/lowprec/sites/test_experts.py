@@ -90,3 +90,36 @@ def test_expert_state_resumes_exactly(tmp_path):
     assert sb.formats() == sa.formats() and sb.formats()["model.layers.0.mlp.experts.1"] == "nvfp4"
     got = step(b)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_torchtitan_grouped_experts_are_sites_too():
+    """torchtitan 0.3's GroupedExperts (w1/w3 (E, F, D), w2 (E, D, F), tokens grouped by expert with
+    their counts): its experts are sites; in BF16 the wrapped forward follows torchtitan's own."""
+    moe = pytest.importorskip("torchtitan.models.common.moe")
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = moe.GroupedExperts(moe.GroupedExperts.Config(dim=32, hidden_dim=32, num_experts=4))
+            for p in self.experts.parameters():
+                nn.init.normal_(p, std=0.1)
+            self.proj = nn.Linear(32, 32)
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.layers = nn.ModuleList([Block(), Block()])
+    experts = model.layers[0].experts
+    x, counts = torch.randn(20, 32), torch.tensor([5, 0, 9, 6])
+    ref = experts(x, counts)
+    state = prepare(model, PrecisionPlan.from_dict(
+        {"rules": [{"select": {"kind": "experts", "layers": [0]}, "format": "fp8_rowwise"}]}))
+    assert isinstance(experts, moe.GroupedExperts)     # still one: torchtitan's parallelize finds it
+    assert {f: s.format.name for f, s in state.sites.items() if ".experts." in f} == {
+        **{f"layers.0.experts.{e}": "fp8_rowwise" for e in range(4)},
+        **{f"layers.1.experts.{e}": "bf16" for e in range(4)}}
+    with state.high_precision():
+        torch.testing.assert_close(experts(x, counts), ref, atol=5e-3, rtol=2e-2)
+    experts(x, counts).sum().backward()
+    assert experts.w1_EFD.grad[1].abs().sum() == 0 and experts.w1_EFD.grad[2].abs().sum() > 0   # 0 tokens: 0
+    assert [s.module.tokens for f, s in state.sites.items() if f.startswith("layers.0.experts.")] == [5, 0, 9, 6]
