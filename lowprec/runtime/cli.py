@@ -122,6 +122,7 @@ def _plan(args, console) -> int:
             console.print(f"  {key}: {why}")
     else:
         console.print("\nevery runtime input is here (baseline, data): `lowprec run` can start")
+    console.print("\n" + _shares(prepared))
     return EXIT_OK
 
 
@@ -151,21 +152,26 @@ def _plan_framework(args, console) -> int:
         console.print("\nrollout stages:")
         for st in controller.stages:
             console.print(f"  {st.name}: {len(st.sites)} sites -> {st.format}")
+    console.print("\n" + _shares(SimpleNamespace(state=state, model=model)))
     console.print("\nthe callback's config is valid for this model: LowprecCallback.from_yaml will accept it")
     return EXIT_OK
 
 
 def _table(prepared) -> str:
     from lowprec.sites.resolution import SitePlan, format_plan_table
-    from lowprec.sites.flop_count import describe_shares
     from lowprec.numerics.formats import get_format
     state, bf16 = prepared.state, get_format("bf16")
     sites = {f: SitePlan(f, s.module, s.format, s.ladder, s.reason) for f, s in state.sites.items()}
     sites.update({f: SitePlan(f, prepared.model.get_submodule(f), bf16, (bf16,), why)
                   for f, why in state.kept_high_precision.items()})
-    modules = dict(prepared.model.named_modules())
-    order = [f for f in modules if f in sites]
-    return format_plan_table([sites[f] for f in order]) + "\n\n" + describe_shares(state, modules)
+    order = [f for f, _ in prepared.model.named_modules() if f in sites]
+    return format_plan_table([sites[f] for f in order])
+
+
+def _shares(prepared) -> str:
+    """GEMM FLOPs by kind (experts against the rest) and by format, every GEMM of the model."""
+    from lowprec.sites.flop_count import describe_shares
+    return describe_shares(prepared.state, dict(prepared.model.named_modules()))
 
 
 def _send_finished(out: Path, console) -> int | None:

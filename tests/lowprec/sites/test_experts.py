@@ -5,6 +5,7 @@ every GEMM of the model."""
 import pytest
 import torch
 
+from lowprec.sites.flop_count import describe_shares, kind_shares
 from lowprec.sites.plan import PlanError, PrecisionPlan
 from lowprec.sites.precision_state import prepare
 from tests.lowprec.moe_models import tiny_qwen3_moe
@@ -14,12 +15,18 @@ LINEAR_FP8 = {"rules": [{"select": {"module_type": "Linear"}, "format": "fp8_ten
 
 def test_a_linear_rule_does_not_claim_the_whole_moe_model():
     """Fails on d588cb5: 9 sites, flops_share() == {'fp8_tensorwise': 1.0} with every expert in BF16."""
-    state = prepare(tiny_qwen3_moe(), PrecisionPlan.from_dict(LINEAR_FP8))
+    model = tiny_qwen3_moe()
+    state = prepare(model, PrecisionPlan.from_dict(LINEAR_FP8))
     share = state.flops_share()
     assert 0 < share["fp8_tensorwise"] < 1 and share["bf16"] > 0.3, share
     assert "model.layers.1.mlp.experts.3" in state.sites and len(state.sites) == 9 + 2 * 4
     assert {state.sites[f"model.layers.{i}.mlp.experts.{e}"].format.name for i in (0, 1) for e in range(4)} == {"bf16"}
     assert set(state.other_gemms) == {"model.layers.0.mlp.gate", "model.layers.1.mlp.gate"}   # HF's routers
+    modules = dict(model.named_modules())
+    text = describe_shares(state, modules)
+    assert "GEMM FLOPs by kind: dense" in text and "experts" in text and "router" in text, text
+    kinds = kind_shares(state.sites, state.other_gemms, modules)
+    assert abs(sum(kinds.values()) - 1) < 1e-12 and 0.2 < kinds["experts"] < 0.6, kinds
 
 
 def test_experts_selected_by_layer_kind_and_index_keep_their_parameters():
