@@ -86,8 +86,8 @@ class ExpertSite(nn.Module):
         self.collect_stats, self.tokens, self._window_tokens = True, 0, 0
         self.stats = MergedStats()
         device = device if device is not None and torch.device(device).type != "meta" else "cpu"
-        self.register_buffer("overflow_steps", torch.zeros(len(OPERANDS), dtype=torch.float64, device=device),
-                             persistent=False)
+        # a plain attribute, not a buffer: `model.to(torch.bfloat16)` must not change its dtype
+        self.overflow_steps = torch.zeros(len(OPERANDS), dtype=torch.float64, device=device)
         gens = [torch.Generator(device=device).manual_seed(self.seed * 8 + i) for i in range(len(shapes))]
         self.generator = GeneratorGroup(gens)
         self._gens = dict(zip(shapes, gens))
@@ -96,6 +96,22 @@ class ExpertSite(nn.Module):
         self._histories: dict[str, dict[str, AmaxHistory]] = {}
         self.format = fmt
         self._reset_histories()
+
+    def _apply(self, fn, recurse=True):
+        """`.to(device)`, `to_empty(device=...)`: the overflow counters move with the model (dtype
+        kept), the delayed-scaling histories start fresh there and the stochastic-rounding generators are reseeded on its device
+        (a generator cannot change device), as `PrecisionLinear` does."""
+        old = self.overflow_steps.device
+        super()._apply(fn, recurse)
+        dev = fn(torch.zeros(0, device=old)).device   # where the model's tensors went
+        if dev != old:
+            self.overflow_steps = torch.zeros_like(self.overflow_steps, device=dev)
+            gens = [torch.Generator(device=dev).manual_seed(self.seed * 8 + i) for i in range(len(self.shapes))]
+            self.generator, self._gens = GeneratorGroup(gens), dict(zip(self.shapes, gens))
+            for c in self._caches.values():
+                c.clear()
+            self._reset_histories()
+        return self
 
     @property
     def flops_per_token(self) -> Fraction:
