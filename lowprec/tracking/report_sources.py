@@ -151,8 +151,8 @@ def _final_trajectory(points: dict[str, list[tuple[int, float, float]]]) -> dict
     out: dict[str, dict[int, float]] = {}
     for key, pts in points.items():
         kept, dropped, i = {}, {}, 0
-        for step, ts, v in sorted(pts, key=lambda p: p[1]) + [(None, float("inf"), None)]:
-            while key not in _REWIND_MARKS and i < len(backs) and backs[i][0] <= ts:
+        for step, ts, v in sorted(pts, key=lambda p: p[1]) + [(None, None, None)]:   # None: the end
+            while key not in _REWIND_MARKS and i < len(backs) and (ts is None or backs[i][0] <= ts):
                 dropped.update({k: x for k, x in kept.items() if k >= backs[i][1]})
                 kept = {k: x for k, x in kept.items() if k < backs[i][1]}
                 i += 1
