@@ -83,6 +83,9 @@ def loss_figure(data: ReportData):
         if gap:
             gax.plot(*zip(*gap), lw=1, color="#a50f15", label="gap to the baseline")
             clip_axis(gax, gap, [0.0])
+        if gap and gap[-1][0] < loss[-1][0]:   # the rewinds' skipped batches ran the run past the baseline's data
+            gax.text(0.99, 0.95, f"past step {gap[-1][0]} the baseline never trained on the batches this run did",
+                     ha="right", va="top", transform=gax.transAxes, fontsize=7, color=BASELINE_COLOR)
         gax.axhline(0, color=BASELINE_COLOR, lw=0.8)
     else:
         gax.text(0.5, 0.5, NO_BASELINE, ha="center", va="center", transform=gax.transAxes, fontsize=8,
