@@ -149,7 +149,9 @@ def test_dry_run_checks_only_what_the_phases_need(tmp_path):
     (wheels / f"te/c01/{TE_WHEEL}.part00").unlink()
     res = dry_run(wheels, "tests", "linear")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "call 3" not in res.stdout and "lease 2" not in res.stdout and "mainjob" not in res.stdout
+    out = res.stdout
+    assert "-- lease 1" not in out and "-- lease 2" not in out and "mainjob" not in out and "te/c01" not in out
+    assert "call 3: scripts/gpu_bench.sh linear tests" in out and "lease 4 total:" in out
 
 
 def test_dry_run_names_a_missing_repository_file(tmp_path):
