@@ -50,6 +50,9 @@ def register(sub) -> None:
     p.add_argument("--model-factory", default=None, metavar="MODULE:FUNCTION",
                    help="check a framework callback's YAML (no model: section; docs/integrations.md) against the "
                         "model this function returns, as LowprecCallback.from_yaml does")
+    p.add_argument("--speed-table", default=None, metavar="NAME",
+                   help="price the rollout's expected tokens/s with this device's measured layer table "
+                        "(lowprec.runtime.speed_estimate.TABLES; default: the model's device's own, if there is one)")
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("run", help="train a config: staged rollout, monitors, fallbacks, evals, MLflow tracking")
@@ -108,6 +111,9 @@ def _plan(args, console) -> int:
         return _plan_framework(args, console)
     missing: dict[str, str] = {}
     try:
+        if getattr(args, "speed_table", None):
+            from lowprec.runtime.speed_estimate import table_for
+            table_for(args.speed_table)      # a misspelt name: refused before the model is built
         cfg = _load(args.config)
         prepared = prepare_run(cfg, missing=missing)
         if cfg.parallel.world > 1:   # the model's own plan takes these degrees (as `run` checks)
@@ -123,6 +129,11 @@ def _plan(args, console) -> int:
         console.print("\nrollout stages:")
         for st in prepared.controller.stages:
             console.print(f"  {st.name}: {len(st.sites)} sites -> {st.format}")
+    try:
+        from lowprec.runtime.speed_estimate import plan_lines
+        console.print(plan_lines(prepared, args.speed_table))
+    except ValueError as e:
+        return _fail(console, e)
     if missing:
         console.print(f"\nstill missing before `lowprec run` ({len(missing)}; the plan does not need them):")
         for key, why in missing.items():
