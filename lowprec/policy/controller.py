@@ -57,7 +57,8 @@ from lowprec.numerics.formats import Format, get_format
 from lowprec.policy.anomaly import Anomaly, StepDetectors
 from lowprec.policy.attribution import Attribution
 from lowprec.policy.decisions import Action, ControllerConfig, Decision, Stage, apply_decision
-from lowprec.policy.detectors import LR_HISTORY, Thresholds, intrinsic, lr_hold_level, lr_sensitivity_hold
+from lowprec.policy.detectors import (LR_HISTORY, Thresholds, insufficient_tokens, intrinsic, lr_hold_level,
+                                     lr_sensitivity_hold)
 from lowprec.policy.drift import SlowSignalRules
 from lowprec.policy.ladder_moves import LadderMoves, _high
 from lowprec.policy.events import Event, EventKind
@@ -253,7 +254,7 @@ class RolloutController(SlowSignalRules, LadderMoves):
         suspects: list[tuple[tuple[int, int], str, dict]] = []
         for i, site in enumerate(self.order if not blamed else ()):
             sig = signals.sites.get(site)
-            if sig is None or _high(self.current[site]):
+            if sig is None or _high(self.current[site]) or insufficient_tokens(sig, th):
                 continue
             crossed = th.crossed(sig)
             if not crossed:

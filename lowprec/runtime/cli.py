@@ -140,6 +140,7 @@ def _plan(args, console) -> int:
             console.print(f"  {key}: {why}")
     else:
         console.print("\nevery runtime input is here (baseline, data): `lowprec run` can start")
+    console.print("\n" + _shares(prepared))
     return EXIT_OK
 
 
@@ -169,6 +170,7 @@ def _plan_framework(args, console) -> int:
         console.print("\nrollout stages:")
         for st in controller.stages:
             console.print(f"  {st.name}: {len(st.sites)} sites -> {st.format}")
+    console.print("\n" + _shares(SimpleNamespace(state=state, model=model)))
     console.print("\nthe callback's config is valid for this model: LowprecCallback.from_yaml will accept it")
     return EXIT_OK
 
@@ -182,6 +184,12 @@ def _table(prepared) -> str:
                   for f, why in state.kept_high_precision.items()})
     order = [f for f, _ in prepared.model.named_modules() if f in sites]
     return format_plan_table([sites[f] for f in order])
+
+
+def _shares(prepared) -> str:
+    """GEMM FLOPs by kind (experts against the rest) and by format, every GEMM of the model."""
+    from lowprec.sites.flop_count import describe_shares
+    return describe_shares(prepared.state, dict(prepared.model.named_modules()))
 
 
 def _send_finished(out: Path, console) -> int | None:

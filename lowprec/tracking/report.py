@@ -272,10 +272,11 @@ def report_figures(data: ReportData) -> dict[str, object]:
     """{name: matplotlib Figure} of every picture the data allows, in the order they are written
     (what `render_report` saves; a test reads the drawn lines back from these)."""
     from lowprec.tracking.report_time import time_figure  # it draws with this module's helpers
+    from lowprec.tracking.report_experts import experts_figure
     out = {}
     for name, make in (("precision_timeline", timeline_figure), ("loss", loss_figure),
                        ("fallback_signals", signals_figure), ("lr_sensitivity", lr_sensitivity_figure),
-                       ("evals", evals_figure), ("time_breakdown", time_figure)):
+                       ("evals", evals_figure), ("time_breakdown", time_figure), ("experts", experts_figure)):
         fig = make(data)
         if fig is not None:
             out[name] = fig
