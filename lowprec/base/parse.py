@@ -40,8 +40,7 @@ from pathlib import Path
 from typing import Any, Iterable, TypeVar
 
 
-__all__ = ["ConfigError", "parse", "check_keys", "to_data", "describe_type", "found", "read_yaml_file",
-           "read_yaml_text"]
+__all__ = ["ConfigError", "parse", "check_keys", "to_data", "describe_type", "found", "shown", "cut_message"]
 
 T = TypeVar("T")
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
@@ -60,6 +59,7 @@ class ConfigError(ValueError):
     str(e) == f"{path}: {message}"; the message says what was found, what is allowed, the fix."""
 
     def __init__(self, path: str, message: str):
+        path, message = cut_message(str(path), 300), cut_message(str(message), 2000)
         self.path, self.message = path, message
         super().__init__(f"{path}: {message}")
 
@@ -69,6 +69,19 @@ class ConfigError(ValueError):
         inside = not prefix or p == prefix or p.startswith((f"{prefix}.", f"{prefix}["))
         return type(self)(p if inside else f"{prefix}.{p}" if p and not p.startswith("[") else f"{prefix}{p}",
                           self.message)
+
+
+_QUOTED = re.compile(r"'([^'\s]{100,})'|\"([^\"\s]{100,})\"")   # no prose runs 100 characters unspaced
+
+
+def cut_message(text: str, limit: int) -> str:
+    """`text` with every quoted run of over 100 characters without a space cut to a prefix and its length, then, if
+    still over `limit`, its head and tail: what a one-line refusal can carry of a hostile value."""
+    text = _QUOTED.sub(lambda m: f"'{(m.group(1) or m.group(2))[:40]}...' ({len(m.group(1) or m.group(2)):,} "
+                                 f"characters)", text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit * 2 // 3]} ... ({len(text):,} characters) ... {text[-limit // 4:]}"
 
 
 class _Mismatch(Exception):
@@ -86,8 +99,17 @@ def found(v: Any) -> str:
         return f"the boolean {str(v).lower()}"
     kind = {int: "the integer", float: "the number", str: "the string", list: "the list", tuple: "the list",
             dict: "the mapping"}.get(type(v), f"a {type(v).__name__}")
+    return f"{kind} {shown(v)}"
+
+
+def shown(v: Any, limit: int = 60) -> str:
+    """`v` as a message quotes it: repr(v) for a string or any other value, or, past `limit`
+    characters, a prefix and how long the whole is: `'aaaa...' (5000 characters)`. A message
+    never carries a user's value whole: a file may hand lowprec megabytes."""
     text = repr(v)
-    return f"{kind} {text if len(text) <= 60 else text[:57] + '...'}"
+    if len(text) <= limit:
+        return text
+    return f"{text[:max(limit - 25, 8)]}... ({len(text):,} characters)"
 
 
 def _did_you_mean(v: Any, choices: list[str]) -> str:
@@ -275,35 +297,3 @@ def to_data(obj: Any) -> Any:
     if isinstance(obj, Mapping):
         return {k: to_data(v) for k, v in obj.items()}
     return obj
-
-
-def read_yaml_file(path: str | Path, expected: str = "a mapping of sections") -> dict:
-    """A config file's top-level mapping; every problem is a ConfigError naming the file: a
-    folder or no file, an unreadable or non-UTF-8 file, and what `read_yaml_text` refuses."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(str(p), "is a folder, not a config file" if p.is_dir() else
-                          "no such config file; give the path of a YAML file (e.g. experiments/configs/default.yaml)")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(str(p), f"cannot read the file: {e}") from None
-    return read_yaml_text(text, str(p), expected)
-
-
-def read_yaml_text(text: str, origin: str = "<yaml>", expected: str = "a mapping of sections") -> dict:
-    """YAML's top-level mapping, read with the safe loader; every problem is a ConfigError
-    naming `origin`: a YAML tag that safe loading refuses, invalid YAML, and contents that are
-    not a mapping (`expected` says what is)."""
-    import yaml
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.constructor.ConstructorError as e:
-        raise ConfigError(origin, f"uses a YAML tag that safe loading refuses ({e.problem}"
-                                  f"{e.problem_mark or ''}); a config is plain data: mappings, lists, "
-                                  "strings, numbers") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(origin, f"not valid YAML: {e}") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(origin, f"expected {expected}, found {found(doc)}")
-    return doc

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from lowprec.base.parse import ConfigError, check_keys, found, parse, read_yaml_file, to_data
+from lowprec.base.parse import ConfigError, check_keys, found, parse, to_data
+from lowprec.base.yaml_read import read_yaml_file
 from lowprec.base.enums import StrEnum
 from lowprec.sites.plan import PrecisionPlan
 from lowprec.policy.rollout import RolloutConfig, parse_rollout
@@ -227,7 +228,12 @@ def _resolve_path(value: str, base: Path | None, is_kind) -> tuple[Path | None, 
     the config's folder, then the current folder."""
     p = Path(value).expanduser()
     looked = [p] if p.is_absolute() else [*([base / p] if base is not None else []), Path.cwd() / p]
-    return next((c.resolve() for c in looked if is_kind(c)), None), looked
+    def there(c: Path) -> bool:
+        try:
+            return is_kind(c)
+        except OSError:   # a name too long for the file system: not there
+            return False
+    return next((c.resolve() for c in looked if there(c)), None), looked
 
 
 def _resolve_paths(ev: EvalConfig, base: Path | None) -> EvalConfig:

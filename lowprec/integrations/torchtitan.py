@@ -109,7 +109,7 @@ def load_config(path: str | Path) -> LowprecConfig:
 def _framework_config_with_probe(path: str | Path) -> LowprecConfig:
     """The file as a framework's config, `rollout.lr_probe` included: the HF and Lightning hosts
     have no held batch and refuse the probe; LowprecTrainer takes torchtitan's validation data's."""
-    from lowprec.base.parse import read_yaml_file
+    from lowprec.base.yaml_read import read_yaml_file
     from lowprec.policy.rollout import parse_rollout
     doc = read_yaml_file(path, "a mapping with sections precision, rollout, eval, tracking")
     rollout = doc.get("rollout")
