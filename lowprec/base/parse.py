@@ -32,6 +32,7 @@ import dataclasses
 import difflib
 import enum
 import functools
+import math
 import re
 import types
 import typing
@@ -43,6 +44,7 @@ from typing import Any, Iterable, TypeVar
 __all__ = ["ConfigError", "parse", "check_keys", "to_data", "describe_type", "found", "shown", "cut_message"]
 
 T = TypeVar("T")
+_INT_LIMIT = 2 ** 63    # an integer setting fits a 64-bit integer (torch, numpy, MLflow and SQLite need it)
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
@@ -59,7 +61,7 @@ class ConfigError(ValueError):
     str(e) == f"{path}: {message}"; the message says what was found, what is allowed, the fix."""
 
     def __init__(self, path: str, message: str):
-        path, message = cut_message(str(path), 300), cut_message(str(message), 2000)
+        path, message = cut_message(str(path), 300), cut_message(str(message), 1000)
         self.path, self.message = path, message
         super().__init__(f"{path}: {message}")
 
@@ -74,11 +76,16 @@ class ConfigError(ValueError):
 _QUOTED = re.compile(r"'([^'\s]{100,})'|\"([^\"\s]{100,})\"")   # no prose runs 100 characters unspaced
 
 
+_LONG_WORD = re.compile(r"[^\s']{200,}")   # a file path is shorter; a pasted value may not be
+
+
 def cut_message(text: str, limit: int) -> str:
-    """`text` with every quoted run of over 100 characters without a space cut to a prefix and its length, then, if
-    still over `limit`, its head and tail: what a one-line refusal can carry of a hostile value."""
+    """`text` with every quoted run of over 100 characters without a space, and every bare run of
+    over 200, cut to a prefix and its length; then, if still over `limit`, its head and tail:
+    what a one-line refusal carries of a hostile value."""
     text = _QUOTED.sub(lambda m: f"'{(m.group(1) or m.group(2))[:40]}...' ({len(m.group(1) or m.group(2)):,} "
                                  f"characters)", text)
+    text = _LONG_WORD.sub(lambda m: f"{m.group(0)[:60]}... ({len(m.group(0)):,} characters)", text)
     if len(text) <= limit:
         return text
     return f"{text[:limit * 2 // 3]} ... ({len(text):,} characters) ... {text[-limit // 4:]}"
@@ -220,6 +227,8 @@ def _convert(tp: Any, v: Any, path: str) -> Any:
         raise _Mismatch(" (write true or false, without quotes)" if isinstance(v, str) else "")
     if tp is int:
         if isinstance(v, int) and not isinstance(v, bool):
+            if not -_INT_LIMIT <= v < _INT_LIMIT:
+                raise _Mismatch(f" ({len(str(abs(v)))} digits): no setting needs an integer beyond 64 bits")
             return v
         if isinstance(v, float) and v.is_integer():
             raise _Mismatch(f"; write {int(v)}")
@@ -227,11 +236,16 @@ def _convert(tp: Any, v: Any, path: str) -> Any:
             raise _Mismatch(f"; write {int(float(v))}, without quotes")
         raise _Mismatch()
     if tp is float:
+        x = None
         if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return float(v)
-        if isinstance(v, str) and _NUMBER.fullmatch(v.strip()):
-            return float(v)   # PyYAML reads 3e-3 (no dot) as a string
-        raise _Mismatch()
+            x = float(v) if abs(v) < 1e308 else math.inf
+        elif isinstance(v, str) and _NUMBER.fullmatch(v.strip()):
+            x = float(v)   # PyYAML reads 3e-3 (no dot) as a string
+        if x is None:
+            raise _Mismatch()
+        if not math.isfinite(x):   # .inf, .nan, 1e400: no threshold, rate or size means that
+            raise _Mismatch("; a setting is a finite number (leave the key out for its default)")
+        return x
     if tp is str:
         if isinstance(v, str):
             return v
