@@ -33,7 +33,7 @@ class YamlLimits:
     """What one YAML file may hold. The defaults are far above any config, gate, suite or profile
     file lowprec writes or reads (the largest, a written per-module plan, is tens of KB)."""
     max_bytes: int = 4 << 20
-    max_nodes: int = 200_000
+    max_nodes: int = 100_000
     max_depth: int = 64
 
 
