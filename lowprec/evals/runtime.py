@@ -44,6 +44,11 @@ class LMEvalEvaluator:
         self.forward = forward
 
     @staticmethod
+    def task_names(config) -> tuple[str, ...]:
+        """The tasks of the config's suite, by name (before any task is prepared)."""
+        return get_suite(config.suite).tasks
+
+    @staticmethod
     def check_config(config) -> None:
         try:
             get_suite(config.suite)

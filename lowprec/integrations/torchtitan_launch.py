@@ -18,7 +18,8 @@ checkpointer) after changing, in this process and before torchtitan is imported,
   instead, and the CPU's device module gets the calls torchtitan's memory monitor and MFU
   logging make (device name and capacity, memory statistics), reporting no memory statistics.
 
-Each function can be called on its own by a launcher of the user's; `main` calls all three.
+Each function can be called on its own by a launcher of the user's; `main` calls all three,
+and turns a lowprec `ConfigError` into one line from rank 0 and exit status 2.
 The job's own CPU settings (SDPA attention, FSDP's SUM reduction under gloo) stay in its config
 function: docs/integrations.md, "How it was tested, and what a CPU run needs".
 """
@@ -85,12 +86,23 @@ def adapt_pipeline_schedules() -> bool:
 
 
 def main() -> int | None:
-    """The three changes, then torchtitan's `main()` (its command line: `--module M --config F ...`)."""
+    """The three changes, then torchtitan's `main()` (its command line: `--module M --config F ...`).
+    A lowprec setting that cannot be used (a `ConfigError`: the converter checks the whole file
+    against the model, built on the meta device, before torchtitan builds anything) ends the job
+    with one line from rank 0 and exit status 2 on every rank, no traceback."""
+    import os
+
+    from lowprec.base.parse import ConfigError
     run_on_cpu()
     keep_timeouts()
     adapt_pipeline_schedules()
     from torchtitan.train import main as titan_main
-    return titan_main()
+    try:
+        return titan_main()
+    except ConfigError as e:
+        if os.environ.get("RANK", "0") == "0":   # torchrun's rank: one line per job
+            print(f"lowprec: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":
