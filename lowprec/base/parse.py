@@ -226,26 +226,9 @@ def _convert(tp: Any, v: Any, path: str) -> Any:
             return v
         raise _Mismatch(" (write true or false, without quotes)" if isinstance(v, str) else "")
     if tp is int:
-        if isinstance(v, int) and not isinstance(v, bool):
-            if not -_INT_LIMIT <= v < _INT_LIMIT:
-                raise _Mismatch(f" ({len(str(abs(v)))} digits): no setting needs an integer beyond 64 bits")
-            return v
-        if isinstance(v, float) and v.is_integer():
-            raise _Mismatch(f"; write {int(v)}")
-        if isinstance(v, str) and _NUMBER.fullmatch(v.strip()) and float(v).is_integer():
-            raise _Mismatch(f"; write {int(float(v))}, without quotes")
-        raise _Mismatch()
+        return _integer(v)
     if tp is float:
-        x = None
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            x = float(v) if abs(v) < 1e308 else math.inf
-        elif isinstance(v, str) and _NUMBER.fullmatch(v.strip()):
-            x = float(v)   # PyYAML reads 3e-3 (no dot) as a string
-        if x is None:
-            raise _Mismatch()
-        if not math.isfinite(x):   # .inf, .nan, 1e400: no threshold, rate or size means that
-            raise _Mismatch("; a setting is a finite number (leave the key out for its default)")
-        return x
+        return _number(v)
     if tp is str:
         if isinstance(v, str):
             return v
@@ -253,6 +236,33 @@ def _convert(tp: Any, v: Any, path: str) -> Any:
     if isinstance(tp, type) and isinstance(v, tp):
         return v
     raise _Mismatch()
+
+
+def _integer(v: Any) -> int:
+    """`v` as an int setting: an integer that fits 64 bits (a bool is no integer)."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        if not -_INT_LIMIT <= v < _INT_LIMIT:
+            raise _Mismatch(f" ({len(str(abs(v)))} digits): no setting needs an integer beyond 64 bits")
+        return v
+    if isinstance(v, float) and v.is_integer():
+        raise _Mismatch(f"; write {int(v)}")
+    if isinstance(v, str) and _NUMBER.fullmatch(v.strip()) and float(v).is_integer():
+        raise _Mismatch(f"; write {int(float(v))}, without quotes")
+    raise _Mismatch()
+
+
+def _number(v: Any) -> float:
+    """`v` as a float setting: a finite number, or a numeric string (PyYAML reads 3e-3, no dot, as one)."""
+    x = None
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        x = float(v) if abs(v) < 1e308 else math.inf
+    elif isinstance(v, str) and _NUMBER.fullmatch(v.strip()):
+        x = float(v)
+    if x is None:
+        raise _Mismatch()
+    if not math.isfinite(x):   # .inf, .nan, 1e400: no threshold, rate or size means that
+        raise _Mismatch("; a setting is a finite number (leave the key out for its default)")
+    return x
 
 
 def _value(tp: Any, v: Any, path: str) -> Any:
