@@ -170,10 +170,10 @@ def load_yaml(text: str | bytes, origin: str = "<yaml>", *, tags: Mapping[str, C
     except yaml.MarkedYAMLError as e:
         at = f" at line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}" if e.problem_mark else ""
         what = "; ".join(str(p) for p in (e.context, e.problem) if p)
-        raise ConfigError(origin, f"not valid YAML{at}: {what[:300]}"
+        raise ConfigError(origin, f"is not valid YAML{at}: {what[:300]}"
                                   f"; fix the file there (docs/config.md shows the shape)") from None
     except yaml.YAMLError as e:
-        raise ConfigError(origin, f"not valid YAML: {shown(' '.join(str(e).split()), 300)}") from None
+        raise ConfigError(origin, f"is not valid YAML: {shown(' '.join(str(e).split()), 300)}") from None
     except RecursionError:   # not reached within max_depth; kept so that no input ends in a traceback
         raise ConfigError(origin, "nests too deeply to read; flatten it") from None
 
@@ -190,7 +190,7 @@ def read_yaml_file(path: str | Path, expected: str = "a mapping of sections") ->
         _check_size(p.stat().st_size, str(p), LIMITS)
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(shown(str(p), 200), f"cannot read the file: {shown(str(e), 300)}") from None
+        raise ConfigError(str(p), f"cannot read the file: {shown(str(e), 300)}") from None
     return read_yaml_text(text, str(p), expected)
 
 
