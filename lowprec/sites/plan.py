@@ -41,7 +41,8 @@ import yaml
 
 from lowprec.sites.backends import BACKEND_NAMES
 from lowprec.sites.gemm_config import LinearGemmConfig
-from lowprec.base.parse import ConfigError, check_keys, read_yaml_file, read_yaml_text, suggest
+from lowprec.base.parse import ConfigError, check_keys, suggest
+from lowprec.base.yaml_read import read_yaml_file, read_yaml_text
 from lowprec.numerics.formats import FORMATS, Format, format_names, get_format
 from lowprec.sites.amax_scope import AMAX_SCOPES, AmaxScope
 from lowprec.sites.reasons import ReasonKind, SiteReason

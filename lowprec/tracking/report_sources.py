@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from lowprec.base.parse import read_yaml_file
+from lowprec.base.yaml_read import read_yaml_file
 from lowprec.base.quiet import quiet_artifact_downloads
 from lowprec.policy.events import Event, EventKind, describe, read_events, replay
 from lowprec.tracking.records import BASELINE_LOSS, flatten_config, tidy_numbers
