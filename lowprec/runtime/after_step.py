@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from lowprec.tracking.phases import Phase
+from lowprec.policy.router_signals import router_balance
 
 __all__ = ["AfterStep", "StepRecord"]
 
@@ -125,7 +126,7 @@ class AfterStep:
                                    "train/grad_norm": rec.grad_norms[-1], "train/lr": lr}
         if self.baseline and step in self.baseline and kept:
             metrics["train/baseline_loss"] = sum(self.baseline.get(s, self.baseline[step]) for s in kept) / len(kept)
-        t.log_metrics(step, {**metrics, **window_extra})
+        t.log_metrics(step, {**metrics, **window_extra, **router_balance(getattr(self.state, "sites", {}))})
         if checked and self.session.last_signals is not None:
             t.log_signals(step, self.session.last_signals)
         if checked or result.decision.changes:

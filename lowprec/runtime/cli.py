@@ -50,6 +50,9 @@ def register(sub) -> None:
     p.add_argument("--model-factory", default=None, metavar="MODULE:FUNCTION",
                    help="check a framework callback's YAML (no model: section; docs/integrations.md) against the "
                         "model this function returns, as LowprecCallback.from_yaml does")
+    p.add_argument("--speed-table", default=None, metavar="NAME",
+                   help="price the rollout's expected tokens/s with this device's measured layer table "
+                        "(lowprec.runtime.speed_estimate.TABLES; default: the model's device's own, if there is one)")
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("run", help="train a config: staged rollout, monitors, fallbacks, evals, MLflow tracking")
@@ -108,6 +111,9 @@ def _plan(args, console) -> int:
         return _plan_framework(args, console)
     missing: dict[str, str] = {}
     try:
+        if getattr(args, "speed_table", None):
+            from lowprec.runtime.speed_estimate import table_for
+            table_for(args.speed_table)      # a misspelt name: refused before the model is built
         cfg = _load(args.config)
     except ConfigError as e:
         if e.path == "model" and _framework_yaml(args.config):   # a callback's YAML: the model is the user's
@@ -130,12 +136,18 @@ def _plan(args, console) -> int:
         console.print("\nrollout stages:")
         for st in prepared.controller.stages:
             console.print(f"  {st.name}: {len(st.sites)} sites -> {st.format}")
+    try:
+        from lowprec.runtime.speed_estimate import plan_lines
+        console.print(plan_lines(prepared, args.speed_table))
+    except ValueError as e:
+        return _fail(console, e)
     if missing:
         console.print(f"\nstill missing before `lowprec run` ({len(missing)}; the plan does not need them):")
         for key, why in missing.items():
             console.print(f"  {key}: {why}")
     else:
         console.print("\nevery runtime input is here (baseline, data): `lowprec run` can start")
+    console.print("\n" + _shares(prepared))
     return EXIT_OK
 
 
@@ -175,6 +187,7 @@ def _plan_framework(args, console) -> int:
         console.print("\nrollout stages:")
         for st in controller.stages:
             console.print(f"  {st.name}: {len(st.sites)} sites -> {st.format}")
+    console.print("\n" + _shares(SimpleNamespace(state=state, model=model)))
     console.print("\nthe callback's config is valid for this model: LowprecCallback.from_yaml will accept it")
     return EXIT_OK
 
@@ -188,6 +201,12 @@ def _table(prepared) -> str:
                   for f, why in state.kept_high_precision.items()})
     order = [f for f, _ in prepared.model.named_modules() if f in sites]
     return format_plan_table([sites[f] for f in order])
+
+
+def _shares(prepared) -> str:
+    """GEMM FLOPs by kind (experts against the rest) and by format, every GEMM of the model."""
+    from lowprec.sites.flop_count import describe_shares
+    return describe_shares(prepared.state, dict(prepared.model.named_modules()))
 
 
 def _send_finished(out: Path, console) -> int | None:
