@@ -36,6 +36,7 @@ from torch import nn
 from lowprec.config import ConfigRole, LowprecConfig
 from lowprec.policy.decisions import Action
 from lowprec.state.ranks import process_rank, world_size
+from lowprec.integrations.framework_steps import FrameworkSteps
 from lowprec.runtime.after_step import AfterStep
 from lowprec.runtime.session import Session, SessionSettings, StepResult
 from lowprec.runtime.tracked_map import regather, tracked_map
@@ -121,6 +122,7 @@ class HostedRollout:
                                 # `lowprec.runtime.tracked_map`)
         self._pending: StepResult | None = None
         self._ended = False
+        self._framework_step: int | None = None   # the framework's global step now (FrameworkSteps)
 
     def _validate(self) -> None:
         """Everything the config names, checked now rather than when training starts
@@ -166,11 +168,15 @@ class HostedRollout:
         `lowprec.tracking.resume`: what its journal holds is not logged again).
         event_log: a JSONL file the session appends the rollout's events to (one writer)."""
         cfg = self.config
-        self.tracker = self._open_tracker(run_name, buffer_root, attach, buffer, resume_tracking)
+        tracker = self._open_tracker(run_name, buffer_root, attach, buffer, resume_tracking)
+        # everything is recorded at the framework's step (lowprec.integrations.framework_steps)
+        self.tracker = None if tracker is None else FrameworkSteps(tracker, lambda: self._framework_step,
+                                                                   lambda: self.step)
         if cfg.eval is not None:
+            from lowprec.runtime.baseline import baseline_evals
             from lowprec.runtime.evals import eval_checkpoints
             self.evals = eval_checkpoints(cfg.eval, self.model, self.state, max_length=max_length, tracker=self.tracker,
-                                          forward=eval_forward, tokenizer=eval_tokenizer)
+                                          forward=eval_forward, tokenizer=eval_tokenizer, baseline=baseline_evals(cfg))
         controller = None
         if cfg.rollout is not None:
             from lowprec.policy.rollout import build_controller
@@ -218,11 +224,15 @@ class HostedRollout:
 
     def before_optimizer_step(self, loss: torch.Tensor, closure: Callable[[], torch.Tensor] | None = None, *,
                               grad_norm: torch.Tensor | None = None,
-                              forward: Callable[[], torch.Tensor] | None = None) -> StepResult:
+                              forward: Callable[[], torch.Tensor] | None = None,
+                              framework_step: int | None = None) -> StepResult:
         """After backward, before the framework's optimizer step: clip, decide (replaying an
         anomalous step through `closure`, and a window of them on a loss gap; `forward`, the
         step's forward alone, makes a window's first look cheaper), and withhold the gradients
-        unless the step is applied."""
+        unless the step is applied. framework_step: the framework's global step this optimizer
+        step will have (1-based, as its own metrics carry it): what this step records is logged there."""
+        if framework_step is not None:
+            self._framework_step = int(framework_step)
         result = self._pending = self.session.decide(loss, closure, grad_norm=grad_norm, forward=forward)
         if result.decision.action is not Action.CONTINUE:
             self.session.withhold_gradients()
@@ -285,7 +295,7 @@ class HostedRollout:
             raise RuntimeError("HostedRollout.state_dict() before start(): there is no session to save yet")
         return {"format": STATE_FORMAT, "version": STATE_VERSION, "world_size": world_size(),
                 "precision": self.state.state_dict(), "session": self.session.state_dict(),
-                "losses": list(self.losses),
+                "losses": list(self.losses), "framework_step": self._framework_step,
                 "evals": self.evals.state_dict() if self.evals is not None else None}   # the gate's checks made
 
     def load_state_dict(self, saved: dict) -> None:
@@ -307,6 +317,7 @@ class HostedRollout:
         self.session.load_state_dict(saved["session"])
         regather(self.map)   # every rank loads its own sites' formats
         self.after.load_state_dict({"losses": saved["losses"], "evals": saved.get("evals")})
+        self._framework_step = saved.get("framework_step", self._framework_step)   # absent before one step
         if self.tracker is not None:
             self.tracker.log_metrics(self.step, {"train/resumed_at": self.step})
             self.tracker.log_precision(self.step, self.map.formats(), self.map.flops_share())

@@ -297,7 +297,8 @@ class LowprecTrainer(Trainer):
         if not self._losses or self._drawn is None:
             return None   # not a training step lowprec saw
         loss = self.global_loss(torch.stack([x.reshape(-1).sum() for x in self._losses]).sum())
-        result = self.hosted.before_optimizer_step(loss, self._closure(list(self._drawn.items)))
+        result = self.hosted.before_optimizer_step(loss, self._closure(list(self._drawn.items)),
+                                                   framework_step=self.step)   # torchtitan counts it before
         self._withheld = result.decision.action is not Action.CONTINUE
         return None
 

@@ -11,7 +11,9 @@ that explain them; `apply_decision(state, decision)` carries the changes out on 
 
 An anomalous step is never applied, and it is decided at its own step. With the replays
 of `lowprec.policy.attribution` (the session replays the step with sites in high precision):
-the sites whose precision caused it fall back one rung each, nothing else moves; when
+the sites whose precision caused it fall back one rung each, nothing else moves (only on
+evidence that clears the detectors' noise margin, `Thresholds.blame_margin`: a replay just
+under the limit is an INCONCLUSIVE event and demotes nothing); when
 the anomaly persists with every site in high precision, precision is not to blame and
 nothing is demoted (the step is skipped; an anomaly on `persist_steps` steps in a row
 rewinds when the loss is off and rewind is on, and is otherwise accepted as the new level:
@@ -184,10 +186,16 @@ class RolloutController(SlowSignalRules, LadderMoves):
                                   {"finite": not a.nonfinite, **a.to_evidence()}))
             return
         for r in attribution.replays:
+            said = ("still " + a.names if r.anomalous else "clean" if r.clears
+                    else "under the limit, but inside the noise margin")
             d.events.append(Event(step, EventKind.REPLAY, r.high_precision, {}, {}, (
-                f"replayed with {len(r.high_precision)} site(s) in high precision: "
-                f"{'still ' + a.names if r.anomalous else 'clean'}"), r.to_evidence()))
+                f"replayed with {len(r.high_precision)} site(s) in high precision: {said}"), r.to_evidence()))
         evidence = {**a.to_evidence(), **attribution.evidence}
+        if attribution.inconclusive:   # a suspicion the noise cannot tell from chance: recorded, not acted on
+            d.events.append(Event(step, EventKind.INCONCLUSIVE, (), {}, {}, (
+                f"{a.names}: gone in high precision, but by less than {self.config.thresholds.blame_margin:g} "
+                f"standard deviations of the detector's window either side of its limit: precision not blamed"),
+                {**evidence, "margins": attribution.replays[0].margins or {}}))
         if attribution.precision_to_blame:
             for site in attribution.blamed:
                 self._fallback(site, step, f"{a.names} gone when replayed with this site in high precision",

@@ -55,6 +55,9 @@ class Thresholds:
     spike_min_history: int = 16                 # no spike verdicts before this many values
     large_factor: float = 10.0
     large_warmup: int = 100
+    # blame by replay needs the replay's evidence to clear the detector's noise by this many
+    # standard deviations of its window (lowprec.policy.anomaly.StepDetectors.clears)
+    blame_margin: float = 2.0
     loss_gap: float | None = None               # relative gap to the baseline curve; None: off
     loss_gap_smoothing: float = 0.9             # EMA factor of the smoothed losses
 
@@ -76,6 +79,7 @@ class Thresholds:
              f">= 2 (a standard deviation needs two values) and <= spike_window ({self.spike_window})")
         need(self.large_factor > 1, "large_factor", "> 1 (a multiple of the largest early value)")
         need(self.large_warmup >= 1, "large_warmup", ">= 1")
+        need(self.blame_margin >= 0, "blame_margin", ">= 0 (standard deviations of a detector's window; 0: no margin)")
         need(self.loss_gap is None or self.loss_gap > 0, "loss_gap",
              "> 0 (a relative gap: 0.03 is 3%), or null (off)")
         need(0 <= self.loss_gap_smoothing < 1, "loss_gap_smoothing", "in [0, 1) (0: no smoothing)")
@@ -143,6 +147,15 @@ class SpikeDetector:
         std = math.sqrt(sum((v - mean) ** 2 for v in ref) / max(n - 1, 1))
         limit = mean + self.sigmas * std
         return value > limit, {"value": value, "mean": mean, "std": std, "limit": limit, "window": n}
+
+    def spread(self) -> float:
+        """The standard deviation of the reference (0 with fewer than two values): the noise."""
+        ref = self.reference()
+        n = len(ref)
+        if n < 2:
+            return 0.0
+        mean = sum(ref) / n
+        return math.sqrt(sum((v - mean) ** 2 for v in ref) / (n - 1))
 
     def update(self, value: float, step: int = -1) -> tuple[bool, dict]:
         """`test`, then a finite value that is no spike joins the history."""

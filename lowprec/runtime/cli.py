@@ -115,6 +115,13 @@ def _plan(args, console) -> int:
             from lowprec.runtime.speed_estimate import table_for
             table_for(args.speed_table)      # a misspelt name: refused before the model is built
         cfg = _load(args.config)
+    except ConfigError as e:
+        if e.path == "model" and _framework_yaml(args.config):   # a callback's YAML: the model is the user's
+            e = ConfigError("model", f"{e.message}. This looks like a framework callback's YAML (no model:, data:, "
+                            f"train:): check it against your model with `lowprec plan {args.config} "
+                            f"--model-factory MODULE:FUNCTION` (a function that builds the model you train)")
+        return _fail(console, e)
+    try:
         prepared = prepare_run(cfg, missing=missing)
         if cfg.parallel.world > 1:   # the model's own plan takes these degrees (as `run` checks)
             from lowprec.runtime.parallel_run import check_prepared
@@ -142,6 +149,16 @@ def _plan(args, console) -> int:
         console.print("\nevery runtime input is here (baseline, data): `lowprec run` can start")
     console.print("\n" + _shares(prepared))
     return EXIT_OK
+
+
+def _framework_yaml(path: str) -> bool:
+    """Whether the file holds none of the sections a framework owns (`model`, `data`, `train`)."""
+    import yaml
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(doc, dict) and not {"model", "data", "train"} & set(doc)
 
 
 def _fast_path_note(prepared) -> str | None:

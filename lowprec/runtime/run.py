@@ -120,8 +120,10 @@ def read_baseline(cfg) -> dict[int, float] | None:
             raise ConfigError("rollout.baseline.losses", f"{b.losses!r} not found (looked at "
                               f"{', '.join(map(str, cands))}); give the losses.json a run wrote")
         return read_losses(found)
-    from lowprec.runtime.baseline import losses_of_run
-    curve = losses_of_run(_tracking_uri(cfg), cfg.tracking.experiment, b.mlflow_run)
+    from lowprec.config import ConfigRole
+    from lowprec.runtime.baseline import RUN_HOW, TRAINER_HOW, losses_of_run
+    how = TRAINER_HOW if cfg.role is ConfigRole.FRAMEWORK else RUN_HOW   # a Trainer's user has no `lowprec run`
+    curve = losses_of_run(_tracking_uri(cfg), cfg.tracking.experiment, b.mlflow_run, how)
     return {i: float(v) for i, v in enumerate(curve) if v == v and abs(float(v)) != float("inf")}
 
 
@@ -229,7 +231,8 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True,
     if cfg.eval is not None:
         from lowprec.runtime.evals import eval_checkpoints
         max_len = cfg.data.block_size if cfg.data is not None and cfg.data.block_size else 256
-        prepared.evals = eval_checkpoints(cfg.eval, model, state, max_length=max_len)
+        from lowprec.runtime.baseline import baseline_evals
+        prepared.evals = eval_checkpoints(cfg.eval, model, state, max_length=max_len, baseline=baseline_evals(cfg))
         if cfg.parallel.pp > 1 and not callable(getattr(prepared.evals.evaluator, "use_forward", None)):
             raise ConfigError("eval.evaluator", (
                 f"{cfg.eval.evaluator!r} has no use_forward(forward) method, which parallel: {{pp: {cfg.parallel.pp}}} "
