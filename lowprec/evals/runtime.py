@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 
+from lowprec.base.parse import ConfigError
 from lowprec.runtime.evals import EvalOutcome
 
 from lowprec.evals.corpora import DataUnavailable
@@ -48,11 +49,16 @@ class LMEvalEvaluator:
         return other
 
     @staticmethod
+    def task_names(config) -> tuple[str, ...]:
+        """The tasks of the config's suite, by name (before any task is prepared)."""
+        return get_suite(config.suite).tasks
+
+    @staticmethod
     def check_config(config) -> None:
         try:
             get_suite(config.suite)
         except KeyError as e:
-            raise ValueError(f"eval.suite: {e.args[0]}") from None
+            raise ConfigError("eval.suite", str(e.args[0])) from None
 
     def evaluate(self, mode: str) -> EvalOutcome | None:
         """This process's outcome; None on a torchrun rank other than local rank 0 (lm-eval's results

@@ -1,6 +1,6 @@
 """`lowprec gate`: compare a candidate run with a baseline run stored in MLflow, gate by gate.
 
-    lowprec gate --baseline RUN [RUN ...] --candidate RUN --gates NAME|FILE [--tracking-uri URI] [--step N]
+    lowprec gate --baseline RUN [RUN ...] --candidate RUN --gates NAME|FILE [--tracking-uri URI] [--step final|N]
                  [--markdown FILE] [--junit FILE] [--inconclusive {pass,fail}] [--timeout S] [--power]
 
 One baseline: the paired comparison of lowprec.gates.gate. Several (run ids, or one name that several
@@ -20,9 +20,11 @@ wrote) and writes JUnit XML to `--junit`.
 Exit status: 0 every gate passes (inconclusive ones too, unless `--inconclusive fail`),
 1 a gate regressed (or was inconclusive under `--inconclusive fail`), 2 the input cannot be
 used (a bad gate file, a missing run or metric, a store that does not answer within --timeout,
-60 s by default, a run that did not finish, evals at different steps or of different modes or
-suites without --step, a --markdown/--junit path that cannot be written, checked before any
-run is read) - the message on stderr, no traceback.
+60 s by default, a run that did not finish or evals of different modes without --step, evals
+of different suites, a --step N that one run has no evals at, a --markdown/--junit path that
+cannot be written, checked before any run is read) - the message on stderr, no traceback.
+Without --step (`--step final`) each run's final evals are compared, at whatever step each
+ended; a refusal suggests only a --step both runs can be read at.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import TextIO
 from lowprec.gates.errors import GateInputError, GateSpecError
 from lowprec.gates.gate import GateSummary, check_all, check_spread, summarize
 from lowprec.gates.report import junit_xml, markdown, power_table, table
-from lowprec.gates.runs import check_comparable, load_scores, open_client, resolve_runs
+from lowprec.gates.runs import check_comparable, check_named_step, load_scores, open_client, resolve_runs
 from lowprec.gates.spec import GateSpec, gate_names
 
 from lowprec.tracking.cli import default_tracking_uri
@@ -46,6 +48,7 @@ from lowprec.policy.verdicts import Verdict
 __all__ = ["GateArgs", "register", "run", "main", "EXIT_PASS", "EXIT_REGRESS", "EXIT_UNUSABLE"]
 
 EXIT_PASS, EXIT_REGRESS, EXIT_UNUSABLE = 0, 1, 2
+FINAL = "final"   # --step final: each run's final evals
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class GateArgs:
     candidate: str
     gates: str
     tracking_uri: str | None = None
-    step: int | None = None
+    step: int | str | None = None        # None or "final": each run's final evals
     markdown: str | None = None
     junit: str | None = None
     inconclusive: str = "pass"
@@ -75,8 +78,7 @@ def evaluate(args: GateArgs) -> tuple[GateSummary, str, str]:
     """Gate file + both runs -> the summary and how each run is described (GateSpecError or
     GateInputError when the input cannot be used)."""
     spec = GateSpec.from_yaml(args.gates)  # first: a bad file fails before MLflow is even imported
-    if args.step is not None and args.step < 0:
-        raise GateInputError(f"--step must be >= 0, got {args.step}")
+    step = parse_step(args.step)
     uri = args.tracking_uri or default_tracking_uri()
     try:
         dl = Deadline(args.timeout, f"the tracking store {uri}")
@@ -86,12 +88,18 @@ def evaluate(args: GateArgs) -> tuple[GateSummary, str, str]:
     client = dl.run("opening it (listing experiments)", open_client, uri)
     refs = [args.baseline] if isinstance(args.baseline, str) else list(args.baseline)
     ids = dl.run(f"finding the baseline run(s) {' '.join(refs)}", resolve_runs, client, uri, refs)
-    bases = [dl.run(f"reading the baseline run {rid}", load_scores, uri, rid, metrics=spec.metrics, step=args.step,
-                    client=client) for rid in ids]
-    cand = dl.run(f"reading the candidate run {args.candidate}", load_scores, uri, args.candidate,
-                  metrics=spec.metrics, step=args.step, client=client)
+    def read(step_: int | None):
+        bases_ = [dl.run(f"reading the baseline run {rid}", load_scores, uri, rid, metrics=spec.metrics, step=step_,
+                         client=client) for rid in ids]
+        return bases_, dl.run(f"reading the candidate run {args.candidate}", load_scores, uri, args.candidate,
+                              metrics=spec.metrics, step=step_, client=client)
+    bases, cand = read(None)   # each run's final evals, and the steps it has
+    if step is not None:
+        for base in bases:
+            check_named_step(base, cand, step)
+        bases, cand = read(step)
     for base in bases:
-        check_comparable(base, cand, step_named=args.step is not None)
+        check_comparable(base, cand, step_named=step is not None)
     refuse_immovable(spec, bases)
     if len(bases) == 1:
         results = [g.with_power(r) for g, r in zip(spec.gates, check_all(spec, bases[0], cand))]
@@ -100,6 +108,19 @@ def evaluate(args: GateArgs) -> tuple[GateSummary, str, str]:
         results = [check_spread(g, bases, cand) for g in spec.gates]
         source = f"{len(bases)} baselines (seed spread): " + "; ".join(b.source for b in bases)
     return summarize(results), source, cand.source
+
+
+def parse_step(step: int | str | None) -> int | None:
+    """`--step`: `final` (or None, the default): each run's final evals; N >= 0: the evals at step N."""
+    if step is None or step == FINAL:
+        return None
+    try:
+        n = int(step)
+    except (TypeError, ValueError):
+        raise GateInputError(f"--step must be {FINAL} or a step number >= 0, got {step!r}") from None
+    if n < 0:
+        raise GateInputError(f"--step must be {FINAL} or a step number >= 0, got {n}")
+    return n
 
 
 def refuse_immovable(spec: GateSpec, bases) -> None:
@@ -196,9 +217,9 @@ def register(sub) -> None:
                    f"of a gate file (YAML) of your own; see docs/gates.md")
     p.add_argument("--tracking-uri", default=None, metavar="URI",
                    help="MLflow tracking URI (default: sqlite:///<current directory>/mlflow.db)")
-    p.add_argument("--step", type=int, default=None, metavar="N",
-                   help="compare the evals at step N in both runs (default: each run's last step at which "
-                   "every gated metric was evaluated)")
+    p.add_argument("--step", default=FINAL, metavar="final|N",
+                   help="final (the default): compare each run's final evals (its last step at which every gated "
+                   "metric was evaluated); N: the evals at step N, which both runs must have")
     p.add_argument("--markdown", default=None, metavar="FILE",
                    help="append a Markdown summary to FILE (e.g. \"$GITHUB_STEP_SUMMARY\")")
     p.add_argument("--junit", default=None, metavar="FILE", help="write JUnit XML (one testcase per gate) to FILE")

@@ -14,9 +14,11 @@ that does not answer (a SQLite file that is not there is reported, never created
 that is not in the store (with the most recent runs listed; a unique run *name* is accepted
 too), a metric the run never logged (with a did-you-mean and the metrics under that prefix), a
 step at which a metric has no value. `check_comparable` refuses two runs whose evals are not
-of one kind: a run that did not finish (MLflow status not FINISHED), evals at different steps,
-of different modes (`eval_mode/<prefix>`: a fast in-loop eval against a full final one) or
-suites (the artifact's `suite`, else the `eval.suite` param), unless --step names the step.
+of one kind: a run that did not finish (MLflow status not FINISHED), evals of different modes
+(`eval_mode/<prefix>`: a fast in-loop eval against a full final one), unless --step names the
+step, or of different suites (the artifact's `suite`, else the `eval.suite` param); each
+run's final evals are compared by default, at whatever step each run ended. A named step must
+be one both runs evaluated (`check_named_step`), and a refusal suggests only a step both have.
 MLflow is imported by the functions, not by this module.
 """
 
@@ -36,7 +38,8 @@ from lowprec.gates.scores import STDERR_SUFFIX, MetricScores, Scores, missing_me
 from lowprec.tracking.outbox import server_answers
 from lowprec.tracking.records import RunStatus, eval_artifact_name
 
-__all__ = ["open_client", "resolve_run", "resolve_runs", "load_scores", "recent_runs", "check_comparable"]
+__all__ = ["open_client", "resolve_run", "resolve_runs", "load_scores", "recent_runs", "check_comparable",
+           "check_named_step", "common_steps"]
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 MODE_METRIC = "eval_mode/"   # + prefix: 1 full, 0 fast at the eval's step (Tracker.log_eval(mode=...))
@@ -233,24 +236,49 @@ def load_scores(tracking_uri: str, run_ref: str, *, metrics: Iterable[str] | Non
         se = _history(client, run_id, m + STDERR_SUFFIX).get(at) if m + STDERR_SUFFIX in run.data.metrics else None
         out[m] = MetricScores(histories[m][at], se if se is not None and math.isfinite(se) and se >= 0 else None,
                               samples.get(m))
+    steps = sorted(set.intersection(*(set(h) for h in histories.values())))   # every gated metric evaluated
     return Scores(out, source=f"{source} at step {at}", step=at,
                   extra={"run_id": run_id, "run_name": name, "tracking_uri": tracking_uri,
-                         "status": run.info.status, "kinds": kinds, "describe": source})
+                         "status": run.info.status, "kinds": kinds, "describe": source, "steps": steps})
+
+
+def common_steps(baseline: Scores, candidate: Scores) -> list[int]:
+    """The steps at which both runs evaluated every gated metric."""
+    return sorted(set(baseline.extra.get("steps", ())) & set(candidate.extra.get("steps", ())))
+
+
+def step_fix(baseline: Scores, candidate: Scores) -> str:
+    """What --step can still do for these two runs: name a step both evaluated, or nothing."""
+    both = common_steps(baseline, candidate)
+    if not both:
+        return "no --step can help: the two runs share no step at which every gated metric was evaluated"
+    return f"compare the evals of one step both runs have with --step N (N one of {_steps(dict.fromkeys(both))})"
+
+
+def check_named_step(baseline: Scores, candidate: Scores, step: int) -> None:
+    """A GateInputError unless both runs evaluated every gated metric at `step` (read at their finals)."""
+    missing = [(role, s) for role, s in (("baseline", baseline), ("candidate", candidate))
+               if step not in s.extra.get("steps", ())]
+    if missing:
+        have = "; ".join(f"the {role} {s.extra.get('describe', s.source)} has evals at steps "
+                         f"{_steps(dict.fromkeys(s.extra.get('steps', ())))}" for role, s in missing)
+        raise GateInputError(f"--step {step}: {have}. Fix: {step_fix(baseline, candidate)}, or leave --step out "
+                             f"(--step final, the default) to compare each run's final evals")
 
 
 def check_comparable(baseline: Scores, candidate: Scores, step_named: bool) -> None:
-    """A GateInputError unless the two runs' evals can be compared: both runs finished, their
-    evals are at one step, of one mode (fast in-loop / full final) and of one suite. A step named
-    with --step lifts the first three (the user chose the evals); different suites never compare."""
+    """A GateInputError unless the two runs' evals can be compared: without --step (each run's
+    final evals) both runs finished and the evals are of one mode (fast in-loop / full final);
+    the final evals of two finished runs are compared even at different steps (a framework run
+    that rewound ends where its control ends, at the framework's step; a shorter run is said in
+    the sources). A step named with --step lifts both (the user chose the evals); different
+    suites never compare. A fix it suggests is one that is not refused in turn."""
     problems = []
     for role, s in (("baseline", baseline), ("candidate", candidate)):
         status = s.extra.get("status")
         if status is not None and status != RunStatus.FINISHED and not step_named:
             problems.append(f"the {role} {s.extra.get('describe', s.source)} did not finish (MLflow status "
                             f"{status}): its last eval, at step {s.step}, may be an in-loop one of a run cut short")
-    if baseline.step != candidate.step and not step_named:
-        problems.append(f"the baseline's evals are at step {baseline.step} and the candidate's at step "
-                        f"{candidate.step}: evals at different steps are not compared")
     bk, ck = baseline.extra.get("kinds", {}), candidate.extra.get("kinds", {})
     for prefix in sorted(set(bk) & set(ck)):
         for what in ("mode", "suite"):
@@ -259,7 +287,8 @@ def check_comparable(baseline: Scores, candidate: Scores, step_named: bool) -> N
                 problems.append(f"the baseline's {prefix} eval at step {baseline.step} is of {what} {b!r}, the "
                                 f"candidate's at step {candidate.step} of {what} {c!r}")
     if problems:
-        fix = ("evaluate both runs on one suite" if step_named else
-               "gate two finished runs (a run killed half-way stays RUNNING; resume it to the end), or name the "
-               "step to compare in both runs with --step N")
+        suites = any("of suite" in p for p in problems)
+        fix = ("evaluate both runs on one suite" if suites or step_named else
+               "gate two finished runs (a run killed half-way stays RUNNING; resume it to the end), or "
+               + step_fix(baseline, candidate))
         raise GateInputError("refusing to compare: " + "; ".join(problems) + f". Fix: {fix}")

@@ -36,6 +36,7 @@ from torch import nn
 from lowprec.config import ConfigRole, LowprecConfig
 from lowprec.policy.decisions import Action
 from lowprec.state.ranks import process_rank, world_size
+from lowprec.integrations.framework_steps import FrameworkSteps
 from lowprec.runtime.after_step import AfterStep
 from lowprec.runtime.session import Session, SessionSettings, StepResult
 from lowprec.runtime.tracked_map import regather, tracked_map
@@ -121,6 +122,7 @@ class HostedRollout:
                                 # `lowprec.runtime.tracked_map`)
         self._pending: StepResult | None = None
         self._ended = False
+        self._framework_step: int | None = None   # the framework's global step now (FrameworkSteps)
 
     def _validate(self) -> None:
         """Everything the config names, checked now rather than when training starts
@@ -168,7 +170,10 @@ class HostedRollout:
         eval_share: under torchrun, hands rank 0's eval outcome to every rank (`lowprec.state.ranks.from_rank_0`).
         Built in dependency order: tracker, controller, precision map, evals, session."""
         cfg = self.config
-        self.tracker = self._open_tracker(run_name, buffer_root, attach, buffer, resume_tracking)
+        tracker = self._open_tracker(run_name, buffer_root, attach, buffer, resume_tracking)
+        # everything is recorded at the framework's step (lowprec.integrations.framework_steps)
+        self.tracker = None if tracker is None else FrameworkSteps(tracker, lambda: self._framework_step,
+                                                                   lambda: self.step)
         controller = None
         if cfg.rollout is not None:
             from lowprec.policy.rollout import build_controller
@@ -176,10 +181,11 @@ class HostedRollout:
             controller = build_controller(cfg.rollout, state, model, baseline=self.baseline)
         self.map = tracked_map(self.state, self.whole.state if self.whole is not None else None, controller)
         if cfg.eval is not None:   # every rank runs the same eval passes: decided on the whole model's formats
+            from lowprec.runtime.baseline import baseline_evals
             from lowprec.runtime.evals import eval_checkpoints
             self.evals = eval_checkpoints(cfg.eval, self.model, self.state, max_length=max_length, tracker=self.tracker,
                                           share=eval_share, formats=self.map.formats, forward=eval_forward,
-                                          tokenizer=eval_tokenizer)
+                                          tokenizer=eval_tokenizer, baseline=baseline_evals(cfg))
         sites = list(self.whole.state.sites) if self.whole is not None and controller is not None else None
         self.session = Session(self.model, optimizer, self.state, controller, scheduler=scheduler,
                                group=group, clip=clip, lr_probe=lr_probe, sites=sites, event_log=event_log,
@@ -219,11 +225,15 @@ class HostedRollout:
 
     def before_optimizer_step(self, loss: torch.Tensor, closure: Callable[[], torch.Tensor] | None = None, *,
                               grad_norm: torch.Tensor | None = None,
-                              forward: Callable[[], torch.Tensor] | None = None) -> StepResult:
+                              forward: Callable[[], torch.Tensor] | None = None,
+                              framework_step: int | None = None) -> StepResult:
         """After backward, before the framework's optimizer step: clip, decide (replaying an
         anomalous step through `closure`, and a window of them on a loss gap; `forward`, the
         step's forward alone, makes a window's first look cheaper), and withhold the gradients
-        unless the step is applied."""
+        unless the step is applied. framework_step: the framework's global step this optimizer
+        step will have (1-based, as its own metrics carry it): what this step records is logged there."""
+        if framework_step is not None:
+            self._framework_step = int(framework_step)
         result = self._pending = self.session.decide(loss, closure, grad_norm=grad_norm, forward=forward)
         if result.decision.action is not Action.CONTINUE:
             self.session.withhold_gradients()
@@ -286,7 +296,8 @@ class HostedRollout:
             raise RuntimeError("HostedRollout.state_dict() before start(): there is no session to save yet")
         return {"format": STATE_FORMAT, "version": STATE_VERSION, "world_size": world_size(),
                 "precision": self.state.state_dict(), "session": self.session.state_dict(),
-                "losses": list(self.losses)}
+                "losses": list(self.losses), "framework_step": self._framework_step,
+                "evals": self.evals.state_dict() if self.evals is not None else None}   # the gate's checks made
 
     def load_state_dict(self, saved: dict) -> None:
         """Go on from `saved` (a `state_dict()`), after `start`: the layers' formats and the
@@ -306,7 +317,8 @@ class HostedRollout:
         self.state.load_state_dict(saved["precision"])   # checks sites and formats before switching any
         self.session.load_state_dict(saved["session"])
         regather(self.map)   # every rank loads its own sites' formats
-        self.after.load_state_dict({"losses": saved["losses"]})
+        self.after.load_state_dict({"losses": saved["losses"], "evals": saved.get("evals")})
+        self._framework_step = saved.get("framework_step", self._framework_step)   # absent before one step
         if self.tracker is not None:
             self.tracker.log_metrics(self.step, {"train/resumed_at": self.step})
             self.tracker.log_precision(self.step, self.map.formats(), self.map.flops_share())

@@ -189,6 +189,10 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
         from lowprec.tracking.cli import default_tracking_uri
         if tc.uri is not None or not is_tracking_uri_set():
             mlflow.set_tracking_uri(tc.uri or default_tracking_uri())
+        from mlflow.tracking import MlflowClient
+        from lowprec.tracking.outbox import ensure_experiment
+        # created as `lowprec run` creates it: artifacts beside the store, not in ./mlruns
+        ensure_experiment(MlflowClient(mlflow.get_tracking_uri()), tc.experiment)
         mlflow.set_experiment(tc.experiment)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
@@ -275,7 +279,8 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
         self._micro.clear()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.hosted.before_optimizer_step(self._step_loss(), self._closure(), forward=self._forward())
+        self.hosted.before_optimizer_step(self._step_loss(), self._closure(), forward=self._forward(),
+                                          framework_step=state.global_step + 1)   # the Trainer counts it after
 
     def on_step_end(self, args, state, control, **kwargs):
         self._micro.clear()

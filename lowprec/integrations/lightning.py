@@ -243,7 +243,8 @@ class LowprecCallback(HostedCallback, lightning.pytorch.Callback):
                 "batch) or calls backward itself cannot be measured and replayed by lowprec")
         loss = sum(losses[0] for _, losses in self._micro)
         self._stepped = True
-        self.hosted.before_optimizer_step(loss, self._closure(trainer, pl_module))
+        self.hosted.before_optimizer_step(loss, self._closure(trainer, pl_module),
+                                          framework_step=trainer.global_step + 1)   # Lightning counts it after
 
     def _closure(self, trainer, pl_module) -> Callable[[], torch.Tensor]:
         micro, divide = [args for args, _ in self._micro], trainer.accumulate_grad_batches

@@ -14,7 +14,19 @@ step it occurs:
 `observe(step, loss, grad_norm)` updates the detectors and returns an `Anomaly` or None;
 `kinds(loss, grad_norm)` asks the same question without remembering anything, for the
 replays of `lowprec.policy.attribution` (is the anomaly still there with these sites in high
-precision?). Anomalous values never enter the detectors' histories. The loss gap to a
+precision?), and `clears(anomaly, loss, grad_norm)` says whether a clean replay clears the
+as-trained step by a margin the detectors' own noise sets (the blame rule, below). Anomalous
+values never enter the detectors' histories.
+
+The blame rule. A replay with sites in high precision that is merely under the limit is no
+proof: a step that crossed a spike limit by 1% may cross it or not on any rerun (a rewind
+took values out of the window, a weight state has a naturally high grad norm). So precision
+is blamed only when, for every detector that fired on the step as trained, the signal with
+the sites in high precision is under its limit by at least `blame_margin` x sigma, or the
+signal as trained is over the limit by at least as much; sigma is the standard deviation of
+that signal's spike window (its step-to-step noise; the large-value detector, which keeps no
+spread, borrows its signal's). A non-finite step against a finite replay needs no margin.
+A clean replay inside the margin is an inconclusive suspicion: recorded, not acted on. The loss gap to a
 baseline is a trend, not a one-step anomaly: it stays with the controller's checks.
 """
 
@@ -117,6 +129,33 @@ class StepDetectors:
         """Training went back to step `back`: forget the values of the steps from it on."""
         for _, det, _ in self._checks(0.0, 0.0):
             det.rewound(back)
+
+    def clears(self, anomaly: Anomaly, loss: float, grad_norm: float, k: float) -> tuple[bool, dict]:
+        """(whether a replay's (loss, grad_norm), clean of anomalies, clears the as-trained
+        `anomaly` by `k` standard deviations of each fired detector's signal (the module's
+        blame rule), the margins it was measured by). Remembers nothing."""
+        if self.anomalous(loss, grad_norm):
+            return False, {}
+        if anomaly.nonfinite:
+            return True, {}
+        spread = {AnomalyKind.LOSS_SPIKE: self.loss_spike, AnomalyKind.LOSS_LARGE: self.loss_spike,
+                  AnomalyKind.GRAD_NORM_SPIKE: self.grad_spike, AnomalyKind.GRAD_NORM_LARGE: self.grad_spike}
+        trained = {"loss": anomaly.loss, "grad_norm": anomaly.grad_norm}
+        replayed = {"loss": loss, "grad_norm": grad_norm}
+        margins, ok = {}, True
+        for kind in anomaly.kinds:
+            ev = anomaly.evidence.get(kind.value, {})
+            limit = ev.get("limit")
+            if limit is None:
+                continue
+            signal = "loss" if kind.about_loss else "grad_norm"
+            margin = k * spread[kind].spread()
+            over, under = trained[signal] - limit, limit - replayed[signal]
+            clear = over >= margin or under >= margin
+            margins[kind.value] = {"limit": limit, "margin": margin, "over_as_trained": over,
+                                   "under_in_high_precision": under, "clear": clear}
+            ok = ok and clear
+        return ok, margins
 
     def accept_level(self, anomaly: Anomaly) -> None:
         """A persistent change of level that nothing could undo: the anomaly's values are the

@@ -5,7 +5,12 @@ the same weights, RNG and scaling state with a set of sites in high precision, b
 the step is applied. `attribute` decides which sets to replay:
 
 1. every low-precision site in high precision. If the anomaly persists, precision is not
-   to blame: nothing is demoted (the step is skipped, or the run rewinds);
+   to blame: nothing is demoted (the step is skipped, or the run rewinds). A replay counts
+   as clean only when it clears the as-trained step by the detectors' noise margin (the
+   blame rule of `lowprec.policy.anomaly`: under the limit by `blame_margin` standard
+   deviations of the detector's window in high precision, or over it by as much as trained);
+   a replay under the limit but inside the margin makes the attribution `inconclusive`: the
+   suspicion is recorded and nothing is demoted;
 2. otherwise precision is to blame: narrow it down, first by stage (newest first: the
    sites a stage promoted together, and the sites that started in low precision), then by
    halving the remaining set in forward order. A half whose replay is clean holds the
@@ -52,10 +57,21 @@ class Replay:
     loss: float
     grad_norm: float
     anomalous: bool
+    clears: bool = True        # not anomalous, and by the noise margin (lowprec.policy.anomaly's blame rule)
+    margins: dict | None = None
+
+    @property
+    def clean(self) -> bool:
+        return not self.anomalous and self.clears
 
     def to_evidence(self) -> dict:
-        return {"high_precision": list(self.high_precision), "loss": self.loss, "grad_norm": self.grad_norm,
-                "anomalous": self.anomalous}
+        ev = {"high_precision": list(self.high_precision), "loss": self.loss, "grad_norm": self.grad_norm,
+              "anomalous": self.anomalous}
+        if not self.anomalous:
+            ev["clears_margin"] = self.clears
+        if self.margins:
+            ev["margins"] = self.margins
+        return ev
 
 
 @dataclass(frozen=True)
@@ -66,12 +82,13 @@ class Attribution:
     blamed: tuple[str, ...]
     replays: tuple[Replay, ...]
     exhausted: bool = False          # the replay budget ran out before the search ended
+    inconclusive: bool = False       # high precision was under the limit, but inside the noise margin
 
     @property
     def evidence(self) -> dict:
         return {"replays": len(self.replays), "precision_to_blame": self.precision_to_blame,
-                "budget_exhausted": self.exhausted,
-                "clean_with": [list(r.high_precision) for r in self.replays if not r.anomalous]}
+                "budget_exhausted": self.exhausted, "inconclusive": self.inconclusive,
+                "clean_with": [list(r.high_precision) for r in self.replays if r.clean]}
 
 
 def attribute(candidates: Sequence[str], groups: Sequence[Sequence[str]],
@@ -92,12 +109,12 @@ def attribute(candidates: Sequence[str], groups: Sequence[Sequence[str]],
     def clean(sites: Sequence[str]) -> bool:
         r = replay(tuple(sites))
         done.append(r)
-        return not r.anomalous
+        return r.clean
 
     if not order:
         return Attribution(False, (), ())
     if not clean(order):
-        return Attribution(False, (), tuple(done))
+        return Attribution(False, (), tuple(done), inconclusive=not done[0].anomalous)
     verified = order
     current = order
     position = {s: i for i, s in enumerate(order)}

@@ -11,7 +11,9 @@ that explain them; `apply_decision(state, decision)` carries the changes out on 
 
 An anomalous step is never applied, and it is decided at its own step. With the replays
 of `lowprec.policy.attribution` (the session replays the step with sites in high precision):
-the sites whose precision caused it fall back one rung each, nothing else moves; when
+the sites whose precision caused it fall back one rung each, nothing else moves (only on
+evidence that clears the detectors' noise margin, `Thresholds.blame_margin`: a replay just
+under the limit is an INCONCLUSIVE event and demotes nothing); when
 the anomaly persists with every site in high precision, precision is not to blame and
 nothing is demoted (the step is skipped; an anomaly on `persist_steps` steps in a row
 rewinds when the loss is off and rewind is on, and is otherwise accepted as the new level:
@@ -53,11 +55,13 @@ from __future__ import annotations
 
 from typing import Callable
 
+from lowprec.base.parse import ConfigError
 from lowprec.numerics.formats import Format, get_format
 from lowprec.policy.anomaly import Anomaly, StepDetectors
 from lowprec.policy.attribution import Attribution
 from lowprec.policy.decisions import Action, ControllerConfig, Decision, Stage, apply_decision
-from lowprec.policy.detectors import LR_HISTORY, Thresholds, intrinsic, lr_hold_level, lr_sensitivity_hold
+from lowprec.policy.detectors import (LR_HISTORY, Thresholds, insufficient_tokens, intrinsic, lr_hold_level,
+                                     lr_sensitivity_hold)
 from lowprec.policy.drift import Judge, SlowSignalRules
 from lowprec.policy.ladder_moves import LadderMoves, _high
 from lowprec.policy.events import Event, EventKind
@@ -90,18 +94,21 @@ class RolloutController(SlowSignalRules, LadderMoves):
                  stages: list[Stage], config: ControllerConfig = ControllerConfig(), *,
                  baseline: dict[int, float] | None = None):
         self.ladders: dict[str, tuple[Format, ...]] = {k: tuple(map(get_format, v)) for k, v in ladders.items()}
-        for s in stages:
+        for i, s in enumerate(stages):
             for site in s.sites:
                 if site not in self.ladders:
-                    raise ValueError(f"stage {s.name!r} names site {site!r}, which is not a site")
+                    raise ConfigError(f"rollout.stages[{i}]", f"stage {s.name!r} names site {site!r}, which is "
+                                                              f"not a site")
                 if get_format(s.format) not in self.ladders[site]:
-                    raise ValueError(f"stage {s.name!r} puts {site!r} in {s.format}, which is not on its "
-                                     f"ladder {self._ladder_text(site)}; add it to the ladder")
+                    raise ConfigError(f"rollout.stages[{i}].format", (
+                        f"stage {s.name!r} puts {site!r} in {s.format}, which is not on its ladder "
+                        f"{self._ladder_text(site)}: give the precision.rules entry that selects {site!r} a "
+                        f"`ladder:` with {s.format} on it (a rule without one keeps its sites at their format)"))
         self.order = list(self.ladders)   # forward order: the order the caller lists sites in
         for site, fmt in initial.items():
             if site in self.ladders and get_format(fmt) not in self.ladders[site]:
-                raise ValueError(f"site {site!r} starts in {fmt}, which is not on its ladder "
-                                 f"{self._ladder_text(site)}")
+                raise ConfigError("precision.rules", f"site {site!r} starts in {fmt}, which is not on its ladder "
+                                                     f"{self._ladder_text(site)}; put {fmt} on the rule's `ladder:`")
         self.initial = dict(initial)
         self.current = dict(initial)
         self.stages = list(stages)
@@ -181,10 +188,16 @@ class RolloutController(SlowSignalRules, LadderMoves):
                                   {"finite": not a.nonfinite, **a.to_evidence()}))
             return
         for r in attribution.replays:
+            said = ("still " + a.names if r.anomalous else "clean" if r.clears
+                    else "under the limit, but inside the noise margin")
             d.events.append(Event(step, EventKind.REPLAY, r.high_precision, {}, {}, (
-                f"replayed with {len(r.high_precision)} site(s) in high precision: "
-                f"{'still ' + a.names if r.anomalous else 'clean'}"), r.to_evidence()))
+                f"replayed with {len(r.high_precision)} site(s) in high precision: {said}"), r.to_evidence()))
         evidence = {**a.to_evidence(), **attribution.evidence}
+        if attribution.inconclusive:   # a suspicion the noise cannot tell from chance: recorded, not acted on
+            d.events.append(Event(step, EventKind.INCONCLUSIVE, (), {}, {}, (
+                f"{a.names}: gone in high precision, but by less than {self.config.thresholds.blame_margin:g} "
+                f"standard deviations of the detector's window either side of its limit: precision not blamed"),
+                {**evidence, "margins": attribution.replays[0].margins or {}}))
         if attribution.precision_to_blame:
             for site in attribution.blamed:
                 self._fallback(site, step, f"{a.names} gone when replayed with this site in high precision",
@@ -260,7 +273,7 @@ class RolloutController(SlowSignalRules, LadderMoves):
         suspects: list[tuple[tuple[int, int], str, dict]] = []
         for i, site in enumerate(self.order if not blamed else ()):
             sig = signals.sites.get(site)
-            if sig is None or _high(self.current[site]):
+            if sig is None or _high(self.current[site]) or insufficient_tokens(sig, th):
                 continue
             crossed = th.crossed(sig)
             if not crossed:

@@ -47,11 +47,17 @@ class Thresholds:
     max_underflow_energy: float | None = None
     min_sqnr_db: float | None = None            # a site below this SQNR (dB) is crossing; None: off
     site_patience: int = 2                      # checks in a row crossing before a site falls back
+    # an expert routed fewer tokens than this over a check window is not judged by the site thresholds
+    # ("insufficient tokens": its statistics say little), nor are its strikes reset
+    min_expert_tokens: int = 32
     spike_window: int = 128
     spike_sigmas: float = 6.0
     spike_min_history: int = 16                 # no spike verdicts before this many values
     large_factor: float = 10.0
     large_warmup: int = 100
+    # blame by replay needs the replay's evidence to clear the detector's noise by this many
+    # standard deviations of its window (lowprec.policy.anomaly.StepDetectors.clears)
+    blame_margin: float = 2.0
     loss_gap: float | None = None               # relative gap to the baseline curve; None: off
     loss_gap_smoothing: float = 0.9             # EMA factor of the smoothed losses
 
@@ -66,12 +72,14 @@ class Thresholds:
         need(self.max_underflow_energy is None or 0 <= self.max_underflow_energy <= 1, "max_underflow_energy",
              "a fraction in [0, 1] of an operand's energy (0.01: 1%), or null (off)")
         need(self.site_patience >= 1, "site_patience", ">= 1")
+        need(self.min_expert_tokens >= 0, "min_expert_tokens", ">= 0 (tokens routed to an expert in a check window)")
         need(self.spike_window >= 2, "spike_window", ">= 2")
         need(self.spike_sigmas > 0, "spike_sigmas", "> 0")
         need(2 <= self.spike_min_history <= self.spike_window, "spike_min_history",
              f">= 2 (a standard deviation needs two values) and <= spike_window ({self.spike_window})")
         need(self.large_factor > 1, "large_factor", "> 1 (a multiple of the largest early value)")
         need(self.large_warmup >= 1, "large_warmup", ">= 1")
+        need(self.blame_margin >= 0, "blame_margin", ">= 0 (standard deviations of a detector's window; 0: no margin)")
         need(self.loss_gap is None or self.loss_gap > 0, "loss_gap",
              "> 0 (a relative gap: 0.03 is 3%), or null (off)")
         need(0 <= self.loss_gap_smoothing < 1, "loss_gap_smoothing", "in [0, 1) (0: no smoothing)")
@@ -106,6 +114,12 @@ def intrinsic(key: str) -> bool:
     return role == "weight" or stat in _INTRINSIC_STATS
 
 
+def insufficient_tokens(sig, th: Thresholds) -> bool:
+    """An expert's window (its `SiteSignals`) with too few tokens routed to it to be judged by
+    the site thresholds (`min_expert_tokens`); never so for a site that is no expert."""
+    return sig.tokens is not None and sig.tokens < th.min_expert_tokens
+
+
 class SpikeDetector:
     """A value above mean + `sigmas` standard deviations of the reference: the newest of the
     last `window` values, at most half of the values seen (a short run's reference forgets
@@ -133,6 +147,15 @@ class SpikeDetector:
         std = math.sqrt(sum((v - mean) ** 2 for v in ref) / max(n - 1, 1))
         limit = mean + self.sigmas * std
         return value > limit, {"value": value, "mean": mean, "std": std, "limit": limit, "window": n}
+
+    def spread(self) -> float:
+        """The standard deviation of the reference (0 with fewer than two values): the noise."""
+        ref = self.reference()
+        n = len(ref)
+        if n < 2:
+            return 0.0
+        mean = sum(ref) / n
+        return math.sqrt(sum((v - mean) ** 2 for v in ref) / (n - 1))
 
     def update(self, value: float, step: int = -1) -> tuple[bool, dict]:
         """`test`, then a finite value that is no spike joins the history."""

@@ -38,8 +38,9 @@ class EventKind:
     HOLD = "hold"                # a promotion held back (the learning-rate sensitivity is rising)
     WINDOW = "window"            # a slow signal's window looked at / trained again with `sites` in high precision
     NOT_PRECISION = "not_precision"   # a slow signal that high precision did not close: nothing demoted
+    INCONCLUSIVE = "inconclusive"     # precision suspected, but the replay is inside the noise margin: nothing demoted
     ALL = (PROMOTE, FALLBACK, ROLLBACK, RETRY, QUARANTINE, REWIND, SKIP_STEP, GATE, REPLAY, ACCEPT, HOLD, WINDOW,
-           NOT_PRECISION)
+           NOT_PRECISION, INCONCLUSIVE)
     CHANGES_FORMATS = (PROMOTE, FALLBACK, ROLLBACK, RETRY)
 
 

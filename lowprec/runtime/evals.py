@@ -20,7 +20,13 @@ it has one, validates a config before step 0.
 `EvalCheckpoints` runs them: every `eval.every` steps, before every stage promotion (the
 controller's `gate(step)`) and at the end; the model as it is and, where any layer runs
 below high precision, the same weights under `state.high_precision()` (`eval_hp/...`);
-the in-loop gate compares the two, so the cost of precision is measured directly. Under
+the in-loop gate compares the two, so the cost of precision is measured directly. That
+comparison cannot see damage already in the weights (both passes share it), so each
+checkpoint also compares its own numbers with the run's previous checkpoint and, where
+`rollout.baseline` names an MLflow run with evals, with the baseline's at the same step
+(`lowprec.runtime.eval_damage`): a non-finite or exploded metric fails the checkpoint
+(verdict `regress`, whatever the gate said), which holds a promotion and, at a periodic eval,
+takes the controller's rollback path. Under
 torchrun (`share`) every rank runs the same evals, since a sharded model's forwards are
 collective; the rank that has the results logs and gates and its outcome goes to every rank.
 Whether any layer runs below high precision (so an `eval_hp` pass runs) is read from
@@ -37,7 +43,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
+
+from lowprec.runtime.eval_damage import DEFAULT_RATIO, DamageVerdict, damage
 
 __all__ = ["EvalOutcome", "Evaluator", "GateChecker", "EvalCheckpoints", "load_entry_point", "eval_checkpoints"]
 
@@ -75,6 +83,20 @@ def load_entry_point(group: str, name: str):
     return found[name].load()
 
 
+def check_gated_tasks(metrics, tasks, config) -> None:
+    """A ConfigError at `eval.gates` where the gate file gates a metric the suite's `tasks` do not
+    produce, with the fix: a suite that has the task, or a gate file without it, or no gate."""
+    from lowprec.base.parse import ConfigError
+    for metric in metrics:
+        parts = metric.split("/")
+        if len(parts) != 3 or parts[0] != "eval" or parts[1] not in tasks:
+            raise ConfigError("eval.gates", (
+                f"{config.gates!r} gates {metric!r}, which suite {config.suite!r} does not produce (its tasks: "
+                f"{', '.join(tasks)}). Fix: a suite with that task (eval.suite: default has the shipped ones), a "
+                f"gate file that gates eval/<task>/<metric> of {config.suite!r}'s tasks (eval.gates: PATH), or "
+                f"eval.gates: null for no in-loop gate"))
+
+
 class _NoGate:
     verdict = "pass"
     reason = "no in-loop gate file configured"
@@ -84,17 +106,17 @@ class EvalCheckpoints:
     """The periodic, pre-promotion and end-of-run evals of one training run."""
 
     def __init__(self, config, evaluator: Evaluator, checker: GateChecker | None, state, *, tracker=None,
-                 share=None, formats=None):
+                 share=None, formats=None, baseline: Callable[[int, str], dict | None] | None = None,
+                 damage_ratio: float = DEFAULT_RATIO):
+        """`baseline(step, mode)`: the baseline run's results at that step (None: it has none there)."""
         self.config, self.evaluator, self.checker, self.state, self.tracker = config, evaluator, checker, state, tracker
+        self.baseline, self.damage_ratio = baseline, damage_ratio
         # under torchrun: rank 0's (outcome, results, results_hp) handed to every rank (None: one process)
         self.share = share
         # () -> fqn -> format name of every site: the state's, or the whole model's (module docstring)
         self.formats = formats or state.formats
-        for metric in checker.metrics if checker is not None else ():
-            parts = metric.split("/")
-            if len(parts) != 3 or parts[0] != "eval" or parts[1] not in evaluator.tasks:
-                raise ValueError(f"eval.gates gates {metric!r}, which the evaluator does not produce (its tasks: "
-                                 f"{', '.join(evaluator.tasks)}); gate on eval/<task>/<metric> of those tasks")
+        if checker is not None:
+            check_gated_tasks(checker.metrics, evaluator.tasks, config)
         self.history: list[dict] = []   # one entry per eval: step, mode, verdict, results, results_hp
         self.last: EvalOutcome | None = None
 
@@ -104,7 +126,16 @@ class EvalCheckpoints:
         scored through `forward` (an evaluator's `with_forward`) when given."""
         evaluator = self.evaluator if forward is None else self.evaluator.with_forward(forward)
         return EvalCheckpoints(self.config, evaluator, self.checker, self.state, tracker=tracker, share=share,
-                               formats=formats)
+                               formats=formats, baseline=self.baseline, damage_ratio=self.damage_ratio)
+
+    def state_dict(self) -> dict:
+        """The gate checker's state (its checks made so far: its error budget), when it keeps one."""
+        keeps = callable(getattr(self.checker, "state_dict", None))
+        return {"checker": self.checker.state_dict() if keeps else None}
+
+    def load_state_dict(self, saved: dict) -> None:
+        if saved.get("checker") is not None and callable(getattr(self.checker, "load_state_dict", None)):
+            self.checker.load_state_dict(saved["checker"])
 
     def due(self, step: int) -> bool:
         return self.config.every > 0 and step > 0 and step % self.config.every == 0
@@ -142,6 +173,9 @@ class EvalCheckpoints:
         outcome = None
         if self.checker is not None and hp is not None and current is not None:
             outcome = self.checker.check(hp, current)
+        problems = self._damage(step, mode, current)
+        if problems:
+            outcome = DamageVerdict(tuple(problems), outcome)
         seconds = current.seconds if current is not None else 0.0
         results, results_hp = (current.results if current is not None else None,
                                hp.results if hp is not None else None)
@@ -152,8 +186,23 @@ class EvalCheckpoints:
         verdict = getattr(outcome, "verdict", None)
         self.history.append({"step": step, "mode": mode, "verdict": None if verdict is None else str(
             getattr(verdict, "value", verdict)), "reason": getattr(outcome, "reason", ""),
-            "results": results, "results_hp": results_hp, "seconds": seconds})
+            "results": results, "results_hp": results_hp, "seconds": seconds, "damage": problems})
         return outcome
+
+    def _damage(self, step: int, mode: str, current: EvalOutcome | None) -> list[str]:
+        """What this checkpoint's results show against the previous checkpoint of its mode (the
+        last undamaged one) and the baseline run's at this step (`lowprec.runtime.eval_damage`)."""
+        if current is None:   # a rank without results: the outcome comes from the rank that has them
+            return []
+        refs = []
+        prev = next((h for h in reversed(self.history) if h["mode"] == mode and not h.get("damage")
+                     and h["results"] is not None and h["step"] < step), None)
+        if prev is not None:
+            refs.append((f"the previous checkpoint (step {prev['step']})", prev["results"]))
+        base = self.baseline(step, mode) if self.baseline is not None else None
+        if base:
+            refs.append((f"the baseline run at step {step}", base))
+        return damage(current.results, refs, self.damage_ratio)
 
     def gate(self, step: int):
         """The controller's `gate(step)`: evaluate now and say whether precision costs too much."""
@@ -164,12 +213,13 @@ class EvalCheckpoints:
         return self.evaluate(step, self.config.final_mode)
 
 
-def eval_checkpoints(config, model, state, *, max_length: int, tracker=None, share=None, formats=None,
+def eval_checkpoints(config, model, state, *, max_length: int, tracker=None, share=None, formats=None, baseline=None,
                      **evaluator_kwargs) -> EvalCheckpoints:
     """The `eval:` section's checkpoints for `model`: its evaluator and the default gate
     checker found through their entry points and checked (the gate's metrics must be ones the
-    evaluator produces here). `evaluator_kwargs` (e.g. `forward=`, `tokenizer=`) go to the
-    evaluator. Every problem is a ConfigError at `eval`."""
+    evaluator produces here). `baseline(step, mode)`: the baseline run's evals
+    (`lowprec.runtime.baseline.baseline_evals`). `evaluator_kwargs` (e.g. `forward=`,
+    `tokenizer=`) go to the evaluator. Every problem is a ConfigError at `eval`."""
     from lowprec.base.parse import ConfigError
     try:
         ev_cls = load_entry_point(EVALUATORS, config.evaluator)
@@ -177,7 +227,8 @@ def eval_checkpoints(config, model, state, *, max_length: int, tracker=None, sha
             ev_cls.check_config(config)
         evaluator = ev_cls(config, model, max_length=max_length, **evaluator_kwargs)
         checker = load_entry_point(GATE_CHECKERS, "default")(config.gates) if config.gates else None
-        return EvalCheckpoints(config, evaluator, checker, state, tracker=tracker, share=share, formats=formats)
+        return EvalCheckpoints(config, evaluator, checker, state, tracker=tracker, share=share, formats=formats,
+                               baseline=baseline)
     except ConfigError as e:
         if e.path.startswith("eval"):
             raise

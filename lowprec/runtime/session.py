@@ -331,7 +331,7 @@ class Session:
         attribution = None
         if anomaly is not None and closure is not None and self.replayer is not None:
             with counted_as(self.clock, Phase.RECOVERY):
-                attribution = result.attribution = self._attribute(closure)
+                attribution = result.attribution = self._attribute(closure, anomaly)
         if attribution is None:
             mon.record(step, loss, grad_norm)
             if anomaly is not None and not mon.is_check_step(step):
@@ -347,8 +347,8 @@ class Session:
         self.clock.lap(Phase.MONITOR)
         return decision
 
-    def _attribute(self, closure: Callable[[], torch.Tensor]) -> Attribution:
-        return attribute_by_replay(self.controller, self.replayer, closure, self.max_replays)
+    def _attribute(self, closure: Callable[[], torch.Tensor], anomaly=None) -> Attribution:
+        return attribute_by_replay(self.controller, self.replayer, closure, self.max_replays, anomaly)
 
     def after_eval(self, step: int, result: Any) -> Decision:
         """Report a periodic evaluation's gate outcome (`.verdict`, `.reason`); a regression

@@ -94,14 +94,21 @@ def measure_on_host(loss: torch.Tensor, grad_norm: torch.Tensor, group=None) -> 
     return loss_h, norm_h
 
 
-def attribute_by_replay(ctl, replayer, closure: Callable[[], torch.Tensor], max_replays: int) -> Attribution:
+def attribute_by_replay(ctl, replayer, closure: Callable[[], torch.Tensor], max_replays: int,
+                        anomaly=None) -> Attribution:
     """Replay an anomalous step with sites in high precision to find the ones to blame
-    (`lowprec.policy.attribution.attribute`); the replayer is finished either way."""
+    (`lowprec.policy.attribution.attribute`); a replay is clean only by the blame rule's
+    margin against `anomaly` (the step as trained; `lowprec.policy.anomaly`). The replayer
+    is finished either way."""
     low, groups = ctl.replay_candidates()
+    k = ctl.config.thresholds.blame_margin
 
     def run(sites: tuple[str, ...]) -> Replay:
         loss, norm = replayer.replay(closure, sites)
-        return Replay(sites, loss, norm, ctl.detectors.anomalous(loss, norm))
+        if anomaly is None:
+            return Replay(sites, loss, norm, ctl.detectors.anomalous(loss, norm))
+        clears, margins = ctl.detectors.clears(anomaly, loss, norm, k)
+        return Replay(sites, loss, norm, ctl.detectors.anomalous(loss, norm), clears, margins)
     try:
         return attribute(low, groups, run, max_replays) if low else Attribution(False, (), ())
     finally:

@@ -47,7 +47,7 @@ from lowprec.base.writer_lock import WriterLock
 from lowprec.state.durable import write_text_atomically
 
 __all__ = ["Outbox", "SendResult", "SendError", "server_answers", "sync_run_dir", "local_artifact_location",
-           "WRITER_LOCK"]
+           "ensure_experiment", "WRITER_LOCK"]
 
 OUTBOX, ACK, RUN_INFO, REJECTED = "outbox.jsonl", "outbox.ack", "run.json", "rejected.jsonl"
 WRITER_LOCK = "writer.lock"
@@ -346,14 +346,20 @@ def local_artifact_location(tracking_uri: str, experiment: str) -> str | None:
     return (db.parent / "mlruns" / name).as_uri()
 
 
+def ensure_experiment(client, name: str) -> str:
+    """The id of experiment `name`, created where it is missing the way every lowprec run
+    creates it: artifacts beside a SQLite store's database (`local_artifact_location`), and
+    shown by the UI as training runs (a "custom model development" experiment, not GenAI)."""
+    exp = client.get_experiment_by_name(name)
+    return exp.experiment_id if exp is not None else client.create_experiment(
+        name, local_artifact_location(client.tracking_uri, name),
+        tags={"mlflow.experimentKind": "custom_model_development"})
+
+
 def _create_run(client, box: Outbox, rec: dict) -> None:
     if box.info.get("run_id"):
         return
-    exp = client.get_experiment_by_name(rec["experiment"])
-    # The UI shows runs of "custom model development" experiments as training runs, not GenAI.
-    exp_id = exp.experiment_id if exp is not None else client.create_experiment(
-        rec["experiment"], local_artifact_location(client.tracking_uri, rec["experiment"]),
-        tags={"mlflow.experimentKind": "custom_model_development"})
+    exp_id = ensure_experiment(client, rec["experiment"])
     found = client.search_runs([exp_id], filter_string=f"tags.`lowprec.run_uid` = '{rec['uid']}'",
                                max_results=1)
     if found:  # created before, the answer was lost

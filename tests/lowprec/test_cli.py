@@ -34,6 +34,7 @@ def test_plan_prints_every_linear_layer_with_format_ladder_and_reason(tmp_path, 
     assert rows["blocks.0.mlp.fc"].split()[4] == "bf16"  # starts in bf16; the rollout promotes it
     assert "keep_high_precision" in rows["lm_head"] and "bf16" in rows["lm_head"]
     assert "384 x 128" in rows["blocks.3.attn.qkv"]
+    assert "GEMM FLOPs by kind: dense 100.0%" in out.stdout and "GEMM FLOPs by format: bf16 100.0%" in out.stdout
 
 
 def _variant(tmp_path, mutate) -> Path:
@@ -105,3 +106,17 @@ def test_a_broken_or_clashing_entry_point_is_left_out_with_a_warning(monkeypatch
     assert "`plan` is already a lowprec command" in err
     assert "broken" not in parser._subparsers._group_actions[0].choices
     assert cli.main(["plan", str(ROOT / "no-such.yaml")]) == 2  # the built-in still works
+
+
+def test_plan_on_a_callbacks_yaml_points_to_model_factory(tmp_path, capsys):
+    """A framework callback's YAML has no model: the refusal names `--model-factory`, the option that
+    checks such a file against the user's model."""
+    from lowprec import cli
+    cfg = tmp_path / "callback.yaml"
+    cfg.write_text("precision:\n  backend: emulated\n  default: bf16\n")
+    assert cli.main(["plan", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "--model-factory MODULE:FUNCTION" in err and "Traceback" not in err
+    cfg.write_text("model: {factory: nowhere:nothing}\nprecision:\n  backend: emulated\n")   # not a callback's
+    assert cli.main(["plan", str(cfg)]) == 2
+    assert "--model-factory" not in capsys.readouterr().err

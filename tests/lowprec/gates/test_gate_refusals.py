@@ -62,7 +62,9 @@ def store(tmp_path_factory, sqlite_store, lowprec_forks):
             "killed": _client_run(client, exp, "killed", [(5, "fast"), (9, "fast")], finished=False),
             "fastend": _client_run(client, exp, "fastend", [(5, "fast"), (10, "fast")]),
             "othersuite": _client_run(client, exp, "othersuite", [(10, "full")], suite="other"),
-            "good": _client_run(client, exp, "good", [(5, "fast"), (10, "full")])}
+            "good": _client_run(client, exp, "good", [(5, "fast"), (10, "full")]),
+            # a framework run whose lowprec count trailed the framework's (before one step for everyone)
+            "ends9": _client_run(client, exp, "ends9", [(5, "fast"), (9, "full")])}
     gates = root / "gates.yaml"
     gates.write_text(GATES)
     return {"uri": uri, "root": root, "gates": str(gates), "client": client, "forks": lowprec_forks, **runs}
@@ -92,8 +94,8 @@ def test_killed_candidate_is_refused(store):
     assert p.returncode == 2, p.stdout + p.stderr
     err = p.stderr
     assert "Traceback" not in err and err.startswith("lowprec gate: refusing to compare")
-    assert "did not finish (MLflow status RUNNING)" in err and "step 9" in err and "--step" in err
-    assert "at step 10 and the candidate's at step 9" in err
+    assert "did not finish (MLflow status RUNNING)" in err and "step 9" in err
+    assert "--step N (N one of 5)" in err   # the one step both runs have: a fix that is not refused again
     assert p.stdout == ""
 
 
@@ -136,3 +138,23 @@ def test_unwritable_output_fails_before_reading_any_run(tmp_path, flag, lowprec_
     assert "tracking store" not in p.stderr                       # no run was looked for
     assert not missing_db.exists() and not (tmp_path / "no").exists()
     assert sorted(x.name for x in tmp_path.iterdir()) == ["g.yaml"]
+
+
+def test_final_evals_are_compared_by_default_and_a_named_step_both_lack_suggests_one_both_have(store, capsys):
+    """`--step final` (the default) compares each run's final evals, even at different steps;
+    `--step N` needs N in both runs, and its refusal names only steps both runs have, so
+    following it is never refused again (issue 54: 189 and 200 each named the other's)."""
+    from lowprec.cli import main
+
+    assert main(_args(store, "ends9")) == 0
+    out = capsys.readouterr().out
+    assert "at step 10" in out and "at step 9" in out
+    assert main(_args(store, "ends9", "--step", "final")) == 0
+    capsys.readouterr()
+    for named in ("9", "10"):
+        assert main(_args(store, "ends9", "--step", named)) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "--step N (N one of 5)" in err and "--step final" in err
+    assert main(_args(store, "ends9", "--step", "5")) == 0        # the suggested one is not refused
+    assert main(_args(store, "ends9", "--step", "last")) == 2
+    assert "--step must be final or a step number" in capsys.readouterr().err

@@ -238,3 +238,46 @@ def test_the_trainers_own_evaluation_is_an_eval_checkpoint(tmp_path):
     rollbacks = [e for e in lp.session.events if e.kind == EventKind.ROLLBACK]
     assert [(e.step, e.stage) for e in rollbacks] == [(20, "mlp_fp8")]
     assert lp.state.formats()["model.layers.1.mlp.down_proj"] == "bf16"
+
+
+def test_mlflow_steps_are_the_trainers_global_steps_after_a_rewind(hf_run):
+    """One step counter in the run: lowprec's metrics, evals and events carry the Trainer's
+    global step (1-based, never going back), and lowprec's own count is kept beside it where a
+    rewind made the two differ (`train/lowprec_step`, an event's `lowprec_step`)."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+    lp, trainer, uri = hf_run[0], hf_run[2], hf_run[3]
+    client = MlflowClient(uri)
+    run = client.search_runs([client.get_experiment_by_name("hf-integration").experiment_id])[0]
+    rid = run.info.run_id
+    steps = {k: {m.step for m in client.get_metric_history(rid, k)} for k in ("train/loss", "loss", "train/lowprec_step",
+                                                                             "train/loss_rewound")}
+    assert trainer.state.global_step == 50 and max(steps["train/loss"]) == 50   # lowprec's own count ends short
+    assert steps["train/loss"] | steps["train/loss_rewound"] == set(range(1, 51))
+    assert steps["loss"] <= steps["train/loss"]                        # the Trainer's logging steps are among them
+    last = client.get_metric_history(rid, "train/lowprec_step")
+    assert max(last, key=lambda m: m.step).value == lp.step < 50      # lowprec's count, where it differs
+    assert min(steps["train/lowprec_step"]) >= SPIKE_AT + 2                  # only after the rewind
+    path = client.download_artifacts(rid, "events.jsonl", str(lp.hosted.tracker.run_dir / "dl-steps"))
+    logged = [json.loads(line) for line in open(path).read().splitlines()]
+    (rewind,) = [e for e in logged if e["kind"] == EventKind.REWIND]
+    assert rewind["step"] == SPIKE_AT + 2                               # the Trainer's step, not lowprec's 41
+    later = [e for e in logged if e["step"] > SPIKE_AT + 2]
+    assert all(e["evidence"]["lowprec_step"] < e["step"] - 1 for e in later)
+
+
+def test_the_runs_artifacts_go_beside_the_store_as_with_lowprec_run(hf_run):
+    """The callback creates the YAML's experiment the way `lowprec run` does: artifacts beside the
+    SQLite database (`<db dir>/mlruns/<experiment>`), not in the launch folder's ./mlruns."""
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+    uri = hf_run[3]
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("hf-integration")
+    where = (Path(uri[len("sqlite:///"):]).parent / "mlruns" / "hf-integration").as_uri()
+    assert exp.artifact_location == where
+    run = client.search_runs([exp.experiment_id])[0]
+    assert run.info.artifact_uri.startswith(where + "/")
+    assert any(client.list_artifacts(run.info.run_id, "report"))   # and they are there

@@ -56,8 +56,10 @@ def test_a_baseline_run_not_in_the_store_is_refused_at_from_yaml(tmp_path, sqlit
     uri = sqlite_store(tmp_path / "store")
     path = write(tmp_path, PRECISION + rollout(baseline="{mlflow_run: bf16-baseline}")
                  + f"tracking: {{uri: '{uri}', experiment: hf}}\n")
-    with pytest.raises(ConfigError, match="rollout.baseline.*bf16-baseline"):
+    with pytest.raises(ConfigError, match="rollout.baseline.*bf16-baseline") as e:
         LowprecCallback.from_yaml(path, tiny_llama())
+    # how to make one with the Trainer, not with `lowprec run`, which a Trainer user does not use
+    assert "with your trainer" in str(e.value) and "lowprec run" not in str(e.value)
 
 
 def test_a_stage_that_selects_nothing_is_refused_at_from_yaml(tmp_path):

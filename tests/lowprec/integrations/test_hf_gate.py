@@ -1,6 +1,8 @@
 """`lowprec gate` between two Hugging Face Trainer runs: a BF16 run and the staged rollout,
 each with lowprec's callback, an `eval:` suite (lm-eval tasks over local text) at the end,
-and the Trainer's MLflow reporting on. The gate reads both runs like any other pair."""
+and the Trainer's MLflow reporting on. The rollout rewinds once (a loss spike on two steps),
+so lowprec's own count ends short of the Trainer's; its evals are recorded at the Trainer's
+step, and the gate reads both runs like any other pair (issue 54: it exited 2)."""
 
 from __future__ import annotations
 
@@ -16,20 +18,31 @@ from llama_helpers import BF16_CONFIG, CONFIG, FINAL_EVAL, gate_table, shakespea
 GATED = ("eval/heldout_shakespeare/bits_per_byte", "eval/cloze_shakespeare/acc", "eval/shift_milton/bits_per_byte")
 
 
-def _train(tmp: Path, name: str, config: str) -> tuple[str, list[str]]:
+def _train(tmp: Path, name: str, config: str, spike_at: int | None = None) -> tuple[str, list[str]]:
     import mlflow
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from lowprec.integrations.hf import LowprecCallback
+    from lowprec.runtime.faults import FaultKind, Faults, Injection
+
+    class Tick(TrainerCallback):
+        def __init__(self, faults):
+            self.faults = faults
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.faults.tick(state.global_step)
     (tmp / f"{name}.yaml").write_text(config + FINAL_EVAL)
     model = tiny_llama()
     lp = LowprecCallback.from_yaml(tmp / f"{name}.yaml", model)
+    spikes = [Injection(FaultKind.LOSS_SPIKE, spike_at, spike_at + 2, factor=100.0)] if spike_at is not None else []
+    tick = Tick(Faults(model, spikes))
     args = TrainingArguments(output_dir=str(tmp / name), run_name=name, max_steps=25, per_device_train_batch_size=8,
                              learning_rate=3e-3, warmup_steps=5, logging_steps=10, report_to=["mlflow"],
                              use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True)
-    Trainer(model=model, args=args, train_dataset=shakespeare_blocks(8 * 50), callbacks=[lp]).train()
+    Trainer(model=model, args=args, train_dataset=shakespeare_blocks(8 * 50), callbacks=[lp, tick]).train()
     run = mlflow.last_active_run()
     assert lp.hosted.tracker.run_id == run.info.run_id   # lowprec tracked into the Trainer's run
+    assert lp.session.rewinds == (1 if spike_at is not None else 0) and (lp.step < 25) == (spike_at is not None)
     return run.info.run_id, [str(e.kind) for e in lp.hosted.session.events]
 
 
@@ -39,8 +52,14 @@ def test_gate_compares_a_rollout_trainer_run_with_a_bf16_one(tmp_path, monkeypat
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)   # the Trainer's MLflow reporting reads these
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "hf-gate")
     baseline, _ = _train(tmp_path, "bf16", BF16_CONFIG)
-    candidate, kinds = _train(tmp_path, "rollout", CONFIG.replace("tracking: {experiment: hf-integration}\n", ""))
+    candidate, kinds = _train(tmp_path, "rollout", CONFIG.replace("tracking: {experiment: hf-integration}\n", ""),
+                              spike_at=17)
     assert baseline != candidate
-    assert kinds.count("promote") == 2, kinds   # 25 steps: both stages promoted (steps 14 and 24) before the eval
+    assert kinds.count("promote") >= 1 and "rewind" in kinds, kinds   # the MLP stage promoted (step 14), a rewind
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(uri)
+    final = {rid: {m.step for m in client.get_metric_history(rid, "eval/heldout_shakespeare/bits_per_byte")}
+             for rid in (baseline, candidate)}
+    assert {rid: max(steps) for rid, steps in final.items()} == {baseline: 25, candidate: 25}   # the Trainer's last step
     table = gate_table(lowprec_forks, baseline, candidate, uri, tmp_path / "gate.md")
     assert all(metric in table for metric in GATED)

@@ -298,3 +298,79 @@ def test_an_accepted_level_leaves_the_detectors_armed_for_a_jump_from_it():
     jump = det.observe(46, 2.0, 6 * 8.5)                          # 6x the new level, 4 steps later
     assert jump is not None and AnomalyKind.GRAD_NORM_SPIKE in jump.kinds
     assert jump.evidence["grad_norm_spike"]["mean"] == pytest.approx(8.5, rel=0.1)
+
+
+# ---------------------------------------------------------------------------- blame with a margin
+
+def _noisy_window(ctl, steps=40):
+    """A grad norm of 3.85 +- ~0.04 (the naturally high norm of the weight state in the LR x100
+    run) and a steady loss: the spike limit at 6 sigma sits near 4.10."""
+    for i in range(steps):
+        assert ctl.detect(i, 2.0 + 0.002 * (i % 2), 3.85 + 0.05 * ((i % 3) - 1)) is None
+
+
+def _replays_at(ctl, anomaly_, values):
+    """replay(sites) giving (loss, grad norm) = values(sites), judged by the blame rule."""
+    def replay(sites):
+        loss, norm = values(sites)
+        ok, margins = ctl.detectors.clears(anomaly_, loss, norm, ctl.config.thresholds.blame_margin)
+        return Replay(sites, loss, norm, ctl.detectors.anomalous(loss, norm), ok, margins)
+    return replay
+
+
+def test_a_grad_norm_just_over_its_limit_and_replays_just_under_demote_nothing():
+    """The LR x100 case: as trained 1.3% over the limit, every high-precision replay just under
+    it. Within the detector's noise: an INCONCLUSIVE event, the step skipped, nothing demoted."""
+    ctl = make()
+    ctl.observe(9, _quiet(9))
+    ctl.observe(19, _quiet(19))                                   # both stages promoted
+    _noisy_window(ctl)
+    limit = ctl.detectors.grad_spike.test(0.0)[1]["limit"]
+    a = ctl.detect(40, 2.0, limit * 1.013)
+    assert a is not None and a.kinds == (AnomalyKind.GRAD_NORM_SPIKE,)
+    before = dict(ctl.current)
+    low, groups = ctl.replay_candidates()
+    res = attribute(low, groups, _replays_at(ctl, a, lambda sites: (2.0, limit * 0.998)), 8)
+    assert not res.precision_to_blame and res.inconclusive and len(res.replays) == 1
+    d = ctl.observe_step(40, a, None, res)
+    assert not d.changes and ctl.current == before and d.action is Action.SKIP_STEP
+    (ev,) = [e for e in d.events if e.kind == EventKind.INCONCLUSIVE]
+    m = ev.evidence["margins"]["grad_norm_spike"]
+    assert not m["clear"] and m["margin"] > m["over_as_trained"] > 0 < m["under_in_high_precision"] < m["margin"]
+    # without the margin (blame_margin 0) the same numbers blame a site: what the rule prevents
+    bare = attribute(low, groups, lambda sites: Replay(sites, 2.0, limit * 0.998, False), 8)
+    assert bare.precision_to_blame
+
+
+def test_a_clear_precision_fault_still_demotes_exactly_its_site():
+    """An overflow's grad norm far over the limit, gone with the culprit in high precision, and a
+    NaN, gone likewise: both clear the margin and demote exactly the culprit."""
+    culprit = "blocks.2.mlp.proj"
+    for as_trained in ((2.0, 60.0), (math.nan, math.nan)):
+        ctl = make()
+        ctl.observe(9, _quiet(9))
+        ctl.observe(19, _quiet(19))
+        _noisy_window(ctl)
+        a = ctl.detect(40, *as_trained)
+        assert a is not None
+        res = attribute(*ctl.replay_candidates(), _replays_at(
+            ctl, a, lambda sites: (2.0, 3.85) if culprit in sites else as_trained), 8)
+        assert res.precision_to_blame and res.blamed == (culprit,) and not res.inconclusive
+        d = ctl.observe_step(40, a, None, res)
+        assert d.changes == {culprit: "bf16"} and EventKind.INCONCLUSIVE not in [e.kind for e in d.events]
+
+
+def test_the_margin_is_k_standard_deviations_of_the_detectors_window():
+    det = StepDetectors(Thresholds(spike_min_history=8, spike_window=16, blame_margin=2.0))
+    for i in range(16):
+        det.observe(i, 2.0, 1.0 + 0.1 * (i % 2))                 # std ~0.0516, limit ~1.36
+    std = det.grad_spike.spread()
+    lim = det.grad_spike.test(0.0)[1]["limit"]
+    a = det.observe(16, 2.0, lim + 2.5 * std)                    # over the limit by 2.5 sigma
+    assert det.clears(a, 2.0, lim - 0.1 * std, 2.0)[0]          # as trained clears it alone
+    near = det.observe(17, 2.0, lim + 0.5 * std)
+    assert not det.clears(near, 2.0, lim - 1.0 * std, 2.0)[0]   # neither side by 2 sigma
+    assert det.clears(near, 2.0, lim - 2.0 * std, 2.0)[0]       # high precision under by 2 sigma
+    assert not det.clears(near, 2.0, lim + 0.1, 2.0)[0]         # still anomalous: never clears
+    with pytest.raises(Exception, match="blame_margin"):
+        Thresholds(blame_margin=-1)

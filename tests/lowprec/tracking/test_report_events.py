@@ -62,6 +62,8 @@ def every_kind_run() -> ReportData:
         EventKind.RETRY: Event(30, EventKind.RETRY, (s0,), {s0: "bf16"}, {s0: "fp8_tensorwise"}, "cooldown over",
                                {}, "mlp_fp8"),
         EventKind.ACCEPT: Event(33, EventKind.ACCEPT, reason="grad_norm_spike for 2 steps: accepted"),
+        EventKind.INCONCLUSIVE: Event(35, EventKind.INCONCLUSIVE, reason="grad_norm_spike: inside the noise margin",
+                                      evidence={"margins": {"grad_norm_spike": {"clear": False}}}),
         EventKind.WINDOW: Event(40, EventKind.WINDOW, fc, reason="loss_gap: window trained again closes 90% of the gap",
                                 evidence={"high_precision": list(fc), "losses": [2.0], "closed": 0.9, "retrained": True}),
         EventKind.NOT_PRECISION: Event(40, EventKind.NOT_PRECISION, reason="loss_gap: not precision",
