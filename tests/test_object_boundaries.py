@@ -100,6 +100,12 @@ ALLOWED: dict[str, str] = {
         "PrecisionState owns its sites: collecting_stats() restores their last statistics (SiteModule protocol)",
     "lowprec/policy/monitor.py: sites[fqn].overflow_steps":
         "the monitor fills in the SiteSignals record it is building for the check it returns",
+    "lowprec/base/yaml_read.py: stack[-1].size":
+        "the YAML reader adds a closed node's size to its parent's frame: frames it made itself, in a local stack",
+    "lowprec/sites/experts.py: module.__class__":
+        "wrap_experts gives a grouped-experts module (torchtitan's GroupedExperts, transformers' fused experts) a "
+        "subclass that runs its experts as sites, keeping the object, its parameters and its FSDP/DTensor state; "
+        "unwrap_experts puts the original class back",
     "lowprec/runtime/window.py: self.entries[step].applied":
         "the window replayer's own record of a step (a dataclass it made in record())",
 }
