@@ -54,6 +54,7 @@ from lowprec.numerics.fp8_ops import ELEMENTS
 from lowprec.numerics.quant_stats import QuantStats
 from lowprec.numerics.quantize import quantize
 from lowprec.sites.fp8_linear import WeightForms
+from lowprec.sites.weight_cache import install_step_hook, optimizer_steps
 
 __all__ = ["FP8AllGatherWeight", "FP8GatheredWeight", "gathers_fp8", "unwrap", "amax_groups"]
 
@@ -98,6 +99,7 @@ class FP8AllGatherWeight(Tensor):
         return _wrapper(cls, tensor)
 
     def __init__(self, tensor: Tensor, site, group=None):
+        install_step_hook()   # `version` counts the optimizer steps
         self._tensor = tensor
         self._site = site
         self._group = group                   # the amax all-reduce's group; None: the shard dims' groups
@@ -105,10 +107,12 @@ class FP8AllGatherWeight(Tensor):
         self._amax_version = None             # the parameter's versions it was taken at
 
     def version(self, param) -> tuple:
-        """The parameter's versions: the sharded DTensor's counts the optimizer's in-place
-        updates (they run below it, in DTensor's and this wrapper's dispatch); the inner
-        tensor's counts writes straight into it (a DCP load into a plain state_dict shard)."""
-        return (param._version, self._tensor._version)
+        """The parameter's versions: the process's optimizer steps (fused AdamW updates a
+        weight without bumping its version counter; `lowprec.sites.weight_cache` counts them),
+        the sharded DTensor's version (other in-place updates: they run below it, in DTensor's
+        and this wrapper's dispatch) and the inner tensor's (writes straight into it: a DCP load
+        into a plain state_dict shard)."""
+        return (optimizer_steps(), param._version, self._tensor._version)
 
     def amax_stale(self, version) -> bool:
         """Whether this shard's weight changed (`version`) since its amax was last taken."""
@@ -231,7 +235,9 @@ class FP8GatheredWeight(Tensor):
         world = dist.get_world_size(group)
         others = torch.empty(world * rest.numel(), dtype=torch.uint8, device=rest.device)
         _all_gather(others, rest, group=group)
-        whole = self._hp.view(-1).view(torch.uint8).view(world, -1)
+        # through `.data`: the buffer's version counter stays, as FSDP2 keeps its own buffers'
+        # (a forward's saved views of it are refilled for the backward, not modified)
+        whole = self._hp.data.view(-1).view(torch.uint8).view(world, -1)
         first = self._data.reshape(world, -1)
         whole[:, :first.shape[1]].copy_(first)
         whole[:, first.shape[1]:].copy_(others.view(world, -1))

@@ -18,6 +18,14 @@ registry, data loader, checkpointer):
   (`torch/distributed/pipelining/schedules.py`). `step` is given the keyword form: it then does
   what torch's own `step` does around `_step_microbatches`, on the given microbatches.
 
+* `torch._scaled_mm` on CPU tensors (the `torch` backend's FP8 GEMM): torch's CPU kernel is a
+  reference loop (4.6 s for one 128x256x768 GEMM on the test machine, against milliseconds
+  for the same product in FP32), too slow for torchtitan's debug model. Here it computes the
+  product as lowprec's `emulated` backend does: the FP8 operands dequantized by their scales,
+  multiplied in FP32 (row-wise scales: the CPU kernel's result bit for bit; tensor-wise: up to
+  FP32 summation order), rounded to `out_dtype`. The FP8 bytes, scales and gathers are the
+  real ones; only the multiplication of those bytes runs in another kernel.
+
 Two more CPU settings are the job's own (the config module the test writes): FlexAttention
 has no backward on CPU (the SDPA attention module instead), and gloo has no PREMUL_SUM
 reduction, which FSDP2 uses when torchtitan turns its gradient division off (FSDP then
@@ -48,6 +56,22 @@ if not hasattr(torch.distributed, "set_timeout"):
     titan_dist.set_pg_timeouts = lambda timeout, parallel_dims: None
 
 from torch.distributed.pipelining import schedules as _schedules  # noqa: E402
+
+_scaled_mm = torch._scaled_mm
+
+
+def _scaled_mm_fp32(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+    """`torch._scaled_mm` with the CPU's product computed in FP32 (see the module docstring)."""
+    if a.device.type != "cpu" or scale_result is not None:
+        return _scaled_mm(a, b, scale_a, scale_b, bias=bias, scale_result=scale_result, out_dtype=out_dtype,
+                          use_fast_accum=use_fast_accum)
+    out = (a.float() * scale_a.float()) @ (b.float() * scale_b.float())
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype or a.dtype)
+
+
+torch._scaled_mm = _scaled_mm_fp32
 
 
 def _premade_microbatches(step):
