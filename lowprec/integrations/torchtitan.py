@@ -24,6 +24,12 @@ converters to the model's *config tree* before the model is built. lowprec takes
   with the `torchao` backend, its own site class with torchtitan's `Module` mixed in).
   The plan's selectors need the built modules, so the swap happens at build, on the meta
   device, before torchtitan's parallelisms; `to_empty` + `init_weights` initialize the layers.
+* `LowprecConverter.Config(..., fp8_all_gather=True)` (with `backend: torch`): the built
+  model's PrecisionLinear weights become `lowprec.sites.fp8_allgather` shards, on the meta
+  device before torchtitan's TP and `fully_shard`, so FSDP2 gathers each FP8 site's weight as
+  FP8 bytes and one scale and the other sites' (a fallen-back one's from its next step) in
+  BF16; the weights' amaxes are taken in one all-reduce before each forward
+  (`lowprec.runtime.fsdp_fp8`).
 * `lowprec_trainer(config)` makes the job's `Trainer.Config` a `LowprecTrainer.Config`:
   `LowprecTrainer` (`lowprec.integrations.torchtitan_trainer`) is torchtitan's `Trainer`
   with `lowprec.integrations.core.HostedRollout` driven from it, as the HF and Lightning

@@ -19,6 +19,10 @@ tracks into MLflow. Rank 0 is then SIGKILLed one step after a checkpoint (its st
 MLflow), and torchtitan resumes the job from that checkpoint with an `eval:` section added:
 lowprec's state comes back on every rank, the job goes on in the same MLflow run without a
 point or event logged twice, and the final eval runs on both ranks with rank 0's outcome on each.
+Under FSDP 2 the sites are the torch backend's, their weights gathered by lowprec's FP8
+all-gather (`LowprecConverter.Config(fp8_all_gather=True)`): every forward of every site gets
+FP8 bytes while the site runs FP8 and its bf16 weight otherwise, and the gathered weights are
+the whole weights' (FP8: one process's cast) bit for bit, after the fallback and the resume.
 Under FSDP 2 x TP 2 the sites are the torchao backend's (torchao's Float8Linear).
 
 Under pipeline parallelism 2 (torchtitan's default looped schedule) each rank hosts its own
@@ -123,17 +127,36 @@ def _mlflow_run(uri: str):
 EVAL = "eval: {suite: default, every: 0, mode: fast, final_mode: fast, gates: inloop, high_precision: true}\n"
 
 
+def _check_fp8_all_gather(reports: list[dict]) -> None:
+    """Under lowprec's FP8 all-gather every forward of every site got what its format at that
+    moment asks for: FP8 bytes while it ran tensor-wise FP8, its bf16 weight otherwise (SITE
+    after its fallback, replays in high precision); and after training each site's gathered weight is its whole weight's (FP8:
+    one process's cast of it, bf16: its values), bit for bit, on every rank."""
+    for r in reports:
+        gathers, check = r["gathers"], r["gather_check"]
+        assert set(gathers) == set(check) == set(r["formats"]), sorted(gathers)
+        assert all(bad == 0 for _, _, bad in gathers.values()), gathers   # never the other mode
+        for fqn, (fp8, hp, _) in gathers.items():   # (the resumed job: SITE bf16 from its start)
+            assert fp8 > 0 if fqn != SITE else hp > 0, (fqn, gathers[fqn])
+        assert all(ok for _, ok in check.values()), check
+        assert {mode for mode, _ in check.values()} == {"fp8", "hp"} and check[SITE][0] == "hp"
+
+
 def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(tmp_path, gloo, free_port):
+    """Under FSDP 2 with the torch backend and lowprec's FP8 all-gather (LowprecConverter.Config)."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     faults = [fault("nan", SITE, NAN_AT, NAN_AT + 1, rank=0), fault("loss_spike", "", SPIKE_AT, SPIKE_AT + 2, 100.0)]
-    steps, plan = 10, FULL.replace("URI", uri)
+    steps, plan = 10, FULL.replace("URI", uri).replace("backend: emulated", "backend: torch")
     job = TitanJob(tmp_path, plan, steps=steps + 2, checkpoint_every=5, faults=faults, validator=True,
-                   kill_at=steps + 1)
+                   kill_at=steps + 1, fp8_all_gather=True)
     proc = job.run(2, free_port())
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "SIGKILL" in log, log[-6000:]   # rank 0 died after step 11
     assert "dp_shard=2, cp=1, tp=1" in log   # torchtitan's mesh: FSDP 2
     first = job.reports(2)   # as of the step-10 checkpoint
+    for r in first:   # FP8 bytes until SITE fell back, its bf16 weight after; never the other mode
+        assert all(bad == 0 for _, _, bad in r["gathers"].values()), r["gathers"]
+        assert r["gathers"][SITE][0] > 0 and r["gathers"][SITE][1] > 0, r["gathers"][SITE]
     want = _check_nan_fallback(first, log)
     # the spike: replayed with every site in high precision (not precision's), skipped twice, then a rewind
     assert [d[:2] for d in want[8:]] == [("replay", SPIKE_AT), ("skip_step", SPIKE_AT), ("replay", SPIKE_AT + 1),
@@ -161,6 +184,7 @@ def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(t
         assert after["events"][:len(before["events"])] == before["events"]
         a, b = after["losses"][:len(before["losses"])], before["losses"]
         assert all(x == y or (x != x and y != y) for x, y in zip(a, b)), (a, b)
+    _check_fp8_all_gather(last)   # the resumed job, FP8 all-gather on as before
     _check_one_run_continued(client, uri, run.info.run_id, job, last[0])
     _check_final_eval_on_both_ranks(client, run.info.run_id, last)
 
