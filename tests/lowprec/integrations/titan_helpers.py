@@ -120,6 +120,7 @@ class RecordingTrainer(LowprecTrainer):
         """Each site's weight as FSDP2 gathers it now (its unit unsharded) against the whole
         weight (`full_tensor`): FP8 bytes one process's cast of it, else its bf16 values, bit for bit."""
         from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
         from lowprec.numerics.formats import QuantSpec, Scaling
         from lowprec.numerics.fp8_ops import ELEMENTS
         from lowprec.numerics.quantize import quantize
@@ -131,21 +132,25 @@ class RecordingTrainer(LowprecTrainer):
             whole = m.weight.full_tensor()
             unit = units[max((n for n in units if fqn.startswith(n)), key=len)]
             unit.unshard()
-            got = m.weight.to_local() if hasattr(m.weight, "to_local") else m.weight
+            w = m.weight   # under TP a tp DTensor of the gathered tp shard: compared whole
+            got = w.to_local() if hasattr(w, "to_local") else w
+            whole_of = (lambda t: DTensor.from_local(t, w.device_mesh, w.placements).full_tensor()) \
+                if isinstance(w, DTensor) else (lambda t: t)
             if gathers_fp8(m):
                 spec = QuantSpec(ELEMENTS[m._fast[0].fwd], Scaling.TENSOR)
                 amax = torch.where(torch.isfinite(whole), whole.abs(), 0.0).amax()
-                want = quantize(whole, spec, amax=amax, validate=False).to_storage()
-                out[fqn] = ["fp8", bool(got.fp8 and torch.equal(got.forms().q.view(torch.uint8), want.view(torch.uint8)))]
+                want = quantize(whole, spec, amax=amax, validate=False).to_storage().view(torch.uint8)
+                out[fqn] = ["fp8", bool(got.fp8 and torch.equal(whole_of(got.forms().q.view(torch.uint8)), want))]
             else:
                 hp = got.materialize() if hasattr(got, "materialize") else got
-                out[fqn] = ["hp", bool(not getattr(got, "fp8", False) and torch.equal(hp, whole.to(hp.dtype)))]
+                out[fqn] = ["hp", bool(not getattr(got, "fp8", False) and torch.equal(whole_of(hp), whole.to(hp.dtype)))]
             unit.reshard()
         return out
 
     def train_step(self, data_iterator):
         kill = self.step == SETTINGS["kill_at"]
         if kill:
+            self.gather_check = self._check_gathers() if SETTINGS["fp8_all_gather"] else None
             self._report(self.step - 1)   # torchtitan counts the step that begins
         super().train_step(data_iterator)
         if kill and torch.distributed.get_rank() == 0:
