@@ -95,16 +95,17 @@ class FP8AllGatherWeight(Tensor):
     """A weight shard that FSDP2 all-gathers as FP8 while its site runs tensor-wise FP8."""
 
     @staticmethod
-    def __new__(cls, tensor: Tensor, site, group=None):
+    def __new__(cls, tensor: Tensor, site, group=None, taken=None):
         return _wrapper(cls, tensor)
 
-    def __init__(self, tensor: Tensor, site, group=None):
+    def __init__(self, tensor: Tensor, site, group=None, taken: list | None = None):
         install_step_hook()   # `version` counts the optimizer steps
         self._tensor = tensor
         self._site = site
-        self._group = group                   # the amax all-reduce's group; None: the shard dims' groups
-        self._amax: Tensor | None = None      # the whole weight's amax
-        self._amax_version = None             # the parameter's versions it was taken at
+        self._group = group   # the amax all-reduce's group; None: the shard dims' groups
+        # [the whole weight's amax, the parameter's versions it was taken at], shared with the
+        # views FSDP2 and DTensor make of this shard (`to_local` of a Parameter is a new one)
+        self._taken = [None, None] if taken is None else taken
 
     def version(self, param) -> tuple:
         """The parameter's versions: the process's optimizer steps (fused AdamW updates a
@@ -116,7 +117,7 @@ class FP8AllGatherWeight(Tensor):
 
     def amax_stale(self, version) -> bool:
         """Whether this shard's weight changed (`version`) since its amax was last taken."""
-        return self._amax is None or self._amax_version != version
+        return self._taken[0] is None or self._taken[1] != version
 
     def local_amax(self) -> Tensor:
         """This shard's finite amax (FP32), to be all-reduced into the whole weight's."""
@@ -124,7 +125,7 @@ class FP8AllGatherWeight(Tensor):
 
     def set_amax(self, amax: Tensor, version) -> None:
         """The whole weight's amax, taken at the parameter's `version`."""
-        self._amax, self._amax_version = amax, version
+        self._taken[:] = [amax, version]
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
@@ -133,14 +134,14 @@ class FP8AllGatherWeight(Tensor):
         out = func(*args, **kwargs)
         if func not in _LAYOUT_OPS:
             return out
-        return pytree.tree_map_only(Tensor, lambda t: cls(t, first._site, first._group), out)
+        return pytree.tree_map_only(Tensor, lambda t: cls(t, first._site, first._group, first._taken), out)
 
     def __tensor_flatten__(self):
-        return ["_tensor"], {"site": self._site, "group": self._group}
+        return ["_tensor"], {"site": self._site, "group": self._group, "taken": self._taken}
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
-        return FP8AllGatherWeight(inner["_tensor"], ctx["site"], ctx["group"])
+        return FP8AllGatherWeight(inner["_tensor"], ctx["site"], ctx["group"], ctx["taken"])
 
     def __repr__(self):
         return f"FP8AllGatherWeight({self._site.fqn!r}, fp8={gathers_fp8(self._site)}, shape={tuple(self.shape)})"
@@ -149,7 +150,7 @@ class FP8AllGatherWeight(Tensor):
         param = self._site.weight   # the sharded parameter (FSDP2 gathers from its sharded state)
         version = self.version(param)
         if not self.amax_stale(version):   # taken after the weights last changed
-            return self._amax
+            return self._taken[0]
         amax = self.local_amax()
         for g in amax_groups(param, self._group):
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=g)

@@ -152,7 +152,7 @@ def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(t
     steps, plan = 10, FULL.replace("URI", uri).replace("backend: emulated", "backend: torch")
     job = TitanJob(tmp_path, plan, steps=steps + 2, checkpoint_every=5, faults=faults, validator=True,
                    kill_at=steps + 1, fp8_all_gather=True)
-    proc = job.run(2, free_port())
+    proc = job.run(2, free_port(), timeout=600)   # (a hang's net; on a shared 2-core machine ~4-5 min)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "SIGKILL" in log, log[-6000:]   # rank 0 died after step 11
     assert "dp_shard=2, cp=1, tp=1" in log   # torchtitan's mesh: FSDP 2
@@ -177,7 +177,7 @@ def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(t
     # resumed by torchtitan from its step-10 checkpoint, no faults, an eval at the end
     # (FP8 all-gather off: the checkpoint of a run that gathered FP8 holds plain high-precision shards)
     job.update(plan=plan + EVAL, kill_at=-1, faults=[], fp8_all_gather=False)
-    log = _ok(job.run(2, free_port()))
+    log = _ok(job.run(2, free_port(), timeout=600))
     assert f"Loading the checkpoint from {job.dump / 'checkpoint' / f'step-{steps}'}" in log
     last = job.reports(2)
     for before, after in zip(first, last):
