@@ -16,11 +16,18 @@ less the names lowprec's own classes assign on `self` (attributes lowprec owns, 
 from __future__ import annotations
 
 import ast
+import importlib.util
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lowprec"
 _OWN = {"self", "cls"}
+
+
+@cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
 
 
 def _self_assigned(tree: ast.AST) -> set[str]:
@@ -35,20 +42,21 @@ def _self_assigned(tree: ast.AST) -> set[str]:
     return names
 
 
-def fsdp2_state_names() -> set[str]:
+@cache
+def fsdp2_state_names() -> frozenset[str]:
     """What FSDP2's classes keep on themselves, less what lowprec's classes keep on theirs."""
-    import torch.distributed.fsdp._fully_shard as fully_shard
-    src = Path(fully_shard.__file__).parent
-    fsdp = set().union(*(_self_assigned(ast.parse(p.read_text())) for p in src.glob("*.py")))
+    torch_dir = Path(importlib.util.find_spec("torch").origin).parent   # found, not imported
+    src = torch_dir / "distributed" / "fsdp" / "_fully_shard"
+    fsdp = set().union(*(_self_assigned(_tree(p)) for p in src.glob("*.py")))
     assert {"all_gather_outputs", "_unsharded_param", "fsdp_params"} <= fsdp, "FSDP2's sources moved"
-    own = set().union(*(_self_assigned(ast.parse(p.read_text())) for p in PACKAGE.rglob("*.py")))
-    return (fsdp - own) | {"_get_fsdp_state"}
+    own = set().union(*(_self_assigned(_tree(p)) for p in PACKAGE.rglob("*.py")))
+    return frozenset((fsdp - own) | {"_get_fsdp_state"})
 
 
-def fsdp2_writes(source: str, names: set[str]) -> list[tuple[int, str]]:
+def fsdp2_writes(source: str | ast.Module, names: set[str]) -> list[tuple[int, str]]:
     """(line, text) of each write to (or `_get_fsdp_state()` call for) FSDP2's state in `source`."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(ast.parse(source) if isinstance(source, str) else source):
         targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
             [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
         for t in targets:
@@ -70,7 +78,7 @@ def test_no_lowprec_module_writes_fsdp2_state():
     names = fsdp2_state_names()
     files = sorted(PACKAGE.rglob("*.py"))
     assert len(files) > 60
-    bad = [f"{p.relative_to(ROOT)}:{line}: {text}" for p in files for line, text in fsdp2_writes(p.read_text(), names)]
+    bad = [f"{p.relative_to(ROOT)}:{line}: {text}" for p in files for line, text in fsdp2_writes(_tree(p), names)]
     assert not bad, "lowprec writes FSDP2's internal state (use its public API or tensor extension point):\n" + \
         "\n".join(bad)
 
