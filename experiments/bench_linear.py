@@ -62,6 +62,7 @@ FORMATS = ("fp8_tensorwise", "fp8_delayed", "fp8_rowwise")
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
 # torchao has no delayed scaling; its rowwise recipe is lowprec's fp8_rowwise_e4m3_pow2
 TORCHAO_BACKEND_FORMATS = ("fp8_tensorwise", "fp8_rowwise_e4m3_pow2")
+TE_BACKEND_FORMATS = ("fp8_tensorwise", "fp8_delayed")   # with --te: Transformer Engine's recipes
 CHECK_EVERY = 10
 # (row label, torch.compile mode, casts kept opaque: lowprec.numerics.fp8_ops.opaque_in_graphs)
 COMPILE_MODES = (("compiled", None, False), ("compiled, casts opaque", None, True),
@@ -89,7 +90,7 @@ def timed(fn, repeats: int, warmup: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
-def row_names(compiled: tuple[str, ...] = ()) -> list[str]:
+def row_names(compiled: tuple[str, ...] = (), te: bool = False) -> list[str]:
     """Every row of the table, in order (the test checks that each one is printed)."""
     names = ["memory copy (input, one pass)", "bf16 nn.Linear"]
     names += [f"torchao Float8Linear {r} (compiled)" for r in TORCHAO_RECIPES]
@@ -98,6 +99,8 @@ def row_names(compiled: tuple[str, ...] = ()) -> list[str]:
     names += [_compiled_row(f, how) for f in compiled for how, _, _ in COMPILE_MODES]
     for f in TORCHAO_BACKEND_FORMATS:
         names += [f"lowprec torchao-backend {f} stats off", f"lowprec torchao-backend {f} stats 1/{CHECK_EVERY}"]
+    for f in TE_BACKEND_FORMATS if te else ():
+        names += [f"lowprec te-backend {f} stats off", f"lowprec te-backend {f} stats 1/{CHECK_EVERY}"]
     return names
 
 
@@ -151,6 +154,14 @@ def _compiled_rows(base: nn.Linear, args, cuda: bool, t, step, report, out) -> N
                 except Exception as e:  # report, keep measuring the others
                     out[name] = (float("nan"), f"FAILED {type(e).__name__}: {str(e)[:100]}")
             report(name, *out[name])
+
+
+def _backend(name: str):
+    """lowprec's `name` backend, or the reason it is not available here."""
+    try:
+        return get_backend(name), ""
+    except Exception as e:  # noqa: BLE001 - the reason is the row's note
+        return None, f"skipped: get_backend({name!r}) raised {type(e).__name__}: {str(e)[:160]}"
 
 
 def _torchao_backend():
@@ -239,6 +250,10 @@ def measure_shape(d: int, tokens: int, args, cuda: bool, report) -> dict[str, tu
     ao_backend, why_not = _torchao_backend()
     for fmt in TORCHAO_BACKEND_FORMATS:
         stats_rows("lowprec torchao-backend", fmt, ao_backend, why_not)
+    if args.te:
+        te_backend, why_not = _backend("te")
+        for fmt in TE_BACKEND_FORMATS:
+            stats_rows("lowprec te-backend", fmt, te_backend, why_not)
     return out
 
 
@@ -291,6 +306,7 @@ def main(argv=None) -> list[str]:
                    help="start no new shape after S seconds (the first always runs); the rows not measured say so")
     p.add_argument("--compiled", nargs="*", default=None, choices=FORMATS, metavar="FORMAT",
                    help="formats with compiled rows (default: fp8_tensorwise on CUDA, none on CPU)")
+    p.add_argument("--te", action="store_true", help="also the rows of lowprec's `te` backend (Transformer Engine)")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     args.compiled = tuple(args.compiled if args.compiled is not None else (("fp8_tensorwise",) if cuda else ()))
@@ -334,8 +350,8 @@ def main(argv=None) -> list[str]:
             save()
 
         if results and args.deadline is not None and time.perf_counter() - t_start > args.deadline:
-            results[(d, n)] = {name: (float("nan"), NOT_MEASURED) for name in row_names(args.compiled)}
-            for name in row_names(args.compiled):
+            results[(d, n)] = {name: (float("nan"), NOT_MEASURED) for name in row_names(args.compiled, args.te)}
+            for name in row_names(args.compiled, args.te):
                 report(name, *results[(d, n)][name])
             continue
         results[(d, n)] = {}
@@ -345,7 +361,7 @@ def main(argv=None) -> list[str]:
     table = ["", "| variant | " + " | ".join(f"d={d} tok={n}" for d, n in shapes) + " |",
              "|---" * (len(shapes) + 1) + "|"]
     notes = {}
-    for name in row_names(args.compiled):
+    for name in row_names(args.compiled, args.te):
         cells = []
         for s in shapes:
             ms, why = results[s][name]

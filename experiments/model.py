@@ -218,8 +218,20 @@ class Llama(nn.Module):
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.to(dev).flatten())
 
 
-def build_llama(device: str = "auto", **kwargs) -> Llama:
-    """Factory for configs (`experiments.model:build_llama`); `device`: auto, cpu or cuda."""
+def build_llama(device: str = "auto", compile_blocks: bool = False, **kwargs) -> Llama:
+    """Factory for configs (`experiments.model:build_llama`); `device`: auto, cpu, cuda or meta
+    (shapes only, no memory: what `lowprec plan` needs of a model too large for the machine).
+    `compile_blocks`: each block compiled in place (`nn.Module.compile`, as torchtitan compiles
+    per block: one compilation that every block shares), so its names stay those of the eager
+    model and lowprec's sites, swapped in before the first forward, are traced inside it."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return Llama(**kwargs).to(device)
+    if device == "meta":
+        with torch.device("meta"):
+            model = Llama(**kwargs)
+    else:
+        model = Llama(**kwargs).to(device)
+    if compile_blocks:
+        for block in model.blocks:
+            block.compile()
+    return model

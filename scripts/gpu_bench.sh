@@ -1,26 +1,30 @@
 #!/usr/bin/env bash
-# The H100 run of issues 28-30, on the lent GPU machine (no registry there: `make gpu-prep`
-# downloads here what it needs into .whl/, see docs/performance.md "Running the H100 benchmarks").
+# The GPU runs of issue 57 (and 28-30, 43), on the lent GPU machine (no registry there: `make
+# gpu-prep` downloads here what it needs into .whl/, see docs/performance.md "Running the H100 benchmarks").
 #
 #   scripts/gpu_bench.sh --dry-run [PHASE...]   HERE: checks every file, wheel (size, sha256
-#                                               against .whl/MANIFEST.tsv), script and module
-#                                               the phases need; prints the device-call plan
+#                                               against .whl/MANIFEST.tsv), script, module and
+#                                               config the phases need; prints the device-call plan
 #   scripts/gpu_bench.sh PHASE...               THERE: verifies and installs the carried wheels
 #                                               into /tmp/site, runs each phase under `timeout`
 #
-# Phases, in the plan's order:
+# Phases (issue 57's first; a dry run with no phase named checks those four):
+#   mainjob   the GPU main job: experiments/configs/gpu_llama_d4096.yaml (d 4096, blocks compiled)
+#             BF16 baseline, staged rollout, gate (as `make run` does for the CPU config)
+#   model     experiments/bench_model_step.py at 1.0B, 1.6B and 3.2B parameters, BF16 against
+#             lowprec fp8_tensorwise and torchao's Float8Linear, blocks compiled, in one call
+#   host      experiments/bench_host.py: host time of a layer step, eager, compiled and under
+#             CUDA graphs, against nn.Linear
+#   te        Transformer Engine: stage the carried parts; once all are there, build
+#             (scripts/te_install/install.sh), run tests/gpu/test_te_backend.py and the layer
+#             table's `te` rows (bench_linear.py --te)
+#   temainjob the main job on the `te` backend (after te, the build still installed: machine warm)
 #   tests     the GPU tests: tests/gpu, the torch/CPU quantizer parity, the compiled Triton
 #             cast kernels against `quantize` on every BF16 value
 #   quantize  bench_quantize.py's Triton rows against a memory copy (8192^2 BF16)
 #   linear    bench_linear.py's table (BF16, torchao, lowprec's backends; 6 shapes, largest first)
-#   profile   experiments/profile_linear.py: the kernels of one FP8 layer step at d 8192 beside
-#             the traffic model (issue 29, step 2), plain and check step of each format;
-#             experiments/bench_host.py: the host time; experiments/kernel_registers.py:
-#             the cast kernels' registers and spills under this image's Triton
-#   mainjob   the GPU main job: experiments/configs/gpu_llama.yaml BF16 baseline, staged
-#             rollout, gate (as `make run` does for the CPU config)
-#   te        Transformer Engine: stage the carried parts; once all are there, build
-#             (scripts/te_install/install.sh) and run tests/gpu/test_te_backend.py
+#   profile   experiments/profile_linear.py (kernels of one FP8 layer step at d 8192) and
+#             experiments/kernel_registers.py (the cast kernels' registers and spills)
 #
 # Options: --wheels DIR (default .whl), --out DIR (default $OUT when set, else ./gpu_out),
 #          --budget PHASE=S (that phase's time limit in seconds, for a call that fits several
@@ -37,35 +41,53 @@ WHEELS=.whl
 OUT_DIR=${OUT:-./gpu_out}
 WORK=${GPU_BENCH_WORK:-/tmp/gpu_bench}          # logs and runs there; only summaries go to OUT
 SITE=${GPU_BENCH_SITE:-/tmp/site}
-ALL_PHASES=(tests quantize linear profile mainjob te)
+ISSUE_PHASES=(mainjob model host te)     # what a dry run with no phase named checks
+ALL_PHASES=(mainjob model host te temainjob tests quantize linear profile)
 
 # --- the plan ------------------------------------------------------------------------------
 # Seconds each phase may run (its `timeout`), and what each needs carried in (folders under
 # the wheels folder; te: every te/cNN, one per call) and present in the repository.
-declare -A BUDGET=([tests]=200 [quantize]=120 [linear]=230 [profile]=90 [mainjob]=480 [te]=480)
-declare -A CARRY=([tests]="ao" [quantize]="" [linear]="ao" [profile]="" [mainjob]="job data" [te]="")
+# mainjob: two runs of the 0.81B model (compiling its blocks once per run and per precision
+# switch, evals, one 13 GB checkpoint each) and the gate; model: 3 sizes x 3 rows, each row a
+# compilation and 2+6 steps; host: the layer rows at d 256 (seconds).
+declare -A BUDGET=([mainjob]=290 [model]=190 [host]=40 [te]=480 [temainjob]=400
+                   [tests]=200 [quantize]=120 [linear]=230 [profile]=90)
+declare -A CARRY=([mainjob]="job data" [model]="ao" [host]="" [te]="" [temainjob]="job data"
+                  [tests]="ao" [quantize]="" [linear]="ao" [profile]="")
+MAINJOB_CFG=experiments/configs/gpu_llama_d4096.yaml
 declare -A FILES=(
+  [mainjob]="$MAINJOB_CFG gates/default.yaml pyproject.toml"
+  [model]="experiments/bench_model_step.py experiments/model.py"
+  [host]="experiments/bench_host.py"
+  [te]="scripts/te_install/install.sh tests/gpu/test_te_backend.py experiments/bench_linear.py"
+  [temainjob]="$MAINJOB_CFG gates/default.yaml pyproject.toml"
   [tests]="tests/gpu tests/lowprec/numerics/test_quantize_torch_parity.py tests/lowprec/numerics/kernels/test_fp8_cast.py"
   [quantize]="experiments/bench_quantize.py lowprec/numerics/kernels"
   [linear]="experiments/bench_linear.py"
-  [profile]="experiments/profile_linear.py experiments/bench_host.py experiments/kernel_registers.py"
-  [mainjob]="experiments/configs/gpu_llama.yaml gates/default.yaml pyproject.toml"
-  [te]="scripts/te_install/install.sh tests/gpu/test_te_backend.py")
-# Device calls, for leases of 15 minutes (a session's device time): lease 1 = calls 1 and 2
-# (issue 29's tables, profile and tests), lease 2 = call 3 (the GPU main job), lease 3 =
-# Transformer Engine (issue 30: one call per carried part, the last builds and tests). "te"
-# calls are numbered on from 4, one per te/cNN folder of the manifest (gpu_prep.py's TE_FIRST_CALL).
-CALL_PHASES=([1]="linear profile tests" [2]="quantize" [3]="mainjob")
-declare -A LEASE_OF_CALL=([1]=1 [2]=1 [3]=2)
-INSTALL_S=30          # verify + pip install of the carried wheels, each call (job: ~45)
+  [profile]="experiments/profile_linear.py experiments/kernel_registers.py")
+# bench_model_step's sizes: name, d_model, layers, heads, SwiGLU hidden (16,384 tokens a step)
+MODEL_SIZES=("1.0B 2048 20 16 5632" "1.6B 4096 8 32 11008" "3.2B 4096 16 32 11008")
+# Device calls. Lease 1 (issue 57 steps 1-2): at most 13 minutes and 3 calls, back to back on
+# one machine (it stays warm 30 s after a call). Lease 2: Transformer Engine, one call per
+# carried part (te/cNN: the 280 MB wheel in parts under the 64 MiB a call carries), the last
+# builds, tests and adds the te rows; calls numbered on from TE_FIRST_CALL (gpu_prep.py's). Then
+# the te main job. Lease 4: the tables of issues 29 and 43, when named.
+CALL_PHASES=([1]="mainjob" [2]="model host" [20]="linear profile tests" [21]="quantize")
+declare -A LEASE_OF_CALL=([1]=1 [2]=1 [20]=4 [21]=4)
+TE_FIRST_CALL=3
+INSTALL_S=30          # verify + pip install of the carried wheels, each call (job: +15)
 TRANSFER_S=20         # sending the tree and the carried folders, each call
 COLD_START_S=120      # a bare machine's start, once per lease
+GAP_S=15              # between two calls of a lease (the machine stays warm 30 s)
+GIVE_BACK_S=5         # give_back right after a lease's last call
 CALL_LIMIT_S=600
-LEASE_LIMIT_S=900
+LEASE_LIMIT_S=900     # a session's device time
+PLAN_LIMIT_S=780      # issue 57: lease 1 at most 13 minutes ...
+PLAN_CALLS=3          # ... in at most 3 calls
 CARRY_LIMIT=$((64 * 1024 * 1024))
 
 die() { echo "gpu_bench: $*" >&2; exit 1; }
-usage() { sed -n '2,27p' "$SELF" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,36p' "$SELF" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 
 DRY=0; PHASES=(); INNER=""
 while [ $# -gt 0 ]; do
@@ -127,7 +149,7 @@ verify() {
 # --- the dry run (here) ---------------------------------------------------------------------
 dry_run() {
   local phases=("$@") problems=() p f folder man line
-  [ ${#phases[@]} -gt 0 ] || phases=("${ALL_PHASES[@]}")
+  [ ${#phases[@]} -gt 0 ] || phases=("${ISSUE_PHASES[@]}")
   echo "== gpu_bench dry run: phases ${phases[*]}; wheels folder $WHEELS; repository $ROOT"
   command -v "$PY" >/dev/null 2>&1 || [ -x "$PY" ] || problems+=("MISSING: python ($PY)")
   for f in sha256sum timeout setsid awk stat; do
@@ -164,17 +186,30 @@ dry_run() {
   fi
   # the modules the phases import, where that needs no GPU
   local out
-  if out=$("$PY" - "${phases[@]}" 2>&1 <<'PYEOF'
+  if out=$("$PY" - "$MAINJOB_CFG" "${phases[@]}" 2>&1 <<'PYEOF'
 import importlib, importlib.util, sys
-phases = set(sys.argv[1:])
+phases = set(sys.argv[2:])
 need = ["torch", "lowprec", "lowprec.sites.backends", "yaml"]
 if "tests" in phases: need += ["pytest", "hypothesis"]
 if "linear" in phases: need += ["experiments.bench_linear"]
 if "profile" in phases: need += ["experiments.profile_linear", "experiments.bench_host", "experiments.kernel_registers"]
 if "quantize" in phases: need += ["experiments.bench_quantize"]
-if "mainjob" in phases: need += ["lowprec.cli", "lowprec.gates.cli", "lowprec.evals", "experiments.model", "experiments.data"]
-if "te" in phases: need += ["lowprec.sites.backends.te"]
+if {"mainjob", "temainjob"} & phases:
+    need += ["lowprec.cli", "lowprec.gates.cli", "lowprec.evals", "experiments.model", "experiments.data"]
+if "model" in phases: need += ["experiments.bench_model_step"]
+if "host" in phases: need += ["experiments.bench_host"]
+if "te" in phases: need += ["lowprec.sites.backends.te", "experiments.bench_linear"]
 bad = []
+if {"mainjob", "temainjob"} & phases:   # the main job's config as `lowprec run` loads it (no model built)
+    try:
+        from pathlib import Path
+        from lowprec.config import LowprecConfig
+        from lowprec.runtime.run import load_factory
+        cfg = LowprecConfig.from_yaml(sys.argv[1])
+        build = load_factory(cfg.model.factory, "model.factory", [Path.cwd()])
+        build(**{**cfg.model.args, "device": "meta"})   # every argument taken, shapes only
+    except Exception as e:  # noqa: BLE001
+        bad.append(f"CONFIG: {sys.argv[1]}: {type(e).__name__}: {e}")
 for name in need:
     try:
         importlib.import_module(name)
@@ -186,7 +221,7 @@ print("\n".join(bad))
 sys.exit(1 if bad else 0)
 PYEOF
   ); then [ -z "$out" ] || echo "$out"
-  else while IFS= read -r line; do [[ $line == MISSING* ]] && problems+=("$line") || echo "$line"; done <<< "$out"
+  else while IFS= read -r line; do [[ $line == MISSING* || $line == CONFIG* ]] && problems+=("$line") || echo "$line"; done <<< "$out"
   fi
   print_plan "${phases[@]}" || problems+=("PLAN: over a limit (above)")
   if [ ${#problems[@]} -gt 0 ]; then
@@ -200,8 +235,8 @@ PYEOF
 # calls each carry folder should have in the manifest, by this plan
 expected_calls() {
   case $1 in
-    ao) echo "1" ;; job|data) echo "3" ;;
-    te/c[0-9][0-9]) echo $((3 + 10#${1#te/c})) ;;
+    job|data) echo "1" ;; ao) echo "2" ;;
+    te/c[0-9][0-9]) echo $((TE_FIRST_CALL - 1 + 10#${1#te/c})) ;;
     *) echo "?" ;;
   esac
 }
@@ -223,67 +258,103 @@ tree_bytes() {     # what travels besides the carried folders: tracked + untrack
     xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}'
 }
 
-# end_lease N SECONDS: the lease's total against the limit (nothing for lease 0: none yet)
+# end_lease N SECONDS CALLS: the lease's total against its limits (nothing for lease 0: none yet);
+# lease 1 is issue 57's: at most PLAN_LIMIT_S in at most PLAN_CALLS calls
 end_lease() {
   [ "$1" != 0 ] || return 0
-  echo "   lease $1 total: $2 s of $LEASE_LIMIT_S"
-  [ "$2" -le "$LEASE_LIMIT_S" ] || { echo "   OVER the lease's device time"; return 1; }
+  local limit=$LEASE_LIMIT_S secs=$(($2 + GIVE_BACK_S))
+  [ "$1" != 1 ] || limit=$PLAN_LIMIT_S
+  echo "   lease $1 total: $secs s of $limit in $3 call(s) (cold start ${COLD_START_S} s, ${GAP_S} s between calls, give_back ${GIVE_BACK_S} s)"
+  [ "$secs" -le "$limit" ] || { echo "   OVER the lease's device time"; return 1; }
+  [ "$1" != 1 ] || [ "$3" -le "$PLAN_CALLS" ] || { echo "   OVER $PLAN_CALLS calls"; return 1; }
+}
+
+# call_line CALL PHASES: one call's line; sets SECS (its device time) and BYTES (carried)
+call_line() {
+  local call=$1 phases=$2 p f folders="" carry=""
+  SECS=$TRANSFER_S; BYTES=$TREE
+  for p in $phases; do
+    for f in ${CARRY[$p]}; do [[ " $folders " == *" $f "* ]] || folders+="$f "; done
+    SECS=$((SECS + BUDGET[$p]))
+  done
+  [ -z "$folders" ] || SECS=$((SECS + INSTALL_S))
+  [[ " $folders " != *" job "* ]] || SECS=$((SECS + 15))
+  for f in $folders; do
+    carry+="\"$WHEELS/$f\", "
+    [ -f "$MANIFEST" ] && BYTES=$((BYTES + $(folder_bytes "$MANIFEST" "$f")))
+  done
+  printf '   call %d: scripts/gpu_bench.sh %s\n' "$call" "$phases"
+  printf '           carry: [%s]   %s MiB   budget %d s (%s)\n' "${carry%, }" "$(mib "$BYTES")" "$SECS" \
+    "$(for p in $phases; do printf '%s %ss, ' "$p" "${BUDGET[$p]}"; done)transfer+install $((SECS - $(for p in $phases; do echo "${BUDGET[$p]}"; done | awk '{s+=$1} END {print s}')))s"
 }
 
 # print_plan PHASE...: the device calls that run them, carry lists and time budgets
 print_plan() {
-  local want=" $* " man=${MANIFEST} tree over=0 lease_total call phases p carry folders secs bytes n
-  tree=$(tree_bytes)
+  local want=" $* " over=0 lease=0 total=0 ncalls=0 call phases p f n tef=() last
+  TREE=$(tree_bytes)
   echo
-  echo "== device-call plan (each call: scripts/gpu_bench.sh PHASES; limits: ${CALL_LIMIT_S} s a call,"
-  echo "   ${LEASE_LIMIT_S} s device time a lease incl. a ${COLD_START_S} s cold start, 64 MiB carried a call"
-  echo "   incl. the working tree of $((tree / 1024)) KiB; the machine keeps /tmp only while warm: 30 s"
-  echo "   between calls, so make the calls of one lease back to back)"
-  local lease=0
-  lease_total=0
-  for call in 1 2 3; do
+  echo "== device-call plan (limits: ${CALL_LIMIT_S} s a call, ${LEASE_LIMIT_S} s device time a session's lease"
+  echo "   incl. a ${COLD_START_S} s cold start, issue 57's lease 1 at most ${PLAN_LIMIT_S} s in ${PLAN_CALLS} calls; 64 MiB"
+  echo "   carried a call incl. the working tree of $((TREE / 1024)) KiB; the machine keeps /tmp only while"
+  echo "   warm: 30 s between calls, so make the calls of one lease back to back, then give_back)"
+  start_call() {   # start_call CALL LEASE: a new lease's header where the lease changes
+    if [ "$2" != "$lease" ]; then
+      end_lease "$lease" "$total" "$ncalls" || over=1
+      lease=$2; total=$COLD_START_S; ncalls=0
+      case $lease in
+        1) echo "-- lease 1 (issue 57 steps 1-2: the main job, the model step, the host time)" ;;
+        2) echo "-- lease 2 (issue 57 step 3, Transformer Engine): one call per carried part, back to back; the" ;
+           echo "   last builds, tests and adds the te rows (if the build is not done by its budget, call te again)" ;;
+        3) echo "-- lease 3 (issue 57 step 3): the main job on the te backend, TE built in lease 2's /tmp (same machine," ;
+           echo "   warm: right after lease 2's last call; a fresh machine needs lease 2 again)" ;;
+        4) echo "-- lease 4 (issues 29 and 43: the layer table, profile, tests, quantize)" ;;
+      esac
+    else
+      total=$((total + GAP_S))
+    fi
+  }
+  for call in 1 2; do
     phases=""; for p in ${CALL_PHASES[$call]}; do [[ $want == *" $p "* ]] && phases+="$p "; done
     [ -n "$phases" ] || continue
-    if [ "${LEASE_OF_CALL[$call]}" != "$lease" ]; then
-      end_lease "$lease" "$lease_total" || over=1
-      lease=${LEASE_OF_CALL[$call]}; lease_total=$COLD_START_S
-      echo "-- lease $lease (issue 29): one session's device time"
-    fi
-    folders=""; secs=$((TRANSFER_S + INSTALL_S))
-    for p in $phases; do
-      for f in ${CARRY[$p]}; do [[ " $folders " == *" $f "* ]] || folders+="$f "; done
-      secs=$((secs + BUDGET[$p]))
-    done
-    bytes=$tree; carry=""
-    for f in $folders; do
-      carry+="\"$WHEELS/$f\", "
-      [ -f "$man" ] && bytes=$((bytes + $(folder_bytes "$man" "$f")))
-    done
-    printf '   call %d: scripts/gpu_bench.sh %s\n' "$call" "${phases% }"
-    printf '           carry: [%s]   %s MiB   budget %d s (%s)\n' "${carry%, }" \
-      "$(mib "$bytes")" "$secs" \
-      "$(for p in $phases; do printf '%s %ss, ' "$p" "${BUDGET[$p]}"; done)transfer+install $((TRANSFER_S + INSTALL_S))s"
-    [ "$secs" -le "$CALL_LIMIT_S" ] || { echo "           OVER the ${CALL_LIMIT_S} s call limit"; over=1; }
-    [ "$bytes" -le "$CARRY_LIMIT" ] || { echo "           OVER the 64 MiB carry limit"; over=1; }
-    lease_total=$((lease_total + secs))
+    start_call "$call" "${LEASE_OF_CALL[$call]}"
+    call_line "$call" "${phases% }"
+    [ "$SECS" -le "$CALL_LIMIT_S" ] || { echo "           OVER the ${CALL_LIMIT_S} s call limit"; over=1; }
+    [ "$BYTES" -le "$CARRY_LIMIT" ] || { echo "           OVER the 64 MiB carry limit"; over=1; }
+    total=$((total + SECS)); ncalls=$((ncalls + 1))
   done
-  end_lease "$lease" "${lease_total:-0}" || over=1
-  if [[ $want == *" te "* ]] && [ -f "$man" ]; then
-    mapfile -t tef < <(te_folders "$man")
-    n=${#tef[@]}; lease_total=$COLD_START_S
-    echo "-- lease 3 (issue 30, Transformer Engine): $n calls back to back, one part each; the"
-    echo "   last one builds and tests (if the build is not done by its budget, call te once more)"
+  call=$TE_FIRST_CALL
+  if [[ $want == *" te "* ]] && [ -f "$MANIFEST" ]; then
+    mapfile -t tef < <(te_folders "$MANIFEST")
+    n=${#tef[@]}; last=${tef[$((n - 1))]:-}
     for f in "${tef[@]}"; do
-      call=$((3 + 10#${f#te/c}))
-      bytes=$((tree + $(folder_bytes "$man" "$f")))
-      if [ "$f" = "${tef[$((n - 1))]}" ]; then secs=$((TRANSFER_S + 10 + BUDGET[te])); else secs=$((TRANSFER_S + 10)); fi
+      call=$((TE_FIRST_CALL - 1 + 10#${f#te/c}))
+      start_call "$call" 2
+      BYTES=$((TREE + $(folder_bytes "$MANIFEST" "$f")))
+      if [ "$f" = "$last" ]; then SECS=$((TRANSFER_S + 10 + BUDGET[te])); else SECS=$((TRANSFER_S + 10)); fi
       printf '   call %d: scripts/gpu_bench.sh te   carry: ["%s"]   %s MiB   budget %d s\n' \
-        "$call" "$WHEELS/$f" "$(mib "$bytes")" "$secs"
-      [ "$bytes" -le "$CARRY_LIMIT" ] || { echo "           OVER the 64 MiB carry limit"; over=1; }
-      lease_total=$((lease_total + secs))
+        "$call" "$WHEELS/$f" "$(mib "$BYTES")" "$SECS"
+      [ "$BYTES" -le "$CARRY_LIMIT" ] || { echo "           OVER the 64 MiB carry limit"; over=1; }
+      total=$((total + SECS)); ncalls=$((ncalls + 1))
     done
-    end_lease 3 "$lease_total" || over=1
+    call=$((call + 1))
   fi
+  if [[ $want == *" temainjob "* ]]; then
+    start_call "$call" 3
+    call_line "$call" temainjob
+    [ "$SECS" -le "$CALL_LIMIT_S" ] || { echo "           OVER the ${CALL_LIMIT_S} s call limit"; over=1; }
+    total=$((total + SECS)); ncalls=$((ncalls + 1)); call=$((call + 1))
+  fi
+  local slot
+  for slot in 20 21; do
+    phases=""; for p in ${CALL_PHASES[$slot]}; do [[ $want == *" $p "* ]] && phases+="$p "; done
+    [ -n "$phases" ] || continue
+    start_call "$call" "${LEASE_OF_CALL[$slot]}"
+    call_line "$call" "${phases% }"; call=$((call + 1))
+    [ "$SECS" -le "$CALL_LIMIT_S" ] || { echo "           OVER the ${CALL_LIMIT_S} s call limit"; over=1; }
+    [ "$BYTES" -le "$CARRY_LIMIT" ] || { echo "           OVER the 64 MiB carry limit"; over=1; }
+    total=$((total + SECS)); ncalls=$((ncalls + 1))
+  done
+  end_lease "$lease" "$total" "$ncalls" || over=1
   echo
   return "$over"
 }
@@ -336,25 +407,31 @@ phase_body() {
     # step's cast kernel against the plain one's (delayed too: its own `_ct_kernel` variant)
     "$PY" -m experiments.profile_linear --d-model 8192 --tokens 8192 \
       --formats fp8_tensorwise fp8_delayed fp8_rowwise --json "$WORK/profile.json" || rc=$?
-    # the host's part, piece by piece (issue 29: about 1.6 ms a step at d 2048)
-    "$PY" experiments/bench_host.py --json "$WORK/host.json" || rc=$((rc > 0 ? rc : $?))
     # registers and spills of the cast kernels as this image's Triton and ptxas compile them
     # (seconds, no GPU work): beside the check step's `_ct_kernel` time above, whether the
     # statistics spill here as they did under Triton 3.9 on the CPU (docs/performance.md)
     "$PY" experiments/kernel_registers.py | tee "$WORK/registers.txt" \
       || echo "kernel_registers.py failed (not counted against the phase)"
     return "$rc" ;;
-  mainjob)
+  mainjob|temainjob)
     # lowprec itself, for its entry points (the gate command, the lm_eval evaluator)
     "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" . \
       || { echo "installing lowprec into $SITE failed"; return 1; }
     rm -rf build lowprec.egg-info
-    local out=$WORK/runs/main cfg=experiments/configs/gpu_llama.yaml
+    local out=$WORK/runs/$p cfg=$MAINJOB_CFG
+    if [ "$p" = temainjob ]; then   # the same job on the te backend (TE built by the te phase)
+      export PYTHONPATH=${TE_SITE:-/tmp/te_site}:$PYTHONPATH
+      cfg=$WORK/gpu_llama_d4096_te.yaml
+      sed 's/^  backend: torch$/  backend: te/; s/lowprec-gpu-llama-d4096/lowprec-gpu-llama-d4096-te/' "$MAINJOB_CFG" > "$cfg"
+      grep -q '^  backend: te$' "$cfg" || { echo "could not set backend: te in $cfg"; return 1; }
+    fi
     rm -rf "$out"; mkdir -p "$out"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
     # NVML's energy counter (telemetry.energy: auto): nvidia-ml-py is in the image, not carried
     "$PY" -c "import pynvml; pynvml.nvmlInit(); print('NVML driver', pynvml.nvmlSystemGetDriverVersion())" \
       || echo "WARNING: pynvml/NVML unavailable: the energy per token will not be NVML-measured"
+    # the expected ratio from the layer table, beside the measured one below
+    "$PY" -P -m lowprec.cli plan "$cfg" || true
     "$PY" -P -m lowprec.cli run "$cfg" --as-baseline --run-name bf16-baseline --out "$out/bf16-baseline" || return $?
     "$PY" -P -m lowprec.cli run "$cfg" --out "$out/staged-rollout" || return $?
     "$PY" -P -m lowprec.cli gate --baseline "$(cat "$out/bf16-baseline/run_id")" \
@@ -362,6 +439,20 @@ phase_body() {
       --markdown "$out/gate.md" --junit "$out/gate.xml" || rc=$?
     echo "Gate verdict (exit $rc): $(case $rc in 0) echo pass;; 1) echo REGRESSION;; *) echo unusable input;; esac)"
     [ "$rc" -le 1 ] ;;
+  model)
+    # the three sizes in one call, each against torchao's Float8Linear, blocks compiled;
+    # 16,384 tokens a step (the layer table's large shapes)
+    local size name d layers heads hidden
+    for size in "${MODEL_SIZES[@]}"; do
+      read -r name d layers heads hidden <<< "$size"
+      echo "== model step at $name (d $d, $layers layers)"
+      "$PY" experiments/bench_model_step.py --d-model "$d" --layers "$layers" --heads "$heads" --hidden "$hidden" \
+        --seq 2048 --batch 8 --steps 6 --warmup 2 --json "$WORK/model_$name.json" || rc=$?
+    done
+    return "$rc" ;;
+  host)
+    # the host's part of a layer step: eager, compiled and CUDA-graph rows against nn.Linear
+    "$PY" experiments/bench_host.py --json "$WORK/host.json" ;;
   te)
     export TE_DL=$WHEELS/te
     bash scripts/te_install/install.sh stage
@@ -380,7 +471,11 @@ phase_body() {
     fi
     grep -q '^== installed' "$stage/build.log" || { echo "TE: the build failed (log above)"; return 1; }
     PYTHONPATH=${TE_SITE:-/tmp/te_site}:$PYTHONPATH "$PY" -m pytest -q -rs -p no:cacheprovider \
-      --junitxml="$WORK/tests-te.xml" tests/gpu/test_te_backend.py ;;
+      --junitxml="$WORK/tests-te.xml" tests/gpu/test_te_backend.py || rc=$?
+    # the layer table's te rows beside torch's and torchao's, the two large shapes
+    PYTHONPATH=${TE_SITE:-/tmp/te_site}:$PYTHONPATH "$PY" experiments/bench_linear.py --te \
+      --d-model 8192 4096 --tokens 16384 --json "$WORK/linear_te.json" --deadline 60 || rc=$((rc > 0 ? rc : $?))
+    return "$rc" ;;
   esac
 }
 

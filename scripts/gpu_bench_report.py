@@ -47,12 +47,15 @@ def phase_result(phase: str, log: str, work: Path) -> tuple[dict, list[str]]:
               f"{r.get('errors', '?')} errors, {r.get('skipped', '?')} skipped"
               + (f"; failed: {', '.join(r['failed'])}" if r.get("failed") else "") for name, r in res.items()]
         return res, md
-    if phase in ("linear", "quantize", "profile"):
+    if phase in ("linear", "quantize", "profile", "host"):
         path = work / f"{phase}.json"
         res = json.loads(path.read_text()) if path.is_file() else {"note": f"no {path.name}: see the log"}
         return res, table_lines(log)
-    if phase == "mainjob":
-        runs = work / "runs" / "main"
+    if phase == "model":   # one JSON per model size
+        res = {p.stem: json.loads(p.read_text()) for p in sorted(work.glob("model_*.json"))}
+        return res or {"note": "no model_*.json: see the log"}, table_lines(log)
+    if phase in ("mainjob", "temainjob"):
+        runs = work / "runs" / phase
         res: dict = {"verdict": next((ln for ln in log.splitlines() if ln.startswith("Gate verdict")), None)}
         for name in ("bf16-baseline", "staged-rollout"):
             d = runs / name
@@ -71,7 +74,10 @@ def phase_result(phase: str, log: str, work: Path) -> tuple[dict, list[str]]:
     if phase == "te":
         stamps = [ln for ln in log.splitlines() if ln.startswith("== ") or ln.startswith("TE")]
         res = {"stamps": stamps, "tests": junit(work / "tests-te.xml")}
-        return res, stamps + ([f"- tests: {res['tests']}"] if res["tests"] else [])
+        rows = work / "linear_te.json"
+        if rows.is_file():
+            res["linear_te"] = json.loads(rows.read_text())
+        return res, stamps + ([f"- tests: {res['tests']}"] if res["tests"] else []) + table_lines(log)
     return {}, []
 
 

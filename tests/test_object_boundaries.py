@@ -48,6 +48,13 @@ ALLOWED: dict[str, str] = {
         "torchtitan's Module protocol: a module carries its initialisation and sharding in these two "
         "attributes, and torchtitan's own builders set them from outside the same way "
         "(torchtitan/protocols/module.py); here in TitanPrecisionLinear's constructor",
+    "lowprec/integrations/torchtitan_launch.py: torch_utils._get_available_device_type":
+        "torchtitan 0.3 picks its device from this torch function at import ('cuda' where it answers "
+        "None); the launcher makes it answer 'cpu' on a machine without an accelerator, before "
+        "torchtitan is imported (docs/integrations.md, 'what a CPU run needs')",
+    "lowprec/integrations/torchtitan_launch.py: torch_utils._get_device_module":
+        "torchtitan 0.3 calls memory and device queries on the module this returns; on a CPU the "
+        "launcher returns one that answers them (as torch_utils._get_available_device_type)",
     "lowprec/integrations/torchtitan.py: layer._sharding_config":
         "torchtitan's Module protocol (as layer._param_init)",
     "lowprec/integrations/torchtitan.py: site.module._param_init":

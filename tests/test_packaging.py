@@ -45,3 +45,13 @@ def test_the_entry_points_name_modules_under_lowprec():
     for t in targets:
         module, _, name = t.partition(":")
         assert (ROOT / Path(*module.split("."))).with_suffix(".py").is_file(), t
+
+
+def test_the_license_is_an_spdx_expression_with_its_file():
+    """PEP 639: `license = "Apache-2.0"` and `license-files` (setuptools >= 77 reads them); a TOML
+    table there is deprecated and unsupported after 2027-02-18 (issue 56). The wheel test builds it
+    and checks that the build prints no deprecation."""
+    doc = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert doc["project"]["license"] == "Apache-2.0"
+    assert doc["project"]["license-files"] == ["LICENSE"] and "Apache License" in (ROOT / "LICENSE").read_text()
+    assert doc["build-system"]["requires"] == ["setuptools>=77"]

@@ -109,8 +109,10 @@ def installed(tmp_path_factory):
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, src / rel)
     dist = tmp / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
-                    str(src)], check=True, capture_output=True, timeout=300)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist),
+                            str(src)], check=True, capture_output=True, text=True, timeout=300)
+    # no deprecation from the build backend (issue 56: a TOML-table `license` is unsupported after 2027-02-18)
+    assert not re.search(r"deprecat|BuildBackendWarning", built.stdout + built.stderr, re.I), built.stdout[-3000:]
     wheel = next(dist.glob("lowprec-*.whl"))
     _check_wheel_contents(wheel)
     venv = tmp / "venv"
@@ -146,6 +148,8 @@ def _check_wheel_contents(wheel: Path) -> None:
         names = z.namelist()
         info = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
         top_level = z.read(info).decode().split()
+        metadata = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-Expression: Apache-2.0" in metadata and any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"lowprec"} and top_level == ["lowprec"], (tops, top_level)
     gate_files = sorted(n for n in names if n.startswith("lowprec/gates/files/") and n.endswith(".yaml"))

@@ -32,6 +32,7 @@ import dataclasses
 import difflib
 import enum
 import functools
+import math
 import re
 import types
 import typing
@@ -40,10 +41,10 @@ from pathlib import Path
 from typing import Any, Iterable, TypeVar
 
 
-__all__ = ["ConfigError", "parse", "check_keys", "to_data", "describe_type", "found", "read_yaml_file",
-           "read_yaml_text"]
+__all__ = ["ConfigError", "parse", "check_keys", "to_data", "describe_type", "found", "shown", "cut_message"]
 
 T = TypeVar("T")
+_INT_LIMIT = 2 ** 63    # an integer setting fits a 64-bit integer (torch, numpy, MLflow and SQLite need it)
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
@@ -60,6 +61,7 @@ class ConfigError(ValueError):
     str(e) == f"{path}: {message}"; the message says what was found, what is allowed, the fix."""
 
     def __init__(self, path: str, message: str):
+        path, message = cut_message(str(path), 300), cut_message(str(message), 1000)
         self.path, self.message = path, message
         super().__init__(f"{path}: {message}")
 
@@ -69,6 +71,24 @@ class ConfigError(ValueError):
         inside = not prefix or p == prefix or p.startswith((f"{prefix}.", f"{prefix}["))
         return type(self)(p if inside else f"{prefix}.{p}" if p and not p.startswith("[") else f"{prefix}{p}",
                           self.message)
+
+
+_QUOTED = re.compile(r"'([^'\s]{100,})'|\"([^\"\s]{100,})\"")   # no prose runs 100 characters unspaced
+
+
+_LONG_WORD = re.compile(r"[^\s']{200,}")   # a file path is shorter; a pasted value may not be
+
+
+def cut_message(text: str, limit: int) -> str:
+    """`text` with every quoted run of over 100 characters without a space, and every bare run of
+    over 200, cut to a prefix and its length; then, if still over `limit`, its head and tail:
+    what a one-line refusal carries of a hostile value."""
+    text = _QUOTED.sub(lambda m: f"'{(m.group(1) or m.group(2))[:40]}...' ({len(m.group(1) or m.group(2)):,} "
+                                 f"characters)", text)
+    text = _LONG_WORD.sub(lambda m: f"{m.group(0)[:60]}... ({len(m.group(0)):,} characters)", text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit * 2 // 3]} ... ({len(text):,} characters) ... {text[-limit // 4:]}"
 
 
 class _Mismatch(Exception):
@@ -86,8 +106,17 @@ def found(v: Any) -> str:
         return f"the boolean {str(v).lower()}"
     kind = {int: "the integer", float: "the number", str: "the string", list: "the list", tuple: "the list",
             dict: "the mapping"}.get(type(v), f"a {type(v).__name__}")
+    return f"{kind} {shown(v)}"
+
+
+def shown(v: Any, limit: int = 60) -> str:
+    """`v` as a message quotes it: repr(v) for a string or any other value, or, past `limit`
+    characters, a prefix and how long the whole is: `'aaaa...' (5000 characters)`. A message
+    never carries a user's value whole: a file may hand lowprec megabytes."""
     text = repr(v)
-    return f"{kind} {text if len(text) <= 60 else text[:57] + '...'}"
+    if len(text) <= limit:
+        return text
+    return f"{text[:max(limit - 25, 8)]}... ({len(text):,} characters)"
 
 
 def _did_you_mean(v: Any, choices: list[str]) -> str:
@@ -197,19 +226,9 @@ def _convert(tp: Any, v: Any, path: str) -> Any:
             return v
         raise _Mismatch(" (write true or false, without quotes)" if isinstance(v, str) else "")
     if tp is int:
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
-        if isinstance(v, float) and v.is_integer():
-            raise _Mismatch(f"; write {int(v)}")
-        if isinstance(v, str) and _NUMBER.fullmatch(v.strip()) and float(v).is_integer():
-            raise _Mismatch(f"; write {int(float(v))}, without quotes")
-        raise _Mismatch()
+        return _integer(v)
     if tp is float:
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return float(v)
-        if isinstance(v, str) and _NUMBER.fullmatch(v.strip()):
-            return float(v)   # PyYAML reads 3e-3 (no dot) as a string
-        raise _Mismatch()
+        return _number(v)
     if tp is str:
         if isinstance(v, str):
             return v
@@ -217,6 +236,33 @@ def _convert(tp: Any, v: Any, path: str) -> Any:
     if isinstance(tp, type) and isinstance(v, tp):
         return v
     raise _Mismatch()
+
+
+def _integer(v: Any) -> int:
+    """`v` as an int setting: an integer that fits 64 bits (a bool is no integer)."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        if not -_INT_LIMIT <= v < _INT_LIMIT:
+            raise _Mismatch(f" ({len(str(abs(v)))} digits): no setting needs an integer beyond 64 bits")
+        return v
+    if isinstance(v, float) and v.is_integer():
+        raise _Mismatch(f"; write {int(v)}")
+    if isinstance(v, str) and _NUMBER.fullmatch(v.strip()) and float(v).is_integer():
+        raise _Mismatch(f"; write {int(float(v))}, without quotes")
+    raise _Mismatch()
+
+
+def _number(v: Any) -> float:
+    """`v` as a float setting: a finite number, or a numeric string (PyYAML reads 3e-3, no dot, as one)."""
+    x = None
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        x = float(v) if abs(v) < 1e308 else math.inf
+    elif isinstance(v, str) and _NUMBER.fullmatch(v.strip()):
+        x = float(v)
+    if x is None:
+        raise _Mismatch()
+    if not math.isfinite(x):   # .inf, .nan, 1e400: no threshold, rate or size means that
+        raise _Mismatch("; a setting is a finite number (leave the key out for its default)")
+    return x
 
 
 def _value(tp: Any, v: Any, path: str) -> Any:
@@ -275,35 +321,3 @@ def to_data(obj: Any) -> Any:
     if isinstance(obj, Mapping):
         return {k: to_data(v) for k, v in obj.items()}
     return obj
-
-
-def read_yaml_file(path: str | Path, expected: str = "a mapping of sections") -> dict:
-    """A config file's top-level mapping; every problem is a ConfigError naming the file: a
-    folder or no file, an unreadable or non-UTF-8 file, and what `read_yaml_text` refuses."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(str(p), "is a folder, not a config file" if p.is_dir() else
-                          "no such config file; give the path of a YAML file (e.g. experiments/configs/default.yaml)")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(str(p), f"cannot read the file: {e}") from None
-    return read_yaml_text(text, str(p), expected)
-
-
-def read_yaml_text(text: str, origin: str = "<yaml>", expected: str = "a mapping of sections") -> dict:
-    """YAML's top-level mapping, read with the safe loader; every problem is a ConfigError
-    naming `origin`: a YAML tag that safe loading refuses, invalid YAML, and contents that are
-    not a mapping (`expected` says what is)."""
-    import yaml
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.constructor.ConstructorError as e:
-        raise ConfigError(origin, f"uses a YAML tag that safe loading refuses ({e.problem}"
-                                  f"{e.problem_mark or ''}); a config is plain data: mappings, lists, "
-                                  "strings, numbers") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(origin, f"not valid YAML: {e}") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(origin, f"expected {expected}, found {found(doc)}")
-    return doc

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from lowprec.base.parse import ConfigError, check_keys, found, parse, read_yaml_file, to_data
+from lowprec.base.parse import ConfigError, check_keys, found, parse, shown, to_data
+from lowprec.base.yaml_read import read_yaml_file
 from lowprec.base.enums import StrEnum
 from lowprec.sites.plan import PrecisionPlan
 from lowprec.policy.rollout import RolloutConfig, parse_rollout
@@ -51,10 +52,16 @@ def _check_factory(value: str, key: str) -> None:
                                f"found {found(value)}; name a function in your own module")
 
 
-def _at_least(obj: Any, key: str, low: int | float, what: str = "") -> None:
+_MAX_STEPS = 10 ** 9    # a billion optimizer steps: far past any training run; a larger count is a typo
+
+
+def _at_least(obj: Any, key: str, low: int | float, what: str = "", high: int | None = None) -> None:
     v = getattr(obj, key)
     if v < low:
         raise ConfigError(key, f"expected {what or 'a number'} >= {low}, found {v}")
+    if high is not None and v > high:
+        raise ConfigError(key, f"expected {what or 'a number'} <= {high:,}, found {shown(v)}; no run is that long "
+                               f"(is a digit too many?)")
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "warmup", "ckpt_every", "ckpt_keep", "log_every", "microbatches"):
-            _at_least(self, key, 1, "an integer")
+            _at_least(self, key, 1, "an integer", _MAX_STEPS)
         if self.batch_size % self.microbatches:
             raise ConfigError("microbatches", f"{self.microbatches} does not divide batch_size "
                                               f"{self.batch_size}; pick a divisor of batch_size")
@@ -128,8 +135,8 @@ class EvalConfig:
                                            f"lowprec.evaluators, e.g. lm_eval), found {found(self.evaluator)}")
         if not self.suite:
             raise ConfigError("suite", "expected a suite name (e.g. default), found an empty string")
-        _at_least(self, "every", 0, "a step count (0: no periodic evals)")
-        _at_least(self, "batch_size", 1, "an integer")
+        _at_least(self, "every", 0, "a step count (0: no periodic evals)", _MAX_STEPS)
+        _at_least(self, "batch_size", 1, "an integer", _MAX_STEPS)
         if self.gates is not None and not self.gates:
             raise ConfigError("gates", "expected the name of a shipped gate file (inloop, default), a gate file path "
                                        "or null (no in-loop gate), found an empty string")
@@ -170,7 +177,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         for key in ("dp_replicate", "dp_shard", "tp", "pp"):
-            _at_least(self, key, 1, "a number of ranks")
+            _at_least(self, key, 1, "a number of ranks", 1 << 20)
         if not self.peer_timeout_s > 0:
             raise ConfigError("peer_timeout_s", f"expected seconds > 0, found {self.peer_timeout_s}")
         if self.pp > 1 and self.dp_replicate * self.dp_shard * self.tp > 1:
@@ -227,7 +234,12 @@ def _resolve_path(value: str, base: Path | None, is_kind) -> tuple[Path | None, 
     the config's folder, then the current folder."""
     p = Path(value).expanduser()
     looked = [p] if p.is_absolute() else [*([base / p] if base is not None else []), Path.cwd() / p]
-    return next((c.resolve() for c in looked if is_kind(c)), None), looked
+    def there(c: Path) -> bool:
+        try:
+            return is_kind(c)
+        except OSError:   # a name too long for the file system: not there
+            return False
+    return next((c.resolve() for c in looked if there(c)), None), looked
 
 
 def _resolve_paths(ev: EvalConfig, base: Path | None) -> EvalConfig:

@@ -30,7 +30,9 @@ it is given: no global state.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from itertools import groupby
 
@@ -42,6 +44,29 @@ from lm_eval.api.model import LM  # noqa: E402
 from torch import nn  # noqa: E402
 
 from lowprec.evals.tokenizers import Tokenizer  # noqa: E402
+from lowprec.runtime.console import PROGRESS_LOG  # noqa: E402
+
+PROGRESS_EVERY_S = 10.0   # a scoring pass longer than this says how far it is, as the steps do
+
+
+class _Ticker:
+    """Progress lines of one scoring pass (`lowprec.progress`, which `lowprec run`'s console
+    shows on the terminal): one every PROGRESS_EVERY_S seconds, and a last one if any was said."""
+
+    def __init__(self, total: int):
+        self.total, self.t0, self.said = total, time.monotonic(), False
+        self.next = self.t0 + PROGRESS_EVERY_S
+
+    def tick(self, done: int) -> None:
+        now = time.monotonic()
+        if now < self.next and not (self.said and done >= self.total):
+            return
+        self.next, self.said = now + PROGRESS_EVERY_S, True
+        rate = done / max(now - self.t0, 1e-9)
+        eta = f", ETA {int((self.total - done) / rate // 60)}:{int((self.total - done) / rate % 60):02d}" \
+            if 0 < done < self.total else ""
+        logging.getLogger(PROGRESS_LOG).info(
+            f"eval: {done:,}/{self.total:,} windows scored ({done / max(self.total, 1):.0%}), {rate:,.1f} windows/s{eta}")
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
@@ -129,6 +154,7 @@ class LMAdapter(LM):
         sums: list[torch.Tensor] = []
         greedy: list[torch.Tensor] = []
         owners: list[int] = []
+        ticker, done = _Ticker(len(windows)), 0
         with evaluating(self.module):
             for _, same_length in groupby(order, key=lambda i: len(windows[i][1])):
                 same_length = list(same_length)
@@ -146,6 +172,8 @@ class LMAdapter(LM):
                         greedy.append((logp.argmax(-1) == t).all(-1))
                         owners.extend(windows[i][0] for i in rows[start:start + n])
                         start += n
+                    done += len(rows)
+                    ticker.tick(done)
         out = [[0.0, True] for _ in sequences]
         if owners:
             for r, v, g in zip(owners, torch.cat(sums).tolist(), torch.cat(greedy).tolist()):

@@ -10,6 +10,7 @@ then (DataUnavailable, which lowprec reports as a config error at `eval`), never
 
 from __future__ import annotations
 
+from lowprec.base.parse import ConfigError
 from lowprec.runtime.evals import EvalOutcome
 
 from lowprec.evals.corpora import DataUnavailable
@@ -43,11 +44,16 @@ class LMEvalEvaluator:
         self.forward = forward
 
     @staticmethod
+    def task_names(config) -> tuple[str, ...]:
+        """The tasks of the config's suite, by name (before any task is prepared)."""
+        return get_suite(config.suite).tasks
+
+    @staticmethod
     def check_config(config) -> None:
         try:
             get_suite(config.suite)
         except KeyError as e:
-            raise ValueError(f"eval.suite: {e.args[0]}") from None
+            raise ConfigError("eval.suite", str(e.args[0])) from None
 
     def evaluate(self, mode: str) -> EvalOutcome | None:
         """This process's outcome; None on a torchrun rank other than local rank 0 (lm-eval's results

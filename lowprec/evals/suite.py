@@ -49,6 +49,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
+from lowprec.base.parse import ConfigError, found, shown
+from lowprec.base.yaml_read import load_yaml
 from lowprec.evals.aggregations import bootstrap_perplexities
 from lowprec.evals.tasks import get_task, prepare_tasks, unknown_name_error
 from lowprec.evals.tokenizers import Tokenizer
@@ -91,20 +93,26 @@ SUITE_FILES = "lowprec.evals.suite_files"   # the repository's eval_suites/, ins
 
 def load_suites(text: str, source: str = "suites.yaml") -> Mapping[str, EvalSuite]:
     """The suites a suites.yaml text defines ({name: {tasks: [...], fast_limit: N}}), checked:
-    every task known, no key but `tasks` and `fast_limit`."""
-    import yaml
-
-    raw = yaml.safe_load(text) or {}
+    every task known, no key but `tasks` and `fast_limit`. Read by lowprec's one YAML reader
+    (bounded, duplicate keys refused); every problem is a ConfigError (a ValueError) naming `source`."""
+    raw = load_yaml(text, source) or {}
     if not isinstance(raw, dict):
-        raise ValueError(f"{source}: expected a mapping of suite names to suites, found {type(raw).__name__}")
+        raise ConfigError(source, f"expected a mapping of suite names to suites, found {found(raw)}")
     suites = {}
     for name, body in raw.items():
         if not isinstance(body, dict) or "tasks" not in body:
-            raise ValueError(f"{source}: suite {name!r} must be a mapping with `tasks: [...]`, found {body!r}")
-        unknown = set(body) - {"tasks", "fast_limit"}
+            raise ConfigError(source, f"suite {shown(name)} must be a mapping with `tasks: [...]`, found {found(body)}")
+        unknown = set(map(str, body)) - {"tasks", "fast_limit"}
         if unknown:
-            raise ValueError(f"{source}: suite {name!r} has unknown keys {sorted(unknown)}; allowed: tasks, fast_limit")
-        suites[str(name)] = EvalSuite(str(name), tuple(body["tasks"]), body.get("fast_limit"))
+            raise ConfigError(source, f"suite {shown(name)} has unknown keys {shown(sorted(unknown))}; allowed: tasks, "
+                                      f"fast_limit")
+        try:
+            suites[str(name)] = EvalSuite(str(name), tuple(body["tasks"]) if isinstance(body["tasks"], list)
+                                          else body["tasks"], body.get("fast_limit"))
+        except (ValueError, TypeError) as e:
+            raise ConfigError(source, str(e)) from None
+        except KeyError as e:   # an unknown task: the KeyError's message lists the tasks
+            raise ConfigError(source, f"suite {shown(name)}: {e.args[0] if e.args else e}") from None
     return MappingProxyType(suites)
 
 

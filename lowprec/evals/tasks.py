@@ -49,6 +49,8 @@ from typing import Literal
 
 import yaml
 
+from lowprec.base.parse import ConfigError
+from lowprec.base.yaml_read import load_yaml
 from lowprec.evals import documents
 from lowprec.evals.aggregations import SHIM_MODULE, SHIM_SOURCE
 from lowprec.evals.corpora import DataUnavailable, held_out_sources, opt_in_error, shift_sources
@@ -185,17 +187,12 @@ class _Dumper(yaml.SafeDumper):
     pass
 
 
-class _Loader(yaml.SafeLoader):
-    pass
-
-
 _Dumper.add_representer(Function, lambda d, v: d.represent_scalar("!function", str(v)))
-_Loader.add_constructor("!function", lambda loader, node: Function(loader.construct_scalar(node)))
 
 
 def read_task_yaml(text: str):
     """A task YAML as this module writes it (its `!function` tags as `Function`)."""
-    return yaml.load(text, Loader=_Loader)
+    return load_yaml(text, "task YAML", tags={"!function": Function})
 
 
 def _saturating(name: str) -> Function:
@@ -252,7 +249,7 @@ def _current_count(yaml_path: Path, data_file: Path, spec: TaskSpec) -> int | No
         meta = cfg["metadata"]
         recorded = cfg["dataset_kwargs"]["data_files"]["test"]
         hf_cache = cfg["dataset_kwargs"]["cache_dir"]
-    except (yaml.YAMLError, KeyError, TypeError):
+    except (ConfigError, KeyError, TypeError):   # not a file this module wrote: write it again
         return None
     data = data_file.read_bytes()
     if (meta.get("generator") != GENERATOR or meta.get("max_docs") != spec.max_docs or recorded != str(data_file.resolve())

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from lowprec.base.parse import cut_message
+
 __all__ = ["GateSpecError", "GateInputError"]
 
 
@@ -23,7 +25,7 @@ class GateSpecError(ValueError):
 
     def _text(self) -> str:
         place = ": ".join(p for p in (self.source, self.where, self.key) if p)
-        return f"{place}: {self.message}" if place else self.message
+        return cut_message(f"{place}: {self.message}" if place else self.message, 2000)
 
     def located(self, *, source: str | None = None, where: str | None = None, key: str | None = None) -> "GateSpecError":
         """This error with the file / gate / key it belongs to filled in (those not yet known)."""

@@ -28,12 +28,11 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-import yaml
-
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
-from lowprec.base.parse import suggest
+from lowprec.base.parse import ConfigError, suggest
+from lowprec.base.yaml_read import load_yaml
 from lowprec.gates.errors import GateSpecError
 from lowprec.gates.budget import ErrorBudget
 from lowprec.gates.gate import PAIRED_BOOTSTRAP, Gate, Noise, Tolerance
@@ -218,17 +217,24 @@ class GateSpec:
         """Read and check a gate file, by path or by name (`gate_file`); GateSpecError on any
         problem, naming the file."""
         p = gate_file(path)
-        if not p.is_file():
+        if not _is_file(p):
             raise GateSpecError(f"gate file {str(p)!r} does not exist" + (" (it is a folder)" if p.is_dir() else "")
                                 + f"; pass the path of a YAML file, or the name of one that ships with lowprec "
                                 f"({', '.join(gate_names())})")
         try:
-            d = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise GateSpecError(f"is not valid YAML: {e}", source=str(p)) from None
+            d = load_yaml(p.read_text(encoding="utf-8"), str(p))
+        except ConfigError as e:   # the one reader's refusal: bad YAML, a bomb, duplicate keys, too deep
+            raise GateSpecError(e.message, source=str(p), key="" if e.path == str(p) else e.path) from None
         except (OSError, UnicodeDecodeError) as e:
             raise GateSpecError(f"cannot be read: {e}", source=str(p)) from None
         return cls.from_dict(d, source=str(p))
+
+
+def _is_file(p) -> bool:
+    try:
+        return p.is_file()
+    except OSError:   # a name too long for the file system, a folder that cannot be searched: not a file
+        return False
 
 
 def _located(fn, source: str, where: str):

@@ -115,7 +115,7 @@ def load_config(path: str | Path) -> LowprecConfig:
 def _framework_config_with_probe(path: str | Path) -> LowprecConfig:
     """The file as a framework's config, `rollout.lr_probe` included: the HF and Lightning hosts
     have no held batch and refuse the probe; LowprecTrainer takes torchtitan's validation data's."""
-    from lowprec.base.parse import read_yaml_file
+    from lowprec.base.yaml_read import read_yaml_file
     from lowprec.policy.rollout import parse_rollout
     doc = read_yaml_file(path, "a mapping with sections precision, rollout, eval, tracking")
     rollout = doc.get("rollout")
@@ -192,10 +192,29 @@ class LowprecConverter(ModelConfigConverter):
         base = type(model_config)._owner
         if base is None:
             raise TypeError(f"{type(model_config).__name__} is not a model Config (it builds no class)")
+        _check_before_build(base, model_config, self.setup)
         cls = _lowprec_model_class(base)
         values = {f.name: getattr(model_config, f.name) for f in dataclasses.fields(model_config) if f.init}
         logger.info(f"lowprec: {base.__name__} will prepare its linear layers by {self.setup.source}")
         return cls.Config(**values, _lowprec=self.setup)
+
+
+def _check_before_build(base: type, model_config, setup: Setup) -> None:
+    """Every lowprec setting checked against the model before torchtitan builds anything (its
+    process groups, FSDP, optimizers, data loaders): the model built on the meta device (no
+    memory, no weights) and prepared by the plan, then the check the HF and Lightning callbacks
+    run (`lowprec.runtime.framework_check`: every stage selects sites whose `ladder:` has its
+    format, the baseline curve, the evaluator, the gate file and the suite's tasks)."""
+    import torch
+
+    from lowprec.runtime.framework_check import check_framework_config
+    with torch.device("meta"):
+        model = base(model_config)
+    try:
+        state = _prepare(model, setup)
+        check_framework_config(setup.config, state, model)
+    except ConfigError as e:
+        raise type(e)(e.path, f"{e.message} (in {setup.source})") from None
 
 
 def _not_hosted(module, args) -> None:

@@ -178,6 +178,10 @@ class _RolloutState:
         t, saved = self.trainer, torch.load(io.BytesIO(raw), weights_only=True)
         t.hosted.load_state_dict(saved["rollout"])
         t.restored = True
+        if process_rank() == 0:
+            tracker = t.hosted.tracker
+            logger.info(f"lowprec: rollout restored from torchtitan's checkpoint at lowprec step {t.hosted.step}"
+                        + (f"; MLflow run {tracker.run_id} continues" if tracker is not None else ""))
         if t.job_run is not None:
             warning = check_resumed_run(saved.get("tracking"), t.job_run, t.hosted.tracker.run_id)
             if warning:
@@ -238,6 +242,11 @@ class LowprecTrainer(Trainer):
                           resume_tracking=self.job_run is not None and self.job_run.resume,
                           event_log=prepared.setup.event_log if prepared.setup.event_log and process_rank() == 0
                           else None)
+        tracker = self.hosted.tracker
+        if tracker is not None and self.job_run is not None:   # rank 0: name the run, as the HF callback does
+            how = "continuing" if self.job_run.resume else "tracking into"
+            logger.info(f"lowprec: {how} MLflow run {tracker.run_id or '(being created)'} named "
+                        f"{tracker.run_name!r} (experiment {tracker.experiment!r}) at {tracker.tracking_uri}")
         if self.job_run is not None and self.job_run.continues:
             self.hosted.tracker.log_tags({"lowprec.continues_run": self.job_run.continues})
             logger.info(f"lowprec: MLflow run {self.job_run.continues} finished; this resumed job tracks into a "

@@ -53,11 +53,13 @@ from __future__ import annotations
 
 from typing import Callable
 
+from lowprec.base.parse import ConfigError
 from lowprec.numerics.formats import Format, get_format
 from lowprec.policy.anomaly import Anomaly, StepDetectors
 from lowprec.policy.attribution import Attribution
 from lowprec.policy.decisions import Action, ControllerConfig, Decision, Stage, apply_decision
-from lowprec.policy.detectors import LR_HISTORY, Thresholds, intrinsic, lr_hold_level, lr_sensitivity_hold
+from lowprec.policy.detectors import (LR_HISTORY, Thresholds, insufficient_tokens, intrinsic, lr_hold_level,
+                                     lr_sensitivity_hold)
 from lowprec.policy.drift import SlowSignalRules
 from lowprec.policy.ladder_moves import LadderMoves, _high
 from lowprec.policy.events import Event, EventKind
@@ -89,18 +91,21 @@ class RolloutController(SlowSignalRules, LadderMoves):
                  baseline: dict[int, float] | None = None,
                  gate: Callable[[int], GateOutcome] | None = None):
         self.ladders: dict[str, tuple[Format, ...]] = {k: tuple(map(get_format, v)) for k, v in ladders.items()}
-        for s in stages:
+        for i, s in enumerate(stages):
             for site in s.sites:
                 if site not in self.ladders:
-                    raise ValueError(f"stage {s.name!r} names site {site!r}, which is not a site")
+                    raise ConfigError(f"rollout.stages[{i}]", f"stage {s.name!r} names site {site!r}, which is "
+                                                              f"not a site")
                 if get_format(s.format) not in self.ladders[site]:
-                    raise ValueError(f"stage {s.name!r} puts {site!r} in {s.format}, which is not on its "
-                                     f"ladder {self._ladder_text(site)}; add it to the ladder")
+                    raise ConfigError(f"rollout.stages[{i}].format", (
+                        f"stage {s.name!r} puts {site!r} in {s.format}, which is not on its ladder "
+                        f"{self._ladder_text(site)}: give the precision.rules entry that selects {site!r} a "
+                        f"`ladder:` with {s.format} on it (a rule without one keeps its sites at their format)"))
         self.order = list(self.ladders)   # forward order: the order the caller lists sites in
         for site, fmt in initial.items():
             if site in self.ladders and get_format(fmt) not in self.ladders[site]:
-                raise ValueError(f"site {site!r} starts in {fmt}, which is not on its ladder "
-                                 f"{self._ladder_text(site)}")
+                raise ConfigError("precision.rules", f"site {site!r} starts in {fmt}, which is not on its ladder "
+                                                     f"{self._ladder_text(site)}; put {fmt} on the rule's `ladder:`")
         self.initial = dict(initial)
         self.current = dict(initial)
         self.stages = list(stages)
@@ -253,7 +258,7 @@ class RolloutController(SlowSignalRules, LadderMoves):
         suspects: list[tuple[tuple[int, int], str, dict]] = []
         for i, site in enumerate(self.order if not blamed else ()):
             sig = signals.sites.get(site)
-            if sig is None or _high(self.current[site]):
+            if sig is None or _high(self.current[site]) or insufficient_tokens(sig, th):
                 continue
             crossed = th.crossed(sig)
             if not crossed:

@@ -47,6 +47,9 @@ class Thresholds:
     max_underflow_energy: float | None = None
     min_sqnr_db: float | None = None            # a site below this SQNR (dB) is crossing; None: off
     site_patience: int = 2                      # checks in a row crossing before a site falls back
+    # an expert routed fewer tokens than this over a check window is not judged by the site thresholds
+    # ("insufficient tokens": its statistics say little), nor are its strikes reset
+    min_expert_tokens: int = 32
     spike_window: int = 128
     spike_sigmas: float = 6.0
     spike_min_history: int = 16                 # no spike verdicts before this many values
@@ -66,6 +69,7 @@ class Thresholds:
         need(self.max_underflow_energy is None or 0 <= self.max_underflow_energy <= 1, "max_underflow_energy",
              "a fraction in [0, 1] of an operand's energy (0.01: 1%), or null (off)")
         need(self.site_patience >= 1, "site_patience", ">= 1")
+        need(self.min_expert_tokens >= 0, "min_expert_tokens", ">= 0 (tokens routed to an expert in a check window)")
         need(self.spike_window >= 2, "spike_window", ">= 2")
         need(self.spike_sigmas > 0, "spike_sigmas", "> 0")
         need(2 <= self.spike_min_history <= self.spike_window, "spike_min_history",
@@ -104,6 +108,12 @@ def intrinsic(key: str) -> bool:
     the weight, SQNR or flushed energy on any operand."""
     role, _, stat = key.partition("/")
     return role == "weight" or stat in _INTRINSIC_STATS
+
+
+def insufficient_tokens(sig, th: Thresholds) -> bool:
+    """An expert's window (its `SiteSignals`) with too few tokens routed to it to be judged by
+    the site thresholds (`min_expert_tokens`); never so for a site that is no expert."""
+    return sig.tokens is not None and sig.tokens < th.min_expert_tokens
 
 
 class SpikeDetector:

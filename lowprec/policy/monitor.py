@@ -64,6 +64,8 @@ class SiteSignals:
     nonfinite: dict[str, float] = field(default_factory=dict)
     # steps of the window, with full statistics off, in which a delayed-scaling operand saturated
     overflow_steps: dict[str, float] = field(default_factory=dict)
+    # an expert's tokens routed to it over the window's statistics steps, all ranks (None: no expert)
+    tokens: float | None = None
 
     def flat(self) -> dict[str, float]:
         """`role/stat` -> value, for logging."""
@@ -72,6 +74,8 @@ class SiteSignals:
                      "nonfinite", "overflow_steps"):
             for role, v in getattr(self, stat).items():
                 out[f"{role}/{stat}"] = v
+        if self.tokens is not None:
+            out["routed/tokens"] = self.tokens
         return out
 
 
@@ -125,11 +129,16 @@ class Monitor:
         unlisted = [s for s in state.sites if s not in set(self.sites)]
         if unlisted:
             raise ValueError(f"sites= must list every site of the state; it lacks {unlisted[:4]}")
-        dev = next(iter(state.sites.values())).module.weight.device if state.sites else torch.device("cpu")
+        # a linear site's weight, or an expert site's statistics buffer (lowprec.sites.experts)
+        first = next(iter(state.sites.values())).module if state.sites else None
+        dev = (torch.device("cpu") if first is None else first.weight.device if hasattr(first, "weight")
+               else first.overflow_steps.device)
         self.device = dev
         self._losses: list[torch.Tensor] = []
         self._norms: list[torch.Tensor] = []
         self._acc = torch.zeros(len(self.sites), len(ROLES), _N, dtype=torch.float64, device=dev)
+        # per site: whether it is an expert (lowprec.sites.experts) and its tokens over the window
+        self._tokens = torch.zeros(2, len(self.sites), dtype=torch.float64)
         self._forced: int | None = None   # a step that must collect statistics and check
         self._collecting = False
         # each site's output: only whether it is finite (the origin of a NaN is the first
@@ -185,7 +194,11 @@ class Monitor:
         for i, fqn in enumerate(self.sites):
             if fqn not in self.state.sites:
                 continue   # another rank's site (pipeline stage): its row stays zero here
-            stats = self.state.sites[fqn].module.stats
+            module = self.state.sites[fqn].module
+            if hasattr(module, "take_tokens"):
+                self._tokens[0, i] = 1.0
+                self._tokens[1, i] += module.take_tokens()
+            stats = module.stats
             for j, role in enumerate(ROLES):
                 st = stats.get(role)
                 if st is not None:
@@ -229,7 +242,8 @@ class Monitor:
         steps = torch.stack([torch.stack(self._losses), torch.stack(self._norms)]) if n_steps else \
             torch.zeros(2, 0, dtype=torch.float64, device=self._acc.device)
         overflow = self._overflow_steps()
-        packed = torch.cat([self._acc.flatten(), overflow.flatten(), steps.flatten().to(self._acc.device)])
+        packed = torch.cat([self._acc.flatten(), overflow.flatten(), steps.flatten().to(self._acc.device),
+                            self._tokens.flatten().to(self._acc.device)])
         if self.group is not None or (dist.is_available() and dist.is_initialized()):
             world = dist.get_world_size(self.group)
             gathered = [torch.empty_like(packed) for _ in range(world)]
@@ -242,7 +256,10 @@ class Monitor:
         site_rows = torch.cat([acc[..., :1].amax(0), acc[..., 1:].sum(0)], dim=-1)
         n_acc, n_over = self._acc.numel(), overflow.numel()
         between = host[:, n_acc:n_acc + n_over].reshape(-1, *overflow.shape).amax(0)   # ranks count alike
-        per_step = host[:, n_acc + n_over:].reshape(host.shape[0], 2, n_steps)
+        n_tok = self._tokens.numel()
+        tokens = host[:, host.shape[1] - n_tok:].reshape(-1, *self._tokens.shape)
+        expert, routed = tokens[:, 0].amax(0).tolist(), tokens[:, 1].sum(0).tolist()   # tokens of all ranks
+        per_step = host[:, n_acc + n_over:host.shape[1] - n_tok].reshape(host.shape[0], 2, n_steps)
         losses = per_step[:, 0].mean(0).tolist()          # data-parallel ranks: the global mean
         norms = per_step[:, 1].amax(0).tolist()           # already reduced; max guards against drift
         sites = {}
@@ -251,7 +268,10 @@ class Monitor:
             if rows or between[i].any():
                 sites[fqn] = site_signals_from_packed(rows)
                 sites[fqn].overflow_steps = {r: v for r, v in zip(_COUNTED, between[i].tolist()) if v > 0}
+            if expert[i]:
+                sites.setdefault(fqn, SiteSignals()).tokens = routed[i]
         self._losses, self._norms = [], []
         self._acc.zero_()
+        self._tokens.zero_()
         self._forced = None
         return Signals(step=step, losses=losses, grad_norms=norms, sites=sites)

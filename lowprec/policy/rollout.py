@@ -61,8 +61,8 @@ class RewindConfig:
 
     def __post_init__(self) -> None:
         for name, lo in (("skip_batches", 0), ("snapshot_every", 1), ("keep", 1)):
-            if getattr(self, name) < lo:
-                raise ConfigError(name, f"must be >= {lo}, got {getattr(self, name)}")
+            if not lo <= getattr(self, name) <= 10 ** 9:   # a billion steps: past any run, a typo
+                raise ConfigError(name, f"must be >= {lo} and <= 1,000,000,000 (steps), got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -175,8 +175,8 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         for name, lo in (("check_every", 1), ("min_steps", 0), ("cooldown_steps", 0), ("quarantine_after", 1)):
-            if getattr(self, name) < lo:
-                raise ConfigError(name, f"must be >= {lo}, got {getattr(self, name)}")
+            if not lo <= getattr(self, name) <= 10 ** 9:   # a billion steps: past any run, a typo
+                raise ConfigError(name, f"must be >= {lo} and <= 1,000,000,000 (steps), got {getattr(self, name)}")
         if not self.stages:
             raise ConfigError("stages", f"a rollout needs at least one stage, e.g. {{name: mlp_fp8, select: "
                                         f"{{glob: \"blocks.*.mlp.*\"}}, format: fp8_tensorwise}}; "

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import yaml
 
-from lowprec.base.parse import read_yaml_file
+from lowprec.base.yaml_read import read_yaml_file
 from lowprec.state.durable import write_text_atomically
 from lowprec.profile.planner import SiteChoice, StagePlan, plan_sections
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from lowprec.tracking.phases import Phase
+from lowprec.policy.router_signals import router_balance
 
 __all__ = ["AfterStep", "StepRecord"]
 
@@ -125,7 +126,7 @@ class AfterStep:
                                    "train/grad_norm": rec.grad_norms[-1], "train/lr": lr}
         if self.baseline and step in self.baseline and kept:
             metrics["train/baseline_loss"] = sum(self.baseline.get(s, self.baseline[step]) for s in kept) / len(kept)
-        t.log_metrics(step, {**metrics, **window_extra})
+        t.log_metrics(step, {**metrics, **window_extra, **router_balance(getattr(self.state, "sites", {}))})
         if checked and self.session.last_signals is not None:
             t.log_signals(step, self.session.last_signals)
         if checked or result.decision.changes:
@@ -139,7 +140,8 @@ class AfterStep:
     def state_dict(self) -> dict:
         rec = self.record
         return {"losses": list(rec.losses), "grad_norms": list(rec.grad_norms), "rewinds": rec.rewinds,
-                "rewinds_logged": sorted(rec.rewinds_logged)}
+                "rewinds_logged": sorted(rec.rewinds_logged),
+                "evals": self.evals.state_dict() if self.evals is not None else None}
 
     def load_state_dict(self, saved: dict) -> None:
         rec = self.record
@@ -147,3 +149,5 @@ class AfterStep:
         rec.grad_norms = [float(x) for x in saved.get("grad_norms", ())]
         rec.rewinds = int(saved.get("rewinds", 0))
         rec.rewinds_logged = set(saved.get("rewinds_logged", ()))
+        if self.evals is not None and saved.get("evals") is not None:   # the gate's checks made (its error budget)
+            self.evals.load_state_dict(saved["evals"])

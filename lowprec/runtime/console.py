@@ -58,6 +58,7 @@ __all__ = ["Console", "Progress", "BACKGROUND", "OWN_LINE", "LOG_NAME"]
 LOG_NAME = "lowprec.log"
 OWN_LINE = re.compile(r"lowprec( [\w.-]+)*: ")   # the start of every line lowprec writes to stderr
 # top-level packages (and logger names) whose output is chatter for a lowprec user
+PROGRESS_LOG = "lowprec.progress"   # INFO records of this logger are progress lines on the terminal
 BACKGROUND = frozenset({"mlflow", "alembic", "sqlalchemy", "lm_eval", "lm-eval", "datasets", "evaluate",
                         "huggingface_hub", "fsspec", "urllib3", "filelock", "codecarbon", "pynvml", "git",
                         "matplotlib", "PIL", "absl", "sacrebleu", "pyarrow", "multiprocess"})
@@ -170,19 +171,23 @@ class _TerminalHandler(logging.Handler):
     """Log records on the terminal, as lowprec's own lines (the full record is in the log)."""
 
     def __init__(self, console: "Console"):
-        super().__init__(logging.INFO if console.verbose else logging.WARNING)
+        super().__init__(logging.INFO)
         self.console = console
 
     def emit(self, record: logging.LogRecord) -> None:
         if not self.console.verbose and record.name.split(".")[0] in BACKGROUND:
             return
+        if record.levelno < logging.WARNING and record.name != PROGRESS_LOG and not self.console.verbose:
+            return   # INFO reaches the terminal only as a progress line (a long eval's, say)
         try:
             lines = record.getMessage().strip().splitlines() or [""]
         except Exception:  # noqa: BLE001 - a bad format string in someone's log call
             self.handleError(record)
             return
         text = lines[0] + (" [...]" if len(lines) > 1 else "")
-        if not OWN_LINE.match(text):
+        if record.name == PROGRESS_LOG and record.levelno < logging.WARNING:
+            text = f"lowprec {self.console.command}: {text}"
+        elif not OWN_LINE.match(text):
             where = "" if record.name.split(".")[0] == "lowprec" else f" ({record.name})"
             text = f"lowprec {self.console.command}: {record.levelname.lower()}{where}: {text}"
         self.console.err_line(text)

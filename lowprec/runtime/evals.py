@@ -70,6 +70,20 @@ def load_entry_point(group: str, name: str):
     return found[name].load()
 
 
+def check_gated_tasks(metrics, tasks, config) -> None:
+    """A ConfigError at `eval.gates` where the gate file gates a metric the suite's `tasks` do not
+    produce, with the fix: a suite that has the task, or a gate file without it, or no gate."""
+    from lowprec.base.parse import ConfigError
+    for metric in metrics:
+        parts = metric.split("/")
+        if len(parts) != 3 or parts[0] != "eval" or parts[1] not in tasks:
+            raise ConfigError("eval.gates", (
+                f"{config.gates!r} gates {metric!r}, which suite {config.suite!r} does not produce (its tasks: "
+                f"{', '.join(tasks)}). Fix: a suite with that task (eval.suite: default has the shipped ones), a "
+                f"gate file that gates eval/<task>/<metric> of {config.suite!r}'s tasks (eval.gates: PATH), or "
+                f"eval.gates: null for no in-loop gate"))
+
+
 class _NoGate:
     verdict = "pass"
     reason = "no in-loop gate file configured"
@@ -84,13 +98,19 @@ class EvalCheckpoints:
         # under torchrun: rank 0's (outcome, results, results_hp) handed to every rank (None: one process)
         self.share = share
         self.formats = state.formats   # fqn -> format name of every site (see the module docstring)
-        for metric in checker.metrics if checker is not None else ():
-            parts = metric.split("/")
-            if len(parts) != 3 or parts[0] != "eval" or parts[1] not in evaluator.tasks:
-                raise ValueError(f"eval.gates gates {metric!r}, which the evaluator does not produce (its tasks: "
-                                 f"{', '.join(evaluator.tasks)}); gate on eval/<task>/<metric> of those tasks")
+        if checker is not None:
+            check_gated_tasks(checker.metrics, evaluator.tasks, config)
         self.history: list[dict] = []   # one entry per eval: step, mode, verdict, results, results_hp
         self.last: EvalOutcome | None = None
+
+    def state_dict(self) -> dict:
+        """The gate checker's state (its checks made so far: its error budget), when it keeps one."""
+        keeps = callable(getattr(self.checker, "state_dict", None))
+        return {"checker": self.checker.state_dict() if keeps else None}
+
+    def load_state_dict(self, saved: dict) -> None:
+        if saved.get("checker") is not None and callable(getattr(self.checker, "load_state_dict", None)):
+            self.checker.load_state_dict(saved["checker"])
 
     def due(self, step: int) -> bool:
         return self.config.every > 0 and step > 0 and step % self.config.every == 0

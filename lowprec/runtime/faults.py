@@ -65,7 +65,9 @@ class Injection:
                              f"{self.kind.value}:blocks.1.mlp.fc:40:60")
 
     def active(self, iteration: int, module=None) -> bool:
-        low = module is None or self.kind is FaultKind.INPUT or not module.format.is_high_precision
+        # a module that is no site (HF's router) runs in high precision: its faults are no precision's
+        low = (module is None or self.kind is FaultKind.INPUT or getattr(module, "format", None) is None
+               or not module.format.is_high_precision)
         return self.start <= iteration < self.stop and (iteration - self.start) % self.every == 0 and low
 
 

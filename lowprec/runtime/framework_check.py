@@ -29,13 +29,15 @@ def check_framework_config(cfg, state, model, baseline: dict[int, float] | None 
         from lowprec.policy.rollout import build_controller
         controller = build_controller(cfg.rollout, state, model, baseline=baseline)
     if cfg.eval is not None:
-        from lowprec.runtime.evals import EVALUATORS, GATE_CHECKERS, load_entry_point
+        from lowprec.runtime.evals import EVALUATORS, GATE_CHECKERS, check_gated_tasks, load_entry_point
         try:
             ev_cls = load_entry_point(EVALUATORS, cfg.eval.evaluator)
             if hasattr(ev_cls, "check_config"):
                 ev_cls.check_config(cfg.eval)
             if cfg.eval.gates:
-                load_entry_point(GATE_CHECKERS, "default")(cfg.eval.gates)
+                checker = load_entry_point(GATE_CHECKERS, "default")(cfg.eval.gates)
+                if hasattr(ev_cls, "task_names"):
+                    check_gated_tasks(checker.metrics, ev_cls.task_names(cfg.eval), cfg.eval)
         except ConfigError:
             raise
         except (LookupError, ValueError, KeyError, FileNotFoundError) as e:

@@ -41,17 +41,19 @@ import yaml
 
 from lowprec.sites.backends import BACKEND_NAMES
 from lowprec.sites.gemm_config import LinearGemmConfig
-from lowprec.base.parse import ConfigError, check_keys, read_yaml_file, read_yaml_text, suggest
+from lowprec.base.parse import ConfigError, check_keys, suggest
+from lowprec.base.yaml_read import read_yaml_file, read_yaml_text
 from lowprec.numerics.formats import FORMATS, Format, format_names, get_format
 from lowprec.sites.amax_scope import AMAX_SCOPES, AmaxScope
 from lowprec.sites.reasons import ReasonKind, SiteReason
+from lowprec.sites.site_kinds import SITE_KINDS, SiteKind, expert_index_of, kind_of
 
 __all__ = ["PlanError", "ModelInfo", "Selector", "Rule", "PrecisionPlan", "SiteReason", "ReasonKind", "make_ladder",
            "selection_from_dict"]
 
 BF16 = FORMATS["bf16"]
 BACKENDS = BACKEND_NAMES
-SELECTOR_KEYS = ("glob", "regex", "fqns", "first_layers", "last_layers", "module_type")
+SELECTOR_KEYS = ("glob", "regex", "fqns", "first_layers", "last_layers", "module_type", "layers", "kind", "experts")
 RULE_KEYS = ("name", "select", "format", "ladder")
 PLAN_KEYS = ("backend", "default", "keep_high_precision", "rules", "fused", "amax_scope", "gemm")
 
@@ -112,13 +114,18 @@ class Selector:
 
     glob: fnmatch on the FQN (case-sensitive, `*` crosses dots); regex: re.fullmatch on the FQN;
     fqns: exactly these; first_layers / last_layers: inside the first / last N blocks; module_type:
-    class name or dotted path of the module or of its parent, base classes included."""
+    class name or dotted path of the module or of its parent, base classes included; layers: these
+    block indices; kind: `experts`, `shared_experts`, `router` or `dense` (lowprec.sites.site_kinds);
+    experts: these expert indices (expert sites only)."""
     glob: str | None = None
     regex: str | None = None
     fqns: tuple[str, ...] | None = None
     first_layers: int | None = None
     last_layers: int | None = None
     module_type: str | None = None
+    layers: tuple[int, ...] | None = None
+    kind: SiteKind | None = None
+    experts: tuple[int, ...] | None = None
     _re: re.Pattern | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -132,6 +139,17 @@ class Selector:
             if (v := getattr(self, key)) is not None:
                 _expect(isinstance(v, int) and not isinstance(v, bool) and v >= 1, v, key,
                         "an integer >= 1 (a number of transformer blocks)")
+        for key, what in (("layers", "block indices"), ("experts", "expert indices")):
+            if (v := getattr(self, key)) is not None:
+                _expect(isinstance(v, (tuple, list)) and v and all(isinstance(i, int) and not isinstance(i, bool)
+                                                                    and i >= 0 for i in v), v, key,
+                        f"a non-empty list of {what} (integers >= 0)", f"; write [{v}]" if isinstance(v, int) else "")
+                object.__setattr__(self, key, tuple(v))
+        if self.kind is not None and not isinstance(self.kind, SiteKind):
+            if self.kind not in SITE_KINDS:
+                raise PlanError("kind", f"unknown site kind {self.kind!r}.{suggest(str(self.kind), SITE_KINDS)} "
+                                        f"Allowed: {', '.join(SITE_KINDS)}.")
+            object.__setattr__(self, "kind", SiteKind(self.kind))
         if not self.to_dict():
             raise PlanError("", f"an empty selector selects nothing; give one or more of {', '.join(SELECTOR_KEYS)}")
         if self.regex is not None:
@@ -142,7 +160,8 @@ class Selector:
 
     def to_dict(self) -> dict[str, Any]:
         """The given fields in canonical order, as YAML values (fqns as a list)."""
-        return {k: list(v) if isinstance(v, tuple) else v for k in SELECTOR_KEYS if (v := getattr(self, k)) is not None}
+        return {k: list(v) if isinstance(v, tuple) else v.value if isinstance(v, SiteKind) else v
+                for k in SELECTOR_KEYS if (v := getattr(self, k)) is not None}
 
     @staticmethod
     def _is_type(m: nn.Module | None, name: str) -> bool:
@@ -159,11 +178,19 @@ class Selector:
                 and (self.first_layers is None or (b is not None and b[0] < self.first_layers))
                 and (self.last_layers is None or (b is not None and b[0] >= b[1] - self.last_layers))
                 and (self.module_type is None or self._is_type(module, self.module_type)
-                     or self._is_type(parent, self.module_type)))
+                     or self._is_type(parent, self.module_type))
+                and (self.layers is None or (b is not None and b[0] in self.layers))
+                and (self.experts is None or expert_index_of(module) in self.experts)
+                and (self.kind is None or kind_of(fqn, module, info.modules if info is not None else {}) is self.kind))
+
+    def names(self, fqn: str, module: nn.Module, info: ModelInfo | None = None) -> bool:
+        """Whether this selector names a router explicitly (`kind: router`, or its FQN in `fqns`):
+        a router is a site a rule switches only then (lowprec.sites.site_kinds)."""
+        return (self.kind is SiteKind.ROUTER or fqn in (self.fqns or ())) and self.matches(fqn, module, info)
 
     def describe(self) -> str:
         """E.g. `glob blocks.*.mlp.* and last_layers 2`, for the plan table's why column."""
-        return " and ".join(f"{k} {', '.join(v) if isinstance(v, list) else v}" for k, v in self.to_dict().items())
+        return " and ".join(f"{k} {', '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in self.to_dict().items())
 
 
 def _check_keys(d: Any, allowed: tuple[str, ...], path: str) -> dict:

@@ -15,20 +15,26 @@ histories, stochastic-rounding generator states), so checkpoints load with
 from __future__ import annotations
 
 import contextlib
+from fractions import Fraction
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from torch import nn
 
 from lowprec.sites.backends import Backend, BackendName, SiteModule, get_backend
-from lowprec.numerics.formats import Format, get_format
+from lowprec.numerics.formats import FORMATS, Format, get_format
 from lowprec.base.parse import suggest
 from lowprec.sites.amax_scope import AmaxScope
 from lowprec.sites.layers import PrecisionLinear
 from lowprec.sites.reasons import ReasonKind, SiteReason
 from lowprec.numerics.quantize import check_layer_fits
+from lowprec.sites.experts import experts_top_k, find_experts, unwrap_experts, wrap_experts
+from lowprec.sites.flop_count import flops_share, other_gemms
+from lowprec.sites.site_kinds import expert_index_of
 
 __all__ = ["Site", "PrecisionState", "StagedPrecisionMap", "prepare"]
+
+BF16 = FORMATS["bf16"]
 
 
 @dataclass
@@ -45,19 +51,26 @@ class Site:
         return self.module.format
 
     @property
-    def flops_per_token(self) -> int:
-        """FLOPs of the three GEMMs per token (2 * in * out each)."""
-        return 6 * self.module.in_features * self.module.out_features
+    def flops_per_token(self) -> int | Fraction:
+        """FLOPs of the three GEMMs per token (2 * in * out each); an expert's are weighted by the
+        share of tokens routed to it when routing is even (lowprec.sites.experts)."""
+        own = getattr(self.module, "flops_per_token", None)
+        return own if own is not None else 6 * self.module.in_features * self.module.out_features
 
 
 class PrecisionState:
     """The sites of a prepared model and their formats; switching never touches parameters."""
 
     def __init__(self, sites: Iterable[Site], backend: Backend,
-                 kept_high_precision: Iterable[tuple[str, SiteReason]] = ()):
+                 kept_high_precision: Iterable[tuple[str, SiteReason]] = (),
+                 other_gemms: dict[str, int | Fraction] | None = None):
+        """other_gemms: FQN -> GEMM FLOPs per token of what runs no site (kept layers, a router
+        that is no linear layer, experts a backend cannot switch): they run in high precision and
+        count in the FLOP shares as `bf16` (`lowprec.sites.flop_count`)."""
         self.sites: dict[str, Site] = {s.fqn: s for s in sites}
         self.backend = backend
         self.kept_high_precision = dict(kept_high_precision)  # fqn -> reason, not swapped
+        self.other_gemms = dict(other_gemms or {})
 
     # ------------------------------------------------------------------ queries
     def site(self, fqn: str) -> Site:
@@ -72,16 +85,11 @@ class PrecisionState:
         return {fqn: s.format.name for fqn, s in self.sites.items()}
 
     def flops_share(self, formats: dict[str, str] | None = None) -> dict[str, float]:
-        """Share of GEMM FLOPs per format over the switchable sites (kept layers excluded): the
-        format's FLOPs (an exact integer sum) over the total, one rounding per share.
+        """Share of the model's GEMM FLOPs per format: every site's, and what runs no site
+        (`other_gemms`, as `bf16`): one exact sum per format over the total, one rounding per share.
         formats: fqn -> format name to count instead of the sites' own (a pipeline rank's record
         of every stage's sites, whose layers it does not hold)."""
-        total = sum(s.flops_per_token for s in self.sites.values()) or 1
-        flops: dict[str, int] = {}
-        for fqn, s in self.sites.items():
-            name = s.format.name if formats is None else formats[fqn]
-            flops[name] = flops.get(name, 0) + s.flops_per_token
-        return {name: f / total for name, f in flops.items()}
+        return flops_share(self.sites, self.other_gemms, formats)
 
     def stats(self) -> dict[str, dict]:
         """fqn -> {role: QuantStats} from the last step (device tensors, no sync)."""
@@ -97,7 +105,8 @@ class PrecisionState:
         if not ok:
             raise ValueError(f"cannot switch {names[:3]} to {fmt.name}: {why}")
         for s in sites:  # the plan's check: weight, input and grad_output blocks
-            check_layer_fits(fmt, s.module.out_features, s.module.in_features, s.fqn)
+            for shape in getattr(s.module, "gemm_shapes", [(s.module.out_features, s.module.in_features)]):
+                check_layer_fits(fmt, *shape, s.fqn)
         changed = []
         for s in sites:
             if s.format is not fmt:
@@ -213,7 +222,9 @@ def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
 
 def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0,
             layer_cls: type[PrecisionLinear] | None = None) -> PrecisionState:
-    """Swap the plan's linear layers for the backend's sites (same parameters) in place.
+    """Swap the plan's linear layers for the backend's sites (same parameters) in place, and make
+    every expert of a grouped-experts module a site (lowprec.sites.experts: the module keeps its
+    Parameters; expert e of `model.layers.0.mlp.experts` is the site `model.layers.0.mlp.experts.e`).
 
     amax_group: the data-parallel process group over which tensor-wise amaxes of
         activations and gradients are reduced (so that the numerics equal a single
@@ -225,7 +236,7 @@ def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0,
         `torchao` backends make their own layers and refuse one.
     Every backend builds its sites through `Backend.make_site`.
     """
-    from lowprec.sites.resolution import resolve  # noqa: local import keeps `import lowprec` light
+    from lowprec.sites.resolution import is_site, linear_shape, resolve  # noqa: keeps `import lowprec` light
 
     backend = get_backend(plan.backend)
     kind = BackendName(plan.backend)
@@ -238,16 +249,47 @@ def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0,
     if layer_cls is not None and kind in (BackendName.TE, BackendName.TORCHAO):
         raise ValueError(f"the {kind} backend makes its own layers; layer_cls={layer_cls.__name__} needs the "
                          f"emulated or torch backend")
-    resolved = resolve(model, plan, supported=backend.supports)
+    experts = _wrap_experts(model, backend, kind, plan, seed, amax_group)
+    try:
+        resolved = resolve(model, plan, supported=backend.supports, site_filter=is_site)
+    except Exception:
+        for fqn in experts:
+            unwrap_experts(model.get_submodule(fqn))
+        raise
     scope = getattr(plan, "amax_scope", AmaxScope.GROUP)
     sites, kept = [], []
     for i, sp in enumerate(resolved):
         if sp.reason.kept_high_precision:
-            kept.append((sp.fqn, sp.reason))
+            if expert_index_of(sp.module) is None:
+                kept.append((sp.fqn, sp.reason))
+                continue   # an expert kept high stays a site (its module is swapped already), in bf16 for good
+        if expert_index_of(sp.module) is not None:
+            sp.module.set_format(sp.format)
+            sites.append(Site(sp.fqn, sp.module, tuple(sp.ladder), sp.reason))
             continue
         layer = backend.make_site(sp.module, sp.format, name=sp.fqn, seed=seed * 1_000_003 + i,
                                   amax_group=amax_group, amax_scope=scope, fused=plan.fused, gemm=plan.gemm,
                                   layer_cls=layer_cls)
         _set_submodule(model, sp.fqn, layer)
         sites.append(Site(sp.fqn, layer, tuple(sp.ladder), sp.reason))
-    return PrecisionState(sites, backend, kept)
+    kept_shapes = [(sp.fqn, linear_shape(sp.module)) for sp in resolved
+                   if sp.reason.kept_high_precision and expert_index_of(sp.module) is None]
+    unwrapped = {f: n for f, n in find_experts(model).items() if f not in experts}
+    other = other_gemms(model, kept_shapes, unwrapped, {f: experts_top_k(model, f) for f in unwrapped})
+    return PrecisionState(sites, backend, kept, other)
+
+
+def _wrap_experts(model: nn.Module, backend, kind: BackendName, plan, seed: int, amax_group) -> dict[str, tuple]:
+    """Make every grouped-experts module's experts sites (in bf16 until the plan is resolved), on
+    the backends whose GEMMs lowprec runs (emulated, torch); the te and torchao backends leave
+    them as they are, counted in the FLOP shares as high precision. FQN -> projections wrapped."""
+    if kind not in (BackendName.EMULATED, BackendName.TORCH):
+        return {}
+    found = find_experts(model)
+    for n, (fqn, names) in enumerate(found.items()):
+        m = model.get_submodule(fqn)
+        e = getattr(m, names[0]).shape[0]
+        wrap_experts(m, fqn, names, [BF16] * e, backend, top_k=experts_top_k(model, fqn), amax_group=amax_group,
+                     seeds=[seed * 1_000_003 + 700_001 + 1_000 * n + i for i in range(e)],
+                     amax_scope=getattr(plan, "amax_scope", AmaxScope.GROUP), fused=plan.fused)
+    return found

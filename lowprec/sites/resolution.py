@@ -16,8 +16,9 @@ from lowprec.numerics.formats import FORMATS, Format
 from lowprec.numerics.quantize import check_layer_fits
 from lowprec.sites.plan import BF16, ModelInfo, PlanError, PrecisionPlan, Selector, make_ladder
 from lowprec.sites.reasons import ReasonKind, SiteReason
+from lowprec.sites.site_kinds import SiteKind, expert_index_of, kind_of
 
-__all__ = ["SitePlan", "resolve", "format_plan_table", "is_linear", "linear_shape"]
+__all__ = ["SitePlan", "resolve", "format_plan_table", "is_linear", "is_site", "linear_shape", "gemm_shapes"]
 
 
 def is_linear(module: nn.Module, fqn: str = "") -> bool:
@@ -26,9 +27,23 @@ def is_linear(module: nn.Module, fqn: str = "") -> bool:
         type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight"))
 
 
+def is_site(module: nn.Module, fqn: str = "") -> bool:
+    """A linear layer or one expert of a grouped-experts module (lowprec.sites.experts)."""
+    return is_linear(module) or expert_index_of(module) is not None
+
+
 def linear_shape(module: nn.Module) -> tuple[int, int]:
-    """(out, in) of a linear-like module, whatever the layout its weight is stored in."""
+    """(out, in) of a linear-like module, whatever the layout its weight is stored in; for an
+    expert (in = hidden size, out = its GEMMs' weights over that), what gives its FLOPs."""
+    if expert_index_of(module) is not None:
+        return module.out_features, module.in_features
     return (module.nf, module.weight.shape[0]) if type(module).__name__ == "Conv1D" else tuple(module.weight.shape[:2])
+
+
+def gemm_shapes(module: nn.Module) -> list[tuple[int, int]]:
+    """(out, in) of each weight whose GEMMs a site runs: one for a linear layer, one per projection
+    for an expert."""
+    return list(module.gemm_shapes) if expert_index_of(module) is not None else [linear_shape(module)]
 
 
 @dataclass(frozen=True)
@@ -78,7 +93,9 @@ def resolve(model: nn.Module, plan: PrecisionPlan, *, site_filter: Callable[[nn.
     planned, hit = [], set()  # (SitePlan, config path its format came from), rules that matched
     for fqn, m in linears.items():
         keep = next((s for s in plan.keep_high_precision if s.matches(fqn, m, info)), None)
-        matching = [i for i, r in enumerate(plan.rules) if r.select.matches(fqn, m, info)]
+        router = kind_of(fqn, m, info.modules) is SiteKind.ROUTER   # switched only by a rule that names it
+        matching = [i for i, r in enumerate(plan.rules)
+                    if (r.select.names(fqn, m, info) if router else r.select.matches(fqn, m, info))]
         hit.update(matching)
         if keep is not None:
             planned.append((SitePlan(fqn, m, BF16, (BF16,), SiteReason(ReasonKind.KEEP_HIGH_PRECISION, f"({keep.describe()})")), None))
@@ -86,11 +103,16 @@ def resolve(model: nn.Module, plan: PrecisionPlan, *, site_filter: Callable[[nn.
             r = plan.rules[matching[-1]]
             planned.append((SitePlan(fqn, m, r.format, r.ladder, SiteReason(ReasonKind.RULE, f"{r.name} ({r.select.describe()})")),
                             f"precision.rules[{matching[-1]}]"))
+        elif router:
+            planned.append((SitePlan(fqn, m, BF16, (BF16,), SiteReason(ReasonKind.DEFAULT, "(a router: no rule names it)")),
+                            None))
         else:
             planned.append((SitePlan(fqn, m, plan.default, make_ladder(plan.default), SiteReason(ReasonKind.DEFAULT)), "precision.default"))
     for i, r in enumerate(plan.rules):
         if i not in hit:
-            raise _no_match(f"precision.rules[{i}].select", f"rule {r.name!r}", "linear layer", r.select, linears, info)
+            noun = "linear layer or expert" if any(expert_index_of(m) is not None for m in linears.values()) else \
+                "linear layer"
+            raise _no_match(f"precision.rules[{i}].select", f"rule {r.name!r}", noun, r.select, linears, info)
     runs = [n for n, f in FORMATS.items() if supported(f)[0]]
     for site, base in planned:
         for fmt in site.ladder if base is not None else ():
@@ -100,7 +122,8 @@ def resolve(model: nn.Module, plan: PrecisionPlan, *, site_filter: Callable[[nn.
                 raise PlanError(path, f"backend {plan.backend!r} cannot run {fmt.name}: {why}. It runs: "
                                       f"{', '.join(runs) or 'nothing'}. Pick one of those or another backend.")
             try:
-                check_layer_fits(fmt, *site.shape, site.fqn)
+                for shape in gemm_shapes(site.module):
+                    check_layer_fits(fmt, *shape, site.fqn)
             except ValueError as e:
                 raise PlanError(path, f"{e} To keep only this layer out, add {{fqns: [{site.fqn}]}} "
                                       f"to precision.keep_high_precision.") from None

@@ -51,43 +51,20 @@ from pathlib import Path
 from lowprec.policy.controller import LR_HISTORY, lr_hold_level
 from lowprec.policy.events import EventKind
 from lowprec.tracking.records import LR_SENSITIVITY
-from lowprec.tracking.report_sources import ReportData, fallback_sites, signals_of
-from lowprec.tracking.report_timeline import (EVENT_STYLE, FORMAT_COLORS, REWOUND_COLOR, fit_title, is_eval_metric,
-                                              mark_events, new_figure, reason_text, timeline_figure)
+from lowprec.tracking.report_sources import ReportData, fallback_sites, rewinds, signals_of
+from lowprec.tracking.report_evals import _eval_series, eval_modes, evals_figure
+from lowprec.tracking.report_scales import at_step, clip_axis, finite
+from lowprec.tracking.report_style import (BASELINE_COLOR, CANDIDATE_COLOR, HP_COLOR, NO_BASELINE, STEP_LABEL,
+                                           baseline_label, candidate_label, panels, unit_label)
+from lowprec.tracking.report_timeline import (EVENT_STYLE, FORMAT_COLORS, REWOUND_COLOR, fit_title, mark_events,
+                                              new_figure, reason_text, timeline_figure)
 
-__all__ = ["render_report", "report_figures", "timeline_figure", "loss_figure", "signals_figure", "lr_sensitivity_figure", "evals_figure",
-           "FORMAT_COLORS", "hold_levels"]
-
-
-# ------------------------------------------------------------------ loss, signals, evals
-CANDIDATE_COLOR, BASELINE_COLOR, HP_COLOR = "#08519c", "#636363", "#d94801"
-STEP_LABEL = "step (optimizer steps)"
-NO_BASELINE = "no baseline run: pass lowprec report RUN --baseline RUN, or log train/baseline_loss"
-# units of the eval metrics and signal statistics, by the last part of their name
-_UNITS = {"acc": "accuracy (fraction, higher is better)", "acc_norm": "accuracy (fraction, higher is better)",
-          "exact_match": "exact match (fraction, higher is better)",
-          "bits_per_byte": "bits per byte (lower is better)", "perplexity": "perplexity (lower is better)",
-          "byte_perplexity": "perplexity per byte (lower is better)",
-          "word_perplexity": "perplexity per word (lower is better)",
-          "saturated_frac": "saturated (fraction of elements)", "underflow_frac": "underflow (fraction of elements)",
-          "underflow_energy_frac": "underflow (fraction of energy)", "sqnr_db": "SQNR (dB)",
-          "rel_mse": "relative MSE", "amax": "absolute max", "nonfinite": "non-finite elements (count)",
-          "loss": "training loss (nats/token)", "grad_norm": "gradient norm (L2)"}
+__all__ = ["render_report", "report_figures", "timeline_figure", "loss_figure", "signals_figure", "lr_sensitivity_figure",
+           "evals_figure", "eval_modes", "_eval_series", "FORMAT_COLORS", "hold_levels", "CANDIDATE_COLOR",
+           "BASELINE_COLOR", "HP_COLOR", "baseline_label", "candidate_label", "unit_label"]
 
 
-def unit_label(name: str) -> str:
-    """The y-axis label of an eval metric (`task/metric`) or a signal statistic, with its unit."""
-    last = name.rsplit("/", 1)[-1].split(",")[0]
-    return _UNITS.get(last, last)
-
-
-def candidate_label(data: ReportData) -> str:
-    return f"candidate: {data.run_name}"
-
-
-def baseline_label(data: ReportData) -> str:
-    return f"baseline: {data.baseline_name}" if data.baseline_name else "baseline (train/baseline_loss)"
-
+# ------------------------------------------------------------------ loss, signals
 def loss_figure(data: ReportData):
     loss = data.metrics.get("train/loss")
     if not loss:
@@ -97,19 +74,31 @@ def loss_figure(data: ReportData):
     ax.plot(*zip(*loss), lw=1, color=CANDIDATE_COLOR, label=candidate_label(data))
     if data.baseline:
         ax.plot(*zip(*data.baseline), lw=1, color=BASELINE_COLOR, ls="--", label=baseline_label(data))
-        base = dict(data.baseline)
-        gap = [(s, 100 * (v - base[s]) / base[s]) for s, v in loss if base.get(s)]
+        shift = batch_offsets(data)
+        # each step against the baseline's step that trained on the same batch: after a rewind the
+        # run's data goes on (the rewound and skipped batches are not drawn again), the baseline's
+        # did not; batches differ by +-20-30% in loss, weights a few steps apart by far less
+        # (a loss logged as a window's mean: the baseline read between its windows)
+        gap = [(s, 100 * (v - b) / b) for s, v in loss if (b := at_step(data.baseline, s + shift(s)))]
         if gap:
             gax.plot(*zip(*gap), lw=1, color="#a50f15", label="gap to the baseline")
+            clip_axis(gax, gap, [0.0])
+        if gap and gap[-1][0] < loss[-1][0]:   # the rewinds' skipped batches ran the run past the baseline's data
+            gax.text(0.99, 0.95, f"past step {gap[-1][0]} the baseline never trained on the batches this run did",
+                     ha="right", va="top", transform=gax.transAxes, fontsize=7, color=BASELINE_COLOR)
         gax.axhline(0, color=BASELINE_COLOR, lw=0.8)
     else:
         gax.text(0.5, 0.5, NO_BASELINE, ha="center", va="center", transform=gax.transAxes, fontsize=8,
                  color=BASELINE_COLOR)
-    gax.set_ylabel("gap to baseline\n(% of baseline)", fontsize=8)
+    gax.set_ylabel("gap to baseline\n(% of its loss on\nthe same batch)", fontsize=8)
     rewound = data.metrics.get("train/loss_rewound")
     if rewound:   # the loss that made the run rewind (never in train/loss: those steps were redone)
         ax.plot(*zip(*rewound), ls="", marker="X", ms=8, mfc=REWOUND_COLOR, mec="white",
                 label="loss that caused a rewind", zorder=5)
+    # the bulk of the loss sets the scale: a diverged step or a rewound loss of 9,000 is a
+    # triangle on the edge with its value, not the axis that flattens a loss of 3
+    clip_axis(ax, list(loss) + list(rewound or []), [v for _, v in data.baseline])
+    mark_steps(ax, data, loss)
     mark_events(ax, data, labels=True)
     mark_events(gax, data)
     ax.set_ylabel("training loss (cross-entropy, nats/token)", fontsize=9)
@@ -121,15 +110,29 @@ def loss_figure(data: ReportData):
     return fig
 
 
-def _panels(n: int, width: float, height: float):
-    """A figure of `n` panels, three to a row, each width x height inches; unused axes hidden."""
-    cols = min(3, n)
-    rows = -(-n // cols)
-    fig = new_figure(width * cols, height * rows)
-    axes = fig.subplots(rows, cols, squeeze=False).ravel()
-    for ax in axes[n:]:
-        ax.axis("off")
-    return fig, axes[:n]
+def batch_offsets(data: ReportData):
+    """step -> how many batches later than the step's own index the run drew that step's batch:
+    a rewind at step R back to B with `skip_batches` K (the REWIND event's evidence) moves every
+    step from B on by R + 1 - B + K (each pass draws one batch; the data never goes back)."""
+    skips = [int(e.evidence.get("skip_batches", 0) or 0) for e in data.events if e.kind == EventKind.REWIND]
+    marks, off = [], 0
+    for i, (step, back) in enumerate(rewinds(data)):
+        off += step + 1 - back + (skips[i] if i < len(skips) else 0)
+        marks.append((back, off))
+    return lambda s: next((o for b, o in reversed(marks) if b <= s), 0)
+
+
+def mark_steps(ax, data: ReportData, loss) -> None:
+    """The skipped steps (no update: `skip_step`) and the accepted levels (`accept`: the step
+    applied, the detectors rebased) as markers on the loss curve."""
+    at = dict(loss)
+    lo, hi = ax.get_ylim()
+    for kind, marker, color, label in ((EventKind.SKIP_STEP, "o", "#cb181d", "skipped step (no update)"),
+                                       (EventKind.ACCEPT, "D", "#737373", "new level accepted")):
+        steps = sorted({e.step for e in data.events if e.kind == kind})
+        if steps:
+            ys = [min(max(at.get(s, lo), lo), hi) for s in steps]
+            ax.plot(steps, ys, ls="", marker=marker, ms=7, mfc="none", mec=color, mew=1.5, zorder=5, label=label)
 
 
 MAX_SIGNALS = 4   # series per fallback panel: the evidence's own signals, most relevant first
@@ -162,7 +165,8 @@ def signals_figure(data: ReportData):
     sites = fallback_sites(data.events)[:12]
     if not sites:
         return None
-    fig, axes = _panels(len(sites), 4.6, 3.1)
+    fig, axes = panels(len(sites), 4.6, 3.1)
+    drew_base = False
     for ax, site in zip(axes, sites):
         ev = next(e for e in data.events if e.kind == EventKind.FALLBACK and site in e.sites)
         sigs = signals_of(ev, site, data.thresholds)
@@ -171,6 +175,7 @@ def signals_figure(data: ReportData):
             line, = ax.plot(*zip(*data.metrics[k]), lw=1, marker=".", ms=3, label="/".join(k.rsplit("/", 2)[-2:]))
             base = data.baseline_metrics.get(k) or (data.baseline if k == "train/loss" else None)
             if base:   # the same series in the baseline run
+                drew_base = True
                 ax.plot(*zip(*base), lw=0.9, ls="--", color=line.get_color(), alpha=0.6,
                         label=f"{'/'.join(k.rsplit('/', 2)[-2:])}, baseline")
         drawn = {k.rsplit("/", 1)[-1] for k in keys}
@@ -190,13 +195,19 @@ def signals_figure(data: ReportData):
                           3.9, 8) + "\n" + textwrap.shorten(reason_text(ev, site, data.thresholds), 60)
         ax.set_title(title, fontsize=8, loc="left")
         ax.tick_params(labelsize=7)
-        # under the panel, clear of the data, and leaving the panel its width for the title
-        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(0.0, -0.3), ncol=3, frameon=False)
         if not keys:
             ax.text(0.5, 0.5, "no logged signal named by the fallback's evidence", ha="center", va="center",
                     transform=ax.transAxes, fontsize=8)
     more = f" (first 12 of {len(fallback_sites(data.events))} sites)" if len(fallback_sites(data.events)) > 12 else ""
-    base = f"; dashed: {data.baseline_name}" if data.baseline_name else ""
+    # one legend under the panels (inside a panel it covered data, beside one it was cut off)
+    seen: dict[str, object] = {}
+    for ax in axes:
+        for handle, text in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(text, handle)
+    fig.legend(list(seen.values()), list(seen), loc="outside lower center", ncol=4, fontsize=7, frameon=False)
+    # the baseline named only where its series are drawn
+    base = (f"; dashed: {data.baseline_name}" if drew_base else
+            f"; {data.baseline_name} logged none of these signals" if data.baseline_name else "")
     fig.suptitle(fit_title(f"{data.run_name}: the signals that triggered fallbacks{more}{base}",
                            4.4 * len(axes[:3]), 11), fontsize=11, x=0.01, ha="left")
     return fig
@@ -220,10 +231,14 @@ def lr_sensitivity_figure(data: ReportData):
         return None
     fig = new_figure(11, 5.5)
     ax, lax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1.2])
-    ax.plot(*zip(*points), "o-", ms=3, lw=1, color=CANDIDATE_COLOR, label="sensitivity (L_up - L_down) / |L0|")
-    if data.baseline_metrics.get(LR_SENSITIVITY):
-        ax.plot(*zip(*data.baseline_metrics[LR_SENSITIVITY]), "s--", ms=3, lw=0.9, color=BASELINE_COLOR,
-                label=baseline_label(data))
+    # a probe whose larger step diverged logs +inf (MLflow: 1.797e308, read back as inf by
+    # report_sources): a triangle on the top edge, never a point that stretches the axis to it
+    points, diverged = finite(points)
+    if points:
+        ax.plot(*zip(*points), "o-", ms=3, lw=1, color=CANDIDATE_COLOR, label="sensitivity (L_up - L_down) / |L0|")
+    base_points, _ = finite(data.baseline_metrics.get(LR_SENSITIVITY, []))
+    if base_points:
+        ax.plot(*zip(*base_points), "s--", ms=3, lw=0.9, color=BASELINE_COLOR, label=baseline_label(data))
     ax.axhline(0, color=BASELINE_COLOR, lw=0.8)
     rise, above = data.thresholds.get("lr_hold_rise"), data.thresholds.get("lr_hold_above")
     if levels := hold_levels(points, rise, above):
@@ -231,10 +246,9 @@ def lr_sensitivity_figure(data: ReportData):
                            ([f"median of the {LR_HISTORY} probes before + {rise:g}"] if rise is not None else []))
         ax.plot(*zip(*levels), color="#d94801", ls="--", lw=0.8, marker="_", ms=12,
                 label=f"hold level: {what} (the lower)" if " or " in what else f"hold level: {what}")
-    diverged = [s for s, v in points if v == float("inf")]   # the larger virtual step's loss was not finite
-    if diverged:
-        ax.plot(diverged, [0.98] * len(diverged), ls="", marker="^", ms=8, color="#a50f15",
-                transform=ax.get_xaxis_transform(), label="larger step diverged (inf)")
+    if diverged:   # the larger virtual step's loss was not finite
+        ax.plot([s for s, _ in diverged], [0.98] * len(diverged), ls="", marker="^", ms=8, color="#a50f15",
+                transform=ax.get_xaxis_transform(), clip_on=False, label="larger step diverged (inf)")
     held = [e for e in data.events if e.kind == EventKind.HOLD]
     for i, e in enumerate(held):
         ax.axvline(e.step, color="#d94801", ls="-.", lw=1, label=None if i else "promotion held")
@@ -254,108 +268,15 @@ def lr_sensitivity_figure(data: ReportData):
     return fig
 
 
-def _eval_series(metrics: dict, prefix: str = "eval") -> dict[str, tuple[list, list, list]]:
-    """{task/metric: (steps, values, [(below, above)] of the 95% interval)} of `<prefix>/...`."""
-    out = {}
-    for k, pts in metrics.items():
-        if not k.startswith(prefix + "/") or not is_eval_metric("eval/" + k[len(prefix) + 1:]):
-            continue
-        se, lo, hi = dict(metrics.get(k + "_stderr", [])), dict(metrics.get(k + "_ci_low", [])), dict(metrics.get(k + "_ci_high", []))
-        ys = [v for _, v in pts]
-        low = [v - (v - lo[s] if s in lo else 1.96 * se.get(s, 0.0)) for s, v in pts]
-        high = [v + (hi[s] - v if s in hi else 1.96 * se.get(s, 0.0)) for s, v in pts]
-        out[k[len(prefix) + 1:]] = ([s for s, _ in pts], ys, [(y - a, b - y) for y, a, b in zip(ys, low, high)])
-    return out
-
-
-def eval_modes(metrics: dict, prefix: str, steps: list[int]) -> list[tuple[str, list[int], bool]]:
-    """The steps of one eval series split by the kind of eval (`eval_mode/<prefix>`, 1 full, 0 fast,
-    `Tracker.log_eval(mode=...)`): [(what, steps, full)], in-loop (fast) first; one unnamed group where
-    the run logged no modes or only one kind."""
-    mode = dict(metrics.get(f"eval_mode/{prefix}", []))
-    full = [s for s in steps if mode.get(s) == 1.0]
-    fast = [s for s in steps if s in mode and mode[s] != 1.0]
-    rest = [s for s in steps if s not in mode]
-    if not (full and (fast or rest)):
-        return [("", steps, False)]
-    return [("in-loop (fast) evals", fast + rest, False),
-            ("final (full) eval" if len(full) == 1 else "full evals", full, True)]
-
-
-def _draw_evals(ax, series, metrics: dict, prefix: str, color: str, label: str, marker: str, z: float,
-                hollow: bool = False) -> None:
-    """One eval series with its intervals: fast in-loop evals joined by a line, full evals as
-    larger unjoined markers (the two kinds measure different things and are never one line)."""
-    steps, ys, err = series
-    at = {s: (y, e) for s, y, e in zip(steps, ys, err)}
-    for what, group, full in eval_modes(metrics, prefix, steps):
-        if not group:
-            continue
-        gy, ge = [at[s][0] for s in group], [at[s][1] for s in group]
-        ax.errorbar(group, gy, yerr=list(zip(*ge)), fmt="none", lw=1, capsize=3, ecolor=color, zorder=z)
-        # a hollow series is drawn wide and light under the others, its markers larger: where the
-        # two coincide, the thin line and small dots of the other lie inside it and both are seen
-        ms = (11 if full else 9) if hollow else (8 if full else 5)
-        ax.plot(group, gy, marker=marker, ls="" if full else "-", ms=ms, lw=4 if hollow else 1, color=color,
-                alpha=0.45 if hollow else 1.0, mfc="none" if hollow else color, mew=1.6 if hollow else 1,
-                zorder=z + 0.5, label=f"{label}, {what}" if what else label)
-
-
-def evals_figure(data: ReportData):
-    series = _eval_series(data.metrics)
-    if not series:
-        return None
-    base_series = _eval_series(data.baseline_metrics)
-    hp_series = _eval_series(data.metrics, "eval_hp")
-    fig, axes = _panels(len(series), 4.3, 3.2)
-    for ax, (name, (steps, ys, err)) in zip(axes, sorted(series.items())):
-        interval = any(a or b for a, b in err)
-        _draw_evals(ax, (steps, ys, err), data.metrics, "eval", CANDIDATE_COLOR, candidate_label(data), "o", 3)
-        if name in base_series:   # the baseline run's evals (a baseline often has only its final one)
-            bys = base_series[name][1]
-            _draw_evals(ax, base_series[name], data.baseline_metrics, "eval", BASELINE_COLOR, baseline_label(data),
-                        "D", 2)
-            ax.axhline(bys[-1], color=BASELINE_COLOR, ls=":", lw=0.8)
-        hp = hp_series.get(name)
-        if hp:   # the same weights in high precision, under the candidate: the gap is what precision costs
-            _draw_evals(ax, hp, data.metrics, "eval_hp", HP_COLOR, "same weights, high precision", "s", 1,
-                        hollow=True)
-        top = ax.get_xaxis_transform()
-        for e in data.events:
-            if e.kind == EventKind.GATE:
-                v = str(e.evidence.get("verdict", e.reason))
-                color = "#006d2c" if v == "pass" else "#a50f15"
-                ax.axvline(e.step, color=color, ls="-.", lw=0.9)
-                ax.text(e.step, 1.01, v, transform=top, fontsize=7, color=color, ha="center", va="bottom")
-        mark_events(ax, data, (EventKind.PROMOTE, EventKind.FALLBACK, EventKind.ROLLBACK, EventKind.REWIND))
-        ax.set_title(fit_title(f"{name} (95% interval)" if interval else f"{name} (no interval logged)", 3.9, 9),
-                     fontsize=9, loc="left", pad=12)
-        ax.tick_params(labelsize=7)
-        ax.set_xlabel(STEP_LABEL, fontsize=8)
-        ax.set_ylabel(unit_label(name), fontsize=8)
-        # no offset or multiplier text above the axis, where the verdicts are written
-        ax.ticklabel_format(axis="y", style="plain", useOffset=False)
-    # one legend for every panel (they draw the same series), under the panels: never over the data
-    seen: dict[str, object] = {}
-    for ax in axes:
-        for handle, text in zip(*ax.get_legend_handles_labels()):
-            seen.setdefault(text, handle)
-    fig.legend(list(seen.values()), list(seen), loc="outside lower center", ncol=3, fontsize=7, frameon=False)
-    against = f"against {data.baseline_name} (dotted: its last)" if base_series else f"({NO_BASELINE})"
-    fig.suptitle(fit_title(f"{data.run_name}: evals per checkpoint {against}; gate verdicts dash-dotted, "
-                           f"stage changes, fallbacks and rewinds as on the loss picture", 4.1 * len(axes[:3]), 11),
-                 fontsize=11, x=0.01, ha="left")
-    return fig
-
-
 def report_figures(data: ReportData) -> dict[str, object]:
     """{name: matplotlib Figure} of every picture the data allows, in the order they are written
     (what `render_report` saves; a test reads the drawn lines back from these)."""
     from lowprec.tracking.report_time import time_figure  # it draws with this module's helpers
+    from lowprec.tracking.report_experts import experts_figure
     out = {}
     for name, make in (("precision_timeline", timeline_figure), ("loss", loss_figure),
                        ("fallback_signals", signals_figure), ("lr_sensitivity", lr_sensitivity_figure),
-                       ("evals", evals_figure), ("time_breakdown", time_figure)):
+                       ("evals", evals_figure), ("time_breakdown", time_figure), ("experts", experts_figure)):
         fig = make(data)
         if fig is not None:
             out[name] = fig

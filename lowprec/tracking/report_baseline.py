@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from lowprec.tracking.report_scales import as_inf
 from lowprec.tracking.records import LR_SENSITIVITY
 from lowprec.tracking.report_sources import ReportData
 
@@ -58,7 +59,7 @@ def baseline_curves(client, run, wanted: Callable[[str], bool]) -> dict[str, Ser
     for key in run.data.metrics:
         if wanted(key):
             hist = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.timestamp)
-            out[key] = sorted({m.step: m.value for m in hist}.items())
+            out[key] = sorted({m.step: as_inf(m.value) for m in hist}.items())   # MLflow's +-1.797e308: +-inf
     return out
 
 

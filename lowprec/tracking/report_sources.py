@@ -38,10 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from lowprec.base.parse import read_yaml_file
+from lowprec.base.yaml_read import read_yaml_file
 from lowprec.base.quiet import quiet_artifact_downloads
 from lowprec.policy.events import Event, EventKind, describe, read_events, replay
 from lowprec.tracking.records import BASELINE_LOSS, flatten_config, tidy_numbers
+from lowprec.tracking.report_scales import as_inf
 
 __all__ = ["ReportData", "from_run_dir", "from_mlflow", "events_table", "events_tags", "signals_of",
            "fallback_sites", "rewinds", "precision_history", "flops_share_steps", "STATS"]
@@ -144,21 +145,22 @@ def _final_trajectory(points: dict[str, list[tuple[int, float, float]]]) -> dict
     abandoned steps past the run's end are dropped. Otherwise the latest value of a step wins.
     Timestamps order the points (the journal's line first); MLflow's are milliseconds, finer
     than a training step, so an abandoned step's points are older than the rewind and a
-    redone step's points are not."""
+    redone step's points are not. An eval's abandoned points (taken on weights a rewind then abandoned) are kept apart, under
+    `abandoned/<key>`: the evals picture draws them beside the gate verdicts they produced."""
     backs = sorted((ts, int(v)) for _, ts, v in points.get(REWOUND_TO, []))
     out: dict[str, dict[int, float]] = {}
     for key, pts in points.items():
-        kept: dict[int, float] = {}
-        i = 0
-        for step, ts, v in sorted(pts, key=lambda p: p[1]):
-            while key not in _REWIND_MARKS and i < len(backs) and backs[i][0] <= ts:
+        kept, dropped, i = {}, {}, 0
+        for step, ts, v in sorted(pts, key=lambda p: p[1]) + [(None, None, None)]:   # None: the end
+            while key not in _REWIND_MARKS and i < len(backs) and (ts is None or backs[i][0] <= ts):
+                dropped.update({k: x for k, x in kept.items() if k >= backs[i][1]})
                 kept = {k: x for k, x in kept.items() if k < backs[i][1]}
                 i += 1
-            kept[step] = v
-        while key not in _REWIND_MARKS and i < len(backs):
-            kept = {k: x for k, x in kept.items() if k < backs[i][1]}
-            i += 1
+            if step is not None:
+                kept[step] = v
         out[key] = kept
+        if dropped and key.startswith("eval"):
+            out[f"abandoned/{key}"] = dropped
     return out
 
 
@@ -313,9 +315,9 @@ def from_mlflow(client, run_id: str) -> ReportData:
         if _wanted(key, sites):
             hist = sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)
             if key.startswith("time/"):
-                timed[key] = [(m.step, m.timestamp, m.value) for m in hist]
+                timed[key] = [(m.step, m.timestamp, as_inf(m.value)) for m in hist]
             else:
-                metrics[key] = [(m.step, m.timestamp, m.value) for m in hist]
+                metrics[key] = [(m.step, m.timestamp, as_inf(m.value)) for m in hist]
     metrics = {k: sorted(v.items()) for k, v in _final_trajectory(metrics).items()}
     metrics.update({k: sorted(v.items()) for k, v in _final_pass(timed).items()})
     data = ReportData(run.info.run_name or run_id, pmap.get("initial", {}), pmap.get("initial_step", 0),

@@ -18,6 +18,7 @@ import re
 
 from lowprec.policy.events import Event, EventKind, site_list
 from lowprec.tracking.records import number, tidy_numbers
+from lowprec.tracking.report_scales import stagger
 from lowprec.tracking.report_sources import ReportData, flops_share_steps, precision_history, rewinds, signals_of
 
 __all__ = ["timeline_figure", "FORMAT_COLORS", "EVENT_STYLE", "new_figure", "numbered_events", "reason_text",
@@ -49,7 +50,19 @@ def fit_title(text: str, width_in: float, fontsize: float) -> str:
     is at most about 0.62 em wide in the default sans-serif font)."""
     import textwrap
     chars = max(12, int(width_in * 72 / (fontsize * 0.62)))
-    return "\n".join(textwrap.fill(line, chars, break_long_words=True) for line in text.split("\n"))
+    lines = []
+    for line in text.split("\n"):   # phrases ("a; b") packed whole where they fit, never cut mid-phrase
+        cur = ""
+        for phrase in re.split(r"(?<=;) ", line):
+            if cur and len(cur) + 1 + len(phrase) <= chars:
+                cur += " " + phrase
+                continue
+            if cur:
+                lines.append(cur)
+            *done, cur = textwrap.wrap(phrase, chars, break_long_words=True) or [""]
+            lines += done
+        lines.append(cur)
+    return "\n".join(lines)
 
 
 NOTE_CHARS = 150   # the event list's characters per line: 8 pt monospace (0.6 em a character) in ~10.5 in
@@ -310,11 +323,9 @@ def mark_events(ax, data: ReportData, kinds=(EventKind.FALLBACK, EventKind.ROLLB
     for e in data.events:  # one label per step: events at the same step share it
         if e.kind in kinds:
             at_step.setdefault(e.step, []).extend(num.get(id(e), []) or [e.stage or e.kind])
-    if labels:
-        for step, texts in at_step.items():
-            color = next(EVENT_STYLE[e.kind][0] for e in data.events if e.step == step and e.kind in kinds)
-            ax.text(step, 1.01, ",".join(dict.fromkeys(texts)), transform=top, fontsize=7, color=color,
-                    ha="center", va="bottom")
+    if labels:   # staggered: labels of nearby steps in rows, none over another
+        stagger(ax, [(step, t, next(EVENT_STYLE[e.kind][0] for e in data.events if e.step == step and e.kind in kinds))
+                     for step, texts in at_step.items() for t in dict.fromkeys(texts)])
     for e in data.events:
         if e.kind not in kinds:
             continue

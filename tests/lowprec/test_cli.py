@@ -34,6 +34,7 @@ def test_plan_prints_every_linear_layer_with_format_ladder_and_reason(tmp_path, 
     assert rows["blocks.0.mlp.fc"].split()[4] == "bf16"  # starts in bf16; the rollout promotes it
     assert "keep_high_precision" in rows["lm_head"] and "bf16" in rows["lm_head"]
     assert "384 x 128" in rows["blocks.3.attn.qkv"]
+    assert "GEMM FLOPs by kind: dense 100.0%" in out.stdout and "GEMM FLOPs by format: bf16 100.0%" in out.stdout
 
 
 def _variant(tmp_path, mutate) -> Path:

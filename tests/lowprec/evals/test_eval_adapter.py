@@ -212,3 +212,22 @@ def test_hf_tokenizer_wrapper():
     Fake.eos_token_id = None
     with pytest.raises(ValueError, match="neither a BOS nor an EOS"):
         HFTokenizer(Fake())
+
+
+def test_a_long_scoring_pass_shows_its_progress_on_the_console(gpt, monkeypatch, capsys):
+    """`make run`'s long evals left the progress line silent for minutes: a scoring pass longer
+    than PROGRESS_EVERY_S writes progress lines, which the console shows on the terminal
+    (other libraries' INFO lines stay in the log)."""
+    import logging
+    from lowprec.evals import adapter as adapter_mod
+    from lowprec.runtime.console import Console
+    monkeypatch.setattr(adapter_mod, "PROGRESS_EVERY_S", 0.0)   # every batch is "long" here
+    lm = LMAdapter(gpt, ByteTokenizer(), max_length=L, batch_size=2)
+    with Console("run"):
+        logging.getLogger("lm_eval.evaluator").info("an lm-eval INFO line")
+        lm.loglikelihood_rolling([req(t) for t in ("to be or not", "a horse, a horse", "my kingdom", "for a")])
+    lines = capsys.readouterr().err.splitlines()
+    said = [ln for ln in lines if ln.startswith("lowprec run: eval: ")]
+    assert len(said) >= 2 and "windows scored" in said[0], lines
+    assert said[-1].startswith("lowprec run: eval: ") and "(100%)" in said[-1]
+    assert not any("an lm-eval INFO line" in ln for ln in lines)

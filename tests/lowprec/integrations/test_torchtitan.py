@@ -105,3 +105,26 @@ def test_import_with_a_torchtitan_without_the_03_protocol_names_the_supported_ve
     monkeypatch.delitem(sys.modules, "lowprec.integrations.torchtitan", raising=False)
     with pytest.raises(MissingExtraError, match=r"torchtitan 0\.3\.x.*torchtitan>=0\.3,<0\.4"):
         importlib.import_module("lowprec.integrations.torchtitan")
+
+
+@pytest.mark.parametrize("edit, where, words", [
+    # a stage that names a module the model does not have (issue 56: found only after torchtitan built FSDP)
+    (lambda t: t.replace('"layers.*.attention.*"}', '"layers.*.attn.*"}'), "rollout.stages[1].select", "attn_fp8"),
+    # a two-stage rollout over rules without `ladder:` (issue 56: a ValueError without a key path)
+    (lambda t: t.replace(", ladder: [fp8_delayed, bf16]", ""), "rollout.stages[0].format", "ladder"),
+    # the default in-loop gate needs Milton; the shakespeare suite has none: the fix is named
+    (lambda t: t + "eval: {suite: shakespeare, every: 0}\n", "eval.gates", "Fix: a suite with that task"),
+])
+def test_the_converter_checks_every_setting_against_the_model_before_torchtitan_builds(titan, tmp_path, edit, where,
+                                                                                       words):
+    """`model_registry(..., converters=[LowprecConverter...])`, which a job's config function
+    calls before torchtitan builds anything, refuses each with its key path and the file (the
+    model built on the meta device); the launcher turns that into one line and exit 2."""
+    from torchtitan.models.llama3 import model_registry
+
+    from lowprec.integrations.torchtitan import LowprecConverter
+    plan = tmp_path / "lowprec.yaml"
+    plan.write_text(edit(PLAN_YAML))
+    with pytest.raises(ConfigError) as e:
+        model_registry("debugmodel", converters=[LowprecConverter.Config(config=str(plan))])
+    assert e.value.path == where and words in e.value.message and str(plan) in e.value.message, str(e.value)

@@ -150,10 +150,19 @@ def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(t
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     faults = [fault("nan", SITE, NAN_AT, NAN_AT + 1, rank=0), fault("loss_spike", "", SPIKE_AT, SPIKE_AT + 2, 100.0)]
     steps, plan = 10, FULL.replace("URI", uri).replace("backend: emulated", "backend: torch")
-    job = TitanJob(tmp_path, plan, steps=steps + 2, checkpoint_every=5, faults=faults, validator=True,
-                   kill_at=steps + 1, fp8_all_gather=True)
+    # first a setting lowprec refuses (the default in-loop gate needs Milton, the shakespeare suite has none):
+    # one line from rank 0, exit 2 on both ranks, no rank's traceback, before torchtitan builds anything
+    job = TitanJob(tmp_path, plan + "eval: {suite: shakespeare, every: 0}\n", steps=steps + 2, checkpoint_every=5,
+                   faults=faults, validator=True, kill_at=steps + 1)
+    proc = job.run(2, free_port())
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and log.count("lowprec: eval.gates: 'inloop' gates") == 1, log[-6000:]
+    assert "Fix: a suite with that task" in log and "ConfigError" not in log and "exitcode  : 2" in log, log[-6000:]
+    assert "dp_shard=2" not in log and not (tmp_path / "mlflow.db").exists()   # no mesh built, no store
+    job.update(plan=plan, fp8_all_gather=True)
     proc = job.run(2, free_port(), timeout=600)   # (a hang's net; on a shared 2-core machine ~4-5 min)
     log = proc.stdout + proc.stderr
+    assert "lowprec: tracking into MLflow run" in log, log[-6000:]   # rank 0 names the run
     assert proc.returncode != 0 and "SIGKILL" in log, log[-6000:]   # rank 0 died after step 11
     assert "dp_shard=2, cp=1, tp=1" in log   # torchtitan's mesh: FSDP 2
     first = job.reports(2)   # as of the step-10 checkpoint
@@ -179,6 +188,8 @@ def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(t
     job.update(plan=plan + EVAL, kill_at=-1, faults=[], fp8_all_gather=False)
     log = _ok(job.run(2, free_port(), timeout=600))
     assert f"Loading the checkpoint from {job.dump / 'checkpoint' / f'step-{steps}'}" in log
+    assert f"lowprec: continuing MLflow run {run.info.run_id}" in log, log[-6000:]
+    assert f"lowprec: rollout restored from torchtitan's checkpoint" in log and f"MLflow run {run.info.run_id} continues" in log
     last = job.reports(2)
     for before, after in zip(first, last):
         assert after["restored"] and after["step"] == before["step"] + 2 and after["rewinds"] == 1

@@ -78,8 +78,8 @@ def test_loss_and_evals_draw_the_recorded_baseline_beside_the_candidate(two_runs
     for pax in panels:
         drawn = lines(pax)
         assert {"candidate: tiny-rollout", "baseline: tiny-bf16"} <= set(drawn), pax.get_title(loc="left")
-        assert list(drawn["baseline: tiny-bf16"].get_xdata()) == [20]   # the baseline's final eval
-        assert list(drawn["candidate: tiny-rollout"].get_xdata()) == [10, 20]
+        assert list(drawn["baseline: tiny-bf16"].get_xdata()) == [19]   # its final eval, at its last trained step
+        assert list(drawn["candidate: tiny-rollout"].get_xdata()) == [10, 19]
         assert pax.get_xlabel().startswith("step") and pax.get_ylabel()
     legend, = fig.legends   # one legend for the panels, naming both runs
     assert {"candidate: tiny-rollout", "baseline: tiny-bf16"} <= {t.get_text() for t in legend.get_texts()}

@@ -67,6 +67,6 @@ def test_eval_axes_carry_no_offset_under_the_verdicts_and_signal_legends_stay_of
     assert all(box.y1 <= ax.get_window_extent().y0 for ax in fig.axes if ax.axison)
     fig = signals_figure(data)
     FigureCanvasAgg(fig).draw()
-    ax = fig.axes[0]
-    legend, panel = ax.get_legend().get_window_extent(), ax.get_window_extent()
-    assert legend.y1 <= panel.y0 or legend.x0 >= panel.x1   # under the panel or beside it, never over the data
+    box = fig.legends[0].get_window_extent()   # one legend under every panel: never over the data, never cut
+    assert all(box.y1 <= ax.get_window_extent().y0 for ax in fig.axes if ax.axison)
+    assert box.y0 >= 0 and box.x0 >= 0 and box.x1 <= fig.bbox.x1

@@ -1,0 +1,157 @@
+"""One MoE layer's routed experts, forward + backward, at DeepSeek-V3-like expert shapes scaled to a
+CPU: lowprec's grouped FP8 (emulated: one `torch._grouped_mm` per format group, each expert
+quantized on its own) against BF16-grid `torch._grouped_mm` (operands rounded to BF16, FP32
+arithmetic: BF16 arithmetic is slow on CPUs), a loop of lowprec's linear sites over the experts,
+and torchao's FP8 row-wise grouped GEMM where it runs. Prints one markdown table; docs/moe.md
+publishes it.
+
+    python -m experiments.bench_moe                       # hidden 1024, width 256, 16 experts, top 4
+    python -m experiments.bench_moe --hidden 7168 --width 2048 --experts 256 --top-k 8   # DeepSeek-V3's (GPU)
+
+DeepSeek-V3's experts are (hidden 7168, width 2048, 256 routed, top 8); the default keeps their
+ratios of width to hidden (2/7 ~ 1/4) and of active experts to experts (1/32 ~ 1/4 at 16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lowprec.numerics.formats import get_format
+from lowprec.sites.backends import get_backend
+from lowprec.sites.experts import ExpertSite
+from lowprec.sites.grouped_gemms import GroupedQuantizedFn
+from lowprec.sites.layers import PrecisionLinear
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+def _counts(tokens: int, experts: int, top_k: int, seed: int) -> tuple[int, ...]:
+    """Tokens per expert of a softmax router over random logits (uneven, as real routing is)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randn(tokens, experts, generator=g).topk(top_k, dim=-1).indices
+    return tuple(torch.bincount(idx.flatten(), minlength=experts).tolist())
+
+
+def bf16_grouped(w13, w2, counts):
+    return lambda x: _bf16_grouped(x, w13, w2, counts)
+
+
+def _bf16_grouped(x, w13, w2, counts):
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    h = torch._grouped_mm(_bf16(x), _bf16(w13).transpose(-2, -1), offs=offs)
+    g, u = h.chunk(2, dim=-1)
+    return torch._grouped_mm(_bf16(F.silu(g) * u), _bf16(w2).transpose(-2, -1), offs=offs)
+
+
+def lowprec_grouped(fmt_names):
+    backend = get_backend("emulated")
+
+    def setup(w13, w2, counts):
+        fmts = tuple(get_format(fmt_names[e % len(fmt_names)]) for e in range(len(counts)))
+        sites = [ExpertSite(e, {"w13": tuple(w13.shape[1:]), "w2": tuple(w2.shape[1:])}, fmts[e], backend,
+                            fqn=f"experts.{e}", seed=e) for e in range(len(counts))]
+        for s in sites:
+            s.collect_stats = False
+        return lambda x: _grouped(x, w13, w2, counts, fmts, sites)
+    return setup
+
+
+def _grouped(x, w13, w2, counts, fmts, sites):
+    h = GroupedQuantizedFn.apply(x, w13, counts, fmts, tuple(s.operand_quantizer("w13") for s in sites))
+    g, u = h.chunk(2, dim=-1)
+    return GroupedQuantizedFn.apply(F.silu(g) * u, w2, counts, fmts, tuple(s.operand_quantizer("w2") for s in sites))
+
+
+def lowprec_loop(fmt_name):
+    backend, fmt = get_backend("emulated"), get_format(fmt_name)
+
+    def setup(w13, w2, counts):
+        layers = [(PrecisionLinear(nn.Parameter(w13.detach()[e].clone()), None, fmt, backend, fqn=f"w13.{e}"),
+                   PrecisionLinear(nn.Parameter(w2.detach()[e].clone()), None, fmt, backend, fqn=f"w2.{e}"))
+                  for e in range(len(counts))]
+        for a, b in layers:
+            a.collect_stats = b.collect_stats = False
+        return lambda x: _loop(x, layers, counts)
+    return setup
+
+
+def _loop(x, layers, counts):
+    outs, start = [], 0
+    for (a, b), c in zip(layers, counts):
+        if c:
+            g, u = a(x[start:start + c]).chunk(2, dim=-1)
+            outs.append(b(F.silu(g) * u))
+        start += c
+    return torch.cat(outs)
+
+
+def torchao_grouped(w13, w2, counts):
+    return lambda x: _torchao(x, w13, w2, counts)
+
+
+def _torchao(x, w13, w2, counts):
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm as mm
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    h = mm(x.bfloat16(), w13.bfloat16().transpose(-2, -1), offs=offs)
+    g, u = h.chunk(2, dim=-1)
+    return mm((F.silu(g) * u).bfloat16(), w2.bfloat16().transpose(-2, -1), offs=offs)
+
+
+def time_it(fn, x, gy, repeats: int, warmup: int) -> float:
+    """Median seconds of forward + backward (the weights' gradients accumulate: no matter here)."""
+    times = []
+    for i in range(warmup + repeats):
+        xg = x.detach().requires_grad_(True)
+        t0 = time.perf_counter()
+        fn(xg).float().backward(gy)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    a = ap.parse_args(argv)
+    torch.manual_seed(0)
+    counts = _counts(a.tokens, a.experts, a.top_k, seed=0)
+    x = torch.randn(sum(counts), a.hidden)
+    w13 = nn.Parameter(torch.randn(a.experts, 2 * a.width, a.hidden) * a.hidden ** -0.5)
+    w2 = nn.Parameter(torch.randn(a.experts, a.hidden, a.width) * a.width ** -0.5)
+    gy = torch.randn(sum(counts), a.hidden)
+    rows = [("BF16 grid, torch._grouped_mm (FP32 arithmetic)", bf16_grouped),
+            ("lowprec grouped, fp8_tensorwise (emulated)", lowprec_grouped(["fp8_tensorwise"])),
+            ("lowprec grouped, fp8_rowwise (emulated)", lowprec_grouped(["fp8_rowwise"])),
+            ("lowprec grouped, half fp8_tensorwise / half mxfp8", lowprec_grouped(["fp8_tensorwise", "mxfp8"])),
+            ("lowprec loop of linear sites, fp8_tensorwise", lowprec_loop("fp8_tensorwise")),
+            ("torchao FP8 row-wise grouped (_scaled_grouped_mm)", torchao_grouped)]
+    print(f"experts {a.experts} (top {a.top_k}), hidden {a.hidden}, width {a.width}, {a.tokens} tokens -> "
+          f"{sum(counts)} routed rows (min {min(counts)}, max {max(counts)} per expert); fwd+bwd, median of "
+          f"{a.repeats}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    print("| path | ms | x BF16 grid |\n|---|---:|---:|")
+    base = None
+    for name, fn in rows:
+        try:
+            t = time_it(fn(w13, w2, counts), x, gy, a.repeats, a.warmup)
+        except Exception as e:   # torchao's grouped FP8 GEMM needs CUDA
+            print(f"| {name} | n/a: {type(e).__name__}: {str(e).splitlines()[0][:90]} | |")
+            continue
+        base = base or t
+        print(f"| {name} | {t * 1e3:.1f} | {t / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

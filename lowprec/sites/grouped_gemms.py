@@ -1,0 +1,185 @@
+"""The autograd function behind grouped experts: one projection of every expert, each expert in
+its own format, with one grouped GEMM per format group (not a Python loop of GEMMs).
+
+    fprop  y_e  = x_e  @ w_e^T     operands (input, weight)           rows of expert e only
+    dgrad  dx_e = dy_e @ w_e       operands (grad_output, weight^T)
+    wgrad  dw_e = dy_e^T @ x_e     operands (grad_output_wgrad, input_wgrad), K = the expert's tokens
+
+`x` holds the routed tokens grouped by expert (`counts[e]` rows for expert e, in expert order,
+as torchtitan's `GroupedExperts` receives them); `w` is the 3-D weight (E, N, K) of one
+projection (`gate_up_proj`, `down_proj`, `w1`...). Each expert's operands are quantized exactly as
+`QuantizedLinearFn` (lowprec.sites.quantized_gemms) quantizes a linear site's: the expert's own
+`OperandQuantizer`, every operand along its GEMM's reduction dimension, the same reuse of
+transposable quantizations, the same zero padding of the wgrad token dimension. Then the
+dequantized operands of the experts that share a format go through one `torch._grouped_mm`
+(offsets over the rows; for wgrad over the tokens), which on the emulated backend is the FP32
+GEMM of `backends/emulated.py`: so the grouped path equals a loop of lowprec's linear sites over
+the experts bit for bit (tests/lowprec/sites/test_grouped_gemms.py holds this for every kind of
+format, forward and all gradients, uneven token counts and experts without tokens). Experts
+without tokens are skipped: their weight gradient is zero and they record no statistics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowprec.numerics.formats import Format
+from lowprec.sites.backends.emulated import dequantize_for_gemm
+from lowprec.sites.operand_quantizer import OperandQuantizer
+from lowprec.sites.quantized_gemms import (_delayed_scale, _pad_tokens, _token_multiple, _transposable,
+                                           _transpose)
+
+__all__ = ["GroupedQuantizedFn", "grouped_mm", "format_groups"]
+
+
+def format_groups(formats: tuple[Format, ...], counts: tuple[int, ...]) -> dict[Format, list[int]]:
+    """Format -> the experts (with tokens) that run in it, in expert order: one GEMM call each."""
+    groups: dict[Format, list[int]] = {}
+    for e, (f, c) in enumerate(zip(formats, counts)):
+        if c > 0:
+            groups.setdefault(f, []).append(e)
+    return groups
+
+
+def _rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-D operands of a group stacked along the rows, in the memory layout of each part (row
+    or column major): the CPU GEMM picks its kernel by layout, and the per-expert GEMM's layout is
+    what the grouped one must equal."""
+    if parts[0].is_contiguous() or parts[0].shape[1] == 1:
+        return torch.cat(parts)
+    return torch.cat([p.t() for p in parts], dim=1).t()
+
+
+def _cols(parts: list[torch.Tensor]) -> torch.Tensor:
+    """As `_rows`, stacked along the columns (the wgrad's token dimension)."""
+    return _rows([p.t() for p in parts]).t()
+
+
+def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The (G, K, N) right operands `b` of `a @ b` per group, each in its own memory layout."""
+    if parts[0].is_contiguous():
+        return torch.stack(parts)
+    return torch.stack([p.t() for p in parts]).transpose(-2, -1)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: list[int]) -> torch.Tensor:
+    """Grouped FP32 GEMM. a (R, K) with b (G, K, N): rows a[offs[g-1]:offs[g]] @ b[g], (R, N).
+    a (M, T) with b (T, N): a[:, span g] @ b[span g] per group along T, (G, M, N).
+    One `torch._grouped_mm` call (on CPU it equals `torch.mm` of the same layouts per group bit
+    for bit); where an operand breaks its rule of 16-byte strides (a dimension that is no
+    multiple of 4), one `torch.mm` per group, the same numbers."""
+    off = torch.tensor(offs, dtype=torch.int32, device=a.device)
+    starts = [0, *offs[:-1]]
+    try:
+        return torch._grouped_mm(a, b, offs=off)
+    except RuntimeError:
+        if b.dim() == 3:
+            return torch.cat([a[s:o] @ b[g] for g, (s, o) in enumerate(zip(starts, offs))])
+        return torch.stack([a[:, s:o] @ b[s:o] for s, o in zip(starts, offs)])
+
+
+def _starts(counts: tuple[int, ...]) -> list[int]:
+    out, s = [], 0
+    for c in counts:
+        out.append(s)
+        s += c
+    return out
+
+
+class GroupedQuantizedFn(torch.autograd.Function):
+    """fprop / dgrad / wgrad of one projection of every expert (see the module docstring).
+
+    Inputs: x (R, K) grouped by expert, w (E, N, K), `counts` (tokens per expert, host ints),
+    `formats` (one `Format` per expert), `quants` (one `OperandQuantizer` per expert: its
+    holders receive the expert's statistics and delayed-scaling amaxes). Returns y (R, N)."""
+
+    @staticmethod
+    def forward(ctx, x, w, counts: tuple[int, ...], formats: tuple[Format, ...],
+                quants: tuple[OperandQuantizer, ...]):
+        starts = _starts(counts)
+        qx, qw, keep_x, keep_w, scales = {}, {}, {}, {}, {}
+        groups = format_groups(formats, counts)
+        for e in (e for g in groups.values() for e in g):
+            fmt, quant = formats[e], quants[e]
+            x_e = x[starts[e]:starts[e] + counts[e]]
+            qx[e] = quant.quantize(x_e, fmt, "input")
+            qw[e] = quant.quantize(w[e], fmt, "weight")
+            keep_x[e] = (qx[e] if _transposable(fmt.input, fmt.input_wgrad, qx[e])
+                         and counts[e] % _token_multiple(fmt) == 0 else None)
+            keep_w[e] = qw[e] if _transposable(fmt.weight, fmt.weight, qw[e]) else None
+            scales[e] = (_delayed_scale(qx[e]), _delayed_scale(qw[e]))
+        y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
+        for fmt, experts in groups.items():
+            a = _rows([dequantize_for_gemm(qx[e]).float() for e in experts])
+            b = _stack([dequantize_for_gemm(qw[e]).float().t() for e in experts])
+            out = grouped_mm(a, b, _cumsum([counts[e] for e in experts]))
+            _scatter_rows(y, out, experts, starts, counts)
+        ctx.save_for_backward(x, w)
+        ctx.keep = (keep_x, keep_w, scales, groups, starts)
+        ctx.counts, ctx.formats, ctx.quants = counts, formats, quants
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        keep_x, keep_w, scales, groups, starts = ctx.keep
+        counts, formats, quants = ctx.counts, ctx.formats, ctx.quants
+        gy = gy.contiguous()
+        dx = dw = None
+        qg = {}
+        if ctx.needs_input_grad[0]:
+            dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            for fmt, experts in groups.items():
+                qwt = {}
+                for e in experts:
+                    qg[e] = quants[e].quantize(gy[starts[e]:starts[e] + counts[e]], fmt, "grad_output")
+                    qwt[e] = (_transpose(keep_w[e]) if keep_w[e] is not None else quants[e].quantize(
+                        w[e].t(), fmt, "weight", record=False, scale=scales[e][1]))
+                a = _rows([dequantize_for_gemm(qg[e]).float() for e in experts])
+                b = _stack([dequantize_for_gemm(qwt[e]).float().t() for e in experts])
+                _scatter_rows(dx, grouped_mm(a, b, _cumsum([counts[e] for e in experts])), experts, starts, counts)
+            dx = dx.to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            for fmt, experts in groups.items():
+                gts, xts = [], []
+                for e in experts:
+                    gts_e, xts_e = _wgrad_operands(e, fmt, quants[e], gy, x, qg.get(e), keep_x[e], scales[e][0],
+                                                   starts[e], counts[e])
+                    gts.append(dequantize_for_gemm(gts_e).float())
+                    xts.append(dequantize_for_gemm(xts_e).float().t())
+                out = grouped_mm(_cols(gts), _rows(xts), _cumsum([t.shape[1] for t in gts]))
+                dw[experts] = out
+            dw = dw.to(w.dtype)
+        return dx, dw, None, None, None
+
+
+def _wgrad_operands(e, fmt, quant, gy, x, qg, keep_x, scale_x, start, count):
+    """(grad_output^T, input^T) of expert e's wgrad, quantized as `QuantizedLinearFn` does."""
+    g2 = gy[start:start + count]
+    reuse_g = count % _token_multiple(fmt) == 0 and _transposable(fmt.grad_output, fmt.grad_output_wgrad, qg)
+    again = dict(record=qg is None, scale=_delayed_scale(qg))
+    if keep_x is not None:
+        qgt = _transpose(qg) if reuse_g else quant.quantize(g2.t(), fmt, "grad_output_wgrad", **again)
+        return qgt, _transpose(keep_x)
+    gt, xt = _pad_tokens(g2.t(), x[start:start + count].t(), fmt)
+    qgt = _transpose(qg) if reuse_g else quant.quantize(gt, fmt, "grad_output_wgrad", **again)
+    return qgt, quant.quantize(xt, fmt, "input_wgrad", record=False, scale=scale_x)
+
+
+def _cumsum(sizes: list[int]) -> list[int]:
+    out, s = [], 0
+    for n in sizes:
+        s += n
+        out.append(s)
+    return out
+
+
+def _scatter_rows(dst: torch.Tensor, src: torch.Tensor, experts: list[int], starts: list[int],
+                  counts: tuple[int, ...]) -> None:
+    """Rows of a format group's GEMM back to their experts' places in the grouped layout."""
+    if len(experts) == len([c for c in counts if c > 0]):   # one group: the rows are already in place
+        dst.copy_(src)
+        return
+    idx = torch.cat([torch.arange(starts[e], starts[e] + counts[e], device=dst.device) for e in experts])
+    dst.index_copy_(0, idx, src)

@@ -1,0 +1,60 @@
+"""The grouped experts' GEMMs (lowprec.sites.grouped_gemms) equal a per-expert loop of lowprec's
+own linear sites (`PrecisionLinear` on the emulated backend) bit for bit: forward, input
+gradient, weight gradient and the statistics, several formats in one layer, uneven token
+counts, an expert without tokens."""
+
+import pytest
+import torch
+from torch import nn
+
+from lowprec.numerics.formats import get_format
+from lowprec.sites.backends import get_backend
+from lowprec.sites.experts import ExpertSite
+from lowprec.sites.grouped_gemms import GroupedQuantizedFn, format_groups
+from lowprec.sites.layers import PrecisionLinear
+
+# every kind of recipe: tensor-wise, delayed, row-wise, 1x128 / 128x128 blocks, MX, NVFP4, high precision
+MIXES = [("fp8_tensorwise", "bf16", "fp8_rowwise", "fp8_tensorwise", "mxfp8"),
+         ("fp8_delayed", "fp8_blockwise", "nvfp4", "mxfp4", "fp8_delayed")]
+
+
+@pytest.mark.parametrize("names", MIXES)
+def test_grouped_equals_a_loop_of_linear_sites(names):
+    torch.manual_seed(0)
+    counts = (37, 0, 128, 5, 64)             # uneven, one expert without tokens
+    n_out, k_in = 256, 128
+    x = torch.randn(sum(counts), k_in) * 3
+    w = nn.Parameter(torch.randn(len(counts), n_out, k_in) * 0.05)
+    gy = torch.randn(sum(counts), n_out)
+    backend = get_backend("emulated")
+    fmts = [get_format(n) for n in names]
+    sites = [ExpertSite(e, {"p": (n_out, k_in)}, fmts[e], backend, fqn=f"experts.{e}", seed=e)
+             for e in range(len(counts))]
+    xg = x.clone().requires_grad_(True)
+    for _ in range(2):   # the second step: delayed scaling from the first one's history
+        xg.grad = w.grad = None
+        for s in sites:
+            s.stats.clear()   # as the monitor does after each step (statistics merge within a step)
+        y = GroupedQuantizedFn.apply(xg, w, counts, tuple(fmts), tuple(s.operand_quantizer("p") for s in sites))
+        y.backward(gy)
+    refs = [PrecisionLinear(nn.Parameter(w.detach()[e].clone()), None, fmts[e], backend, fqn=f"r{e}", seed=e * 8)
+            for e in range(len(counts))]
+    starts = [sum(counts[:e]) for e in range(len(counts))]
+    for _ in range(2):
+        xr = x.clone().requires_grad_(True)
+        outs = []
+        for e, lin in enumerate(refs):
+            lin.weight.grad = None
+            if counts[e]:
+                outs.append(lin(xr[starts[e]:starts[e] + counts[e]]))
+        y_ref = torch.cat(outs)
+        y_ref.backward(torch.cat([gy[starts[e]:starts[e] + counts[e]] for e in range(len(counts)) if counts[e]]))
+    assert torch.equal(y, y_ref)
+    assert torch.equal(xg.grad, xr.grad)
+    for e, lin in enumerate(refs):
+        want = lin.weight.grad if counts[e] else torch.zeros_like(w[e])
+        assert torch.equal(w.grad[e], want), (names[e], e)
+        assert set(sites[e].stats) == (set(lin.stats) if counts[e] else set())
+        for role, st in lin.stats.items():
+            assert torch.equal(sites[e].stats[role].packed, st.packed), (names[e], role)
+    assert len(format_groups(tuple(fmts), counts)) == len({f for f, c in zip(fmts, counts) if c})
