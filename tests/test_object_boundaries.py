@@ -61,9 +61,6 @@ ALLOWED: dict[str, str] = {
         "torchtitan's Module protocol (as layer._param_init), for a torchao site given the Module mixin",
     "lowprec/integrations/torchtitan.py: site.module._sharding_config":
         "torchtitan's Module protocol (as layer._param_init)",
-    "lowprec/runtime/fsdp_fp8.py: fp._unsharded_inner_tensors":
-        "FSDP2's FSDPParam keeps its gather buffers here and has no public way to drop them "
-        "(torch/distributed/fsdp/_fully_shard/_fsdp_param.py)",
 }
 
 

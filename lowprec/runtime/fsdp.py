@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowprec.runtime.engine import loss_of
-from lowprec.runtime.fsdp_fp8 import install, wrap_weights
+from lowprec.runtime.fsdp_fp8 import enable_fp8_all_gather, install
 from lowprec.runtime.gradnorm import clip_, grad_norm
 
 __all__ = ["FullyShardedDP", "block_modules"]
@@ -126,7 +126,7 @@ class FullyShardedDP:
         else:
             units = [(n, m) for n, m in model.named_modules() if n and shard(n, m) and _has_params(m)]
         self.units = [n for n, _ in units]
-        self.fp8_gathered = wrap_weights(model, self.world, weight_amax_group) if fp8_all_gather else []
+        self.fp8_gathered = enable_fp8_all_gather(model, self.world, weight_amax_group) if fp8_all_gather else []
         for _, unit in reversed(units):   # inner units before the modules that hold them
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward)

@@ -206,7 +206,7 @@ class HybridShardedDP(Clocked):
         """dp_group: the ranks of this rank's (dp_replicate, dp_shard) sub-mesh (default: every rank)."""
         from torch.distributed.fsdp import FSDPModule, fully_shard
         from lowprec.runtime.fsdp import block_modules
-        from lowprec.runtime.fsdp_fp8 import install, wrap_weights
+        from lowprec.runtime.fsdp_fp8 import enable_fp8_all_gather, install
 
         names = mesh.mesh_dim_names
         self.tp = mesh["tp"].size() if "tp" in names else 1
@@ -216,7 +216,7 @@ class HybridShardedDP(Clocked):
         dp_mesh = mesh["dp_replicate", "dp_shard"] if "tp" in names else mesh
         self.mesh, self.microbatches, self.world = mesh, microbatches, dp_mesh.size()
         self.dp_group = dp_group
-        self.fp8_gathered = (wrap_weights(model, mesh["dp_shard"].size(), dist.group.WORLD)
+        self.fp8_gathered = (enable_fp8_all_gather(model, mesh["dp_shard"].size(), dist.group.WORLD)
                              if fp8_all_gather else [])
         for _, unit in reversed(block_modules(model)):   # inner units before the modules that hold them
             fully_shard(unit, mesh=dp_mesh)
