@@ -24,6 +24,7 @@ named at start (`run`) and beside the plan (`plan`) (`lowprec.runtime.device_not
 
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -65,6 +66,8 @@ def register(sub) -> None:
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                    help="train on N processes of this machine under torchrun, as the config's parallel: section "
                         "splits the model (docs/parallel.md); every check runs before any process starts")
+    # the ranks that `--nproc-per-node` starts: the launcher (this pid) holds the run folder for them
+    p.add_argument("--launcher-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_run)
 
 
@@ -243,14 +246,20 @@ def _run(args, console, started: float):
             console.say(str(e))
             return EXIT_UNUSABLE
     try:   # one writer per run folder (rank 0's for a job): taken before anything is written, held until the end
-        folder = RunFolder.take(out, rank=env.rank if env is not None else 0)
+        folder = RunFolder.take(out, rank=env.rank if env is not None else 0, held_by=args.launcher_pid)
     except RunFolderBusyError as e:
         return _refuse(console, e, env)
     except OSError as e:   # a file where the folder should be, a folder that cannot be written
         return _refuse(console, f"--out {out}: cannot be a run folder ({e.strerror or e}); give a folder you can "
                                 f"write", env)
-    with folder:
-        return _run_locked(args, console, started, folder, cfg, faults, name, env, store)
+    try:
+        result = _run_locked(args, console, started, folder, cfg, faults, name, env, store)
+    except BaseException:
+        folder.release()
+        raise
+    if not callable(result):   # a Launch holds the folder until its last rank exits
+        folder.release()
+    return result
 
 
 def _run_locked(args, console, started: float, folder, cfg, faults, name: str, env, store):
@@ -267,12 +276,16 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
     if lead and args.resume and tracked and status.state is FolderState.FINISHED \
             and (sent := _send_finished(out, console)) is not None:
         return sent
-    line = refusal(status, resume=args.resume, config=args.config, tracked=tracked)
+    line = refusal(status, resume=args.resume, config=args.config, tracked=tracked, nproc=cfg.parallel.world)
     if line is None and args.resume:
         line = resume_mismatch(out, cfg, args.config)
     if line is not None:
         return _refuse(console, line, env)
+    placed = None
     try:
+        if env is not None and env.world > 1:   # this rank's GPU (or the CPU), before the model is built
+            from lowprec.runtime.parallel_run import place_rank
+            placed = place_rank(cfg.parallel, env)
         if tracked and lead:  # the run folder's MLflow run: continued only by --resume, never once finished
             from lowprec.tracking.resume import check_buffer
             check_buffer(out / "tracking", resume=args.resume)
@@ -295,10 +308,10 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
         record_config(out, cfg)
     if args.nproc_per_node is not None:
         from lowprec.runtime.parallel_run import Launch, launch_argv
-        return Launch(args.nproc_per_node, *launch_argv(args, out))
+        return Launch(args.nproc_per_node, *launch_argv(args, out), folder=folder)
     if env is not None and env.world > 1:
         from lowprec.runtime.parallel_run import train_ranks
-        return train_ranks(prepared, out, name=name, env=env, store=store, resume=args.resume, faults=faults,
+        return train_ranks(prepared, out, name=name, env=env, placed=placed, store=store, resume=args.resume, faults=faults,
                            console=console, started=started, tracking_optional=args.tracking_optional)
     from lowprec.runtime.run import train_prepared
     return train_prepared(prepared, out, name=name, resume=args.resume, faults=faults, started=started,

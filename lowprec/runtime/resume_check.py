@@ -18,7 +18,6 @@ from the model's is named (`lowprec.state.checkpoint.checkpoint_mismatch`).
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +65,21 @@ def _shown(v: Any) -> str:
     return "(absent)" if type(v) is object else repr(v)
 
 
+def _world(saved: dict) -> int:
+    """The number of processes a saved config's `parallel:` section trains on (1 without one)."""
+    from lowprec.base.parse import parse
+    from lowprec.config import ParallelConfig
+    return parse(ParallelConfig, saved.get("parallel") or {}, "parallel").world
+
+
 def resume_mismatch(folder: Path, cfg, config_path: str, model=None) -> str | None:
     """The one line refusing to resume the run in `folder` with `cfg` (read from
     `config_path`), or None when it fits. model: the model `cfg` builds, for a folder
     without a config copy (checked against the newest checkpoint's shapes)."""
+    from lowprec.runtime.run_folder import run_command
     folder = Path(folder)
     copy = folder / CONFIG_COPY
-    new_out = f"`lowprec run {shlex.quote(str(config_path))} --out NEW_DIR`"
+    new_out = run_command(config_path, "NEW_DIR", nproc=cfg.parallel.world)
     if copy.is_file():
         old = yaml.safe_load(copy.read_text()) or {}
         diffs = _differences(old, cfg.to_dict())
@@ -80,9 +87,13 @@ def resume_mismatch(folder: Path, cfg, config_path: str, model=None) -> str | No
             return None
         key, was, now = diffs[0]
         more = f" (and {len(diffs) - 1} more keys)" if len(diffs) > 1 else ""
+        why = "a resume continues a run with the config it started with"
+        if key.startswith("parallel."):   # the checkpoints hold each rank's shards, data position and RNG
+            why = ("a resume keeps the parallel layout: its checkpoints hold each rank's shards, data position "
+                   "and RNG for that layout")
         return (f"--resume: {key} is {_shown(now)} in {config_path} but {_shown(was)} in the run {folder} holds"
-                f"{more}; a resume continues a run with the config it started with. Resume with that config "
-                f"(`lowprec run {shlex.quote(str(copy))} --out {shlex.quote(str(folder))} --resume`), or train this "
+                f"{more}; {why}. Resume with that config "
+                f"({run_command(copy, folder, nproc=_world(old), resume=True)}), or train this "
                 f"config as a new run ({new_out})")
     if model is None:
         return None
