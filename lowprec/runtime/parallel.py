@@ -163,6 +163,7 @@ class ShardedTensorParallel(Clocked):
                                    fp8_all_gather=fp8_all_gather,
                                    weight_amax_group=dist.group.WORLD if self.tp > 1 else None)
         self.module, self.params = self.fsdp.module, self.fsdp.params
+        self.fp8_gathered = self.fsdp.fp8_gathered
         self.world_group = dist.group.WORLD   # the mesh spans every rank
 
     @property

@@ -248,7 +248,8 @@ def _build(prepared, par, device) -> RankRun:
 
     tc = prepared.config.train
     sites = list(prepared.controller.order) if prepared.controller is not None else None
-    prepared.model.to(device)
+    if any(p.device != device for p in prepared.model.parameters()):   # where the factory did not build it
+        prepared.model.to(device)
     if device.type != "cpu":   # the batches, eval tokens and held batch are made on the CPU
         prepared.model.register_forward_pre_hook(_to_device(device), with_kwargs=True)
     engine, data_rank, data_ranks = build_engine(prepared.model, par, tc.microbatches, device)

@@ -49,7 +49,7 @@ from lowprec.numerics.quant_stats import QuantStats
 from lowprec.numerics.quantize import quantize
 from lowprec.sites.fp8_linear import WeightForms
 
-__all__ = ["FP8AllGatherWeight", "FP8GatheredWeight", "gathers_fp8"]
+__all__ = ["FP8AllGatherWeight", "FP8GatheredWeight", "gathers_fp8", "fp8_gather_dtype"]
 
 # the ops FSDP2 builds and moves shards with keep the wrapper; everything else (the optimizer's
 # arithmetic, `zeros_like` for its state) works on, and returns, plain tensors
@@ -63,6 +63,11 @@ def gathers_fp8(site) -> bool:
     """Whether `site` (a PrecisionLinear) gathers its weight in FP8: tensor-wise FP8 on the fast path."""
     fast = getattr(site, "_fast", None)
     return fast is not None and fast[0].scaling is Scaling.TENSOR and not site.transposed_weight
+
+
+def fp8_gather_dtype(site) -> torch.dtype | None:
+    """The FP8 dtype `site`'s weight is all-gathered in under `fp8_all_gather` (None: its high-precision dtype)."""
+    return ELEMENTS[site._fast[0].fwd].torch_dtype if gathers_fp8(site) else None
 
 
 def _wrapper(cls, t: Tensor):

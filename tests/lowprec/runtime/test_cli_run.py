@@ -9,6 +9,7 @@ that no traceback reaches the user).
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,10 @@ def test_the_good_config_plans_and_runs(project, capsys):
     assert "up" in out and "fp8_tensorwise" in out and "rollout stages" in out
     assert main(["run", "good.yaml", "--out", "run"]) == 0
     assert (project / "run" / "losses.json").is_file()
+    # the emulated backend's FP8 runs the reference GEMMs (slow path) once the stage promoted; one process gathers nothing
+    paths = json.loads((project / "run" / "summary.json").read_text())["site_paths"]
+    assert set(paths) == {"up", "down"}, paths
+    assert all(p["fast_calls"] == 0 and p["slow_calls"] > 0 and p["all_gather"] is None for p in paths.values()), paths
 
 
 @pytest.mark.parametrize("name", sorted(BAD))
