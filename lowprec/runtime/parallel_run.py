@@ -54,7 +54,7 @@ from pathlib import Path
 
 from lowprec.base.parse import ConfigError
 
-__all__ = ["RankEnv", "rank_env", "place_rank", "check_launch", "check_prepared", "Launch", "launch_argv", "join", "train_ranks",
+__all__ = ["RankEnv", "rank_env", "place_rank", "peer_lost_line", "check_launch", "check_prepared", "Launch", "launch_argv", "join", "train_ranks",
            "merge_rank_events", "EXIT_RANK_DIED", "EXIT_PEER_LOST", "REFUSED_GRACE_S"]
 
 EXIT_UNUSABLE = 2
@@ -283,6 +283,16 @@ def merge_rank_events(out: Path, world: int) -> list:
     return [replace(e, evidence={**e.evidence, "ranks": ranks}) for e, ranks in extra.values()]
 
 
+def peer_lost_line(rank: int, e: BaseException, limit: int = 200) -> str:
+    """What a rank says when a collective failed under it: the error's first line without
+    its source-location prefix, shortened at a word boundary (never mid-word) to `limit`."""
+    why = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).splitlines() or [""])[0]) or type(e).__name__
+    if len(why) > limit:   # at the last space that fits (a single word longer than that: cut)
+        head = why[:limit + 1]
+        why = (head.rsplit(" ", 1)[0] if " " in head else why[:limit]).rstrip(" ,;:") + " ..."
+    return f"rank {rank}: stopped: {why} (another rank died or stopped)"
+
+
 def train_ranks(prepared, out: Path, *, name: str, env: RankEnv, placed, store, resume: bool, faults, console,
                 started: float, tracking_optional: bool) -> int:
     """This rank's part of a `lowprec run` under torchrun, once every rank joined (`store`, from
@@ -294,8 +304,7 @@ def train_ranks(prepared, out: Path, *, name: str, env: RankEnv, placed, store, 
         return _train_rank(prepared, out, name=name, env=env, device=placed.device, resume=resume, faults=faults,
                            console=console, started=started, tracking_optional=tracking_optional)
     except (RuntimeError, dist.DistError) as e:   # a peer went away mid-collective
-        why = re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0])[:160]
-        console.say(f"rank {env.rank}: stopped: {why} (another rank died or stopped)")
+        console.say(peer_lost_line(env.rank, e))
         return EXIT_PEER_LOST
     finally:
         dist.destroy_process_group()
