@@ -112,6 +112,9 @@ def _plan(args, console) -> int:
     except (ConfigError, ValueError, TypeError) as e:
         return _fail(console, e)
     console.print(_table(prepared))
+    from lowprec.runtime.layout import layout_lines
+    for line in [""] + layout_lines(cfg, args.config) if cfg.parallel.world > 1 else []:
+        console.print(line)
     note = _fast_path_note(prepared)
     if note:
         console.print(f"\nbackend: {note}")
