@@ -289,6 +289,9 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
         if env is not None and env.world > 1:   # this rank's GPU (or the CPU), before the model is built
             from lowprec.runtime.parallel_run import place_rank
             placed = place_rank(cfg.parallel, env)
+        elif args.nproc_per_node is not None:   # the launcher: every rank it starts can have its device
+            from lowprec.runtime.rank_device import cuda_devices, rank_device
+            rank_device(cfg.parallel.device, args.nproc_per_node - 1, cuda_devices())
         if tracked and lead:  # the run folder's MLflow run: continued only by --resume, never once finished
             from lowprec.tracking.resume import check_buffer
             check_buffer(out / "tracking", resume=args.resume)

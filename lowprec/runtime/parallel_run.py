@@ -92,8 +92,8 @@ def place_rank(par, env: RankEnv):
     """This rank's backend and device (`lowprec.runtime.rank_device`), made torch's current CUDA
     device when it is one, so that a model factory's "cuda" builds on this rank's GPU."""
     import torch
-    from lowprec.runtime.rank_device import rank_device
-    placed = rank_device(par.device, env.local_rank, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    from lowprec.runtime.rank_device import cuda_devices, rank_device
+    placed = rank_device(par.device, env.local_rank, cuda_devices())
     if placed.device.type == "cuda":
         torch.cuda.set_device(placed.device)
     return placed

@@ -22,7 +22,7 @@ from lowprec.base.enums import StrEnum
 from lowprec.base.parse import ConfigError
 from lowprec.config.schema import RunDevice
 
-__all__ = ["Backend", "RankDevice", "rank_device"]
+__all__ = ["Backend", "RankDevice", "rank_device", "cuda_devices"]
 
 
 class Backend(StrEnum):
@@ -42,6 +42,11 @@ class RankDevice:
         """gloo reduces with SUM, MAX, MIN, PRODUCT only (no AVG, no PREMUL_SUM): FSDP2 must be
         told to reduce its gradients as plain SUMs."""
         return self.backend is Backend.GLOO
+
+
+def cuda_devices() -> int:
+    """The CUDA devices torch finds on this machine (0 on a CPU build or without a GPU)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def rank_device(wanted: RunDevice | str, local_rank: int, cuda_devices: int) -> RankDevice:
