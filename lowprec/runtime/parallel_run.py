@@ -318,7 +318,9 @@ def _tracker(cfg, out: Path, name: str, resume: bool):
     tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, name, buffer_dir=out / "tracking", resume=resume,
                       system_metrics_s=tel.system_metrics_s if tel.enabled else None)
     tracker.log_config(cfg.to_dict())
-    tracker.log_tags({"lowprec.parallel": f"{par.mode} ({par.world} processes)"})
+    import torch.distributed as dist
+    tracker.log_tags({"lowprec.parallel": f"{par.mode} ({par.world} processes)",
+                      "lowprec.parallel.backend": dist.get_backend()})   # nccl or gloo
     return tracker
 
 

@@ -78,6 +78,7 @@ def test_two_agents_on_one_machine_finish_one_mlflow_run(tmp_path, gloo, sqlite_
     run = runs[0]
     assert (out / "run_id").read_text().strip() == run.info.run_id
     assert run.data.tags["lowprec.parallel"] == "dp_shard4 (4 processes)"
+    assert run.data.tags["lowprec.parallel.backend"] == "gloo"   # this machine has no GPU
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == list(range(STEPS))
     # the fast path and the FP8 all-gather, per site: summary.json and MLflow
     paths = json.loads((out / "summary.json").read_text())["site_paths"]
