@@ -36,7 +36,8 @@ from lowprec.policy.rollout import RolloutConfig, parse_rollout
 from lowprec.tracking.telemetry import TelemetryConfig
 
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "EvalConfig", "TrackingConfig",
-           "TelemetryConfig", "ParallelConfig", "RunDevice", "LowprecConfig", "ConfigRole", "SECTIONS", "FRAMEWORK_SECTIONS"]
+           "TelemetryConfig", "ParallelConfig", "RunDevice", "LowprecConfig", "ConfigRole", "SECTIONS",
+           "FRAMEWORK_SECTIONS"]
 
 SECTIONS = ("model", "data", "train", "precision", "rollout", "eval", "tracking", "telemetry", "parallel")
 FRAMEWORK_SECTIONS = ("precision", "rollout", "eval", "tracking")   # what a framework's trainer leaves to lowprec

@@ -317,8 +317,9 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
         return Launch(args.nproc_per_node, *launch_argv(args, out), folder=folder)
     if env is not None and env.world > 1:
         from lowprec.runtime.parallel_run import train_ranks
-        return train_ranks(prepared, out, name=name, env=env, placed=placed, store=store, resume=args.resume, faults=faults,
-                           console=console, started=started, tracking_optional=args.tracking_optional)
+        return train_ranks(prepared, out, name=name, env=env, placed=placed, store=store, resume=args.resume,
+                           faults=faults, console=console, started=started,
+                           tracking_optional=args.tracking_optional)
     from lowprec.runtime.run import train_prepared
     return train_prepared(prepared, out, name=name, resume=args.resume, faults=faults, started=started,
                           tracking_optional=args.tracking_optional, console=console)

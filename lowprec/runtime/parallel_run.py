@@ -54,8 +54,9 @@ from pathlib import Path
 
 from lowprec.base.parse import ConfigError
 
-__all__ = ["RankEnv", "rank_env", "place_rank", "peer_lost_line", "check_launch", "check_prepared", "Launch", "launch_argv", "join", "train_ranks",
-           "merge_rank_events", "EXIT_RANK_DIED", "EXIT_PEER_LOST", "REFUSED_GRACE_S"]
+__all__ = ["RankEnv", "rank_env", "place_rank", "peer_lost_line", "check_launch", "check_prepared", "Launch",
+           "launch_argv", "join", "train_ranks", "merge_rank_events", "EXIT_RANK_DIED", "EXIT_PEER_LOST",
+           "REFUSED_GRACE_S"]
 
 EXIT_UNUSABLE = 2
 EXIT_RANK_DIED = 1     # the launcher's, when a rank died
@@ -234,8 +235,12 @@ class RankRun:
 
 def _to_device(device):
     """A forward pre-hook that moves a module's tensor inputs to `device` (the batches are made on the CPU)."""
+    import torch
+
+    def move(v):
+        return v.to(device) if isinstance(v, torch.Tensor) else v
+
     def hook(module, args, kwargs):
-        move = lambda v: v.to(device) if hasattr(v, "to") and hasattr(v, "device") else v   # noqa: E731
         return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
     return hook
 
@@ -324,8 +329,8 @@ def _tracker(cfg, out: Path, name: str, resume: bool):
     return tracker
 
 
-def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, device, resume: bool, faults, console, started: float,
-                tracking_optional: bool) -> int:
+def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, device, resume: bool, faults, console,
+                started: float, tracking_optional: bool) -> int:
     import torch.distributed as dist
     from lowprec.runtime.console import LOG_NAME
     from lowprec.runtime.loop import train

@@ -48,7 +48,8 @@ def _engines():
     from torch.distributed.device_mesh import init_device_mesh
     from lowprec.runtime.fsdp import FullyShardedDP
     from lowprec.runtime.parallel import HybridShardedDP, ShardedTensorParallel
-    yield "fsdp2_tp", ShardedTensorParallel(_Model(), init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp")), 1)
+    tp_mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp"))
+    yield "fsdp2_tp", ShardedTensorParallel(_Model(), tp_mesh, 1)
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
     yield "hsdp", HybridShardedDP(_Model(), mesh, 1)
     yield "fsdp2", FullyShardedDP(_Model())
