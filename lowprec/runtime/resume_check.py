@@ -79,7 +79,7 @@ def resume_mismatch(folder: Path, cfg, config_path: str, model=None) -> str | No
     from lowprec.runtime.run_folder import run_command
     folder = Path(folder)
     copy = folder / CONFIG_COPY
-    new_out = run_command(config_path, "NEW_DIR", nproc=cfg.parallel.world)
+    new_out = run_command(config_path, "NEW_DIR", nproc=cfg.parallel.world if cfg is not None else 1)
     if copy.is_file():
         old = yaml.safe_load(copy.read_text()) or {}
         diffs = _differences(old, cfg.to_dict())
