@@ -9,7 +9,9 @@ With `error_budget:` in the gate file the checks of one run share one error budg
 reads every gate at the confidence its share allows. `lowprec run` says how many checks it
 plans through `plan_checks(n)` (one per rollout stage, per periodic eval, and the final one);
 a gate file's `planned_checks` wins over it. Without `error_budget:` every check uses the
-file's own confidence.
+file's own confidence. The count of checks made is the checker's state (`state_dict`), saved
+with a run's checkpoints: a resumed run's next check is the one after the last one made
+(check 4 of 5, not 1 of 5), so the budget is not spent twice.
 """
 
 from __future__ import annotations
@@ -40,6 +42,13 @@ class GateFileChecker:
     def plan_checks(self, n: int) -> None:
         """How many checks the run plans (the gate file's `error_budget.planned_checks` wins)."""
         self.planned = max(1, int(n))
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue the budget: the checks made so far."""
+        return {"checks": self.checks}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.checks = int(saved.get("checks", 0))
 
     def confidence(self, check: int) -> float | None:
         """The confidence every gate reads at the `check`-th check (None: the gate file's own)."""

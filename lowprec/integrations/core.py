@@ -285,7 +285,8 @@ class HostedRollout:
             raise RuntimeError("HostedRollout.state_dict() before start(): there is no session to save yet")
         return {"format": STATE_FORMAT, "version": STATE_VERSION, "world_size": world_size(),
                 "precision": self.state.state_dict(), "session": self.session.state_dict(),
-                "losses": list(self.losses)}
+                "losses": list(self.losses),
+                "evals": self.evals.state_dict() if self.evals is not None else None}   # the gate's checks made
 
     def load_state_dict(self, saved: dict) -> None:
         """Go on from `saved` (a `state_dict()`), after `start`: the layers' formats and the
@@ -305,7 +306,7 @@ class HostedRollout:
         self.state.load_state_dict(saved["precision"])   # checks sites and formats before switching any
         self.session.load_state_dict(saved["session"])
         regather(self.map)   # every rank loads its own sites' formats
-        self.after.load_state_dict({"losses": saved["losses"]})
+        self.after.load_state_dict({"losses": saved["losses"], "evals": saved.get("evals")})
         if self.tracker is not None:
             self.tracker.log_metrics(self.step, {"train/resumed_at": self.step})
             self.tracker.log_precision(self.step, self.map.formats(), self.map.flops_share())

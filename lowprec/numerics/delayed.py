@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from lowprec.numerics.block_scales import _div
 from lowprec.numerics.formats import DelayedScalingConfig, ElementFormat
 
 __all__ = ["AmaxHistory", "history_scale", "history_record"]
@@ -25,12 +26,16 @@ def history_scale(history: torch.Tensor, count: torch.Tensor, element: ElementFo
                   most_recent: bool) -> torch.Tensor:
     """The scale a history gives now: (max / amax) / 2**margin, amax the history's maximum
     or its most recent entry; 1.0 while the history is empty or all zero (as TE does).
-    The Triton delayed cast (`lowprec.numerics.kernels.cast_transpose`) computes it alike."""
+    max / amax is correctly rounded to FP32: divided in FP64 and rounded once (innocuous
+    double rounding for a quotient: 53 >= 2 * 24 + 2), not PyTorch's `float / tensor`, which
+    computes reciprocal(amax) * max and is 1 ulp off for about a quarter of amaxes; the
+    division by 2**margin is then exact (but where it leaves the normal range). The Triton
+    delayed cast (`lowprec.numerics.kernels.cast_transpose`) computes it alike."""
     if most_recent:
         amax = history[(count - 1).clamp(min=0) % history.numel()]
     else:
         amax = history.amax()
-    scale = (element.max / amax) / (2.0 ** margin)
+    scale = _div(element.max, amax) / (2.0 ** margin)
     return torch.where((amax > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
 
 

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lowprec.numerics.formats import E4M3, Format, QuantSpec, Rounding, ScaleEncoding, Scaling
+from lowprec.numerics.block_scales import _EPS, _div, below_fp32_max, block_scales  # noqa: F401 (kernels: _EPS, _div)
+from lowprec.numerics.formats import Format, QuantSpec, Rounding, ScaleEncoding, Scaling
 from lowprec.numerics.grid import round_magnitude, round_to_grid, saturated_mask
 from lowprec.numerics.hadamard import RandomHadamard
 from lowprec.numerics.quant_stats import QuantStats, sqnr_db
@@ -49,9 +50,6 @@ from lowprec.numerics.quant_stats import QuantStats, sqnr_db
 __all__ = ["QuantStats", "sqnr_db", "Quantized", "quantize", "fake_quantize", "round_to_grid",
            "operand_blocks", "check_fits", "check_layer_fits"]
 
-_EPS = 1e-12                       # amax floor for FP32 scales (torchao's choice)
-_NVFP4_TENSOR_RANGE = 6.0 * 448.0  # E2M1 max times E4M3 max
-_FP32_MAX = torch.finfo(torch.float32).max
 # Scalings whose fused kernel compiles with dynamic shapes on CPU and CUDA alike. Row and
 # block scalings take the eager path even with fused=True: with a symbolic block width,
 # Inductor's CUDA codegen fails (CantSplit) on torch 2.11, see docs/performance.md.
@@ -63,7 +61,9 @@ class Quantized:
     """A quantized operand: `values` on the element grid in the scaled domain.
 
     `values` has the shape of the 2-D operand view (float32, exact grid points),
-    `scale` / `scale_inv` have one entry per block, shaped `(rows/r, 1, K/c, 1)`.
+    `scale` / `scale_inv` have one entry per block, shaped `(rows/r, 1, K/c, 1)`: `values` are
+    x * scale on the grid (NVFP4 on a tensor of amax below ~7.9e-36: x * 2**64 * scale, whose
+    scale would overflow FP32 otherwise; `lowprec.numerics.block_scales.nvfp4_up`).
     `amax` is the operand's amax over finite values (what a delayed-scaling history
     records). `dequantize()` returns the operand's shape (in the Hadamard domain when the spec
     applies the transform: both GEMM operands are transformed, so it cancels).
@@ -241,47 +241,6 @@ def _finite_amax(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return fin, ax, ax.amax(dim=(1, 3), keepdim=True)
 
 
-def _scales(spec: QuantSpec, bamax: torch.Tensor, ax: torch.Tensor, amax_t, scale_t):
-    """(scale, scale_inv) per block; x * scale is on the element grid's range."""
-    elem = spec.element
-    enc = spec.scale_encoding
-    if spec.scaling is Scaling.DELAYED:
-        s = scale_t.reshape(1, 1, 1, 1).expand_as(bamax)
-        return s, _div(1.0, s)
-    if enc is ScaleEncoding.E4M3_FP32:
-        tamax = ax.amax() if amax_t is None else amax_t
-        # full_like(...) / t, not a Python float / t: PyTorch computes `float / tensor` as
-        # reciprocal(t) * float, which is 1 ulp off the quotient for about a quarter of inputs.
-        s_enc = torch.where(tamax > 0, torch.full_like(tamax, _NVFP4_TENSOR_RANGE) / tamax,
-                            1.0).clamp(max=_FP32_MAX)
-        sb = round_to_grid((bamax / elem.max) * s_enc, E4M3)       # E4M3 block decode scale
-        # at most FP32 max, as Transformer Engine clamps it: for a tensor amax below ~1e-35,
-        # s_enc is FP32 max and s_enc / sb overflows; an infinite scale turns 0 into NaN
-        scale = torch.where(sb > 0, s_enc / sb, 0.0).clamp(max=_FP32_MAX)
-        return scale, sb / s_enc
-    if enc is ScaleEncoding.E8M0:
-        a = bamax.clamp(min=2.0 ** -126)
-        e = ((a.view(torch.int32) >> 23) & 0xFF) - 127 - elem.max_exp      # OCP: floor(log2 amax) - emax
-        if spec.mx_scale_rounding == "ceil":
-            e = e + (a > elem.max * torch.exp2(e.float())).to(e.dtype)
-        e = torch.where(bamax > 0, e, -127).clamp(-127, 127)
-        x_scale = torch.exp2(e.float())                                   # the E8M0 value
-        return 1.0 / x_scale, x_scale
-    amax = bamax if amax_t is None else amax_t.reshape(-1, 1, 1, 1).expand_as(bamax)
-    amax = amax.clamp(min=_EPS)
-    scale = _div(elem.max, amax)
-    if enc is ScaleEncoding.POW2:
-        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)  # round down to 2**k
-    return scale, _div(1.0, scale)
-
-
-def _div(num: float, den: torch.Tensor) -> torch.Tensor:
-    """num / den correctly rounded to FP32 on every device, eager or fused: divided in FP64
-    (IEEE everywhere; Triton's FP32 division is approximate, up to 2 ulp) and rounded once
-    to FP32 (double rounding through FP64 is innocuous for a quotient: 53 >= 2 * 24 + 2)."""
-    return (torch.full_like(den, num, dtype=torch.float64) / den.double()).float()
-
-
 def _dequant_blocks(vb, scale, scale_inv, spec: QuantSpec):
     if spec.scale_encoding is ScaleEncoding.E4M3_FP32:
         return vb * scale_inv        # blocks whose E4M3 scale underflowed have scale 0
@@ -292,10 +251,12 @@ def _core(x2: torch.Tensor, spec: QuantSpec, block, amax_t, scale_t, noise, want
     elem = spec.element
     xb = _as_blocks(x2, block)
     fin, ax, bamax = _finite_amax(xb)
-    scale, scale_inv = _scales(spec, bamax, ax, amax_t, scale_t)
+    scale, scale_inv, up = block_scales(spec, bamax, ax, amax_t, scale_t)
     # |x * scale| where x is finite (scales are >= 0, and |a*b| = |a|*|b| in IEEE
     # arithmetic); the sign comes from x; non-finite positions are overwritten below
-    av = ax * scale
+    av = ax * scale if up is None else (ax * up) * scale
+    if spec.scale_encoding is ScaleEncoding.E8M0:
+        av = below_fp32_max(av, scale, elem)
     nb = None if noise is None else _as_blocks(noise, block)
     qa = round_magnitude(av, elem, nb)              # |q|, 0 where x is not finite
     q = torch.copysign(qa, xb)

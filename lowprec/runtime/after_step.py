@@ -139,7 +139,8 @@ class AfterStep:
     def state_dict(self) -> dict:
         rec = self.record
         return {"losses": list(rec.losses), "grad_norms": list(rec.grad_norms), "rewinds": rec.rewinds,
-                "rewinds_logged": sorted(rec.rewinds_logged)}
+                "rewinds_logged": sorted(rec.rewinds_logged),
+                "evals": self.evals.state_dict() if self.evals is not None else None}
 
     def load_state_dict(self, saved: dict) -> None:
         rec = self.record
@@ -147,3 +148,5 @@ class AfterStep:
         rec.grad_norms = [float(x) for x in saved.get("grad_norms", ())]
         rec.rewinds = int(saved.get("rewinds", 0))
         rec.rewinds_logged = set(saved.get("rewinds_logged", ()))
+        if self.evals is not None and saved.get("evals") is not None:   # the gate's checks made (its error budget)
+            self.evals.load_state_dict(saved["evals"])

@@ -11,7 +11,13 @@ not a failure, since `plan` needs only the config and the model), 2 on a config 
 cannot be used: the message names the config path, what was found, what is allowed and the fix; 3 when
 `run` trained but its tracking records could not all be sent (its last line says how many
 wait in the outbox and the `lowprec sync` command that sends them; `--tracking-optional`
-makes that exit 0).
+makes that exit 0); 4 when `run` stopped because the disk is full (a checkpoint or another
+file could not be written: one line names it, its folder and the space free there; the
+earlier checkpoints are kept, the MLflow run is marked KILLED with the tag `lowprec.stopped`
+saying why; free space and continue with `--resume`).
+
+`--resume` says which checkpoint and step it continues from; with `--steps N` it trains up to
+N (below the checkpoint's step: refused, exit 2), as `lowprec.runtime.resume_check` says.
 
 A run folder has one writer: `run` locks `--out` (`run.lock`, an OS lock that dies with the
 process) before it writes anything there, and refuses, exit 2, a folder that a live process
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -270,7 +277,7 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
     what the folder's state does not allow (saying what that state is), check a resume's
     config, then train: here, on this rank of a torchrun job, or by starting torchrun
     (`--nproc-per-node`, once every check passed; the ranks take the folder themselves)."""
-    from lowprec.runtime.resume_check import record_config, resume_mismatch
+    from lowprec.runtime.resume_check import record_config, resume_line, resume_mismatch
     from lowprec.runtime.run import prepare_run
     from lowprec.runtime.run_folder import FolderState, refusal
     out, tracked = folder.folder, cfg.tracking.enabled
@@ -306,8 +313,26 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
             check_prepared(prepared, cfg.parallel)
     except (ConfigError, ValueError, TypeError) as e:
         return _refuse(console, e, env)
-    if args.resume and (line := resume_mismatch(out, cfg, args.config, model=prepared.model)) is not None:
-        return _refuse(console, line, env)   # a folder without a config copy: its checkpoint against this model
+    chosen = None
+    if args.resume and env is None and args.nproc_per_node is None:   # one process: chosen once, here
+        from lowprec.state.checkpoint import NoUsableCheckpointError, checkpoint_to_resume, list_checkpoints
+        try:
+            with warnings.catch_warnings(record=True) as skipped:   # said once each, unless none is usable
+                warnings.simplefilter("always")
+                chosen = checkpoint_to_resume(out / "checkpoints")
+        except NoUsableCheckpointError as e:
+            return _refuse(console, f"--resume: {e}", env)   # one line naming every one
+        for w in skipped:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if args.resume and (line := resume_mismatch(out, cfg, args.config, model=prepared.model,
+                                                checkpoint=chosen)) is not None:
+        return _refuse(console, line, env)   # its checkpoint against this model, before MLflow is touched
+    if chosen is not None:
+        step = next(s for s, p in list_checkpoints(out / "checkpoints") if p == chosen)
+        line, note = resume_line(out, cfg, chosen, step)
+        if line is not None:
+            return _refuse(console, line, env)
+        console.say(note)
     if lead and (note := _fast_path_note(prepared)):
         console.say(note)
     if lead and status.state is FolderState.NEW:
@@ -321,5 +346,5 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
                            faults=faults, console=console, started=started,
                            tracking_optional=args.tracking_optional)
     from lowprec.runtime.run import train_prepared
-    return train_prepared(prepared, out, name=name, resume=args.resume, faults=faults, started=started,
+    return train_prepared(prepared, out, name=name, resume=chosen or args.resume, faults=faults, started=started,
                           tracking_optional=args.tracking_optional, console=console)

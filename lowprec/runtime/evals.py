@@ -92,6 +92,15 @@ class EvalCheckpoints:
         self.history: list[dict] = []   # one entry per eval: step, mode, verdict, results, results_hp
         self.last: EvalOutcome | None = None
 
+    def state_dict(self) -> dict:
+        """The gate checker's state (its checks made so far: its error budget), when it keeps one."""
+        keeps = callable(getattr(self.checker, "state_dict", None))
+        return {"checker": self.checker.state_dict() if keeps else None}
+
+    def load_state_dict(self, saved: dict) -> None:
+        if saved.get("checker") is not None and callable(getattr(self.checker, "load_state_dict", None)):
+            self.checker.load_state_dict(saved["checker"])
+
     def due(self, step: int) -> bool:
         return self.config.every > 0 and step > 0 and step % self.config.every == 0
 

@@ -86,7 +86,7 @@ def warmup_schedule(optimizer: torch.optim.Optimizer, warmup: int) -> torch.opti
 
 def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=None, rollout=None,
           sites: list[str] | None = None, group=None, tracker=None, evals=None,
-          baseline: dict[int, float] | None = None, resume: bool = False, faults: list[Injection] | tuple = (),
+          baseline: dict[int, float] | None = None, resume: bool | Path = False, faults: list[Injection] | tuple = (),
           steps: int | None = None, checkpoints: bool = True, telemetry: Telemetry | None = None,
           progress=None, precision_map=None) -> "RunResult":
     """Train `engine`'s model for `steps` (default `tc.steps`) as the train section `tc` says.
@@ -94,6 +94,8 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     controller: a RolloutController (None: the plan as it is, no decisions); rollout: its
     parsed section (for the rewind source and snapshot cadence). sites/group: as Session.
     telemetry: where the time and energy go (`lowprec.tracking.telemetry`); default none.
+    resume: True continues from the newest usable checkpoint in `out_dir`/checkpoints (none: from
+    step 0); a Path, from that checkpoint (the caller chose it: `lowprec run --resume`).
     progress: told after every pass `update(steps done, loss=, tokens=)` (`lowprec.runtime.console.Progress`).
     precision_map: what tracking, the summary and the results report as the model's formats and
     FLOP shares (`formats()`, `flops_share()`); default `state`; under pipeline stages, where
@@ -111,7 +113,8 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
                       window_metrics=tele.window)
     # resume: None = no checkpoint yet (start at 0); every checkpoint bad: NoUsableCheckpointError
     iteration = 0   # loop passes, rewinds included: injected faults happen once, in time
-    if resume and (last := checkpoint_to_resume(out / "checkpoints")) is not None:
+    last = resume if isinstance(resume, Path) else checkpoint_to_resume(out / "checkpoints") if resume else None
+    if last is not None:
         iteration = _resume(last, engine, opt, sched, state, data, session, after, res)
         regather(tracked)   # every rank loaded its sites' formats
     if tracker is not None:

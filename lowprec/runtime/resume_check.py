@@ -11,9 +11,17 @@ config, or a new --out.
 
 Keys that may change on a resume: `train.steps` (train a stopped run further) and
 `train.log_every`, and the `tracking` and `telemetry` sections (where and what is
-recorded, not what is trained). A folder without `config.yaml` (written by an older
-lowprec) is checked against its newest checkpoint instead: a parameter whose shape differs
-from the model's is named (`lowprec.state.checkpoint.checkpoint_mismatch`).
+recorded, not what is trained). The model the config builds is then always checked against
+the checkpoint the resume continues from: a parameter whose shape differs from the model's
+is named (`lowprec.state.checkpoint.checkpoint_mismatch`), also where the saved config
+matches (a model factory whose code changed), before an MLflow run is touched.
+
+`train.steps` on a resume (`--steps N`): N is where the resumed run stops. N below the
+checkpoint's step is refused (nothing would be trained, and the run's recorded steps would
+be undone); N equal to it trains nothing more (the final eval only). MLflow params cannot
+change, so the run keeps the param `train.steps` it started with, and the tag `train.steps`
+holds the steps it is trained to (set by every run, changed by a resume); the resume's line
+says so (`resume_line`).
 """
 
 from __future__ import annotations
@@ -23,7 +31,10 @@ from typing import Any
 
 import yaml
 
-__all__ = ["CONFIG_COPY", "MAY_CHANGE", "record_config", "resume_mismatch"]
+__all__ = ["CONFIG_COPY", "MAY_CHANGE", "STEPS_TAG", "record_config", "resume_mismatch", "started_steps",
+           "resume_line", "logged_config"]
+
+STEPS_TAG = "train.steps"   # the MLflow tag: the steps a run is trained to (the param: those it started with)
 
 CONFIG_COPY = "config.yaml"
 MAY_CHANGE = ("train.steps", "train.log_every", "tracking", "telemetry")
@@ -72,10 +83,11 @@ def _world(saved: dict) -> int:
     return parse(ParallelConfig, saved.get("parallel") or {}, "parallel").world
 
 
-def resume_mismatch(folder: Path, cfg, config_path: str, model=None) -> str | None:
+def resume_mismatch(folder: Path, cfg, config_path: str, model=None, checkpoint: Path | None = None) -> str | None:
     """The one line refusing to resume the run in `folder` with `cfg` (read from
-    `config_path`), or None when it fits. model: the model `cfg` builds, for a folder
-    without a config copy (checked against the newest checkpoint's shapes)."""
+    `config_path`), or None when it fits. model: the model `cfg` builds, checked against the
+    shapes of `checkpoint` (default: the newest usable one, found without a warning). The
+    commands it suggests for a job carry its `--nproc-per-node`."""
     from lowprec.runtime.run_folder import run_command
     folder = Path(folder)
     copy = folder / CONFIG_COPY
@@ -83,24 +95,69 @@ def resume_mismatch(folder: Path, cfg, config_path: str, model=None) -> str | No
     if copy.is_file():
         old = yaml.safe_load(copy.read_text()) or {}
         diffs = _differences(old, cfg.to_dict())
-        if not diffs:
-            return None
-        key, was, now = diffs[0]
-        more = f" (and {len(diffs) - 1} more keys)" if len(diffs) > 1 else ""
-        why = "a resume continues a run with the config it started with"
-        if key.startswith("parallel."):   # the checkpoints hold each rank's shards, data position and RNG
-            why = ("a resume keeps the parallel layout: its checkpoints hold each rank's shards, data position "
-                   "and RNG for that layout")
-        return (f"--resume: {key} is {_shown(now)} in {config_path} but {_shown(was)} in the run {folder} holds"
-                f"{more}; {why}. Resume with that config "
-                f"({run_command(copy, folder, nproc=_world(old), resume=True)}), or train this "
-                f"config as a new run ({new_out})")
+        if diffs:
+            key, was, now = diffs[0]
+            more = f" (and {len(diffs) - 1} more keys)" if len(diffs) > 1 else ""
+            why = "a resume continues a run with the config it started with"
+            if key.startswith("parallel."):   # the checkpoints hold each rank's shards, data position and RNG
+                why = ("a resume keeps the parallel layout: its checkpoints hold each rank's shards, data position "
+                       "and RNG for that layout")
+            return (f"--resume: {key} is {_shown(now)} in {config_path} but {_shown(was)} in the run {folder} "
+                    f"holds{more}; {why}. Resume with that config "
+                    f"({run_command(copy, folder, nproc=_world(old), resume=True)}), or train this config as a "
+                    f"new run ({new_out})")
     if model is None:
         return None
-    from lowprec.state.checkpoint import checkpoint_mismatch, latest_checkpoint
-    last = latest_checkpoint(folder / "checkpoints") if (folder / "checkpoints").is_dir() else None
+    from lowprec.state.checkpoint import checkpoint_mismatch
+    last = checkpoint if checkpoint is not None else _newest_quietly(folder)
     why = checkpoint_mismatch(last, model) if last is not None else None
     if why is None:
         return None
     return (f"--resume: {why}: {config_path} builds another model than the run {folder} holds; resume with the "
             f"config that run started with, or train this config as a new run ({new_out})")
+
+
+def _newest_quietly(folder: Path) -> Path | None:
+    """The newest usable checkpoint, without the warnings the resume itself gives."""
+    import warnings
+    from lowprec.state.checkpoint import latest_checkpoint
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return latest_checkpoint(folder / "checkpoints") if (folder / "checkpoints").is_dir() else None
+
+
+def started_steps(folder: Path) -> int | None:
+    """`train.steps` of the config the run in `folder` started with (None without a config copy)."""
+    copy = Path(folder) / CONFIG_COPY
+    if not copy.is_file():
+        return None
+    steps = ((yaml.safe_load(copy.read_text()) or {}).get("train") or {}).get("steps")
+    return steps if isinstance(steps, int) else None
+
+
+def resume_line(folder: Path, cfg, checkpoint: Path, step: int) -> tuple[str | None, str]:
+    """(the line refusing `cfg.train.steps` for a resume at `step`, or None; the line the
+    resume says: the checkpoint and step it continues from, the steps it trains to)."""
+    steps = cfg.train.steps
+    if steps < step:
+        return (f"--resume: train.steps is {steps}, below step {step}, where the run {folder} continues "
+                f"({checkpoint.name}); a resume trains from its checkpoint's step up to train.steps: give "
+                f"--steps {step} or more"), ""
+    line = f"--resume: continuing from {checkpoint} at step {step} of {steps}"
+    if steps == step:
+        line += " (nothing left to train: the final eval only)"
+    was = started_steps(folder)
+    if was is not None and was != steps:
+        line += (f"; train.steps is {steps}, the run started with {was}: MLflow keeps the param "
+                 f"train.steps={was}, the tag {STEPS_TAG} says {steps}")
+    return None, line
+
+
+def logged_config(cfg, folder: Path, resume) -> dict:
+    """The config as MLflow params: on a resume with other `train.steps`, the value the run
+    started with (a param cannot change; the tag `train.steps` holds the new one)."""
+    logged = cfg.to_dict()
+    was = started_steps(folder) if resume else None
+    if was is not None and isinstance(logged.get("train"), dict):
+        logged["train"] = {**logged["train"], "steps": was}
+    return logged

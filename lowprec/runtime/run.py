@@ -30,14 +30,17 @@ import torch
 from torch import nn
 
 from lowprec.base.parse import ConfigError
+from lowprec.runtime.resume_check import STEPS_TAG, logged_config
 from lowprec.runtime.run_summary import summary_text
 from lowprec.tracking.records import RunStatus
 
 # `lowprec run`'s exit status: trained (and tracked); a config or input it cannot use (nothing
-# written); trained, but tracking records could not be sent (they wait in the outbox)
-EXIT_OK, EXIT_UNUSABLE, EXIT_UNSENT = 0, 2, 3
+# written); trained, but tracking records could not be sent (they wait in the outbox); stopped
+# because the disk is full (the earlier checkpoints kept: free space, then --resume)
+EXIT_OK, EXIT_UNUSABLE, EXIT_UNSENT, EXIT_NO_SPACE = 0, 2, 3, 4
+STOPPED_TAG = "lowprec.stopped"   # the MLflow tag saying why a run was stopped (KILLED)
 
-__all__ = ["EXIT_OK", "EXIT_UNUSABLE", "EXIT_UNSENT", "unsent_line", "PreparedRun", "prepare_run", "load_factory",
+__all__ = ["EXIT_OK", "EXIT_UNUSABLE", "EXIT_UNSENT", "EXIT_NO_SPACE", "STOPPED_TAG", "unsent_line", "PreparedRun", "prepare_run", "load_factory",
            "high_precision_baseline", "execute", "run_config",
            "train_prepared", "summary_text"]
 
@@ -282,12 +285,14 @@ def run_config(config, out_dir: str | Path, *, faults=(), controller: bool = Tru
                    faults=faults, steps=steps)
 
 
-def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool = False, faults=(),
+def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool | Path = False, faults=(),
                    print_summary: bool = True, started: float | None = None, tracking_optional: bool = False,
                    console=None) -> int:
     """`lowprec run`: train a prepared run tracked in MLflow, print the summary; the exit status
     (2, with nothing written, when resuming finds checkpoints and every one is corrupt; 3 when
-    tracking records could not be sent and wait in the outbox, unless `tracking_optional`).
+    tracking records could not be sent and wait in the outbox, unless `tracking_optional`; 4
+    when the disk filled up: one line, the MLflow run KILLED with the reason, the earlier
+    checkpoints kept). resume: True (the newest usable checkpoint) or the checkpoint chosen.
     console: the command's `lowprec.runtime.console.Console` (its log goes to `out`/lowprec.log,
     the progress line and the summary through it); None prints to sys.stdout/sys.stderr."""
     import warnings
@@ -295,7 +300,7 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
     say = console.say if console is not None else (lambda text: print(f"lowprec run: {text}", file=sys.stderr))
     show = console.print if console is not None else print
     cfg = prepared.config
-    if resume:
+    if resume is True:
         try:
             with warnings.catch_warnings():   # the error names every one; the loop warns on skipping
                 warnings.simplefilter("ignore")
@@ -323,7 +328,8 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
                 progress.close()
             say(str(e))
             return EXIT_UNUSABLE
-        tracker.log_config(cfg.to_dict())
+        tracker.log_config(logged_config(cfg, out, resume))
+        tracker.log_tags({STEPS_TAG: str(cfg.train.steps)})   # the param keeps the steps the run started with
     status = RunStatus.FAILED
     try:
         res = execute(prepared, out, tracker=tracker, resume=resume, faults=faults, started=started,
@@ -332,6 +338,19 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
     except NoUsableCheckpointError as e:   # went bad between the check above and the loop
         say(f"--resume: {e}")
         return EXIT_UNUSABLE
+    except OSError as e:
+        from lowprec.state.durable import NO_SPACE
+        if e.errno not in NO_SPACE:
+            raise
+        status = RunStatus.KILLED
+        why = f"the disk is full: {e}"
+        if tracker is not None:
+            tracker.log_tags({STOPPED_TAG: why})
+        if progress is not None:
+            progress.close()
+        say(f"stopped, {why}; the earlier checkpoints are kept: free space there and continue with --resume "
+            f"(exit {EXIT_NO_SPACE})")
+        return EXIT_NO_SPACE
     finally:
         close_run(progress, tracker, status, out)   # unsent records: said below, last
     run_id = tracker.run_id if tracker is not None else None
@@ -356,7 +375,8 @@ def close_run(progress, tracker, status, out: Path) -> None:
         if status is RunStatus.FINISHED:
             from lowprec.runtime.baseline import LOSSES_ARTIFACT
             tracker.log_artifact(out / LOSSES_ARTIFACT)
-        tracker.finish(status, warn_unsent=False)
+        # a run stopped by a full disk draws no pictures there (they would not fit either)
+        tracker.finish(status, warn_unsent=False, report=status is not RunStatus.KILLED)
 
 
 def unsent_line(tracker) -> str | None:

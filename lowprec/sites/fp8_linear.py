@@ -23,8 +23,9 @@ Statistics are computed only when the layer's `collect_stats` is on (check steps
 same kernels.
 Nothing here reads a device value on the host.
 
-On CPU the same ops run the reference quantizer and `_scaled_mm` accumulates in FP32,
-so the fast path equals the `emulated` backend bit for bit there (tests/lowprec/sites/fast_path).
+On CPU the same ops run the reference quantizer and `_scaled_mm` accumulates in FP32, so
+the fast path's casts, scales and statistics equal the `emulated` backend's bit for bit there
+and its GEMMs are within an FP32 re-association of them (tests/lowprec/sites/fast_path).
 
 DTensor operands and amax reductions over a group run the same GEMMs through
 `lowprec.sites.fp8_parallel`; every other format uses `QuantizedLinearFn`.

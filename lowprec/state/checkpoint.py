@@ -36,7 +36,7 @@ does not open (cut short by a copy or a full disk) or does not match its checksu
 (`NoUsableCheckpointError`, naming each one and why).
 
 Saving step s then removes checkpoints beyond the newest `keep` and a killed writer's
-temporaries. Checkpoints of steps after s belong to a timeline that a rewind (or a resume
+temporaries; a save out of space raises `durable.NoSpaceError`, its temporary removed. Checkpoints of steps after s belong to a timeline that a rewind (or a resume
 that fell back past a corrupt checkpoint) abandoned: resuming into them would undo the
 rewind, yet the rewind may have gone further back than needed, so they are not deleted but
 moved to `abandoned/` (out of reach of `latest_checkpoint`, rewinds and pruning; a later
@@ -57,7 +57,7 @@ from torch import nn
 
 from lowprec.state.checkpoint_fit import _check_model, _check_optim, _check_parts
 from lowprec.state.ranks import process_rank, world_size
-from lowprec.state.durable import check_plain, fsync_dir, save_atomically, write_synced
+from lowprec.state.durable import check_plain, fsync_dir, no_space, save_atomically, write_synced
 from lowprec.state.rng import check_rng_devices, restore_rng_state, rng_state
 from lowprec.state.integrity import CorruptCheckpointError, payload_integrity, verify_manifest, verify_payload, \
     write_manifest
@@ -126,9 +126,12 @@ def _save_dcp(directory: Path, step: int, model, optimizer, local: dict, keep, b
         # forget it and save none, or the next step would be the optimizer's second
         optimizer.state.clear()
         optim_sd = {k: v for k, v in optim_sd.items() if not k.startswith("state.")}
-    dcp.save({"model": model_sd, "optim": optim_sd},
-             storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-    write_synced(tmp / f"rank_{rank:05d}.pt", {**local, "dcp_optim": {"flat": True, "has_state": not fresh}})
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd},
+                 storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+        write_synced(tmp / f"rank_{rank:05d}.pt", {**local, "dcp_optim": {"flat": True, "has_state": not fresh}})
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        raise no_space(e, tmp, final) or e   # a full disk: NoSpaceError, the temporary removed
     _barrier()  # every rank's files are on disk
     if rank == 0:
         write_manifest(tmp)   # the SHA-256 of every rank's files

@@ -236,21 +236,25 @@ def mx(x: list[list[float]], elem: Elem, mode: str = "ceil", block: int = 32) ->
 
 def nvfp4(x: list[list[float]], block: tuple[int, int] = (1, 16),
           tensor_amax: float | None = None) -> RefQuantized:
-    """NVFP4 (arXiv 2509.25149): E2M1 elements, E4M3 block scales, one FP32 tensor scale."""
+    """NVFP4 (arXiv 2509.25149): E2M1 elements, E4M3 block scales, one FP32 tensor scale.
+    A tensor amax below 2688 / FLT_MAX (where 2688 / amax overflows FP32) is taken 2**64
+    times larger first (exact), and 2**-64 goes into the decode scale."""
     if tensor_amax is None:
         tensor_amax = max(abs(v) for row in x for v in row)
+    up = 2.0 ** 64 if 0 < tensor_amax < 6.0 * 448.0 / FLT_MAX else 1.0
+    tensor_amax, x = tensor_amax * up, [[v * up for v in row] for row in x]
     s_enc = min(f32(6.0 * 448.0 / tensor_amax), FLT_MAX) if tensor_amax > 0 else 1.0
 
     def scales(amax_b: float):
         s_dec_b = f32(amax_b / 6.0)
         sb = round_rne(f32(s_dec_b * s_enc), E4M3)        # the stored E4M3 block scale
         # an underflowed block is all zeros; the encode scale is at most FLT_MAX (Transformer
-        # Engine's compute_block_encode_sf clamps it: s_enc / sb overflows when amax < ~1e-35)
+        # Engine's compute_block_encode_sf clamps it)
         enc = min(f32(s_enc / sb), FLT_MAX) if sb > 0 else 0.0
-        dec = f32(sb / s_enc)
+        dec = f32(f32(sb / s_enc) / up)
         # x_q * sb is exact (2 and 4 significant bits), so the dequantized value is
-        # rounded once: f32(x_q * sb / s_enc).
-        return enc, dec, lambda q: f32(q * sb / s_enc)
+        # rounded once: f32(x_q * sb / s_enc / up).
+        return enc, dec, lambda q: f32(q * sb / s_enc / up)
 
     return _run(x, block, scales, E2M1)
 

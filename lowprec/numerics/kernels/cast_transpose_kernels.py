@@ -90,15 +90,15 @@ def _last_tile(ticket_ptr, tiles):
 def _history_scale(hist_ptr, count_ptr, L, BLOCK_L: tl.constexpr, MAX: tl.constexpr,
                    MARGIN_DIV: tl.constexpr, MOST_RECENT: tl.constexpr):
     """`AmaxHistory.scale()`: (MAX / amax) / 2**margin, 1 where the history is empty or the
-    scale not finite. PyTorch's `float / tensor` is reciprocal(t) * float: done alike."""
+    scale not finite. MAX / amax divided in FP64 and rounded once to FP32 (correctly rounded,
+    as `lowprec.numerics.delayed.history_scale`; Triton's FP32 division is approximate)."""
     if MOST_RECENT:
         cnt = tl.load(count_ptr)
         amax = tl.load(hist_ptr + (tl.maximum(cnt - 1, 0) % L))
     else:
         lo = tl.arange(0, BLOCK_L)
         amax = tl.max(tl.load(hist_ptr + lo, mask=lo < L, other=0.0), axis=0)
-    rec = (1.0 / amax.to(tl.float64)).to(tl.float32)
-    s = (rec * MAX) / MARGIN_DIV
+    s = (MAX / amax.to(tl.float64)).to(tl.float32) / MARGIN_DIV
     ok = (amax > 0) & (s <= _FP32_MAX)
     return tl.where(ok, s, 1.0)
 

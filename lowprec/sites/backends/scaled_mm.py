@@ -4,8 +4,10 @@ Operands are cast to PyTorch's float8 dtypes (`float8_e4m3fn`, `float8_e5m2`) an
 multiplied by `torch._scaled_mm(a, b.t(), scale_a=a.scale_inv, scale_b=b.scale_inv)`
 with an FP32 output. `_scaled_mm` has no autograd; `lowprec.sites.layers` provides the
 backward as three GEMMs of its own. On CPU (PyTorch 2.6+) the same call runs and
-computes `(a * scale_a) @ (b * scale_b)` in FP32, which the `emulated` backend matches
-bit for bit; on Hopper/Blackwell GPUs it runs on FP8 tensor cores.
+computes `(a * scale_a) @ (b * scale_b)` in FP32, in a summation order and scale placement
+of its own: within `lowprec.sites.backends.emulated.gemm_bound` of the `emulated` backend
+(an FP32 error bound; not bit for bit, at any row count); on Hopper/Blackwell GPUs it runs
+on FP8 tensor cores.
 
 Limits, checked in `supports` and in `gemm`: only tensor-wise / row-wise FP8 formats
 (`fp8_tensorwise`, `fp8_delayed`, `fp8_rowwise`); E5M2 x E5M2 is refused by cuBLAS
@@ -16,8 +18,7 @@ row-wise GEMMs on CUDA return BF16 upcast to FP32 (documented in docs/performanc
 BF16 output: `gemm(a, b, out_dtype=torch.bfloat16)` on CUDA asks `_scaled_mm` for a BF16
 result directly (the epilogue rounds the FP32 accumulator once; no FP32 tensor and no
 separate cast pass), which is what `PrecisionLinear` asks for when its input is BF16. On
-CPU the result stays FP32 and the layer casts it, so CPU numerics agree bit for bit with
-the `emulated` backend.
+CPU the result stays FP32 and the layer casts it, as the `emulated` backend does.
 """
 
 from __future__ import annotations

@@ -111,3 +111,34 @@ def test_lowprec_run_tells_the_checker_how_many_checks_it_plans(monkeypatch):
     checker = prepared.evals.checker
     # 3 stages, periodic evals at 150 (of 300 steps), the final one
     assert isinstance(checker, GateFileChecker) and checker.planned == 3 + 1 + 1
+
+
+def test_a_resumed_run_continues_the_budget_where_its_checkpoint_left_it(tmp_path):
+    """The checks made are saved with a checkpoint (the loop's AfterStep state, `extra` of
+    lowprec.state.checkpoint) and restored: the check after a resume is the 4th of 5, not the 1st."""
+    import torch
+
+    from lowprec.runtime.after_step import AfterStep
+    from lowprec.runtime.evals import EvalCheckpoints
+    from lowprec.state.durable import check_plain
+
+    path = tmp_path / "g.yaml"
+    path.write_text(GATE + "error_budget: {alpha: 0.05}\n")
+    evaluator, state = SimpleNamespace(tasks=["t"]), SimpleNamespace(formats=dict)
+
+    def run_parts():
+        checker = GateFileChecker(path)
+        checker.plan_checks(5)
+        return checker, AfterStep(None, None, evals=EvalCheckpoints(SimpleNamespace(every=0), evaluator, checker, state))
+
+    rng = np.random.default_rng(0)
+    hp = rng.gamma(20.0, 0.08, size=N_DOCS)
+    checker, after = run_parts()
+    for _ in range(3):
+        checker.check(_outcome(hp), _outcome(hp))
+    saved = after.state_dict()
+    check_plain(saved, "extra")
+    torch.save(saved, tmp_path / "extra.pt")
+    checker, after = run_parts()   # the resumed process
+    after.load_state_dict(torch.load(tmp_path / "extra.pt", weights_only=True))
+    assert "check 4 of 5 planned" in checker.check(_outcome(hp), _outcome(hp)).reason

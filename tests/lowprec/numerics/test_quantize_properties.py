@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 
 from lowprec import (E2M1, E4M3, E5M2, FORMATS, RandomHadamard, Rounding, Scaling, ScaleEncoding,
                      fake_quantize, quantize, round_to_grid)
+from lowprec.numerics.block_scales import nvfp4_up
 from lowprec.numerics.quantize import operand_blocks
 
 ELEMENTS = [E4M3, E5M2, E2M1]
@@ -217,7 +218,11 @@ def test_values_on_grid_and_within_half_a_step(spec, data):
     # in the scaled domain, the value is a grid neighbour of x * scale, the nearest one
     # under RNE (up to the FP32 rounding of the product), and +-max beyond max
     block = operand_blocks(spec, x.shape)
-    v = (_blocks(_transformed(x, spec), block).double() * q.scale.double()).reshape(x.shape)
+    xt = _transformed(x, spec)
+    up = 1.0
+    if spec.scale_encoding is ScaleEncoding.E4M3_FP32:   # a tensor too small for NVFP4's FP32 tensor scale
+        up = nvfp4_up(torch.as_tensor(kw.get("amax", xt.abs().amax()), dtype=torch.float32)).double()
+    v = (_blocks(xt, block).double() * up * q.scale.double()).reshape(x.shape)
     qa, a = q.values.abs().double(), v.abs()
     lo, hi = _neighbours(a, elem)
     assert torch.equal(qa[a >= elem.max], torch.full_like(qa[a >= elem.max], elem.max))

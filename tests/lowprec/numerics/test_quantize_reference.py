@@ -188,8 +188,9 @@ def test_nvfp4_underflowed_block_is_zero():
 
 
 def test_nvfp4_tiny_tensor_keeps_zeros_and_signs():
-    """A tensor amax below 2688 / FLT_MAX makes s_enc FLT_MAX and s_enc / sb overflow; the
-    encode scale is clamped to FLT_MAX (as in Transformer Engine), so 0 stays 0, not NaN."""
+    """A tensor amax below 2688 / FLT_MAX would make s_enc overflow: the tensor is taken 2**64
+    times larger first (the reference does the same), so 0 stays 0, not NaN, and the values
+    keep their precision (tests/lowprec/numerics/test_nvfp4_tiny.py)."""
     for role, shape in (("input", (1, 16)), ("weight", (16, 16))):
         spec = getattr(get_format("nvfp4"), role)
         x = torch.zeros(shape)
