@@ -56,7 +56,7 @@ from lowprec.numerics.quantize import quantize
 from lowprec.sites.fp8_linear import WeightForms
 from lowprec.sites.weight_cache import install_step_hook, optimizer_steps
 
-__all__ = ["FP8AllGatherWeight", "FP8GatheredWeight", "gathers_fp8", "unwrap", "amax_groups"]
+__all__ = ["FP8AllGatherWeight", "FP8GatheredWeight", "gathers_fp8", "unwrap", "amax_groups", "fp8_gather_dtype"]
 
 _A = torch.ops.aten
 # the ops FSDP2, DTensor and torchtitan's meta-device build use to make, move and shard a
@@ -83,6 +83,11 @@ def amax_groups(param, group=None) -> tuple:
         return (group,)
     mesh = param.device_mesh
     return tuple(mesh.get_group(i) for i, p in enumerate(param.placements) if p.is_shard())
+
+
+def fp8_gather_dtype(site) -> torch.dtype | None:
+    """The FP8 dtype `site`'s weight is all-gathered in under `fp8_all_gather` (None: its high-precision dtype)."""
+    return ELEMENTS[site._fast[0].fwd].torch_dtype if gathers_fp8(site) else None
 
 
 def _wrapper(cls, t: Tensor):
