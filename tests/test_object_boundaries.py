@@ -67,12 +67,6 @@ ALLOWED: dict[str, str] = {
         "torchtitan's Module protocol (as layer._param_init), for a torchao site given the Module mixin",
     "lowprec/integrations/torchtitan.py: site.module._sharding_config":
         "torchtitan's Module protocol (as layer._param_init)",
-    "lowprec/runtime/fsdp_fp8.py: fp._unsharded_inner_tensors":
-        "FSDP2's FSDPParam keeps its gather buffers here and has no public way to drop them "
-        "(torch/distributed/fsdp/_fully_shard/_fsdp_param.py)",
-    "lowprec/runtime/fsdp_fp8.py: del fp._unsharded_param":
-        "FSDP2's FSDPParam (as fp._unsharded_inner_tensors): the unsharded parameter is rebuilt from the "
-        "new gather outputs only when this attribute is absent",
     "lowprec/integrations/torchtitan.py: site.module.__class__":
         "torchtitan's Module protocol: a site prepare built gets torchtitan's Module mixin as a subclass of "
         "its own class (torchtitan/protocols/module.py); the object and its parameters stay the same",

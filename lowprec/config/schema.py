@@ -37,7 +37,8 @@ from lowprec.policy.rollout import RolloutConfig, parse_rollout
 from lowprec.tracking.telemetry import TelemetryConfig
 
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "EvalConfig", "TrackingConfig",
-           "TelemetryConfig", "ParallelConfig", "LowprecConfig", "ConfigRole", "SECTIONS", "FRAMEWORK_SECTIONS"]
+           "TelemetryConfig", "ParallelConfig", "RunDevice", "LowprecConfig", "ConfigRole", "SECTIONS",
+           "FRAMEWORK_SECTIONS"]
 
 SECTIONS = ("model", "data", "train", "precision", "rollout", "eval", "tracking", "telemetry", "parallel")
 FRAMEWORK_SECTIONS = ("precision", "rollout", "eval", "tracking")   # what a framework's trainer leaves to lowprec
@@ -159,6 +160,13 @@ class TrackingConfig:
             raise ConfigError("uri", "expected a tracking URI or null (sqlite:///<cwd>/mlflow.db), found ''")
 
 
+class RunDevice(StrEnum):
+    """`parallel.device`: where the ranks of a `lowprec run` under torchrun train."""
+    AUTO = "auto"    # cuda where torch finds a CUDA device, else cpu
+    CUDA = "cuda"    # NCCL, each rank on cuda:LOCAL_RANK
+    CPU = "cpu"      # gloo
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """`parallel:` how many processes `lowprec run` trains on and how the model is split over
@@ -167,13 +175,16 @@ class ParallelConfig:
     pipeline stages (`pp`). The product of the degrees is the number of processes torchrun
     starts. `peer_timeout_s`: how long a rank waits at start for the others before it says so
     and exits. `fp8_all_gather`: FSDP2 (dp_shard > 1; alone, x TP or HSDP) all-gathers each FP8
-    site's weight as its FP8 bytes and scale instead of BF16 (docs/distributed.md)."""
+    site's weight as its FP8 bytes and scale instead of BF16 (docs/distributed.md). `device`:
+    where each rank trains (`lowprec.runtime.rank_device`): `cuda` (NCCL, `cuda:LOCAL_RANK`),
+    `cpu` (gloo), `auto` (cuda where torch finds a CUDA device, else cpu)."""
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
     peer_timeout_s: float = 120.0
     fp8_all_gather: bool = False
+    device: RunDevice = RunDevice.AUTO
 
     def __post_init__(self) -> None:
         for key in ("dp_replicate", "dp_shard", "tp", "pp"):

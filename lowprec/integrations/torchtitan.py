@@ -24,6 +24,12 @@ converters to the model's *config tree* before the model is built. lowprec takes
   with the `torchao` backend, its own site class with torchtitan's `Module` mixed in).
   The plan's selectors need the built modules, so the swap happens at build, on the meta
   device, before torchtitan's parallelisms; `to_empty` + `init_weights` initialize the layers.
+* `LowprecConverter.Config(..., fp8_all_gather=True)` (with `backend: torch`): the built
+  model's PrecisionLinear weights become `lowprec.sites.fp8_allgather` shards, on the meta
+  device before torchtitan's TP and `fully_shard`, so FSDP2 gathers each FP8 site's weight as
+  FP8 bytes and one scale and the other sites' (a fallen-back one's from its next step) in
+  BF16; the weights' amaxes are taken in one all-reduce before each forward
+  (`lowprec.runtime.fsdp_fp8`).
 * `lowprec_trainer(config)` makes the job's `Trainer.Config` a `LowprecTrainer.Config`:
   `LowprecTrainer` (`lowprec.integrations.torchtitan_trainer`) is torchtitan's `Trainer`
   with `lowprec.integrations.core.HostedRollout` driven from it, as the HF and Lightning
@@ -131,6 +137,7 @@ class Setup:
     config: LowprecConfig
     seed: int
     event_log: str
+    fp8_all_gather: bool = False
 
 
 class LowprecConverter(ModelConfigConverter):
@@ -147,6 +154,11 @@ class LowprecConverter(ModelConfigConverter):
         event_log: str = ""
         """A JSONL file rank 0 appends the rollout's events (promotions, fallbacks, retries) to; "" for none."""
 
+        fp8_all_gather: bool = False
+        """FSDP2 gathers each FP8 site's weight as FP8 bytes and one scale (`backend: torch`,
+        tensor-wise FP8), the other sites' and a fallen-back site's in high precision
+        (lowprec.runtime.fsdp_fp8); torchtitan's own float8 converter gathers in BF16."""
+
     def __init__(self, config: Config):
         self.config = config
         try:
@@ -155,7 +167,11 @@ class LowprecConverter(ModelConfigConverter):
             where = e.path if e.path.startswith(("LowprecConverter.", str(config.config))) else \
                 f"{e.path} (in {config.config})"
             raise type(e)(where, e.message) from None
-        self.setup = Setup(str(config.config), cfg, config.seed, config.event_log)
+        if config.fp8_all_gather and BackendName(cfg.precision.backend) is not BackendName.TORCH:
+            raise ConfigError("LowprecConverter.Config.fp8_all_gather", (
+                f"is true with precision.backend {cfg.precision.backend!r} (in {config.config}); only the torch "
+                f"backend's FP8 sites gather FP8 bytes. Fix: backend: torch, or fp8_all_gather=False"))
+        self.setup = Setup(str(config.config), cfg, config.seed, config.event_log, config.fp8_all_gather)
 
     def convert(self, model_config: Module.Config) -> Module.Config:
         """The same model config, its model class made one that prepares itself after building."""
@@ -214,6 +230,10 @@ def _lowprec_model_class(base: type) -> type:
                                   "or LowprecConverter")
             setup = config._lowprec
             state = _prepare(self, setup)
+            if setup.fp8_all_gather:   # on the meta device, before torchtitan's TP and fully_shard
+                from lowprec.runtime.fsdp_fp8 import enable_fp8_all_gather, install
+                enable_fp8_all_gather(self)
+                install(self)
             from lowprec.sites.plan import ModelInfo
             setattr(self, PREPARED_ATTR, Prepared(setup, state, info=ModelInfo.of(self)))
             self._lowprec_guard = self.register_forward_pre_hook(_not_hosted)

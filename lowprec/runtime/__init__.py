@@ -10,7 +10,9 @@ Modules: `session` (Session), `snapshots` (in-memory and disk rewinds), `loop` (
 `engine` (the engine protocol, one process), `fsdp` (FullyShardedDP: FSDP2 for any model),
 `parallel` (the engines under torchrun: DP x TP, FSDP2 x TP, pipeline), `pipeline_forward`
 (forwards through pipeline stages outside training), `parallel_run`
-(`lowprec run` on several processes: the launch, its checks, each rank's run),
+(`lowprec run` on several processes: the launch, its checks, each rank's run), `rank_device`
+(each rank's backend and device: NCCL on cuda:LOCAL_RANK or gloo), `layout` (`lowprec plan`'s
+account of a parallel layout), `site_paths` (per site: fast/slow-path calls, all-gather dtype),
 `data` (token batches), `lrprobe` (LRProbe: the loss after a virtual step at lr x2 / x0.5),
 `faults` (injected faults), `evals` (eval checkpoints, evaluator
 and gate protocols), `run` (a config, end to end), `cli` (`lowprec run`, `lowprec plan`).

@@ -30,6 +30,7 @@ named at start (`run`) and beside the plan (`plan`) (`lowprec.runtime.device_not
 
 from __future__ import annotations
 
+import argparse
 import time
 import warnings
 from dataclasses import replace
@@ -75,6 +76,8 @@ def register(sub) -> None:
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                    help="train on N processes of this machine under torchrun, as the config's parallel: section "
                         "splits the model (docs/parallel.md); every check runs before any process starts")
+    # the ranks that `--nproc-per-node` starts: the launcher (this pid) holds the run folder for them
+    p.add_argument("--launcher-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_run)
 
 
@@ -129,6 +132,9 @@ def _plan(args, console) -> int:
     except (ConfigError, ValueError, TypeError) as e:
         return _fail(console, e)
     console.print(_table(prepared))
+    from lowprec.runtime.layout import layout_lines
+    for line in [""] + layout_lines(cfg, args.config) if cfg.parallel.world > 1 else []:
+        console.print(line)
     note = _fast_path_note(prepared)
     if note:
         console.print(f"\nbackend: {note}")
@@ -286,14 +292,20 @@ def _run(args, console, started: float):
             console.say(str(e))
             return EXIT_UNUSABLE
     try:   # one writer per run folder (rank 0's for a job): taken before anything is written, held until the end
-        folder = RunFolder.take(out, rank=env.rank if env is not None else 0)
+        folder = RunFolder.take(out, rank=env.rank if env is not None else 0, held_by=args.launcher_pid)
     except RunFolderBusyError as e:
         return _refuse(console, e, env)
     except OSError as e:   # a file where the folder should be, a folder that cannot be written
         return _refuse(console, f"--out {out}: cannot be a run folder ({e.strerror or e}); give a folder you can "
                                 f"write", env)
-    with folder:
-        return _run_locked(args, console, started, folder, cfg, faults, name, env, store)
+    try:
+        result = _run_locked(args, console, started, folder, cfg, faults, name, env, store)
+    except BaseException:
+        folder.release()
+        raise
+    if not callable(result):   # a Launch holds the folder until its last rank exits
+        folder.release()
+    return result
 
 
 def _run_locked(args, console, started: float, folder, cfg, faults, name: str, env, store):
@@ -310,12 +322,19 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
     if lead and args.resume and tracked and status.state is FolderState.FINISHED \
             and (sent := _send_finished(out, console)) is not None:
         return sent
-    line = refusal(status, resume=args.resume, config=args.config, tracked=tracked)
+    line = refusal(status, resume=args.resume, config=args.config, tracked=tracked, nproc=cfg.parallel.world)
     if line is None and args.resume:
         line = resume_mismatch(out, cfg, args.config)
     if line is not None:
         return _refuse(console, line, env)
+    placed = None
     try:
+        if env is not None and env.world > 1:   # this rank's GPU (or the CPU), before the model is built
+            from lowprec.runtime.parallel_run import place_rank
+            placed = place_rank(cfg.parallel, env)
+        elif args.nproc_per_node is not None:   # the launcher: every rank it starts can have its device
+            from lowprec.runtime.rank_device import cuda_devices, rank_device
+            rank_device(cfg.parallel.device, args.nproc_per_node - 1, cuda_devices())
         if tracked and lead:  # the run folder's MLflow run: continued only by --resume, never once finished
             from lowprec.tracking.resume import check_buffer
             check_buffer(out / "tracking", resume=args.resume)
@@ -356,11 +375,12 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
         record_config(out, cfg)
     if args.nproc_per_node is not None:
         from lowprec.runtime.parallel_run import Launch, launch_argv
-        return Launch(args.nproc_per_node, *launch_argv(args, out))
+        return Launch(args.nproc_per_node, *launch_argv(args, out), folder=folder)
     if env is not None and env.world > 1:
         from lowprec.runtime.parallel_run import train_ranks
-        return train_ranks(prepared, out, name=name, env=env, store=store, resume=args.resume, faults=faults,
-                           console=console, started=started, tracking_optional=args.tracking_optional)
+        return train_ranks(prepared, out, name=name, env=env, placed=placed, store=store, resume=args.resume,
+                           faults=faults, console=console, started=started,
+                           tracking_optional=args.tracking_optional)
     from lowprec.runtime.run import train_prepared
     return train_prepared(prepared, out, name=name, resume=chosen or args.resume, faults=faults, started=started,
                           tracking_optional=args.tracking_optional, console=console)

@@ -23,7 +23,8 @@ scales its own rows. Either way a site in an FP8 fast-path format runs the fast 
 (`lowprec.sites.fp8_parallel`).
 
 Gradients: each rank's loss is divided by microbatches x ranks and FSDP2's reduce-scatter
-is a plain SUM (divide factor 1: gloo has neither AVG nor PREMUL_SUM), so the summed
+is a plain SUM (divide factor 1; a SUM collective over gloo, which has neither AVG nor
+PREMUL_SUM: `plain_sums`), so the summed
 shards are the gradients of the global batch mean. Microbatches accumulate unsharded
 gradients locally and reduce once, after the last one (chunk k of every rank together
 is one process's chunk k: each rank holds rows rank::world). `clip_grad_norm` forms the
@@ -44,11 +45,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowprec.runtime.engine import loss_of
-from lowprec.runtime.fsdp_fp8 import install, wrap_weights
+from lowprec.runtime.engine import Clocked, loss_of
+from lowprec.runtime.fsdp_fp8 import enable_fp8_all_gather, install
 from lowprec.runtime.gradnorm import clip_, grad_norm
+from lowprec.tracking.phases import NULL_CLOCK, LapClock, Phase
 
-__all__ = ["FullyShardedDP", "block_modules"]
+__all__ = ["FullyShardedDP", "block_modules", "plain_sums", "sharded_forward_backward"]
 
 ShardSelector = Callable[[str, nn.Module], bool]
 
@@ -91,7 +93,44 @@ def _mesh_of(mesh_or_group, model: nn.Module):
     raise TypeError(f"mesh_or_group must be a 1-D DeviceMesh or a ProcessGroup, got {type(mesh_or_group).__name__}")
 
 
-class FullyShardedDP:
+def plain_sums(model: nn.Module, group) -> None:
+    """Every FSDP2 unit of `model` reduces the loss/ranks gradients as a plain sum (divide
+    factor 1); over gloo, which has neither AVG nor PREMUL_SUM, as a SUM collective."""
+    from torch.distributed.fsdp import FSDPModule
+    gloo = dist.get_backend(group) == "gloo"
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            if gloo:
+                m.set_force_sum_reduction_for_comms(True)
+
+
+def sharded_forward_backward(module: nn.Module, x: torch.Tensor, y: torch.Tensor, microbatches: int, world: int,
+                             group, clock: LapClock = NULL_CLOCK) -> torch.Tensor:
+    """Forward and backward of an FSDP2 `module` (alone, HSDP, over tp shards) on this rank's
+    rows in `microbatches` chunks, each chunk's loss / (microbatches x world); the global
+    batch-mean loss (detached), SUM-all-reduced over `group`, the same on every rank. The
+    laps: each chunk's forward (with the weights' all-gathers FSDP2 issues in it) as FORWARD,
+    its backward (with the reduce-scatters) as BACKWARD, the loss all-reduce as COLLECTIVE."""
+    n = microbatches
+    chunks = list(zip(x.tensor_split(n), y.tensor_split(n))) if n > 1 else [(x, y)]
+    total = None
+    for k, (xc, yc) in enumerate(chunks):
+        if n > 1:   # accumulate locally; reduce after the last microbatch only
+            module.set_requires_gradient_sync(k == n - 1)
+        loss = loss_of(module(xc, yc))
+        part = loss / (n * world) if n * world != 1 else loss
+        clock.lap(Phase.FORWARD)
+        part.backward()
+        clock.lap(Phase.BACKWARD)
+        total = part.detach() if total is None else total + part.detach()
+    if world > 1:
+        dist.all_reduce(total, group=group)
+        clock.lap(Phase.COLLECTIVE)
+    return total
+
+
+class FullyShardedDP(Clocked):
     """FSDP2 over a 1-D mesh or process group; see the module docstring.
 
     shard: a predicate `(fqn, module) -> bool` over `model.named_modules()` choosing the
@@ -126,14 +165,11 @@ class FullyShardedDP:
         else:
             units = [(n, m) for n, m in model.named_modules() if n and shard(n, m) and _has_params(m)]
         self.units = [n for n, _ in units]
-        self.fp8_gathered = wrap_weights(model, self.world, weight_amax_group) if fp8_all_gather else []
+        self.fp8_gathered = enable_fp8_all_gather(model, self.world, weight_amax_group) if fp8_all_gather else []
         for _, unit in reversed(units):   # inner units before the modules that hold them
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
-        for m in model.modules():
-            if isinstance(m, FSDPModule):   # per unit: a plain SUM of the loss/world gradients
-                m.set_gradient_divide_factor(1.0)
-                m.set_force_sum_reduction_for_comms(True)
+        plain_sums(model, self.group)
         if self.fp8_gathered:   # before FSDP2's own pre-forward: modes and amaxes for this step's gathers
             install(model)
         self.module = model
@@ -155,20 +191,7 @@ class FullyShardedDP:
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x, y: this rank's rows of the global batch. Returns the global batch-mean loss
         (detached), the same on every rank; the gradients are reduced and sharded."""
-        n = self.microbatches
-        scale = n * self.world
-        chunks = list(zip(x.tensor_split(n), y.tensor_split(n))) if n > 1 else [(x, y)]
-        total = None
-        for k, (xc, yc) in enumerate(chunks):
-            if n > 1:   # accumulate locally; reduce-scatter after the last microbatch only
-                self.module.set_requires_gradient_sync(k == n - 1)
-            loss = loss_of(self.module(xc, yc))
-            part = loss / scale if scale != 1 else loss
-            part.backward()
-            total = part.detach() if total is None else total + part.detach()
-        if self.world > 1:
-            dist.all_reduce(total, group=self.group)
-        return total
+        return sharded_forward_backward(self.module, x, y, self.microbatches, self.world, self.group, self.clock)
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:

@@ -48,7 +48,7 @@ def grad_norm(slots: list[torch.Tensor | None], whole: list[bool], group) -> tor
     local = [local_grad(g) for g in slots if g is not None]
     norms = iter(torch._foreach_norm(local, 2.0)) if local else iter(())
     n = len(slots)
-    packed = torch.zeros(2 * n, dtype=torch.float32)
+    packed = torch.zeros(2 * n, dtype=torch.float32, device=local[0].device if local else None)
     for i, g in enumerate(slots):
         if g is None:
             continue

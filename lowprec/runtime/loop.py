@@ -41,6 +41,7 @@ from lowprec.runtime.engine import Engine
 from lowprec.runtime.lrprobe import LRProbe
 from lowprec.runtime.faults import Faults, Injection
 from lowprec.runtime.session import Session, SessionSettings
+from lowprec.runtime.site_paths import all_gather_tag, path_metrics, site_paths
 from lowprec.runtime.snapshots import DiskSnapshots
 from lowprec.runtime.tracked_map import regather
 from lowprec.tracking.phases import PassOutcome, Phase
@@ -65,6 +66,7 @@ class RunResult:
     final_eval: object = None
     lr_probes: list = field(default_factory=list)   # every LR probe's ProbeResult, in order
     telemetry: dict[str, float] = field(default_factory=dict)   # the run's telemetry/* numbers
+    site_paths: dict[str, dict] = field(default_factory=dict)   # per site: calls by GEMM path, all-gather dtype
 
     def summary(self) -> dict:
         return {"steps": len(self.losses), "passes": self.passes, "rewinds": self.rewinds,
@@ -73,7 +75,8 @@ class RunResult:
                 "formats": self.formats[max(self.formats)] if self.formats else {},
                 "flops_share": self.flops_share[max(self.flops_share)] if self.flops_share else {},
                 "final_eval": ({k: self.evals[-1][k] for k in ("step", "mode", "results", "results_hp")}
-                               if self.evals else None)}
+                               if self.evals else None),
+                "site_paths": self.site_paths}
 
 
 def warmup_schedule(optimizer: torch.optim.Optimizer, warmup: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -127,7 +130,7 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     finally:
         injected.remove()
         session.close()
-    _conclude(res, after.record, engine, session, evals, tracker, tele, rank=process_rank(), out=out,
+    _conclude(res, after.record, engine, state, session, evals, tracker, tele, rank=process_rank(), out=out,
               n_steps=n_steps, seconds=(time.perf_counter() - t0) / max(n_steps - first, 1))
     return res
 
@@ -226,7 +229,7 @@ def _steps(lp: _Loop, res: "RunResult", n_steps: int, iteration: int) -> None:
             progress.update(session.step_index, loss=value, tokens=tokens)
 
 
-def _conclude(res: "RunResult", rec, engine: Engine, session: Session, evals, tracker, tele: Telemetry, *,
+def _conclude(res: "RunResult", rec, engine: Engine, state, session: Session, evals, tracker, tele: Telemetry, *,
               rank: int, out: Path, n_steps: int, seconds: float) -> None:
     """Fill `res` from the record, the final evaluation and the telemetry; rank 0 writes the files."""
     clock = tele.clock
@@ -242,6 +245,10 @@ def _conclude(res: "RunResult", rec, engine: Engine, session: Session, evals, tr
     if tracker is not None and res.telemetry:
         tracker.log_metrics(n_steps, res.telemetry)
         tracker.log_tags(tele.sources())
+    res.site_paths = site_paths(state, engine)   # a collective: every rank's counts
+    if tracker is not None and res.site_paths:
+        tracker.log_metrics(n_steps, path_metrics(res.site_paths))
+        tracker.log_tags(all_gather_tag(res.site_paths))
     res.nonfinite_params = on_any_rank(any(not torch.isfinite(p.detach()).all() for p in engine.params))
     res.events, res.skipped = session.events, session.skipped
     res.lr_probes = list(session.lr_probe.results) if session.lr_probe is not None else []

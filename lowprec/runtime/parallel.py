@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lowprec.runtime.engine import Clocked, forward_backward, loss_of
+from lowprec.runtime.engine import Clocked, forward_backward
 from lowprec.runtime.gradnorm import clip_, grad_norm, local_grad
 from lowprec.runtime.pipeline_forward import chain_forward, from_last_stage, last_stage_tensor
 from lowprec.tracking.phases import NULL_CLOCK, LapClock, Phase
@@ -165,17 +165,21 @@ class ShardedTensorParallel(Clocked):
                                    fp8_all_gather=fp8_all_gather,
                                    weight_amax_group=dist.group.WORLD if self.tp > 1 else None)
         self.module, self.params = self.fsdp.module, self.fsdp.params
+        self.fp8_gathered = self.fsdp.fp8_gathered
         self.world_group = dist.group.WORLD   # the mesh spans every rank
 
     @property
     def data_parallel_size(self) -> int:
         return self.fsdp.world
 
+    def use_clock(self, clock) -> None:
+        """Lap the phases on `clock` (FSDP2's forward, backward and loss all-reduce lap there)."""
+        self.clock = clock
+        self.fsdp.use_clock(clock)
+
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x, y: this dp_shard rank's rows of the global batch. Returns the global mean loss."""
-        loss = self.fsdp.forward_backward(x, y)
-        self.clock.lap(Phase.BACKWARD)
-        return loss
+        return self.fsdp.forward_backward(x, y)
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
@@ -185,9 +189,9 @@ class ShardedTensorParallel(Clocked):
             return self.fsdp.clip_grad_norm(max_norm)
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
-            return torch.zeros(())
+            return torch.zeros((), device=self.mesh.device_type)
         norms = torch._foreach_norm([local_grad(g) for g in grads], 2.0)
-        squares = torch.zeros(len(grads), dtype=torch.float32)
+        squares = torch.zeros(len(grads), dtype=torch.float32, device=norms[0].device)
         for i, (g, v) in enumerate(zip(grads, norms)):
             names = g.device_mesh.mesh_dim_names or ()
             tp_sharded = "tp" in names and g.placements[names.index("tp")].is_shard()
@@ -207,9 +211,9 @@ class HybridShardedDP(Clocked):
                  fp8_all_gather: bool = False, clock: LapClock = NULL_CLOCK):
         """dp_group: the ranks of this rank's (dp_replicate, dp_shard) sub-mesh (default: every rank)."""
         self.clock = clock
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-        from lowprec.runtime.fsdp import block_modules
-        from lowprec.runtime.fsdp_fp8 import install, wrap_weights
+        from torch.distributed.fsdp import fully_shard
+        from lowprec.runtime.fsdp import block_modules, plain_sums
+        from lowprec.runtime.fsdp_fp8 import enable_fp8_all_gather, install
 
         names = mesh.mesh_dim_names
         self.tp = mesh["tp"].size() if "tp" in names else 1
@@ -219,15 +223,12 @@ class HybridShardedDP(Clocked):
         dp_mesh = mesh["dp_replicate", "dp_shard"] if "tp" in names else mesh
         self.mesh, self.microbatches, self.world = mesh, microbatches, dp_mesh.size()
         self.dp_group = dp_group
-        self.fp8_gathered = (wrap_weights(model, mesh["dp_shard"].size(), dist.group.WORLD)
+        self.fp8_gathered = (enable_fp8_all_gather(model, mesh["dp_shard"].size(), dist.group.WORLD)
                              if fp8_all_gather else [])
         for _, unit in reversed(block_modules(model)):   # inner units before the modules that hold them
             fully_shard(unit, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
-        for m in model.modules():
-            if isinstance(m, FSDPModule):   # a plain SUM of the loss/world gradients (gloo: no AVG)
-                m.set_gradient_divide_factor(1.0)
-                m.set_force_sum_reduction_for_comms(True)
+        plain_sums(model, dist.group.WORLD)   # a plain SUM of the loss/world gradients
         if self.fp8_gathered:
             install(model)
         self.module = model
@@ -240,18 +241,8 @@ class HybridShardedDP(Clocked):
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x, y: this rank's rows of the global batch. Returns the global mean loss."""
-        n = self.microbatches
-        chunks = list(zip(x.tensor_split(n), y.tensor_split(n))) if n > 1 else [(x, y)]
-        total = None
-        for k, (xc, yc) in enumerate(chunks):
-            if n > 1:   # accumulate locally; reduce after the last microbatch only
-                self.module.set_requires_gradient_sync(k == n - 1)
-            part = loss_of(self.module(xc, yc)) / (n * self.world)
-            part.backward()
-            total = part.detach() if total is None else total + part.detach()
-        dist.all_reduce(total, group=self.dp_group)
-        self.clock.lap(Phase.BACKWARD)
-        return total
+        from lowprec.runtime.fsdp import sharded_forward_backward
+        return sharded_forward_backward(self.module, x, y, self.microbatches, self.world, self.dp_group, self.clock)
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
@@ -259,7 +250,7 @@ class HybridShardedDP(Clocked):
         tp a tp-replicated parameter counts only its tp rank 0's shards."""
         grads = [p.grad for p in self.params if p.grad is not None]
         norms = torch._foreach_norm([local_grad(g) for g in grads], 2.0)
-        squares = torch.zeros(len(grads))
+        squares = torch.zeros(len(grads), device=norms[0].device if norms else self.mesh.device_type)
         if self.replica == 0:
             for i, (g, v) in enumerate(zip(grads, norms)):
                 names = g.device_mesh.mesh_dim_names or ()
@@ -274,14 +265,16 @@ class HybridShardedDP(Clocked):
 class Pipeline:
     """This rank's stage of a GPipe schedule over `microbatches`; see the module docstring."""
 
-    def __init__(self, model: nn.Module, rank: int, pp: int, microbatches: int, group=None):
+    def __init__(self, model: nn.Module, rank: int, pp: int, microbatches: int, device: torch.device,
+                 group=None):
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
         self.rank, self.pp, self.microbatches, self.group = rank, pp, microbatches, group
+        self.device = torch.device(device)
         self.module = model.pipeline_stage(rank, pp)
         self.names = [n for n, _ in model.named_parameters()]   # the whole model's order
         self.params = list(self.module.parameters())
-        self.stage = PipelineStage(self.module, rank, pp, torch.device("cpu"), group=group)
+        self.stage = PipelineStage(self.module, rank, pp, self.device, group=group)
         self.schedule = ScheduleGPipe(self.stage, n_microbatches=microbatches, loss_fn=self._loss,
                                       scale_grads=False)
 
@@ -292,7 +285,8 @@ class Pipeline:
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x, y: the whole batch on every rank. Returns the batch-mean loss on every rank."""
-        loss = torch.zeros((), dtype=torch.float32)
+        x, y = x.to(self.device), y.to(self.device)
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.stage.is_first:
             self.schedule.step(x)
         elif self.stage.is_last:
@@ -311,7 +305,8 @@ class Pipeline:
         rank: the same microbatches, loss and sum as `forward_backward`, each microbatch one
         `chain_forward` through the stages (no schedule step: the schedule's stages would
         re-initialise on every switch between training and evaluation)."""
-        total = torch.zeros((), dtype=torch.float32)
+        x, y = x.to(self.device), y.to(self.device)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
         n = self.microbatches
         for k, (xc, yc) in enumerate(zip(x.tensor_split(n), y.tensor_split(n))):
             out = chain_forward(self.module, xc, self.rank, self.pp, self.group)
@@ -324,8 +319,8 @@ class Pipeline:
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """The whole model's logits [B, T, V] (float32) on token ids [B, T], on every rank: one
         `chain_forward` of the whole batch (any B, T), the last stage's logits broadcast."""
-        out = chain_forward(self.module, tokens, self.rank, self.pp, self.group)
-        return last_stage_tensor(out, self.group, self.pp, ndim=3)
+        out = chain_forward(self.module, tokens.to(self.device), self.rank, self.pp, self.group)
+        return last_stage_tensor(out, self.group, self.pp, ndim=3, device=self.device)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         mine = dict(self.module.named_parameters())
@@ -335,19 +330,21 @@ class Pipeline:
         return total
 
 
-def build_engine(model: nn.Module, par, microbatches: int, clock: LapClock = NULL_CLOCK):
+def build_engine(model: nn.Module, par, microbatches: int, device: torch.device, clock: LapClock = NULL_CLOCK):
     """(engine, data rank, data ranks) for `par` (a ParallelConfig) on the initialised process
-    group; the model is `prepare`d already (its amax group is set here). clock: where the
-    engine laps its phases (the run's telemetry's)."""
+    group, every mesh and stage on `device` (the model's: `lowprec.runtime.rank_device`); the
+    model is `prepare`d already (its amax group is set here). clock: where the engine laps its
+    phases (the run's telemetry's)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    kind = torch.device(device).type
     if par.pp > 1:
-        return Pipeline(model, dist.get_rank(), par.pp, microbatches), 0, 1
+        return Pipeline(model, dist.get_rank(), par.pp, microbatches, device=device), 0, 1
     if par.dp_replicate > 1 and par.dp_shard > 1:
-        return _hybrid(model, par, microbatches, clock)
+        return _hybrid(model, par, microbatches, kind, clock)
     dp_name = "dp_shard" if par.dp_shard > 1 else "dp_replicate"
     dp = par.dp_shard * par.dp_replicate
-    mesh = init_device_mesh("cpu", (dp, par.tp), mesh_dim_names=(dp_name, "tp"))
+    mesh = init_device_mesh(kind, (dp, par.tp), mesh_dim_names=(dp_name, "tp"))
     if dp > 1:
         set_amax_group(model, mesh.get_group(dp_name))
     engine = (ShardedTensorParallel(model, mesh, microbatches, fp8_all_gather=par.fp8_all_gather, clock=clock)
@@ -355,17 +352,17 @@ def build_engine(model: nn.Module, par, microbatches: int, clock: LapClock = NUL
     return engine, mesh.get_local_rank(dp_name), dp
 
 
-def _hybrid(model: nn.Module, par, microbatches: int, clock: LapClock = NULL_CLOCK):
+def _hybrid(model: nn.Module, par, microbatches: int, kind: str, clock: LapClock = NULL_CLOCK):
     """HSDP (x TP): the engine, this rank's data rank and the data ranks (see build_engine)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dims, names = (par.dp_replicate, par.dp_shard), ("dp_replicate", "dp_shard")
     if par.tp == 1:
-        mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
+        mesh = init_device_mesh(kind, dims, mesh_dim_names=names)
         set_amax_group(model, dist.group.WORLD)
         return (HybridShardedDP(model, mesh, microbatches, fp8_all_gather=par.fp8_all_gather, clock=clock),
                 dist.get_rank(), par.world)
-    mesh = init_device_mesh("cpu", (*dims, par.tp), mesh_dim_names=(*names, "tp"))
+    mesh = init_device_mesh(kind, (*dims, par.tp), mesh_dim_names=(*names, "tp"))
     dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()   # this tp rank's data ranks
     set_amax_group(model, dp_group)
     data_rank = mesh.get_local_rank("dp_replicate") * par.dp_shard + mesh.get_local_rank("dp_shard")

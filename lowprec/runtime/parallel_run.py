@@ -54,8 +54,9 @@ from pathlib import Path
 
 from lowprec.base.parse import ConfigError
 
-__all__ = ["RankEnv", "rank_env", "check_launch", "check_prepared", "Launch", "launch_argv", "join", "train_ranks",
-           "merge_rank_events", "EXIT_RANK_DIED", "EXIT_PEER_LOST", "REFUSED_GRACE_S"]
+__all__ = ["RankEnv", "rank_env", "place_rank", "peer_lost_line", "check_launch", "check_prepared", "Launch",
+           "launch_argv", "join", "train_ranks", "merge_rank_events", "EXIT_RANK_DIED", "EXIT_PEER_LOST",
+           "REFUSED_GRACE_S"]
 
 EXIT_UNUSABLE = 2
 EXIT_RANK_DIED = 1     # the launcher's, when a rank died
@@ -86,6 +87,17 @@ def rank_env(environ=None) -> RankEnv | None:
                    env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")),
                    env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
                    int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+
+def place_rank(par, env: RankEnv):
+    """This rank's backend and device (`lowprec.runtime.rank_device`), made torch's current CUDA
+    device when it is one, so that a model factory's "cuda" builds on this rank's GPU."""
+    import torch
+    from lowprec.runtime.rank_device import cuda_devices, rank_device
+    placed = rank_device(par.device, env.local_rank, cuda_devices())
+    if placed.device.type == "cuda":
+        torch.cuda.set_device(placed.device)
+    return placed
 
 
 def check_launch(cfg, nproc: int | None, env: RankEnv | None) -> None:
@@ -127,9 +139,17 @@ class Launch:
     nproc: int
     argv: list[str]                  # `lowprec.cli run ...` for every rank
     resume_hint: str                 # the command that continues the run
+    folder: object = None            # the RunFolder this launcher holds, released once the last rank exited
 
     def __call__(self) -> int:
         """Start the ranks under torchrun's agent (standalone, this machine); the exit status."""
+        try:
+            return self._start()
+        finally:
+            if self.folder is not None:
+                self.folder.release()
+
+    def _start(self) -> int:
         import logging
         import uuid
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -158,8 +178,10 @@ class Launch:
 
 
 def launch_argv(args, out: Path) -> tuple[list[str], str]:
-    """(the ranks' `run` arguments, the resume command) from the launcher's own arguments."""
-    argv = ["run", str(args.config), "--out", str(out)]
+    """(the ranks' `run` arguments, the resume command) from the launcher's own arguments; the
+    ranks learn that this process holds the run folder for them (`RunFolder.take(held_by=)`)."""
+    from lowprec.runtime.run_folder import run_command
+    argv = ["run", str(args.config), "--out", str(out), "--launcher-pid", str(os.getpid())]
     argv += ["--resume"] if args.resume else []
     argv += ["--steps", str(args.steps)] if args.steps is not None else []
     argv += ["--run-name", args.run_name] if args.run_name else []
@@ -168,7 +190,7 @@ def launch_argv(args, out: Path) -> tuple[list[str], str]:
             argv.append("--" + flag.replace("_", "-"))
     for spec in args.inject:
         argv += ["--inject", spec]
-    hint = f"lowprec run --nproc-per-node {args.nproc_per_node} {args.config} --out {out} --resume"
+    hint = run_command(args.config, out, nproc=args.nproc_per_node, resume=True).strip("`")
     return argv, hint
 
 
@@ -211,15 +233,31 @@ class RankRun:
     precision_map: object = None     # what tracking reports (`lowprec.runtime.tracked_map`): the whole model's
 
 
-def _build(prepared, par, clock) -> RankRun:
-    """This rank's engine (lapping on `clock`), precision state and batches."""
+def _to_device(device):
+    """A forward pre-hook that moves a module's tensor inputs to `device` (the batches are made on the CPU)."""
+    import torch
+
+    def move(v):
+        return v.to(device) if isinstance(v, torch.Tensor) else v
+
+    def hook(module, args, kwargs):
+        return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+    return hook
+
+
+def _build(prepared, par, device, clock) -> RankRun:
+    """This rank's engine (lapping on `clock`), precision state and batches, on `device`."""
     from lowprec.runtime.data import TokenBatches
     from lowprec.runtime.parallel import build_engine, local_state
     from lowprec.runtime.tracked_map import tracked_map
 
     tc = prepared.config.train
     sites = list(prepared.controller.order) if prepared.controller is not None else None
-    engine, data_rank, data_ranks = build_engine(prepared.model, par, tc.microbatches, clock)
+    if any(p.device != device for p in prepared.model.parameters()):   # where the factory did not build it
+        prepared.model.to(device)
+    if device.type != "cpu":   # the batches, eval tokens and held batch are made on the CPU
+        prepared.model.register_forward_pre_hook(_to_device(device), with_kwargs=True)
+    engine, data_rank, data_ranks = build_engine(prepared.model, par, tc.microbatches, device, clock)
     state, data, whole = prepared.state, prepared.data, None
     if par.pp > 1:   # this rank keeps its stage's sites; the monitor packs every site's row
         whole, state = state, local_state(state, [f for f, _ in engine.module.named_modules() if f in state.sites])
@@ -250,18 +288,28 @@ def merge_rank_events(out: Path, world: int) -> list:
     return [replace(e, evidence={**e.evidence, "ranks": ranks}) for e, ranks in extra.values()]
 
 
-def train_ranks(prepared, out: Path, *, name: str, env: RankEnv, store, resume: bool, faults, console,
+def peer_lost_line(rank: int, e: BaseException, limit: int = 200) -> str:
+    """What a rank says when a collective failed under it: the error's first line without
+    its source-location prefix, shortened at a word boundary (never mid-word) to `limit`."""
+    why = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).splitlines() or [""])[0]) or type(e).__name__
+    if len(why) > limit:   # at the last space that fits (a single word longer than that: cut)
+        head = why[:limit + 1]
+        why = (head.rsplit(" ", 1)[0] if " " in head else why[:limit]).rstrip(" ,;:") + " ..."
+    return f"rank {rank}: stopped: {why} (another rank died or stopped)"
+
+
+def train_ranks(prepared, out: Path, *, name: str, env: RankEnv, placed, store, resume: bool, faults, console,
                 started: float, tracking_optional: bool) -> int:
     """This rank's part of a `lowprec run` under torchrun, once every rank joined (`store`, from
-    `join`); the exit status."""
+    `join`), on `placed` (`place_rank`: NCCL on this rank's GPU, or gloo on the CPU); the exit status."""
     import torch.distributed as dist
-    dist.init_process_group("gloo", store=dist.PrefixStore("lowprec", store), rank=env.rank, world_size=env.world)
+    dist.init_process_group(str(placed.backend), store=dist.PrefixStore("lowprec", store), rank=env.rank,
+                            world_size=env.world, device_id=placed.device if placed.device.type == "cuda" else None)
     try:
-        return _train_rank(prepared, out, name=name, env=env, resume=resume, faults=faults, console=console,
-                           started=started, tracking_optional=tracking_optional)
+        return _train_rank(prepared, out, name=name, env=env, device=placed.device, resume=resume, faults=faults,
+                           console=console, started=started, tracking_optional=tracking_optional)
     except (RuntimeError, dist.DistError) as e:   # a peer went away mid-collective
-        why = re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0])[:160]
-        console.say(f"rank {env.rank}: stopped: {why} (another rank died or stopped)")
+        console.say(peer_lost_line(env.rank, e))
         return EXIT_PEER_LOST
     finally:
         dist.destroy_process_group()
@@ -275,13 +323,14 @@ def _tracker(cfg, out: Path, name: str, resume: bool):
     tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, name, buffer_dir=out / "tracking", resume=resume,
                       system_metrics_s=tel.system_metrics_s if tel.enabled else None)
     tracker.log_config(cfg.to_dict())
-    tracker.log_tags({"lowprec.parallel": f"{par.mode} ({par.world} processes)"})
+    import torch.distributed as dist
+    tracker.log_tags({"lowprec.parallel": f"{par.mode} ({par.world} processes)",
+                      "lowprec.parallel.backend": dist.get_backend()})   # nccl or gloo
     return tracker
 
 
-def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, resume: bool, faults, console, started: float,
-                tracking_optional: bool) -> int:
-    import torch
+def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, device, resume: bool, faults, console,
+                started: float, tracking_optional: bool) -> int:
     import torch.distributed as dist
     from lowprec.runtime.console import LOG_NAME
     from lowprec.runtime.loop import train
@@ -294,15 +343,15 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, resume: bool, f
 
     cfg, lead = prepared.config, env.rank == 0
     tel = cfg.telemetry if lead else TelemetryConfig(enabled=False)
-    clock = Telemetry.clock_for(tel, torch.device("cpu"))   # the engine's and the session's, counting from begin()
-    run = _build(prepared, cfg.parallel, clock)
+    clock = Telemetry.clock_for(tel, device)   # the engine's and the session's, counting from begin()
+    run = _build(prepared, cfg.parallel, device, clock)
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         console.log_to(out / LOG_NAME)
     dist.barrier()   # the run folder exists before any rank writes to it
     tracker = _tracker(cfg, out, name, resume) if lead and cfg.tracking.enabled else None
     progress = console.progress(cfg.train.steps, mix=run.precision_map.flops_share) if lead else None
-    telemetry = Telemetry(tel, device=torch.device("cpu"), model=run.engine.module, state=run.state, started=started,
+    telemetry = Telemetry(tel, device=device, model=run.engine.module, state=run.state, started=started,
                           clock=clock)
     evals = None
     if prepared.evals is not None:   # every rank evaluates (collective forwards); rank 0 logs, gates and shares

@@ -46,18 +46,18 @@ def _send(t: torch.Tensor, dst: int, group) -> None:
     if t.dtype not in _DTYPES or t.dim() > _MAX_DIMS:
         raise ValueError(f"a pipeline stage returned a {t.dtype} tensor of {t.dim()} dims; stages may pass "
                          f"tensors of {', '.join(map(str, _DTYPES))} with at most {_MAX_DIMS} dims")
-    head = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+    head = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=t.device)
     head[0], head[1] = _DTYPES.index(t.dtype), t.dim()
     head[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
     dist.send(head, group_dst=dst, group=group)
     dist.send(t.detach().contiguous(), group_dst=dst, group=group)
 
 
-def _recv(src: int, group) -> torch.Tensor:
-    head = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+def _recv(src: int, group, device: torch.device) -> torch.Tensor:
+    head = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device)
     dist.recv(head, group_src=src, group=group)
     dtype, ndim = _DTYPES[int(head[0])], int(head[1])
-    t = torch.empty(tuple(head[2:2 + ndim].tolist()), dtype=dtype)
+    t = torch.empty(tuple(head[2:2 + ndim].tolist()), dtype=dtype, device=device)
     dist.recv(t, group_src=src, group=group)
     return t
 
@@ -66,8 +66,10 @@ def chain_forward(stage: nn.Module, x: torch.Tensor | None, index: int, stages: 
                   ) -> torch.Tensor | None:
     """`stage` (this rank's, number `index` of `stages` in `group`) run on `x` (the first stage's
     input; ignored elsewhere) or on what the stage before it sends; the model's output on the
-    last stage, None on the others (see the module docstring)."""
-    h = x if index == 0 else _recv(index - 1, group)
+    last stage, None on the others (see the module docstring). What it receives lands on the
+    stage's device (its parameters')."""
+    device = next((p.device for p in stage.parameters()), torch.device("cpu"))
+    h = x if index == 0 else _recv(index - 1, group, device)
     out = stage(h)
     if index < stages - 1:
         _send(out, index + 1, group)

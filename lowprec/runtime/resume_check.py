@@ -26,7 +26,6 @@ says so (`resume_line`).
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 from typing import Any
 
@@ -77,23 +76,36 @@ def _shown(v: Any) -> str:
     return "(absent)" if type(v) is object else repr(v)
 
 
+def _world(saved: dict) -> int:
+    """The number of processes a saved config's `parallel:` section trains on (1 without one)."""
+    from lowprec.base.parse import parse
+    from lowprec.config import ParallelConfig
+    return parse(ParallelConfig, saved.get("parallel") or {}, "parallel").world
+
+
 def resume_mismatch(folder: Path, cfg, config_path: str, model=None, checkpoint: Path | None = None) -> str | None:
     """The one line refusing to resume the run in `folder` with `cfg` (read from
     `config_path`), or None when it fits. model: the model `cfg` builds, checked against the
-    shapes of `checkpoint` (default: the newest usable one, found without a warning)."""
+    shapes of `checkpoint` (default: the newest usable one, found without a warning). The
+    commands it suggests for a job carry its `--nproc-per-node`."""
+    from lowprec.runtime.run_folder import run_command
     folder = Path(folder)
     copy = folder / CONFIG_COPY
-    new_out = f"`lowprec run {shlex.quote(str(config_path))} --out NEW_DIR`"
+    new_out = run_command(config_path, "NEW_DIR", nproc=cfg.parallel.world if cfg is not None else 1)
     if copy.is_file():
         old = yaml.safe_load(copy.read_text()) or {}
         diffs = _differences(old, cfg.to_dict())
         if diffs:
             key, was, now = diffs[0]
             more = f" (and {len(diffs) - 1} more keys)" if len(diffs) > 1 else ""
+            why = "a resume continues a run with the config it started with"
+            if key.startswith("parallel."):   # the checkpoints hold each rank's shards, data position and RNG
+                why = ("a resume keeps the parallel layout: its checkpoints hold each rank's shards, data position "
+                       "and RNG for that layout")
             return (f"--resume: {key} is {_shown(now)} in {config_path} but {_shown(was)} in the run {folder} "
-                    f"holds{more}; a resume continues a run with the config it started with. Resume with that "
-                    f"config (`lowprec run {shlex.quote(str(copy))} --out {shlex.quote(str(folder))} --resume`), "
-                    f"or train this config as a new run ({new_out})")
+                    f"holds{more}; {why}. Resume with that config "
+                    f"({run_command(copy, folder, nproc=_world(old), resume=True)}), or train this config as a "
+                    f"new run ({new_out})")
     if model is None:
         return None
     from lowprec.state.checkpoint import checkpoint_mismatch

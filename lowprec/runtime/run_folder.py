@@ -28,7 +28,7 @@ from pathlib import Path
 from lowprec.base.writer_lock import Holder, WriterBusyError, WriterLock, holder
 
 __all__ = ["RUN_LOCK", "FolderState", "FolderStatus", "RunFolder", "RunFolderBusyError", "inspect_folder",
-           "refusal", "alive_line"]
+           "refusal", "alive_line", "run_command"]
 
 RUN_LOCK = "run.lock"
 
@@ -71,12 +71,18 @@ class RunFolder:
         self.folder, self._lock, self._created = folder, lock, created   # created: folders made, deepest first
 
     @classmethod
-    def take(cls, folder: str | Path, *, rank: int = 0) -> "RunFolder":
+    def take(cls, folder: str | Path, *, rank: int = 0, held_by: int | None = None) -> "RunFolder":
         """Lock `folder` (made if absent) for this run, or RunFolderBusyError naming the live
-        writer. Ranks other than 0 get a RunFolder that holds nothing."""
+        writer. Ranks other than 0 get a RunFolder that holds nothing, and so does rank 0 when
+        the process `held_by` (the `lowprec run --nproc-per-node` launcher that started it)
+        holds the lock: the launcher holds it from its first check until the last rank exits."""
         folder = Path(folder)
         if rank != 0:
             return cls(folder, None, [])
+        if held_by is not None:
+            who = holder(folder / RUN_LOCK)
+            if who is not None and who.pid == held_by:
+                return cls(folder, None, [])
         created = [p for p in (folder, *folder.parents) if not p.exists()]
         folder.mkdir(parents=True, exist_ok=True)
         try:
@@ -145,14 +151,19 @@ def inspect_folder(folder: str | Path, *, mine: bool = False) -> FolderStatus:
     return FolderStatus(folder, FolderState.NEW)
 
 
-def _resume_command(config: str, folder: Path) -> str:
-    return f"`lowprec run {shlex.quote(str(config))} --out {shlex.quote(str(folder))} --resume`"
+def run_command(config: str | Path, out: str | Path, *, nproc: int = 1, resume: bool = False) -> str:
+    """The `lowprec run` command line (in backquotes) for `config` on `out`; a config that trains
+    on `nproc` > 1 processes starts them with --nproc-per-node, as it must."""
+    launch = f" --nproc-per-node {nproc}" if nproc > 1 else ""
+    return (f"`lowprec run{launch} {shlex.quote(str(config))} --out {shlex.quote(str(out))}"
+            f"{' --resume' if resume else ''}`")
 
 
-def refusal(status: FolderStatus, *, resume: bool, config: str, tracked: bool) -> str | None:
+def refusal(status: FolderStatus, *, resume: bool, config: str, tracked: bool, nproc: int = 1) -> str | None:
     """The one line that refuses `lowprec run` (with `resume`) on this folder, or None when it
     may go on: a new run on NEW, a resume of STOPPED (and of an untracked FINISHED run, which
-    trains the steps a larger --steps adds)."""
+    trains the steps a larger --steps adds). nproc: the processes the config trains on (the
+    commands it suggests start that many)."""
     f, st = status.folder, status.state
     run = f"the MLflow run {status.run_id}" if status.run_id else "a run"
     if st is FolderState.ALIVE:
@@ -166,5 +177,5 @@ def refusal(status: FolderStatus, *, resume: bool, config: str, tracked: bool) -
         where = (f"from its checkpoint at step {status.step}" if status.step is not None
                  else "from step 0 (it has no checkpoint)")
         return (f"{f} holds {run}, which stopped without finishing; no process writes it (it was killed). "
-                f"Continue it {where} with {_resume_command(config, f)}, or give a new --out")
+                f"Continue it {where} with {run_command(config, f, nproc=nproc, resume=True)}, or give a new --out")
     return None

@@ -43,7 +43,7 @@ from lowprec.numerics.grid import saturates
 from lowprec.numerics.quant_stats import QuantStats
 from lowprec.numerics.quantize import quantize
 from lowprec.sites.amax_scope import AmaxScope
-from lowprec.sites.fp8_allgather import FP8GatheredWeight
+from lowprec.sites.fp8_allgather import FP8GatheredWeight, unwrap
 from lowprec.sites.fp8_linear import (FastRecipe, FP8LinearFn, GemmMeta, WeightForms, _mm, _output_dtype, grad_gemms,
                                       delayed_state)
 
@@ -266,6 +266,7 @@ def parallel_fast_linear(layer, x: Tensor, w: Tensor, recipe: FastRecipe, weight
     stats = recipe.stats
     # a tp shard that FSDP2 gathered as FP8 bytes (lowprec.sites.fp8_allgather) is already
     # scaled by the whole weight's amax: the bytes `_weight_forms_group` would cast
+    w_l = unwrap(w_l)   # gathered in high precision: the plain tensor it holds
     gathered = isinstance(w_l, FP8GatheredWeight)
     forms = (_weight_forms_group(w_l, recipe, gw, delayed(layer, "weight", recipe), layer.overflow_steps)
              if gw.all and not gathered else weight_forms(layer, w_l, recipe))

@@ -41,7 +41,7 @@ from lowprec.numerics.formats import Format, Scaling
 from lowprec.numerics.hadamard import RandomHadamard
 from lowprec.numerics.quant_stats import QuantStats
 from lowprec.sites.amax_scope import AmaxScope
-from lowprec.sites.fp8_allgather import FP8GatheredWeight
+from lowprec.sites.fp8_allgather import FP8GatheredWeight, unwrap
 from lowprec.sites.fp8_parallel import parallel_fast_linear
 from lowprec.sites.fp8_linear import (NO_HISTORY, DelayedTensors, FastRecipe, FP8LinearFn, InputForms, WeightForms,
                                       cast_input_and_weight, cast_weight, delayed_state, fast_recipe, step_recipes)
@@ -160,7 +160,8 @@ class PrecisionLinear(nn.Linear):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight.t() if self.transposed_weight else self.weight
+        # a weight FSDP2 gathered in high precision (lowprec.sites.fp8_allgather) as the plain tensor it holds
+        w = self.weight.t() if self.transposed_weight else unwrap(self.weight)
         if self.format.is_high_precision:
             if self.emulate_bf16 and x.dtype == torch.float32:
                 b = None if self.bias is None else bf16_round(self.bias)
@@ -218,7 +219,7 @@ def _weight_forms(layer: PrecisionLinear, w: torch.Tensor, recipe: FastRecipe, x
     the input `x` (and its delayed state `hist_x` under delayed scaling), a weight that must
     be cast is cast with it in one launch where the pair runs (`cast_input_and_weight`), and
     the input's casts come back too (else None)."""
-    if isinstance(w, FP8GatheredWeight):   # FSDP2 gathered its FP8 bytes (lowprec.sites.fp8_allgather)
+    if isinstance(w, FP8GatheredWeight) and w.fp8:   # FSDP2 gathered its FP8 bytes (lowprec.sites.fp8_allgather)
         return w.forms(), None
     cache = layer.weight_cache
     # not under torch.compile (a graph casts in its own kernels) nor inside a CUDA-graph

@@ -71,6 +71,11 @@ def _count_step(optimizer, args, kwargs) -> None:
     _OPTIMIZER_STEPS[0] += 1
 
 
+def optimizer_steps() -> int:
+    """How many `torch.optim` steps this process has taken since `install_step_hook`."""
+    return _OPTIMIZER_STEPS[0]
+
+
 def install_step_hook() -> None:
     """Count every `torch.optim` step from now on (once per process; idempotent)."""
     if not _HOOK:

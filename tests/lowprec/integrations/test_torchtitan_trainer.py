@@ -19,6 +19,10 @@ tracks into MLflow. Rank 0 is then SIGKILLed one step after a checkpoint (its st
 MLflow), and torchtitan resumes the job from that checkpoint with an `eval:` section added:
 lowprec's state comes back on every rank, the job goes on in the same MLflow run without a
 point or event logged twice, and the final eval runs on both ranks with rank 0's outcome on each.
+Under FSDP 2 the sites are the torch backend's, their weights gathered by lowprec's FP8
+all-gather (`LowprecConverter.Config(fp8_all_gather=True)`): every forward of every site gets
+FP8 bytes while the site runs FP8 and its bf16 weight otherwise, and the gathered weights are
+the whole weights' (FP8: one process's cast) bit for bit, after the fallback and the resume.
 Under FSDP 2 x TP 2 the sites are the torchao backend's (torchao's Float8Linear).
 
 Under pipeline parallelism 2 (torchtitan's default looped schedule) each rank hosts its own
@@ -123,10 +127,29 @@ def _mlflow_run(uri: str):
 EVAL = "eval: {suite: default, every: 0, mode: fast, final_mode: fast, gates: inloop, high_precision: true}\n"
 
 
+def _check_fp8_all_gather(reports: list[dict]) -> None:
+    """Under lowprec's FP8 all-gather every forward of every site got what its format at that
+    moment asks for: FP8 bytes while it ran tensor-wise FP8, its bf16 weight otherwise (SITE
+    after its fallback, replays in high precision, the attention until its promotion), on every
+    rank; and at the kill, each site's gathered weight is its whole weight's, bit for bit (FP8:
+    one process's cast of it with the whole weight's scale; bf16: its values)."""
+    for r in reports:
+        gathers = r["gathers"]
+        assert set(gathers) == set(r["formats"]), sorted(gathers)
+        assert all(bad == 0 for _, _, bad in gathers.values()), gathers   # never the other mode
+        assert all(fp8 > 0 for fqn, (fp8, _, _) in gathers.items() if "feed_forward" in fqn), gathers
+        assert gathers[SITE][0] > 0 and gathers[SITE][1] > 0, gathers[SITE]   # FP8 until the fallback, bf16 after
+        # each site's weight as FSDP2 gathers it (its unit unshard()ed) against its whole weight
+        check = r["gather_check"]
+        assert all(ok for _, ok in check.values()), check
+        assert {m for m, _ in check.values()} == {"fp8", "hp"} and check[SITE][0] == "hp", check
+
+
 def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(tmp_path, gloo, free_port):
+    """Under FSDP 2 with the torch backend and lowprec's FP8 all-gather (LowprecConverter.Config)."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     faults = [fault("nan", SITE, NAN_AT, NAN_AT + 1, rank=0), fault("loss_spike", "", SPIKE_AT, SPIKE_AT + 2, 100.0)]
-    steps, plan = 10, FULL.replace("URI", uri)
+    steps, plan = 10, FULL.replace("URI", uri).replace("backend: emulated", "backend: torch")
     # first a setting lowprec refuses (the default in-loop gate needs Milton, the shakespeare suite has none):
     # one line from rank 0, exit 2 on both ranks, no rank's traceback, before torchtitan builds anything
     job = TitanJob(tmp_path, plan + "eval: {suite: shakespeare, every: 0}\n", steps=steps + 2, checkpoint_every=5,
@@ -136,13 +159,14 @@ def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(t
     assert proc.returncode != 0 and log.count("lowprec: eval.gates: 'inloop' gates") == 1, log[-6000:]
     assert "Fix: a suite with that task" in log and "ConfigError" not in log and "exitcode  : 2" in log, log[-6000:]
     assert "dp_shard=2" not in log and not (tmp_path / "mlflow.db").exists()   # no mesh built, no store
-    job.update(plan=plan)
-    proc = job.run(2, free_port())
+    job.update(plan=plan, fp8_all_gather=True)
+    proc = job.run(2, free_port(), timeout=600)   # (a hang's net; on a shared 2-core machine ~4-5 min)
     log = proc.stdout + proc.stderr
     assert "lowprec: tracking into MLflow run" in log, log[-6000:]   # rank 0 names the run
     assert proc.returncode != 0 and "SIGKILL" in log, log[-6000:]   # rank 0 died after step 11
     assert "dp_shard=2, cp=1, tp=1" in log   # torchtitan's mesh: FSDP 2
     first = job.reports(2)   # as of the step-10 checkpoint
+    _check_fp8_all_gather(first)
     want = _check_nan_fallback(first, log)
     # the spike: replayed with every site in high precision (not precision's), skipped twice, then a rewind
     assert [d[:2] for d in want[8:]] == [("replay", SPIKE_AT), ("skip_step", SPIKE_AT), ("replay", SPIKE_AT + 1),
@@ -160,8 +184,9 @@ def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(t
     assert math.isfinite(metrics["train/lr_sensitivity"])   # the LR probe ran, on torchtitan's validation batch
 
     # resumed by torchtitan from its step-10 checkpoint, no faults, an eval at the end
-    job.update(plan=plan + EVAL, kill_at=-1, faults=[])
-    log = _ok(job.run(2, free_port()))
+    # (FP8 all-gather off: the checkpoint of a run that gathered FP8 holds plain high-precision shards)
+    job.update(plan=plan + EVAL, kill_at=-1, faults=[], fp8_all_gather=False)
+    log = _ok(job.run(2, free_port(), timeout=600))
     assert f"Loading the checkpoint from {job.dump / 'checkpoint' / f'step-{steps}'}" in log
     assert f"lowprec: continuing MLflow run {run.info.run_id}" in log, log[-6000:]
     assert f"lowprec: rollout restored from torchtitan's checkpoint" in log and f"MLflow run {run.info.run_id} continues" in log

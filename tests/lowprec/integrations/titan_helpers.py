@@ -45,7 +45,8 @@ SETTINGS = json.loads({settings!r})
 def debugmodel_lowprec():
     config = llama3_debugmodel()
     config.model_spec = model_registry("debugmodel", converters=[
-        LowprecConverter.Config(config=SETTINGS["plan"], event_log=SETTINGS["events"])])
+        LowprecConverter.Config(config=SETTINGS["plan"], event_log=SETTINGS["events"],
+                                fp8_all_gather=SETTINGS["fp8_all_gather"])])
     # this CPU run: SDPA attention (FlexAttention has no CPU backward); FSDP reduces with SUM
     # (gloo has no PREMUL_SUM); local tokenizer and data; small and short
     for layer in config.model_spec.model.layers:
@@ -93,15 +94,63 @@ def _faults(optimizers, model_parts, parallel_dims):
 
 
 class RecordingTrainer(LowprecTrainer):
-    """LowprecTrainer that writes what each rank's rollout ended with."""
+    """LowprecTrainer that writes what each rank's rollout ended with, and under FP8 all-gather
+    what each site's forwards were handed."""
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(LowprecTrainer.Config):
         pass
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gathers = {{}}   # site -> [FP8 bytes while FP8, high precision while not, a mismatch]
+        if SETTINGS["fp8_all_gather"]:
+            for fqn, site in self.hosted.state.sites.items():
+                site.module.register_forward_pre_hook(lambda m, a, fqn=fqn: self._count(fqn, m))
+
+    def _count(self, fqn, module):
+        from lowprec.sites.fp8_allgather import gathers_fp8
+        w = module.weight
+        got = getattr(w.to_local() if hasattr(w, "to_local") else w, "fp8", None)
+        want = gathers_fp8(module)
+        row = self.gathers.setdefault(fqn, [0, 0, 0])
+        row[2 if got is not want else 0 if want else 1] += 1
+
+    def _check_gathers(self):
+        """Each site's weight as FSDP2 gathers it now (its unit unsharded) against the whole
+        weight (`full_tensor`): FP8 bytes one process's cast of it, else its bf16 values, bit for bit."""
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+        from lowprec.numerics.formats import QuantSpec, Scaling
+        from lowprec.numerics.fp8_ops import ELEMENTS
+        from lowprec.numerics.quantize import quantize
+        from lowprec.sites.fp8_allgather import gathers_fp8
+        out = {{}}
+        units = {{n: m for m in self.model_parts for n, m in m.named_modules() if isinstance(m, FSDPModule)}}
+        for fqn, site in self.hosted.state.sites.items():
+            m = site.module
+            whole = m.weight.full_tensor()
+            unit = units[max((n for n in units if fqn.startswith(n)), key=len)]
+            unit.unshard()
+            w = m.weight   # under TP a tp DTensor of the gathered tp shard: compared whole
+            got = w.to_local() if hasattr(w, "to_local") else w
+            whole_of = (lambda t: DTensor.from_local(t, w.device_mesh, w.placements).full_tensor()) \
+                if isinstance(w, DTensor) else (lambda t: t)
+            if gathers_fp8(m):
+                spec = QuantSpec(ELEMENTS[m._fast[0].fwd], Scaling.TENSOR)
+                amax = torch.where(torch.isfinite(whole), whole.abs(), 0.0).amax()
+                want = quantize(whole, spec, amax=amax, validate=False).to_storage().view(torch.uint8)
+                out[fqn] = ["fp8", bool(got.fp8 and torch.equal(whole_of(got.forms().q.view(torch.uint8)), want))]
+            else:
+                hp = got.materialize() if hasattr(got, "materialize") else got
+                out[fqn] = ["hp", bool(not getattr(got, "fp8", False) and torch.equal(whole_of(hp), whole.to(hp.dtype)))]
+            unit.reshard()
+        return out
+
     def train_step(self, data_iterator):
         kill = self.step == SETTINGS["kill_at"]
         if kill:
+            self.gather_check = self._check_gathers() if SETTINGS["fp8_all_gather"] else None
             self._report(self.step - 1)   # torchtitan counts the step that begins
         super().train_step(data_iterator)
         if kill and torch.distributed.get_rank() == 0:
@@ -110,6 +159,7 @@ class RecordingTrainer(LowprecTrainer):
 
     def train(self):
         super().train()
+        self.gather_check = self._check_gathers() if SETTINGS["fp8_all_gather"] else None
         if SETTINGS["reference"]:
             self._against_one_process()
         self._report(self.step, self._without_controller() if self.hosted.whole is not None else None)
@@ -121,7 +171,8 @@ class RecordingTrainer(LowprecTrainer):
                "titan_step": titan_step,
                "skipped": h.session.skipped, "rewinds": h.session.rewinds, "restored": self.restored,
                "losses": h.losses, "events": [e.to_json() for e in h.session.events],
-               "evals": h.evals.history if h.evals is not None else None, "without_controller": without_controller}}
+               "evals": h.evals.history if h.evals is not None else None, "without_controller": without_controller,
+               "gathers": self.gathers, "gather_check": getattr(self, "gather_check", None)}}
         Path(SETTINGS["dump"], f"lowprec_rank{{rank}}.json").write_text(json.dumps(out))
 
     def _without_controller(self):
@@ -222,7 +273,7 @@ class TitanJob:
     """One torchtitan job folder: tokenizer, data, lowprec YAML, config module, dump folder."""
 
     def __init__(self, tmp: Path, plan: str, *, steps: int, checkpoint_every: int, faults=(), validator: bool = False,
-                 kill_at: int = -1, reference: bool = False):
+                 kill_at: int = -1, reference: bool = False, fp8_all_gather: bool = False):
         """faults: `fault(...)`s; validator: torchtitan's validation data on (the LR probe's held batch);
         kill_at: torchtitan's step after which rank 0 SIGKILLs itself (-1: none); reference: after
         training, each rank writes an eval forward and the LR probe's held loss beside the whole
@@ -236,7 +287,7 @@ class TitanJob:
                          "validation": str(write_text_data(tmp / "validation", split=1)),
                          "steps": steps, "checkpoint_every": checkpoint_every, "dump": str(self.dump),
                          "faults": [dict(f) for f in faults], "validator": validator, "kill_at": kill_at,
-                         "reference": reference}
+                         "reference": reference, "fp8_all_gather": fp8_all_gather}
         self._write()
 
     def _write(self) -> None:

@@ -9,6 +9,7 @@ that no traceback reaches the user).
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -83,8 +84,12 @@ def test_the_good_config_plans_and_runs(project, capsys):
     assert main(["plan", "good.yaml"]) == 0
     out = capsys.readouterr().out
     assert "up" in out and "fp8_tensorwise" in out and "rollout stages" in out
-    assert main(["run", "good.yaml", "--out", "run"]) == 0
+    assert main(["run", "good.yaml", "--out", "run", "--steps", "6"]) == 0   # the stage promotes after step 3
     assert (project / "run" / "losses.json").is_file()
+    # the emulated backend's FP8 runs the reference GEMMs (slow path) once the stage promoted; one process gathers nothing
+    paths = json.loads((project / "run" / "summary.json").read_text())["site_paths"]
+    assert set(paths) == {"up", "down"}, paths
+    assert all(p["fast_calls"] == 0 and p["slow_calls"] > 0 and p["all_gather"] is None for p in paths.values()), paths
 
 
 @pytest.mark.parametrize("name", sorted(BAD))
@@ -235,3 +240,18 @@ def test_a_skipped_nan_step_leaves_no_hole_in_the_logged_loss_nor_in_the_summary
     mine = RunResult(losses=list(res.losses), seconds_per_step=0.1, events=[])   # its losses, no telemetry
     text = summary_text("r", mine, SimpleNamespace(baseline=None), project, None, "sqlite:///x.db")
     assert "finite)" in text and " nan" not in text, text
+
+
+def test_plan_of_a_parallel_config_says_the_layout_and_how_to_launch_it(project, capsys):
+    (project / "job.yaml").write_text(yaml.safe_dump({**GOOD, "parallel": {"dp_replicate": 2, "dp_shard": 2}}))
+    assert main(["plan", "job.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert ("parallel: dp_replicate 2 x dp_shard 2 = 4 processes: HSDP (FSDP2 sharded over dp_shard, replicated "
+            "over dp_replicate)") in out, out
+    assert "mesh: (dp_replicate 2, dp_shard 2); 4 data-parallel ranks, each 1 rows of train.batch_size 4" in out
+    assert "launch: lowprec run --nproc-per-node 4 job.yaml --out DIR" in out
+    assert "or: torchrun --nproc-per-node 4 -m lowprec.cli run job.yaml --out DIR" in out
+    assert "torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d" in out
+    (project / "one.yaml").write_text(yaml.safe_dump(GOOD))
+    assert main(["plan", "one.yaml"]) == 0
+    assert "parallel:" not in capsys.readouterr().out   # one process: no layout

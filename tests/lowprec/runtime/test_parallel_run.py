@@ -287,6 +287,9 @@ HOSTILE = {   # name: (parallel section, --nproc-per-node, other train keys, the
     "batch_does_not_split": ({"dp_shard": 4}, 4, {"batch_size": 6}, "lowprec run: train.batch_size: 6 does not "
                                                                     "split into 4 data-parallel ranks"),
 }
+if not __import__("torch").cuda.is_available():   # NCCL asked for where there is no GPU: the launcher says so
+    HOSTILE["cuda_without_a_gpu"] = ({"dp_shard": 2, "device": "cuda"}, 2, {}, "lowprec run: parallel.device: is "
+                                                                                "cuda, and torch finds no CUDA device")
 
 
 def test_hostile_arguments_are_one_line_exit_2_and_no_folder(tmp_path, gloo, capfd):

@@ -202,7 +202,7 @@ def _watch_fp8(state) -> list:
     seen = []
     for s in state.sites.values():
         s.module.register_forward_pre_hook(lambda m, a: seen.append(
-            type(getattr(m.weight, "_local_tensor", m.weight)).__name__ == "FP8GatheredWeight"))
+            getattr(getattr(m.weight, "_local_tensor", m.weight), "fp8", False)))
     return seen
 
 

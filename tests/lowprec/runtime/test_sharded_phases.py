@@ -1,0 +1,69 @@
+"""Telemetry's phases under the FSDP2 engines of `lowprec run` (`FullyShardedDP`, FSDP2 x TP
+`ShardedTensorParallel`, HSDP `HybridShardedDP`): a forward's time is lapped as forward and a
+backward's as backward (before, the whole step was reported as backward). One rank, gloo."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from lowprec.tracking.phases import CpuLapClock, Phase
+
+FORWARD_S, BACKWARD_S = 0.08, 0.04
+
+
+class _Slow(nn.Module):
+    """A block whose forward takes FORWARD_S and whose backward takes BACKWARD_S (sleeps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, h):
+        time.sleep(FORWARD_S)
+        h = self.fc(h)
+        if h.requires_grad:
+            h.register_hook(lambda g: time.sleep(BACKWARD_S))
+        return h
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_Slow()])
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.blocks[0](x), y)
+
+
+@pytest.fixture
+def one_rank(gloo, tmp_path):
+    gloo.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    gloo.destroy_process_group()
+
+
+def _engines():
+    from torch.distributed.device_mesh import init_device_mesh
+    from lowprec.runtime.fsdp import FullyShardedDP
+    from lowprec.runtime.parallel import HybridShardedDP, ShardedTensorParallel
+    tp_mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp"))
+    yield "fsdp2_tp", ShardedTensorParallel(_Model(), tp_mesh, 1)
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+    yield "hsdp", HybridShardedDP(_Model(), mesh, 1)
+    yield "fsdp2", FullyShardedDP(_Model())
+
+
+def test_forward_and_backward_are_lapped_as_such(one_rank):
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    for name, engine in _engines():
+        engine.forward_backward(x, y)   # the first step: FSDP2's lazy initialisation
+        clock = CpuLapClock()
+        engine.use_clock(clock)
+        engine.forward_backward(x, y)
+        clock.end_pass()
+        laps = clock.flush()[0]
+        shown = {p.value: round(s, 3) for p, s in laps.items()}
+        assert laps.get(Phase.FORWARD, 0.0) >= FORWARD_S, (name, shown)
+        assert BACKWARD_S <= laps.get(Phase.BACKWARD, 0.0) < FORWARD_S, (name, shown)
