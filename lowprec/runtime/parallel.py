@@ -163,7 +163,7 @@ class ShardedTensorParallel(Clocked):
             model.tensor_parallel(mesh["tp"])
         self.fsdp = FullyShardedDP(model, mesh_or_group=mesh["dp_shard"], microbatches=microbatches,
                                    fp8_all_gather=fp8_all_gather,
-                                   weight_amax_group=dist.group.WORLD if self.tp > 1 else None)
+                                   weight_amax_group=dist.group.WORLD if self.tp > 1 else None, clock=clock)
         self.module, self.params = self.fsdp.module, self.fsdp.params
         self.fp8_gathered = self.fsdp.fp8_gathered
         self.world_group = dist.group.WORLD   # the mesh spans every rank
@@ -171,11 +171,6 @@ class ShardedTensorParallel(Clocked):
     @property
     def data_parallel_size(self) -> int:
         return self.fsdp.world
-
-    def use_clock(self, clock) -> None:
-        """Lap the phases on `clock` (FSDP2's forward, backward and loss all-reduce lap there)."""
-        self.clock = clock
-        self.fsdp.use_clock(clock)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x, y: this dp_shard rank's rows of the global batch. Returns the global mean loss."""
