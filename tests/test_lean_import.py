@@ -60,3 +60,23 @@ def test_probe_can_fail():
     out = _probe(["imaplib"], heavy=["imaplib", "ftplib"], then="try:\n    torch.cuda.init()\nexcept Exception:\n    pass")
     assert out["heavy"] == ["imaplib"]         # imported; ftplib was not
     assert out["lazy_init_calls"] == ["torch.cuda._lazy_init"]
+
+
+def test_the_front_door_is_small_lazy_and_documented():
+    """`lowprec` exports what a user starts from, about ten names, each imported when first used
+    (nothing of the runtime or the config is imported by `import lowprec`), each documented;
+    the numerics are in `lowprec.numerics`."""
+    out = _probe(["lowprec"], heavy=["lowprec.runtime.session", "lowprec.config", "lowprec.sites.precision_state",
+                                     "lowprec.numerics.quantize"],
+                 then="calls.append('before:' + ','.join(m for m in HEAVY if m in sys.modules))\n"
+                      "import lowprec\nnames = list(lowprec.__all__)\n"
+                      "undocumented = [n for n in names if not (getattr(lowprec, n).__doc__ or '').strip()]\n"
+                      "calls.extend(['names:' + ','.join(names), 'undocumented:' + ','.join(undocumented)])")
+    said = {c.split(":")[0]: c.split(":", 1)[1] for c in out["lazy_init_calls"]}
+    assert said["before"] == "", said["before"]   # `import lowprec` imported none of them
+    names = said["names"].split(",")
+    assert 8 <= len(names) <= 12 and {"prepare", "PrecisionPlan", "LowprecConfig", "Session", "Format"} <= set(names)
+    assert said["undocumented"] == "", said["undocumented"]
+    assert len(out["heavy"]) == 4   # each imported when its name was used
+    import lowprec.numerics
+    assert {"quantize", "E4M3", "get_format"} <= set(lowprec.numerics.__all__)

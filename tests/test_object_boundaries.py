@@ -19,6 +19,12 @@ state; these rules can, read from the source with `ast` (nothing is imported):
    `obj.name = ...` is checked where `obj`'s class can be read from the source: a parameter
    annotated with the class, or a local bound to a call of it (`obj = Session(...)`). An
    owner hands a part what it needs at construction or through the part's own methods.
+4. Nothing is wired after it was built (docs/architecture.md: built in dependency order). No
+   `obj.use_*(...)` call on anything but `self`/`cls` (a setter that hands a part what it
+   should have had at construction), and no write into a part of another object: `a.b.name =
+   ...`, `a.parts[k].name = ...`, or `x.name = ...` where `x` was bound in the function to such
+   a part (`x = a.b`). An object's own private parts (`self._part.name`) are its own business.
+5. No `del obj.name` and no `obj.__class__ = ...` on anything but `self`.
 
 `ALLOWED` lists what is let through, each with its reason.
 """
@@ -61,6 +67,41 @@ ALLOWED: dict[str, str] = {
         "torchtitan's Module protocol (as layer._param_init), for a torchao site given the Module mixin",
     "lowprec/integrations/torchtitan.py: site.module._sharding_config":
         "torchtitan's Module protocol (as layer._param_init)",
+    "lowprec/integrations/torchtitan.py: site.module.__class__":
+        "torchtitan's Module protocol: a site prepare built gets torchtitan's Module mixin as a subclass of "
+        "its own class (torchtitan/protocols/module.py); the object and its parameters stay the same",
+    "lowprec/integrations/torchtitan_trainer.py: config.training.max_norm":
+        "torchtitan's Trainer reads the clip norm from its own config object; lowprec clips before the "
+        "optimizers and hands torchtitan inf (torchtitan/trainer.py)",
+    "lowprec/integrations/torchtitan_trainer.py: self.checkpointer.exclude_from_loading":
+        "torchtitan's CheckpointManager takes the states not to load as this attribute "
+        "(torchtitan/components/checkpoint.py)",
+    "lowprec/integrations/torchtitan_trainer.py: self.checkpointer.load":
+        "torchtitan's CheckpointManager has no hook after a load; the trainer wraps its load to restore the "
+        "rollout's state (torchtitan/components/checkpoint.py)",
+    "lowprec/sites/backends/te.py: module.weight":
+        "the TE site's own te.Linear (built by the site, never handed out) is re-bound to the shared "
+        "Parameter after a swap; Transformer Engine has no API to share a Parameter",
+    "lowprec/sites/backends/te.py: module.bias": "as module.weight",
+    "lowprec/sites/precision_state.py: module.histories":
+        "PrecisionState owns the sites prepare built: high_precision() puts a site's amax history back "
+        "(SiteModule protocol)",
+    "lowprec/sites/precision_state.py: s.module.collect_stats":
+        "PrecisionState owns its sites: collect_stats switches their statistics (SiteModule protocol)",
+    "lowprec/sites/precision_state.py: module.collect_stats":
+        "PrecisionState owns its sites: collecting_stats() restores their statistics switch (SiteModule protocol)",
+    "lowprec/sites/precision_state.py: module.stats":
+        "PrecisionState owns its sites: collecting_stats() restores their last statistics (SiteModule protocol)",
+    "lowprec/policy/monitor.py: sites[fqn].overflow_steps":
+        "the monitor fills in the SiteSignals record it is building for the check it returns",
+    "lowprec/base/yaml_read.py: stack[-1].size":
+        "the YAML reader adds a closed node's size to its parent's frame: frames it made itself, in a local stack",
+    "lowprec/sites/experts.py: module.__class__":
+        "wrap_experts gives a grouped-experts module (torchtitan's GroupedExperts, transformers' fused experts) a "
+        "subclass that runs its experts as sites, keeping the object, its parameters and its FSDP/DTensor state; "
+        "unwrap_experts puts the original class back",
+    "lowprec/runtime/window.py: self.entries[step].applied":
+        "the window replayer's own record of a step (a dataclass it made in record())",
 }
 
 
@@ -261,6 +302,77 @@ def test_objects_are_written_only_by_their_own_module():
     assert not bad, "objects written from outside the module of their class:\n" + "\n".join(bad)
 
 
+# ----------------------------------------------------------------------------- rule 4: no wiring after construction
+
+def _bound_to_parts(fn: ast.AST) -> set[str]:
+    """Names bound in `fn` to another object's part: `x = a.b` or `x = a.parts[k]`."""
+    return {node.targets[0].id for node in ast.walk(fn)
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+            and isinstance(node.value, (ast.Attribute, ast.Subscript))}
+
+
+def _own_private_part(obj: ast.expr) -> bool:
+    """`self._part` (or deeper through it): the object's own private state."""
+    while isinstance(obj, (ast.Attribute, ast.Subscript)):
+        if isinstance(obj, ast.Attribute) and isinstance(obj.value, ast.Name) and obj.value.id in _OWN:
+            return _private(obj.attr)
+        obj = obj.value
+    return False
+
+
+def wiring(path: Path) -> list[tuple[str, int, str]]:
+    found = []
+    for fn in ast.walk(_tree(path)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        parts = _bound_to_parts(fn)
+        for node, obj, name, text in _attribute_writes(fn):
+            into_part = (isinstance(obj, (ast.Attribute, ast.Subscript)) and not _own_private_part(obj)) or (
+                isinstance(obj, ast.Name) and obj.id in parts)
+            if into_part:
+                found.append((_where(path, text), node.lineno,
+                              f"writes {text}: a part of another object, after it was built; hand it over at "
+                              f"construction (build in dependency order) or through a method of its class"))
+        for node in ast.walk(fn):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr.startswith("use_")
+                    and not (isinstance(node.func.value, ast.Name) and node.func.value.id in _OWN)):
+                text = ast.unparse(node.func)
+                found.append((_where(path, text), node.lineno,
+                              f"calls {text}(...): wiring after construction; pass it to the constructor"))
+    return sorted(set(found))
+
+
+def test_nothing_is_wired_after_it_was_built():
+    bad = _report([w for p in _files() for w in wiring(p)], "rule 4")
+    assert not bad, "objects wired after construction:\n" + "\n".join(bad)
+
+
+# ----------------------------------------------------------------------------- rule 5: del and __class__
+
+def identity_writes(path: Path) -> list[tuple[str, int, str]]:
+    found = []
+    for node in ast.walk(_tree(path)):
+        targets = node.targets if isinstance(node, ast.Delete) else []
+        for t in targets:
+            if isinstance(t, ast.Attribute) and not (isinstance(t.value, ast.Name) and t.value.id in _OWN):
+                text = f"del {ast.unparse(t)}"
+                found.append((_where(path, text), node.lineno,
+                              f"{text}: removes another object's attribute; give its class a method"))
+        for t in _targets(node):
+            if (isinstance(t, ast.Attribute) and t.attr == "__class__"
+                    and not (isinstance(t.value, ast.Name) and t.value.id in _OWN)):
+                text = ast.unparse(t)
+                found.append((_where(path, text), node.lineno,
+                              f"writes {text}: changes another object's class; build the object as that class"))
+    return found
+
+
+def test_nobody_deletes_another_objects_attribute_or_changes_its_class():
+    bad = _report([w for p in _files() for w in identity_writes(p)], "rule 5")
+    assert not bad, "attributes deleted or classes changed from outside:\n" + "\n".join(bad)
+
+
 # ----------------------------------------------------------------------------- the rules catch what they name
 
 _CAUGHT = '''
@@ -293,6 +405,18 @@ class Own:
         self._fine = 1
         self._part = Own()
         self._part.name = 2
+def wire(prepared, run, tracker):
+    evals = prepared.evals
+    evals.tracker = tracker
+    prepared.controller.gate = evals.gate
+    run.sites["a"].module.collect_stats = False
+    evals.evaluator.use_forward(run.forward)
+    made = Own()
+    made.name = 9
+    del made.name
+    del run._buffer
+    made.__class__ = Own
+    self_like = 1
 '''
 
 
@@ -307,13 +431,19 @@ def test_the_rules_catch_the_cases_they_name(tmp_path):
                "Record": [(Path("runtime/record.py"), True)]}
     foreign = sorted(key.split(": ")[1] for key, _, _ in foreign_writes(path, classes))
     assert foreign == ["engine.clock", "made.step_index", "session.clock"], foreign
+    wired = sorted(key.split(": ")[1] for key, _, _ in wiring(path))
+    assert wired == ["evals.evaluator.use_forward", "evals.tracker", "layer.count", "layer.seen", "other._part.name",
+                     "prepared.controller.gate", "run.sites['a'].module.collect_stats"], wired
+    identity = sorted(key.split(": ")[1] for key, _, _ in identity_writes(path))
+    assert identity == ["del made.name", "del run._buffer", "made.__class__"], identity
 
 
 def test_every_allowed_entry_is_still_needed():
     """An entry whose write is gone is removed, so the list only shrinks."""
     classes = _classes()
     seen = {key for p in _files()
-            for key, _, _ in [*autograd_function_writes(p), *private_writes(p), *foreign_writes(p, classes)]}
+            for key, _, _ in [*autograd_function_writes(p), *private_writes(p), *foreign_writes(p, classes),
+                              *wiring(p), *identity_writes(p)]}
     stale = sorted(set(ALLOWED) - seen)
     assert not stale, "ALLOWED entries that nothing needs any more (remove them):\n" + "\n".join(stale)
 

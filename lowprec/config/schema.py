@@ -313,15 +313,18 @@ class LowprecConfig:
         _check_parallel(self)
 
     @classmethod
-    def from_yaml(cls, path: str | Path, role: ConfigRole = ConfigRole.RUN) -> "LowprecConfig":
+    def from_yaml(cls, path: str | Path, role: ConfigRole = ConfigRole.RUN, *,
+                  held_batch: bool = False) -> "LowprecConfig":
         """Load a config file; every problem is a ConfigError naming the file or the key."""
         p = Path(path)
         doc = read_yaml_file(p, f"a mapping with sections {', '.join(role.sections)}")
-        return cls.from_dict(doc, source=str(p), role=role)
+        return cls.from_dict(doc, source=str(p), role=role, held_batch=held_batch)
 
     @classmethod
-    def from_dict(cls, d: Any, source: str = "<dict>", role: ConfigRole = ConfigRole.RUN) -> "LowprecConfig":
-        """Parse a config's contents; `source` is the file (its folder is where `eval.gates` and `eval.data_dir` are looked up)."""
+    def from_dict(cls, d: Any, source: str = "<dict>", role: ConfigRole = ConfigRole.RUN, *,
+                  held_batch: bool = False) -> "LowprecConfig":
+        """Parse a config's contents; `source` is the file (its folder is where `eval.gates` and `eval.data_dir` are looked up).
+        held_batch: the framework's host gives the LR probe a held batch (torchtitan's validation data)."""
         role = ConfigRole(role)
         if not isinstance(d, dict):
             raise ConfigError(source, f"expected a mapping with sections {', '.join(role.sections)}, found {found(d)}")
@@ -334,7 +337,7 @@ class LowprecConfig:
         base = Path(source).resolve().parent if source != "<dict>" and Path(source).is_file() else None
         ev = parse(EvalConfig, d["eval"], "eval") if d.get("eval") is not None else None
         rollout = parse_rollout(d["rollout"], "rollout") if d.get("rollout") is not None else None
-        if role is ConfigRole.FRAMEWORK and rollout is not None and rollout.lr_probe.enabled:
+        if role is ConfigRole.FRAMEWORK and not held_batch and rollout is not None and rollout.lr_probe.enabled:
             raise ConfigError("rollout.lr_probe.enabled", (
                 "is true; the learning-rate probe needs a batch that training never draws, which a framework's "
                 "data loader does not give lowprec: set lr_probe.enabled: false under a framework's trainer "

@@ -31,20 +31,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from itertools import groupby
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+import torch
+from lm_eval.api.model import LM
+from torch import nn
 
-import torch  # noqa: E402
-from lm_eval.api.model import LM  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from lm_eval.api.model import LM
+from torch import nn
 
-from lowprec.evals.tokenizers import Tokenizer  # noqa: E402
-from lowprec.runtime.console import PROGRESS_LOG  # noqa: E402
+from lowprec.evals.tokenizers import Tokenizer
+from lowprec.runtime.console import PROGRESS_LOG
 
 PROGRESS_EVERY_S = 10.0   # a scoring pass longer than this says how far it is, as the steps do
 

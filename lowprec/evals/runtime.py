@@ -10,6 +10,8 @@ then (DataUnavailable, which lowprec reports as a config error at `eval`), never
 
 from __future__ import annotations
 
+import copy
+
 from lowprec.base.parse import ConfigError
 from lowprec.runtime.evals import EvalOutcome
 
@@ -38,10 +40,13 @@ class LMEvalEvaluator:
             raise DataUnavailable(f"eval.suite {config.suite!r}: {e} as eval.data_dir") from None
         self.tasks = tuple(prepared.ready)
 
-    def use_forward(self, forward) -> None:
-        """Score through `forward` (LongTensor[B, T] -> logits) from now on: under pipeline stages,
-        `lowprec run` hands the Pipeline engine's forward through every stage."""
-        self.forward = forward
+    def with_forward(self, forward) -> "LMEvalEvaluator":
+        """The same evaluator (its prepared tasks) scoring through `forward` (LongTensor[B, T] ->
+        logits): under pipeline stages, `lowprec run` asks for one with the Pipeline engine's
+        forward through every stage."""
+        other = copy.copy(self)
+        other.forward = forward
+        return other
 
     @staticmethod
     def task_names(config) -> tuple[str, ...]:

@@ -270,6 +270,43 @@ def _lean_bookkeeping() -> Iterator[None]:
             os.environ["DISABLE_MULTIPROC"] = multiproc
 
 
+_OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+# the module constants huggingface_hub and datasets read their environment variables into when imported
+_OFFLINE_CONSTANTS = (("huggingface_hub.constants", "HF_HUB_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE"),
+                      ("datasets.config", "HF_DATASETS_OFFLINE"))
+
+
+@contextlib.contextmanager
+def hub_offline() -> Iterator[None]:
+    """For the call (a decorator of `run_suite`): the Hugging Face Hub and datasets offline
+    (every file an eval reads is local; lm-eval would otherwise ask the Hub about them), unless
+    the user set either switch (`HF_HUB_OFFLINE`,
+    https://huggingface.co/docs/huggingface_hub/package_reference/environment_variables), which
+    is then left alone. Both libraries read the variable into a module constant when first
+    imported, so those are switched too. On exit the environment is exactly as it was (what
+    lm-eval and scikit-learn set when first imported inside, `HF_XET_HIGH_PERFORMANCE` and
+    `KMP_DUPLICATE_LIB_OK`, included) and so are the constants (one of a module first imported
+    inside: as the unset variable gives, False)."""
+    import sys
+    environ = dict(os.environ)
+    switch = not any(k in os.environ for k in _OFFLINE_ENV)
+    before = {(m, a): getattr(sys.modules[m], a) for m, a in _OFFLINE_CONSTANTS if m in sys.modules}
+    if switch:
+        os.environ.update({k: "1" for k in _OFFLINE_ENV})
+        for m, a in before:
+            setattr(sys.modules[m], a, True)
+    try:
+        yield
+    finally:
+        for k in [k for k in os.environ if k not in environ]:
+            del os.environ[k]
+        os.environ.update(environ)
+        for m, a in _OFFLINE_CONSTANTS if switch else ():
+            if m in sys.modules:
+                setattr(sys.modules[m], a, before.get((m, a), False))
+
+
+@hub_offline()
 def run_suite(suite: EvalSuite | str, forward: Callable[[Any], Any], tokenizer: Tokenizer, max_length: int,
               mode: Mode = "fast", batch_size: int = 32, device: Any = "cpu", *, model: Any = None,
               limit: int | None = None,
@@ -294,8 +331,6 @@ def run_suite(suite: EvalSuite | str, forward: Callable[[Any], Any], tokenizer: 
     if bootstrap_iters is None:
         bootstrap_iters = DEFAULT_BOOTSTRAP_ITERS[mode]
     prepared = prepare_tasks(suite.tasks, cache_dir, data_dir)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import lm_eval
     from lm_eval.tasks import TaskManager
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from lowprec.base.parse import suggest
+from lowprec.base.parse import ConfigError, check_keys
 from lowprec.gates.errors import GateSpecError
 
 __all__ = ["ErrorBudget", "BUDGET_KEYS"]
@@ -55,10 +55,10 @@ class ErrorBudget:
     def from_dict(cls, d: Any) -> "ErrorBudget":
         if not isinstance(d, Mapping):
             raise GateSpecError(f"must be a mapping such as {{alpha: 0.05}}, got {d!r}")
-        for k in d:
-            if k not in BUDGET_KEYS:
-                raise GateSpecError(f"unknown key {k!r}.{suggest(str(k), BUDGET_KEYS)} Allowed keys: "
-                                    f"{', '.join(BUDGET_KEYS)}.", key=str(k))
+        try:
+            check_keys(d, list(BUDGET_KEYS), "")   # the config parser's one key check
+        except ConfigError as e:
+            raise GateSpecError(e.message, key=e.path) from None
         return cls(**dict(d))
 
     def share(self, check: int, planned: int) -> float:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
-from lowprec.base.parse import ConfigError, suggest
+from lowprec.base.parse import ConfigError, check_keys, suggest
 from lowprec.base.yaml_read import load_yaml
 from lowprec.gates.errors import GateSpecError
 from lowprec.gates.budget import ErrorBudget
@@ -85,10 +85,11 @@ EXAMPLE = ("gates:\n  - metric: eval/heldout_shakespeare/bits_per_byte\n    dire
 
 
 def _check_keys(d: Mapping, allowed: tuple[str, ...], key_prefix: str = "") -> None:
-    for k in d:
-        if k not in allowed:
-            raise GateSpecError(f"unknown key {k!r}.{suggest(str(k), allowed)} Allowed keys: {', '.join(allowed)}.",
-                                key=f"{key_prefix}{k}")
+    """The config parser's one key check (`lowprec.base.parse.check_keys`), as a GateSpecError."""
+    try:
+        check_keys(d, list(allowed), key_prefix.rstrip("."))
+    except ConfigError as e:
+        raise GateSpecError(e.message, key=e.path) from None
 
 
 def _tolerance(x: Any) -> Tolerance:

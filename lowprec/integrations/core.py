@@ -155,7 +155,7 @@ class HostedRollout:
               max_length: int = 256, run_name: str = "lowprec", buffer_root: str | Path = "lowprec-runs",
               attach: Attach | None = None, group=None, clip: Callable[[], torch.Tensor] | None = None,
               lr_probe=None, buffer: str | Path | None = None, resume_tracking: bool = False,
-              event_log: str | Path | None = None) -> Session:
+              event_log: str | Path | None = None, eval_share=None) -> Session:
         """Build the controller, the session, the eval checkpoints and the tracker, when the
         framework has built its optimizer and scheduler (the unwrapped torch objects).
         eval_forward(tokens) -> logits: how `eval:` suites run the model (default: the model).
@@ -166,31 +166,32 @@ class HostedRollout:
         buffer: the tracker's buffer folder (default: a new one under `buffer_root`);
         resume_tracking: continue the unfinished MLflow run that folder holds (a resumed job's,
         `lowprec.tracking.resume`: what its journal holds is not logged again).
-        event_log: a JSONL file the session appends the rollout's events to (one writer)."""
+        event_log: a JSONL file the session appends the rollout's events to (one writer).
+        eval_share: under torchrun, hands rank 0's eval outcome to every rank (`lowprec.state.ranks.from_rank_0`).
+        Built in dependency order: tracker, controller, precision map, evals, session."""
         cfg = self.config
         tracker = self._open_tracker(run_name, buffer_root, attach, buffer, resume_tracking)
         # everything is recorded at the framework's step (lowprec.integrations.framework_steps)
         self.tracker = None if tracker is None else FrameworkSteps(tracker, lambda: self._framework_step,
                                                                    lambda: self.step)
-        if cfg.eval is not None:
-            from lowprec.runtime.baseline import baseline_evals
-            from lowprec.runtime.evals import eval_checkpoints
-            self.evals = eval_checkpoints(cfg.eval, self.model, self.state, max_length=max_length, tracker=self.tracker,
-                                          forward=eval_forward, tokenizer=eval_tokenizer, baseline=baseline_evals(cfg))
         controller = None
         if cfg.rollout is not None:
             from lowprec.policy.rollout import build_controller
             state, model = self._decided_over()
-            controller = build_controller(cfg.rollout, state, model, baseline=self.baseline,
-                                          gate=self.evals.gate if self.evals is not None else None)
+            controller = build_controller(cfg.rollout, state, model, baseline=self.baseline)
+        self.map = tracked_map(self.state, self.whole.state if self.whole is not None else None, controller)
+        if cfg.eval is not None:   # every rank runs the same eval passes: decided on the whole model's formats
+            from lowprec.runtime.baseline import baseline_evals
+            from lowprec.runtime.evals import eval_checkpoints
+            self.evals = eval_checkpoints(cfg.eval, self.model, self.state, max_length=max_length, tracker=self.tracker,
+                                          share=eval_share, formats=self.map.formats, forward=eval_forward,
+                                          tokenizer=eval_tokenizer, baseline=baseline_evals(cfg))
         sites = list(self.whole.state.sites) if self.whole is not None and controller is not None else None
         self.session = Session(self.model, optimizer, self.state, controller, scheduler=scheduler,
                                group=group, clip=clip, lr_probe=lr_probe, sites=sites, event_log=event_log,
                                on_events=self.tracker.log_events if self.tracker is not None else None,
-                               settings=SessionSettings.from_rollout(cfg.rollout, max_grad_norm=max_grad_norm))
-        self.map = tracked_map(self.state, self.whole.state if self.whole is not None else None, controller)
-        if self.evals is not None:   # every rank runs the same eval passes: decided on the whole model's formats
-            self.evals.formats = self.map.formats
+                               settings=SessionSettings.from_rollout(cfg.rollout, max_grad_norm=max_grad_norm),
+                               gate=self.evals.gate if self.evals is not None else None)
         self.after = AfterStep(self.session, self.map, tracker=self.tracker, evals=self.evals, baseline=self.baseline)
         if self.tracker is not None:
             self.tracker.log_config(cfg.to_dict())
@@ -202,9 +203,9 @@ class HostedRollout:
         tc = self.config.tracking
         if not tc.enabled and attach is None:
             return None
-        from lowprec.tracking.cli import default_tracking_uri
+        from lowprec.runtime.host import tracking_uri
         from lowprec.tracking.tracker import Tracker
-        uri = attach.tracking_uri if attach is not None else (tc.uri or default_tracking_uri())
+        uri = attach.tracking_uri if attach is not None else tracking_uri(self.config)
         name = tc.run_name or run_name
         folder = Path(buffer) if buffer is not None else \
             Path(buffer_root) / (attach.run_id if attach is not None else f"{name}-{uuid.uuid4().hex[:8]}")

@@ -81,7 +81,6 @@ from torchtitan.tools.logging import logger  # noqa: E402
 
 from lowprec.base.parse import ConfigError  # noqa: E402
 from lowprec.config import ConfigRole, LowprecConfig  # noqa: E402
-from lowprec.integrations.core import framework_config  # noqa: E402
 from lowprec.integrations.torchtitan_trainer import (PREPARED_ATTR, LowprecTrainer, Prepared,  # noqa: E402
                                                      lowprec_trainer, prepared_of)
 from lowprec.sites.backends import BackendName  # noqa: E402
@@ -115,17 +114,7 @@ def load_config(path: str | Path) -> LowprecConfig:
 def _framework_config_with_probe(path: str | Path) -> LowprecConfig:
     """The file as a framework's config, `rollout.lr_probe` included: the HF and Lightning hosts
     have no held batch and refuse the probe; LowprecTrainer takes torchtitan's validation data's."""
-    from lowprec.base.yaml_read import read_yaml_file
-    from lowprec.policy.rollout import parse_rollout
-    doc = read_yaml_file(path, "a mapping with sections precision, rollout, eval, tracking")
-    rollout = doc.get("rollout")
-    probe = isinstance(rollout, dict) and rollout.get("lr_probe") not in (None, False) and not (
-        isinstance(rollout.get("lr_probe"), dict) and rollout["lr_probe"].get("enabled") is False)
-    if not probe:
-        return framework_config(path)
-    without = {**doc, "rollout": {**rollout, "lr_probe": False}}
-    cfg = LowprecConfig.from_dict(without, source=str(path), role=ConfigRole.FRAMEWORK)
-    return dataclasses.replace(cfg, rollout=parse_rollout(rollout, "rollout"))
+    return LowprecConfig.from_yaml(path, role=ConfigRole.FRAMEWORK, held_batch=True)
 
 
 class TitanPrecisionLinear(PrecisionLinear, Module):

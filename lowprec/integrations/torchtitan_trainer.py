@@ -87,6 +87,7 @@ from lowprec.integrations.torchtitan_stages import last_stage_loss, stages_of  #
 from lowprec.integrations.torchtitan_tracking import (JobRun, check_resumed_run, job_run,  # noqa: E402
                                                       torchtitan_resumes)
 from lowprec.policy.decisions import Action  # noqa: E402
+from lowprec.runtime.host import read_baseline  # noqa: E402
 from lowprec.state.ranks import from_rank_0, process_rank, world_size  # noqa: E402
 
 __all__ = ["LowprecTrainer", "Prepared", "lowprec_trainer", "prepared_of"]
@@ -223,7 +224,7 @@ class LowprecTrainer(Trainer):
         self.restored = False
         params = [p for m in self.model_parts for p in m.parameters()]
         self.hosted = HostedRollout(prepared.setup.config, stages.model, seed=prepared.setup.seed, state=stages.state,
-                                    baseline=_baseline(prepared.setup.config), whole=stages.whole)
+                                    baseline=read_baseline(prepared.setup.config), whole=stages.whole)
         for model, p in zip(self.model_parts, parts):
             p.hosted = self.hosted
             model._lowprec_guard.remove()
@@ -241,7 +242,7 @@ class LowprecTrainer(Trainer):
                           buffer=self.job_run.folder if self.job_run else None,
                           resume_tracking=self.job_run is not None and self.job_run.resume,
                           event_log=prepared.setup.event_log if prepared.setup.event_log and process_rank() == 0
-                          else None)
+                          else None, eval_share=from_rank_0)   # every rank evaluates; rank 0's outcome to every rank
         tracker = self.hosted.tracker
         if tracker is not None and self.job_run is not None:   # rank 0: name the run, as the HF callback does
             how = "continuing" if self.job_run.resume else "tracking into"
@@ -251,8 +252,6 @@ class LowprecTrainer(Trainer):
             self.hosted.tracker.log_tags({"lowprec.continues_run": self.job_run.continues})
             logger.info(f"lowprec: MLflow run {self.job_run.continues} finished; this resumed job tracks into a "
                         f"new run (tag lowprec.continues_run)")
-        if self.hosted.evals is not None:   # every rank evaluates; rank 0's outcome goes to every rank
-            self.hosted.evals.share = from_rank_0
         self.optimizers.register_step_pre_hook(self._before_optimizer_step)
         if getattr(self.checkpointer, "enable", False):
             self._checkpoint_rollout(config.lowprec_restore)
@@ -373,16 +372,3 @@ class LowprecTrainer(Trainer):
                 f"LowprecTrainer), so lowprec cannot go on where it was; return lowprec_trainer(config, "
                 f"restore=False) to start the rollout again from the plan's formats") from e
 
-
-def _baseline(cfg) -> dict[int, float] | None:
-    """The baseline loss curve `rollout.baseline` names (a losses file, or an MLflow run's), for the loss gap."""
-    b = cfg.rollout.baseline if cfg.rollout is not None else None
-    if b is None:
-        return None
-    if b.losses is not None:
-        from lowprec.policy.rollout import read_losses
-        return read_losses(b.losses)
-    from lowprec.runtime.baseline import losses_of_run
-    from lowprec.tracking.cli import default_tracking_uri
-    curve = losses_of_run(cfg.tracking.uri or default_tracking_uri(), cfg.tracking.experiment, b.mlflow_run)
-    return {i: float(v) for i, v in enumerate(curve) if math.isfinite(float(v))}

@@ -301,6 +301,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
 
 
 def format_names() -> list[str]:
+    """Every format's name, as a config or the CLI names it (`bf16`, `fp8_tensorwise`, `mxfp8`, ...)."""
     return list(FORMATS)
 
 

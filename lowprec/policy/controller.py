@@ -41,7 +41,7 @@ from the check window's statistics:
    current format again in this run. Other fallen-back sites retry their stage's format
    after `cooldown_steps`.
 5. The next stage is promoted once everything has been stable for `min_steps` and the
-   evaluation gate (a callable, when given) passes, and the newest learning-rate
+   evaluation gate (a callable the check is handed, `observe(..., gate=)`) passes, and the newest learning-rate
    sensitivity (`Signals.lr_sensitivity`, from `lowprec.runtime.lrprobe`, when the probe
    runs) is not above its hold level (`lr_hold_level`: above 0, or risen above its recent
    median); otherwise the promotion is held (a HOLD event) and asked again after another
@@ -62,11 +62,13 @@ from lowprec.policy.attribution import Attribution
 from lowprec.policy.decisions import Action, ControllerConfig, Decision, Stage, apply_decision
 from lowprec.policy.detectors import (LR_HISTORY, Thresholds, insufficient_tokens, intrinsic, lr_hold_level,
                                      lr_sensitivity_hold)
-from lowprec.policy.drift import SlowSignalRules
+from lowprec.policy.drift import Judge, SlowSignalRules
 from lowprec.policy.ladder_moves import LadderMoves, _high
 from lowprec.policy.events import Event, EventKind
 from lowprec.policy.monitor import Signals
 from lowprec.policy.verdicts import GateOutcome
+
+Gate = Callable[[int], GateOutcome]   # gate(step): an evaluation before a promotion
 
 __all__ = ["Action", "Stage", "Thresholds", "ControllerConfig", "Decision", "RolloutController", "apply_decision",
            "lr_hold_level", "lr_sensitivity_hold", "LR_HISTORY"]
@@ -90,8 +92,7 @@ class RolloutController(SlowSignalRules, LadderMoves):
 
     def __init__(self, ladders: dict[str, tuple[Format | str, ...]], initial: dict[str, str],
                  stages: list[Stage], config: ControllerConfig = ControllerConfig(), *,
-                 baseline: dict[int, float] | None = None,
-                 gate: Callable[[int], GateOutcome] | None = None):
+                 baseline: dict[int, float] | None = None):
         self.ladders: dict[str, tuple[Format, ...]] = {k: tuple(map(get_format, v)) for k, v in ladders.items()}
         for i, s in enumerate(stages):
             for site in s.sites:
@@ -112,7 +113,6 @@ class RolloutController(SlowSignalRules, LadderMoves):
         self.current = dict(initial)
         self.stages = list(stages)
         self.config = config
-        self.gate = gate
         self.detectors = StepDetectors(config.thresholds)
         self._init_slow_signals(config.thresholds, baseline)   # the loss gap and the judge
         self.promoted = 0                     # stages promoted so far
@@ -157,7 +157,8 @@ class RolloutController(SlowSignalRules, LadderMoves):
         return low, [g for g in groups if g]
 
     def observe_step(self, step: int, anomaly: Anomaly | None = None, signals: Signals | None = None,
-                     attribution: Attribution | None = None) -> Decision:
+                     attribution: Attribution | None = None, *, gate: Gate | None = None,
+                     judge: Judge | None = None) -> Decision:
         """The decision for one training step, after backward and before optimizer.step().
 
         anomaly: `detect`'s verdict for this step. An anomalous step is never applied.
@@ -165,12 +166,13 @@ class RolloutController(SlowSignalRules, LadderMoves):
         sites blamed fall back, or, when precision is not to blame, nothing is demoted and
         a loss anomaly that persists for `persist_steps` steps rewinds. Without one (no
         replay was possible), the anomaly waits for the next check's rules.
-        signals: the check's Signals on a check step (None between checks)."""
+        signals: the check's Signals on a check step (None between checks).
+        gate, judge: the callables a check may call back (see `observe`)."""
         d = Decision()
         if anomaly is not None:
             self._on_anomaly(step, anomaly, attribution, d)
         if signals is not None:
-            checked = self.observe(step, signals)
+            checked = self.observe(step, signals, gate=gate, judge=judge)
             d.changes.update(checked.changes)
             d.events += checked.events
             if checked.action is Action.REWIND and d.action is not Action.REWIND:
@@ -233,9 +235,14 @@ class RolloutController(SlowSignalRules, LadderMoves):
                 f"{a.names} for {self.config.persist_steps} steps in a row and {why}: "
                 "the step is applied and the detectors that fired are rebased on this level"), a.to_evidence()))
 
-    def observe(self, step: int, signals: Signals) -> Decision:
+    def observe(self, step: int, signals: Signals, *, gate: Gate | None = None,
+                judge: Judge | None = None) -> Decision:
         """One check: the rules (see the module docstring) over the window's Signals. The
-        action is CONTINUE or REWIND; skipping a non-finite step is `observe_step`'s."""
+        action is CONTINUE or REWIND; skipping a non-finite step is `observe_step`'s.
+        gate(step): an evaluation before a promotion (None: promote without one); judge: a slow
+        signal's window judgment (`lowprec.policy.drift`; None: roll the newest stage back).
+        The caller that owns them (the session) hands them to every call, so the controller is
+        built before them and keeps neither."""
         d = Decision()
         th = self.config.thresholds
         self.record_lr_sensitivity(step, signals.lr_sensitivity)
@@ -285,7 +292,7 @@ class RolloutController(SlowSignalRules, LadderMoves):
                            f"{' (its own operand against its format)' if independent else ''}", crossed, d)
         suspects = [(site, crossed) for _, site, crossed in suspects]
         # 3. global signals (lowprec.policy.drift)
-        self._global_rule(step, signals, blamed, suspects, d)
+        self._global_rule(step, signals, blamed, suspects, d, judge)
         if d.events and not _cleared(d):
             if any(e.kind not in _JUDGING for e in d.events):
                 self.stable_since = step   # an instability: the schedule starts over
@@ -299,7 +306,7 @@ class RolloutController(SlowSignalRules, LadderMoves):
             self._move(due, to, EventKind.RETRY, step, "cooldown over", {}, d)
         # 5. promotion
         if step - self.stable_since >= self.config.min_steps and self.promoted < len(self.stages):
-            self._promote(step, d)
+            self._promote(step, d, gate)
         if any(e.kind not in _JUDGING for e in d.events):
             self.stable_since = step
         return d

@@ -7,8 +7,8 @@ curve, relative). While some site's own thresholds are crossed (before its patie
 out), a global signal blames that site. With no site to blame:
 
 * a slow signal (the loss gap alone, or an eval checkpoint's regression through
-  `observe_gate`) is first judged by its window when a `judge` is set (the session sets
-  one: `lowprec.runtime.window`, over the window since the last snapshot, by
+  `observe_gate`) is first judged by its window when the call is handed a `judge` (the session
+  hands its window's: `lowprec.runtime.window`, over the window since the last snapshot, by
   `lowprec.policy.attribution.judge_window`). A window never starts before the check that
   last changed a format (its steps would have trained in other formats): until a snapshot
   after that change exists the judgment waits (a WINDOW event says so) and the signal, still
@@ -53,20 +53,14 @@ class SlowSignalRules:
     """Rule 3 of the controller: global signals, the loss gap and gate regressions (module docstring)."""
 
     def _init_slow_signals(self, th: Thresholds, baseline: dict[int, float] | None) -> None:
-        # given by the session that can train the window again (`use_judge`; lowprec.runtime.window)
-        self.judge: Judge | None = None
         if th.loss_gap is not None and not baseline:
             raise ValueError(f"thresholds.loss_gap is {th.loss_gap} but no baseline loss curve was given: "
                              "pass baseline={step: loss} (rollout.baseline in a config) or set loss_gap to None")
         self.loss_gap = LossGapDetector(baseline, th.loss_gap, th.loss_gap_smoothing) \
             if baseline and th.loss_gap is not None else None
 
-
-    def use_judge(self, judge: Judge | None) -> None:
-        """Judge the loss gap by its window with `judge` (the session's window replayer) from now on."""
-        self.judge = judge
     def _global_rule(self, step: int, signals: Signals, blamed: list[str],
-                     suspects: list[tuple[str, dict]], d: Decision) -> None:
+                     suspects: list[tuple[str, dict]], d: Decision, judge: Judge | None = None) -> None:
         """Rule 3 at a check, after the per-site rules blamed `blamed`; `suspects`: the sites
         whose thresholds are crossed, first to blame first."""
         fired = self._global_signals(step, signals)
@@ -81,7 +75,7 @@ class SlowSignalRules:
                            {**crossed, **{name: ev for name, ev in fired}}, d)
         # the loss gap alone is a slow signal: judged by its window first, where there is one
         judged = (fired and not blamed and [name for name, _ in fired] == ["loss_gap"]
-                  and self._judge_slow(step, "loss_gap", dict(fired), d, rewind=True))
+                  and self._judge_slow(step, "loss_gap", dict(fired), d, judge, rewind=True))
         if fired and not blamed and not judged:
             reason = ", ".join(name for name, _ in fired)
             evidence = {name: ev for name, ev in fired}
@@ -104,13 +98,14 @@ class SlowSignalRules:
                     fired.append(("loss_gap", {**ev, "step": first + i}))
         return fired
 
-    def _judge_slow(self, step: int, reason: str, evidence: dict, d: Decision, *, rewind: bool) -> bool:
+    def _judge_slow(self, step: int, reason: str, evidence: dict, d: Decision, judge: Judge | None, *,
+                    rewind: bool) -> bool:
         """A slow signal judged by its window; False when there is no judge or no window to
         judge by (the caller then rolls the newest stage back as before)."""
-        if self.judge is None:
+        if judge is None:
             return False
         low, groups = self.replay_candidates()
-        att = self.judge(step, low, groups) if low else None
+        att = judge(step, low, groups) if low else None
         if att is None:
             return False
         if isinstance(att, WindowDeferred):   # asked again at the next check the signal still fires
@@ -166,7 +161,7 @@ class SlowSignalRules:
                               {"verdict": verdict.value, "detail": str(result.reason)}, stage))
         return verdict
 
-    def observe_gate(self, step: int, result: GateOutcome) -> Decision:
+    def observe_gate(self, step: int, result: GateOutcome, *, judge: Judge | None = None) -> Decision:
         """An evaluation checkpoint's gate outcome (`.verdict`, `.reason`), from a periodic
         eval outside a promotion. A regression is judged by its window when a judge is set,
         else rolls the newest promoted stage back; the verdict is recorded as a GATE event.
@@ -174,7 +169,7 @@ class SlowSignalRules:
         d = Decision()
         verdict = self._gate_event(step, result, "at eval checkpoint", None, d)
         if verdict is Verdict.REGRESS and not self._judge_slow(step, "evaluation gate regressed",
-                                                               {"verdict": verdict.value}, d, rewind=False):
+                                                               {"verdict": verdict.value}, d, judge, rewind=False):
             self._rollback_newest(step, "evaluation gate regressed", {"verdict": verdict.value}, d)
             self.stable_since = step
         return d

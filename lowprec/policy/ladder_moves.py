@@ -95,7 +95,7 @@ class LadderMoves:
                     stage.name))
         return True
 
-    def _promote(self, step: int, d: Decision) -> None:
+    def _promote(self, step: int, d: Decision, gate=None) -> None:
         stage = self.stages[self.promoted]
         held, ev = lr_sensitivity_hold(self.lr_history, self.config.lr_hold_rise, self.config.lr_hold_above)
         if held:   # hold, as an inconclusive gate does: asked again after another min_steps
@@ -103,8 +103,8 @@ class LadderMoves:
                 f"promotion of {stage.name} held: LR sensitivity {ev['lr_sensitivity']:.4g} (probe at step "
                 f"{ev['probe_step']}) is above its hold level {ev['hold_level']:.4g}"), ev, stage.name))
             return
-        if self.gate is not None:
-            verdict = self._gate_event(step, self.gate(step), f"before {stage.name}", stage.name, d)
+        if gate is not None:
+            verdict = self._gate_event(step, gate(step), f"before {stage.name}", stage.name, d)
             if verdict is Verdict.REGRESS:
                 self._rollback_newest(step, "evaluation gate regressed", {"verdict": verdict.value}, d)
                 return

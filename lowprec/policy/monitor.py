@@ -144,7 +144,7 @@ class Monitor:
         # each site's output: only whether it is finite (the origin of a NaN is the first
         # site, in forward order, whose inputs are finite and whose output is not). Only
         # where the check's statistics must find it: a session that replays anomalous steps
-        # finds the origin by replay and turns this off (`count_outputs`)
+        # finds the origin by replay and turns this off (`origins_by_replay`)
         self.count_outputs = True
         self._hooks = [s.module.register_forward_hook(self._output_hook) for s in state.sites.values()]
 
@@ -173,6 +173,11 @@ class Monitor:
     def wants_stats(self, step: int) -> bool:
         """Whether step `step` should compute quantizer statistics (set on the layers)."""
         return self.config.stats_every_step or self.is_check_step(step)
+
+    def origins_by_replay(self, replayed: bool) -> None:
+        """Whether anomalous steps are replayed (which finds a NaN's origin): then the check
+        steps need not count non-finite outputs."""
+        self.count_outputs = not replayed
 
     def before_step(self, step: int) -> None:
         self._collecting = self.wants_stats(step)

@@ -33,7 +33,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 
@@ -43,7 +43,6 @@ from lowprec.policy.detectors import Thresholds
 from lowprec.numerics.formats import format_names, get_format
 from lowprec.policy.monitor import MonitorConfig
 from lowprec.sites.plan import ModelInfo, PlanError, Selector, selection_from_dict
-from lowprec.policy.verdicts import GateOutcome
 
 __all__ = ["RewindConfig", "AttributionConfig", "LRProbeConfig", "BaselineConfig", "StageConfig", "RolloutConfig",
            "parse_rollout", "read_losses", "build_controller"]
@@ -257,8 +256,7 @@ def read_losses(path: str | Path, where: str = "rollout.baseline.losses") -> dic
 
 
 def build_controller(rollout: RolloutConfig, state, model: torch.nn.Module | ModelInfo, *,
-                     baseline: dict[int, float] | None = None,
-                     gate: Callable[[int], GateOutcome] | None = None) -> RolloutController:
+                     baseline: dict[int, float] | None = None) -> RolloutController:
     """The controller over `state`'s sites (every site of the model, in forward order):
     the stages' selectors resolved against the prepared model (or its `ModelInfo`, taken
     before the model was split into pipeline stages). `baseline` ({step: loss})
@@ -280,5 +278,4 @@ def build_controller(rollout: RolloutConfig, state, model: torch.nn.Module | Mod
                 "caller (pass baseline={step: loss} to build_controller); or name a losses file"))
         baseline = read_losses(rollout.baseline.losses)
     ladders = {f: tuple(x.name for x in s.ladder) for f, s in state.sites.items()}
-    return RolloutController(ladders, state.formats(), stages, rollout.controller_config(), baseline=baseline,
-                             gate=gate)
+    return RolloutController(ladders, state.formats(), stages, rollout.controller_config(), baseline=baseline)

@@ -273,7 +273,7 @@ def _write_outputs(args, cfg, name, prepared, profile, choices, stages, console)
     console.print("\n".join(["", *lines, cost, f"written: {written} (checked as `lowprec plan` checks it)",
                              f"files: {out} (profile.txt, profile.csv, profile.json, profile.png, {LOG_NAME})"]))
     if cfg.tracking.enabled and not args.no_tracking:
-        from lowprec.runtime.run import _tracking_uri
+        from lowprec.runtime.host import tracking_uri as _tracking_uri
         from lowprec.tracking.records import RunStatus
         from lowprec.tracking.tracker import Tracker
         tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, f"profile-{name}", buffer_dir=out / "tracking")

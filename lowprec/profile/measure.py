@@ -305,27 +305,27 @@ def profile_sites(model: nn.Module, state, batches: Sequence[tuple[torch.Tensor,
     pairs = [(f, fmt) for f in profiled for fmt in fmts[f]]
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
-    was = {f: (s.format, s.module.collect_stats) for f, s in state.sites.items()}
+    was = {f: s.format for f, s in state.sites.items()}
     scaling = state.scaling_state()   # generators and amax histories, put back on return
     params = [p for p in model.parameters() if p.requires_grad]
     if distributed and world > 1:
         _check_same_on_ranks(_fingerprint(params, batches), group)
     my_pairs = pairs[rank::world]
-    try:
-        state.set_format(list(state.sites), "bf16")
-        state.collect_stats(True)   # the profiled site's operand statistics (bf16 sites keep none)
-        m = _Measurer(model, state, batches, seed)
-        mine = []
-        for i, (f, fmt) in enumerate(my_pairs):
-            cost = m.measure(f, fmt, share[f])
-            mine.append(cost)
-            if progress is not None:
-                progress(i + 1, len(my_pairs), cost)
-    finally:
-        for f, (fmt, stats) in was.items():
-            state.sites[f].module.set_format(fmt)
-            state.sites[f].module.collect_stats = stats
-        state.load_scaling_state(scaling)
+    # the profiled site's operand statistics (bf16 sites keep none); each site's setting comes back
+    with state.collecting_stats(True):
+        try:
+            state.set_format(list(state.sites), "bf16")
+            m = _Measurer(model, state, batches, seed)
+            mine = []
+            for i, (f, fmt) in enumerate(my_pairs):
+                cost = m.measure(f, fmt, share[f])
+                mine.append(cost)
+                if progress is not None:
+                    progress(i + 1, len(my_pairs), cost)
+        finally:
+            for f, fmt in was.items():
+                state.sites[f].module.set_format(fmt)
+            state.load_scaling_state(scaling)
     measured = mine
     if distributed and world > 1:
         measured = [SiteCost.from_dict(d) for part in from_every_rank([c.to_dict() for c in mine], group)

@@ -22,7 +22,7 @@ telemetry of `lowprec run` (the `on_precision_change` and `clock` hooks give it 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from lowprec.tracking.phases import Phase
@@ -144,10 +144,9 @@ class AfterStep:
                 "evals": self.evals.state_dict() if self.evals is not None else None}
 
     def load_state_dict(self, saved: dict) -> None:
-        rec = self.record
-        rec.losses = [float(x) for x in saved["losses"]]
-        rec.grad_norms = [float(x) for x in saved.get("grad_norms", ())]
-        rec.rewinds = int(saved.get("rewinds", 0))
-        rec.rewinds_logged = set(saved.get("rewinds_logged", ()))
+        self.record = replace(self.record, losses=[float(x) for x in saved["losses"]],
+                              grad_norms=[float(x) for x in saved.get("grad_norms", ())],
+                              rewinds=int(saved.get("rewinds", 0)),
+                              rewinds_logged=set(saved.get("rewinds_logged", ())))
         if self.evals is not None and saved.get("evals") is not None:   # the gate's checks made (its error budget)
             self.evals.load_state_dict(saved["evals"])

@@ -41,13 +41,10 @@ class Engine(Protocol):
 
 
 class Clocked:
-    """An engine that laps its phases (forward, backward, collectives) on the run's clock."""
+    """An engine that laps its phases (forward, backward, collectives) on the run's clock,
+    given to its constructor (`clock=`; the run's telemetry's, which counts from its `begin()`)."""
 
     clock: LapClock = NULL_CLOCK
-
-    def use_clock(self, clock: LapClock) -> None:
-        """Lap the phases on `clock` from the next step."""
-        self.clock = clock
 
 
 def loss_of(out) -> torch.Tensor:
@@ -86,7 +83,7 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, microba
 
 class SingleProcess(Clocked):
     """One process: the whole model, gradient accumulation over `microbatches` row chunks.
-    `clock`: where forward and backward time is lapped (the loop sets its telemetry's)."""
+    `clock`: where forward and backward time is lapped (the run's telemetry's)."""
 
     data_parallel_size = 1
 

@@ -4,9 +4,10 @@ The runtime does not know what is evaluated or how a verdict is reached. It take
 
 * an `Evaluator`: `evaluate(mode) -> EvalOutcome` (per task: metrics; per example:
   scores, for paired statistics) and the `tasks` it produces; optionally
-  `use_forward(forward)`, which `lowprec run` calls under pipeline stages with the pipeline's
-  logits function (no rank holds the whole model's forward there; an evaluator without it
-  is refused under `parallel: {pp: N}`);
+  `with_forward(forward)`, the same evaluator scoring through `forward` (a new object), which
+  `lowprec run` asks for under pipeline stages with the pipeline's logits function (no rank
+  holds the whole model's forward there; an evaluator without it is refused under
+  `parallel: {pp: N}`);
 * a `GateChecker`: `check(baseline, candidate) -> GateOutcome` (a `Verdict` and a
   reason) and the `metrics` it gates (`eval/<task>/<metric>`).
 
@@ -32,6 +33,10 @@ Whether any layer runs below high precision (so an `eval_hp` pass runs) is read 
 `formats()`, by default the state's; under pipeline stages the run hands the whole model's
 record (`lowprec.sites.precision_state.StagedPrecisionMap.formats`), so every rank runs the
 same passes.
+
+Everything is given at construction: `lowprec run` checks the `eval:` section before step 0
+(`eval_checkpoints`, no tracker yet) and builds the run's checkpoints from the checked ones
+with `for_run(tracker=, share=, formats=, forward=)` once the tracker and the engine exist.
 """
 
 from __future__ import annotations
@@ -101,18 +106,27 @@ class EvalCheckpoints:
     """The periodic, pre-promotion and end-of-run evals of one training run."""
 
     def __init__(self, config, evaluator: Evaluator, checker: GateChecker | None, state, *, tracker=None,
-                 share=None, baseline: Callable[[int, str], dict | None] | None = None,
+                 share=None, formats=None, baseline: Callable[[int, str], dict | None] | None = None,
                  damage_ratio: float = DEFAULT_RATIO):
         """`baseline(step, mode)`: the baseline run's results at that step (None: it has none there)."""
         self.config, self.evaluator, self.checker, self.state, self.tracker = config, evaluator, checker, state, tracker
         self.baseline, self.damage_ratio = baseline, damage_ratio
         # under torchrun: rank 0's (outcome, results, results_hp) handed to every rank (None: one process)
         self.share = share
-        self.formats = state.formats   # fqn -> format name of every site (see the module docstring)
+        # () -> fqn -> format name of every site: the state's, or the whole model's (module docstring)
+        self.formats = formats or state.formats
         if checker is not None:
             check_gated_tasks(checker.metrics, evaluator.tasks, config)
         self.history: list[dict] = []   # one entry per eval: step, mode, verdict, results, results_hp
         self.last: EvalOutcome | None = None
+
+    def for_run(self, *, tracker=None, share=None, formats=None, forward=None) -> "EvalCheckpoints":
+        """New checkpoints with this one's checked evaluator and gate, for a run: tracked by
+        `tracker`, outcomes handed to every rank by `share`, passes decided on `formats()`,
+        scored through `forward` (an evaluator's `with_forward`) when given."""
+        evaluator = self.evaluator if forward is None else self.evaluator.with_forward(forward)
+        return EvalCheckpoints(self.config, evaluator, self.checker, self.state, tracker=tracker, share=share,
+                               formats=formats, baseline=self.baseline, damage_ratio=self.damage_ratio)
 
     def state_dict(self) -> dict:
         """The gate checker's state (its checks made so far: its error budget), when it keeps one."""
@@ -199,7 +213,7 @@ class EvalCheckpoints:
         return self.evaluate(step, self.config.final_mode)
 
 
-def eval_checkpoints(config, model, state, *, max_length: int, tracker=None, baseline=None,
+def eval_checkpoints(config, model, state, *, max_length: int, tracker=None, share=None, formats=None, baseline=None,
                      **evaluator_kwargs) -> EvalCheckpoints:
     """The `eval:` section's checkpoints for `model`: its evaluator and the default gate
     checker found through their entry points and checked (the gate's metrics must be ones the
@@ -213,8 +227,11 @@ def eval_checkpoints(config, model, state, *, max_length: int, tracker=None, bas
             ev_cls.check_config(config)
         evaluator = ev_cls(config, model, max_length=max_length, **evaluator_kwargs)
         checker = load_entry_point(GATE_CHECKERS, "default")(config.gates) if config.gates else None
-        return EvalCheckpoints(config, evaluator, checker, state, tracker=tracker, baseline=baseline)
-    except ConfigError:
-        raise
+        return EvalCheckpoints(config, evaluator, checker, state, tracker=tracker, share=share, formats=formats,
+                               baseline=baseline)
+    except ConfigError as e:
+        if e.path.startswith("eval"):
+            raise
+        raise ConfigError("eval", str(e)) from None   # a gate file's error (its file, gate and key) under eval
     except (LookupError, ValueError, KeyError, FileNotFoundError) as e:
         raise ConfigError("eval", str(e).strip("'\"")) from None

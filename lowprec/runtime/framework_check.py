@@ -19,7 +19,7 @@ def check_framework_config(cfg, state, model, baseline: dict[int, float] | None 
     """(the baseline curve, the controller it builds or None) for `cfg` over `state` (the
     prepared `model`); raises ConfigError. `baseline`: a curve the caller passes itself."""
     if baseline is None and cfg.rollout is not None and cfg.rollout.baseline is not None:
-        from lowprec.runtime.run import read_baseline
+        from lowprec.runtime.host import read_baseline
         try:
             baseline = read_baseline(cfg)
         except (LookupError, FileNotFoundError) as e:
@@ -38,8 +38,10 @@ def check_framework_config(cfg, state, model, baseline: dict[int, float] | None 
                 checker = load_entry_point(GATE_CHECKERS, "default")(cfg.eval.gates)
                 if hasattr(ev_cls, "task_names"):
                     check_gated_tasks(checker.metrics, ev_cls.task_names(cfg.eval), cfg.eval)
-        except ConfigError:
-            raise
+        except ConfigError as e:
+            if e.path.startswith("eval"):
+                raise
+            raise ConfigError("eval", str(e)) from None   # a gate file's error (its file, gate and key) under eval
         except (LookupError, ValueError, KeyError, FileNotFoundError) as e:
             raise ConfigError("eval", str(e).strip("'\"")) from None
     return baseline, controller

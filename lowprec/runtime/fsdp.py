@@ -147,8 +147,10 @@ class FullyShardedDP(Clocked):
 
     def __init__(self, model: nn.Module, *, mesh_or_group=None, microbatches: int = 1,
                  shard: ShardSelector | None = None, reshard_after_forward: bool = True,
-                 fp8_all_gather: bool = False, weight_amax_group=None):
+                 fp8_all_gather: bool = False, weight_amax_group=None, clock: LapClock = NULL_CLOCK):
         from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        self.clock = clock   # where FSDP2's forward, backward and loss all-reduce lap (the run's telemetry's)
 
         if microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")

@@ -104,9 +104,10 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n_steps = tc.steps if steps is None else steps
-    session, opt, sched = _build_session(tc, engine, state, data, out, controller, rollout, sites, group, tracker)
-    res = RunResult()
     tele = telemetry or Telemetry(TelemetryConfig(enabled=False))
+    session, opt, sched = _build_session(tc, engine, state, data, out, controller, rollout, sites, group, tracker,
+                                         tele.clock, evals)
+    res = RunResult()
     tracked = state if precision_map is None else precision_map
     after = AfterStep(session, tracked, tracker=tracker, evals=evals, log_every=tc.log_every, baseline=baseline,
                       total_steps=n_steps, clock=tele.clock, on_precision_change=tele.formats_changed,
@@ -121,10 +122,7 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
         tracker.log_precision(session.step_index, tracked.formats(), tracked.flops_share())
     injected = Faults(engine.module, faults)
     first = session.step_index
-    tele.begin()
-    session.use_clock(tele.clock)
-    if hasattr(engine, "use_clock"):   # the engines of torch.distributed keep no clock
-        engine.use_clock(tele.clock)
+    tele.begin()   # the clock the session and the engine were built with counts from here
     t0 = time.perf_counter()
     try:
         _steps(_Loop(tc, engine, opt, sched, state, data, session, after, tele, injected, progress, checkpoints,
@@ -137,8 +135,10 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     return res
 
 
-def _build_session(tc, engine: Engine, state, data, out: Path, controller, rollout, sites, group, tracker):
-    """The optimizer (AdamW), its warmup schedule and the Session that drives them."""
+def _build_session(tc, engine: Engine, state, data, out: Path, controller, rollout, sites, group, tracker, clock,
+                   evals):
+    """The optimizer (AdamW), its warmup schedule and the Session that drives them (laps on
+    `clock`; a promotion is gated by `evals` when they have an in-loop gate)."""
     rank = process_rank()
     opt = torch.optim.AdamW(engine.params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     sched = warmup_schedule(opt, tc.warmup)
@@ -153,7 +153,8 @@ def _build_session(tc, engine: Engine, state, data, out: Path, controller, rollo
                       clip=lambda: engine.clip_grad_norm(tc.grad_clip), sites=sites, group=group,
                       event_log=out / f"events{world_suffix}.jsonl" if controller is not None else None,
                       on_events=tracker.log_events if tracker is not None else None, lr_probe=lr_probe,
-                      settings=SessionSettings.from_rollout(rollout))
+                      settings=SessionSettings.from_rollout(rollout), clock=clock,
+                      gate=evals.gate if evals is not None and evals.checker is not None else None)
     return session, opt, sched
 
 

@@ -23,8 +23,8 @@ Nothing the probe touches stays changed, bit for bit: parameters, optimizer stat
 (AdamW's moments and step counts), the param groups' learning rates, gradients (the
 probe starts from none and gives back what there was), the RNG states
 (`lowprec.state.checkpoint.rng_state`), and the precision layers' side effects: quantizer
-statistics are off during the probe (each site's `collect_stats` and its last
-statistics come back as they were), and delayed-scaling amax histories and the sites'
+statistics are off during the probe (`PrecisionState.collecting_stats`: each site's setting and its
+last statistics come back as they were), and delayed-scaling amax histories and the sites'
 own generators are put back. Each of the three evaluations starts from the same RNG and
 precision state, so dropout masks and delayed scales are the same in all of them and
 the differences are the learning rate's alone.
@@ -37,6 +37,7 @@ refused.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -83,8 +84,6 @@ class _Saved:
                           for p, s in optimizer.state.items()}
         self.rng = rng_state()
         self.scaling = state.scaling_state() if state is not None else {}
-        self.sites = {fqn: (site.module.collect_stats, dict(site.module.stats))
-                      for fqn, site in (state.sites.items() if state is not None else ())}
 
     def precision_and_rng(self) -> None:
         """Put back the RNG states and the sites' histories and generators (before each evaluation)."""
@@ -119,9 +118,6 @@ class _Saved:
         self.precision_and_rng()
         for p, g in zip(self.params, self.grads):
             p.grad = g
-        for fqn, (collect, stats) in self.sites.items():
-            m = self.state.sites[fqn].module
-            m.collect_stats, m.stats = collect, stats
 
 
 class LRProbe:
@@ -195,26 +191,26 @@ class LRProbe:
     def __call__(self, step: int) -> ProbeResult:
         """Probe from the current weights; afterwards everything is as it was (module docstring)."""
         saved = _Saved(self.params, self.optimizer, self.state)
-        try:
-            if self.state is not None:
-                self.state.collect_stats(False)
-            for p in self.params:
-                p.grad = None
-            l0 = float(self.forward_backward().detach().float())
-            if self.clip is not None:
-                self.clip()
-            saved.precision_and_rng()
-            losses = {}
-            for f in self.factors:
-                for g, lr in zip(self.optimizer.param_groups, saved.lrs):
-                    g["lr"] = lr * f
-                self.optimizer.step()
-                with torch.no_grad():
-                    losses[f] = float(self.held_loss().detach().float())
-                saved.weights_and_optimizer()
+        # no statistics during the probe; each site's setting and last statistics come back
+        with self.state.collecting_stats(False) if self.state is not None else contextlib.nullcontext():
+            try:
+                for p in self.params:
+                    p.grad = None
+                l0 = float(self.forward_backward().detach().float())
+                if self.clip is not None:
+                    self.clip()
                 saved.precision_and_rng()
-        finally:
-            saved.everything()
+                losses = {}
+                for f in self.factors:
+                    for g, lr in zip(self.optimizer.param_groups, saved.lrs):
+                        g["lr"] = lr * f
+                    self.optimizer.step()
+                    with torch.no_grad():
+                        losses[f] = float(self.held_loss().detach().float())
+                    saved.weights_and_optimizer()
+                    saved.precision_and_rng()
+            finally:
+                saved.everything()
         result = ProbeResult(step, l0, tuple(losses.items()), _sensitivity(l0, losses))
         self.results.append(result)
         return result

@@ -56,7 +56,7 @@ from torch import nn
 from lowprec.runtime.engine import Clocked, forward_backward
 from lowprec.runtime.gradnorm import clip_, grad_norm, local_grad
 from lowprec.runtime.pipeline_forward import chain_forward, from_last_stage, last_stage_tensor
-from lowprec.tracking.phases import Phase
+from lowprec.tracking.phases import NULL_CLOCK, LapClock, Phase
 
 __all__ = ["DataTensorParallel", "ShardedTensorParallel", "HybridShardedDP", "Pipeline", "build_engine", "stage_bounds",
            "local_state", "check_model_plan", "set_amax_group"]
@@ -116,8 +116,9 @@ def _all_reduce_grads(params: list[nn.Parameter], group) -> None:
 class DataTensorParallel(Clocked):
     """Replicated data parallel x tensor parallel on a 2-D mesh (dp_replicate, tp); see the module docstring."""
 
-    def __init__(self, model: nn.Module, mesh, microbatches: int):
+    def __init__(self, model: nn.Module, mesh, microbatches: int, clock: LapClock = NULL_CLOCK):
         self.model, self.mesh, self.microbatches = model, mesh, microbatches
+        self.clock = clock
         self.module = model
         self.dp, self.tp = mesh["dp_replicate"].size(), mesh["tp"].size()
         self.dp_group = mesh.get_group("dp_replicate")
@@ -151,17 +152,18 @@ class DataTensorParallel(Clocked):
 class ShardedTensorParallel(Clocked):
     """FSDP2 over tensor-parallel shards on a 2-D mesh (dp_shard, tp); see the module docstring."""
 
-    def __init__(self, model: nn.Module, mesh, microbatches: int, fp8_all_gather: bool = False):
+    def __init__(self, model: nn.Module, mesh, microbatches: int, fp8_all_gather: bool = False,
+                 clock: LapClock = NULL_CLOCK):
         from lowprec.runtime.fsdp import FullyShardedDP
 
-        self.mesh = mesh
+        self.mesh, self.clock = mesh, clock
         self.tp = mesh["tp"].size()
         self.tp_rank = mesh.get_local_rank("tp")
         if self.tp > 1:
             model.tensor_parallel(mesh["tp"])
         self.fsdp = FullyShardedDP(model, mesh_or_group=mesh["dp_shard"], microbatches=microbatches,
                                    fp8_all_gather=fp8_all_gather,
-                                   weight_amax_group=dist.group.WORLD if self.tp > 1 else None)
+                                   weight_amax_group=dist.group.WORLD if self.tp > 1 else None, clock=clock)
         self.module, self.params = self.fsdp.module, self.fsdp.params
         self.fp8_gathered = self.fsdp.fp8_gathered
         self.world_group = dist.group.WORLD   # the mesh spans every rank
@@ -169,11 +171,6 @@ class ShardedTensorParallel(Clocked):
     @property
     def data_parallel_size(self) -> int:
         return self.fsdp.world
-
-    def use_clock(self, clock) -> None:
-        """Lap the phases on `clock` (FSDP2's forward, backward and loss all-reduce lap there)."""
-        self.clock = clock
-        self.fsdp.use_clock(clock)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x, y: this dp_shard rank's rows of the global batch. Returns the global mean loss."""
@@ -206,8 +203,9 @@ class HybridShardedDP(Clocked):
     mesh has a third dimension tp; see the module docstring."""
 
     def __init__(self, model: nn.Module, mesh, microbatches: int, dp_group=None,
-                 fp8_all_gather: bool = False):
+                 fp8_all_gather: bool = False, clock: LapClock = NULL_CLOCK):
         """dp_group: the ranks of this rank's (dp_replicate, dp_shard) sub-mesh (default: every rank)."""
+        self.clock = clock
         from torch.distributed.fsdp import fully_shard
         from lowprec.runtime.fsdp import block_modules, plain_sums
         from lowprec.runtime.fsdp_fp8 import enable_fp8_all_gather, install
@@ -327,28 +325,29 @@ class Pipeline:
         return total
 
 
-def build_engine(model: nn.Module, par, microbatches: int, device: torch.device):
+def build_engine(model: nn.Module, par, microbatches: int, device: torch.device, clock: LapClock = NULL_CLOCK):
     """(engine, data rank, data ranks) for `par` (a ParallelConfig) on the initialised process
     group, every mesh and stage on `device` (the model's: `lowprec.runtime.rank_device`); the
-    model is `prepare`d already (its amax group is set here)."""
+    model is `prepare`d already (its amax group is set here). clock: where the engine laps its
+    phases (the run's telemetry's)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     kind = torch.device(device).type
     if par.pp > 1:
         return Pipeline(model, dist.get_rank(), par.pp, microbatches, device=device), 0, 1
     if par.dp_replicate > 1 and par.dp_shard > 1:
-        return _hybrid(model, par, microbatches, kind)
+        return _hybrid(model, par, microbatches, kind, clock)
     dp_name = "dp_shard" if par.dp_shard > 1 else "dp_replicate"
     dp = par.dp_shard * par.dp_replicate
     mesh = init_device_mesh(kind, (dp, par.tp), mesh_dim_names=(dp_name, "tp"))
     if dp > 1:
         set_amax_group(model, mesh.get_group(dp_name))
-    engine = (ShardedTensorParallel(model, mesh, microbatches, fp8_all_gather=par.fp8_all_gather) if par.dp_shard > 1
-              else DataTensorParallel(model, mesh, microbatches))
+    engine = (ShardedTensorParallel(model, mesh, microbatches, fp8_all_gather=par.fp8_all_gather, clock=clock)
+              if par.dp_shard > 1 else DataTensorParallel(model, mesh, microbatches, clock=clock))
     return engine, mesh.get_local_rank(dp_name), dp
 
 
-def _hybrid(model: nn.Module, par, microbatches: int, kind: str):
+def _hybrid(model: nn.Module, par, microbatches: int, kind: str, clock: LapClock = NULL_CLOCK):
     """HSDP (x TP): the engine, this rank's data rank and the data ranks (see build_engine)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -356,9 +355,10 @@ def _hybrid(model: nn.Module, par, microbatches: int, kind: str):
     if par.tp == 1:
         mesh = init_device_mesh(kind, dims, mesh_dim_names=names)
         set_amax_group(model, dist.group.WORLD)
-        return HybridShardedDP(model, mesh, microbatches, fp8_all_gather=par.fp8_all_gather), dist.get_rank(), par.world
+        return (HybridShardedDP(model, mesh, microbatches, fp8_all_gather=par.fp8_all_gather, clock=clock),
+                dist.get_rank(), par.world)
     mesh = init_device_mesh(kind, (*dims, par.tp), mesh_dim_names=(*names, "tp"))
     dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()   # this tp rank's data ranks
     set_amax_group(model, dp_group)
     data_rank = mesh.get_local_rank("dp_replicate") * par.dp_shard + mesh.get_local_rank("dp_shard")
-    return HybridShardedDP(model, mesh, microbatches, dp_group), data_rank, par.data_ranks
+    return HybridShardedDP(model, mesh, microbatches, dp_group, clock=clock), data_rank, par.data_ranks

@@ -245,8 +245,8 @@ def _to_device(device):
     return hook
 
 
-def _build(prepared, par, device) -> RankRun:
-    """This rank's engine, precision state and batches, on `device`."""
+def _build(prepared, par, device, clock) -> RankRun:
+    """This rank's engine (lapping on `clock`), precision state and batches, on `device`."""
     from lowprec.runtime.data import TokenBatches
     from lowprec.runtime.parallel import build_engine, local_state
     from lowprec.runtime.tracked_map import tracked_map
@@ -257,7 +257,7 @@ def _build(prepared, par, device) -> RankRun:
         prepared.model.to(device)
     if device.type != "cpu":   # the batches, eval tokens and held batch are made on the CPU
         prepared.model.register_forward_pre_hook(_to_device(device), with_kwargs=True)
-    engine, data_rank, data_ranks = build_engine(prepared.model, par, tc.microbatches, device)
+    engine, data_rank, data_ranks = build_engine(prepared.model, par, tc.microbatches, device, clock)
     state, data, whole = prepared.state, prepared.data, None
     if par.pp > 1:   # this rank keeps its stage's sites; the monitor packs every site's row
         whole, state = state, local_state(state, [f for f, _ in engine.module.named_modules() if f in state.sites])
@@ -317,7 +317,7 @@ def train_ranks(prepared, out: Path, *, name: str, env: RankEnv, placed, store, 
 
 def _tracker(cfg, out: Path, name: str, resume: bool):
     """Rank 0's MLflow run (one per job; `resume` continues the killed job's)."""
-    from lowprec.runtime.run import _tracking_uri
+    from lowprec.runtime.host import tracking_uri as _tracking_uri
     from lowprec.tracking.tracker import Tracker
     tel, par = cfg.telemetry, cfg.parallel
     tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, name, buffer_dir=out / "tracking", resume=resume,
@@ -334,30 +334,31 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, device, resume:
     import torch.distributed as dist
     from lowprec.runtime.console import LOG_NAME
     from lowprec.runtime.loop import train
-    from lowprec.runtime.run import EXIT_OK, EXIT_UNSENT, _tracking_uri, close_run, summary_text, unsent_line
+    from lowprec.runtime.host import tracking_uri as _tracking_uri
+    from lowprec.runtime.run import EXIT_OK, EXIT_UNSENT, close_run, summary_text, unsent_line
     from lowprec.state.checkpoint import NoUsableCheckpointError
     from lowprec.state.ranks import from_rank_0
     from lowprec.tracking.records import RunStatus
     from lowprec.tracking.telemetry import Telemetry, TelemetryConfig
 
     cfg, lead = prepared.config, env.rank == 0
-    run = _build(prepared, cfg.parallel, device)
+    tel = cfg.telemetry if lead else TelemetryConfig(enabled=False)
+    clock = Telemetry.clock_for(tel, device)   # the engine's and the session's, counting from begin()
+    run = _build(prepared, cfg.parallel, device, clock)
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         console.log_to(out / LOG_NAME)
     dist.barrier()   # the run folder exists before any rank writes to it
     tracker = _tracker(cfg, out, name, resume) if lead and cfg.tracking.enabled else None
     progress = console.progress(cfg.train.steps, mix=run.precision_map.flops_share) if lead else None
-    telemetry = Telemetry(cfg.telemetry if lead else TelemetryConfig(enabled=False), device=device,
-                          model=run.engine.module, state=run.state, started=started)
-    evals = prepared.evals
-    if evals is not None:   # every rank evaluates (collective forwards); rank 0 logs, gates and shares
-        # the eval passes decided on the whole model's formats, which every rank tracks alike
-        evals.tracker, evals.share, evals.formats = tracker, from_rank_0, run.precision_map.formats
-        if cfg.parallel.pp > 1:   # the forward through every stage
-            evals.evaluator.use_forward(run.engine.logits)
-        if prepared.controller is not None and evals.checker is not None:
-            prepared.controller.gate = evals.gate
+    telemetry = Telemetry(tel, device=device, model=run.engine.module, state=run.state, started=started,
+                          clock=clock)
+    evals = None
+    if prepared.evals is not None:   # every rank evaluates (collective forwards); rank 0 logs, gates and shares
+        # the eval passes decided on the whole model's formats, which every rank tracks alike; under
+        # pipeline stages scored through the forward through every stage
+        evals = prepared.evals.for_run(tracker=tracker, share=from_rank_0, formats=run.precision_map.formats,
+                                       forward=run.engine.logits if cfg.parallel.pp > 1 else None)
     status = RunStatus.FAILED
     try:
         res = train(cfg.train, run.engine, run.state, run.data, out_dir=out, controller=prepared.controller,

@@ -92,17 +92,11 @@ class StepReplayer:
         if self._end is None:
             self._end = self._capture()
         local = [s for s in sites if s in self.state.sites]
-        collecting = {fqn: s.module.collect_stats for fqn, s in self.state.sites.items()}
-        self.state.collect_stats(False)
-        try:
-            with self.state.high_precision(local):
-                self._restore(self._start)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss = closure()
-                values = self.measure(loss)
-        finally:
-            for fqn, on in collecting.items():
-                self.state.sites[fqn].module.collect_stats = on
+        with self.state.collecting_stats(False), self.state.high_precision(local):
+            self._restore(self._start)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = closure()
+            values = self.measure(loss)
         self.replays += 1
         return values
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from lowprec.base.parse import ConfigError
+from lowprec.runtime.host import read_baseline, tracking_uri as _tracking_uri
 from lowprec.runtime.resume_check import STEPS_TAG, logged_config
 from lowprec.runtime.run_summary import summary_text
 from lowprec.tracking.records import RunStatus
@@ -103,33 +104,6 @@ def _call(fn: Callable, args: dict, what: str):
 def _search_paths(cfg) -> list[Path]:
     src = getattr(cfg, "source", None)
     return [p for p in (Path(src).parent if src and src != "<dict>" else None, Path.cwd()) if p is not None]
-
-
-def read_baseline(cfg) -> dict[int, float] | None:
-    """The loss curve `rollout.baseline` names: a losses file (beside the config, or from the
-    working directory), or an MLflow run's losses.json."""
-    from lowprec.policy.rollout import read_losses
-    b = cfg.rollout.baseline if cfg.rollout is not None else None
-    if b is None:
-        return None
-    if b.losses is not None:
-        p = Path(b.losses)
-        cands = [p] if p.is_absolute() else [q / p for q in _search_paths(cfg)]
-        found = next((c for c in cands if c.is_file()), None)
-        if found is None:
-            raise ConfigError("rollout.baseline.losses", f"{b.losses!r} not found (looked at "
-                              f"{', '.join(map(str, cands))}); give the losses.json a run wrote")
-        return read_losses(found)
-    from lowprec.config import ConfigRole
-    from lowprec.runtime.baseline import RUN_HOW, TRAINER_HOW, losses_of_run
-    how = TRAINER_HOW if cfg.role is ConfigRole.FRAMEWORK else RUN_HOW   # a Trainer's user has no `lowprec run`
-    curve = losses_of_run(_tracking_uri(cfg), cfg.tracking.experiment, b.mlflow_run, how)
-    return {i: float(v) for i, v in enumerate(curve) if v == v and abs(float(v)) != float("inf")}
-
-
-def _tracking_uri(cfg) -> str:
-    uri = getattr(cfg.tracking, "uri", None) if cfg.tracking is not None else None
-    return uri or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
 def high_precision_baseline(cfg):
@@ -233,9 +207,9 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True,
         max_len = cfg.data.block_size if cfg.data is not None and cfg.data.block_size else 256
         from lowprec.runtime.baseline import baseline_evals
         prepared.evals = eval_checkpoints(cfg.eval, model, state, max_length=max_len, baseline=baseline_evals(cfg))
-        if cfg.parallel.pp > 1 and not callable(getattr(prepared.evals.evaluator, "use_forward", None)):
+        if cfg.parallel.pp > 1 and not callable(getattr(prepared.evals.evaluator, "with_forward", None)):
             raise ConfigError("eval.evaluator", (
-                f"{cfg.eval.evaluator!r} has no use_forward(forward) method, which parallel: {{pp: {cfg.parallel.pp}}} "
+                f"{cfg.eval.evaluator!r} has no with_forward(forward) method, which parallel: {{pp: {cfg.parallel.pp}}} "
                 f"needs (no rank holds the whole model's forward; the run hands the pipeline's): give the evaluator "
                 f"one, or use lm_eval"))
         checker = prepared.evals.checker
@@ -258,14 +232,11 @@ def execute(prepared: PreparedRun, out: str | Path, *, tracker=None, resume: boo
     from lowprec.tracking.telemetry import Telemetry
 
     cfg = prepared.config
-    evals = prepared.evals
-    if evals is not None:
-        evals.tracker = tracker
-        if prepared.controller is not None and evals.checker is not None:
-            prepared.controller.gate = evals.gate
+    evals = prepared.evals.for_run(tracker=tracker) if prepared.evals is not None else None
     device = next((p.device for p in prepared.model.parameters()), torch.device("cpu"))
     telemetry = Telemetry(cfg.telemetry, device=device, model=prepared.model, state=prepared.state, started=started)
-    return train(cfg.train, SingleProcess(prepared.model, cfg.train.microbatches), prepared.state, prepared.data,
+    engine = SingleProcess(prepared.model, cfg.train.microbatches, clock=telemetry.clock)
+    return train(cfg.train, engine, prepared.state, prepared.data,
                  out_dir=out, controller=prepared.controller, rollout=cfg.rollout, tracker=tracker, evals=evals,
                  baseline=prepared.baseline, resume=resume, faults=faults, steps=steps, telemetry=telemetry,
                  progress=progress)

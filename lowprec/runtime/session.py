@@ -74,7 +74,7 @@ class Session:
                  held_batch: tuple[torch.Tensor, torch.Tensor] | None = None, sites: list[str] | None = None,
                  group=None, event_log: str | Path | None = None,
                  on_events: Callable[[list[Event]], None] | None = None, start_step: int = 0,
-                 clock: LapClock = NULL_CLOCK):
+                 clock: LapClock = NULL_CLOCK, gate: Callable[[int], Any] | None = None):
         """The config section: `settings` (`SessionSettings.from_rollout(rollout)`; default, the
         defaults). The objects it drives: `model`, `optimizer`, `scheduler`, `data` (skipped
         on a rewind), `state` (the PrecisionState of `lowprec.prepare(model, plan)`, this rank's
@@ -89,13 +89,16 @@ class Session:
             `held_batch` (x, y), a batch training never draws, the same on every rank.
         sites: every site of the model in forward order, when `state` holds only this rank's (a
             pipeline stage); group: the process group the monitor combines over.
-        clock: laps the step's phases for `lowprec.tracking.telemetry` (`use_clock` replaces it).
+        clock: laps the step's phases (the run's telemetry's, counting from its `begin()`).
+        gate: gate(step), an evaluation before each promotion (`EvalCheckpoints.gate`), handed to
+            the controller at every check with the window's judge.
         """
         cfg = settings or SessionSettings()
         self.model, self.optimizer, self.state = model, optimizer, state
         self.controller, self.scheduler, self.data = controller, scheduler, data
         self.clip = clip or _default_clip(model, cfg.max_grad_norm)
         self.clock = clock
+        self.gate = _EvalTimedGate(gate, clock) if gate is not None else None   # booked as `eval` time
         self.step_index = start_step
         self.events: list[Event] = []
         self.last_signals = None
@@ -125,10 +128,10 @@ class Session:
                                              measure=self._measure, close=cfg.window_close,
                                              max_windows=cfg.window_replays, max_looks=cfg.max_replays,
                                              min_length=self.monitor_config.check_every)
-                controller.use_judge(self.window.judge)
         else:
             state.collect_stats(False)   # no monitor reads them: quantize without statistics
         self.snapshots = snapshots
+        self._window_judge = self.window.judge if self.window is not None else None   # handed over at each check
         if self.snapshots is not None:
             self.snapshots.after_step(start_step)
         self.lr_probe = lr_probe
@@ -156,13 +159,13 @@ class Session:
     # ------------------------------------------------------------------ building
     @classmethod
     def build(cls, model: nn.Module, optimizer: torch.optim.Optimizer, plan, rollout=None, *, seed: int = 0,
-              baseline: dict[int, float] | None = None, gate=None, **kwargs) -> "Session":
-        """prepare(model, plan) and a controller from the parsed `rollout:` section."""
+              baseline: dict[int, float] | None = None, **kwargs) -> "Session":
+        """prepare(model, plan) and a controller from the parsed `rollout:` section (`gate=` and the
+        other keywords go to the constructor)."""
         from lowprec.policy.rollout import build_controller
         from lowprec.sites.precision_state import prepare
         state = prepare(model, plan, seed=seed)
-        controller = None if rollout is None else build_controller(rollout, state, model, baseline=baseline,
-                                                                   gate=gate)
+        controller = None if rollout is None else build_controller(rollout, state, model, baseline=baseline)
         kwargs.setdefault("settings", SessionSettings.from_rollout(rollout))
         return cls(model, optimizer, state, controller, **kwargs)
 
@@ -170,8 +173,10 @@ class Session:
     def from_yaml(cls, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs) -> "Session":
         """Build from a YAML file's `precision:` and (optional) `rollout:` sections."""
         from lowprec.config import ConfigRole, LowprecConfig
+        from lowprec.runtime.host import read_baseline
         cfg = LowprecConfig.from_yaml(path, role=ConfigRole.SESSION)
-        return cls.build(model, optimizer, cfg.precision, cfg.rollout, **kwargs)
+        baseline = kwargs.pop("baseline", None) or read_baseline(cfg)   # a losses file beside the YAML, as every host
+        return cls.build(model, optimizer, cfg.precision, cfg.rollout, baseline=baseline, **kwargs)
 
     # ------------------------------------------------------------------ the step
     def _prepare(self, step: int) -> None:
@@ -209,10 +214,6 @@ class Session:
         self.step_index = step
         if isinstance(self.snapshots, MemorySnapshots):
             self.snapshots.take(step)
-
-    def use_clock(self, clock: LapClock) -> None:
-        """Lap the step's phases on `clock` from now on (the host's telemetry, started after set-up)."""
-        self.clock = clock
 
     def resume_statistics(self) -> None:
         """After something switched quantizer statistics off (an evaluation), set them as the
@@ -252,7 +253,7 @@ class Session:
         if self.monitor is not None:
             # with a closure an anomalous step is replayed, which finds a NaN's origin: the
             # monitor need not count non-finite outputs on the next check steps
-            self.monitor.count_outputs = closure is None or self.replayer is None
+            self.monitor.origins_by_replay(closure is not None and self.replayer is not None)
         if grad_norm is None:
             grad_norm = self.clip()
         self.clock.lap(Phase.OPTIMIZER)
@@ -321,8 +322,6 @@ class Session:
         if self.controller is None:
             return Decision()
         mon, ctl = self.monitor, self.controller
-        if ctl.gate is not None and not isinstance(ctl.gate, _EvalTimedGate):
-            ctl.gate = _EvalTimedGate(ctl.gate, self)   # set by the host after the session was built, too
         # every rank reads the same two numbers, so every rank branches (and replays) alike
         measured = self._measure(loss, grad_norm)
         self.clock.lap(Phase.COLLECTIVE)
@@ -343,7 +342,8 @@ class Session:
         if mon.is_check_step(step):
             signals = self.last_signals = mon.check(step)
             signals.lr_sensitivity = self._lr_sensitivity(step)
-        decision = self._carry_out(ctl.observe_step(step, anomaly, signals, attribution))
+        decision = self._carry_out(ctl.observe_step(step, anomaly, signals, attribution, gate=self.gate,
+                                                    judge=self._window_judge))
         self.clock.lap(Phase.MONITOR)
         return decision
 
@@ -355,7 +355,7 @@ class Session:
         rolls the newest stage back. Same on every rank if `result` is."""
         if self.controller is None:
             return Decision()
-        decision = self._carry_out(self.controller.observe_gate(step, result))
+        decision = self._carry_out(self.controller.observe_gate(step, result, judge=self._window_judge))
         self.resume_statistics()   # evals switch statistics off
         return decision
 

@@ -70,11 +70,11 @@ class _EvalTimedGate:
     """The controller's `gate(step)` (an evaluation before a promotion, called inside the
     check), its time booked as `eval` on the session's clock, not as the check's `monitor`."""
 
-    def __init__(self, gate: Callable[[int], Any], session: "Session"):
-        self.gate, self.session = gate, session
+    def __init__(self, gate: Callable[[int], Any], clock):
+        self.gate, self.clock = gate, clock
 
     def __call__(self, step: int):
-        clock = self.session.clock   # read now: the host sets it after building the session
+        clock = self.clock
         clock.lap(Phase.MONITOR)     # the check up to here
         with counted_as(clock, Phase.EVAL):
             return self.gate(step)

@@ -107,23 +107,20 @@ class WindowReplayer:
         scaling = s.state.scaling_state()
         params = [p for p in s.model.parameters()]
         grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
-        collecting = {fqn: site.module.collect_stats for fqn, site in s.state.sites.items()}
         was_training = s.model.training
-        s.state.collect_stats(False)
-        try:
-            att = judge_window(candidates, groups, configured=[self.entries[k].loss for k in tail],
-                               baseline=baseline, look=lambda sites: self._look(tail, sites),
-                               retrain=lambda sites: self._retrain(start, steps, last, tail, sites),
-                               close=self.close, max_looks=self.max_looks, max_windows=self.max_windows,
-                               steps=(steps[0], last), tail=tail)
-        finally:
-            snaps.load(now)
-            s.state.load_scaling_state(scaling)
-            for p, g in zip(params, grads):
-                p.grad = g
-            for fqn, on in collecting.items():
-                s.state.sites[fqn].module.collect_stats = on
-            s.model.train(was_training)
+        with s.state.collecting_stats(False):
+            try:
+                att = judge_window(candidates, groups, configured=[self.entries[k].loss for k in tail],
+                                   baseline=baseline, look=lambda sites: self._look(tail, sites),
+                                   retrain=lambda sites: self._retrain(start, steps, last, tail, sites),
+                                   close=self.close, max_looks=self.max_looks, max_windows=self.max_windows,
+                                   steps=(steps[0], last), tail=tail)
+            finally:
+                snaps.load(now)
+                s.state.load_scaling_state(scaling)
+                for p, g in zip(params, grads):
+                    p.grad = g
+                s.model.train(was_training)
         self.judged.append(att)
         return att
 

@@ -155,6 +155,20 @@ class PrecisionState:
         for s in self.sites.values():
             s.module.collect_stats = enabled
 
+    @contextlib.contextmanager
+    def collecting_stats(self, enabled: bool = False) -> Iterator[None]:
+        """Quantize with statistics on or off inside the block (a replay, a window's judgment,
+        the LR probe, a profile); on exit every site collects as it did before and holds the
+        statistics it held (what ran inside feeds no monitor)."""
+        saved = {n: (s.module.collect_stats, dict(s.module.stats)) for n, s in self.sites.items()}
+        try:
+            self.collect_stats(enabled)
+            yield
+        finally:
+            for n, (on, stats) in saved.items():
+                module = self.sites[n].module
+                module.collect_stats, module.stats = on, stats
+
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict:
         out = {}

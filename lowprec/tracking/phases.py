@@ -82,6 +82,8 @@ class LapClock(Protocol):
 
     def flush(self, include_open: bool = False) -> list[dict[Phase, float]]: ...
 
+    def restart(self) -> None: ...
+
 
 class NullClock:
     """A clock that measures nothing (telemetry off): laps cost one method call. Stateless
@@ -104,6 +106,9 @@ class NullClock:
     def flush(self, include_open: bool = False) -> list[dict[Phase, float]]:
         return []
 
+    def restart(self) -> None:
+        pass
+
 
 class CpuLapClock:
     """Laps on the host's monotonic clock, grouped by loop pass (`end_pass`). While
@@ -112,6 +117,10 @@ class CpuLapClock:
 
     def __init__(self) -> None:
         self.override: Phase | None = None
+        self.restart()
+
+    def restart(self) -> None:
+        """Forget every lap so far: time is counted from now (the run's set-up is over)."""
         self._last = time.perf_counter()
         self._open: dict[Phase, float] = {}
         self._closed: list[dict[Phase, float]] = []
@@ -144,6 +153,10 @@ class CudaLapClock:
         self._torch = torch
         self.device = torch.device(device)
         self.override: Phase | None = None
+        self.restart()
+
+    def restart(self) -> None:
+        """Forget every lap so far: time is counted from now (the run's set-up is over)."""
         self._last = self._event()
         self._open: list[tuple[Phase, object]] = []
         self._closed: list[list[tuple[Phase, object]]] = []

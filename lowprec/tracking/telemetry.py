@@ -97,15 +97,17 @@ class Telemetry:
     """Phase clock + goodput ledger + FLOPs + energy for one run (see the module docstring)."""
 
     def __init__(self, config: TelemetryConfig, *, device="cpu", model=None, state=None,
-                 started: float | None = None):
+                 started: float | None = None, clock: LapClock | None = None):
         """started: `time.perf_counter()` when the run started (default: now); the time until
-        `begin()` is start-up."""
+        `begin()` is start-up. clock: the run's phase clock, when the engine was built with it
+        before this (default `clock_for(config, device)`); it counts from `begin()`."""
         import torch
         self.config = config
         self.device = torch.device(device)
         self.model, self.state = model, state
         self.started = time.perf_counter() if started is None else started
-        self.clock: LapClock = NULL_CLOCK
+        # handed to the session and the engine when they are built; it counts from `begin()`
+        self.clock: LapClock = clock if clock is not None else self.clock_for(config, self.device)
         self.ledger = GoodputLedger()
         self.phase_totals: dict[Phase, float] = {p: 0.0 for p in Phase}
         self.windows: list[_Window] = []
@@ -117,6 +119,11 @@ class Telemetry:
         self._joules_at_window = 0.0
         self._last_reading = None
 
+    @staticmethod
+    def clock_for(config: TelemetryConfig, device) -> LapClock:
+        """The phase clock a run with `config` laps on (none when telemetry is off)."""
+        return lap_clock(device) if config.enabled else NULL_CLOCK
+
     # ------------------------------------------------------------------ lifecycle
     def begin(self) -> None:
         """Start-up ends here: open the energy meter, measure the peaks, start the clock."""
@@ -127,7 +134,7 @@ class Telemetry:
             from lowprec.tracking.peaks import device_peaks
             self.peaks = device_peaks(self.device)
         self.formats_changed()
-        self.clock = lap_clock(self.device)
+        self.clock.restart()
         self.ledger.add_outside(Bucket.STARTUP, time.perf_counter() - self.started)
 
     def formats_changed(self) -> None:

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lowprec import (E2M1, E4M3, E5M2, FORMATS, QuantSpec, RandomHadamard, Rounding, Scaling,
+from lowprec.numerics import (E2M1, E4M3, E5M2, FORMATS, QuantSpec, RandomHadamard, Rounding, Scaling,
                      fake_quantize, format_names, get_format, quantize)
 from lowprec.numerics.quantize import QuantStats, operand_blocks
 

@@ -30,7 +30,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from lowprec import (E2M1, E4M3, E5M2, FORMATS, RandomHadamard, Rounding, Scaling, ScaleEncoding,
+from lowprec.numerics import (E2M1, E4M3, E5M2, FORMATS, RandomHadamard, Rounding, Scaling, ScaleEncoding,
                      fake_quantize, quantize, round_to_grid)
 from lowprec.numerics.block_scales import nvfp4_up
 from lowprec.numerics.quantize import operand_blocks

@@ -25,7 +25,7 @@ import math
 import pytest
 import torch
 
-from lowprec import E4M3, E5M2, fake_quantize, get_format, quantize, round_to_grid
+from lowprec.numerics import E4M3, E5M2, fake_quantize, get_format, quantize, round_to_grid
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(

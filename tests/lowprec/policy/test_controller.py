@@ -50,14 +50,14 @@ def signals(step, loss=2.0, norm=1.0, sites=None, lowprec_sites=SITES):
     return Signals(step, losses, norms, sites if sites is not None else {s: healthy_site() for s in lowprec_sites})
 
 
-def feed(ctl, step, sig, attribution=None):
+def feed(ctl, step, sig, attribution=None, gate=None):
     """One check window, step by step as a loop feeds it: each step's loss and grad norm
     through `detect`, the check's Signals at its last step. Returns the merged Decision."""
     merged = None
     first = step - len(sig.losses) + 1
     for i, (loss, norm) in enumerate(zip(sig.losses, sig.grad_norms)):
         s = first + i
-        d = ctl.observe_step(s, ctl.detect(s, loss, norm), sig if s == step else None, attribution)
+        d = ctl.observe_step(s, ctl.detect(s, loss, norm), sig if s == step else None, attribution, gate=gate)
         if merged is None:
             merged = d
         else:
@@ -68,11 +68,11 @@ def feed(ctl, step, sig, attribution=None):
     return merged
 
 
-def run(ctl, seq):
-    """Feed (step, Signals) pairs; returns all events."""
+def run(ctl, seq, gate=None):
+    """Feed (step, Signals) pairs (gate: the promotions' evaluation); returns all events."""
     events = []
     for step, sig in seq:
-        events += feed(ctl, step, sig).events
+        events += feed(ctl, step, sig, gate=gate).events
     return events
 
 
@@ -233,8 +233,8 @@ def test_gate_regression_rolls_back_and_inconclusive_holds():
         def __init__(self, v):
             self.verdict, self.reason = v, "test"
 
-    ctl = make(gate=lambda step: V(next(verdicts)))
-    events = run(ctl, [(s, signals(s)) for s in range(9, 110, CHECK)])
+    ctl = make()
+    events = run(ctl, [(s, signals(s)) for s in range(9, 110, CHECK)], gate=lambda step: V(next(verdicts)))
     gates = [e.evidence["verdict"] for e in events if e.kind == EventKind.GATE]
     assert gates == ["pass", "inconclusive", "regress"]
     assert [e.kind for e in events if e.kind in (EventKind.PROMOTE, EventKind.ROLLBACK)] == \
@@ -414,8 +414,8 @@ def _gapped(**kw):
 def test_a_loss_gap_precision_did_not_cause_demotes_nothing_and_is_not_judged_again():
     ctl = _gapped()
     promoted = dict(ctl.current)
-    ctl.judge, calls = _judged(False)
-    d = ctl.observe(89, signals(89, loss=2.3))
+    judge, calls = _judged(False)
+    d = ctl.observe(89, signals(89, loss=2.3), judge=judge)
     assert not d.changes and d.action is Action.CONTINUE and ctl.current == promoted
     (ev,) = [e for e in d.events if e.kind == EventKind.NOT_PRECISION]
     assert ev.evidence["losses_as_trained"] == [2.3] and ev.evidence["losses_baseline"] == [2.0]
@@ -426,10 +426,10 @@ def test_a_loss_gap_precision_did_not_cause_demotes_nothing_and_is_not_judged_ag
     assert step == 89 and set(cands) == {s for s, f in promoted.items() if f != "bf16"}
     assert groups[0] == [s for s in STAGES[ctl.promoted - 1].sites]
     # the same gap at the next check: accepted, not judged again (one window per suspicion)
-    d = ctl.observe(99, signals(99, loss=2.3))
+    d = ctl.observe(99, signals(99, loss=2.3), judge=judge)
     assert len(calls) == 1 and {e.kind for e in d.events} <= {EventKind.PROMOTE}
     # a gap that grows further above it is a new suspicion
-    ctl.observe(109, signals(109, loss=2.9))
+    ctl.observe(109, signals(109, loss=2.9), judge=judge)
     assert len(calls) == 2
 
 
@@ -438,13 +438,14 @@ def test_a_verdict_of_not_precision_does_not_hold_the_schedule_up():
     stage promotes at the same check (the suspicion cost its window, not min_steps more)."""
     def next_promotion(judged: bool) -> int:
         ctl = _gapped()
+        judge = None
         if judged:
-            ctl.judge, calls = _judged(False)
-            assert any(e.kind == EventKind.NOT_PRECISION for e in ctl.observe(89, signals(89, loss=2.3)).events)
+            judge, calls = _judged(False)
+            assert any(e.kind == EventKind.NOT_PRECISION for e in ctl.observe(89, signals(89, loss=2.3), judge=judge).events)
         else:
-            assert not ctl.observe(89, signals(89)).events
+            assert not ctl.observe(89, signals(89), judge=judge).events
         for step in range(99, 300, CHECK):
-            if any(e.kind == EventKind.PROMOTE for e in ctl.observe(step, signals(step, loss=2.3 if judged else 2.0)).events):
+            if any(e.kind == EventKind.PROMOTE for e in ctl.observe(step, signals(step, loss=2.3 if judged else 2.0), judge=judge).events):
                 return step
         raise AssertionError("no promotion")
 
@@ -454,8 +455,8 @@ def test_a_verdict_of_not_precision_does_not_hold_the_schedule_up():
 def test_a_loss_gap_precision_closes_rolls_the_newest_stage_back_and_rewinds():
     ctl = _gapped(rewind=True)
     newest = STAGES[ctl.promoted - 1]
-    ctl.judge, _ = _judged(True, newest.sites)
-    d = ctl.observe(89, signals(89, loss=2.3))
+    judge, _ = _judged(True, newest.sites)
+    d = ctl.observe(89, signals(89, loss=2.3), judge=judge)
     (rb,) = [e for e in d.events if e.kind == EventKind.ROLLBACK]
     assert rb.stage == newest.name and "closed by window replay" in rb.reason
     assert d.action is Action.REWIND
@@ -464,16 +465,15 @@ def test_a_loss_gap_precision_closes_rolls_the_newest_stage_back_and_rewinds():
 def test_a_loss_gap_blamed_on_one_site_falls_that_site_back():
     ctl = _gapped()
     site = next(s for s, f in ctl.current.items() if f == "fp8_tensorwise")
-    ctl.judge, _ = _judged(True, (site,))
-    d = ctl.observe(89, signals(89, loss=2.3))
+    judge, _ = _judged(True, (site,))
+    d = ctl.observe(89, signals(89, loss=2.3), judge=judge)
     assert d.changes == {site: "bf16"}
     assert [e.kind for e in d.events if e.sites == (site,)][-1] == EventKind.FALLBACK
 
 
 def test_without_a_window_the_loss_gap_rolls_back_as_before():
     ctl = _gapped()
-    ctl.use_judge(lambda step, c, g: None)
-    d = ctl.observe(89, signals(89, loss=2.3))
+    d = ctl.observe(89, signals(89, loss=2.3), judge=lambda step, c, g: None)
     assert any(e.kind == EventKind.ROLLBACK for e in d.events)
 
 
@@ -486,12 +486,12 @@ def test_a_loss_gap_waits_for_a_window_that_starts_after_the_last_format_change(
     assert ctl.formats_changed_at > 0   # the last promotion's check
     answers = [WindowDeferred(ctl.formats_changed_at - 10, ctl.formats_changed_at)]
     judge, calls = _judged(True, STAGES[ctl.promoted - 1].sites)
-    ctl.use_judge(lambda step, c, g: answers.pop(0) if answers else judge(step, c, g))
-    d = ctl.observe(89, signals(89, loss=2.3))
+    deferring = (lambda step, c, g: answers.pop(0) if answers else judge(step, c, g))
+    d = ctl.observe(89, signals(89, loss=2.3), judge=deferring)
     assert not d.changes and d.action is Action.CONTINUE and ctl.current == promoted
     (ev,) = [e for e in d.events if e.kind == EventKind.WINDOW]
     assert "judged later" in ev.reason and ev.evidence["changed_at"] == ctl.formats_changed_at
-    d = ctl.observe(99, signals(99, loss=2.3))   # a snapshot after the change now: judged, and blamed
+    d = ctl.observe(99, signals(99, loss=2.3), judge=deferring)   # a snapshot after the change now: judged, and blamed
     assert len(calls) == 1 and any(e.kind == EventKind.ROLLBACK for e in d.events)
     assert ctl.formats_changed_at == 99
     # kept across a resume
@@ -504,20 +504,20 @@ def test_not_precision_rewind_goes_back_to_the_windows_start():
     ctl = make(baseline={s: 2.0 for s in range(0, 400)}, loss_gap=0.0025, rewind=True)
     ctl.config = ControllerConfig(**{**ctl.config.__dict__, "not_precision_rewind": True})
     run(ctl, [(s, signals(s)) for s in range(9, 80, CHECK)])
-    ctl.judge, _ = _judged(False)
-    d = ctl.observe(89, signals(89, loss=2.3))
+    judge, _ = _judged(False)
+    d = ctl.observe(89, signals(89, loss=2.3), judge=judge)
     assert d.action is Action.REWIND and d.rewind_before == 80 and not d.changes
 
 
 def test_an_eval_regression_is_judged_by_its_window_too():
     ctl = _gapped()
     before = dict(ctl.current)
-    ctl.judge, calls = _judged(False)
-    d = ctl.observe_gate(90, _Regress())
+    judge, calls = _judged(False)
+    d = ctl.observe_gate(90, _Regress(), judge=judge)
     assert len(calls) == 1 and not d.changes and ctl.current == before
     assert any(e.kind == EventKind.NOT_PRECISION for e in d.events)
-    ctl.judge, _ = _judged(True, STAGES[ctl.promoted - 1].sites)
-    d = ctl.observe_gate(100, _Regress())
+    judge, _ = _judged(True, STAGES[ctl.promoted - 1].sites)
+    d = ctl.observe_gate(100, _Regress(), judge=judge)
     assert any(e.kind == EventKind.ROLLBACK for e in d.events) and d.action is Action.CONTINUE
 
 
