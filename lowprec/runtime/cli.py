@@ -118,8 +118,8 @@ def _plan(args, console) -> int:
             from lowprec.runtime.speed_estimate import table_for
             table_for(args.speed_table)      # a misspelt name: refused before the model is built
         cfg = _load(args.config)
-    except ConfigError as e:
-        if e.path == "model" and _framework_yaml(args.config):   # a callback's YAML: the model is the user's
+    except (ConfigError, ValueError) as e:
+        if isinstance(e, ConfigError) and e.path == "model" and _framework_yaml(args.config):   # a callback's YAML: the model is the user's
             e = ConfigError("model", f"{e.message}. This looks like a framework callback's YAML (no model:, data:, "
                             f"train:): check it against your model with `lowprec plan {args.config} "
                             f"--model-factory MODULE:FUNCTION` (a function that builds the model you train)")

@@ -284,7 +284,9 @@ def test_pipeline_2_stages_nan_skip_rewind_probe_and_eval(tmp_path, gloo, free_p
     # rank 0 tracks the whole model's precision map: SITE's BF16 share, though SITE is rank 1's
     client, run = _mlflow_run(uri)
     shares = {k.rsplit("/", 1)[1]: v for k, v in run.data.metrics.items() if k.startswith("precision/flops_share/")}
-    assert 0 < shares["bf16"] < 0.1 and shares["bf16"] + shares["fp8_tensorwise"] == pytest.approx(1), shares
+    # BF16: SITE after its fallback plus the kept output layer (a GEMM that is no site counts as what it
+    # runs in, issue 53): 12.8% here, against 87.2% FP8
+    assert 0.1 < shares["bf16"] < 0.2 and shares["bf16"] + shares["fp8_tensorwise"] == pytest.approx(1), shares
     # without a controller too (the plan as it is: a HostedRollout of the plan without `rollout:` over the
     # stages as they ended): every stage's sites, as the ranks holding them run them, SITE's fallback on
     # rank 1 included, though rank 0's copy of rank 1's layers never heard of it

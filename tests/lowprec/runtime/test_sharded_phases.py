@@ -49,18 +49,21 @@ def _engines():
     from lowprec.runtime.fsdp import FullyShardedDP
     from lowprec.runtime.parallel import HybridShardedDP, ShardedTensorParallel
     tp_mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp"))
-    yield "fsdp2_tp", ShardedTensorParallel(_Model(), tp_mesh, 1)
+    clock = CpuLapClock()
+    yield "fsdp2_tp", ShardedTensorParallel(_Model(), tp_mesh, 1, clock=clock), clock
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
-    yield "hsdp", HybridShardedDP(_Model(), mesh, 1)
-    yield "fsdp2", FullyShardedDP(_Model())
+    clock = CpuLapClock()
+    yield "hsdp", HybridShardedDP(_Model(), mesh, 1, clock=clock), clock
+    clock = CpuLapClock()
+    yield "fsdp2", FullyShardedDP(_Model(), clock=clock), clock
 
 
 def test_forward_and_backward_are_lapped_as_such(one_rank):
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    for name, engine in _engines():
+    for name, engine, clock in _engines():   # each engine gets its clock at construction
         engine.forward_backward(x, y)   # the first step: FSDP2's lazy initialisation
-        clock = CpuLapClock()
-        engine.use_clock(clock)
+        clock.end_pass()
+        clock.flush()                   # its laps are dropped
         engine.forward_backward(x, y)
         clock.end_pass()
         laps = clock.flush()[0]
