@@ -36,7 +36,8 @@ for _p in (str(ROOT), str(ROOT / "tests" / "lowprec")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from dist_worker import MODEL, SITES, data, make_model  # noqa: E402
+from dist_worker import BATCH as DATA_BATCH, DATA_SEED, MODEL, SEQ, SITES, make_model  # noqa: E402
+from small_gpt import batches  # noqa: E402
 from fast_path_checks import ScaledMMFlags  # noqa: E402
 from lowprec import prepare  # noqa: E402
 from lowprec.sites.plan import PrecisionPlan  # noqa: E402
@@ -50,6 +51,19 @@ GEMM_FLAGS = (False, True, True)
 def _gemm():
     from lowprec.sites.gemm_config import GemmConfig, LinearGemmConfig
     return LinearGemmConfig(*(GemmConfig(f) for f in GEMM_FLAGS))
+
+
+def data() -> list:
+    """The batches every variant trains on: windows of seeded random byte tokens, the same
+    in every checkout. Not `dist_worker.data`, whose corpus is ../shared's play when present
+    and else this repository's own sources (so it changed with the code and between a
+    workspace and a fresh clone). The group-scope checks compare 5 chained steps of sharded
+    and one-process training: their FP32 reductions round differently (see
+    test_fast_path_distributed.py), which after a weight update can move a value across an
+    FP8 rounding boundary; whether that happens within 5 steps depends on the data, so the
+    data must not change under the test."""
+    tokens = torch.randint(0, MODEL["vocab_size"], (200_000,), generator=torch.Generator().manual_seed(DATA_SEED))
+    return list(batches(tokens, STEPS, batch=DATA_BATCH, t=SEQ, seed=DATA_SEED))
 
 
 def plan_for(fmt: str, scope: str) -> PrecisionPlan:
@@ -308,8 +322,33 @@ def ledger_run(fmt: str, scope: str, tp: int = 1) -> dict:
 
 
 def dptp_run(fmt: str, scope: str) -> dict:
+    """Also `ref_losses`: at each step, one process's loss (no process group) at the run's own
+    parameters on the whole batch (a model of its own that takes a forward and backward at
+    each step, so delayed histories record the same parameter states). 5 chained steps of
+    the run and of one process drift apart by FP32 reductions moving a value across an FP8
+    rounding boundary (data dependent: seen 5e-5 relative at step 3); at the same parameters
+    only the reductions of one step differ."""
+    from experiments.gpt_parallel import qkv_rank_order
     model, state, engine, _, r, dp = _dptp(fmt, scope)
-    return _train(model, state, lambda x, y: engine.forward_backward(x[r::dp], y[r::dp]))
+    ref = make_model()
+    prepare(ref, plan_for(fmt, scope), seed=1)
+    ref_losses = []
+
+    def step(x, y):
+        params = {}
+        for n, p in model.named_parameters():
+            t = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()   # collective
+            if ".attn.qkv." in n:   # apply_tensor_parallel's row order back to the model's
+                t = t[torch.argsort(qkv_rank_order(t.shape[0], 2))]
+            params[n] = t
+        ref.load_state_dict(params, strict=False)
+        ref.zero_grad()
+        _, loss = ref(x, y)
+        loss.backward()
+        ref_losses.append(loss.item())
+        return engine.forward_backward(x[r::dp], y[r::dp])
+
+    return {**_train(model, state, step), "ref_losses": ref_losses}
 
 
 def layer_checks(fmt: str, scope: str) -> dict:

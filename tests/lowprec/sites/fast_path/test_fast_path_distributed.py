@@ -13,7 +13,9 @@ for fp8_tensorwise, fp8_delayed and fp8_rowwise. What must hold:
 * every FP8 site on every rank ran the fast path on every step (its call counters: 5 fast
   calls, no fallback call);
 * `amax_scope: group`: the losses equal one process's within a relative 1e-6 at each of
-  the 5 steps. Not bit for bit: the batch-mean loss is a sum of per-rank means, an FSDP
+  the 5 steps (under DP x TP one process's loss at the run's own parameters of that step:
+  chained, the two drift apart once a rounding difference moves a value across an FP8
+  rounding boundary, which data decide; 5e-5 relative by step 3 seen with row-wise). Not bit for bit: the batch-mean loss is a sum of per-rank means, an FSDP
   weight gradient a sum of per-rank GEMMs and a row-parallel output a sum of per-rank
   partial GEMMs; each rounds differently from one GEMM by an FP32 ulp (measured: 0 to
   1.8e-7 relative). The FP8 bytes themselves are one process's: on one layer (the `layer`
@@ -138,8 +140,11 @@ def test_every_site_runs_the_fast_path_every_step(runs, world, variant):
 @pytest.mark.parametrize("world,variant", [(w, v) for w, v in TRAINED if v.endswith(":group")])
 def test_group_scope_losses_equal_one_process(runs, world, variant):
     _, fmt, _ = variant.split(":")
-    ref = runs["w2"][f"single:{fmt}:group"]["losses"]
-    got = runs[world][variant]["losses"]
+    run = runs[world][variant]
+    # DP x TP: against one process at the run's own parameters, step by step (chained runs drift
+    # apart once an FP32 reduction moves a value across an FP8 rounding boundary; dist_fast_worker.dptp_run)
+    ref = run["ref_losses"] if "ref_losses" in run else runs["w2"][f"single:{fmt}:group"]["losses"]
+    got = run["losses"]
     assert len(got) == len(ref) == 5
     for step, (a, b) in enumerate(zip(got, ref)):
         assert abs(a - b) <= 1e-6 * abs(b), f"step {step}: {a} vs one process {b}"

@@ -25,6 +25,7 @@ from torch import nn
 
 from fast_path_checks import INTERPRETED, ROOT, assert_same_stats
 from lowprec.sites.backends import get_backend
+from lowprec.sites.backends.emulated import gemm_bound
 from lowprec.numerics.formats import get_format
 from lowprec.sites.layers import PrecisionLinear
 
@@ -38,7 +39,8 @@ def _nan_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
-def reassociation_bound(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def reassociation_bound(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """How far two FP32 evaluations of `a @ b` may be apart when they multiply the same
     dequantized operands and differ only in the order of the sums (the CPU's BLAS picks its
     kernel, and so its summation order, by shape and memory layout), elementwise.
@@ -48,16 +50,27 @@ def reassociation_bound(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype
     so two orders are within 2 gamma(K-1) sum|p_i|. sum|p_i| is at most |a| @ |b| of the
     operands the GEMM saw; those are `a` and `b` dequantized, within 2**-3 of them relative to
     their amax (E4M3 and E5M2 round to 3 or 2 mantissa bits; scales divide amax onto the
-    format's max), hence |a| + amax(a)/8 here. Then the epilogue: one more rounding of the
-    result to FP32 for a bias add or the scale, and the rounding to `out_dtype` (BF16: a
-    result within the bound of a rounding boundary may round either way, one BF16 ulp)."""
-    k = a.shape[-1]
-    gamma = (k - 1) * U / (1 - (k - 1) * U)
+    format's max), hence |a| + amax(a)/8 here. Each side also applies the two scales and
+    rounds the product in an order of its own (`_scaled_mm` places the scales differently
+    from the emulated backend), at most K + 2 roundings per term: the product's own bound,
+    `lowprec.sites.backends.emulated.gemm_bound` = 2 gamma(K+2) mass (it contains the
+    2 gamma(K-1) mass of the re-association alone). Then the epilogue: a `bias` add rounds
+    the result once more to FP32, by u |g + bias| <= u (mass (1 + gamma) + |bias|) on each
+    side, relative to the OUTPUT, not to the GEMM's mass: with d_in = 1 and a bias larger
+    than x w that rounding is one ulp of the output apart while mass is smaller (seen:
+    1.19e-7 apart at y = 1.09, bias 0.54). Last the rounding to `out_dtype` (BF16: a result
+    within the bound of a rounding boundary may round either way, one BF16 ulp of |y|)."""
     fa, fb = a.double().nan_to_num(0, 0, 0).abs(), b.double().nan_to_num(0, 0, 0).abs()
-    mass = (fa + fa.amax() / 8) @ (fb + fb.amax() / 8)
-    bound = 2 * gamma * mass + 2 * U * mass
+    fa, fb = fa + fa.amax() / 8, fb + fb.amax() / 8
+    mass = fa @ fb
+    n = a.shape[-1] + 2
+    gamma = n * U / (1 - n * U)
+    size = mass * (1 + gamma)
+    if bias is not None:
+        size = size + bias.double().nan_to_num(0, 0, 0).abs()
+    bound = gemm_bound(fa, fb.t()) + 2 * U * size
     if out_dtype == torch.bfloat16:
-        bound = bound + 2.0 ** -7 * (mass + bound)
+        bound = bound + 2.0 ** -7 * (size + bound)
     return bound
 
 
@@ -106,7 +119,8 @@ def lockstep(fmt: str, shape, dtype, *, steps=3, specials=False, seed=0, bias=Tr
             grads[name] = (y.detach(), xi.grad, layer.weight.grad.clone(), layer.bias.grad.clone() if bias else None)
         (y1, gx1, gw1, gb1), (y2, gx2, gw2, gb2) = grads["fast"], grads["ref"]
         x2, gy2 = x.reshape(-1, d_in), gy.reshape(-1, d_out)
-        assert_within(y1, y2, reassociation_bound(x2, w.t(), dtype).reshape(y2.shape), f"output, step {step}")
+        assert_within(y1, y2, reassociation_bound(x2, w.t(), dtype, ref.bias.detach() if bias else None)
+                      .reshape(y2.shape), f"output, step {step}")
         assert_within(gx1, gx2, reassociation_bound(gy2, w, dtype).reshape(gx2.shape), f"input grad, step {step}")
         assert_within(gw1, gw2, reassociation_bound(gy2.t(), x2, dtype), f"weight grad, step {step}")
         if bias:
