@@ -10,7 +10,7 @@ too, so `lowprec gate` would find the run's final evals at a step its control ne
 precision map, eval and event is recorded at the framework's current step, as the host last
 reported it (`HostedRollout.before_optimizer_step(..., framework_step=)`), whatever step
 lowprec's code passes. Where lowprec's own count differs (after a rewind), it is kept beside:
-the metric `train/lowprec_step` (the session's step count) and, on an event, `lowprec_step` in its
+the metric `train/lowprec_step` (the session's step count, once per framework step) and, on an event, `lowprec_step` in its
 evidence (lowprec's 0-based step, which is the framework's minus one until a rewind). A host
 that reports no framework step is logged at lowprec's steps, as before. Everything else
 (the run id, the run folder, finishing) is the wrapped tracker's.
@@ -32,6 +32,7 @@ class FrameworkSteps:
 
     def __init__(self, tracker, framework: Callable[[], int | None], count: Callable[[], int]):
         self.tracker, self.framework, self.count = tracker, framework, count
+        self._own_at: int | None = None   # the framework step LOWPREC_STEP was last logged at
 
     def __getattr__(self, name: str) -> Any:   # run_id, run_dir, enabled, finish, log_artifact, ...
         return getattr(self.tracker, name)
@@ -41,9 +42,14 @@ class FrameworkSteps:
         return step if g is None else g
 
     def _own(self) -> dict[str, float]:
+        """LOWPREC_STEP, once per framework step: a step that logs metrics more than once (the
+        step's training metrics, then an eval's) records lowprec's count at it once."""
         g = self.framework()
         n = self.count()
-        return {} if g is None or n == g else {LOWPREC_STEP: float(n)}
+        if g is None or n == g or g == self._own_at:
+            return {}
+        self._own_at = g
+        return {LOWPREC_STEP: float(n)}
 
     def log_metrics(self, step: int, metrics) -> None:
         self.tracker.log_metrics(self._at(step), {**metrics, **self._own()})

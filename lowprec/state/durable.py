@@ -153,6 +153,11 @@ def save_atomically(path: str | os.PathLike, obj: Any,
         write_synced(tmp, obj)
     except OSError as e:
         raise _failed_write(tmp, e, path) from None
+    except RuntimeError as e:   # torch.save's zip writer hides a full disk's OSError behind its own error
+        full = no_space(e, tmp, path)
+        if full is None:
+            raise
+        raise full from None
     if before_replace is not None:
         before_replace(tmp)
     os.replace(tmp, path)
