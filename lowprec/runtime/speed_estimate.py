@@ -139,10 +139,8 @@ class Estimate:
 
 def estimate(sites: list[SiteGemm], tokens: int, table: LayerTable, *, execution: Execution = Execution.EAGER,
              stats: bool = True) -> Estimate:
-    total_flops = sum(s.flops_per_token for s in sites) or 1
-    shares: dict[str, float] = {}
-    for s in sites:
-        shares[s.final] = shares.get(s.final, 0.0) + s.flops_per_token / total_flops
+    from lowprec.sites.flop_count import flops_share   # the one share rule (exact sums, one rounding)
+    shares = flops_share({s.fqn: s for s in sites}, {}, {s.fqn: s.final for s in sites})
     missing, outside, used = [], [], {"bf16"}
     t_bf16 = t_final = 0.0
     for s in sites:
