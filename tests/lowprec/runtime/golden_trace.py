@@ -8,7 +8,12 @@ of tests/lowprec/runtime/test_loop_faults.py with a rewind on, a NaN injected in
 
 Record it again (only when a change of behaviour is intended, and say so in the commit):
 
-    python tests/lowprec/runtime/golden_trace.py
+    python tests/lowprec/runtime/golden_trace.py          # replaces every recorded curve
+    python tests/lowprec/runtime/golden_trace.py --add    # adds this CPU's curve, keeps the rest
+
+The loss bits depend on which kernels ATen and oneDNN pick for the CPU (an AVX512 machine sums
+a GEMM in another order than an AVX2 one: 1.8e-3 relative apart after 90 steps with a NaN and an
+LR spike, same decisions), so the file keeps one curve per `torch.backends.cpu.get_cpu_capability()`.
 """
 
 from __future__ import annotations
@@ -48,6 +53,11 @@ CONFIG = {
 THREADS = 1
 
 
+def cpu_capability() -> str:
+    import torch
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def trace(out_dir: Path) -> dict:
     """Run the config (on THREADS intra-op threads, as recorded) and return what the golden
     file holds."""
@@ -68,9 +78,22 @@ def trace(out_dir: Path) -> dict:
             "rewinds": res.rewinds, "skipped": res.skipped, "passes": res.passes}
 
 
+def record(t: dict, keep_others: bool) -> dict:
+    """The golden file's content: `t`'s events and counts, and its losses as this CPU's curve
+    (beside the other CPUs' curves when `keep_others`; their events must be `t`'s)."""
+    curves = {}
+    if keep_others and GOLDEN.exists():
+        old = json.loads(GOLDEN.read_text())
+        if {k: v for k, v in old.items() if k != "losses_by_cpu"} != {k: v for k, v in t.items() if k != "losses"}:
+            raise SystemExit("this CPU's decisions differ from the recorded ones: record all again, without --add")
+        curves = old["losses_by_cpu"]
+    curves[cpu_capability()] = t["losses"]
+    return {**{k: v for k, v in t.items() if k != "losses"}, "losses_by_cpu": curves}
+
+
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         t = trace(Path(tmp))
-    GOLDEN.write_text(json.dumps(t, indent=1) + "\n")
+    GOLDEN.write_text(json.dumps(record(t, "--add" in sys.argv[1:]), indent=1) + "\n")
     kinds = [e["kind"] for e in t["events"]]
     print(f"wrote {GOLDEN}: {len(t['losses'])} losses, events {sorted(set(kinds))}, rewinds {t['rewinds']}")
