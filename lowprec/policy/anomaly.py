@@ -157,13 +157,17 @@ class StepDetectors:
             ok = ok and clear
         return ok, margins
 
-    def accept_level(self, anomaly: Anomaly) -> None:
-        """A persistent change of level that nothing could undo: the anomaly's values are the
-        normal ones from now on. Each detector that fired is rebased on its value (a spike
-        detector's history scaled to it, a large-value detector's reference raised to it), so
-        that it stays armed; the detectors that did not fire keep their histories."""
-        level = {AnomalyKind.LOSS_SPIKE: anomaly.loss, AnomalyKind.LOSS_LARGE: anomaly.loss,
-                 AnomalyKind.GRAD_NORM_SPIKE: anomaly.grad_norm, AnomalyKind.GRAD_NORM_LARGE: anomaly.grad_norm}
+    def accept_level(self, anomaly: Anomaly, loss: float | None = None, grad_norm: float | None = None) -> None:
+        """A persistent change of level that nothing could undo: the level (`loss`, `grad_norm`;
+        default the anomaly's own values) is the normal one from now on. Each detector that
+        fired on `anomaly` is rebased on its signal's level (a spike detector's history scaled
+        to it, a large-value detector's reference raised to it), so that it stays armed; the
+        detectors that did not fire keep their histories. The controller calls it only for an
+        anomaly that outlasted a burst (`ControllerConfig.accept_after`)."""
+        loss = anomaly.loss if loss is None else loss
+        grad_norm = anomaly.grad_norm if grad_norm is None else grad_norm
+        level = {AnomalyKind.LOSS_SPIKE: loss, AnomalyKind.LOSS_LARGE: loss,
+                 AnomalyKind.GRAD_NORM_SPIKE: grad_norm, AnomalyKind.GRAD_NORM_LARGE: grad_norm}
         for kind, det, _ in self._checks(0.0, 0.0):
             if kind in anomaly.kinds:
                 det.rebase(level[kind])

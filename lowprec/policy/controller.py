@@ -16,8 +16,11 @@ evidence that clears the detectors' noise margin, `Thresholds.blame_margin`: a r
 under the limit is an INCONCLUSIVE event and demotes nothing); when
 the anomaly persists with every site in high precision, precision is not to blame and
 nothing is demoted (the step is skipped; an anomaly on `persist_steps` steps in a row
-rewinds when the loss is off and rewind is on, and is otherwise accepted as the new level:
-a grad norm that stays higher is not skipped forever). Without replays (no
+rewinds when the loss is off and rewind is on). Anomalies on consecutive steps that do not
+rewind are a burst: each of its steps is skipped and the detectors keep their histories.
+Only an anomaly on `accept_after` steps in a row (a finite one) outlasts a burst: its level
+(the median of those steps' values) is accepted as the new normal, the detectors that fired
+rebased on it, so that a grad norm that stays higher is not skipped forever. Without replays (no
 closure), the anomaly is handed to the next check's rules.
 
 The rules below, applied at each check (`observe`) in this order, decide what to change
@@ -53,6 +56,7 @@ order), so every rank that sees the same numbers (and replays alike) decides the
 
 from __future__ import annotations
 
+import statistics
 from typing import Callable
 
 from lowprec.base.parse import ConfigError
@@ -128,6 +132,7 @@ class RolloutController(SlowSignalRules, LadderMoves):
         self.stage_failures: dict[str, int] = {}
         self.pending: list[tuple[str, dict]] = []   # anomalies no replay explained: for the next check
         self.streak = 0                       # consecutive anomalous steps that were not precision's
+        self.burst: list[tuple[float, float]] = []   # their (loss, grad norm)
         self.last_anomaly = -2                # step of the last such anomaly
         self.lr_history: list[tuple[int, float]] = []   # (step, LR sensitivity) of the last probes
 
@@ -204,36 +209,43 @@ class RolloutController(SlowSignalRules, LadderMoves):
                                evidence, d)
             d.events.append(Event(step, EventKind.SKIP_STEP, (), {}, {}, (
                 f"{a.names}: precision to blame ({len(attribution.blamed)} site(s))"), evidence))
-            self.streak = 0
+            self.streak, self.burst = 0, []
             self.stable_since = step
             return
-        self.streak = self.streak + 1 if step - self.last_anomaly == 1 else 1
+        if step - self.last_anomaly != 1:
+            self.streak, self.burst = 0, []
+        self.streak += 1
+        if not a.nonfinite:
+            self.burst = [*self.burst, (a.loss, a.grad_norm)][-self.config.accept_after:]
         self.last_anomaly = step
-        accepted = (self.streak >= self.config.persist_steps and not (a.loss_is_off and self.config.rewind)
-                    and not a.nonfinite)
-        if not accepted:   # an accepted step is applied: no skip to record
+        cfg = self.config
+        rewind = self.streak >= cfg.persist_steps and a.loss_is_off and cfg.rewind
+        accept = not rewind and not a.nonfinite and self.streak >= cfg.accept_after
+        if not accept:   # an accepted step is applied: no skip to record
             d.events.append(Event(step, EventKind.SKIP_STEP, (), {}, {}, (
                 f"{a.names} persists with every site in high precision: not precision, nothing demoted"),
                 {**evidence, "streak": self.streak}))
-        if self.streak < self.config.persist_steps:
-            return
-        self.streak = 0
-        if a.loss_is_off and self.config.rewind:
+        if rewind:
             # the first anomalous step of the streak saw weights the step before it wrote
-            d.action, d.skip_batches = Action.REWIND, self.config.rewind_skip_batches
-            d.rewind_before = step - self.config.persist_steps
+            d.action, d.skip_batches = Action.REWIND, cfg.rewind_skip_batches
+            d.rewind_before = step - cfg.persist_steps
             d.events.append(Event(step, EventKind.REWIND, (), {}, {}, (
-                f"rewind: {a.names} for {self.config.persist_steps} steps in a row, not precision's"),
+                f"rewind: {a.names} for {cfg.persist_steps} steps in a row, not precision's"),
                 {"skip_batches": d.skip_batches, **a.to_evidence()}))
-        elif not a.nonfinite:
-            # the gradients alone (the loss is fine), or nothing to go back to: skipping more
-            # steps would stop training; the new level becomes the normal one
+        elif accept:
+            # the gradients alone (the loss is fine), or nothing to go back to, beyond a burst:
+            # skipping more steps would stop training; the new level becomes the normal one
             d.action = Action.CONTINUE
-            self.detectors.accept_level(a)
+            loss, grad_norm = (statistics.median(v) for v in zip(*self.burst))
+            self.detectors.accept_level(a, loss, grad_norm)
             why = "rewind is off" if a.loss_is_off else "the loss is not off"
             d.events.append(Event(step, EventKind.ACCEPT, (), {}, {}, (
-                f"{a.names} for {self.config.persist_steps} steps in a row and {why}: "
-                "the step is applied and the detectors that fired are rebased on this level"), a.to_evidence()))
+                f"{a.names} for {self.streak} steps in a row (a burst is shorter than {cfg.accept_after}) "
+                f"and {why}: the step is applied and the detectors that fired are rebased on the level "
+                "of those steps (their median)"), {**a.to_evidence(), "level_loss": loss, "level_grad_norm": grad_norm}))
+        else:
+            return
+        self.streak, self.burst = 0, []
 
     def observe(self, step: int, signals: Signals, *, gate: Gate | None = None,
                 judge: Judge | None = None) -> Decision:
@@ -325,6 +337,7 @@ class RolloutController(SlowSignalRules, LadderMoves):
                 "floor": dict(self.floor), "retry_at": dict(self.retry_at),
                 "before_stage": dict(self.before_stage), "stage_failures": dict(self.stage_failures),
                 "pending": [[name, ev] for name, ev in self.pending], "streak": self.streak,
+                "burst": [list(v) for v in self.burst],
                 "last_anomaly": self.last_anomaly, "lr_history": [[s, v] for s, v in self.lr_history],
                 "detectors": {**self.detectors.state_dict(),
                               "loss_gap": self.loss_gap.state_dict() if self.loss_gap else None}}
@@ -343,6 +356,7 @@ class RolloutController(SlowSignalRules, LadderMoves):
             setattr(self, name, dict(s[name]))
         self.pending = [(name, ev) for name, ev in s.get("pending", [])]   # absent before per-step detection
         self.streak, self.last_anomaly = int(s.get("streak", 0)), int(s.get("last_anomaly", -2))
+        self.burst = [(float(x), float(g)) for x, g in s.get("burst", ())]   # absent before burst-aware acceptance
         self.lr_history = [(int(st), float(v)) for st, v in s.get("lr_history", ())]   # absent before the probe
         det = s["detectors"]
         self.detectors.load_state_dict(det)

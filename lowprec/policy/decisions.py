@@ -48,6 +48,7 @@ class ControllerConfig:
     rewind: bool = False
     rewind_skip_batches: int = 0
     persist_steps: int = 2       # anomalous steps in a row (not precision's) before a rewind
+    accept_after: int = 8        # ... before a level is accepted (fewer: a burst, each step skipped)
     not_precision_rewind: bool = False   # a loss gap precision did not cause: rewind (with `rewind`), else go on
     thresholds: Thresholds = field(default_factory=Thresholds)
     lr_hold_rise: float | None = None    # rise of the LR sensitivity that holds a promotion; None: off
@@ -56,6 +57,8 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if self.persist_steps < 1:
             raise ValueError(f"persist_steps must be >= 1, got {self.persist_steps}")
+        if self.accept_after < 2:
+            raise ValueError(f"accept_after must be >= 2, got {self.accept_after}")
         for name in ("min_steps", "cooldown_steps", "rewind_skip_batches"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -7,7 +7,7 @@
       cooldown_steps: 200        # before a fallen-back site retries
       quarantine_after: 2        # failures before a site stays where it is
       rewind: {enabled: true, skip_batches: 20, source: memory, snapshot_every: 20, keep: 2}
-      attribution: {replay: true, max_replays: 8, persist_steps: 2,   # anomalous steps: replays
+      attribution: {replay: true, max_replays: 8, persist_steps: 2, accept_after: 8,   # anomalous steps
                     window: true, window_close: 0.3, window_replays: 3, not_precision: restore}   # slow signals
       thresholds: {max_saturated_frac: 1.0e-3, site_patience: 2, loss_gap: 0.03}
       lr_probe: {enabled: true, every_checks: 5, factors: [2.0, 0.5], hold_above: 0.0, hold_rise: 0.04}
@@ -72,7 +72,8 @@ class AttributionConfig:
 
     replay: bool = True          # replay anomalous steps (needs the loop's closure)
     max_replays: int = 8         # replays per anomalous step, at most
-    persist_steps: int = 2       # anomalous this many steps in a row (not precision's): rewind or accept
+    persist_steps: int = 2       # anomalous this many steps in a row (not precision's), the loss off: rewind
+    accept_after: int = 8        # ... this many, no rewind: a new level, accepted (fewer: a burst, skipped)
     # slow signals (the loss gap, an eval checkpoint's regression): the window since the last snapshot
     window: bool = True          # judge them by the window's losses with sites in high precision
     window_close: float = 0.3    # fraction of the window's loss gap that high precision must close
@@ -83,6 +84,10 @@ class AttributionConfig:
         for name in ("max_replays", "persist_steps", "window_replays"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)} (replay: false turns replays off)")
+        if self.accept_after < 2:
+            raise ConfigError("accept_after", f"must be >= 2 (anomalous steps in a row before their level is "
+                                              f"accepted; fewer are a burst, each step skipped), got "
+                                              f"{self.accept_after!r}")
         if not (isinstance(self.window_close, (int, float)) and 0 < self.window_close <= 1):
             raise ConfigError("window_close", f"must be a fraction in (0, 1] of the window's loss gap that a replay "
                                               f"in high precision must close to blame precision (e.g. 0.5), "
@@ -200,7 +205,8 @@ class RolloutConfig:
         return ControllerConfig(min_steps=self.min_steps, cooldown_steps=self.cooldown_steps,
                                 quarantine_after=self.quarantine_after, rewind=self.rewind.enabled,
                                 rewind_skip_batches=self.rewind.skip_batches,
-                                persist_steps=self.attribution.persist_steps, thresholds=self.thresholds,
+                                persist_steps=self.attribution.persist_steps,
+                                accept_after=self.attribution.accept_after, thresholds=self.thresholds,
                                 not_precision_rewind=self.attribution.not_precision == "rewind",
                                 lr_hold_rise=self.lr_probe.hold_rise if self.lr_probe.enabled else None,
                                 lr_hold_above=self.lr_probe.hold_above if self.lr_probe.enabled else None)

@@ -13,7 +13,10 @@ Kinds:
 * `input`: `SITE`'s input scaled by FACTOR in every format (a data fault tied to its
   steps: a replay in high precision meets it too, a later one does not);
 * `lr_spike`: the learning rate times FACTOR (no site);
-* `loss_spike`: the loss, and so its gradients, times FACTOR (no site; a data fault).
+* `loss_spike`: the loss, and so its gradients, times FACTOR (no site; a data fault);
+* `random_tokens`: the batch's tokens (and its labels with them) replaced by uniformly random
+  ones from the model's vocabulary (no site; a data fault: a corrupted shard). Seeded by the
+  iteration, so a replay of the step meets the same batch.
 
 START and STOP count loop iterations, not steps: after a rewind the step counter goes
 back, time does not, so a fault happens once, as a real one would.
@@ -38,6 +41,7 @@ class FaultKind(str, Enum):
     INPUT = "input"
     LR_SPIKE = "lr_spike"
     LOSS_SPIKE = "loss_spike"
+    RANDOM_TOKENS = "random_tokens"
 
     @property
     def needs_site(self) -> bool:
@@ -72,7 +76,7 @@ class Injection:
 
 
 def parse_injection(text: str) -> Injection:
-    """`KIND:SITE:START:STOP[:FACTOR[:EVERY]]`; lr_spike and loss_spike leave SITE empty."""
+    """`KIND:SITE:START:STOP[:FACTOR[:EVERY]]`; lr_spike, loss_spike and random_tokens leave SITE empty."""
     parts = text.split(":")
     try:
         if len(parts) < 4 or len(parts) > 6:
@@ -131,6 +135,41 @@ def _scale_loss(out, factor: float):
     raise TypeError(f"loss_spike: cannot find the loss in a {type(out).__name__} output")
 
 
+def _vocab_size(module: nn.Module) -> int:
+    """The number of tokens of `module`'s input embedding (a Hugging Face model's, else its first)."""
+    get = getattr(module, "get_input_embeddings", None)
+    emb = get() if callable(get) else next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    if emb is None:
+        raise ValueError(f"random_tokens: {type(module).__name__} has no nn.Embedding to take the vocabulary from")
+    return int(emb.num_embeddings)
+
+
+def _random_tokens(args: tuple, kwargs: dict, vocab: int, iteration: int):
+    """(args, kwargs) of a forward call with the token ids (the first argument or `input_ids`)
+    replaced by random ones, seeded by `iteration`, and the labels (the second argument,
+    `labels` or `targets`) with them: the same tensor where the labels were the ids (Hugging
+    Face shifts them inside), else the ids shifted by one."""
+    ids = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("input_ids")
+    if ids is None or ids.is_floating_point():
+        raise ValueError("random_tokens: the model's first argument (or input_ids) is no tensor of token ids")
+    gen = torch.Generator().manual_seed(1_000_003 * (iteration + 1))
+    seq = torch.randint(0, vocab, (*ids.shape[:-1], ids.shape[-1] + 1), generator=gen).to(ids.device, ids.dtype)
+    new_ids = seq[..., :-1]
+    args, kwargs = list(args), dict(kwargs)
+    label_key = next((k for k in ("labels", "targets") if isinstance(kwargs.get(k), torch.Tensor)), None)
+    labels = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else kwargs.get(label_key)
+    new_labels = None if labels is None else new_ids if torch.equal(labels, ids) else seq[..., 1:]
+    if args and isinstance(args[0], torch.Tensor):
+        args[0] = new_ids
+    else:
+        kwargs["input_ids"] = new_ids
+    if len(args) > 1 and isinstance(args[1], torch.Tensor):
+        args[1] = new_labels
+    elif label_key is not None:
+        kwargs[label_key] = new_labels
+    return tuple(args), kwargs
+
+
 class Faults:
     """Injections installed as hooks on `module` (this rank's part of the model).
 
@@ -150,6 +189,9 @@ class Faults:
                 self._hooks.append(names[j.site].register_forward_pre_hook(self._overflow_hook(j)))
             elif j.kind is FaultKind.LOSS_SPIKE and root:
                 self._hooks.append(module.register_forward_hook(self._loss_hook(j)))
+            elif j.kind is FaultKind.RANDOM_TOKENS and root:
+                self._hooks.append(module.register_forward_pre_hook(self._tokens_hook(j, _vocab_size(module)),
+                                                                    with_kwargs=True))
 
     def _nan_hook(self, j: Injection):
         def hook(mod, args, out):
@@ -168,6 +210,12 @@ class Faults:
             if j.active(self.iteration):
                 return _scale_loss(out, j.factor)
         return hook
+
+    def _tokens_hook(self, j: Injection, vocab: int):
+        def pre(mod, args, kwargs):
+            if j.active(self.iteration):
+                return _random_tokens(args, kwargs, vocab, self.iteration)
+        return pre
 
     def tick(self, iteration: int) -> None:
         self.iteration = iteration

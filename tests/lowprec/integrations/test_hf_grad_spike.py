@@ -8,6 +8,11 @@ settled level (1.4-3.1 against about 0.7 here); a spike reference that still hel
 would put the limit above the jump (the second test shows it from the run's own grad
 norms). lowprec's reference forgets them: the step is flagged `grad_norm_spike`, replayed,
 judged not precision's and not applied, and nothing is demoted.
+
+The same run meets four random-token batches in a row earlier on (Trainer steps 40-43, the
+`random_tokens` fault of `lowprec.runtime.faults`, a corrupted shard): a burst, so each bad
+batch is skipped and none rebases the detectors (issue 54: the second was accepted as a new
+grad-norm level and the third then went unseen).
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 
 from lowprec.integrations.hf import LowprecCallback  # noqa: E402
 from lowprec.policy.events import EventKind  # noqa: E402
+from lowprec.runtime.faults import Faults, Injection  # noqa: E402
 
 STEPS, SPIKE_AT, FACTOR, SIGMAS = 64, 60, 6.0, 6.0
+BURST = range(40, 44)   # Trainer steps fed random tokens
 CONFIG = f"""\
 precision:
   backend: emulated
@@ -59,6 +66,16 @@ class GradientsTimes(TrainerCallback):
         self.on = state.global_step == SPIKE_AT
 
 
+class RandomTokens(TrainerCallback):
+    """The batches of Trainer steps BURST replaced by random tokens (their replays too)."""
+
+    def __init__(self, model):
+        self.faults = Faults(model, [Injection("random_tokens", BURST.start, BURST.stop)])
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.faults.tick(state.global_step)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf_grad_spike")
@@ -69,7 +86,7 @@ def run(tmp_path_factory):
                              learning_rate=3e-3, warmup_steps=5, report_to=[], use_cpu=True, save_strategy="no",
                              seed=0, disable_tqdm=True, logging_steps=1000)
     Trainer(model=model, args=args, train_dataset=shakespeare_blocks(8 * STEPS),
-            callbacks=[GradientsTimes(model), lp]).train()
+            callbacks=[GradientsTimes(model), RandomTokens(model), lp]).train()
     return lp
 
 
@@ -91,9 +108,20 @@ def test_a_reference_holding_early_training_would_have_missed_it(run):
     half (lowprec's reference)."""
     norms = run.hosted.after.record.grad_norms
     assert len(norms) == STEPS and all(math.isfinite(v) for v in norms)
-    before, spiked = norms[:SPIKE_AT], norms[SPIKE_AT]
-    settled = before[SPIKE_AT // 2:]
+    # the burst's steps never entered lowprec's reference (anomalous values never do)
+    before = [v for i, v in enumerate(norms[:SPIKE_AT]) if i not in BURST]
+    spiked = norms[SPIKE_AT]
+    settled = before[len(before) // 2:]
     assert spiked > 3 * statistics.median(settled)          # a jump of several times the settled level
     whole = statistics.mean(before) + SIGMAS * statistics.stdev(before)
     newer = statistics.mean(settled) + SIGMAS * statistics.stdev(settled)
     assert newer < spiked < whole, (newer, spiked, whole)
+
+
+def test_four_random_token_batches_in_a_row_are_each_skipped_and_rebase_nothing(run):
+    events = run.session.events
+    skipped = sorted(e.step for e in events if e.kind == EventKind.SKIP_STEP and e.step in BURST)
+    assert skipped == list(BURST), [(e.step, e.kind, e.reason) for e in events if e.step in BURST]
+    assert EventKind.ACCEPT not in [e.kind for e in events]
+    assert not [e for e in events if e.kind in (EventKind.FALLBACK, EventKind.ROLLBACK)]
+    assert not [e for e in events if e.kind == EventKind.SKIP_STEP and BURST.stop <= e.step < SPIKE_AT]

@@ -113,8 +113,10 @@ def test_not_precision_demotes_nothing_and_a_persistent_loss_anomaly_rewinds():
     d3 = ctl.observe_step(40, anomaly(40), None, none)            # a lone one later: a skip again
     assert d3.action is Action.SKIP_STEP
     grads = Anomaly(50, (AnomalyKind.GRAD_NORM_SPIKE,), 2.0, 50.0, {})
-    assert ctl.observe_step(50, grads, None, none).action is Action.SKIP_STEP      # one bad batch: a skip
-    again = ctl.observe_step(51, Anomaly(51, grads.kinds, 2.0, 50.0, {}), None, none)
+    for step in range(50, 57):    # the grad norm alone: no rewind; a burst (shorter than accept_after) is skipped
+        assert ctl.observe_step(step, Anomaly(step, grads.kinds, 2.0, 50.0, {}), None, none).action \
+            is Action.SKIP_STEP, step
+    again = ctl.observe_step(57, Anomaly(57, grads.kinds, 2.0, 50.0, {}), None, none)
     assert again.action is Action.CONTINUE and again.events[-1].kind == EventKind.ACCEPT   # a new level: no rewind,
     # and not skipped forever: the grad-norm detector that fired is rebased on the new level
     assert ctl.detectors.grad_spike.values == type(ctl.detectors.grad_spike.values)()   # (it had no history here)
@@ -123,8 +125,9 @@ def test_not_precision_demotes_nothing_and_a_persistent_loss_anomaly_rewinds():
 def test_a_persistent_anomaly_without_rewind_is_accepted_as_the_new_level():
     ctl = make(rewind=False, persist=2)
     none = Attribution(False, (), ())
-    ctl.observe_step(30, anomaly(30), None, none)
-    d = ctl.observe_step(31, anomaly(31), None, none)
+    for step in range(30, 37):
+        assert ctl.observe_step(step, anomaly(step), None, none).action is Action.SKIP_STEP
+    d = ctl.observe_step(37, anomaly(37), None, none)
     assert d.action is Action.CONTINUE and [e.kind for e in d.events][-1] == EventKind.ACCEPT
     # the accepted step is applied: it is not also recorded as skipped
     assert EventKind.SKIP_STEP not in [e.kind for e in d.events]
@@ -286,16 +289,16 @@ def test_an_accepted_level_leaves_the_detectors_armed_for_a_jump_from_it():
         assert det.observe(step, 2.0 + 0.01 * (step % 5), 0.7 + 0.02 * (step % 7)) is None
     loss_history = list(det.loss_spike.values)
     kinds = []
-    for step in (40, 41):                                         # a persistent 12x grad-norm level
+    for step in range(40, 48):                                    # a persistent 12x grad-norm level
         a = det.observe(step, 2.0, 8.5)
         kinds.append(set(a.kinds))
         d = ctl.observe_step(step, a, None, none)
     assert {AnomalyKind.GRAD_NORM_SPIKE, AnomalyKind.GRAD_NORM_LARGE} <= kinds[-1]
     assert d.events[-1].kind == EventKind.ACCEPT and d.action is Action.CONTINUE
     assert list(det.loss_spike.values) == loss_history              # the loss did not change level
-    for step in range(42, 46):                                    # the new level is normal now
+    for step in range(48, 52):                                    # the new level is normal now
         assert det.observe(step, 2.0, 8.5 + 0.2 * (step % 3)) is None, step
-    jump = det.observe(46, 2.0, 6 * 8.5)                          # 6x the new level, 4 steps later
+    jump = det.observe(52, 2.0, 6 * 8.5)                          # 6x the new level, 4 steps later
     assert jump is not None and AnomalyKind.GRAD_NORM_SPIKE in jump.kinds
     assert jump.evidence["grad_norm_spike"]["mean"] == pytest.approx(8.5, rel=0.1)
 

@@ -115,3 +115,15 @@ def test_lr_spike_demotes_nothing_rewinds_and_recovers(tmp_path, clean):
     ref = sum(clean.losses[recovered_by - 9:recovered_by + 1]) / 10
     assert abs(tail - ref) / ref < 0.05, (tail, ref)
     assert not res.nonfinite_params
+
+
+def test_four_random_token_batches_are_each_skipped_and_rebase_nothing(tmp_path):
+    """Issue 54: four consecutive random-token batches (a corrupted shard) from iteration 60,
+    rewind off. Each is flagged, replayed (not precision's) and skipped; none is accepted as a
+    new level (the detectors would then miss the next one) and nothing is demoted."""
+    res = run_config(config(), tmp_path, faults=[Injection("random_tokens", 60, 64)], steps=66)
+    at = {e.step: e for e in res.events if 60 <= e.step < 64 and e.kind == EventKind.SKIP_STEP}
+    assert sorted(at) == [60, 61, 62, 63], [(e.step, e.kind, e.reason) for e in res.events if e.step >= 60]
+    assert all("not precision" in e.reason for e in at.values())
+    assert EventKind.ACCEPT not in [e.kind for e in res.events] and not changes(res)
+    assert not [e for e in res.events if e.step >= 64 and e.kind == EventKind.SKIP_STEP]   # good batches again
