@@ -35,6 +35,10 @@ What the callback does at the Trainer's events (the framework-neutral part is
   checkpoint without it is refused, saying how to go on (`restore=`).
 * `on_train_end`: the final eval, the loss curve, the report pictures.
 
+While the callback does lowprec's own work (the rollout's start, each step's decision, in-loop
+gate, eval checkpoints and tracking, the end), what lm-eval, datasets and MLflow print goes to
+`output_dir/lowprec/lowprec.log`, not the user's console (`lowprec.integrations.host_console`).
+
 What the Trainer does not allow: its `global_step` never goes back, so a rewind of N steps
 leaves the run N optimizer steps short of `max_steps` in lowprec's count (`callback.step`).
 The loss is read from the model's output (`outputs.loss`): a `compute_loss` that computes
@@ -62,6 +66,7 @@ with quiet_imports():   # transformers' model code loads torchao (its quantizers
     import transformers.modeling_utils  # noqa: E402,F401
 
 from lowprec.config import LowprecConfig  # noqa: E402
+from lowprec.integrations.host_console import HostConsole, host_log_path  # noqa: E402
 from lowprec.integrations.core import Attach, HostedCallback, HostedRollout, allreduce_grads, framework_config  # noqa: E402
 from lowprec.integrations.state_files import (MissingRolloutStateError, differing_weights, read_rollout_state,  # noqa: E402
                                               save_rollout_state, weights_fingerprint)
@@ -84,6 +89,13 @@ def _unwrap(obj):
         if inner is not None and type(obj).__module__.startswith("accelerate"):
             return inner
     return obj
+
+
+def _routed(args):
+    """A block of lowprec's work whose libraries' lines go to `output_dir/lowprec/lowprec.log`
+    (`lowprec.integrations.host_console`)."""
+    folder = Path(args.output_dir) / "lowprec"
+    return HostConsole("hf", host_log_path(folder, getattr(args, "process_index", 0))).routed()
 
 
 class _MicroBatch:
@@ -191,9 +203,10 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
             mlflow.set_tracking_uri(tc.uri or default_tracking_uri())
         from mlflow.tracking import MlflowClient
         from lowprec.tracking.outbox import ensure_experiment
-        # created as `lowprec run` creates it: artifacts beside the store, not in ./mlruns
-        ensure_experiment(MlflowClient(mlflow.get_tracking_uri()), tc.experiment)
-        mlflow.set_experiment(tc.experiment)
+        with _routed(args):   # a new store's migration lines: the log's
+            # created as `lowprec run` creates it: artifacts beside the store, not in ./mlruns
+            ensure_experiment(MlflowClient(mlflow.get_tracking_uri()), tc.experiment)
+            mlflow.set_experiment(tc.experiment)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         for name in ("fsdp", "deepspeed"):
@@ -218,10 +231,11 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
 
         def forward(tokens: torch.Tensor) -> torch.Tensor:
             return inner(input_ids=tokens).logits
-        self.hosted.start(_unwrap(optimizer), _unwrap(lr_scheduler), max_grad_norm=max_norm, eval_forward=forward,
-                          eval_tokenizer=self.eval_tokenizer, max_length=self.max_length,
-                          run_name=args.run_name or Path(args.output_dir).name,
-                          buffer_root=Path(args.output_dir) / "lowprec", attach=attach)
+        with _routed(args):
+            self.hosted.start(_unwrap(optimizer), _unwrap(lr_scheduler), max_grad_norm=max_norm,
+                              eval_forward=forward, eval_tokenizer=self.eval_tokenizer, max_length=self.max_length,
+                              run_name=args.run_name or Path(args.output_dir).name,
+                              buffer_root=Path(args.output_dir) / "lowprec", attach=attach)
         tracker = self.hosted.tracker
         if tracker is not None and state.is_world_process_zero:
             whose = ", the Trainer's run" if attach is not None else ""
@@ -279,12 +293,15 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
         self._micro.clear()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.hosted.before_optimizer_step(self._step_loss(), self._closure(), forward=self._forward(),
-                                          framework_step=state.global_step + 1)   # the Trainer counts it after
+        loss, closure, forward = self._step_loss(), self._closure(), self._forward()
+        with _routed(args):   # a check's in-loop gate evaluates here
+            self.hosted.before_optimizer_step(loss, closure, forward=forward,
+                                              framework_step=state.global_step + 1)   # the Trainer counts it after
 
     def on_step_end(self, args, state, control, **kwargs):
         self._micro.clear()
-        self.hosted.after_optimizer_step()
+        with _routed(args):   # eval checkpoints and tracking: their libraries' lines go to the log
+            self.hosted.after_optimizer_step()
 
     def on_evaluate(self, args, state, control, metrics=None, eval_dataloader=None, **kwargs):
         """The Trainer's evaluation as an eval checkpoint: the same eval set in high precision."""
@@ -292,7 +309,8 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
             return
         loss = float(metrics["eval_loss"])
         hp = self._eval_loss_high_precision(eval_dataloader) if self.hosted.below_high_precision else loss
-        self.hosted.precision_gap("trainer", loss, hp, self.eval_gap_tolerance)
+        with _routed(args):
+            self.hosted.precision_gap("trainer", loss, hp, self.eval_gap_tolerance)
         self.hosted.session.resume_statistics()
 
     def _eval_loss_high_precision(self, loader) -> float:
@@ -317,7 +335,8 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self._saved_max_grad_norm is not None:
             args.max_grad_norm = self._saved_max_grad_norm
-        self.hosted.end()
+        with _routed(args):   # the final eval, the pictures, the run's end
+            self.hosted.end()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

@@ -97,6 +97,20 @@ def check_gated_tasks(metrics, tasks, config) -> None:
                 f"eval.gates: null for no in-loop gate"))
 
 
+def _plain(obj):
+    """`obj` as plain data a checkpoint loads with `weights_only=True` (lm-eval's numbers may be numpy's)."""
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    try:
+        return float(obj)
+    except (TypeError, ValueError):
+        return str(obj)
+
+
 class _NoGate:
     verdict = "pass"
     reason = "no in-loop gate file configured"
@@ -129,13 +143,18 @@ class EvalCheckpoints:
                                formats=formats, baseline=self.baseline, damage_ratio=self.damage_ratio)
 
     def state_dict(self) -> dict:
-        """The gate checker's state (its checks made so far: its error budget), when it keeps one."""
+        """The gate checker's state (its checks made so far: its error budget), when it keeps one,
+        and the evals so far (`history`: the damage check's previous checkpoint, the pictures),
+        as plain data."""
         keeps = callable(getattr(self.checker, "state_dict", None))
-        return {"checker": self.checker.state_dict() if keeps else None}
+        return {"checker": self.checker.state_dict() if keeps else None, "history": _plain(self.history)}
 
     def load_state_dict(self, saved: dict) -> None:
         if saved.get("checker") is not None and callable(getattr(self.checker, "load_state_dict", None)):
             self.checker.load_state_dict(saved["checker"])
+        self.history = [dict(h) for h in saved.get("history", ())]   # absent before resumes carried it
+        done = [h for h in self.history if h.get("results") is not None]
+        self.last = EvalOutcome(done[-1]["results"]) if done else None
 
     def due(self, step: int) -> bool:
         return self.config.every > 0 and step > 0 and step % self.config.every == 0

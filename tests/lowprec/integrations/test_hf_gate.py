@@ -2,10 +2,15 @@
 each with lowprec's callback, an `eval:` suite (lm-eval tasks over local text) at the end,
 and the Trainer's MLflow reporting on. The rollout rewinds once (a loss spike on two steps),
 so lowprec's own count ends short of the Trainer's; its evals are recorded at the Trainer's
-step, and the gate reads both runs like any other pair (issue 54: it exited 2)."""
+step, and the gate reads both runs like any other pair (issue 54: it exited 2).
+
+The rollout's console holds only the Trainer's lines and lowprec's: lm-eval's, datasets' and
+MLflow's own lines (issue 54: "bootstrapping for stddev", "Generating test split" bars, MLflow
+INFO records) go to the run's `lowprec/lowprec.log`."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +20,8 @@ pytest.importorskip("accelerate")
 
 from llama_helpers import BF16_CONFIG, CONFIG, FINAL_EVAL, gate_table, shakespeare_blocks, tiny_llama  # noqa: E402
 
+# the Trainer's own lines (its logged metrics; disable_tqdm) and lowprec's (`lowprec`, a name, a colon)
+TRAINER_LINE, LOWPREC_LINE = re.compile(r"^\{'\w+': "), re.compile(r"^lowprec( [\w.-]+)*: ")
 GATED = ("eval/heldout_shakespeare/bits_per_byte", "eval/cloze_shakespeare/acc", "eval/shift_milton/bits_per_byte")
 
 
@@ -47,13 +54,20 @@ def _train(tmp: Path, name: str, config: str, spike_at: int | None = None) -> tu
 
 
 @pytest.mark.slow
-def test_gate_compares_a_rollout_trainer_run_with_a_bf16_one(tmp_path, monkeypatch, sqlite_store, lowprec_forks):
+def test_gate_compares_a_rollout_trainer_run_with_a_bf16_one(tmp_path, monkeypatch, sqlite_store, lowprec_forks,
+                                                             capfd):
     uri = sqlite_store(tmp_path)   # a copy of the session's migrated store: no schema migration here
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)   # the Trainer's MLflow reporting reads these
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "hf-gate")
     baseline, _ = _train(tmp_path, "bf16", BF16_CONFIG)
+    capfd.readouterr()   # the first run: imports' and the new experiment's lines
     candidate, kinds = _train(tmp_path, "rollout", CONFIG.replace("tracking: {experiment: hf-integration}\n", ""),
                               spike_at=17)
+    out, err = capfd.readouterr()
+    lines = [line for line in (out + err).replace("\r", "\n").splitlines() if line.strip()]
+    assert any(TRAINER_LINE.match(line) for line in lines) and any(LOWPREC_LINE.match(line) for line in lines)
+    assert not [line for line in lines if not (TRAINER_LINE.match(line) or LOWPREC_LINE.match(line))], lines
+    assert "bootstrapping for stddev" in (tmp_path / "rollout" / "lowprec" / "lowprec.log").read_text()
     assert baseline != candidate
     assert kinds.count("promote") >= 1 and "rewind" in kinds, kinds   # the MLP stage promoted (step 14), a rewind
     from mlflow.tracking import MlflowClient

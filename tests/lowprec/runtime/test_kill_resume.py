@@ -11,7 +11,9 @@ checkpoint being written (a `*.tmp` in the checkpoint folder), an eval checkpoin
 a checkpoint every 3 steps, a rollout stage promoted at step 7, lm-eval evals of the
 `shakespeare` suite in fast mode at steps 16, 32 and 48); its steps sleep a quarter second
 each while the file `slow` exists (during the kills, not in the reference run or the last
-resume; the numbers do not depend on it). evals.jsonl and the eval metrics are checked too.
+resume; the numbers do not depend on it). evals.jsonl and the eval metrics are checked too, and
+the eval history the newest checkpoint carries (the damage check's previous checkpoint, the
+pictures' evals) is the uninterrupted run's (issue 54: a resumed run started it afresh).
 
 Every `lowprec run` here (the reference, the 20 lives, the last resume) is forked from one
 process that has imported lowprec, MLflow and lm-eval (tests/cli_forks.py, the session's
@@ -149,6 +151,14 @@ def _ended(p: Forked) -> None:
     assert p.returncode == 0 or (p.returncode == 2 and "which finished" in stderr), stderr[-3000:]
 
 
+def _eval_history(run: Path) -> list[dict]:
+    """The evals so far in `run`'s newest checkpoint (their times left out: they are the machine's)."""
+    from lowprec.state.checkpoint import list_checkpoints, verify_checkpoint
+    _, newest = list_checkpoints(run / "checkpoints")[-1]
+    history = verify_checkpoint(newest)["extra"]["evals"]["history"]
+    return [{k: v for k, v in h.items() if k != "seconds"} for h in history]
+
+
 def _events_jsonl(out: Path) -> list[tuple]:
     rows = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines() if x.strip()]
     return [(r["step"], r["kind"], tuple(r.get("sites", ())), r.get("stage")) for r in rows]
@@ -220,6 +230,8 @@ def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_p
     assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [16, 32, STEPS], log
     mlflow_events = Path(client.download_artifacts(run_id, "events.jsonl", str(tmp_path / "dl")))
     assert _events_jsonl(mlflow_events.parent) == events, log
+    history = _eval_history(out)
+    assert [h["step"] for h in history] == [16, 32] and history == _eval_history(ref), log
 
 
 # ------------------------------------------------------------------ what the campaign found, on its own
