@@ -39,6 +39,10 @@ micro-batches per step):
   without it is refused, saying how to go on (`restore=False`).
 * `on_train_end`: the final eval, the loss curve, the report pictures.
 
+While the callback does lowprec's own work (the rollout's start, each step's decision, in-loop
+gate, eval checkpoints and tracking, the end), what lm-eval, datasets and MLflow print goes to
+`default_root_dir/lowprec/lowprec.log`, not the user's console (`lowprec.integrations.host_console`).
+
 Under DDP a replay runs the LightningModule itself (not the DDP wrapper) and averages the
 gradients with `allreduce_grads`. (Lightning's SIGTERM handler logs and carries on; lm-eval
 forks a bootstrap pool that it ends with SIGTERM, so the `eval:` suites run with the default
@@ -72,6 +76,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 
 from lowprec.config import LowprecConfig  # noqa: E402
 from lowprec.integrations.core import Attach, HostedCallback, HostedRollout, allreduce_grads, framework_config  # noqa: E402
+from lowprec.integrations.host_console import HostConsole, host_log_path  # noqa: E402
 from lowprec.integrations.state_files import MissingRolloutStateError  # noqa: E402
 from lowprec.tracking.records import RunStatus  # noqa: E402
 
@@ -105,6 +110,13 @@ def _max_length(model: nn.Module) -> int:
         if isinstance(n, int):
             return n
     return 256
+
+
+def _routed(trainer):
+    """A block of lowprec's work whose libraries' lines (lm-eval, datasets, MLflow) go to
+    `default_root_dir/lowprec/lowprec.log` (`lowprec.integrations.host_console`)."""
+    folder = Path(trainer.default_root_dir) / "lowprec"
+    return HostConsole("lightning", host_log_path(folder, trainer.global_rank)).routed()
 
 
 def _no_log(*args, **kwargs) -> None:
@@ -191,9 +203,11 @@ class LowprecCallback(HostedCallback, lightning.pytorch.Callback):
         model = self.model
         forward = self.eval_forward or (lambda tokens: _logits_of(model(tokens)))
         root = Path(trainer.default_root_dir)
-        self.hosted.start(optimizer, scheduler, max_grad_norm=max_norm, eval_forward=forward,
-                          eval_tokenizer=self.eval_tokenizer, max_length=self.max_length,
-                          run_name=root.resolve().name or "lightning", buffer_root=root / "lowprec", attach=attach)
+        with _routed(trainer):
+            self.hosted.start(optimizer, scheduler, max_grad_norm=max_norm, eval_forward=forward,
+                              eval_tokenizer=self.eval_tokenizer, max_length=self.max_length,
+                              run_name=root.resolve().name or "lightning", buffer_root=root / "lowprec",
+                              attach=attach)
         if self.restore and self._saved is not None:
             saved, self._saved = self._saved, None
             self.hosted.load_state_dict(saved)   # on failure, on_exception ends the run it opened
@@ -209,7 +223,8 @@ class LowprecCallback(HostedCallback, lightning.pytorch.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._restore_clip(trainer)
-        self.hosted.end()   # the final eval
+        with _routed(trainer):
+            self.hosted.end()   # the final eval
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._restore_clip(trainer)
@@ -243,8 +258,9 @@ class LowprecCallback(HostedCallback, lightning.pytorch.Callback):
                 "batch) or calls backward itself cannot be measured and replayed by lowprec")
         loss = sum(losses[0] for _, losses in self._micro)
         self._stepped = True
-        self.hosted.before_optimizer_step(loss, self._closure(trainer, pl_module),
-                                          framework_step=trainer.global_step + 1)   # Lightning counts it after
+        closure = self._closure(trainer, pl_module)
+        with _routed(trainer):   # a check's in-loop gate evaluates here
+            self.hosted.before_optimizer_step(loss, closure, framework_step=trainer.global_step + 1)   # counted after
 
     def _closure(self, trainer, pl_module) -> Callable[[], torch.Tensor]:
         micro, divide = [args for args, _ in self._micro], trainer.accumulate_grad_batches
@@ -274,4 +290,5 @@ class LowprecCallback(HostedCallback, lightning.pytorch.Callback):
             return   # accumulating: the step goes on with the next micro-batch
         self._stepped = False
         self._micro.clear()
-        self.hosted.after_optimizer_step()   # rewinds, and eval checkpoints of an `eval:` section
+        with _routed(trainer):
+            self.hosted.after_optimizer_step()   # rewinds, and eval checkpoints of an `eval:` section

@@ -1,6 +1,7 @@
 """`lowprec gate` between two Lightning runs: a BF16 run and the staged rollout, each with
 lowprec's callback, an `eval:` suite at the end, and Lightning's MLFlowLogger (lowprec tracks
-into the logger's run)."""
+into the logger's run). The rollout's console holds none of lm-eval's, datasets' or MLflow's own
+lines: they go to `default_root_dir/lowprec/lowprec.log` (issue 54)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ pytest.importorskip("lightning")
 from lightning_helpers import LlamaModule, experiment, loader  # noqa: E402
 from llama_helpers import BF16_CONFIG, CONFIG, FINAL_EVAL, gate_table  # noqa: E402
 from test_hf_gate import GATED  # noqa: E402
+
+# what lm-eval, datasets and MLflow print while lowprec evaluates and tracks (Lightning's own lines,
+# which a lowprec-free run prints alike, are not lowprec's to route)
+LIBRARY_NOISE = ("bootstrapping for stddev", "Generating test split", "it/s]", " INFO mlflow", "examples/s]")
 
 
 def _train(tmp: Path, name: str, config: str, uri: str) -> tuple[str, list[str]]:
@@ -33,11 +38,17 @@ def _train(tmp: Path, name: str, config: str, uri: str) -> tuple[str, list[str]]
 
 
 @pytest.mark.slow
-def test_gate_compares_a_rollout_lightning_run_with_a_bf16_one(tmp_path, sqlite_store, lowprec_forks):
+def test_gate_compares_a_rollout_lightning_run_with_a_bf16_one(tmp_path, sqlite_store, lowprec_forks, capfd):
     uri = sqlite_store(tmp_path)   # a copy of the session's migrated store: no schema migration here
     experiment(uri, "lightning-gate", tmp_path)
     baseline, _ = _train(tmp_path, "bf16", BF16_CONFIG, uri)
+    capfd.readouterr()
     candidate, kinds = _train(tmp_path, "rollout", CONFIG.replace("tracking: {experiment: hf-integration}\n", ""), uri)
+    out, err = capfd.readouterr()
+    noise = [line for line in (out + err).replace("\r", "\n").splitlines()
+             if any(mark in line for mark in LIBRARY_NOISE)]
+    assert not noise, noise
+    assert "bootstrapping for stddev" in (tmp_path / "rollout" / "lowprec" / "lowprec.log").read_text()
     assert baseline != candidate
     assert kinds.count("promote") == 2, kinds   # 25 steps: both stages promoted (steps 14 and 24) before the eval
     table = gate_table(lowprec_forks, baseline, candidate, uri, tmp_path / "gate.md")
