@@ -40,7 +40,8 @@ from lowprec.numerics.delayed import AmaxHistory, static_address
 from lowprec.numerics.formats import Format, Scaling
 from lowprec.numerics.hadamard import RandomHadamard
 from lowprec.numerics.quant_stats import QuantStats
-from lowprec.sites.amax_scope import AmaxScope
+from lowprec.sites.amax_scope import DEFAULT_AMAX_SCOPE, AmaxScope
+from lowprec.sites.shared_amax import SharedAmax
 from lowprec.sites.fp8_allgather import FP8GatheredWeight, unwrap
 from lowprec.sites.fp8_parallel import parallel_fast_linear
 from lowprec.sites.fp8_linear import (NO_HISTORY, DelayedTensors, FastRecipe, FP8LinearFn, InputForms, WeightForms,
@@ -72,8 +73,8 @@ class PrecisionLinear(nn.Linear):
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, fmt: Format, backend, *,
                  fqn: str = "", transposed_weight: bool = False, seed: int = 0,
                  amax_group=None, emulate_bf16: bool = True, fused: bool = False,
-                 cache_weights: bool = True, amax_scope: AmaxScope = AmaxScope.GROUP,
-                 gemm: LinearGemmConfig | None = None):
+                 cache_weights: bool = True, amax_scope: AmaxScope = DEFAULT_AMAX_SCOPE,
+                 gemm: LinearGemmConfig | None = None, shared_amax: SharedAmax | None = None):
         nn.Module.__init__(self)
         out_f, in_f = (weight.shape[1], weight.shape[0]) if transposed_weight else weight.shape
         self.in_features, self.out_features = int(in_f), int(out_f)
@@ -84,6 +85,9 @@ class PrecisionLinear(nn.Linear):
         self.backend = backend
         self.amax_group = amax_group
         self.amax_scope = amax_scope
+        # the model's one SharedAmax (lowprec.sites.shared_amax): an SP input's amax reduced once
+        # for all the sites that read that input; None: each site reduces its own
+        self.shared_amax = shared_amax
         # eager forward calls on the FP8 fast path / on QuantizedLinearFn in a low-precision format
         self.fast_calls = 0
         self.slow_calls = 0

@@ -44,7 +44,7 @@ from lowprec.sites.gemm_config import LinearGemmConfig
 from lowprec.base.parse import ConfigError, check_keys, suggest
 from lowprec.base.yaml_read import read_yaml_file, read_yaml_text
 from lowprec.numerics.formats import FORMATS, Format, format_names, get_format
-from lowprec.sites.amax_scope import AMAX_SCOPES, AmaxScope
+from lowprec.sites.amax_scope import AMAX_SCOPES, DEFAULT_AMAX_SCOPE, AmaxScope
 from lowprec.sites.reasons import ReasonKind, SiteReason
 from lowprec.sites.site_kinds import SITE_KINDS, SiteKind, expert_index_of, kind_of
 
@@ -274,7 +274,7 @@ class PrecisionPlan:
     rules: tuple[Rule, ...] = ()
     keep_high_precision: tuple[Selector, ...] = ()
     fused: bool = False
-    amax_scope: AmaxScope = AmaxScope.GROUP
+    amax_scope: AmaxScope = DEFAULT_AMAX_SCOPE
     gemm: LinearGemmConfig = field(default_factory=LinearGemmConfig)   # the fast path's GEMMs
 
     def __post_init__(self) -> None:
@@ -294,7 +294,7 @@ class PrecisionPlan:
         _check_keys(d, PLAN_KEYS, path)
         fused = d.get("fused", False)
         _expect(isinstance(fused, bool), fused, f"{path}.fused", "true or false")
-        scope = _amax_scope(d.get("amax_scope", AmaxScope.GROUP.value), f"{path}.amax_scope")
+        scope = _amax_scope(d.get("amax_scope", DEFAULT_AMAX_SCOPE.value), f"{path}.amax_scope")
         keep, rules = (_list(d.get(k, []), f"{path}.{k}") for k in ("keep_high_precision", "rules"))
         try:
             gemm = LinearGemmConfig.from_dict(d.get("gemm"), f"{path}.gemm")
