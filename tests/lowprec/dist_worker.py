@@ -55,7 +55,7 @@ SITES = [f"blocks.{i}.{m}" for i in range(MODEL["n_layer"])
 def plan_for(fmt: str) -> PrecisionPlan:
     """Every linear layer of every block in `fmt`; the output head stays high precision."""
     return PrecisionPlan.from_dict({
-        "backend": "emulated",
+        "backend": "emulated", "amax_scope": "group",
         "keep_high_precision": [{"fqns": ["lm_head"]}],
         "rules": [{"name": "blocks", "select": {"glob": "blocks.*"}, "format": fmt,
                    "ladder": [fmt, "bf16"]}],
