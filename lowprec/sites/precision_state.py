@@ -180,6 +180,8 @@ class PrecisionState:
             if hasattr(m, "generator"):  # TE sites keep their own RNG and FP8 state
                 out[fqn]["generator"] = m.generator.get_state()
                 out[fqn]["seed"] = m.seed  # also fixes the Hadamard signs
+            if hasattr(m, "fast_calls"):   # forwards by GEMM path so far: a resumed run counts the whole run
+                out[fqn]["calls"] = [int(m.fast_calls), int(m.slow_calls)]
         return {"version": 1, "sites": out}
 
     def load_state_dict(self, state: dict) -> None:
@@ -206,6 +208,8 @@ class PrecisionState:
                 m.histories[k].load_state_dict(h)
             if "generator" in st:
                 m.generator.set_state(st["generator"])
+            if "calls" in st and hasattr(m, "fast_calls"):   # absent in checkpoints written before it
+                m.fast_calls, m.slow_calls = (int(c) for c in st["calls"])
 
     def __repr__(self) -> str:
         share = ", ".join(f"{k} {v:.0%}" for k, v in self.flops_share().items())
