@@ -117,6 +117,11 @@ class PrecisionLinear(nn.Linear):
         recipe = fast_recipe(fmt, self.gemm) if getattr(self.backend, "fast_path", False) else None
         return None if recipe is None else step_recipes(recipe)
 
+    def restore_calls(self, fast: int, slow: int) -> None:
+        """Set the forward counters to a checkpoint's (`PrecisionState.load_state_dict`): a
+        resumed run's counts are the whole run's (lowprec.runtime.site_paths)."""
+        self.fast_calls, self.slow_calls = int(fast), int(slow)
+
     @classmethod
     def from_module(cls, module: nn.Module, fmt: Format, backend, **kw) -> "PrecisionLinear":
         transposed = type(module).__name__ == "Conv1D"

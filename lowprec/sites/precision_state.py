@@ -208,8 +208,8 @@ class PrecisionState:
                 m.histories[k].load_state_dict(h)
             if "generator" in st:
                 m.generator.set_state(st["generator"])
-            if "calls" in st and hasattr(m, "fast_calls"):   # absent in checkpoints written before it
-                m.fast_calls, m.slow_calls = (int(c) for c in st["calls"])
+            if "calls" in st and hasattr(m, "restore_calls"):   # absent in checkpoints written before it
+                m.restore_calls(*st["calls"])
 
     def __repr__(self) -> str:
         share = ", ".join(f"{k} {v:.0%}" for k, v in self.flops_share().items())
