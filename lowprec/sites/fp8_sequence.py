@@ -5,7 +5,8 @@ along the sequence, and a column-parallel linear layer's input is all-gathered f
 tensor-parallel style `FP8SequenceColwiseParallel` hands the layer its input still
 sharded (`Shard(1)`); `SequenceGatherFP8Fn` casts each rank's part to FP8 with the scale
 of the whole gathered input (its amax all-reduced over the tensor-parallel group, and over
-the data-parallel group under `amax_scope: group`), all-gathers the FP8 bytes (one byte
+the data-parallel group under `amax_scope: group`; once for all the sites that read the same
+input, through the model's `lowprec.sites.shared_amax.SharedAmax`), all-gathers the FP8 bytes (one byte
 per element, not two), and runs the GEMM on the gathered FP8 input and the local weight
 rows: the output is the local columns of the full sequence, as `ColwiseParallel` gives.
 The backward casts the output gradient, reduce-scatters the input gradient (high

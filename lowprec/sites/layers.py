@@ -25,7 +25,9 @@ Distributed (`amax_scope`, `lowprec.sites.amax_scope`): with `group`, a tensor-w
 is the amax of the whole tensor: a DTensor shard's is all-reduced (MAX) over the mesh
 dimensions it is sharded on, and activations/gradients are also reduced over `amax_group`
 (the data-parallel group) when one is given, so the numerics equal a single process's;
-with `local` each rank scales its own shards. In the `torch` backend's FP8 formats both
+with `local` (the default) each rank scales its own shards, and a sequence-parallel input
+gathered in FP8 has its amax reduced once for all the sites reading it (`shared_amax`, the
+model's `lowprec.sites.shared_amax.SharedAmax`). In the `torch` backend's FP8 formats both
 run the fast path (`lowprec.sites.fp8_parallel`); `fast_calls` / `slow_calls` count the
 eager forward calls on the fast path and on `QuantizedLinearFn`.
 """

@@ -29,12 +29,16 @@ for fp8_tensorwise, fp8_delayed and fp8_rowwise. What must hold:
 * the ledger (experiments/ledger.py) of 4 FSDP2 steps of a BF16 GPT: the weight
   all-gathers move at most 0.55x the bytes of BF16's with FP8 all-gather; `local` issues no
   amax all-reduce per cast (one per step for the gathered weights' amaxes); `group` two per
-  site per step; a check step (every 2nd) issues exactly one statistics collective;
+  site per step (both the count model's, experiments/amax_count.py); a check step (every
+  2nd) issues exactly one statistics collective, and every rank's check sees the same
+  statistics (the controller decides the same on every rank);
 * sequence parallel (TP 2, `seq`): a column-parallel site on a sequence-sharded input with
   `FP8SequenceColwiseParallel` gathers FP8 bytes (a quarter of the FP32 gather's here,
   half of BF16's) and gives the output, input gradient and weight gradient of
   `ColwiseParallel(input_layouts=Shard(1))` (a high-precision gather, then the fast
-  path) bit for bit, in both scopes;
+  path) bit for bit, in both scopes; three such sites reading one input (q, k, v of one
+  prepared model) reduce its amax once (the count model's MAX all-reduces: 1 under `local`,
+  7 under `group`);
 * `precision.gemm` on shards (`layer`, `seq`): each `_scaled_mm` of the sharded paths
   (fprop, dgrad, wgrad) gets its own `use_fast_accum`, here the opposite of the defaults;
 * FP8 all-gather under FSDP2 x TP (DP 2 x TP 2: each tp shard's FP8 bytes gathered over
