@@ -68,5 +68,8 @@ def amax_all_reduces(sites: list[SiteLayout], *, scope: str, dp: bool, fp8_all_g
 def torchao_amax_all_reduces(sites: list[SiteLayout], *, fp8_all_gather: bool) -> int:
     """torchao's float8 training (tensor-wise, dynamic): each rank's own amaxes, one TP amax
     all-reduce per `Float8ColwiseParallel` SP input (a shared input cast once), and
-    `precompute_float8_dynamic_scale_for_fsdp`'s one all-reduce per step."""
+    `precompute_float8_dynamic_scale_for_fsdp`'s one all-reduce per step. A lower bound:
+    `Float8RowwiseParallel` casts its input, and both styles their output gradient, as
+    DTensors (torchao/float8/float8_tensor_parallel.py), whose `torch.max(torch.abs(x))` is
+    reduced over the shards when the scale is formed; those are not counted here."""
     return len({s.reads for s in sites if s.split is Split.SP}) + int(fp8_all_gather)
