@@ -153,10 +153,11 @@ def _batch_source(cfg, raw):
 
 
 def prepare_run(cfg, *, controller: bool = True, with_data: bool = True,
-                missing: dict[str, str] | None = None) -> PreparedRun:
+                missing: dict[str, str] | None = None, amax_group=None) -> PreparedRun:
     """Everything before step 0 (see the module docstring); raises ConfigError. With `missing`
     (a dict, for `plan`), a runtime input that cannot be had yet (the loss-gap baseline, the
-    data the data factory reads) is recorded there, {config key: why}, instead of raised."""
+    data the data factory reads) is recorded there, {config key: why}, instead of raised.
+    amax_group: the data-parallel group of a rank under torchrun (its mesh's), for `prepare`."""
     from lowprec.policy.rollout import build_controller
     from lowprec.sites.precision_state import prepare
 
@@ -170,7 +171,7 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True,
     if _takes_labels(model):
         model.register_forward_pre_hook(_as_labels, with_kwargs=True)
     try:
-        state = prepare(model, cfg.precision, seed=tc.seed)
+        state = prepare(model, cfg.precision, seed=tc.seed, amax_group=amax_group)
     except ConfigError:
         raise
     except ValueError as e:
