@@ -19,6 +19,9 @@ the fix. The checks, the same for every section:
   `tuple[T, ...]`, `dict[str, T]`, `Any`. A bool is never a number and a number never a
   bool. A float accepts an int and a numeric string such as "3e-3" (PyYAML 1.1 reads
   `3e-3`, without a dot, as a string); any other string where a number belongs is an error;
+* a value type (a class with a `from_config_value(v)` classmethod and a `config_description`,
+  e.g. `Format` from its name) is built by that method; its ValueError is the hint after
+  "expected <description>, found <value>";
 * a ValueError or TypeError from the dataclass's `__post_init__` becomes a ConfigError at
   the section's path (raise a ConfigError with a relative path, e.g. `ConfigError("lr", ...)`,
   to point at one field: it is prefixed with the section's path).
@@ -135,6 +138,8 @@ def describe_type(tp: Any) -> str:
         return "any value"
     if tp is type(None):
         return "null"
+    if isinstance(tp, type) and hasattr(tp, "config_description"):
+        return tp.config_description
     if _is_union(tp):
         return " or ".join(describe_type(a) for a in sorted(args, key=lambda a: a is type(None)))
     if origin is typing.Literal:
@@ -172,6 +177,15 @@ def _convert(tp: Any, v: Any, path: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any or tp is object:
         return v
+    if isinstance(tp, type) and hasattr(tp, "from_config_value"):   # a value type named by a string or a mapping
+        if isinstance(v, tp):
+            return v
+        try:
+            return tp.from_config_value(v)
+        except ConfigError as e:
+            raise e.under(path) from None
+        except (ValueError, TypeError, KeyError) as e:
+            raise _Mismatch(f": {str(e).strip(chr(34) + chr(39))}") from None
     if tp is type(None):
         if v is None:
             return None
