@@ -344,8 +344,7 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
         if tracked and lead:  # the run folder's MLflow run: continued only by --resume, never once finished
             from lowprec.tracking.resume import check_buffer
             check_buffer(out / "tracking", resume=args.resume)
-        prepared = prepare_run(cfg, controller=not args.no_controller,
-                               amax_group=layout.amax_group if layout is not None else None)
+        prepared = prepare_run(cfg, controller=not args.no_controller, amax_group=getattr(layout, "amax_group", None))
         names = dict(prepared.model.named_modules())
         bad = [j.site for j in faults if j.kind.needs_site and j.site not in names]
         if bad:
@@ -357,8 +356,7 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
     except (ConfigError, ValueError, TypeError) as e:
         return _refuse(console, e, env)
     except PeersMissing as e:   # start_group: a peer went away before the group was up
-        console.say(str(e))
-        return EXIT_UNUSABLE
+        return console.say(str(e)) or EXIT_UNUSABLE
     chosen = None
     if args.resume and env is None and args.nproc_per_node is None:   # one process: chosen once, here
         from lowprec.state.checkpoint import NoUsableCheckpointError, checkpoint_to_resume, list_checkpoints

@@ -336,20 +336,6 @@ def train_ranks(prepared, out: Path, *, name: str, env: RankEnv, placed, layout,
         return EXIT_PEER_LOST
 
 
-def _tracker(cfg, out: Path, name: str, resume: bool):
-    """Rank 0's MLflow run (one per job; `resume` continues the killed job's)."""
-    from lowprec.runtime.host import tracking_uri as _tracking_uri
-    from lowprec.tracking.tracker import Tracker
-    tel, par = cfg.telemetry, cfg.parallel
-    tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, name, buffer_dir=out / "tracking", resume=resume,
-                      system_metrics_s=tel.system_metrics_s if tel.enabled else None)
-    tracker.log_config(cfg.to_dict())
-    import torch.distributed as dist
-    tracker.log_tags({"lowprec.parallel": f"{par.mode} ({par.world} processes)",
-                      "lowprec.parallel.backend": dist.get_backend()})   # nccl or gloo
-    return tracker
-
-
 def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, device, layout, resume: bool, faults, console,
                 started: float, tracking_optional: bool) -> int:
     import torch.distributed as dist
@@ -357,6 +343,7 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, device, layout,
     from lowprec.runtime.loop import train
     from lowprec.runtime.host import tracking_uri as _tracking_uri
     from lowprec.runtime.run import EXIT_OK, EXIT_UNSENT, close_run, summary_text, unsent_line
+    from lowprec.runtime.run_life import RunLife
     from lowprec.state.checkpoint import NoUsableCheckpointError
     from lowprec.state.ranks import from_rank_0
     from lowprec.tracking.records import RunStatus
@@ -370,7 +357,11 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, device, layout,
         out.mkdir(parents=True, exist_ok=True)
         console.log_to(out / LOG_NAME)
     dist.barrier()   # the run folder exists before any rank writes to it
-    tracker = _tracker(cfg, out, name, resume) if lead and cfg.tracking.enabled else None
+    par = cfg.parallel   # rank 0's MLflow run, one per job (`resume` continues the killed job's)
+    life = RunLife(cfg, name, out / "tracking", lead=lead, resume=resume, system_metrics=True, warn_unsent=False,
+                   tags={"lowprec.parallel": f"{par.mode} ({par.world} processes)",
+                         "lowprec.parallel.backend": dist.get_backend()})   # nccl or gloo
+    tracker = life.tracker
     progress = console.progress(cfg.train.steps, mix=run.precision_map.flops_share) if lead else None
     telemetry = Telemetry(tel, device=device, model=run.engine.module, state=run.state, started=started,
                           clock=clock)
@@ -378,8 +369,8 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, device, layout,
     if prepared.evals is not None:   # every rank evaluates (collective forwards); rank 0 logs, gates and shares
         # the eval passes decided on the whole model's formats, which every rank tracks alike; under
         # pipeline stages scored through the forward through every stage
-        evals = prepared.evals.for_run(tracker=tracker, share=from_rank_0, formats=run.precision_map.formats,
-                                       forward=run.engine.logits if cfg.parallel.pp > 1 else None)
+        evals = life.evals(prepared.evals, share=from_rank_0, formats=run.precision_map.formats,
+                           forward=run.engine.logits if cfg.parallel.pp > 1 else None)
     status = RunStatus.FAILED
     try:
         res = train(cfg.train, run.engine, run.state, run.data, out_dir=out, controller=prepared.controller,
@@ -395,7 +386,7 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, device, layout,
             console.say(f"--resume: {e}")
         return EXIT_UNUSABLE
     finally:
-        close_run(progress, tracker, status, out)
+        close_run(progress, life, status, out)
     if not lead:
         return EXIT_OK
     run_id = tracker.run_id if tracker is not None else None
