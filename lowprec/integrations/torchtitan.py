@@ -249,14 +249,17 @@ def _prepare(model: nn.Module, setup: Setup) -> PrecisionState:
     torchtitan's Module mixed in, as torchtitan's float8 converter does with torchao's layer)."""
     plan = setup.config.precision
     if BackendName(plan.backend) is not BackendName.TORCHAO:
-        return prepare(model, plan, seed=setup.seed, layer_cls=TitanPrecisionLinear)
-    kept = {n: (getattr(m, "_param_init", None), getattr(m, "_sharding_config", None))
-            for n, m in model.named_modules()}
-    state = prepare(model, plan, seed=setup.seed)
-    for fqn, site in state.sites.items():
+        state = prepare(model, plan, seed=setup.seed, layer_cls=TitanPrecisionLinear)
+        kept = {}
+    else:
+        kept = {n: (getattr(m, "_param_init", None), getattr(m, "_sharding_config", None))
+                for n, m in model.named_modules()}
+        state = prepare(model, plan, seed=setup.seed)
+    for fqn, site in state.sites.items():   # torchao's layers; expert sites (no parameter, nothing to init)
         cls = type(site.module)
-        site.module.__class__ = _TITAN_CLASSES.setdefault(cls, type(f"Titan{cls.__name__}", (cls, Module), {}))
-        site.module._param_init, site.module._sharding_config = kept[fqn]
+        if not isinstance(site.module, Module):
+            site.module.__class__ = _TITAN_CLASSES.setdefault(cls, type(f"Titan{cls.__name__}", (cls, Module), {}))
+            site.module._param_init, site.module._sharding_config = kept.get(fqn, (None, None))
     return state
 
 

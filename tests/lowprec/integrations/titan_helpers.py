@@ -273,12 +273,12 @@ class TitanJob:
     """One torchtitan job folder: tokenizer, data, lowprec YAML, config module, dump folder."""
 
     def __init__(self, tmp: Path, plan: str, *, steps: int, checkpoint_every: int, faults=(), validator: bool = False,
-                 kill_at: int = -1, reference: bool = False, fp8_all_gather: bool = False):
+                 kill_at: int = -1, reference: bool = False, fp8_all_gather: bool = False, job: str = JOB):
         """faults: `fault(...)`s; validator: torchtitan's validation data on (the LR probe's held batch);
         kill_at: torchtitan's step after which rank 0 SIGKILLs itself (-1: none); reference: after
         training, each rank writes an eval forward and the LR probe's held loss beside the whole
-        model's in one process (`dump/forwards_rank<R>.pt`)."""
-        self.tmp = tmp
+        model's in one process (`dump/forwards_rank<R>.pt`); job: the config module's template."""
+        self.tmp, self.job = tmp, job
         self.dump = tmp / "dump"
         (tmp / "lowprec.yaml").write_text(plan)
         self.settings = {"plan": str(tmp / "lowprec.yaml"), "events": str(tmp / "events.jsonl"),
@@ -291,7 +291,7 @@ class TitanJob:
         self._write()
 
     def _write(self) -> None:
-        (self.tmp / "lowprec_job.py").write_text(JOB.format(settings=json.dumps(self.settings)))
+        (self.tmp / "lowprec_job.py").write_text(self.job.format(settings=json.dumps(self.settings)))
 
     def update(self, plan: str | None = None, **settings) -> None:
         """New settings (and lowprec YAML) for the next run of the job."""
