@@ -338,7 +338,7 @@ class RolloutController(SlowSignalRules, LadderMoves):
                 continue
             d.events.append(Event(step, EventKind.ROUTER_FAULT, (), {}, {}, (
                 f"router fault: {layer} sent its tokens to few experts ({r.collapse:.0%} of the way from even to "
-                f"every token's top k the same; expert {r.busiest} {r.max_over_mean:.2f}x the mean): routing, not "
+                f"every token's top k the same; {r.busiest} {r.max_over_mean:.2f}x the mean): routing, not "
                 f"precision; its experts are not judged and nothing is demoted"), {"layer": layer, **r.to_evidence()}))
         return out
 

@@ -36,7 +36,7 @@ class RouterSignals:
     max_over_mean: float
     collapse: float       # 0: even; 1: every token's top k the same k experts
     tokens: float         # routed (token, expert) pairs of the window
-    busiest: int          # the busiest expert's index
+    busiest: str          # the busiest expert's site
 
     def to_evidence(self) -> dict:
         return {"router/cv": self.cv, "router/max_over_mean": self.max_over_mean,
@@ -88,6 +88,5 @@ def router_windows(tokens: dict[str, float], fractions: dict[str, float]) -> dic
         share = sum(sorted(counts, reverse=True)[:k]) / total
         collapse = (share - even) / (1 - even) if even < 1 else 0.0
         busiest = max(range(len(rows)), key=lambda i: counts[i])
-        out[layer] = RouterSignals(cv, mom, min(max(collapse, 0.0), 1.0), float(total),
-                                   int(rows[busiest][0].rpartition(".")[2]))
+        out[layer] = RouterSignals(cv, mom, min(max(collapse, 0.0), 1.0), float(total), rows[busiest][0])
     return out

@@ -17,15 +17,25 @@ GEMM of `backends/emulated.py`: so the grouped path equals a loop of lowprec's l
 the experts bit for bit (tests/lowprec/sites/test_grouped_gemms.py holds this for every kind of
 format, forward and all gradients, uneven token counts and experts without tokens). Experts
 without tokens are skipped: their weight gradient is zero and they record no statistics.
+
+A format group whose operands are quantized row by row (one scale per row or per 1 x k block
+along the reduction dimension, rounded to nearest, no per-tensor amax or Hadamard signs: row-wise
+FP8, 1x128 blocks, MXFP8, MXFP4) quantizes each operand of its fprop and dgrad in one call for
+all its experts on steps without statistics (statistics are per expert: check steps quantize
+expert by expert): the same elements, each row's scale depending on that row alone. The wgrad
+operands (scaled along each expert's own tokens) and tensor-wise, delayed and NVFP4 scales (an
+amax per expert) are quantized expert by expert. A high-precision group runs as a linear site
+in high precision does (`F.linear` of BF16-rounded operands, whose gradients autograd rounds).
 """
 
 from __future__ import annotations
 
 import torch
 
-from lowprec.numerics.formats import Format
+from lowprec.numerics.formats import Format, QuantSpec, Rounding, ScaleEncoding, Scaling
+from lowprec.numerics.quantize import quantize
 from lowprec.sites.backends.emulated import dequantize_for_gemm
-from lowprec.sites.operand_quantizer import OperandQuantizer
+from lowprec.sites.operand_quantizer import OperandQuantizer, bf16_round
 from lowprec.sites.quantized_gemms import (_delayed_scale, _pad_tokens, _token_multiple, _transposable,
                                            _transpose)
 
@@ -78,6 +88,40 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: list[int]) -> torch.Tenso
         return torch.stack([a[:, s:o] @ b[s:o] for s, o in zip(starts, offs)])
 
 
+def _row_local(spec: QuantSpec | None) -> bool:
+    """Whether `spec` quantizes each row of an operand (along the GEMM's reduction dimension) on its
+    own: one scale per row or per 1 x k block, no amax of the whole tensor (NVFP4's per-tensor
+    scale), rounded to nearest without a Hadamard transform (an expert's generator and signs are
+    its own). Then quantizing the rows of several experts in one call is each expert's
+    quantization, element for element; high precision (None) rounds each element alone."""
+    return spec is None or (spec.rounding is Rounding.NEAREST_EVEN and not spec.hadamard and (
+        spec.scaling is Scaling.ROW or (spec.scaling is Scaling.BLOCK and spec.block[0] == 1
+                                        and spec.scale_encoding is not ScaleEncoding.E4M3_FP32)))
+
+
+def _one_call(fmt: Format, roles: tuple[str, ...], quants, experts: list[int]) -> bool:
+    """Whether a format group's GEMM quantizes its operands for `roles` in one call for all its
+    experts: every spec row-local and no expert keeping statistics (they are per expert; a high
+    precision format keeps none)."""
+    specs = [getattr(fmt, r) for r in roles]
+    return all(map(_row_local, specs)) and (all(s is None for s in specs)
+                                            or not any(quants[e].collect_stats for e in experts))
+
+
+def _quantized_rows(t: torch.Tensor, spec: QuantSpec | None, quant: OperandQuantizer) -> torch.Tensor:
+    """The dequantized FP32 operand of a row-local quantization of all of `t`'s rows at once."""
+    if spec is None:
+        return bf16_round(t).float() if quant.emulate_bf16 and t.dtype == torch.float32 else t.float()
+    return dequantize_for_gemm(quantize(t, spec, fused=quant.fused, validate=False)).float()
+
+
+def _group_rows(t: torch.Tensor, experts: list[int], starts: list[int], counts: tuple[int, ...]) -> torch.Tensor:
+    """The rows of `experts` (in order) of a tensor grouped by expert; `t` itself when they are all of it."""
+    if sum(counts[e] for e in experts) == t.shape[0]:
+        return t
+    return torch.cat([t[starts[e]:starts[e] + counts[e]] for e in experts])
+
+
 def _starts(counts: tuple[int, ...]) -> list[int]:
     out, s = [], 0
     for c in counts:
@@ -99,7 +143,8 @@ class GroupedQuantizedFn(torch.autograd.Function):
         starts = _starts(counts)
         qx, qw, keep_x, keep_w, scales = {}, {}, {}, {}, {}
         groups = format_groups(formats, counts)
-        for e in (e for g in groups.values() for e in g):
+        vectors = {fmt: _one_call(fmt, ("input", "weight"), quants, experts) for fmt, experts in groups.items()}
+        for e in (e for f, g in groups.items() if not vectors[f] for e in g):
             fmt, quant = formats[e], quants[e]
             x_e = x[starts[e]:starts[e] + counts[e]]
             qx[e] = quant.quantize(x_e, fmt, "input")
@@ -110,8 +155,17 @@ class GroupedQuantizedFn(torch.autograd.Function):
             scales[e] = (_delayed_scale(qx[e]), _delayed_scale(qw[e]))
         y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
         for fmt, experts in groups.items():
-            a = _rows([dequantize_for_gemm(qx[e]).float() for e in experts])
-            b = _stack([dequantize_for_gemm(qw[e]).float().t() for e in experts])
+            if vectors[fmt]:   # one quantization per operand for the whole group
+                q0, n, k = quants[experts[0]], w.shape[1], w.shape[2]
+                a = _quantized_rows(_group_rows(x, experts, starts, counts), fmt.input, q0)
+                wg = w if len(experts) == w.shape[0] else w[experts]
+                b = _quantized_rows(wg.reshape(-1, k), fmt.weight, q0).reshape(len(experts), n, k).transpose(-2, -1)
+                for e in experts:
+                    keep_x[e] = keep_w[e] = None   # row-local: never reused transposed
+                    scales[e] = (None, None)
+            else:
+                a = _rows([dequantize_for_gemm(qx[e]).float() for e in experts])
+                b = _stack([dequantize_for_gemm(qw[e]).float().t() for e in experts])
             out = grouped_mm(a, b, _cumsum([counts[e] for e in experts]))
             _scatter_rows(y, out, experts, starts, counts)
         ctx.save_for_backward(x, w)
@@ -130,6 +184,24 @@ class GroupedQuantizedFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
             for fmt, experts in groups.items():
+                if fmt.is_high_precision:
+                    hp = _hp_rounding(quants[experts[0]], x)
+                    b = hp(w if len(experts) == w.shape[0] else w[experts]).float()
+                    out = grouped_mm(_group_rows(gy, experts, starts, counts).float(), b,
+                                     _cumsum([counts[e] for e in experts]))
+                    _scatter_rows(dx, hp(out), experts, starts, counts)
+                    continue
+                if _one_call(fmt, ("grad_output", "weight"), quants, experts):
+                    q0, n, k = quants[experts[0]], w.shape[1], w.shape[2]
+                    a = _quantized_rows(_group_rows(gy, experts, starts, counts), fmt.grad_output, q0)
+                    wg = w if len(experts) == w.shape[0] else w[experts]
+                    # the rows of weight^T quantized, then (G, N, K) row-major: a linear site quantizes the
+                    # transposed view, whose layout the quantization keeps, so its dgrad operand is w's layout
+                    b = _quantized_rows(wg.transpose(-2, -1).reshape(-1, n), fmt.weight, q0)
+                    b = b.reshape(len(experts), k, n).transpose(-2, -1).contiguous()
+                    _scatter_rows(dx, grouped_mm(a, b, _cumsum([counts[e] for e in experts])), experts, starts,
+                                  counts)
+                    continue
                 qwt = {}
                 for e in experts:
                     qg[e] = quants[e].quantize(gy[starts[e]:starts[e] + counts[e]], fmt, "grad_output")
@@ -142,6 +214,12 @@ class GroupedQuantizedFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
             for fmt, experts in groups.items():
+                if fmt.is_high_precision:
+                    hp = _hp_rounding(quants[experts[0]], x)
+                    gts = [gy[starts[e]:starts[e] + counts[e]].float().t() for e in experts]
+                    xts = [hp(x[starts[e]:starts[e] + counts[e]]).float() for e in experts]
+                    dw[experts] = hp(grouped_mm(_cols(gts), _rows(xts), _cumsum([counts[e] for e in experts])))
+                    continue
                 gts, xts = [], []
                 for e in experts:
                     gts_e, xts_e = _wgrad_operands(e, fmt, quants[e], gy, x, qg.get(e), keep_x[e], scales[e][0],
@@ -152,6 +230,13 @@ class GroupedQuantizedFn(torch.autograd.Function):
                 dw[experts] = out
             dw = dw.to(w.dtype)
         return dx, dw, None, None, None
+
+
+def _hp_rounding(quant: OperandQuantizer, x: torch.Tensor):
+    """What a linear site in high precision rounds, BF16 emulated in FP32: it runs
+    `F.linear(bf16_round(x), bf16_round(w))`, whose autograd rounds the input and weight
+    gradients (the backward of the casts) and not the output gradient that enters them."""
+    return bf16_round if quant.emulate_bf16 and x.dtype == torch.float32 else (lambda t: t)
 
 
 def _wgrad_operands(e, fmt, quant, gy, x, qg, keep_x, scale_x, start, count):
