@@ -20,11 +20,13 @@ without tokens are skipped: their weight gradient is zero and they record no sta
 
 A format group whose operands are quantized row by row (one scale per row or per 1 x k block
 along the reduction dimension, rounded to nearest, no per-tensor amax or Hadamard signs: row-wise
-FP8, 1x128 blocks, MXFP8, MXFP4) quantizes each operand of its fprop and dgrad in one call for
-all its experts on steps without statistics (statistics are per expert: check steps quantize
-expert by expert): the same elements, each row's scale depending on that row alone. The wgrad
+FP8, 1x128 blocks, MXFP8, MXFP4) quantizes the activation of its fprop (the input) and of its
+dgrad (the output gradient) in one call for all its experts on steps without statistics
+(statistics are per expert: check steps quantize expert by expert): the same elements, each
+row's scale depending on that row alone. Weights are quantized expert by expert through each
+expert's weight cache (a weight that has not changed is not quantized again); so are the wgrad
 operands (scaled along each expert's own tokens) and tensor-wise, delayed and NVFP4 scales (an
-amax per expert) are quantized expert by expert. A high-precision group runs as a linear site
+amax per expert). A high-precision group runs as a linear site
 in high precision does (`F.linear` of BF16-rounded operands, whose gradients autograd rounds).
 """
 
@@ -135,42 +137,38 @@ class GroupedQuantizedFn(torch.autograd.Function):
 
     Inputs: x (R, K) grouped by expert, w (E, N, K), `counts` (tokens per expert, host ints),
     `formats` (one `Format` per expert), `quants` (one `OperandQuantizer` per expert: its
-    holders receive the expert's statistics and delayed-scaling amaxes). Returns y (R, N)."""
+    holders receive the expert's statistics and delayed-scaling amaxes); `one_call` (default
+    True): row-local format groups quantize in one call (False: expert by expert, the same
+    numbers; experiments/bench_moe.py times both). Returns y (R, N)."""
 
     @staticmethod
     def forward(ctx, x, w, counts: tuple[int, ...], formats: tuple[Format, ...],
-                quants: tuple[OperandQuantizer, ...]):
+                quants: tuple[OperandQuantizer, ...], one_call: bool = True):
         starts = _starts(counts)
         qx, qw, keep_x, keep_w, scales = {}, {}, {}, {}, {}
         groups = format_groups(formats, counts)
-        vectors = {fmt: _one_call(fmt, ("input", "weight"), quants, experts) for fmt, experts in groups.items()}
-        for e in (e for f, g in groups.items() if not vectors[f] for e in g):
+        vectors = {fmt: one_call and _one_call(fmt, ("input",), quants, experts) for fmt, experts in groups.items()}
+        for e in (e for g in groups.values() for e in g):
             fmt, quant = formats[e], quants[e]
             x_e = x[starts[e]:starts[e] + counts[e]]
-            qx[e] = quant.quantize(x_e, fmt, "input")
-            qw[e] = quant.quantize(w[e], fmt, "weight")
+            qx[e] = None if vectors[fmt] else quant.quantize(x_e, fmt, "input")
+            qw[e] = quant.quantize(w[e], fmt, "weight")   # each expert's own weight cache
             keep_x[e] = (qx[e] if _transposable(fmt.input, fmt.input_wgrad, qx[e])
                          and counts[e] % _token_multiple(fmt) == 0 else None)
             keep_w[e] = qw[e] if _transposable(fmt.weight, fmt.weight, qw[e]) else None
             scales[e] = (_delayed_scale(qx[e]), _delayed_scale(qw[e]))
         y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
         for fmt, experts in groups.items():
-            if vectors[fmt]:   # one quantization per operand for the whole group
-                q0, n, k = quants[experts[0]], w.shape[1], w.shape[2]
-                a = _quantized_rows(_group_rows(x, experts, starts, counts), fmt.input, q0)
-                wg = w if len(experts) == w.shape[0] else w[experts]
-                b = _quantized_rows(wg.reshape(-1, k), fmt.weight, q0).reshape(len(experts), n, k).transpose(-2, -1)
-                for e in experts:
-                    keep_x[e] = keep_w[e] = None   # row-local: never reused transposed
-                    scales[e] = (None, None)
+            if vectors[fmt]:   # the input of the whole group in one quantization
+                a = _quantized_rows(_group_rows(x, experts, starts, counts), fmt.input, quants[experts[0]])
             else:
                 a = _rows([dequantize_for_gemm(qx[e]).float() for e in experts])
-                b = _stack([dequantize_for_gemm(qw[e]).float().t() for e in experts])
+            b = _stack([dequantize_for_gemm(qw[e]).float().t() for e in experts])
             out = grouped_mm(a, b, _cumsum([counts[e] for e in experts]))
             _scatter_rows(y, out, experts, starts, counts)
         ctx.save_for_backward(x, w)
         ctx.keep = (keep_x, keep_w, scales, groups, starts)
-        ctx.counts, ctx.formats, ctx.quants = counts, formats, quants
+        ctx.counts, ctx.formats, ctx.quants, ctx.one_call = counts, formats, quants, one_call
         return y.to(x.dtype)
 
     @staticmethod
@@ -191,23 +189,17 @@ class GroupedQuantizedFn(torch.autograd.Function):
                                      _cumsum([counts[e] for e in experts]))
                     _scatter_rows(dx, hp(out), experts, starts, counts)
                     continue
-                if _one_call(fmt, ("grad_output", "weight"), quants, experts):
-                    q0, n, k = quants[experts[0]], w.shape[1], w.shape[2]
-                    a = _quantized_rows(_group_rows(gy, experts, starts, counts), fmt.grad_output, q0)
-                    wg = w if len(experts) == w.shape[0] else w[experts]
-                    # the rows of weight^T quantized, then (G, N, K) row-major: a linear site quantizes the
-                    # transposed view, whose layout the quantization keeps, so its dgrad operand is w's layout
-                    b = _quantized_rows(wg.transpose(-2, -1).reshape(-1, n), fmt.weight, q0)
-                    b = b.reshape(len(experts), k, n).transpose(-2, -1).contiguous()
-                    _scatter_rows(dx, grouped_mm(a, b, _cumsum([counts[e] for e in experts])), experts, starts,
-                                  counts)
-                    continue
+                one = ctx.one_call and _one_call(fmt, ("grad_output",), quants, experts)
                 qwt = {}
                 for e in experts:
-                    qg[e] = quants[e].quantize(gy[starts[e]:starts[e] + counts[e]], fmt, "grad_output")
+                    if not one:
+                        qg[e] = quants[e].quantize(gy[starts[e]:starts[e] + counts[e]], fmt, "grad_output")
                     qwt[e] = (_transpose(keep_w[e]) if keep_w[e] is not None else quants[e].quantize(
                         w[e].t(), fmt, "weight", record=False, scale=scales[e][1]))
-                a = _rows([dequantize_for_gemm(qg[e]).float() for e in experts])
+                if one:   # the output gradient of the whole group in one quantization
+                    a = _quantized_rows(_group_rows(gy, experts, starts, counts), fmt.grad_output, quants[experts[0]])
+                else:
+                    a = _rows([dequantize_for_gemm(qg[e]).float() for e in experts])
                 b = _stack([dequantize_for_gemm(qwt[e]).float().t() for e in experts])
                 _scatter_rows(dx, grouped_mm(a, b, _cumsum([counts[e] for e in experts])), experts, starts, counts)
             dx = dx.to(x.dtype)
@@ -229,7 +221,7 @@ class GroupedQuantizedFn(torch.autograd.Function):
                 out = grouped_mm(_cols(gts), _rows(xts), _cumsum([t.shape[1] for t in gts]))
                 dw[experts] = out
             dw = dw.to(w.dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def _hp_rounding(quant: OperandQuantizer, x: torch.Tensor):
