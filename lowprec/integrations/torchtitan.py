@@ -246,7 +246,8 @@ def _lowprec_model_class(base: type) -> type:
 def _prepare(model: nn.Module, setup: Setup) -> PrecisionState:
     """lowprec's prepare on a torchtitan model, every new layer a torchtitan Module that keeps the
     replaced layer's `param_init` and sharding config (the torchao backend's own site class gets
-    torchtitan's Module mixed in, as torchtitan's float8 converter does with torchao's layer)."""
+    torchtitan's Module mixed in, as torchtitan's float8 converter does with torchao's layer, and
+    so do the expert sites of a `GroupedExperts`, which hold no parameter: docs/moe.md)."""
     plan = setup.config.precision
     if BackendName(plan.backend) is not BackendName.TORCHAO:
         state = prepare(model, plan, seed=setup.seed, layer_cls=TitanPrecisionLinear)
