@@ -135,9 +135,9 @@ def main(argv=None) -> None:
     gy = torch.randn(sum(counts), a.hidden)
     rows = [("BF16 grid, torch._grouped_mm (FP32 arithmetic)", bf16_grouped),
             ("lowprec grouped, fp8_tensorwise (emulated)", lowprec_grouped(["fp8_tensorwise"])),
-            ("lowprec grouped, fp8_rowwise (emulated), one quantization per operand", lowprec_grouped(["fp8_rowwise"])),
+            ("lowprec grouped, fp8_rowwise (emulated), one quantization per activation", lowprec_grouped(["fp8_rowwise"])),
             ("lowprec grouped, fp8_rowwise (emulated), expert by expert", lowprec_grouped(["fp8_rowwise"], False)),
-            ("lowprec grouped, mxfp8 (emulated), one quantization per operand", lowprec_grouped(["mxfp8"])),
+            ("lowprec grouped, mxfp8 (emulated), one quantization per activation", lowprec_grouped(["mxfp8"])),
             ("lowprec grouped, mxfp8 (emulated), expert by expert", lowprec_grouped(["mxfp8"], False)),
             ("lowprec grouped, half fp8_tensorwise / half mxfp8", lowprec_grouped(["fp8_tensorwise", "mxfp8"])),
             ("lowprec loop of linear sites, fp8_tensorwise", lowprec_loop("fp8_tensorwise")),

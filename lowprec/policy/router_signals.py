@@ -59,8 +59,8 @@ def _balance(counts: list[float]) -> tuple[float, float]:
 def router_balance(sites: dict) -> dict[str, float]:
     """`router/<experts module>/cv` and `.../max_over_mean` from the expert sites among `sites`
     (fqn -> Site of a PrecisionState), this rank's last forward; {} for a model without experts."""
-    tokens = {fqn: s.module.tokens for fqn, s in sites.items()
-              if getattr(s.module, "expert_index", None) is not None and isinstance(getattr(s.module, "tokens", None), int)}
+    tokens = {fqn: s.module.tokens for fqn, s in sites.items() if getattr(s.module, "expert_index", None) is not None
+              and isinstance(getattr(s.module, "tokens", None), int)}
     out: dict[str, float] = {}
     for layer, rows in _by_layer(tokens).items():
         counts = [n for _, n in rows]

@@ -39,18 +39,30 @@ def _moe_and_faults(optimizers, model_parts, parallel_dims):
     _faults(optimizers, model_parts, parallel_dims)
 '''
 
-MOE_JOB = JOB.replace(
-    "from torchtitan.models.llama3 import model_registry\n"
-    "from torchtitan.models.llama3.config_registry import llama3_debugmodel\n", "").replace(
-    "SETTINGS = json.loads({settings!r})\n", "SETTINGS = json.loads({settings!r})\n" + MODEL.replace("{", "{{").replace("}", "}}")).replace(
-    "    config = llama3_debugmodel()\n    config.model_spec = model_registry(\"debugmodel\", converters=[",
-    "    config = qwen3_moe_debug()\n    config.model_spec = model_registry(\"lowprec_tiny_moe\", converters=[").replace(
-    "post_optimizer_build_fn=_faults)", "post_optimizer_build_fn=_moe_and_faults)").replace(
+# (old, new) edits of the llama3 job, each of which must find its text (a changed template fails here)
+EDITS = [
+    ("from torchtitan.models.llama3 import model_registry\n"
+     "from torchtitan.models.llama3.config_registry import llama3_debugmodel\n", ""),
+    ("SETTINGS = json.loads({settings!r})\n",
+     "SETTINGS = json.loads({settings!r})\n" + MODEL.replace("{", "{{").replace("}", "}}")),
+    ("    config = llama3_debugmodel()\n    config.model_spec = model_registry(\"debugmodel\", converters=[",
+     "    config = qwen3_moe_debug()\n    config.model_spec = model_registry(\"lowprec_tiny_moe\", converters=["),
+    ("post_optimizer_build_fn=_faults)", "post_optimizer_build_fn=_moe_and_faults)"),
     # under EP every forward is a collective (the all-to-alls): every rank validates the same number
     # of batches (torchtitan's default, the whole validation set, differs per rank and hangs)
-    "    config.validator.freq = 1000\n", "    config.validator.freq = 1000\n    config.validator.steps = 2\n").replace(
+    ("    config.validator.freq = 1000\n", "    config.validator.freq = 1000\n    config.validator.steps = 2\n"),
     # each rank's report also says how many tokens each expert site ran there in the last forward
-    '"gather_check": getattr(self, "gather_check", None)}}',
-    '"gather_check": getattr(self, "gather_check", None), "expert_tokens": {{f: s.module.tokens for f, s in '
-    'h.state.sites.items() if hasattr(s.module, "expert_index")}}}}')
-assert MOE_JOB.count("lowprec_tiny_moe") == 2 and "llama3" not in MOE_JOB and "_moe_and_faults)" in MOE_JOB and "expert_tokens" in MOE_JOB and "validator.steps" in MOE_JOB
+    ('"gather_check": getattr(self, "gather_check", None)}}',
+     '"gather_check": getattr(self, "gather_check", None), "expert_tokens": {{f: s.module.tokens for f, s in '
+     'h.state.sites.items() if hasattr(s.module, "expert_index")}}}}'),
+]
+
+
+def _edited(text: str) -> str:
+    for old, new in EDITS:
+        assert text.count(old) == 1, f"the llama3 job template changed: {old!r} is not in it once"
+        text = text.replace(old, new)
+    return text
+
+
+MOE_JOB = _edited(JOB)
