@@ -11,6 +11,7 @@ from lowprec.policy.monitor import Monitor, MonitorConfig
 from lowprec.policy.events import EventKind
 from lowprec.policy.router_signals import router_balance, router_windows
 from lowprec.sites.plan import PrecisionPlan
+from lowprec.tracking.records import signal_metrics
 from lowprec.sites.precision_state import prepare
 from tests.lowprec.moe_models import tiny_qwen3_moe
 from tests.lowprec.policy.test_controller import SITES, feed, healthy_site, make, run, signals
@@ -34,6 +35,11 @@ def test_a_check_gives_each_expert_its_statistics_and_tokens():
             assert {"input", "weight", "grad_output"} <= set(s.sqnr_db) and s.amax["weight"] > 0
             assert math.isfinite(s.sqnr_db["input"]) and s.flat()["routed/tokens"] == s.tokens
     assert sig.sites["model.layers.0.self_attn.q_proj"].tokens is None   # no expert: no count
+    # the window's routing per layer, as the controller and MLflow see it
+    assert set(sig.routers) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+    assert sig.routers["model.layers.0.mlp.experts"].tokens == 2 * 12 * 2
+    assert signal_metrics(sig)["router/model.layers.0.mlp.experts/collapse"] == sig.routers[
+        "model.layers.0.mlp.experts"].collapse
     mon.close()
 
 
