@@ -45,7 +45,7 @@ from lowprec.sites.gemm_config import LinearGemmConfig
 from lowprec.base.parse import ConfigError, parse, suggest
 from lowprec.base.yaml_read import read_yaml_file, read_yaml_text
 from lowprec.numerics.formats import FORMATS, Format
-from lowprec.sites.amax_scope import AmaxScope
+from lowprec.sites.amax_scope import DEFAULT_AMAX_SCOPE, AmaxScope
 from lowprec.sites.reasons import ReasonKind, SiteReason
 from lowprec.sites.site_kinds import SITE_KINDS, SiteKind, expert_index_of, kind_of
 
@@ -231,7 +231,7 @@ class PrecisionPlan:
     rules: tuple[Rule, ...] = ()
     keep_high_precision: tuple[Selector, ...] = ()
     fused: bool = False
-    amax_scope: AmaxScope = AmaxScope.GROUP
+    amax_scope: AmaxScope = DEFAULT_AMAX_SCOPE
     gemm: LinearGemmConfig = field(default_factory=LinearGemmConfig)   # the fast path's GEMMs
 
     def __post_init__(self) -> None:
