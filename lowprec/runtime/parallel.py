@@ -48,6 +48,8 @@ parameter's norm comes from its shards' summed squares (`lowprec.runtime.gradnor
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -59,7 +61,7 @@ from lowprec.runtime.pipeline_forward import chain_forward, from_last_stage, las
 from lowprec.tracking.phases import NULL_CLOCK, LapClock, Phase
 
 __all__ = ["DataTensorParallel", "ShardedTensorParallel", "HybridShardedDP", "Pipeline", "build_engine", "stage_bounds",
-           "local_state", "check_model_plan", "set_amax_group"]
+           "local_state", "check_model_plan", "Layout", "build_layout"]
 
 
 def stage_bounds(n_layer: int, pp: int) -> list[tuple[int, int]]:
@@ -92,13 +94,39 @@ def check_model_plan(model: nn.Module, tp: int, pp: int) -> None:
         check(tp, pp)
 
 
-def set_amax_group(model: nn.Module, group) -> None:
-    """Reduce tensor-wise amaxes of activations and gradients over `group` (the data-parallel
-    ranks), as `prepare(..., amax_group=group)` would have: every PrecisionLinear of `model`."""
-    from lowprec.sites.layers import PrecisionLinear
-    for m in model.modules():
-        if isinstance(m, PrecisionLinear):
-            m.amax_group = group
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits in the job, built once the process group is up and before the model is
+    `prepare`d: the device mesh (None for pipeline stages), the group tensor-wise amaxes of
+    activations and gradients are reduced over (`prepare(..., amax_group=layout.amax_group)`: the
+    data-parallel ranks; None with one), this rank's data rank and the number of data ranks."""
+    mesh: object
+    amax_group: object
+    data_rank: int
+    data_ranks: int
+    dp_group: object = None   # HSDP x TP: this tp rank's data ranks (the engine's loss reduction)
+
+
+def build_layout(par, device: torch.device) -> Layout:
+    """The mesh `par` (a ParallelConfig) asks for on `device`'s type, on the initialised process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kind = torch.device(device).type
+    if par.pp > 1:
+        return Layout(None, None, 0, 1)
+    if par.dp_replicate > 1 and par.dp_shard > 1:
+        dims, names = (par.dp_replicate, par.dp_shard), ("dp_replicate", "dp_shard")
+        if par.tp == 1:
+            mesh = init_device_mesh(kind, dims, mesh_dim_names=names)
+            return Layout(mesh, dist.group.WORLD, dist.get_rank(), par.world)
+        mesh = init_device_mesh(kind, (*dims, par.tp), mesh_dim_names=(*names, "tp"))
+        dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()   # this tp rank's data ranks
+        data_rank = mesh.get_local_rank("dp_replicate") * par.dp_shard + mesh.get_local_rank("dp_shard")
+        return Layout(mesh, dp_group, data_rank, par.data_ranks, dp_group)
+    dp_name = "dp_shard" if par.dp_shard > 1 else "dp_replicate"
+    dp = par.dp_shard * par.dp_replicate
+    mesh = init_device_mesh(kind, (dp, par.tp), mesh_dim_names=(dp_name, "tp"))
+    return Layout(mesh, mesh.get_group(dp_name) if dp > 1 else None, mesh.get_local_rank(dp_name), dp)
 
 
 @torch.no_grad()
@@ -325,40 +353,18 @@ class Pipeline:
         return total
 
 
-def build_engine(model: nn.Module, par, microbatches: int, device: torch.device, clock: LapClock = NULL_CLOCK):
-    """(engine, data rank, data ranks) for `par` (a ParallelConfig) on the initialised process
-    group, every mesh and stage on `device` (the model's: `lowprec.runtime.rank_device`); the
-    model is `prepare`d already (its amax group is set here). clock: where the engine laps its
-    phases (the run's telemetry's)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    kind = torch.device(device).type
+def build_engine(model: nn.Module, par, layout: Layout, microbatches: int, device: torch.device,
+                 clock: LapClock = NULL_CLOCK):
+    """The engine for `par` (a ParallelConfig) on `layout` (`build_layout`), every stage on
+    `device` (the model's: `lowprec.runtime.rank_device`); the model was `prepare`d with
+    `layout.amax_group`. clock: where the engine laps its phases (the run's telemetry's)."""
+    mesh = layout.mesh
     if par.pp > 1:
-        return Pipeline(model, dist.get_rank(), par.pp, microbatches, device=device), 0, 1
+        return Pipeline(model, dist.get_rank(), par.pp, microbatches, device=device)
     if par.dp_replicate > 1 and par.dp_shard > 1:
-        return _hybrid(model, par, microbatches, kind, clock)
-    dp_name = "dp_shard" if par.dp_shard > 1 else "dp_replicate"
-    dp = par.dp_shard * par.dp_replicate
-    mesh = init_device_mesh(kind, (dp, par.tp), mesh_dim_names=(dp_name, "tp"))
-    if dp > 1:
-        set_amax_group(model, mesh.get_group(dp_name))
-    engine = (ShardedTensorParallel(model, mesh, microbatches, fp8_all_gather=par.fp8_all_gather, clock=clock)
-              if par.dp_shard > 1 else DataTensorParallel(model, mesh, microbatches, clock=clock))
-    return engine, mesh.get_local_rank(dp_name), dp
-
-
-def _hybrid(model: nn.Module, par, microbatches: int, kind: str, clock: LapClock = NULL_CLOCK):
-    """HSDP (x TP): the engine, this rank's data rank and the data ranks (see build_engine)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dims, names = (par.dp_replicate, par.dp_shard), ("dp_replicate", "dp_shard")
-    if par.tp == 1:
-        mesh = init_device_mesh(kind, dims, mesh_dim_names=names)
-        set_amax_group(model, dist.group.WORLD)
-        return (HybridShardedDP(model, mesh, microbatches, fp8_all_gather=par.fp8_all_gather, clock=clock),
-                dist.get_rank(), par.world)
-    mesh = init_device_mesh(kind, (*dims, par.tp), mesh_dim_names=(*names, "tp"))
-    dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()   # this tp rank's data ranks
-    set_amax_group(model, dp_group)
-    data_rank = mesh.get_local_rank("dp_replicate") * par.dp_shard + mesh.get_local_rank("dp_shard")
-    return HybridShardedDP(model, mesh, microbatches, dp_group, clock=clock), data_rank, par.data_ranks
+        if par.tp == 1:
+            return HybridShardedDP(model, mesh, microbatches, fp8_all_gather=par.fp8_all_gather, clock=clock)
+        return HybridShardedDP(model, mesh, microbatches, layout.dp_group, clock=clock)
+    if par.dp_shard > 1:
+        return ShardedTensorParallel(model, mesh, microbatches, fp8_all_gather=par.fp8_all_gather, clock=clock)
+    return DataTensorParallel(model, mesh, microbatches, clock=clock)
