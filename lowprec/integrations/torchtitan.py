@@ -15,7 +15,7 @@ converters to the model's *config tree* before the model is built. lowprec takes
         return lowprec_trainer(config)     # torchtitan.train then builds a LowprecTrainer
 
 * `LowprecConverter(config)` reads and validates the YAML file (a `lowprec run` config
-  without `model:`, `data:` and `train:`: `precision:`, `rollout:`, `eval:`, `tracking:`; a
+  without `model:`, `data:` and `train:`: `precision:`, `rollout:`, `eval:`, `tracking:`, `telemetry:`; a
   `ConfigError` names the key, the file, what was found and the fix) when torchtitan reads the job.
 * `convert(model_config)` wraps the root model config: the model class becomes a subclass
   whose constructor builds the model as before and then runs `lowprec.prepare(model, plan)`,
@@ -112,9 +112,10 @@ def load_config(path: str | Path) -> LowprecConfig:
 
 
 def _framework_config_with_probe(path: str | Path) -> LowprecConfig:
-    """The file as a framework's config, `rollout.lr_probe` included: the HF and Lightning hosts
-    have no held batch and refuse the probe; LowprecTrainer takes torchtitan's validation data's."""
-    return LowprecConfig.from_yaml(path, role=ConfigRole.FRAMEWORK, held_batch=True)
+    """The file as a framework's config, `rollout.lr_probe` and `telemetry:` included: the HF and
+    Lightning hosts have no held batch and refuse the probe; LowprecTrainer takes torchtitan's
+    validation data's, and times torchtitan's steps (`lowprec.integrations.torchtitan_timing`)."""
+    return LowprecConfig.from_yaml(path, role=ConfigRole.FRAMEWORK, held_batch=True, timed=True)
 
 
 class TitanPrecisionLinear(PrecisionLinear, Module):
