@@ -69,7 +69,7 @@ def register(sub) -> None:
                    help="exit 0 even when tracking records could not be sent (they wait in the run's outbox for "
                         "`lowprec sync`); without it such a run exits 3")
     p.add_argument("--inject", action="append", default=[], metavar="KIND:SITE:START:STOP[:FACTOR[:EVERY]]",
-                   help="inject a fault (nan, nan_one, overflow, input, lr_spike, loss_spike, random_tokens) to see the controller act; repeatable")
+                   help="inject a fault (nan, nan_one, overflow, input, router, lr_spike, loss_spike, random_tokens) to see the controller act; repeatable")
     p.add_argument("--verbose", action="store_true",
                    help="show other libraries' output (progress bars, INFO lines) on the terminal too; it is "
                         "always in the run folder's lowprec.log")
