@@ -191,7 +191,8 @@ class HostedRollout:
             controller = build_controller(cfg.rollout, state, model, baseline=self.baseline)
         self.map = tracked_map(self.state, self.whole.state if self.whole is not None else None, controller)
         # every rank runs the same eval passes: decided on the whole model's formats
-        self.evals = self.life.evals(model=self.model, state=self.state, max_length=max_length, share=eval_share,
+        self.evals = self.life.evals(tracker=self.tracker, model=self.model, state=self.state,
+                                     max_length=max_length, share=eval_share,
                                      formats=self.map.formats, forward=eval_forward, tokenizer=eval_tokenizer)
         sites = list(self.whole.state.sites) if self.whole is not None and controller is not None else None
         self.session = Session(self.model, optimizer, self.state, controller, scheduler=scheduler,

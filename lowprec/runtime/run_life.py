@@ -76,18 +76,20 @@ class RunLife:
         life.tracker = tracker
         return life
 
-    def evals(self, checked=None, **kwargs):
-        """The eval checkpoints of this run, tracked by its tracker: `checked` (the ones `lowprec
-        run` checked before step 0) for this run (`for_run(share=, formats=, forward=)`), or
-        without it the `eval:` section's built now (`eval_checkpoints(config, model, state, ...)`);
+    def evals(self, checked=None, *, tracker=None, **kwargs):
+        """The eval checkpoints of this run, tracked by its tracker (or by `tracker`, the host's
+        view of it: a framework host's records its framework's steps): `checked` (the ones
+        `lowprec run` checked before step 0) for this run (`for_run(share=, formats=, forward=)`),
+        or without it the `eval:` section's built now (`eval_checkpoints(config, model, state, ...)`);
         None without an `eval:` section."""
+        tracker = self.tracker if tracker is None else tracker
         if checked is not None:
-            return checked.for_run(tracker=self.tracker, **kwargs)
+            return checked.for_run(tracker=tracker, **kwargs)
         if self.config.eval is None:
             return None
         from lowprec.runtime.baseline import baseline_evals
         from lowprec.runtime.evals import eval_checkpoints
-        return eval_checkpoints(self.config.eval, tracker=self.tracker, baseline=baseline_evals(self.config), **kwargs)
+        return eval_checkpoints(self.config.eval, tracker=tracker, baseline=baseline_evals(self.config), **kwargs)
 
     def end(self, status: RunStatus = RunStatus.FINISHED, *, losses: Path | list | None = None,
             reason: str | None = None) -> None:
