@@ -170,8 +170,8 @@ def build_engine(model: nn.Module, par, microbatches: int, device: torch.device,
     mesh = build_mesh(device, pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp)
     if par.pp > 1:
         return Pipeline(model, mesh["pp"], microbatches, device=device), 0, 1
-    return data_parallel(model, mesh, microbatches, fp8_all_gather=par.fp8_all_gather, clock=clock), \
-        data_rank(mesh), par.data_ranks
+    engine = data_parallel(model, mesh, microbatches, fp8_all_gather=par.fp8_all_gather, clock=clock)
+    return engine, data_rank(mesh), par.data_ranks
 
 
 def data_parallel(model: nn.Module, mesh, microbatches: int, fp8_all_gather: bool = False,
