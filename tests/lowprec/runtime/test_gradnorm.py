@@ -5,17 +5,9 @@ mesh and combined, and the clip multiplies each mesh's gradients apart. Both mus
 `torch.nn.utils.clip_grad_norm_` gives on the same model in one process (the multi-rank runs:
 tests/experiments/test_parallel_parity.py)."""
 
-import pytest
 import torch
 
 MODEL = dict(vocab_size=64, block_size=8, n_layer=1, n_head=2, d_model=16)
-
-
-@pytest.fixture
-def one_rank(gloo, tmp_path):
-    gloo.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield
-    gloo.destroy_process_group()
 
 
 def test_the_norm_over_two_meshes_is_one_process_s_and_clips_alike(one_rank):

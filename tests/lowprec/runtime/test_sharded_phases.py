@@ -1,10 +1,10 @@
 """Telemetry's phases under FSDP2, the engine of `lowprec run`'s data parallelism (`FullyShardedDP`
-alone, and on `build_mesh`'s mesh through `data_parallel`, as every layout but pp runs): a forward's time is lapped as forward and a
-backward's as backward (before, the whole step was reported as backward). One rank, gloo."""
+alone, and on `build_mesh`'s mesh through `data_parallel`, as every layout but pp runs): a
+forward's time is lapped as forward and a backward's as backward (before, the whole step was
+reported as backward). One rank, gloo."""
 
 import time
 
-import pytest
 import torch
 from torch import nn
 
@@ -35,13 +35,6 @@ class _Model(nn.Module):
 
     def forward(self, x, y):
         return nn.functional.mse_loss(self.blocks[0](x), y)
-
-
-@pytest.fixture
-def one_rank(gloo, tmp_path):
-    gloo.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield
-    gloo.destroy_process_group()
 
 
 def _engines():

@@ -2,7 +2,6 @@
 gathers its weight in, as summary.json and MLflow show them (one rank, gloo, FSDP2 with
 `fp8_all_gather`; the one-process run's summary: tests/lowprec/runtime/test_cli_run.py)."""
 
-import pytest
 import torch
 from torch import nn
 
@@ -21,13 +20,6 @@ class _Blocks(nn.Module):
         for b in self.blocks:
             x = b(x)
         return nn.functional.mse_loss(x, y)
-
-
-@pytest.fixture
-def one_rank(gloo, tmp_path):
-    gloo.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield
-    gloo.destroy_process_group()
 
 
 def test_fast_calls_and_the_fp8_all_gather_per_site_and_bf16_after_a_fallback(one_rank):
