@@ -99,7 +99,9 @@ def _mesh_of(mesh_or_group, model: nn.Module):
 
 def plain_sums(model: nn.Module, group) -> None:
     """Every FSDP2 unit of `model` reduces the loss/ranks gradients as a plain sum (divide
-    factor 1); over gloo, which has neither AVG nor PREMUL_SUM, as a SUM collective."""
+    factor 1); over gloo, which has neither AVG nor PREMUL_SUM, as a SUM collective (torch
+    2.13's FSDP2 reduce-scatters with PREMUL_SUM(1/factor) for any factor but the shard degree,
+    so gloo still needs it; NCCL takes FSDP2's own op)."""
     from torch.distributed.fsdp import FSDPModule
     gloo = dist.get_backend(group) == "gloo"
     for m in model.modules():
