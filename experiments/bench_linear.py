@@ -293,7 +293,7 @@ def _configure_compile() -> None:
 def main(argv=None) -> list[str]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--tiny", action="store_true", help="small shapes (d 64/128, tokens 64/128)")
+    p.add_argument("--tiny", action="store_true", help="small shapes (d 16/32, tokens 16/32)")
     p.add_argument("--d-model", type=int, nargs="+", default=None)
     p.add_argument("--tokens", type=int, nargs="+", default=None)
     p.add_argument("--repeats", type=int, default=20)
@@ -314,8 +314,8 @@ def main(argv=None) -> list[str]:
         p.error("--device cuda but no CUDA GPU here; use --device cpu --tiny")
     _configure_compile()
     t_start = time.perf_counter()
-    dims = args.d_model or ([64, 128] if args.tiny else [2048, 4096, 8192])
-    toks = args.tokens or ([64, 128] if args.tiny else [8192, 16384])
+    dims = args.d_model or ([16, 32] if args.tiny else [2048, 4096, 8192])
+    toks = args.tokens or ([16, 32] if args.tiny else [8192, 16384])
     shapes = [(d, n) for d in dims for n in toks]
     lines = header(args, cuda)
     print("\n".join(lines), flush=True)

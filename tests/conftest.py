@@ -85,7 +85,8 @@ def lowprec_forks(tmp_path_factory):
 # hold a `slow` test follow, then the rest. A hint for balance only: a stale list costs time, not
 # correctness.
 LONGEST_FIRST = ("test_wheel_install.py", "test_torchtitan_trainer.py", "test_kill_resume.py",
-                 "test_smoke.py", "test_parallel_run.py", "test_gate_e2e.py",
+                 "test_smoke.py", "test_parallel_run.py", "test_fp8_ops.py", "test_parallel_parity.py",
+                 "test_gate_e2e.py",
                  "test_fast_path_distributed.py", "test_hf_gate.py", "test_run_output.py",
                  "test_one_writer.py", "test_run_tracking.py")
 

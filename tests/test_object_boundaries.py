@@ -17,8 +17,11 @@ state; these rules can, read from the source with `ast` (nothing is imported):
 3. An object of a lowprec class with behaviour (not a dataclass or NamedTuple record) has
    its attributes written only by the module that defines the class. A write
    `obj.name = ...` is checked where `obj`'s class can be read from the source: a parameter
-   annotated with the class, or a local bound to a call of it (`obj = Session(...)`). An
-   owner hands a part what it needs at construction or through the part's own methods.
+   annotated with the class, a local bound to a call of it (`obj = Session(...)`), or a name
+   an `isinstance(obj, Class)` check narrows (`for m in model.modules(): if isinstance(m,
+   PrecisionLinear): m.amax_group = group`, the setter issue 55 removed: `prepare` takes
+   `amax_group=`). An owner hands a part what it needs at construction or through the part's
+   own methods.
 4. Nothing is wired after it was built (docs/architecture.md: built in dependency order). No
    `obj.use_*(...)` call on anything but `self`/`cls` (a setter that hands a part what it
    should have had at construction), and no write into a part of another object: `a.b.name =
@@ -100,6 +103,10 @@ ALLOWED: dict[str, str] = {
         "wrap_experts gives a grouped-experts module (torchtitan's GroupedExperts, transformers' fused experts) a "
         "subclass that runs its experts as sites, keeping the object, its parameters and its FSDP/DTensor state; "
         "unwrap_experts puts the original class back",
+    "lowprec/runtime/fsdp_fp8.py: m.weight":
+        "re-binding a module's Parameter to a tensor subclass over the same storage is nn.Module's own "
+        "protocol for it, as torchao's float8 FSDP2 all-gather wraps Float8Linear weights "
+        "(torchao/float8/float8_linear_utils.py); done once, before fully_shard and the optimizer",
     "lowprec/runtime/window.py: self.entries[step].applied":
         "the window replayer's own record of a step (a dataclass it made in record())",
 }
@@ -273,6 +280,11 @@ def _typed_names(fn: ast.FunctionDef | ast.AsyncFunctionDef, classes) -> dict[st
             called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
             if called in classes:
                 typed.setdefault(name, set()).add(called)
+    for node in ast.walk(fn):   # narrowed by a check: `if isinstance(m, PrecisionLinear): m.amax_group = ...`
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance"
+                and len(node.args) == 2 and isinstance(node.args[0], ast.Name) and node.args[0].id not in _OWN
+                and (names := _annotation_names(node.args[1]) & classes.keys())):
+            typed.setdefault(node.args[0].id, set()).update(names)
     return typed
 
 
@@ -398,6 +410,9 @@ def host(session: "Session", engine: Engine | None, other):
     other._part.name = 5
     made = Session()
     made.step_index = 6
+    for m in other.modules():
+        if isinstance(m, (Engine, int)):
+            m.amax_group = None
     own_record = Record()
     own_record.value = 7
 class Own:
@@ -430,7 +445,7 @@ def test_the_rules_catch_the_cases_they_name(tmp_path):
     classes = {"Session": [(Path("runtime/session.py"), False)], "Engine": [(Path("runtime/engine.py"), False)],
                "Record": [(Path("runtime/record.py"), True)]}
     foreign = sorted(key.split(": ")[1] for key, _, _ in foreign_writes(path, classes))
-    assert foreign == ["engine.clock", "made.step_index", "session.clock"], foreign
+    assert foreign == ["engine.clock", "m.amax_group", "made.step_index", "session.clock"], foreign
     wired = sorted(key.split(": ")[1] for key, _, _ in wiring(path))
     assert wired == ["evals.evaluator.use_forward", "evals.tracker", "layer.count", "layer.seen", "other._part.name",
                      "prepared.controller.gate", "run.sites['a'].module.collect_stats"], wired

@@ -19,6 +19,9 @@ the fix. The checks, the same for every section:
   `tuple[T, ...]`, `dict[str, T]`, `Any`. A bool is never a number and a number never a
   bool. A float accepts an int and a numeric string such as "3e-3" (PyYAML 1.1 reads
   `3e-3`, without a dot, as a string); any other string where a number belongs is an error;
+* a value type (a class with a `from_config_value(v)` classmethod and a `config_description`,
+  e.g. `Format` from its name) is built by that method; its ValueError is the hint after
+  "expected <description>, found <value>";
 * a ValueError or TypeError from the dataclass's `__post_init__` becomes a ConfigError at
   the section's path (raise a ConfigError with a relative path, e.g. `ConfigError("lr", ...)`,
   to point at one field: it is prefixed with the section's path).
@@ -56,21 +59,30 @@ def suggest(name: str, choices: Iterable[str], n: int = 3, cutoff: float = 0.5) 
     return f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
 
 class ConfigError(ValueError):
-    """A config that cannot be used; `path` says where (`rollout.thresholds.spike_sigmas`).
+    """A config, plan or gate file that cannot be used: the one error of every file lowprec
+    reads. `path` says where (`rollout.thresholds.spike_sigmas`, `gates[1] (eval/x/acc).confidence`),
+    `source` which file, when a message must name it (a gate file beside the config).
 
-    str(e) == f"{path}: {message}"; the message says what was found, what is allowed, the fix."""
+    str(e) == f"{path}: {message}" (f"{source}: {path}: {message}" with a source); the message
+    says what was found, what is allowed, the fix."""
 
-    def __init__(self, path: str, message: str):
+    def __init__(self, path: str, message: str, *, source: str = ""):
         path, message = cut_message(str(path), 300), cut_message(str(message), 1000)
-        self.path, self.message = path, message
-        super().__init__(f"{path}: {message}")
+        self.path, self.message, self.source = path, message, cut_message(str(source), 300)
+        place = ": ".join(p for p in (self.source, path) if p) if self.source else path
+        super().__init__(f"{place}: {message}" if place or not self.source else message)
 
     def under(self, prefix: str) -> "ConfigError":
-        """This error (same type) with `prefix` in front of its path, unless it is already there."""
+        """This error with `prefix` in front of its path, unless it is already there."""
         p = self.path
         inside = not prefix or p == prefix or p.startswith((f"{prefix}.", f"{prefix}["))
-        return type(self)(p if inside else f"{prefix}.{p}" if p and not p.startswith("[") else f"{prefix}{p}",
-                          self.message)
+        return ConfigError(p if inside else f"{prefix}.{p}" if p and not p.startswith("[") else f"{prefix}{p}",
+                           self.message, source=self.source)
+
+    def located(self, *, source: str | None = None, where: str | None = None) -> "ConfigError":
+        """This error under `where` (`under`) and in the file `source` (unless it names one already)."""
+        e = self.under(where) if where else self
+        return ConfigError(e.path, e.message, source=e.source or source or "")
 
 
 _QUOTED = re.compile(r"'([^'\s]{100,})'|\"([^\"\s]{100,})\"")   # no prose runs 100 characters unspaced
@@ -135,6 +147,8 @@ def describe_type(tp: Any) -> str:
         return "any value"
     if tp is type(None):
         return "null"
+    if isinstance(tp, type) and hasattr(tp, "config_description"):
+        return tp.config_description
     if _is_union(tp):
         return " or ".join(describe_type(a) for a in sorted(args, key=lambda a: a is type(None)))
     if origin is typing.Literal:
@@ -172,6 +186,15 @@ def _convert(tp: Any, v: Any, path: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any or tp is object:
         return v
+    if isinstance(tp, type) and hasattr(tp, "from_config_value"):   # a value type named by a string or a mapping
+        if isinstance(v, tp):
+            return v
+        try:
+            return tp.from_config_value(v)
+        except ConfigError as e:
+            raise e.under(path) from None
+        except (ValueError, TypeError, KeyError) as e:
+            raise _Mismatch(f": {str(e).strip(chr(34) + chr(39))}") from None
     if tp is type(None):
         if v is None:
             return None

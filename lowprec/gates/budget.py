@@ -24,10 +24,10 @@ false-alarm level at its tolerance is share / G). The price is wider intervals: 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
-from lowprec.base.parse import ConfigError, check_keys
-from lowprec.gates.errors import GateSpecError
+from lowprec.base.parse import parse
+from lowprec.gates.errors import spec_error
 
 __all__ = ["ErrorBudget", "BUDGET_KEYS"]
 
@@ -45,21 +45,16 @@ class ErrorBudget:
     def __post_init__(self):
         a = self.alpha
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 < a < 0.5:
-            raise GateSpecError(f"must be a number strictly between 0 and 0.5 (e.g. 0.05), got {a!r}", key="alpha")
+            raise spec_error(f"must be a number strictly between 0 and 0.5 (e.g. 0.05), got {a!r}", key="alpha")
         object.__setattr__(self, "alpha", float(a))
         k = self.planned_checks
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise GateSpecError(f"must be a whole number >= 1, got {k!r}", key="planned_checks")
+            raise spec_error(f"must be a whole number >= 1, got {k!r}", key="planned_checks")
 
     @classmethod
     def from_dict(cls, d: Any) -> "ErrorBudget":
-        if not isinstance(d, Mapping):
-            raise GateSpecError(f"must be a mapping such as {{alpha: 0.05}}, got {d!r}")
-        try:
-            check_keys(d, list(BUDGET_KEYS), "")   # the config parser's one key check
-        except ConfigError as e:
-            raise GateSpecError(e.message, key=e.path) from None
-        return cls(**dict(d))
+        """From a gate file's `error_budget:` mapping, by the one config parser (`lowprec.base.parse`)."""
+        return parse(cls, d, "")
 
     def share(self, check: int, planned: int) -> float:
         """The budget the `check`-th check (1-based) of a run planning `planned` checks may spend."""

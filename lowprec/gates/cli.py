@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from lowprec.gates.errors import GateInputError, GateSpecError
+from lowprec.gates.errors import GateInputError, GateSpecError, spec_error
 from lowprec.gates.gate import GateSummary, check_all, check_spread, summarize
 from lowprec.gates.report import junit_xml, markdown, power_table, table
 from lowprec.gates.runs import check_comparable, check_named_step, load_scores, open_client, resolve_runs
@@ -135,7 +135,7 @@ def refuse_immovable(spec: GateSpec, bases) -> None:
         if why:
             problems.append(f"gates[{i}] ({g.metric}): {why}")
     if problems:
-        raise GateSpecError("refusing a gate that cannot fail: " + "; ".join(problems) + ". A check that cannot "
+        raise spec_error("refusing a gate that cannot fail: " + "; ".join(problems) + ". A check that cannot "
                             "fail proves nothing. Fix: remove the gate, mark it `informational: true` (reported, "
                             "never fails), or gate a metric this model can move (a larger model, an easier task)",
                             source=spec.source)

@@ -41,7 +41,7 @@ from statistics import NormalDist
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
-from lowprec.gates.errors import GateInputError, GateSpecError
+from lowprec.gates.errors import GateInputError, spec_error
 from lowprec.gates.scores import MetricScores, Scores
 from lowprec.gates.tolerance import Noise, Tolerance, _choice, _integer, _number
 from lowprec.gates.stats import (HIGHER_IS_BETTER, LOWER_IS_BETTER, normal_interval, paired_bootstrap_interval,
@@ -110,38 +110,38 @@ class Gate:
     seed: int = 0
     informational: bool = False        # checked and reported, but never makes the comparison regress
     noise: Noise | None = None         # calibrated run-to-run noise (for the gate's power)
-    bounds: tuple[float, float] | None = None   # the values the metric can take (default: from its name)
+    bounds: tuple[float | None, float | None] | None = None   # the values the metric can take (null: unbounded)
 
     def __post_init__(self):
         if not isinstance(self.metric, str) or not self.metric.strip() or self.metric != self.metric.strip():
-            raise GateSpecError(f"must be a metric name such as 'eval/heldout_shakespeare/bits_per_byte' "
+            raise spec_error(f"must be a metric name such as 'eval/heldout_shakespeare/bits_per_byte' "
                                 f"(no surrounding spaces), got {self.metric!r}", key="metric")
         _choice(self.direction, "direction", DIRECTIONS)
         if not isinstance(self.max_regression, Tolerance):
-            raise GateSpecError(f"must be a Tolerance, got {self.max_regression!r}", key="max_regression")
+            raise spec_error(f"must be a Tolerance, got {self.max_regression!r}", key="max_regression")
         _choice(self.statistic, "statistic", STATISTICS)
         c = _number(self.confidence, "confidence")
         if not 0.5 < c < 1.0:
-            raise GateSpecError(f"must lie strictly between 0.5 and 1 (e.g. 0.95), got {c}", key="confidence")
+            raise spec_error(f"must lie strictly between 0.5 and 1 (e.g. 0.95), got {c}", key="confidence")
         object.__setattr__(self, "confidence", c)
         _integer(self.min_samples, "min_samples", 1, 10**9)
         _integer(self.bootstrap_samples, "bootstrap_samples", 100, 10**6)
         _integer(self.seed, "seed", 0, 2**63 - 1)
         if not isinstance(self.informational, bool):
-            raise GateSpecError(f"must be true or false, got {self.informational!r}", key="informational")
+            raise spec_error(f"must be true or false, got {self.informational!r}", key="informational")
         if self.noise is not None and not isinstance(self.noise, Noise):
-            raise GateSpecError(f"must be a Noise, got {self.noise!r}", key="noise")
+            raise spec_error(f"must be a Noise, got {self.noise!r}", key="noise")
         if self.bounds is not None:
             b = self.bounds
             if isinstance(b, (str, bytes)) or not hasattr(b, "__len__") or len(b) != 2:
-                raise GateSpecError(f"must be [lowest, highest] (e.g. [0, 1] for an accuracy), got {b!r}",
+                raise spec_error(f"must be [lowest, highest] (e.g. [0, 1] for an accuracy), got {b!r}",
                                     key="bounds")
             lo, hi = (-math.inf if b[0] is None else b[0]), (math.inf if b[1] is None else b[1])
             for x in (lo, hi):
                 if isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x):
-                    raise GateSpecError(f"must be two numbers (null for unbounded), got {b!r}", key="bounds")
+                    raise spec_error(f"must be two numbers (null for unbounded), got {b!r}", key="bounds")
             if not lo < hi:
-                raise GateSpecError(f"the lowest value must be below the highest, got {b!r}", key="bounds")
+                raise spec_error(f"the lowest value must be below the highest, got {b!r}", key="bounds")
             object.__setattr__(self, "bounds", (float(lo), float(hi)))
 
     def value_bounds(self) -> tuple[float, float]:

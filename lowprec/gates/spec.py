@@ -13,8 +13,10 @@
 package: `default`, `inloop`, `telemetry`; see `gate_file`) into frozen `lowprec.gates.gate.Gate` objects and checks it
 all at load time: unknown keys (with a did-you-mean), a direction or statistic that does not
 exist, a missing, negative or non-numeric tolerance, a confidence outside (0.5, 1), a metric
-gated twice. Every problem is a `GateSpecError` naming the file, the gate (index and metric)
-and the key, what is allowed and how to fix it. `metric`, `direction` and `max_regression` are
+gated twice. Every gate goes through the one config parser (`lowprec.base.parse`, as every
+section of a config), and every problem is its `ConfigError` (`GateSpecError` is the same class)
+naming the file, the gate (index and metric) and the key, what was found, what is allowed and
+how to fix it. `metric`, `direction` and `max_regression` are
 required in every gate; `statistic`, `confidence`, `min_samples`, `bootstrap_samples` and
 `seed` come from `defaults:` (or the built-in defaults below) unless a gate sets them.
 """
@@ -31,12 +33,11 @@ from typing import TYPE_CHECKING, Any, Mapping
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
-from lowprec.base.parse import ConfigError, check_keys, suggest
+from lowprec.base.parse import ConfigError, check_keys, parse, suggest
 from lowprec.base.yaml_read import load_yaml
-from lowprec.gates.errors import GateSpecError
+from lowprec.gates.errors import GateSpecError, spec_error
 from lowprec.gates.budget import ErrorBudget
-from lowprec.gates.gate import PAIRED_BOOTSTRAP, Gate, Noise, Tolerance
-from lowprec.gates.tolerance import TOLERANCE_KINDS
+from lowprec.gates.gate import PAIRED_BOOTSTRAP, Gate, Tolerance
 
 __all__ = ["GateSpec", "GateSpecError", "gate_file", "gate_names", "is_gate_name", "BUILTIN_DEFAULTS", "TOP_KEYS",
            "GATE_KEYS", "DEFAULT_KEYS"]
@@ -72,77 +73,38 @@ def gate_file(ref: str | os.PathLike) -> "Path | Traversable":
         return Path(ref)
     names = gate_names()
     if ref not in names:
-        raise GateSpecError(f"no gate file named {ref!r} ships with lowprec.{suggest(ref, names)} The named gate "
+        raise spec_error(f"no gate file named {ref!r} ships with lowprec.{suggest(ref, names)} The named gate "
                             f"files are: {', '.join(names)}; give one of these names, or the path of a gate file "
                             f"of your own (e.g. ./my_gates.yaml, see docs/gates.md)")
     return resources.files(FILES) / f"{ref}.yaml"   # a Path where the package is installed as files
 
 
-NOISE_KEYS = ("sd", "mean")
 REQUIRED = ("metric", "direction", "max_regression")
 EXAMPLE = ("gates:\n  - metric: eval/heldout_shakespeare/bits_per_byte\n    direction: lower_is_better\n"
            "    max_regression: {relative: 0.02}")
 
 
-def _check_keys(d: Mapping, allowed: tuple[str, ...], key_prefix: str = "") -> None:
-    """The config parser's one key check (`lowprec.base.parse.check_keys`), as a GateSpecError."""
-    try:
-        check_keys(d, list(allowed), key_prefix.rstrip("."))
-    except ConfigError as e:
-        raise GateSpecError(e.message, key=e.path) from None
-
-
-def _tolerance(x: Any) -> Tolerance:
-    how = "write `max_regression: {relative: 0.02}` (2% of the baseline value) or `{absolute: 0.01}`"
-    if not isinstance(x, Mapping):
-        raise GateSpecError(f"must be a mapping with one key, relative or absolute, got {x!r}; {how}",
-                            key="max_regression")
-    _check_keys(x, TOLERANCE_KINDS, "max_regression.")
-    if len(x) != 1:
-        raise GateSpecError(f"needs exactly one of relative, absolute; found {len(x)} ({', '.join(map(str, x)) or 'none'})"
-                            f"; {how}", key="max_regression")
-    (kind, value), = x.items()
-    if value is None:
-        raise GateSpecError(f"has no value; {how}", key=f"max_regression.{kind}")
-    return Tolerance(kind, value)
-
-
-def _noise(x: Any) -> Noise:
-    how = ("write `noise: {sd: 0.004}` (the sd between harmless runs, in the tolerance's units; "
-           "experiments/gate_calibration.py measures it)")
-    if not isinstance(x, Mapping):
-        raise GateSpecError(f"must be a mapping with sd (and optionally mean), got {x!r}; {how}", key="noise")
-    _check_keys(x, NOISE_KEYS, "noise.")
-    if x.get("sd") is None:
-        raise GateSpecError(f"needs sd; {how}", key="noise.sd")
-    return Noise(x["sd"], x.get("mean", 0.0))
-
-
 def _gate(d: Any, defaults: Mapping[str, Any]) -> Gate:
+    """One gate, its missing settings from `defaults`, by the one config parser (`lowprec.base.parse`)."""
     if not isinstance(d, Mapping):
-        raise GateSpecError(f"each gate must be a mapping with metric, direction and max_regression, got "
-                            f"{type(d).__name__} {d!r}. For example:\n{EXAMPLE}")
-    _check_keys(d, GATE_KEYS)
+        raise spec_error(f"each gate must be a mapping with metric, direction and max_regression, got "
+                         f"{type(d).__name__} {d!r}. For example:\n{EXAMPLE}")
+    check_keys(d, list(GATE_KEYS), "")
     for k in REQUIRED:
         if d.get(k) is None:
-            raise GateSpecError(f"is required (every gate says which metric, which way is better and how much "
-                                f"worse is allowed). For example:\n{EXAMPLE}", key=k)
-    kw = {**defaults, **{k: v for k, v in d.items() if k not in REQUIRED}}
-    if kw.get("noise") is not None:
-        kw["noise"] = _noise(kw["noise"])
-    if isinstance(kw.get("bounds"), list):
-        kw["bounds"] = tuple(kw["bounds"])
-    return Gate(metric=d["metric"], direction=d["direction"], max_regression=_tolerance(d["max_regression"]), **kw)
+            raise spec_error(f"is required (every gate says which metric, which way is better and how much "
+                             f"worse is allowed). For example:\n{EXAMPLE}", key=k)
+    return parse(Gate, {**defaults, **d}, "")
 
 
 def _defaults(d: Any) -> dict[str, Any]:
     if d is None:
         return dict(BUILTIN_DEFAULTS)
     if not isinstance(d, Mapping):
-        raise GateSpecError(f"must be a mapping such as {{confidence: 0.95, bootstrap_samples: 2000, seed: 0}}, "
+        raise spec_error(f"must be a mapping such as {{confidence: 0.95, bootstrap_samples: 2000, seed: 0}}, "
                             f"got {type(d).__name__}", where="defaults")
     try:
-        _check_keys(d, DEFAULT_KEYS)
+        check_keys(d, list(DEFAULT_KEYS), "")
         out = {**BUILTIN_DEFAULTS, **d}
         # Checked here (with a placeholder gate) so that an error points at `defaults:`.
         Gate("placeholder", "lower_is_better", Tolerance("absolute", 0.0), **out)
@@ -161,14 +123,14 @@ class GateSpec:
 
     def __post_init__(self):
         if not self.gates:
-            raise GateSpecError(f"has no gates; add at least one under `gates:`. For example:\n{EXAMPLE}",
+            raise spec_error(f"has no gates; add at least one under `gates:`. For example:\n{EXAMPLE}",
                                 source=self.source)
         seen: dict[str, int] = {}
         for i, g in enumerate(self.gates):
             if not isinstance(g, Gate):
-                raise GateSpecError(f"must be a Gate, got {type(g).__name__}", where=f"gates[{i}]", source=self.source)
+                raise spec_error(f"must be a Gate, got {type(g).__name__}", where=f"gates[{i}]", source=self.source)
             if g.metric in seen:
-                raise GateSpecError(f"gates {g.metric!r} again (gates[{seen[g.metric]}] already does); keep one "
+                raise spec_error(f"gates {g.metric!r} again (gates[{seen[g.metric]}] already does); keep one "
                                     f"gate per metric", where=f"gates[{i}] ({g.metric})", key="metric",
                                     source=self.source)
             seen[g.metric] = i
@@ -192,16 +154,16 @@ class GateSpec:
     def from_dict(cls, d: Any, source: str = "<gates>") -> "GateSpec":
         """From the parsed YAML mapping (`{gates: [...], defaults: {...}}`)."""
         if not isinstance(d, Mapping):
-            raise GateSpecError(f"must hold a mapping with a `gates:` list, found {type(d).__name__}. "
+            raise spec_error(f"must hold a mapping with a `gates:` list, found {type(d).__name__}. "
                                 f"For example:\n{EXAMPLE}", source=source)
         try:
-            _check_keys(d, TOP_KEYS)
-        except GateSpecError as e:
+            check_keys(d, list(TOP_KEYS), "")
+        except ConfigError as e:
             raise e.located(source=source) from None
         defaults = _located(lambda: _defaults(d.get("defaults")), source, "")
         raw = d.get("gates")
         if not isinstance(raw, list) or not raw:
-            raise GateSpecError(f"must be a non-empty list of gates, found {raw!r}. For example:\n{EXAMPLE}",
+            raise spec_error(f"must be a non-empty list of gates, found {raw!r}. For example:\n{EXAMPLE}",
                                 key="gates", source=source)
         gates = []
         for i, g in enumerate(raw):
@@ -219,15 +181,15 @@ class GateSpec:
         problem, naming the file."""
         p = gate_file(path)
         if not _is_file(p):
-            raise GateSpecError(f"gate file {str(p)!r} does not exist" + (" (it is a folder)" if p.is_dir() else "")
+            raise spec_error(f"gate file {str(p)!r} does not exist" + (" (it is a folder)" if p.is_dir() else "")
                                 + f"; pass the path of a YAML file, or the name of one that ships with lowprec "
                                 f"({', '.join(gate_names())})")
         try:
             d = load_yaml(p.read_text(encoding="utf-8"), str(p))
         except ConfigError as e:   # the one reader's refusal: bad YAML, a bomb, duplicate keys, too deep
-            raise GateSpecError(e.message, source=str(p), key="" if e.path == str(p) else e.path) from None
+            raise spec_error(e.message, source=str(p), key="" if e.path == str(p) else e.path) from None
         except (OSError, UnicodeDecodeError) as e:
-            raise GateSpecError(f"cannot be read: {e}", source=str(p)) from None
+            raise spec_error(f"cannot be read: {e}", source=str(p)) from None
         return cls.from_dict(d, source=str(p))
 
 

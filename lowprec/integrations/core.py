@@ -22,7 +22,6 @@ framework owns those): `precision:` (required), `rollout:`, `eval:` and `trackin
 
 from __future__ import annotations
 
-import json
 import math
 import uuid
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from lowprec.policy.decisions import Action
 from lowprec.state.ranks import process_rank, world_size
 from lowprec.integrations.framework_steps import FrameworkSteps
 from lowprec.runtime.after_step import AfterStep
+from lowprec.runtime.run_life import RunLife
 from lowprec.runtime.session import Session, SessionSettings, StepResult
 from lowprec.runtime.tracked_map import regather, tracked_map
 from lowprec.tracking.records import RunStatus
@@ -117,6 +117,7 @@ class HostedRollout:
         self.session: Session | None = None
         self.after: AfterStep | None = None
         self.tracker = None
+        self.life: RunLife | None = None   # the run's tracker and end (`start`)
         self.evals = None
         self.map = self.state   # what tracking logs as the precision map (`start`: the whole model's under stages,
                                 # `lowprec.runtime.tracked_map`)
@@ -170,8 +171,9 @@ class HostedRollout:
         eval_share: under torchrun, hands rank 0's eval outcome to every rank (`lowprec.state.ranks.from_rank_0`).
         Built in dependency order: tracker, controller, precision map, evals, session."""
         cfg = self.config
-        tracker = self._open_tracker(run_name, buffer_root, attach, buffer, resume_tracking)
+        self.life = self._life(run_name, buffer_root, attach, buffer, resume_tracking)
         # everything is recorded at the framework's step (lowprec.integrations.framework_steps)
+        tracker = self.life.tracker
         self.tracker = None if tracker is None else FrameworkSteps(tracker, lambda: self._framework_step,
                                                                    lambda: self.step)
         controller = None
@@ -180,12 +182,9 @@ class HostedRollout:
             state, model = self._decided_over()
             controller = build_controller(cfg.rollout, state, model, baseline=self.baseline)
         self.map = tracked_map(self.state, self.whole.state if self.whole is not None else None, controller)
-        if cfg.eval is not None:   # every rank runs the same eval passes: decided on the whole model's formats
-            from lowprec.runtime.baseline import baseline_evals
-            from lowprec.runtime.evals import eval_checkpoints
-            self.evals = eval_checkpoints(cfg.eval, self.model, self.state, max_length=max_length, tracker=self.tracker,
-                                          share=eval_share, formats=self.map.formats, forward=eval_forward,
-                                          tokenizer=eval_tokenizer, baseline=baseline_evals(cfg))
+        # every rank runs the same eval passes: decided on the whole model's formats
+        self.evals = self.life.evals(model=self.model, state=self.state, max_length=max_length, share=eval_share,
+                                     formats=self.map.formats, forward=eval_forward, tokenizer=eval_tokenizer)
         sites = list(self.whole.state.sites) if self.whole is not None and controller is not None else None
         self.session = Session(self.model, optimizer, self.state, controller, scheduler=scheduler,
                                group=group, clip=clip, lr_probe=lr_probe, sites=sites, event_log=event_log,
@@ -194,23 +193,17 @@ class HostedRollout:
                                gate=self.evals.gate if self.evals is not None else None)
         self.after = AfterStep(self.session, self.map, tracker=self.tracker, evals=self.evals, baseline=self.baseline)
         if self.tracker is not None:
-            self.tracker.log_config(cfg.to_dict())
             self.tracker.log_precision(0, self.map.formats(), self.map.flops_share())
         return self.session
 
-    def _open_tracker(self, run_name: str, buffer_root: str | Path, attach: Attach | None,
-                      buffer: str | Path | None = None, resume: bool = False):
-        tc = self.config.tracking
-        if not tc.enabled and attach is None:
-            return None
-        from lowprec.runtime.host import tracking_uri
-        from lowprec.tracking.tracker import Tracker
-        uri = attach.tracking_uri if attach is not None else tracking_uri(self.config)
-        name = tc.run_name or run_name
+    def _life(self, run_name: str, buffer_root: str | Path, attach: Attach | None,
+              buffer: str | Path | None = None, resume: bool = False) -> RunLife:
+        """The run's `RunLife`: its tracker (the framework's MLflow run with `attach`) and its end."""
+        name = self.config.tracking.run_name or run_name
         folder = Path(buffer) if buffer is not None else \
             Path(buffer_root) / (attach.run_id if attach is not None else f"{name}-{uuid.uuid4().hex[:8]}")
-        return Tracker(uri, tc.experiment, name, rank=process_rank(), buffer_dir=folder, resume=resume,
-                       run_id=attach.run_id if attach is not None else None)
+        return RunLife(self.config, name, folder, rank=process_rank(), resume=resume, attach=attach,
+                       on_end=self._final)
 
     # ------------------------------------------------------------------ each step
     def begin_step(self) -> None:
@@ -325,21 +318,20 @@ class HostedRollout:
 
     # ------------------------------------------------------------------ the end
     def end(self, status: RunStatus = RunStatus.FINISHED) -> None:
-        """Final eval, the loss curve (for a later run's `rollout.baseline`), tracking finished."""
-        if self._ended:
-            return
+        """Final eval, the loss curve (for a later run's `rollout.baseline`), tracking finished
+        (`RunLife.end`, once)."""
+        if self.life is not None:
+            self.life.end(status, losses=self.losses)
+        elif not self._ended:   # never started: nothing was tracked
+            self._final(status)
+
+    def _final(self, status: RunStatus) -> None:
+        """What the run's end does first here: the final eval of a finished run, the session closed."""
         self._ended = True
         if self.evals is not None and status is RunStatus.FINISHED:
             self.evals.final(self.step)
         if self.session is not None:
             self.session.close()
-        if self.tracker is not None:
-            from lowprec.runtime.baseline import LOSSES_ARTIFACT
-            path = Path(self.tracker.run_dir) / "files" / LOSSES_ARTIFACT if self.tracker.enabled else None
-            if path is not None:
-                path.write_text(json.dumps(self.losses))
-                self.tracker.log_artifact(path)
-            self.tracker.finish(status)
 
 
 class HostedCallback:

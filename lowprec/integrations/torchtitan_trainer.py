@@ -352,13 +352,8 @@ class LowprecTrainer(Trainer):
 
     # ------------------------------------------------------------------ start, resume and end
     def train(self) -> None:
-        from lowprec.tracking.records import RunStatus
-        try:
+        with self.hosted.life.running(lambda: self.hosted.losses):   # FAILED if it raises, else FINISHED
             super().train()
-        except BaseException:
-            self.hosted.end(RunStatus.FAILED)
-            raise
-        self.hosted.end()
 
     def _load_checkpoint(self, load, *args, **kwargs):
         """torchtitan's checkpointer.load, saying so when the checkpoint holds no lowprec state."""

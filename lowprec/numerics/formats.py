@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import math
+import typing
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -193,6 +194,13 @@ class Format:
     The `*_wgrad` specs are the same tensors quantized along the token dimension for
     the weight-gradient GEMM (NVFP4 applies the Hadamard transform there).
     """
+
+    # what a config names a format by (`lowprec.base.parse`'s value types): its name
+    config_description: typing.ClassVar[str] = "a format name"
+
+    @classmethod
+    def from_config_value(cls, v) -> "Format":
+        return get_format(v)
 
     name: str
     input: QuantSpec | None = None

@@ -303,6 +303,10 @@ def _run(args, console, started: float):
     except BaseException:
         folder.release()
         raise
+    finally:
+        if store is not None:   # the process group _run_locked joined, left on every path
+            from lowprec.runtime.parallel_run import end_group
+            end_group()
     if not callable(result):   # a Launch holds the folder until its last rank exits
         folder.release()
     return result
@@ -314,6 +318,7 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
     config, then train: here, on this rank of a torchrun job, or by starting torchrun
     (`--nproc-per-node`, once every check passed; the ranks take the folder themselves)."""
     from lowprec.runtime.resume_check import record_config, resume_line, resume_mismatch
+    from lowprec.runtime.parallel_run import PeersMissing
     from lowprec.runtime.run import prepare_run
     from lowprec.runtime.run_folder import FolderState, refusal
     out, tracked = folder.folder, cfg.tracking.enabled
@@ -327,18 +332,19 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
         line = resume_mismatch(out, cfg, args.config)
     if line is not None:
         return _refuse(console, line, env)
-    placed = None
+    placed = layout = None
     try:
         if env is not None and env.world > 1:   # this rank's GPU (or the CPU), before the model is built
-            from lowprec.runtime.parallel_run import place_rank
+            from lowprec.runtime.parallel_run import place_rank, start_group
             placed = place_rank(cfg.parallel, env)
+            layout = start_group(cfg.parallel, env, placed, store)   # the mesh's amax group goes to prepare
         elif args.nproc_per_node is not None:   # the launcher: every rank it starts can have its device
             from lowprec.runtime.rank_device import cuda_devices, rank_device
             rank_device(cfg.parallel.device, args.nproc_per_node - 1, cuda_devices())
         if tracked and lead:  # the run folder's MLflow run: continued only by --resume, never once finished
             from lowprec.tracking.resume import check_buffer
             check_buffer(out / "tracking", resume=args.resume)
-        prepared = prepare_run(cfg, controller=not args.no_controller)
+        prepared = prepare_run(cfg, controller=not args.no_controller, amax_group=getattr(layout, "amax_group", None))
         names = dict(prepared.model.named_modules())
         bad = [j.site for j in faults if j.kind.needs_site and j.site not in names]
         if bad:
@@ -349,6 +355,8 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
             check_prepared(prepared, cfg.parallel)
     except (ConfigError, ValueError, TypeError) as e:
         return _refuse(console, e, env)
+    except PeersMissing as e:   # start_group: a peer went away before the group was up
+        return console.say(str(e)) or EXIT_UNUSABLE
     chosen = None
     if args.resume and env is None and args.nproc_per_node is None:   # one process: chosen once, here
         from lowprec.state.checkpoint import NoUsableCheckpointError, checkpoint_to_resume, list_checkpoints
@@ -378,7 +386,7 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
         return Launch(args.nproc_per_node, *launch_argv(args, out), folder=folder)
     if env is not None and env.world > 1:
         from lowprec.runtime.parallel_run import train_ranks
-        return train_ranks(prepared, out, name=name, env=env, placed=placed, store=store, resume=args.resume,
+        return train_ranks(prepared, out, name=name, env=env, placed=placed, layout=layout, resume=args.resume,
                            faults=faults, console=console, started=started,
                            tracking_optional=args.tracking_optional)
     from lowprec.runtime.run import train_prepared

@@ -42,6 +42,8 @@ order, summed over the stages, as `torch.nn.utils.clip_grad_norm_` forms it on o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -53,8 +55,8 @@ from lowprec.runtime.mesh import build_mesh, data_group, data_rank
 from lowprec.runtime.pipeline_forward import chain_forward, from_last_stage, last_stage_tensor
 from lowprec.tracking.phases import NULL_CLOCK, LapClock
 
-__all__ = ["Pipeline", "build_engine", "data_parallel", "stage_bounds", "local_state", "check_model_plan",
-           "set_amax_group"]
+__all__ = ["Pipeline", "build_engine", "data_parallel", "stage_bounds", "local_state", "check_model_plan", "Layout",
+           "build_layout"]
 
 
 def stage_bounds(n_layer: int, pp: int) -> list[tuple[int, int]]:
@@ -87,13 +89,24 @@ def check_model_plan(model: nn.Module, tp: int, pp: int) -> None:
         check(tp, pp)
 
 
-def set_amax_group(model: nn.Module, group) -> None:
-    """Reduce tensor-wise amaxes of activations and gradients over `group` (the data-parallel
-    ranks), as `prepare(..., amax_group=group)` would have: every PrecisionLinear of `model`."""
-    from lowprec.sites.layers import PrecisionLinear
-    for m in model.modules():
-        if isinstance(m, PrecisionLinear):
-            m.amax_group = group
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits in the job, built once the process group is up and before the model is
+    `prepare`d: the job's one mesh (`lowprec.runtime.mesh.build_mesh`), the group tensor-wise
+    amaxes of activations and gradients are reduced over (`prepare(..., amax_group=layout.amax_group)`:
+    this rank's data-parallel ranks; None with one), this rank's data rank and the number of data ranks."""
+    mesh: object
+    amax_group: object
+    data_rank: int
+    data_ranks: int
+
+
+def build_layout(par, device: torch.device) -> Layout:
+    """The mesh `par` (a ParallelConfig) asks for on `device`'s type, on the initialised process group."""
+    mesh = build_mesh(device, pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp)
+    if par.pp > 1:
+        return Layout(mesh, None, 0, 1)
+    return Layout(mesh, data_group(mesh) if par.data_ranks > 1 else None, data_rank(mesh), par.data_ranks)
 
 
 class Pipeline:
@@ -162,28 +175,23 @@ class Pipeline:
         return clip_stages([mine.get(n) for n in self.names], self.group, max_norm)
 
 
-def build_engine(model: nn.Module, par, microbatches: int, device: torch.device, clock: LapClock = NULL_CLOCK):
-    """(engine, data rank, data ranks) for `par` (a ParallelConfig) on the initialised process
-    group, on the job's one mesh (`lowprec.runtime.mesh.build_mesh`) on `device` (the model's:
-    `lowprec.runtime.rank_device`); the model is `prepare`d already (its amax group is set here).
-    clock: where the engine laps its phases (the run's telemetry's)."""
-    mesh = build_mesh(device, pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp)
+def build_engine(model: nn.Module, par, layout: Layout, microbatches: int, device: torch.device,
+                 clock: LapClock = NULL_CLOCK):
+    """The engine for `par` (a ParallelConfig) on `layout` (`build_layout`), every stage on
+    `device` (the model's: `lowprec.runtime.rank_device`); the model was `prepare`d with
+    `layout.amax_group`. clock: where the engine laps its phases (the run's telemetry's)."""
     if par.pp > 1:
-        return Pipeline(model, mesh["pp"], microbatches, device=device), 0, 1
-    engine = data_parallel(model, mesh, microbatches, fp8_all_gather=par.fp8_all_gather, clock=clock)
-    return engine, data_rank(mesh), par.data_ranks
+        return Pipeline(model, layout.mesh["pp"], microbatches, device=device)
+    return data_parallel(model, layout.mesh, microbatches, fp8_all_gather=par.fp8_all_gather, clock=clock)
 
 
 def data_parallel(model: nn.Module, mesh, microbatches: int, fp8_all_gather: bool = False,
                   clock: LapClock = NULL_CLOCK) -> FullyShardedDP:
-    """Tensor x data parallel on a `build_mesh` mesh: `model.tensor_parallel` on the tp sub-mesh
-    (tp > 1), the activations' amaxes reduced over the data-parallel ranks, then FSDP2 on the
-    (dp_replicate, dp_shard) sub-mesh (HSDP; dp_shard 1: replicated)."""
+    """Tensor x data parallel on a `build_mesh` mesh, the model `prepare`d with the mesh's
+    `data_group` as its amax group: `model.tensor_parallel` on the tp sub-mesh (tp > 1), then
+    FSDP2 on the (dp_replicate, dp_shard) sub-mesh (HSDP; dp_shard 1: replicated)."""
     if mesh["tp"].size() > 1:
         model.tensor_parallel(mesh["tp"])
-    group = data_group(mesh)
-    if mesh["dp_replicate", "dp_shard"].size() > 1:
-        set_amax_group(model, group)
     return FullyShardedDP(model, mesh_or_group=mesh["dp_replicate", "dp_shard"], microbatches=microbatches,
                           reshard_after_forward=mesh["dp_shard"].size() > 1, fp8_all_gather=fp8_all_gather,
-                          weight_amax_group=dist.group.WORLD, loss_group=group, clock=clock)
+                          weight_amax_group=dist.group.WORLD, loss_group=data_group(mesh), clock=clock)

@@ -4,18 +4,20 @@
     torchrun --nproc-per-node 4 -m lowprec.cli run CONFIG --out DIR
 
 The config's `parallel:` section (`lowprec.config.ParallelConfig`) says how the model is
-split; `lowprec.runtime.parallel.build_engine` builds the mesh and the engine, and the run
+split; once every rank joined, `start_group` starts the process group and builds the mesh
+(`lowprec.runtime.parallel.build_layout`), the model is prepared with its amax group,
+`lowprec.runtime.parallel.build_engine` builds the engine on that mesh, and the run
 goes through the one loop (`lowprec.runtime.loop.train`) exactly as in one process.
 
-**Checked before any process group starts** (`check_launch`, then `prepare_run` and
-`check_model_plan` on the model every rank builds on its CPU): the number of processes
-against the product of the degrees, the degrees against each other (pipeline stages with
-data parallel), the batch against the data-parallel ranks and microbatches, the degrees
-against the model's own plan (a tp that does not divide the GPT's heads), and everything a
-one-process `lowprec run` checks. A refused job is one line from rank 0 (under
-`--nproc-per-node`: from the launcher, which checks before it starts any rank), exit 2,
-and no output folder. Then every rank joins (`join`): a rank whose peers do not all come
-within `parallel.peer_timeout_s` says how many came and exits 2.
+**Checked before any rank trains** (`check_launch` before the ranks meet; then, once every
+rank joined (`join`: a rank whose peers do not all come within `parallel.peer_timeout_s` says
+how many came and exits 2) and the process group and mesh are up, `prepare_run` and
+`check_model_plan` on the model every rank builds): the number of processes against the
+product of the degrees, the degrees against each other (pipeline stages with data parallel),
+the batch against the data-parallel ranks and microbatches, the degrees against the model's
+own plan (a tp that does not divide the GPT's heads), and everything a one-process `lowprec
+run` checks. A refused job is one line from rank 0 (under `--nproc-per-node`: from the
+launcher, which checks before it starts any rank), exit 2, and no output folder.
 
 **Files and tracking.** Rank 0 creates the run folder, writes losses, summary and the
 MLflow run (one per job, through its outbox: the other ranks have no tracker, so no rank
@@ -55,7 +57,7 @@ from pathlib import Path
 from lowprec.base.parse import ConfigError
 
 __all__ = ["RankEnv", "rank_env", "place_rank", "peer_lost_line", "check_launch", "check_prepared", "Launch",
-           "launch_argv", "join", "train_ranks", "merge_rank_events", "EXIT_RANK_DIED", "EXIT_PEER_LOST",
+           "launch_argv", "join", "start_group", "end_group", "train_ranks", "merge_rank_events", "EXIT_RANK_DIED", "EXIT_PEER_LOST",
            "REFUSED_GRACE_S"]
 
 EXIT_UNUSABLE = 2
@@ -245,8 +247,8 @@ def _to_device(device):
     return hook
 
 
-def _build(prepared, par, device, clock) -> RankRun:
-    """This rank's engine (lapping on `clock`), precision state and batches, on `device`."""
+def _build(prepared, par, layout, device, clock) -> RankRun:
+    """This rank's engine (lapping on `clock`) on `layout`, precision state and batches, on `device`."""
     from lowprec.runtime.data import TokenBatches
     from lowprec.runtime.parallel import build_engine, local_state
     from lowprec.runtime.tracked_map import tracked_map
@@ -257,13 +259,13 @@ def _build(prepared, par, device, clock) -> RankRun:
         prepared.model.to(device)
     if device.type != "cpu":   # the batches, eval tokens and held batch are made on the CPU
         prepared.model.register_forward_pre_hook(_to_device(device), with_kwargs=True)
-    engine, data_rank, data_ranks = build_engine(prepared.model, par, tc.microbatches, device, clock)
+    engine = build_engine(prepared.model, par, layout, tc.microbatches, device, clock)
     state, data, whole = prepared.state, prepared.data, None
     if par.pp > 1:   # this rank keeps its stage's sites; the monitor packs every site's row
         whole, state = state, local_state(state, [f for f, _ in engine.module.named_modules() if f in state.sites])
-    if data_ranks > 1:
-        data = TokenBatches(data.tokens, data.batch_size, data.block_size, seed=data.seed, rank=data_rank,
-                            world=data_ranks)
+    if layout.data_ranks > 1:
+        data = TokenBatches(data.tokens, data.batch_size, data.block_size, seed=data.seed, rank=layout.data_rank,
+                            world=layout.data_ranks)
     return RankRun(engine, state, data, sites, tracked_map(state, whole, prepared.controller))
 
 
@@ -298,44 +300,50 @@ def peer_lost_line(rank: int, e: BaseException, limit: int = 200) -> str:
     return f"rank {rank}: stopped: {why} (another rank died or stopped)"
 
 
-def train_ranks(prepared, out: Path, *, name: str, env: RankEnv, placed, store, resume: bool, faults, console,
-                started: float, tracking_optional: bool) -> int:
-    """This rank's part of a `lowprec run` under torchrun, once every rank joined (`store`, from
-    `join`), on `placed` (`place_rank`: NCCL on this rank's GPU, or gloo on the CPU); the exit status."""
+def start_group(par, env: RankEnv, placed, store):
+    """Join this rank to the job's process group (once every rank joined: `store`, from `join`)
+    on `placed` (`place_rank`: NCCL on this rank's GPU, or gloo on the CPU) and build its mesh:
+    the `lowprec.runtime.parallel.Layout` whose `amax_group` the model is then prepared with.
+    `end_group` leaves it."""
     import torch.distributed as dist
-    dist.init_process_group(str(placed.backend), store=dist.PrefixStore("lowprec", store), rank=env.rank,
-                            world_size=env.world, device_id=placed.device if placed.device.type == "cuda" else None)
+    from lowprec.runtime.parallel import build_layout
     try:
-        return _train_rank(prepared, out, name=name, env=env, device=placed.device, resume=resume, faults=faults,
-                           console=console, started=started, tracking_optional=tracking_optional)
-    except (RuntimeError, dist.DistError) as e:   # a peer went away mid-collective
-        console.say(peer_lost_line(env.rank, e))
-        return EXIT_PEER_LOST
-    finally:
+        dist.init_process_group(str(placed.backend), store=dist.PrefixStore("lowprec", store), rank=env.rank,
+                                world_size=env.world,
+                                device_id=placed.device if placed.device.type == "cuda" else None)
+        return build_layout(par, placed.device)
+    except (RuntimeError, dist.DistError) as e:   # a peer went away since `join`
+        raise PeersMissing(peer_lost_line(env.rank, e)) from None
+
+
+def end_group() -> None:
+    """Leave the process group `start_group` joined (nothing when none was joined)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _tracker(cfg, out: Path, name: str, resume: bool):
-    """Rank 0's MLflow run (one per job; `resume` continues the killed job's)."""
-    from lowprec.runtime.host import tracking_uri as _tracking_uri
-    from lowprec.tracking.tracker import Tracker
-    tel, par = cfg.telemetry, cfg.parallel
-    tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, name, buffer_dir=out / "tracking", resume=resume,
-                      system_metrics_s=tel.system_metrics_s if tel.enabled else None)
-    tracker.log_config(cfg.to_dict())
+def train_ranks(prepared, out: Path, *, name: str, env: RankEnv, placed, layout, resume: bool, faults, console,
+                started: float, tracking_optional: bool) -> int:
+    """This rank's part of a `lowprec run` under torchrun, in the process group `start_group`
+    joined, on `layout` (its mesh, the model prepared with its amax group); the exit status."""
     import torch.distributed as dist
-    tracker.log_tags({"lowprec.parallel": f"{par.mode} ({par.world} processes)",
-                      "lowprec.parallel.backend": dist.get_backend()})   # nccl or gloo
-    return tracker
+    try:
+        return _train_rank(prepared, out, name=name, env=env, device=placed.device, layout=layout, resume=resume,
+                           faults=faults, console=console, started=started, tracking_optional=tracking_optional)
+    except (RuntimeError, dist.DistError) as e:   # a peer went away mid-collective
+        console.say(peer_lost_line(env.rank, e))
+        return EXIT_PEER_LOST
 
 
-def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, device, resume: bool, faults, console,
+def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, device, layout, resume: bool, faults, console,
                 started: float, tracking_optional: bool) -> int:
     import torch.distributed as dist
     from lowprec.runtime.console import LOG_NAME
     from lowprec.runtime.loop import train
     from lowprec.runtime.host import tracking_uri as _tracking_uri
     from lowprec.runtime.run import EXIT_OK, EXIT_UNSENT, close_run, summary_text, unsent_line
+    from lowprec.runtime.run_life import RunLife
     from lowprec.state.checkpoint import NoUsableCheckpointError
     from lowprec.state.ranks import from_rank_0
     from lowprec.tracking.records import RunStatus
@@ -344,12 +352,16 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, device, resume:
     cfg, lead = prepared.config, env.rank == 0
     tel = cfg.telemetry if lead else TelemetryConfig(enabled=False)
     clock = Telemetry.clock_for(tel, device)   # the engine's and the session's, counting from begin()
-    run = _build(prepared, cfg.parallel, device, clock)
+    run = _build(prepared, cfg.parallel, layout, device, clock)
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         console.log_to(out / LOG_NAME)
     dist.barrier()   # the run folder exists before any rank writes to it
-    tracker = _tracker(cfg, out, name, resume) if lead and cfg.tracking.enabled else None
+    par = cfg.parallel   # rank 0's MLflow run, one per job (`resume` continues the killed job's)
+    life = RunLife(cfg, name, out / "tracking", lead=lead, resume=resume, system_metrics=True, warn_unsent=False,
+                   tags={"lowprec.parallel": f"{par.mode} ({par.world} processes)",
+                         "lowprec.parallel.backend": dist.get_backend()})   # nccl or gloo
+    tracker = life.tracker
     progress = console.progress(cfg.train.steps, mix=run.precision_map.flops_share) if lead else None
     telemetry = Telemetry(tel, device=device, model=run.engine.module, state=run.state, started=started,
                           clock=clock)
@@ -357,8 +369,8 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, device, resume:
     if prepared.evals is not None:   # every rank evaluates (collective forwards); rank 0 logs, gates and shares
         # the eval passes decided on the whole model's formats, which every rank tracks alike; under
         # pipeline stages scored through the forward through every stage
-        evals = prepared.evals.for_run(tracker=tracker, share=from_rank_0, formats=run.precision_map.formats,
-                                       forward=run.engine.logits if cfg.parallel.pp > 1 else None)
+        evals = life.evals(prepared.evals, share=from_rank_0, formats=run.precision_map.formats,
+                           forward=run.engine.logits if cfg.parallel.pp > 1 else None)
     status = RunStatus.FAILED
     try:
         res = train(cfg.train, run.engine, run.state, run.data, out_dir=out, controller=prepared.controller,
@@ -374,7 +386,7 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, device, resume:
             console.say(f"--resume: {e}")
         return EXIT_UNUSABLE
     finally:
-        close_run(progress, tracker, status, out)
+        close_run(progress, life, status, out)
     if not lead:
         return EXIT_OK
     run_id = tracker.run_id if tracker is not None else None

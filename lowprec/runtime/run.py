@@ -32,6 +32,7 @@ from torch import nn
 from lowprec.base.parse import ConfigError
 from lowprec.runtime.host import read_baseline, tracking_uri as _tracking_uri
 from lowprec.runtime.resume_check import STEPS_TAG, logged_config
+from lowprec.runtime.run_life import STOPPED_TAG   # the MLflow tag saying why a run was stopped (KILLED)
 from lowprec.runtime.run_summary import summary_text
 from lowprec.tracking.records import RunStatus
 
@@ -39,7 +40,6 @@ from lowprec.tracking.records import RunStatus
 # written); trained, but tracking records could not be sent (they wait in the outbox); stopped
 # because the disk is full (the earlier checkpoints kept: free space, then --resume)
 EXIT_OK, EXIT_UNUSABLE, EXIT_UNSENT, EXIT_NO_SPACE = 0, 2, 3, 4
-STOPPED_TAG = "lowprec.stopped"   # the MLflow tag saying why a run was stopped (KILLED)
 
 __all__ = ["EXIT_OK", "EXIT_UNUSABLE", "EXIT_UNSENT", "EXIT_NO_SPACE", "STOPPED_TAG", "unsent_line", "PreparedRun", "prepare_run", "load_factory",
            "high_precision_baseline", "execute", "run_config",
@@ -153,10 +153,11 @@ def _batch_source(cfg, raw):
 
 
 def prepare_run(cfg, *, controller: bool = True, with_data: bool = True,
-                missing: dict[str, str] | None = None) -> PreparedRun:
+                missing: dict[str, str] | None = None, amax_group=None) -> PreparedRun:
     """Everything before step 0 (see the module docstring); raises ConfigError. With `missing`
     (a dict, for `plan`), a runtime input that cannot be had yet (the loss-gap baseline, the
-    data the data factory reads) is recorded there, {config key: why}, instead of raised."""
+    data the data factory reads) is recorded there, {config key: why}, instead of raised.
+    amax_group: the data-parallel group of a rank under torchrun (its mesh's), for `prepare`."""
     from lowprec.policy.rollout import build_controller
     from lowprec.sites.precision_state import prepare
 
@@ -170,7 +171,7 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True,
     if _takes_labels(model):
         model.register_forward_pre_hook(_as_labels, with_kwargs=True)
     try:
-        state = prepare(model, cfg.precision, seed=tc.seed)
+        state = prepare(model, cfg.precision, seed=tc.seed, amax_group=amax_group)
     except ConfigError:
         raise
     except ValueError as e:
@@ -222,17 +223,20 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True,
     return prepared
 
 
-def execute(prepared: PreparedRun, out: str | Path, *, tracker=None, resume: bool = False, faults=(),
+def execute(prepared: PreparedRun, out: str | Path, *, life=None, resume: bool = False, faults=(),
             steps: int | None = None, started: float | None = None, progress=None):
     """Train a prepared run through the one loop (single process); returns its RunResult.
+    life: the run's `RunLife` (its tracker, evals; default: untracked); the caller ends it.
     started: `time.perf_counter()` when the run began (telemetry's start-up; default: now).
     progress: the progress line (`lowprec.runtime.console.Progress`), told after every pass."""
     from lowprec.runtime.engine import SingleProcess
     from lowprec.runtime.loop import train
+    from lowprec.runtime.run_life import RunLife
     from lowprec.tracking.telemetry import Telemetry
 
     cfg = prepared.config
-    evals = prepared.evals.for_run(tracker=tracker) if prepared.evals is not None else None
+    life = life if life is not None else RunLife.around(cfg, None)
+    tracker, evals = life.tracker, life.evals(prepared.evals) if prepared.evals is not None else None
     device = next((p.device for p in prepared.model.parameters()), torch.device("cpu"))
     telemetry = Telemetry(cfg.telemetry, device=device, model=prepared.model, state=prepared.state, started=started)
     engine = SingleProcess(prepared.model, cfg.train.microbatches, clock=telemetry.clock)
@@ -253,10 +257,11 @@ def run_config(config, out_dir: str | Path, *, faults=(), controller: bool = Tru
         cfg = LowprecConfig.from_dict(config)
     else:
         cfg = config
+    from lowprec.runtime.run_life import RunLife
     if tracker is not None:
         tracker.log_config(cfg.to_dict())
-    return execute(prepare_run(cfg, controller=controller), Path(out_dir), tracker=tracker, resume=resume,
-                   faults=faults, steps=steps)
+    return execute(prepare_run(cfg, controller=controller), Path(out_dir), life=RunLife.around(cfg, tracker),
+                   resume=resume, faults=faults, steps=steps)
 
 
 def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool | Path = False, faults=(),
@@ -288,26 +293,19 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
         from lowprec.runtime.console import LOG_NAME
         console.log_to(out / LOG_NAME)
         progress = console.progress(cfg.train.steps, mix=prepared.state.flops_share)
-    tracker = None
-    if cfg.tracking.enabled:
-        from lowprec.tracking.tracker import Tracker
-        # resume: the MLflow run of a killed `lowprec run` is continued (never a finished one)
-        from lowprec.tracking.resume import BufferInUseError
-        tel = cfg.telemetry
-        try:
-            tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, name, buffer_dir=out / "tracking",
-                              resume=resume, system_metrics_s=tel.system_metrics_s if tel.enabled else None)
-        except BufferInUseError as e:   # a live writer took the buffer since the checks (a `lowprec sync`)
-            if progress is not None:
-                progress.close()
-            say(str(e))
-            return EXIT_UNUSABLE
-        tracker.log_config(logged_config(cfg, out, resume))
-        tracker.log_tags({STEPS_TAG: str(cfg.train.steps)})   # the param keeps the steps the run started with
-    status = RunStatus.FAILED
+    from lowprec.runtime.run_life import RunLife
+    from lowprec.tracking.resume import BufferInUseError
+    try:   # resume: the MLflow run of a killed `lowprec run` is continued (never a finished one)
+        life = RunLife(cfg, name, out / "tracking", resume=resume, logged=logged_config(cfg, out, resume),
+                       tags={STEPS_TAG: str(cfg.train.steps)}, system_metrics=True, warn_unsent=False)
+    except BufferInUseError as e:   # a live writer took the buffer since the checks (a `lowprec sync`)
+        if progress is not None:
+            progress.close()
+        say(str(e))
+        return EXIT_UNUSABLE
+    tracker, status, why = life.tracker, RunStatus.FAILED, None
     try:
-        res = execute(prepared, out, tracker=tracker, resume=resume, faults=faults, started=started,
-                      progress=progress)
+        res = execute(prepared, out, life=life, resume=resume, faults=faults, started=started, progress=progress)
         status = RunStatus.FINISHED
     except NoUsableCheckpointError as e:   # went bad between the check above and the loop
         say(f"--resume: {e}")
@@ -316,17 +314,14 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
         from lowprec.state.durable import NO_SPACE
         if e.errno not in NO_SPACE:
             raise
-        status = RunStatus.KILLED
-        why = f"the disk is full: {e}"
-        if tracker is not None:
-            tracker.log_tags({STOPPED_TAG: why})
+        status, why = RunStatus.KILLED, f"the disk is full: {e}"
         if progress is not None:
             progress.close()
         say(f"stopped, {why}; the earlier checkpoints are kept: free space there and continue with --resume "
             f"(exit {EXIT_NO_SPACE})")
         return EXIT_NO_SPACE
     finally:
-        close_run(progress, tracker, status, out)   # unsent records: said below, last
+        close_run(progress, life, status, out, why)   # unsent records: said below, last
     run_id = tracker.run_id if tracker is not None else None
     if run_id:
         (out / "run_id").write_text(run_id + "\n")
@@ -339,18 +334,14 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
     return EXIT_OK
 
 
-def close_run(progress, tracker, status, out: Path) -> None:
+def close_run(progress, life, status, out: Path, why: str | None = None) -> None:
     """The end of a `lowprec run` (one process or rank 0 of a job), however the training ended:
-    the progress line closed; a finished run's losses uploaded; the MLflow run given its final
-    status (unsent records are the caller's to say, last)."""
+    the progress line closed; the run's life ended (`RunLife.end`: a finished run's losses
+    uploaded, a KILLED one tagged with `why`; unsent records are the caller's to say, last)."""
     if progress is not None:
         progress.close()
-    if tracker is not None:
-        if status is RunStatus.FINISHED:
-            from lowprec.runtime.baseline import LOSSES_ARTIFACT
-            tracker.log_artifact(out / LOSSES_ARTIFACT)
-        # a run stopped by a full disk draws no pictures there (they would not fit either)
-        tracker.finish(status, warn_unsent=False, report=status is not RunStatus.KILLED)
+    from lowprec.runtime.baseline import LOSSES_ARTIFACT
+    life.end(status, losses=out / LOSSES_ARTIFACT, reason=why)
 
 
 def unsent_line(tracker) -> str | None:

@@ -34,7 +34,7 @@ from lowprec.numerics.quant_stats import QuantStats
 from lowprec.sites.amax_scope import AmaxScope
 from lowprec.sites.grouped_gemms import GroupedQuantizedFn
 from lowprec.sites.operand_quantizer import OPERAND_OF, OPERANDS, OperandQuantizer
-from lowprec.sites.weight_cache import WeightCache
+from lowprec.sites.weight_cache import OptimizerSteps, WeightCache
 
 __all__ = ["ExpertSite", "MergedStats", "find_experts", "wrap_experts", "unwrap_experts", "experts_top_k"]
 
@@ -92,7 +92,8 @@ class ExpertSite(nn.Module):
         self.generator = GeneratorGroup(gens)
         self._gens = dict(zip(shapes, gens))
         self._hadamard = {p: RandomHadamard(self.seed * 8 + i) for i, p in enumerate(shapes)}
-        self._caches = {p: WeightCache(True) for p in shapes}
+        steps = OptimizerSteps()   # one counter for the module's caches
+        self._caches = {p: WeightCache(True, steps) for p in shapes}
         self._histories: dict[str, dict[str, AmaxHistory]] = {}
         self.format = fmt
         self._reset_histories()

@@ -54,7 +54,6 @@ from lowprec.numerics.fp8_ops import ELEMENTS
 from lowprec.numerics.quant_stats import QuantStats
 from lowprec.numerics.quantize import quantize
 from lowprec.sites.fp8_linear import WeightForms
-from lowprec.sites.weight_cache import install_step_hook, optimizer_steps
 
 __all__ = ["FP8AllGatherWeight", "FP8GatheredWeight", "gathers_fp8", "unwrap", "amax_groups", "fp8_gather_dtype"]
 
@@ -104,7 +103,6 @@ class FP8AllGatherWeight(Tensor):
         return _wrapper(cls, tensor)
 
     def __init__(self, tensor: Tensor, site, group=None, taken: list | None = None):
-        install_step_hook()   # `version` counts the optimizer steps
         self._tensor = tensor
         self._site = site
         self._group = group   # the amax all-reduce's group; None: the shard dims' groups
@@ -113,12 +111,12 @@ class FP8AllGatherWeight(Tensor):
         self._taken = [None, None] if taken is None else taken
 
     def version(self, param) -> tuple:
-        """The parameter's versions: the process's optimizer steps (fused AdamW updates a
-        weight without bumping its version counter; `lowprec.sites.weight_cache` counts them),
+        """The parameter's versions: the optimizer steps its site's weight cache counted (fused
+        AdamW updates a weight without bumping its version counter; `lowprec.sites.weight_cache`),
         the sharded DTensor's version (other in-place updates: they run below it, in DTensor's
         and this wrapper's dispatch) and the inner tensor's (writes straight into it: a DCP load
         into a plain state_dict shard)."""
-        return (optimizer_steps(), param._version, self._tensor._version)
+        return (self._site.weight_cache.steps.count, param._version, self._tensor._version)
 
     def amax_stale(self, version) -> bool:
         """Whether this shard's weight changed (`version`) since its amax was last taken."""

@@ -48,7 +48,7 @@ from lowprec.sites.fp8_linear import (NO_HISTORY, DelayedTensors, FastRecipe, FP
 from lowprec.sites.gemm_config import LinearGemmConfig
 from lowprec.sites.operand_quantizer import OPERAND_OF, OPERANDS, OperandQuantizer, bf16_round
 from lowprec.sites.quantized_gemms import QuantizedLinearFn
-from lowprec.sites.weight_cache import WeightCache, cache_key
+from lowprec.sites.weight_cache import WeightCache
 
 __all__ = ["PrecisionLinear", "linear_weight_view"]
 
@@ -228,7 +228,7 @@ def _weight_forms(layer: PrecisionLinear, w: torch.Tensor, recipe: FastRecipe, x
                  and not (w.is_cuda and torch.cuda.is_current_stream_capturing()))
     if use_cache:
         # one slot: the key holds the weight's shape and strides
-        key = cache_key(w, layer.format.weight, True, tag="fast")
+        key = cache.key(w, layer.format.weight, True, tag="fast")
         hit = cache.get("fast", key, need_stats=recipe.stats)
         if hit is not None:
             return hit, None

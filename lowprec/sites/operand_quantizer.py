@@ -34,7 +34,7 @@ from lowprec.numerics.hadamard import RandomHadamard
 from lowprec.numerics.quant_stats import QuantStats
 from lowprec.numerics.quantize import Quantized, quantize
 from lowprec.sites.amax_scope import AmaxScope
-from lowprec.sites.weight_cache import WeightCache, cache_key, cacheable
+from lowprec.sites.weight_cache import WeightCache, cacheable
 
 __all__ = ["OperandQuantizer", "OPERAND_OF", "OPERANDS", "bf16_round"]
 
@@ -107,7 +107,7 @@ class OperandQuantizer:
         if (role == "weight" and self.weight_cache.enabled and cacheable(spec) and not groups
                 and not torch.compiler.is_compiling()
                 and not (t.is_cuda and torch.cuda.is_current_stream_capturing())):
-            key = cache_key(t, spec, self.fused)
+            key = self.weight_cache.key(t, spec, self.fused)
             slot = f"{tuple(t.shape)}{t.stride()}"   # the forward's and the backward's layout
             q = self.weight_cache.get(slot, key, need_stats=keep_stats)
             if q is not None:

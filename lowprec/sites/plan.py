@@ -9,8 +9,9 @@
            format: nvfp4, ladder: [nvfp4, fp8_tensorwise, bf16]}              # the fallback path
 
 `PrecisionPlan.from_yaml` / `from_dict` turn strings into typed, frozen objects at once and
-fail with a `PlanError` whose `path` (`precision.rules[1].format`) says where, with a
-did-you-mean and the allowed values. `lowprec.sites.resolution.resolve(model, plan)` gives every
+fail with the one parser's `ConfigError` (`lowprec.base.parse`, as every config section: also
+importable as `PlanError`) whose `path` (`precision.rules[1].format`) says where, what was
+found, the allowed values and a did-you-mean. `lowprec.sites.resolution.resolve(model, plan)` gives every
 linear layer its format, ladder and reason and checks what needs the model.
 
 * Precedence: keep_high_precision beats every rule; among rules the LAST match wins (as in
@@ -33,7 +34,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch.nn as nn
@@ -41,10 +42,10 @@ import yaml
 
 from lowprec.sites.backends import BACKEND_NAMES
 from lowprec.sites.gemm_config import LinearGemmConfig
-from lowprec.base.parse import ConfigError, check_keys, suggest
+from lowprec.base.parse import ConfigError, parse, suggest
 from lowprec.base.yaml_read import read_yaml_file, read_yaml_text
-from lowprec.numerics.formats import FORMATS, Format, format_names, get_format
-from lowprec.sites.amax_scope import AMAX_SCOPES, AmaxScope
+from lowprec.numerics.formats import FORMATS, Format
+from lowprec.sites.amax_scope import AmaxScope
 from lowprec.sites.reasons import ReasonKind, SiteReason
 from lowprec.sites.site_kinds import SITE_KINDS, SiteKind, expert_index_of, kind_of
 
@@ -58,13 +59,8 @@ RULE_KEYS = ("name", "select", "format", "ladder")
 PLAN_KEYS = ("backend", "default", "keep_high_precision", "rules", "fused", "amax_scope", "gemm")
 
 
-class PlanError(ConfigError):
-    """A plan that cannot be used; `path` says where in the config (`precision.rules[1].format`).
-
-    A ConfigError (`except ConfigError` catches it with every other config problem)."""
-
-    def __init__(self, path: str, message: str):
-        super().__init__(path, message)
+# The plan's errors are the one parser's `ConfigError` (kept under this name for callers that catch it).
+PlanError = ConfigError
 
 
 def _expect(ok: bool, v: Any, path: str, wanted: str, hint: str = "") -> Any:
@@ -76,10 +72,6 @@ def _expect(ok: bool, v: Any, path: str, wanted: str, hint: str = "") -> Any:
 
 def _str(v: Any, path: str) -> str:
     return _expect(isinstance(v, str) and v != "", v, path, "a non-empty string")
-
-
-def _list(v: Any, path: str) -> list:
-    return list(_expect(isinstance(v, (list, tuple)), v, path, "a list"))
 
 
 @dataclass(frozen=True)
@@ -193,38 +185,9 @@ class Selector:
         return " and ".join(f"{k} {', '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in self.to_dict().items())
 
 
-def _check_keys(d: Any, allowed: tuple[str, ...], path: str) -> dict:
-    """`d` if it is a mapping with only `allowed` keys (the one parser's check), else a PlanError."""
-    try:
-        return check_keys(d, list(allowed), path)
-    except ConfigError as e:
-        raise PlanError(e.path, e.message) from None
-
-
 def selection_from_dict(d: Any, path: str = "selection") -> Selector:
-    """A Selector from a `select:`-style mapping (the `rollout:` section reuses it)."""
-    _check_keys(d, SELECTOR_KEYS, path)
-    try:
-        return Selector(**d)
-    except PlanError as e:
-        raise e.under(path) from None
-
-
-def _amax_scope(v: Any, path: str) -> AmaxScope:
-    if v not in AMAX_SCOPES:
-        raise PlanError(path, f"unknown amax scope {v!r}.{suggest(str(v), AMAX_SCOPES)} Allowed: "
-                              f"{', '.join(AMAX_SCOPES)} (docs/config.md says what each costs).")
-    return AmaxScope(v)
-
-
-def _format(v: Any, path: str) -> Format:
-    if isinstance(v, Format):
-        return v
-    _expect(isinstance(v, str), v, path, "a format name", f". Known formats: {', '.join(format_names())}.")
-    try:
-        return get_format(v)
-    except ValueError as e:
-        raise PlanError(path, str(e)) from None
+    """A Selector from a `select:`-style mapping (the `rollout:` section reuses it), by the one parser."""
+    return parse(Selector, d, path)
 
 
 def make_ladder(fmt: Format, ladder: tuple[Format, ...] = ()) -> tuple[Format, ...]:
@@ -250,20 +213,14 @@ class Rule:
     name: str = "rule"
 
     def __post_init__(self) -> None:
+        _str(self.name, "name")
         object.__setattr__(self, "ladder", make_ladder(self.format, self.ladder))
 
     @classmethod
     def from_dict(cls, d: Any, path: str, default_name: str) -> "Rule":
-        _check_keys(d, RULE_KEYS, path)
-        if missing := [k for k in ("select", "format") if k not in d]:
-            raise PlanError(f"{path}.{missing[0]}", f"a rule needs `{missing[0]}`; it has {', '.join(map(str, d))}")
-        try:
-            return cls(selection_from_dict(d["select"], f"{path}.select"), _format(d["format"], f"{path}.format"),
-                       tuple(_format(f, f"{path}.ladder[{i}]")
-                             for i, f in enumerate(_list(d.get("ladder", []), f"{path}.ladder"))),
-                       _str(d.get("name", default_name), f"{path}.name"))
-        except PlanError as e:
-            raise e.under(path) from None
+        """A rule from its mapping, by the one parser; `default_name` when it has no `name`."""
+        rule = parse(cls, d, path)
+        return rule if "name" in d else replace(rule, name=default_name)
 
 
 @dataclass(frozen=True)
@@ -290,24 +247,12 @@ class PrecisionPlan:
 
     @classmethod
     def from_dict(cls, d: Any, path: str = "precision") -> "PrecisionPlan":
-        """Parse the contents of the `precision:` section."""
-        _check_keys(d, PLAN_KEYS, path)
-        fused = d.get("fused", False)
-        _expect(isinstance(fused, bool), fused, f"{path}.fused", "true or false")
-        scope = _amax_scope(d.get("amax_scope", AmaxScope.GROUP.value), f"{path}.amax_scope")
-        keep, rules = (_list(d.get(k, []), f"{path}.{k}") for k in ("keep_high_precision", "rules"))
-        try:
-            gemm = LinearGemmConfig.from_dict(d.get("gemm"), f"{path}.gemm")
-        except ConfigError as e:
-            raise PlanError(e.path, e.message) from None
-        try:
-            return cls(_str(d.get("backend", "emulated"), f"{path}.backend"),
-                       _format(d.get("default", "bf16"), f"{path}.default"),
-                       tuple(Rule.from_dict(r, f"{path}.rules[{i}]", f"rules[{i}]") for i, r in enumerate(rules)),
-                       tuple(selection_from_dict(s, f"{path}.keep_high_precision[{i}]") for i, s in enumerate(keep)),
-                       fused, scope, gemm)
-        except PlanError as e:
-            raise e.under(path) from None
+        """Parse the contents of the `precision:` section (by the one parser, `lowprec.base.parse`);
+        a rule without a name is called by its place, `rules[i]`."""
+        plan = parse(cls, d, path)
+        rules = [r if "name" in given else replace(r, name=f"rules[{i}]")
+                 for i, (r, given) in enumerate(zip(plan.rules, d.get("rules") or ()))]
+        return replace(plan, rules=tuple(rules)) if rules else plan
 
     @classmethod
     def from_yaml(cls, source: str | os.PathLike) -> "PrecisionPlan":

@@ -13,10 +13,13 @@ The key (`cache_key`) holds everything the quantization reads:
 * the weight tensor's `_version`: in-place updates bump it (SGD and foreach AdamW steps,
   `load_state_dict`, the snapshot rewind, which is a `load_state_dict`, `copy_` under
   `no_grad`), and views share their base's counter;
-* the number of `torch.optim` steps taken in this process (a global step post-hook):
-  fused AdamW (`_fused_adamw_`) updates the weights without bumping `_version` (seen on
-  torch 2.13), so any optimizer step of any `torch.optim.Optimizer` invalidates every
-  entry; between the steps of gradient accumulation nothing does;
+* the number of `torch.optim` steps taken since the cache was made (its `OptimizerSteps`,
+  given at construction: a counter the cache owns, counted by torch's step post-hook for as
+  long as the counter lives): fused AdamW (`_fused_adamw_`) updates the weights without
+  bumping `_version` (seen on torch 2.13), so any optimizer step of any
+  `torch.optim.Optimizer` invalidates every entry; between the steps of gradient
+  accumulation nothing does. No count lives in the module: two models, or two tests, never
+  share one;
 * the storage (`data_ptr`, storage offset), shape, strides, dtype and device: a new
   tensor behind the Parameter (`.to()`, FSDP's unsharded gather) is a miss;
 * the operand's `QuantSpec` and the `fused` flag.
@@ -49,12 +52,14 @@ FP8 storage form for the `torch` backend) until the weight next changes.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from lowprec.numerics.formats import QuantSpec, Rounding, Scaling
 from lowprec.numerics.quantize import Quantized
 
-__all__ = ["WeightCache", "cache_key", "cacheable", "install_step_hook"]
+__all__ = ["WeightCache", "OptimizerSteps", "cache_key", "cacheable"]
 
 
 def cacheable(spec: QuantSpec | None) -> bool:
@@ -63,42 +68,48 @@ def cacheable(spec: QuantSpec | None) -> bool:
             and spec.rounding is Rounding.NEAREST_EVEN and not spec.hadamard)
 
 
-_OPTIMIZER_STEPS = [0]
-_HOOK = []
+class OptimizerSteps:
+    """How many `torch.optim` steps (of any Optimizer) were taken since this object was made.
+    It counts through torch's global step post-hook, registered for this object alone and
+    removed when it is collected; a copy (`copy.deepcopy`, pickling) counts on its own."""
 
-
-def _count_step(optimizer, args, kwargs) -> None:
-    _OPTIMIZER_STEPS[0] += 1
-
-
-def optimizer_steps() -> int:
-    """How many `torch.optim` steps this process has taken since `install_step_hook`."""
-    return _OPTIMIZER_STEPS[0]
-
-
-def install_step_hook() -> None:
-    """Count every `torch.optim` step from now on (once per process; idempotent)."""
-    if not _HOOK:
+    def __init__(self):
         from torch.optim.optimizer import register_optimizer_step_post_hook
-        _HOOK.append(register_optimizer_step_post_hook(_count_step))
+        self.count = 0
+        ref = weakref.ref(self)
+
+        def bump(optimizer, args, kwargs) -> None:
+            me = ref()
+            if me is not None:
+                me.count += 1
+        weakref.finalize(self, register_optimizer_step_post_hook(bump).remove)
+
+    def __reduce__(self):
+        return OptimizerSteps, ()
 
 
-def cache_key(w: torch.Tensor, spec: QuantSpec, fused: bool, tag: str = "") -> tuple:
-    """Everything that decides `quantize(w, spec)` besides the values themselves."""
-    return (tag, _OPTIMIZER_STEPS[0], w._version, w.data_ptr(), w.storage_offset(), tuple(w.shape), w.stride(),
+def cache_key(w: torch.Tensor, spec: QuantSpec, fused: bool, tag: str = "", steps: int = 0) -> tuple:
+    """Everything that decides `quantize(w, spec)` besides the values themselves; steps: the
+    cache's `OptimizerSteps.count`."""
+    return (tag, steps, w._version, w.data_ptr(), w.storage_offset(), tuple(w.shape), w.stride(),
             w.dtype, w.device, spec, bool(fused))
 
 
 class WeightCache:
     """The last quantization of each weight layout of one layer (see the module docstring)."""
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, steps: OptimizerSteps | None = None):
+        """steps: the optimizer-step counter of the entries' keys (shared by the caches of one
+        layer; default: one of its own), which the layer's FP8 all-gather also reads."""
         self.enabled = bool(enabled)
-        if self.enabled:
-            install_step_hook()
+        self.steps = steps if steps is not None else OptimizerSteps()
         self._entries: dict[str, tuple[tuple, Quantized]] = {}
         self.hits = 0     # plain counters, for tests and benchmarks
         self.misses = 0
+
+    def key(self, w: torch.Tensor, spec: QuantSpec, fused: bool, tag: str = "") -> tuple:
+        """`cache_key` at this cache's optimizer step count."""
+        return cache_key(w, spec, fused, tag, self.steps.count)
 
     def clear(self) -> None:
         """Drop every entry (a format switch, a device move, or a write behind autograd)."""

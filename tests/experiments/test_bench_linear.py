@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT))
 
 from experiments import bench_linear  # noqa: E402
 
-SHAPES = ["d=64 tok=64", "d=64 tok=128", "d=128 tok=64", "d=128 tok=128"]
+SHAPES = ["d=16 tok=16", "d=16 tok=32", "d=32 tok=16", "d=32 tok=32"]
 
 
 def cells_of(line: str) -> list[str]:
@@ -35,7 +35,7 @@ def test_tiny_table_has_every_row_and_shape(tmp_path):
     streamed = [cells_of(ln) for ln in lines if ln.startswith("| ") and not ln.startswith(("| d_model", "| variant"))
                 and cells_of(ln)[0].isdigit()]
     assert [(int(c[0]), int(c[1]), c[2]) for c in streamed] == [
-        (d, n, name) for d in (64, 128) for n in (64, 128) for name in bench_linear.row_names()]
+        (d, n, name) for d in (16, 32) for n in (16, 32) for name in bench_linear.row_names()]
 
     # the summary table: variants by shapes
     head = lines.index(next(ln for ln in lines if ln.startswith("| variant")))
@@ -59,7 +59,7 @@ def test_tiny_table_has_every_row_and_shape(tmp_path):
     assert not any("FAILED" in line for line in lines)
 
     record = json.loads(js.read_text())
-    assert record["versions"]["torch"] and record["shapes"] == [[64, 64], [64, 128], [128, 64], [128, 128]]
+    assert record["versions"]["torch"] and record["shapes"] == [[16, 16], [16, 32], [32, 16], [32, 32]]
     assert len(record["rows"]) == len(SHAPES) * len(bench_linear.row_names())
     for row in record["rows"]:
         assert (row["ms"] is None) == bool(row["note"]), row

@@ -96,8 +96,8 @@ BAD = {
     "confidence too low": (GATE + "    confidence: 0.5\n", ["confidence", "strictly between 0.5 and 1"]),
     "bad statistic": (GATE + "    statistic: bootstrap\n", ["statistic", "Did you mean 'paired_bootstrap'"]),
     "bad min_samples": (GATE + "    min_samples: 0\n", ["min_samples", "whole number from 1"]),
-    "bad default": (GATE + "defaults: {confidence: 2}\n", ["defaults: confidence", "strictly between"]),
-    "unknown default": (GATE + "defaults: {direction: lower_is_better}\n", ["defaults: direction", "unknown key"]),
+    "bad default": (GATE + "defaults: {confidence: 2}\n", ["defaults.confidence", "strictly between"]),
+    "unknown default": (GATE + "defaults: {direction: lower_is_better}\n", ["defaults.direction", "unknown key"]),
     "duplicate metric": (GATE + GATE, ["gates[1] (eval/x/acc)", "again", "gates[0]"]),
     "gate not a mapping": ("  - eval/x/acc\n", ["gates[0]", "must be a mapping"]),
     "missing metric": ("  - direction: higher_is_better\n    max_regression: {absolute: 0.01}\n",
@@ -149,3 +149,33 @@ def test_shipped_gate_files_by_name(tmp_path, monkeypatch):
         GateSpec.from_yaml("defualt")
     with pytest.raises(GateSpecError, match="'my.yaml' does not exist"):
         GateSpec.from_yaml("my.yaml")
+
+
+def test_plans_gate_files_and_configs_share_one_parser_and_one_error(tmp_path):
+    """Issue 55: a gate file and a plan go through `lowprec.base.parse` as every config section
+    does: one error class (`GateSpecError` and `PlanError` are `ConfigError`), one message shape
+    (the place, what was expected, what was found, the hint)."""
+    from lowprec.base.parse import ConfigError
+    from lowprec.sites.plan import PlanError, PrecisionPlan
+    assert GateSpecError is ConfigError and PlanError is ConfigError
+    gate = {"metric": "m", "direction": "lower_is_better", "max_regression": {"relative": 0.1}}
+    cases = [
+        ({"gates": [{**gate, "confidence": "high"}]}, "gates[0] (m).confidence: expected a number, found the string 'high'"),
+        ({"gates": [{**gate, "noise": {"sd": "x"}}]}, "gates[0] (m).noise.sd: expected a number, found the string 'x'"),
+        ({"gates": [{**gate, "min_samples": 2.5}]}, "gates[0] (m).min_samples: expected an integer, found the number 2.5"),
+        ({"gates": [gate], "error_budget": {"alpha": "x"}}, "error_budget.alpha: expected a number, found the string 'x'"),
+        ({"gates": [{**gate, "max_regression": 0.1}]},
+         "gates[0] (m).max_regression: expected a mapping with keys relative, absolute, found the number 0.1"),
+    ]
+    for d, text in cases:
+        with pytest.raises(ConfigError) as e:
+            GateSpec.from_dict(d, source="g.yaml")
+        assert str(e.value).startswith("g.yaml: " + text), str(e.value)
+    with pytest.raises(ConfigError) as e:
+        PrecisionPlan.from_dict({"rules": [{"select": {"glob": "*"}, "format": "nvfp4", "ladder": "bf16"}]})
+    assert str(e.value).startswith("precision.rules[0].ladder: expected a list of format names, found the string "
+                                   "'bf16'; write a list"), str(e.value)
+    with pytest.raises(ConfigError) as e:
+        PrecisionPlan.from_dict({"default": "fp9"})
+    assert str(e.value).startswith("precision.default: expected a format name, found the string 'fp9': unknown "
+                                   "precision format 'fp9'."), str(e.value)

@@ -184,3 +184,36 @@ def test_write_behind_autograd_needs_clear():
     ref.load_state_dict(model.state_dict())
     assert torch.equal(_out(model, x), _out(ref, x))
     assert not torch.equal(stale, _out(ref, x))
+
+
+def test_the_step_count_is_the_caches_own_not_the_process():
+    """Issue 55: the optimizer-step count behind the keys is an `OptimizerSteps` each cache is
+    given (or makes) at construction, not a module global: a layer made after steps of another
+    model's optimizer starts at 0, a collected counter takes its torch hook with it, a copy
+    counts on its own, and `lowprec.sites.weight_cache` keeps no mutable state of its own."""
+    import ast
+    import copy
+    import gc
+    from pathlib import Path
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+    from lowprec.sites import weight_cache
+
+    first = _model("fp8_tensorwise", "emulated", True)
+    opt = torch.optim.SGD(first.parameters(), lr=0.1)   # no gradients: its step_post hooks still run
+    opt.step()
+    opt.step()
+    assert [m.weight_cache.steps.count for m in first if isinstance(m, PrecisionLinear)] == [2, 2]
+    later = _model("fp8_tensorwise", "emulated", True)
+    assert later[0].weight_cache.steps.count == 0            # not the process's 2
+    twin = copy.deepcopy(later)
+    opt.step()
+    assert (later[0].weight_cache.steps.count, twin[0].weight_cache.steps.count) == (1, 1)
+    assert twin[0].weight_cache.steps is not later[0].weight_cache.steps
+    hooks = len(_global_optimizer_post_hooks)
+    del later, twin
+    gc.collect()
+    assert len(_global_optimizer_post_hooks) == hooks - 4     # the four counters' hooks went with them
+    tree = ast.parse(Path(weight_cache.__file__).read_text())
+    mutable = [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+               and not (isinstance(n, ast.Assign) and [ast.unparse(t) for t in n.targets] == ["__all__"])]
+    assert not mutable, mutable
