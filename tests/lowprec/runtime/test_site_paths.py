@@ -27,8 +27,8 @@ def test_fast_calls_and_the_fp8_all_gather_per_site_and_bf16_after_a_fallback(on
     torch.manual_seed(0)
     model = _Blocks()
     plan = PrecisionPlan.from_dict({"backend": "torch", "amax_scope": "local", "rules": [
-        {"select": {"glob": "blocks.0.*"}, "format": "fp8_tensorwise", "ladder": ["fp8_tensorwise", "bf16"]},
-        {"select": {"glob": "blocks.1.*"}, "format": "bf16", "ladder": ["fp8_tensorwise", "bf16"]}]})
+        {"name": "b0", "select": {"glob": "blocks.0.*"}, "format": "fp8_tensorwise", "ladder": ["fp8_tensorwise", "bf16"]},
+        {"name": "b1", "select": {"glob": "blocks.1.*"}, "format": "bf16", "ladder": ["fp8_tensorwise", "bf16"]}]})
     state = prepare(model, plan)
     engine = FullyShardedDP(model, fp8_all_gather=True)
     x, y = torch.randn(4, 16), torch.randn(4, 16)
