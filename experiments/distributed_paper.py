@@ -2,19 +2,19 @@
 
     python -m experiments.distributed_paper            # the table of docs/distributed.md
 
-From the model's dimensions and the per-layer figures the ledger measures on the small
-GPT (experiments/ledger.py; tests/lowprec/sites/fast_path/test_fast_path_distributed.py
-asserts them): per FP8 site and step, `amax_scope: group` issues 2 amax all-reduces
-(input, output gradient) over the data-parallel group, plus one over the TP group for each
-operand split over it (counted per block in `rows`), and `local` none; FP8 all-gather sends 1 byte per weight element
-(BF16: 2) and takes the weights' amaxes in 1 all-reduce per step; the statistics of a
-check step are 1 all-gather for all sites. Three recipes:
+From the model's dimensions and the count model of the amax all-reduces
+(experiments/amax_count.py, which the torchrun tests hold the code to): a block's q, k, v,
+gate and up are column-parallel on sequence-sharded inputs (q, k, v read one, gate and up
+another), o and down row-parallel; `local` (the default) reduces each SP input's amax once
+over TP, `group` also every activation and gradient over the data-parallel group and every
+TP-split operand over TP; FP8 all-gather sends 1 byte per weight element (BF16: 2) and takes
+the weights' amaxes in 1 all-reduce per step; the statistics of a check step are 1
+all-gather for all sites. Three recipes:
 
 * bf16: BF16 weights gathered, FP32 gradient reduce-scatter, BF16 TP/SP collectives;
-* lowprec: tensor-wise FP8 with FP8 weight all-gather (built for 1-D FSDP2; under FSDP x
-  TP these rows are the same design on paper), `group` or `local` amax scope, FP8
+* lowprec: tensor-wise FP8 with FP8 weight all-gather, `local` or `group` amax scope, FP8
   sequence-parallel input gathers (`FP8SequenceColwiseParallel`; the input's amax is
-  all-reduced over TP before each, counted with the amax all-reduces);
+  all-reduced over TP once for the sites reading it, counted with the amax all-reduces);
 * torchao: float8 tensor-wise with `enable_fsdp_float8_all_gather` and
   `precompute_float8_dynamic_scale_for_fsdp` (1 all-reduce per step), Float8ColwiseParallel
   (the SP input is cast before its all-gather: FP8 bytes, one TP amax all-reduce each).
@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-__all__ = ["Llama", "MODELS", "rows", "main"]
+from experiments.amax_count import SiteLayout, Split, amax_all_reduces, torchao_amax_all_reduces
+
+__all__ = ["Llama", "MODELS", "rows", "amax_rows", "amax_table", "main"]
 
 LATENCY_US = {400: 10.0, 50: 25.0}   # assumed per-collective latency at each bandwidth (µs)
 SEQ_PER_RANK = 8192                   # tokens per data-parallel rank per step
@@ -54,6 +56,24 @@ class Llama:
 
 
 MODELS = (Llama("Llama 8B", 4096, 32, 1024, 14336), Llama("Llama 70B", 8192, 80, 1024, 28672))
+GPUS = (64, 512)
+
+
+def block_sites(m: Llama) -> list[SiteLayout]:
+    """Every FP8 site of the model under TP with SP (torchtitan's Llama plan): per block q, k,
+    v (SP, one input), o (row), gate, up (SP, one input), down (row)."""
+    out = []
+    for i in range(m.layers):
+        attn, ffn = SiteLayout(Split.SP, f"{i}.attention_norm"), SiteLayout(Split.SP, f"{i}.ffn_norm")
+        out += [attn, attn, attn, SiteLayout(Split.ROW), ffn, ffn, SiteLayout(Split.ROW)]
+    return out
+
+
+def amax_rows(m: Llama) -> dict[str, int]:
+    """Amax all-reduces per rank and step (FSDP x TP 8 with SP, FP8 all-gather; any DP degree)."""
+    sites = block_sites(m)
+    return {scope: amax_all_reduces(sites, scope=scope, dp=True, fp8_all_gather=True) for scope in ("local", "group")} | {
+        "torchao": torchao_amax_all_reduces(sites, fp8_all_gather=True)}
 
 
 def _ring(n: int) -> float:
@@ -75,17 +95,12 @@ def rows(m: Llama, gpus: int, tp: int = 8) -> list[tuple[str, str, int, float]]:
         sp_fwd_bytes = 2 if recipe == "bf16" else 1   # FP8 SP input gathers (both FP8 recipes)
         tp_bytes = _ring(tp) * act * (2 * sp_fwd_bytes + 2 * 2 + 4 * 2)   # fwd 2 AG + 2 RS, bwd 2 AG + 2 RS
         out.append(("TP/SP all-gather + reduce-scatter", recipe, 8 * L, tp_bytes))
-    # group scope under DP x TP with SP, per block (lowprec.sites.fp8_parallel / fp8_sequence):
-    # inputs 5 x (DP + TP) (column-parallel, gathered in FP8 from sequence shards) + 2 x (DP +
-    # TP) (row-parallel, split over TP); output gradients 5 x (DP + TP) + 2 x DP; the
-    # TP-sharded weights 7 x TP; + the FP8-gathered weights' amaxes once per step
-    group = (5 * 2 + 2 * 2 + 5 * 2 + 2 + 7) * L + 1
-    out.append(("amax all-reduce, group scope", "lowprec", group, (group - 1 + sites) * 4))
-    # local scope: the FP8-gathered weights' amaxes once per step, and the SP input's amax
-    # over TP before each FP8 SP gather (qkv and gate/up share one input each: 2 per block
-    # as torchao, though lowprec casts per site: 5 per block)
-    out.append(("amax all-reduce, local scope", "lowprec", 5 * L + 1, (5 * L + sites) * 4))
-    out.append(("amax all-reduce", "torchao", 2 * L + 1, (2 * L + sites) * 4))
+    # amaxes (experiments/amax_count.py): 4 bytes each, the FP8-gathered weights' all-reduce
+    # carrying one amax per site
+    amax = amax_rows(m)
+    out.append(("amax all-reduce, local scope (default)", "lowprec", amax["local"], (amax["local"] - 1 + sites) * 4))
+    out.append(("amax all-reduce, group scope", "lowprec", amax["group"], (amax["group"] - 1 + sites) * 4))
+    out.append(("amax all-reduce", "torchao", amax["torchao"], (amax["torchao"] - 1 + sites) * 4))
     out.append(("statistics all-gather (check step)", "lowprec", 1, gpus * sites * 4 * 8 * 8))
     return out
 
@@ -94,11 +109,23 @@ def _time_ms(count: int, nbytes: float, bw_gb_s: int) -> float:
     return nbytes / (bw_gb_s * 1e9) * 1e3 + count * LATENCY_US[bw_gb_s] * 1e-3
 
 
+def amax_table() -> str:
+    """lowprec's amax all-reduces per rank and step against torchao's, in both scopes."""
+    lines = ["| model | GPUs (FSDP x TP) | lowprec `local` (default) | lowprec `group` | torchao | default / torchao |",
+             "|---|---|---:|---:|---:|---:|"]
+    for m in MODELS:
+        a = amax_rows(m)
+        for gpus in GPUS:
+            lines.append(f"| {m.name} | {gpus} ({gpus // 8} x 8) | {a['local']} | {a['group']} | {a['torchao']} | "
+                         f"{a['local'] / a['torchao']:.2f}x |")
+    return "\n".join(lines)
+
+
 def table() -> str:
     lines = ["| model | GPUs (FSDP x TP) | collective | recipe | count | MB per rank | ms at 400 GB/s | ms at 50 GB/s |",
              "|---|---|---|---|---:|---:|---:|---:|"]
     for m in MODELS:
-        for gpus in (64, 512):
+        for gpus in GPUS:
             for name, recipe, count, nbytes in rows(m, gpus):
                 lines.append(f"| {m.name} | {gpus} ({gpus // 8} x 8) | {name} | {recipe} | {count} | "
                              f"{nbytes / 1e6:,.1f} | {_time_ms(count, nbytes, 400):,.2f} | "
@@ -108,7 +135,7 @@ def table() -> str:
 
 def main(argv=None) -> str:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
-    out = table()
+    out = amax_table() + "\n\n" + table()
     try:
         print(out)
     except BrokenPipeError:   # `| head`

@@ -5,8 +5,9 @@
 
 `fast_calls` / `slow_calls`: the forwards of the site's PrecisionLinear that ran the FP8 fast
 path (plain tensors, DTensor shards and data-parallel amaxes alike) or the reference
-quantized GEMMs (`lowprec.sites.layers`), in this process since it started (replays and eval
-forwards included; a resumed run counts from the resume), summed over the ranks.
+quantized GEMMs (`lowprec.sites.layers`) over the whole run (replays and eval forwards
+included; the counts up to a checkpoint are in its precision state, so a resumed run counts
+from the start, not from the resume), summed over the ranks.
 `all_gather`: the dtype FSDP2 gathers the site's weight in from the next step: an FP8 dtype
 under `parallel.fp8_all_gather` while the site runs tensor-wise FP8, else the weight's own
 dtype; null where no FSDP2 shards the model (one process, replicated data parallel, tp, pp).

@@ -31,7 +31,7 @@ from lowprec.numerics.delayed import AmaxHistory
 from lowprec.numerics.formats import Format, Scaling
 from lowprec.numerics.hadamard import RandomHadamard
 from lowprec.numerics.quant_stats import QuantStats
-from lowprec.sites.amax_scope import AmaxScope
+from lowprec.sites.amax_scope import DEFAULT_AMAX_SCOPE, AmaxScope
 from lowprec.sites.grouped_gemms import GroupedQuantizedFn
 from lowprec.sites.operand_quantizer import OPERAND_OF, OPERANDS, OperandQuantizer
 from lowprec.sites.weight_cache import OptimizerSteps, WeightCache
@@ -75,7 +75,7 @@ class ExpertSite(nn.Module):
 
     def __init__(self, index: int, shapes: dict[str, tuple[int, int]], fmt: Format, backend, *, fqn: str,
                  seed: int = 0, top_k: int = 1, num_experts: int = 1, device=None, amax_group=None,
-                 amax_scope: AmaxScope = AmaxScope.GROUP, fused: bool = False):
+                 amax_scope: AmaxScope = DEFAULT_AMAX_SCOPE, fused: bool = False):
         super().__init__()
         self.expert_index, self.fqn, self.backend, self.seed = int(index), fqn, backend, int(seed)
         self.shapes = dict(shapes)                       # projection -> (out, in) of its weight
@@ -277,7 +277,7 @@ _CLASSES: dict[type, type] = {}
 
 
 def wrap_experts(module: nn.Module, fqn: str, names: tuple[str, ...], formats: list[Format], backend, *,
-                 seeds: list[int], top_k: int, amax_group=None, amax_scope: AmaxScope = AmaxScope.GROUP,
+                 seeds: list[int], top_k: int, amax_group=None, amax_scope: AmaxScope = DEFAULT_AMAX_SCOPE,
                  fused: bool = False) -> list[ExpertSite]:
     """Make `module` (at `fqn`, with projections `names`) run its experts as sites, in place."""
     base = type(module)

@@ -195,13 +195,13 @@ def _sequence(layer, x, w, recipe: FastRecipe, weight_forms, delayed, tp_dim: in
     `group` the weight's and the output gradient's amaxes are the whole tensors' too."""
     from lowprec.sites.fp8_sequence import sequence_fp8_linear
     tp = x.device_mesh.get_group(tp_dim)
-    w_l = w.to_local().detach()
-    if layer.amax_scope is AmaxScope.GROUP:
+    w_l = unwrap(w.to_local().detach())
+    if layer.amax_scope is AmaxScope.GROUP and not isinstance(w_l, FP8GatheredWeight):   # gathered: scaled already
         forms = _weight_forms_group(w_l, recipe, OperandGroups((tp,), ()), delayed(layer, "weight", recipe),
                                     layer.overflow_steps)
-        grad_groups = (tp, *dp)
     else:
-        forms, grad_groups = weight_forms(layer, w_l, recipe), ()
+        forms = weight_forms(layer, w_l, recipe)
+    grad_groups = (tp, *dp) if layer.amax_scope is AmaxScope.GROUP else ()
     return sequence_fp8_linear(layer, x, w, recipe, forms, tp_dim, dp, grad_groups)
 
 

@@ -5,7 +5,8 @@ along the sequence, and a column-parallel linear layer's input is all-gathered f
 tensor-parallel style `FP8SequenceColwiseParallel` hands the layer its input still
 sharded (`Shard(1)`); `SequenceGatherFP8Fn` casts each rank's part to FP8 with the scale
 of the whole gathered input (its amax all-reduced over the tensor-parallel group, and over
-the data-parallel group under `amax_scope: group`), all-gathers the FP8 bytes (one byte
+the data-parallel group under `amax_scope: group`; once for all the sites that read the same
+input, through the model's `lowprec.sites.shared_amax.SharedAmax`), all-gathers the FP8 bytes (one byte
 per element, not two), and runs the GEMM on the gathered FP8 input and the local weight
 rows: the output is the local columns of the full sequence, as `ColwiseParallel` gives.
 The backward casts the output gradient, reduce-scatters the input gradient (high
@@ -40,8 +41,10 @@ def _amax(t: Tensor, groups) -> Tensor:
     return a
 
 
-def _cast(t2: Tensor, elem: int, groups, stats: bool):
-    q = quantize(t2, QuantSpec(ELEMENTS[elem], Scaling.TENSOR), amax=_amax(t2, groups), stats=stats, validate=False)
+def _cast(t2: Tensor, elem: int, groups, stats: bool, shared=None):
+    """shared: the model's `SharedAmax` (the input's amax, reduced once for the sites reading it)."""
+    amax = _amax(t2, groups) if shared is None else shared.amax(t2, tuple(groups), _amax)
+    q = quantize(t2, QuantSpec(ELEMENTS[elem], Scaling.TENSOR), amax=amax, stats=stats, validate=False)
     return q.to_storage().contiguous(), q.scale_inv.reshape(()).clone(), (q.stats.packed if stats else None)
 
 
@@ -51,10 +54,10 @@ class SequenceGatherFP8Fn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, bias, qw, siw, qwt, siwt, grad_stats, meta):
-        tp_group, dp_groups, _, recipe = meta
+        tp_group, dp_groups, _, recipe, shared = meta
         world = dist.get_world_size(tp_group)
         b, t, k = x.shape
-        qx, six, stats_x = _cast(x.reshape(-1, k), recipe.fwd, (tp_group, *dp_groups), recipe.stats)
+        qx, six, stats_x = _cast(x.reshape(-1, k), recipe.fwd, (tp_group, *dp_groups), recipe.stats, shared)
         buf = torch.empty((world * qx.shape[0], k), dtype=torch.uint8, device=x.device)
         dist.all_gather_into_tensor(buf, qx.view(torch.uint8), group=tp_group)
         full = buf.view(qx.dtype).view(world, b, t, k).transpose(0, 1).reshape(b * world * t, k)
@@ -67,7 +70,7 @@ class SequenceGatherFP8Fn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy, _gstats):
         full, six, qwt, siwt, grad_stats = ctx.saved_tensors
-        tp_group, _, grad_groups, recipe = ctx.meta
+        tp_group, _, grad_groups, recipe, _ = ctx.meta
         b, t, k, world = ctx.shape
         g2 = gy.reshape(-1, gy.shape[-1])
         # each rank's dgrad is its own GEMM (a partial sum): one scale per rank suffices
@@ -129,7 +132,7 @@ def sequence_fp8_linear(layer, x, w, recipe, forms, tp_dim: int, dp_groups: tupl
     grad_stats = (torch.zeros(len(QuantStats.FIELDS), dtype=torch.float64, device=x_l.device)
                   if recipe.stats and torch.is_grad_enabled() else None)
     y, stats_x = SequenceGatherFP8Fn.apply(x_l, w_l, bias, forms.q, forms.scale_inv, forms.q_t, forms.scale_inv,
-                                           grad_stats, (group, dp_groups, grad_groups, recipe))
+                                           grad_stats, (group, dp_groups, grad_groups, recipe, layer.shared_amax))
     if recipe.stats:
         layer.stats["input"] = QuantStats(stats_x)
         layer.stats["weight"] = forms.stats

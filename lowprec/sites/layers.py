@@ -25,7 +25,9 @@ Distributed (`amax_scope`, `lowprec.sites.amax_scope`): with `group`, a tensor-w
 is the amax of the whole tensor: a DTensor shard's is all-reduced (MAX) over the mesh
 dimensions it is sharded on, and activations/gradients are also reduced over `amax_group`
 (the data-parallel group) when one is given, so the numerics equal a single process's;
-with `local` each rank scales its own shards. In the `torch` backend's FP8 formats both
+with `local` (the default) each rank scales its own shards, and a sequence-parallel input
+gathered in FP8 has its amax reduced once for all the sites reading it (`shared_amax`, the
+model's `lowprec.sites.shared_amax.SharedAmax`). In the `torch` backend's FP8 formats both
 run the fast path (`lowprec.sites.fp8_parallel`); `fast_calls` / `slow_calls` count the
 eager forward calls on the fast path and on `QuantizedLinearFn`.
 """
@@ -40,7 +42,8 @@ from lowprec.numerics.delayed import AmaxHistory, static_address
 from lowprec.numerics.formats import Format, Scaling
 from lowprec.numerics.hadamard import RandomHadamard
 from lowprec.numerics.quant_stats import QuantStats
-from lowprec.sites.amax_scope import AmaxScope
+from lowprec.sites.amax_scope import DEFAULT_AMAX_SCOPE, AmaxScope
+from lowprec.sites.shared_amax import SharedAmax
 from lowprec.sites.fp8_allgather import FP8GatheredWeight, unwrap
 from lowprec.sites.fp8_parallel import parallel_fast_linear
 from lowprec.sites.fp8_linear import (NO_HISTORY, DelayedTensors, FastRecipe, FP8LinearFn, InputForms, WeightForms,
@@ -72,8 +75,8 @@ class PrecisionLinear(nn.Linear):
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, fmt: Format, backend, *,
                  fqn: str = "", transposed_weight: bool = False, seed: int = 0,
                  amax_group=None, emulate_bf16: bool = True, fused: bool = False,
-                 cache_weights: bool = True, amax_scope: AmaxScope = AmaxScope.GROUP,
-                 gemm: LinearGemmConfig | None = None):
+                 cache_weights: bool = True, amax_scope: AmaxScope = DEFAULT_AMAX_SCOPE,
+                 gemm: LinearGemmConfig | None = None, shared_amax: SharedAmax | None = None):
         nn.Module.__init__(self)
         out_f, in_f = (weight.shape[1], weight.shape[0]) if transposed_weight else weight.shape
         self.in_features, self.out_features = int(in_f), int(out_f)
@@ -84,6 +87,9 @@ class PrecisionLinear(nn.Linear):
         self.backend = backend
         self.amax_group = amax_group
         self.amax_scope = amax_scope
+        # the model's one SharedAmax (lowprec.sites.shared_amax): an SP input's amax reduced once
+        # for all the sites that read that input; None: each site reduces its own
+        self.shared_amax = shared_amax
         # eager forward calls on the FP8 fast path / on QuantizedLinearFn in a low-precision format
         self.fast_calls = 0
         self.slow_calls = 0
@@ -112,6 +118,11 @@ class PrecisionLinear(nn.Linear):
         path and `fmt` is one of its formats: decided here, once per format, not per call."""
         recipe = fast_recipe(fmt, self.gemm) if getattr(self.backend, "fast_path", False) else None
         return None if recipe is None else step_recipes(recipe)
+
+    def restore_calls(self, fast: int, slow: int) -> None:
+        """Set the forward counters to a checkpoint's (`PrecisionState.load_state_dict`): a
+        resumed run's counts are the whole run's (lowprec.runtime.site_paths)."""
+        self.fast_calls, self.slow_calls = int(fast), int(slow)
 
     @classmethod
     def from_module(cls, module: nn.Module, fmt: Format, backend, **kw) -> "PrecisionLinear":

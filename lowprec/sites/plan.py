@@ -45,7 +45,7 @@ from lowprec.sites.gemm_config import LinearGemmConfig
 from lowprec.base.parse import ConfigError, parse, suggest
 from lowprec.base.yaml_read import read_yaml_file, read_yaml_text
 from lowprec.numerics.formats import FORMATS, Format
-from lowprec.sites.amax_scope import AmaxScope
+from lowprec.sites.amax_scope import DEFAULT_AMAX_SCOPE, AmaxScope
 from lowprec.sites.reasons import ReasonKind, SiteReason
 from lowprec.sites.site_kinds import SITE_KINDS, SiteKind, expert_index_of, kind_of
 
@@ -210,17 +210,18 @@ class Rule:
     select: Selector
     format: Format
     ladder: tuple[Format, ...] = ()
-    name: str = "rule"
+    name: str | None = None   # unnamed: the plan calls it by its place, `rules[i]`
 
     def __post_init__(self) -> None:
-        _str(self.name, "name")
+        if self.name is not None:
+            _str(self.name, "name")
         object.__setattr__(self, "ladder", make_ladder(self.format, self.ladder))
 
     @classmethod
     def from_dict(cls, d: Any, path: str, default_name: str) -> "Rule":
         """A rule from its mapping, by the one parser; `default_name` when it has no `name`."""
         rule = parse(cls, d, path)
-        return rule if "name" in d else replace(rule, name=default_name)
+        return rule if rule.name is not None else replace(rule, name=default_name)
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,7 @@ class PrecisionPlan:
     rules: tuple[Rule, ...] = ()
     keep_high_precision: tuple[Selector, ...] = ()
     fused: bool = False
-    amax_scope: AmaxScope = AmaxScope.GROUP
+    amax_scope: AmaxScope = DEFAULT_AMAX_SCOPE
     gemm: LinearGemmConfig = field(default_factory=LinearGemmConfig)   # the fast path's GEMMs
 
     def __post_init__(self) -> None:
@@ -240,7 +241,9 @@ class PrecisionPlan:
         if self.backend not in BACKENDS:
             raise PlanError("backend", f"unknown backend {self.backend!r}.{suggest(str(self.backend), BACKENDS)} "
                                        f"Allowed: {', '.join(BACKENDS)}.")
-        names = [r.name for r in self.rules]
+        named = tuple(r if r.name is not None else replace(r, name=f"rules[{i}]") for i, r in enumerate(self.rules))
+        object.__setattr__(self, "rules", named)   # an unnamed rule is called by its place
+        names = [r.name for r in named]
         for i, n in enumerate(names):
             if n in names[:i]:
                 raise PlanError(f"rules[{i}].name", f"duplicate rule name {n!r}; rule names must be unique")
@@ -249,10 +252,7 @@ class PrecisionPlan:
     def from_dict(cls, d: Any, path: str = "precision") -> "PrecisionPlan":
         """Parse the contents of the `precision:` section (by the one parser, `lowprec.base.parse`);
         a rule without a name is called by its place, `rules[i]`."""
-        plan = parse(cls, d, path)
-        rules = [r if "name" in given else replace(r, name=f"rules[{i}]")
-                 for i, (r, given) in enumerate(zip(plan.rules, d.get("rules") or ()))]
-        return replace(plan, rules=tuple(rules)) if rules else plan
+        return parse(cls, d, path)
 
     @classmethod
     def from_yaml(cls, source: str | os.PathLike) -> "PrecisionPlan":

@@ -24,7 +24,8 @@ from torch import nn
 from lowprec.sites.backends import Backend, BackendName, SiteModule, get_backend
 from lowprec.numerics.formats import FORMATS, Format, get_format
 from lowprec.base.parse import suggest
-from lowprec.sites.amax_scope import AmaxScope
+from lowprec.sites.amax_scope import DEFAULT_AMAX_SCOPE
+from lowprec.sites.shared_amax import SharedAmax
 from lowprec.sites.layers import PrecisionLinear
 from lowprec.sites.reasons import ReasonKind, SiteReason
 from lowprec.numerics.quantize import check_layer_fits
@@ -179,6 +180,8 @@ class PrecisionState:
             if hasattr(m, "generator"):  # TE sites keep their own RNG and FP8 state
                 out[fqn]["generator"] = m.generator.get_state()
                 out[fqn]["seed"] = m.seed  # also fixes the Hadamard signs
+            if hasattr(m, "fast_calls"):   # forwards by GEMM path so far: a resumed run counts the whole run
+                out[fqn]["calls"] = [int(m.fast_calls), int(m.slow_calls)]
         return {"version": 1, "sites": out}
 
     def load_state_dict(self, state: dict) -> None:
@@ -205,6 +208,8 @@ class PrecisionState:
                 m.histories[k].load_state_dict(h)
             if "generator" in st:
                 m.generator.set_state(st["generator"])
+            if "calls" in st and hasattr(m, "restore_calls"):   # absent in checkpoints written before it
+                m.restore_calls(*st["calls"])
 
     def __repr__(self) -> str:
         share = ", ".join(f"{k} {v:.0%}" for k, v in self.flops_share().items())
@@ -270,7 +275,8 @@ def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0,
         for fqn in experts:
             unwrap_experts(model.get_submodule(fqn))
         raise
-    scope = getattr(plan, "amax_scope", AmaxScope.GROUP)
+    scope = getattr(plan, "amax_scope", DEFAULT_AMAX_SCOPE)
+    shared = SharedAmax()   # one per model: the sites reading one SP input reduce its amax once
     sites, kept = [], []
     for i, sp in enumerate(resolved):
         if sp.reason.kept_high_precision:
@@ -283,7 +289,7 @@ def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0,
             continue
         layer = backend.make_site(sp.module, sp.format, name=sp.fqn, seed=seed * 1_000_003 + i,
                                   amax_group=amax_group, amax_scope=scope, fused=plan.fused, gemm=plan.gemm,
-                                  layer_cls=layer_cls)
+                                  layer_cls=layer_cls, shared_amax=shared)
         _set_submodule(model, sp.fqn, layer)
         sites.append(Site(sp.fqn, layer, tuple(sp.ladder), sp.reason))
     kept_shapes = [(sp.fqn, linear_shape(sp.module)) for sp in resolved
@@ -305,5 +311,5 @@ def _wrap_experts(model: nn.Module, backend, kind: BackendName, plan, seed: int,
         e = getattr(m, names[0]).shape[0]
         wrap_experts(m, fqn, names, [BF16] * e, backend, top_k=experts_top_k(model, fqn), amax_group=amax_group,
                      seeds=[seed * 1_000_003 + 700_001 + 1_000 * n + i for i in range(e)],
-                     amax_scope=getattr(plan, "amax_scope", AmaxScope.GROUP), fused=plan.fused)
+                     amax_scope=getattr(plan, "amax_scope", DEFAULT_AMAX_SCOPE), fused=plan.fused)
     return found

@@ -92,7 +92,9 @@ CONFIG = {
     "data": {"factory": "experiments.data:shakespeare_tokens", "args": {"max_bytes": 200_000}, "block_size": 32},
     "train": {"steps": STEPS, "batch_size": 8, "microbatches": 2, "lr": 1e-3, "warmup": 5, "seed": 0,
               "ckpt_every": 100},   # checkpoints at step 0 and the end: the rewinds use in-memory snapshots
-    "precision": {"backend": "emulated", "keep_high_precision": [{"fqns": ["lm_head"]}],
+    # `group`: one process's numerics, the mode this harness holds to its bounds (the default,
+    # `local`, scales each rank's rows by their own amaxes: 1.3e-4 at step 0, docs/distributed.md)
+    "precision": {"backend": "emulated", "amax_scope": "group", "keep_high_precision": [{"fqns": ["lm_head"]}],
                   "rules": [{"name": "mlp", "select": {"glob": "blocks.*.mlp.*"}, "format": "fp8_tensorwise",
                              "ladder": ["fp8_tensorwise", "bf16"]},
                             {"name": "attn", "select": {"glob": "blocks.*.attn.*"}, "format": "bf16",

@@ -54,7 +54,7 @@ from lowprec.sites.plan import PrecisionPlan  # noqa: E402
 from small_gpt import MODEL, corpus_bytes  # noqa: E402
 
 PLAN = {
-    "backend": "emulated",
+    "backend": "emulated", "amax_scope": "group",   # FSDP: one process's numerics
     "keep_high_precision": [{"fqns": ["lm_head"]}],
     "rules": [{"name": "b0", "select": {"glob": "blocks.0.*"}, "format": "fp8_delayed"},
               {"name": "b1", "select": {"glob": "blocks.1.*"}, "format": "fp8_tensorwise"}],

@@ -55,7 +55,7 @@ SITES = [f"blocks.{i}.{m}" for i in range(MODEL["n_layer"])
 def plan_for(fmt: str) -> PrecisionPlan:
     """Every linear layer of every block in `fmt`; the output head stays high precision."""
     return PrecisionPlan.from_dict({
-        "backend": "emulated",
+        "backend": "emulated", "amax_scope": "group",
         "keep_high_precision": [{"fqns": ["lm_head"]}],
         "rules": [{"name": "blocks", "select": {"glob": "blocks.*"}, "format": fmt,
                    "ladder": [fmt, "bf16"]}],
@@ -256,6 +256,7 @@ def layer_checks() -> dict:
 
     from lowprec.sites.backends import get_backend
     from lowprec.numerics.formats import get_format
+    from lowprec.sites.amax_scope import AmaxScope
     from lowprec.sites.layers import PrecisionLinear
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -274,7 +275,7 @@ def layer_checks() -> dict:
         ref(xr).square().sum().backward()
         lin = PrecisionLinear(torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Replicate()])),
                               torch.nn.Parameter(distribute_tensor(b.clone(), mesh, [Replicate()])),
-                              fmt, backend)
+                              fmt, backend, amax_scope=AmaxScope.GROUP)   # the whole input's amax: one process's
         xd = distribute_tensor(x.clone(), mesh, [Shard(dim)]).requires_grad_()
         y = lin(xd)
         y.square().sum().backward()

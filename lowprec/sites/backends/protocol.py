@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 from torch import nn
 
 from lowprec.numerics.formats import Format
-from lowprec.sites.amax_scope import AmaxScope
+from lowprec.sites.amax_scope import DEFAULT_AMAX_SCOPE, AmaxScope
 
 __all__ = ["Backend", "SiteModule", "UnsupportedFormatError"]
 
@@ -57,8 +57,8 @@ class Backend(Protocol):
         """(True, "") if this backend can run `fmt`, else (False, why and what to do)."""
 
     def make_site(self, linear: nn.Module, fmt: Format, *, name: str, seed: int = 0, amax_group=None,
-                  amax_scope: AmaxScope = AmaxScope.GROUP, fused: bool = False, gemm=None,
-                  layer_cls: type | None = None) -> SiteModule:
+                  amax_scope: AmaxScope = DEFAULT_AMAX_SCOPE, fused: bool = False, gemm=None,
+                  layer_cls: type | None = None, shared_amax=None) -> SiteModule:
         """The site that replaces `linear` (sharing its parameters), in format `fmt`.
 
         name: the site's FQN (in error messages); seed: its stochastic-rounding and Hadamard seed
@@ -69,4 +69,6 @@ class Backend(Protocol):
         backends without lowprec's fast path ignore it); fused: the plan's `fused` (fused quantization kernels
         where the backend has them); layer_cls: a PrecisionLinear subclass for the backends whose
         sites are PrecisionLinear (a framework's module protocol mixed in), None for PrecisionLinear
-        itself. A backend that cannot honour an `amax_group` or a `layer_cls` raises ValueError."""
+        itself; shared_amax: the model's `lowprec.sites.shared_amax.SharedAmax` (one reduced amax
+        for the sites reading one sequence-parallel input; backends with their own casts ignore
+        it). A backend that cannot honour an `amax_group` or a `layer_cls` raises ValueError."""

@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from lowprec.numerics.formats import Format, Scaling, get_format
-from lowprec.sites.amax_scope import AmaxScope
+from lowprec.sites.amax_scope import DEFAULT_AMAX_SCOPE, AmaxScope
 from lowprec.sites.backends.protocol import UnsupportedFormatError
 from lowprec.sites.backends.te_recipes import RecipeSpec, recipe_spec, te_format_names
 
@@ -290,8 +290,8 @@ class TEBackend:
         return supports(fmt)
 
     def make_site(self, linear: torch.nn.Linear, fmt: Format | str = "bf16", *, name: str | None = None,
-                  seed: int = 0, amax_group=None, amax_scope: AmaxScope = AmaxScope.GROUP, fused: bool = False, gemm=None,
-                  layer_cls: type | None = None) -> TELinearSite:
+                  seed: int = 0, amax_group=None, amax_scope: AmaxScope = DEFAULT_AMAX_SCOPE, fused: bool = False, gemm=None,
+                  layer_cls: type | None = None, shared_amax=None) -> TELinearSite:
         """A TELinearSite; `amax_group` is TE's `amax_reduction_group`. TE has its own cast kernels and
         random state, so `fused` and `seed` do not apply; a `layer_cls` is refused (TE makes the layer)."""
         if amax_scope is AmaxScope.LOCAL:   # every rank its own amaxes

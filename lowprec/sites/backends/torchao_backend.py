@@ -67,7 +67,7 @@ from torch import nn
 
 from lowprec.numerics.formats import E2M1, FORMATS, Format, ScaleEncoding, Scaling, get_format
 from lowprec.numerics.quantize import quantize
-from lowprec.sites.amax_scope import AmaxScope
+from lowprec.sites.amax_scope import DEFAULT_AMAX_SCOPE, AmaxScope
 from lowprec.sites.backends.protocol import UnsupportedFormatError
 
 __all__ = ["MIN_VERSION", "RECIPES", "UnsupportedFormatError", "probe", "require_torchao", "recipe_name",
@@ -321,8 +321,8 @@ class TorchAOBackend:
         return (True, "") if ok else (False, why)
 
     def make_site(self, linear: nn.Linear, fmt: Format | str = "bf16", *, name: str | None = None,
-                  seed: int = 0, amax_group=None, amax_scope: AmaxScope = AmaxScope.GROUP, fused: bool = False, gemm=None,
-                  layer_cls: type | None = None) -> TorchAOLinearSite:
+                  seed: int = 0, amax_group=None, amax_scope: AmaxScope = DEFAULT_AMAX_SCOPE, fused: bool = False, gemm=None,
+                  layer_cls: type | None = None, shared_amax=None) -> TorchAOLinearSite:
         """A TorchAOLinearSite (`seed` does not apply: no stochastic rounding or Hadamard here); an
         `amax_group` and a `layer_cls` are refused."""
         if amax_scope is AmaxScope.LOCAL:   # every rank its own amaxes

@@ -82,7 +82,9 @@ def _everything(model, opt, state):
             "grad_ids": [id(p.grad) for p in model.parameters()],
             "opt": copy.deepcopy(opt.state_dict()),
             "rng": rng_state(), "py": random.getstate(),
-            "precision": copy.deepcopy(state.state_dict()),
+            # the sites' call counters (site_paths) count the probe's forwards too, by design
+            "precision": {f: {k: v for k, v in s.items() if k != "calls"}
+                          for f, s in copy.deepcopy(state.state_dict())["sites"].items()},
             "collect": [s.module.collect_stats for s in state.sites.values()],
             "stats": [dict(s.module.stats) for s in state.sites.values()]}
 

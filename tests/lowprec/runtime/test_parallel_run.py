@@ -91,6 +91,7 @@ def short_main_job(uri: str, **parallel) -> dict:
     cfg["train"].update(steps=MAIN_STEPS, ckpt_every=10, log_every=5, batch_size=MAIN_BATCH[0])
     cfg["data"]["block_size"] = MAIN_BATCH[1]
     cfg["telemetry"] = {"energy": "off"}   # no energy meter in each process: nothing here reads energy
+    cfg["precision"]["amax_scope"] = "group"   # one process's numerics: the bounds below hold for them
     ro = cfg["rollout"]
     ro.update(check_every=3, min_steps=3, cooldown_steps=6)
     ro.pop("baseline")
@@ -108,7 +109,7 @@ def tiny_job(uri: str, name: str, **parallel) -> dict:
            "data": {"factory": "experiments.data:shakespeare_tokens", "args": {"max_bytes": 200_000},
                     "block_size": 32},
            "train": {"steps": 24, "batch_size": 8, "lr": 1e-3, "warmup": 5, "ckpt_every": 5, "log_every": 2},
-           "precision": {"backend": "emulated", "keep_high_precision": [{"fqns": ["lm_head"]}],
+           "precision": {"backend": "emulated", "amax_scope": "group", "keep_high_precision": [{"fqns": ["lm_head"]}],
                          "rules": [{"name": "blocks", "select": {"glob": "blocks.*"}, "format": "bf16",
                                     "ladder": ["fp8_tensorwise", "bf16"]}]},
            "rollout": {"check_every": 2, "min_steps": 2,

@@ -25,7 +25,7 @@ from lowprec.runtime import Injection, Session, SessionSettings
 from lowprec.runtime.data import TokenBatches
 
 SITE = "blocks.1.mlp.fc"
-PLAN = {"backend": "emulated", "keep_high_precision": [{"fqns": ["lm_head"]}],
+PLAN = {"backend": "emulated", "amax_scope": "group", "keep_high_precision": [{"fqns": ["lm_head"]}],
         "rules": [{"name": "blocks", "select": {"glob": "blocks.*"}, "format": "bf16",
                    "ladder": ["fp8_tensorwise", "bf16"]}]}
 ROLLOUT = {"check_every": 5, "min_steps": 0, "thresholds": {"spike_min_history": 30},

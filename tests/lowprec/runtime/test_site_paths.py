@@ -59,3 +59,26 @@ def test_no_all_gather_without_fsdp2():
     paths = site_paths(state, engine)
     assert all(p == {"fast_calls": 0, "slow_calls": 1, "all_gather": None} for p in paths.values()), paths
     assert all_gather_tag(paths) == {}
+
+
+def test_the_counts_persist_through_a_checkpoint(tmp_path):
+    """A resumed run's counts are the whole run's: the checkpoint's precision state holds them."""
+    from lowprec.runtime.engine import SingleProcess
+    from lowprec.state.checkpoint import load_checkpoint, save_checkpoint
+
+    def build():
+        torch.manual_seed(0)
+        model = _Blocks()
+        state = prepare(model, PrecisionPlan.from_dict({"backend": "emulated", "rules": [
+            {"select": {"glob": "*"}, "format": "fp8_tensorwise"}]}))
+        return model, state, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    model, state, opt = build()
+    for _ in range(3):
+        SingleProcess(model).forward_backward(torch.randn(4, 16), torch.randn(4, 16))
+    path = save_checkpoint(tmp_path, 3, model=model, optimizer=opt, precision=state)
+    model, resumed, opt = build()
+    assert all(p["slow_calls"] == 0 for p in site_paths(resumed, SingleProcess(model)).values())
+    load_checkpoint(path, model=model, optimizer=opt, precision=resumed)
+    SingleProcess(model).forward_backward(torch.randn(4, 16), torch.randn(4, 16))
+    assert all(p["slow_calls"] == 4 for p in site_paths(resumed, SingleProcess(model)).values())

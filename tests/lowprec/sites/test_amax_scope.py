@@ -51,3 +51,35 @@ def test_group_scope_keeps_the_data_parallel_group():
 def test_torchao_accepts_a_data_parallel_group_under_local_scope():
     state = prepare(_mlp(), _plan("torchao", "local"), amax_group=object())
     assert len(state.sites) == 2
+
+
+def test_the_sites_of_one_model_share_one_amax_memo():
+    state = prepare(_mlp(), PrecisionPlan.from_dict({"backend": "torch", "rules": [
+        {"select": {"glob": "*"}, "format": "fp8_tensorwise"}]}), amax_group=object())
+    layers = [s.module for s in state.sites.values()]
+    assert all(m.amax_scope is AmaxScope.LOCAL for m in layers)   # the default: torchao's, no DP reduction
+    assert layers[0].shared_amax is layers[1].shared_amax is not None
+    assert prepare(_mlp(), _plan("torch", "local")).sites["0"].module.shared_amax is not layers[0].shared_amax
+
+
+def test_shared_amax_reduces_once_per_tensor():
+    from lowprec.sites.shared_amax import SharedAmax
+    calls = []
+
+    def reduce(t, groups):
+        calls.append(groups)
+        return t.abs().amax()
+
+    memo, x, g = SharedAmax(), torch.randn(4, 8), ("tp",)
+    a = memo.amax(x.reshape(-1, 8), g, reduce)
+    assert memo.amax(x.view(4, 8), g, reduce) is a and len(calls) == 1   # q, k, v read one input: one reduction
+    assert memo.amax(x, ("tp", "dp"), reduce) is not a and len(calls) == 2    # other groups: its own
+    x.mul_(2)                                                               # changed in place: its version moved
+    assert memo.amax(x, ("tp", "dp"), reduce) == 2 * a and len(calls) == 3
+    memo.amax(x.clone(), ("tp", "dp"), reduce)                              # equal values, another tensor
+    memo.amax(x[:2], ("tp", "dp"), reduce)                                  # a part of it
+    assert len(calls) == 5
+    with torch.inference_mode():
+        y = torch.randn(3)
+        memo.amax(y, g, reduce), memo.amax(y, g, reduce)                   # no version counter: never shared
+    assert len(calls) == 7

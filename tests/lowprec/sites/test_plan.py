@@ -606,7 +606,7 @@ def test_lowprec_plan_needs_only_the_config_and_the_model(tmp_path, monkeypatch,
 
 def test_amax_scope_parsed_validated_and_round_tripped():
     from lowprec.sites.amax_scope import AmaxScope
-    assert PrecisionPlan.from_dict({}).amax_scope is AmaxScope.GROUP
+    assert PrecisionPlan.from_dict({}).amax_scope is AmaxScope.LOCAL   # torchao's behaviour by default
     plan = PrecisionPlan.from_dict({"amax_scope": "local"})
     assert plan.amax_scope is AmaxScope.LOCAL
     assert PrecisionPlan.from_dict(plan.to_dict()) == plan

@@ -393,8 +393,10 @@ def test_emulation_mode_default_and_forced():
 
 
 def test_amax_group_and_conv1d_are_refused():
+    plan = PrecisionPlan.from_dict({"backend": "torchao", "amax_scope": "group", "rules": [
+        {"select": {"glob": "*"}, "format": TENSORWISE}]})
     with pytest.raises(ValueError, match="without amax_group"):
-        prepare(_mlp(), _plan(TENSORWISE), amax_group=object())
+        prepare(_mlp(), plan, amax_group=object())
     with pytest.raises(TypeError, match=r"nn\.Linear layers.*Conv1d"):
         TorchAOBackend().make_site(nn.Conv1d(4, 4, 1), TENSORWISE)
 

@@ -305,7 +305,7 @@ def ledger_run(fmt: str, scope: str, tp: int = 1) -> dict:
         state, engine, rank, world = _ledger_engine(model, fmt, scope, fp8_gather, tp)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         monitor = Monitor(state, MonitorConfig(check_every=2), group=dist.group.WORLD)
-        steps = []
+        steps, checks = [], []
         for step, (x, y) in enumerate(data()[:4]):
             x, y = (t[rank::world][:LEDGER_ROWS[0], :LEDGER_ROWS[1]] for t in (x, y))
             ledger = CollectiveLedger()
@@ -320,8 +320,10 @@ def ledger_run(fmt: str, scope: str, tp: int = 1) -> dict:
                 with ledger, ledger.phase("check"):
                     sites = monitor.check(step).sites
                 assert len(sites) == len(state.sites), sorted(sites)
+                checks.append(repr(sorted(sites.items())))   # what the controller decides on
             steps.append(ledger.table())
         out["fp8_gather" if fp8_gather else "hp_gather"] = steps
+        out[f"checks_{'fp8' if fp8_gather else 'hp'}"] = _gather(checks)
         out["fast_calls"] = _gather(_counts(state))
     return out
 
@@ -452,9 +454,34 @@ def seq_checks(fmt: str, scope: str) -> dict:
                      + ledger.table().get("tp_all_gather", (0, 0, 0))[1],
                      "calls": (parent.lin.fast_calls, parent.lin.slow_calls), "gemm_flags": calls.fast_accum}
     diff = {k: (out["fp8"][k] - out["hp"][k]).abs().max().item() for k in ("y", "dx", "dw")}
-    return _gather({**diff, "bytes": (out["fp8"]["gather_bytes"], out["hp"]["gather_bytes"]),
+    return _gather({**diff, "qkv_amax_all_reduces": _qkv_amax_all_reduces(scope, mesh, x, gy),
+                    "bytes": (out["fp8"]["gather_bytes"], out["hp"]["gather_bytes"]),
                     "calls": (out["fp8"]["calls"], out["hp"]["calls"]),
                     "gemm_flags": (out["fp8"]["gemm_flags"], out["hp"]["gemm_flags"])})
+
+
+def _qkv_amax_all_reduces(scope: str, mesh, x, gy) -> int:
+    """The MAX all-reduces (experiments/ledger.py) of one forward and backward of three
+    FP8SequenceColwiseParallel sites reading one sequence-sharded input (q, k, v), prepared
+    as one model: the model's SharedAmax reduces the input's amax once."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.parallel import parallelize_module
+    from experiments.ledger import CollectiveLedger
+    from lowprec.sites.fp8_sequence import FP8SequenceColwiseParallel
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({n: torch.nn.Linear(16, 24) for n in ("q", "k", "v")})
+    prepare(model, PrecisionPlan.from_dict({"backend": "torch", "amax_scope": scope, "rules": [
+        {"select": {"glob": "*"}, "format": "fp8_tensorwise"}]}), seed=1)
+    parallelize_module(model, mesh, {n: FP8SequenceColwiseParallel() for n in ("q", "k", "v")})
+    t, n = 8 // world, 24 // world
+    xl = x[:, rank * t:(rank + 1) * t].clone().requires_grad_()
+    ledger = CollectiveLedger()
+    with ledger, ledger.phase("fwd_bwd"):
+        loss = sum((model[k](xl) * gy[..., rank * n:(rank + 1) * n]).sum() for k in ("q", "k", "v"))
+        loss.backward()
+    assert all(model[k].fast_calls == 1 and model[k].slow_calls == 0 for k in ("q", "k", "v"))
+    return ledger.table().get("amax_all_reduce", (0, 0, 0))[0]
 
 
 CKPT_RUNS = {"ckpt_fsdptp": lambda f, s, d: gather2d_run(f, s, "fsdptp", True, d / "ckpt_fsdptp_w4"),

@@ -29,12 +29,16 @@ for fp8_tensorwise, fp8_delayed and fp8_rowwise. What must hold:
 * the ledger (experiments/ledger.py) of 4 FSDP2 steps of a BF16 GPT: the weight
   all-gathers move at most 0.55x the bytes of BF16's with FP8 all-gather; `local` issues no
   amax all-reduce per cast (one per step for the gathered weights' amaxes); `group` two per
-  site per step; a check step (every 2nd) issues exactly one statistics collective;
+  site per step (both the count model's, experiments/amax_count.py); a check step (every
+  2nd) issues exactly one statistics collective, and every rank's check sees the same
+  statistics (the controller decides the same on every rank);
 * sequence parallel (TP 2, `seq`): a column-parallel site on a sequence-sharded input with
   `FP8SequenceColwiseParallel` gathers FP8 bytes (a quarter of the FP32 gather's here,
   half of BF16's) and gives the output, input gradient and weight gradient of
   `ColwiseParallel(input_layouts=Shard(1))` (a high-precision gather, then the fast
-  path) bit for bit, in both scopes;
+  path) bit for bit, in both scopes; three such sites reading one input (q, k, v of one
+  prepared model) reduce its amax once (the count model's MAX all-reduces: 1 under `local`,
+  7 under `group`);
 * `precision.gemm` on shards (`layer`, `seq`): each `_scaled_mm` of the sharded paths
   (fprop, dgrad, wgrad) gets its own `use_fast_accum`, here the opposite of the defaults;
 * FP8 all-gather under FSDP2 x TP (DP 2 x TP 2: each tp shard's FP8 bytes gathered over
@@ -208,16 +212,21 @@ def test_ledger_fp8_all_gather_bytes(runs):
 
 
 def test_ledger_amax_reductions_by_scope(runs):
-    local, group = runs["w2"]["ledger:fp8_tensorwise:local"], runs["w2"]["ledger:fp8_tensorwise:group"]
-    assert [c for c, _, _ in _per_step(local, "hp_gather", "amax_all_reduce")] == [0] * 4
-    assert [c for c, _, _ in _per_step(local, "fp8_gather", "amax_all_reduce")] == [1] * 4
-    sites = len(local["fast_calls"][0])
-    assert [c for c, _, _ in _per_step(group, "hp_gather", "amax_all_reduce")] == [2 * sites] * 4
-    assert [c for c, _, _ in _per_step(group, "fp8_gather", "amax_all_reduce")] == [2 * sites + 1] * 4
-    for run in (local, group):
-        for mode in ("hp_gather", "fp8_gather"):
+    """The real MAX all-reduces per step are the count model's (experiments/amax_count.py): under
+    FSDP2 `local` (the default) none per cast, `group` two per site; and every rank's check saw
+    the same statistics (the controller decides on them: the same decisions on every rank)."""
+    from experiments.amax_count import SiteLayout, Split, amax_all_reduces
+    for scope in ("local", "group"):
+        run = runs["w2"][f"ledger:fp8_tensorwise:{scope}"]
+        sites = [SiteLayout(Split.NONE)] * len(run["fast_calls"][0])
+        for mode, fp8 in (("hp_gather", False), ("fp8_gather", True)):
+            want = amax_all_reduces(sites, scope=scope, dp=True, fp8_all_gather=fp8)
+            assert [c for c, _, _ in _per_step(run, mode, "amax_all_reduce")] == [want] * 4, (scope, mode)
             stats = [c for c, _, _ in _per_step(run, mode, "stats_all_gather")]
             assert stats == [0, 1, 0, 1]   # check_every=2: steps 1 and 3, one collective for all sites
+            checks = run["checks_" + mode.split("_")[0]]
+            assert len(checks[0]) == 2 and all(c == checks[0] for c in checks), (scope, mode)
+    assert amax_all_reduces(sites, scope="local", dp=True, fp8_all_gather=False) == 0
 
 
 @pytest.mark.parametrize("layout", ["fsdptp", "hsdp"])
@@ -257,4 +266,9 @@ def test_sequence_parallel_gathers_fp8_bytes(runs, variant):
         fp8_bytes, hp_bytes = res["bytes"]
         assert hp_bytes > 0 and fp8_bytes * 4 == hp_bytes   # FP32 input: 4 bytes an element, FP8 1
         assert res["calls"] == ((1, 0), (1, 0))
+        # q, k, v reading one input reduce its amax once (lowprec.sites.shared_amax): the count model's
+        from experiments.amax_count import SiteLayout, Split, amax_all_reduces
+        scope = variant.split(":")[2]
+        want = amax_all_reduces([SiteLayout(Split.SP, "x")] * 3, scope=scope, dp=False, fp8_all_gather=False)
+        assert res["qkv_amax_all_reduces"] == want == {"local": 1, "group": 7}[scope], res["qkv_amax_all_reduces"]
         assert res["gemm_flags"] == (list(GEMM_FLAGS), list(GEMM_FLAGS)), f"rank {rank}: {res['gemm_flags']}"
