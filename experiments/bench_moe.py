@@ -1,6 +1,6 @@
 """One MoE layer's routed experts, forward + backward, at DeepSeek-V3-like expert shapes scaled to a
-CPU: lowprec's grouped FP8 (emulated: one `torch._grouped_mm` per format group, each expert
-quantized on its own) against BF16-grid `torch._grouped_mm` (operands rounded to BF16, FP32
+CPU: lowprec's grouped FP8 (emulated: one `torch._grouped_mm` per format group; row-local formats
+quantized in one call per operand for the group, or expert by expert, the same numbers) against BF16-grid `torch._grouped_mm` (operands rounded to BF16, FP32
 arithmetic: BF16 arithmetic is slow on CPUs), a loop of lowprec's linear sites over the experts,
 and torchao's FP8 row-wise grouped GEMM where it runs. Prints one markdown table; docs/moe.md
 publishes it.
@@ -50,7 +50,7 @@ def _bf16_grouped(x, w13, w2, counts):
     return torch._grouped_mm(_bf16(F.silu(g) * u), _bf16(w2).transpose(-2, -1), offs=offs)
 
 
-def lowprec_grouped(fmt_names):
+def lowprec_grouped(fmt_names, one_call: bool = True):
     backend = get_backend("emulated")
 
     def setup(w13, w2, counts):
@@ -59,14 +59,15 @@ def lowprec_grouped(fmt_names):
                             fqn=f"experts.{e}", seed=e) for e in range(len(counts))]
         for s in sites:
             s.collect_stats = False
-        return lambda x: _grouped(x, w13, w2, counts, fmts, sites)
+        return lambda x: _grouped(x, w13, w2, counts, fmts, sites, one_call)
     return setup
 
 
-def _grouped(x, w13, w2, counts, fmts, sites):
-    h = GroupedQuantizedFn.apply(x, w13, counts, fmts, tuple(s.operand_quantizer("w13") for s in sites))
+def _grouped(x, w13, w2, counts, fmts, sites, one_call):
+    h = GroupedQuantizedFn.apply(x, w13, counts, fmts, tuple(s.operand_quantizer("w13") for s in sites), one_call)
     g, u = h.chunk(2, dim=-1)
-    return GroupedQuantizedFn.apply(F.silu(g) * u, w2, counts, fmts, tuple(s.operand_quantizer("w2") for s in sites))
+    return GroupedQuantizedFn.apply(F.silu(g) * u, w2, counts, fmts, tuple(s.operand_quantizer("w2") for s in sites),
+                                    one_call)
 
 
 def lowprec_loop(fmt_name):
@@ -134,7 +135,10 @@ def main(argv=None) -> None:
     gy = torch.randn(sum(counts), a.hidden)
     rows = [("BF16 grid, torch._grouped_mm (FP32 arithmetic)", bf16_grouped),
             ("lowprec grouped, fp8_tensorwise (emulated)", lowprec_grouped(["fp8_tensorwise"])),
-            ("lowprec grouped, fp8_rowwise (emulated)", lowprec_grouped(["fp8_rowwise"])),
+            ("lowprec grouped, fp8_rowwise (emulated), one quantization per activation", lowprec_grouped(["fp8_rowwise"])),
+            ("lowprec grouped, fp8_rowwise (emulated), expert by expert", lowprec_grouped(["fp8_rowwise"], False)),
+            ("lowprec grouped, mxfp8 (emulated), one quantization per activation", lowprec_grouped(["mxfp8"])),
+            ("lowprec grouped, mxfp8 (emulated), expert by expert", lowprec_grouped(["mxfp8"], False)),
             ("lowprec grouped, half fp8_tensorwise / half mxfp8", lowprec_grouped(["fp8_tensorwise", "mxfp8"])),
             ("lowprec loop of linear sites, fp8_tensorwise", lowprec_loop("fp8_tensorwise")),
             ("torchao FP8 row-wise grouped (_scaled_grouped_mm)", torchao_grouped)]

@@ -314,23 +314,24 @@ class LowprecConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path, role: ConfigRole = ConfigRole.RUN, *,
-                  held_batch: bool = False) -> "LowprecConfig":
+                  held_batch: bool = False, timed: bool = False) -> "LowprecConfig":
         """Load a config file; every problem is a ConfigError naming the file or the key."""
         p = Path(path)
         doc = read_yaml_file(p, f"a mapping with sections {', '.join(role.sections)}")
-        return cls.from_dict(doc, source=str(p), role=role, held_batch=held_batch)
+        return cls.from_dict(doc, source=str(p), role=role, held_batch=held_batch, timed=timed)
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "<dict>", role: ConfigRole = ConfigRole.RUN, *,
-                  held_batch: bool = False) -> "LowprecConfig":
+                  held_batch: bool = False, timed: bool = False) -> "LowprecConfig":
         """Parse a config's contents; `source` is the file (its folder is where `eval.gates` and `eval.data_dir` are looked up).
-        held_batch: the framework's host gives the LR probe a held batch (torchtitan's validation data)."""
+        held_batch: the framework's host gives the LR probe a held batch (torchtitan's validation data);
+        timed: the framework's host times its steps (torchtitan's): a `telemetry:` section is allowed."""
         role = ConfigRole(role)
         if not isinstance(d, dict):
             raise ConfigError(source, f"expected a mapping with sections {', '.join(role.sections)}, found {found(d)}")
         if role is not ConfigRole.RUN:
             _refuse_framework_sections(d, source, role)
-        check_keys(d, list(role.sections), "")
+        check_keys(d, [*role.sections, *(("telemetry",) if timed and role is ConfigRole.FRAMEWORK else ())], "")
         for key in ("model", "precision") if role is ConfigRole.RUN else ("precision",):
             if d.get(key) is None:
                 raise ConfigError(key, _missing(key, d, source, role))

@@ -40,6 +40,7 @@ from lowprec.runtime.after_step import AfterStep
 from lowprec.runtime.run_life import RunLife
 from lowprec.runtime.session import Session, SessionSettings, StepResult
 from lowprec.runtime.tracked_map import regather, tracked_map
+from lowprec.tracking.phases import NULL_CLOCK, PassOutcome, Phase
 from lowprec.tracking.records import RunStatus
 from lowprec.policy.verdicts import Verdict
 
@@ -122,6 +123,7 @@ class HostedRollout:
         self.map = self.state   # what tracking logs as the precision map (`start`: the whole model's under stages,
                                 # `lowprec.runtime.tracked_map`)
         self._pending: StepResult | None = None
+        self.telemetry = None   # the host's Telemetry (`start`)
         self._ended = False
         self._framework_step: int | None = None   # the framework's global step now (FrameworkSteps)
 
@@ -156,7 +158,7 @@ class HostedRollout:
               max_length: int = 256, run_name: str = "lowprec", buffer_root: str | Path = "lowprec-runs",
               attach: Attach | None = None, group=None, clip: Callable[[], torch.Tensor] | None = None,
               lr_probe=None, buffer: str | Path | None = None, resume_tracking: bool = False,
-              event_log: str | Path | None = None, eval_share=None) -> Session:
+              event_log: str | Path | None = None, eval_share=None, telemetry=None) -> Session:
         """Build the controller, the session, the eval checkpoints and the tracker, when the
         framework has built its optimizer and scheduler (the unwrapped torch objects).
         eval_forward(tokens) -> logits: how `eval:` suites run the model (default: the model).
@@ -169,8 +171,14 @@ class HostedRollout:
         `lowprec.tracking.resume`: what its journal holds is not logged again).
         event_log: a JSONL file the session appends the rollout's events to (one writer).
         eval_share: under torchrun, hands rank 0's eval outcome to every rank (`lowprec.state.ranks.from_rank_0`).
+        telemetry: the host's `lowprec.tracking.telemetry.Telemetry` (its clock laps the session's
+        phases; the host laps its own, calls `begin()` when training begins and hands each pass's
+        tokens to `after_optimizer_step`): `time/*` and `throughput/*` with the training metrics,
+        `telemetry/*` at the end, MLflow's `system/*` on the run (`telemetry.system_metrics_s`).
         Built in dependency order: tracker, controller, precision map, evals, session."""
         cfg = self.config
+        self.telemetry = telemetry
+        clock = telemetry.clock if telemetry is not None else NULL_CLOCK
         self.life = self._life(run_name, buffer_root, attach, buffer, resume_tracking)
         # everything is recorded at the framework's step (lowprec.integrations.framework_steps)
         tracker = self.life.tracker
@@ -187,11 +195,14 @@ class HostedRollout:
                                      formats=self.map.formats, forward=eval_forward, tokenizer=eval_tokenizer)
         sites = list(self.whole.state.sites) if self.whole is not None and controller is not None else None
         self.session = Session(self.model, optimizer, self.state, controller, scheduler=scheduler,
-                               group=group, clip=clip, lr_probe=lr_probe, sites=sites, event_log=event_log,
+                               group=group, clip=clip, lr_probe=lr_probe, sites=sites, event_log=event_log, clock=clock,
                                on_events=self.tracker.log_events if self.tracker is not None else None,
                                settings=SessionSettings.from_rollout(cfg.rollout, max_grad_norm=max_grad_norm),
                                gate=self.evals.gate if self.evals is not None else None)
-        self.after = AfterStep(self.session, self.map, tracker=self.tracker, evals=self.evals, baseline=self.baseline)
+        timed = {} if telemetry is None else {"clock": clock, "on_precision_change": telemetry.formats_changed,
+                                              "window_metrics": telemetry.window}
+        self.after = AfterStep(self.session, self.map, tracker=self.tracker, evals=self.evals, baseline=self.baseline,
+                               **timed)
         if self.tracker is not None:
             self.tracker.log_precision(0, self.map.formats(), self.map.flops_share())
         return self.session
@@ -203,7 +214,7 @@ class HostedRollout:
         folder = Path(buffer) if buffer is not None else \
             Path(buffer_root) / (attach.run_id if attach is not None else f"{name}-{uuid.uuid4().hex[:8]}")
         return RunLife(self.config, name, folder, rank=process_rank(), resume=resume, attach=attach,
-                       on_end=self._final)
+                       on_end=self._final, system_metrics=self.telemetry is not None)
 
     # ------------------------------------------------------------------ each step
     def begin_step(self) -> None:
@@ -232,15 +243,23 @@ class HostedRollout:
             self.session.withhold_gradients()
         return result
 
-    def after_optimizer_step(self, lr: float | None = None) -> StepResult | None:
+    def after_optimizer_step(self, lr: float | None = None, tokens: int = 0) -> StepResult | None:
         """After the framework's optimizer and scheduler step: rewind or go on, then what every
         host does after a step (`lowprec.runtime.after_step`: keep, track, evaluate).
-        lr: the learning rate to log (default: the optimizer's first param group's)."""
+        lr: the learning rate to log (default: the optimizer's first param group's); tokens: the
+        step's tokens over every data-parallel rank (the telemetry's throughput)."""
         result, self._pending = self._pending, None
         if result is None:
             return None   # the framework stepped without a backward lowprec saw
         self.session.finish(result)
-        self.after(result, float(result.loss), self.session.optimizer.param_groups[0]["lr"] if lr is None else lr)
+        tel = self.telemetry
+        if not self.after.keep(result, float(result.loss)):
+            if tel is not None:
+                tel.end_pass(result.step, PassOutcome.REWOUND, tokens, rewound_to=result.rewound_to)
+            return result
+        if tel is not None:   # the pass ends between keeping the step and tracking it, as in `lowprec run`'s loop
+            tel.end_pass(result.step, PassOutcome.APPLIED if result.applied else PassOutcome.SKIPPED, tokens)
+        self.after.after_applied(result, self.session.optimizer.param_groups[0]["lr"] if lr is None else lr)
         return result
 
     def formats(self) -> dict[str, str]:
@@ -289,7 +308,8 @@ class HostedRollout:
             raise RuntimeError("HostedRollout.state_dict() before start(): there is no session to save yet")
         return {"format": STATE_FORMAT, "version": STATE_VERSION, "world_size": world_size(),
                 "precision": self.state.state_dict(), "session": self.session.state_dict(),
-                "losses": list(self.losses), "framework_step": self._framework_step,
+                "losses": list(self.losses), "grad_norms": list(self.after.record.grad_norms),
+                "framework_step": self._framework_step,
                 "evals": self.evals.state_dict() if self.evals is not None else None}   # the gate's checks made
 
     def load_state_dict(self, saved: dict) -> None:
@@ -310,7 +330,8 @@ class HostedRollout:
         self.state.load_state_dict(saved["precision"])   # checks sites and formats before switching any
         self.session.load_state_dict(saved["session"])
         regather(self.map)   # every rank loads its own sites' formats
-        self.after.load_state_dict({"losses": saved["losses"], "evals": saved.get("evals")})
+        self.after.load_state_dict({"losses": saved["losses"], "grad_norms": saved.get("grad_norms", ()),
+                                    "evals": saved.get("evals")})   # grad norms absent from states before them
         self._framework_step = saved.get("framework_step", self._framework_step)   # absent before one step
         if self.tracker is not None:
             self.tracker.log_metrics(self.step, {"train/resumed_at": self.step})
@@ -328,10 +349,17 @@ class HostedRollout:
     def _final(self, status: RunStatus) -> None:
         """What the run's end does first here: the final eval of a finished run, the session closed."""
         self._ended = True
+        clock = self.telemetry.clock if self.telemetry is not None else NULL_CLOCK
         if self.evals is not None and status is RunStatus.FINISHED:
+            clock.lap(Phase.OTHER)
             self.evals.final(self.step)
+            clock.lap(Phase.EVAL)
         if self.session is not None:
             self.session.close()
+        numbers = self.telemetry.finish() if self.telemetry is not None else {}
+        if self.tracker is not None and numbers:   # the run's telemetry/* numbers, once, at its last step
+            self.tracker.log_metrics(self.step, numbers)
+            self.tracker.log_tags(self.telemetry.sources())
 
 
 class HostedCallback:

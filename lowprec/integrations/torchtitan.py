@@ -15,7 +15,7 @@ converters to the model's *config tree* before the model is built. lowprec takes
         return lowprec_trainer(config)     # torchtitan.train then builds a LowprecTrainer
 
 * `LowprecConverter(config)` reads and validates the YAML file (a `lowprec run` config
-  without `model:`, `data:` and `train:`: `precision:`, `rollout:`, `eval:`, `tracking:`; a
+  without `model:`, `data:` and `train:`: `precision:`, `rollout:`, `eval:`, `tracking:`, `telemetry:`; a
   `ConfigError` names the key, the file, what was found and the fix) when torchtitan reads the job.
 * `convert(model_config)` wraps the root model config: the model class becomes a subclass
   whose constructor builds the model as before and then runs `lowprec.prepare(model, plan)`,
@@ -112,9 +112,10 @@ def load_config(path: str | Path) -> LowprecConfig:
 
 
 def _framework_config_with_probe(path: str | Path) -> LowprecConfig:
-    """The file as a framework's config, `rollout.lr_probe` included: the HF and Lightning hosts
-    have no held batch and refuse the probe; LowprecTrainer takes torchtitan's validation data's."""
-    return LowprecConfig.from_yaml(path, role=ConfigRole.FRAMEWORK, held_batch=True)
+    """The file as a framework's config, `rollout.lr_probe` and `telemetry:` included: the HF and
+    Lightning hosts have no held batch and refuse the probe; LowprecTrainer takes torchtitan's
+    validation data's, and times torchtitan's steps (`lowprec.integrations.torchtitan_timing`)."""
+    return LowprecConfig.from_yaml(path, role=ConfigRole.FRAMEWORK, held_batch=True, timed=True)
 
 
 class TitanPrecisionLinear(PrecisionLinear, Module):
@@ -246,17 +247,21 @@ def _lowprec_model_class(base: type) -> type:
 def _prepare(model: nn.Module, setup: Setup) -> PrecisionState:
     """lowprec's prepare on a torchtitan model, every new layer a torchtitan Module that keeps the
     replaced layer's `param_init` and sharding config (the torchao backend's own site class gets
-    torchtitan's Module mixed in, as torchtitan's float8 converter does with torchao's layer)."""
+    torchtitan's Module mixed in, as torchtitan's float8 converter does with torchao's layer, and
+    so do the expert sites of a `GroupedExperts`, which hold no parameter: docs/moe.md)."""
     plan = setup.config.precision
     if BackendName(plan.backend) is not BackendName.TORCHAO:
-        return prepare(model, plan, seed=setup.seed, layer_cls=TitanPrecisionLinear)
-    kept = {n: (getattr(m, "_param_init", None), getattr(m, "_sharding_config", None))
-            for n, m in model.named_modules()}
-    state = prepare(model, plan, seed=setup.seed)
-    for fqn, site in state.sites.items():
+        state = prepare(model, plan, seed=setup.seed, layer_cls=TitanPrecisionLinear)
+        kept = {}
+    else:
+        kept = {n: (getattr(m, "_param_init", None), getattr(m, "_sharding_config", None))
+                for n, m in model.named_modules()}
+        state = prepare(model, plan, seed=setup.seed)
+    for fqn, site in state.sites.items():   # torchao's layers; expert sites (no parameter, nothing to init)
         cls = type(site.module)
-        site.module.__class__ = _TITAN_CLASSES.setdefault(cls, type(f"Titan{cls.__name__}", (cls, Module), {}))
-        site.module._param_init, site.module._sharding_config = kept[fqn]
+        if not isinstance(site.module, Module):
+            site.module.__class__ = _TITAN_CLASSES.setdefault(cls, type(f"Titan{cls.__name__}", (cls, Module), {}))
+            site.module._param_init, site.module._sharding_config = kept.get(fqn, (None, None))
     return state
 
 

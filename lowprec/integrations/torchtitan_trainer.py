@@ -46,6 +46,8 @@ lowprec joins at the points torchtitan has:
 * MLflow: rank 0 tracks into one run per job (`dump_folder/lowprec` buffers it); a job torchtitan
   resumes after a kill or a failure continues that same run, logging nothing twice
   (`lowprec.integrations.torchtitan_tracking`); torchtitan's own metrics logging is left as it is.
+  Rank 0 times each step's phases as `lowprec run` does (`time/*`, `throughput/*`, `telemetry/*`,
+  MLflow's `system/*`; where it laps: `lowprec.integrations.torchtitan_timing`).
 * resume: the rollout's state (formats, scaling histories, generators, controller, monitors,
   events, lowprec's step) is a `Stateful` in torchtitan's checkpoint states, under the key
   `lowprec`, one entry per rank (each rank's histories and generators are its own, and rank 0's
@@ -67,6 +69,7 @@ import contextlib
 import dataclasses
 import io
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +87,7 @@ from lowprec.integrations.core import HostedRollout  # noqa: E402
 from lowprec.integrations.state_files import MissingRolloutStateError  # noqa: E402
 from lowprec.integrations.torchtitan_forward import logits  # noqa: E402
 from lowprec.integrations.torchtitan_stages import last_stage_loss, stages_of  # noqa: E402
+from lowprec.integrations.torchtitan_timing import StepClock, rank_telemetry  # noqa: E402
 from lowprec.integrations.torchtitan_tracking import (JobRun, check_resumed_run, job_run,  # noqa: E402
                                                       torchtitan_resumes)
 from lowprec.policy.decisions import Action  # noqa: E402
@@ -119,16 +123,18 @@ def prepared_of(model) -> Prepared:
 
 
 class _Drawn:
-    """The trainer's data iterator, keeping what one step draws (for its replay)."""
+    """The trainer's data iterator, keeping what one step draws (for its replay), its wait lapped."""
 
-    def __init__(self, it):
-        self.it, self.items = it, []
+    def __init__(self, it, timing: StepClock):
+        self.it, self.items, self.timing = it, [], timing
 
     def __iter__(self):
         return self
 
     def __next__(self):
+        self.timing.drawing()
         item = next(self.it)
+        self.timing.drawn()
         self.items.append(item)
         return item
 
@@ -207,6 +213,7 @@ class LowprecTrainer(Trainer):
         (false: start the rollout again from the plan's formats)."""
 
     def __init__(self, config: Config):
+        started = time.perf_counter()   # start-up: from here to the first step (telemetry's)
         super().__init__(config)
         dims = self.parallel_dims
         parts = [prepared_of(m) for m in self.model_parts]
@@ -233,6 +240,8 @@ class LowprecTrainer(Trainer):
             return dist_utils.clip_grad_norm_(params, self.max_norm, foreach=True, pp_mesh=self.pp_mesh,
                                               ep_enabled=dims.ep_enabled)
 
+        telemetry = rank_telemetry(prepared.setup.config, device=self.device, model=stages.model, state=stages.state,
+                                   started=started)
         from lowprec.integrations.torchtitan_probe import lr_probe_for
         probe = lr_probe_for(self, prepared.setup.config.rollout, clip)
         run_name = f"{config.model_spec.name}-{config.model_spec.flavor}"
@@ -242,7 +251,9 @@ class LowprecTrainer(Trainer):
                           buffer=self.job_run.folder if self.job_run else None,
                           resume_tracking=self.job_run is not None and self.job_run.resume,
                           event_log=prepared.setup.event_log if prepared.setup.event_log and process_rank() == 0
-                          else None, eval_share=from_rank_0)   # every rank evaluates; rank 0's outcome to every rank
+                          else None, eval_share=from_rank_0,   # every rank evaluates; rank 0's outcome to every rank
+                          telemetry=telemetry)
+        self.timing = StepClock(telemetry, self.model_parts, self.checkpointer, pipelined=dims.pp_enabled)
         tracker = self.hosted.tracker
         if tracker is not None and self.job_run is not None:   # rank 0: name the run, as the HF callback does
             how = "continuing" if self.job_run.resume else "tracking into"
@@ -274,7 +285,8 @@ class LowprecTrainer(Trainer):
 
     # ------------------------------------------------------------------ each step
     def train_step(self, data_iterator) -> None:
-        self._drawn = _Drawn(data_iterator)
+        self.timing.step_begins()
+        self._drawn = _Drawn(data_iterator, self.timing)
         self._losses.clear()
         self._withheld = False
         self.hosted.begin_step()   # the RNG and scaling state a replay starts from
@@ -285,8 +297,9 @@ class LowprecTrainer(Trainer):
                 raise
             logger.warning(f"lowprec: step {self.step} had a non-finite loss and was withheld from the "
                            f"optimizers; training goes on")
+        self.timing.stepped()
         lr = self.optimizers.optimizers[0].param_groups[0]["lr"]
-        result = self.hosted.after_optimizer_step(lr=lr)
+        result = self.hosted.after_optimizer_step(lr=lr, tokens=self.timing.tokens(self._tokens))
         if result is not None and result.decision.events:
             for e in result.decision.events:
                 logger.info(f"lowprec: {e.summary()}")
@@ -303,8 +316,9 @@ class LowprecTrainer(Trainer):
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
         """torchtitan's, keeping the loss it returns and the global token count (see the module docstring)."""
-        loss = super().forward_backward_step(input_dict=input_dict, labels=labels,
-                                             global_valid_tokens=global_valid_tokens)
+        with self.timing.forward_backward(self._recording):
+            loss = super().forward_backward_step(input_dict=input_dict, labels=labels,
+                                                 global_valid_tokens=global_valid_tokens)
         if self._recording:
             self._losses.append(loss.detach())
             self._tokens = global_valid_tokens

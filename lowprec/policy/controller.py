@@ -23,6 +23,14 @@ closure), the anomaly is handed to the next check's rules.
 The rules below, applied at each check (`observe`) in this order, decide what to change
 from the check window's statistics:
 
+0. A MoE layer whose router is collapsed over the window (`Signals.routers`, all ranks'
+   tokens: `collapse` at or above `router_collapse`): its experts' statistics say how the
+   router sent tokens, not how their formats did, so rules 1 and 2 do not judge them. The
+   check at which a layer's router collapses (the first, or one after a check below the level)
+   is a router fault: a ROUTER_FAULT event names the layer and the window's anomalies are put
+   down to the router (rule 3 does not roll a stage back for them). Nothing is demoted for it,
+   and it is no precision instability (the promotion schedule goes on).
+
 1. NaN/Inf in the loss or gradients during the window: the sites whose own statistics
    saw NaN/Inf fall back one rung; if none did, the newest stage rolls back.
 2. A site whose own signals cross their thresholds (saturated fraction, underflow as a
@@ -76,15 +84,15 @@ __all__ = ["Action", "Stage", "Thresholds", "ControllerConfig", "Decision", "Rol
 _FORWARD_ROLES = ("input", "weight", "output")
 
 
-# events of a window judgment that are no instability: its looks, and a verdict of not precision
-_JUDGING = (EventKind.WINDOW, EventKind.NOT_PRECISION)
+# events of a window judgment that are no instability: its looks, a verdict of not precision, a router's fault
+_JUDGING = (EventKind.WINDOW, EventKind.NOT_PRECISION, EventKind.ROUTER_FAULT)
 
 
 def _cleared(d: Decision) -> bool:
     """Whether a check's events are a window judgment that cleared precision, and nothing else
     (no rewind): the check goes on to retries and promotion."""
     return (d.action is not Action.REWIND and all(e.kind in _JUDGING for e in d.events)
-            and any(e.kind == EventKind.NOT_PRECISION for e in d.events))
+            and any(e.kind in (EventKind.NOT_PRECISION, EventKind.ROUTER_FAULT) for e in d.events))
 
 
 class RolloutController(SlowSignalRules, LadderMoves):
@@ -130,6 +138,7 @@ class RolloutController(SlowSignalRules, LadderMoves):
         self.streak = 0                       # consecutive anomalous steps that were not precision's
         self.last_anomaly = -2                # step of the last such anomaly
         self.lr_history: list[tuple[int, float]] = []   # (step, LR sensitivity) of the last probes
+        self.collapsed: set[str] = set()      # experts modules whose router was collapsed at the last check
 
     # ------------------------------------------------------------------ the decision
     def detect(self, step: int, loss: float, grad_norm: float) -> Anomaly | None:
@@ -246,12 +255,13 @@ class RolloutController(SlowSignalRules, LadderMoves):
         d = Decision()
         th = self.config.thresholds
         self.record_lr_sensitivity(step, signals.lr_sensitivity)
+        routed = self._router_faults(step, signals, d)   # 0. experts of collapsed routers: not judged
         # 1. non-finite: observe_step skipped those steps; here the blame. Forward operands
         # only: in the backward every gradient is NaN once the loss is. The first site in
         # forward order whose input, weight or output is non-finite is the origin; its
         # consumers inherit the NaN.
         blamed: list[str] = []
-        nan_sites = [s for s in self.order if s in signals.sites and not _high(self.current[s]) and
+        nan_sites = [s for s in self.order if s in signals.sites and s not in routed and not _high(self.current[s]) and
                      any(signals.sites[s].nonfinite.get(r, 0) > 0 for r in _FORWARD_ROLES)]
         if nan_sites:
             site = nan_sites[0]
@@ -273,7 +283,7 @@ class RolloutController(SlowSignalRules, LadderMoves):
         suspects: list[tuple[tuple[int, int], str, dict]] = []
         for i, site in enumerate(self.order if not blamed else ()):
             sig = signals.sites.get(site)
-            if sig is None or _high(self.current[site]) or insufficient_tokens(sig, th):
+            if sig is None or site in routed or _high(self.current[site]) or insufficient_tokens(sig, th):
                 continue
             crossed = th.crossed(sig)
             if not crossed:
@@ -291,8 +301,11 @@ class RolloutController(SlowSignalRules, LadderMoves):
             self._fallback(site, step, f"site thresholds crossed for {self.strikes[site]} checks"
                            f"{' (its own operand against its format)' if independent else ''}", crossed, d)
         suspects = [(site, crossed) for _, site, crossed in suspects]
-        # 3. global signals (lowprec.policy.drift)
-        self._global_rule(step, signals, blamed, suspects, d, judge)
+        # 3. global signals (lowprec.policy.drift); a window with a router fault: the router's
+        if any(e.kind == EventKind.ROUTER_FAULT for e in d.events):
+            self.pending = []
+        else:
+            self._global_rule(step, signals, blamed, suspects, d, judge)
         if d.events and not _cleared(d):
             if any(e.kind not in _JUDGING for e in d.events):
                 self.stable_since = step   # an instability: the schedule starts over
@@ -311,6 +324,24 @@ class RolloutController(SlowSignalRules, LadderMoves):
             self.stable_since = step
         return d
 
+    def _router_faults(self, step: int, signals: Signals, d: Decision) -> set[str]:
+        """Rule 0: the expert sites of collapsed routers; a ROUTER_FAULT event per router that collapsed now."""
+        limit = self.config.thresholds.router_collapse
+        out: set[str] = set()
+        was, self.collapsed = self.collapsed, set()
+        for layer, r in sorted(signals.routers.items()):
+            if limit is None or r.collapse < limit:
+                continue
+            self.collapsed.add(layer)
+            out |= {s for s in self.order if s.rpartition(".")[0] == layer}
+            if layer in was:
+                continue
+            d.events.append(Event(step, EventKind.ROUTER_FAULT, (), {}, {}, (
+                f"router fault: {layer} sent its tokens to few experts ({r.collapse:.0%} of the way from even to "
+                f"every token's top k the same; {r.busiest} {r.max_over_mean:.2f}x the mean): routing, not "
+                f"precision; its experts are not judged and nothing is demoted"), {"layer": layer, **r.to_evidence()}))
+        return out
+
     def record_lr_sensitivity(self, step: int, value: float | None) -> None:
         """Keep an LR probe's sensitivity (None: no probe at this check) for the promotion hold."""
         if value is not None:
@@ -326,6 +357,7 @@ class RolloutController(SlowSignalRules, LadderMoves):
                 "before_stage": dict(self.before_stage), "stage_failures": dict(self.stage_failures),
                 "pending": [[name, ev] for name, ev in self.pending], "streak": self.streak,
                 "last_anomaly": self.last_anomaly, "lr_history": [[s, v] for s, v in self.lr_history],
+                "collapsed": sorted(self.collapsed),
                 "detectors": {**self.detectors.state_dict(),
                               "loss_gap": self.loss_gap.state_dict() if self.loss_gap else None}}
 
@@ -344,6 +376,7 @@ class RolloutController(SlowSignalRules, LadderMoves):
         self.pending = [(name, ev) for name, ev in s.get("pending", [])]   # absent before per-step detection
         self.streak, self.last_anomaly = int(s.get("streak", 0)), int(s.get("last_anomaly", -2))
         self.lr_history = [(int(st), float(v)) for st, v in s.get("lr_history", ())]   # absent before the probe
+        self.collapsed = set(s.get("collapsed", ()))   # absent before router signals
         det = s["detectors"]
         self.detectors.load_state_dict(det)
         if self.loss_gap is not None and det["loss_gap"] is not None:

@@ -50,6 +50,9 @@ class Thresholds:
     # an expert routed fewer tokens than this over a check window is not judged by the site thresholds
     # ("insufficient tokens": its statistics say little), nor are its strikes reset
     min_expert_tokens: int = 32
+    # a MoE layer whose routing over a check window went this far from even towards every token's
+    # top k the same experts (RouterSignals.collapse, 0..1) has a router fault; None: off
+    router_collapse: float | None = 0.95
     spike_window: int = 128
     spike_sigmas: float = 6.0
     spike_min_history: int = 16                 # no spike verdicts before this many values
@@ -73,6 +76,8 @@ class Thresholds:
              "a fraction in [0, 1] of an operand's energy (0.01: 1%), or null (off)")
         need(self.site_patience >= 1, "site_patience", ">= 1")
         need(self.min_expert_tokens >= 0, "min_expert_tokens", ">= 0 (tokens routed to an expert in a check window)")
+        need(self.router_collapse is None or 0 < self.router_collapse <= 1, "router_collapse",
+             "a fraction in (0, 1] of the way from even routing to collapse (0.95), or null (off)")
         need(self.spike_window >= 2, "spike_window", ">= 2")
         need(self.spike_sigmas > 0, "spike_sigmas", "> 0")
         need(2 <= self.spike_min_history <= self.spike_window, "spike_min_history",

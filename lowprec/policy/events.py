@@ -39,8 +39,9 @@ class EventKind:
     WINDOW = "window"            # a slow signal's window looked at / trained again with `sites` in high precision
     NOT_PRECISION = "not_precision"   # a slow signal that high precision did not close: nothing demoted
     INCONCLUSIVE = "inconclusive"     # precision suspected, but the replay is inside the noise margin: nothing demoted
+    ROUTER_FAULT = "router_fault"     # a MoE layer's router collapsed: its experts not judged, nothing demoted
     ALL = (PROMOTE, FALLBACK, ROLLBACK, RETRY, QUARANTINE, REWIND, SKIP_STEP, GATE, REPLAY, ACCEPT, HOLD, WINDOW,
-           NOT_PRECISION, INCONCLUSIVE)
+           NOT_PRECISION, INCONCLUSIVE, ROUTER_FAULT)
     CHANGES_FORMATS = (PROMOTE, FALLBACK, ROLLBACK, RETRY)
 
 

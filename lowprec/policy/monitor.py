@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lowprec.numerics.quant_stats import QuantStats, sqnr_db
+from lowprec.policy.router_signals import RouterSignals, router_windows
 
 __all__ = ["MonitorConfig", "Signals", "SiteSignals", "Monitor", "ROLES"]
 
@@ -89,6 +90,8 @@ class Signals:
     grad_norms: list[float]
     sites: dict[str, SiteSignals] = field(default_factory=dict)
     lr_sensitivity: float | None = None
+    # each MoE layer's routing over the window's statistics steps, all ranks (experts module FQN ->)
+    routers: dict[str, RouterSignals] = field(default_factory=dict)
 
     @property
     def nonfinite(self) -> bool:
@@ -137,7 +140,8 @@ class Monitor:
         self._losses: list[torch.Tensor] = []
         self._norms: list[torch.Tensor] = []
         self._acc = torch.zeros(len(self.sites), len(ROLES), _N, dtype=torch.float64, device=dev)
-        # per site: whether it is an expert (lowprec.sites.experts) and its tokens over the window
+        # per site: its share of tokens under even routing (top_k / E) if it is an expert
+        # (lowprec.sites.experts), else 0, and its tokens over the window
         self._tokens = torch.zeros(2, len(self.sites), dtype=torch.float64)
         self._forced: int | None = None   # a step that must collect statistics and check
         self._collecting = False
@@ -201,7 +205,7 @@ class Monitor:
                 continue   # another rank's site (pipeline stage): its row stays zero here
             module = self.state.sites[fqn].module
             if hasattr(module, "take_tokens"):
-                self._tokens[0, i] = 1.0
+                self._tokens[0, i] = float(module.routed_fraction)
                 self._tokens[1, i] += module.take_tokens()
             stats = module.stats
             for j, role in enumerate(ROLES):
@@ -275,8 +279,10 @@ class Monitor:
                 sites[fqn].overflow_steps = {r: v for r, v in zip(_COUNTED, between[i].tolist()) if v > 0}
             if expert[i]:
                 sites.setdefault(fqn, SiteSignals()).tokens = routed[i]
+        routers = router_windows({f: routed[i] for i, f in enumerate(self.sites) if expert[i]},
+                                 {f: expert[i] for i, f in enumerate(self.sites) if expert[i]})
         self._losses, self._norms = [], []
         self._acc.zero_()
         self._tokens.zero_()
         self._forced = None
-        return Signals(step=step, losses=losses, grad_norms=norms, sites=sites)
+        return Signals(step=step, losses=losses, grad_norms=norms, sites=sites, routers=routers)

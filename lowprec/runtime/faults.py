@@ -13,7 +13,10 @@ Kinds:
 * `input`: `SITE`'s input scaled by FACTOR in every format (a data fault tied to its
   steps: a replay in high precision meets it too, a later one does not);
 * `lr_spike`: the learning rate times FACTOR (no site);
-* `loss_spike`: the loss, and so its gradients, times FACTOR (no site; a data fault).
+* `loss_spike`: the loss, and so its gradients, times FACTOR (no site; a data fault);
+* `router`: the router of a mixture-of-experts layer at `SITE` (HF's `mlp.gate`, torchtitan's
+  `moe.router`) sends every token to the same top-k experts (0 .. k-1): its chosen expert
+  indices replaced, in every format (a router collapse: a fault of routing, not of precision).
 
 START and STOP count loop iterations, not steps: after a rewind the step counter goes
 back, time does not, so a fault happens once, as a real one would.
@@ -38,10 +41,11 @@ class FaultKind(str, Enum):
     INPUT = "input"
     LR_SPIKE = "lr_spike"
     LOSS_SPIKE = "loss_spike"
+    ROUTER = "router"
 
     @property
     def needs_site(self) -> bool:
-        return self in (FaultKind.NAN, FaultKind.NAN_ONE, FaultKind.OVERFLOW, FaultKind.INPUT)
+        return self in (FaultKind.NAN, FaultKind.NAN_ONE, FaultKind.OVERFLOW, FaultKind.INPUT, FaultKind.ROUTER)
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,16 @@ def _nan_one_element(out: torch.Tensor) -> torch.Tensor | None:
                               shape=out.shape, stride=out.stride())
 
 
+def _collapsed_routing(out):
+    """A router's output with its chosen expert indices (the integer tensor, (..., k)) replaced
+    by experts 0 .. k-1 for every token."""
+    if not isinstance(out, tuple) or not any(isinstance(t, torch.Tensor) and not t.is_floating_point() for t in out):
+        raise TypeError(f"router: the module's output ({type(out).__name__}) holds no expert indices; name a "
+                        f"router (HF's mlp.gate, torchtitan's moe.router)")
+    return tuple(torch.arange(t.shape[-1], dtype=t.dtype, device=t.device).expand_as(t).contiguous()
+                 if isinstance(t, torch.Tensor) and not t.is_floating_point() else t for t in out)
+
+
 def _scale_loss(out, factor: float):
     if isinstance(out, torch.Tensor):
         return out * factor
@@ -148,6 +162,8 @@ class Faults:
                 self._hooks.append(names[j.site].register_forward_hook(self._nan_hook(j), prepend=True))
             elif j.kind in (FaultKind.OVERFLOW, FaultKind.INPUT) and j.site in names:
                 self._hooks.append(names[j.site].register_forward_pre_hook(self._overflow_hook(j)))
+            elif j.kind is FaultKind.ROUTER and j.site in names:
+                self._hooks.append(names[j.site].register_forward_hook(self._router_hook(j)))
             elif j.kind is FaultKind.LOSS_SPIKE and root:
                 self._hooks.append(module.register_forward_hook(self._loss_hook(j)))
 
@@ -162,6 +178,12 @@ class Faults:
             if j.active(self.iteration, mod):
                 return (args[0] * j.factor,) + tuple(args[1:])
         return pre
+
+    def _router_hook(self, j: Injection):
+        def hook(mod, args, out):
+            if j.active(self.iteration, mod):
+                return _collapsed_routing(out)
+        return hook
 
     def _loss_hook(self, j: Injection):
         def hook(mod, args, out):

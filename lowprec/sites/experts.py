@@ -216,21 +216,38 @@ def experts_top_k(model: nn.Module, fqn: str) -> int:
 class _Experts:
     """The forward every wrapped experts module shares: each projection through the grouped GEMMs."""
 
-    def _project(self, name: str, x: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+    _lowprec_names: tuple[str, ...] = ()
+
+    def _local_sites(self) -> list[ExpertSite]:
+        """The sites of the experts this rank holds, in order. Under expert parallelism the 3-D
+        weights are DTensors sharded along the experts (torchtitan's EP: `Shard(0)` over the `ep`
+        mesh): the rank runs experts [offset, offset + local) of the global E, so the sites of
+        those global indices; every rank keeps every expert's site (the plan's, the same on every
+        rank), and the others' stay idle there (no tokens, no statistics: zero rows in the
+        monitor's all-gather)."""
+        sites = self._lowprec_sites
+        w = getattr(self, self._lowprec_names[0])
+        if not hasattr(w, "to_local") or w.to_local().shape[0] == len(sites):
+            return sites
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        shape, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
+        return sites[offset[0]:offset[0] + shape[0]]
+
+    def _project(self, name: str, x: torch.Tensor, counts: tuple[int, ...], sites: list[ExpertSite]) -> torch.Tensor:
         w = getattr(self, name)
         w = w.to_local() if hasattr(w, "to_local") else w
-        sites = self._lowprec_sites
         return GroupedQuantizedFn.apply(x.reshape(-1, x.shape[-1]), w, counts, tuple(s.format for s in sites),
                                         tuple(s.operand_quantizer(name) for s in sites))
 
-    def _routed(self, counts: tuple[int, ...]) -> None:
-        for s, c in zip(self._lowprec_sites, counts):
+    @staticmethod
+    def _routed(counts: tuple[int, ...], sites: list[ExpertSite]) -> None:
+        for s, c in zip(sites, counts):
             s.routed(c)
 
-    def _through_sites(self, y: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+    @staticmethod
+    def _through_sites(y: torch.Tensor, counts: tuple[int, ...], sites: list[ExpertSite]) -> torch.Tensor:
         """The last projection's rows through each expert site's hooks (`ExpertSite.forward`);
         `y` itself when no site has a hook (no call per expert)."""
-        sites = self._lowprec_sites
         if not any(s._forward_hooks or s._forward_pre_hooks for s in sites):
             return y
         parts, start = [], 0
@@ -248,29 +265,36 @@ class _Experts:
 class _HFExperts(_Experts):
     """transformers 5's fused experts: route, group the tokens by expert, run, weight, combine."""
 
+    _lowprec_names = HF_PROJECTIONS
+
     def forward(self, hidden_states, top_k_index, top_k_weights):
+        sites = self._local_sites()
         n = self.gate_up_proj.shape[0]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         order = order[flat[order] < n]                   # index n: a token dropped (expert parallelism)
         token = order // top_k_index.shape[-1]
         counts = tuple(torch.bincount(flat[order], minlength=n).tolist())
-        self._routed(counts)
+        self._routed(counts, sites)
         x = hidden_states[token]
-        gate, up = self._project("gate_up_proj", x, counts).chunk(2, dim=-1)
-        y = self._through_sites(self._project("down_proj", self.act_fn(gate) * up, counts), counts)
+        gate, up = self._project("gate_up_proj", x, counts, sites).chunk(2, dim=-1)
+        y = self._through_sites(self._project("down_proj", self.act_fn(gate) * up, counts, sites), counts, sites)
         y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
         return torch.zeros_like(hidden_states).index_add_(0, token, y.to(hidden_states.dtype))
 
 
 class _TitanExperts(_Experts):
-    """torchtitan's GroupedExperts: tokens arrive grouped by expert with their counts."""
+    """torchtitan's GroupedExperts: tokens arrive grouped by expert with their counts (under expert
+    parallelism: the tokens of every rank for this rank's experts, `_local_sites`)."""
+
+    _lowprec_names = TITAN_PROJECTIONS
 
     def forward(self, x_RD, num_tokens_per_expert_E):
+        sites = self._local_sites()
         counts = tuple(int(c) for c in num_tokens_per_expert_E.tolist())
-        self._routed(counts)
-        h = F.silu(self._project("w1_EFD", x_RD, counts)) * self._project("w3_EFD", x_RD, counts)
-        return self._through_sites(self._project("w2_EDF", h, counts), counts).type_as(x_RD)
+        self._routed(counts, sites)
+        h = F.silu(self._project("w1_EFD", x_RD, counts, sites)) * self._project("w3_EFD", x_RD, counts, sites)
+        return self._through_sites(self._project("w2_EDF", h, counts, sites), counts, sites).type_as(x_RD)
 
 
 _CLASSES: dict[type, type] = {}

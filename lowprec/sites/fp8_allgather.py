@@ -77,11 +77,15 @@ def gathers_fp8(site) -> bool:
 
 def amax_groups(param, group=None) -> tuple:
     """The process groups a weight's amax is all-reduced over (MAX), in order: `group` when
-    given, else every mesh dimension the (DTensor) parameter is sharded over."""
+    given, else every mesh dimension the (DTensor) parameter is sharded over: every placement
+    that neither replicates nor holds partial sums. FSDP2 over a tp-sharded dim 0 (a column-wise
+    TP weight) places `_StridedShard`, which is not a `Shard` (`is_shard()` is False on torch
+    2.13): counted by `is_shard()` alone, those weights' amaxes were each dp rank's own."""
     if group is not None:
         return (group,)
     mesh = param.device_mesh
-    return tuple(mesh.get_group(i) for i, p in enumerate(param.placements) if p.is_shard())
+    return tuple(mesh.get_group(i) for i, p in enumerate(param.placements)
+                 if not (p.is_replicate() or p.is_partial()))
 
 
 def fp8_gather_dtype(site) -> torch.dtype | None:

@@ -17,15 +17,27 @@ GEMM of `backends/emulated.py`: so the grouped path equals a loop of lowprec's l
 the experts bit for bit (tests/lowprec/sites/test_grouped_gemms.py holds this for every kind of
 format, forward and all gradients, uneven token counts and experts without tokens). Experts
 without tokens are skipped: their weight gradient is zero and they record no statistics.
+
+A format group whose operands are quantized row by row (one scale per row or per 1 x k block
+along the reduction dimension, rounded to nearest, no per-tensor amax or Hadamard signs: row-wise
+FP8, 1x128 blocks, MXFP8, MXFP4) quantizes the activation of its fprop (the input) and of its
+dgrad (the output gradient) in one call for all its experts on steps without statistics
+(statistics are per expert: check steps quantize expert by expert): the same elements, each
+row's scale depending on that row alone. Weights are quantized expert by expert through each
+expert's weight cache (a weight that has not changed is not quantized again); so are the wgrad
+operands (scaled along each expert's own tokens) and tensor-wise, delayed and NVFP4 scales (an
+amax per expert). A high-precision group runs as a linear site
+in high precision does (`F.linear` of BF16-rounded operands, whose gradients autograd rounds).
 """
 
 from __future__ import annotations
 
 import torch
 
-from lowprec.numerics.formats import Format
+from lowprec.numerics.formats import Format, QuantSpec, Rounding, ScaleEncoding, Scaling
+from lowprec.numerics.quantize import quantize
 from lowprec.sites.backends.emulated import dequantize_for_gemm
-from lowprec.sites.operand_quantizer import OperandQuantizer
+from lowprec.sites.operand_quantizer import OperandQuantizer, bf16_round
 from lowprec.sites.quantized_gemms import (_delayed_scale, _pad_tokens, _token_multiple, _transposable,
                                            _transpose)
 
@@ -78,6 +90,40 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: list[int]) -> torch.Tenso
         return torch.stack([a[:, s:o] @ b[s:o] for s, o in zip(starts, offs)])
 
 
+def _row_local(spec: QuantSpec | None) -> bool:
+    """Whether `spec` quantizes each row of an operand (along the GEMM's reduction dimension) on its
+    own: one scale per row or per 1 x k block, no amax of the whole tensor (NVFP4's per-tensor
+    scale), rounded to nearest without a Hadamard transform (an expert's generator and signs are
+    its own). Then quantizing the rows of several experts in one call is each expert's
+    quantization, element for element; high precision (None) rounds each element alone."""
+    return spec is None or (spec.rounding is Rounding.NEAREST_EVEN and not spec.hadamard and (
+        spec.scaling is Scaling.ROW or (spec.scaling is Scaling.BLOCK and spec.block[0] == 1
+                                        and spec.scale_encoding is not ScaleEncoding.E4M3_FP32)))
+
+
+def _one_call(fmt: Format, roles: tuple[str, ...], quants, experts: list[int]) -> bool:
+    """Whether a format group's GEMM quantizes its operands for `roles` in one call for all its
+    experts: every spec row-local and no expert keeping statistics (they are per expert; a high
+    precision format keeps none)."""
+    specs = [getattr(fmt, r) for r in roles]
+    return all(map(_row_local, specs)) and (all(s is None for s in specs)
+                                            or not any(quants[e].collect_stats for e in experts))
+
+
+def _quantized_rows(t: torch.Tensor, spec: QuantSpec | None, quant: OperandQuantizer) -> torch.Tensor:
+    """The dequantized FP32 operand of a row-local quantization of all of `t`'s rows at once."""
+    if spec is None:
+        return bf16_round(t).float() if quant.emulate_bf16 and t.dtype == torch.float32 else t.float()
+    return dequantize_for_gemm(quantize(t, spec, fused=quant.fused, validate=False)).float()
+
+
+def _group_rows(t: torch.Tensor, experts: list[int], starts: list[int], counts: tuple[int, ...]) -> torch.Tensor:
+    """The rows of `experts` (in order) of a tensor grouped by expert; `t` itself when they are all of it."""
+    if sum(counts[e] for e in experts) == t.shape[0]:
+        return t
+    return torch.cat([t[starts[e]:starts[e] + counts[e]] for e in experts])
+
+
 def _starts(counts: tuple[int, ...]) -> list[int]:
     out, s = [], 0
     for c in counts:
@@ -91,32 +137,38 @@ class GroupedQuantizedFn(torch.autograd.Function):
 
     Inputs: x (R, K) grouped by expert, w (E, N, K), `counts` (tokens per expert, host ints),
     `formats` (one `Format` per expert), `quants` (one `OperandQuantizer` per expert: its
-    holders receive the expert's statistics and delayed-scaling amaxes). Returns y (R, N)."""
+    holders receive the expert's statistics and delayed-scaling amaxes); `one_call` (default
+    True): row-local format groups quantize in one call (False: expert by expert, the same
+    numbers; experiments/bench_moe.py times both). Returns y (R, N)."""
 
     @staticmethod
     def forward(ctx, x, w, counts: tuple[int, ...], formats: tuple[Format, ...],
-                quants: tuple[OperandQuantizer, ...]):
+                quants: tuple[OperandQuantizer, ...], one_call: bool = True):
         starts = _starts(counts)
         qx, qw, keep_x, keep_w, scales = {}, {}, {}, {}, {}
         groups = format_groups(formats, counts)
+        vectors = {fmt: one_call and _one_call(fmt, ("input",), quants, experts) for fmt, experts in groups.items()}
         for e in (e for g in groups.values() for e in g):
             fmt, quant = formats[e], quants[e]
             x_e = x[starts[e]:starts[e] + counts[e]]
-            qx[e] = quant.quantize(x_e, fmt, "input")
-            qw[e] = quant.quantize(w[e], fmt, "weight")
+            qx[e] = None if vectors[fmt] else quant.quantize(x_e, fmt, "input")
+            qw[e] = quant.quantize(w[e], fmt, "weight")   # each expert's own weight cache
             keep_x[e] = (qx[e] if _transposable(fmt.input, fmt.input_wgrad, qx[e])
                          and counts[e] % _token_multiple(fmt) == 0 else None)
             keep_w[e] = qw[e] if _transposable(fmt.weight, fmt.weight, qw[e]) else None
             scales[e] = (_delayed_scale(qx[e]), _delayed_scale(qw[e]))
         y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
         for fmt, experts in groups.items():
-            a = _rows([dequantize_for_gemm(qx[e]).float() for e in experts])
+            if vectors[fmt]:   # the input of the whole group in one quantization
+                a = _quantized_rows(_group_rows(x, experts, starts, counts), fmt.input, quants[experts[0]])
+            else:
+                a = _rows([dequantize_for_gemm(qx[e]).float() for e in experts])
             b = _stack([dequantize_for_gemm(qw[e]).float().t() for e in experts])
             out = grouped_mm(a, b, _cumsum([counts[e] for e in experts]))
             _scatter_rows(y, out, experts, starts, counts)
         ctx.save_for_backward(x, w)
         ctx.keep = (keep_x, keep_w, scales, groups, starts)
-        ctx.counts, ctx.formats, ctx.quants = counts, formats, quants
+        ctx.counts, ctx.formats, ctx.quants, ctx.one_call = counts, formats, quants, one_call
         return y.to(x.dtype)
 
     @staticmethod
@@ -130,18 +182,36 @@ class GroupedQuantizedFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
             for fmt, experts in groups.items():
+                if fmt.is_high_precision:
+                    hp = _hp_rounding(quants[experts[0]], x)
+                    b = hp(w if len(experts) == w.shape[0] else w[experts]).float()
+                    out = grouped_mm(_group_rows(gy, experts, starts, counts).float(), b,
+                                     _cumsum([counts[e] for e in experts]))
+                    _scatter_rows(dx, hp(out), experts, starts, counts)
+                    continue
+                one = ctx.one_call and _one_call(fmt, ("grad_output",), quants, experts)
                 qwt = {}
                 for e in experts:
-                    qg[e] = quants[e].quantize(gy[starts[e]:starts[e] + counts[e]], fmt, "grad_output")
+                    if not one:
+                        qg[e] = quants[e].quantize(gy[starts[e]:starts[e] + counts[e]], fmt, "grad_output")
                     qwt[e] = (_transpose(keep_w[e]) if keep_w[e] is not None else quants[e].quantize(
                         w[e].t(), fmt, "weight", record=False, scale=scales[e][1]))
-                a = _rows([dequantize_for_gemm(qg[e]).float() for e in experts])
+                if one:   # the output gradient of the whole group in one quantization
+                    a = _quantized_rows(_group_rows(gy, experts, starts, counts), fmt.grad_output, quants[experts[0]])
+                else:
+                    a = _rows([dequantize_for_gemm(qg[e]).float() for e in experts])
                 b = _stack([dequantize_for_gemm(qwt[e]).float().t() for e in experts])
                 _scatter_rows(dx, grouped_mm(a, b, _cumsum([counts[e] for e in experts])), experts, starts, counts)
             dx = dx.to(x.dtype)
         if ctx.needs_input_grad[1]:
             dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
             for fmt, experts in groups.items():
+                if fmt.is_high_precision:
+                    hp = _hp_rounding(quants[experts[0]], x)
+                    gts = [gy[starts[e]:starts[e] + counts[e]].float().t() for e in experts]
+                    xts = [hp(x[starts[e]:starts[e] + counts[e]]).float() for e in experts]
+                    dw[experts] = hp(grouped_mm(_cols(gts), _rows(xts), _cumsum([counts[e] for e in experts])))
+                    continue
                 gts, xts = [], []
                 for e in experts:
                     gts_e, xts_e = _wgrad_operands(e, fmt, quants[e], gy, x, qg.get(e), keep_x[e], scales[e][0],
@@ -151,7 +221,14 @@ class GroupedQuantizedFn(torch.autograd.Function):
                 out = grouped_mm(_cols(gts), _rows(xts), _cumsum([t.shape[1] for t in gts]))
                 dw[experts] = out
             dw = dw.to(w.dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
+
+
+def _hp_rounding(quant: OperandQuantizer, x: torch.Tensor):
+    """What a linear site in high precision rounds, BF16 emulated in FP32: it runs
+    `F.linear(bf16_round(x), bf16_round(w))`, whose autograd rounds the input and weight
+    gradients (the backward of the casts) and not the output gradient that enters them."""
+    return bf16_round if quant.emulate_bf16 and x.dtype == torch.float32 else (lambda t: t)
 
 
 def _wgrad_operands(e, fmt, quant, gy, x, qg, keep_x, scale_x, start, count):

@@ -109,9 +109,10 @@ UNMEASURED = {"output": frozenset({"amax", "saturated_frac", "underflow_frac", "
 
 
 def signal_metrics(signals: Any, stats: tuple[str, ...] = SIGNAL_STATS) -> dict[str, float]:
-    """`signal/<site>/<role>/<stat>` -> value. Takes `PrecisionState.stats()` ({site: {role:
-    QuantStats | dict}}), the monitor's `Signals` (its `.sites`), or {site: SiteSignals |
-    {"role/stat": value}}. A +inf SQNR (no quantization error at all) is left out, and so is
+    """`signal/<site>/<role>/<stat>` -> value, and from the monitor's `Signals` each MoE layer's
+    `router/<experts module>/collapse` (lowprec.policy.router_signals). Takes
+    `PrecisionState.stats()` ({site: {role: QuantStats | dict}}), the monitor's `Signals` (its
+    `.sites`), or {site: SiteSignals | {"role/stat": value}}. A +inf SQNR (no quantization error at all) is left out, and so is
     what is never measured (`UNMEASURED`: of a site's output, only `nonfinite`)."""
     sites = getattr(signals, "sites", signals)
     host = _quantstats_dicts(sites)
@@ -133,6 +134,8 @@ def signal_metrics(signals: Any, stats: tuple[str, ...] = SIGNAL_STATS) -> dict[
                 continue
             if stat in stats and not (stat == "sqnr_db" and math.isinf(v)):
                 out[f"signal/{site}/{key}"] = v
+    for layer, r in getattr(signals, "routers", {}).items():   # a check's routing, every rank's tokens
+        out[f"router/{layer}/collapse"] = r.collapse
     return out
 
 

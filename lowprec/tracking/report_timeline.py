@@ -36,7 +36,8 @@ EVENT_STYLE = {EventKind.PROMOTE: ("#238b45", ":"), EventKind.ROLLBACK: ("#cb181
                EventKind.QUARANTINE: ("#000000", "-"), EventKind.GATE: ("#08519c", "-."),
                EventKind.REPLAY: ("#fdae6b", ":"), EventKind.ACCEPT: ("#737373", "-."),
                EventKind.HOLD: ("#d94801", "-."), EventKind.WINDOW: ("#9e9ac8", ":"),
-               EventKind.NOT_PRECISION: ("#54278f", "-."), EventKind.INCONCLUSIVE: ("#bcbddc", ":")}
+               EventKind.NOT_PRECISION: ("#54278f", "-."), EventKind.INCONCLUSIVE: ("#bcbddc", ":"),
+               EventKind.ROUTER_FAULT: ("#8c6d31", "-.")}
 _BLOCK = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
 
 

@@ -63,6 +63,15 @@ def test_converter_refuses_what_torchtitan_does_not_allow(titan, tmp_path):
     evals = tmp_path / "eval.yaml"   # an eval section (hosted under every parallelism, pipeline included)
     evals.write_text(PLAN_YAML + "eval: {suite: default, every: 0, mode: fast, final_mode: fast}\n")
     assert load_config(evals).eval is not None
+    # telemetry: LowprecTrainer times torchtitan's steps; the HF and Lightning callbacks time nothing and refuse it
+    from lowprec.integrations.core import framework_config
+    from lowprec.tracking.telemetry import EnergySource
+    timed = tmp_path / "telemetry.yaml"
+    timed.write_text(PLAN_YAML + "telemetry: {energy: 'off', system_metrics_s: 5}\n")
+    cfg = load_config(timed)
+    assert cfg.telemetry.energy is EnergySource.OFF and cfg.telemetry.system_metrics_s == 5
+    with pytest.raises(ConfigError, match=r"unknown key 'telemetry'"):
+        framework_config(timed)
 
 
 def test_converter_prepares_the_debugmodel_and_a_plain_trainer_is_stopped(titan, tmp_path):

@@ -23,13 +23,14 @@ Under FSDP 2 the sites are the torch backend's, their weights gathered by lowpre
 all-gather (`LowprecConverter.Config(fp8_all_gather=True)`): every forward of every site gets
 FP8 bytes while the site runs FP8 and its bf16 weight otherwise, and the gathered weights are
 the whole weights' (FP8: one process's cast) bit for bit, after the fallback and the resume.
-Under FSDP 2 x TP 2 the sites are the torchao backend's (torchao's Float8Linear).
+Under FSDP 2 x TP 2 the sites are the torchao backend's (torchao's Float8Linear) in one launch,
+and the torch backend's with lowprec's FP8 all-gather of tensor-parallel shards in another.
 
 Under pipeline parallelism 2 (torchtitan's default looped schedule) each rank hosts its own
 stages' sites, the controller every site; the NaN is planted on the rank that holds the site;
 the LR probe and the final eval run through the pipeline schedule and agree with one process.
 
-Three torchrun launches of 2 ranks (killed, then resumed; pipeline) and one of 4 ranks.
+Three torchrun launches of 2 ranks (killed, then resumed; pipeline) and two of 4 ranks.
 """
 
 from __future__ import annotations
@@ -67,12 +68,14 @@ rollout:
 tracking: {enabled: false}
 """
 # the same, with rewinds from in-memory snapshots, the LR probe at every check, loss anomalies
-# within reach of an 8-step run, and MLflow tracking
+# within reach of an 8-step run, and MLflow tracking (with lowprec's telemetry; energy off: codecarbon's
+# start costs ~11 s a launch here, and lowprec run's tests hold the energy figures)
 FULL = PLAN.replace("  thresholds: {site_patience: 1}", """\
   thresholds: {site_patience: 1, large_warmup: 2, large_factor: 3.0}
   rewind: {enabled: true, snapshot_every: 2, keep: 3}
   lr_probe: {enabled: true, every_checks: 1}""").replace("tracking: {enabled: false}",
-                                                        'tracking: {uri: "URI", experiment: titan}')
+                                                        'tracking: {uri: "URI", experiment: titan}\n'
+                                                        'telemetry: {energy: "off"}')
 NAN_AT = 3       # the 4th step (lowprec counts from 0, torchtitan's log from 1): a NaN in SITE on rank 0
 SPIKE_AT = 6     # steps 6 and 7: the logits x100 on every rank (a data fault: no precision to blame)
 STEPS = 6
@@ -127,20 +130,28 @@ def _mlflow_run(uri: str):
 EVAL = "eval: {suite: default, every: 0, mode: fast, final_mode: fast, gates: inloop, high_precision: true}\n"
 
 
-def _check_fp8_all_gather(reports: list[dict]) -> None:
+def _check_fp8_all_gather(reports: list[dict], resumed: bool = False) -> None:
     """Under lowprec's FP8 all-gather every forward of every site got what its format at that
     moment asks for: FP8 bytes while it ran tensor-wise FP8, its bf16 weight otherwise (SITE
     after its fallback, replays in high precision, the attention until its promotion), on every
-    rank; and at the kill, each site's gathered weight is its whole weight's, bit for bit (FP8:
-    one process's cast of it with the whole weight's scale; bf16: its values)."""
+    rank; each rank sent one byte per element of its shard into each FP8 gather and two (bf16)
+    into each high-precision one; and at the kill or the end, each site's gathered weight is its
+    whole weight's, bit for bit (FP8: one process's cast of it with the whole weight's scale;
+    bf16: its values). `resumed`: a job resumed after SITE's fallback (bf16 from its start)."""
     for r in reports:
-        gathers = r["gathers"]
-        assert set(gathers) == set(r["formats"]), sorted(gathers)
+        gathers, sent, check = r["gathers"], r["sent"], r["gather_check"]
+        assert set(gathers) == set(r["formats"]) == set(sent), sorted(gathers)
         assert all(bad == 0 for _, _, bad in gathers.values()), gathers   # never the other mode
-        assert all(fp8 > 0 for fqn, (fp8, _, _) in gathers.items() if "feed_forward" in fqn), gathers
-        assert gathers[SITE][0] > 0 and gathers[SITE][1] > 0, gathers[SITE]   # FP8 until the fallback, bf16 after
+        assert all(fp8 > 0 for fqn, (fp8, _, _) in gathers.items() if "feed_forward" in fqn and fqn != SITE), gathers
+        # FP8 until the fallback, bf16 after (a resumed job: bf16 only)
+        assert (gathers[SITE][0] == 0 if resumed else gathers[SITE][0] > 0) and gathers[SITE][1] > 0, gathers[SITE]
+        for fqn, modes in sent.items():   # bytes per dtype: FP8 one a weight element, BF16 two
+            assert all(b == e * {"fp8": 1, "hp": 2}[m] and n > 0 for m, (n, b, e) in modes.items()), (fqn, modes)
+            # sent as the forwards were handed (and as the check below gathered)
+            assert ("fp8" in modes) == (gathers[fqn][0] > 0 or check[fqn][0] == "fp8"), (fqn, modes)
+            assert ("hp" in modes) == (gathers[fqn][1] > 0), (fqn, modes)
+        assert set(sent[SITE]) == ({"hp"} if resumed else {"fp8", "hp"}), sent[SITE]
         # each site's weight as FSDP2 gathers it (its unit unshard()ed) against its whole weight
-        check = r["gather_check"]
         assert all(ok for _, ok in check.values()), check
         assert {m for m, _ in check.values()} == {"fp8", "hp"} and check[SITE][0] == "hp", check
 
@@ -181,22 +192,32 @@ def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(t
     assert run.info.status == "RUNNING"   # killed
     metrics = run.data.metrics
     assert "train/loss" in metrics and "train/rewound_to" in metrics
+    # lowprec's telemetry, as under `lowprec run`: each step's phases and throughput, MLflow's system metrics
+    assert {"time/data_s", "time/forward_s", "time/backward_s", "time/optimizer_s", "time/recovery_s",
+            "throughput/tokens_per_s"} <= set(metrics), sorted(metrics)
+    assert "system/system_memory_usage_megabytes" in metrics and "system/cpu_utilization_percentage" in metrics
     assert math.isfinite(metrics["train/lr_sensitivity"])   # the LR probe ran, on torchtitan's validation batch
 
-    # resumed by torchtitan from its step-10 checkpoint, no faults, an eval at the end
-    # (FP8 all-gather off: the checkpoint of a run that gathered FP8 holds plain high-precision shards)
-    job.update(plan=plan + EVAL, kill_at=-1, faults=[], fp8_all_gather=False)
+    # resumed by torchtitan from its step-10 checkpoint (plain high-precision shards), FP8 all-gather on,
+    # no faults, an eval at the end
+    job.update(plan=plan + EVAL, kill_at=-1, faults=[])
     log = _ok(job.run(2, free_port(), timeout=600))
     assert f"Loading the checkpoint from {job.dump / 'checkpoint' / f'step-{steps}'}" in log
     assert f"lowprec: continuing MLflow run {run.info.run_id}" in log, log[-6000:]
     assert f"lowprec: rollout restored from torchtitan's checkpoint" in log and f"MLflow run {run.info.run_id} continues" in log
     last = job.reports(2)
+    _check_fp8_all_gather(last, resumed=True)
+    killed = json.loads((job.dump / "killed_step.json").read_text())   # rank 0's step 11 before the kill
     for before, after in zip(first, last):
         assert after["restored"] and after["step"] == before["step"] + 2 and after["rewinds"] == 1
         assert after["formats"][SITE] == "bf16"               # the fallback came back with the checkpoint
         assert after["events"][:len(before["events"])] == before["events"]
         a, b = after["losses"][:len(before["losses"])], before["losses"]
         assert all(x == y or (x != x and y != y) for x, y in zip(a, b)), (a, b)
+        # the step trained again after the resume is the killed job's, bit for bit (the FP8 gathers' scales
+        # taken again from the loaded weights)
+        redone = (after["losses"][killed["step"] - 1], after["grad_norms"][killed["step"] - 1])
+        assert redone == (killed["loss"], killed["grad_norm"]), (redone, killed)
     _check_one_run_continued(client, uri, run.info.run_id, job, last[0])
     _check_final_eval_on_both_ranks(client, run.info.run_id, last)
 
@@ -214,6 +235,13 @@ def _check_one_run_continued(client, uri: str, run_id: str, job, lead: dict) -> 
     rewind = [m.step for m in client.get_metric_history(run_id, "train/rewound_to")]
     losses = Counter(m.step for m in client.get_metric_history(run_id, "train/loss"))
     assert losses == Counter(s for s in range(1, lead["titan_step"] + 1) if s not in rewind), (losses, rewind)
+    # the step's time and throughput with its training metrics; the job's telemetry/* numbers once, at its end
+    for key in ("time/window_s", "time/forward_s", "throughput/tokens_per_s"):
+        assert Counter(m.step for m in client.get_metric_history(run_id, key)) == losses, key
+    final = {k: v for k, v in run.data.metrics.items() if k.startswith("telemetry/")}
+    assert final["telemetry/tokens_per_s"] > 0 and final["telemetry/phase/forward_s"] > 0, final
+    assert final["telemetry/bucket/checkpoint_s"] > 0 and final["telemetry/bucket/eval_s"] > 0, final
+    assert [m.step for m in client.get_metric_history(run_id, "telemetry/wall_s")] == [lead["titan_step"]]
     buffer = json.loads((job.dump / "lowprec" / "tracking.json").read_text())["buffer"]
     tracked = (job.dump / "lowprec" / buffer / "events.jsonl").read_text().splitlines()
     # tracked at torchtitan's step; lowprec's is one less, or in the evidence where a rewind made them differ
@@ -247,6 +275,24 @@ def test_fsdp2_x_tp2_torchao_backend_nan_on_one_rank_falls_back_on_every_rank(tm
     for r in reports:
         assert r["skipped"] == 1 and r["step"] == STEPS and r["titan_step"] == STEPS
         assert all(math.isfinite(v) for i, v in enumerate(r["losses"]) if i != NAN_AT)
+
+
+def test_fsdp2_x_tp2_fp8_all_gather_nan_on_one_rank_falls_back_to_bf16_gathers(tmp_path, gloo, free_port):
+    """lowprec's FP8 all-gather on tensor-parallel shards under FSDP 2 x TP 2 (the torch backend's
+    sites; their weights DTensors sharded over dp and tp): every FP8 site's weight gathered as FP8
+    bytes on every rank, SITE's as bf16 from its fallback on, and each gathered weight the whole
+    weight's bit for bit. Column-wise TP weights (wqkv, w1, w3) are sharded over dp as
+    `_StridedShard`, which c13c165 left out of the amax all-reduce: each dp rank cast with its
+    own scale, and their gathered bytes were no one process's cast."""
+    job = TitanJob(tmp_path, PLAN.replace("backend: emulated", "backend: torch"), steps=STEPS,
+                   checkpoint_every=STEPS, faults=[fault("nan", SITE, NAN_AT, NAN_AT + 1, rank=0)], fp8_all_gather=True)
+    log = _ok(job.run(4, free_port(), "--parallelism.tensor_parallel_degree", "2"))
+    assert "dp_shard=2, cp=1, tp=2" in log   # torchtitan's mesh: FSDP 2 x TP 2
+    reports = job.reports(4)
+    assert len(_check_nan_fallback(reports, log)) == 8
+    _check_fp8_all_gather(reports)
+    for r in reports:
+        assert r["skipped"] == 1 and r["step"] == STEPS and r["losses"] == reports[0]["losses"]
 
 
 # evals before the promotion and at the end, one pass each (their forwards are pipeline steps: the cost)

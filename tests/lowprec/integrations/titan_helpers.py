@@ -104,9 +104,27 @@ class RecordingTrainer(LowprecTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.gathers = {{}}   # site -> [FP8 bytes while FP8, high precision while not, a mismatch]
+        self.sent = {{}}      # site -> {{"fp8"|"hp": [gathers, bytes this rank sent, elements of its shard]}}
         if SETTINGS["fp8_all_gather"]:
             for fqn, site in self.hosted.state.sites.items():
                 site.module.register_forward_pre_hook(lambda m, a, fqn=fqn: self._count(fqn, m))
+            self._count_sent()
+
+    def _count_sent(self):
+        """The bytes this rank sends into each site's all-gathers, by what they carry: FSDP2 sends
+        what `fsdp_pre_all_gather` returns, and a high-precision gather the rest of the bytes in
+        its second all-gather (the metadata's tensor)."""
+        from lowprec.sites.fp8_allgather import FP8AllGatherWeight
+        pre, sent = FP8AllGatherWeight.fsdp_pre_all_gather, self.sent
+
+        def counted(weight, mesh, outer_size, outer_stride, module, mp_policy):   # FSDP2 checks the signature
+            (data,), meta = out = pre(weight, mesh, outer_size, outer_stride, module, mp_policy)
+            row = sent.setdefault(weight._site.fqn, {{}}).setdefault(meta[0], [0, 0, 0])
+            row[0] += 1
+            row[1] += data.numel() * data.element_size() + (meta[1].numel() if meta[0] == "hp" else 0)
+            row[2] += weight._tensor.numel()
+            return out
+        FP8AllGatherWeight.fsdp_pre_all_gather = counted
 
     def _count(self, fqn, module):
         from lowprec.sites.fp8_allgather import gathers_fp8
@@ -153,7 +171,10 @@ class RecordingTrainer(LowprecTrainer):
             self.gather_check = self._check_gathers() if SETTINGS["fp8_all_gather"] else None
             self._report(self.step - 1)   # torchtitan counts the step that begins
         super().train_step(data_iterator)
-        if kill and torch.distributed.get_rank() == 0:
+        if kill and torch.distributed.get_rank() == 0:   # the step the resumed job trains again
+            h = self.hosted
+            Path(SETTINGS["dump"], "killed_step.json").write_text(json.dumps(
+                {{"step": h.step, "loss": h.losses[-1], "grad_norm": h.after.record.grad_norms[-1]}}))
             self.hosted.tracker.flush(60)   # the step's points are in the run: a resume must not log them again
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -172,7 +193,8 @@ class RecordingTrainer(LowprecTrainer):
                "skipped": h.session.skipped, "rewinds": h.session.rewinds, "restored": self.restored,
                "losses": h.losses, "events": [e.to_json() for e in h.session.events],
                "evals": h.evals.history if h.evals is not None else None, "without_controller": without_controller,
-               "gathers": self.gathers, "gather_check": getattr(self, "gather_check", None)}}
+               "gathers": self.gathers, "gather_check": getattr(self, "gather_check", None), "sent": self.sent,
+               "grad_norms": h.after.record.grad_norms}}
         Path(SETTINGS["dump"], f"lowprec_rank{{rank}}.json").write_text(json.dumps(out))
 
     def _without_controller(self):
@@ -273,12 +295,12 @@ class TitanJob:
     """One torchtitan job folder: tokenizer, data, lowprec YAML, config module, dump folder."""
 
     def __init__(self, tmp: Path, plan: str, *, steps: int, checkpoint_every: int, faults=(), validator: bool = False,
-                 kill_at: int = -1, reference: bool = False, fp8_all_gather: bool = False):
+                 kill_at: int = -1, reference: bool = False, fp8_all_gather: bool = False, job: str = JOB):
         """faults: `fault(...)`s; validator: torchtitan's validation data on (the LR probe's held batch);
         kill_at: torchtitan's step after which rank 0 SIGKILLs itself (-1: none); reference: after
         training, each rank writes an eval forward and the LR probe's held loss beside the whole
-        model's in one process (`dump/forwards_rank<R>.pt`)."""
-        self.tmp = tmp
+        model's in one process (`dump/forwards_rank<R>.pt`); job: the config module's template."""
+        self.tmp, self.job = tmp, job
         self.dump = tmp / "dump"
         (tmp / "lowprec.yaml").write_text(plan)
         self.settings = {"plan": str(tmp / "lowprec.yaml"), "events": str(tmp / "events.jsonl"),
@@ -291,7 +313,7 @@ class TitanJob:
         self._write()
 
     def _write(self) -> None:
-        (self.tmp / "lowprec_job.py").write_text(JOB.format(settings=json.dumps(self.settings)))
+        (self.tmp / "lowprec_job.py").write_text(self.job.format(settings=json.dumps(self.settings)))
 
     def update(self, plan: str | None = None, **settings) -> None:
         """New settings (and lowprec YAML) for the next run of the job."""

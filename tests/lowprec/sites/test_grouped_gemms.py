@@ -15,11 +15,16 @@ from lowprec.sites.layers import PrecisionLinear
 
 # every kind of recipe: tensor-wise, delayed, row-wise, 1x128 / 128x128 blocks, MX, NVFP4, high precision
 MIXES = [("fp8_tensorwise", "bf16", "fp8_rowwise", "fp8_tensorwise", "mxfp8"),
-         ("fp8_delayed", "fp8_blockwise", "nvfp4", "mxfp4", "fp8_delayed")]
+         ("fp8_delayed", "fp8_blockwise", "nvfp4", "mxfp4", "fp8_delayed"),
+         ("fp8_rowwise", "mxfp8", "fp8_rowwise", "bf16", "mxfp8")]   # row-local formats: one quantization per group
 
 
+@pytest.mark.parametrize("stats", [True, False], ids=["statistics", "no_statistics"])
 @pytest.mark.parametrize("names", MIXES)
-def test_grouped_equals_a_loop_of_linear_sites(names):
+def test_grouped_equals_a_loop_of_linear_sites(names, stats):
+    """With statistics (a check step) each expert's operands are quantized on their own; without
+    (every other step), a format group whose formats scale per row or 1 x k block quantizes each
+    operand of all its experts in one call (grouped_gemms._one_call): the same numbers."""
     torch.manual_seed(0)
     counts = (37, 0, 128, 5, 64)             # uneven, one expert without tokens
     n_out, k_in = 256, 128
@@ -30,6 +35,8 @@ def test_grouped_equals_a_loop_of_linear_sites(names):
     fmts = [get_format(n) for n in names]
     sites = [ExpertSite(e, {"p": (n_out, k_in)}, fmts[e], backend, fqn=f"experts.{e}", seed=e)
              for e in range(len(counts))]
+    for s in sites:
+        s.collect_stats = stats
     xg = x.clone().requires_grad_(True)
     for _ in range(2):   # the second step: delayed scaling from the first one's history
         xg.grad = w.grad = None
@@ -39,6 +46,8 @@ def test_grouped_equals_a_loop_of_linear_sites(names):
         y.backward(gy)
     refs = [PrecisionLinear(nn.Parameter(w.detach()[e].clone()), None, fmts[e], backend, fqn=f"r{e}", seed=e * 8)
             for e in range(len(counts))]
+    for lin in refs:
+        lin.collect_stats = stats
     starts = [sum(counts[:e]) for e in range(len(counts))]
     for _ in range(2):
         xr = x.clone().requires_grad_(True)

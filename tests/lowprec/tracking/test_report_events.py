@@ -76,6 +76,8 @@ def every_kind_run() -> ReportData:
                                   "mlp_fp8"),
         EventKind.QUARANTINE: Event(50, EventKind.QUARANTINE, fc, reason="stage rolled back 2 times", stage="mlp_fp8"),
         EventKind.REWIND: Event(50, EventKind.REWIND, reason="rewind after loss_spike", evidence={"skip_batches": 0}),
+        EventKind.ROUTER_FAULT: Event(55, EventKind.ROUTER_FAULT, reason="router fault: blocks.1.mlp sent its tokens "
+                                      "to few experts", evidence={"layer": "blocks.1.mlp", "router/collapse": 1.0}),
     }
     assert set(by_kind) == emitted_kinds()          # a new kind gets its event here
     events = sorted(by_kind.values(), key=lambda e: e.step)

@@ -1,0 +1,88 @@
+"""Experts as sites under torchtitan's real Trainer with expert parallelism: torchtitan 0.3's Qwen3
+MoE (titan_moe_job.py: its own model code at a CPU size, 2 layers of 4 experts, top 2) under
+`torchtitan.train` on torchrun with gloo, 2 ranks: EP 2 (torchtitan's `AllToAllTokenDispatcher`,
+`all_to_all_single` over gloo; the 3-D expert weights DTensors sharded along the experts) and
+FSDP 2 over the same ranks (dp_shard 2: the dense layers sharded, each rank its own batch).
+
+Each rank runs the expert sites of its own experts (rank 0 experts 0 and 1 of each layer, rank 1
+experts 2 and 3): the sites of those global indices, fed the tokens of both ranks. A NaN planted in
+expert 3 of layer 1 (an injection on every rank: it fires only where that expert runs, rank 1) makes
+the step's loss NaN on both ranks; the replays bisect over the 8 expert sites (8, 4, 2, 1, 1) and
+demote exactly that expert on both ranks, whose decisions are the same event for event, and the
+same as the one-process run's (the same job on one rank, no EP: every expert's site runs there).
+
+Two torchrun launches: 2 ranks (EP 2 x FSDP 2), then 1 rank (the one-process run).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'lowprec[torchtitan]')")
+pytest.importorskip("tokenizers")
+pytest.importorskip("datasets")
+
+from test_torchtitan_trainer import _ok, decisions  # noqa: E402
+from titan_helpers import TitanJob, fault  # noqa: E402
+from titan_moe_job import MOE_JOB  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+EXPERTS = "layers.{}.moe.routed_experts.inner_experts"
+EXPERT = EXPERTS.format(1) + ".3"
+PLAN = """\
+precision:
+  backend: emulated
+  default: bf16
+  keep_high_precision: [{fqns: [lm_head]}]
+  rules:
+    - {name: dense, select: {module_type: Linear}, format: bf16, ladder: [fp8_tensorwise, bf16]}
+    - {name: experts, select: {kind: experts}, format: fp8_tensorwise, ladder: [fp8_tensorwise, bf16]}
+rollout:
+  check_every: 2
+  min_steps: 2
+  cooldown_steps: 1000
+  thresholds: {site_patience: 1}
+  stages:
+    - {name: dense_fp8, select: {kind: dense}, format: fp8_tensorwise}
+tracking: {enabled: false}
+"""
+NAN_AT, STEPS = 3, 6
+
+
+def test_ep2_fsdp2_nan_in_one_expert_demotes_it_on_every_rank(tmp_path, gloo, free_port):
+    job = TitanJob(tmp_path, PLAN, steps=STEPS, checkpoint_every=STEPS,
+                   job=MOE_JOB, faults=[fault("nan", EXPERT, NAN_AT, NAN_AT + 1)])
+    log = _ok(job.run(2, free_port(), "--parallelism.expert_parallel_degree", "2"))
+    assert "dp_shard=2" in log, log[-4000:]
+    reports = job.reports(2)
+    experts = [f"{EXPERTS.format(layer)}.{e}" for layer in (0, 1) for e in range(4)]
+    for rank, r in enumerate(reports):
+        # each rank ran its own experts' sites (2 of each layer), on tokens of both ranks
+        ran = {f for f, n in r["expert_tokens"].items() if n > 0}
+        assert ran == {f"{EXPERTS.format(layer)}.{e}" for layer in (0, 1) for e in (2 * rank, 2 * rank + 1)}, r
+        assert sorted(r["expert_tokens"]) == experts
+    want = decisions(reports[0]["events"])
+    for r in reports:
+        assert decisions(r["events"]) == want, f"rank {r['rank']} decided otherwise"
+        assert r["formats"][EXPERT] == "bf16"
+        assert {f for e, f in r["formats"].items() if e in experts and e != EXPERT} == {"fp8_tensorwise"}
+        assert math.isnan(r["losses"][NAN_AT]) and r["skipped"] == 1
+    # bisected by replays through torchtitan's forward and backward over the 8 expert sites, then
+    # exactly that expert demoted and the step skipped; the dense stage promoted at the next check
+    replays = [sites for kind, step, _, sites in want if kind == "replay"]
+    assert [len(s) for s in replays] == [8, 4, 2, 1, 1] and replays[-1] == (EXPERT,), want
+    assert [d[:2] for d in want] == [("replay", NAN_AT)] * 5 + [("fallback", NAN_AT), ("skip_step", NAN_AT),
+                                                                ("promote", NAN_AT + 2)], want
+    assert want[5][3] == (EXPERT,) and want[7][2] == "dense_fp8"
+    # the one-process run: the same job on one rank (no EP, no FSDP) decides the same, event for event
+    (tmp_path / "one").mkdir()
+    job = TitanJob(tmp_path / "one", PLAN, steps=STEPS, checkpoint_every=STEPS, job=MOE_JOB,
+                   faults=[fault("nan", EXPERT, NAN_AT, NAN_AT + 1)])
+    log = _ok(job.run(1, free_port()))
+    assert "dp_shard" not in log or "dp_shard=1" in log, log[-4000:]
+    one, = job.reports(1)
+    assert all(n > 0 for n in one["expert_tokens"].values()), one["expert_tokens"]   # every expert ran here
+    assert decisions(one["events"]) == want and one["formats"] == reports[0]["formats"]
