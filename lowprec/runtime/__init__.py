@@ -8,7 +8,8 @@
 
 Modules: `session` (Session), `snapshots` (in-memory and disk rewinds), `loop` (train),
 `engine` (the engine protocol, one process), `fsdp` (FullyShardedDP: FSDP2 for any model),
-`parallel` (the engines under torchrun: DP x TP, FSDP2 x TP, pipeline), `pipeline_forward`
+`parallel` (the engines under torchrun: FSDP2/HSDP x TP, pipeline), `mesh` (the job's one
+DeviceMesh), `gradnorm` (the global gradient norm), `pipeline_forward`
 (forwards through pipeline stages outside training), `parallel_run`
 (`lowprec run` on several processes: the launch, its checks, each rank's run), `rank_device`
 (each rank's backend and device: NCCL on cuda:LOCAL_RANK or gloo), `layout` (`lowprec plan`'s

@@ -27,10 +27,12 @@ is a plain SUM (divide factor 1; a SUM collective over gloo, which has neither A
 PREMUL_SUM: `plain_sums`), so the summed
 shards are the gradients of the global batch mean. Microbatches accumulate unsharded
 gradients locally and reduce once, after the last one (chunk k of every rank together
-is one process's chunk k: each rank holds rows rank::world). `clip_grad_norm` forms the
-norm as `torch.nn.utils.clip_grad_norm_` does in one process (per-parameter norms, a
-sharded one from its shards' summed squares: one all-reduce, then the norm of those) and
-returns it as a plain tensor, equal on every rank.
+is one process's chunk k: each rank holds rows rank::world). On a 2-D (replicate, shard)
+mesh FSDP2 is HSDP: it reduce-scatters over the shard dimension and all-reduces over the
+replicate one; with shard degree 1 that is replicated data parallelism (DDP's all-reduce),
+which is how `lowprec run` runs `dp_replicate` (`lowprec.runtime.parallel.build_engine`).
+`clip_grad_norm` is torch's global norm over the DTensor gradients
+(`lowprec.runtime.gradnorm.clip_global`), a plain tensor, equal on every rank.
 
 Snapshots and checkpoints see the sharded state: `model.state_dict()` holds DTensor shards
 and `load_state_dict` copies into them in place, so each rank snapshots and restores its
@@ -47,10 +49,11 @@ from torch import nn
 
 from lowprec.runtime.engine import Clocked, loss_of
 from lowprec.runtime.fsdp_fp8 import enable_fp8_all_gather, install
-from lowprec.runtime.gradnorm import clip_, grad_norm
+from lowprec.runtime.gradnorm import clip_global
+from lowprec.runtime.mesh import flat_group
 from lowprec.tracking.phases import NULL_CLOCK, LapClock, Phase
 
-__all__ = ["FullyShardedDP", "block_modules", "plain_sums", "sharded_forward_backward"]
+__all__ = ["FullyShardedDP", "block_modules", "plain_sums"]
 
 ShardSelector = Callable[[str, nn.Module], bool]
 
@@ -79,9 +82,10 @@ def block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _mesh_of(mesh_or_group, model: nn.Module):
     from torch.distributed.device_mesh import DeviceMesh
     if isinstance(mesh_or_group, DeviceMesh):
-        if mesh_or_group.ndim != 1:
-            raise ValueError(f"FullyShardedDP takes a 1-D mesh (the data-parallel ranks), got a "
-                             f"{mesh_or_group.ndim}-D one {mesh_or_group.mesh_dim_names}; pass mesh[\"dp\"]")
+        if mesh_or_group.ndim not in (1, 2):
+            raise ValueError(f"FullyShardedDP takes a 1-D mesh (the data-parallel ranks) or a 2-D one (replicate, "
+                             f"shard: HSDP), got a {mesh_or_group.ndim}-D one {mesh_or_group.mesh_dim_names}; "
+                             f"pass mesh[\"dp_replicate\", \"dp_shard\"]")
         return mesh_or_group
     if mesh_or_group is None or isinstance(mesh_or_group, dist.ProcessGroup):
         if not dist.is_initialized():
@@ -90,12 +94,14 @@ def _mesh_of(mesh_or_group, model: nn.Module):
         group = mesh_or_group or dist.group.WORLD
         device = next(model.parameters()).device
         return DeviceMesh.from_group(group, device.type)
-    raise TypeError(f"mesh_or_group must be a 1-D DeviceMesh or a ProcessGroup, got {type(mesh_or_group).__name__}")
+    raise TypeError(f"mesh_or_group must be a DeviceMesh or a ProcessGroup, got {type(mesh_or_group).__name__}")
 
 
 def plain_sums(model: nn.Module, group) -> None:
     """Every FSDP2 unit of `model` reduces the loss/ranks gradients as a plain sum (divide
-    factor 1); over gloo, which has neither AVG nor PREMUL_SUM, as a SUM collective."""
+    factor 1); over gloo, which has neither AVG nor PREMUL_SUM, as a SUM collective (torch
+    2.13's FSDP2 reduce-scatters with PREMUL_SUM(1/factor) for any factor but the shard degree,
+    so gloo still needs it; NCCL takes FSDP2's own op)."""
     from torch.distributed.fsdp import FSDPModule
     gloo = dist.get_backend(group) == "gloo"
     for m in model.modules():
@@ -105,34 +111,15 @@ def plain_sums(model: nn.Module, group) -> None:
                 m.set_force_sum_reduction_for_comms(True)
 
 
-def sharded_forward_backward(module: nn.Module, x: torch.Tensor, y: torch.Tensor, microbatches: int, world: int,
-                             group, clock: LapClock = NULL_CLOCK) -> torch.Tensor:
-    """Forward and backward of an FSDP2 `module` (alone, HSDP, over tp shards) on this rank's
-    rows in `microbatches` chunks, each chunk's loss / (microbatches x world); the global
-    batch-mean loss (detached), SUM-all-reduced over `group`, the same on every rank. The
-    laps: each chunk's forward (with the weights' all-gathers FSDP2 issues in it) as FORWARD,
-    its backward (with the reduce-scatters) as BACKWARD, the loss all-reduce as COLLECTIVE."""
-    n = microbatches
-    chunks = list(zip(x.tensor_split(n), y.tensor_split(n))) if n > 1 else [(x, y)]
-    total = None
-    for k, (xc, yc) in enumerate(chunks):
-        if n > 1:   # accumulate locally; reduce after the last microbatch only
-            module.set_requires_gradient_sync(k == n - 1)
-        loss = loss_of(module(xc, yc))
-        part = loss / (n * world) if n * world != 1 else loss
-        clock.lap(Phase.FORWARD)
-        part.backward()
-        clock.lap(Phase.BACKWARD)
-        total = part.detach() if total is None else total + part.detach()
-    if world > 1:
-        dist.all_reduce(total, group=group)
-        clock.lap(Phase.COLLECTIVE)
-    return total
-
-
 class FullyShardedDP(Clocked):
-    """FSDP2 over a 1-D mesh or process group; see the module docstring.
+    """FSDP2 (or HSDP, or replicated DP as HSDP of shard degree 1) over a mesh or process group;
+    see the module docstring.
 
+    mesh_or_group: a 1-D DeviceMesh or a ProcessGroup (default every rank): FSDP2 over it; a
+        2-D DeviceMesh (replicate, shard): HSDP, sharded over the second dimension and
+        replicated over the first (shard degree 1: replicated data parallel, gradients
+        all-reduced). Parameters already DTensors over a tp mesh of the same root mesh
+        (`model.tensor_parallel` first) are sharded on top, as torchtitan composes them.
     shard: a predicate `(fqn, module) -> bool` over `model.named_modules()` choosing the
         modules sharded as units before the root; default `block_modules`.
     reshard_after_forward: free the gathered weights of each unit after its forward and
@@ -141,13 +128,15 @@ class FullyShardedDP(Clocked):
         (`lowprec.sites.fp8_allgather`); other sites, and a site after a fallback, gather
         their high-precision weights. The optimizer must be built after the engine.
     weight_amax_group: where the gathered weights' amaxes are all-reduced (one all-reduce
-        per step for all of them); default the data-parallel group. Under FSDP2 x TP every
-        rank of the mesh (`lowprec.runtime.parallel.ShardedTensorParallel` passes it).
+        per step for all of them); default the mesh dimensions each weight is sharded over.
+        Under tp or replicas, every rank (`lowprec.runtime.parallel.build_engine` passes it).
+    loss_group: where the loss is summed (default: the ranks of the mesh, flattened).
     """
 
     def __init__(self, model: nn.Module, *, mesh_or_group=None, microbatches: int = 1,
                  shard: ShardSelector | None = None, reshard_after_forward: bool = True,
-                 fp8_all_gather: bool = False, weight_amax_group=None, clock: LapClock = NULL_CLOCK):
+                 fp8_all_gather: bool = False, weight_amax_group=None, loss_group=None,
+                 clock: LapClock = NULL_CLOCK):
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         self.clock = clock   # where FSDP2's forward, backward and loss all-reduce lap (the run's telemetry's)
@@ -158,7 +147,7 @@ class FullyShardedDP(Clocked):
             raise ValueError(f"{type(model).__name__} is already fully sharded; give FullyShardedDP the "
                              f"model after lowprec.prepare and before fully_shard")
         self.mesh = _mesh_of(mesh_or_group, model)
-        self.group = self.mesh.get_group()
+        self.group = flat_group(self.mesh) if loss_group is None else loss_group
         self.world = self.mesh.size()
         self.microbatches = microbatches
         self._check_amax_groups(model)
@@ -167,7 +156,8 @@ class FullyShardedDP(Clocked):
         else:
             units = [(n, m) for n, m in model.named_modules() if n and shard(n, m) and _has_params(m)]
         self.units = [n for n, _ in units]
-        self.fp8_gathered = enable_fp8_all_gather(model, self.world, weight_amax_group) if fp8_all_gather else []
+        self.fp8_gathered = (enable_fp8_all_gather(model, self.mesh.size(self.mesh.ndim - 1), weight_amax_group)
+                             if fp8_all_gather else [])
         for _, unit in reversed(units):   # inner units before the modules that hold them
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
@@ -176,6 +166,10 @@ class FullyShardedDP(Clocked):
             install(model)
         self.module = model
         self.params = [p for p in model.parameters() if p.requires_grad]
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world
 
     def _check_amax_groups(self, model: nn.Module) -> None:
         from lowprec.sites.amax_scope import AmaxScope
@@ -191,18 +185,29 @@ class FullyShardedDP(Clocked):
                              f"or set precision.amax_scope: local")
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """x, y: this rank's rows of the global batch. Returns the global batch-mean loss
-        (detached), the same on every rank; the gradients are reduced and sharded."""
-        return sharded_forward_backward(self.module, x, y, self.microbatches, self.world, self.group, self.clock)
-
-    @torch.no_grad()
-    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
-        """Clip by the global gradient norm as clip_grad_norm_ does; returns the norm before."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return torch.zeros(())
-        # a shard counts on every rank, a replicated gradient once (on the first rank)
-        group = self.group if self.world > 1 else None
-        total = grad_norm(grads, [self.mesh.get_local_rank() == 0] * len(grads), group)
-        clip_(grads, total, max_norm)
+        """x, y: this rank's rows of the global batch, in `microbatches` chunks, each chunk's
+        loss / (microbatches x ranks). Returns the global batch-mean loss (detached), SUM-all-
+        reduced, the same on every rank; the gradients are reduced and sharded. The laps: each
+        chunk's forward (with the all-gathers FSDP2 issues in it) as FORWARD, its backward
+        (with the reduce-scatters and all-reduces) as BACKWARD, the loss all-reduce as COLLECTIVE."""
+        n, world = self.microbatches, self.world
+        chunks = list(zip(x.tensor_split(n), y.tensor_split(n))) if n > 1 else [(x, y)]
+        total = None
+        for k, (xc, yc) in enumerate(chunks):
+            if n > 1:   # accumulate locally; reduce after the last microbatch only
+                self.module.set_requires_gradient_sync(k == n - 1)
+            loss = loss_of(self.module(xc, yc))
+            part = loss / (n * world) if n * world != 1 else loss
+            self.clock.lap(Phase.FORWARD)
+            part.backward()
+            self.clock.lap(Phase.BACKWARD)
+            total = part.detach() if total is None else total + part.detach()
+        if world > 1:
+            dist.all_reduce(total, group=self.group)
+            self.clock.lap(Phase.COLLECTIVE)
         return total
+
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        """Clip by the global gradient norm (`lowprec.runtime.gradnorm.clip_global`: torch's over
+        the DTensor gradients); returns the norm before clipping."""
+        return clip_global(self.params, max_norm)

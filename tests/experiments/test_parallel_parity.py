@@ -12,7 +12,8 @@ real processes, all at once:
 * `torchrun --nproc-per-node 2 -m lowprec.cli run` with `parallel: {dp_shard: 2}` (FSDP2,
   `lowprec.runtime.fsdp.FullyShardedDP`: each block and the root `fully_shard`ed);
 * `torchrun --nproc-per-node 4 -m lowprec.cli run` with `parallel: {dp_replicate: 2, dp_shard: 2}`
-  (HSDP, `lowprec.runtime.parallel.HybridShardedDP`: FSDP2 on a 2-D mesh).
+  (HSDP, `lowprec.runtime.parallel.data_parallel`: FSDP2 on a 2-D mesh; every data-parallel
+  layout above is FSDP2 on the (dp_replicate, dp_shard) sub-mesh of `lowprec.runtime.mesh`).
 
 All four run the one loop of `lowprec.runtime.loop` with rewinds to in-memory snapshots
 (every 5 steps; each rank keeps its own shards or its own pipeline stage).

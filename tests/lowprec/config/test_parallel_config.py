@@ -62,12 +62,10 @@ def test_fp8_all_gather_reaches_the_fsdp2_engine():
     """`parallel.fp8_all_gather` is read from the config and handed to FSDP2's engine (the
     engine's own FP8 gather is tested under torchrun: tests/lowprec/sites/fast_path)."""
     import inspect
-    from lowprec.runtime.parallel import ShardedTensorParallel
+    from lowprec.runtime.parallel import data_parallel
     assert config(dp_shard=2, fp8_all_gather=True).parallel.fp8_all_gather
     assert not config(dp_shard=2).parallel.fp8_all_gather
     # FSDP2 x TP and HSDP gather FP8 too
     assert config(dp_shard=2, tp=2, fp8_all_gather=True).parallel.fp8_all_gather
     assert config(dp_replicate=2, dp_shard=2, fp8_all_gather=True).parallel.fp8_all_gather
-    from lowprec.runtime.parallel import HybridShardedDP
-    for engine in (ShardedTensorParallel, HybridShardedDP):
-        assert "fp8_all_gather" in inspect.signature(engine).parameters
+    assert "fp8_all_gather" in inspect.signature(data_parallel).parameters

@@ -1,10 +1,10 @@
-"""Telemetry's phases under the FSDP2 engines of `lowprec run` (`FullyShardedDP`, FSDP2 x TP
-`ShardedTensorParallel`, HSDP `HybridShardedDP`): a forward's time is lapped as forward and a
-backward's as backward (before, the whole step was reported as backward). One rank, gloo."""
+"""Telemetry's phases under FSDP2, the engine of `lowprec run`'s data parallelism (`FullyShardedDP`
+alone, and on `build_mesh`'s mesh through `data_parallel`, as every layout but pp runs): a
+forward's time is lapped as forward and a backward's as backward (before, the whole step was
+reported as backward). One rank, gloo."""
 
 import time
 
-import pytest
 import torch
 from torch import nn
 
@@ -37,23 +37,12 @@ class _Model(nn.Module):
         return nn.functional.mse_loss(self.blocks[0](x), y)
 
 
-@pytest.fixture
-def one_rank(gloo, tmp_path):
-    gloo.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield
-    gloo.destroy_process_group()
-
-
 def _engines():
-    from torch.distributed.device_mesh import init_device_mesh
     from lowprec.runtime.fsdp import FullyShardedDP
-    from lowprec.runtime.parallel import HybridShardedDP, ShardedTensorParallel
-    tp_mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp"))
+    from lowprec.runtime.mesh import build_mesh
+    from lowprec.runtime.parallel import data_parallel
     clock = CpuLapClock()
-    yield "fsdp2_tp", ShardedTensorParallel(_Model(), tp_mesh, 1, clock=clock), clock
-    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
-    clock = CpuLapClock()
-    yield "hsdp", HybridShardedDP(_Model(), mesh, 1, clock=clock), clock
+    yield "hsdp_tp", data_parallel(_Model(), build_mesh("cpu"), 1, clock=clock), clock
     clock = CpuLapClock()
     yield "fsdp2", FullyShardedDP(_Model(), clock=clock), clock
 

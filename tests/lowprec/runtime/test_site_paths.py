@@ -2,7 +2,6 @@
 gathers its weight in, as summary.json and MLflow show them (one rank, gloo, FSDP2 with
 `fp8_all_gather`; the one-process run's summary: tests/lowprec/runtime/test_cli_run.py)."""
 
-import pytest
 import torch
 from torch import nn
 
@@ -23,20 +22,13 @@ class _Blocks(nn.Module):
         return nn.functional.mse_loss(x, y)
 
 
-@pytest.fixture
-def one_rank(gloo, tmp_path):
-    gloo.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield
-    gloo.destroy_process_group()
-
-
 def test_fast_calls_and_the_fp8_all_gather_per_site_and_bf16_after_a_fallback(one_rank):
     from lowprec.runtime.fsdp import FullyShardedDP
     torch.manual_seed(0)
     model = _Blocks()
     plan = PrecisionPlan.from_dict({"backend": "torch", "amax_scope": "local", "rules": [
-        {"select": {"glob": "blocks.0.*"}, "format": "fp8_tensorwise", "ladder": ["fp8_tensorwise", "bf16"]},
-        {"select": {"glob": "blocks.1.*"}, "format": "bf16", "ladder": ["fp8_tensorwise", "bf16"]}]})
+        {"name": "b0", "select": {"glob": "blocks.0.*"}, "format": "fp8_tensorwise", "ladder": ["fp8_tensorwise", "bf16"]},
+        {"name": "b1", "select": {"glob": "blocks.1.*"}, "format": "bf16", "ladder": ["fp8_tensorwise", "bf16"]}]})
     state = prepare(model, plan)
     engine = FullyShardedDP(model, fp8_all_gather=True)
     x, y = torch.randn(4, 16), torch.randn(4, 16)

@@ -7,7 +7,7 @@ Used by test_fast_path_distributed.py:
 
 MODE: `single` (one process's run, the whole batch, no process group in it: alone or on
 rank 0 of a launch), `fsdp` (FullyShardedDP over every rank:
-DP N), `dptp` (lowprec.runtime.parallel.DataTensorParallel on a (N/2, 2) mesh: TP 2, DP N/2;
+DP N), `dptp` (lowprec.runtime.parallel.data_parallel on a (dp_replicate N/2, tp 2) mesh: TP 2, DP N/2;
 with N == 2 that is TP 2 alone), `layer` (one PrecisionLinear on data- and
 tensor-parallel shards against the same layer on the whole tensors, on every rank),
 `fsdp8` / `fsdphp` (FSDP2 with / without FP8 all-gather, one site falling back at step 2),
@@ -165,14 +165,14 @@ CKPT_STEP = 3
 
 def _dptp(fmt: str, scope: str):
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from lowprec.runtime.parallel import DataTensorParallel
+    from lowprec.runtime.mesh import build_mesh, data_group, data_rank
+    from lowprec.runtime.parallel import data_parallel
     dp = dist.get_world_size() // 2
-    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp_replicate", "tp"))
+    mesh = build_mesh("cpu", dp_replicate=dp, tp=2)
     model = make_model()
-    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=mesh.get_group("dp_replicate") if dp > 1 else None)
-    engine = DataTensorParallel(model, mesh, microbatches=1)
-    return model, state, engine, torch.optim.AdamW(model.parameters(), lr=LR), mesh.get_local_rank("dp_replicate"), dp
+    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=data_group(mesh) if dp > 1 else None)
+    engine = data_parallel(model, mesh, microbatches=1)
+    return model, state, engine, torch.optim.AdamW(model.parameters(), lr=LR), data_rank(mesh), dp
 
 
 def _dptp_steps(engine, opt, r: int, dp: int, first: int, last: int) -> list[float]:
@@ -185,29 +185,29 @@ def _dptp_steps(engine, opt, r: int, dp: int, first: int, last: int) -> list[flo
 
 
 def _fsdptp(fmt: str, scope: str, fp8: bool = True, tp: int = 2):
-    """FSDP2 x TP (lowprec.runtime.parallel.ShardedTensorParallel) on a (dp_shard, tp) mesh of
+    """FSDP2 x TP (lowprec.runtime.parallel.data_parallel) on a (dp_shard, tp) mesh of
     every rank; tp 1 is FSDP2 alone. (model, state, engine, optimizer, dp rank, dp)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from lowprec.runtime.parallel import ShardedTensorParallel
+    from lowprec.runtime.mesh import build_mesh, data_group, data_rank
+    from lowprec.runtime.parallel import data_parallel
     dp = dist.get_world_size() // tp
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
+    mesh = build_mesh("cpu", dp_shard=dp, tp=tp)
     model = make_model()
-    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=mesh.get_group("dp_shard") if dp > 1 else None)
-    engine = ShardedTensorParallel(model, mesh, microbatches=1, fp8_all_gather=fp8)
-    return model, state, engine, torch.optim.AdamW(model.parameters(), lr=LR), mesh.get_local_rank("dp_shard"), dp
+    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=data_group(mesh) if dp > 1 else None)
+    engine = data_parallel(model, mesh, microbatches=1, fp8_all_gather=fp8)
+    return model, state, engine, torch.optim.AdamW(model.parameters(), lr=LR), data_rank(mesh), dp
 
 
 def _hsdp(fmt: str, scope: str, fp8: bool = True):
-    """HSDP (lowprec.runtime.parallel.HybridShardedDP) on a (2, world/2) mesh; as `_fsdptp`."""
+    """HSDP (lowprec.runtime.parallel.data_parallel) on a (2, world/2) mesh; as `_fsdptp`."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from lowprec.runtime.parallel import HybridShardedDP
+    from lowprec.runtime.mesh import build_mesh
+    from lowprec.runtime.parallel import data_parallel
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    mesh = build_mesh("cpu", dp_replicate=2, dp_shard=world // 2)
     model = make_model()
     state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
-    engine = HybridShardedDP(model, mesh, microbatches=1, fp8_all_gather=fp8)
+    engine = data_parallel(model, mesh, microbatches=1, fp8_all_gather=fp8)
     return model, state, engine, torch.optim.AdamW(model.parameters(), lr=LR), dist.get_rank(), world
 
 
@@ -241,7 +241,7 @@ def gather2d_run(fmt: str, scope: str, layout: str, fp8: bool, ckpt: Path | None
             for n, p in model.state_dict().items()}
     out = {"losses": losses, "counts": _gather(_counts(state)), "params": full,
            "state_types": sorted({type(getattr(v, "_local_tensor", v)).__name__ for v in model.state_dict().values()}),
-           "wrapped": getattr(getattr(engine, "fsdp", engine), "fp8_gathered"), "fp8_forwards": _gather(sum(seen))}
+           "wrapped": engine.fp8_gathered, "fp8_forwards": _gather(sum(seen))}
     if ckpt is not None:
         model, state, engine, opt, r, dp = build(fmt, scope, fp8)
         got = load_checkpoint(latest_checkpoint(ckpt), model=model, optimizer=opt, precision=state)
@@ -261,7 +261,7 @@ def reshard_fsdptp_run(fmt: str, scope: str, out_dir: Path) -> dict:
     got = load_checkpoint(latest_checkpoint(out_dir / "ckpt_fsdptp_w4"), model=model, optimizer=opt,
                           precision=state, restore_rng=False)   # per-rank RNG states belong to 4 ranks
     return {"step": got["step"], "resumed": _dptp_steps(engine, opt, r, dp, got["step"], STEPS),
-            "wrapped": engine.fsdp.fp8_gathered}
+            "wrapped": engine.fp8_gathered}
 
 
 LEDGER_MODEL = dict(vocab_size=256, block_size=16, n_layer=4, n_head=4, d_model=128)
@@ -276,18 +276,18 @@ def _ledger_engine(model, fmt: str, scope: str, fp8_gather: bool, tp: int):
     """(state, engine, dp rank, dp) of the ledger's GPT: FSDP2 over every rank (tp 1) or
     FSDP2 x TP on a (world/tp, tp) mesh."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from lowprec.runtime.fsdp import FullyShardedDP
-    from lowprec.runtime.parallel import ShardedTensorParallel
+    from lowprec.runtime.mesh import build_mesh, data_group, data_rank
+    from lowprec.runtime.parallel import data_parallel
     if tp == 1:
         state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
         engine = FullyShardedDP(model, mesh_or_group=dist.group.WORLD, fp8_all_gather=fp8_gather)
         return state, engine, dist.get_rank(), dist.get_world_size()
     dp = dist.get_world_size() // tp
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
-    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=mesh.get_group("dp_shard"))
-    engine = ShardedTensorParallel(model, mesh, microbatches=1, fp8_all_gather=fp8_gather)
-    return state, engine, mesh.get_local_rank("dp_shard"), dp
+    mesh = build_mesh("cpu", dp_shard=dp, tp=tp)
+    state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=data_group(mesh))
+    engine = data_parallel(model, mesh, microbatches=1, fp8_all_gather=fp8_gather)
+    return state, engine, data_rank(mesh), dp
 
 
 def ledger_run(fmt: str, scope: str, tp: int = 1) -> dict:
