@@ -6,7 +6,7 @@ A site is described by how tensor parallelism splits its GEMM (`Split`) and, for
 sequence-parallel site, which input it reads (sites reading one input share one reduced
 amax: `lowprec.sites.shared_amax`). `amax_all_reduces` counts, for one forward and backward
 of tensor-wise FP8 sites, the MAX all-reduces lowprec's code issues (lowprec.sites.fp8_parallel,
-lowprec.sites.fp8_sequence, lowprec.runtime.fsdp_fp8), one per group an amax is reduced over:
+lowprec.sites.fp8_sequence, lowprec.runtime.engines.fsdp_fp8), one per group an amax is reduced over:
 
 * `local` (the default): an SP input's amax over TP, once per distinct input; nothing else
   per site;

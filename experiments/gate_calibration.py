@@ -65,7 +65,7 @@ def train_eval(cfg, kind: str, seed: int, out: Path, steps: int | None) -> dict:
     if path.is_file():
         return json.loads(path.read_text())
     from lowprec.evals import ByteTokenizer, EvalSuite, run_suite
-    from lowprec.runtime.run import execute, prepare_run
+    from lowprec.runtime.trainer.run import execute, prepare_run
     t0 = time.perf_counter()
     prepared = prepare_run(kind_config(cfg, kind, seed), controller=False)
     res = execute(prepared, out / f"{kind}_seed{seed}", steps=steps)

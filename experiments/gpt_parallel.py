@@ -1,7 +1,7 @@
 """The reference GPT's parallel plan: its tensor-parallel sharding and its pipeline stages.
 
 `lowprec run` with a `parallel:` section asks the model itself how it is split (see
-`lowprec.runtime.parallel`): `GPT.tensor_parallel(tp_mesh)` and
+`lowprec.runtime.engines.parallel`): `GPT.tensor_parallel(tp_mesh)` and
 `GPT.pipeline_stage(index, stages)` (experiments/model.py) call the functions here, as
 torchtitan keeps a per-model parallelize function next to each model.
 

@@ -106,7 +106,7 @@ class GPT(nn.Module):
             return logits
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    # the parallel plan `lowprec run` asks for under a `parallel:` section (lowprec.runtime.parallel)
+    # the parallel plan `lowprec run` asks for under a `parallel:` section (lowprec.runtime.engines.parallel)
     def tensor_parallel(self, tp_mesh) -> None:
         """Shard the blocks' linear layers over `tp_mesh` (experiments/gpt_parallel.py)."""
         from experiments.gpt_parallel import apply_tensor_parallel
@@ -124,7 +124,7 @@ class GPT(nn.Module):
     def pipeline_stage(self, index: int, stages: int) -> nn.Module:
         """Stage `index` of `stages`: its blocks, with the embeddings first, ln_f and lm_head last."""
         from experiments.gpt_parallel import GPTStage
-        from lowprec.runtime.parallel import stage_bounds
+        from lowprec.runtime.engines.parallel import stage_bounds
         first, last = stage_bounds(len(self.blocks), stages)[index]
         return GPTStage(self, first, last, index == 0, index == stages - 1)
 

@@ -30,7 +30,7 @@ from experiments import smollm2
 from experiments.data import Batches, split_texts
 from lowprec.config import TrainConfig
 from lowprec.base.parse import parse as parse_section
-from lowprec.runtime.engine import forward_backward
+from lowprec.runtime.engines.engine import forward_backward
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "smollm2_rollout.yaml"
 _KEYS = ("model", "train", "finetune", "precision", "rollout")
@@ -63,7 +63,7 @@ class FinetuneResult:
 
 
 class CausalLMLoss(nn.Module):
-    """`(logits, loss) = module(x, y)`, the shape lowprec.runtime.engine.forward_backward expects."""
+    """`(logits, loss) = module(x, y)`, the shape lowprec.runtime.engines.engine.forward_backward expects."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
@@ -125,8 +125,8 @@ def finetune(cfg: dict, out_dir: str | Path, *, steps: int | None = None, contro
     from lowprec import prepare
     from lowprec.sites.plan import PrecisionPlan
     from lowprec.policy.rollout import build_controller, parse_rollout
-    from lowprec.runtime.loop import warmup_schedule
-    from lowprec.runtime.session import Session, SessionSettings
+    from lowprec.runtime.trainer.loop import warmup_schedule
+    from lowprec.runtime.session.session import Session, SessionSettings
 
     tc, fs = parse(cfg)
     n_steps = tc.steps if steps is None else steps

@@ -45,7 +45,7 @@ from lowprec.numerics.formats import get_format
 from lowprec.profile.measure import Profile, SiteCost
 from lowprec.profile.planner import choose_formats, final_shares, order_stages
 from lowprec.profile.written import check_written, write_config
-from lowprec.runtime.run import prepare_run
+from lowprec.runtime.trainer.run import prepare_run
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "experiments" / "configs" / "default.yaml"

@@ -26,7 +26,7 @@ _EXPORTS = {
     "PrecisionPlan": "lowprec.sites.plan",
     "LowprecConfig": "lowprec.config",
     "ConfigError": "lowprec.base.parse",
-    "Session": "lowprec.runtime.session",
+    "Session": "lowprec.runtime.session.session",
     "HostedRollout": "lowprec.integrations.core",
     "Format": "lowprec.numerics.formats",
     "get_format": "lowprec.numerics.formats",

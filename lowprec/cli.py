@@ -2,7 +2,7 @@
 
 The subcommands come from registrars, functions `register(subparsers)` that add one or
 more commands: the built-ins listed in `BUILTIN_REGISTRARS` (`plan` and `run` from
-lowprec.runtime.cli; `profile` from lowprec.profile.cli; `report`, `ui`, `sync` from
+lowprec.runtime.trainer.cli; `profile` from lowprec.profile.cli; `report`, `ui`, `sync` from
 lowprec.tracking.cli), then every entry point in the group `lowprec.commands` that an installed package declares.
 lowprec.gates declares `gate` that way (`gate = "lowprec.gates.cli:register"` in pyproject.toml), so
 this module never imports it: imports flow one way, `lowprec.gates -> the core`."""
@@ -15,7 +15,7 @@ from importlib.metadata import entry_points
 from typing import Any, Callable
 
 from lowprec.profile import cli as profile_cli
-from lowprec.runtime import cli as runtime_cli
+from lowprec.runtime.trainer import cli as runtime_cli
 from lowprec.tracking import cli as tracking_cli
 
 __all__ = ["main", "build_parser", "BUILTIN_REGISTRARS", "ENTRY_POINT_GROUP"]

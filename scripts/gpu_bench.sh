@@ -204,7 +204,7 @@ if {"mainjob", "temainjob"} & phases:   # the main job's config as `lowprec run`
     try:
         from pathlib import Path
         from lowprec.config import LowprecConfig
-        from lowprec.runtime.run import load_factory
+        from lowprec.runtime.trainer.run import load_factory
         cfg = LowprecConfig.from_yaml(sys.argv[1])
         build = load_factory(cfg.model.factory, "model.factory", [Path.cwd()])
         build(**{**cfg.model.args, "device": "meta"})   # every argument taken, shapes only

@@ -43,11 +43,11 @@ from pathlib import Path
 # torch._dynamo, which the optimizer's constructor imports. PRELOAD's objects are frozen (see
 # `_serve`); LATE's are imported after that and not: torch._dynamo brings Triton, whose
 # extension reports each of its objects never freed ("nanobind: leaked ...") on stderr at exit.
-PRELOAD = ("lowprec.cli", "lowprec.runtime.run", "lowprec.tracking.tracker", "lowprec.evals.suite",
+PRELOAD = ("lowprec.cli", "lowprec.runtime.trainer.run", "lowprec.tracking.tracker", "lowprec.evals.suite",
            "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store", "lm_eval.tasks", "lm_eval.evaluator",
            "codecarbon.emissions_tracker", "codecarbon.core.resource_tracker",
            "mlflow.system_metrics.system_metrics_monitor", "matplotlib.figure", "scipy.io",
-           "lowprec.runtime.loop", "lowprec.runtime.parallel_run", "lowprec.tracking.telemetry",
+           "lowprec.runtime.trainer.loop", "lowprec.runtime.trainer.parallel_run", "lowprec.tracking.telemetry",
            "lowprec.tracking.peaks", "lowprec.tracking.report", "lowprec.evals.adapter", "lowprec.gates.cli")
 LATE = ("torch._dynamo",)
 

@@ -85,7 +85,7 @@ def test_no_lowprec_module_writes_fsdp2_state():
 
 def test_the_scan_catches_the_writes_it_names():
     """The three writes and the private call the FP8 all-gather made before issue 52 (as in
-    d588cb5's lowprec/runtime/fsdp_fp8.py), setattr and delattr; a read and `self`'s own are no writes."""
+    d588cb5's lowprec/runtime/engines/fsdp_fp8.py), setattr and delattr; a read and `self`'s own are no writes."""
     names = fsdp2_state_names()
     old = '''
 def refresh(model):

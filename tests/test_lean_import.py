@@ -66,7 +66,7 @@ def test_the_front_door_is_small_lazy_and_documented():
     """`lowprec` exports what a user starts from, about ten names, each imported when first used
     (nothing of the runtime or the config is imported by `import lowprec`), each documented;
     the numerics are in `lowprec.numerics`."""
-    out = _probe(["lowprec"], heavy=["lowprec.runtime.session", "lowprec.config", "lowprec.sites.precision_state",
+    out = _probe(["lowprec"], heavy=["lowprec.runtime.session.session", "lowprec.config", "lowprec.sites.precision_state",
                                      "lowprec.numerics.quantize"],
                  then="calls.append('before:' + ','.join(m for m in HEAVY if m in sys.modules))\n"
                       "import lowprec\nnames = list(lowprec.__all__)\n"

@@ -103,11 +103,11 @@ ALLOWED: dict[str, str] = {
         "wrap_experts gives a grouped-experts module (torchtitan's GroupedExperts, transformers' fused experts) a "
         "subclass that runs its experts as sites, keeping the object, its parameters and its FSDP/DTensor state; "
         "unwrap_experts puts the original class back",
-    "lowprec/runtime/fsdp_fp8.py: m.weight":
+    "lowprec/runtime/engines/fsdp_fp8.py: m.weight":
         "re-binding a module's Parameter to a tensor subclass over the same storage is nn.Module's own "
         "protocol for it, as torchao's float8 FSDP2 all-gather wraps Float8Linear weights "
         "(torchao/float8/float8_linear_utils.py); done once, before fully_shard and the optimizer",
-    "lowprec/runtime/window.py: self.entries[step].applied":
+    "lowprec/runtime/session/window.py: self.entries[step].applied":
         "the window replayer's own record of a step (a dataclass it made in record())",
 }
 
@@ -442,7 +442,7 @@ def test_the_rules_catch_the_cases_they_name(tmp_path):
     assert fn == ["layer._groups", "layer.seen", "layer.count"], fn
     private = sorted(key.split(": ")[1] for key, _, _ in private_writes(path))
     assert private == ["layer._groups", "other._also", "other._frozen", "other._part.name", "other._private"], private
-    classes = {"Session": [(Path("runtime/session.py"), False)], "Engine": [(Path("runtime/engine.py"), False)],
+    classes = {"Session": [(Path("runtime/session/session.py"), False)], "Engine": [(Path("runtime/engines/engine.py"), False)],
                "Record": [(Path("runtime/record.py"), True)]}
     foreign = sorted(key.split(": ")[1] for key, _, _ in foreign_writes(path, classes))
     assert foreign == ["engine.clock", "m.amax_group", "made.step_index", "session.clock"], foreign

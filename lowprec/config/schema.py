@@ -176,7 +176,7 @@ class ParallelConfig:
     starts. `peer_timeout_s`: how long a rank waits at start for the others before it says so
     and exits. `fp8_all_gather`: FSDP2 (dp_shard > 1; alone, x TP or HSDP) all-gathers each FP8
     site's weight as its FP8 bytes and scale instead of BF16 (docs/distributed.md). `device`:
-    where each rank trains (`lowprec.runtime.rank_device`): `cuda` (NCCL, `cuda:LOCAL_RANK`),
+    where each rank trains (`lowprec.runtime.engines.rank_device`): `cuda` (NCCL, `cuda:LOCAL_RANK`),
     `cpu` (gloo), `auto` (cuda where torch finds a CUDA device, else cpu)."""
     dp_replicate: int = 1
     dp_shard: int = 1

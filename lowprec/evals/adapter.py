@@ -44,7 +44,7 @@ from lm_eval.api.model import LM
 from torch import nn
 
 from lowprec.evals.tokenizers import Tokenizer
-from lowprec.runtime.console import PROGRESS_LOG
+from lowprec.runtime.trainer.console import PROGRESS_LOG
 
 PROGRESS_EVERY_S = 10.0   # a scoring pass longer than this says how far it is, as the steps do
 

@@ -3,7 +3,7 @@
 `lowprec run` finds it by the config's `eval.evaluator: lm_eval` and never imports this
 package itself. It runs an eval suite (`eval.suite`) with lm-eval over local data on the
 model being trained, in the fast subset or the full set, and returns per-task metrics and
-per-example scores (`lowprec.runtime.evals.EvalOutcome`). The tasks' files are prepared when
+per-example scores (`lowprec.runtime.session.evals.EvalOutcome`). The tasks' files are prepared when
 it is built, before step 0: an opt-in task whose data is not in `eval.data_dir` is an error
 then (DataUnavailable, which lowprec reports as a config error at `eval`), never a warning.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 
 from lowprec.base.parse import ConfigError
-from lowprec.runtime.evals import EvalOutcome
+from lowprec.runtime.session.evals import EvalOutcome
 
 from lowprec.evals.corpora import DataUnavailable
 from lowprec.evals.suite import get_suite, run_suite

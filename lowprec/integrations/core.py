@@ -36,10 +36,10 @@ from lowprec.config import ConfigRole, LowprecConfig
 from lowprec.policy.decisions import Action
 from lowprec.state.ranks import process_rank, world_size
 from lowprec.integrations.framework_steps import FrameworkSteps
-from lowprec.runtime.after_step import AfterStep
-from lowprec.runtime.run_life import RunLife
-from lowprec.runtime.session import Session, SessionSettings, StepResult
-from lowprec.runtime.tracked_map import regather, tracked_map
+from lowprec.runtime.session.after_step import AfterStep
+from lowprec.runtime.session.run_life import RunLife
+from lowprec.runtime.session.session import Session, SessionSettings, StepResult
+from lowprec.runtime.session.tracked_map import regather, tracked_map
 from lowprec.tracking.phases import NULL_CLOCK, PassOutcome, Phase
 from lowprec.tracking.records import RunStatus
 from lowprec.policy.verdicts import Verdict
@@ -121,7 +121,7 @@ class HostedRollout:
         self.life: RunLife | None = None   # the run's tracker and end (`start`)
         self.evals = None
         self.map = self.state   # what tracking logs as the precision map (`start`: the whole model's under stages,
-                                # `lowprec.runtime.tracked_map`)
+                                # `lowprec.runtime.session.tracked_map`)
         self._pending: StepResult | None = None
         self.telemetry = None   # the host's Telemetry (`start`)
         self._ended = False
@@ -129,8 +129,8 @@ class HostedRollout:
 
     def _validate(self) -> None:
         """Everything the config names, checked now rather than when training starts
-        (`lowprec.runtime.framework_check`); the baseline curve it names is read here."""
-        from lowprec.runtime.framework_check import check_framework_config
+        (`lowprec.runtime.session.framework_check`); the baseline curve it names is read here."""
+        from lowprec.runtime.session.framework_check import check_framework_config
         self.baseline, _ = check_framework_config(self.config, *self._decided_over(), self.baseline)
 
     def _decided_over(self):
@@ -165,7 +165,7 @@ class HostedRollout:
         attach: the framework's open MLflow run to track into; None opens one (if `tracking.enabled`).
         clip: the framework's own global-norm clip (returns the norm before clipping), for
         sharded parameters; default clip_grad_norm_ over the model at `max_grad_norm`.
-        lr_probe: the LR probe (`lowprec.runtime.lrprobe.LRProbe`) when `rollout.lr_probe` is on.
+        lr_probe: the LR probe (`lowprec.runtime.session.lrprobe.LRProbe`) when `rollout.lr_probe` is on.
         buffer: the tracker's buffer folder (default: a new one under `buffer_root`);
         resume_tracking: continue the unfinished MLflow run that folder holds (a resumed job's,
         `lowprec.tracking.resume`: what its journal holds is not logged again).
@@ -246,7 +246,7 @@ class HostedRollout:
 
     def after_optimizer_step(self, lr: float | None = None, tokens: int = 0) -> StepResult | None:
         """After the framework's optimizer and scheduler step: rewind or go on, then what every
-        host does after a step (`lowprec.runtime.after_step`: keep, track, evaluate).
+        host does after a step (`lowprec.runtime.session.after_step`: keep, track, evaluate).
         lr: the learning rate to log (default: the optimizer's first param group's); tokens: the
         step's tokens over every data-parallel rank (the telemetry's throughput)."""
         result, self._pending = self._pending, None
@@ -265,7 +265,7 @@ class HostedRollout:
 
     def formats(self) -> dict[str, str]:
         """Every site's format now (fqn -> format name), the same on every rank: under pipeline
-        stages (`whole`) every stage's sites (`lowprec.runtime.tracked_map`), once `start` ran."""
+        stages (`whole`) every stage's sites (`lowprec.runtime.session.tracked_map`), once `start` ran."""
         return self.map.formats()
 
     @property

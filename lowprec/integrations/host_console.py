@@ -4,7 +4,7 @@ Under the Hugging Face Trainer (or Lightning) lowprec runs eval checkpoints (lm-
 text, through `datasets`) and tracks into MLflow from inside the framework's callbacks. Those
 libraries print their own lines into the user's console: lm-eval's "bootstrapping for stddev"
 and its per-task progress bars, datasets' "Generating test split" bars, MLflow's INFO records.
-`lowprec run` sends them to its log file (`lowprec.runtime.console.Console`); a host does the
+`lowprec run` sends them to its log file (`lowprec.runtime.trainer.console.Console`); a host does the
 same for each block of lowprec's own work (the rollout's start, each step's after-step work,
 the end), and only for that block, so the framework's own lines are untouched:
 
@@ -15,7 +15,7 @@ the end), and only for that block, so the framework's own lines are untouched:
 Inside the block the routing is `Console`'s: what other libraries write to stdout/stderr and
 log records of level INFO and up go to the log file (appended; one per rank); lowprec's own
 progress lines, the warnings that concern the user's run (a Python warning not raised by one
-of `lowprec.runtime.console.BACKGROUND`'s libraries, a WARNING record of a logger not theirs)
+of `lowprec.runtime.trainer.console.BACKGROUND`'s libraries, a WARNING record of a logger not theirs)
 still reach the terminal, as `lowprec hf: ...` lines.
 """
 
@@ -25,7 +25,7 @@ import contextlib
 from pathlib import Path
 from typing import Iterator
 
-from lowprec.runtime.console import Console
+from lowprec.runtime.trainer.console import Console
 
 __all__ = ["HostConsole", "host_log_path"]
 

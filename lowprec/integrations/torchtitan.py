@@ -29,7 +29,7 @@ converters to the model's *config tree* before the model is built. lowprec takes
   device before torchtitan's TP and `fully_shard`, so FSDP2 gathers each FP8 site's weight as
   FP8 bytes and one scale and the other sites' (a fallen-back one's from its next step) in
   BF16; the weights' amaxes are taken in one all-reduce before each forward
-  (`lowprec.runtime.fsdp_fp8`).
+  (`lowprec.runtime.engines.fsdp_fp8`).
 * `lowprec_trainer(config)` makes the job's `Trainer.Config` a `LowprecTrainer.Config`:
   `LowprecTrainer` (`lowprec.integrations.torchtitan_trainer`) is torchtitan's `Trainer`
   with `lowprec.integrations.core.HostedRollout` driven from it, as the HF and Lightning
@@ -158,7 +158,7 @@ class LowprecConverter(ModelConfigConverter):
         fp8_all_gather: bool = False
         """FSDP2 gathers each FP8 site's weight as FP8 bytes and one scale (`backend: torch`,
         tensor-wise FP8), the other sites' and a fallen-back site's in high precision
-        (lowprec.runtime.fsdp_fp8); torchtitan's own float8 converter gathers in BF16."""
+        (lowprec.runtime.engines.fsdp_fp8); torchtitan's own float8 converter gathers in BF16."""
 
     def __init__(self, config: Config):
         self.config = config
@@ -193,11 +193,11 @@ def _check_before_build(base: type, model_config, setup: Setup) -> None:
     """Every lowprec setting checked against the model before torchtitan builds anything (its
     process groups, FSDP, optimizers, data loaders): the model built on the meta device (no
     memory, no weights) and prepared by the plan, then the check the HF and Lightning callbacks
-    run (`lowprec.runtime.framework_check`: every stage selects sites whose `ladder:` has its
+    run (`lowprec.runtime.session.framework_check`: every stage selects sites whose `ladder:` has its
     format, the baseline curve, the evaluator, the gate file and the suite's tasks)."""
     import torch
 
-    from lowprec.runtime.framework_check import check_framework_config
+    from lowprec.runtime.session.framework_check import check_framework_config
     with torch.device("meta"):
         model = base(model_config)
     try:
@@ -232,7 +232,7 @@ def _lowprec_model_class(base: type) -> type:
             setup = config._lowprec
             state = _prepare(self, setup)
             if setup.fp8_all_gather:   # on the meta device, before torchtitan's TP and fully_shard
-                from lowprec.runtime.fsdp_fp8 import enable_fp8_all_gather, install
+                from lowprec.runtime.engines.fsdp_fp8 import enable_fp8_all_gather, install
                 enable_fp8_all_gather(self)
                 install(self)
             from lowprec.sites.plan import ModelInfo

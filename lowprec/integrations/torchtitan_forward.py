@@ -10,7 +10,7 @@ both are an evaluation step of torchtitan's pipeline schedule on every stage
 (`pp_schedule.eval`, as torchtitan's `Validator` calls it: the first stage takes the inputs,
 the last stage the targets and returns the outputs and the losses), and the last stage's
 result reaches every rank of the pp mesh by broadcast
-(`lowprec.runtime.pipeline_forward.last_stage_tensor`, shared with `lowprec run`'s Pipeline
+(`lowprec.runtime.engines.pipeline_forward.last_stage_tensor`, shared with `lowprec run`'s Pipeline
 engine). The schedule's stages keep the micro-batch shape
 of training (torch's pipeline stages size their receive buffers at their first step), so a
 suite's batch [B, T] runs as micro-batches of torchtitan's [microbatch size, seq_len]: rows
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from lowprec.runtime.pipeline_forward import last_stage_tensor
+from lowprec.runtime.engines.pipeline_forward import last_stage_tensor
 
 __all__ = ["logits", "held_loss"]
 
@@ -93,7 +93,7 @@ def _pipeline_logits(trainer, tokens: torch.Tensor) -> torch.Tensor:
 
 def _last_stage_outputs(trainer) -> torch.Tensor:
     """The last stage's outputs of the schedule step just run, as float32 logits, on every pp rank
-    (`lowprec.runtime.pipeline_forward.last_stage_tensor`)."""
+    (`lowprec.runtime.engines.pipeline_forward.last_stage_tensor`)."""
     values = None
     if trainer.pp_has_last_stage:
         stage = next(s for s in _stages(trainer.pp_schedule) if s.is_last)

@@ -1,6 +1,6 @@
 """The LR probe (`rollout.lr_probe`) inside torchtitan's Trainer: its held batch and its two losses.
 
-The probe (`lowprec.runtime.lrprobe.LRProbe`) needs a batch training never draws, the same on
+The probe (`lowprec.runtime.session.lrprobe.LRProbe`) needs a batch training never draws, the same on
 every rank of a data-parallel group, and a forward-only loss. Under torchtitan the held batch
 is the first batch of torchtitan's validation data (`validator.dataloader`, built as its
 `Validator` builds it), and both losses go through torchtitan (`forward_backward_step`; the forward-only loss through
@@ -93,7 +93,7 @@ def lr_probe_for(trainer, rollout, clip):
     if rollout is None or not rollout.lr_probe.enabled:
         return None
     from lowprec.integrations.torchtitan_forward import held_loss
-    from lowprec.runtime.lrprobe import LRProbe
+    from lowprec.runtime.session.lrprobe import LRProbe
     from torchtitan.components.loss import IGNORE_INDEX
     input_dict, labels = _held_batch(trainer)
     tokens = trainer.global_loss((labels != IGNORE_INDEX).sum())   # the global count, as train_step computes it

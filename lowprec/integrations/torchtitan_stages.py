@@ -8,7 +8,7 @@ modules (`model_parts`). Each copy carries a copy of the model's `Prepared`: eve
 name, each Site's module the copy's own, the deleted stages' sites orphaned.
 
 `stages_of` turns that into what `HostedRollout` drives, as `lowprec run`'s pipeline engine
-does (`lowprec.runtime.parallel.local_state` and `Session(sites=...)`): a PrecisionState of
+does (`lowprec.runtime.engines.parallel.local_state` and `Session(sites=...)`): a PrecisionState of
 the sites this rank's parts hold (found by module identity, so a stage's renumbered block
 list does not matter), and a `WholeModel` -- every site in forward order and the whole
 model's block lists, kept at build time -- over which the controller decides, alike on every
@@ -17,7 +17,7 @@ every rank through the monitor's one all-gather (each rank packs zeros for sites
 
 `last_stage_loss`: torchtitan's schedule computes the loss on the last stage only (the other
 stages' `forward_backward_step` returns -1); one broadcast over the pp mesh
-(`lowprec.runtime.pipeline_forward.from_last_stage`, as `lowprec run`'s pipeline engine does) gives
+(`lowprec.runtime.engines.pipeline_forward.from_last_stage`, as `lowprec run`'s pipeline engine does) gives
 every stage the last stage's loss, so every rank measures the same step and decides alike.
 """
 
@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from lowprec.integrations.core import WholeModel
-from lowprec.runtime.parallel import local_state
-from lowprec.runtime.pipeline_forward import from_last_stage
+from lowprec.runtime.engines.parallel import local_state
+from lowprec.runtime.engines.pipeline_forward import from_last_stage
 
 __all__ = ["Stages", "stages_of", "last_stage_loss"]
 

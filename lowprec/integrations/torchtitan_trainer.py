@@ -91,7 +91,7 @@ from lowprec.integrations.torchtitan_timing import StepClock, rank_telemetry  # 
 from lowprec.integrations.torchtitan_tracking import (JobRun, check_resumed_run, job_run,  # noqa: E402
                                                       torchtitan_resumes)
 from lowprec.policy.decisions import Action  # noqa: E402
-from lowprec.runtime.host import read_baseline  # noqa: E402
+from lowprec.runtime.session.host import read_baseline  # noqa: E402
 from lowprec.state.ranks import from_rank_0, process_rank, world_size  # noqa: E402
 
 __all__ = ["LowprecTrainer", "Prepared", "lowprec_trainer", "prepared_of"]

@@ -53,7 +53,7 @@ from the check window's statistics:
    after `cooldown_steps`.
 5. The next stage is promoted once everything has been stable for `min_steps` and the
    evaluation gate (a callable the check is handed, `observe(..., gate=)`) passes, and the newest learning-rate
-   sensitivity (`Signals.lr_sensitivity`, from `lowprec.runtime.lrprobe`, when the probe
+   sensitivity (`Signals.lr_sensitivity`, from `lowprec.runtime.session.lrprobe`, when the probe
    runs) is not above its hold level (`lr_hold_level`: above 0, or risen above its recent
    median); otherwise the promotion is held (a HOLD event) and asked again after another
    `min_steps`.

@@ -13,7 +13,7 @@ the published ones:
   curve (DeepSeek-V3 kept it under 0.25% for FP8); off unless `loss_gap` is set and a
   baseline curve is given;
 * `lr_sensitivity_hold`: whether the newest learning-rate sensitivity of the LR probe
-  (`lowprec.runtime.lrprobe`) is above its hold level, which holds the next promotion.
+  (`lowprec.runtime.session.lrprobe`) is above its hold level, which holds the next promotion.
 
 NaN/Inf in the loss or gradients is no detector's business (`lowprec.policy.anomaly` flags it);
 the detectors ignore non-finite values. `test(value)` asks without remembering (for

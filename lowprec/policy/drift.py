@@ -8,7 +8,7 @@ out), a global signal blames that site. With no site to blame:
 
 * a slow signal (the loss gap alone, or an eval checkpoint's regression through
   `observe_gate`) is first judged by its window when the call is handed a `judge` (the session
-  hands its window's: `lowprec.runtime.window`, over the window since the last snapshot, by
+  hands its window's: `lowprec.runtime.session.window`, over the window since the last snapshot, by
   `lowprec.policy.attribution.judge_window`). A window never starts before the check that
   last changed a format (its steps would have trained in other formats): until a snapshot
   after that change exists the judgment waits (a WINDOW event says so) and the signal, still

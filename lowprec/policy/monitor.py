@@ -83,7 +83,7 @@ class SiteSignals:
 @dataclass
 class Signals:
     """What one check saw: per-step loss and grad norm, and per-site quantizer signals;
-    `lr_sensitivity` is the LR probe's (`lowprec.runtime.lrprobe`) when it ran for this check."""
+    `lr_sensitivity` is the LR probe's (`lowprec.runtime.session.lrprobe`) when it ran for this check."""
 
     step: int
     losses: list[float]

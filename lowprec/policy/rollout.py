@@ -96,7 +96,7 @@ class AttributionConfig:
 
 @dataclass(frozen=True)
 class LRProbeConfig:
-    """The learning-rate sensitivity probe (`lowprec.runtime.lrprobe`): every `every_checks`
+    """The learning-rate sensitivity probe (`lowprec.runtime.session.lrprobe`): every `every_checks`
     checks, the held batch's loss after a virtual step at each lr factor; a sensitivity
     above `hold_above`, or risen by more than `hold_rise` above the median of the probes
     before, holds the next promotion (`lowprec.policy.controller.lr_hold_level`)."""

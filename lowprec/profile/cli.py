@@ -136,7 +136,7 @@ def _site_formats(args, state) -> tuple[dict[str, list[str]], list[str]]:
 
 
 def _cmd_profile(args) -> int:
-    from lowprec.runtime.console import Console
+    from lowprec.runtime.trainer.console import Console
     with Console("profile", verbose=args.verbose) as console:   # progress lines; other libraries' output: the log
         try:
             _check_args(args)
@@ -151,7 +151,7 @@ def _profile(args, caps: dict[str, float], console) -> int:
     from lowprec.config import LowprecConfig
     from lowprec.profile.measure import profile_sites
     from lowprec.profile.planner import choose_formats, order_stages
-    from lowprec.runtime.run import prepare_run
+    from lowprec.runtime.trainer.run import prepare_run
 
     cfg = LowprecConfig.from_yaml(args.config)
     name = cfg.tracking.run_name or Path(args.config).stem
@@ -229,7 +229,7 @@ def _read_profile(path: str, state):
 def _replan(args, cfg, name: str, caps: dict[str, float], console) -> int:
     """The plan, table and written config from a profile measured before: no training, no passes."""
     from lowprec.profile.planner import choose_formats, order_stages
-    from lowprec.runtime.run import prepare_run
+    from lowprec.runtime.trainer.run import prepare_run
     prepared = prepare_run(replace(cfg, rollout=None, eval=None), controller=False, with_data=False)
     profile = _read_profile(args.from_profile, prepared.state)
     console.print(f"profile: {args.from_profile} ({len(profile.entries)} pairs, measured with "
@@ -241,7 +241,7 @@ def _replan(args, cfg, name: str, caps: dict[str, float], console) -> int:
 
 
 def _write_outputs(args, cfg, name, prepared, profile, choices, stages, console) -> None:
-    from lowprec.runtime.console import LOG_NAME
+    from lowprec.runtime.trainer.console import LOG_NAME
     from lowprec.profile.report import draw, log_to_mlflow, plan_lines, ranked_table, write_csv
     from lowprec.profile.written import check_written, write_config
     out = Path(args.out) if args.out else Path("runs") / f"profile-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -273,7 +273,7 @@ def _write_outputs(args, cfg, name, prepared, profile, choices, stages, console)
     console.print("\n".join(["", *lines, cost, f"written: {written} (checked as `lowprec plan` checks it)",
                              f"files: {out} (profile.txt, profile.csv, profile.json, profile.png, {LOG_NAME})"]))
     if cfg.tracking.enabled and not args.no_tracking:
-        from lowprec.runtime.host import tracking_uri as _tracking_uri
+        from lowprec.runtime.session.host import tracking_uri as _tracking_uri
         from lowprec.tracking.records import RunStatus
         from lowprec.tracking.tracker import Tracker
         tracker = Tracker(_tracking_uri(cfg), cfg.tracking.experiment, f"profile-{name}", buffer_dir=out / "tracking")
@@ -297,8 +297,8 @@ def _warm_up(cfg, prepared, steps: int, console=None) -> None:
     """`steps` steps of the config's training in BF16, no controller, no checkpoints (with a
     progress line when `console` is given)."""
     import tempfile
-    from lowprec.runtime.engine import SingleProcess
-    from lowprec.runtime.loop import train
+    from lowprec.runtime.engines.engine import SingleProcess
+    from lowprec.runtime.trainer.loop import train
     state = prepared.state
     was = {f: s.format for f, s in state.sites.items()}
     state.set_format(list(state.sites), "bf16")

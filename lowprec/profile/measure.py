@@ -50,7 +50,7 @@ from torch import nn
 
 from lowprec.numerics.formats import Format, get_format
 from lowprec.numerics.quantize import QuantStats
-from lowprec.runtime.engine import loss_of
+from lowprec.runtime.engines.engine import loss_of
 from lowprec.state.ranks import from_every_rank
 
 __all__ = ["SiteCost", "Profile", "profile_sites", "site_role", "sample_sites", "bits_saved_share"]

@@ -62,7 +62,7 @@ def check_written(path: str | Path) -> None:
     `lowprec plan` does (the loss-gap baseline is not read); raises ConfigError."""
     from lowprec.config import LowprecConfig
     from lowprec.policy.rollout import build_controller
-    from lowprec.runtime.run import prepare_run
+    from lowprec.runtime.trainer.run import prepare_run
     cfg = LowprecConfig.from_yaml(path)
     prepared = prepare_run(replace(cfg, rollout=None, eval=None), controller=False, with_data=False)
     if cfg.rollout is not None:   # the stages and ladders; the loss gap's baseline is read by `run`

@@ -24,7 +24,7 @@ a promotion FP8, with no write to FSDP2's state:
   reads `forms()`) or the high-precision weight (`unwrap`, which the layer calls, hands it
   on with its gradient). Its buffers are FSDP2's to allocate and free (`fsdp_post_all_gather`
   returns them): the high-precision one is released again at once while the site gathers FP8.
-* the amaxes: `lowprec.runtime.fsdp_fp8.precompute_fp8_weight_scales(model)` takes every
+* the amaxes: `lowprec.runtime.engines.fsdp_fp8.precompute_fp8_weight_scales(model)` takes every
   FP8-gathered weight's amax in one all-reduce per amax group once the weights have changed
   (after the optimizer step; torchao's `precompute_float8_dynamic_scale_for_fsdp` is the
   model); a pre-all-gather that finds no amax for the weight's current version takes its own.
@@ -39,7 +39,7 @@ the `FP8GatheredWeight` (the tp shard's bytes) in the tp DTensor again, which
 
 The optimizer, `state_dict` and checkpoints see the high-precision shard: every op other
 than the layout ones FSDP2 and DTensor use runs on the plain tensor inside (and returns plain
-tensors). `lowprec.runtime.fsdp_fp8` makes the weights such shards before `fully_shard`.
+tensors). `lowprec.runtime.engines.fsdp_fp8` makes the weights such shards before `fully_shard`.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ class PrecisionLinear(nn.Linear):
 
     def restore_calls(self, fast: int, slow: int) -> None:
         """Set the forward counters to a checkpoint's (`PrecisionState.load_state_dict`): a
-        resumed run's counts are the whole run's (lowprec.runtime.site_paths)."""
+        resumed run's counts are the whole run's (lowprec.runtime.trainer.site_paths)."""
         self.fast_calls, self.slow_calls = int(fast), int(slow)
 
     @classmethod

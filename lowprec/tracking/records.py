@@ -39,7 +39,7 @@ __all__ = ["SIGNAL_STATS", "BASELINE_LOSS", "LR_SENSITIVITY", "MAX_KEY", "MAX_PA
 SIGNAL_STATS = ("amax", "saturated_frac", "underflow_frac", "underflow_energy_frac", "rel_mse", "sqnr_db",
                 "nonfinite")
 BASELINE_LOSS = "train/baseline_loss"
-LR_SENSITIVITY = "train/lr_sensitivity"   # the LR probe's (L_x2 - L_x0.5) / |L0| (lowprec.runtime.lrprobe)
+LR_SENSITIVITY = "train/lr_sensitivity"   # the LR probe's (L_x2 - L_x0.5) / |L0| (lowprec.runtime.session.lrprobe)
 MAX_KEY, MAX_PARAM_VALUE, MAX_TAG_VALUE = 250, 6000, 8000
 
 

@@ -15,7 +15,7 @@
   the same series in the baseline run (dashed, where it logged one), the threshold and the
   moment of the fallback.
 * `lr_sensitivity.png`: the learning-rate probe's sensitivity (`train/lr_sensitivity`, see
-  `lowprec.runtime.lrprobe`) at each probe, the level above which a promotion is held
+  `lowprec.runtime.session.lrprobe`) at each probe, the level above which a promotion is held
   (`rollout.lr_probe.hold_above`, or the median of the probes before plus `hold_rise`: the
   lower), the holds and the other stage events, and under it the learning rate.
 * `evals.png`: eval results per checkpoint with 95% intervals (±1.96 stderr, or the

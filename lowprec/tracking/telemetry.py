@@ -7,7 +7,7 @@
     metrics = telemetry.window(step)                   # at log steps: time/*, throughput/*, energy/*
     summary = telemetry.finish()                       # telemetry/* (the gateable run numbers)
 
-The loop (`lowprec.runtime.loop`) and the `Session` lap the clock at phase boundaries
+The loop (`lowprec.runtime.trainer.loop`) and the `Session` lap the clock at phase boundaries
 (`lowprec.tracking.phases`); this object books each pass into the goodput ledger when the
 clock is flushed (at log steps: on GPUs that is when CUDA events are read), counts the GEMM
 FLOPs of applied steps per format (`lowprec.tracking.peaks`) for MFU, and reads the energy

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from lowprec.runtime.run import run_config
+from lowprec.runtime.trainer.run import run_config
 from lowprec.tracking.tracker import Tracker
 
 pytestmark = pytest.mark.slow

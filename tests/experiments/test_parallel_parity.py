@@ -10,12 +10,12 @@ real processes, all at once:
 * `torchrun --nproc-per-node 4 -m lowprec.cli run` with `parallel: {dp_replicate: 2, tp: 2}`;
 * `torchrun --nproc-per-node 2 -m lowprec.cli run` with `parallel: {pp: 2}` (GPipe, 2 microbatches);
 * `torchrun --nproc-per-node 2 -m lowprec.cli run` with `parallel: {dp_shard: 2}` (FSDP2,
-  `lowprec.runtime.fsdp.FullyShardedDP`: each block and the root `fully_shard`ed);
+  `lowprec.runtime.engines.fsdp.FullyShardedDP`: each block and the root `fully_shard`ed);
 * `torchrun --nproc-per-node 4 -m lowprec.cli run` with `parallel: {dp_replicate: 2, dp_shard: 2}`
-  (HSDP, `lowprec.runtime.parallel.data_parallel`: FSDP2 on a 2-D mesh; every data-parallel
-  layout above is FSDP2 on the (dp_replicate, dp_shard) sub-mesh of `lowprec.runtime.mesh`).
+  (HSDP, `lowprec.runtime.engines.parallel.data_parallel`: FSDP2 on a 2-D mesh; every data-parallel
+  layout above is FSDP2 on the (dp_replicate, dp_shard) sub-mesh of `lowprec.runtime.engines.mesh`).
 
-All four run the one loop of `lowprec.runtime.loop` with rewinds to in-memory snapshots
+All four run the one loop of `lowprec.runtime.trainer.loop` with rewinds to in-memory snapshots
 (every 5 steps; each rank keeps its own shards or its own pipeline stage).
 
 Decisions: every rank's event log holds its reference's events (step, kind, sites,
@@ -31,7 +31,7 @@ the last stage broadcasts.
 
 The one process and pp2 also run the final eval (the model as it is and in high
 precision) and the LR probe at every 2nd check: under pp both go through the two stages
-(`lowprec.runtime.pipeline_forward`); their metrics and probe losses equal the one
+(`lowprec.runtime.engines.pipeline_forward`); their metrics and probe losses equal the one
 process's (the bound and why: `test_pipeline_evals_and_lr_probes_equal_single_process`).
 pp2 is tracked (an SQLite MLflow store): its rank 0 (stage 0) logs the one process's precision
 map, every stage's sites, and its changes at the one process's decisions.

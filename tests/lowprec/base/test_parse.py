@@ -200,7 +200,7 @@ def test_every_config_file_reader_names_the_file_for_what_it_cannot_read(tmp_pat
     same way: a folder, a YAML tag, bytes that are not UTF-8 and a non-mapping are each a
     ConfigError naming the file, not a traceback."""
     from lowprec.config import ConfigRole, LowprecConfig
-    from lowprec.runtime.session import Session
+    from lowprec.runtime.session.session import Session
     read = {"run": LowprecConfig.from_yaml, "hosted": lambda p: LowprecConfig.from_yaml(p, ConfigRole.FRAMEWORK),
             "session": lambda p: Session.from_yaml(p, torch.nn.Linear(2, 2), None)}[loader]
     cases = {"tag.yaml": b'precision: !!python/object/apply:os.system ["true"]\n',

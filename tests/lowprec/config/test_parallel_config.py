@@ -62,7 +62,7 @@ def test_fp8_all_gather_reaches_the_fsdp2_engine():
     """`parallel.fp8_all_gather` is read from the config and handed to FSDP2's engine (the
     engine's own FP8 gather is tested under torchrun: tests/lowprec/sites/fast_path)."""
     import inspect
-    from lowprec.runtime.parallel import data_parallel
+    from lowprec.runtime.engines.parallel import data_parallel
     assert config(dp_shard=2, fp8_all_gather=True).parallel.fp8_all_gather
     assert not config(dp_shard=2).parallel.fp8_all_gather
     # FSDP2 x TP and HSDP gather FP8 too

@@ -220,7 +220,7 @@ def test_a_long_scoring_pass_shows_its_progress_on_the_console(gpt, monkeypatch,
     (other libraries' INFO lines stay in the log)."""
     import logging
     from lowprec.evals import adapter as adapter_mod
-    from lowprec.runtime.console import Console
+    from lowprec.runtime.trainer.console import Console
     monkeypatch.setattr(adapter_mod, "PROGRESS_EVERY_S", 0.0)   # every batch is "long" here
     lm = LMAdapter(gpt, ByteTokenizer(), max_length=L, batch_size=2)
     with Console("run"):

@@ -25,7 +25,7 @@ from experiments.model import build_gpt  # noqa: E402
 from lowprec.evals import ByteTokenizer, EvalSuite, run_suite  # noqa: E402
 from lowprec.gates.inloop import GateFileChecker  # noqa: E402
 from lowprec.policy.verdicts import Verdict  # noqa: E402
-from lowprec.runtime.evals import EvalOutcome  # noqa: E402
+from lowprec.runtime.session.evals import EvalOutcome  # noqa: E402
 
 MAX_LEN = 32
 SUITE = EvalSuite("overflow", ("heldout_shakespeare", "cloze_shakespeare"), fast_limit=3)

@@ -46,7 +46,7 @@ def _held_back(checker_for, runs: int = RUNS) -> int:
     for seed in range(runs):
         rng = np.random.default_rng(seed)
         checker = checker_for()
-        checker.plan_checks(CHECKS)            # what `lowprec run` tells it (lowprec.runtime.run.prepare_run)
+        checker.plan_checks(CHECKS)            # what `lowprec run` tells it (lowprec.runtime.trainer.run.prepare_run)
         bad = False
         for _ in range(CHECKS):
             hp = rng.gamma(20.0, 0.08, size=N_DOCS)
@@ -93,12 +93,11 @@ def test_budget_shares_sum_to_alpha_and_reach_the_checker(tmp_path):
 
 
 def test_lowprec_run_tells_the_checker_how_many_checks_it_plans(monkeypatch):
-    """The hook in lowprec.runtime.run.prepare_run: stages + periodic evals + the final one."""
+    """The hook in lowprec.runtime.trainer.run.prepare_run: stages + periodic evals + the final one."""
     from pathlib import Path
 
     from lowprec.config import LowprecConfig
-    from lowprec.runtime import run as runmod
-
+    from lowprec.runtime.trainer import run as runmod
     import yaml
 
     root = Path(__file__).resolve().parents[3]
@@ -118,8 +117,8 @@ def test_a_resumed_run_continues_the_budget_where_its_checkpoint_left_it(tmp_pat
     lowprec.state.checkpoint) and restored: the check after a resume is the 4th of 5, not the 1st."""
     import torch
 
-    from lowprec.runtime.after_step import AfterStep
-    from lowprec.runtime.evals import EvalCheckpoints
+    from lowprec.runtime.session.after_step import AfterStep
+    from lowprec.runtime.session.evals import EvalCheckpoints
     from lowprec.state.durable import check_plain
 
     path = tmp_path / "g.yaml"

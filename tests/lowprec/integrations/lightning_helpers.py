@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from llama_helpers import CONFIG, optimizer_state, shakespeare_blocks, tiny_llama
-from lowprec.runtime.faults import FaultKind, Faults, Injection
+from lowprec.runtime.trainer.faults import FaultKind, Faults, Injection
 
 NAN_SITE = "model.layers.0.mlp.down_proj"
 NAN_AT, SPIKE_AT, STEPS = 30, 40, 50

@@ -30,7 +30,7 @@ pytest.importorskip("lightning")
 from llama_helpers import shakespeare_blocks, tiny_llama  # noqa: E402
 
 from lowprec.policy.events import EventKind  # noqa: E402
-from lowprec.runtime.faults import FaultKind, Faults, Injection  # noqa: E402
+from lowprec.runtime.trainer.faults import FaultKind, Faults, Injection  # noqa: E402
 
 STEPS = 40
 SITE = "model.layers.1.mlp.down_proj"

@@ -29,7 +29,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 from lowprec.base.parse import ConfigError  # noqa: E402
 from lowprec.policy.events import EventKind  # noqa: E402
 from lowprec.integrations.hf import LowprecCallback  # noqa: E402
-from lowprec.runtime.faults import FaultKind, Faults, Injection  # noqa: E402
+from lowprec.runtime.trainer.faults import FaultKind, Faults, Injection  # noqa: E402
 
 NAN_SITE = "model.layers.0.mlp.down_proj"
 NAN_AT, SPIKE_AT = 30, 40   # Trainer steps

@@ -36,7 +36,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from lowprec.integrations.hf import LowprecCallback
-    from lowprec.runtime.faults import FaultKind, Faults, Injection
+    from lowprec.runtime.trainer.faults import FaultKind, Faults, Injection
     cfg = CONFIG.replace("tracking: {experiment: hf-integration}", "tracking: {enabled: false}")
     path = f"{out_dir}/lowprec_rank{rank}.yaml"
     open(path, "w").write(cfg)

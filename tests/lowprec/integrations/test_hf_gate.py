@@ -30,7 +30,7 @@ def _train(tmp: Path, name: str, config: str, spike_at: int | None = None) -> tu
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from lowprec.integrations.hf import LowprecCallback
-    from lowprec.runtime.faults import FaultKind, Faults, Injection
+    from lowprec.runtime.trainer.faults import FaultKind, Faults, Injection
 
     class Tick(TrainerCallback):
         def __init__(self, faults):

@@ -10,7 +10,7 @@ norms). lowprec's reference forgets them: the step is flagged `grad_norm_spike`,
 judged not precision's and not applied, and nothing is demoted.
 
 The same run meets four random-token batches in a row earlier on (Trainer steps 40-43, the
-`random_tokens` fault of `lowprec.runtime.faults`, a corrupted shard): a burst, so each bad
+`random_tokens` fault of `lowprec.runtime.trainer.faults`, a corrupted shard): a burst, so each bad
 batch is skipped and none rebases the detectors (issue 54: the second was accepted as a new
 grad-norm level and the third then went unseen).
 """
@@ -32,7 +32,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 
 from lowprec.integrations.hf import LowprecCallback  # noqa: E402
 from lowprec.policy.events import EventKind  # noqa: E402
-from lowprec.runtime.faults import Faults, Injection  # noqa: E402
+from lowprec.runtime.trainer.faults import Faults, Injection  # noqa: E402
 
 STEPS, SPIKE_AT, FACTOR, SIGMAS = 64, 60, 6.0, 6.0
 BURST = range(40, 44)   # Trainer steps fed random tokens

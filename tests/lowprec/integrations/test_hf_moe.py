@@ -25,7 +25,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 
 from lowprec.integrations.hf import LowprecCallback  # noqa: E402
 from lowprec.policy.events import EventKind  # noqa: E402
-from lowprec.runtime.faults import FaultKind, Faults, Injection  # noqa: E402
+from lowprec.runtime.trainer.faults import FaultKind, Faults, Injection  # noqa: E402
 from tests.lowprec.moe_models import tiny_qwen3_moe  # noqa: E402
 
 EXPERT = "model.layers.1.mlp.experts.2"

@@ -28,7 +28,7 @@ from lowprec.base.parse import ConfigError  # noqa: E402
 from lowprec.policy.events import EventKind  # noqa: E402
 from lowprec.integrations.extras import MissingExtraError  # noqa: E402
 from lowprec.integrations.lightning import LowprecCallback  # noqa: E402
-from lowprec.runtime.faults import FaultKind, Faults, Injection  # noqa: E402
+from lowprec.runtime.trainer.faults import FaultKind, Faults, Injection  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from llama_helpers import CONFIG, assert_same_progress, lowprec_now  # noqa: E40
 from lowprec.policy.events import EventKind  # noqa: E402
 from lowprec.integrations.lightning import LowprecCallback  # noqa: E402
 from lowprec.integrations.state_files import MissingRolloutStateError  # noqa: E402
-from lowprec.runtime.faults import FaultKind, Faults, Injection  # noqa: E402
+from lowprec.runtime.trainer.faults import FaultKind, Faults, Injection  # noqa: E402
 
 NAN_SITE = "model.layers.0.mlp.down_proj"
 NAN_AT, SAVE_AT, STEPS = 16, 20, 30

@@ -306,7 +306,7 @@ def test_pipeline_2_stages_nan_skip_rewind_probe_and_eval(tmp_path, gloo, free_p
     is bisected by replays through torchtitan's pipeline schedule and that site falls back there
     (every rank's controller records it); the logits spike is skipped and rewound (each rank's own
     stages' parameters and optimizer state); rank 0 tracks every stage's precision map, and would
-    without a controller (`lowprec.runtime.tracked_map`). The LR probe
+    without a controller (`lowprec.runtime.session.tracked_map`). The LR probe
     (at every check) and the final eval run as steps of the pipeline schedule on both ranks: each
     rank has the same eval outcome, probe result and eval logits, equal to the whole model's in one
     process (`_check_against_one_process`)."""

@@ -37,7 +37,7 @@ from torchtitan.models.llama3 import model_registry
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
 from lowprec.integrations.torchtitan import LowprecConverter, LowprecTrainer, lowprec_trainer
-from lowprec.runtime.faults import Faults, Injection
+from lowprec.runtime.trainer.faults import Faults, Injection
 
 SETTINGS = json.loads({settings!r})
 
@@ -336,6 +336,6 @@ class TitanJob:
 
 
 def fault(kind: str, site: str, start: int, stop: int, factor: float = 1e4, rank: int = -1) -> dict:
-    """An injection's fields (lowprec.runtime.faults.Injection) and the rank it is injected on
+    """An injection's fields (lowprec.runtime.trainer.faults.Injection) and the rank it is injected on
     (-1: every rank), as the job's settings carry them."""
     return {"kind": kind, "site": site, "start": start, "stop": stop, "factor": factor, "rank": rank}

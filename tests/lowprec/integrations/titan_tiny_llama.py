@@ -25,7 +25,7 @@ from torchtitan.trainer import Trainer
 
 from llama_helpers import shakespeare_blocks, tiny_llama
 from lowprec.integrations.torchtitan import LowprecConverter, LowprecTrainer, lowprec_trainer
-from lowprec.runtime.faults import Faults, Injection
+from lowprec.runtime.trainer.faults import Faults, Injection
 
 SETTINGS = json.loads(Path("titan_tiny_llama.json").read_text())   # in the job's working folder
 

@@ -156,8 +156,8 @@ def test_bad_argument_as_a_subprocess_no_traceback(project, lowprec_forks):
 def _reference_loss(cfg_path: Path, weights: dict | None, n: int) -> float:
     """The mean loss of the config's model (all sites BF16) on its first `n` batches."""
     from lowprec.config import LowprecConfig
-    from lowprec.runtime.engine import loss_of
-    from lowprec.runtime.run import prepare_run
+    from lowprec.runtime.engines.engine import loss_of
+    from lowprec.runtime.trainer.run import prepare_run
     cfg = LowprecConfig.from_yaml(cfg_path)
     prepared = prepare_run(replace(cfg, rollout=None, eval=None), controller=False)
     if weights is not None:

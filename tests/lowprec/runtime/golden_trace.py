@@ -63,7 +63,7 @@ def trace(out_dir: Path) -> dict:
     file holds."""
     import torch
     from lowprec.runtime import Injection
-    from lowprec.runtime.run import run_config
+    from lowprec.runtime.trainer.run import run_config
     before = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     try:

@@ -185,8 +185,8 @@ class MetricsTracker:
 
 def test_the_loss_that_caused_a_rewind_is_tracked_under_its_own_names(project):
     from lowprec.policy.events import EventKind
-    from lowprec.runtime.faults import parse_injection
-    from lowprec.runtime.run import run_config
+    from lowprec.runtime.trainer.faults import parse_injection
+    from lowprec.runtime.trainer.run import run_config
 
     cfg = _config({"train.steps": 20, "train.log_every": 1, "rollout.check_every": 2,
                    "rollout.rewind": {"enabled": True, "snapshot_every": 2, "keep": 4},
@@ -227,9 +227,9 @@ def test_a_skipped_nan_step_leaves_no_hole_in_the_logged_loss_nor_in_the_summary
     import math
     from types import SimpleNamespace
     from lowprec.policy.events import EventKind
-    from lowprec.runtime.faults import parse_injection
-    from lowprec.runtime.loop import RunResult
-    from lowprec.runtime.run import run_config, summary_text
+    from lowprec.runtime.trainer.faults import parse_injection
+    from lowprec.runtime.trainer.loop import RunResult
+    from lowprec.runtime.trainer.run import run_config, summary_text
 
     cfg = _config({"train.steps": 12, "train.log_every": 4})
     tracker = MetricsTracker()

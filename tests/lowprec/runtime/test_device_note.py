@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from lowprec.cli import main
-from lowprec.runtime.device_note import fast_path_note, scaled_mm_in_hardware
+from lowprec.runtime.trainer.device_note import fast_path_note, scaled_mm_in_hardware
 
 
 def _config(backend: str) -> dict:

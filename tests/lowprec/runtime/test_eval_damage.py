@@ -1,4 +1,4 @@
-"""Eval checkpoints that see damage the in-loop gate cannot (lowprec.runtime.eval_damage).
+"""Eval checkpoints that see damage the in-loop gate cannot (lowprec.runtime.session.eval_damage).
 
 The in-loop gate compares the model as trained with the same weights in high precision; a model
 diverged by one update at 10,000 times the learning rate is equally broken in both, and the gate
@@ -14,8 +14,8 @@ import pytest
 
 from lowprec.policy.events import EventKind
 from lowprec.runtime import Injection
-from lowprec.runtime.eval_damage import DamageVerdict, damage
-from lowprec.runtime.run import run_config
+from lowprec.runtime.session.eval_damage import DamageVerdict, damage
+from lowprec.runtime.trainer.run import run_config
 
 CFG = {
     "model": {"factory": "experiments.model:build_gpt",
@@ -70,8 +70,8 @@ def test_a_checkpoint_is_compared_with_the_baseline_runs_evals_at_the_same_step(
 
     from mlflow.tracking import MlflowClient
 
-    from lowprec.runtime.baseline import BaselineEvals
-    from lowprec.runtime.evals import EvalCheckpoints, EvalOutcome
+    from lowprec.runtime.session.baseline import BaselineEvals
+    from lowprec.runtime.session.evals import EvalCheckpoints, EvalOutcome
 
     uri = sqlite_store(tmp_path)
     client = MlflowClient(uri)

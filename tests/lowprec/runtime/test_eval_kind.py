@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from types import SimpleNamespace
 
-from lowprec.runtime.evals import EvalCheckpoints, EvalOutcome
+from lowprec.runtime.session.evals import EvalCheckpoints, EvalOutcome
 
 
 class _Evaluator:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowprec.runtime.faults import FaultKind, Faults, parse_injection
+from lowprec.runtime.trainer.faults import FaultKind, Faults, parse_injection
 
 
 def test_nan_one_plants_one_element_of_the_site_output():

@@ -12,8 +12,8 @@ MODEL = dict(vocab_size=64, block_size=8, n_layer=1, n_head=2, d_model=16)
 
 def test_the_norm_over_two_meshes_is_one_process_s_and_clips_alike(one_rank):
     from experiments.model import build_gpt
-    from lowprec.runtime.fsdp import FullyShardedDP
-    from lowprec.runtime.mesh import build_mesh
+    from lowprec.runtime.engines.fsdp import FullyShardedDP
+    from lowprec.runtime.engines.mesh import build_mesh
 
     torch.manual_seed(0)
     model, ref = build_gpt(**MODEL), build_gpt(**MODEL)

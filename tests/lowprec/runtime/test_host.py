@@ -1,6 +1,6 @@
 """One config, every host, the same baseline: `rollout.baseline: {losses: bf16_losses.json}`
 names a file beside the config, and each host finds it there when it runs from another working
-folder (lowprec.runtime.host.read_baseline): `lowprec run` (prepare_run, which one process and
+folder (lowprec.runtime.session.host.read_baseline): `lowprec run` (prepare_run, which one process and
 every torchrun rank call), the Hugging Face and Lightning callbacks, torchtitan's LowprecTrainer
 (through its config loading: the trainer reads the baseline of that config with read_baseline)
 and Session.from_yaml. On d588cb5 torchtitan's loading and Session.from_yaml read the file from
@@ -15,7 +15,7 @@ import torch
 
 from lowprec.base.parse import ConfigError
 from lowprec.config import LowprecConfig
-from lowprec.runtime.host import read_baseline
+from lowprec.runtime.session.host import read_baseline
 
 CURVE = [5.5 - 0.05 * i for i in range(50)]
 MODEL = "model: {factory: 'experiments.model:build_gpt', args: {vocab_size: 64, block_size: 8, n_layer: 1, " \
@@ -64,7 +64,7 @@ def _curve(baseline) -> list[float]:
 
 def test_every_host_reads_the_baseline_beside_its_config_from_another_working_folder(configs):
     run_yaml, hosted_yaml = configs
-    from lowprec.runtime.run import prepare_run
+    from lowprec.runtime.trainer.run import prepare_run
     prepared = prepare_run(LowprecConfig.from_yaml(run_yaml), with_data=False)       # lowprec run
     assert _curve(prepared.baseline) == CURVE
     from lowprec.integrations.hf import LowprecCallback as HFCallback
@@ -73,7 +73,7 @@ def test_every_host_reads_the_baseline_beside_its_config_from_another_working_fo
     assert _curve(LightningCallback(hosted_yaml, _gpt()).hosted.baseline) == CURVE
     from lowprec.integrations.torchtitan import _framework_config_with_probe
     assert _curve(read_baseline(_framework_config_with_probe(hosted_yaml))) == CURVE   # LowprecTrainer's
-    from lowprec.runtime.session import Session
+    from lowprec.runtime.session.session import Session
     model = _gpt()
     session = Session.from_yaml(hosted_yaml, model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert session.controller.loss_gap is not None

@@ -297,7 +297,7 @@ def test_a_resumed_session_keeps_each_event_once_in_its_log(tmp_path):
     so far; resuming rewrites the log to them (the later ones are redone)."""
     import torch
     from lowprec.policy.events import Event, read_events
-    from lowprec.runtime.session import Session
+    from lowprec.runtime.session.session import Session
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     log = tmp_path / "events.jsonl"

@@ -12,7 +12,7 @@ import copy
 import pytest
 
 from lowprec.runtime import Injection
-from lowprec.runtime.run import run_config
+from lowprec.runtime.trainer.run import run_config
 from lowprec.policy.events import EventKind
 
 pytestmark = pytest.mark.slow   # four 120-step training runs: minutes on 2 cores

@@ -12,8 +12,8 @@ from torch import nn
 
 from lowprec.state.checkpoint import rng_state
 from lowprec.sites.plan import PrecisionPlan
-from lowprec.runtime.engine import SingleProcess
-from lowprec.runtime.lrprobe import LRProbe
+from lowprec.runtime.engines.engine import SingleProcess
+from lowprec.runtime.session.lrprobe import LRProbe
 from lowprec.sites.precision_state import prepare
 
 

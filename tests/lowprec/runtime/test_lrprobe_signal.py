@@ -3,7 +3,7 @@
 A small GPT (2 blocks, width 64) trains on Shakespeare bytes with AdamW at lr 1e-3; after 60
 steps the lr grows by 6% a step, until the training loss spikes (the first loss above 1.3x
 the lowest before it, or a non-finite one). The LR probe runs every 5 steps on a held batch
-(`lowprec.runtime.lrprobe`), and the signal crosses its hold level by the controller's rule
+(`lowprec.runtime.session.lrprobe`), and the signal crosses its hold level by the controller's rule
 (`lowprec.policy.controller.lr_sensitivity_hold` with rollout.lr_probe's defaults: above 0, or
 0.04 above the median of the 4 probes before). It must cross at least two probes (10
 steps) before the spike; at a constant lr it never crosses and the loss never spikes in
@@ -27,8 +27,8 @@ from experiments.data import shakespeare_tokens
 from experiments.model import build_gpt
 from lowprec.policy.controller import lr_sensitivity_hold
 from lowprec.policy.rollout import LRProbeConfig
-from lowprec.runtime.data import TokenBatches
-from lowprec.runtime.lrprobe import LRProbe
+from lowprec.runtime.trainer.data import TokenBatches
+from lowprec.runtime.session.lrprobe import LRProbe
 
 pytestmark = pytest.mark.slow   # three training runs of up to 200 steps: about 6 s on one thread
 

@@ -6,7 +6,7 @@ import pytest
 
 from lowprec.config import ConfigError, LowprecConfig
 from lowprec.policy.events import Event, EventLog
-from lowprec.runtime.parallel_run import check_launch, merge_rank_events, rank_env
+from lowprec.runtime.trainer.parallel_run import check_launch, merge_rank_events, rank_env
 
 BASE = {"model": {"factory": "experiments.model:build_gpt"}, "precision": {"default": "bf16"},
         "train": {"batch_size": 8}}
@@ -64,7 +64,7 @@ def test_an_event_only_some_ranks_recorded_is_merged_once_naming_them(tmp_path):
 # ----------------------------------------------------------------------------- found trying it as a user
 
 def test_a_surviving_rank_s_stopped_line_is_never_cut_mid_word():
-    from lowprec.runtime.parallel_run import peer_lost_line
+    from lowprec.runtime.trainer.parallel_run import peer_lost_line
     words = "Connection closed by peer [127.0.0.1]:60504 while all_reduce on ranks 0, 1, 2, 3 waited for rank 2 " * 3
     line = peer_lost_line(1, RuntimeError("[../gloo/transport/tcp/pair.cc:534] " + words))
     assert line.startswith("rank 1: stopped: Connection closed by peer") and "pair.cc" not in line
@@ -76,8 +76,8 @@ def test_a_surviving_rank_s_stopped_line_is_never_cut_mid_word():
 
 def test_every_suggested_command_of_a_job_carries_its_process_count(tmp_path):
     import yaml
-    from lowprec.runtime.resume_check import record_config, resume_mismatch
-    from lowprec.runtime.run_folder import FolderState, FolderStatus, refusal
+    from lowprec.runtime.trainer.resume_check import record_config, resume_mismatch
+    from lowprec.runtime.trainer.run_folder import FolderState, FolderStatus, refusal
     stopped = FolderStatus(tmp_path, FolderState.STOPPED, step=10)
     line = refusal(stopped, resume=False, config="job.yaml", tracked=False, nproc=4)
     assert f"`lowprec run --nproc-per-node 4 job.yaml --out {tmp_path} --resume`" in line, line
@@ -106,9 +106,9 @@ def test_the_launcher_holds_the_run_folder_until_its_ranks_are_done(tmp_path, ti
     import yaml
     from lowprec.base.writer_lock import holder
     from lowprec.cli import build_parser
-    from lowprec.runtime.cli import _run
-    from lowprec.runtime.console import Console
-    from lowprec.runtime.run_folder import RUN_LOCK, RunFolder, RunFolderBusyError
+    from lowprec.runtime.trainer.cli import _run
+    from lowprec.runtime.trainer.console import Console
+    from lowprec.runtime.trainer.run_folder import RUN_LOCK, RunFolder, RunFolderBusyError
     tiny_lm(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = tmp_path / "job.yaml"

@@ -4,7 +4,7 @@ CPU). The four ranks finish one MLflow run, written by rank 0 alone, into the on
 The job is FSDP2 over 4 ranks with `fp8_all_gather` and the MLPs in
 `fp8_tensorwise` on the `torch` backend from step 0, so the run's summary.json and MLflow say
 that those sites ran the fast path and were gathered as FP8, the others in high precision
-(`lowprec.runtime.site_paths`)."""
+(`lowprec.runtime.trainer.site_paths`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`lowprec.runtime.rank_device`: the backend and device a rank of `lowprec run` trains on."""
+"""`lowprec.runtime.engines.rank_device`: the backend and device a rank of `lowprec run` trains on."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 from lowprec.base.parse import ConfigError
 from lowprec.config import ParallelConfig
 from lowprec.config.schema import RunDevice
-from lowprec.runtime.rank_device import Backend, rank_device
+from lowprec.runtime.engines.rank_device import Backend, rank_device
 
 
 @pytest.mark.parametrize("wanted, local_rank, gpus, backend, device", [

@@ -1,4 +1,4 @@
-"""What a run folder holds, in words (`lowprec.runtime.run_folder`): the state each refusal
+"""What a run folder holds, in words (`lowprec.runtime.trainer.run_folder`): the state each refusal
 names, its advice, and a refused new run that leaves no folder behind."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from lowprec.runtime.run_folder import (RUN_LOCK, FolderState, RunFolder, RunFolderBusyError, inspect_folder,
+from lowprec.runtime.trainer.run_folder import (RUN_LOCK, FolderState, RunFolder, RunFolderBusyError, inspect_folder,
                                         refusal)
 
 
@@ -70,7 +70,7 @@ def test_other_ranks_hold_nothing(tmp_path):
 def test_a_folder_without_a_config_copy_is_checked_against_its_checkpoint(tmp_path):
     import torch
 
-    from lowprec.runtime.resume_check import resume_mismatch
+    from lowprec.runtime.trainer.resume_check import resume_mismatch
     from lowprec.state.checkpoint import checkpoint_mismatch, save_checkpoint
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     path = save_checkpoint(tmp_path / "out" / "checkpoints", 4, model=model,

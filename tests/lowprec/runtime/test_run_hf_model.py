@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 from lowprec.cli import main  # noqa: E402
-from lowprec.runtime.run import prepare_run  # noqa: E402
+from lowprec.runtime.trainer.run import prepare_run  # noqa: E402
 from lowprec.config import LowprecConfig  # noqa: E402
 
 FACTORY = """\

@@ -1,6 +1,6 @@
 """One object for a run's life (issue 55): `RunLife` builds every host's tracker, wires its evals
 and ends its run; no host builds a Tracker or ends its run itself. On c13c165 four hosts did
-(runtime/run.py, runtime/parallel_run.py, integrations/core.py; torchtitan_trainer.py ended its
+(runtime/trainer/run.py, runtime/trainer/parallel_run.py, integrations/core.py; torchtitan_trainer.py ended its
 run through its own try/except)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lowprec.config import ConfigRole, LowprecConfig
-from lowprec.runtime.run_life import RunLife
+from lowprec.runtime.session.run_life import RunLife
 from lowprec.tracking.records import RunStatus
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -31,7 +31,7 @@ def test_no_host_builds_a_tracker_or_ends_a_run_itself():
                 if fn == "Tracker" or fn.endswith(".Tracker") or fn.endswith("tracker.finish"):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} {fn}(...)")
     assert len(list((ROOT / "lowprec/integrations").glob("*.py"))) > 5
-    assert not found, "build the tracker and end the run through RunLife (lowprec.runtime.run_life):\n" + \
+    assert not found, "build the tracker and end the run through RunLife (lowprec.runtime.session.run_life):\n" + \
         "\n".join(found)
 
 

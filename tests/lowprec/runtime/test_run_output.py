@@ -25,7 +25,7 @@ import warnings
 import pytest
 import yaml
 
-from lowprec.runtime.console import Console
+from lowprec.runtime.trainer.console import Console
 
 SUMMARY_FIRST = re.compile(r"run \S+: \d+ steps, .*")
 SUMMARY_REST = re.compile(r"  \S.*")

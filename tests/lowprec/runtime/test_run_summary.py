@@ -1,7 +1,7 @@
 """The telemetry lines of `lowprec run`'s summary: goodput, the wasted buckets, phases, and
 time and energy per token against the baseline run."""
 
-from lowprec.runtime.run_summary import telemetry_lines
+from lowprec.runtime.trainer.run_summary import telemetry_lines
 from lowprec.tracking.phases import Bucket, Phase
 
 

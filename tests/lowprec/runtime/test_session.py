@@ -21,8 +21,8 @@ import copy
 import pytest
 import torch
 
-from lowprec.runtime.faults import FaultKind, Faults, Injection
-from lowprec.runtime.session import Session
+from lowprec.runtime.trainer.faults import FaultKind, Faults, Injection
+from lowprec.runtime.session.session import Session
 
 transformers = pytest.importorskip("transformers")
 

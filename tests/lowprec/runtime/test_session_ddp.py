@@ -22,7 +22,7 @@ from lowprec import prepare
 from lowprec.sites.plan import PrecisionPlan
 from lowprec.policy.rollout import build_controller, parse_rollout
 from lowprec.runtime import Injection, Session, SessionSettings
-from lowprec.runtime.data import TokenBatches
+from lowprec.runtime.trainer.data import TokenBatches
 
 SITE = "blocks.1.mlp.fc"
 PLAN = {"backend": "emulated", "amax_scope": "group", "keep_high_precision": [{"fqns": ["lm_head"]}],

@@ -10,9 +10,9 @@ from experiments.model import build_gpt
 from lowprec.base.parse import ConfigError
 from lowprec.sites.plan import PrecisionPlan
 from lowprec.policy.rollout import parse_rollout
-from lowprec.runtime.data import TokenBatches
-from lowprec.runtime.run import run_config
-from lowprec.runtime.session import Session
+from lowprec.runtime.trainer.data import TokenBatches
+from lowprec.runtime.trainer.run import run_config
+from lowprec.runtime.session.session import Session
 
 PLAN = {"backend": "emulated", "default": "bf16",
         "rules": [{"name": "blocks", "select": {"glob": "blocks.*"}, "format": "bf16",
@@ -115,7 +115,7 @@ def test_the_loop_refuses_what_cannot_give_a_held_batch_or_a_forward_only_loss(t
             return {}
 
         def load_state_dict(self, s): ...
-    import lowprec.runtime.run as run_mod
+    import lowprec.runtime.trainer.run as run_mod
     original = run_mod.prepare_run
 
     def with_source(cfg, **kw):
@@ -127,7 +127,7 @@ def test_the_loop_refuses_what_cannot_give_a_held_batch_or_a_forward_only_loss(t
                                           r"give it a held_batch\(\) method"):
         run_config(CONFIG, tmp_path / "a")
     monkeypatch.setattr(run_mod, "prepare_run", original)
-    from lowprec.runtime.engine import SingleProcess
+    from lowprec.runtime.engines.engine import SingleProcess
     monkeypatch.delattr(SingleProcess, "loss")   # as the DP x TP and pipeline engines: no forward-only loss
     with pytest.raises(ConfigError, match=r"rollout.lr_probe: .*SingleProcess engine has no loss\(x, y\) method"):
         run_config(CONFIG, tmp_path / "b")

@@ -38,9 +38,9 @@ class _Model(nn.Module):
 
 
 def _engines():
-    from lowprec.runtime.fsdp import FullyShardedDP
-    from lowprec.runtime.mesh import build_mesh
-    from lowprec.runtime.parallel import data_parallel
+    from lowprec.runtime.engines.fsdp import FullyShardedDP
+    from lowprec.runtime.engines.mesh import build_mesh
+    from lowprec.runtime.engines.parallel import data_parallel
     clock = CpuLapClock()
     yield "hsdp_tp", data_parallel(_Model(), build_mesh("cpu"), 1, clock=clock), clock
     clock = CpuLapClock()

@@ -1,4 +1,4 @@
-"""`lowprec.runtime.site_paths`: each site's fast- and slow-path calls and the dtype FSDP2
+"""`lowprec.runtime.trainer.site_paths`: each site's fast- and slow-path calls and the dtype FSDP2
 gathers its weight in, as summary.json and MLflow show them (one rank, gloo, FSDP2 with
 `fp8_all_gather`; the one-process run's summary: tests/lowprec/runtime/test_cli_run.py)."""
 
@@ -7,7 +7,7 @@ from torch import nn
 
 from lowprec import prepare
 from lowprec.numerics.formats import get_format
-from lowprec.runtime.site_paths import all_gather_tag, path_metrics, site_paths
+from lowprec.runtime.trainer.site_paths import all_gather_tag, path_metrics, site_paths
 from lowprec.sites.plan import PrecisionPlan
 
 
@@ -23,7 +23,7 @@ class _Blocks(nn.Module):
 
 
 def test_fast_calls_and_the_fp8_all_gather_per_site_and_bf16_after_a_fallback(one_rank):
-    from lowprec.runtime.fsdp import FullyShardedDP
+    from lowprec.runtime.engines.fsdp import FullyShardedDP
     torch.manual_seed(0)
     model = _Blocks()
     plan = PrecisionPlan.from_dict({"backend": "torch", "amax_scope": "local", "rules": [
@@ -49,7 +49,7 @@ def test_fast_calls_and_the_fp8_all_gather_per_site_and_bf16_after_a_fallback(on
 
 
 def test_no_all_gather_without_fsdp2():
-    from lowprec.runtime.engine import SingleProcess
+    from lowprec.runtime.engines.engine import SingleProcess
     torch.manual_seed(0)
     model = _Blocks()
     state = prepare(model, PrecisionPlan.from_dict({"backend": "emulated", "rules": [
@@ -63,7 +63,7 @@ def test_no_all_gather_without_fsdp2():
 
 def test_the_counts_persist_through_a_checkpoint(tmp_path):
     """A resumed run's counts are the whole run's: the checkpoint's precision state holds them."""
-    from lowprec.runtime.engine import SingleProcess
+    from lowprec.runtime.engines.engine import SingleProcess
     from lowprec.state.checkpoint import load_checkpoint, save_checkpoint
 
     def build():

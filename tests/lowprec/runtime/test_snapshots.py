@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from lowprec.state.checkpoint import save_checkpoint
-from lowprec.runtime.data import TokenBatches
-from lowprec.runtime.snapshots import DiskSnapshots, MemorySnapshots
+from lowprec.runtime.trainer.data import TokenBatches
+from lowprec.runtime.session.snapshots import DiskSnapshots, MemorySnapshots
 
 
 def _setup():

@@ -1,12 +1,12 @@
 """`lowprec plan`'s FLOP shares and expected tokens/s ratio from a measured layer table
-(lowprec.runtime.speed_estimate): the GPU main job's d 4096 config on the H200 table, the
+(lowprec.runtime.trainer.speed_estimate): the GPU main job's d 4096 config on the H200 table, the
 arithmetic on shapes the table holds, and what it says with no table or no row."""
 
 from pathlib import Path
 
 import pytest
 
-from lowprec.runtime.speed_estimate import H200, Execution, SiteGemm, estimate, format_estimate, table_for
+from lowprec.runtime.trainer.speed_estimate import H200, Execution, SiteGemm, estimate, format_estimate, table_for
 
 ROOT = Path(__file__).resolve().parents[3]
 D4096 = ROOT / "experiments" / "configs" / "gpu_llama_d4096.yaml"

@@ -12,9 +12,9 @@ import pytest
 
 from lowprec.config import LowprecConfig
 from lowprec.runtime import Injection
-from lowprec.runtime.engine import SingleProcess
-from lowprec.runtime.loop import train
-from lowprec.runtime.run import prepare_run
+from lowprec.runtime.engines.engine import SingleProcess
+from lowprec.runtime.trainer.loop import train
+from lowprec.runtime.trainer.run import prepare_run
 from lowprec.policy.events import EventKind
 from lowprec.tracking.report_sources import from_run_dir
 from lowprec.tracking.telemetry import Telemetry, TelemetryConfig
@@ -151,11 +151,11 @@ gates:
 
 
 def test_phases_add_up_to_the_wall_time_and_the_gate_evaluation_is_eval_time(tmp_path, monkeypatch):
-    from lowprec.runtime.evals import EvalCheckpoints
+    from lowprec.runtime.session.evals import EvalCheckpoints
     """`lowprec run`'s path (prepare_run, execute) with a stage promoted behind the in-loop gate:
     the gate's evaluations (timed here, around the gate the controller calls) are `eval`, not the
     check's `monitor`; the phases and the start-up add up to the wall time measured outside."""
-    from lowprec.runtime.run import execute
+    from lowprec.runtime.trainer.run import execute
     (tmp_path / "inloop.yaml").write_text(GATE_FILE)
     rollout = {**ROLLOUT, "check_every": 5, "rewind": {"enabled": False}}
     cfg = LowprecConfig.from_dict(copy.deepcopy({

@@ -11,8 +11,8 @@ import pytest
 from torch import nn
 
 from lowprec.sites.plan import PrecisionPlan
-from lowprec.runtime.parallel import local_state
-from lowprec.runtime.tracked_map import GatheredPrecisionMap, regather, tracked_map
+from lowprec.runtime.engines.parallel import local_state
+from lowprec.runtime.session.tracked_map import GatheredPrecisionMap, regather, tracked_map
 from lowprec.sites.precision_state import StagedPrecisionMap, prepare
 
 

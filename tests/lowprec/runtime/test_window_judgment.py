@@ -23,7 +23,7 @@ from golden_trace import CONFIG
 from lowprec.cli import main
 from lowprec.policy.events import EventKind
 from lowprec.runtime import Injection
-from lowprec.runtime.run import run_config
+from lowprec.runtime.trainer.run import run_config
 from lowprec.tracking.tracker import Tracker
 
 FAULT_SITE = "blocks.1.attn.qkv"

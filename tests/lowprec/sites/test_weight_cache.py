@@ -8,7 +8,7 @@ from torch import nn
 from lowprec.sites.backends import get_backend
 from lowprec.numerics.formats import get_format
 from lowprec.sites.layers import PrecisionLinear
-from lowprec.runtime.snapshots import MemorySnapshots
+from lowprec.runtime.session.snapshots import MemorySnapshots
 
 FMTS = ["fp8_tensorwise", "fp8_delayed", "fp8_rowwise"]
 

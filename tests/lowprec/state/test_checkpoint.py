@@ -399,7 +399,7 @@ def flip_bit_in(path: Path, tensor: torch.Tensor) -> None:
 
 def test_a_flipped_bit_in_a_weight_is_refused_skipped_and_resume_uses_the_previous_one(tmp_path):
     from lowprec.state.checkpoint import CorruptCheckpointError
-    from lowprec.runtime.snapshots import DiskSnapshots
+    from lowprec.runtime.session.snapshots import DiskSnapshots
 
     model, opt, _ = make()
     three = save_checkpoint(tmp_path, 3, model=model, optimizer=opt)

@@ -8,8 +8,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from lowprec.policy.events import Event, EventKind
-from lowprec.runtime.loop import RunResult
-from lowprec.runtime.run_summary import summary_text
+from lowprec.runtime.trainer.loop import RunResult
+from lowprec.runtime.trainer.run_summary import summary_text
 from lowprec.tracking.records import number, tidy_numbers
 from lowprec.tracking.report_sources import ReportData, events_tags
 from lowprec.tracking.report_timeline import _notes, reason_text

@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import pytest
 
 from lowprec.cli import main
-from lowprec.runtime.loop import RunResult
-from lowprec.runtime.run_summary import summary_text
+from lowprec.runtime.trainer.loop import RunResult
+from lowprec.runtime.trainer.run_summary import summary_text
 
 
 def _lowprec(cwd: Path, *args: str, **kw) -> subprocess.Popen:

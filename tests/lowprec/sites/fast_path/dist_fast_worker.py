@@ -7,7 +7,7 @@ Used by test_fast_path_distributed.py:
 
 MODE: `single` (one process's run, the whole batch, no process group in it: alone or on
 rank 0 of a launch), `fsdp` (FullyShardedDP over every rank:
-DP N), `dptp` (lowprec.runtime.parallel.data_parallel on a (dp_replicate N/2, tp 2) mesh: TP 2, DP N/2;
+DP N), `dptp` (lowprec.runtime.engines.parallel.data_parallel on a (dp_replicate N/2, tp 2) mesh: TP 2, DP N/2;
 with N == 2 that is TP 2 alone), `layer` (one PrecisionLinear on data- and
 tensor-parallel shards against the same layer on the whole tensors, on every rank),
 `fsdp8` / `fsdphp` (FSDP2 with / without FP8 all-gather, one site falling back at step 2),
@@ -117,7 +117,7 @@ def _single_step(model, x, y):
 
 def fsdp_run(fmt: str, scope: str) -> dict:
     import torch.distributed as dist
-    from lowprec.runtime.fsdp import FullyShardedDP
+    from lowprec.runtime.engines.fsdp import FullyShardedDP
     world, rank = dist.get_world_size(), dist.get_rank()
     model = make_model()
     state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
@@ -136,7 +136,7 @@ def fsdp8_run(fmt: str, scope: str, fp8_all_gather: bool = True) -> dict:
     """FSDP2 with the weights gathered in FP8; at step FALLBACK_STEP one site falls back to
     bf16 on every rank (it gathers its high-precision weight from then on)."""
     import torch.distributed as dist
-    from lowprec.runtime.fsdp import FullyShardedDP
+    from lowprec.runtime.engines.fsdp import FullyShardedDP
     from lowprec.numerics.formats import get_format
     world, rank = dist.get_world_size(), dist.get_rank()
     model = make_model()
@@ -165,8 +165,8 @@ CKPT_STEP = 3
 
 def _dptp(fmt: str, scope: str):
     import torch.distributed as dist
-    from lowprec.runtime.mesh import build_mesh, data_group, data_rank
-    from lowprec.runtime.parallel import data_parallel
+    from lowprec.runtime.engines.mesh import build_mesh, data_group, data_rank
+    from lowprec.runtime.engines.parallel import data_parallel
     dp = dist.get_world_size() // 2
     mesh = build_mesh("cpu", dp_replicate=dp, tp=2)
     model = make_model()
@@ -185,11 +185,11 @@ def _dptp_steps(engine, opt, r: int, dp: int, first: int, last: int) -> list[flo
 
 
 def _fsdptp(fmt: str, scope: str, fp8: bool = True, tp: int = 2):
-    """FSDP2 x TP (lowprec.runtime.parallel.data_parallel) on a (dp_shard, tp) mesh of
+    """FSDP2 x TP (lowprec.runtime.engines.parallel.data_parallel) on a (dp_shard, tp) mesh of
     every rank; tp 1 is FSDP2 alone. (model, state, engine, optimizer, dp rank, dp)."""
     import torch.distributed as dist
-    from lowprec.runtime.mesh import build_mesh, data_group, data_rank
-    from lowprec.runtime.parallel import data_parallel
+    from lowprec.runtime.engines.mesh import build_mesh, data_group, data_rank
+    from lowprec.runtime.engines.parallel import data_parallel
     dp = dist.get_world_size() // tp
     mesh = build_mesh("cpu", dp_shard=dp, tp=tp)
     model = make_model()
@@ -199,10 +199,10 @@ def _fsdptp(fmt: str, scope: str, fp8: bool = True, tp: int = 2):
 
 
 def _hsdp(fmt: str, scope: str, fp8: bool = True):
-    """HSDP (lowprec.runtime.parallel.data_parallel) on a (2, world/2) mesh; as `_fsdptp`."""
+    """HSDP (lowprec.runtime.engines.parallel.data_parallel) on a (2, world/2) mesh; as `_fsdptp`."""
     import torch.distributed as dist
-    from lowprec.runtime.mesh import build_mesh
-    from lowprec.runtime.parallel import data_parallel
+    from lowprec.runtime.engines.mesh import build_mesh
+    from lowprec.runtime.engines.parallel import data_parallel
     world = dist.get_world_size()
     mesh = build_mesh("cpu", dp_replicate=2, dp_shard=world // 2)
     model = make_model()
@@ -276,9 +276,9 @@ def _ledger_engine(model, fmt: str, scope: str, fp8_gather: bool, tp: int):
     """(state, engine, dp rank, dp) of the ledger's GPT: FSDP2 over every rank (tp 1) or
     FSDP2 x TP on a (world/tp, tp) mesh."""
     import torch.distributed as dist
-    from lowprec.runtime.fsdp import FullyShardedDP
-    from lowprec.runtime.mesh import build_mesh, data_group, data_rank
-    from lowprec.runtime.parallel import data_parallel
+    from lowprec.runtime.engines.fsdp import FullyShardedDP
+    from lowprec.runtime.engines.mesh import build_mesh, data_group, data_rank
+    from lowprec.runtime.engines.parallel import data_parallel
     if tp == 1:
         state = prepare(model, plan_for(fmt, scope), seed=1, amax_group=dist.group.WORLD)
         engine = FullyShardedDP(model, mesh_or_group=dist.group.WORLD, fp8_all_gather=fp8_gather)

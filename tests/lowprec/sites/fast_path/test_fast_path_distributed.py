@@ -4,8 +4,8 @@ dist_fast_worker.py trains the small GPT (every block's linear layers in FP8) fo
 steps in each layout, and a one-process run (no process group in it, on rank 0 of the
 2-rank launch) trains the same model on the same batches:
 
-* DP 2 and DP 4: `lowprec.runtime.fsdp.FullyShardedDP` (DP 4 in fp8_tensorwise only);
-* TP 2 and DP 2 x TP 2: `lowprec.runtime.parallel.data_parallel` (qkv and fc column-,
+* DP 2 and DP 4: `lowprec.runtime.engines.fsdp.FullyShardedDP` (DP 4 in fp8_tensorwise only);
+* TP 2 and DP 2 x TP 2: `lowprec.runtime.engines.parallel.data_parallel` (qkv and fc column-,
   proj row-parallel DTensor sites);
 
 for fp8_tensorwise, fp8_delayed and fp8_rowwise. What must hold:
@@ -45,7 +45,7 @@ for fp8_tensorwise, fp8_delayed and fp8_rowwise. What must hold:
   dp, `fsdptp8`) and HSDP (2 x 2, `hsdp8`) trains bit for bit as the high-precision gather
   through the same fallback, every FP8 site's forward gets FP8 bytes until it falls back;
 * checkpoint and resume under DP 2 x TP 2 with FP8 all-gather (FSDP2 x TP,
-  lowprec.runtime.parallel.data_parallel; the `fsdptp8` run above, after its
+  lowprec.runtime.engines.parallel.data_parallel; the `fsdptp8` run above, after its
   fallback): a DCP checkpoint after step 3 holds FP32 weights; a fresh model resumed from
   it repeats the uninterrupted run's losses bit for bit;
   2 ranks (TP 2, the dp shards folded) load it (DCP resharding) and train on: the first

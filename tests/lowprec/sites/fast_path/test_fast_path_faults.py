@@ -3,7 +3,7 @@
 The reference experiment of tests/experiments/test_parallel_parity.py on the `torch`
 backend (every FP8 site on its fast path: `lowprec.sites.fp8_parallel` under DP x TP),
 13 steps (the NaN's step the last): `torchrun --nproc-per-node 4 -m lowprec.cli run` with
-`parallel: {dp_replicate: 2, tp: 2}` against `lowprec run` in one process. The NaN (`nan_one`, `lowprec.runtime.faults`) goes
+`parallel: {dp_replicate: 2, tp: 2}` against `lowprec run` in one process. The NaN (`nan_one`, `lowprec.runtime.trainer.faults`) goes
 into one element of blocks.1.mlp.fc's output from step 12, on exactly one rank: rank 0
 holds the global batch's first row (dp rank 0) and, that site being column-parallel, the
 first output column (tp rank 0); the other three ranks' outputs of that site are finite.

@@ -88,7 +88,7 @@ def resume_mismatch(folder: Path, cfg, config_path: str, model=None, checkpoint:
     `config_path`), or None when it fits. model: the model `cfg` builds, checked against the
     shapes of `checkpoint` (default: the newest usable one, found without a warning). The
     commands it suggests for a job carry its `--nproc-per-node`."""
-    from lowprec.runtime.run_folder import run_command
+    from lowprec.runtime.trainer.run_folder import run_command
     folder = Path(folder)
     copy = folder / CONFIG_COPY
     new_out = run_command(config_path, "NEW_DIR", nproc=cfg.parallel.world if cfg is not None else 1)

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from lowprec.state.rng import restore_rng_state, rng_state
-from lowprec.runtime.engine import loss_of
+from lowprec.runtime.engines.engine import loss_of
 
 __all__ = ["LRProbe", "ProbeResult"]
 
@@ -174,7 +174,7 @@ class LRProbe:
     @classmethod
     def for_engine(cls, engine, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
                    **kwargs) -> "LRProbe":
-        """A probe through an engine (`lowprec.runtime.engine`): its `forward_backward(x, y)`
+        """A probe through an engine (`lowprec.runtime.engines.engine`): its `forward_backward(x, y)`
         and its forward-only `loss(x, y)`, which an engine must have for the probe."""
         if not callable(getattr(engine, "loss", None)):
             raise TypeError(f"the LR probe needs a forward-only loss, and the {type(engine).__name__} engine has no "

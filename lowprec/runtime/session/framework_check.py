@@ -19,7 +19,7 @@ def check_framework_config(cfg, state, model, baseline: dict[int, float] | None 
     """(the baseline curve, the controller it builds or None) for `cfg` over `state` (the
     prepared `model`); raises ConfigError. `baseline`: a curve the caller passes itself."""
     if baseline is None and cfg.rollout is not None and cfg.rollout.baseline is not None:
-        from lowprec.runtime.host import read_baseline
+        from lowprec.runtime.session.host import read_baseline
         try:
             baseline = read_baseline(cfg)
         except (LookupError, FileNotFoundError) as e:
@@ -29,7 +29,7 @@ def check_framework_config(cfg, state, model, baseline: dict[int, float] | None 
         from lowprec.policy.rollout import build_controller
         controller = build_controller(cfg.rollout, state, model, baseline=baseline)
     if cfg.eval is not None:
-        from lowprec.runtime.evals import EVALUATORS, GATE_CHECKERS, check_gated_tasks, load_entry_point
+        from lowprec.runtime.session.evals import EVALUATORS, GATE_CHECKERS, check_gated_tasks, load_entry_point
         try:
             ev_cls = load_entry_point(EVALUATORS, cfg.eval.evaluator)
             if hasattr(ev_cls, "check_config"):

@@ -1,6 +1,6 @@
 """How one step's forward and backward run: the engine the training loop is given.
 
-An engine owns the parallel layout of a model; the loop (`lowprec.runtime.loop`) only
+An engine owns the parallel layout of a model; the loop (`lowprec.runtime.trainer.loop`) only
 asks it for a step's loss and the global gradient norm:
 
     engine.module                     this rank's part of the model (all of it in one process)
@@ -8,11 +8,11 @@ asks it for a step's loss and the global gradient norm:
     engine.forward_backward(x, y)     forward and backward of one batch; the global batch-mean loss
     engine.clip_grad_norm(max_norm)   clip by the global gradient norm; returns it (before clipping)
     engine.loss(x, y)                 optional: the global batch-mean loss of a forward without
-                                      gradients (the LR probe, `lowprec.runtime.lrprobe`, needs it)
+                                      gradients (the LR probe, `lowprec.runtime.session.lrprobe`, needs it)
 
 `SingleProcess` is the engine of one process, with gradient accumulation over row
 chunks. The engines of `lowprec run` under torchrun (data x tensor parallel, FSDP2 x tensor
-parallel, pipeline stages: `lowprec.runtime.parallel`) follow the same protocol.
+parallel, pipeline stages: `lowprec.runtime.engines.parallel`) follow the same protocol.
 
 A model's loss: `model(x, y)` returns the loss, or a tuple whose last item is the loss,
 or an object with a `.loss` (Hugging Face outputs).

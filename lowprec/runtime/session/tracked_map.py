@@ -4,7 +4,7 @@ What tracking logs (`precision/flops_share/<format>`, `precision_map.json`), wha
 summary.json and the progress line show, and what decides whether an eval checkpoint runs
 an `eval_hp` pass all read one object with `formats()` (fqn -> format name) and
 `flops_share()` (GEMM FLOP share per format). `tracked_map` chooses it, by one rule for
-`lowprec run` (`lowprec.runtime.parallel_run`) and for a framework's loop
+`lowprec run` (`lowprec.runtime.trainer.parallel_run`) and for a framework's loop
 (`lowprec.integrations.core.HostedRollout`):
 
 * one rank holds every site (one process, data or tensor parallel): the rank's own

@@ -30,13 +30,13 @@ gradients locally and reduce once, after the last one (chunk k of every rank tog
 is one process's chunk k: each rank holds rows rank::world). On a 2-D (replicate, shard)
 mesh FSDP2 is HSDP: it reduce-scatters over the shard dimension and all-reduces over the
 replicate one; with shard degree 1 that is replicated data parallelism (DDP's all-reduce),
-which is how `lowprec run` runs `dp_replicate` (`lowprec.runtime.parallel.build_engine`).
+which is how `lowprec run` runs `dp_replicate` (`lowprec.runtime.engines.parallel.build_engine`).
 `clip_grad_norm` is torch's global norm over the DTensor gradients
-(`lowprec.runtime.gradnorm.clip_global`), a plain tensor, equal on every rank.
+(`lowprec.runtime.engines.gradnorm.clip_global`), a plain tensor, equal on every rank.
 
 Snapshots and checkpoints see the sharded state: `model.state_dict()` holds DTensor shards
 and `load_state_dict` copies into them in place, so each rank snapshots and restores its
-own shards (`lowprec.runtime.snapshots`), and `lowprec.state.checkpoint` writes DCP checkpoints.
+own shards (`lowprec.runtime.session.snapshots`), and `lowprec.state.checkpoint` writes DCP checkpoints.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowprec.runtime.engine import Clocked, loss_of
-from lowprec.runtime.fsdp_fp8 import enable_fp8_all_gather, install
-from lowprec.runtime.gradnorm import clip_global
-from lowprec.runtime.mesh import flat_group
+from lowprec.runtime.engines.engine import Clocked, loss_of
+from lowprec.runtime.engines.fsdp_fp8 import enable_fp8_all_gather, install
+from lowprec.runtime.engines.gradnorm import clip_global
+from lowprec.runtime.engines.mesh import flat_group
 from lowprec.tracking.phases import NULL_CLOCK, LapClock, Phase
 
 __all__ = ["FullyShardedDP", "block_modules", "plain_sums"]
@@ -129,7 +129,7 @@ class FullyShardedDP(Clocked):
         their high-precision weights. The optimizer must be built after the engine.
     weight_amax_group: where the gathered weights' amaxes are all-reduced (one all-reduce
         per step for all of them); default the mesh dimensions each weight is sharded over.
-        Under tp or replicas, every rank (`lowprec.runtime.parallel.build_engine` passes it).
+        Under tp or replicas, every rank (`lowprec.runtime.engines.parallel.build_engine` passes it).
     loss_group: where the loss is summed (default: the ranks of the mesh, flattened).
     """
 
@@ -208,6 +208,6 @@ class FullyShardedDP(Clocked):
         return total
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
-        """Clip by the global gradient norm (`lowprec.runtime.gradnorm.clip_global`: torch's over
+        """Clip by the global gradient norm (`lowprec.runtime.engines.gradnorm.clip_global`: torch's over
         the DTensor gradients); returns the norm before clipping."""
         return clip_global(self.params, max_norm)

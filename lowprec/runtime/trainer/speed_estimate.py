@@ -199,7 +199,7 @@ def plan_lines(prepared, table_name: str | None) -> str:
     """The `lowprec plan` lines for a prepared run: every linear site's FLOPs (the switchable
     sites and the ones kept in BF16), its format after every stage, priced by the table named
     (or the model's device's own), with one micro-batch of `batch_size / microbatches x block_size` tokens."""
-    from lowprec.runtime.device_note import model_device
+    from lowprec.runtime.trainer.device_note import model_device
     cfg, state, model = prepared.config, prepared.state, prepared.model
     final = {fqn: s.format.name for fqn, s in state.sites.items()}
     stage_shares = []

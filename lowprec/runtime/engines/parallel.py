@@ -1,7 +1,7 @@
 """The engines of `lowprec run` under torchrun: data x tensor parallel (replicated or fully
 sharded data parallel), and pipeline stages. Each has `forward_backward(x, y) -> loss` and
 `clip_grad_norm(max_norm)` and gives every rank the global batch-mean loss and the global
-gradient norm (`lowprec.runtime.engine`'s protocol); `build_engine` picks one from the
+gradient norm (`lowprec.runtime.engines.engine`'s protocol); `build_engine` picks one from the
 config's `parallel:` section (`lowprec.config.ParallelConfig`).
 
 **The model says how it is split.** lowprec knows no model's layers, so a model that runs
@@ -17,25 +17,25 @@ parallelize function per model (the reference GPT: experiments/gpt_parallel.py):
                                             take (checked before any process group starts)
 
 The engines, on the job's one mesh (pp, dp_replicate, dp_shard, tp) from
-`lowprec.runtime.mesh.build_mesh`, are torch's own:
+`lowprec.runtime.engines.mesh.build_mesh`, are torch's own:
 
 * data and tensor parallel (`data_parallel`): `model.tensor_parallel` on the tp sub-mesh,
-  then FSDP2 (`lowprec.runtime.fsdp.FullyShardedDP`) on the (dp_replicate, dp_shard)
+  then FSDP2 (`lowprec.runtime.engines.fsdp.FullyShardedDP`) on the (dp_replicate, dp_shard)
   sub-mesh, as torchtitan composes them: HSDP, each parameter sharded over dp_shard and
   replicated over dp_replicate. `dp_replicate` alone is HSDP of shard degree 1, which is
   replicated data parallelism (FSDP2 all-reduces the gradients, as DDP would; DDP itself
   refuses DTensor parameters); `dp_shard` alone is FSDP2. Each data rank's loss is divided by
-  the data ranks and FSDP2 reduces plain SUMs (`lowprec.runtime.fsdp.plain_sums`), so the
+  the data ranks and FSDP2 reduces plain SUMs (`lowprec.runtime.engines.fsdp.plain_sums`), so the
   reduced gradients are the global batch mean's. With `fp8_all_gather` FSDP2 gathers each
   FP8 site's (tp-local) weight as FP8 bytes, scaled by the whole weight's amax (one
-  all-reduce over every rank per step; lowprec.runtime.fsdp_fp8).
+  all-reduce over every rank per step; lowprec.runtime.engines.fsdp_fp8).
 * `Pipeline`: `torch.distributed.pipelining` with one stage per rank and a GPipe schedule
   over the config's microbatches; the loss (cross-entropy of the last stage's logits) lives
   on the last stage and is broadcast to every rank. Its forwards outside training (an eval
   suite's `logits`, the LR probe's held `loss`) run through the stages in order
-  (`lowprec.runtime.pipeline_forward`), their result broadcast from the last stage.
+  (`lowprec.runtime.engines.pipeline_forward`), their result broadcast from the last stage.
 
-The gradient norm (`lowprec.runtime.gradnorm`): torch's over the DTensor gradients under data
+The gradient norm (`lowprec.runtime.engines.gradnorm`): torch's over the DTensor gradients under data
 and tensor parallel; under pipeline stages the per-parameter norms in the whole model's
 order, summed over the stages, as `torch.nn.utils.clip_grad_norm_` forms it on one process.
 """
@@ -49,10 +49,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lowprec.runtime.fsdp import FullyShardedDP
-from lowprec.runtime.gradnorm import clip_stages
-from lowprec.runtime.mesh import build_mesh, data_group, data_rank
-from lowprec.runtime.pipeline_forward import chain_forward, from_last_stage, last_stage_tensor
+from lowprec.runtime.engines.fsdp import FullyShardedDP
+from lowprec.runtime.engines.gradnorm import clip_stages
+from lowprec.runtime.engines.mesh import build_mesh, data_group, data_rank
+from lowprec.runtime.engines.pipeline_forward import chain_forward, from_last_stage, last_stage_tensor
 from lowprec.tracking.phases import NULL_CLOCK, LapClock
 
 __all__ = ["Pipeline", "build_engine", "data_parallel", "stage_bounds", "local_state", "check_model_plan", "Layout",
@@ -92,7 +92,7 @@ def check_model_plan(model: nn.Module, tp: int, pp: int) -> None:
 @dataclass(frozen=True)
 class Layout:
     """Where this rank sits in the job, built once the process group is up and before the model is
-    `prepare`d: the job's one mesh (`lowprec.runtime.mesh.build_mesh`), the group tensor-wise
+    `prepare`d: the job's one mesh (`lowprec.runtime.engines.mesh.build_mesh`), the group tensor-wise
     amaxes of activations and gradients are reduced over (`prepare(..., amax_group=layout.amax_group)`:
     this rank's data-parallel ranks; None with one), this rank's data rank and the number of data ranks."""
     mesh: object
@@ -178,7 +178,7 @@ class Pipeline:
 def build_engine(model: nn.Module, par, layout: Layout, microbatches: int, device: torch.device,
                  clock: LapClock = NULL_CLOCK):
     """The engine for `par` (a ParallelConfig) on `layout` (`build_layout`), every stage on
-    `device` (the model's: `lowprec.runtime.rank_device`); the model was `prepare`d with
+    `device` (the model's: `lowprec.runtime.engines.rank_device`); the model was `prepare`d with
     `layout.amax_group`. clock: where the engine laps its phases (the run's telemetry's)."""
     if par.pp > 1:
         return Pipeline(model, layout.mesh["pp"], microbatches, device=device)

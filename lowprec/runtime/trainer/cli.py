@@ -4,7 +4,7 @@
                                              runtime inputs (baseline run, data) still missing
     lowprec run CONFIG [--out DIR] [--resume] [--steps N] [--inject KIND:SITE:START:STOP]
                        [--as-baseline] [--run-name NAME] [--no-controller] [--tracking-optional]
-                       [--nproc-per-node N]      (N processes under torchrun: lowprec.runtime.parallel_run)
+                       [--nproc-per-node N]      (N processes under torchrun: lowprec.runtime.trainer.parallel_run)
 
 Exit status 0 when it trained (or the plan is usable: a missing baseline run or data is listed,
 not a failure, since `plan` needs only the config and the model), 2 on a config or input that
@@ -17,15 +17,15 @@ earlier checkpoints are kept, the MLflow run is marked KILLED with the tag `lowp
 saying why; free space and continue with `--resume`).
 
 `--resume` says which checkpoint and step it continues from; with `--steps N` it trains up to
-N (below the checkpoint's step: refused, exit 2), as `lowprec.runtime.resume_check` says.
+N (below the checkpoint's step: refused, exit 2), as `lowprec.runtime.trainer.resume_check` says.
 
 A run folder has one writer: `run` locks `--out` (`run.lock`, an OS lock that dies with the
 process) before it writes anything there, and refuses, exit 2, a folder that a live process
 writes (naming its pid and host), a finished run, and a stopped run without `--resume`, each
-in words that say which it is (`lowprec.runtime.run_folder`); a `--resume` whose config
+in words that say which it is (`lowprec.runtime.trainer.run_folder`); a `--resume` whose config
 differs from the one the run started with is refused before an MLflow run is touched
-(`lowprec.runtime.resume_check`). `backend: torch` on a device without FP8 tensor cores is
-named at start (`run`) and beside the plan (`plan`) (`lowprec.runtime.device_note`).
+(`lowprec.runtime.trainer.resume_check`). `backend: torch` on a device without FP8 tensor cores is
+named at start (`run`) and beside the plan (`plan`) (`lowprec.runtime.trainer.device_note`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def register(sub) -> None:
                         "model this function returns, as LowprecCallback.from_yaml does")
     p.add_argument("--speed-table", default=None, metavar="NAME",
                    help="price the rollout's expected tokens/s with this device's measured layer table "
-                        "(lowprec.runtime.speed_estimate.TABLES; default: the model's device's own, if there is one)")
+                        "(lowprec.runtime.trainer.speed_estimate.TABLES; default: the model's device's own, if there is one)")
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("run", help="train a config: staged rollout, monitors, fallbacks, evals, MLflow tracking")
@@ -92,7 +92,7 @@ def _load(path: str, args=None):
         if args.run_name:
             cfg = replace(cfg, tracking=replace(cfg.tracking, run_name=args.run_name))
         if args.as_baseline:
-            from lowprec.runtime.run import high_precision_baseline
+            from lowprec.runtime.trainer.run import high_precision_baseline
             cfg = high_precision_baseline(cfg)
     return cfg
 
@@ -103,19 +103,19 @@ def _fail(console, e: Exception) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from lowprec.runtime.console import Console
+    from lowprec.runtime.trainer.console import Console
     with Console("plan", verbose=args.verbose) as console:   # other libraries' chatter: not shown
         return _plan(args, console)
 
 
 def _plan(args, console) -> int:
-    from lowprec.runtime.run import prepare_run
+    from lowprec.runtime.trainer.run import prepare_run
     if getattr(args, "model_factory", None):
         return _plan_framework(args, console)
     missing: dict[str, str] = {}
     try:
         if getattr(args, "speed_table", None):
-            from lowprec.runtime.speed_estimate import table_for
+            from lowprec.runtime.trainer.speed_estimate import table_for
             table_for(args.speed_table)      # a misspelt name: refused before the model is built
         cfg = _load(args.config)
     except (ConfigError, ValueError) as e:
@@ -127,12 +127,12 @@ def _plan(args, console) -> int:
     try:
         prepared = prepare_run(cfg, missing=missing)
         if cfg.parallel.world > 1:   # the model's own plan takes these degrees (as `run` checks)
-            from lowprec.runtime.parallel_run import check_prepared
+            from lowprec.runtime.trainer.parallel_run import check_prepared
             check_prepared(prepared, cfg.parallel)
     except (ConfigError, ValueError, TypeError) as e:
         return _fail(console, e)
     console.print(_table(prepared))
-    from lowprec.runtime.layout import layout_lines
+    from lowprec.runtime.trainer.layout import layout_lines
     for line in [""] + layout_lines(cfg, args.config) if cfg.parallel.world > 1 else []:
         console.print(line)
     note = _fast_path_note(prepared)
@@ -143,7 +143,7 @@ def _plan(args, console) -> int:
         for st in prepared.controller.stages:
             console.print(f"  {st.name}: {len(st.sites)} sites -> {st.format}")
     try:
-        from lowprec.runtime.speed_estimate import plan_lines
+        from lowprec.runtime.trainer.speed_estimate import plan_lines
         console.print(plan_lines(prepared, args.speed_table))
     except ValueError as e:
         return _fail(console, e)
@@ -168,7 +168,7 @@ def _framework_yaml(path: str) -> bool:
 
 
 def _fast_path_note(prepared) -> str | None:
-    from lowprec.runtime.device_note import fast_path_note, model_device
+    from lowprec.runtime.trainer.device_note import fast_path_note, model_device
     return fast_path_note(prepared.config.precision.backend, model_device(prepared.model))
 
 
@@ -177,8 +177,8 @@ def _plan_framework(args, console) -> int:
     (baseline read, stages resolved against the model, evaluator and gates found)."""
     from types import SimpleNamespace
     from lowprec.config import ConfigRole, LowprecConfig
-    from lowprec.runtime.framework_check import check_framework_config
-    from lowprec.runtime.run import load_factory
+    from lowprec.runtime.session.framework_check import check_framework_config
+    from lowprec.runtime.trainer.run import load_factory
     from lowprec.sites.precision_state import prepare
     try:
         cfg = LowprecConfig.from_yaml(args.config, role=ConfigRole.FRAMEWORK)
@@ -245,7 +245,7 @@ def _send_finished(out: Path, console) -> int | None:
 
 def _cmd_run(args) -> int:
     started = time.perf_counter()   # telemetry: start-up is the time until the first step
-    from lowprec.runtime.console import Console
+    from lowprec.runtime.trainer.console import Console
     with Console("run", verbose=args.verbose) as console:   # the progress line; other libraries' output: the log
         result = _run(args, console, started)
     # --nproc-per-node: the ranks start once every check passed, outside the console (they write to the terminal)
@@ -258,21 +258,21 @@ def _refuse(console, e: Exception | str, env) -> int:
     if env is None or env.rank == 0:
         console.say(str(e))
         return EXIT_UNUSABLE
-    from lowprec.runtime.parallel_run import REFUSED_GRACE_S
+    from lowprec.runtime.trainer.parallel_run import REFUSED_GRACE_S
     time.sleep(REFUSED_GRACE_S)
     return EXIT_UNUSABLE
 
 
 def _run(args, console, started: float):
-    from lowprec.runtime.faults import parse_injection
-    from lowprec.runtime.parallel_run import rank_env
-    from lowprec.runtime.run_folder import RunFolder, RunFolderBusyError
+    from lowprec.runtime.trainer.faults import parse_injection
+    from lowprec.runtime.trainer.parallel_run import rank_env
+    from lowprec.runtime.trainer.run_folder import RunFolder, RunFolderBusyError
     env = rank_env()   # under torchrun: this rank's place in the job
     parallel = env is not None or args.nproc_per_node is not None
     try:
         cfg = _load(args.config, args)
         if parallel or cfg.parallel.world > 1:
-            from lowprec.runtime.parallel_run import check_launch
+            from lowprec.runtime.trainer.parallel_run import check_launch
             check_launch(cfg, args.nproc_per_node, env)
             if env is not None and env.world > 1 and not args.out:
                 raise ConfigError("--out", "is needed under torchrun: every rank must name the same run folder")
@@ -285,7 +285,7 @@ def _run(args, console, started: float):
         return _refuse(console, e, env)
     store = None
     if env is not None and env.world > 1:   # every rank of the job has come before anything is written
-        from lowprec.runtime.parallel_run import PeersMissing, join
+        from lowprec.runtime.trainer.parallel_run import PeersMissing, join
         try:
             store = join(env, cfg.parallel.peer_timeout_s)
         except PeersMissing as e:
@@ -305,7 +305,7 @@ def _run(args, console, started: float):
         raise
     finally:
         if store is not None:   # the process group _run_locked joined, left on every path
-            from lowprec.runtime.parallel_run import end_group
+            from lowprec.runtime.trainer.parallel_run import end_group
             end_group()
     if not callable(result):   # a Launch holds the folder until its last rank exits
         folder.release()
@@ -317,10 +317,10 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
     what the folder's state does not allow (saying what that state is), check a resume's
     config, then train: here, on this rank of a torchrun job, or by starting torchrun
     (`--nproc-per-node`, once every check passed; the ranks take the folder themselves)."""
-    from lowprec.runtime.resume_check import record_config, resume_line, resume_mismatch
-    from lowprec.runtime.parallel_run import PeersMissing
-    from lowprec.runtime.run import prepare_run
-    from lowprec.runtime.run_folder import FolderState, refusal
+    from lowprec.runtime.trainer.resume_check import record_config, resume_line, resume_mismatch
+    from lowprec.runtime.trainer.parallel_run import PeersMissing
+    from lowprec.runtime.trainer.run import prepare_run
+    from lowprec.runtime.trainer.run_folder import FolderState, refusal
     out, tracked = folder.folder, cfg.tracking.enabled
     lead = env is None or env.rank == 0   # the rank that writes the folder
     status = folder.status()
@@ -335,11 +335,11 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
     placed = layout = None
     try:
         if env is not None and env.world > 1:   # this rank's GPU (or the CPU), before the model is built
-            from lowprec.runtime.parallel_run import place_rank, start_group
+            from lowprec.runtime.trainer.parallel_run import place_rank, start_group
             placed = place_rank(cfg.parallel, env)
             layout = start_group(cfg.parallel, env, placed, store)   # the mesh's amax group goes to prepare
         elif args.nproc_per_node is not None:   # the launcher: every rank it starts can have its device
-            from lowprec.runtime.rank_device import cuda_devices, rank_device
+            from lowprec.runtime.engines.rank_device import cuda_devices, rank_device
             rank_device(cfg.parallel.device, args.nproc_per_node - 1, cuda_devices())
         if tracked and lead:  # the run folder's MLflow run: continued only by --resume, never once finished
             from lowprec.tracking.resume import check_buffer
@@ -351,7 +351,7 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
             raise ConfigError("--inject", f"names no module of the model: {bad}; sites: "
                               f"{', '.join(list(prepared.state.sites)[:6])} ...")
         if cfg.parallel.world > 1:
-            from lowprec.runtime.parallel_run import check_prepared
+            from lowprec.runtime.trainer.parallel_run import check_prepared
             check_prepared(prepared, cfg.parallel)
     except (ConfigError, ValueError, TypeError) as e:
         return _refuse(console, e, env)
@@ -382,13 +382,13 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
     if lead and status.state is FolderState.NEW:
         record_config(out, cfg)
     if args.nproc_per_node is not None:
-        from lowprec.runtime.parallel_run import Launch, launch_argv
+        from lowprec.runtime.trainer.parallel_run import Launch, launch_argv
         return Launch(args.nproc_per_node, *launch_argv(args, out), folder=folder)
     if env is not None and env.world > 1:
-        from lowprec.runtime.parallel_run import train_ranks
+        from lowprec.runtime.trainer.parallel_run import train_ranks
         return train_ranks(prepared, out, name=name, env=env, placed=placed, layout=layout, resume=args.resume,
                            faults=faults, console=console, started=started,
                            tracking_optional=args.tracking_optional)
-    from lowprec.runtime.run import train_prepared
+    from lowprec.runtime.trainer.run import train_prepared
     return train_prepared(prepared, out, name=name, resume=chosen or args.resume, faults=faults, started=started,
                           tracking_optional=args.tracking_optional, console=console)

@@ -5,9 +5,9 @@
 
 The config's `parallel:` section (`lowprec.config.ParallelConfig`) says how the model is
 split; once every rank joined, `start_group` starts the process group and builds the mesh
-(`lowprec.runtime.parallel.build_layout`), the model is prepared with its amax group,
-`lowprec.runtime.parallel.build_engine` builds the engine on that mesh, and the run
-goes through the one loop (`lowprec.runtime.loop.train`) exactly as in one process.
+(`lowprec.runtime.engines.parallel.build_layout`), the model is prepared with its amax group,
+`lowprec.runtime.engines.parallel.build_engine` builds the engine on that mesh, and the run
+goes through the one loop (`lowprec.runtime.trainer.loop.train`) exactly as in one process.
 
 **Checked before any rank trains** (`check_launch` before the ranks meet; then, once every
 rank joined (`join`: a rank whose peers do not all come within `parallel.peer_timeout_s` says
@@ -24,7 +24,7 @@ MLflow run (one per job, through its outbox: the other ranks have no tracker, so
 waits on tracking); every rank writes its own event log `events.rank<R>.jsonl`. The
 statistics rank 0 logs are the monitor's, reduced over every rank at each check; the precision
 map it logs and summary.json's are the whole model's, every stage's sites under pipeline stages
-(`lowprec.runtime.tracked_map`), as is summary.json's `nonfinite_params`. At the
+(`lowprec.runtime.session.tracked_map`), as is summary.json's `nonfinite_params`. At the
 end every rank's events are merged into the run's event table (`merge_rank_events`): the
 ranks decide alike, so each event is logged once; one that some rank did not record would
 be logged with the ranks that did. Checkpoints are written every `train.ckpt_every` steps
@@ -35,7 +35,7 @@ MLflow run, from the newest one.
 needs on all ranks; rank 0 has lm-eval's results, logs them, reaches the in-loop gate's
 verdict and broadcasts it, so every rank's controller decides alike. Under pipeline stages an
 eval's forward is the Pipeline engine's `logits` (through every stage, the last stage's
-logits broadcast: `lowprec.runtime.pipeline_forward`), and whether an `eval_hp` pass runs is
+logits broadcast: `lowprec.runtime.engines.pipeline_forward`), and whether an `eval_hp` pass runs is
 read from the whole model's formats, so every rank runs the same passes.
 
 **A rank that dies** takes the job down: torchrun stops the others, and the launcher of
@@ -92,10 +92,10 @@ def rank_env(environ=None) -> RankEnv | None:
 
 
 def place_rank(par, env: RankEnv):
-    """This rank's backend and device (`lowprec.runtime.rank_device`), made torch's current CUDA
+    """This rank's backend and device (`lowprec.runtime.engines.rank_device`), made torch's current CUDA
     device when it is one, so that a model factory's "cuda" builds on this rank's GPU."""
     import torch
-    from lowprec.runtime.rank_device import cuda_devices, rank_device
+    from lowprec.runtime.engines.rank_device import cuda_devices, rank_device
     placed = rank_device(par.device, env.local_rank, cuda_devices())
     if placed.device.type == "cuda":
         torch.cuda.set_device(placed.device)
@@ -126,8 +126,8 @@ def check_launch(cfg, nproc: int | None, env: RankEnv | None) -> None:
 
 def check_prepared(prepared, par) -> None:
     """ConfigError when the built model or data cannot be split as `par` says (before any process group)."""
-    from lowprec.runtime.data import TokenBatches
-    from lowprec.runtime.parallel import check_model_plan
+    from lowprec.runtime.trainer.data import TokenBatches
+    from lowprec.runtime.engines.parallel import check_model_plan
     check_model_plan(prepared.model, par.tp, par.pp)   # ValueError: its message names the key
     if par.data_ranks > 1 and prepared.data is not None and not isinstance(prepared.data, TokenBatches):
         raise ConfigError("data.factory", (
@@ -182,7 +182,7 @@ class Launch:
 def launch_argv(args, out: Path) -> tuple[list[str], str]:
     """(the ranks' `run` arguments, the resume command) from the launcher's own arguments; the
     ranks learn that this process holds the run folder for them (`RunFolder.take(held_by=)`)."""
-    from lowprec.runtime.run_folder import run_command
+    from lowprec.runtime.trainer.run_folder import run_command
     argv = ["run", str(args.config), "--out", str(out), "--launcher-pid", str(os.getpid())]
     argv += ["--resume"] if args.resume else []
     argv += ["--steps", str(args.steps)] if args.steps is not None else []
@@ -232,7 +232,7 @@ class RankRun:
     state: object
     data: object
     sites: list[str] | None = None   # every site of the model, in forward order (for the monitor)
-    precision_map: object = None     # what tracking reports (`lowprec.runtime.tracked_map`): the whole model's
+    precision_map: object = None     # what tracking reports (`lowprec.runtime.session.tracked_map`): the whole model's
 
 
 def _to_device(device):
@@ -249,9 +249,9 @@ def _to_device(device):
 
 def _build(prepared, par, layout, device, clock) -> RankRun:
     """This rank's engine (lapping on `clock`) on `layout`, precision state and batches, on `device`."""
-    from lowprec.runtime.data import TokenBatches
-    from lowprec.runtime.parallel import build_engine, local_state
-    from lowprec.runtime.tracked_map import tracked_map
+    from lowprec.runtime.trainer.data import TokenBatches
+    from lowprec.runtime.engines.parallel import build_engine, local_state
+    from lowprec.runtime.session.tracked_map import tracked_map
 
     tc = prepared.config.train
     sites = list(prepared.controller.order) if prepared.controller is not None else None
@@ -303,10 +303,10 @@ def peer_lost_line(rank: int, e: BaseException, limit: int = 200) -> str:
 def start_group(par, env: RankEnv, placed, store):
     """Join this rank to the job's process group (once every rank joined: `store`, from `join`)
     on `placed` (`place_rank`: NCCL on this rank's GPU, or gloo on the CPU) and build its mesh:
-    the `lowprec.runtime.parallel.Layout` whose `amax_group` the model is then prepared with.
+    the `lowprec.runtime.engines.parallel.Layout` whose `amax_group` the model is then prepared with.
     `end_group` leaves it."""
     import torch.distributed as dist
-    from lowprec.runtime.parallel import build_layout
+    from lowprec.runtime.engines.parallel import build_layout
     try:
         dist.init_process_group(str(placed.backend), store=dist.PrefixStore("lowprec", store), rank=env.rank,
                                 world_size=env.world,
@@ -339,11 +339,11 @@ def train_ranks(prepared, out: Path, *, name: str, env: RankEnv, placed, layout,
 def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, device, layout, resume: bool, faults, console,
                 started: float, tracking_optional: bool) -> int:
     import torch.distributed as dist
-    from lowprec.runtime.console import LOG_NAME
-    from lowprec.runtime.loop import train
-    from lowprec.runtime.host import tracking_uri as _tracking_uri
-    from lowprec.runtime.run import EXIT_OK, EXIT_UNSENT, close_run, summary_text, unsent_line
-    from lowprec.runtime.run_life import RunLife
+    from lowprec.runtime.trainer.console import LOG_NAME
+    from lowprec.runtime.trainer.loop import train
+    from lowprec.runtime.session.host import tracking_uri as _tracking_uri
+    from lowprec.runtime.trainer.run import EXIT_OK, EXIT_UNSENT, close_run, summary_text, unsent_line
+    from lowprec.runtime.session.run_life import RunLife
     from lowprec.state.checkpoint import NoUsableCheckpointError
     from lowprec.state.ranks import from_rank_0
     from lowprec.tracking.records import RunStatus

@@ -56,7 +56,7 @@ def _baseline_telemetry(prepared, uri: str) -> tuple[str, dict[str, float]] | No
     b = cfg.rollout.baseline if cfg.rollout is not None else None
     if b is None or b.mlflow_run is None:
         return None
-    from lowprec.runtime.baseline import telemetry_of_run
+    from lowprec.runtime.session.baseline import telemetry_of_run
     try:
         return b.mlflow_run, telemetry_of_run(uri, cfg.tracking.experiment, b.mlflow_run)
     except ConfigError:

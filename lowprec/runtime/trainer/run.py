@@ -11,7 +11,7 @@ at run time (the loss-gap baseline run, the data the data factory reads) are lis
 missing instead of failing (`prepare_run(..., missing={})`); a config that `run` would reject
 for any other reason is rejected by `plan` with the same message (exit 2).
 
-`run` then trains through the one loop (`lowprec.runtime.loop`), tracks the run in MLflow
+`run` then trains through the one loop (`lowprec.runtime.trainer.loop`), tracks the run in MLflow
 (the config, metrics, signals, the precision map, events, evals, `losses.json`), and prints
 a summary: the loss, its gap to the baseline, the FLOP share per format, every event.
 """
@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from lowprec.base.parse import ConfigError
-from lowprec.runtime.host import read_baseline, tracking_uri as _tracking_uri
-from lowprec.runtime.resume_check import STEPS_TAG, logged_config
-from lowprec.runtime.run_life import STOPPED_TAG   # the MLflow tag saying why a run was stopped (KILLED)
-from lowprec.runtime.run_summary import summary_text
+from lowprec.runtime.session.host import read_baseline, tracking_uri as _tracking_uri
+from lowprec.runtime.trainer.resume_check import STEPS_TAG, logged_config
+from lowprec.runtime.session.run_life import STOPPED_TAG   # the MLflow tag saying why a run was stopped (KILLED)
+from lowprec.runtime.trainer.run_summary import summary_text
 from lowprec.tracking.records import RunStatus
 
 # `lowprec run`'s exit status: trained (and tracked); a config or input it cannot use (nothing
@@ -141,7 +141,7 @@ def _as_labels(module, args, kwargs):
 
 def _batch_source(cfg, raw):
     """The data factory's result as the loop's batch source (ConfigError where it cannot be one)."""
-    from lowprec.runtime.data import as_batch_source
+    from lowprec.runtime.trainer.data import as_batch_source
     if isinstance(raw, torch.Tensor) and cfg.data.block_size is None:
         raise ConfigError("data.block_size", f"{cfg.data.factory} returns a token tensor, which is cut into "
                           f"windows of block_size tokens: give data.block_size (e.g. the model's context length)")
@@ -204,9 +204,9 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True,
             data = _batch_source(cfg, raw)
     prepared = PreparedRun(cfg, model, state, ctl, data, baseline)
     if cfg.eval is not None:
-        from lowprec.runtime.evals import eval_checkpoints
+        from lowprec.runtime.session.evals import eval_checkpoints
         max_len = cfg.data.block_size if cfg.data is not None and cfg.data.block_size else 256
-        from lowprec.runtime.baseline import baseline_evals
+        from lowprec.runtime.session.baseline import baseline_evals
         prepared.evals = eval_checkpoints(cfg.eval, model, state, max_length=max_len, baseline=baseline_evals(cfg))
         if cfg.parallel.pp > 1 and not callable(getattr(prepared.evals.evaluator, "with_forward", None)):
             raise ConfigError("eval.evaluator", (
@@ -228,10 +228,10 @@ def execute(prepared: PreparedRun, out: str | Path, *, life=None, resume: bool =
     """Train a prepared run through the one loop (single process); returns its RunResult.
     life: the run's `RunLife` (its tracker, evals; default: untracked); the caller ends it.
     started: `time.perf_counter()` when the run began (telemetry's start-up; default: now).
-    progress: the progress line (`lowprec.runtime.console.Progress`), told after every pass."""
-    from lowprec.runtime.engine import SingleProcess
-    from lowprec.runtime.loop import train
-    from lowprec.runtime.run_life import RunLife
+    progress: the progress line (`lowprec.runtime.trainer.console.Progress`), told after every pass."""
+    from lowprec.runtime.engines.engine import SingleProcess
+    from lowprec.runtime.trainer.loop import train
+    from lowprec.runtime.session.run_life import RunLife
     from lowprec.tracking.telemetry import Telemetry
 
     cfg = prepared.config
@@ -257,7 +257,7 @@ def run_config(config, out_dir: str | Path, *, faults=(), controller: bool = Tru
         cfg = LowprecConfig.from_dict(config)
     else:
         cfg = config
-    from lowprec.runtime.run_life import RunLife
+    from lowprec.runtime.session.run_life import RunLife
     if tracker is not None:
         tracker.log_config(cfg.to_dict())
     return execute(prepare_run(cfg, controller=controller), Path(out_dir), life=RunLife.around(cfg, tracker),
@@ -272,7 +272,7 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
     tracking records could not be sent and wait in the outbox, unless `tracking_optional`; 4
     when the disk filled up: one line, the MLflow run KILLED with the reason, the earlier
     checkpoints kept). resume: True (the newest usable checkpoint) or the checkpoint chosen.
-    console: the command's `lowprec.runtime.console.Console` (its log goes to `out`/lowprec.log,
+    console: the command's `lowprec.runtime.trainer.console.Console` (its log goes to `out`/lowprec.log,
     the progress line and the summary through it); None prints to sys.stdout/sys.stderr."""
     import warnings
     from lowprec.state.checkpoint import NoUsableCheckpointError, checkpoint_to_resume
@@ -290,10 +290,10 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
     out.mkdir(parents=True, exist_ok=True)
     progress = None
     if console is not None:
-        from lowprec.runtime.console import LOG_NAME
+        from lowprec.runtime.trainer.console import LOG_NAME
         console.log_to(out / LOG_NAME)
         progress = console.progress(cfg.train.steps, mix=prepared.state.flops_share)
-    from lowprec.runtime.run_life import RunLife
+    from lowprec.runtime.session.run_life import RunLife
     from lowprec.tracking.resume import BufferInUseError
     try:   # resume: the MLflow run of a killed `lowprec run` is continued (never a finished one)
         life = RunLife(cfg, name, out / "tracking", resume=resume, logged=logged_config(cfg, out, resume),
@@ -340,7 +340,7 @@ def close_run(progress, life, status, out: Path, why: str | None = None) -> None
     uploaded, a KILLED one tagged with `why`; unsent records are the caller's to say, last)."""
     if progress is not None:
         progress.close()
-    from lowprec.runtime.baseline import LOSSES_ARTIFACT
+    from lowprec.runtime.session.baseline import LOSSES_ARTIFACT
     life.end(status, losses=out / LOSSES_ARTIFACT, reason=why)
 
 

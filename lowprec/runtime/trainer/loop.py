@@ -10,7 +10,7 @@ engine's global norm, decide, step / skip / rewind). Around it: the learning-rat
 checkpoints (periodic, before promotions through the controller's gate, at the end; a
 periodic verdict goes to `Session.after_eval`), tracking (means over `train.log_every`
 steps, the signals and the precision map at check steps, every event) and injected
-faults (`lowprec.runtime.faults`). Rewinds go to in-memory snapshots or, with
+faults (`lowprec.runtime.trainer.faults`). Rewinds go to in-memory snapshots or, with
 `rollout.rewind.source: disk`, to the checkpoints; both work under pipeline parallelism,
 since each rank restores its own stage. The loss that caused a rewind is logged as
 `train/loss_rewound` (with `train/rewound_to`, the step it went back to) at the step where
@@ -34,16 +34,16 @@ from pathlib import Path
 import torch
 
 from lowprec.state.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
-from lowprec.runtime.data import TokenBatches
+from lowprec.runtime.trainer.data import TokenBatches
 from lowprec.state.ranks import on_any_rank, process_rank
-from lowprec.runtime.after_step import AfterStep
-from lowprec.runtime.engine import Engine
-from lowprec.runtime.lrprobe import LRProbe
-from lowprec.runtime.faults import Faults, Injection
-from lowprec.runtime.session import Session, SessionSettings
-from lowprec.runtime.site_paths import all_gather_tag, path_metrics, site_paths
-from lowprec.runtime.snapshots import DiskSnapshots
-from lowprec.runtime.tracked_map import regather
+from lowprec.runtime.session.after_step import AfterStep
+from lowprec.runtime.engines.engine import Engine
+from lowprec.runtime.session.lrprobe import LRProbe
+from lowprec.runtime.trainer.faults import Faults, Injection
+from lowprec.runtime.session.session import Session, SessionSettings
+from lowprec.runtime.trainer.site_paths import all_gather_tag, path_metrics, site_paths
+from lowprec.runtime.session.snapshots import DiskSnapshots
+from lowprec.runtime.session.tracked_map import regather
 from lowprec.tracking.phases import PassOutcome, Phase
 from lowprec.tracking.telemetry import Telemetry, TelemetryConfig
 
@@ -96,10 +96,10 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     telemetry: where the time and energy go (`lowprec.tracking.telemetry`); default none.
     resume: True continues from the newest usable checkpoint in `out_dir`/checkpoints (none: from
     step 0); a Path, from that checkpoint (the caller chose it: `lowprec run --resume`).
-    progress: told after every pass `update(steps done, loss=, tokens=)` (`lowprec.runtime.console.Progress`).
+    progress: told after every pass `update(steps done, loss=, tokens=)` (`lowprec.runtime.trainer.console.Progress`).
     precision_map: what tracking, the summary and the results report as the model's formats and
     FLOP shares (`formats()`, `flops_share()`); default `state`; under pipeline stages, where
-    `state` holds this rank's sites, the whole model's (`lowprec.runtime.tracked_map.tracked_map`).
+    `state` holds this rank's sites, the whole model's (`lowprec.runtime.session.tracked_map.tracked_map`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

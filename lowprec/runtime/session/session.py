@@ -20,7 +20,7 @@ precision did not cause demotes nothing. Everything else (the quantizer statisti
 their rules) is read once per check. Then format changes are applied, and the optimizer
 steps, or the step is skipped (the optimizer never sees the gradients: AdamW's moments
 and step count stay as they were), or the run rewinds: model, optimizer, scheduler and
-RNG go back to a snapshot (`lowprec.runtime.snapshots`), the data simply goes on (the
+RNG go back to a snapshot (`lowprec.runtime.session.snapshots`), the data simply goes on (the
 batches in between are skipped, and `skip_batches` more when the data source can skip).
 The loop has no rewind code: it reads `session.step_index` if it counts steps.
 
@@ -30,11 +30,11 @@ two halves of `step`: `decide(loss, closure)` before its optimizer step (then
 optimizer and scheduler stepped.
 
 With `rollout.lr_probe` on (or an `lr_probe=` given), every `every_checks`-th check step
-starts with the learning-rate probe (`lowprec.runtime.lrprobe`: a virtual step at lr x2
+starts with the learning-rate probe (`lowprec.runtime.session.lrprobe`: a virtual step at lr x2
 and x0.5 on a held batch, everything restored), before the step's batch; its sensitivity
 reaches the controller in that check's `Signals.lr_sensitivity`.
 
-The same object drives `lowprec run`'s loop (`lowprec.runtime.loop`) under one process,
+The same object drives `lowprec run`'s loop (`lowprec.runtime.trainer.loop`) under one process,
 DP x TP and pipeline stages: `clip` is then the engine's global-norm clip, `sites` every
 site of the model (a pipeline rank holds some), and every rank decides alike.
 """
@@ -52,13 +52,13 @@ from lowprec.policy.attribution import Attribution
 from lowprec.policy.controller import Action, Decision, RolloutController, apply_decision
 from lowprec.policy.events import Event, EventLog
 from lowprec.policy.monitor import Monitor
-from lowprec.runtime.lrprobe import LRProbe, ProbeResult
-from lowprec.runtime.replay import StepReplayer
-from lowprec.runtime.session_parts import (StepResult, _default_clip, _EvalTimedGate, _probe_from_config,
+from lowprec.runtime.session.lrprobe import LRProbe, ProbeResult
+from lowprec.runtime.session.replay import StepReplayer
+from lowprec.runtime.session.session_parts import (StepResult, _default_clip, _EvalTimedGate, _probe_from_config,
                                            attribute_by_replay, measure_on_host)
-from lowprec.runtime.session_settings import SessionSettings
-from lowprec.runtime.snapshots import MemorySnapshots, Snapshots
-from lowprec.runtime.window import WindowReplayer
+from lowprec.runtime.session.session_settings import SessionSettings
+from lowprec.runtime.session.snapshots import MemorySnapshots, Snapshots
+from lowprec.runtime.session.window import WindowReplayer
 from lowprec.tracking.phases import NULL_CLOCK, LapClock, Phase, counted_as
 
 __all__ = ["Session", "SessionSettings", "StepResult"]
@@ -173,7 +173,7 @@ class Session:
     def from_yaml(cls, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs) -> "Session":
         """Build from a YAML file's `precision:` and (optional) `rollout:` sections."""
         from lowprec.config import ConfigRole, LowprecConfig
-        from lowprec.runtime.host import read_baseline
+        from lowprec.runtime.session.host import read_baseline
         cfg = LowprecConfig.from_yaml(path, role=ConfigRole.SESSION)
         baseline = kwargs.pop("baseline", None) or read_baseline(cfg)   # a losses file beside the YAML, as every host
         return cls.build(model, optimizer, cfg.precision, cfg.rollout, baseline=baseline, **kwargs)
@@ -190,7 +190,7 @@ class Session:
             self.state.collect_stats(False)
         self.clock.lap(Phase.MONITOR)
 
-    # ---- the LR probe (lowprec.runtime.lrprobe): at the start of its check steps, no gradients yet
+    # ---- the LR probe (lowprec.runtime.session.lrprobe): at the start of its check steps, no gradients yet
     def _probe_lr(self, step: int) -> None:
         """Run the LR probe if `step` is one of its check steps (every `every_checks`-th
         regular check, forced checks not counted) and it has not run for this step yet."""

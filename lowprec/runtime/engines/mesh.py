@@ -6,8 +6,8 @@
     mesh["pp"]                              the pipeline stages
     data_group(mesh), data_rank(mesh)       this rank's data-parallel ranks, its index among them
 
-Every layout of `lowprec run` (`lowprec.runtime.parallel.build_engine`) is one 4-D mesh
-(pp, dp_replicate, dp_shard, tp) on the run's device type (`lowprec.runtime.rank_device`),
+Every layout of `lowprec run` (`lowprec.runtime.engines.parallel.build_engine`) is one 4-D mesh
+(pp, dp_replicate, dp_shard, tp) on the run's device type (`lowprec.runtime.engines.rank_device`),
 its degrees the config's (`lowprec.config.ParallelConfig`); a degree of 1 is a dimension of
 size 1. Data parallelism of any kind is FSDP2 on the (dp_replicate, dp_shard) sub-mesh, as
 torchtitan composes it: sharded over dp_shard, replicated over dp_replicate.

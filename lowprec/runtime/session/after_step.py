@@ -1,6 +1,6 @@
 """What happens after each optimizer step, written once for every host.
 
-`lowprec run`'s loop (`lowprec.runtime.loop`) and the framework integrations
+`lowprec run`'s loop (`lowprec.runtime.trainer.loop`) and the framework integrations
 (`lowprec.integrations.core.HostedRollout`, which the Hugging Face and Lightning callbacks
 drive) both hand each concluded `StepResult` of their `Session` to an `AfterStep`:
 

@@ -24,7 +24,7 @@ the in-loop gate compares the two, so the cost of precision is measured directly
 comparison cannot see damage already in the weights (both passes share it), so each
 checkpoint also compares its own numbers with the run's previous checkpoint and, where
 `rollout.baseline` names an MLflow run with evals, with the baseline's at the same step
-(`lowprec.runtime.eval_damage`): a non-finite or exploded metric fails the checkpoint
+(`lowprec.runtime.session.eval_damage`): a non-finite or exploded metric fails the checkpoint
 (verdict `regress`, whatever the gate said), which holds a promotion and, at a periodic eval,
 takes the controller's rollback path. Under
 torchrun (`share`) every rank runs the same evals, since a sharded model's forwards are
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Callable, Protocol
 
-from lowprec.runtime.eval_damage import DEFAULT_RATIO, DamageVerdict, damage
+from lowprec.runtime.session.eval_damage import DEFAULT_RATIO, DamageVerdict, damage
 
 __all__ = ["EvalOutcome", "Evaluator", "GateChecker", "EvalCheckpoints", "load_entry_point", "eval_checkpoints"]
 
@@ -210,7 +210,7 @@ class EvalCheckpoints:
 
     def _damage(self, step: int, mode: str, current: EvalOutcome | None) -> list[str]:
         """What this checkpoint's results show against the previous checkpoint of its mode (the
-        last undamaged one) and the baseline run's at this step (`lowprec.runtime.eval_damage`)."""
+        last undamaged one) and the baseline run's at this step (`lowprec.runtime.session.eval_damage`)."""
         if current is None:   # a rank without results: the outcome comes from the rank that has them
             return []
         refs = []
@@ -237,7 +237,7 @@ def eval_checkpoints(config, model, state, *, max_length: int, tracker=None, sha
     """The `eval:` section's checkpoints for `model`: its evaluator and the default gate
     checker found through their entry points and checked (the gate's metrics must be ones the
     evaluator produces here). `baseline(step, mode)`: the baseline run's evals
-    (`lowprec.runtime.baseline.baseline_evals`). `evaluator_kwargs` (e.g. `forward=`,
+    (`lowprec.runtime.session.baseline.baseline_evals`). `evaluator_kwargs` (e.g. `forward=`,
     `tokenizer=`) go to the evaluator. Every problem is a ConfigError at `eval`."""
     from lowprec.base.parse import ConfigError
     try:

@@ -53,7 +53,7 @@ def read_baseline(cfg) -> dict[int, float] | None:
         from lowprec.policy.rollout import read_losses
         return read_losses(config_file(cfg, b.losses, "rollout.baseline.losses"))
     from lowprec.config import ConfigRole
-    from lowprec.runtime.baseline import RUN_HOW, TRAINER_HOW, losses_of_run
+    from lowprec.runtime.session.baseline import RUN_HOW, TRAINER_HOW, losses_of_run
     how = TRAINER_HOW if cfg.role is ConfigRole.FRAMEWORK else RUN_HOW   # a Trainer's user has no `lowprec run`
     curve = losses_of_run(tracking_uri(cfg), cfg.tracking.experiment, b.mlflow_run, how)
     return {i: float(v) for i, v in enumerate(curve) if math.isfinite(float(v))}

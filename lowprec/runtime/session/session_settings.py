@@ -1,4 +1,4 @@
-"""`SessionSettings`: what a `lowprec.runtime.session.Session` takes from the config, typed
+"""`SessionSettings`: what a `lowprec.runtime.session.session.Session` takes from the config, typed
 and frozen. `SessionSettings.from_rollout(rollout)` reads a parsed `rollout:` section (None:
 the defaults, for a session without a rollout); a host overrides single fields by keyword
 (`from_rollout(rollout, max_grad_norm=...)`, the framework's own clip norm)."""
@@ -21,7 +21,7 @@ class SessionSettings:
     max_replays: replays per anomalous step to find whether precision is to blame (0: none;
         anomalies then wait for the next check's statistics).
     window_close: a slow signal (the loss gap, an eval regression) is judged by the window
-        since the last snapshot (`lowprec.runtime.window`): the fraction of its loss gap that
+        since the last snapshot (`lowprec.runtime.session.window`): the fraction of its loss gap that
         high precision must close to blame precision; None: not judged (the newest stage
         rolls back). window_replays: windows trained again per suspicion, at most.
     lr_probe: the rollout's `lr_probe` section (None or disabled: no probe from the config)."""

@@ -1,7 +1,7 @@
 """One run's life, the same in every host: its tracker, its eval checkpoints' wiring, its end.
 
-`lowprec run` in one process (`lowprec.runtime.run`), each rank of `lowprec run` under torchrun
-(`lowprec.runtime.parallel_run`), `HostedRollout` (the HF and Lightning callbacks) and
+`lowprec run` in one process (`lowprec.runtime.trainer.run`), each rank of `lowprec run` under torchrun
+(`lowprec.runtime.trainer.parallel_run`), `HostedRollout` (the HF and Lightning callbacks) and
 torchtitan's `LowprecTrainer` (through its `HostedRollout`) all build one `RunLife` before the
 first step and end the run through it:
 
@@ -11,7 +11,7 @@ first step and end the run through it:
     life.end(RunStatus.FINISHED, losses=out / "losses.json")   # or FAILED, or KILLED with a reason
 
 * The tracker (`lowprec.tracking.tracker.Tracker`) is built here and only here: the store
-  `tracking.uri` names (`lowprec.runtime.host.tracking_uri`) or the framework's run it attaches
+  `tracking.uri` names (`lowprec.runtime.session.host.tracking_uri`) or the framework's run it attaches
   to, one per job (rank 0's; None when tracking is off or on another rank), with the config and
   the host's tags logged at once.
 * `evals` hands that tracker to the eval checkpoints: ones `lowprec run` checked before step 0
@@ -61,7 +61,7 @@ class RunLife:
                 self.tracker.log_tags(tags)
 
     def _open(self, name: str, buffer_dir, resume: bool, attach, rank: int, system_metrics: bool):
-        from lowprec.runtime.host import tracking_uri
+        from lowprec.runtime.session.host import tracking_uri
         from lowprec.tracking.tracker import Tracker
         tel = self.config.telemetry
         seconds = tel.system_metrics_s if system_metrics and tel is not None and tel.enabled else None
@@ -87,8 +87,8 @@ class RunLife:
             return checked.for_run(tracker=tracker, **kwargs)
         if self.config.eval is None:
             return None
-        from lowprec.runtime.baseline import baseline_evals
-        from lowprec.runtime.evals import eval_checkpoints
+        from lowprec.runtime.session.baseline import baseline_evals
+        from lowprec.runtime.session.evals import eval_checkpoints
         return eval_checkpoints(self.config.eval, tracker=tracker, baseline=baseline_evals(self.config), **kwargs)
 
     def end(self, status: RunStatus = RunStatus.FINISHED, *, losses: Path | list | None = None,
@@ -105,7 +105,7 @@ class RunLife:
             return
         if status is RunStatus.FINISHED and losses is not None and t.enabled:
             if not isinstance(losses, Path):
-                from lowprec.runtime.baseline import LOSSES_ARTIFACT
+                from lowprec.runtime.session.baseline import LOSSES_ARTIFACT
                 path = Path(t.run_dir) / "files" / LOSSES_ARTIFACT
                 path.write_text(json.dumps(list(losses)))
                 losses = path

@@ -1,6 +1,6 @@
 """FP8 all-gather of weights under FSDP2, for any FSDP2 loop: wrap the weights, precompute their scales.
 
-    from lowprec.runtime.fsdp_fp8 import enable_fp8_all_gather, precompute_fp8_weight_scales
+    from lowprec.runtime.engines.fsdp_fp8 import enable_fp8_all_gather, precompute_fp8_weight_scales
     state = lowprec.prepare(model, plan)        # the PrecisionLinear sites
     enable_fp8_all_gather(model)                # before fully_shard (and after, or before, TP)
     ... fully_shard(block) for each block; fully_shard(model); optimizer = AdamW(model.parameters())

@@ -1,4 +1,4 @@
-"""The pieces a `lowprec.runtime.session.Session` is made of besides its step logic: what it
+"""The pieces a `lowprec.runtime.session.session.Session` is made of besides its step logic: what it
 returns per step (`StepResult`), its one host read per step (`measure_on_host`), the
 replays that blame an anomalous step's sites (`attribute_by_replay`), its default gradient
 clip, the LR probe built from the config, and the gate wrapper that books a promotion's
@@ -18,7 +18,7 @@ from lowprec.policy.anomaly import Anomaly
 from lowprec.policy.attribution import Attribution, Replay, attribute
 from lowprec.policy.controller import Decision
 from lowprec.policy.events import Event
-from lowprec.runtime.lrprobe import LRProbe
+from lowprec.runtime.session.lrprobe import LRProbe
 from lowprec.tracking.phases import Phase, counted_as
 
 __all__ = ["StepResult", "measure_on_host", "attribute_by_replay"]

@@ -9,8 +9,8 @@
           or: torchrun --nproc-per-node 4 -m lowprec.cli run job.yaml --out DIR
       on 2 machines (DIR on a filesystem both see): torchrun --nnodes 2 --nproc-per-node 2 ...
 
-What it says is what `lowprec.runtime.parallel.build_engine` builds for these degrees and
-what `lowprec.runtime.rank_device` decides for `parallel.device`; nothing here starts a process.
+What it says is what `lowprec.runtime.engines.parallel.build_engine` builds for these degrees and
+what `lowprec.runtime.engines.rank_device` decides for `parallel.device`; nothing here starts a process.
 """
 
 from __future__ import annotations
