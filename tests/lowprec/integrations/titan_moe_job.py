@@ -52,8 +52,8 @@ EDITS = [
     # of batches (torchtitan's default, the whole validation set, differs per rank and hangs)
     ("    config.validator.freq = 1000\n", "    config.validator.freq = 1000\n    config.validator.steps = 2\n"),
     # each rank's report also says how many tokens each expert site ran there in the last forward
-    ('"gather_check": getattr(self, "gather_check", None)}}',
-     '"gather_check": getattr(self, "gather_check", None), "expert_tokens": {{f: s.module.tokens for f, s in '
+    ('"grad_norms": h.after.record.grad_norms}}',
+     '"grad_norms": h.after.record.grad_norms, "expert_tokens": {{f: s.module.tokens for f, s in '
      'h.state.sites.items() if hasattr(s.module, "expert_index")}}}}'),
 ]
 
