@@ -49,7 +49,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
-from lowprec.base.parse import ConfigError, found, shown
+from lowprec.base.parse import ConfigError, found, parse
 from lowprec.base.yaml_read import load_yaml
 from lowprec.evals.aggregations import bootstrap_perplexities
 from lowprec.evals.tasks import get_task, prepare_tasks, unknown_name_error
@@ -91,28 +91,33 @@ class EvalSuite:
 SUITE_FILES = "lowprec.evals.suite_files"   # the repository's eval_suites/, installed under lowprec
 
 
+@dataclass(frozen=True)
+class SuiteEntry:
+    """One suite as a suites file writes it, under its name: `tasks` and an optional `fast_limit`."""
+    tasks: tuple[str, ...]
+    fast_limit: int | None = None
+
+
 def load_suites(text: str, source: str = "suites.yaml") -> Mapping[str, EvalSuite]:
-    """The suites a suites.yaml text defines ({name: {tasks: [...], fast_limit: N}}), checked:
-    every task known, no key but `tasks` and `fast_limit`. Read by lowprec's one YAML reader
-    (bounded, duplicate keys refused); every problem is a ConfigError (a ValueError) naming `source`."""
+    """The suites a suites.yaml text defines ({name: {tasks: [...], fast_limit: N}}), checked by
+    the one parser (`lowprec.base.parse`: keys with a did-you-mean, types) and by `EvalSuite`
+    (every task known, no task twice). Read by lowprec's one YAML reader (bounded, duplicate keys
+    refused); every problem is a ConfigError naming `source` and the suite's key path."""
     raw = load_yaml(text, source) or {}
     if not isinstance(raw, dict):
-        raise ConfigError(source, f"expected a mapping of suite names to suites, found {found(raw)}")
+        raise ConfigError("", f"expected a mapping of suite names to suites, found {found(raw)}", source=source)
     suites = {}
     for name, body in raw.items():
-        if not isinstance(body, dict) or "tasks" not in body:
-            raise ConfigError(source, f"suite {shown(name)} must be a mapping with `tasks: [...]`, found {found(body)}")
-        unknown = set(map(str, body)) - {"tasks", "fast_limit"}
-        if unknown:
-            raise ConfigError(source, f"suite {shown(name)} has unknown keys {shown(sorted(unknown))}; allowed: tasks, "
-                                      f"fast_limit")
+        name = str(name)
         try:
-            suites[str(name)] = EvalSuite(str(name), tuple(body["tasks"]) if isinstance(body["tasks"], list)
-                                          else body["tasks"], body.get("fast_limit"))
+            entry = parse(SuiteEntry, body, name)
+            suites[name] = EvalSuite(name, entry.tasks, entry.fast_limit)
+        except ConfigError as e:
+            raise ConfigError(e.path, e.message, source=source) from None
         except (ValueError, TypeError) as e:
-            raise ConfigError(source, str(e)) from None
+            raise ConfigError(name, str(e), source=source) from None
         except KeyError as e:   # an unknown task: the KeyError's message lists the tasks
-            raise ConfigError(source, f"suite {shown(name)}: {e.args[0] if e.args else e}") from None
+            raise ConfigError(f"{name}.tasks", str(e.args[0] if e.args else e), source=source) from None
     return MappingProxyType(suites)
 
 
