@@ -322,7 +322,7 @@ class TitanJob:
         self.settings.update(settings)
         self._write()
 
-    def run(self, nproc: int, port: int, *extra: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    def run(self, nproc: int, port: int, *extra: str, timeout: int = 900) -> subprocess.CompletedProcess:
         torchrun = Path(sys.executable).with_name("torchrun")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(self.tmp), str(REPO)]), "OMP_NUM_THREADS": "1",
                "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}

@@ -194,6 +194,7 @@ def test_the_step_count_is_the_caches_own_not_the_process():
     import ast
     import copy
     import gc
+    import weakref
     from pathlib import Path
     from torch.optim.optimizer import _global_optimizer_post_hooks
     from lowprec.sites import weight_cache
@@ -209,10 +210,17 @@ def test_the_step_count_is_the_caches_own_not_the_process():
     opt.step()
     assert (later[0].weight_cache.steps.count, twin[0].weight_cache.steps.count) == (1, 1)
     assert twin[0].weight_cache.steps is not later[0].weight_cache.steps
-    hooks = len(_global_optimizer_post_hooks)
+    # the four counters' hooks go with them (other tests' collected counters may go too: count ours)
+    counters = [weakref.ref(m.weight_cache.steps) for m in [*later, *twin] if isinstance(m, PrecisionLinear)]
+    assert len(counters) == 4
+
+    def ours() -> int:
+        return sum(any(c.cell_contents is r for c in (fn.__closure__ or ()) for r in counters)
+                   for fn in list(_global_optimizer_post_hooks.values()))
+    assert ours() == 4
     del later, twin
     gc.collect()
-    assert len(_global_optimizer_post_hooks) == hooks - 4     # the four counters' hooks went with them
+    assert all(r() is None for r in counters) and ours() == 0
     tree = ast.parse(Path(weight_cache.__file__).read_text())
     mutable = [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
                and not (isinstance(n, ast.Assign) and [ast.unparse(t) for t in n.targets] == ["__all__"])]
