@@ -41,13 +41,15 @@ with `for_run(tracker=, share=, formats=, forward=)` once the tracker and the en
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Callable, Protocol
 
 from lowprec.runtime.session.eval_damage import DEFAULT_RATIO, DamageVerdict, damage
 
-__all__ = ["EvalOutcome", "Evaluator", "GateChecker", "EvalCheckpoints", "load_entry_point", "eval_checkpoints"]
+__all__ = ["EvalOutcome", "Evaluator", "GateChecker", "EvalCheckpoints", "load_entry_point", "eval_checkpoints",
+           "eval_config_errors"]
 
 EVALUATORS, GATE_CHECKERS = "lowprec.evaluators", "lowprec.gate_checkers"
 
@@ -239,8 +241,7 @@ def eval_checkpoints(config, model, state, *, max_length: int, tracker=None, sha
     evaluator produces here). `baseline(step, mode)`: the baseline run's evals
     (`lowprec.runtime.session.baseline.baseline_evals`). `evaluator_kwargs` (e.g. `forward=`,
     `tokenizer=`) go to the evaluator. Every problem is a ConfigError at `eval`."""
-    from lowprec.base.parse import ConfigError
-    try:
+    with eval_config_errors():
         ev_cls = load_entry_point(EVALUATORS, config.evaluator)
         if hasattr(ev_cls, "check_config"):
             ev_cls.check_config(config)
@@ -248,9 +249,18 @@ def eval_checkpoints(config, model, state, *, max_length: int, tracker=None, sha
         checker = load_entry_point(GATE_CHECKERS, "default")(config.gates) if config.gates else None
         return EvalCheckpoints(config, evaluator, checker, state, tracker=tracker, share=share, formats=formats,
                                baseline=baseline)
+
+
+@contextlib.contextmanager
+def eval_config_errors():
+    """Every problem inside (an evaluator's, a gate file's, an unknown entry point) as a ConfigError
+    at `eval`: a gate file's error keeps its file, gate and key under `eval`."""
+    from lowprec.base.parse import ConfigError
+    try:
+        yield
     except ConfigError as e:
         if e.path.startswith("eval"):
             raise
-        raise ConfigError("eval", str(e)) from None   # a gate file's error (its file, gate and key) under eval
+        raise ConfigError("eval", str(e)) from None
     except (LookupError, ValueError, KeyError, FileNotFoundError) as e:
         raise ConfigError("eval", str(e).strip("'\"")) from None

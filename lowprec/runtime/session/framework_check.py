@@ -29,8 +29,9 @@ def check_framework_config(cfg, state, model, baseline: dict[int, float] | None 
         from lowprec.policy.rollout import build_controller
         controller = build_controller(cfg.rollout, state, model, baseline=baseline)
     if cfg.eval is not None:
-        from lowprec.runtime.session.evals import EVALUATORS, GATE_CHECKERS, check_gated_tasks, load_entry_point
-        try:
+        from lowprec.runtime.session.evals import (EVALUATORS, GATE_CHECKERS, check_gated_tasks, eval_config_errors,
+                                                   load_entry_point)
+        with eval_config_errors():
             ev_cls = load_entry_point(EVALUATORS, cfg.eval.evaluator)
             if hasattr(ev_cls, "check_config"):
                 ev_cls.check_config(cfg.eval)
@@ -38,10 +39,4 @@ def check_framework_config(cfg, state, model, baseline: dict[int, float] | None 
                 checker = load_entry_point(GATE_CHECKERS, "default")(cfg.eval.gates)
                 if hasattr(ev_cls, "task_names"):
                     check_gated_tasks(checker.metrics, ev_cls.task_names(cfg.eval), cfg.eval)
-        except ConfigError as e:
-            if e.path.startswith("eval"):
-                raise
-            raise ConfigError("eval", str(e)) from None   # a gate file's error (its file, gate and key) under eval
-        except (LookupError, ValueError, KeyError, FileNotFoundError) as e:
-            raise ConfigError("eval", str(e).strip("'\"")) from None
     return baseline, controller
