@@ -217,12 +217,6 @@ class Rule:
             _str(self.name, "name")
         object.__setattr__(self, "ladder", make_ladder(self.format, self.ladder))
 
-    @classmethod
-    def from_dict(cls, d: Any, path: str, default_name: str) -> "Rule":
-        """A rule from its mapping, by the one parser; `default_name` when it has no `name`."""
-        rule = parse(cls, d, path)
-        return rule if rule.name is not None else replace(rule, name=default_name)
-
 
 @dataclass(frozen=True)
 class PrecisionPlan:

@@ -78,7 +78,7 @@ def precision_keys() -> dict[str, Any]:
     rule = {f.name: f for f in dataclasses.fields(Rule)}
     keys = {k: _default(plan[k]) for k in PLAN_KEYS}
     keys.update({f"rules[].{k}": _default(rule[k]) for k in RULE_KEYS})
-    # a rule without a name is named after its position (Rule.from_dict), not Rule's own default
+    # a rule without a name is named after its position (by PrecisionPlan), not Rule's own default
     assert PrecisionPlan.from_dict({"rules": [{"select": {"glob": "*"}, "format": "bf16"}]}).rules[0].name == "rules[0]"
     keys["rules[].name"] = "rules[<i>]"
     keys.update(code_keys(LinearGemmConfig, "gemm."))
