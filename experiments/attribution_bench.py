@@ -27,6 +27,7 @@ back, the actions, the replays and their cost, then the totals.
     python -m experiments.attribution_bench                 # the campaign, replays on
     python -m experiments.attribution_bench --no-replay     # the same faults, statistics rules only
     python -m experiments.attribution_bench --kinds lr_spike,garbage --per-kind 2   # a subset
+    python -m experiments.attribution_bench --start 35      # resume: the faults numbered 35 on
     python -m experiments.attribution_bench --drift         # drift faults: loss gap, eval gate (attribution_drift)
 """
 
@@ -258,6 +259,8 @@ def main(argv=None) -> None:
                                                          "loss-gap and eval-gate faults judged by their window")
     p.add_argument("--drift-kinds", default="", help="comma-separated drift fault kinds (default: all)")
     p.add_argument("--drift-events", action="store_true", help="print each drift fault's events after its row")
+    p.add_argument("--start", type=int, default=0,
+                   help="resume a campaign: skip the faults numbered below N in its table (the # column)")
     p.add_argument("--warm-cache", default="", help="keep the warm state in this file, and start from it when it exists")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -299,6 +302,8 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for i, fault in enumerate(faults):
+        if i < args.start:
+            continue
         model, opt, session = build(not args.no_replay)
         restore_warm(warm, model, opt, session)
         session.events = []

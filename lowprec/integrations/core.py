@@ -1,7 +1,7 @@
 """The rollout inside a loop that another framework steps: what every integration shares.
 
     hosted = HostedRollout.from_yaml("lowprec.yaml", model)     # prepares the model now
-    hosted.start(optimizer, scheduler, eval_forward=..., tracking=Attach(run_id, uri))   # when training begins
+    hosted.start(optimizer, scheduler, eval_forward=..., attach=Attach(run_id, uri, experiment))   # training begins
     hosted.begin_step()                           # optional, each step: where a replay starts
     # each optimizer step, after backward and before the framework's optimizer.step():
     hosted.before_optimizer_step(loss, closure)   # decide; a skip or rewind withholds the gradients
@@ -61,9 +61,14 @@ def framework_config(config: "LowprecConfig | str | Path") -> LowprecConfig:
 
 @dataclass(frozen=True)
 class Attach:
-    """Track into a run the framework's own MLflow reporting already opened (one run, not two)."""
+    """Track into a run the framework's own MLflow reporting already opened (one run, not two).
+    `experiment`: the name of the experiment that run is in, read from the run itself: the
+    framework may have put it elsewhere than the YAML's `tracking.experiment` (MLflow's own
+    MLFLOW_EXPERIMENT_NAME, which the Trainer's reporting obeys; a Lightning MLFlowLogger's
+    `experiment_name`)."""
     run_id: str
     tracking_uri: str
+    experiment: str
 
 
 def allreduce_grads(model: nn.Module, group=None) -> None:

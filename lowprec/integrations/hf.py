@@ -14,8 +14,9 @@ What the callback does at the Trainer's events (the framework-neutral part is
   find grad-norm spikes (the Trainer's own clip is turned off for the run and restored at
   the end). With the Trainer's MLflow reporting on (`report_to` includes "mlflow"), lowprec
   tracks into the run the Trainer opened: one run, not two, in the YAML's `tracking:` store
-  and experiment (set at `on_init_end`, before the Trainer opens it). Where the run goes is
-  said on stderr when training starts.
+  and experiment (set at `on_init_end`, before the Trainer opens it; MLflow's own
+  MLFLOW_EXPERIMENT_NAME, when set, wins, as the Trainer's reporting obeys it). Where the
+  run really goes, read from the run, is said on stderr when training starts.
 * every micro-batch's forward: a forward hook keeps the model's inputs and its `loss`
   (with the weight the Trainer's backward gave it, read by a gradient hook on the loss, so
   gradient accumulation and `num_items_in_batch` are replayed exactly).
@@ -192,7 +193,9 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
         """The Trainer is built, its MLflow reporting not started: with `report_to` holding
         "mlflow", the run it opens goes to the YAML's `tracking:` store and experiment (a
         tracking URI already set, in MLflow or its environment variable, stays when the
-        YAML names none)."""
+        YAML names none; MLflow's MLFLOW_EXPERIMENT_NAME, which the Trainer's reporting sets
+        when it starts, takes the run to its experiment instead: `on_train_begin` reads the
+        experiment from the run)."""
         tc = self.hosted.config.tracking
         if "mlflow" not in (args.report_to or []) or not tc.enabled:
             return
@@ -225,8 +228,9 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
         if "mlflow" in (args.report_to or []) and state.is_world_process_zero:
             import mlflow
             run = mlflow.active_run()
-            if run is not None:
-                attach = Attach(run.info.run_id, mlflow.get_tracking_uri())
+            if run is not None:   # its experiment may be MLFLOW_EXPERIMENT_NAME's, not the YAML's
+                attach = Attach(run.info.run_id, mlflow.get_tracking_uri(),
+                                mlflow.get_experiment(run.info.experiment_id).name)
         inner = self.model
 
         def forward(tokens: torch.Tensor) -> torch.Tensor:

@@ -199,7 +199,9 @@ class LowprecCallback(HostedCallback, lightning.pytorch.Callback):
         attach = None
         mlflow_logger = next((lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)), None)
         if mlflow_logger is not None and trainer.is_global_zero:
-            attach = Attach(mlflow_logger.run_id, mlflow_logger.experiment.tracking_uri)
+            client = mlflow_logger.experiment   # the logger's MlflowClient; its experiment_name, not the YAML's
+            attach = Attach(mlflow_logger.run_id, client.tracking_uri,
+                            client.get_experiment(mlflow_logger.experiment_id).name)
         model = self.model
         forward = self.eval_forward or (lambda tokens: _logits_of(model(tokens)))
         root = Path(trainer.default_root_dir)

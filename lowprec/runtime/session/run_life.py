@@ -66,7 +66,7 @@ class RunLife:
         tel = self.config.telemetry
         seconds = tel.system_metrics_s if system_metrics and tel is not None and tel.enabled else None
         return Tracker(attach.tracking_uri if attach is not None else tracking_uri(self.config),
-                       self.config.tracking.experiment, name, rank=rank, buffer_dir=buffer_dir, resume=resume,
+                       attach.experiment if attach is not None else self.config.tracking.experiment, name, rank=rank, buffer_dir=buffer_dir, resume=resume,
                        run_id=attach.run_id if attach is not None else None, system_metrics_s=seconds)
 
     @classmethod

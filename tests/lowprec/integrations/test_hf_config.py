@@ -121,3 +121,26 @@ def test_the_trainers_mlflow_run_goes_to_the_yamls_store_with_the_baseline_curve
     assert "train/baseline_loss" in run.data.metrics                              # the baseline curve
     assert not (tmp_path / "mlflow.db").exists()                                  # no default store made
     assert f"lowprec: tracking into MLflow run {run.info.run_id} (experiment 'hf-yaml'" in capsys.readouterr().err
+
+
+def test_the_start_line_names_the_experiment_mlflows_own_variable_sent_the_run_to(tmp_path, sqlite_store, capsys,
+                                                                                 monkeypatch):
+    """MLFLOW_EXPERIMENT_NAME is MLflow's (the Trainer's reporting obeys it, over the YAML's
+    experiment): the line says where the run really went, and lowprec tracks into it."""
+    from mlflow.tracking import MlflowClient
+    from transformers import Trainer, TrainingArguments
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-mlflow-env")
+    uri = sqlite_store(tmp_path / "store")
+    path = write(tmp_path, PRECISION + "tracking: {uri: '%s', experiment: hf-yaml}\n" % uri)
+    model = tiny_llama()
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
+                             report_to=["mlflow"], use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=shakespeare_blocks(8),
+            callbacks=[LowprecCallback.from_yaml(path, model)]).train()
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("from-mlflow-env").experiment_id])
+    assert "train/loss" in run.data.metrics                      # lowprec's metrics in the Trainer's run
+    assert client.search_runs([client.get_experiment_by_name("hf-yaml").experiment_id]) == []
+    err = capsys.readouterr().err
+    assert f"lowprec: tracking into MLflow run {run.info.run_id} (experiment 'from-mlflow-env'" in err, err[-2000:]
