@@ -85,6 +85,8 @@ def test_one_mlflow_run_with_lightning_and_lowprec(run):
     assert len(runs) == 1
     r = runs[0]
     assert r.info.run_id == run.trainer.logger.run_id and r.info.status == "FINISHED"
+    # the logger's experiment, not the YAML's (hf-integration): lowprec's tracker knows where it logs
+    assert run.callback.hosted.tracker.experiment == "lightning-integration"
     tags = r.data.tags
     assert tags["lowprec.fallbacks"] == "1" and NAN_SITE in tags["lowprec.fallback_sites"]
     assert tags["lowprec.rewinds"] == "1" and tags["lowprec.stages_promoted"] == "mlp_fp8, attn_fp8"
