@@ -21,8 +21,10 @@ Other faults (precision is not to blame): `lr_spike` (learning rate x100 for 3 s
 for one step), `grad_spike` (the loss, and so every gradient, x1000 for one step).
 
 The seeds, sites and kinds are fixed below, before any run (no tuning on the campaign).
-Prints, per fault, the step it was first acted on, the sites that fell back or rolled
-back, the actions, the replays and their cost, then the totals.
+Prints first the control (the same steps from the warm state, no fault: a step it acts on is
+a healthy batch's own, marked * in the rows and left out of the detection figures), then, per
+fault, the steps acted on, the steps and sites that fell back or rolled back, the actions, the
+replays and their cost, then the totals.
 
     python -m experiments.attribution_bench                 # the campaign, replays on
     python -m experiments.attribution_bench --no-replay     # the same faults, statistics rules only
@@ -247,6 +249,29 @@ def restore_warm(warm: dict, model, opt, session, *, controller: bool = True) ->
         session.load_state_dict(copy.deepcopy(warm["session"]))
 
 
+ACTED = (EventKind.SKIP_STEP, EventKind.FALLBACK, EventKind.ROLLBACK, EventKind.REWIND)
+
+
+def run_fault(warm: dict, data, fault: Fault | None, replay: bool):
+    """One run from the warm state to END with `fault` planted (None: the control); its events
+    from FAULT_AT on and its steps' (step, seconds, replays)."""
+    model, opt, session = build(replay)
+    restore_warm(warm, model, opt, session)
+    session.events = []
+    session.snapshots.kept.clear()
+    session.snapshots.take(WARM)
+    data.load_state_dict(warm["data"])
+    torch.set_rng_state(warm["rng"])
+    planted = Planted(fault, model, session.state, opt) if fault is not None else None
+    try:
+        times = train(model, session, data, END, planted)
+    finally:
+        if planted is not None:
+            planted.remove()
+        session.close()
+    return [e for e in session.events if e.step >= FAULT_AT], times
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--no-replay", action="store_true", help="statistics rules only (the controller before replays)")
@@ -298,42 +323,38 @@ def main(argv=None) -> None:
     faults = [f for f in campaign(low) if f.kind in kinds]
     if args.per_kind:
         faults = [f for f in faults if SEEDS[f.kind].index(f.seed) < args.per_kind]
-    print("| # | fault | seed | site | acted at | blamed | actions | replays | replay s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    # the control: the same 25 steps from the warm state with no fault; a step it acts on (a healthy
+    # batch's own spike) is marked * in the faults' rows and left out of their detection figures
+    control_ev, _ = run_fault(warm, data, None, not args.no_replay)
+    control = sorted({e.step for e in control_ev if e.kind in ACTED})
+    print(f"# control (no fault): acted on steps {control or 'none'}: "
+          f"{'; '.join(f'{e.step} {e.kind}: {e.reason}' for e in control_ev if e.kind in ACTED) or '-'}")
+    print("| # | fault | seed | site | acted at | blamed at | blamed | actions | replays | replay s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for i, fault in enumerate(faults):
         if i < args.start:
             continue
-        model, opt, session = build(not args.no_replay)
-        restore_warm(warm, model, opt, session)
-        session.events = []
-        session.snapshots.kept.clear()
-        session.snapshots.take(WARM)
-        data.load_state_dict(warm["data"])
-        torch.set_rng_state(warm["rng"])
-        planted = Planted(fault, model, session.state, opt)
-        try:
-            times = train(model, session, data, END, planted)
-        finally:
-            planted.remove()
-            session.close()
-        ev = [e for e in session.events if e.step >= FAULT_AT]
-        acted = [e for e in ev if e.kind in (EventKind.SKIP_STEP, EventKind.FALLBACK, EventKind.ROLLBACK,
-                                             EventKind.REWIND)]
-        blamed = sorted({s for e in ev if e.kind in (EventKind.FALLBACK, EventKind.ROLLBACK) for s in e.sites})
+        ev, times = run_fault(warm, data, fault, not args.no_replay)
+        acted = [e for e in ev if e.kind in ACTED]
+        demoted = [e for e in ev if e.kind in (EventKind.FALLBACK, EventKind.ROLLBACK)]
+        blamed = sorted({s for e in demoted for s in e.sites})
         actions = sorted({e.kind for e in acted})
         plain = sorted(t for _, t, n in times if n == 0)
         median = plain[len(plain) // 2]
         replays = sum(n for _, _, n in times)
         replay_s = sum(t - median for _, t, n in times if n)
-        first = min((e.step for e in acted), default=None)
+        steps = sorted({e.step for e in acted})
+        first = min((s for s in steps if s not in control), default=None)
         if fault.precision:
             ok = blamed == [fault.site]
         else:
             ok = not blamed
-        first_skip = min((e.step for e in ev if e.kind == EventKind.SKIP_STEP), default=None)
+        first_skip = min((e.step for e in ev if e.kind == EventKind.SKIP_STEP and e.step not in control), default=None)
         rows.append((fault, first, blamed, ok, replays, replay_s, sum(1 for _, _, n in times if n), first_skip))
-        print(f"| {i} | {fault.kind} | {fault.seed} | {fault.site or '-'} | {first if first is not None else '-'} | "
+        acted_at = ", ".join(f"{s}{'*' if s in control else ''}" for s in steps) or "-"
+        blamed_at = ", ".join(str(s) for s in sorted({e.step for e in demoted})) or "-"
+        print(f"| {i} | {fault.kind} | {fault.seed} | {fault.site or '-'} | {acted_at} | {blamed_at} | "
               f"{', '.join(blamed) or '-'} | {', '.join(actions) or '-'} | {replays} | {replay_s:.2f} |", flush=True)
     prec = [r for r in rows if r[0].precision]
     other = [r for r in rows if not r[0].precision]
@@ -343,7 +364,8 @@ def main(argv=None) -> None:
     print(f"other faults that demoted a site: {sum(not r[3] for r in other)}/{len(other)}")
     anomalous = [r for r in rows if r[7] is not None]
     on_time = [r for r in anomalous if r[7] <= FAULT_AT + (1 if r[0].kind == "lr_spike" else 0)]
-    print(f"faults that made a step anomalous: {len(anomalous)}/{len(rows)}; acted on at the step the anomaly "
+    print(f"faults that made a step anomalous (steps the control acted on not counted): {len(anomalous)}/{len(rows)}; "
+          f"acted on at the step the anomaly "
           f"showed (the fault's first step; the one after for lr_spike): {len(on_time)}/{len(anomalous)}")
     if anomalies:
         print(f"replays: {sum(r[4] for r in rows)} over {anomalies} replayed steps "
