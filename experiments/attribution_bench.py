@@ -249,6 +249,11 @@ def restore_warm(warm: dict, model, opt, session, *, controller: bool = True) ->
         session.load_state_dict(copy.deepcopy(warm["session"]))
 
 
+def seed_positions(text: str) -> set[int]:
+    """`--seed-index`'s positions ("1,2" -> {1, 2})."""
+    return {int(x) for x in text.split(",") if x.strip()}
+
+
 ACTED = (EventKind.SKIP_STEP, EventKind.FALLBACK, EventKind.ROLLBACK, EventKind.REWIND)
 
 
@@ -284,6 +289,9 @@ def main(argv=None) -> None:
                                                          "loss-gap and eval-gate faults judged by their window")
     p.add_argument("--drift-kinds", default="", help="comma-separated drift fault kinds (default: all)")
     p.add_argument("--drift-events", action="store_true", help="print each drift fault's events after its row")
+    p.add_argument("--seed-index", default="",
+                   help="comma-separated positions of the seeds to run in each kind's list (0: the first; "
+                        "default: all): `--seed-index 1,2` runs what `--per-kind 1` left out")
     p.add_argument("--start", type=int, default=0,
                    help="resume a campaign: skip the faults numbered below N in its table (the # column)")
     p.add_argument("--warm-cache", default="", help="keep the warm state in this file, and start from it when it exists")
@@ -323,6 +331,8 @@ def main(argv=None) -> None:
     faults = [f for f in campaign(low) if f.kind in kinds]
     if args.per_kind:
         faults = [f for f in faults if SEEDS[f.kind].index(f.seed) < args.per_kind]
+    if args.seed_index:
+        faults = [f for f in faults if SEEDS[f.kind].index(f.seed) in seed_positions(args.seed_index)]
     # the control: the same 25 steps from the warm state with no fault; a step it acts on (a healthy
     # batch's own spike) is marked * in the faults' rows and left out of their detection figures
     control_ev, _ = run_fault(warm, data, None, not args.no_replay)

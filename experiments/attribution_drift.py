@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
-from experiments.attribution_bench import ROLLOUT, plant_quantize, restore_warm, unplant_quantize
+from experiments.attribution_bench import ROLLOUT, plant_quantize, restore_warm, seed_positions, unplant_quantize
 from experiments.model import build_gpt
 from lowprec.policy.events import EventKind
 from lowprec.sites.plan import PrecisionPlan
@@ -295,6 +295,8 @@ def campaign_main(args, data, warm, low, plan_dict, rollout_dict, warm_steps) ->
     faults = campaign(low, args.drift_kinds.split(",") if args.drift_kinds else OTHER + PRECISION)
     if args.per_kind:
         faults = [f for f in faults if SEEDS[f.kind].index(f.seed) < args.per_kind]
+    if args.seed_index:
+        faults = [f for f in faults if SEEDS[f.kind].index(f.seed) in seed_positions(args.seed_index)]
     print("| # | fault | seed | site | judged at | blamed | decided by | windows | replay s | plain step s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
