@@ -28,7 +28,7 @@ from test_torchtitan_trainer import _ok, decisions  # noqa: E402
 from titan_helpers import TitanJob, fault  # noqa: E402
 from titan_moe_job import MOE_JOB  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.launches]
 
 EXPERTS = "layers.{}.moe.routed_experts.inner_experts"
 EXPERT = EXPERTS.format(1) + ".3"
