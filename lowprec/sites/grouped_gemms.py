@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import torch
 
-from lowprec.numerics.formats import Format, QuantSpec, Rounding, ScaleEncoding, Scaling
-from lowprec.numerics.quantize import quantize
+from lowprec.numerics.formats import Format
 from lowprec.sites.backends.emulated import dequantize_for_gemm
+from lowprec.sites.grouped_operands import quantize_group, quantize_group_weights
 from lowprec.sites.operand_quantizer import OperandQuantizer, bf16_round
 from lowprec.sites.quantized_gemms import (_delayed_scale, _pad_tokens, _token_multiple, _transposable,
                                            _transpose)
@@ -90,33 +90,6 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: list[int]) -> torch.Tenso
         return torch.stack([a[:, s:o] @ b[s:o] for s, o in zip(starts, offs)])
 
 
-def _row_local(spec: QuantSpec | None) -> bool:
-    """Whether `spec` quantizes each row of an operand (along the GEMM's reduction dimension) on its
-    own: one scale per row or per 1 x k block, no amax of the whole tensor (NVFP4's per-tensor
-    scale), rounded to nearest without a Hadamard transform (an expert's generator and signs are
-    its own). Then quantizing the rows of several experts in one call is each expert's
-    quantization, element for element; high precision (None) rounds each element alone."""
-    return spec is None or (spec.rounding is Rounding.NEAREST_EVEN and not spec.hadamard and (
-        spec.scaling is Scaling.ROW or (spec.scaling is Scaling.BLOCK and spec.block[0] == 1
-                                        and spec.scale_encoding is not ScaleEncoding.E4M3_FP32)))
-
-
-def _one_call(fmt: Format, roles: tuple[str, ...], quants, experts: list[int]) -> bool:
-    """Whether a format group's GEMM quantizes its operands for `roles` in one call for all its
-    experts: every spec row-local and no expert keeping statistics (they are per expert; a high
-    precision format keeps none)."""
-    specs = [getattr(fmt, r) for r in roles]
-    return all(map(_row_local, specs)) and (all(s is None for s in specs)
-                                            or not any(quants[e].collect_stats for e in experts))
-
-
-def _quantized_rows(t: torch.Tensor, spec: QuantSpec | None, quant: OperandQuantizer) -> torch.Tensor:
-    """The dequantized FP32 operand of a row-local quantization of all of `t`'s rows at once."""
-    if spec is None:
-        return bf16_round(t).float() if quant.emulate_bf16 and t.dtype == torch.float32 else t.float()
-    return dequantize_for_gemm(quantize(t, spec, fused=quant.fused, validate=False)).float()
-
-
 def _group_rows(t: torch.Tensor, experts: list[int], starts: list[int], counts: tuple[int, ...]) -> torch.Tensor:
     """The rows of `experts` (in order) of a tensor grouped by expert; `t` itself when they are all of it."""
     if sum(counts[e] for e in experts) == t.shape[0]:
@@ -145,27 +118,25 @@ class GroupedQuantizedFn(torch.autograd.Function):
     def forward(ctx, x, w, counts: tuple[int, ...], formats: tuple[Format, ...],
                 quants: tuple[OperandQuantizer, ...], one_call: bool = True):
         starts = _starts(counts)
-        qx, qw, keep_x, keep_w, scales = {}, {}, {}, {}, {}
+        keep_x, keep_w, scales = {}, {}, {}
         groups = format_groups(formats, counts)
-        vectors = {fmt: one_call and _one_call(fmt, ("input",), quants, experts) for fmt, experts in groups.items()}
-        for e in (e for g in groups.values() for e in g):
-            fmt, quant = formats[e], quants[e]
-            x_e = x[starts[e]:starts[e] + counts[e]]
-            qx[e] = None if vectors[fmt] else quant.quantize(x_e, fmt, "input")
-            qw[e] = quant.quantize(w[e], fmt, "weight")   # each expert's own weight cache
-            keep_x[e] = (qx[e] if _transposable(fmt.input, fmt.input_wgrad, qx[e])
-                         and counts[e] % _token_multiple(fmt) == 0 else None)
-            keep_w[e] = qw[e] if _transposable(fmt.weight, fmt.weight, qw[e]) else None
-            scales[e] = (_delayed_scale(qx[e]), _delayed_scale(qw[e]))
         y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
         for fmt, experts in groups.items():
-            if vectors[fmt]:   # the input of the whole group in one quantization
-                a = _quantized_rows(_group_rows(x, experts, starts, counts), fmt.input, quants[experts[0]])
+            lengths, qs = [counts[e] for e in experts], [quants[e] for e in experts]
+            if one_call:   # each operand of the whole group in one quantization
+                a, qxs = quantize_group(_group_rows(x, experts, starts, counts), lengths, fmt, "input", qs)
+                qws = quantize_group_weights(w, experts, fmt, qs)
             else:
-                a = _rows([dequantize_for_gemm(qx[e]).float() for e in experts])
-            b = _stack([dequantize_for_gemm(qw[e]).float().t() for e in experts])
-            out = grouped_mm(a, b, _cumsum([counts[e] for e in experts]))
-            _scatter_rows(y, out, experts, starts, counts)
+                qxs = [quants[e].quantize(x[starts[e]:starts[e] + counts[e]], fmt, "input") for e in experts]
+                qws = [quants[e].quantize(w[e], fmt, "weight") for e in experts]
+                a = _rows([dequantize_for_gemm(q).float() for q in qxs])
+            for e, qx, qw in zip(experts, qxs, qws):
+                keep_x[e] = (qx if _transposable(fmt.input, fmt.input_wgrad, qx)
+                             and counts[e] % _token_multiple(fmt) == 0 else None)
+                keep_w[e] = qw if _transposable(fmt.weight, fmt.weight, qw) else None
+                scales[e] = (_delayed_scale(qx), _delayed_scale(qw))
+            b = _stack([dequantize_for_gemm(q).float().t() for q in qws])
+            _scatter_rows(y, grouped_mm(a, b, _cumsum(lengths)), experts, starts, counts)
         ctx.save_for_backward(x, w)
         ctx.keep = (keep_x, keep_w, scales, groups, starts)
         ctx.counts, ctx.formats, ctx.quants, ctx.one_call = counts, formats, quants, one_call
@@ -189,17 +160,17 @@ class GroupedQuantizedFn(torch.autograd.Function):
                                      _cumsum([counts[e] for e in experts]))
                     _scatter_rows(dx, hp(out), experts, starts, counts)
                     continue
-                one = ctx.one_call and _one_call(fmt, ("grad_output",), quants, experts)
-                qwt = {}
-                for e in experts:
-                    if not one:
-                        qg[e] = quants[e].quantize(gy[starts[e]:starts[e] + counts[e]], fmt, "grad_output")
-                    qwt[e] = (_transpose(keep_w[e]) if keep_w[e] is not None else quants[e].quantize(
-                        w[e].t(), fmt, "weight", record=False, scale=scales[e][1]))
-                if one:   # the output gradient of the whole group in one quantization
-                    a = _quantized_rows(_group_rows(gy, experts, starts, counts), fmt.grad_output, quants[experts[0]])
+                lengths = [counts[e] for e in experts]
+                if ctx.one_call:   # the output gradient of the whole group in one quantization
+                    a, qgs = quantize_group(_group_rows(gy, experts, starts, counts), lengths, fmt, "grad_output",
+                                            [quants[e] for e in experts])
+                    qg.update(zip(experts, qgs))
                 else:
+                    for e in experts:
+                        qg[e] = quants[e].quantize(gy[starts[e]:starts[e] + counts[e]], fmt, "grad_output")
                     a = _rows([dequantize_for_gemm(qg[e]).float() for e in experts])
+                qwt = {e: _transpose(keep_w[e]) if keep_w[e] is not None else quants[e].quantize(
+                    w[e].t(), fmt, "weight", record=False, scale=scales[e][1]) for e in experts}
                 b = _stack([dequantize_for_gemm(qwt[e]).float().t() for e in experts])
                 _scatter_rows(dx, grouped_mm(a, b, _cumsum([counts[e] for e in experts])), experts, starts, counts)
             dx = dx.to(x.dtype)

@@ -1,0 +1,95 @@
+"""One quantization call per format group: the operands of all the experts that share a format.
+
+`GroupedQuantizedFn` (lowprec.sites.grouped_gemms) multiplies the operands of a format group's
+experts in one grouped GEMM; this module quantizes each of those operands in one call too
+(`lowprec.numerics.segments.quantize_segments`: each expert a segment of rows, quantized as its
+own `OperandQuantizer.quantize` would). What stays each expert's own: its delayed-scaling
+history and scale (one per segment), its stochastic-rounding generator (each segment's noise
+drawn from it), its Hadamard signs (applied per segment), its statistics (reduced per segment)
+and its weight cache (a group whose experts' weights all hit their caches takes them; one miss
+quantizes the group's weights in one call and refills every cache).
+
+Expert by expert still, the same numbers: a fused (torch.compile) quantizer, and an operand whose
+amax is all-reduced over a process group (each expert's collective is its own call).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowprec.numerics.formats import Format, QuantSpec, Rounding, ScaleEncoding, Scaling
+from lowprec.numerics.quantize import Quantized
+from lowprec.numerics.segments import quantize_segments
+from lowprec.sites.backends.emulated import dequantize_for_gemm
+from lowprec.sites.operand_quantizer import OperandQuantizer, bf16_round
+
+__all__ = ["quantize_group", "quantize_group_weights"]
+
+
+def _per_expert(spec: QuantSpec, quants: list[OperandQuantizer], role: str) -> bool:
+    """Whether the group must be quantized expert by expert (see the module docstring)."""
+    if any(q.fused for q in quants):
+        return True
+    collective = (spec.scaling in (Scaling.TENSOR, Scaling.DELAYED)
+                  or spec.scale_encoding is ScaleEncoding.E4M3_FP32)
+    return collective and any(q.amax_groups(role) for q in quants)
+
+
+def _segments(t: torch.Tensor, lengths: list[int], spec: QuantSpec, quants: list[OperandQuantizer],
+              role: str, scales, record: bool, ) -> tuple[Quantized, list[Quantized]]:
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    parts = [t[s:s + n] for s, n in zip(starts, lengths)]
+    if spec.hadamard:   # each expert's own signs
+        t = torch.cat([q.hadamard.apply(p.float()) for q, p in zip(quants, parts)])
+    noise = None
+    if spec.rounding is Rounding.STOCHASTIC:   # each expert's draws from its own generator, as its quantize draws
+        noise = torch.cat([torch.rand(p.shape, generator=q.generator, device=t.device, dtype=torch.float32)
+                           for q, p in zip(quants, parts)])
+    scale = None
+    if spec.scaling is Scaling.DELAYED:
+        scales = scales or [None] * len(quants)
+        scales = [q.delayed_scale(spec, role) if s is None else s for q, s in zip(quants, scales)]
+        scale = torch.stack([torch.as_tensor(s, dtype=torch.float32, device=t.device).reshape(()) for s in scales])
+    stats = record and any(q.collect_stats for q in quants)
+    whole, views = quantize_segments(t, spec, lengths, scale=scale, noise=noise, stats=stats)
+    for g, (q, v) in enumerate(zip(quants, views)):
+        q.keep(v, role, None if scale is None else scale[g], [], record)
+    return whole, views
+
+
+def quantize_group(t: torch.Tensor, lengths: list[int], fmt: Format, role: str, quants: list[OperandQuantizer],
+                   *, record: bool = True, scales=None) -> tuple[torch.Tensor, list]:
+    """The FP32 GEMM operand of a format group's rows `t` (expert g: `lengths[g]` rows, quantized
+    for `role` by `quants[g]`) and each expert's quantization (a `Quantized` view, or its rows
+    in high precision). scales: the delayed scales of a first quantization (None: the histories')."""
+    spec: QuantSpec | None = getattr(fmt, role)
+    if spec is None:
+        a = bf16_round(t).float() if quants[0].emulate_bf16 and t.dtype == torch.float32 else t.float()
+        return a, list(torch.split(a, lengths))
+    if _per_expert(spec, quants, role):
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        qs = [q.quantize(t[s:s + n], fmt, role, record=record, scale=None if scales is None else scales[g])
+              for g, (q, s, n) in enumerate(zip(quants, starts, lengths))]
+        return torch.cat([dequantize_for_gemm(q).float() for q in qs]), qs
+    whole, views = _segments(t, lengths, spec, quants, role, scales, record)
+    return dequantize_for_gemm(whole).float(), views
+
+
+def quantize_group_weights(w: torch.Tensor, experts: list[int], fmt: Format,
+                           quants: list[OperandQuantizer]) -> list:
+    """Each expert's quantized weight `w[e]` (fprop) for a format group: from the experts' weight
+    caches when every one of them holds its weight as it is, else all in one call (and into the
+    caches). Delayed scaling, stochastic rounding and Hadamard weights are never cached."""
+    spec: QuantSpec | None = fmt.weight
+    if spec is None or _per_expert(spec, quants, "weight"):
+        return [q.quantize(w[e], fmt, "weight") for q, e in zip(quants, experts)]
+    looked = [q.cached(w[e], spec, "weight", []) for q, e in zip(quants, experts)]
+    if all(hit is not None for _, _, hit in looked):
+        return [hit for _, _, hit in looked]
+    rows = w if len(experts) == w.shape[0] else w[experts]
+    _, views = _segments(rows.reshape(-1, rows.shape[-1]), [w.shape[1]] * len(experts), spec, quants, "weight",
+                         None, True)
+    for q, (slot, key, _), v in zip(quants, looked, views):
+        if key is not None:
+            q.weight_cache.put(slot, key, v, storage=getattr(q.backend, "fp8_storage", False))
+    return views
