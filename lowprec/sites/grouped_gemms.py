@@ -18,15 +18,12 @@ the experts bit for bit (tests/lowprec/sites/test_grouped_gemms.py holds this fo
 format, forward and all gradients, uneven token counts and experts without tokens). Experts
 without tokens are skipped: their weight gradient is zero and they record no statistics.
 
-A format group whose operands are quantized row by row (one scale per row or per 1 x k block
-along the reduction dimension, rounded to nearest, no per-tensor amax or Hadamard signs: row-wise
-FP8, 1x128 blocks, MXFP8, MXFP4) quantizes the activation of its fprop (the input) and of its
-dgrad (the output gradient) in one call for all its experts on steps without statistics
-(statistics are per expert: check steps quantize expert by expert): the same elements, each
-row's scale depending on that row alone. Weights are quantized expert by expert through each
-expert's weight cache (a weight that has not changed is not quantized again); so are the wgrad
-operands (scaled along each expert's own tokens) and tensor-wise, delayed and NVFP4 scales (an
-amax per expert). A high-precision group runs as a linear site
+A format group quantizes its fprop input, its weights and its dgrad output gradient in one call
+for all its experts, whatever the format (lowprec.sites.grouped_operands: each expert a segment
+of rows with its own amax, scale, noise, history and statistics; the weights from the experts'
+caches when none has changed). The weight quantized again transposed for dgrad (where its scales
+are not layout-invariant) and the wgrad operands (scaled along each expert's own tokens) are
+still quantized expert by expert. A high-precision group runs as a linear site
 in high precision does (`F.linear` of BF16-rounded operands, whose gradients autograd rounds).
 """
 
@@ -111,7 +108,7 @@ class GroupedQuantizedFn(torch.autograd.Function):
     Inputs: x (R, K) grouped by expert, w (E, N, K), `counts` (tokens per expert, host ints),
     `formats` (one `Format` per expert), `quants` (one `OperandQuantizer` per expert: its
     holders receive the expert's statistics and delayed-scaling amaxes); `one_call` (default
-    True): row-local format groups quantize in one call (False: expert by expert, the same
+    True): each format group's operands are quantized in one call (False: expert by expert, the same
     numbers; experiments/bench_moe.py times both). Returns y (R, N)."""
 
     @staticmethod
@@ -169,9 +166,16 @@ class GroupedQuantizedFn(torch.autograd.Function):
                     for e in experts:
                         qg[e] = quants[e].quantize(gy[starts[e]:starts[e] + counts[e]], fmt, "grad_output")
                     a = _rows([dequantize_for_gemm(qg[e]).float() for e in experts])
-                qwt = {e: _transpose(keep_w[e]) if keep_w[e] is not None else quants[e].quantize(
-                    w[e].t(), fmt, "weight", record=False, scale=scales[e][1]) for e in experts}
-                b = _stack([dequantize_for_gemm(qwt[e]).float().t() for e in experts])
+                if all(keep_w[e] is not None for e in experts):   # the forward's, transposed
+                    qwts = [_transpose(keep_w[e]) for e in experts]
+                elif ctx.one_call:
+                    qwts = quantize_group_weights(w, experts, fmt, [quants[e] for e in experts], transposed=True,
+                                                  scales=[scales[e][1] for e in experts])
+                else:
+                    qwts = [quants[e].quantize(w[e].t(), fmt, "weight", record=False, scale=scales[e][1])
+                            for e in experts]
+                # (G, N, K) row major, as a loop's transposed weights are (a group's are rows of one call)
+                b = _stack([dequantize_for_gemm(q).float().t() for q in qwts]).contiguous()
                 _scatter_rows(dx, grouped_mm(a, b, _cumsum([counts[e] for e in experts])), experts, starts, counts)
             dx = dx.to(x.dtype)
         if ctx.needs_input_grad[1]:

@@ -75,20 +75,25 @@ def quantize_group(t: torch.Tensor, lengths: list[int], fmt: Format, role: str, 
     return dequantize_for_gemm(whole).float(), views
 
 
-def quantize_group_weights(w: torch.Tensor, experts: list[int], fmt: Format,
-                           quants: list[OperandQuantizer]) -> list:
-    """Each expert's quantized weight `w[e]` (fprop) for a format group: from the experts' weight
-    caches when every one of them holds its weight as it is, else all in one call (and into the
-    caches). Delayed scaling, stochastic rounding and Hadamard weights are never cached."""
+def quantize_group_weights(w: torch.Tensor, experts: list[int], fmt: Format, quants: list[OperandQuantizer], *,
+                           transposed: bool = False, scales=None) -> list:
+    """Each expert's quantized weight `w[e]` (fprop; `transposed`: `w[e].t()` quantized again for
+    dgrad, not recorded, with the forward's delayed `scales`) for a format group: from the
+    experts' weight caches when every one of them holds that layout of its weight as it is, else
+    all in one call (and into the caches). Delayed scaling, stochastic rounding and Hadamard
+    weights are never cached."""
     spec: QuantSpec | None = fmt.weight
+    parts = [w[e].t() if transposed else w[e] for e in experts]
+    scales = scales or [None] * len(experts)
     if spec is None or _per_expert(spec, quants, "weight"):
-        return [q.quantize(w[e], fmt, "weight") for q, e in zip(quants, experts)]
-    looked = [q.cached(w[e], spec, "weight", []) for q, e in zip(quants, experts)]
+        return [q.quantize(p, fmt, "weight", record=not transposed, scale=s) for q, p, s in zip(quants, parts, scales)]
+    looked = [q.cached(p, spec, "weight", [], not transposed) for q, p in zip(quants, parts)]
     if all(hit is not None for _, _, hit in looked):
         return [hit for _, _, hit in looked]
     rows = w if len(experts) == w.shape[0] else w[experts]
-    _, views = _segments(rows.reshape(-1, rows.shape[-1]), [w.shape[1]] * len(experts), spec, quants, "weight",
-                         None, True)
+    rows = rows.transpose(1, 2) if transposed else rows
+    _, views = _segments(rows.reshape(-1, rows.shape[-1]), [rows.shape[1]] * len(experts), spec, quants, "weight",
+                         scales if transposed else None, not transposed)
     for q, (slot, key, _), v in zip(quants, looked, views):
         if key is not None:
             q.weight_cache.put(slot, key, v, storage=getattr(q.backend, "fp8_storage", False))
