@@ -33,7 +33,7 @@ import torch
 
 from lowprec.numerics.formats import Format
 from lowprec.sites.backends.emulated import dequantize_for_gemm
-from lowprec.sites.grouped_operands import quantize_group, quantize_group_weights
+from lowprec.sites.grouped_operands import quantize_group, quantize_group_columns, quantize_group_weights
 from lowprec.sites.operand_quantizer import OperandQuantizer, bf16_round
 from lowprec.sites.quantized_gemms import (_delayed_scale, _pad_tokens, _token_multiple, _transposable,
                                            _transpose)
@@ -187,6 +187,10 @@ class GroupedQuantizedFn(torch.autograd.Function):
                     xts = [hp(x[starts[e]:starts[e] + counts[e]]).float() for e in experts]
                     dw[experts] = hp(grouped_mm(_cols(gts), _rows(xts), _cumsum([counts[e] for e in experts])))
                     continue
+                if ctx.one_call and (ops := _wgrad_group(fmt, experts, quants, gy, x, qg, keep_x, scales, starts,
+                                                         counts)) is not None:
+                    dw[experts] = grouped_mm(*ops)
+                    continue
                 gts, xts = [], []
                 for e in experts:
                     gts_e, xts_e = _wgrad_operands(e, fmt, quants[e], gy, x, qg.get(e), keep_x[e], scales[e][0],
@@ -217,6 +221,29 @@ def _wgrad_operands(e, fmt, quant, gy, x, qg, keep_x, scale_x, start, count):
     gt, xt = _pad_tokens(g2.t(), x[start:start + count].t(), fmt)
     qgt = _transpose(qg) if reuse_g else quant.quantize(gt, fmt, "grad_output_wgrad", **again)
     return qgt, quant.quantize(xt, fmt, "input_wgrad", record=False, scale=scale_x)
+
+
+def _wgrad_group(fmt, experts, quants, gy, x, qg, keep_x, scales, starts, counts):
+    """A format group's wgrad operands (grad_output^T, input^T, offsets) with each quantized in one
+    call for all its experts (`quantize_group_columns`), where none of them reuses a transposed
+    quantization of the forward or dgrad; None otherwise (the loop of `_wgrad_operands`). The
+    same numbers and, for the GEMM, the same memory layout as the loop's (which follows its
+    first expert's: row major where its tokens were padded)."""
+    mult = _token_multiple(fmt)
+    if any(keep_x[e] is not None or qg.get(e) is None or (counts[e] % mult == 0 and _transposable(
+            fmt.grad_output, fmt.grad_output_wgrad, qg[e])) for e in experts):
+        return None
+    qs = [quants[e] for e in experts]
+    pairs = [_pad_tokens(gy[starts[e]:starts[e] + counts[e]].t(), x[starts[e]:starts[e] + counts[e]].t(), fmt)
+             for e in experts]
+    gts = quantize_group_columns([g for g, _ in pairs], fmt, "grad_output_wgrad", qs,
+                                 [_delayed_scale(qg[e]) for e in experts])
+    xts = [t.t() for t in quantize_group_columns([t for _, t in pairs], fmt, "input_wgrad", qs,
+                                                 [scales[e][0] for e in experts])]
+    padded = counts[experts[0]] % mult != 0
+    gts[0] = gts[0].contiguous() if padded else gts[0].t().contiguous().t()
+    xts[0] = xts[0].t().contiguous().t() if padded else xts[0].contiguous()
+    return _cols(gts), _rows(xts), _cumsum([t.shape[1] for t in gts])
 
 
 def _cumsum(sizes: list[int]) -> list[int]:
