@@ -80,18 +80,24 @@ class _EvalTimedGate:
             return self.gate(step)
 
 
-def measure_on_host(loss: torch.Tensor, grad_norm: torch.Tensor, group=None) -> tuple[float, float]:
-    """(loss, grad norm) on the host, the same on every rank: the one host read of a step.
+def measure_on_host(loss: torch.Tensor, grad_norm: torch.Tensor, group=None,
+                    tokens: list[int] | None = None) -> tuple[float, float, list[float]]:
+    """(loss, grad norm, tokens) on the host, the same on every rank: the one host read of a step.
     Under data parallelism the loss is each rank's: the mean over ranks (one small
-    all-gather; the grad norm is global already, its max guards against drift)."""
-    v = torch.stack([loss.detach().reshape(()).double(), grad_norm.detach().reshape(()).double().to(loss.device)])
+    all-gather; the grad norm is global already, its max guards against drift). `tokens`: this
+    rank's tokens per expert site (every rank the same sites in the same order), summed over the
+    ranks in the same all-gather: under expert parallelism an expert runs on one rank, which
+    alone counts its tokens ([] when not given)."""
+    extra = [float(n) for n in tokens or ()]
+    v = torch.tensor([0.0, 0.0, *extra], dtype=torch.float64, device=loss.device)
+    v[0], v[1] = loss.detach().reshape(()).double(), grad_norm.detach().reshape(()).double().to(loss.device)
     if group is not None or (dist.is_available() and dist.is_initialized()):
         parts = [torch.empty_like(v) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, v, group=group)
         every = torch.stack(parts)
-        v = torch.stack([every[:, 0].mean(), every[:, 1].amax()])
-    loss_h, norm_h = v.tolist()
-    return loss_h, norm_h
+        v = torch.cat([every[:, 0].mean().reshape(1), every[:, 1].amax().reshape(1), every[:, 2:].sum(0)])
+    loss_h, norm_h, *summed = v.tolist()
+    return loss_h, norm_h, summed
 
 
 def attribute_by_replay(ctl, replayer, closure: Callable[[], torch.Tensor], max_replays: int,

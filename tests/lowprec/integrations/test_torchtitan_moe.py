@@ -28,6 +28,8 @@ from test_torchtitan_trainer import _ok, decisions  # noqa: E402
 from titan_helpers import TitanJob, fault  # noqa: E402
 from titan_moe_job import MOE_JOB  # noqa: E402
 
+from lowprec.policy.router_signals import router_balance  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 EXPERTS = "layers.{}.moe.routed_experts.inner_experts"
@@ -64,6 +66,12 @@ def test_ep2_fsdp2_nan_in_one_expert_demotes_it_on_every_rank(tmp_path, gloo, fr
         ran = {f for f, n in r["expert_tokens"].items() if n > 0}
         assert ran == {f"{EXPERTS.format(layer)}.{e}" for layer in (0, 1) for e in (2 * rank, 2 * rank + 1)}, r
         assert sorted(r["expert_tokens"]) == experts
+    # the router metrics logged every step count every rank's experts (each rank runs only its own):
+    # the same on both ranks, those of the two ranks' tokens together
+    routed = {f: sum(r["expert_tokens"][f] for r in reports) for f in experts}
+    assert reports[0]["routers"] == reports[1]["routers"] == router_balance({}, routed), reports[0]["routers"]
+    assert sorted(reports[0]["routers"]) == sorted(f"router/{EXPERTS.format(layer)}/{m}" for layer in (0, 1)
+                                                   for m in ("cv", "max_over_mean"))
     want = decisions(reports[0]["events"])
     for r in reports:
         assert decisions(r["events"]) == want, f"rank {r['rank']} decided otherwise"
@@ -86,3 +94,4 @@ def test_ep2_fsdp2_nan_in_one_expert_demotes_it_on_every_rank(tmp_path, gloo, fr
     one, = job.reports(1)
     assert all(n > 0 for n in one["expert_tokens"].values()), one["expert_tokens"]   # every expert ran here
     assert decisions(one["events"]) == want and one["formats"] == reports[0]["formats"]
+    assert one["routers"] == router_balance({}, one["expert_tokens"])   # one process: its own tokens
