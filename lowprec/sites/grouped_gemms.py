@@ -18,12 +18,10 @@ the experts bit for bit (tests/lowprec/sites/test_grouped_gemms.py holds this fo
 format, forward and all gradients, uneven token counts and experts without tokens). Experts
 without tokens are skipped: their weight gradient is zero and they record no statistics.
 
-A format group quantizes its fprop input, its weights and its dgrad output gradient in one call
-for all its experts, whatever the format (lowprec.sites.grouped_operands: each expert a segment
-of rows with its own amax, scale, noise, history and statistics; the weights from the experts'
-caches when none has changed). The weight quantized again transposed for dgrad (where its scales
-are not layout-invariant) and the wgrad operands (scaled along each expert's own tokens) are
-still quantized expert by expert. A high-precision group runs as a linear site
+A format group quantizes each operand of each GEMM in one call for all its experts, whatever
+the format (lowprec.sites.grouped_operands: each expert a segment of rows with its own amax,
+scale, noise, history and statistics; the weights from the experts' caches when none has
+changed; the wgrad operands side by side along the tokens, `_wgrad_group`). A high-precision group runs as a linear site
 in high precision does (`F.linear` of BF16-rounded operands, whose gradients autograd rounds).
 """
 

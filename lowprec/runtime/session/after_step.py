@@ -126,7 +126,7 @@ class AfterStep:
                                    "train/grad_norm": rec.grad_norms[-1], "train/lr": lr}
         if self.baseline and step in self.baseline and kept:
             metrics["train/baseline_loss"] = sum(self.baseline.get(s, self.baseline[step]) for s in kept) / len(kept)
-        routers = router_balance(getattr(self.state, "sites", {}), getattr(self.session, "routed_tokens", None))
+        routers = router_balance(getattr(self.state, "sites", {}), result.routed_tokens)
         t.log_metrics(step, {**metrics, **window_extra, **routers})
         if checked and self.session.last_signals is not None:
             t.log_signals(step, self.session.last_signals)

@@ -102,7 +102,6 @@ class Session:
         self.step_index = start_step
         self.events: list[Event] = []
         self.last_signals = None
-        self.routed_tokens: dict[str, float] | None = None   # the last step's tokens per expert, all ranks
         self.rewinds = 0
         self.skipped = 0
         # the event log's one writer until close() (WriterBusyError: a live process writes it)
@@ -145,10 +144,9 @@ class Session:
     def _default_snapshots(self, every: int, keep: int) -> MemorySnapshots:
         """In-memory snapshots for rewinds, or for a window replay to start from (never rewound to)."""
         if self.controller.config.rewind and every * (keep - 1) < self.rewind_margin:
-            raise ValueError(
-                f"rollout.rewind: {keep} snapshots every {every} steps never reach "
-                f"{self.rewind_margin} steps back (two checks, where a rewind goes); keep at least "
-                f"{-(-self.rewind_margin // every) + 1} snapshots or take them more often")
+            raise ValueError(f"rollout.rewind: {keep} snapshots every {every} steps never reach "
+                             f"{self.rewind_margin} steps back (two checks, where a rewind goes); keep at least "
+                             f"{-(-self.rewind_margin // every) + 1} snapshots or take them more often")
         return MemorySnapshots(self.model, self.optimizer, every=every, keep=keep, margin=self.rewind_margin,
                                scheduler=self.scheduler, data=self.data)
 
@@ -314,20 +312,10 @@ class Session:
     def is_check_step(self, step: int) -> bool:
         return self.monitor is not None and self.monitor.is_check_step(step)
 
-    def _measure(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> tuple[float, float]:
+    def _measure(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None, result=None) -> tuple[float, float]:
         """(loss, grad norm) on the host, the same on every rank (`session_parts.measure_on_host`)."""
-        return measure_on_host(loss, self.clip() if grad_norm is None else grad_norm, self.group)[:2]
-
-    def _measure_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
-        """`_measure` of a step's own forward, which also sums each expert site's tokens over the
-        ranks in the same all-gather (`routed_tokens`). Where this rank holds only some of the
-        sites (pipeline stages), each rank's experts stay its own: the sites differ per rank."""
-        experts = [] if self._remote else [f for f, s in self.state.sites.items()
-                                           if getattr(s.module, "expert_index", None) is not None]
-        loss_h, norm_h, summed = measure_on_host(loss, self.clip() if grad_norm is None else grad_norm, self.group,
-                                                 [self.state.sites[f].module.tokens for f in experts])
-        self.routed_tokens = dict(zip(experts, summed)) if experts else None
-        return loss_h, norm_h
+        return measure_on_host(loss, self.clip() if grad_norm is None else grad_norm, self.group, result,
+                               self.state, self._remote)
 
     def _decide(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, closure, result: StepResult,
                 forward=None) -> Decision:
@@ -335,7 +323,7 @@ class Session:
             return Decision()
         mon, ctl = self.monitor, self.controller
         # every rank reads the same two numbers, so every rank branches (and replays) alike
-        measured = self._measure_step(loss, grad_norm)
+        measured = self._measure(loss, grad_norm, result)
         self.clock.lap(Phase.COLLECTIVE)
         if self.window is not None:
             self.window.record(step, closure, forward, measured[0])
