@@ -18,8 +18,6 @@ from torchtitan.models.qwen3 import (_EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3
 from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
 from torchtitan.models.qwen3.model import Qwen3Model
 
-from lowprec.policy.router_signals import router_balance
-
 
 def _tiny_moe(attn_backend, moe_comm_backend="standard"):
     dim, head_dim, vocab = 64, 16, 512
@@ -54,11 +52,11 @@ EDITS = [
     # of batches (torchtitan's default, the whole validation set, differs per rank and hangs)
     ("    config.validator.freq = 1000\n", "    config.validator.freq = 1000\n    config.validator.steps = 2\n"),
     # each rank's report also says how many tokens each expert site ran there in the last forward,
-    # and the router metrics a tracker would log for that step (every rank's tokens)
+    # and the router metrics of the last logged step (what a tracker logs: every rank's tokens)
     ('"grad_norms": h.after.record.grad_norms}}',
      '"grad_norms": h.after.record.grad_norms, "expert_tokens": {{f: s.module.tokens for f, s in '
      'h.state.sites.items() if hasattr(s.module, "expert_index")}}, '
-     '"routers": router_balance(h.state.sites, h.session.routed_tokens)}}'),
+     '"routers": h.after.record.routers}}'),
 ]
 
 
