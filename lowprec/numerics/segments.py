@@ -33,7 +33,7 @@ from lowprec.numerics.quant_stats import QuantStats
 from lowprec.numerics.quantize import (Quantized, _as_blocks, _block_of, _finite_amax, _scale_round, _stats,
                                        check_fits)
 
-__all__ = ["quantize_segments", "segment_amax"]
+__all__ = ["quantize_segments"]
 
 
 def _segment_block(spec: QuantSpec, k: int) -> tuple[int, int]:
@@ -41,12 +41,6 @@ def _segment_block(spec: QuantSpec, k: int) -> tuple[int, int]:
     if spec.scaling in (Scaling.TENSOR, Scaling.DELAYED):
         return (1, k)
     return _block_of(spec, (1, k))
-
-
-def segment_amax(x2: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """The amax over finite values of each segment of rows of `x2`, (segments,) FP32."""
-    a = x2.float().abs().nan_to_num_(0.0, 0.0, 0.0).amax(dim=1)
-    return torch.segment_reduce(a, "max", lengths=torch.tensor(lengths, device=x2.device))
 
 
 def quantize_segments(x2: torch.Tensor, spec: QuantSpec, lengths: list[int], *, amax: torch.Tensor | None = None,
