@@ -1,6 +1,8 @@
 """One MoE layer's routed experts, forward + backward, at DeepSeek-V3-like expert shapes scaled to a
-CPU: lowprec's grouped FP8 (emulated: one `torch._grouped_mm` per format group; row-local formats
-quantized in one call per operand for the group, or expert by expert, the same numbers) against BF16-grid `torch._grouped_mm` (operands rounded to BF16, FP32
+CPU: lowprec's grouped FP8 (emulated: one `torch._grouped_mm` per format group; each operand of a
+group quantized in one call for all its experts, or expert by expert, the same numbers; with the
+weights unchanged between calls, as here, both take them from the experts' weight caches, and
+with the weights updated before every call, as in training, from one quantization or one per expert) against BF16-grid `torch._grouped_mm` (operands rounded to BF16, FP32
 arithmetic: BF16 arithmetic is slow on CPUs), a loop of lowprec's linear sites over the experts,
 and torchao's FP8 row-wise grouped GEMM where it runs. Prints one markdown table; docs/moe.md
 publishes it.
@@ -70,6 +72,21 @@ def _grouped(x, w13, w2, counts, fmts, sites, one_call):
                                     one_call)
 
 
+def updated(setup):
+    """`setup`'s path with the weights updated in place before every call (a training step: every
+    weight cache misses)."""
+    def wrapped(w13, w2, counts):
+        fn = setup(w13, w2, counts)
+
+        def call(x):
+            with torch.no_grad():
+                w13.mul_(1.0)
+                w2.mul_(1.0)
+            return fn(x)
+        return call
+    return wrapped
+
+
 def lowprec_loop(fmt_name):
     backend, fmt = get_backend("emulated"), get_format(fmt_name)
 
@@ -134,10 +151,15 @@ def main(argv=None) -> None:
     w2 = nn.Parameter(torch.randn(a.experts, a.hidden, a.width) * a.width ** -0.5)
     gy = torch.randn(sum(counts), a.hidden)
     rows = [("BF16 grid, torch._grouped_mm (FP32 arithmetic)", bf16_grouped),
-            ("lowprec grouped, fp8_tensorwise (emulated)", lowprec_grouped(["fp8_tensorwise"])),
-            ("lowprec grouped, fp8_rowwise (emulated), one quantization per activation", lowprec_grouped(["fp8_rowwise"])),
+            ("lowprec grouped, fp8_tensorwise (emulated), one quantization per operand", lowprec_grouped(["fp8_tensorwise"])),
+            ("lowprec grouped, fp8_tensorwise (emulated), expert by expert", lowprec_grouped(["fp8_tensorwise"], False)),
+            ("lowprec grouped, fp8_tensorwise, weights updated every call, one quantization per operand",
+             updated(lowprec_grouped(["fp8_tensorwise"]))),
+            ("lowprec grouped, fp8_tensorwise, weights updated every call, expert by expert",
+             updated(lowprec_grouped(["fp8_tensorwise"], False))),
+            ("lowprec grouped, fp8_rowwise (emulated), one quantization per operand", lowprec_grouped(["fp8_rowwise"])),
             ("lowprec grouped, fp8_rowwise (emulated), expert by expert", lowprec_grouped(["fp8_rowwise"], False)),
-            ("lowprec grouped, mxfp8 (emulated), one quantization per activation", lowprec_grouped(["mxfp8"])),
+            ("lowprec grouped, mxfp8 (emulated), one quantization per operand", lowprec_grouped(["mxfp8"])),
             ("lowprec grouped, mxfp8 (emulated), expert by expert", lowprec_grouped(["mxfp8"], False)),
             ("lowprec grouped, half fp8_tensorwise / half mxfp8", lowprec_grouped(["fp8_tensorwise", "mxfp8"])),
             ("lowprec loop of linear sites, fp8_tensorwise", lowprec_loop("fp8_tensorwise")),

@@ -30,7 +30,7 @@ def block_scales(spec: QuantSpec, bamax: torch.Tensor, ax: torch.Tensor, amax_t,
     elem = spec.element
     enc = spec.scale_encoding
     if spec.scaling is Scaling.DELAYED:
-        s = scale_t.reshape(1, 1, 1, 1).expand_as(bamax)
+        s = scale_t.reshape(-1, 1, 1, 1).expand_as(bamax)   # one scale, or one per block row
         return s, _div(1.0, s), None
     if enc is ScaleEncoding.E4M3_FP32:
         return _nvfp4_scales(bamax, ax.amax() if amax_t is None else amax_t, elem)

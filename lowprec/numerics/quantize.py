@@ -248,9 +248,18 @@ def _dequant_blocks(vb, scale, scale_inv, spec: QuantSpec):
 
 
 def _core(x2: torch.Tensor, spec: QuantSpec, block, amax_t, scale_t, noise, want_stats: bool):
-    elem = spec.element
     xb = _as_blocks(x2, block)
     fin, ax, bamax = _finite_amax(xb)
+    values, scale, scale_inv, av, qa = _scale_round(xb, fin, ax, bamax, spec, amax_t, scale_t, noise, block)
+    amax = bamax.amax()                              # the max of the block maxima
+    if not want_stats:
+        return values, scale, scale_inv, amax, None
+    return values, scale, scale_inv, amax, _stats(xb, fin, ax, av, qa, scale, scale_inv, amax, spec)
+
+
+def _scale_round(xb, fin, ax, bamax, spec: QuantSpec, amax_t, scale_t, noise, block):
+    """(values as the 2-D view, scale, scale_inv, |x * scale|, |q|) of blocks `xb`."""
+    elem = spec.element
     scale, scale_inv, up = block_scales(spec, bamax, ax, amax_t, scale_t)
     # |x * scale| where x is finite (scales are >= 0, and |a*b| = |a|*|b| in IEEE
     # arithmetic); the sign comes from x; non-finite positions are overwritten below
@@ -264,17 +273,16 @@ def _core(x2: torch.Tensor, spec: QuantSpec, block, amax_t, scale_t, noise, want
         q = torch.where(fin, q, xb)                  # NaN stays NaN, Inf stays Inf
     else:
         q = torch.where(fin, q, float("nan"))        # no Inf encoding: NaN
-    values = q.reshape(x2.shape)
-    amax = bamax.amax()                              # the max of the block maxima
-    if not want_stats:
-        return values, scale, scale_inv, amax, None
-    return values, scale, scale_inv, amax, _stats(xb, fin, ax, av, qa, scale, scale_inv, amax, spec)
+    return q.reshape(xb.shape[0] * xb.shape[1], xb.shape[2] * xb.shape[3]), scale, scale_inv, av, qa
 
 
-def _stats(xb, fin, ax, av, qa, scale, scale_inv, amax, spec: QuantSpec) -> torch.Tensor:
+def _stats(xb, fin, ax, av, qa, scale, scale_inv, amax, spec: QuantSpec, spans=None) -> torch.Tensor:
     """The packed QuantStats, from magnitudes: ax = |x|, av = |x * scale|, qa = |q|, all 0
     where x is not finite (so nothing here needs the finite mask but the non-finite count).
-    Overwrites ax, av and qa, which the caller no longer needs.
+    Overwrites ax, av and qa, which the caller no longer needs. `spans`: (start, stop) ranges of
+    block rows, each an operand of its own (`lowprec.numerics.segments`), `amax` then one per
+    span broadcast over its block rows: one packed vector per span, (spans, 8); None: one
+    operand, (8,).
 
     On a check step the statistics cost about as much as the quantization itself, so they
     take float passes in place on those three buffers (on CPU a new large tensor, a
@@ -289,20 +297,27 @@ def _stats(xb, fin, ax, av, qa, scale, scale_inv, amax, spec: QuantSpec) -> torc
       sums are scaled back in FP64 (an FP32 square of |x| itself overflows above ~1.8e19
       and flushes below ~1e-23). The counts come from the unscaled values.
     """
-    n = xb.numel()
-    saturated = saturated_mask(av, spec.element).count_nonzero()     # av is 0 where x is not finite
-    nonfinite = n - fin.count_nonzero()
+    def per(fn, t):   # one reduction per operand: each span is the operand's own contiguous memory
+        return fn(t) if spans is None else torch.stack([fn(t[a:b]) for a, b in spans])
+
+    n = xb.numel() if spans is None else torch.tensor([(b - a) * xb[0].numel() for a, b in spans], device=xb.device)
+    saturated = per(torch.count_nonzero, saturated_mask(av, spec.element))   # av is 0 where x is not finite
+    nonfinite = n - per(torch.count_nonzero, fin)
     e = (amax.clamp(min=2.0 ** -126).view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**floor(log2 amax)
+    eb = e if spans is None else e.repeat_interleave(
+        torch.tensor([b - a for a, b in spans], device=e.device)).reshape(-1, 1, 1, 1)
     flushed = torch.sign(qa, out=av).sub_(1.0).mul_(ax)           # -|x| where flushed, else 0
-    err = _dequant_blocks_(qa, scale, scale_inv, spec).sub_(ax).div_(e)   # (|dq| - |x|) / e
-    sq_error = _sum_squares(err)
-    underflow = torch.sign(flushed, out=err).sum().neg()   # -1s and 0s: exact below 2**24 values
-    power = _sum_squares(ax.div_(e))                                # |x| / e is in [0, 2)
-    energy = _sum_squares(flushed.div_(e))
+    err = _dequant_blocks_(qa, scale, scale_inv, spec).sub_(ax).div_(eb)   # (|dq| - |x|) / e
+    sq_error = per(_sum_squares, err)
+    underflow = per(torch.sum, torch.sign(flushed, out=err)).neg()   # -1s and 0s: exact below 2**24 values
+    power = per(_sum_squares, ax.div_(eb))                          # |x| / e is in [0, 2)
+    energy = per(_sum_squares, flushed.div_(eb))
     sq_error, power, energy = torch.stack([sq_error, power, energy]) * e.double().square()
     saturated, nonfinite = torch.stack([saturated, nonfinite]).double()
-    numel = torch.full((), float(n), dtype=torch.float64, device=xb.device)
-    return torch.stack([amax.double(), saturated, underflow.double(), sq_error, power, nonfinite, numel, energy])
+    numel = (torch.full((), float(n), dtype=torch.float64, device=xb.device) if spans is None
+             else n.double())
+    out = torch.stack([amax.double(), saturated, underflow.double(), sq_error, power, nonfinite, numel, energy])
+    return out if spans is None else out.t()
 
 
 def _sum_squares(t: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,10 @@ stays as it was; a collapsing router shows here first, whatever the formats.
 
 Two uses:
 
-* `router_balance(sites)`: this rank's last forward, logged every logged step as
-  `router/<experts FQN>/cv` and `router/<experts FQN>/max_over_mean` by `lowprec run` and the
-  framework hosts;
+* `router_balance(sites, tokens)`: a step's tokens per expert, summed over every rank in the
+  step's one all-gather (`Session.routed_tokens`: under expert parallelism each rank runs only
+  its own experts), logged every logged step as `router/<experts FQN>/cv` and
+  `router/<experts FQN>/max_over_mean` by `lowprec run` and the framework hosts;
 * `router_windows(tokens, fractions)`: a check window's tokens, summed over every rank (the
   monitor's all-gather, `Signals.routers`), as `RouterSignals` per layer with `collapse`, how far
   the k busiest experts' share of the routed pairs went from even (k / E: 0) towards all of them
@@ -56,11 +57,14 @@ def _balance(counts: list[float]) -> tuple[float, float]:
     return std / mean, max(counts) / mean
 
 
-def router_balance(sites: dict) -> dict[str, float]:
-    """`router/<experts module>/cv` and `.../max_over_mean` from the expert sites among `sites`
-    (fqn -> Site of a PrecisionState), this rank's last forward; {} for a model without experts."""
-    tokens = {fqn: s.module.tokens for fqn, s in sites.items() if getattr(s.module, "expert_index", None) is not None
-              and isinstance(getattr(s.module, "tokens", None), int)}
+def router_balance(sites: dict, tokens: dict[str, float] | None = None) -> dict[str, float]:
+    """`router/<experts module>/cv` and `.../max_over_mean` from `tokens` (expert site FQN ->
+    tokens of a step, every rank's), else from the expert sites among `sites` (fqn -> Site of a
+    PrecisionState), this rank's last forward; {} for a model without experts."""
+    if tokens is None:
+        tokens = {fqn: s.module.tokens for fqn, s in sites.items()
+                  if getattr(s.module, "expert_index", None) is not None
+                  and isinstance(getattr(s.module, "tokens", None), int)}
     out: dict[str, float] = {}
     for layer, rows in _by_layer(tokens).items():
         counts = [n for _, n in rows]

@@ -18,15 +18,10 @@ the experts bit for bit (tests/lowprec/sites/test_grouped_gemms.py holds this fo
 format, forward and all gradients, uneven token counts and experts without tokens). Experts
 without tokens are skipped: their weight gradient is zero and they record no statistics.
 
-A format group whose operands are quantized row by row (one scale per row or per 1 x k block
-along the reduction dimension, rounded to nearest, no per-tensor amax or Hadamard signs: row-wise
-FP8, 1x128 blocks, MXFP8, MXFP4) quantizes the activation of its fprop (the input) and of its
-dgrad (the output gradient) in one call for all its experts on steps without statistics
-(statistics are per expert: check steps quantize expert by expert): the same elements, each
-row's scale depending on that row alone. Weights are quantized expert by expert through each
-expert's weight cache (a weight that has not changed is not quantized again); so are the wgrad
-operands (scaled along each expert's own tokens) and tensor-wise, delayed and NVFP4 scales (an
-amax per expert). A high-precision group runs as a linear site
+A format group quantizes each operand of each GEMM in one call for all its experts, whatever
+the format (lowprec.sites.grouped_operands: each expert a segment of rows with its own amax,
+scale, noise, history and statistics; the weights from the experts' caches when none has
+changed; the wgrad operands side by side along the tokens, `_wgrad_group`). A high-precision group runs as a linear site
 in high precision does (`F.linear` of BF16-rounded operands, whose gradients autograd rounds).
 """
 
@@ -34,9 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from lowprec.numerics.formats import Format, QuantSpec, Rounding, ScaleEncoding, Scaling
-from lowprec.numerics.quantize import quantize
+from lowprec.numerics.formats import Format
 from lowprec.sites.backends.emulated import dequantize_for_gemm
+from lowprec.sites.grouped_operands import quantize_group, quantize_group_columns, quantize_group_weights
 from lowprec.sites.operand_quantizer import OperandQuantizer, bf16_round
 from lowprec.sites.quantized_gemms import (_delayed_scale, _pad_tokens, _token_multiple, _transposable,
                                            _transpose)
@@ -90,33 +85,6 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: list[int]) -> torch.Tenso
         return torch.stack([a[:, s:o] @ b[s:o] for s, o in zip(starts, offs)])
 
 
-def _row_local(spec: QuantSpec | None) -> bool:
-    """Whether `spec` quantizes each row of an operand (along the GEMM's reduction dimension) on its
-    own: one scale per row or per 1 x k block, no amax of the whole tensor (NVFP4's per-tensor
-    scale), rounded to nearest without a Hadamard transform (an expert's generator and signs are
-    its own). Then quantizing the rows of several experts in one call is each expert's
-    quantization, element for element; high precision (None) rounds each element alone."""
-    return spec is None or (spec.rounding is Rounding.NEAREST_EVEN and not spec.hadamard and (
-        spec.scaling is Scaling.ROW or (spec.scaling is Scaling.BLOCK and spec.block[0] == 1
-                                        and spec.scale_encoding is not ScaleEncoding.E4M3_FP32)))
-
-
-def _one_call(fmt: Format, roles: tuple[str, ...], quants, experts: list[int]) -> bool:
-    """Whether a format group's GEMM quantizes its operands for `roles` in one call for all its
-    experts: every spec row-local and no expert keeping statistics (they are per expert; a high
-    precision format keeps none)."""
-    specs = [getattr(fmt, r) for r in roles]
-    return all(map(_row_local, specs)) and (all(s is None for s in specs)
-                                            or not any(quants[e].collect_stats for e in experts))
-
-
-def _quantized_rows(t: torch.Tensor, spec: QuantSpec | None, quant: OperandQuantizer) -> torch.Tensor:
-    """The dequantized FP32 operand of a row-local quantization of all of `t`'s rows at once."""
-    if spec is None:
-        return bf16_round(t).float() if quant.emulate_bf16 and t.dtype == torch.float32 else t.float()
-    return dequantize_for_gemm(quantize(t, spec, fused=quant.fused, validate=False)).float()
-
-
 def _group_rows(t: torch.Tensor, experts: list[int], starts: list[int], counts: tuple[int, ...]) -> torch.Tensor:
     """The rows of `experts` (in order) of a tensor grouped by expert; `t` itself when they are all of it."""
     if sum(counts[e] for e in experts) == t.shape[0]:
@@ -138,34 +106,32 @@ class GroupedQuantizedFn(torch.autograd.Function):
     Inputs: x (R, K) grouped by expert, w (E, N, K), `counts` (tokens per expert, host ints),
     `formats` (one `Format` per expert), `quants` (one `OperandQuantizer` per expert: its
     holders receive the expert's statistics and delayed-scaling amaxes); `one_call` (default
-    True): row-local format groups quantize in one call (False: expert by expert, the same
+    True): each format group's operands are quantized in one call (False: expert by expert, the same
     numbers; experiments/bench_moe.py times both). Returns y (R, N)."""
 
     @staticmethod
     def forward(ctx, x, w, counts: tuple[int, ...], formats: tuple[Format, ...],
                 quants: tuple[OperandQuantizer, ...], one_call: bool = True):
         starts = _starts(counts)
-        qx, qw, keep_x, keep_w, scales = {}, {}, {}, {}, {}
+        keep_x, keep_w, scales = {}, {}, {}
         groups = format_groups(formats, counts)
-        vectors = {fmt: one_call and _one_call(fmt, ("input",), quants, experts) for fmt, experts in groups.items()}
-        for e in (e for g in groups.values() for e in g):
-            fmt, quant = formats[e], quants[e]
-            x_e = x[starts[e]:starts[e] + counts[e]]
-            qx[e] = None if vectors[fmt] else quant.quantize(x_e, fmt, "input")
-            qw[e] = quant.quantize(w[e], fmt, "weight")   # each expert's own weight cache
-            keep_x[e] = (qx[e] if _transposable(fmt.input, fmt.input_wgrad, qx[e])
-                         and counts[e] % _token_multiple(fmt) == 0 else None)
-            keep_w[e] = qw[e] if _transposable(fmt.weight, fmt.weight, qw[e]) else None
-            scales[e] = (_delayed_scale(qx[e]), _delayed_scale(qw[e]))
         y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
         for fmt, experts in groups.items():
-            if vectors[fmt]:   # the input of the whole group in one quantization
-                a = _quantized_rows(_group_rows(x, experts, starts, counts), fmt.input, quants[experts[0]])
+            lengths, qs = [counts[e] for e in experts], [quants[e] for e in experts]
+            if one_call:   # each operand of the whole group in one quantization
+                a, qxs = quantize_group(_group_rows(x, experts, starts, counts), lengths, fmt, "input", qs)
+                qws = quantize_group_weights(w, experts, fmt, qs)
             else:
-                a = _rows([dequantize_for_gemm(qx[e]).float() for e in experts])
-            b = _stack([dequantize_for_gemm(qw[e]).float().t() for e in experts])
-            out = grouped_mm(a, b, _cumsum([counts[e] for e in experts]))
-            _scatter_rows(y, out, experts, starts, counts)
+                qxs = [quants[e].quantize(x[starts[e]:starts[e] + counts[e]], fmt, "input") for e in experts]
+                qws = [quants[e].quantize(w[e], fmt, "weight") for e in experts]
+                a = _rows([dequantize_for_gemm(q).float() for q in qxs])
+            for e, qx, qw in zip(experts, qxs, qws):
+                keep_x[e] = (qx if _transposable(fmt.input, fmt.input_wgrad, qx)
+                             and counts[e] % _token_multiple(fmt) == 0 else None)
+                keep_w[e] = qw if _transposable(fmt.weight, fmt.weight, qw) else None
+                scales[e] = (_delayed_scale(qx), _delayed_scale(qw))
+            b = _stack([dequantize_for_gemm(q).float().t() for q in qws])
+            _scatter_rows(y, grouped_mm(a, b, _cumsum(lengths)), experts, starts, counts)
         ctx.save_for_backward(x, w)
         ctx.keep = (keep_x, keep_w, scales, groups, starts)
         ctx.counts, ctx.formats, ctx.quants, ctx.one_call = counts, formats, quants, one_call
@@ -189,18 +155,25 @@ class GroupedQuantizedFn(torch.autograd.Function):
                                      _cumsum([counts[e] for e in experts]))
                     _scatter_rows(dx, hp(out), experts, starts, counts)
                     continue
-                one = ctx.one_call and _one_call(fmt, ("grad_output",), quants, experts)
-                qwt = {}
-                for e in experts:
-                    if not one:
-                        qg[e] = quants[e].quantize(gy[starts[e]:starts[e] + counts[e]], fmt, "grad_output")
-                    qwt[e] = (_transpose(keep_w[e]) if keep_w[e] is not None else quants[e].quantize(
-                        w[e].t(), fmt, "weight", record=False, scale=scales[e][1]))
-                if one:   # the output gradient of the whole group in one quantization
-                    a = _quantized_rows(_group_rows(gy, experts, starts, counts), fmt.grad_output, quants[experts[0]])
+                lengths = [counts[e] for e in experts]
+                if ctx.one_call:   # the output gradient of the whole group in one quantization
+                    a, qgs = quantize_group(_group_rows(gy, experts, starts, counts), lengths, fmt, "grad_output",
+                                            [quants[e] for e in experts])
+                    qg.update(zip(experts, qgs))
                 else:
+                    for e in experts:
+                        qg[e] = quants[e].quantize(gy[starts[e]:starts[e] + counts[e]], fmt, "grad_output")
                     a = _rows([dequantize_for_gemm(qg[e]).float() for e in experts])
-                b = _stack([dequantize_for_gemm(qwt[e]).float().t() for e in experts])
+                if all(keep_w[e] is not None for e in experts):   # the forward's, transposed
+                    qwts = [_transpose(keep_w[e]) for e in experts]
+                elif ctx.one_call:
+                    qwts = quantize_group_weights(w, experts, fmt, [quants[e] for e in experts], transposed=True,
+                                                  scales=[scales[e][1] for e in experts])
+                else:
+                    qwts = [quants[e].quantize(w[e].t(), fmt, "weight", record=False, scale=scales[e][1])
+                            for e in experts]
+                # (G, N, K) row major, as a loop's transposed weights are (a group's are rows of one call)
+                b = _stack([dequantize_for_gemm(q).float().t() for q in qwts]).contiguous()
                 _scatter_rows(dx, grouped_mm(a, b, _cumsum([counts[e] for e in experts])), experts, starts, counts)
             dx = dx.to(x.dtype)
         if ctx.needs_input_grad[1]:
@@ -211,6 +184,10 @@ class GroupedQuantizedFn(torch.autograd.Function):
                     gts = [gy[starts[e]:starts[e] + counts[e]].float().t() for e in experts]
                     xts = [hp(x[starts[e]:starts[e] + counts[e]]).float() for e in experts]
                     dw[experts] = hp(grouped_mm(_cols(gts), _rows(xts), _cumsum([counts[e] for e in experts])))
+                    continue
+                if ctx.one_call and (ops := _wgrad_group(fmt, experts, quants, gy, x, qg, keep_x, scales, starts,
+                                                         counts)) is not None:
+                    dw[experts] = grouped_mm(*ops)
                     continue
                 gts, xts = [], []
                 for e in experts:
@@ -242,6 +219,29 @@ def _wgrad_operands(e, fmt, quant, gy, x, qg, keep_x, scale_x, start, count):
     gt, xt = _pad_tokens(g2.t(), x[start:start + count].t(), fmt)
     qgt = _transpose(qg) if reuse_g else quant.quantize(gt, fmt, "grad_output_wgrad", **again)
     return qgt, quant.quantize(xt, fmt, "input_wgrad", record=False, scale=scale_x)
+
+
+def _wgrad_group(fmt, experts, quants, gy, x, qg, keep_x, scales, starts, counts):
+    """A format group's wgrad operands (grad_output^T, input^T, offsets) with each quantized in one
+    call for all its experts (`quantize_group_columns`), where none of them reuses a transposed
+    quantization of the forward or dgrad; None otherwise (the loop of `_wgrad_operands`). The
+    same numbers and, for the GEMM, the same memory layout as the loop's (which follows its
+    first expert's: row major where its tokens were padded)."""
+    mult = _token_multiple(fmt)
+    if any(keep_x[e] is not None or qg.get(e) is None or (counts[e] % mult == 0 and _transposable(
+            fmt.grad_output, fmt.grad_output_wgrad, qg[e])) for e in experts):
+        return None
+    qs = [quants[e] for e in experts]
+    pairs = [_pad_tokens(gy[starts[e]:starts[e] + counts[e]].t(), x[starts[e]:starts[e] + counts[e]].t(), fmt)
+             for e in experts]
+    gts = quantize_group_columns([g for g, _ in pairs], fmt, "grad_output_wgrad", qs,
+                                 [_delayed_scale(qg[e]) for e in experts])
+    xts = [t.t() for t in quantize_group_columns([t for _, t in pairs], fmt, "input_wgrad", qs,
+                                                 [scales[e][0] for e in experts])]
+    padded = counts[experts[0]] % mult != 0
+    gts[0] = gts[0].contiguous() if padded else gts[0].t().contiguous().t()
+    xts[0] = xts[0].t().contiguous().t() if padded else xts[0].contiguous()
+    return _cols(gts), _rows(xts), _cumsum([t.shape[1] for t in gts])
 
 
 def _cumsum(sizes: list[int]) -> list[int]:

@@ -102,18 +102,9 @@ class OperandQuantizer:
             return bf16_round(t) if self.emulate_bf16 and t.dtype == torch.float32 else t
         operand = OPERAND_OF[role]
         groups = self.amax_groups(role, shard_groups)
-        keep_stats = record and self.collect_stats
-        key = None
-        if (role == "weight" and self.weight_cache.enabled and cacheable(spec) and not groups
-                and not torch.compiler.is_compiling()
-                and not (t.is_cuda and torch.cuda.is_current_stream_capturing())):
-            key = self.weight_cache.key(t, spec, self.fused)
-            slot = f"{tuple(t.shape)}{t.stride()}"   # the forward's and the backward's layout
-            q = self.weight_cache.get(slot, key, need_stats=keep_stats)
-            if q is not None:
-                if keep_stats:
-                    self.stats[operand] = q.stats
-                return q
+        slot, key, q = self.cached(t, spec, role, groups, record)
+        if q is not None:
+            return q
         amax = None
         hist = self.histories.get(operand) if spec.scaling is Scaling.DELAYED else None
         if hist is not None:
@@ -121,20 +112,50 @@ class OperandQuantizer:
         elif _needs_global_amax(spec) and groups:
             amax = _reduce_max(torch.where(torch.isfinite(t), t.abs(), 0.0).amax().float(), groups)
         q = quantize(t, spec, amax=amax, scale=scale if hist is not None else None,
-                     generator=self.generator, hadamard=self.hadamard, stats=keep_stats,
+                     generator=self.generator, hadamard=self.hadamard, stats=record and self.collect_stats,
                      fused=self.fused, validate=False)
-        if hist is not None and record:
+        self.keep(q, role, scale, groups, record)
+        if key is not None:
+            self.weight_cache.put(slot, key, q, storage=getattr(self.backend, "fp8_storage", False))
+        return q
+
+    def cached(self, t: torch.Tensor, spec: QuantSpec, role: str, groups: list, record: bool = True):
+        """(slot, key, the weight cache's quantization of `t` or None): key None where `role`'s
+        quantization is not cached (not a weight, not `cacheable`, reduced over groups, compiling)."""
+        if not (role == "weight" and self.weight_cache.enabled and cacheable(spec) and not groups
+                and not torch.compiler.is_compiling()
+                and not (t.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return None, None, None
+        key = self.weight_cache.key(t, spec, self.fused)
+        slot = f"{tuple(t.shape)}{t.stride()}"   # the forward's and the backward's layout
+        keep_stats = record and self.collect_stats
+        q = self.weight_cache.get(slot, key, need_stats=keep_stats)
+        if q is not None and keep_stats:
+            self.stats[OPERAND_OF[role]] = q.stats
+        return slot, key, q
+
+    def delayed_scale(self, spec: QuantSpec, role: str) -> torch.Tensor | None:
+        """Delayed scaling's scale for `role` from the operand's history (None: no history)."""
+        hist = self.histories.get(OPERAND_OF[role]) if spec.scaling is Scaling.DELAYED else None
+        return None if hist is None else hist.scale()
+
+    def keep(self, q: Quantized, role: str, scale, groups: list, record: bool) -> None:
+        """What a first quantization (`record`) of `role` leaves in the holders: its amax in the
+        delayed-scaling history (reduced over `groups`; past twice the format's max between
+        checks, an overflow step) and, on a check step, its statistics."""
+        if not record:
+            return
+        operand = OPERAND_OF[role]
+        hist = self.histories.get(operand) if q.spec.scaling is Scaling.DELAYED else None
+        if hist is not None:
             amax = _reduce_max(q.amax, groups)
             if not self.collect_stats:
                 # past twice the format's max: the largest values lose more than half their size
                 self.overflow_steps[OPERANDS.index(operand)] += saturates(
-                    amax * scale * 0.5, spec.element).to(torch.float64)
+                    amax * scale * 0.5, q.spec.element).to(torch.float64)
             hist.record(amax)
-        if keep_stats:
+        if self.collect_stats:
             self.stats[operand] = q.stats
-        if key is not None:
-            self.weight_cache.put(slot, key, q, storage=getattr(self.backend, "fp8_storage", False))
-        return q
 
     def amax_groups(self, role: str, shard_groups: tuple | list = ()) -> list:
         """The groups `role`'s amax is reduced over: none under `local`; else the operand's

@@ -78,7 +78,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.launches]
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300

@@ -40,6 +40,7 @@ class StepRecord:
     flops_share: dict[int, dict[str, float]] = field(default_factory=dict)
     rewinds: int = 0
     rewinds_logged: set[int] = field(default_factory=set)      # steps whose rewind is tracked (once each)
+    routers: dict[str, float] = field(default_factory=dict)    # the last logged step's router/<layer>/... metrics
 
 
 class AfterStep:
@@ -97,6 +98,8 @@ class AfterStep:
             rec.formats[step] = self.state.formats()
             rec.flops_share[step] = self.state.flops_share()
         if (step + 1) % self.log_every == 0 or checked or last:
+            # every rank's tokens per expert where the session summed them (`StepResult.routed_tokens`)
+            rec.routers = router_balance(getattr(self.state, "sites", {}), result.routed_tokens)
             window = self.window_metrics(step)
             if self.tracker is not None:
                 self._track(step, lr, checked, result, window)
@@ -126,7 +129,7 @@ class AfterStep:
                                    "train/grad_norm": rec.grad_norms[-1], "train/lr": lr}
         if self.baseline and step in self.baseline and kept:
             metrics["train/baseline_loss"] = sum(self.baseline.get(s, self.baseline[step]) for s in kept) / len(kept)
-        t.log_metrics(step, {**metrics, **window_extra, **router_balance(getattr(self.state, "sites", {}))})
+        t.log_metrics(step, {**metrics, **window_extra, **rec.routers})
         if checked and self.session.last_signals is not None:
             t.log_signals(step, self.session.last_signals)
         if checked or result.decision.changes:

@@ -144,10 +144,9 @@ class Session:
     def _default_snapshots(self, every: int, keep: int) -> MemorySnapshots:
         """In-memory snapshots for rewinds, or for a window replay to start from (never rewound to)."""
         if self.controller.config.rewind and every * (keep - 1) < self.rewind_margin:
-            raise ValueError(
-                f"rollout.rewind: {keep} snapshots every {every} steps never reach "
-                f"{self.rewind_margin} steps back (two checks, where a rewind goes); keep at least "
-                f"{-(-self.rewind_margin // every) + 1} snapshots or take them more often")
+            raise ValueError(f"rollout.rewind: {keep} snapshots every {every} steps never reach "
+                             f"{self.rewind_margin} steps back (two checks, where a rewind goes); keep at least "
+                             f"{-(-self.rewind_margin // every) + 1} snapshots or take them more often")
         return MemorySnapshots(self.model, self.optimizer, every=every, keep=keep, margin=self.rewind_margin,
                                scheduler=self.scheduler, data=self.data)
 
@@ -313,9 +312,10 @@ class Session:
     def is_check_step(self, step: int) -> bool:
         return self.monitor is not None and self.monitor.is_check_step(step)
 
-    def _measure(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> tuple[float, float]:
+    def _measure(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None, result=None) -> tuple[float, float]:
         """(loss, grad norm) on the host, the same on every rank (`session_parts.measure_on_host`)."""
-        return measure_on_host(loss, self.clip() if grad_norm is None else grad_norm, self.group)
+        return measure_on_host(loss, self.clip() if grad_norm is None else grad_norm, self.group, result,
+                               self.state, self._remote)
 
     def _decide(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, closure, result: StepResult,
                 forward=None) -> Decision:
@@ -323,7 +323,7 @@ class Session:
             return Decision()
         mon, ctl = self.monitor, self.controller
         # every rank reads the same two numbers, so every rank branches (and replays) alike
-        measured = self._measure(loss, grad_norm)
+        measured = self._measure(loss, grad_norm, result)
         self.clock.lap(Phase.COLLECTIVE)
         if self.window is not None:
             self.window.record(step, closure, forward, measured[0])

@@ -36,6 +36,7 @@ class StepResult:
     rewound_to: int | None = None      # training goes on from this step (a rewind)
     anomaly: Anomaly | None = None     # this step's global anomaly, if any
     attribution: Attribution | None = None   # the replays that explained it, if any
+    routed_tokens: dict[str, float] | None = None   # tokens per expert site of its forward, every rank's
 
     @property
     def action(self):
@@ -80,17 +81,27 @@ class _EvalTimedGate:
             return self.gate(step)
 
 
-def measure_on_host(loss: torch.Tensor, grad_norm: torch.Tensor, group=None) -> tuple[float, float]:
+def measure_on_host(loss: torch.Tensor, grad_norm: torch.Tensor, group=None, result: StepResult | None = None,
+                    state=None, remote=()) -> tuple[float, float]:
     """(loss, grad norm) on the host, the same on every rank: the one host read of a step.
     Under data parallelism the loss is each rank's: the mean over ranks (one small
-    all-gather; the grad norm is global already, its max guards against drift)."""
-    v = torch.stack([loss.detach().reshape(()).double(), grad_norm.detach().reshape(()).double().to(loss.device)])
+    all-gather; the grad norm is global already, its max guards against drift). With a step's
+    `result` (its own forward, not a replay's) and the `state`, each expert site's tokens ride in
+    the same all-gather, summed over the ranks into `result.routed_tokens` (under expert
+    parallelism an expert runs on one rank, which alone counts its tokens); not where this rank
+    holds only some of the sites (`remote`, pipeline stages: the ranks' sites differ)."""
+    experts = {} if result is None or state is None or remote else {
+        f: s.module.tokens for f, s in state.sites.items() if getattr(s.module, "expert_index", None) is not None}
+    v = torch.tensor([0.0, 0.0, *map(float, experts.values())], dtype=torch.float64, device=loss.device)
+    v[0], v[1] = loss.detach().reshape(()).double(), grad_norm.detach().reshape(()).double().to(loss.device)
     if group is not None or (dist.is_available() and dist.is_initialized()):
         parts = [torch.empty_like(v) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, v, group=group)
         every = torch.stack(parts)
-        v = torch.stack([every[:, 0].mean(), every[:, 1].amax()])
-    loss_h, norm_h = v.tolist()
+        v = torch.cat([every[:, 0].mean().reshape(1), every[:, 1].amax().reshape(1), every[:, 2:].sum(0)])
+    loss_h, norm_h, *summed = v.tolist()
+    if experts:
+        result.routed_tokens = dict(zip(experts, summed))
     return loss_h, norm_h
 
 

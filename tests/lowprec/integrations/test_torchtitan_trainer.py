@@ -47,7 +47,7 @@ pytest.importorskip("datasets")
 
 from titan_helpers import TitanJob, fault  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.launches]
 
 SITE = "layers.1.feed_forward.w2"
 PLAN = """\

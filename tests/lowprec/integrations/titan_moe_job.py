@@ -51,10 +51,12 @@ EDITS = [
     # under EP every forward is a collective (the all-to-alls): every rank validates the same number
     # of batches (torchtitan's default, the whole validation set, differs per rank and hangs)
     ("    config.validator.freq = 1000\n", "    config.validator.freq = 1000\n    config.validator.steps = 2\n"),
-    # each rank's report also says how many tokens each expert site ran there in the last forward
+    # each rank's report also says how many tokens each expert site ran there in the last forward,
+    # and the router metrics of the last logged step (what a tracker logs: every rank's tokens)
     ('"grad_norms": h.after.record.grad_norms}}',
      '"grad_norms": h.after.record.grad_norms, "expert_tokens": {{f: s.module.tokens for f, s in '
-     'h.state.sites.items() if hasattr(s.module, "expert_index")}}}}'),
+     'h.state.sites.items() if hasattr(s.module, "expert_index")}}, '
+     '"routers": h.after.record.routers}}'),
 ]
 
 

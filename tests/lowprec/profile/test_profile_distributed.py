@@ -14,7 +14,7 @@ import pytest
 from pdist_worker import FORMATS, setup
 
 WORKER = Path(__file__).with_name("pdist_worker.py")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.launches]
 
 
 @pytest.fixture(scope="module")

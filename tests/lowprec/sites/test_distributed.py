@@ -52,7 +52,7 @@ import pytest
 import torch
 from dist_worker import CONTROL_STEPS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.launches]
 
 HERE = Path(__file__).resolve().parents[1]
 WORKER = HERE / "dist_worker.py"

@@ -3,6 +3,8 @@ own linear sites (`PrecisionLinear` on the emulated backend) bit for bit: forwar
 gradient, weight gradient and the statistics, several formats in one layer, uneven token
 counts, an expert without tokens."""
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
@@ -67,3 +69,30 @@ def test_grouped_equals_a_loop_of_linear_sites(names, stats):
         for role, st in lin.stats.items():
             assert torch.equal(sites[e].stats[role].packed, st.packed), (names[e], role)
     assert len(format_groups(tuple(fmts), counts)) == len({f for f, c in zip(fmts, counts) if c})
+
+
+@pytest.mark.parametrize("stats", [True, False], ids=["statistics", "no_statistics"])
+def test_a_format_group_is_quantized_in_one_call(stats, monkeypatch):
+    """Each operand of a format group is quantized in one call for all its experts, however many
+    there are (on 6d8701c: tensor-wise and delayed scaling quantized expert by expert, and MX and
+    row-wise weights and wgrad operands). Tensor-wise and delayed reuse the forward's
+    quantizations transposed in the backward: three calls per group (input, weights, output
+    gradient); row-wise and MXFP8 quantize again the weight for dgrad and both wgrad operands
+    along the tokens: six."""
+    quantize_module = importlib.import_module("lowprec.numerics.quantize")   # the package exports a function of its name
+    calls, real = [], quantize_module.block_scales   # every quantization computes its scales once
+    monkeypatch.setattr(quantize_module, "block_scales", lambda *a, **k: calls.append(1) or real(*a, **k))
+    counts = (9, 0, 16, 4, 12, 7, 3, 20)
+    names = ("fp8_tensorwise", "fp8_delayed", "mxfp8", "fp8_rowwise") * 2
+    w = nn.Parameter(torch.randn(len(counts), 32, 32) * 0.1)
+    x = torch.randn(sum(counts), 32, requires_grad=True)
+    backend = get_backend("emulated")
+    sites = [ExpertSite(e, {"p": (32, 32)}, get_format(n), backend, fqn=f"experts.{e}", seed=e)
+             for e, n in enumerate(names)]
+    for s in sites:
+        s.collect_stats = stats
+    y = GroupedQuantizedFn.apply(x, w, counts, tuple(s.format for s in sites), tuple(s.operand_quantizer("p") for s in sites))
+    assert len(calls) == 2 * 4   # four format groups: input and weights
+    y.backward(torch.randn_like(y))
+    assert len(calls) == 3 + 3 + 6 + 6
+    assert all(("grad_output" in s.stats) == (stats and counts[e] > 0) for e, s in enumerate(sites))

@@ -68,7 +68,7 @@ import pytest
 import torch
 from fast_path_checks import INTERPRETED
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.launches]
 
 WORKER = Path(__file__).resolve().parent / "dist_fast_worker.py"
 ROOT = Path(__file__).resolve().parents[4]

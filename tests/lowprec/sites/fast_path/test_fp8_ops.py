@@ -90,9 +90,10 @@ def test_every_bf16_value(elem, rowwise):
     """Every BF16 bit pattern (NaNs, infinities, subnormals, zeros) in 256 rows: sorted (each
     row an exponent band, so row-wise and column-wise scales differ widely) and shuffled."""
     check_cast(ALL_BF16.reshape(256, 256), elem, rowwise)
-    shuffled = ALL_BF16[torch.randperm(65536, generator=torch.Generator().manual_seed(0))]
-    check_cast(shuffled.reshape(512, 128), elem, rowwise)
-    small = ALL_BF16[~(ALL_BF16.float().abs() > 1024.0)]      # most of them on the grid's range
+    if not INTERPRETED:   # the interpreted kernels (3 s per layout) meet mixed rows in `small` below
+        shuffled = ALL_BF16[torch.randperm(65536, generator=torch.Generator().manual_seed(0))]
+        check_cast(shuffled.reshape(512, 128), elem, rowwise)
+    small = ALL_BF16[~(ALL_BF16.float().abs() > 1024.0)]      # most of them on the grid's range; each row mixed
     check_cast(small.reshape(-1, small.numel() // 4), elem, rowwise)
 
 
