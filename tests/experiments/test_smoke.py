@@ -103,7 +103,7 @@ def test_bench_moe(run):
     out = run("bench_moe", "--hidden", "32", "--width", "32", "--experts", "4", "--top-k", "2", "--tokens", "16",
               "--repeats", "1", "--warmup", "0")
     assert "lowprec grouped, fp8_tensorwise (emulated)" in out and "BF16 grid" in out
-    assert "mxfp8 (emulated), one quantization per activation" in out and "mxfp8 (emulated), expert by expert" in out
+    assert "mxfp8 (emulated), one quantization per operand" in out and "mxfp8 (emulated), expert by expert" in out
 
 
 def test_moe_flops(run):
