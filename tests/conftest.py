@@ -129,8 +129,5 @@ def pytest_runtest_protocol(item, nextitem):
     import fcntl
     # xdist gives each worker <the session's base folder>/<worker id> as its basetemp
     with open(Path(item.config.option.basetemp).parent / f"launch-{run_id}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes
+        yield

@@ -88,7 +88,8 @@ pytestmark = pytest.mark.skipif(INTERPRETED and not HAVE_TRITON, reason="needs T
 @pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
 def test_every_bf16_value(elem, rowwise):
     """Every BF16 bit pattern (NaNs, infinities, subnormals, zeros) in 256 rows: sorted (each
-    row an exponent band, so row-wise and column-wise scales differ widely) and shuffled."""
+    row an exponent band, so row-wise and column-wise scales differ widely), shuffled (the
+    reference ops only) and the finite range's values in 4 rows of mixed magnitudes."""
     check_cast(ALL_BF16.reshape(256, 256), elem, rowwise)
     if not INTERPRETED:   # the interpreted kernels (3 s per layout) meet mixed rows in `small` below
         shuffled = ALL_BF16[torch.randperm(65536, generator=torch.Generator().manual_seed(0))]
