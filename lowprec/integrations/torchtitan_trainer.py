@@ -327,12 +327,21 @@ class LowprecTrainer(Trainer):
     @contextlib.contextmanager
     def not_recorded(self):
         """Forwards that are not the step's (a replay, the LR probe): their losses are not kept
-        and torchtitan's count of tokens seen stays as it was."""
+        and torchtitan's count of tokens seen stays as it was, and so do its MoE layers' counts of
+        tokens per expert (`tokens_per_expert_E`, which its load-balancing hook turns into the
+        expert biases at the next optimizer step: a replayed batch is no trained batch, and the
+        counts are in no checkpoint, so a resumed job would update the biases otherwise)."""
         seen, self._recording = self.ntokens_seen, False
+        counts = [m.tokens_per_expert_E for part in self.model_parts for m in part.modules()
+                  if isinstance(getattr(m, "tokens_per_expert_E", None), torch.Tensor)]
+        kept = [c.detach().clone() for c in counts]
         try:
             yield
         finally:
             self.ntokens_seen, self._recording = seen, True
+            with torch.no_grad():
+                for c, k in zip(counts, kept):
+                    c.copy_(k)
 
     def global_loss(self, local: torch.Tensor) -> torch.Tensor:
         """The rank's loss (its forward_backward_step's) as the step's mean loss torchtitan logs,

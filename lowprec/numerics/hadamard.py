@@ -22,7 +22,7 @@ def sylvester_hadamard(n: int) -> torch.Tensor:
     """The order-n Sylvester Hadamard matrix (entries +-1), n a power of two."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"Hadamard order must be a power of two, got {n}")
-    h = torch.ones(1, 1, dtype=torch.float64)
+    h = torch.ones(1, 1, dtype=torch.float64, device="cpu")
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return h
@@ -34,8 +34,10 @@ class RandomHadamard:
     def __init__(self, seed: int = 0, size: int = 16):
         self.seed = int(seed)
         self.size = int(size)
+        # on the CPU whatever the default device: a model built under `torch.device("meta")`
+        # (torchtitan's, materialized later) would leave a matrix without data
         gen = torch.Generator().manual_seed(self.seed)
-        signs = torch.randint(0, 2, (self.size,), generator=gen, dtype=torch.int64) * 2 - 1
+        signs = torch.randint(0, 2, (self.size,), generator=gen, dtype=torch.int64, device="cpu") * 2 - 1
         h = sylvester_hadamard(self.size) / self.size**0.5
         self._matrix64 = signs.to(torch.float64)[:, None] * h  # orthonormal: M @ M.T = I
         self._cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}

@@ -181,9 +181,9 @@ class RecordingTrainer(LowprecTrainer):
     def train(self):
         super().train()
         self.gather_check = self._check_gathers() if SETTINGS["fp8_all_gather"] else None
-        if SETTINGS["reference"]:
-            self._against_one_process()
         self._report(self.step, self._without_controller() if self.hosted.whole is not None else None)
+        if SETTINGS["reference"]:   # after the report: its eval forward routes tokens of its own
+            self._against_one_process()
 
     def _report(self, titan_step, without_controller=None):
         h = self.hosted
@@ -225,12 +225,13 @@ class RecordingTrainer(LowprecTrainer):
         parts, scaling = [None] * world, [None] * world
         torch.distributed.all_gather_object(parts, {{k: getattr(v, "full_tensor", v.detach)().detach()
                                                      for m in self.model_parts for k, v in m.state_dict().items()}})
-        torch.distributed.all_gather_object(scaling, self.hosted.state.scaling_state())
+        torch.distributed.all_gather_object(scaling, self._scaling_state_run_here())
         tokens = torch.randint(0, 256, (3, 40), generator=torch.Generator().manual_seed(0))   # 3 rows of 40 tokens
         for m in self.model_parts:
             m.eval()
+        probe = self.hosted.session.lr_probe
         with torch.no_grad():
-            got, held = logits(self, tokens), self.hosted.session.lr_probe.held_loss()
+            got, held = logits(self, tokens), probe.held_loss() if probe is not None else None
         whole = self.model_config.build()
         whole._lowprec_guard.remove()
         whole.init_weights(buffer_device=None)
@@ -244,19 +245,34 @@ class RecordingTrainer(LowprecTrainer):
         for p in whole.parameters():   # FSDP computes with its parameters in mixed_precision_param (bf16)
             p.data = p.data.to(param_dtype)
         whole.eval()
-        rows = self.config.training.local_batch_size // self.num_pipeline_parallel_microbatches
-        steps = -(-3 // self.config.training.local_batch_size) * self.config.training.local_batch_size
         with torch.no_grad():
-            padded = torch.zeros((steps, self.config.training.seq_len), dtype=torch.long)   # whole schedule steps
-            padded[:3, :40] = tokens
-            want = torch.cat([whole(x) for x in padded.split(rows)])[:3, :40].float()
-            input_dict, labels = _held_batch(self)
-            ce = [cross_entropy(whole(x).flatten(0, 1).float(), t.flatten(), reduction="sum", ignore_index=-100)
-                  for x, t in zip(input_dict["input"].split(rows), labels.split(rows))]
-            held_want = torch.stack(ce).sum() / (labels != -100).sum()
-        torch.save({{"logits": got, "logits_one_process": want, "held_loss": held.float(),
-                    "held_loss_one_process": held_want, "probe": dataclasses.astuple(self.hosted.session.lr_probe_result)}},
-                   Path(SETTINGS["dump"], f"forwards_rank{{torch.distributed.get_rank()}}.pt"))
+            if self.pp_mesh is None:   # the eval forward is the model's forward on the whole batch
+                want = whole(tokens).float()
+            else:                      # micro-batches of whole schedule steps, padded
+                rows = self.config.training.local_batch_size // self.num_pipeline_parallel_microbatches
+                steps = -(-3 // self.config.training.local_batch_size) * self.config.training.local_batch_size
+                padded = torch.zeros((steps, self.config.training.seq_len), dtype=torch.long)
+                padded[:3, :40] = tokens
+                want = torch.cat([whole(x) for x in padded.split(rows)])[:3, :40].float()
+            out = {{"logits": got, "logits_one_process": want}}
+            if probe is not None:
+                rows = self.config.training.local_batch_size // self.num_pipeline_parallel_microbatches
+                input_dict, labels = _held_batch(self)
+                ce = [cross_entropy(whole(x).flatten(0, 1).float(), t.flatten(), reduction="sum", ignore_index=-100)
+                      for x, t in zip(input_dict["input"].split(rows), labels.split(rows))]
+                out.update(held_loss=held.float(), held_loss_one_process=torch.stack(ce).sum() / (labels != -100).sum(),
+                           probe=dataclasses.astuple(self.hosted.session.lr_probe_result))
+        torch.save(out, Path(SETTINGS["dump"], f"forwards_rank{{torch.distributed.get_rank()}}.pt"))
+
+    def _scaling_state_run_here(self):
+        """This rank's sites' scaling state (`scaling_state()`), an expert's only where it runs
+        (under expert parallelism the other ranks' copies of its site stay fresh: gathered last,
+        they would replace the histories of the rank that runs it)."""
+        here = {{id(s) for m in self.model_parts for e in m.modules() if hasattr(e, "_local_sites")
+                for s in e._local_sites()}}
+        sites = self.hosted.state.sites
+        return {{fqn: v for fqn, v in self.hosted.state.scaling_state().items()
+                if not hasattr(sites[fqn].module, "expert_index") or id(sites[fqn].module) in here}}
 
 
 def _recording(config):

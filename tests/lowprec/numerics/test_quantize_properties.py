@@ -415,6 +415,14 @@ def test_hadamard_matrix_is_orthonormal_signed_walsh(seed):
     assert torch.equal(RandomHadamard(seed).matrix(dtype=torch.float64), m)       # seeded
 
 
+def test_hadamard_built_under_a_meta_default_device_has_its_matrix():
+    """A model built under `torch.device("meta")` (torchtitan's, NVFP4 sites included) gets the same
+    transform as one built on the CPU (before: a meta matrix, 'Cannot copy out of meta tensor')."""
+    with torch.device("meta"):
+        h = RandomHadamard(3)
+    assert torch.equal(h.matrix(dtype=torch.float64), RandomHadamard(3).matrix(dtype=torch.float64))
+
+
 def test_hadamard_seeds_differ():
     assert not torch.equal(RandomHadamard(0).matrix(), RandomHadamard(1).matrix())
 
