@@ -36,27 +36,39 @@ from lowprec.numerics.quantize import (Quantized, _as_blocks, _block_of, _finite
 __all__ = ["quantize_segments"]
 
 
-def _segment_block(spec: QuantSpec, k: int) -> tuple[int, int]:
-    """The block the segmented pass works in: a row of K for scales of a whole operand."""
+def _segment_block(spec: QuantSpec, k: int, n: int, transposed: bool) -> tuple[int, int]:
+    """The block the segmented pass works in: a row of K for scales of a whole operand; with
+    `transposed`, the block of a segment's transpose (K, n) turned round."""
     if spec.scaling in (Scaling.TENSOR, Scaling.DELAYED):
         return (1, k)
+    if transposed:
+        r, c = _block_of(spec, (k, n))
+        return (c, r)
     return _block_of(spec, (1, k))
 
 
 def quantize_segments(x2: torch.Tensor, spec: QuantSpec, lengths: list[int], *, amax: torch.Tensor | None = None,
                       scale: torch.Tensor | None = None, noise: torch.Tensor | None = None,
-                      stats: bool = False) -> tuple[Quantized, list[Quantized]]:
+                      stats: bool = False, transposed: bool = False) -> tuple[Quantized, list[Quantized]]:
     """Quantize the 2-D `x2`, segments of `lengths` rows (each > 0), each as its own operand.
 
     amax: one per segment, used instead of its own (reduced over a group), as `quantize`'s amax.
     scale: one per segment, delayed scaling's (required there). noise: stochastic rounding's
     uniform draws, x2's shape. stats: attach each segment's QuantStats.
+    transposed: each segment's transpose is the operand (`quantize(segment.t())`), quantized
+    where it lies, by strides (its blocks turned round: a row scale is one per column of the
+    segment, segments of equal length then): every value and scale is the transpose's own, the
+    whole stays in x2's layout (for `dequantize_for_gemm`) and each view is the transpose's
+    (a view, no copy). No statistics (their sums would add in another order).
     Returns (the whole, one view per segment); see the module docstring."""
+    if transposed and (stats or (spec.scaling is Scaling.ROW and len(set(lengths)) > 1)):
+        raise ValueError(f"quantize_segments(transposed=True) keeps no statistics and, row-wise, takes segments of "
+                         f"one length (got stats={stats}, lengths {lengths})")
     rows, k = x2.shape
-    block = _segment_block(spec, k)
+    block = _segment_block(spec, k, lengths[0] if lengths else 0, transposed)
     r = block[0]
     for n in lengths:
-        check_fits(spec, (n, k))
+        check_fits(spec, (k, n) if transposed else (n, k))
         if n <= 0 or n % r:
             raise ValueError(f"segments of {lengths} rows: each must be a positive multiple of {r} rows")
     if sum(lengths) != rows:
@@ -84,6 +96,13 @@ def quantize_segments(x2: torch.Tensor, spec: QuantSpec, lengths: list[int], *, 
     views = []
     for g, (a, b) in enumerate(spans):
         sa, sb = (a, a + 1) if per_operand else (a, b)    # one scale, or the segment's block rows
-        views.append(Quantized(values[a * r:b * r], sc[sa:sb], sc_inv[sa:sb], spec, torch.Size((b * r - a * r, k)),
-                               seg_amax[g], QuantStats(packed[g]) if stats else None))
+        view = Quantized(values[a * r:b * r], sc[sa:sb], sc_inv[sa:sb], spec, torch.Size((b * r - a * r, k)),
+                         seg_amax[g], QuantStats(packed[g]) if stats else None)
+        views.append(_turned(view) if transposed else view)
     return whole, views
+
+
+def _turned(q: Quantized) -> Quantized:
+    """The transpose of a segment's quantization, as views (its values and block scales)."""
+    return Quantized(q.values.t(), q.scale.permute(2, 1, 0, 3), q.scale_inv.permute(2, 1, 0, 3), q.spec,
+                     torch.Size((q.shape[1], q.shape[0])), q.amax)

@@ -31,7 +31,7 @@ import torch
 
 from lowprec.numerics.formats import Format
 from lowprec.sites.backends.emulated import dequantize_for_gemm
-from lowprec.sites.grouped_operands import quantize_group, quantize_group_columns, quantize_group_weights
+from lowprec.sites.grouped_operands import quantize_group, quantize_group_tokens, quantize_group_weights
 from lowprec.sites.operand_quantizer import OperandQuantizer, bf16_round
 from lowprec.sites.quantized_gemms import (_delayed_scale, _pad_tokens, _token_multiple, _transposable,
                                            _transpose)
@@ -120,17 +120,18 @@ class GroupedQuantizedFn(torch.autograd.Function):
             lengths, qs = [counts[e] for e in experts], [quants[e] for e in experts]
             if one_call:   # each operand of the whole group in one quantization
                 a, qxs = quantize_group(_group_rows(x, experts, starts, counts), lengths, fmt, "input", qs)
-                qws = quantize_group_weights(w, experts, fmt, qs)
+                qws, b = quantize_group_weights(w, experts, fmt, qs)
             else:
                 qxs = [quants[e].quantize(x[starts[e]:starts[e] + counts[e]], fmt, "input") for e in experts]
-                qws = [quants[e].quantize(w[e], fmt, "weight") for e in experts]
+                qws, b = [quants[e].quantize(w[e], fmt, "weight") for e in experts], None
                 a = _rows([dequantize_for_gemm(q).float() for q in qxs])
             for e, qx, qw in zip(experts, qxs, qws):
                 keep_x[e] = (qx if _transposable(fmt.input, fmt.input_wgrad, qx)
                              and counts[e] % _token_multiple(fmt) == 0 else None)
                 keep_w[e] = qw if _transposable(fmt.weight, fmt.weight, qw) else None
                 scales[e] = (_delayed_scale(qx), _delayed_scale(qw))
-            b = _stack([dequantize_for_gemm(q).float().t() for q in qws])
+            if b is None:   # from the caches, or expert by expert
+                b = _stack([dequantize_for_gemm(q).float().t() for q in qws])
             _scatter_rows(y, grouped_mm(a, b, _cumsum(lengths)), experts, starts, counts)
         ctx.save_for_backward(x, w)
         ctx.keep = (keep_x, keep_w, scales, groups, starts)
@@ -164,16 +165,17 @@ class GroupedQuantizedFn(torch.autograd.Function):
                     for e in experts:
                         qg[e] = quants[e].quantize(gy[starts[e]:starts[e] + counts[e]], fmt, "grad_output")
                     a = _rows([dequantize_for_gemm(qg[e]).float() for e in experts])
+                b = None
                 if all(keep_w[e] is not None for e in experts):   # the forward's, transposed
                     qwts = [_transpose(keep_w[e]) for e in experts]
                 elif ctx.one_call:
-                    qwts = quantize_group_weights(w, experts, fmt, [quants[e] for e in experts], transposed=True,
-                                                  scales=[scales[e][1] for e in experts])
+                    qwts, b = quantize_group_weights(w, experts, fmt, [quants[e] for e in experts], transposed=True,
+                                                     scales=[scales[e][1] for e in experts])
                 else:
                     qwts = [quants[e].quantize(w[e].t(), fmt, "weight", record=False, scale=scales[e][1])
                             for e in experts]
-                # (G, N, K) row major, as a loop's transposed weights are (a group's are rows of one call)
-                b = _stack([dequantize_for_gemm(q).float().t() for q in qwts]).contiguous()
+                if b is None:   # (G, N, K) row major, as a loop's transposed weights are (and one call's)
+                    b = _stack([dequantize_for_gemm(q).float().t() for q in qwts]).contiguous()
                 _scatter_rows(dx, grouped_mm(a, b, _cumsum([counts[e] for e in experts])), experts, starts, counts)
             dx = dx.to(x.dtype)
         if ctx.needs_input_grad[1]:
@@ -223,7 +225,7 @@ def _wgrad_operands(e, fmt, quant, gy, x, qg, keep_x, scale_x, start, count):
 
 def _wgrad_group(fmt, experts, quants, gy, x, qg, keep_x, scales, starts, counts):
     """A format group's wgrad operands (grad_output^T, input^T, offsets) with each quantized in one
-    call for all its experts (`quantize_group_columns`), where none of them reuses a transposed
+    call for all its experts (`quantize_group_tokens`), where none of them reuses a transposed
     quantization of the forward or dgrad; None otherwise (the loop of `_wgrad_operands`). The
     same numbers and, for the GEMM, the same memory layout as the loop's (which follows its
     first expert's: row major where its tokens were padded)."""
@@ -232,12 +234,11 @@ def _wgrad_group(fmt, experts, quants, gy, x, qg, keep_x, scales, starts, counts
             fmt.grad_output, fmt.grad_output_wgrad, qg[e])) for e in experts):
         return None
     qs = [quants[e] for e in experts]
-    pairs = [_pad_tokens(gy[starts[e]:starts[e] + counts[e]].t(), x[starts[e]:starts[e] + counts[e]].t(), fmt)
-             for e in experts]
-    gts = quantize_group_columns([g for g, _ in pairs], fmt, "grad_output_wgrad", qs,
-                                 [_delayed_scale(qg[e]) for e in experts])
-    xts = [t.t() for t in quantize_group_columns([t for _, t in pairs], fmt, "input_wgrad", qs,
-                                                 [scales[e][0] for e in experts])]
+    padded = [counts[e] + (-counts[e]) % mult for e in experts]
+    gts = quantize_group_tokens([gy[starts[e]:starts[e] + counts[e]] for e in experts], padded, fmt,
+                                "grad_output_wgrad", qs, [_delayed_scale(qg[e]) for e in experts])
+    xts = [t.t() for t in quantize_group_tokens([x[starts[e]:starts[e] + counts[e]] for e in experts], padded, fmt,
+                                                "input_wgrad", qs, [scales[e][0] for e in experts])]
     padded = counts[experts[0]] % mult != 0
     gts[0] = gts[0].contiguous() if padded else gts[0].t().contiguous().t()
     xts[0] = xts[0].t().contiguous().t() if padded else xts[0].contiguous()

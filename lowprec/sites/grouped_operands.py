@@ -16,6 +16,7 @@ amax is all-reduced over a process group (each expert's collective is its own ca
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from lowprec.numerics.formats import Format, QuantSpec, Rounding, ScaleEncoding, Scaling
 from lowprec.numerics.quantize import Quantized
@@ -23,7 +24,7 @@ from lowprec.numerics.segments import quantize_segments
 from lowprec.sites.backends.emulated import dequantize_for_gemm
 from lowprec.sites.operand_quantizer import OperandQuantizer, bf16_round
 
-__all__ = ["quantize_group", "quantize_group_weights", "quantize_group_columns"]
+__all__ = ["quantize_group", "quantize_group_weights", "quantize_group_columns", "quantize_group_tokens"]
 
 
 def _per_expert(spec: QuantSpec, quants: list[OperandQuantizer], role: str) -> bool:
@@ -36,11 +37,12 @@ def _per_expert(spec: QuantSpec, quants: list[OperandQuantizer], role: str) -> b
 
 
 def _segments(parts: list[torch.Tensor], spec: QuantSpec, quants: list[OperandQuantizer], role: str, scales,
-              record: bool, whole: torch.Tensor | None = None,
-              width: int | None = None) -> tuple[Quantized, list[Quantized]]:
+              record: bool, whole: torch.Tensor | None = None, width: int | None = None,
+              transposed: bool = False) -> tuple[Quantized, list[Quantized]]:
     """quantize_segments over the experts' operands `parts` (`whole`: them stacked along the rows
-    already; `width`: each zero-padded to that many columns, a segment of its rows): each
-    expert's Hadamard signs, noise, delayed scale, history and statistics its own."""
+    already; `width`: each zero-padded to that many columns, a segment of its rows; `transposed`:
+    each part's transpose the operand, `_by_strides`): each expert's Hadamard signs, noise,
+    delayed scale, history and statistics its own."""
     if spec.hadamard:   # each expert's own signs
         parts, whole = [q.hadamard.apply(p.float()) for q, p in zip(quants, parts)], None
     noise = None
@@ -55,20 +57,34 @@ def _segments(parts: list[torch.Tensor], spec: QuantSpec, quants: list[OperandQu
                              for s in scales])
     stats = record and any(q.collect_stats for q in quants)
     t = whole if whole is not None and width is None else _stacked(parts, width)
-    whole, views = quantize_segments(t, spec, [p.shape[0] for p in parts], scale=scale, noise=noise, stats=stats)
+    whole, views = quantize_segments(t, spec, [p.shape[0] for p in parts], scale=scale, noise=noise, stats=stats,
+                                     transposed=transposed)
     for g, (q, v) in enumerate(zip(quants, views)):
         q.keep(v, role, None if scale is None else scale[g], [], record)
     return whole, views
 
 
-def _stacked(parts: list[torch.Tensor], width: int | None) -> torch.Tensor:
-    """The parts one under the other (each zero-padded to `width` columns where given), FP32."""
-    if width is None:
+def _stacked(parts: list[torch.Tensor], width: int | None, height: int | None = None) -> torch.Tensor:
+    """The parts one under the other (each zero-padded to `width` columns, or `height` rows, where
+    given), FP32."""
+    if width is None and height is None:
         return torch.cat([p.float() for p in parts])
+    if height is not None:
+        out = parts[0].new_zeros((len(parts), height, parts[0].shape[1]), dtype=torch.float32)
+        for g, p in enumerate(parts):
+            out[g, :p.shape[0]] = p
+        return out.reshape(-1, parts[0].shape[1])
     out = parts[0].new_zeros((len(parts), parts[0].shape[0], width), dtype=torch.float32)
     for g, p in enumerate(parts):
         out[g, :, :p.shape[1]] = p
     return out.reshape(-1, width)
+
+
+def _by_strides(spec: QuantSpec) -> bool:
+    """Whether an operand's transpose is quantized where it lies (`quantize_segments(transposed=True)`):
+    not with a Hadamard transform or stochastic rounding (their matrix products and draws follow the
+    transpose's own layout)."""
+    return not spec.hadamard and spec.rounding is Rounding.NEAREST_EVEN
 
 
 def quantize_group_columns(parts: list[torch.Tensor], fmt: Format, role: str, quants: list[OperandQuantizer],
@@ -86,6 +102,24 @@ def quantize_group_columns(parts: list[torch.Tensor], fmt: Format, role: str, qu
     whole, _ = _segments(parts, spec, quants, role, scales, False, width=width)
     deq = dequantize_for_gemm(whole).float().reshape(len(parts), -1, width)
     return [deq[g, :, :p.shape[1]] for g, p in enumerate(parts)]
+
+
+def quantize_group_tokens(rows: list[torch.Tensor], padded: list[int], fmt: Format, role: str,
+                          quants: list[OperandQuantizer], scales=None) -> list[torch.Tensor]:
+    """`quantize_group_columns` of the transposes of `rows` (expert g's (tokens, M) rows, its
+    tokens zero-padded to `padded[g]`), without transposing them where the format allows
+    (`_by_strides`): the rows one under the other, each zero-padded to the longest (a copy of
+    whole rows), each a segment quantized along its tokens by strides; the results are (M,
+    padded[g]) views of one dequantized tensor, the same numbers."""
+    spec: QuantSpec | None = getattr(fmt, role)
+    if spec is None or not _by_strides(spec) or _per_expert(spec, quants, role):
+        parts = [F.pad(r.t(), (0, n - r.shape[0])) if n > r.shape[0] else r.t() for r, n in zip(rows, padded)]
+        return quantize_group_columns(parts, fmt, role, quants, scales)
+    height = max(padded)
+    t = _stacked(rows, None, height)
+    whole, _ = _segments(list(torch.split(t, height)), spec, quants, role, scales, False, whole=t, transposed=True)
+    deq = dequantize_for_gemm(whole).float().reshape(len(rows), height, -1)
+    return [deq[g, :n].t() for g, n in enumerate(padded)]
 
 
 def quantize_group(t: torch.Tensor, lengths: list[int], fmt: Format, role: str, quants: list[OperandQuantizer],
@@ -107,26 +141,35 @@ def quantize_group(t: torch.Tensor, lengths: list[int], fmt: Format, role: str, 
 
 
 def quantize_group_weights(w: torch.Tensor, experts: list[int], fmt: Format, quants: list[OperandQuantizer], *,
-                           transposed: bool = False, scales=None) -> list:
+                           transposed: bool = False, scales=None) -> tuple[list, torch.Tensor | None]:
     """Each expert's quantized weight `w[e]` (fprop; `transposed`: `w[e].t()` quantized again for
     dgrad, not recorded, with the forward's delayed `scales`) for a format group: from the
     experts' weight caches when every one of them holds that layout of its weight as it is, else
-    all in one call (and into the caches). Delayed scaling, stochastic rounding and Hadamard
-    weights are never cached."""
+    all in one call (and into the caches); with them, the group's dequantized weights as its GEMM
+    takes them when they were quantized in one call (fprop: (G, K, N), the transposes of (G, N,
+    K) rows; dgrad: (G, N, K) row major), else None. The transposes are quantized where the
+    weights lie, by strides (`_by_strides`: no copy of the transposed weights). Delayed scaling,
+    stochastic rounding and Hadamard weights are never cached."""
     spec: QuantSpec | None = fmt.weight
     parts = [w[e].t() if transposed else w[e] for e in experts]
     scales = scales or [None] * len(experts)
     if spec is None or _per_expert(spec, quants, "weight"):
-        return [q.quantize(p, fmt, "weight", record=not transposed, scale=s) for q, p, s in zip(quants, parts, scales)]
+        return [q.quantize(p, fmt, "weight", record=not transposed, scale=s)
+                for q, p, s in zip(quants, parts, scales)], None
     looked = [q.cached(p, spec, "weight", [], not transposed) for q, p in zip(quants, parts)]
     if all(hit is not None for _, _, hit in looked):
-        return [hit for _, _, hit in looked]
-    rows = w if len(experts) == w.shape[0] else w[experts]
-    rows = rows.transpose(1, 2) if transposed else rows
-    rows = rows.reshape(-1, rows.shape[-1])
-    _, views = _segments(list(torch.split(rows, w.shape[2] if transposed else w.shape[1])), spec, quants, "weight",
-                         scales if transposed else None, not transposed, whole=rows)
+        return [hit for _, _, hit in looked], None
+    rows = w if len(experts) == w.shape[0] else w[experts]   # (G, N, K)
+    strides = not transposed or _by_strides(spec)
+    if not strides:
+        rows = rows.transpose(1, 2)
+    flat = rows.reshape(-1, rows.shape[-1])
+    whole, views = _segments(list(torch.split(flat, rows.shape[1])), spec, quants, "weight",
+                             scales if transposed else None, not transposed, whole=flat, transposed=transposed and strides)
     for q, (slot, key, _), v in zip(quants, looked, views):
         if key is not None:
             q.weight_cache.put(slot, key, v, storage=getattr(q.backend, "fp8_storage", False))
-    return views
+    if not strides:
+        return views, None
+    deq = dequantize_for_gemm(whole).float().reshape(rows.shape)
+    return views, deq if transposed else deq.transpose(-2, -1)
