@@ -9,6 +9,7 @@ publishes it.
 
     python -m experiments.bench_moe                       # hidden 1024, width 256, 16 experts, top 4
     python -m experiments.bench_moe --hidden 7168 --width 2048 --experts 256 --top-k 8   # DeepSeek-V3's (GPU)
+    python -m experiments.bench_moe --interleaved --repeats 5   # one call against expert by expert, call by call
 
 DeepSeek-V3's experts are (hidden 7168, width 2048, 256 routed, top 8); the default keeps their
 ratios of width to hidden (2/7 ~ 1/4) and of active experts to experts (1/32 ~ 1/4 at 16).
@@ -134,6 +135,23 @@ def time_it(fn, x, gy, repeats: int, warmup: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def interleaved(w13, w2, x, gy, counts, formats, calls: int) -> None:
+    """One quantization call per operand against expert by expert, call by call in turn (the shared
+    machine's load falls on both alike): min / median ms of `calls` calls after a warm-up each."""
+    print("| format | weights | one call per operand, min / median ms | expert by expert | one / loop (min) |\n"
+          "|---|---|---:|---:|---:|")
+    for name in formats:
+        for label, wrap in (("unchanged (caches hit)", lambda s: s), ("updated every call", updated)):
+            fns = [wrap(lowprec_grouped([name], one))(w13, w2, counts) for one in (True, False)]
+            times = [[], []]
+            for i in range(calls + 1):
+                for fn, t in zip(fns, times):
+                    t.append(time_it(fn, x, gy, 1, 0))
+            (a, b) = [sorted(t[1:]) for t in times]
+            print(f"| {name} | {label} | {a[0] * 1e3:.0f} / {a[len(a) // 2] * 1e3:.0f} | "
+                  f"{b[0] * 1e3:.0f} / {b[len(b) // 2] * 1e3:.0f} | {a[0] / b[0]:.2f} |")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=1024)
@@ -143,6 +161,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--interleaved", nargs="*", metavar="FORMAT",
+                    help="instead: one call per operand against expert by expert, call by call, for these formats")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     counts = _counts(a.tokens, a.experts, a.top_k, seed=0)
@@ -150,6 +170,10 @@ def main(argv=None) -> None:
     w13 = nn.Parameter(torch.randn(a.experts, 2 * a.width, a.hidden) * a.hidden ** -0.5)
     w2 = nn.Parameter(torch.randn(a.experts, a.hidden, a.width) * a.width ** -0.5)
     gy = torch.randn(sum(counts), a.hidden)
+    if a.interleaved is not None:
+        interleaved(w13, w2, x, gy, counts, a.interleaved or ["fp8_tensorwise", "fp8_delayed", "fp8_rowwise", "mxfp8",
+                                                              "nvfp4"], a.repeats)
+        return
     rows = [("BF16 grid, torch._grouped_mm (FP32 arithmetic)", bf16_grouped),
             ("lowprec grouped, fp8_tensorwise (emulated), one quantization per operand", lowprec_grouped(["fp8_tensorwise"])),
             ("lowprec grouped, fp8_tensorwise (emulated), expert by expert", lowprec_grouped(["fp8_tensorwise"], False)),
