@@ -5,7 +5,8 @@ weights unchanged between calls, as here, both take them from the experts' weigh
 with the weights updated before every call, as in training, from one quantization or one per expert) against BF16-grid `torch._grouped_mm` (operands rounded to BF16, FP32
 arithmetic: BF16 arithmetic is slow on CPUs), a loop of lowprec's linear sites over the experts,
 and torchao's FP8 row-wise grouped GEMM where it runs. Prints one markdown table; docs/moe.md
-publishes it.
+publishes it. Times are this process's CPU time (`time.process_time`, one thread: on a shared
+machine the waits for a core do not count).
 
     python -m experiments.bench_moe                       # hidden 1024, width 256, 16 experts, top 4
     python -m experiments.bench_moe --hidden 7168 --width 2048 --experts 256 --top-k 8   # DeepSeek-V3's (GPU)
@@ -123,22 +124,23 @@ def _torchao(x, w13, w2, counts):
     return mm((F.silu(g) * u).bfloat16(), w2.bfloat16().transpose(-2, -1), offs=offs)
 
 
-def time_it(fn, x, gy, repeats: int, warmup: int) -> float:
+def time_it(fn, x, gy, repeats: int, warmup: int, clock=time.perf_counter) -> float:
     """Median seconds of forward + backward (the weights' gradients accumulate: no matter here)."""
     times = []
     for i in range(warmup + repeats):
         xg = x.detach().requires_grad_(True)
-        t0 = time.perf_counter()
+        t0 = clock()
         fn(xg).float().backward(gy)
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
     return sorted(times)[len(times) // 2]
 
 
 def interleaved(w13, w2, x, gy, counts, formats, calls: int) -> None:
     """One quantization call per operand against expert by expert, call by call in turn (the shared
-    machine's load falls on both alike): min / median ms of `calls` calls after a warm-up each."""
-    print("| format | weights | one call per operand, min / median ms | expert by expert | one / loop (min) |\n"
+    machine's load falls on both alike): min / median CPU ms of this process (`time.process_time`:
+    one thread, so a shared machine's waits do not count) of `calls` calls after a warm-up each."""
+    print("| format | weights | one call per operand, min / median CPU ms | expert by expert | one / loop (min) |\n"
           "|---|---|---:|---:|---:|")
     for name in formats:
         for label, wrap in (("unchanged (caches hit)", lambda s: s), ("updated every call", updated)):
@@ -146,7 +148,7 @@ def interleaved(w13, w2, x, gy, counts, formats, calls: int) -> None:
             times = [[], []]
             for i in range(calls + 1):
                 for fn, t in zip(fns, times):
-                    t.append(time_it(fn, x, gy, 1, 0))
+                    t.append(time_it(fn, x, gy, 1, 0, time.process_time))
             (a, b) = [sorted(t[1:]) for t in times]
             print(f"| {name} | {label} | {a[0] * 1e3:.0f} / {a[len(a) // 2] * 1e3:.0f} | "
                   f"{b[0] * 1e3:.0f} / {b[len(b) // 2] * 1e3:.0f} | {a[0] / b[0]:.2f} |")
@@ -189,13 +191,13 @@ def main(argv=None) -> None:
             ("lowprec loop of linear sites, fp8_tensorwise", lowprec_loop("fp8_tensorwise")),
             ("torchao FP8 row-wise grouped (_scaled_grouped_mm)", torchao_grouped)]
     print(f"experts {a.experts} (top {a.top_k}), hidden {a.hidden}, width {a.width}, {a.tokens} tokens -> "
-          f"{sum(counts)} routed rows (min {min(counts)}, max {max(counts)} per expert); fwd+bwd, median of "
+          f"{sum(counts)} routed rows (min {min(counts)}, max {max(counts)} per expert); fwd+bwd, CPU time, median of "
           f"{a.repeats}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    print("| path | ms | x BF16 grid |\n|---|---:|---:|")
+    print("| path | CPU ms | x BF16 grid |\n|---|---:|---:|")
     base = None
     for name, fn in rows:
         try:
-            t = time_it(fn(w13, w2, counts), x, gy, a.repeats, a.warmup)
+            t = time_it(fn(w13, w2, counts), x, gy, a.repeats, a.warmup, time.process_time)
         except Exception as e:   # torchao's grouped FP8 GEMM needs CUDA
             print(f"| {name} | n/a: {type(e).__name__}: {str(e).splitlines()[0][:90]} | |")
             continue

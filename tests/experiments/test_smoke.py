@@ -104,6 +104,9 @@ def test_bench_moe(run):
               "--repeats", "1", "--warmup", "0")
     assert "lowprec grouped, fp8_tensorwise (emulated)" in out and "BF16 grid" in out
     assert "mxfp8 (emulated), one quantization per operand" in out and "mxfp8 (emulated), expert by expert" in out
+    out = run("bench_moe", "--hidden", "32", "--width", "32", "--experts", "4", "--top-k", "2", "--tokens", "16",
+              "--repeats", "1", "--interleaved", "fp8_rowwise")
+    assert "| fp8_rowwise | unchanged (caches hit) |" in out and "| fp8_rowwise | updated every call |" in out
 
 
 def test_moe_flops(run):
