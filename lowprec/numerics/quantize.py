@@ -86,6 +86,12 @@ class Quantized:
         out = _dequant_blocks(vb, self.scale, self.scale_inv, self.spec)
         return out.reshape(self.shape)
 
+    def transposed(self) -> "Quantized":
+        """The transpose of a 2-D quantization, as views: its values and its block scales turned
+        round (no statistics, no storage form)."""
+        return Quantized(self.values.t(), self.scale.permute(2, 1, 0, 3), self.scale_inv.permute(2, 1, 0, 3),
+                         self.spec, torch.Size((self.shape[1], self.shape[0])), self.amax)
+
     def to_storage(self) -> torch.Tensor:
         """The values as PyTorch's float8 dtype (E4M3/E5M2 only), for torch._scaled_mm."""
         if self.storage is not None:

@@ -98,11 +98,5 @@ def quantize_segments(x2: torch.Tensor, spec: QuantSpec, lengths: list[int], *, 
         sa, sb = (a, a + 1) if per_operand else (a, b)    # one scale, or the segment's block rows
         view = Quantized(values[a * r:b * r], sc[sa:sb], sc_inv[sa:sb], spec, torch.Size((b * r - a * r, k)),
                          seg_amax[g], QuantStats(packed[g]) if stats else None)
-        views.append(_turned(view) if transposed else view)
+        views.append(view.transposed() if transposed else view)
     return whole, views
-
-
-def _turned(q: Quantized) -> Quantized:
-    """The transpose of a segment's quantization, as views (its values and block scales)."""
-    return Quantized(q.values.t(), q.scale.permute(2, 1, 0, 3), q.scale_inv.permute(2, 1, 0, 3), q.spec,
-                     torch.Size((q.shape[1], q.shape[0])), q.amax)

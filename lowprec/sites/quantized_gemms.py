@@ -249,8 +249,9 @@ def _transpose(q: Quantized) -> Quantized:
     weight's FP8 storage is transposed once and kept with it (`storage_t`)."""
     if q.storage is not None and q.storage_t is None:
         q.storage_t = q.storage.t().contiguous()
-    return Quantized(q.values.t(), q.scale.permute(2, 1, 0, 3), q.scale_inv.permute(2, 1, 0, 3),
-                     q.spec, torch.Size((q.shape[1], q.shape[0])), q.amax, None, q.storage_t)
+    out = q.transposed()
+    out.storage = q.storage_t
+    return out
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
