@@ -194,8 +194,9 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
         "mlflow", the run it opens goes to the YAML's `tracking:` store and experiment (a
         tracking URI already set, in MLflow or its environment variable, stays when the
         YAML names none; MLflow's MLFLOW_EXPERIMENT_NAME, which the Trainer's reporting sets
-        when it starts, takes the run to its experiment instead: `on_train_begin` reads the
-        experiment from the run)."""
+        when it starts, takes the run to its experiment instead, created here where it is new as
+        the YAML's is, artifacts beside the store: `on_train_begin` reads the experiment from the
+        run)."""
         tc = self.hosted.config.tracking
         if "mlflow" not in (args.report_to or []) or not tc.enabled:
             return
