@@ -246,9 +246,9 @@ def judge_window(candidates: Sequence[str], groups: Sequence[Sequence[str]], *,
     retrain meets earlier than the run did (the optimizer partly makes up for it) is partly
     closed by the control too. Precision is to blame only for what high precision closes
     beyond the control: every candidate in high precision must close at least `close` x G
-    measured from the control's losses (whatever the control closed); the groups (stages, newest first), then
-    halving, narrow it down, at most `max_windows` windows in high precision (the control is
-    one more). While narrowing down (first look or window), a set is clean only when it also
+    measured from the control's losses, whatever the control closed (the margin); the groups
+    (stages, newest first), then halving, narrow it down, at most `max_windows` windows in
+    high precision (the control is one more). While narrowing down (first look or window), a set is clean only when it also
     closes at least NARROW (half) of what every candidate closed: with a gap of 1-2%,
     retraining noise and the share of the gap another stage's coarser format causes (NVFP4
     against the BF16 baseline) close 30% on their own."""
