@@ -85,8 +85,9 @@ def lowprec_forks(tmp_path_factory):
 def rank_forks():
     """torchrun's ranks forked from one server that imported torch and lowprec once for the session
     (tests/rank_forks.py): `[torchrun ..., *rank_forks.rank("-m", "lowprec.cli", "run", ...)]` with
-    `env={**os.environ, **rank_forks.env()}` in place of `[torchrun ..., "-m", "lowprec.cli", ...]`.
-    `env(imports=...)`: modules the server imports once before its next fork (torchtitan's trainer)."""
+    `env=rank_forks.env({**os.environ, ...})` in place of `[torchrun ..., "-m", "lowprec.cli", ...]`.
+    `env(job_env, imports=...)`: the socket of a server started with the job's start-up settings (its
+    OpenMP, MKL and ATen CPU variables) that imported `imports` too (torchtitan's trainer)."""
     from rank_forks import RankForks
     forks = RankForks()
     yield forks
