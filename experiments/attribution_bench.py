@@ -289,6 +289,9 @@ def main(argv=None) -> None:
                                                          "loss-gap and eval-gate faults judged by their window")
     p.add_argument("--drift-kinds", default="", help="comma-separated drift fault kinds (default: all)")
     p.add_argument("--drift-events", action="store_true", help="print each drift fault's events after its row")
+    p.add_argument("--onset-by-step", action="store_true",
+                   help="a precision drift fault is on from training step 165 (a retrained window meets it at the "
+                        "same steps), not from loop pass 165 (it meets it from the window's start)")
     p.add_argument("--seed-index", default="",
                    help="comma-separated positions of the seeds to run in each kind's list (0: the first; "
                         "default: all): `--seed-index 1,2` runs what `--per-kind 1` left out")

@@ -141,11 +141,18 @@ def campaign(sites: list[str], kinds) -> list[Drift]:
 
 class PlantedDrift:
     """One drift fault on the model; `batch(data, t)` gives loop pass `t`'s batch and the flag
-    its closure sets, so that a replay of that step meets the fault again."""
+    its closure sets, so that a replay of that step meets the fault again.
 
-    def __init__(self, fault: Drift, model, state):
-        self.fault, self.model, self.state = fault, model, state
-        self.t, self.now, self.hooks, self.module = 0, False, [], None
+    A precision fault's clock (`by_step`): False, the loop's passes (on from pass FAULT_AT for
+    as long as the site is low precision: a fault that appears at a moment and stays, which a
+    window trained again from an older snapshot meets from the window's first step, earlier
+    than the run did); True, the training step being run (`step`, set by each step's closure:
+    a fault that recurs at the same steps when they are trained again, as a deterministic one
+    of the weights, data and scaling state a snapshot restores does)."""
+
+    def __init__(self, fault: Drift, model, state, by_step: bool = False):
+        self.fault, self.model, self.state, self.by_step = fault, model, state, by_step
+        self.t, self.step, self.now, self.hooks, self.module = 0, 0, False, [], None
         kind = fault.base_kind
         if fault.precision:
             self.module = state.sites[fault.site].module
@@ -166,9 +173,10 @@ class PlantedDrift:
     def _quantize(self, module, original, kind):
         def quantize_operand(t, fmt, role, **kw):
             spec = getattr(fmt, role, None)
-            if not self.fault.active(self.t) or spec is None:
+            clock = self.step if self.by_step else self.t
+            if not self.fault.active(clock) or spec is None:
                 return original(t, fmt, role, **kw)
-            k = self.t - FAULT_AT + 1
+            k = clock - FAULT_AT + 1
             if kind == "slight_scale" and role == "weight":
                 q = original(t, fmt, role, **kw)
                 f = 1.0 / self.fault.wrong_scale
@@ -233,16 +241,16 @@ def run(model, session, data, end, planted=None, held=None, base_eval=None, lr=3
         x, y, scaled = planted.batch(data, t, repeated) if planted is not None else (*data.next(), False)
         t += 1
 
-        def closure(x=x, y=y, scaled=scaled):
+        def closure(x=x, y=y, scaled=scaled, step=step):
             if planted is not None:
-                planted.now = scaled
+                planted.now, planted.step = scaled, step
             _, loss = model(x, y)
             loss.backward()
             return loss
 
-        def forward(x=x, y=y, scaled=scaled):
+        def forward(x=x, y=y, scaled=scaled, step=step):
             if planted is not None:
-                planted.now = scaled
+                planted.now, planted.step = scaled, step
             return model(x, y)[1]
         t0 = time.perf_counter()
         judged = len(session.window.judged) if session.window is not None else 0
@@ -305,7 +313,7 @@ def campaign_main(args, data, warm, low, plan_dict, rollout_dict, warm_steps) ->
                                 "loss_gap_smoothing": LOSS_GAP["loss_gap_smoothing"]}, baseline=base)
         ctl = session.controller   # the planted site's stage: a right blame is the site, or within its stage
         stage = {s for s, st in ctl.stage_of.items() if st == ctl.stage_of.get(fault.site)} | {fault.site}
-        planted = PlantedDrift(fault, model, session.state)
+        planted = PlantedDrift(fault, model, session.state, by_step=getattr(args, "onset_by_step", False))
         try:
             _, _, median = run(model, session, data, END, planted, held=held if fault.eval_gate else None,
                                base_eval=base_eval if fault.eval_gate else None)

@@ -81,6 +81,19 @@ def lowprec_forks(tmp_path_factory):
     forks.close()
 
 
+@pytest.fixture(scope="session")
+def rank_forks():
+    """torchrun's ranks forked from one server that imported torch and lowprec once for the session
+    (tests/rank_forks.py): `[torchrun ..., *rank_forks.rank("-m", "lowprec.cli", "run", ...)]` with
+    `env=rank_forks.env({**os.environ, ...})` in place of `[torchrun ..., "-m", "lowprec.cli", ...]`.
+    `env(job_env, imports=...)`: the socket of a server started with the job's start-up settings (its
+    OpenMP, MKL and ATen CPU variables) that imported `imports` too (torchtitan's trainer)."""
+    from rank_forks import RankForks
+    forks = RankForks()
+    yield forks
+    forks.close()
+
+
 # The longest files (measured with `--durations` in a fresh clone), taken first in this order: the
 # ones that launch several processes at once (marked `launches`) alternate with long ones that run in
 # one process, so that while one worker holds the launch lock (below) the other has a long file of its

@@ -194,8 +194,9 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
         "mlflow", the run it opens goes to the YAML's `tracking:` store and experiment (a
         tracking URI already set, in MLflow or its environment variable, stays when the
         YAML names none; MLflow's MLFLOW_EXPERIMENT_NAME, which the Trainer's reporting sets
-        when it starts, takes the run to its experiment instead: `on_train_begin` reads the
-        experiment from the run)."""
+        when it starts, takes the run to its experiment instead, created here where it is new as
+        the YAML's is, artifacts beside the store: `on_train_begin` reads the experiment from the
+        run)."""
         tc = self.hosted.config.tracking
         if "mlflow" not in (args.report_to or []) or not tc.enabled:
             return
@@ -204,11 +205,15 @@ class LowprecCallback(HostedCallback, transformers.TrainerCallback):
         from lowprec.tracking.cli import default_tracking_uri
         if tc.uri is not None or not is_tracking_uri_set():
             mlflow.set_tracking_uri(tc.uri or default_tracking_uri())
+        from mlflow.environment_variables import MLFLOW_EXPERIMENT_NAME
         from mlflow.tracking import MlflowClient
         from lowprec.tracking.outbox import ensure_experiment
         with _routed(args):   # a new store's migration lines: the log's
-            # created as `lowprec run` creates it: artifacts beside the store, not in ./mlruns
-            ensure_experiment(MlflowClient(mlflow.get_tracking_uri()), tc.experiment)
+            # created as `lowprec run` creates it: artifacts beside the store, not in ./mlruns;
+            # so is MLflow's own MLFLOW_EXPERIMENT_NAME's, where the Trainer's run will go
+            client = MlflowClient(mlflow.get_tracking_uri())
+            for name in dict.fromkeys(filter(None, (tc.experiment, MLFLOW_EXPERIMENT_NAME.get()))):
+                ensure_experiment(client, name)
             mlflow.set_experiment(tc.experiment)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):

@@ -121,7 +121,8 @@ class SlowSignalRules:
                 f"{reason}: {how} {with_} closes {look.closed:.0%} of the gap"), look.to_evidence()))
         ev = {**evidence, **att.evidence}
         if not att.precision_to_blame:
-            why = ("the window trained again as configured closes the gap too: the fault did not recur"
+            why = ("high precision closes less than the margin more of the gap than the window trained "
+                   "again as configured (the control): what the control closes did not recur in a retrain"
                    if att.decided_by is WindowDecision.CONTROL
                    else "every site in high precision does not close the window's gap")
             d.events.append(Event(step, EventKind.NOT_PRECISION, (), {}, {}, (

@@ -76,7 +76,7 @@ class AttributionConfig:
     accept_after: int = 8        # ... this many, no rewind: a new level, accepted (fewer: a burst, skipped)
     # slow signals (the loss gap, an eval checkpoint's regression): the window since the last snapshot
     window: bool = True          # judge them by the window's losses with sites in high precision
-    window_close: float = 0.3    # fraction of the window's loss gap that high precision must close
+    window_close: float = 0.3    # fraction of the window's loss gap high precision must close, also beyond the control
     window_replays: int = 3      # windows trained again per suspicion, at most
     not_precision: Literal["restore", "rewind"] = "restore"   # the state after a gap precision did not cause
 

@@ -81,3 +81,25 @@ def test_step_layer_hits_one_layer_outside_the_first_subset_on_its_fixed_passes(
         assert held_out_loss(model, batch) == clean
     finally:
         session.close()
+
+
+def test_a_precision_fault_keyed_by_step_follows_the_step_run_not_the_loop_pass():
+    """`--onset-by-step`: a window trained again from a snapshot before FAULT_AT (loop pass
+    well past it, the steps before it) meets the wrong scale only from FAULT_AT on; keyed by
+    loop pass (the default) it meets it from the window's start."""
+    model, session, batch = _small()
+    try:
+        apply_decision(session.state, Decision(changes={SITE: "fp8_tensorwise"}))
+        clean = held_out_loss(model, batch)
+        by_pass = PlantedDrift(Drift("slight_scale", 0, SITE), model, session.state)
+        by_pass.t, by_pass.step = FAULT_AT + 4, FAULT_AT - 5
+        assert held_out_loss(model, batch) != clean            # the loop's pass is past FAULT_AT
+        by_pass.remove()
+        by_step = PlantedDrift(Drift("slight_scale", 0, SITE), model, session.state, by_step=True)
+        by_step.t = FAULT_AT + 4
+        for step, active in ((FAULT_AT - 5, False), (FAULT_AT - 1, False), (FAULT_AT, True), (FAULT_AT + 3, True)):
+            by_step.step = step
+            assert (held_out_loss(model, batch) != clean) == active, step
+        by_step.remove()
+    finally:
+        session.close()

@@ -118,26 +118,27 @@ PARALLEL = {"dp2xtp2": (4, {"dp_replicate": 2, "tp": 2}, "single"), "pp2": (2, {
             "fsdp2": (2, {"dp_shard": 2}, "single"), "hsdp2x2": (4, {"dp_replicate": 2, "dp_shard": 2}, "single")}
 
 
-def _launch(cmd: list[str], log: Path) -> subprocess.Popen:
+def _launch(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
     with open(log, "w") as f:   # a file, not a pipe: the jobs run at once and nobody reads
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, **PINNED}, start_new_session=True)
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, gloo):
+def runs(tmp_path_factory, gloo, rank_forks):
     d = tmp_path_factory.mktemp("parallel")
     cfg = d / "config.yaml"
     cfg.write_text(yaml.safe_dump({**CONFIG, **WITH_EVALS}))
-    commands = {"single": [sys.executable, "-m", "lowprec.cli", "run", str(cfg), "--out", str(d / "single"), *INJECT]}
+    commands = {"single": [sys.executable, *rank_forks.rank("-m", "lowprec.cli", "run", cfg, "--out", d / "single",
+                                                          *INJECT)]}
     for mode, (n, parallel, _) in PARALLEL.items():
         extra = {**WITH_EVALS, **_tracked(d, mode)} if mode == "pp2" else {}
         (d / f"{mode}.yaml").write_text(yaml.safe_dump({**CONFIG, **extra, "parallel": parallel}))
         commands[mode] = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                          str(n), "-m", "lowprec.cli", "run", str(d / f"{mode}.yaml"), "--out", str(d / mode),
-                          *INJECT]
+                          str(n), *rank_forks.rank("-m", "lowprec.cli", "run", d / f"{mode}.yaml", "--out", d / mode,
+                                                   *INJECT)]
     t0 = time.perf_counter()
-    jobs = {name: _launch(cmd, d / f"{name}.log") for name, cmd in commands.items()}
+    env = rank_forks.env({**os.environ, **PINNED})   # the ranks forked from a server with the same pins
+    jobs = {name: _launch(cmd, d / f"{name}.log", env) for name, cmd in commands.items()}
     try:
         for name, proc in jobs.items():
             log = d / f"{name}.log"

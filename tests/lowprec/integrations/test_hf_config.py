@@ -18,6 +18,7 @@ from llama_helpers import shakespeare_blocks, tiny_llama  # noqa: E402
 from lowprec.base.parse import ConfigError  # noqa: E402
 from lowprec.cli import main  # noqa: E402
 from lowprec.integrations.hf import LowprecCallback  # noqa: E402
+from lowprec.tracking.outbox import local_artifact_location  # noqa: E402
 
 PRECISION = """\
 precision:
@@ -126,7 +127,9 @@ def test_the_trainers_mlflow_run_goes_to_the_yamls_store_with_the_baseline_curve
 def test_the_start_line_names_the_experiment_mlflows_own_variable_sent_the_run_to(tmp_path, sqlite_store, capsys,
                                                                                  monkeypatch):
     """MLFLOW_EXPERIMENT_NAME is MLflow's (the Trainer's reporting obeys it, over the YAML's
-    experiment): the line says where the run really went, and lowprec tracks into it."""
+    experiment): the line says where the run really went, and lowprec tracks into it. That
+    experiment, new, keeps its artifacts beside the store as the YAML's would, not in the
+    launch folder's ./mlruns."""
     from mlflow.tracking import MlflowClient
     from transformers import Trainer, TrainingArguments
     monkeypatch.chdir(tmp_path)
@@ -139,8 +142,12 @@ def test_the_start_line_names_the_experiment_mlflows_own_variable_sent_the_run_t
     Trainer(model=model, args=args, train_dataset=shakespeare_blocks(8),
             callbacks=[LowprecCallback.from_yaml(path, model)]).train()
     client = MlflowClient(uri)
-    (run,) = client.search_runs([client.get_experiment_by_name("from-mlflow-env").experiment_id])
+    exp = client.get_experiment_by_name("from-mlflow-env")
+    (run,) = client.search_runs([exp.experiment_id])
     assert "train/loss" in run.data.metrics                      # lowprec's metrics in the Trainer's run
+    beside = local_artifact_location(uri, "from-mlflow-env")     # <store dir>/mlruns/<experiment>
+    assert exp.artifact_location == beside and run.info.artifact_uri.startswith(beside)
+    assert client.list_artifacts(run.info.run_id) and not (tmp_path / "mlruns").exists()
     assert client.search_runs([client.get_experiment_by_name("hf-yaml").experiment_id]) == []
     err = capsys.readouterr().err
     assert f"lowprec: tracking into MLflow run {run.info.run_id} (experiment 'from-mlflow-env'" in err, err[-2000:]

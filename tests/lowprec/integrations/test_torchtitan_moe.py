@@ -67,10 +67,10 @@ tracking: {enabled: false}
 NAN_AT, STEPS, SAVED = 3, 6, 4
 
 
-def test_ep2_fsdp2_nan_in_one_expert_demotes_it_on_every_rank(tmp_path, gloo, free_port):
+def test_ep2_fsdp2_nan_in_one_expert_demotes_it_on_every_rank(tmp_path, gloo, free_port, rank_forks):
     job = TitanJob(tmp_path, PLAN, steps=STEPS, checkpoint_every=SAVED, reference=True,
                    job=MOE_JOB, faults=[fault("nan", EXPERT, NAN_AT, NAN_AT + 1)])
-    log = _ok(job.run(2, free_port(), "--parallelism.expert_parallel_degree", "2"))
+    log = _ok(job.run(rank_forks, 2, free_port(), "--parallelism.expert_parallel_degree", "2"))
     assert "dp_shard=2" in log, log[-4000:]
     reports = job.reports(2)
     experts = [f"{EXPERTS.format(layer)}.{e}" for layer in (0, 1) for e in range(4)]
@@ -104,7 +104,7 @@ def test_ep2_fsdp2_nan_in_one_expert_demotes_it_on_every_rank(tmp_path, gloo, fr
     # experts' delayed-scaling histories come back with its own entry of the rollout's state, so
     # the steps trained again are the uninterrupted run's, loss for loss and decision for decision
     shutil.rmtree(job.dump / "checkpoint" / f"step-{STEPS}")
-    _ok(job.run(2, free_port(), "--parallelism.expert_parallel_degree", "2"))
+    _ok(job.run(rank_forks, 2, free_port(), "--parallelism.expert_parallel_degree", "2"))
     for before, after in zip(reports, job.reports(2)):
         assert after["restored"] and after["losses"][SAVED:] == before["losses"][SAVED:], (before, after)
         assert decisions(after["events"]) == want and after["formats"] == before["formats"]
@@ -115,7 +115,7 @@ def test_ep2_fsdp2_nan_in_one_expert_demotes_it_on_every_rank(tmp_path, gloo, fr
     (tmp_path / "one").mkdir()
     job = TitanJob(tmp_path / "one", PLAN, steps=STEPS, checkpoint_every=STEPS, job=MOE_JOB,
                    faults=[fault("nan", EXPERT, NAN_AT, NAN_AT + 1)])
-    log = _ok(job.run(1, free_port()))
+    log = _ok(job.run(rank_forks, 1, free_port()))
     assert "dp_shard" not in log or "dp_shard=1" in log, log[-4000:]
     one, = job.reports(1)
     assert all(n > 0 for n in one["expert_tokens"].values()), one["expert_tokens"]   # every expert ran here

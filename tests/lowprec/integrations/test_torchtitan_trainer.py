@@ -156,7 +156,7 @@ def _check_fp8_all_gather(reports: list[dict], resumed: bool = False) -> None:
         assert {m for m, _ in check.values()} == {"fp8", "hp"} and check[SITE][0] == "hp", check
 
 
-def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(tmp_path, gloo, free_port):
+def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(tmp_path, gloo, free_port, rank_forks):
     """Under FSDP 2 with the torch backend and lowprec's FP8 all-gather (LowprecConverter.Config)."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     faults = [fault("nan", SITE, NAN_AT, NAN_AT + 1, rank=0), fault("loss_spike", "", SPIKE_AT, SPIKE_AT + 2, 100.0)]
@@ -165,13 +165,13 @@ def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(t
     # one line from rank 0, exit 2 on both ranks, no rank's traceback, before torchtitan builds anything
     job = TitanJob(tmp_path, plan + "eval: {suite: shakespeare, every: 0}\n", steps=steps + 2, checkpoint_every=5,
                    faults=faults, validator=True, kill_at=steps + 1)
-    proc = job.run(2, free_port())
+    proc = job.run(rank_forks, 2, free_port())
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0 and log.count("lowprec: eval.gates: 'inloop' gates") == 1, log[-6000:]
     assert "Fix: a suite with that task" in log and "ConfigError" not in log and "exitcode  : 2" in log, log[-6000:]
     assert "dp_shard=2" not in log and not (tmp_path / "mlflow.db").exists()   # no mesh built, no store
     job.update(plan=plan, fp8_all_gather=True)
-    proc = job.run(2, free_port(), timeout=600)   # (a hang's net; on a shared 2-core machine ~4-5 min)
+    proc = job.run(rank_forks, 2, free_port(), timeout=600)   # (a hang's net; on a shared 2-core machine ~4-5 min)
     log = proc.stdout + proc.stderr
     assert "lowprec: tracking into MLflow run" in log, log[-6000:]   # rank 0 names the run
     assert proc.returncode != 0 and "SIGKILL" in log, log[-6000:]   # rank 0 died after step 11
@@ -201,7 +201,7 @@ def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(t
     # resumed by torchtitan from its step-10 checkpoint (plain high-precision shards), FP8 all-gather on,
     # no faults, an eval at the end
     job.update(plan=plan + EVAL, kill_at=-1, faults=[])
-    log = _ok(job.run(2, free_port(), timeout=600))
+    log = _ok(job.run(rank_forks, 2, free_port(), timeout=600))
     assert f"Loading the checkpoint from {job.dump / 'checkpoint' / f'step-{steps}'}" in log
     assert f"lowprec: continuing MLflow run {run.info.run_id}" in log, log[-6000:]
     assert f"lowprec: rollout restored from torchtitan's checkpoint" in log and f"MLflow run {run.info.run_id} continues" in log
@@ -261,13 +261,13 @@ def _check_final_eval_on_both_ranks(client, run_id: str, reports: list[dict]) ->
     assert any(k.startswith("eval_hp/heldout_shakespeare/") for k in logged), sorted(logged)
 
 
-def test_fsdp2_x_tp2_torchao_backend_nan_on_one_rank_falls_back_on_every_rank(tmp_path, gloo, free_port):
+def test_fsdp2_x_tp2_torchao_backend_nan_on_one_rank_falls_back_on_every_rank(tmp_path, gloo, free_port, rank_forks):
     """The torchao backend's sites (torchao's Float8Linear, emulated on CPU) as torchtitan Modules,
     on tensor-parallel shards under FSDP 2 x TP 2."""
     pytest.importorskip("torchao")
     job = TitanJob(tmp_path, PLAN.replace("backend: emulated", "backend: torchao"), steps=STEPS,
                    checkpoint_every=STEPS, faults=[fault("nan", SITE, NAN_AT, NAN_AT + 1, rank=0)])
-    log = _ok(job.run(4, free_port(), "--parallelism.tensor_parallel_degree", "2"))
+    log = _ok(job.run(rank_forks, 4, free_port(), "--parallelism.tensor_parallel_degree", "2"))
     assert "dp_shard=2, cp=1, tp=2" in log   # torchtitan's mesh: FSDP 2 x TP 2
     reports = job.reports(4)
     want = _check_nan_fallback(reports, log)
@@ -277,7 +277,7 @@ def test_fsdp2_x_tp2_torchao_backend_nan_on_one_rank_falls_back_on_every_rank(tm
         assert all(math.isfinite(v) for i, v in enumerate(r["losses"]) if i != NAN_AT)
 
 
-def test_fsdp2_x_tp2_fp8_all_gather_nan_on_one_rank_falls_back_to_bf16_gathers(tmp_path, gloo, free_port):
+def test_fsdp2_x_tp2_fp8_all_gather_nan_on_one_rank_falls_back_to_bf16_gathers(tmp_path, gloo, free_port, rank_forks):
     """lowprec's FP8 all-gather on tensor-parallel shards under FSDP 2 x TP 2 (the torch backend's
     sites; their weights DTensors sharded over dp and tp): every FP8 site's weight gathered as FP8
     bytes on every rank, SITE's as bf16 from its fallback on, and each gathered weight the whole
@@ -286,7 +286,7 @@ def test_fsdp2_x_tp2_fp8_all_gather_nan_on_one_rank_falls_back_to_bf16_gathers(t
     own scale, and their gathered bytes were no one process's cast."""
     job = TitanJob(tmp_path, PLAN.replace("backend: emulated", "backend: torch"), steps=STEPS,
                    checkpoint_every=STEPS, faults=[fault("nan", SITE, NAN_AT, NAN_AT + 1, rank=0)], fp8_all_gather=True)
-    log = _ok(job.run(4, free_port(), "--parallelism.tensor_parallel_degree", "2"))
+    log = _ok(job.run(rank_forks, 4, free_port(), "--parallelism.tensor_parallel_degree", "2"))
     assert "dp_shard=2, cp=1, tp=2" in log   # torchtitan's mesh: FSDP 2 x TP 2
     reports = job.reports(4)
     assert len(_check_nan_fallback(reports, log)) == 8
@@ -300,7 +300,7 @@ PP_EVAL = "eval: {suite: shakespeare, every: 0, mode: fast, final_mode: fast, ga
 PP_SITE_RANK = 1   # torchtitan's default Interleaved1F1B, 2 ranks: 4 stages, layers.1 in stage 1 on rank 1
 
 
-def test_pipeline_2_stages_nan_skip_rewind_probe_and_eval(tmp_path, gloo, free_port):
+def test_pipeline_2_stages_nan_skip_rewind_probe_and_eval(tmp_path, gloo, free_port, rank_forks):
     """Pipeline parallelism 2 (torchtitan's default looped schedule: two stages per rank, each a model
     part): every rank sees the last stage's loss, the NaN planted on the rank whose stage holds SITE
     is bisected by replays through torchtitan's pipeline schedule and that site falls back there
@@ -317,7 +317,7 @@ def test_pipeline_2_stages_nan_skip_rewind_probe_and_eval(tmp_path, gloo, free_p
                    faults=[fault("nan", SITE, NAN_AT, NAN_AT + 1, rank=PP_SITE_RANK),
                            fault("loss_spike", "", SPIKE_AT, SPIKE_AT + 2, 100.0)])
     # micro-batches of 4 rows (8 a step): an eval batch of 32 rows is 4 schedule steps, not 16
-    log = _ok(job.run(2, free_port(), "--parallelism.pipeline_parallel_degree", "2",
+    log = _ok(job.run(rank_forks, 2, free_port(), "--parallelism.pipeline_parallel_degree", "2",
                       "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatch_size", "4"))
     assert "pp=2" in log and "with 2 microbatches and 4 stages" in log   # torchtitan's pipeline, 2 stages per rank
     reports = job.reports(2)

@@ -22,6 +22,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 
+# what a rank imports before it reads the job (titan_launch.py, the job module): once in the rank server
+# (titan_launch.py's `main` makes the same changes again: each sees it was made and does nothing)
+TITAN_IMPORTS = tuple(f"lowprec.integrations.torchtitan_launch:{change}"
+                      for change in ("run_on_cpu", "keep_timeouts", "adapt_pipeline_schedules")) + (
+    "torchtitan.train", "torchtitan.models.llama3", "torchtitan.models.qwen3", "lowprec.integrations.torchtitan")
+
 # the config-registry module: the lines a user writes, the CPU settings, and the test's own parts
 JOB = '''\
 import dataclasses
@@ -338,13 +344,15 @@ class TitanJob:
         self.settings.update(settings)
         self._write()
 
-    def run(self, nproc: int, port: int, *extra: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    def run(self, forks, nproc: int, port: int, *extra: str, timeout: int = 900) -> subprocess.CompletedProcess:
+        """torchrun with `nproc` ranks, each forked by `forks` (the `rank_forks` fixture) from a server that
+        imported torchtitan's trainer and lowprec once."""
         torchrun = Path(sys.executable).with_name("torchrun")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(self.tmp), str(REPO)]), "OMP_NUM_THREADS": "1",
-               "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+        env = forks.env({**os.environ, "PYTHONPATH": os.pathsep.join([str(self.tmp), str(REPO)]), "OMP_NUM_THREADS": "1",
+                         "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}, imports=TITAN_IMPORTS)
         cmd = [str(torchrun), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port",
-               str(port), str(HERE / "titan_launch.py"), "--module", "lowprec_job", "--config",
-               "debugmodel_lowprec", *extra]
+               str(port), *forks.rank(HERE / "titan_launch.py", "--module", "lowprec_job", "--config",
+                                      "debugmodel_lowprec", *extra)]
         return subprocess.run(cmd, cwd=self.tmp, env=env, capture_output=True, text=True, timeout=timeout)
 
     def reports(self, nproc: int) -> list[dict]:

@@ -18,19 +18,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.launches]
 
 
 @pytest.fixture(scope="module")
-def modes(tmp_path_factory, gloo, free_port) -> dict[str, list[dict]]:
+def modes(tmp_path_factory, gloo, free_port, rank_forks) -> dict[str, list[dict]]:
     """One 2-rank launch that profiles in both modes, `same` then `other`: each rank's result by mode."""
     out = tmp_path_factory.mktemp("profile_distributed")
-    return _run_ranks(out, ("same", "other"), free_port())
+    return _run_ranks(out, ("same", "other"), free_port(), rank_forks)
 
 
-def _run_ranks(out: Path, modes: tuple[str, ...], port: int) -> dict[str, list[dict]]:
+def _run_ranks(out: Path, modes: tuple[str, ...], port: int, rank_forks) -> dict[str, list[dict]]:
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         with open(out / f"log{rank}.txt", "w") as log:   # the child keeps its own descriptor
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), *modes], env=env,
+            procs.append(subprocess.Popen([sys.executable, *rank_forks.rank(WORKER, out, *modes)], env=rank_forks.env(env),
                                           stdout=log, stderr=subprocess.STDOUT))
     try:
         for p in procs:
@@ -79,7 +79,7 @@ def test_ranks_with_other_weights_are_refused(modes):
         assert "ranks [1] hold other weights" in r["error"]
 
 
-def test_cli_under_torchrun_equals_one_process(tmp_path, gloo, free_port, tiny_lm, monkeypatch):
+def test_cli_under_torchrun_equals_one_process(tmp_path, gloo, free_port, tiny_lm, monkeypatch, rank_forks):
     """`torchrun ... lowprec.cli profile --distributed` (warm-up on every rank, weights
     broadcast, pairs split) writes the profile that one process writes."""
     import yaml
@@ -90,8 +90,9 @@ def test_cli_under_torchrun_equals_one_process(tmp_path, gloo, free_port, tiny_l
     args = ["profile", "good.yaml", "--steps", "2", "--batches", "2", "--no-tracking"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "lowprec.cli", *args, "--distributed", "--write", "w2/p.yaml", "--out", "o2"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                        *rank_forks.rank("-m", "lowprec.cli", *args, "--distributed", "--write", "w2/p.yaml",
+                                         "--out", "o2")],
+                       cwd=tmp_path, env=rank_forks.env(env), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))

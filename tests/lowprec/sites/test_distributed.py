@@ -64,22 +64,22 @@ PINNED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_CBWR": "AVX2",
           "ATEN_CPU_CAPABILITY": "avx2"}
 
 
-def _launch(cmd: list[str], log: Path) -> subprocess.Popen:
+def _launch(cmd: list[str], log: Path, rank_forks) -> subprocess.Popen:
     with open(log, "w") as f:  # a file, not a pipe: nobody reads it while the job runs
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, **PINNED}, cwd=HERE.parents[1],
+                                env=rank_forks.env({**os.environ, **PINNED}), cwd=HERE.parents[1],
                                 start_new_session=True)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, gloo):
+def runs(tmp_path_factory, gloo, rank_forks):
     d = tmp_path_factory.mktemp("distributed")
     commands = {
         "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                     "--nproc-per-node", "2", str(WORKER), str(d / "torchrun.pt"),
+                     "--nproc-per-node", "2", *rank_forks.rank(WORKER, d / "torchrun.pt"),
                      *(f"single:{f}" for f in FORMATS), "layer", *CORRECT, *CONTROLS],
     }
-    jobs = {name: _launch(cmd, d / f"{name}.log") for name, cmd in commands.items()}
+    jobs = {name: _launch(cmd, d / f"{name}.log", rank_forks) for name, cmd in commands.items()}
     results = {}
     try:
         for name, proc in jobs.items():

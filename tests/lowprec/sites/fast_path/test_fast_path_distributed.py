@@ -96,22 +96,22 @@ GEMM_FLAGS = (False, True, True)   # the worker's `precision.gemm` in `layer` an
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, gloo):
+def runs(tmp_path_factory, gloo, rank_forks):
     d = tmp_path_factory.mktemp("fast_path_distributed")
-    out = _run(d, FIRST)
-    out.update(_run(d, AFTER))   # one 2-rank launch, after the checkpoint it reshards
+    out = _run(d, FIRST, rank_forks)
+    out.update(_run(d, AFTER, rank_forks))   # one 2-rank launch, after the checkpoint it reshards
     return out
 
 
-def _run(d: Path, specs: dict) -> dict:
+def _run(d: Path, specs: dict, rank_forks) -> dict:
     """Launch the jobs of `specs` at once, wait for all; each one's results by name."""
     jobs = {}
     for name, (n, variants) in specs.items():
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
         with open(d / f"{name}.log", "w") as log:
-            jobs[name] = subprocess.Popen([*launch, str(WORKER), str(d / f"{name}.pt"), *variants],
+            jobs[name] = subprocess.Popen([*launch, *rank_forks.rank(WORKER, d / f"{name}.pt", *variants)],
                                           stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                          env={**os.environ, **PINNED}, start_new_session=True)
+                                          env=rank_forks.env({**os.environ, **PINNED}), start_new_session=True)
     out = {}
     try:
         for name, proc in jobs.items():

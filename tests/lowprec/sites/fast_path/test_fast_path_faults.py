@@ -39,7 +39,7 @@ INJECT = ["--inject", f"nan_one:{SITE}:12:{STEPS}"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, gloo):
+def runs(tmp_path_factory, gloo, rank_forks):
     d = tmp_path_factory.mktemp("fast_faults")
     cfg = copy.deepcopy(CONFIG)
     cfg["precision"]["backend"] = "torch"
@@ -47,16 +47,16 @@ def runs(tmp_path_factory, gloo):
     (d / "config.yaml").write_text(yaml.safe_dump(cfg))
     (d / "dp2xtp2.yaml").write_text(yaml.safe_dump({**cfg, "parallel": {"dp_replicate": 2, "tp": 2}}))
     commands = {
-        "single": [sys.executable, "-m", "lowprec.cli", "run", str(d / "config.yaml"), "--out", str(d / "single"),
-                   *INJECT],
-        "dp2xtp2": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
-                    "lowprec.cli", "run", str(d / "dp2xtp2.yaml"), "--out", str(d / "dp2xtp2"), *INJECT],
+        "single": [sys.executable, *rank_forks.rank("-m", "lowprec.cli", "run", d / "config.yaml", "--out",
+                                                    d / "single", *INJECT)],
+        "dp2xtp2": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                    *rank_forks.rank("-m", "lowprec.cli", "run", d / "dp2xtp2.yaml", "--out", d / "dp2xtp2", *INJECT)],
     }
     jobs = {}
     for name, cmd in commands.items():
         with open(d / f"{name}.log", "w") as log:
             jobs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                          env={**os.environ, **PINNED}, start_new_session=True)
+                                          env=rank_forks.env({**os.environ, **PINNED}), start_new_session=True)
     try:
         for name, proc in jobs.items():
             try:
