@@ -217,11 +217,12 @@ class RecordingTrainer(LowprecTrainer):
                 "whole_copy": h.whole.state.formats()}}
 
     def _against_one_process(self):
-        """An eval forward's logits and the LR probe's held loss, through this job's parallelism (every
-        rank, the model parts in eval mode), and the same from the whole model in this process (every
-        rank's parameters and sites' scaling state gathered, the run's formats, the parameters in the dtype
-        torchtitan's FSDP computes with), each micro-batch as the
-        pipeline schedule ran it, in the same order: to dump/forwards_rank<R>.pt."""
+        """An eval forward's logits and (with an LR probe) its held loss, through this job's parallelism
+        (every rank, the model parts in eval mode), and the same from the whole model in this process
+        (every rank's parameters and sites' scaling state gathered, an expert's from the rank that runs
+        it, the run's formats, the parameters in the dtype torchtitan's FSDP computes with), on the
+        batch as the job ran it (under pipeline parallelism each micro-batch as the schedule ran it, in
+        the same order): to dump/forwards_rank<R>.pt."""
         from torch.nn.functional import cross_entropy
 
         from lowprec.integrations.torchtitan import prepared_of
