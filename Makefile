@@ -2,6 +2,12 @@
 # Each creates .venv and installs what it needs; torch==2.13.0 is installed first
 # so that pip takes the local CPU build instead of a multi-GB CUDA one.
 PY ?= python3
+# The install does not byte-compile (below); each module is compiled the first time a process
+# imports it, and cached for the next only where Python may write .pyc files: an environment with
+# PYTHONDONTWRITEBYTECODE set (this one's machine has it) would compile torch's, MLflow's and the
+# others' modules again in every process (5 s more for `import lowprec.cli, mlflow.tracking,
+# torch._dynamo`, measured 2026-12-02), so these commands do not pass it on.
+unexport PYTHONDONTWRITEBYTECODE
 VENV := .venv
 STAMP := $(VENV)/.installed
 
@@ -10,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q --upgrade pip
 	@# --no-compile: pip does not byte-compile every installed module (half of the install's time on
 	@# a 2-core machine: 84 s against 172 s, measured 2026-12-02); Python compiles and caches the
-	@# modules a process imports the first time it imports them
+	@# modules a process imports the first time it imports them (see PYTHONDONTWRITEBYTECODE above)
 	$(VENV)/bin/pip install -q --no-compile torch==2.13.0
 	$(VENV)/bin/pip install -q --no-compile -e '.[dev,hf,lightning,torchtitan,torchao]'
 	@# a build leaves lowprec.egg-info here; from this folder it would shadow the installed
