@@ -11,6 +11,13 @@ machine the waits for a core do not count).
     python -m experiments.bench_moe                       # hidden 1024, width 256, 16 experts, top 4
     python -m experiments.bench_moe --hidden 7168 --width 2048 --experts 256 --top-k 8   # DeepSeek-V3's (GPU)
     python -m experiments.bench_moe --interleaved --repeats 5   # one call against expert by expert, call by call
+    python -m experiments.bench_moe --device cuda --hidden 7168 --width 2048 --experts 32 --top-k 8 --tokens 16384
+
+On a GPU (`--device cuda`): BF16 operands and BF16 `torch._grouped_mm` as the baseline, lowprec's
+experts on the `torch` backend (its grouped FP8 kernel, `torch._scaled_grouped_mm`, where a GEMM's
+operands are E4M3 row-wise or tensor-wise: all three GEMMs in `fp8_rowwise_e4m3_pow2`, the forward
+only in the hybrid `fp8_rowwise`), and torchao's FP8 row-wise grouped GEMM; wall time of
+forward + backward with the device synchronized (CUDA events would hide the host's part).
 
 DeepSeek-V3's experts are (hidden 7168, width 2048, 256 routed, top 8); the default keeps their
 ratios of width to hidden (2/7 ~ 1/4) and of active experts to experts (1/32 ~ 1/4 at 16).
@@ -29,6 +36,7 @@ from lowprec.numerics.formats import get_format
 from lowprec.sites.backends import get_backend
 from lowprec.sites.experts import ExpertSite
 from lowprec.sites.grouped_gemms import GroupedQuantizedFn
+from lowprec.sites.grouped_scaled_mm import kernel_for
 from lowprec.sites.layers import PrecisionLinear
 
 
@@ -48,19 +56,23 @@ def bf16_grouped(w13, w2, counts):
 
 
 def _bf16_grouped(x, w13, w2, counts):
-    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    if x.is_cuda:   # BF16 arithmetic on the GPU: the operands are BF16 already
+        h = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)
+        g, u = h.chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(g) * u, w2.transpose(-2, -1), offs=offs)
     h = torch._grouped_mm(_bf16(x), _bf16(w13).transpose(-2, -1), offs=offs)
     g, u = h.chunk(2, dim=-1)
     return torch._grouped_mm(_bf16(F.silu(g) * u), _bf16(w2).transpose(-2, -1), offs=offs)
 
 
-def lowprec_grouped(fmt_names, one_call: bool = True):
-    backend = get_backend("emulated")
+def lowprec_grouped(fmt_names, one_call: bool = True, backend_name: str = "emulated"):
+    backend = get_backend(backend_name)
 
     def setup(w13, w2, counts):
         fmts = tuple(get_format(fmt_names[e % len(fmt_names)]) for e in range(len(counts)))
         sites = [ExpertSite(e, {"w13": tuple(w13.shape[1:]), "w2": tuple(w2.shape[1:])}, fmts[e], backend,
-                            fqn=f"experts.{e}", seed=e) for e in range(len(counts))]
+                            fqn=f"experts.{e}", seed=e, device=w13.device) for e in range(len(counts))]
         for s in sites:
             s.collect_stats = False
         return lambda x: _grouped(x, w13, w2, counts, fmts, sites, one_call)
@@ -68,10 +80,12 @@ def lowprec_grouped(fmt_names, one_call: bool = True):
 
 
 def _grouped(x, w13, w2, counts, fmts, sites, one_call):
-    h = GroupedQuantizedFn.apply(x, w13, counts, fmts, tuple(s.operand_quantizer("w13") for s in sites), one_call)
+    kernel, accum = kernel_for(sites[0].backend, x.device), sites[0].gemm.fast_accum()
+    h = GroupedQuantizedFn.apply(x, w13, counts, fmts, tuple(s.operand_quantizer("w13") for s in sites), one_call,
+                                 kernel, accum)
     g, u = h.chunk(2, dim=-1)
     return GroupedQuantizedFn.apply(F.silu(g) * u, w2, counts, fmts, tuple(s.operand_quantizer("w2") for s in sites),
-                                    one_call)
+                                    one_call, kernel, accum)
 
 
 def updated(setup):
@@ -118,7 +132,7 @@ def torchao_grouped(w13, w2, counts):
 
 def _torchao(x, w13, w2, counts):
     from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm as mm
-    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
     h = mm(x.bfloat16(), w13.bfloat16().transpose(-2, -1), offs=offs)
     g, u = h.chunk(2, dim=-1)
     return mm((F.silu(g) * u).bfloat16(), w2.bfloat16().transpose(-2, -1), offs=offs)
@@ -127,10 +141,13 @@ def _torchao(x, w13, w2, counts):
 def time_it(fn, x, gy, repeats: int, warmup: int, clock=time.perf_counter) -> float:
     """Median seconds of forward + backward (the weights' gradients accumulate: no matter here)."""
     times = []
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     for i in range(warmup + repeats):
         xg = x.detach().requires_grad_(True)
+        sync()
         t0 = clock()
         fn(xg).float().backward(gy)
+        sync()
         if i >= warmup:
             times.append(clock() - t0)
     return sorted(times)[len(times) // 2]
@@ -154,6 +171,32 @@ def interleaved(w13, w2, x, gy, counts, formats, calls: int) -> None:
                   f"{b[0] * 1e3:.0f} / {b[len(b) // 2] * 1e3:.0f} | {a[0] / b[0]:.2f} |")
 
 
+def gpu_table(a, w13, w2, x, gy, counts) -> None:
+    """The GPU rows: BF16 grouped GEMM, lowprec's grouped FP8 kernel, torchao's; wall ms."""
+    rows = [("BF16 torch._grouped_mm", bf16_grouped),
+            ("lowprec grouped, fp8_rowwise_e4m3_pow2 (torch backend: FP8 kernel fprop, dgrad, wgrad)",
+             updated(lowprec_grouped(["fp8_rowwise_e4m3_pow2"], backend_name="torch"))),
+            ("lowprec grouped, fp8_rowwise (torch backend: FP8 kernel fprop; E5M2 gradients emulated)",
+             updated(lowprec_grouped(["fp8_rowwise"], backend_name="torch"))),
+            ("lowprec grouped, fp8_rowwise_e4m3_pow2, emulated (the same operands, FP32 GEMMs)",
+             updated(lowprec_grouped(["fp8_rowwise_e4m3_pow2"]))),
+            ("torchao FP8 row-wise grouped (_scaled_grouped_mm)", torchao_grouped)]
+    print(f"experts {a.experts} (top {a.top_k}), hidden {a.hidden}, width {a.width}, {a.tokens} tokens -> "
+          f"{sum(counts)} routed rows (min {min(counts)}, max {max(counts)} per expert); fwd+bwd, wall time with the "
+          f"device synchronized, median of {a.repeats}, weights updated every call, torch {torch.__version__}, "
+          f"{torch.cuda.get_device_name()}\n")
+    print("| path | ms | x BF16 |\n|---|---:|---:|")
+    base = None
+    for name, fn in rows:
+        try:
+            t = time_it(fn(w13, w2, counts), x, gy, a.repeats, a.warmup)
+        except Exception as e:   # a library or kernel this GPU or build lacks: the row says so
+            print(f"| {name} | n/a: {type(e).__name__}: {str(e).splitlines()[0][:90]} | |")
+            continue
+        base = base or t
+        print(f"| {name} | {t * 1e3:.2f} | {t / base:.2f} |")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=1024)
@@ -163,15 +206,21 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu (emulated rows, CPU time) or cuda (the GPU rows, wall time)")
     ap.add_argument("--interleaved", nargs="*", metavar="FORMAT",
                     help="instead: one call per operand against expert by expert, call by call, for these formats")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     counts = _counts(a.tokens, a.experts, a.top_k, seed=0)
-    x = torch.randn(sum(counts), a.hidden)
-    w13 = nn.Parameter(torch.randn(a.experts, 2 * a.width, a.hidden) * a.hidden ** -0.5)
-    w2 = nn.Parameter(torch.randn(a.experts, a.hidden, a.width) * a.width ** -0.5)
-    gy = torch.randn(sum(counts), a.hidden)
+    dev = torch.device(a.device)
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    x = torch.randn(sum(counts), a.hidden).to(dev, dt)
+    w13 = nn.Parameter((torch.randn(a.experts, 2 * a.width, a.hidden) * a.hidden ** -0.5).to(dev, dt))
+    w2 = nn.Parameter((torch.randn(a.experts, a.hidden, a.width) * a.width ** -0.5).to(dev, dt))
+    gy = torch.randn(sum(counts), a.hidden).to(dev, dt)
+    if dev.type == "cuda":
+        gpu_table(a, w13, w2, x, gy, counts)
+        return
     if a.interleaved is not None:
         interleaved(w13, w2, x, gy, counts, a.interleaved or ["fp8_tensorwise", "fp8_delayed", "fp8_rowwise", "mxfp8",
                                                               "nvfp4"], a.repeats)

@@ -25,6 +25,9 @@
 #   linear    bench_linear.py's table (BF16, torchao, lowprec's backends; 6 shapes, largest first)
 #   profile   experiments/profile_linear.py (kernels of one FP8 layer step at d 8192) and
 #             experiments/kernel_registers.py (the cast kernels' registers and spills)
+#   moe       experiments/bench_moe.py on the GPU (issue 53): one MoE layer's experts at
+#             DeepSeek-V3's expert shapes, BF16 grouped GEMM against lowprec's grouped FP8
+#             kernel and torchao's, forward + backward
 #
 # Options: --wheels DIR (default .whl), --out DIR (default $OUT when set, else ./gpu_out),
 #          --budget PHASE=S (that phase's time limit in seconds, for a call that fits several
@@ -42,7 +45,7 @@ OUT_DIR=${OUT:-./gpu_out}
 WORK=${GPU_BENCH_WORK:-/tmp/gpu_bench}          # logs and runs there; only summaries go to OUT
 SITE=${GPU_BENCH_SITE:-/tmp/site}
 ISSUE_PHASES=(mainjob model host te)     # what a dry run with no phase named checks
-ALL_PHASES=(mainjob model host te temainjob tests quantize linear profile)
+ALL_PHASES=(mainjob model host te temainjob tests quantize linear profile moe)
 
 # --- the plan ------------------------------------------------------------------------------
 # Seconds each phase may run (its `timeout`), and what each needs carried in (folders under
@@ -51,9 +54,9 @@ ALL_PHASES=(mainjob model host te temainjob tests quantize linear profile)
 # switch, evals, one 13 GB checkpoint each) and the gate; model: 3 sizes x 3 rows, each row a
 # compilation and 2+6 steps; host: the layer rows at d 256 (seconds).
 declare -A BUDGET=([mainjob]=290 [model]=190 [host]=40 [te]=480 [temainjob]=400
-                   [tests]=200 [quantize]=120 [linear]=230 [profile]=90)
+                   [tests]=200 [quantize]=120 [linear]=230 [profile]=90 [moe]=90)
 declare -A CARRY=([mainjob]="job data" [model]="ao" [host]="" [te]="" [temainjob]="job data"
-                  [tests]="ao" [quantize]="" [linear]="ao" [profile]="")
+                  [tests]="ao" [quantize]="" [linear]="ao" [profile]="" [moe]="ao")
 MAINJOB_CFG=experiments/configs/gpu_llama_d4096.yaml
 declare -A FILES=(
   [mainjob]="$MAINJOB_CFG gates/default.yaml pyproject.toml"
@@ -64,16 +67,18 @@ declare -A FILES=(
   [tests]="tests/gpu tests/lowprec/numerics/test_quantize_torch_parity.py tests/lowprec/numerics/kernels/test_fp8_cast.py"
   [quantize]="experiments/bench_quantize.py lowprec/numerics/kernels"
   [linear]="experiments/bench_linear.py"
-  [profile]="experiments/profile_linear.py experiments/kernel_registers.py")
+  [profile]="experiments/profile_linear.py experiments/kernel_registers.py"
+  [moe]="experiments/bench_moe.py lowprec/sites/grouped_scaled_mm.py")
 # bench_model_step's sizes: name, d_model, layers, heads, SwiGLU hidden (16,384 tokens a step)
 MODEL_SIZES=("1.0B 2048 20 16 5632" "1.6B 4096 8 32 11008" "3.2B 4096 16 32 11008")
 # Device calls. Lease 1 (issue 57 steps 1-2): at most 13 minutes and 3 calls, back to back on
 # one machine (it stays warm 30 s after a call). Lease 2: Transformer Engine, one call per
 # carried part (te/cNN: the 280 MB wheel in parts under the 64 MiB a call carries), the last
 # builds, tests and adds the te rows; calls numbered on from TE_FIRST_CALL (gpu_prep.py's). Then
-# the te main job. Lease 4: the tables of issues 29 and 43, when named.
-CALL_PHASES=([1]="mainjob" [2]="model host" [20]="linear profile tests" [21]="quantize")
-declare -A LEASE_OF_CALL=([1]=1 [2]=1 [20]=4 [21]=4)
+# the te main job. Lease 4: the tables of issues 29 and 43, when named. Lease 5: issue 53's MoE
+# layer (its GPU tests are in lease 4's `tests`).
+CALL_PHASES=([1]="mainjob" [2]="model host" [20]="linear profile tests" [21]="quantize" [22]="moe")
+declare -A LEASE_OF_CALL=([1]=1 [2]=1 [20]=4 [21]=4 [22]=5)
 TE_FIRST_CALL=3
 INSTALL_S=30          # verify + pip install of the carried wheels, each call (job: +15)
 TRANSFER_S=20         # sending the tree and the carried folders, each call
@@ -308,6 +313,7 @@ print_plan() {
         3) echo "-- lease 3 (issue 57 step 3): the main job on the te backend, TE built in lease 2's /tmp (same machine," ;
            echo "   warm: right after lease 2's last call; a fresh machine needs lease 2 again)" ;;
         4) echo "-- lease 4 (issues 29 and 43: the layer table, profile, tests, quantize)" ;;
+        5) echo "-- lease 5 (issue 53: one MoE layer's grouped FP8 experts against BF16 and torchao)" ;;
       esac
     else
       total=$((total + GAP_S))
@@ -345,7 +351,7 @@ print_plan() {
     total=$((total + SECS)); ncalls=$((ncalls + 1)); call=$((call + 1))
   fi
   local slot
-  for slot in 20 21; do
+  for slot in 20 21 22; do
     phases=""; for p in ${CALL_PHASES[$slot]}; do [[ $want == *" $p "* ]] && phases+="$p "; done
     [ -n "$phases" ] || continue
     start_call "$call" "${LEASE_OF_CALL[$slot]}"
@@ -355,6 +361,10 @@ print_plan() {
     total=$((total + SECS)); ncalls=$((ncalls + 1))
   done
   end_lease "$lease" "$total" "$ncalls" || over=1
+  for p in "$@"; do   # a phase no call runs would be silently left out of the session's plan
+    [[ " ${CALL_PHASES[*]} " == *" $p "* ]] || [[ " te temainjob " == *" $p "* ]] \
+      || { echo "   PHASE $p is in no device call (CALL_PHASES)"; over=1; }
+  done
   echo
   return "$over"
 }
@@ -449,6 +459,13 @@ phase_body() {
       "$PY" experiments/bench_model_step.py --d-model "$d" --layers "$layers" --heads "$heads" --hidden "$hidden" \
         --seq 2048 --batch 8 --steps 6 --warmup 2 --json "$WORK/model_$name.json" || rc=$?
     done
+    return "$rc" ;;
+  moe)
+    # 32 of DeepSeek-V3's experts (hidden 7168, width 2048; a rank's share under EP 8), top 8,
+    # 16,384 tokens; then the default CPU shapes, where the launch overheads show
+    "$PY" -m experiments.bench_moe --device cuda --hidden 7168 --width 2048 --experts 32 --top-k 8 \
+      --tokens 16384 --repeats 5 --warmup 2 | tee "$WORK/moe.md" || rc=$?
+    "$PY" -m experiments.bench_moe --device cuda --repeats 5 --warmup 2 | tee -a "$WORK/moe.md" || rc=$?
     return "$rc" ;;
   host)
     # the host's part of a layer step: eager, compiled and CUDA-graph rows against nn.Linear

@@ -71,6 +71,9 @@ def phase_result(phase: str, log: str, work: Path) -> tuple[dict, list[str]]:
         md = [res["verdict"] or "no gate verdict (see the log)", ""]
         md += gate.read_text().splitlines() if gate.is_file() else []
         return res, md
+    if phase == "moe":   # bench_moe prints its tables (and their header lines) only
+        lines = [ln for ln in log.splitlines() if ln.startswith(("|", "experts "))]
+        return {"tables": lines}, lines
     if phase == "te":
         stamps = [ln for ln in log.splitlines() if ln.startswith("== ") or ln.startswith("TE")]
         res = {"stamps": stamps, "tests": junit(work / "tests-te.xml")}

@@ -15,7 +15,10 @@ per format group, and adds one `ExpertSite` child per expert, named by its index
 expert 3 of `model.layers.0.mlp.experts` is `model.layers.0.mlp.experts.3`. An `ExpertSite`
 is what `PrecisionState` switches and the monitors read (`SiteModule`): its format, its
 statistics (the operands of all its GEMMs, merged as a check window merges steps), its
-delayed-scaling histories, and `tokens`, the tokens routed to it in the last forward.
+delayed-scaling histories, `tokens`, the tokens routed to it in the last forward, and
+`fast_calls` / `slow_calls`, its projections' forwards in a low-precision format that ran the
+grouped FP8 kernel on a GPU (the `torch` backend, lowprec.sites.grouped_scaled_mm) or the
+emulated grouped GEMM, as a linear site counts its forwards.
 `unwrap_experts` restores the module as it was.
 """
 
@@ -32,7 +35,9 @@ from lowprec.numerics.formats import Format, Scaling
 from lowprec.numerics.hadamard import RandomHadamard
 from lowprec.numerics.quant_stats import QuantStats
 from lowprec.sites.amax_scope import DEFAULT_AMAX_SCOPE, AmaxScope
+from lowprec.sites.gemm_config import LinearGemmConfig
 from lowprec.sites.grouped_gemms import GroupedQuantizedFn
+from lowprec.sites.grouped_scaled_mm import grouped_scaled_ok, kernel_for
 from lowprec.sites.operand_quantizer import OPERAND_OF, OPERANDS, OperandQuantizer
 from lowprec.sites.weight_cache import OptimizerSteps, WeightCache
 
@@ -75,7 +80,8 @@ class ExpertSite(nn.Module):
 
     def __init__(self, index: int, shapes: dict[str, tuple[int, int]], fmt: Format, backend, *, fqn: str,
                  seed: int = 0, top_k: int = 1, num_experts: int = 1, device=None, amax_group=None,
-                 amax_scope: AmaxScope = DEFAULT_AMAX_SCOPE, fused: bool = False):
+                 amax_scope: AmaxScope = DEFAULT_AMAX_SCOPE, fused: bool = False,
+                 gemm: LinearGemmConfig | None = None):
         super().__init__()
         self.expert_index, self.fqn, self.backend, self.seed = int(index), fqn, backend, int(seed)
         self.shapes = dict(shapes)                       # projection -> (out, in) of its weight
@@ -84,6 +90,8 @@ class ExpertSite(nn.Module):
         self.routed_fraction = Fraction(top_k, num_experts)
         self.amax_group, self.amax_scope, self.fused = amax_group, amax_scope, fused
         self.collect_stats, self.tokens, self._window_tokens = True, 0, 0
+        self.gemm = gemm or LinearGemmConfig()   # the grouped kernel's use_fast_accum per GEMM
+        self.fast_calls = self.slow_calls = 0
         self.stats = MergedStats()
         device = device if device is not None and torch.device(device).type != "meta" else "cpu"
         # a plain attribute, not a buffer: `model.to(torch.bfloat16)` must not change its dtype
@@ -152,6 +160,10 @@ class ExpertSite(nn.Module):
         self.tokens = int(count)
         if self.collect_stats:
             self._window_tokens += int(count)
+
+    def restore_calls(self, fast: int, slow: int) -> None:
+        """Set the forward counters to a checkpoint's, as `PrecisionLinear.restore_calls`."""
+        self.fast_calls, self.slow_calls = int(fast), int(slow)
 
     def take_tokens(self) -> int:
         """The tokens routed to this expert since the last call (statistics steps only); resets."""
@@ -236,8 +248,19 @@ class _Experts:
     def _project(self, name: str, x: torch.Tensor, counts: tuple[int, ...], sites: list[ExpertSite]) -> torch.Tensor:
         w = getattr(self, name)
         w = w.to_local() if hasattr(w, "to_local") else w
+        kernel = kernel_for(sites[0].backend, w.device)
+        if not torch.compiler.is_compiling():   # a compiled graph keeps no host counter
+            for s, c in zip(sites, counts):
+                if c and not s.format.is_high_precision:
+                    fast = kernel is not None and grouped_scaled_ok(s.format.input, s.format.weight, w.shape[2],
+                                                                    w.shape[1])
+                    s.__dict__["fast_calls" if fast else "slow_calls"] += 1
+        # one quantization call per operand for a format group's experts where launches cost (a GPU);
+        # expert by expert on a CPU, the same numbers and faster there (cache locality, docs/moe.md)
+        one_call = w.device.type != "cpu"
         return GroupedQuantizedFn.apply(x.reshape(-1, x.shape[-1]), w, counts, tuple(s.format for s in sites),
-                                        tuple(s.operand_quantizer(name) for s in sites))
+                                        tuple(s.operand_quantizer(name) for s in sites), one_call, kernel,
+                                        sites[0].gemm.fast_accum())
 
     @staticmethod
     def _routed(counts: tuple[int, ...], sites: list[ExpertSite]) -> None:
@@ -302,7 +325,7 @@ _CLASSES: dict[type, type] = {}
 
 def wrap_experts(module: nn.Module, fqn: str, names: tuple[str, ...], formats: list[Format], backend, *,
                  seeds: list[int], top_k: int, amax_group=None, amax_scope: AmaxScope = DEFAULT_AMAX_SCOPE,
-                 fused: bool = False) -> list[ExpertSite]:
+                 fused: bool = False, gemm: LinearGemmConfig | None = None) -> list[ExpertSite]:
     """Make `module` (at `fqn`, with projections `names`) run its experts as sites, in place."""
     base = type(module)
     mixin = _HFExperts if names == HF_PROJECTIONS else _TitanExperts
@@ -311,7 +334,7 @@ def wrap_experts(module: nn.Module, fqn: str, names: tuple[str, ...], formats: l
     shapes = {n: tuple(getattr(module, n).shape[1:]) for n in names}
     sites = [ExpertSite(e, shapes, formats[e], backend, fqn=f"{fqn}.{e}", seed=seeds[e], top_k=top_k,
                         num_experts=first.shape[0], device=first.device, amax_group=amax_group,
-                        amax_scope=amax_scope, fused=fused) for e in range(first.shape[0])]
+                        amax_scope=amax_scope, fused=fused, gemm=gemm) for e in range(first.shape[0])]
     for s in sites:
         module.add_module(str(s.expert_index), s)
     module.__class__ = cls

@@ -32,6 +32,7 @@ import torch
 from lowprec.numerics.formats import Format
 from lowprec.sites.backends.emulated import dequantize_for_gemm
 from lowprec.sites.grouped_operands import quantize_group, quantize_group_tokens, quantize_group_weights
+from lowprec.sites.grouped_scaled_mm import ALIGN, grouped_scaled_ok, scaled_grouped_rows, scaled_grouped_tokens
 from lowprec.sites.operand_quantizer import OperandQuantizer, bf16_round
 from lowprec.sites.quantized_gemms import (_delayed_scale, _pad_tokens, _token_multiple, _transposable,
                                            _transpose)
@@ -107,18 +108,27 @@ class GroupedQuantizedFn(torch.autograd.Function):
     `formats` (one `Format` per expert), `quants` (one `OperandQuantizer` per expert: its
     holders receive the expert's statistics and delayed-scaling amaxes); `one_call` (default
     True): each format group's operands are quantized in one call (False: expert by expert, the same
-    numbers; experiments/bench_moe.py times both). Returns y (R, N)."""
+    numbers; experiments/bench_moe.py times both); `kernel`: `torch._scaled_grouped_mm` (or an
+    operator with its contract) for the GEMMs `grouped_scaled_ok` admits, None for the FP32
+    grouped GEMM of the dequantized operands (lowprec.sites.grouped_scaled_mm); `fast_accum`: its
+    (fprop, dgrad, wgrad) `use_fast_accum`. Returns y (R, N)."""
 
     @staticmethod
     def forward(ctx, x, w, counts: tuple[int, ...], formats: tuple[Format, ...],
-                quants: tuple[OperandQuantizer, ...], one_call: bool = True):
+                quants: tuple[OperandQuantizer, ...], one_call: bool = True, kernel=None,
+                fast_accum: tuple[bool, bool, bool] = (True, False, False)):
         starts = _starts(counts)
         keep_x, keep_w, scales = {}, {}, {}
         groups = format_groups(formats, counts)
         y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
         for fmt, experts in groups.items():
             lengths, qs = [counts[e] for e in experts], [quants[e] for e in experts]
-            if one_call:   # each operand of the whole group in one quantization
+            fast = kernel is not None and grouped_scaled_ok(fmt.input, fmt.weight, w.shape[2], w.shape[1])
+            if fast:   # the FP8 bytes to the grouped kernel
+                _, qxs = quantize_group(_group_rows(x, experts, starts, counts), lengths, fmt, "input", qs,
+                                        dequantized=False)
+                qws, _ = quantize_group_weights(w, experts, fmt, qs, dequantized=False)
+            elif one_call:   # each operand of the whole group in one quantization
                 a, qxs = quantize_group(_group_rows(x, experts, starts, counts), lengths, fmt, "input", qs)
                 qws, b = quantize_group_weights(w, experts, fmt, qs)
             else:
@@ -130,12 +140,17 @@ class GroupedQuantizedFn(torch.autograd.Function):
                              and counts[e] % _token_multiple(fmt) == 0 else None)
                 keep_w[e] = qw if _transposable(fmt.weight, fmt.weight, qw) else None
                 scales[e] = (_delayed_scale(qx), _delayed_scale(qw))
+            if fast:
+                out = scaled_grouped_rows(kernel, qxs, qws, lengths, fast_accum[0]).float()
+                _scatter_rows(y, out, experts, starts, counts)
+                continue
             if b is None:   # from the caches, or expert by expert
                 b = _stack([dequantize_for_gemm(q).float().t() for q in qws])
             _scatter_rows(y, grouped_mm(a, b, _cumsum(lengths)), experts, starts, counts)
         ctx.save_for_backward(x, w)
         ctx.keep = (keep_x, keep_w, scales, groups, starts)
         ctx.counts, ctx.formats, ctx.quants, ctx.one_call = counts, formats, quants, one_call
+        ctx.kernel, ctx.fast_accum = kernel, fast_accum
         return y.to(x.dtype)
 
     @staticmethod
@@ -157,9 +172,11 @@ class GroupedQuantizedFn(torch.autograd.Function):
                     _scatter_rows(dx, hp(out), experts, starts, counts)
                     continue
                 lengths = [counts[e] for e in experts]
-                if ctx.one_call:   # the output gradient of the whole group in one quantization
+                fast = ctx.kernel is not None and grouped_scaled_ok(fmt.grad_output, fmt.weight, w.shape[1],
+                                                                    w.shape[2])
+                if ctx.one_call or fast:   # the output gradient of the whole group in one quantization
                     a, qgs = quantize_group(_group_rows(gy, experts, starts, counts), lengths, fmt, "grad_output",
-                                            [quants[e] for e in experts])
+                                            [quants[e] for e in experts], dequantized=not fast)
                     qg.update(zip(experts, qgs))
                 else:
                     for e in experts:
@@ -168,12 +185,16 @@ class GroupedQuantizedFn(torch.autograd.Function):
                 b = None
                 if all(keep_w[e] is not None for e in experts):   # the forward's, transposed
                     qwts = [_transpose(keep_w[e]) for e in experts]
-                elif ctx.one_call:
+                elif ctx.one_call or fast:
                     qwts, b = quantize_group_weights(w, experts, fmt, [quants[e] for e in experts], transposed=True,
-                                                     scales=[scales[e][1] for e in experts])
+                                                     scales=[scales[e][1] for e in experts], dequantized=not fast)
                 else:
                     qwts = [quants[e].quantize(w[e].t(), fmt, "weight", record=False, scale=scales[e][1])
                             for e in experts]
+                if fast:
+                    out = scaled_grouped_rows(ctx.kernel, [qg[e] for e in experts], qwts, lengths, ctx.fast_accum[1])
+                    _scatter_rows(dx, out.float(), experts, starts, counts)
+                    continue
                 if b is None:   # (G, N, K) row major, as a loop's transposed weights are (and one call's)
                     b = _stack([dequantize_for_gemm(q).float().t() for q in qwts]).contiguous()
                 _scatter_rows(dx, grouped_mm(a, b, _cumsum([counts[e] for e in experts])), experts, starts, counts)
@@ -186,6 +207,13 @@ class GroupedQuantizedFn(torch.autograd.Function):
                     gts = [gy[starts[e]:starts[e] + counts[e]].float().t() for e in experts]
                     xts = [hp(x[starts[e]:starts[e] + counts[e]]).float() for e in experts]
                     dw[experts] = hp(grouped_mm(_cols(gts), _rows(xts), _cumsum([counts[e] for e in experts])))
+                    continue
+                if ctx.kernel is not None and grouped_scaled_ok(fmt.grad_output_wgrad, fmt.input_wgrad, ALIGN,
+                                                                w.shape[2]):
+                    pairs = [_wgrad_operands(e, fmt, quants[e], gy, x, qg.get(e), keep_x[e], scales[e][0], starts[e],
+                                             counts[e]) for e in experts]
+                    dw[experts] = scaled_grouped_tokens(ctx.kernel, [p[0] for p in pairs], [p[1] for p in pairs],
+                                                        ctx.fast_accum[2]).float()
                     continue
                 if ctx.one_call and (ops := _wgrad_group(fmt, experts, quants, gy, x, qg, keep_x, scales, starts,
                                                          counts)) is not None:
@@ -200,7 +228,7 @@ class GroupedQuantizedFn(torch.autograd.Function):
                 out = grouped_mm(_cols(gts), _rows(xts), _cumsum([t.shape[1] for t in gts]))
                 dw[experts] = out
             dw = dw.to(w.dtype)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def _hp_rounding(quant: OperandQuantizer, x: torch.Tensor):

@@ -123,10 +123,12 @@ def quantize_group_tokens(rows: list[torch.Tensor], padded: list[int], fmt: Form
 
 
 def quantize_group(t: torch.Tensor, lengths: list[int], fmt: Format, role: str, quants: list[OperandQuantizer],
-                   *, record: bool = True, scales=None) -> tuple[torch.Tensor, list]:
+                   *, record: bool = True, scales=None, dequantized: bool = True) -> tuple[torch.Tensor | None, list]:
     """The FP32 GEMM operand of a format group's rows `t` (expert g: `lengths[g]` rows, quantized
     for `role` by `quants[g]`) and each expert's quantization (a `Quantized` view, or its rows
-    in high precision). scales: the delayed scales of a first quantization (None: the histories')."""
+    in high precision). scales: the delayed scales of a first quantization (None: the histories').
+    dequantized=False: no FP32 operand (the grouped FP8 kernel takes the quantizations), None
+    in its place."""
     spec: QuantSpec | None = getattr(fmt, role)
     if spec is None:
         a = bf16_round(t).float() if quants[0].emulate_bf16 and t.dtype == torch.float32 else t.float()
@@ -135,19 +137,20 @@ def quantize_group(t: torch.Tensor, lengths: list[int], fmt: Format, role: str, 
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         qs = [q.quantize(t[s:s + n], fmt, role, record=record, scale=None if scales is None else scales[g])
               for g, (q, s, n) in enumerate(zip(quants, starts, lengths))]
-        return torch.cat([dequantize_for_gemm(q).float() for q in qs]), qs
+        return (torch.cat([dequantize_for_gemm(q).float() for q in qs]) if dequantized else None), qs
     whole, views = _segments(list(torch.split(t, lengths)), spec, quants, role, scales, record, whole=t)
-    return dequantize_for_gemm(whole).float(), views
+    return (dequantize_for_gemm(whole).float() if dequantized else None), views
 
 
 def quantize_group_weights(w: torch.Tensor, experts: list[int], fmt: Format, quants: list[OperandQuantizer], *,
-                           transposed: bool = False, scales=None) -> tuple[list, torch.Tensor | None]:
+                           transposed: bool = False, scales=None, dequantized: bool = True) -> tuple[list, torch.Tensor | None]:
     """Each expert's quantized weight `w[e]` (fprop; `transposed`: `w[e].t()` quantized again for
     dgrad, not recorded, with the forward's delayed `scales`) for a format group: from the
     experts' weight caches when every one of them holds that layout of its weight as it is, else
     all in one call (and into the caches); with them, the group's dequantized weights as its GEMM
     takes them when they were quantized in one call (fprop: (G, K, N), the transposes of (G, N,
-    K) rows; dgrad: (G, N, K) row major), else None. The transposes are quantized where the
+    K) rows; dgrad: (G, N, K) row major), else None (always None with dequantized=False). The
+    transposes are quantized where the
     weights lie, by strides (`_by_strides`: no copy of the transposed weights). Delayed scaling,
     stochastic rounding and Hadamard weights are never cached."""
     spec: QuantSpec | None = fmt.weight
@@ -170,6 +173,8 @@ def quantize_group_weights(w: torch.Tensor, experts: list[int], fmt: Format, qua
         if key is not None:
             q.weight_cache.put(slot, key, v, storage=getattr(q.backend, "fp8_storage", False))
     if not strides:
+        return views, None
+    if not dequantized:
         return views, None
     deq = dequantize_for_gemm(whole).float().reshape(rows.shape)
     return views, deq if transposed else deq.transpose(-2, -1)

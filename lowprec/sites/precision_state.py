@@ -311,5 +311,6 @@ def _wrap_experts(model: nn.Module, backend, kind: BackendName, plan, seed: int,
         e = getattr(m, names[0]).shape[0]
         wrap_experts(m, fqn, names, [BF16] * e, backend, top_k=experts_top_k(model, fqn), amax_group=amax_group,
                      seeds=[seed * 1_000_003 + 700_001 + 1_000 * n + i for i in range(e)],
-                     amax_scope=getattr(plan, "amax_scope", DEFAULT_AMAX_SCOPE), fused=plan.fused)
+                     amax_scope=getattr(plan, "amax_scope", DEFAULT_AMAX_SCOPE), fused=plan.fused,
+                     gemm=getattr(plan, "gemm", None))
     return found

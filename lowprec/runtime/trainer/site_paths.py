@@ -10,8 +10,10 @@ included; the counts up to a checkpoint are in its precision state, so a resumed
 from the start, not from the resume), summed over the ranks.
 `all_gather`: the dtype FSDP2 gathers the site's weight in from the next step: an FP8 dtype
 under `parallel.fp8_all_gather` while the site runs tensor-wise FP8, else the weight's own
-dtype; null where no FSDP2 shards the model (one process, replicated data parallel, tp, pp).
-Sites of a backend without these counters (torchao, te) are left out.
+dtype; null where no FSDP2 shards the model (one process, replicated data parallel, tp, pp),
+and for an expert site (`lowprec.sites.experts`: its projections' forwards on the grouped FP8
+kernel or the emulated grouped GEMM; its weights are its experts module's 3-D parameters,
+gathered whole). Sites of a backend without these counters (torchao, te) are left out.
 
 Rank 0 writes them to summary.json (`site_paths`) and logs them to MLflow as metrics at the
 last step (`path/<site>/fast_calls`, `path/<site>/slow_calls`) and as the tag
@@ -40,7 +42,7 @@ def _local(engine, state) -> dict[str, dict]:
         if not hasattr(m, "fast_calls"):
             continue
         gathered = None
-        if sharded:
+        if sharded and hasattr(m, "weight"):   # an expert site's weights are its experts module's, gathered whole
             fp8 = fp8_gather_dtype(m) if fqn in fp8_sites else None
             gathered = _dtype_name(fp8 if fp8 is not None else m.weight.dtype)
         out[fqn] = {"fast_calls": int(m.fast_calls), "slow_calls": int(m.slow_calls), "all_gather": gathered}

@@ -89,6 +89,7 @@ def test_expert_state_resumes_exactly(tmp_path):
     step(a)
     sa.set_format("model.layers.0.mlp.experts.2", "bf16")
     torch.save({"model": a.state_dict(), "lowprec": sa.state_dict()}, tmp_path / "ckpt.pt")
+    saved = {f: (s.module.fast_calls, s.module.slow_calls) for f, s in sa.sites.items() if ".experts." in f}
     want = step(a)
     b = tiny_qwen3_moe(seed=1)
     sb = prepare(b, plan)
@@ -96,6 +97,11 @@ def test_expert_state_resumes_exactly(tmp_path):
     b.load_state_dict(ckpt["model"])
     sb.load_state_dict(ckpt["lowprec"])
     assert sb.formats() == sa.formats() and sb.formats()["model.layers.0.mlp.experts.1"] == "nvfp4"
+    # each projection's low-precision forwards by path, carried by the checkpoint (on the CPU: the
+    # emulated grouped GEMM, never the GPU's grouped FP8 kernel; BF16 forwards are not counted)
+    calls = {f: (s.module.fast_calls, s.module.slow_calls) for f, s in sb.sites.items() if ".experts." in f}
+    assert calls["model.layers.0.mlp.experts.2"] == (0, 4) and calls["model.layers.0.mlp.experts.1"] == (0, 4)
+    assert calls == saved
     got = step(b)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 

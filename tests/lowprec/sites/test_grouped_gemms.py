@@ -21,12 +21,13 @@ MIXES = [("fp8_tensorwise", "bf16", "fp8_rowwise", "fp8_tensorwise", "mxfp8"),
          ("fp8_rowwise", "mxfp8", "fp8_rowwise", "bf16", "mxfp8")]   # row-local formats: one quantization per group
 
 
+@pytest.mark.parametrize("one_call", [True, False], ids=["one_call", "expert_by_expert"])
 @pytest.mark.parametrize("stats", [True, False], ids=["statistics", "no_statistics"])
 @pytest.mark.parametrize("names", MIXES)
-def test_grouped_equals_a_loop_of_linear_sites(names, stats):
-    """With statistics (a check step) each expert's operands are quantized on their own; without
-    (every other step), a format group whose formats scale per row or 1 x k block quantizes each
-    operand of all its experts in one call (grouped_gemms._one_call): the same numbers."""
+def test_grouped_equals_a_loop_of_linear_sites(names, stats, one_call):
+    """Each operand of a format group quantized in one call for all its experts (one_call, the
+    default off a CPU) or expert by expert (what the experts module does on a CPU), on check steps
+    (statistics) and between them: the same numbers as a loop of linear sites."""
     torch.manual_seed(0)
     counts = (37, 0, 128, 5, 64)             # uneven, one expert without tokens
     n_out, k_in = 256, 128
@@ -44,7 +45,8 @@ def test_grouped_equals_a_loop_of_linear_sites(names, stats):
         xg.grad = w.grad = None
         for s in sites:
             s.stats.clear()   # as the monitor does after each step (statistics merge within a step)
-        y = GroupedQuantizedFn.apply(xg, w, counts, tuple(fmts), tuple(s.operand_quantizer("p") for s in sites))
+        y = GroupedQuantizedFn.apply(xg, w, counts, tuple(fmts), tuple(s.operand_quantizer("p") for s in sites),
+                                     one_call)
         y.backward(gy)
     refs = [PrecisionLinear(nn.Parameter(w.detach()[e].clone()), None, fmts[e], backend, fqn=f"r{e}", seed=e * 8)
             for e in range(len(counts))]
