@@ -128,8 +128,10 @@ def fsdp_run(fmt: str, scope: str) -> dict:
     for s in state.sites.values():   # the forward above is no training step: forget it
         s.module.fast_calls = s.module.slow_calls = 0
         s.module._reset_histories()
-    out = _train(model, state, lambda x, y: engine.forward_backward(x[rank::world], y[rank::world]))
-    return {**out, "own_row_loss": _gather(own)}
+    step, ref_losses = _with_reference(model, fmt, scope, lambda x, y: engine.forward_backward(x[rank::world],
+                                                                                               y[rank::world]))
+    out = _train(model, state, step)
+    return {**out, "own_row_loss": _gather(own), "ref_losses": ref_losses}
 
 
 def fsdp8_run(fmt: str, scope: str, fp8_all_gather: bool = True) -> dict:
@@ -329,15 +331,16 @@ def ledger_run(fmt: str, scope: str, tp: int = 1) -> dict:
 
 
 
-def dptp_run(fmt: str, scope: str) -> dict:
-    """Also `ref_losses`: at each step, one process's loss (no process group) at the run's own
-    parameters on the whole batch (a model of its own that takes a forward and backward at
-    each step, so delayed histories record the same parameter states). 5 chained steps of
-    the run and of one process drift apart by FP32 reductions moving a value across an FP8
-    rounding boundary (data dependent: seen 5e-5 relative at step 3); at the same parameters
-    only the reductions of one step differ."""
+def _with_reference(model, fmt: str, scope: str, run_step, tp: int = 1):
+    """`run_step` with, before it at each step, one process's loss (no process group) at the
+    run's own parameters on the whole batch: (the step, the list it fills). The reference is a
+    model of its own that takes a forward and backward at each step, so delayed histories record
+    the same parameter states. 5 chained steps of a run and of one process drift apart by FP32
+    reductions moving a value across an FP8 rounding boundary (data and CPU dependent: seen 5e-5
+    relative at step 3 under DP x TP, and 3.7e-6 at step 4 under FSDP2 with fp8_rowwise on an
+    AVX2 CPU where an AVX-512 one stayed within 1e-6); at the same parameters only the reductions
+    of one step differ. tp: apply_tensor_parallel's qkv row order is undone over `tp` ranks."""
     from experiments.gpt_parallel import qkv_rank_order
-    model, state, engine, _, r, dp = _dptp(fmt, scope)
     ref = make_model()
     prepare(ref, plan_for(fmt, scope), seed=1)
     ref_losses = []
@@ -346,16 +349,24 @@ def dptp_run(fmt: str, scope: str) -> dict:
         params = {}
         for n, p in model.named_parameters():
             t = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()   # collective
-            if ".attn.qkv." in n:   # apply_tensor_parallel's row order back to the model's
-                t = t[torch.argsort(qkv_rank_order(t.shape[0], 2))]
+            if tp > 1 and ".attn.qkv." in n:   # apply_tensor_parallel's row order back to the model's
+                t = t[torch.argsort(qkv_rank_order(t.shape[0], tp))]
             params[n] = t
         ref.load_state_dict(params, strict=False)
         ref.zero_grad()
         _, loss = ref(x, y)
         loss.backward()
         ref_losses.append(loss.item())
-        return engine.forward_backward(x[r::dp], y[r::dp])
+        return run_step(x, y)
 
+    return step, ref_losses
+
+
+def dptp_run(fmt: str, scope: str) -> dict:
+    """DP x TP, with `ref_losses` (`_with_reference`)."""
+    model, state, engine, _, r, dp = _dptp(fmt, scope)
+    step, ref_losses = _with_reference(model, fmt, scope, lambda x, y: engine.forward_backward(x[r::dp], y[r::dp]),
+                                       tp=2)
     return {**_train(model, state, step), "ref_losses": ref_losses}
 
 
