@@ -32,7 +32,8 @@ import torch
 from lowprec.numerics.formats import Format
 from lowprec.sites.backends.emulated import dequantize_for_gemm
 from lowprec.sites.grouped_operands import quantize_group, quantize_group_tokens, quantize_group_weights
-from lowprec.sites.grouped_scaled_mm import ALIGN, grouped_scaled_ok, scaled_grouped_rows, scaled_grouped_tokens
+from lowprec.sites.grouped_scaled_mm import (ALIGN, group_ends, grouped_scaled_ok, scaled_grouped_rows,
+                                             scaled_grouped_tokens)
 from lowprec.sites.operand_quantizer import OperandQuantizer, bf16_round
 from lowprec.sites.quantized_gemms import (_delayed_scale, _pad_tokens, _token_multiple, _transposable,
                                            _transpose)
@@ -146,7 +147,7 @@ class GroupedQuantizedFn(torch.autograd.Function):
                 continue
             if b is None:   # from the caches, or expert by expert
                 b = _stack([dequantize_for_gemm(q).float().t() for q in qws])
-            _scatter_rows(y, grouped_mm(a, b, _cumsum(lengths)), experts, starts, counts)
+            _scatter_rows(y, grouped_mm(a, b, group_ends(lengths)), experts, starts, counts)
         ctx.save_for_backward(x, w)
         ctx.keep = (keep_x, keep_w, scales, groups, starts)
         ctx.counts, ctx.formats, ctx.quants, ctx.one_call = counts, formats, quants, one_call
@@ -168,7 +169,7 @@ class GroupedQuantizedFn(torch.autograd.Function):
                     hp = _hp_rounding(quants[experts[0]], x)
                     b = hp(w if len(experts) == w.shape[0] else w[experts]).float()
                     out = grouped_mm(_group_rows(gy, experts, starts, counts).float(), b,
-                                     _cumsum([counts[e] for e in experts]))
+                                     group_ends([counts[e] for e in experts]))
                     _scatter_rows(dx, hp(out), experts, starts, counts)
                     continue
                 lengths = [counts[e] for e in experts]
@@ -197,7 +198,7 @@ class GroupedQuantizedFn(torch.autograd.Function):
                     continue
                 if b is None:   # (G, N, K) row major, as a loop's transposed weights are (and one call's)
                     b = _stack([dequantize_for_gemm(q).float().t() for q in qwts]).contiguous()
-                _scatter_rows(dx, grouped_mm(a, b, _cumsum([counts[e] for e in experts])), experts, starts, counts)
+                _scatter_rows(dx, grouped_mm(a, b, group_ends([counts[e] for e in experts])), experts, starts, counts)
             dx = dx.to(x.dtype)
         if ctx.needs_input_grad[1]:
             dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
@@ -206,7 +207,7 @@ class GroupedQuantizedFn(torch.autograd.Function):
                     hp = _hp_rounding(quants[experts[0]], x)
                     gts = [gy[starts[e]:starts[e] + counts[e]].float().t() for e in experts]
                     xts = [hp(x[starts[e]:starts[e] + counts[e]]).float() for e in experts]
-                    dw[experts] = hp(grouped_mm(_cols(gts), _rows(xts), _cumsum([counts[e] for e in experts])))
+                    dw[experts] = hp(grouped_mm(_cols(gts), _rows(xts), group_ends([counts[e] for e in experts])))
                     continue
                 if ctx.kernel is not None and grouped_scaled_ok(fmt.grad_output_wgrad, fmt.input_wgrad, ALIGN,
                                                                 w.shape[2]):
@@ -225,7 +226,7 @@ class GroupedQuantizedFn(torch.autograd.Function):
                                                    starts[e], counts[e])
                     gts.append(dequantize_for_gemm(gts_e).float())
                     xts.append(dequantize_for_gemm(xts_e).float().t())
-                out = grouped_mm(_cols(gts), _rows(xts), _cumsum([t.shape[1] for t in gts]))
+                out = grouped_mm(_cols(gts), _rows(xts), group_ends([t.shape[1] for t in gts]))
                 dw[experts] = out
             dw = dw.to(w.dtype)
         return dx, dw, None, None, None, None, None, None
@@ -270,15 +271,7 @@ def _wgrad_group(fmt, experts, quants, gy, x, qg, keep_x, scales, starts, counts
     padded = counts[experts[0]] % mult != 0
     gts[0] = gts[0].contiguous() if padded else gts[0].t().contiguous().t()
     xts[0] = xts[0].t().contiguous().t() if padded else xts[0].contiguous()
-    return _cols(gts), _rows(xts), _cumsum([t.shape[1] for t in gts])
-
-
-def _cumsum(sizes: list[int]) -> list[int]:
-    out, s = [], 0
-    for n in sizes:
-        s += n
-        out.append(s)
-    return out
+    return _cols(gts), _rows(xts), group_ends([t.shape[1] for t in gts])
 
 
 def _scatter_rows(dst: torch.Tensor, src: torch.Tensor, experts: list[int], starts: list[int],

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from lowprec.numerics.formats import QuantSpec, Scaling
 from lowprec.numerics.quantize import Quantized
 
-__all__ = ["ALIGN", "grouped_scaled_ok", "scaled_grouped_rows", "scaled_grouped_tokens", "kernel_for"]
+__all__ = ["ALIGN", "grouped_scaled_ok", "scaled_grouped_rows", "scaled_grouped_tokens", "kernel_for", "group_ends"]
 
 ALIGN = 16   # bytes, and so FP8 elements: every stride, every group's start
 _ROW_SCALED = (Scaling.ROW, Scaling.TENSOR, Scaling.DELAYED)
@@ -97,7 +97,7 @@ def scaled_grouped_rows(kernel: GroupedKernel, a: list[Quantized], b: list[Quant
     sa = torch.cat([row_scales(q) for q in a]) if len(a) > 1 else row_scales(a[0])
     qb = torch.stack([_bytes(q) for q in b])                   # (G, Out, D) row major
     sb = torch.stack([row_scales(q) for q in b])               # (G, Out)
-    offs = torch.tensor(_ends(lengths), dtype=torch.int32, device=qa.device)
+    offs = torch.tensor(group_ends(lengths), dtype=torch.int32, device=qa.device)
     return kernel(qa, qb.transpose(-2, -1), sa.contiguous(), sb.contiguous(), offs=offs, out_dtype=torch.bfloat16,
                   use_fast_accum=fast_accum)
 
@@ -112,7 +112,7 @@ def scaled_grouped_tokens(kernel: GroupedKernel, gt: list[Quantized], xt: list[Q
     qb = torch.cat([_padded(q, n) for q, n in zip(xt, spans)], dim=1)   # (K, T) row major
     sa = torch.cat([row_scales(q) for q in gt])                         # (G * N,) group-major
     sb = torch.cat([row_scales(q) for q in xt])                         # (G * K,)
-    offs = torch.tensor(_ends(spans), dtype=torch.int32, device=qa.device)
+    offs = torch.tensor(group_ends(spans), dtype=torch.int32, device=qa.device)
     return kernel(qa, qb.t(), sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
 
 
@@ -125,7 +125,8 @@ def _padded(q: Quantized, width: int) -> torch.Tensor:
     return F.pad(q.values.float(), (0, width - t)).to(q.spec.element.torch_dtype)
 
 
-def _ends(sizes: list[int]) -> list[int]:
+def group_ends(sizes: list[int]) -> list[int]:
+    """The end offset of each group of `sizes` (the grouped GEMMs' `offs`), host ints."""
     out, s = [], 0
     for n in sizes:
         s += n
