@@ -22,7 +22,8 @@ def _setuptools() -> dict:
 def test_every_package_is_listed_and_only_lowprec_is_top_level():
     cfg = _setuptools()
     code = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "lowprec").rglob("__init__.py")}
-    corpora = {f"lowprec.evals.texts.{d.name}" for d in (ROOT / "eval_suites" / "texts").iterdir() if d.is_dir()}
+    corpora = {f"lowprec.evals.texts.{d.name}" for d in (ROOT / "eval_suites" / "texts").iterdir()
+               if d.is_dir() and d.name != "__pycache__"}   # Python's bytecode cache of the package's __init__
     assert corpora, "no corpus folder under eval_suites/texts"
     assert set(cfg["packages"]) == code | set(DATA) | corpora, sorted(set(cfg["packages"]) ^ (code | set(DATA) | corpora))
     assert {p.split(".")[0] for p in cfg["packages"]} == {"lowprec"}

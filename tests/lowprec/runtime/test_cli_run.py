@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from lowprec.cli import main
+from tests.snapshots import folder_snapshot
 
 GOOD = {
     "model": {"factory": "tinylm:build", "args": {"vocab": 64, "width": 32}},
@@ -141,9 +142,8 @@ def _flip_a_weight_bit(path: Path) -> None:
 
 
 def _tree(root: Path) -> dict:
-    """Every file's size and mtime, but the run folder's lock file's (it names its latest holder)."""
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))
-            if p.name != "run.lock"}
+    """Every file's size and mtime (tests/snapshots.py: no lock files, no bytecode caches)."""
+    return folder_snapshot(root, contents=False)
 
 
 def test_resume_skips_a_corrupt_checkpoint_and_exits_2_when_all_are(project, capsys, lowprec_forks):

@@ -12,6 +12,7 @@ same saved config. The resume itself trains further with a larger `--steps` and 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import pytest
 import yaml
 
 from lowprec.cli import main
+from tests.snapshots import folder_snapshot
 
 CFG = {
     "model": {"factory": "tinylm:build", "args": {"vocab": 64, "width": 32}},
@@ -58,9 +60,15 @@ def _lines(err: str) -> list[str]:
     return [ln for ln in err.splitlines() if ln.strip() and " step " not in ln[:24] and "%)" not in ln]
 
 
-def _tree(root: Path) -> dict:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and not p.name.endswith(".lock")}
+_tree = folder_snapshot
+
+
+def _swap_code(src: Path, text: str) -> None:
+    """Give the factory module new code, imported afresh: its compiled cache goes too (Python checks
+    a cache by the source's size and mtime in whole seconds, and this edit keeps the size)."""
+    src.write_text(text)
+    Path(importlib.util.cache_from_source(str(src))).unlink(missing_ok=True)
+    sys.modules.pop(src.stem, None)
 
 
 def test_a_full_disk_stops_the_run_with_one_line_and_resume_continues(project, small_disk, sqlite_store, capsys):
@@ -99,16 +107,14 @@ def test_a_full_disk_stops_the_run_with_one_line_and_resume_continues(project, s
     # the same saved config, but the factory's code now builds another model: refused the same way
     src = project / "tinylm.py"
     original = src.read_text()
-    src.write_text(original.replace("2 * width", "3 * width"))
-    sys.modules.pop("tinylm", None)
+    _swap_code(src, original.replace("2 * width", "3 * width"))
     assert main(["run", "run.yaml", "--out", str(out), "--resume"]) == 2
     err = capsys.readouterr().err
     said = _lines(err)
     assert len(said) == 1 and "Traceback" not in err, err
     assert "up.weight is (96, 32) in this model but (64, 32) in the checkpoint step_00000002.pt" in said[0], said
     assert _tree(out) == before and client.get_run(run.info.run_id).info.status == "KILLED"
-    src.write_text(original)
-    sys.modules.pop("tinylm", None)
+    _swap_code(src, original)
 
     # free space, a larger --steps: it says where it continues and what MLflow keeps
     assert main(["run", "run.yaml", "--out", str(out), "--resume", "--steps", "8"]) == 0

@@ -21,6 +21,7 @@ import yaml
 from lowprec.policy.events import Event, EventKind
 from lowprec.tracking.resume import BufferInUseError, RunState, buffered_run
 from lowprec.tracking.tracker import Tracker
+from tests.snapshots import folder_snapshot
 
 ROOT = Path(__file__).resolve().parents[3]
 DEAD = "http://127.0.0.1:9"   # nothing listens: records stay in the journal
@@ -114,9 +115,7 @@ def test_a_failed_run_is_reopened_and_closed_finished(tmp_path, sqlite_store):
 STEPS = 12
 
 
-def _tree(d: Path) -> dict:
-    """Every file's bytes, but lock files' (they name their latest holder)."""
-    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file() and p.suffix != ".lock"}
+_tree = folder_snapshot
 
 
 @pytest.mark.slow   # three `lowprec run` processes

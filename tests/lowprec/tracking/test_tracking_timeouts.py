@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from lowprec.tracking.outbox import Outbox
+from tests.snapshots import folder_snapshot
 
 ROOT = Path(__file__).resolve().parents[3]
 TIMEOUT_S = 3
@@ -49,9 +50,7 @@ def hanging_server():
     srv.server_close()
 
 
-def _tree(d: Path) -> dict:
-    """Every file's bytes, but lock files' (they name their latest holder)."""
-    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file() and p.suffix != ".lock"}
+_tree = folder_snapshot
 
 
 @pytest.mark.slow   # it waits out three deadlines (about 7 s)
