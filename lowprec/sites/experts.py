@@ -37,7 +37,7 @@ from lowprec.numerics.quant_stats import QuantStats
 from lowprec.sites.amax_scope import DEFAULT_AMAX_SCOPE, AmaxScope
 from lowprec.sites.gemm_config import LinearGemmConfig
 from lowprec.sites.grouped_gemms import GroupedQuantizedFn
-from lowprec.sites.grouped_scaled_mm import grouped_scaled_ok, kernel_for
+from lowprec.sites.grouped_scaled_mm import kernel_for, on_kernel
 from lowprec.sites.operand_quantizer import OPERAND_OF, OPERANDS, OperandQuantizer
 from lowprec.sites.weight_cache import OptimizerSteps, WeightCache
 
@@ -252,9 +252,7 @@ class _Experts:
         if not torch.compiler.is_compiling():   # a compiled graph keeps no host counter
             for s, c in zip(sites, counts):
                 if c and not s.format.is_high_precision:
-                    fast = kernel is not None and grouped_scaled_ok(s.format.input, s.format.weight, w.shape[2],
-                                                                    w.shape[1])
-                    s.__dict__["fast_calls" if fast else "slow_calls"] += 1
+                    s.__dict__["fast_calls" if on_kernel(kernel, s.format, "fprop", w.shape) else "slow_calls"] += 1
         # one quantization call per operand for a format group's experts where launches cost (a GPU);
         # expert by expert on a CPU, the same numbers and faster there (cache locality, docs/moe.md)
         one_call = w.device.type != "cpu"

@@ -32,8 +32,7 @@ import torch
 from lowprec.numerics.formats import Format
 from lowprec.sites.backends.emulated import dequantize_for_gemm
 from lowprec.sites.grouped_operands import quantize_group, quantize_group_tokens, quantize_group_weights
-from lowprec.sites.grouped_scaled_mm import (ALIGN, group_ends, grouped_scaled_ok, scaled_grouped_rows,
-                                             scaled_grouped_tokens)
+from lowprec.sites.grouped_scaled_mm import group_ends, on_kernel, scaled_grouped_rows, scaled_grouped_tokens
 from lowprec.sites.operand_quantizer import OperandQuantizer, bf16_round
 from lowprec.sites.quantized_gemms import (_delayed_scale, _pad_tokens, _token_multiple, _transposable,
                                            _transpose)
@@ -110,7 +109,7 @@ class GroupedQuantizedFn(torch.autograd.Function):
     holders receive the expert's statistics and delayed-scaling amaxes); `one_call` (default
     True): each format group's operands are quantized in one call (False: expert by expert, the same
     numbers; experiments/bench_moe.py times both); `kernel`: `torch._scaled_grouped_mm` (or an
-    operator with its contract) for the GEMMs `grouped_scaled_ok` admits, None for the FP32
+    operator with its contract) for the GEMMs `on_kernel` admits, None for the FP32
     grouped GEMM of the dequantized operands (lowprec.sites.grouped_scaled_mm); `fast_accum`: its
     (fprop, dgrad, wgrad) `use_fast_accum`. Returns y (R, N)."""
 
@@ -124,7 +123,7 @@ class GroupedQuantizedFn(torch.autograd.Function):
         y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
         for fmt, experts in groups.items():
             lengths, qs = [counts[e] for e in experts], [quants[e] for e in experts]
-            fast = kernel is not None and grouped_scaled_ok(fmt.input, fmt.weight, w.shape[2], w.shape[1])
+            fast = on_kernel(kernel, fmt, "fprop", w.shape)
             if fast:   # the FP8 bytes to the grouped kernel
                 _, qxs = quantize_group(_group_rows(x, experts, starts, counts), lengths, fmt, "input", qs,
                                         dequantized=False)
@@ -173,8 +172,7 @@ class GroupedQuantizedFn(torch.autograd.Function):
                     _scatter_rows(dx, hp(out), experts, starts, counts)
                     continue
                 lengths = [counts[e] for e in experts]
-                fast = ctx.kernel is not None and grouped_scaled_ok(fmt.grad_output, fmt.weight, w.shape[1],
-                                                                    w.shape[2])
+                fast = on_kernel(ctx.kernel, fmt, "dgrad", w.shape)
                 if ctx.one_call or fast:   # the output gradient of the whole group in one quantization
                     a, qgs = quantize_group(_group_rows(gy, experts, starts, counts), lengths, fmt, "grad_output",
                                             [quants[e] for e in experts], dequantized=not fast)
@@ -209,8 +207,7 @@ class GroupedQuantizedFn(torch.autograd.Function):
                     xts = [hp(x[starts[e]:starts[e] + counts[e]]).float() for e in experts]
                     dw[experts] = hp(grouped_mm(_cols(gts), _rows(xts), group_ends([counts[e] for e in experts])))
                     continue
-                if ctx.kernel is not None and grouped_scaled_ok(fmt.grad_output_wgrad, fmt.input_wgrad, ALIGN,
-                                                                w.shape[2]):
+                if on_kernel(ctx.kernel, fmt, "wgrad", w.shape):
                     pairs = [_wgrad_operands(e, fmt, quants[e], gy, x, qg.get(e), keep_x[e], scales[e][0], starts[e],
                                              counts[e]) for e in experts]
                     dw[experts] = scaled_grouped_tokens(ctx.kernel, [p[0] for p in pairs], [p[1] for p in pairs],

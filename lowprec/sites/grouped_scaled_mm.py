@@ -16,8 +16,8 @@ torch/_meta_registrations.py): E4M3 operands, the first row major and the second
 2-D x 2-D: one per row per group, group-major), int32 end offsets, a BF16 output. A tensor-wise
 or delayed scale is the same scale repeated on every row of its expert. The kernel's offsets must
 keep each group's bytes 16-byte aligned: wgrad's token spans are zero-padded to multiples of 16
-(zeros change no product and no scale, which are already computed). `grouped_scaled_ok` is the
-one place that decides whether a GEMM can take this path; what it refuses runs the emulated
+(zeros change no product and no scale, which are already computed). `on_kernel` (through
+`grouped_scaled_ok`) is the one place that decides whether a GEMM can take this path; what it refuses runs the emulated
 grouped GEMM, the same quantized operands.
 
 Numerics: the same quantized operands as the emulated backend, so each expert's result is the
@@ -31,15 +31,16 @@ its checks in GroupedBlas.cpp: at most 1024 groups, which no supported model's e
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from lowprec.numerics.formats import QuantSpec, Scaling
+from lowprec.numerics.formats import Format, QuantSpec, Scaling
 from lowprec.numerics.quantize import Quantized
 
-__all__ = ["ALIGN", "grouped_scaled_ok", "scaled_grouped_rows", "scaled_grouped_tokens", "kernel_for", "group_ends"]
+__all__ = ["ALIGN", "grouped_scaled_ok", "on_kernel", "scaled_grouped_rows", "scaled_grouped_tokens", "kernel_for",
+           "group_ends"]
 
 ALIGN = 16   # bytes, and so FP8 elements: every stride, every group's start
 _ROW_SCALED = (Scaling.ROW, Scaling.TENSOR, Scaling.DELAYED)
@@ -70,6 +71,22 @@ def grouped_scaled_ok(spec_a: QuantSpec | None, spec_b: QuantSpec | None, reduct
     no Hadamard transform (the kernel has none), the reduction and the output's width multiples
     of 16 (the kernel's strides)."""
     return _spec_ok(spec_a) and _spec_ok(spec_b) and reduction % ALIGN == 0 and out_cols % ALIGN == 0
+
+
+def on_kernel(kernel: GroupedKernel | None, fmt: Format, gemm: str, w_shape: Sequence[int]) -> bool:
+    """Whether `gemm` ("fprop", "dgrad" or "wgrad") of a format group of experts whose weight
+    is `w_shape` (E, N, K) runs on `kernel` (None: no kernel here, `kernel_for`): its two
+    operands' specs and its reduction and output widths to `grouped_scaled_ok`."""
+    if kernel is None:
+        return False
+    _, n, k = w_shape
+    if gemm == "fprop":     # y = x @ w^T: along K into N columns
+        return grouped_scaled_ok(fmt.input, fmt.weight, k, n)
+    if gemm == "dgrad":     # dx = dy @ w: along N into K columns
+        return grouped_scaled_ok(fmt.grad_output, fmt.weight, n, k)
+    if gemm == "wgrad":     # dw = dy^T @ x: along the tokens (padded to ALIGN) into K columns
+        return grouped_scaled_ok(fmt.grad_output_wgrad, fmt.input_wgrad, ALIGN, k)
+    raise ValueError(f"gemm is one of fprop, dgrad, wgrad; got {gemm!r}")
 
 
 def row_scales(q: Quantized) -> torch.Tensor:

@@ -13,7 +13,7 @@ from lowprec.sites.backends import get_backend
 from lowprec.sites.backends.emulated import gemm_bound
 from lowprec.sites.experts import ExpertSite
 from lowprec.sites.grouped_gemms import GroupedQuantizedFn
-from lowprec.sites.grouped_scaled_mm import grouped_scaled_ok, kernel_for
+from lowprec.sites.grouped_scaled_mm import grouped_scaled_ok, kernel_for, on_kernel
 
 
 class ReferenceKernel:
@@ -105,6 +105,14 @@ def test_the_refused_gemms():
     assert not grouped_scaled_ok(get_format("nvfp4").input, get_format("nvfp4").weight, 32, 48)
     assert not grouped_scaled_ok(row, row, 40, 48) and not grouped_scaled_ok(row, row, 32, 40)
     assert not grouped_scaled_ok(None, row, 32, 48)
+    # each GEMM's operands and widths from the weight's (E, N, K): K 40 keeps all three off the kernel
+    # (fprop's reduction, dgrad's and wgrad's output); N 40 keeps fprop (output) and dgrad (reduction) off
+    e4m3, hybrid = get_format("fp8_rowwise_e4m3_pow2"), get_format("fp8_rowwise")
+    assert [on_kernel(object(), e4m3, g, (4, 48, 32)) for g in ("fprop", "dgrad", "wgrad")] == [True] * 3
+    assert [on_kernel(object(), hybrid, g, (4, 48, 32)) for g in ("fprop", "dgrad", "wgrad")] == [True, False, False]
+    assert [on_kernel(object(), e4m3, g, (4, 48, 40)) for g in ("fprop", "dgrad", "wgrad")] == [False, False, False]
+    assert [on_kernel(object(), e4m3, g, (4, 40, 32)) for g in ("fprop", "dgrad", "wgrad")] == [False, False, True]
+    assert not on_kernel(None, e4m3, "fprop", (4, 48, 32))
 
 
 def test_no_kernel_off_the_gpu():
