@@ -10,6 +10,7 @@ import json
 import logging
 import queue
 import threading
+from pathlib import Path
 
 from lowprec.state.durable import write_text_atomically
 from lowprec.tracking.records import MAX_TAG_VALUE, fit_value
@@ -110,6 +111,23 @@ class Journal:
         if kind == "precision":
             return self._precision_records(*item[1:])
         raise ValueError(f"unknown journal item {kind!r}")
+
+    def _snapshot_records(self) -> list[dict]:
+        """On resume: every snapshot in the buffer's files/ uploaded again, with the tags made from
+        the events and the precision map. A kill can fall after a snapshot (events.jsonl,
+        precision_map.json, an eval's file) was written and before its upload was journaled; the
+        resumed run does not write it again (its events and its map are already there), so without
+        this nothing would ever send it."""
+        recs: list[dict] = []
+        for p in sorted(q for q in self.files.rglob("*") if q.is_file() and not q.name.endswith(".tmp")):
+            rel = p.relative_to(self.files)
+            recs.append({"op": "artifact", "file": f"files/{rel.as_posix()}",
+                         "artifact_path": rel.parent.as_posix() if rel.parent != Path(".") else None})
+        tags = ({k: fit_value(v, MAX_TAG_VALUE, "events.json") for k, v in events_tags(self._events,
+                                                                                 self.run_name).items()}
+                if self._events else {})
+        tags.update(self._precision.tags())
+        return recs + ([{"op": "tags", "tags": tags}] if tags else [])
 
     def _precision_records(self, step: int, formats: dict, share: dict, ts: int) -> list[dict]:
         rows, tags = self._precision.update(step, formats, share)

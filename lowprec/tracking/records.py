@@ -215,13 +215,20 @@ class PrecisionMapLog:
         if changed:
             d["changes"].append({"step": step, "formats": changed})
         d.update(step=step, final=dict(formats), flops_share=dict(share), flops_formats=sorted(self.formats_seen))
+        return rows, self.tags()
+
+    def tags(self) -> dict[str, str]:
+        """The run tags of the latest map (`lowprec.precision_map`, `lowprec.flops_share`); {} before one."""
+        if "final" not in self.data:
+            return {}
         by_fmt: dict[str, list[str]] = {}
-        for s, f in formats.items():
+        for s, f in self.data["final"].items():
             by_fmt.setdefault(f, []).append(s)
         summary = " | ".join(f"{f}({len(s)}): {', '.join(s)}" for f, s in sorted(by_fmt.items()))
+        share = self.data.get("flops_share", {})
         shares = ", ".join(f"{f} {v:.1%}" for f, v in sorted(share.items(), key=lambda kv: -kv[1]))
-        return rows, {"lowprec.precision_map": fit_value(summary, MAX_TAG_VALUE, "precision_map.json"),
-                      "lowprec.flops_share": shares}
+        return {"lowprec.precision_map": fit_value(summary, MAX_TAG_VALUE, "precision_map.json"),
+                "lowprec.flops_share": shares}
 
 
 NUMBER_DIGITS = 4   # significant digits of a number in text for people

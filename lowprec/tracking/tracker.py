@@ -148,6 +148,7 @@ class Tracker(Journal):
                                      "start_time": now_ms(), "tags": dict(tags or {})}])
             if state is RunState.FAILED:
                 self.outbox.append([{"op": "reopen"}])
+            self.outbox.append(self._snapshot_records())
         self._queue: queue.Queue = queue.Queue(queue_size)
         self._stop, self._wake = threading.Event(), threading.Event()
         self._next_try, self._backoff, self.online, self.last_error = 0.0, 0.0, None, ""

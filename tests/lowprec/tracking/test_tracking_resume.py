@@ -37,6 +37,11 @@ def _points(d: Path, key: str) -> list[int]:
     return [m[3] for r in _journal(d) if r["op"] == "metrics" for m in r["metrics"] if m[0] == key]
 
 
+def _tags(journal: list[dict]) -> dict[str, str]:
+    """The run's tags once the journal is sent: each record's tags, the later ones winning."""
+    return {k: v for r in journal if r["op"] == "tags" for k, v in r["tags"].items()}
+
+
 def _killed_run(buf: Path, steps: range) -> None:
     """A process that tracks `steps` and an event, then is killed with SIGKILL (no finish)."""
     code = textwrap.dedent(f"""
@@ -87,6 +92,59 @@ def test_a_killed_run_continues_only_on_resume_without_logging_a_step_twice(tmp_
     journal = _journal(buf)
     assert [r["op"] for r in journal].count("create_run") == 1 and journal[-1]["op"] == "terminate"
     assert buffered_run(buf)[0] is RunState.FINISHED
+
+
+@pytest.mark.parametrize("snapshot", ["events.jsonl", "precision_map.json"])
+def test_a_snapshot_written_but_not_journaled_is_uploaded_on_resume(tmp_path, snapshot):
+    """Killed after the journal thread wrote a snapshot (the event log and files/events.jsonl, or
+    files/precision_map.json) and before it journaled the upload: the resumed run logs the same
+    event and map again, which are already there, so nothing new is written. The kill-and-resume
+    campaign found it (the finished run had no events.jsonl artifact); now a resume journals every
+    snapshot of the buffer again, with the tags made from them."""
+    buf = tmp_path / "tracking"
+    code = textwrap.dedent(f"""
+        import os, signal
+        from lowprec.policy.events import Event, EventKind
+        from lowprec.tracking.tracker import Tracker
+        t = Tracker({DEAD!r}, "e", "first", buffer_dir={str(buf)!r})
+        t.log_precision(0, {{"a": "bf16", "b": "bf16"}}, {{"bf16": 1.0}})
+        t._journal_flush(30)
+        append = t.outbox.append
+        def dying(recs):   # the kill, between the snapshot's write and its journal line
+            if any(r.get("file") == "files/{snapshot}" for r in recs):
+                os.kill(os.getpid(), signal.SIGKILL)
+            append(recs)
+        t.outbox.append = dying
+        if {snapshot!r} == "events.jsonl":
+            t.log_events([Event(2, EventKind.SKIP_STEP, (), reason="loss spike")])
+        else:
+            t.log_precision(1, {{"a": "fp8_tensorwise", "b": "bf16"}}, {{"fp8_tensorwise": 0.5, "bf16": 0.5}})
+        t._journal_flush(30)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    assert (buf / "files" / snapshot).is_file()
+    before = _tags(_journal(buf))   # written, its upload never journaled: the journal has the old tags
+    assert "loss spike" not in json.dumps(before) and before["lowprec.precision_map"] == "bf16(2): a, b"
+    if snapshot == "events.jsonl":
+        assert not any(r.get("file") == f"files/{snapshot}" for r in _journal(buf))
+
+    t = Tracker(DEAD, "e", "first", buffer_dir=buf, resume=True, **FAST)   # redone from a checkpoint at step 1
+    if snapshot == "events.jsonl":   # the map as it was, the event again
+        t.log_events([EVENT])
+        t.log_precision(1, {"a": "bf16", "b": "bf16"}, {"bf16": 1.0})
+    else:                            # the map as the killed life changed it
+        t.log_precision(1, {"a": "fp8_tensorwise", "b": "bf16"}, {"fp8_tensorwise": 0.5, "bf16": 0.5})
+    t.finish("FINISHED", timeout=0.5, report=False)
+    journal = _journal(buf)
+    assert any(r.get("file") == f"files/{snapshot}" for r in journal)
+    tags = _tags(journal)
+    if snapshot == "events.jsonl":
+        assert [json.loads(x)["step"] for x in (buf / "files" / snapshot).read_text().splitlines()] == [2]
+        assert "loss spike" in json.dumps(tags)
+    else:
+        assert tags["lowprec.precision_map"] == "bf16(1): b | fp8_tensorwise(1): a"
+        assert tags["lowprec.flops_share"] == "fp8_tensorwise 50.0%, bf16 50.0%"
 
 
 def test_a_failed_run_is_reopened_and_closed_finished(tmp_path, sqlite_store):
