@@ -177,6 +177,33 @@ def _serve(path: str, imports: list[str]) -> dict | None:
             conn.sendall(json.dumps({"pid": pid}).encode())
 
 
+def _error_files_written_aside() -> None:
+    """torch elastic's `@record` writes a rank's error file in place (open "w", then json.dump). A
+    rank whose collective fails because another rank died writes it just as the agent SIGTERMs it:
+    killed between the two, it leaves an empty file, and the agent dies reading it
+    (JSONDecodeError, no failure summary; dlrover works around the same,
+    intelligent-machine-learning/dlrover#618). Seen once in four fresh clones in the torchtitan kill
+    test. A forked rank writes the file aside and renames it: the agent reads all of it or none."""
+    try:
+        from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
+    except ImportError:
+        return
+    record = ErrorHandler.record_exception
+
+    def record_exception(self, e: BaseException) -> None:
+        path = self._get_error_file_path()
+        if not path:
+            return record(self, e)
+        self._get_error_file_path = lambda: path + ".tmp"
+        try:
+            record(self, e)
+        finally:
+            del self._get_error_file_path
+        os.replace(path + ".tmp", path)
+
+    ErrorHandler.record_exception = record_exception
+
+
 def _become_rank(req: dict) -> None:
     """This forked child: `python -u ARGV` in the request's folder and environment."""
     import io
@@ -184,6 +211,7 @@ def _become_rank(req: dict) -> None:
 
     os.environ.clear()
     os.environ.update(req["env"])
+    _error_files_written_aside()
     os.chdir(req["cwd"])
     for fd, name in ((1, "stdout"), (2, "stderr")):   # -u: unbuffered
         setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True,
