@@ -196,7 +196,10 @@ def chunk(items: list, n: int):
 
 class PrecisionMapLog:
     """The precision map over time, as saved in `precision_map.json`:
-    {initial_step, initial, changes: [{step, formats}], step, final, flops_share, flops_formats}."""
+    {initial_step, initial, changes: [{step, formats}], step, final, flops_share, flops_formats}.
+    A map logged at a step no later than a recorded change (a resume from an older checkpoint,
+    steps redone after a rewind) drops the changes from that step on: they belonged to steps
+    that were abandoned, and the redone steps record their own."""
 
     def __init__(self, saved: dict | None = None):
         self.data = dict(saved or {})
@@ -209,8 +212,13 @@ class PrecisionMapLog:
         d = self.data
         if not d:
             d.update(initial_step=step, initial=dict(formats), changes=[])
-        changed = {s: f for s, f in formats.items() if d.get("final", d["initial"]).get(s) != f}
-        if not changed and "final" in d:
+        kept = [c for c in d["changes"] if c["step"] < step]
+        abandoned, d["changes"] = len(kept) < len(d["changes"]), kept
+        before = dict(d["initial"])
+        for c in kept:
+            before.update(c["formats"])
+        changed = {s: f for s, f in formats.items() if before.get(s) != f}
+        if not changed and not abandoned and "final" in d:
             return rows, None
         if changed:
             d["changes"].append({"step": step, "formats": changed})

@@ -228,6 +228,10 @@ def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_p
     assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [16, 32, STEPS], log
     mlflow_events = Path(client.download_artifacts(run_id, "events.jsonl", str(tmp_path / "dl")))
     assert _events_jsonl(mlflow_events.parent) == events, log
+    # the precision map over time, as sent: the uninterrupted run's (no revert from a resume's start)
+    pmap, ref_pmap = (json.loads(Path(client.download_artifacts(i, "precision_map.json", str(tmp_path / d))).read_text())
+                      for i, d in ((run_id, "dl"), (ref_id, "dl_ref")))
+    assert pmap == ref_pmap and pmap["changes"], (pmap, ref_pmap, log)
     history = _eval_history(out)
     assert [h["step"] for h in history] == [16, 32] and history == _eval_history(ref), log
 

@@ -25,7 +25,7 @@ import pytest
 from lowprec.base.writer_lock import WriterBusyError
 from lowprec.policy.events import EventKind
 from lowprec.tracking.outbox import Outbox
-from lowprec.tracking.records import MAX_KEY, MAX_PARAM_VALUE, flatten_config, metric_key
+from lowprec.tracking.records import MAX_KEY, MAX_PARAM_VALUE, PrecisionMapLog, flatten_config, metric_key
 from lowprec.tracking.tracker import Tracker
 from tracking_helpers import FALLBACK_SITE, check_run_over_rest, png_colors, replay, run_and_record
 
@@ -55,6 +55,30 @@ def test_config_flattens_to_valid_mlflow_params():
     assert len(p["long"]) <= MAX_PARAM_VALUE and "truncated" in p["long"]
     assert all(len(k) <= MAX_KEY for k in p) and "odd key_1_" in p
     assert metric_key("signal//blocks.0.fc/./input/amax") == "signal/blocks.0.fc/input/amax"
+
+
+def test_precision_map_of_a_resumed_run_is_the_uninterrupted_runs():
+    """A run resumed from a checkpoint older than a change logs the checkpoint's map at the
+    checkpoint's step (its start) and redoes the change: precision_map.json then held a revert and
+    the change twice. The abandoned steps' changes go; the file equals the uninterrupted run's."""
+    bf16, fp8 = {"a": "bf16", "b": "bf16"}, {"a": "fp8_tensorwise", "b": "bf16"}
+    half, whole = {"fp8_tensorwise": 0.5, "bf16": 0.5}, {"bf16": 1.0}
+    straight = PrecisionMapLog()
+    for step, fm, sh in ((0, bf16, whole), (4, bf16, whole), (8, fp8, half), (12, fp8, half)):
+        straight.update(step, fm, sh)
+    first = PrecisionMapLog()
+    for step, fm, sh in ((0, bf16, whole), (4, bf16, whole), (8, fp8, half)):
+        first.update(step, fm, sh)
+    resumed = PrecisionMapLog(json.loads(json.dumps(first.data)))   # killed at step 9, saved at step 6
+    _, tags = resumed.update(6, bf16, whole)   # the checkpoint's map, at its step
+    assert tags["lowprec.precision_map"] == "bf16(2): a, b" and resumed.data["changes"] == []
+    assert resumed.update(8, fp8, half)[1]["lowprec.precision_map"] == "bf16(1): b | fp8_tensorwise(1): a"
+    resumed.update(12, fp8, half)
+    assert resumed.data == straight.data and resumed.data["changes"] == [{"step": 8, "formats": {"a": "fp8_tensorwise"}}]
+    # steps redone after a rewind run in the map of the moment of the rewind: the change holds from them on
+    resumed.update(7, fp8, half)
+    assert resumed.data["changes"] == [{"step": 7, "formats": {"a": "fp8_tensorwise"}}]
+    assert resumed.update(9, fp8, half)[1] is None   # no change, nothing abandoned: no tags to send
 
 
 def test_rank_other_than_zero_does_nothing(tmp_path):
