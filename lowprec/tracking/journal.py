@@ -10,7 +10,6 @@ import json
 import logging
 import queue
 import threading
-from pathlib import Path
 
 from lowprec.state.durable import write_text_atomically
 from lowprec.tracking.records import MAX_TAG_VALUE, fit_value
@@ -19,6 +18,11 @@ from lowprec.tracking.report_sources import events_table, events_tags
 __all__ = ["Journal"]
 
 log = logging.getLogger("lowprec.tracking")
+
+
+def _artifact(name: str) -> dict:
+    """The outbox record uploading files/NAME: `evals/x.json` becomes the artifact `evals/x.json`."""
+    return {"op": "artifact", "file": f"files/{name}", "artifact_path": name.rpartition("/")[0] or None}
 
 
 class Journal:
@@ -72,11 +76,10 @@ class Journal:
             if items[-1] is None:
                 return
 
-    def _write(self, name: str, text: str) -> str:
+    def _write(self, name: str, text: str) -> None:
         p = self.files / name
         p.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomically(p, text)   # the sender reads the old or the new file, never half of one
-        return f"files/{name}"
 
     def _records(self, item) -> list[dict]:
         """The outbox records of one queued item (writing the files they upload)."""
@@ -84,9 +87,9 @@ class Journal:
         if kind == "records":
             return item[1]
         if kind == "file":
-            _, name, text, recs = item  # `evals/x.json` becomes the artifact `evals/x.json`
-            folder = name.rpartition("/")[0] or None
-            return recs + [{"op": "artifact", "file": self._write(name, text), "artifact_path": folder}]
+            _, name, text, recs = item
+            self._write(name, text)
+            return recs + [_artifact(name)]
         if kind == "json":
             _, name, obj = item
             return self._records(("file", name, json.dumps(obj, default=str), []))
@@ -95,19 +98,16 @@ class Journal:
             if self._resume is None or self._resume.line(name, line):   # a redone eval's line is there
                 with open(self.files / name, "a") as f:
                     f.write(line + "\n")
-            return [{"op": "artifact", "file": f"files/{name}", "artifact_path": None}]
+            return [_artifact(name)]
         if kind == "events":
             events = self._resume.events(item[1]) if self._resume is not None else item[1]
             if not events:
                 return []
             self._event_log.append(events)
             self._events.extend(events)
-            tags = events_tags(self._events, self.run_name)
-            return [{"op": "artifact", "artifact_path": None,
-                     "file": self._write("events.jsonl", "".join(e.to_json() + "\n" for e in self._events))},
-                    {"op": "artifact", "artifact_path": None,
-                     "file": self._write("events.json", json.dumps(events_table(self._events)))},
-                    {"op": "tags", "tags": {k: fit_value(v, MAX_TAG_VALUE, "events.json") for k, v in tags.items()}}]
+            self._write("events.jsonl", "".join(e.to_json() + "\n" for e in self._events))
+            self._write("events.json", json.dumps(events_table(self._events)))
+            return [_artifact("events.jsonl"), _artifact("events.json"), {"op": "tags", "tags": self._events_tags()}]
         if kind == "precision":
             return self._precision_records(*item[1:])
         raise ValueError(f"unknown journal item {kind!r}")
@@ -118,22 +118,20 @@ class Journal:
         precision_map.json, an eval's file) was written and before its upload was journaled; the
         resumed run does not write it again (its events and its map are already there), so without
         this nothing would ever send it."""
-        recs: list[dict] = []
-        for p in sorted(q for q in self.files.rglob("*") if q.is_file() and not q.name.endswith(".tmp")):
-            rel = p.relative_to(self.files)
-            recs.append({"op": "artifact", "file": f"files/{rel.as_posix()}",
-                         "artifact_path": rel.parent.as_posix() if rel.parent != Path(".") else None})
-        tags = ({k: fit_value(v, MAX_TAG_VALUE, "events.json") for k, v in events_tags(self._events,
-                                                                                 self.run_name).items()}
-                if self._events else {})
-        tags.update(self._precision.tags())
+        recs = [_artifact(p.relative_to(self.files).as_posix()) for p in sorted(self.files.rglob("*"))
+                if p.is_file() and not p.name.endswith(".tmp")]
+        tags = {**(self._events_tags() if self._events else {}), **self._precision.tags()}
         return recs + ([{"op": "tags", "tags": tags}] if tags else [])
+
+    def _events_tags(self) -> dict[str, str]:
+        """The `lowprec.*` tags and the run note of the events so far, each cut to MLflow's limit."""
+        tags = events_tags(self._events, self.run_name)
+        return {k: fit_value(v, MAX_TAG_VALUE, "events.json") for k, v in tags.items()}
 
     def _precision_records(self, step: int, formats: dict, share: dict, ts: int) -> list[dict]:
         rows, tags = self._precision.update(step, formats, share)
         recs: list[dict] = [{"op": "metrics", "metrics": [[k, v, ts, st] for k, v, st in rows]}]
         if tags is not None:  # the map changed: its file and its tags
-            recs += [{"op": "artifact", "artifact_path": None,
-                      "file": self._write("precision_map.json", json.dumps(self._precision.data, indent=1))},
-                     {"op": "tags", "tags": tags}]
+            self._write("precision_map.json", json.dumps(self._precision.data, indent=1))
+            recs += [_artifact("precision_map.json"), {"op": "tags", "tags": tags}]
         return recs
