@@ -13,7 +13,10 @@ Record it again (only when a change of behaviour is intended, and say so in the 
 
 The loss bits depend on which kernels ATen and oneDNN pick for the CPU (an AVX512 machine sums
 a GEMM in another order than an AVX2 one: 1.8e-3 relative apart after 90 steps with a NaN and an
-LR spike, same decisions), so the file keeps one curve per `torch.backends.cpu.get_cpu_capability()`.
+LR spike, same decisions), and ATen's capability alone does not decide it: two AVX512 machines (one
+with AVX512-BF16, from another vendor) gave two curves. So the file keeps one curve per CPU
+fingerprint (`cpu_fingerprint()`: the capability, the vendor and the ISA extensions oneDNN picks
+kernels by).
 """
 
 from __future__ import annotations
@@ -53,9 +56,23 @@ CONFIG = {
 THREADS = 1
 
 
-def cpu_capability() -> str:
+# ISA extensions beyond ATen's capability that change which GEMM kernels oneDNN takes
+_KERNEL_FLAGS = ("avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_tile")
+
+
+def cpu_fingerprint() -> str:
+    """ATen's CPU capability, the vendor and the kernel-relevant ISA flags, e.g.
+    'AVX512 AuthenticAMD avx512_bf16+avx512_vnni'; the capability alone where /proc/cpuinfo is absent."""
     import torch
-    return torch.backends.cpu.get_cpu_capability()
+    capability = torch.backends.cpu.get_cpu_capability()
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return capability
+    fields = dict(line.split(":", 1) for line in info.split("\n\n")[0].splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return " ".join([capability, fields.get("vendor_id", "?"), "+".join(f for f in _KERNEL_FLAGS if f in flags) or "-"])
 
 
 def trace(out_dir: Path) -> dict:
@@ -87,7 +104,7 @@ def record(t: dict, keep_others: bool) -> dict:
         if {k: v for k, v in old.items() if k != "losses_by_cpu"} != {k: v for k, v in t.items() if k != "losses"}:
             raise SystemExit("this CPU's decisions differ from the recorded ones: record all again, without --add")
         curves = old["losses_by_cpu"]
-    curves[cpu_capability()] = t["losses"]
+    curves[cpu_fingerprint()] = t["losses"]
     return {**{k: v for k, v in t.items() if k != "losses"}, "losses_by_cpu": curves}
 
 
