@@ -21,8 +21,11 @@ lowprec's state comes back on every rank, the job goes on in the same MLflow run
 point or event logged twice, and the final eval runs on both ranks with rank 0's outcome on each.
 Under FSDP 2 the sites are the torch backend's, their weights gathered by lowprec's FP8
 all-gather (`LowprecConverter.Config(fp8_all_gather=True)`): every forward of every site gets
-FP8 bytes while the site runs FP8 and its bf16 weight otherwise, and the gathered weights are
-the whole weights' (FP8: one process's cast) bit for bit, after the fallback and the resume.
+FP8 bytes while the site runs FP8 and its weight in FSDP's param dtype otherwise, and the gathered
+weights are the whole weights' (FP8: one process's cast) bit for bit, after the fallback and the
+resume. That job and the pipeline's set FSDP's param dtype to float32: BF16 arithmetic on a CPU
+without AVX512-BF16 is tens of times slower than FP32 (the FSDP 2 x TP 2 jobs keep torchtitan's
+bf16, and their gathers are checked in bf16).
 Under FSDP 2 x TP 2 the sites are the torchao backend's (torchao's Float8Linear) in one launch,
 and the torch backend's with lowprec's FP8 all-gather of tensor-parallel shards in another.
 
@@ -130,14 +133,15 @@ def _mlflow_run(uri: str):
 EVAL = "eval: {suite: default, every: 0, mode: fast, final_mode: fast, gates: inloop, high_precision: true}\n"
 
 
-def _check_fp8_all_gather(reports: list[dict], resumed: bool = False) -> None:
+def _check_fp8_all_gather(reports: list[dict], resumed: bool = False, hp_bytes: int = 2) -> None:
     """Under lowprec's FP8 all-gather every forward of every site got what its format at that
-    moment asks for: FP8 bytes while it ran tensor-wise FP8, its bf16 weight otherwise (SITE
-    after its fallback, replays in high precision, the attention until its promotion), on every
-    rank; each rank sent one byte per element of its shard into each FP8 gather and two (bf16)
-    into each high-precision one; and at the kill or the end, each site's gathered weight is its
-    whole weight's, bit for bit (FP8: one process's cast of it with the whole weight's scale;
-    bf16: its values). `resumed`: a job resumed after SITE's fallback (bf16 from its start)."""
+    moment asks for: FP8 bytes while it ran tensor-wise FP8, its weight in FSDP's param dtype
+    otherwise (SITE after its fallback, replays in high precision, the attention until its
+    promotion), on every rank; each rank sent one byte per element of its shard into each FP8
+    gather and `hp_bytes` (2: bf16, torchtitan's default param dtype; 4: float32) into each
+    high-precision one; and at the kill or the end, each site's gathered weight is its whole
+    weight's, bit for bit (FP8: one process's cast of it with the whole weight's scale; high
+    precision: its values). `resumed`: a job resumed after SITE's fallback (high precision from its start)."""
     for r in reports:
         gathers, sent, check = r["gathers"], r["sent"], r["gather_check"]
         assert set(gathers) == set(r["formats"]) == set(sent), sorted(gathers)
@@ -145,8 +149,8 @@ def _check_fp8_all_gather(reports: list[dict], resumed: bool = False) -> None:
         assert all(fp8 > 0 for fqn, (fp8, _, _) in gathers.items() if "feed_forward" in fqn and fqn != SITE), gathers
         # FP8 until the fallback, bf16 after (a resumed job: bf16 only)
         assert (gathers[SITE][0] == 0 if resumed else gathers[SITE][0] > 0) and gathers[SITE][1] > 0, gathers[SITE]
-        for fqn, modes in sent.items():   # bytes per dtype: FP8 one a weight element, BF16 two
-            assert all(b == e * {"fp8": 1, "hp": 2}[m] and n > 0 for m, (n, b, e) in modes.items()), (fqn, modes)
+        for fqn, modes in sent.items():   # bytes per dtype: FP8 one a weight element, BF16 two, FP32 four
+            assert all(b == e * {"fp8": 1, "hp": hp_bytes}[m] and n > 0 for m, (n, b, e) in modes.items()), (fqn, modes)
             # sent as the forwards were handed (and as the check below gathered)
             assert ("fp8" in modes) == (gathers[fqn][0] > 0 or check[fqn][0] == "fp8"), (fqn, modes)
             assert ("hp" in modes) == (gathers[fqn][1] > 0), (fqn, modes)
@@ -163,8 +167,10 @@ def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(t
     steps, plan = 10, FULL.replace("URI", uri).replace("backend: emulated", "backend: torch")
     # first a setting lowprec refuses (the default in-loop gate needs Milton, the shakespeare suite has none):
     # one line from rank 0, exit 2 on both ranks, no rank's traceback, before torchtitan builds anything
+    # FSDP's param dtype float32: native BF16 arithmetic is slow on CPUs without AVX512-BF16 (the
+    # FSDP 2 x TP 2 test below holds the bf16 gathers of torchtitan's default)
     job = TitanJob(tmp_path, plan + "eval: {suite: shakespeare, every: 0}\n", steps=steps + 2, checkpoint_every=5,
-                   faults=faults, validator=True, kill_at=steps + 1)
+                   faults=faults, validator=True, kill_at=steps + 1, param_dtype="float32")
     proc = job.run(rank_forks, 2, free_port())
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0 and log.count("lowprec: eval.gates: 'inloop' gates") == 1, log[-6000:]
@@ -177,7 +183,7 @@ def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(t
     assert proc.returncode != 0 and "SIGKILL" in log, log[-6000:]   # rank 0 died after step 11
     assert "dp_shard=2, cp=1, tp=1" in log   # torchtitan's mesh: FSDP 2
     first = job.reports(2)   # as of the step-10 checkpoint
-    _check_fp8_all_gather(first)
+    _check_fp8_all_gather(first, hp_bytes=4)
     want = _check_nan_fallback(first, log)
     # the spike: replayed with every site in high precision (not precision's), skipped twice, then a rewind
     assert [d[:2] for d in want[8:]] == [("replay", SPIKE_AT), ("skip_step", SPIKE_AT), ("replay", SPIKE_AT + 1),
@@ -206,7 +212,7 @@ def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(t
     assert f"lowprec: continuing MLflow run {run.info.run_id}" in log, log[-6000:]
     assert f"lowprec: rollout restored from torchtitan's checkpoint" in log and f"MLflow run {run.info.run_id} continues" in log
     last = job.reports(2)
-    _check_fp8_all_gather(last, resumed=True)
+    _check_fp8_all_gather(last, resumed=True, hp_bytes=4)
     killed = json.loads((job.dump / "killed_step.json").read_text())   # rank 0's step 11 before the kill
     for before, after in zip(first, last):
         assert after["restored"] and after["step"] == before["step"] + 2 and after["rewinds"] == 1
@@ -313,7 +319,7 @@ def test_pipeline_2_stages_nan_skip_rewind_probe_and_eval(tmp_path, gloo, free_p
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     plan = FULL.replace("URI", uri) + PP_EVAL
     steps = 10
-    job = TitanJob(tmp_path, plan, steps=steps, checkpoint_every=steps, validator=True, reference=True,
+    job = TitanJob(tmp_path, plan, steps=steps, checkpoint_every=steps, validator=True, reference=True, param_dtype="float32",
                    faults=[fault("nan", SITE, NAN_AT, NAN_AT + 1, rank=PP_SITE_RANK),
                            fault("loss_spike", "", SPIKE_AT, SPIKE_AT + 2, 100.0)])
     # micro-batches of 4 rows (8 a step): an eval batch of 32 rows is 4 schedule steps, not 16

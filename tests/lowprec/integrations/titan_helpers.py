@@ -65,6 +65,7 @@ def debugmodel_lowprec():
     config.dataloader.dataset_path = SETTINGS["data"]
     config.training.seq_len, config.training.local_batch_size = 64, 2
     config.training.steps = SETTINGS["steps"]
+    config.training.mixed_precision_param = SETTINGS["param_dtype"]
     config.validator.enable = SETTINGS["validator"]   # its first batch: the LR probe's held batch
     config.validator.freq = 1000
     config.validator.dataloader.dataset, config.validator.dataloader.dataset_path = "c4_test", SETTINGS["validation"]
@@ -318,7 +319,8 @@ class TitanJob:
     """One torchtitan job folder: tokenizer, data, lowprec YAML, config module, dump folder."""
 
     def __init__(self, tmp: Path, plan: str, *, steps: int, checkpoint_every: int, faults=(), validator: bool = False,
-                 kill_at: int = -1, reference: bool = False, fp8_all_gather: bool = False, job: str = JOB):
+                 kill_at: int = -1, reference: bool = False, fp8_all_gather: bool = False,
+                 param_dtype: str = "bfloat16", job: str = JOB):
         """faults: `fault(...)`s; validator: torchtitan's validation data on (the LR probe's held batch);
         kill_at: torchtitan's step after which rank 0 SIGKILLs itself (-1: none); reference: after
         training, each rank writes an eval forward and the LR probe's held loss beside the whole
@@ -332,7 +334,7 @@ class TitanJob:
                          "validation": str(write_text_data(tmp / "validation", split=1)),
                          "steps": steps, "checkpoint_every": checkpoint_every, "dump": str(self.dump),
                          "faults": [dict(f) for f in faults], "validator": validator, "kill_at": kill_at,
-                         "reference": reference, "fp8_all_gather": fp8_all_gather}
+                         "reference": reference, "fp8_all_gather": fp8_all_gather, "param_dtype": param_dtype}
         self._write()
 
     def _write(self) -> None:
