@@ -95,8 +95,8 @@ def test_one_cast_op_per_operand(reports, fmt):
 @pytest.mark.parametrize("check", [False, True])
 def test_model_counts_the_kernels_that_run(fmt, check):
     """Under the interpreter the harness sees the Triton kernels each op launches: as many
-    as kernel_traffic says, per op."""
-    seen = one_step(fmt, check, custom_cost=None)
+    as kernel_traffic says, per op. One step: `record` returns None, so count_traffic charges
+    every op by the launches it saw, as without a custom_cost."""
     calls = {}
 
     def record(op, args, kwargs, out):
@@ -104,7 +104,7 @@ def test_model_counts_the_kernels_that_run(fmt, check):
         if t is not None:
             calls.setdefault(str(op), []).append(t[0])
         return None
-    one_step(fmt, check, custom_cost=record)
+    seen = one_step(fmt, check, custom_cost=record)
     assert calls
     for name, launches in calls.items():       # e.g. "lowprec.fp8_cast.default"
         assert seen.ops[name].launches == sum(launches), (name, seen.ops[name].launches, launches)

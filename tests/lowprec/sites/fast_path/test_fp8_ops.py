@@ -35,7 +35,8 @@ def _same_stats(got, ref) -> None:
     assert_same_stats(got, ref.packed)
 
 
-def check_cast(x: torch.Tensor, elem, rowwise: bool) -> None:
+def check_cast(x: torch.Tensor, elem, rowwise: bool, plain: bool = True) -> None:
+    """The op against `quantize`, with both layouts and the statistics, then (`plain`) without."""
     scaling = Scaling.ROW if rowwise else Scaling.TENSOR
     ref = quantize(x, QuantSpec(elem, scaling), stats=True)
     q, si, qt, sit, stats = torch.ops.lowprec.fp8_cast(x, fp8_ops.element_code(elem), rowwise, True, True)
@@ -50,6 +51,8 @@ def check_cast(x: torch.Tensor, elem, rowwise: bool) -> None:
     else:         # a cast and a transpose
         assert torch.equal(_bytes(qt), rb.t()) and sit.numel() == 0
     assert qt.is_contiguous() and q.is_contiguous()
+    if not plain:
+        return
     q2, si2, qt2, _, st2 = torch.ops.lowprec.fp8_cast(x, fp8_ops.element_code(elem), rowwise, False, False)
     assert torch.equal(_bytes(q2), rb) and torch.equal(si2, si) and qt2.numel() == 0 and st2.numel() == 0
 
@@ -89,13 +92,18 @@ pytestmark = pytest.mark.skipif(INTERPRETED and not HAVE_TRITON, reason="needs T
 def test_every_bf16_value(elem, rowwise):
     """Every BF16 bit pattern (NaNs, infinities, subnormals, zeros) in 256 rows: sorted (each
     row an exponent band, so row-wise and column-wise scales differ widely), shuffled (the
-    reference ops only) and the finite range's values in 4 rows of mixed magnitudes."""
-    check_cast(ALL_BF16.reshape(256, 256), elem, rowwise)
-    if not INTERPRETED:   # the interpreted kernels (3 s per layout) meet mixed rows in `small` below
+    reference ops only) and the values up to 1024 in 4 bands of mixed magnitudes: 4 rows
+    (the reference ops only) and the same bands as 64 rows (each band's every 16th value a
+    row: every row spans its band's magnitudes, every column all 4 bands)."""
+    # interpreted, the cast without transpose and statistics (the same encoding) on the 64 rows below
+    check_cast(ALL_BF16.reshape(256, 256), elem, rowwise, plain=not INTERPRETED)
+    small = ALL_BF16[~(ALL_BF16.float().abs() > 1024.0)]      # most of them on the grid's range; each row mixed
+    bands = small.reshape(4, -1)
+    if not INTERPRETED:   # interpreted: mixed rows and columns in the 64 rows below, in 9 tiles, not 4 rows' 138
         shuffled = ALL_BF16[torch.randperm(65536, generator=torch.Generator().manual_seed(0))]
         check_cast(shuffled.reshape(512, 128), elem, rowwise)
-    small = ALL_BF16[~(ALL_BF16.float().abs() > 1024.0)]      # most of them on the grid's range; each row mixed
-    check_cast(small.reshape(-1, small.numel() // 4), elem, rowwise)
+        check_cast(bands, elem, rowwise)
+    check_cast(bands.reshape(4, -1, 16).transpose(1, 2).reshape(64, -1), elem, rowwise)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -103,12 +111,32 @@ def test_every_bf16_value(elem, rowwise):
 @pytest.mark.parametrize("elem", ELEMS, ids=lambda e: e.name)
 def test_delayed_every_bf16_value(elem):
     """Every BF16 value under a history that moves: empty (scale 1), then the amaxes of
-    earlier calls (max and most-recent), a margin, and a value that saturates in between."""
+    earlier calls (max and most-recent), a margin, and a value that saturates in between.
+
+    Interpreted, every value is cast at each of the four scales the sequences apply to x (1,
+    from amax(x), and the two scaled operands' amaxes with the margin); the scaled operands and
+    the two steps whose scale an earlier step already applied to every value (the second
+    sequence's first, the first sequence's last) cast 64 of x's rows, which hold its amax
+    (the largest finite, Inf and NaN rows of both signs, zeros and subnormals, two exponents
+    of every eight): the same amaxes, so the same histories, scales and overflow counts."""
     x = ALL_BF16.reshape(256, 256)
     finite = x.float().nan_to_num(0.0, 0.0, 0.0)
-    xs = [x, (finite * 1e-30).to(torch.bfloat16), x, (finite * 2.0 ** -100).to(torch.bfloat16), x]
-    check_delayed(xs, elem, DelayedScalingConfig(history_len=3))
-    check_delayed(xs, elem, DelayedScalingConfig(history_len=2, algo="most_recent", margin=1))
+    t1, t2 = (finite * 1e-30).to(torch.bfloat16), (finite * 2.0 ** -100).to(torch.bfloat16)
+    rows = list(range(0, 256, 4))   # 64 rows (4 tiles, not 16): 0 and 128 zeros and subnormals,
+    rows[31], rows[63] = 127, 255     # 127 and 255 the largest finite, Inf and NaN
+
+    def sub(t):
+        return t[rows] if INTERPRETED else t
+    for t in (x, t1, t2):
+        assert torch.equal(_finite_amax(sub(t)), _finite_amax(t))
+    check_delayed([x, sub(t1), x, sub(t2), sub(x)], elem, DelayedScalingConfig(history_len=3))
+    check_delayed([sub(x), sub(t1), x, sub(t2), x], elem,
+                  DelayedScalingConfig(history_len=2, algo="most_recent", margin=1))
+
+
+def _finite_amax(t: torch.Tensor) -> torch.Tensor:
+    f = t.float()
+    return f.abs().where(f.isfinite(), 0.0).amax()
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -151,9 +179,16 @@ def _same_cast(got, want, b_scales=()):
             assert torch.equal(_bytes(g) if g.element_size() == 1 else g, _bytes(w) if w.element_size() == 1 else w)
 
 
+# ALL_BF16 as (512, 128): row r holds exponent r % 256 (sign r // 256), its 128 mantissas. Every 8th
+# exponent of both signs and the largest finite and Inf/NaN rows: zeros, subnormals, normals over the
+# range, the largest finite, +-Inf and NaNs, each row one exponent, in 68 rows: 4 tiles, not 16 (every
+# BF16 value meets the tile code these kernels share, `_ct_tile` / `_ct_row_tile`, in the tests above)
+EVERY_8TH_EXPONENT = ALL_BF16.reshape(512, 128)[sorted({*range(0, 512, 8), 254, 255, 510, 511})]
+
+
 def _pair_cases():
     g = torch.Generator().manual_seed(1)
-    return [(ALL_BF16.reshape(512, 128), torch.randn(70, 128, generator=g) * 1e3, True),
+    return [(EVERY_8TH_EXPONENT, torch.randn(70, 128, generator=g) * 1e3, True),
             (torch.randn(37, 90, generator=g).to(torch.bfloat16), torch.randn(3, 90, generator=g) * 1e-3, False),
             (torch.randn(1, 16, generator=g), torch.randn(130, 16, generator=g).to(torch.bfloat16), True)]
 
@@ -165,8 +200,9 @@ def _pair_cases():
 def test_input_and_weight_in_one_launch_equal_their_separate_casts(scaling, stats):
     """`cast_pair.pair` (the layer's input and weight together) against two separate casts
     (`cast_transpose.tensorwise` / `rowwise`): the same bytes in both layouts, scales and, on a
-    check step, each operand's own statistics, bit for bit, over every BF16 value beside an
-    FP32 weight, ragged shapes, x without its transpose. Check steps in E4M3 only (the
+    check step, each operand's own statistics, bit for bit, over every 8th BF16 exponent (its
+    zeros, subnormals, largest finite, +-Inf and NaNs: `EVERY_8TH_EXPONENT`) beside an FP32
+    weight, ragged shapes, x without its transpose. Check steps in E4M3 only (the
     statistics' code does not depend on the element format; interpreted time is scarce)."""
     from lowprec.numerics.kernels import cast_pair
     from lowprec.numerics.kernels import cast_transpose as ct
