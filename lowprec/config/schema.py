@@ -129,6 +129,7 @@ class EvalConfig:
     gates: str | None = "inloop"
     batch_size: int = 32
     data_dir: str | None = None
+    limit: int | None = None
 
     def __post_init__(self) -> None:
         if not _ENTRY_POINT.fullmatch(self.evaluator):
@@ -138,6 +139,8 @@ class EvalConfig:
             raise ConfigError("suite", "expected a suite name (e.g. default), found an empty string")
         _at_least(self, "every", 0, "a step count (0: no periodic evals)", _MAX_STEPS)
         _at_least(self, "batch_size", 1, "an integer", _MAX_STEPS)
+        if self.limit is not None:
+            _at_least(self, "limit", 1, "a number of documents per task (or null: every eval's own set)", _MAX_STEPS)
         if self.gates is not None and not self.gates:
             raise ConfigError("gates", "expected the name of a shipped gate file (inloop, default), a gate file path "
                                        "or null (no in-loop gate), found an empty string")

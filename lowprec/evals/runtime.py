@@ -64,5 +64,6 @@ class LMEvalEvaluator:
         """This process's outcome; None on a torchrun rank other than local rank 0 (lm-eval's results
         are there only), which runs the same forwards."""
         r = run_suite(self.config.suite, self.forward, self.tokenizer, self.max_length, mode=mode,
-                      batch_size=self.config.batch_size, model=self.model, data_dir=self.data_dir)
+                      batch_size=self.config.batch_size, model=self.model, data_dir=self.data_dir,
+                      limit=getattr(self.config, "limit", None))
         return None if r is None else EvalOutcome(r.results, r.samples, r.seconds)

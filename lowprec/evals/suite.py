@@ -319,8 +319,8 @@ def run_suite(suite: EvalSuite | str, forward: Callable[[Any], Any], tokenizer: 
               cache_dir: str | Path | None = None, data_dir: str | Path | None = None) -> EvalResult | None:
     """Run a suite's tasks with lm-eval on the model `forward` (LongTensor[B,T] -> logits [B,T,V]).
 
-    `mode` picks the fast subset (see `EvalSuite.limits`) or the full set; `limit` (documents
-    per task) overrides either. `bootstrap_iters` (lm-eval's, for the stderr of perplexity; 0 turns
+    `mode` picks the fast subset (see `EvalSuite.limits`) or the full set; `limit` caps the
+    documents per task of either (lm-eval's `limit`: the first N of the mode's set). `bootstrap_iters` (lm-eval's, for the stderr of perplexity; 0 turns
     every stderr off) defaults to 100 in fast mode and 1000 in full. `model` is the nn.Module to
     put in eval mode when `forward` is not the module itself. `cache_dir` holds the tasks' files
     (default `.cache/eval_suites` in the working folder); `data_dir` is the folder of the opt-in
@@ -343,7 +343,9 @@ def run_suite(suite: EvalSuite | str, forward: Callable[[Any], Any], tokenizer: 
 
     adapter = LMAdapter(forward, tokenizer, max_length, batch_size=batch_size, device=device, model=model,
                         rolling_context_len=rolling_context_len)
-    wanted = {t: limit for t in suite.tasks} if limit is not None else suite.limits(mode)
+    wanted = suite.limits(mode)
+    if limit is not None:
+        wanted = {t: limit if wanted is None else min(limit, wanted[t]) for t in suite.tasks}
     samples = None if wanted is None else {
         t: list(range(min(wanted[t], prepared.n_docs[t]))) for t in prepared.ready}
     with _random_streams_kept(), _default_sigterm(), _lean_bookkeeping():

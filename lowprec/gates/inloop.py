@@ -36,6 +36,9 @@ class GateFileChecker:
                                     f"docs/gates.md), the name of a shipped one, or null for no in-loop gate")
         self.spec = GateSpec.from_yaml(self.path)
         self.metrics = tuple(self.spec.metrics)
+        # the most examples per task a deciding gate needs (its min_samples): fewer make it inconclusive
+        self.samples_needed = {g.metric.split("/")[1]: g.min_samples for g in self.spec.gates if not g.informational
+                               and g.metric.count("/") == 2}
         self.checks = 0                    # checks made so far in this run
         self.planned = planned_checks
 

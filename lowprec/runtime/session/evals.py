@@ -49,7 +49,7 @@ from typing import Any, Callable, Protocol
 from lowprec.runtime.session.eval_damage import DEFAULT_RATIO, DamageVerdict, damage
 
 __all__ = ["EvalOutcome", "Evaluator", "GateChecker", "EvalCheckpoints", "load_entry_point", "eval_checkpoints",
-           "eval_config_errors"]
+           "eval_config_errors", "check_limit"]
 
 EVALUATORS, GATE_CHECKERS = "lowprec.evaluators", "lowprec.gate_checkers"
 
@@ -99,6 +99,20 @@ def check_gated_tasks(metrics, tasks, config) -> None:
                 f"eval.gates: null for no in-loop gate"))
 
 
+def check_limit(samples_needed: dict[str, int], config) -> None:
+    """A ConfigError at `eval.limit` where it caps a task below what a deciding gate of the in-loop
+    gate file needs (`min_samples`): every check would be inconclusive there."""
+    from lowprec.base.parse import ConfigError
+    limit = getattr(config, "limit", None)
+    short = {t: n for t, n in samples_needed.items() if limit is not None and limit < n}
+    if short:
+        task, need = max(short.items(), key=lambda kv: kv[1])
+        raise ConfigError("eval.limit", (
+            f"{limit} documents per task is below what in-loop gate {config.gates!r} needs for {task} "
+            f"(min_samples {need}): every check would be inconclusive. Fix: eval.limit: {need} or more, "
+            f"null (each eval's own set), or a gate file with a lower min_samples"))
+
+
 def _plain(obj):
     """`obj` as plain data a checkpoint loads with `weights_only=True` (lm-eval's numbers may be numpy's)."""
     if isinstance(obj, dict):
@@ -133,6 +147,7 @@ class EvalCheckpoints:
         self.formats = formats or state.formats
         if checker is not None:
             check_gated_tasks(checker.metrics, evaluator.tasks, config)
+            check_limit(getattr(checker, "samples_needed", {}), config)
         self.history: list[dict] = []   # one entry per eval: step, mode, verdict, results, results_hp
         self.last: EvalOutcome | None = None
 

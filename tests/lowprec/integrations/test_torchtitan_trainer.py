@@ -130,7 +130,8 @@ def _mlflow_run(uri: str):
     return client, runs[0]
 
 
-EVAL = "eval: {suite: default, every: 0, mode: fast, final_mode: fast, gates: inloop, high_precision: true}\n"
+# the evals here check the plumbing, not the model: 8 documents a task (eval.limit; the in-loop gate's min_samples)
+EVAL = "eval: {suite: default, every: 0, mode: fast, final_mode: fast, gates: inloop, high_precision: true, limit: 8}\n"
 
 
 def _check_fp8_all_gather(reports: list[dict], resumed: bool = False, hp_bytes: int = 2) -> None:
@@ -302,7 +303,7 @@ def test_fsdp2_x_tp2_fp8_all_gather_nan_on_one_rank_falls_back_to_bf16_gathers(t
 
 
 # evals before the promotion and at the end, one pass each (their forwards are pipeline steps: the cost)
-PP_EVAL = "eval: {suite: shakespeare, every: 0, mode: fast, final_mode: fast, gates: null, high_precision: false}\n"
+PP_EVAL = "eval: {suite: shakespeare, every: 0, mode: fast, final_mode: fast, gates: null, high_precision: false, limit: 8}\n"
 PP_SITE_RANK = 1   # torchtitan's default Interleaved1F1B, 2 ranks: 4 stages, layers.1 in stage 1 on rank 1
 
 

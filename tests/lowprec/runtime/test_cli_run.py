@@ -53,6 +53,9 @@ BAD = {
     "unknown_suite": ({"eval": {"suite": "no_such_suite", "gates": None}}, "no_such_suite"),
     "unknown_evaluator": ({"eval": {"evaluator": "no_such_evaluator", "gates": None}}, "no_such_evaluator"),
     "gate_on_absent_task": ({"eval": {"suite": "shakespeare", "gates": "absent_task_gates.yaml"}}, "no_such_task"),
+    # the in-loop gate `inloop` needs 8 documents of each gated task (min_samples): a cap of 4 leaves it blind
+    "limit_below_the_gates_min_samples": ({"eval": {"suite": "default", "limit": 4}}, "eval.limit: 4 documents"),
+    "limit_zero": ({"eval": {"suite": "default", "limit": 0}}, "eval.limit"),
     "snapshots_too_few": ({"rollout.rewind": {"enabled": True, "snapshot_every": 2, "keep": 1}}, "rollout.rewind.keep"),
     "empty_experiment": ({"tracking": {"experiment": ""}}, "tracking.experiment"),
 }
