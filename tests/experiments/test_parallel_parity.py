@@ -110,7 +110,7 @@ CONFIG = {
 # precision) and the LR probe at every 2nd check; neither decides anything here (no in-loop gate,
 # the probe's holds off), so both runs take the decisions and losses the other modes are held to
 WITH_EVALS = {"eval": {"suite": "shakespeare", "every": 0, "mode": "fast", "final_mode": "fast", "gates": None,
-                       "high_precision": True},
+                       "high_precision": True, "limit": 8},
               "rollout": {**CONFIG["rollout"], "lr_probe": {"enabled": True, "every_checks": 2, "hold_above": None,
                                                             "hold_rise": None}}}
 # mode: (processes, the parallel: section, the single-process run it is compared with)

@@ -35,7 +35,7 @@ precision:
   rules:
     - {name: all, select: {module_type: Linear}, format: bf16}
 """
-FINAL_EVAL = "eval: {suite: default, every: 0, mode: fast, final_mode: fast, gates: null, high_precision: false}\n"
+FINAL_EVAL = "eval: {suite: default, every: 0, mode: fast, final_mode: fast, gates: null, high_precision: false, limit: 8}\n"
 
 
 def gate_table(forks, baseline: str, candidate: str, uri: str, out) -> str:

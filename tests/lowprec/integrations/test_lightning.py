@@ -186,7 +186,7 @@ def test_lightning_module_with_accumulation_and_evals(tmp_path):
     uri = f"sqlite:///{tmp_path}/acc.db"
     cfg = (CONFIG.replace("fqns: [lm_head]", "fqns: [model.lm_head]")
            .replace("tracking: {experiment: hf-integration}", f"tracking: {{experiment: acc, uri: '{uri}'}}")
-           + "eval: {suite: shakespeare, every: 10, mode: fast, final_mode: fast, gates: null, batch_size: 8}\n")
+           + "eval: {suite: shakespeare, every: 10, mode: fast, final_mode: fast, gates: null, batch_size: 8, limit: 8}\n")
     (tmp_path / "lowprec.yaml").write_text(cfg)
     experiment(uri, "acc", tmp_path)
     module = LlamaModule()

@@ -215,7 +215,7 @@ def _rank_pid(launcher: int, rank: int) -> int | None:
 
 # the default suite, the in-loop gate: an eval before the promotion and one at the end
 EVAL = {"evaluator": "lm_eval", "suite": "default", "every": 0, "mode": "fast", "final_mode": "fast",
-        "high_precision": True, "gates": "inloop"}
+        "high_precision": True, "gates": "inloop", "limit": 8}   # 8 documents a task: the gate's min_samples
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ CONFIG = {
     "rollout": {"check_every": 5, "min_steps": 0, "baseline": {"mlflow_run": "tiny-bf16"}, "lr_probe": {"enabled": False},
                 "stages": [{"name": "mlp_fp8", "select": {"glob": "blocks.*.mlp.*"}, "format": "fp8_tensorwise"}]},
     "eval": {"suite": "shakespeare", "every": 10, "mode": "fast", "final_mode": "fast", "high_precision": False,
-             "gates": None, "batch_size": 64},
+             "gates": None, "batch_size": 64, "limit": 8},
     "telemetry": {"energy": "off", "mfu": False, "system_metrics_s": None},
 }
 
