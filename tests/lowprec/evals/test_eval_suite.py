@@ -112,6 +112,19 @@ def test_fast_mode_uses_each_tasks_fast_size(gpt):
     assert r.seconds > 0
 
 
+def test_limit_caps_each_tasks_documents_in_either_mode(gpt):
+    """`limit` (eval.limit) caps each task's set, never raises it: in fast mode a task keeps the smaller
+    of its fast size and the limit, in full mode each task scores the first `limit` documents."""
+    suite = EvalSuite("tiny", ("heldout_shakespeare", "cloze_shakespeare"), fast_limit=3)
+    r = run_suite(suite, gpt, ByteTokenizer(), MAX_LEN, mode="fast", limit=5, bootstrap_iters=0)
+    assert r.n == {"heldout_shakespeare": 3, "cloze_shakespeare": 3}
+    r = run_suite(suite, gpt, ByteTokenizer(), MAX_LEN, mode="fast", limit=2, bootstrap_iters=0)
+    assert r.n == {"heldout_shakespeare": 2, "cloze_shakespeare": 2}
+    r = run_suite(suite, gpt, ByteTokenizer(), MAX_LEN, mode="full", limit=4, bootstrap_iters=0)
+    assert r.n == {"heldout_shakespeare": 4, "cloze_shakespeare": 4} and r.mode == "full"
+    assert {len(v) for per in r.samples.values() for v in per.values()} == {4}   # per-example scores of 4 each
+
+
 def test_named_suites():
     assert {"shakespeare", "shift", "default", "multiple_choice"} <= set(SUITES)
     assert set(get_suite("default").tasks) == set(get_suite("shakespeare").tasks) | {"shift_milton"}
