@@ -8,7 +8,9 @@ kept in FP32 (`fp32`: the same seed, initialisation and batch order, only the ro
 matmul operands differs - a harmless numerical difference). Each run is evaluated once on the
 full eval sets of the gated tasks and kept, with its per-example scores, under `--out`
 (`<kind>_seed<N>.json`; a run already there is reused, so the campaign can be stopped and
-resumed, and adding pairs only trains the new seeds). Then two kinds of comparison are put
+resumed, and adding pairs only trains the new seeds). `--limit N` evaluates the first N documents
+of each task instead (a smoke run; the gates still need their `min_samples`); a cached run
+evaluated with another limit is trained again. Then two kinds of comparison are put
 through the gate file, N pairs each, no run used twice within a kind:
 
 - (a) same seed, harmless difference (what `make run` compares: a BF16 baseline and a
@@ -59,11 +61,13 @@ def kind_config(cfg, kind: str, seed: int):
     return run
 
 
-def train_eval(cfg, kind: str, seed: int, out: Path, steps: int | None) -> dict:
-    """Train and evaluate one run (or read what an earlier call left in `out`)."""
+def train_eval(cfg, kind: str, seed: int, out: Path, steps: int | None, limit: int | None = None) -> dict:
+    """Train and evaluate one run (or read what an earlier call with the same `limit` left in `out`)."""
     path = out / f"{kind}_seed{seed}.json"
     if path.is_file():
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
+        if data.get("limit") == limit:
+            return data
     from lowprec.evals import ByteTokenizer, EvalSuite, run_suite
     from lowprec.runtime.trainer.run import execute, prepare_run
     t0 = time.perf_counter()
@@ -72,10 +76,10 @@ def train_eval(cfg, kind: str, seed: int, out: Path, steps: int | None) -> dict:
     t1 = time.perf_counter()
     prepared.model.eval()
     ev = run_suite(EvalSuite("gated", TASKS), prepared.model, ByteTokenizer(), cfg.data.block_size, mode="full",
-                   model=prepared.model)
+                   model=prepared.model, limit=limit)
     tail = res.losses[-20:]
     data = {"kind": kind, "seed": seed, "final_loss": sum(tail) / len(tail), "results": ev.results,
-            "samples": ev.samples, "train_s": t1 - t0, "eval_s": time.perf_counter() - t1}
+            "samples": ev.samples, "limit": limit, "train_s": t1 - t0, "eval_s": time.perf_counter() - t1}
     path.write_text(json.dumps(data))
     return data
 
@@ -204,6 +208,9 @@ def main(argv=None) -> None:
     p.add_argument("--gates", default="gates/default.yaml")
     p.add_argument("--pairs", type=int, default=50, help="pairs per comparison (seeds 0..N-1, two runs each)")
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--limit", type=int, default=None,
+                   help="documents per task in each eval (default: the full sets; a smoke run's few: the gates "
+                        "need their min_samples)")
     p.add_argument("--drops", type=float, nargs="+", default=list(DROPS),
                    help="planted regressions: relative for bits per byte, a share of examples for accuracies")
     p.add_argument("--tolerances", type=float, nargs="+", default=[0.005, 0.01, 0.015, 0.02, 0.03, 0.05],
@@ -226,7 +233,7 @@ def main(argv=None) -> None:
     runs = {}
     for s in range(args.pairs):
         for k in KINDS:
-            runs[(k, s)] = train_eval(cfg, k, s, out, args.steps)
+            runs[(k, s)] = train_eval(cfg, k, s, out, args.steps, args.limit)
             r = runs[(k, s)]
             print(f"[{time.perf_counter() - started:7.0f}s] {k} seed {s}: loss {r['final_loss']:.4f}, "
                   f"train {r['train_s']:.1f}s, eval {r['eval_s']:.1f}s", flush=True)

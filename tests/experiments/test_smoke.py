@@ -83,10 +83,10 @@ def test_telemetry_noise(tmp_path, run):
 
 @pytest.mark.slow
 def test_gate_calibration(tmp_path, run):
-    # a one-block model of width 32: each of the 4 runs' full evals costs half the reference model's
+    # a one-block model of width 32, each of the 4 runs evaluated on 50 documents a task (the gates' min_samples)
     tiny = {"n_layer": 1, "n_head": 1, "d_model": 32}
     config = _tiny_config("gate_calibration.yaml", tmp_path / "tiny.yaml", model=tiny)
-    out = run("gate_calibration", "--config", str(config), "--pairs", "2", "--steps", "3", "--drops", "0.05",
+    out = run("gate_calibration", "--config", str(config), "--pairs", "2", "--steps", "3", "--limit", "50", "--drops", "0.05",
                "--tolerances", "0.01", "--spread-k", "--threads", "1", "--out", str(tmp_path / "runs"),
                "--json", str(tmp_path / "r.json"), timeout=1200)
     assert "false alarms" in out and (tmp_path / "r.json").is_file()
