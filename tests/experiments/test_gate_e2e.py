@@ -4,9 +4,9 @@ A small GPT is trained on Shakespeare three times with the same seed and data: i
 baseline), with every block's linear layers in FP8 (tensor-wise current scaling: the
 candidate that should pass), and with every linear layer in FP4 E2M1 with one scale per
 tensor and none of the NVFP4 tricks (the planted regression). Each run is tracked with
-lowprec.tracking.tracker.Tracker and ends with the full `shakespeare` eval suite (held-out plays,
-cloze) logged with per-example scores. The pass and the fail verdicts come from the gate command
-run as a real subprocess, so their exit codes are the ones CI sees; the unusable-input cases call
+lowprec.tracking.tracker.Tracker and ends with a full-mode `shakespeare` eval (held-out plays,
+cloze; the first 128 documents of each) logged with per-example scores. The pass and the fail
+verdicts come from the gate command run as a real subprocess, so their exit codes are the ones CI sees; the unusable-input cases call
 `lowprec.cli.main`, the function the `lowprec` command exits with, in this process (the same
 handler, status and stderr line, without three more process starts; tests/lowprec/gates/
 test_gate_cli.py runs such cases as subprocesses).
@@ -33,7 +33,9 @@ CFG = {
     "train": {"steps": 60, "batch_size": 16, "lr": 3e-3, "warmup": 10, "ckpt_every": 1000, "seed": 0},
     "precision": {"backend": "emulated", "rules": [
         {"name": "every_linear", "select": {"module_type": "Linear"}, "format": "bf16"}]},
-    "eval": {"suite": "shakespeare", "every": 0, "final_mode": "full", "high_precision": False, "gates": None},
+    # the full sets' first 128 documents a task (eval.limit): enough for the gates' min_samples and their power
+    "eval": {"suite": "shakespeare", "every": 0, "final_mode": "full", "high_precision": False, "gates": None,
+             "limit": 128},
 }
 GATES = """
 defaults: {statistic: paired_bootstrap, confidence: 0.95, min_samples: 50}
