@@ -71,7 +71,8 @@ def tokens(n=20000, vocab=64):
 
 # the user's config: an eval section and no gates key (the default suite, whose texts ship with
 # the package, and the shipped in-loop gate `inloop`; byte tokens, as the evaluator's tokenizer),
-# one rollout stage, rewinds on
+# one rollout stage, rewinds on; a CI-sized eval: at most 50 documents a task (the shipped default
+# gate's min_samples)
 CONFIG = '''
 model: {factory: "mymodel:build", args: {vocab: 256, width: 32, layers: 2}}
 data: {factory: "mymodel:tokens", args: {n: 20000, vocab: 256}, block_size: 32}
@@ -90,7 +91,7 @@ rollout:
   thresholds: {max_saturated_frac: 1.0, spike_min_history: 20, spike_sigmas: 8.0}
   stages:
     - {name: up_fp8, select: {glob: "layers.*.up"}, format: fp8_tensorwise}
-eval: {suite: default, every: 0, mode: fast, final_mode: full, batch_size: 64}
+eval: {suite: default, every: 0, mode: fast, final_mode: full, batch_size: 64, limit: 50}
 tracking: {uri: "sqlite:///TMP/mlflow.db", experiment: wheel-test, run_name: my-run}
 '''
 
