@@ -16,7 +16,9 @@ too), a metric the run never logged (with a did-you-mean and the metrics under t
 step at which a metric has no value. `check_comparable` refuses two runs whose evals are not
 of one kind: a run that did not finish (MLflow status not FINISHED), evals of different modes
 (`eval_mode/<prefix>`: a fast in-loop eval against a full final one), unless --step names the
-step, or of different suites (the artifact's `suite`, else the `eval.suite` param); each
+step, or of different suites (the artifact's `suite`, else the `eval.suite` param) or document
+limits (the `eval.limit` param: a capped eval scores other examples, and its aggregate another
+sample); each
 run's final evals are compared by default, at whatever step each run ended. A named step must
 be one both runs evaluated (`check_named_step`), and a refusal suggests only a step both have.
 MLflow is imported by the functions, not by this module.
@@ -44,6 +46,7 @@ __all__ = ["open_client", "resolve_run", "resolve_runs", "load_scores", "recent_
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 MODE_METRIC = "eval_mode/"   # + prefix: 1 full, 0 fast at the eval's step (Tracker.log_eval(mode=...))
 SUITE_PARAM = "eval.suite"   # the config's eval.suite, as `lowprec run` logs it
+LIMIT_PARAM = "eval.limit"   # the config's eval.limit (documents per task); absent in a run that set none
 
 
 def open_client(tracking_uri: str, timeout: float = 5.0):
@@ -229,8 +232,10 @@ def load_scores(tracking_uri: str, run_ref: str, *, metrics: Iterable[str] | Non
             flag = _history(client, run_id, MODE_METRIC + p).get(at)
             if flag is not None:
                 kind["mode"] = "full" if flag >= 0.5 else "fast"
-        if "suite" not in kind and isinstance(run.data.params.get(SUITE_PARAM), str):
-            kind["suite"] = run.data.params[SUITE_PARAM]
+        if isinstance(run.data.params.get(SUITE_PARAM), str):   # a run of lowprec's eval section
+            kind.setdefault("suite", run.data.params[SUITE_PARAM])
+            if p.startswith("eval"):   # eval/, eval_hp/: the documents scored (not telemetry/'s numbers)
+                kind["limit"] = run.data.params.get(LIMIT_PARAM, "null")
     out = {}
     for m in wanted:
         se = _history(client, run_id, m + STDERR_SUFFIX).get(at) if m + STDERR_SUFFIX in run.data.metrics else None
@@ -281,14 +286,15 @@ def check_comparable(baseline: Scores, candidate: Scores, step_named: bool) -> N
                             f"{status}): its last eval, at step {s.step}, may be an in-loop one of a run cut short")
     bk, ck = baseline.extra.get("kinds", {}), candidate.extra.get("kinds", {})
     for prefix in sorted(set(bk) & set(ck)):
-        for what in ("mode", "suite"):
+        for what in ("mode", "suite", "limit"):
             b, c = bk[prefix].get(what), ck[prefix].get(what)
-            if b is not None and c is not None and b != c and (what == "suite" or not step_named):
-                problems.append(f"the baseline's {prefix} eval at step {baseline.step} is of {what} {b!r}, the "
-                                f"candidate's at step {candidate.step} of {what} {c!r}")
+            if b is not None and c is not None and b != c and (what != "mode" or not step_named):
+                label = "eval.limit" if what == "limit" else what   # documents per task: other examples
+                problems.append(f"the baseline's {prefix} eval at step {baseline.step} is of {label} {b!r}, the "
+                                f"candidate's at step {candidate.step} of {label} {c!r}")
     if problems:
-        suites = any("of suite" in p for p in problems)
-        fix = ("evaluate both runs on one suite" if suites or step_named else
+        suites = any("of suite" in p or "of eval.limit" in p for p in problems)
+        fix = ("evaluate both runs on one suite with one eval.limit" if suites or step_named else
                "gate two finished runs (a run killed half-way stays RUNNING; resume it to the end), or "
                + step_fix(baseline, candidate))
         raise GateInputError("refusing to compare: " + "; ".join(problems) + f". Fix: {fix}")

@@ -32,10 +32,12 @@ def _results(acc: float) -> dict:
 
 
 def _client_run(client, exp_id: str, name: str, evals: list[tuple[int, str]], *, finished: bool = True,
-                suite: str = "default") -> str:
+                suite: str = "default", limit: int | None = None) -> str:
     run = client.create_run(exp_id, run_name=name)
     rid = run.info.run_id
     client.log_param(rid, "eval.suite", suite)
+    if limit is not None:
+        client.log_param(rid, "eval.limit", str(limit))
     for step, mode in evals:
         client.log_metric(rid, "eval/t/acc", 0.6, step=step)
         client.log_metric(rid, "eval/t/acc_stderr", 0.01, step=step)
@@ -62,6 +64,7 @@ def store(tmp_path_factory, sqlite_store, lowprec_forks):
             "killed": _client_run(client, exp, "killed", [(5, "fast"), (9, "fast")], finished=False),
             "fastend": _client_run(client, exp, "fastend", [(5, "fast"), (10, "fast")]),
             "othersuite": _client_run(client, exp, "othersuite", [(10, "full")], suite="other"),
+            "capped": _client_run(client, exp, "capped", [(5, "fast"), (10, "full")], limit=8),
             "good": _client_run(client, exp, "good", [(5, "fast"), (10, "full")]),
             # a framework run whose lowprec count trailed the framework's (before one step for everyone)
             "ends9": _client_run(client, exp, "ends9", [(5, "fast"), (9, "full")])}
@@ -113,6 +116,18 @@ def test_other_suite_refused_even_at_a_named_step(store, capsys):
         assert main(_args(store, "othersuite", *extra)) == 2
         err = capsys.readouterr().err
         assert "of suite 'default'" in err and "of suite 'other'" in err
+
+
+def test_evals_capped_by_another_eval_limit_are_refused_even_at_a_named_step(store, capsys):
+    """A run evaluated with `eval.limit: 8` scored other (fewer) examples than one without: its
+    aggregate is another sample's, so the two never compare, as two suites do not."""
+    from lowprec.cli import main
+
+    for extra in ((), ("--step", "10")):
+        assert main(_args(store, "capped", *extra)) == 2
+        err = capsys.readouterr().err
+        assert "of eval.limit 'null'" in err and "of eval.limit '8'" in err, err
+        assert "one eval.limit" in err and "Traceback" not in err
 
 
 def test_good_candidate_passes_and_a_named_step_lifts_the_refusal(store, capsys):
