@@ -215,7 +215,10 @@ def _rank_pid(launcher: int, rank: int) -> int | None:
 
 # the default suite, the in-loop gate: an eval before the promotion and one at the end
 EVAL = {"evaluator": "lm_eval", "suite": "default", "every": 0, "mode": "fast", "final_mode": "fast",
-        "high_precision": True, "gates": "inloop", "limit": 8}   # 8 documents a task: the gate's min_samples
+        "high_precision": True, "gates": "inloop"}
+# (not capped with eval.limit: with 8 documents a task the resumed job's non-lead ranks reach their exit
+# seconds sooner, and under CPU load one of them aborted at exit, "terminate called without an active
+# exception", in 1 of 3 tries on 2026-12-03: a shutdown race of the 4-rank gloo job, open)
 
 
 @pytest.fixture(scope="module")
