@@ -10,6 +10,14 @@ exclusive lock (`fcntl.flock`) on `<database>.lock` beside the database file: th
 process creates the schema, the others wait for it and then find it made. The lock is held
 only while the store is opened (a second or two the first time, milliseconds after that);
 the lock file is left in place (removing it would race with a process about to take it).
+
+A new SQLite store is created whole or not at all: MLflow builds its schema in a run of about
+seventy migrations, not in one transaction, so a process killed (SIGKILL, an OOM kill, Ctrl-C
+reaching a thread) in those seconds used to leave a database that no later run could open
+(`table spans already exists`: the tables of a migration whose version was never recorded).
+`mlflow_client` builds a new store's schema in a `<database>.creating-*` file beside it and renames that
+file onto the database only once the schema is complete; a leftover `.creating-*` file from
+a killed process is deleted by the next creator, who holds the lock.
 Other stores (an HTTP server, PostgreSQL behind a server) are opened as they are: a server
 creates its schema once, at its own start.
 """
@@ -19,12 +27,14 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["mlflow_client", "schema_lock", "sqlite_path", "LOCK_SUFFIX"]
+__all__ = ["mlflow_client", "schema_lock", "sqlite_path", "LOCK_SUFFIX", "CREATING_SUFFIX"]
 
 LOCK_SUFFIX = ".lock"
+CREATING_SUFFIX = ".creating"
 
 
 def sqlite_path(tracking_uri: str) -> Path | None:
@@ -74,5 +84,23 @@ def mlflow_client(tracking_uri: str):
     `schema_lock`, so that any number of processes may do this at once."""
     from mlflow.tracking import MlflowClient
     with schema_lock(tracking_uri):
+        db = sqlite_path(tracking_uri)
+        if db is not None and not db.exists():
+            _create_sqlite_store(db)
         client = MlflowClient(tracking_uri)   # opens the store: creates or migrates a SQL store's tables
     return client
+
+
+def _create_sqlite_store(db: Path) -> None:
+    """Create MLflow's schema in a new SQLite file at `db` all at once (see the module doc): built
+    in `<db>.creating-<random>` (a name MLflow has not cached a store for), its connections
+    closed, then renamed onto `db`. Called under `schema_lock`."""
+    from mlflow.tracking import MlflowClient
+    for leftover in db.parent.glob(db.name + CREATING_SUFFIX + "*"):   # creators killed before their rename
+        leftover.unlink(missing_ok=True)
+    building = db.with_name(f"{db.name}{CREATING_SUFFIX}-{uuid.uuid4().hex}")
+    client = MlflowClient(f"sqlite:///{building}")   # creates every table, one migration after another
+    engine = getattr(getattr(getattr(client, "_tracking_client", None), "store", None), "engine", None)
+    if engine is not None:   # no pooled connection left open on the file that becomes the store
+        engine.dispose()
+    os.replace(building, db)
