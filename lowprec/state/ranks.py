@@ -5,14 +5,15 @@ state files, checkpoints, tracking on rank 0): 0 and 1 when no process group is 
 `from_rank_0`, how rank 0's outcome (an eval's: lm-eval's results exist on rank 0 only) reaches
 every rank, so that every rank's controller decides alike; `from_every_rank`, every rank's
 object on every rank, and `on_any_rank`, whether a condition holds on some rank (what rank 0
-reports of state every rank holds a part of).
+reports of state every rank holds a part of); `largest_on_any_rank`, one all-reduce of an int,
+cheap enough for every step (whether any rank was told to stop).
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
-__all__ = ["process_rank", "world_size", "from_rank_0", "from_every_rank", "on_any_rank"]
+__all__ = ["process_rank", "world_size", "from_rank_0", "from_every_rank", "on_any_rank", "largest_on_any_rank"]
 
 
 def process_rank() -> int:
@@ -50,3 +51,17 @@ def on_any_rank(flag: bool) -> bool:
     """True when `flag` is true on some rank; `flag` itself without a process group. Every
     rank must call it (a collective)."""
     return any(from_every_rank(bool(flag)))
+
+
+def largest_on_any_rank(value: int) -> int:
+    """The largest of every rank's `value` (an int), on every rank; `value` itself without a
+    process group. One all-reduce of one number, on the GPU under NCCL. Every rank must call it
+    (a collective)."""
+    if world_size() == 1:
+        return int(value)
+    import torch
+    nccl_only = dist.get_backend() == "nccl"   # "cpu:gloo,cuda:nccl" and gloo take a CPU tensor
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl_only else torch.device("cpu")
+    t = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

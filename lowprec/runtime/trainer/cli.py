@@ -14,7 +14,9 @@ wait in the outbox and the `lowprec sync` command that sends them; `--tracking-o
 makes that exit 0); 4 when `run` stopped because the disk is full (a checkpoint or another
 file could not be written: one line names it, its folder and the space free there; the
 earlier checkpoints are kept, the MLflow run is marked KILLED with the tag `lowprec.stopped`
-saying why; free space and continue with `--resume`).
+saying why; free space and continue with `--resume`); 130 or 143 when `run` was stopped by
+SIGINT (Ctrl-C) or SIGTERM: it wrote a checkpoint at the next step, marked the MLflow run KILLED
+with the reason and said the command that continues it (`lowprec.runtime.trainer.stop_request`).
 
 `--resume` says which checkpoint and step it continues from; with `--steps N` it trains up to
 N (below the checkpoint's step: refused, exit 2), as `lowprec.runtime.trainer.resume_check` says.
@@ -246,8 +248,11 @@ def _send_finished(out: Path, console) -> int | None:
 def _cmd_run(args) -> int:
     started = time.perf_counter()   # telemetry: start-up is the time until the first step
     from lowprec.runtime.trainer.console import Console
-    with Console("run", verbose=args.verbose) as console:   # the progress line; other libraries' output: the log
-        result = _run(args, console, started)
+    from lowprec.runtime.trainer.parallel_run import rank_env
+    from lowprec.runtime.trainer.stop_request import StopRequest
+    env = rank_env()   # the console: the progress line (other libraries' output: the log)
+    with Console("run", verbose=args.verbose) as console, StopRequest(console.say, rank=env and env.rank) as stop:
+        result = _run(args, console, started, stop)   # Ctrl-C, SIGTERM: it stops at a step, with a checkpoint
     # --nproc-per-node: the ranks start once every check passed, outside the console (they write to the terminal)
     return result() if callable(result) else result
 
@@ -263,7 +268,7 @@ def _refuse(console, e: Exception | str, env) -> int:
     return EXIT_UNUSABLE
 
 
-def _run(args, console, started: float):
+def _run(args, console, started: float, stop=None):
     from lowprec.runtime.trainer.faults import parse_injection
     from lowprec.runtime.trainer.parallel_run import rank_env
     from lowprec.runtime.trainer.run_folder import RunFolder, RunFolderBusyError
@@ -299,7 +304,7 @@ def _run(args, console, started: float):
         return _refuse(console, f"--out {out}: cannot be a run folder ({e.strerror or e}); give a folder you can "
                                 f"write", env)
     try:
-        result = _run_locked(args, console, started, folder, cfg, faults, name, env, store)
+        result = _run_locked(args, console, started, folder, cfg, faults, name, env, store, stop)
     except BaseException:
         folder.release()
         raise
@@ -312,7 +317,7 @@ def _run(args, console, started: float):
     return result
 
 
-def _run_locked(args, console, started: float, folder, cfg, faults, name: str, env, store):
+def _run_locked(args, console, started: float, folder, cfg, faults, name: str, env, store, stop=None):
     """`lowprec run` once this process holds the run folder (rank 0 under torchrun): refuse
     what the folder's state does not allow (saying what that state is), check a resume's
     config, then train: here, on this rank of a torchrun job, or by starting torchrun
@@ -382,13 +387,13 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
     if lead and status.state is FolderState.NEW:
         record_config(out, cfg)
     if args.nproc_per_node is not None:
-        from lowprec.runtime.trainer.parallel_run import Launch, launch_argv
+        from lowprec.runtime.trainer.launcher import Launch, launch_argv
         return Launch(args.nproc_per_node, *launch_argv(args, out), folder=folder)
     if env is not None and env.world > 1:
         from lowprec.runtime.trainer.parallel_run import train_ranks
         return train_ranks(prepared, out, name=name, env=env, placed=placed, layout=layout, resume=args.resume,
                            faults=faults, console=console, started=started,
-                           tracking_optional=args.tracking_optional)
+                           tracking_optional=args.tracking_optional, stop=stop, config_path=args.config)
     from lowprec.runtime.trainer.run import train_prepared
     return train_prepared(prepared, out, name=name, resume=chosen or args.resume, faults=faults, started=started,
-                          tracking_optional=args.tracking_optional, console=console)
+                          tracking_optional=args.tracking_optional, console=console, stop=stop, config_path=args.config)

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from lowprec.state.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
+from lowprec.runtime.trainer.stop_request import RunStopped
 from lowprec.runtime.trainer.data import TokenBatches
 from lowprec.state.ranks import on_any_rank, process_rank
 from lowprec.runtime.session.after_step import AfterStep
@@ -88,7 +89,7 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
           sites: list[str] | None = None, group=None, tracker=None, evals=None,
           baseline: dict[int, float] | None = None, resume: bool | Path = False, faults: list[Injection] | tuple = (),
           steps: int | None = None, checkpoints: bool = True, telemetry: Telemetry | None = None,
-          progress=None, precision_map=None) -> "RunResult":
+          progress=None, precision_map=None, stop=None) -> "RunResult":
     """Train `engine`'s model for `steps` (default `tc.steps`) as the train section `tc` says.
 
     controller: a RolloutController (None: the plan as it is, no decisions); rollout: its
@@ -100,6 +101,9 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     precision_map: what tracking, the summary and the results report as the model's formats and
     FLOP shares (`formats()`, `flops_share()`); default `state`; under pipeline stages, where
     `state` holds this rank's sites, the whole model's (`lowprec.runtime.session.tracked_map.tracked_map`).
+    stop: a `lowprec.runtime.trainer.stop_request.StopRequest`, asked at every step boundary (every
+    rank agreeing): once a signal came, a checkpoint is written at that step and RunStopped raised
+    (no final eval, no summary).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -126,7 +130,7 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     t0 = time.perf_counter()
     try:
         _steps(_Loop(tc, engine, opt, sched, state, data, session, after, tele, injected, progress, checkpoints,
-                     out / "checkpoints"), res, n_steps, iteration)
+                     out / "checkpoints", stop), res, n_steps, iteration)
     finally:
         injected.remove()
         session.close()
@@ -188,6 +192,7 @@ class _Loop:
     progress: object
     checkpoints: bool
     ckpt_dir: Path
+    stop: object = None   # a StopRequest (see `train`)
 
 
 def _steps(lp: _Loop, res: "RunResult", n_steps: int, iteration: int) -> None:
@@ -200,12 +205,15 @@ def _steps(lp: _Loop, res: "RunResult", n_steps: int, iteration: int) -> None:
         injected.tick(iteration)
         iteration += 1
         clock.lap(Phase.OTHER)
-        if lp.checkpoints and step % tc.ckpt_every == 0:
+        signum = lp.stop.agreed() if lp.stop is not None else None
+        if lp.checkpoints and (step % tc.ckpt_every == 0 or signum is not None):
             save_checkpoint(lp.ckpt_dir, step, model=engine.module, optimizer=opt, precision=state,
                             controller=session, data_state=data.state_dict(), keep=tc.ckpt_keep,
                             extra={**after.state_dict(), "scheduler": sched.state_dict(),
                                    "iteration": iteration - 1, "passes": res.passes})
             clock.lap(Phase.CHECKPOINT)
+        if signum is not None:
+            raise RunStopped(signum, step)
         if (factor := injected.lr_factor()) != 1.0:
             for g in opt.param_groups:
                 g["lr"] *= factor

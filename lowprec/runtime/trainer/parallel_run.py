@@ -47,8 +47,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,12 +54,11 @@ from pathlib import Path
 
 from lowprec.base.parse import ConfigError
 
-__all__ = ["RankEnv", "rank_env", "place_rank", "peer_lost_line", "check_launch", "check_prepared", "Launch",
-           "launch_argv", "join", "start_group", "end_group", "train_ranks", "merge_rank_events", "EXIT_RANK_DIED", "EXIT_PEER_LOST",
+__all__ = ["RankEnv", "rank_env", "place_rank", "peer_lost_line", "check_launch", "check_prepared",
+           "join", "start_group", "end_group", "train_ranks", "merge_rank_events", "EXIT_PEER_LOST",
            "REFUSED_GRACE_S"]
 
 EXIT_UNUSABLE = 2
-EXIT_RANK_DIED = 1     # the launcher's, when a rank died
 EXIT_PEER_LOST = 4     # a rank's, when a collective lost a peer (the one that died is the news)
 # a refusing rank other than 0 waits this long before it exits: torchrun stops every rank at the
 # first exit, and rank 0 must have said why by then
@@ -133,67 +130,6 @@ def check_prepared(prepared, par) -> None:
         raise ConfigError("data.factory", (
             f"returned a {type(prepared.data).__name__}; with {par.data_ranks} data-parallel ranks each reads its "
             f"rows of a token batch: return a 1-D token tensor (or use pp / tp only)"))
-
-
-@dataclass
-class Launch:
-    """`lowprec run --nproc-per-node N`: what to start once every check passed."""
-    nproc: int
-    argv: list[str]                  # `lowprec.cli run ...` for every rank
-    resume_hint: str                 # the command that continues the run
-    folder: object = None            # the RunFolder this launcher holds, released once the last rank exited
-
-    def __call__(self) -> int:
-        """Start the ranks under torchrun's agent (standalone, this machine); the exit status."""
-        try:
-            return self._start()
-        finally:
-            if self.folder is not None:
-                self.folder.release()
-
-    def _start(self) -> int:
-        import logging
-        import uuid
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)   # its lines: said below
-        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=self.nproc, run_id=str(uuid.uuid4()),
-                              rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                              monitor_interval=0.5)
-        try:
-            elastic_launch(config, sys.executable)("-m", "lowprec.cli", *self.argv)
-        except ChildFailedError as e:
-            return self._failed(e.failures)
-        return 0
-
-    def _failed(self, failures: dict) -> int:
-        # the cause: not a rank torchrun stopped (SIGTERM) nor one that lost its peers (EXIT_PEER_LOST)
-        rank, f = min(failures.items(), key=lambda kv: (kv[1].exitcode in (-signal.SIGTERM, EXIT_PEER_LOST),
-                                                        kv[1].timestamp, kv[0]))
-        if f.exitcode == EXIT_UNUSABLE:
-            return EXIT_UNUSABLE   # refused: rank 0 said why
-        how = f"signal {f.signal_name()}" if f.exitcode < 0 else f"exit {f.exitcode}"
-        print(f"lowprec run: rank {rank} (pid {f.pid}) died ({how}); torchrun stopped the other ranks. "
-              f"Continue the run with `{self.resume_hint}`", file=sys.stderr, flush=True)
-        return EXIT_RANK_DIED
-
-
-def launch_argv(args, out: Path) -> tuple[list[str], str]:
-    """(the ranks' `run` arguments, the resume command) from the launcher's own arguments; the
-    ranks learn that this process holds the run folder for them (`RunFolder.take(held_by=)`)."""
-    from lowprec.runtime.trainer.run_folder import run_command
-    argv = ["run", str(args.config), "--out", str(out), "--launcher-pid", str(os.getpid())]
-    argv += ["--resume"] if args.resume else []
-    argv += ["--steps", str(args.steps)] if args.steps is not None else []
-    argv += ["--run-name", args.run_name] if args.run_name else []
-    for flag in ("as_baseline", "no_controller", "tracking_optional", "verbose"):
-        if getattr(args, flag):
-            argv.append("--" + flag.replace("_", "-"))
-    for spec in args.inject:
-        argv += ["--inject", spec]
-    hint = run_command(args.config, out, nproc=args.nproc_per_node, resume=True).strip("`")
-    return argv, hint
 
 
 class PeersMissing(Exception):
@@ -324,25 +260,28 @@ def end_group() -> None:
 
 
 def train_ranks(prepared, out: Path, *, name: str, env: RankEnv, placed, layout, resume: bool, faults, console,
-                started: float, tracking_optional: bool) -> int:
+                started: float, tracking_optional: bool, stop=None, config_path=None) -> int:
     """This rank's part of a `lowprec run` under torchrun, in the process group `start_group`
     joined, on `layout` (its mesh, the model prepared with its amax group); the exit status."""
     import torch.distributed as dist
     try:
         return _train_rank(prepared, out, name=name, env=env, device=placed.device, layout=layout, resume=resume,
-                           faults=faults, console=console, started=started, tracking_optional=tracking_optional)
+                           faults=faults, console=console, started=started, tracking_optional=tracking_optional,
+                           stop=stop, config_path=config_path)
     except (RuntimeError, dist.DistError) as e:   # a peer went away mid-collective
         console.say(peer_lost_line(env.rank, e))
         return EXIT_PEER_LOST
 
 
 def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, device, layout, resume: bool, faults, console,
-                started: float, tracking_optional: bool) -> int:
+                started: float, tracking_optional: bool, stop=None, config_path=None) -> int:
     import torch.distributed as dist
     from lowprec.runtime.trainer.console import LOG_NAME
     from lowprec.runtime.trainer.loop import train
     from lowprec.runtime.session.host import tracking_uri as _tracking_uri
-    from lowprec.runtime.trainer.run import EXIT_OK, EXIT_UNSENT, close_run, summary_text, unsent_line
+    from lowprec.runtime.trainer.run import (EXIT_OK, EXIT_UNSENT, close_run, stopped_line, stopped_reason,
+                                             summary_text, unsent_line)
+    from lowprec.runtime.trainer.stop_request import RunStopped
     from lowprec.runtime.session.run_life import RunLife
     from lowprec.state.checkpoint import NoUsableCheckpointError
     from lowprec.state.ranks import from_rank_0
@@ -371,12 +310,12 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, device, layout,
         # pipeline stages scored through the forward through every stage
         evals = life.evals(prepared.evals, share=from_rank_0, formats=run.precision_map.formats,
                            forward=run.engine.logits if cfg.parallel.pp > 1 else None)
-    status = RunStatus.FAILED
+    status, why = RunStatus.FAILED, None
     try:
         res = train(cfg.train, run.engine, run.state, run.data, out_dir=out, controller=prepared.controller,
                     rollout=cfg.rollout, sites=run.sites, tracker=tracker, baseline=prepared.baseline, resume=resume,
                     faults=faults, telemetry=telemetry, progress=progress, checkpoints=True, evals=evals,
-                    precision_map=run.precision_map)
+                    precision_map=run.precision_map, stop=stop)
         dist.barrier()   # every rank's event log is complete
         if tracker is not None:
             tracker.log_events(merge_rank_events(out, env.world))
@@ -385,8 +324,15 @@ def _train_rank(prepared, out: Path, *, name: str, env: RankEnv, device, layout,
         if lead:
             console.say(f"--resume: {e}")
         return EXIT_UNUSABLE
+    except RunStopped as e:   # every rank at the same step, its checkpoint written
+        status, why = RunStatus.KILLED, stopped_reason(e)
+        if progress is not None:
+            progress.close()
+        if lead:
+            console.say(stopped_line(e, out, config_path, nproc=par.world))
+        return e.exit_code
     finally:
-        close_run(progress, life, status, out)
+        close_run(progress, life, status, out, why)
     if not lead:
         return EXIT_OK
     run_id = tracker.run_id if tracker is not None else None

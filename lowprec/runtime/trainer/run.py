@@ -34,16 +34,17 @@ from lowprec.runtime.session.host import read_baseline, tracking_uri as _trackin
 from lowprec.runtime.trainer.resume_check import STEPS_TAG, logged_config
 from lowprec.runtime.session.run_life import STOPPED_TAG   # the MLflow tag saying why a run was stopped (KILLED)
 from lowprec.runtime.trainer.run_summary import summary_text
+from lowprec.runtime.trainer.stop_request import RunStopped
 from lowprec.tracking.records import RunStatus
 
 # `lowprec run`'s exit status: trained (and tracked); a config or input it cannot use (nothing
 # written); trained, but tracking records could not be sent (they wait in the outbox); stopped
 # because the disk is full (the earlier checkpoints kept: free space, then --resume)
-EXIT_OK, EXIT_UNUSABLE, EXIT_UNSENT, EXIT_NO_SPACE = 0, 2, 3, 4
+EXIT_OK, EXIT_UNUSABLE, EXIT_UNSENT, EXIT_NO_SPACE = 0, 2, 3, 4   # and RunStopped.exit_code: 130, 143
 
 __all__ = ["EXIT_OK", "EXIT_UNUSABLE", "EXIT_UNSENT", "EXIT_NO_SPACE", "STOPPED_TAG", "unsent_line", "PreparedRun", "prepare_run", "load_factory",
            "high_precision_baseline", "execute", "run_config",
-           "train_prepared", "summary_text"]
+           "train_prepared", "summary_text", "stopped_line", "stopped_reason"]
 
 
 @dataclass
@@ -224,11 +225,12 @@ def prepare_run(cfg, *, controller: bool = True, with_data: bool = True,
 
 
 def execute(prepared: PreparedRun, out: str | Path, *, life=None, resume: bool = False, faults=(),
-            steps: int | None = None, started: float | None = None, progress=None):
+            steps: int | None = None, started: float | None = None, progress=None, stop=None):
     """Train a prepared run through the one loop (single process); returns its RunResult.
     life: the run's `RunLife` (its tracker, evals; default: untracked); the caller ends it.
     started: `time.perf_counter()` when the run began (telemetry's start-up; default: now).
-    progress: the progress line (`lowprec.runtime.trainer.console.Progress`), told after every pass."""
+    progress: the progress line (`lowprec.runtime.trainer.console.Progress`), told after every pass.
+    stop: a `lowprec.runtime.trainer.stop_request.StopRequest` (the loop raises RunStopped once it asks)."""
     from lowprec.runtime.engines.engine import SingleProcess
     from lowprec.runtime.trainer.loop import train
     from lowprec.runtime.session.run_life import RunLife
@@ -243,7 +245,7 @@ def execute(prepared: PreparedRun, out: str | Path, *, life=None, resume: bool =
     return train(cfg.train, engine, prepared.state, prepared.data,
                  out_dir=out, controller=prepared.controller, rollout=cfg.rollout, tracker=tracker, evals=evals,
                  baseline=prepared.baseline, resume=resume, faults=faults, steps=steps, telemetry=telemetry,
-                 progress=progress)
+                 progress=progress, stop=stop)
 
 
 def run_config(config, out_dir: str | Path, *, faults=(), controller: bool = True, steps: int | None = None,
@@ -266,14 +268,17 @@ def run_config(config, out_dir: str | Path, *, faults=(), controller: bool = Tru
 
 def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool | Path = False, faults=(),
                    print_summary: bool = True, started: float | None = None, tracking_optional: bool = False,
-                   console=None) -> int:
+                   console=None, stop=None, config_path: str | Path | None = None) -> int:
     """`lowprec run`: train a prepared run tracked in MLflow, print the summary; the exit status
     (2, with nothing written, when resuming finds checkpoints and every one is corrupt; 3 when
     tracking records could not be sent and wait in the outbox, unless `tracking_optional`; 4
     when the disk filled up: one line, the MLflow run KILLED with the reason, the earlier
     checkpoints kept). resume: True (the newest usable checkpoint) or the checkpoint chosen.
     console: the command's `lowprec.runtime.trainer.console.Console` (its log goes to `out`/lowprec.log,
-    the progress line and the summary through it); None prints to sys.stdout/sys.stderr."""
+    the progress line and the summary through it); None prints to sys.stdout/sys.stderr.
+    stop: the command's `StopRequest`: a signal stops the run at a step with a checkpoint, the
+    MLflow run KILLED with the reason, one line naming the command that continues it
+    (`config_path`'s), exit 128 + the signal's number."""
     import warnings
     from lowprec.state.checkpoint import NoUsableCheckpointError, checkpoint_to_resume
     say = console.say if console is not None else (lambda text: print(f"lowprec run: {text}", file=sys.stderr))
@@ -305,8 +310,15 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
         return EXIT_UNUSABLE
     tracker, status, why = life.tracker, RunStatus.FAILED, None
     try:
-        res = execute(prepared, out, life=life, resume=resume, faults=faults, started=started, progress=progress)
+        res = execute(prepared, out, life=life, resume=resume, faults=faults, started=started, progress=progress,
+                      stop=stop)
         status = RunStatus.FINISHED
+    except RunStopped as e:
+        status, why = RunStatus.KILLED, stopped_reason(e)
+        if progress is not None:
+            progress.close()
+        say(stopped_line(e, out, config_path))
+        return e.exit_code
     except NoUsableCheckpointError as e:   # went bad between the check above and the loop
         say(f"--resume: {e}")
         return EXIT_UNUSABLE
@@ -332,6 +344,20 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
         say(unsent + ("" if tracking_optional else f" (exit {EXIT_UNSENT}; --tracking-optional exits 0)"))
         return EXIT_OK if tracking_optional else EXIT_UNSENT
     return EXIT_OK
+
+
+def stopped_reason(e: RunStopped) -> str:
+    """The reason a stopped run's MLflow run is tagged with (`lowprec.stopped`)."""
+    return f"{e.signal_name} at step {e.step}: a checkpoint was written there; continue with --resume"
+
+
+def stopped_line(e: RunStopped, out: Path, config_path: str | Path | None, nproc: int = 1) -> str:
+    """What `lowprec run` says when a signal stopped it: where, and the command that continues it."""
+    from lowprec.runtime.trainer.run_folder import run_command
+    cmd = (run_command(config_path, out, nproc=nproc, resume=True) if config_path is not None
+           else f"`lowprec run CONFIG --out {out} --resume`")
+    return (f"stopped by {e.signal_name} at step {e.step}, with a checkpoint there; the MLflow run is marked "
+            f"KILLED. Continue it with {cmd} (exit {e.exit_code})")
 
 
 def close_run(progress, life, status, out: Path, why: str | None = None) -> None:

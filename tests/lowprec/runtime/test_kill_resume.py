@@ -164,18 +164,25 @@ def _events_jsonl(out: Path) -> list[tuple]:
     return [(r["step"], r["kind"], tuple(r.get("sites", ())), r.get("stage")) for r in rows]
 
 
-@pytest.mark.slow   # 22 `lowprec run` processes, about a minute
-def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_path, sqlite_store, tiny_lm,
-                                                                            lowprec_forks):
-    from mlflow.tracking import MlflowClient
-    uri = sqlite_store(tmp_path / "store")
-    tiny_lm(tmp_path, "killlm")
-    slow = tmp_path / "slow"   # steps sleep while it exists: only while the process may be killed
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(_config(uri, "kill", slow_while=str(slow))))
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, sqlite_store, tiny_lm, lowprec_forks):
+    """The folder with run.yaml (tracked in its own store; its steps slow while the file `slow`
+    exists) and `ref`, the run trained once without interruption, at full speed."""
+    root = tmp_path_factory.mktemp("kill_resume")
+    uri = sqlite_store(root / "store")
+    tiny_lm(root, "killlm")
+    (root / "run.yaml").write_text(yaml.safe_dump(_config(uri, "kill", slow_while=str(root / "slow"))))
+    _finish(_start(lowprec_forks, root, "ref", resume=False))
+    assert any(e[1] == EventKind.PROMOTE for e in _events_jsonl(root / "ref")), "the rollout must promote a stage"
+    return root, uri
 
-    _finish(_start(lowprec_forks, tmp_path, "ref", resume=False))   # the uninterrupted reference, at full speed
+
+@pytest.mark.slow   # 22 `lowprec run` processes, about a minute
+def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(uninterrupted, lowprec_forks):
+    from mlflow.tracking import MlflowClient
+    tmp_path, uri = uninterrupted
+    slow = tmp_path / "slow"   # steps sleep while it exists: only while the process may be killed
     ref = tmp_path / "ref"
-    assert any(e[1] == EventKind.PROMOTE for e in _events_jsonl(ref)), "the rollout must promote a stage"
 
     out, rng = tmp_path / "out", random.Random(SEED)
     kinds = ["time", "checkpoint", "journal", "ack", "eval"]
@@ -234,6 +241,52 @@ def test_lowprec_run_killed_at_random_moments_ends_as_an_uninterrupted_run(tmp_p
     assert pmap == ref_pmap and pmap["changes"], (pmap, ref_pmap, log)
     history = _eval_history(out)
     assert [h["step"] for h in history] == [16, 32] and history == _eval_history(ref), log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_a_signal_stops_the_run_at_a_step_with_a_checkpoint_and_the_resume_ends_as_an_uninterrupted_run(
+        uninterrupted, lowprec_forks, sig):
+    """Ctrl-C or a scheduler's SIGTERM: the run stops at the next step with a checkpoint there,
+    one line and no traceback, exit 128 + the signal, the MLflow run KILLED with the reason; the
+    `--resume` ends bit for bit as the run never stopped (before, Ctrl-C printed a traceback, SIGTERM
+    ended the process at once, and both lost the steps since the last periodic checkpoint)."""
+    from mlflow.tracking import MlflowClient
+    root, uri = uninterrupted
+    name = f"stopped_{sig.name}"
+    slow = root / "slow"
+    slow.touch()
+    p = _start(lowprec_forks, root, name, resume=False)
+    journal = root / name / "tracking" / "outbox.jsonl"
+    deadline = time.monotonic() + 120
+    while _last_loss_step(journal) < 8:   # past start-up and a few (slowed) steps
+        assert p.poll() is None and time.monotonic() < deadline, "the run ended before the signal"
+        time.sleep(0.02)
+    p.send_signal(sig)
+    stdout, stderr = p.communicate(timeout=120)
+    slow.unlink()
+    assert p.returncode == 128 + sig, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if "stopped by" in line]
+    assert len(said) == 1 and f"stopped by {sig.name} at step " in said[0], stderr[-3000:]
+    step = int(said[0].split(" at step ")[1].split(",")[0])
+    assert f"--out {name} --resume`" in said[0] and step > 8, said
+    assert (root / name / "checkpoints" / f"step_{step:08d}.pt").is_file(), sorted((root / name / "checkpoints").iterdir())
+    assert not (root / name / "summary.json").exists()   # no final eval, no summary: it did not finish
+    client = MlflowClient(uri)
+    run_id = json.loads((root / name / "tracking" / "run.json").read_text())["run_id"]
+    run = client.get_run(run_id)
+    assert run.info.status == "KILLED" and sig.name in run.data.tags["lowprec.stopped"], run.data.tags
+
+    _finish(_start(lowprec_forks, root, name, resume=True))
+    out, ref = root / name, root / "ref"
+    assert (out / "losses.json").read_bytes() == (ref / "losses.json").read_bytes()
+    assert (out / "grad_norms.json").read_bytes() == (ref / "grad_norms.json").read_bytes()
+    assert client.get_run(run_id).info.status == "FINISHED"
+    ref_id = (ref / "run_id").read_text().strip()
+    logged = {m.step: m.value for m in client.get_metric_history(run_id, "train/loss")}
+    assert logged == {m.step: m.value for m in client.get_metric_history(ref_id, "train/loss")}
+    assert len(client.get_metric_history(run_id, "train/loss")) == len(logged)   # each step once
 
 
 # ------------------------------------------------------------------ what the campaign found, on its own

@@ -17,6 +17,9 @@ job resumed, and the distributed arguments refused before anything starts.
   promotion, and at the end after the resume), rank 3's gate event is rank 0's verdict, every
   rank's events are the one-process run's, rank 0 logs the eval metrics, and
   `lowprec gate --gates inloop --inconclusive fail` against the one-process run passes.
+* SIGTERM to a 2-rank job's process group: every rank stops at one step with a checkpoint there,
+  rank 0 says one line (the command with its --nproc-per-node), exit 143, the MLflow run KILLED;
+  `--resume` finishes it, each logged step once.
 * Hostile arguments (a tp that does not divide the heads, a process count that is not the
   product of the degrees, pipeline stages with data parallel, a batch that does not split):
   exit 2, one line, no traceback, no output folder, and no torchrun started (refused while
@@ -262,7 +265,9 @@ def test_a_killed_rank_is_named_and_the_resume_continues_the_same_mlflow_run(kil
     assert said == [f"lowprec run: rank 2 (pid {pid}) died (signal SIGKILL); torchrun stopped the other ranks. "
                     f"Continue the run with `lowprec run --nproc-per-node 4 {cfg} --out {out} --resume`"], log[-4000:]
     assert "Traceback" not in log, log[-4000:]
-    assert len(killed["runs"]) == 1 and killed["runs"][0][1] == "RUNNING"
+    # torchrun's SIGTERM no longer ends rank 0 at once (it would stop at a step, stop_request): its next
+    # collective meets the dead rank, and it ends the MLflow run FAILED (before: left RUNNING)
+    assert len(killed["runs"]) == 1 and killed["runs"][0][1] == "FAILED"
     run_id = killed["runs"][0][0]
 
     resumed = killed_job["resumed"]
@@ -277,6 +282,59 @@ def test_a_killed_rank_is_named_and_the_resume_continues_the_same_mlflow_run(kil
     events = [json.loads(line) for line in (out / "tracking" / "events.jsonl").read_text().splitlines()]
     keys = [(e["step"], e["kind"], tuple(e["sites"])) for e in events]
     assert len(keys) == len(set(keys)) and keys, keys   # each event once
+
+
+# ----------------------------------------------------------------------------- a signal stops the job
+
+def _last_loss_step(journal: Path) -> int:
+    try:
+        lines = journal.read_bytes().splitlines()
+    except FileNotFoundError:
+        return -1
+    return max((m[3] for x in lines if x.endswith(b"}") for m in json.loads(x).get("metrics", ())
+                if m[0] == "train/loss"), default=-1)
+
+
+def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_the_resume_finishes(tmp_path, gloo, sqlite_store):
+    """A scheduler's SIGTERM (or a terminal's Ctrl-C) to the launcher's process group: the ranks agree
+    on one step, write a sharded checkpoint there, rank 0 says one line with the command (its
+    --nproc-per-node included), the job exits 143, the MLflow run is KILLED; `--resume` finishes it."""
+    uri = sqlite_store(tmp_path)
+    cfg = tiny_job(uri, "stopped", dp_shard=2)
+    cfg["train"].update(steps=40, ckpt_every=10)
+    path = _write(tmp_path, "job", cfg)
+    out = tmp_path / "out"
+    job = _start(_lowprec(str(path), "--out", str(out), "--nproc-per-node", "2"), tmp_path / "job.log")
+    try:
+        t0 = time.perf_counter()
+        while _last_loss_step(out / "tracking" / "outbox.jsonl") < 3:
+            assert job.poll() is None, (tmp_path / "job.log").read_text()[-4000:]
+            assert time.perf_counter() - t0 < TIMEOUT_S, "no step logged"
+            time.sleep(0.02)
+        os.killpg(job.pid, signal.SIGTERM)
+        job.wait(timeout=TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    log = (tmp_path / "job.log").read_text()
+    assert job.returncode == 143, log[-4000:]
+    assert "Traceback" not in log and "death signal" not in log, log[-4000:]
+    said = [line for line in log.splitlines() if "stopped by SIGTERM" in line]
+    assert len(said) == 1 and said[0].endswith(f"Continue it with `lowprec run --nproc-per-node 2 {path} --out {out} "
+                                               f"--resume` (exit 143)"), log[-4000:]
+    step = int(said[0].split(" at step ")[1].split(",")[0])
+    assert 3 < step < 40 and (out / "checkpoints" / f"step_{step:08d}").is_dir(), log[-4000:]
+    client, runs = _mlflow_runs(uri, "stopped")
+    assert [r.info.status for r in runs] == ["KILLED"] and "SIGTERM" in runs[0].data.tags["lowprec.stopped"]
+
+    resumed = subprocess.run(_lowprec(str(path), "--out", str(out), "--nproc-per-node", "2", "--resume"), cwd=ROOT,
+                             env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    client, runs = _mlflow_runs(uri, "stopped")
+    assert [r.info.status for r in runs] == ["FINISHED"]
+    assert _loss_steps(client, runs[0].info.run_id) == list(range(1, 40, 2))   # each logged step once
+    assert len(json.loads((out / "losses.json").read_text())) == 40
 
 
 # ----------------------------------------------------------------------------- hostile arguments

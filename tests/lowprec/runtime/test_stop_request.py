@@ -1,0 +1,44 @@
+"""lowprec.runtime.trainer.stop_request: what SIGINT and SIGTERM do to a `lowprec run` in this
+process (the whole run, stopped and resumed, is in test_kill_resume.py; a job's ranks agreeing
+in test_parallel_run.py)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from lowprec.runtime.trainer.stop_request import STOP_SIGNALS, RunStopped, StopRequest
+
+
+def test_the_first_signal_is_a_request_said_once_and_the_handlers_are_put_back():
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    said = []
+    with StopRequest(said.append) as stop:
+        assert stop.requested is None and stop.agreed() is None
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)   # a repeated SIGTERM changes nothing (the stop is under way)
+        assert stop.requested == signal.SIGTERM and stop.agreed() == signal.SIGTERM
+    assert said == ["SIGTERM: stopping at the next step, with a checkpoint there; Ctrl-C again stops at once, "
+                    "without one"]
+    assert {s: signal.getsignal(s) for s in STOP_SIGNALS} == before
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_process_and_changes_nothing_in_a_job():
+    with StopRequest() as stop:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.requested == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    said = []
+    for rank in (0, 1):   # a job's ranks: torchrun's agent passes on the Ctrl-C that reached them already
+        with StopRequest(said.append, rank=rank) as stop:
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+            assert stop.requested == signal.SIGINT
+    assert said == ["SIGINT: stopping at the next step, with a checkpoint there"]   # rank 0's line only
+
+
+def test_the_exit_code_is_the_shells():
+    assert RunStopped(signal.SIGINT, 7).exit_code == 130 and RunStopped(signal.SIGTERM, 7).exit_code == 143
+    assert str(RunStopped(signal.SIGTERM, 12)) == "stopped by SIGTERM at step 12"
