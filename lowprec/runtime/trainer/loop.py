@@ -205,7 +205,7 @@ def _steps(lp: _Loop, res: "RunResult", n_steps: int, iteration: int) -> None:
         injected.tick(iteration)
         iteration += 1
         clock.lap(Phase.OTHER)
-        signum = lp.stop.agreed() if lp.stop is not None else None
+        signum = lp.stop.agreed(step) if lp.stop is not None else None
         if lp.checkpoints and (step % tc.ckpt_every == 0 or signum is not None):
             save_checkpoint(lp.ckpt_dir, step, model=engine.module, optimizer=opt, precision=state,
                             controller=session, data_state=data.state_dict(), keep=tc.ckpt_keep,

@@ -78,18 +78,21 @@ class StopRequest:
     def _handle(self, signum: int, frame) -> None:
         if self.requested is None:
             self.requested = signum
-            if self._say is not None:
-                again = "" if self._in_job else "; Ctrl-C again stops at once, without one"
-                self._say(f"{signal.Signals(signum).name}: stopping at the next step, with a checkpoint there{again}")
+            if self._say is not None and not self._in_job:   # a job's rank 0 says it once the ranks agree
+                self._say(f"{signal.Signals(signum).name}: stopping at the next step, with a checkpoint there; "
+                          f"Ctrl-C again stops at once, without one")
             return
         if signum == signal.SIGINT and not self._in_job:   # a second Ctrl-C: at once, as before
             self._restore()
             raise KeyboardInterrupt
 
-    def agreed(self) -> int | None:
-        """The signal that stops the run at this step on every rank (the largest number any rank
+    def agreed(self, step: int) -> int | None:
+        """The signal that stops the run at `step` on every rank (the largest number any rank
         got), or None: the same answer on every rank. A collective under torch.distributed:
-        every rank calls it at the same step."""
+        every rank calls it at the same step. In a job, rank 0 says where the ranks stop (only
+        now: a signal torchrun sends because a rank died meets the dead rank here instead)."""
         from lowprec.state.ranks import largest_on_any_rank
-        got = largest_on_any_rank(self.requested or 0)
-        return got or None
+        got = largest_on_any_rank(self.requested or 0) or None
+        if got is not None and self._in_job and self._say is not None:
+            self._say(f"{signal.Signals(got).name}: every rank stops at step {step}, with a checkpoint there")
+        return got

@@ -15,10 +15,10 @@ def test_the_first_signal_is_a_request_said_once_and_the_handlers_are_put_back()
     before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     said = []
     with StopRequest(said.append) as stop:
-        assert stop.requested is None and stop.agreed() is None
+        assert stop.requested is None and stop.agreed(3) is None
         signal.raise_signal(signal.SIGTERM)
         signal.raise_signal(signal.SIGTERM)   # a repeated SIGTERM changes nothing (the stop is under way)
-        assert stop.requested == signal.SIGTERM and stop.agreed() == signal.SIGTERM
+        assert stop.requested == signal.SIGTERM and stop.agreed(3) == signal.SIGTERM
     assert said == ["SIGTERM: stopping at the next step, with a checkpoint there; Ctrl-C again stops at once, "
                     "without one"]
     assert {s: signal.getsignal(s) for s in STOP_SIGNALS} == before
@@ -30,13 +30,14 @@ def test_a_second_ctrl_c_stops_at_once_in_one_process_and_changes_nothing_in_a_j
         assert stop.requested == signal.SIGINT
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
-    said = []
     for rank in (0, 1):   # a job's ranks: torchrun's agent passes on the Ctrl-C that reached them already
+        said = []
         with StopRequest(said.append, rank=rank) as stop:
             signal.raise_signal(signal.SIGINT)
             signal.raise_signal(signal.SIGINT)
-            assert stop.requested == signal.SIGINT
-    assert said == ["SIGINT: stopping at the next step, with a checkpoint there"]   # rank 0's line only
+            assert stop.requested == signal.SIGINT and said == []   # said once the ranks agree on a step
+            assert stop.agreed(7) == signal.SIGINT
+        assert said == (["SIGINT: every rank stops at step 7, with a checkpoint there"] if rank == 0 else [])
 
 
 def test_the_exit_code_is_the_shells():
