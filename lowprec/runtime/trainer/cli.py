@@ -33,6 +33,8 @@ named at start (`run`) and beside the plan (`plan`) (`lowprec.runtime.trainer.de
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
 import time
 import warnings
 from dataclasses import replace
@@ -217,42 +219,19 @@ def _shares(prepared) -> str:
     return describe_shares(prepared.state, dict(prepared.model.named_modules()))
 
 
-def _send_finished(out: Path, console) -> int | None:
-    """`--resume` of a run that finished but was killed before its last records reached MLflow
-    (its end among them: the MLflow run still says RUNNING): send them, as `lowprec sync` would,
-    and exit 0 (2 when the server does not take them); None when there is nothing to send."""
-    from lowprec.base.writer_lock import WriterBusyError
-    from lowprec.tracking.outbox import Outbox, sync_run_dir
-    from lowprec.tracking.resume import RunState, buffered_run
-    buf = out / "tracking"
-    state, info = buffered_run(buf)
-    if state is not RunState.FINISHED or Outbox(buf).n_pending() == 0:
-        return None
-    try:
-        res = sync_run_dir(buf, timeout=60)
-    except WriterBusyError as e:   # a `lowprec sync` of this folder is sending right now
-        console.say(f"--resume: {out} holds a finished run; {e}: it sends the last records, nothing to resume")
-        return EXIT_UNUSABLE
-    run_id = Outbox(buf).read_info().get("run_id")
-    if res.pending:
-        console.say(f"--resume: {out} holds a finished run whose last {res.pending} records were not sent "
-                    f"({res.error}); send them with `lowprec sync {buf}`")
-        return EXIT_UNUSABLE
-    if run_id:
-        (out / "run_id").write_text(run_id + "\n")
-    console.print(f"lowprec run: {out} holds a run that had finished (MLflow run {run_id}); its last records were "
-                  f"sent now, nothing was trained")
-    return EXIT_OK
-
-
 def _cmd_run(args) -> int:
     started = time.perf_counter()   # telemetry: start-up is the time until the first step
     from lowprec.runtime.trainer.console import Console
     from lowprec.runtime.trainer.parallel_run import rank_env
     from lowprec.runtime.trainer.stop_request import StopRequest
     env = rank_env()   # the console: the progress line (other libraries' output: the log)
-    with Console("run", verbose=args.verbose) as console, StopRequest(console.say, rank=env and env.rank) as stop:
-        result = _run(args, console, started, stop)   # Ctrl-C, SIGTERM: it stops at a step, with a checkpoint
+    try:
+        with Console("run", verbose=args.verbose) as console, StopRequest(console.say, rank=env and env.rank) as stop:
+            result = _run(args, console, started, stop)   # Ctrl-C, SIGTERM: it stops at a step, with a checkpoint
+    except KeyboardInterrupt:   # a second Ctrl-C (or one where no handler could be installed): at once
+        print("lowprec run: stopped at once by Ctrl-C; `--resume` continues from the newest checkpoint",
+              file=sys.stderr)
+        return 128 + signal.SIGINT
     # --nproc-per-node: the ranks start once every check passed, outside the console (they write to the terminal)
     return result() if callable(result) else result
 
@@ -322,7 +301,7 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
     what the folder's state does not allow (saying what that state is), check a resume's
     config, then train: here, on this rank of a torchrun job, or by starting torchrun
     (`--nproc-per-node`, once every check passed; the ranks take the folder themselves)."""
-    from lowprec.runtime.trainer.resume_check import record_config, resume_line, resume_mismatch
+    from lowprec.runtime.trainer.resume_check import record_config, resume_line, resume_mismatch, send_finished
     from lowprec.runtime.trainer.parallel_run import PeersMissing
     from lowprec.runtime.trainer.run import prepare_run
     from lowprec.runtime.trainer.run_folder import FolderState, refusal
@@ -330,7 +309,7 @@ def _run_locked(args, console, started: float, folder, cfg, faults, name: str, e
     lead = env is None or env.rank == 0   # the rank that writes the folder
     status = folder.status()
     if lead and args.resume and tracked and status.state is FolderState.FINISHED \
-            and (sent := _send_finished(out, console)) is not None:
+            and (sent := send_finished(out, console)) is not None:
         return sent
     line = refusal(status, resume=args.resume, config=args.config, tracked=tracked, nproc=cfg.parallel.world)
     if line is None and args.resume:

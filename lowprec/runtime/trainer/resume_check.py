@@ -22,6 +22,9 @@ be undone); N equal to it trains nothing more (the final eval only). MLflow para
 change, so the run keeps the param `train.steps` it started with, and the tag `train.steps`
 holds the steps it is trained to (set by every run, changed by a resume); the resume's line
 says so (`resume_line`).
+
+A `--resume` of a run that finished but was killed before its last records reached MLflow
+sends them, as `lowprec sync` would, and trains nothing (`send_finished`).
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ from typing import Any
 import yaml
 
 __all__ = ["CONFIG_COPY", "MAY_CHANGE", "STEPS_TAG", "record_config", "resume_mismatch", "started_steps",
-           "resume_line", "logged_config"]
+           "resume_line", "logged_config", "send_finished"]
 
+EXIT_OK, EXIT_UNUSABLE = 0, 2   # `lowprec run`'s (lowprec.runtime.trainer.run)
 STEPS_TAG = "train.steps"   # the MLflow tag: the steps a run is trained to (the param: those it started with)
 
 CONFIG_COPY = "config.yaml"
@@ -161,3 +165,31 @@ def logged_config(cfg, folder: Path, resume) -> dict:
     if was is not None and isinstance(logged.get("train"), dict):
         logged["train"] = {**logged["train"], "steps": was}
     return logged
+
+
+def send_finished(out: Path, console) -> int | None:
+    """`--resume` of a run that finished but was killed before its last records reached MLflow
+    (its end among them: the MLflow run still says RUNNING): send them, as `lowprec sync` would,
+    and exit 0 (2 when the server does not take them); None when there is nothing to send."""
+    from lowprec.base.writer_lock import WriterBusyError
+    from lowprec.tracking.outbox import Outbox, sync_run_dir
+    from lowprec.tracking.resume import RunState, buffered_run
+    buf = out / "tracking"
+    state, info = buffered_run(buf)
+    if state is not RunState.FINISHED or Outbox(buf).n_pending() == 0:
+        return None
+    try:
+        res = sync_run_dir(buf, timeout=60)
+    except WriterBusyError as e:   # a `lowprec sync` of this folder is sending right now
+        console.say(f"--resume: {out} holds a finished run; {e}: it sends the last records, nothing to resume")
+        return EXIT_UNUSABLE
+    run_id = Outbox(buf).read_info().get("run_id")
+    if res.pending:
+        console.say(f"--resume: {out} holds a finished run whose last {res.pending} records were not sent "
+                    f"({res.error}); send them with `lowprec sync {buf}`")
+        return EXIT_UNUSABLE
+    if run_id:
+        (out / "run_id").write_text(run_id + "\n")
+    console.print(f"lowprec run: {out} holds a run that had finished (MLflow run {run_id}); its last records were "
+                  f"sent now, nothing was trained")
+    return EXIT_OK

@@ -19,7 +19,7 @@ a summary: the loss, its gap to the baseline, the FLOP share per format, every e
 from __future__ import annotations
 
 import importlib
-import math
+import signal
 import sys
 import sysconfig
 from dataclasses import dataclass, replace
@@ -279,19 +279,12 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
     stop: the command's `StopRequest`: a signal stops the run at a step with a checkpoint, the
     MLflow run KILLED with the reason, one line naming the command that continues it
     (`config_path`'s), exit 128 + the signal's number."""
-    import warnings
-    from lowprec.state.checkpoint import NoUsableCheckpointError, checkpoint_to_resume
+    from lowprec.state.checkpoint import NoUsableCheckpointError
     say = console.say if console is not None else (lambda text: print(f"lowprec run: {text}", file=sys.stderr))
     show = console.print if console is not None else print
     cfg = prepared.config
-    if resume is True:
-        try:
-            with warnings.catch_warnings():   # the error names every one; the loop warns on skipping
-                warnings.simplefilter("ignore")
-                checkpoint_to_resume(out / "checkpoints")
-        except NoUsableCheckpointError as e:
-            say(f"--resume: {e}")
-            return EXIT_UNUSABLE
+    if (refused := _before_start(out, resume, stop, say)) is not None:
+        return refused
     out.mkdir(parents=True, exist_ok=True)
     progress = None
     if console is not None:
@@ -344,6 +337,26 @@ def train_prepared(prepared: PreparedRun, out: Path, *, name: str, resume: bool 
         say(unsent + ("" if tracking_optional else f" (exit {EXIT_UNSENT}; --tracking-optional exits 0)"))
         return EXIT_OK if tracking_optional else EXIT_UNSENT
     return EXIT_OK
+
+
+def _before_start(out: Path, resume, stop, say) -> int | None:
+    """`train_prepared`'s exit status when it must not start (None: it may): a resume whose
+    checkpoints are all corrupt; a signal that came while the run was being prepared."""
+    import warnings
+    from lowprec.state.checkpoint import NoUsableCheckpointError, checkpoint_to_resume
+    if resume is True:
+        try:
+            with warnings.catch_warnings():   # the error names every one; the loop warns on skipping
+                warnings.simplefilter("ignore")
+                checkpoint_to_resume(out / "checkpoints")
+        except NoUsableCheckpointError as e:
+            say(f"--resume: {e}")
+            return EXIT_UNUSABLE
+    if stop is not None and stop.requested:   # before the MLflow run exists: nothing to keep
+        say(f"stopped by {signal.Signals(stop.requested).name} before training began: nothing was trained or "
+            f"tracked (exit {128 + stop.requested})")
+        return 128 + stop.requested
+    return None
 
 
 def stopped_reason(e: RunStopped) -> str:

@@ -289,6 +289,52 @@ def test_a_signal_stops_the_run_at_a_step_with_a_checkpoint_and_the_resume_ends_
     assert len(client.get_metric_history(run_id, "train/loss")) == len(logged)   # each step once
 
 
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_with_one_line_and_the_resume_ends_as_an_uninterrupted_run(
+        uninterrupted, lowprec_forks):
+    root, _ = uninterrupted
+    slow = root / "slow"
+    slow.touch()
+    p = _start(lowprec_forks, root, "twice", resume=False)
+    deadline = time.monotonic() + 120
+    while _last_loss_step(root / "twice" / "tracking" / "outbox.jsonl") < 8:
+        assert p.poll() is None and time.monotonic() < deadline, "the run ended before the signal"
+        time.sleep(0.02)
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.02)   # inside the slowed step (a quarter second): before the step boundary
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=120)
+    slow.unlink()
+    assert p.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.rstrip().splitlines()[-1] == ("lowprec run: stopped at once by Ctrl-C; `--resume` continues from "
+                                                "the newest checkpoint"), stderr[-3000:]
+    _finish(_start(lowprec_forks, root, "twice", resume=True))
+    assert (root / "twice" / "losses.json").read_bytes() == (root / "ref" / "losses.json").read_bytes()
+
+
+def test_a_signal_before_training_began_trains_and_tracks_nothing(tmp_path, sqlite_store, tiny_lm, capsys):
+    from lowprec.config import LowprecConfig
+    from lowprec.runtime.trainer.run import prepare_run, train_prepared
+    from lowprec.runtime.trainer.stop_request import StopRequest
+    uri = sqlite_store(tmp_path / "store")
+    tiny_lm(tmp_path, "killlm")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        cfg = _config(uri, "early")
+        cfg.pop("eval")
+        prepared = prepare_run(LowprecConfig.from_dict(cfg))
+    finally:
+        sys.path.remove(str(tmp_path))
+    stop = StopRequest()
+    stop.requested = signal.SIGTERM   # as its handler sets it, while the model was being built
+    assert train_prepared(prepared, tmp_path / "out", name="early", stop=stop, config_path="run.yaml") == 143
+    assert capsys.readouterr().err == ("lowprec run: stopped by SIGTERM before training began: nothing was trained or "
+                                       "tracked (exit 143)\n")
+    assert not (tmp_path / "out").exists()
+    from mlflow.tracking import MlflowClient
+    assert MlflowClient(uri).get_experiment_by_name("early") is None
+
+
 # ------------------------------------------------------------------ what the campaign found, on its own
 DEAD = "http://127.0.0.1:9"   # nothing listens: records stay in the journal
 FAST = dict(flush_interval_s=0.2, retry_max_s=1.0, probe_timeout_s=0.5)
