@@ -223,7 +223,7 @@ def _cmd_run(args) -> int:
     started = time.perf_counter()   # telemetry: start-up is the time until the first step
     from lowprec.runtime.trainer.console import Console
     from lowprec.runtime.trainer.parallel_run import rank_env
-    from lowprec.runtime.trainer.stop_request import StopRequest
+    from lowprec.runtime.trainer.stop_request import StopRequest, stopped_exit
     env = rank_env()   # the console: the progress line (other libraries' output: the log)
     try:
         with Console("run", verbose=args.verbose) as console, StopRequest(console.say, rank=env and env.rank) as stop:
@@ -231,7 +231,7 @@ def _cmd_run(args) -> int:
     except KeyboardInterrupt:   # a second Ctrl-C (or one where no handler could be installed): at once
         print("lowprec run: stopped at once by Ctrl-C; `--resume` continues from the newest checkpoint",
               file=sys.stderr)
-        return 128 + signal.SIGINT
+        return stopped_exit(signal.SIGINT)
     # --nproc-per-node: the ranks start once every check passed, outside the console (they write to the terminal)
     return result() if callable(result) else result
 

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lowprec.runtime.trainer.parallel_run import EXIT_PEER_LOST, EXIT_UNUSABLE
+from lowprec.runtime.trainer.stop_request import LAUNCH_SHUTDOWN_TIMEOUT_S, STOPPED_EXITS, stopped_exit
 
-__all__ = ["Launch", "launch_argv", "EXIT_RANK_DIED", "STOPPED_EXITS"]
+__all__ = ["Launch", "launch_argv", "EXIT_RANK_DIED"]
 
 EXIT_RANK_DIED = 1     # the launcher's, when a rank died
-STOPPED_EXITS = (128 + signal.SIGINT, 128 + signal.SIGTERM)   # a rank's, stopped by a signal (stop_request)
 
 
 @dataclass
@@ -47,14 +47,12 @@ class Launch:
                 self.folder.release()
 
     def _start(self) -> int:
+        import dataclasses
         import logging
         import uuid
+        from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-        import dataclasses
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-        from lowprec.runtime.trainer.stop_request import LAUNCH_SHUTDOWN_TIMEOUT_S
 
         for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:   # its lines: said below
             if name.startswith("torch.distributed.elastic"):   # (each module's logger has a level of its own)
@@ -70,7 +68,7 @@ class Launch:
         except ChildFailedError as e:
             return self._failed(e.failures)
         except SignalException as e:   # Ctrl-C or SIGTERM: rank 0 said where the ranks stopped
-            return 128 + int(e.sigval)
+            return stopped_exit(e.sigval)
         return 0
 
     def _failed(self, failures: dict) -> int:

@@ -34,7 +34,7 @@ from lowprec.runtime.session.host import read_baseline, tracking_uri as _trackin
 from lowprec.runtime.trainer.resume_check import STEPS_TAG, logged_config
 from lowprec.runtime.session.run_life import STOPPED_TAG   # the MLflow tag saying why a run was stopped (KILLED)
 from lowprec.runtime.trainer.run_summary import summary_text
-from lowprec.runtime.trainer.stop_request import RunStopped
+from lowprec.runtime.trainer.stop_request import RunStopped, stopped_exit
 from lowprec.tracking.records import RunStatus
 
 # `lowprec run`'s exit status: trained (and tracked); a config or input it cannot use (nothing
@@ -354,8 +354,8 @@ def _before_start(out: Path, resume, stop, say) -> int | None:
             return EXIT_UNUSABLE
     if stop is not None and stop.requested:   # before the MLflow run exists: nothing to keep
         say(f"stopped by {signal.Signals(stop.requested).name} before training began: nothing was trained or "
-            f"tracked (exit {128 + stop.requested})")
-        return 128 + stop.requested
+            f"tracked (exit {stopped_exit(stop.requested)})")
+        return stopped_exit(stop.requested)
     return None
 
 

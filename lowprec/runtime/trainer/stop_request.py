@@ -27,10 +27,18 @@ from __future__ import annotations
 import signal
 import threading
 
-__all__ = ["StopRequest", "RunStopped", "STOP_SIGNALS", "LAUNCH_SHUTDOWN_TIMEOUT_S"]
+__all__ = ["StopRequest", "RunStopped", "STOP_SIGNALS", "STOPPED_EXITS", "LAUNCH_SHUTDOWN_TIMEOUT_S", "stopped_exit"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 LAUNCH_SHUTDOWN_TIMEOUT_S = 120   # `lowprec run --nproc-per-node`: a stopping rank's time to checkpoint
+
+
+def stopped_exit(signum: int) -> int:
+    """The exit status of a process `signum` stopped: 128 + its number, the shell's convention."""
+    return 128 + int(signum)
+
+
+STOPPED_EXITS = tuple(stopped_exit(s) for s in STOP_SIGNALS)   # 130, 143
 
 
 class RunStopped(Exception):
@@ -46,7 +54,7 @@ class RunStopped(Exception):
 
     @property
     def exit_code(self) -> int:
-        return 128 + self.signum
+        return stopped_exit(self.signum)
 
 
 class StopRequest:
