@@ -295,6 +295,7 @@ def check_comparable(baseline: Scores, candidate: Scores, step_named: bool) -> N
     if problems:
         suites = any("of suite" in p or "of eval.limit" in p for p in problems)
         fix = ("evaluate both runs on one suite with one eval.limit" if suites or step_named else
-               "gate two finished runs (a run killed half-way stays RUNNING; resume it to the end), or "
+               "gate two finished runs (a run killed half-way stays RUNNING, one a signal stopped is KILLED: resume it "
+               "to the end), or "
                + step_fix(baseline, candidate))
         raise GateInputError("refusing to compare: " + "; ".join(problems) + f". Fix: {fix}")
