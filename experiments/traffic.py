@@ -74,7 +74,6 @@ import contextlib
 import shlex
 import sys
 import traceback
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 

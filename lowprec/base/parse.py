@@ -40,7 +40,6 @@ import re
 import types
 import typing
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Iterable, TypeVar
 
 

@@ -205,9 +205,9 @@ class ParallelConfig:
                 f"fp8_all_gather: false, or drop one of the three degrees"))
         if self.fp8_all_gather and self.dp_shard == 1:
             raise ConfigError("fp8_all_gather", (
-                f"true with dp_shard 1: only FSDP2 all-gathers weights (dp_shard > 1, alone, with tp or with "
-                f"dp_replicate); replicated data parallel and tp alone gather none. Set dp_shard > 1, or "
-                f"fp8_all_gather: false"))
+                "true with dp_shard 1: only FSDP2 all-gathers weights (dp_shard > 1, alone, with tp or with "
+                "dp_replicate); replicated data parallel and tp alone gather none. Set dp_shard > 1, or "
+                "fp8_all_gather: false"))
 
     @property
     def world(self) -> int:

@@ -39,10 +39,6 @@ import torch
 from lm_eval.api.model import LM
 from torch import nn
 
-import torch
-from lm_eval.api.model import LM
-from torch import nn
-
 from lowprec.evals.tokenizers import Tokenizer
 from lowprec.runtime.trainer.console import PROGRESS_LOG
 

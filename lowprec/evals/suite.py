@@ -39,8 +39,6 @@ import contextlib
 import math
 import os
 import random
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Mapping
@@ -197,22 +195,6 @@ def samples_of(res: Mapping[str, Any]) -> dict[str, dict[str, dict[str, float]]]
 
 
 @contextlib.contextmanager
-def _default_sigterm() -> Iterator[None]:
-    """The default SIGTERM handler while lm-eval runs, the caller's put back after. lm-eval forks
-    a process pool for its bootstrap stderr and ends it with SIGTERM; a worker that inherited a
-    handler which logs and carries on (Lightning's, during fit) never exits, and the pool's
-    shutdown waits forever. Only the main thread can set handlers; elsewhere nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
 def _random_streams_kept() -> Iterator[None]:
     """Restore Python's, NumPy's and torch's CPU random state on exit."""
     import numpy as np
@@ -348,7 +330,7 @@ def run_suite(suite: EvalSuite | str, forward: Callable[[Any], Any], tokenizer: 
         wanted = {t: limit if wanted is None else min(limit, wanted[t]) for t in suite.tasks}
     samples = None if wanted is None else {
         t: list(range(min(wanted[t], prepared.n_docs[t]))) for t in prepared.ready}
-    with _random_streams_kept(), _default_sigterm(), _lean_bookkeeping():
+    with _random_streams_kept(), _lean_bookkeeping():
         res = lm_eval.simple_evaluate(
             model=adapter, tasks=list(prepared.ready),
             task_manager=TaskManager(include_path=str(prepared.cache_dir), include_defaults=False),

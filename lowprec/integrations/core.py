@@ -344,11 +344,11 @@ class HostedRollout:
             self.tracker.log_precision(self.step, self.map.formats(), self.map.flops_share())
 
     # ------------------------------------------------------------------ the end
-    def end(self, status: RunStatus = RunStatus.FINISHED) -> None:
+    def end(self, status: RunStatus = RunStatus.FINISHED, reason: str | None = None) -> None:
         """Final eval, the loss curve (for a later run's `rollout.baseline`), tracking finished
-        (`RunLife.end`, once)."""
+        (`RunLife.end`, once); reason: why a KILLED run was stopped (the `lowprec.stopped` tag)."""
         if self.life is not None:
-            self.life.end(status, losses=self.losses)
+            self.life.end(status, losses=self.losses, reason=reason)
         elif not self._ended:   # never started: nothing was tracked
             self._final(status)
 

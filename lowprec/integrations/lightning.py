@@ -44,9 +44,9 @@ gate, eval checkpoints and tracking, the end), what lm-eval, datasets and MLflow
 `default_root_dir/lowprec/lowprec.log`, not the user's console (`lowprec.integrations.host_console`).
 
 Under DDP a replay runs the LightningModule itself (not the DDP wrapper) and averages the
-gradients with `allreduce_grads`. (Lightning's SIGTERM handler logs and carries on; lm-eval
-forks a bootstrap pool that it ends with SIGTERM, so the `eval:` suites run with the default
-handler and put Lightning's back after: `lowprec.evals.suite`.)
+gradients with `allreduce_grads`. Ctrl-C and SIGTERM (which Lightning turns into an exception at
+the next batch's end) end the MLflow run KILLED with the reason in the tag `lowprec.stopped`, never
+FAILED: the run continues from Lightning's last checkpoint.
 
 What Lightning does not allow, said plainly: `trainer.global_step` never goes back, so a
 rewind of N steps leaves the run N optimizer steps short of `max_steps` in lowprec's count
@@ -70,7 +70,7 @@ lightning = require("lightning", "lightning", "Lightning")
 from lightning.pytorch.loggers import MLFlowLogger  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
 from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
-from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException  # noqa: E402
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature  # noqa: E402
 
@@ -229,9 +229,19 @@ class LowprecCallback(HostedCallback, lightning.pytorch.Callback):
             self.hosted.end()   # the final eval
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """The run ends FAILED, or KILLED (tagged `lowprec.stopped`) when a signal stopped it:
+        Ctrl-C reaches here as KeyboardInterrupt, SIGTERM as Lightning's SIGTERMException at the
+        next batch's end. Either is resumable from Lightning's last checkpoint."""
         self._restore_clip(trainer)
-        if self.hosted.session is not None:
+        if self.hosted.session is None:
+            return
+        stopped = {KeyboardInterrupt: "SIGINT (Ctrl-C)", SIGTERMException: "SIGTERM"}.get(type(exception))
+        if stopped is None:
             self.hosted.end(RunStatus.FAILED)
+            return
+        self.hosted.end(RunStatus.KILLED, reason=(
+            f"{stopped} at lowprec step {self.hosted.step} under Lightning: resume with trainer.fit(..., "
+            f"ckpt_path=<the last checkpoint>), which restores the rollout"))
 
     def _restore_clip(self, trainer) -> None:
         if self._clip_val is not None:

@@ -386,7 +386,7 @@ class LowprecTrainer(Trainer):
             if STATE_KEY not in str(e) or self.restored:
                 raise
             raise MissingRolloutStateError(
-                f"torchtitan resumes from a checkpoint that holds no lowprec rollout state (written without "
-                f"LowprecTrainer), so lowprec cannot go on where it was; return lowprec_trainer(config, "
-                f"restore=False) to start the rollout again from the plan's formats") from e
+                "torchtitan resumes from a checkpoint that holds no lowprec rollout state (written without "
+                "LowprecTrainer), so lowprec cannot go on where it was; return lowprec_trainer(config, "
+                "restore=False) to start the rollout again from the plan's formats") from e
 

@@ -157,7 +157,7 @@ class GroupedQuantizedFn(torch.autograd.Function):
     def backward(ctx, gy):
         x, w = ctx.saved_tensors
         keep_x, keep_w, scales, groups, starts = ctx.keep
-        counts, formats, quants = ctx.counts, ctx.formats, ctx.quants
+        counts, quants = ctx.counts, ctx.quants
         gy = gy.contiguous()
         dx = dw = None
         qg = {}

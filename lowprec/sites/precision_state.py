@@ -255,7 +255,7 @@ def prepare(model: nn.Module, plan, *, amax_group=None, seed: int = 0,
         `torchao` backends make their own layers and refuse one.
     Every backend builds its sites through `Backend.make_site`.
     """
-    from lowprec.sites.resolution import is_site, linear_shape, resolve  # noqa: keeps `import lowprec` light
+    from lowprec.sites.resolution import is_site, linear_shape, resolve  # imported here: keeps `import lowprec` light
 
     backend = get_backend(plan.backend)
     kind = BackendName(plan.backend)

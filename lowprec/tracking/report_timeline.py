@@ -320,7 +320,6 @@ def mark_events(ax, data: ReportData, kinds=(EventKind.FALLBACK, EventKind.ROLLB
     seen, num, at_step = set(), {}, {}
     for k, e, s in numbered_events(data):
         num.setdefault(id(e), []).append(str(k))
-    top = ax.get_xaxis_transform()
     for e in data.events:  # one label per step: events at the same step share it
         if e.kind in kinds:
             at_step.setdefault(e.step, []).extend(num.get(id(e), []) or [e.stage or e.kind])

@@ -6,7 +6,7 @@
 Each step: draw the batch, `engine.forward_backward`, and `Session.step` (clip by the
 engine's global norm, decide, step / skip / rewind). Around it: the learning-rate schedule
 (linear warmup, a `LambdaLR`, so a rewind restores it), checkpoints every
-`train.ckpt_every` steps (atomic; `resume=True` continues from the newest), eval
+`train.ckpt_every` steps (atomic; `resume=True` continues from the newest) and at the last step, eval
 checkpoints (periodic, before promotions through the controller's gate, at the end; a
 periodic verdict goes to `Session.after_eval`), tracking (means over `train.log_every`
 steps, the signals and the precision map at check steps, every event) and injected
@@ -25,6 +25,7 @@ eval's results) and, with the LR probe on, lr_probes.json (every probe this proc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -134,8 +135,9 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     finally:
         injected.remove()
         session.close()
+    final_eval = stop.interrupting(n_steps) if stop is not None and checkpoints else contextlib.nullcontext()
     _conclude(res, after.record, engine, state, session, evals, tracker, tele, rank=process_rank(), out=out,
-              n_steps=n_steps, seconds=(time.perf_counter() - t0) / max(n_steps - first, 1))
+              n_steps=n_steps, seconds=(time.perf_counter() - t0) / max(n_steps - first, 1), final_eval=final_eval)
     return res
 
 
@@ -196,24 +198,27 @@ class _Loop:
 
 
 def _steps(lp: _Loop, res: "RunResult", n_steps: int, iteration: int) -> None:
-    """Run passes until the session reaches `n_steps` (rewound passes included)."""
+    """Run passes until the session reaches `n_steps` (rewound passes included); a checkpoint
+    every `train.ckpt_every` steps, at `n_steps` and where a signal stops the run."""
     tc, engine, opt, sched, state, data = lp.tc, lp.engine, lp.opt, lp.sched, lp.state, lp.data
     session, after, tele, injected, progress = lp.session, lp.after, lp.tele, lp.injected, lp.progress
     clock = tele.clock
-    while session.step_index < n_steps:
+    while True:
         step = session.step_index
-        injected.tick(iteration)
-        iteration += 1
         clock.lap(Phase.OTHER)
         signum = lp.stop.agreed(step) if lp.stop is not None else None
-        if lp.checkpoints and (step % tc.ckpt_every == 0 or signum is not None):
+        if lp.checkpoints and (step % tc.ckpt_every == 0 or signum is not None or step >= n_steps):
             save_checkpoint(lp.ckpt_dir, step, model=engine.module, optimizer=opt, precision=state,
                             controller=session, data_state=data.state_dict(), keep=tc.ckpt_keep,
                             extra={**after.state_dict(), "scheduler": sched.state_dict(),
-                                   "iteration": iteration - 1, "passes": res.passes})
+                                   "iteration": iteration, "passes": res.passes})
             clock.lap(Phase.CHECKPOINT)
         if signum is not None:
             raise RunStopped(signum, step)
+        if step >= n_steps:   # the last step's checkpoint is written: the trained weights, and a
+            return            # resume that redoes only the final eval
+        injected.tick(iteration)
+        iteration += 1
         if (factor := injected.lr_factor()) != 1.0:
             for g in opt.param_groups:
                 g["lr"] *= factor
@@ -238,15 +243,17 @@ def _steps(lp: _Loop, res: "RunResult", n_steps: int, iteration: int) -> None:
 
 
 def _conclude(res: "RunResult", rec, engine: Engine, state, session: Session, evals, tracker, tele: Telemetry, *,
-              rank: int, out: Path, n_steps: int, seconds: float) -> None:
-    """Fill `res` from the record, the final evaluation and the telemetry; rank 0 writes the files."""
+              rank: int, out: Path, n_steps: int, seconds: float, final_eval=contextlib.nullcontext()) -> None:
+    """Fill `res` from the record, the final evaluation (within `final_eval`: a signal may stop
+    it, `StopRequest.interrupting`) and the telemetry; rank 0 writes the files."""
     clock = tele.clock
     res.losses, res.grad_norms, res.formats, res.flops_share = rec.losses, rec.grad_norms, rec.formats, rec.flops_share
     res.rewinds = rec.rewinds
     res.seconds_per_step = seconds
     if evals is not None:
         clock.lap(Phase.OTHER)
-        evals.final(n_steps)
+        with final_eval:
+            evals.final(n_steps)
         clock.lap(Phase.EVAL)
         res.evals, res.final_eval = evals.history, evals.last
     res.telemetry = tele.finish()

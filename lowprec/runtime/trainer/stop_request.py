@@ -5,8 +5,14 @@ send before they kill a job) ended it at once: both lost every step since the la
 checkpoint, and the MLflow run said nothing of why it stopped. Now a run told to stop:
 
 - finishes the step it is in and, at the next step boundary, writes a checkpoint there (every
-  rank of a job at the same step: the ranks agree on the request once a step, `agreed`);
-- marks its MLflow run KILLED with the reason, runs no final eval, writes no summary;
+  rank of a job at the same step: the ranks agree on the request once a step, `agreed`); an
+  eval checkpoint in the loop finishes first, as part of its step;
+- during the final eval (after the last step's checkpoint) it stops at once in one process
+  (`interrupting`): `--resume` redoes only that eval. A job's ranks evaluate collectively and are
+  not interrupted there (a rank leaving a collective would leave the others waiting): the eval
+  finishes and the run with it, or torchrun's timeout kills the ranks, the checkpoint at the last
+  step kept;
+- marks its MLflow run KILLED with the reason, runs (or finishes) no final eval, writes no summary;
 - says one line: the signal, the step, and the command that continues the run;
 - exits 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), the shell's convention.
 
@@ -24,8 +30,10 @@ left ends as a kill does.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 
 __all__ = ["StopRequest", "RunStopped", "STOP_SIGNALS", "STOPPED_EXITS", "LAUNCH_SHUTDOWN_TIMEOUT_S", "stopped_exit"]
 
@@ -57,6 +65,15 @@ class RunStopped(Exception):
         return stopped_exit(self.signum)
 
 
+class _Interrupted(BaseException):
+    """Raised by the handler within `interrupting`: a BaseException (as KeyboardInterrupt is), so
+    that no `except Exception` in the interrupted code (lm-eval's, a user's evaluator) holds it."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signum)
+
+
 class StopRequest:
     """SIGINT and SIGTERM handlers for the time of a `lowprec run` (`with StopRequest(say):`);
     `requested` says which signal came first (None: none). say: told one line on the first
@@ -69,6 +86,7 @@ class StopRequest:
         self._in_job = rank is not None
         self._say = say if not rank else None
         self._previous: dict[int, object] = {}
+        self._interrupt_at: int | None = None   # within `interrupting(step)`: the step it stops at
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
@@ -84,6 +102,11 @@ class StopRequest:
         self._previous = {}
 
     def _handle(self, signum: int, frame) -> None:
+        if self.requested is None and self._interrupt_at is not None:
+            self.requested, self._interrupt_at = signum, None
+            if self._say is not None:
+                self._say(f"{signal.Signals(signum).name}: stopping now, during the final eval; --resume redoes it")
+            raise _Interrupted(signum)
         if self.requested is None:
             self.requested = signum
             if self._say is not None and not self._in_job:   # a job's rank 0 says it once the ranks agree
@@ -104,3 +127,22 @@ class StopRequest:
         if got is not None and self._in_job and self._say is not None:
             self._say(f"{signal.Signals(got).name}: every rank stops at step {step}, with a checkpoint there")
         return got
+
+    @contextlib.contextmanager
+    def interrupting(self, step: int) -> Iterator[None]:
+        """Within: a signal stops the run at once (RunStopped at `step`), for work after the
+        checkpoint at `step` that a resume can redo (the final eval). One process only: in a job,
+        or where no handler is installed (not the main thread), nothing changes."""
+        if self._in_job or not self._previous:
+            yield
+            return
+        if self.requested is not None:   # came before: stop without starting
+            raise RunStopped(self.requested, step)
+        self._interrupt_at = step
+        try:
+            yield
+        except _Interrupted as e:
+            raise RunStopped(e.signum, step) from None
+        finally:
+            self._interrupt_at = None
+

@@ -6,6 +6,8 @@ tracking and the refusals."""
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import sys
 
 import pytest
@@ -132,6 +134,42 @@ def test_clipping_is_lowprecs_and_sees_the_norm_before_it(tmp_path):
     (r,) = client.search_runs([client.get_experiment_by_name("own").experiment_id])
     seen = [m.value for m in client.get_metric_history(r.info.run_id, "train/grad_norm")]
     assert len(seen) == 6 and min(seen) > 0.05     # the norms before clipping
+
+
+class _Stopped(LlamaModule):
+    """Stopped in its third step as a user stops a run: Ctrl-C (KeyboardInterrupt) or SIGTERM."""
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == 2:
+            if self.how == "SIGINT":
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGTERM)   # Lightning's handler: SIGTERMException at the batch's end
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_a_signal_ends_the_run_killed_with_the_reason_not_failed(tmp_path, how):
+    """Lightning hands Ctrl-C and SIGTERM to on_exception: the MLflow run is KILLED and tagged
+    `lowprec.stopped` with the signal (resumable), as `lowprec run` marks a stopped run, never FAILED."""
+    uri = f"sqlite:///{tmp_path}/stop.db"
+    cfg = CONFIG.replace("tracking: {experiment: hf-integration}", f"tracking: {{experiment: stop, uri: '{uri}'}}")
+    (tmp_path / "lowprec.yaml").write_text(cfg)
+    experiment(uri, "stop", tmp_path)
+    module = _Stopped(how)
+    cb = LowprecCallback.from_yaml(tmp_path / "lowprec.yaml", module.model)
+    trainer = lightning.Trainer(accelerator="cpu", devices=1, max_steps=6, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, logger=False,
+                                default_root_dir=str(tmp_path), callbacks=[cb])
+    with pytest.raises(SystemExit):   # Lightning's own exit for both
+        trainer.fit(module, loader(48))
+    client = MlflowClient(uri)
+    (r,) = client.search_runs([client.get_experiment_by_name("stop").experiment_id])
+    assert r.info.status == "KILLED"
+    assert r.data.tags["lowprec.stopped"].startswith(f"{how}")
+    assert "ckpt_path" in r.data.tags["lowprec.stopped"]
 
 
 @pytest.mark.parametrize("extra, match", [

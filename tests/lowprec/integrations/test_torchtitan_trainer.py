@@ -211,7 +211,7 @@ def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(t
     log = _ok(job.run(rank_forks, 2, free_port(), timeout=600))
     assert f"Loading the checkpoint from {job.dump / 'checkpoint' / f'step-{steps}'}" in log
     assert f"lowprec: continuing MLflow run {run.info.run_id}" in log, log[-6000:]
-    assert f"lowprec: rollout restored from torchtitan's checkpoint" in log and f"MLflow run {run.info.run_id} continues" in log
+    assert "lowprec: rollout restored from torchtitan's checkpoint" in log and f"MLflow run {run.info.run_id} continues" in log
     last = job.reports(2)
     _check_fp8_all_gather(last, resumed=True, hp_bytes=4)
     killed = json.loads((job.dump / "killed_step.json").read_text())   # rank 0's step 11 before the kill

@@ -11,7 +11,6 @@ input, as torchao's is; above the tiny range nothing changed (lowprec's other NV
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings

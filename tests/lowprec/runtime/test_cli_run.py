@@ -153,14 +153,15 @@ def test_resume_skips_a_corrupt_checkpoint_and_exits_2_when_all_are(project, cap
     (project / "good.yaml").write_text(yaml.safe_dump(_config({"train.steps": 6})))
     assert main(["run", "good.yaml", "--out", "run"]) == 0
     ckpts = sorted((project / "run" / "checkpoints").glob("step_*.pt"))
-    assert [p.name for p in ckpts] == ["step_00000000.pt", "step_00000002.pt", "step_00000004.pt"]
+    # every train.ckpt_every steps and the last step's (the trained weights)
+    assert [p.name for p in ckpts] == ["step_00000000.pt", "step_00000002.pt", "step_00000004.pt", "step_00000006.pt"]
     full = (project / "run" / "losses.json").read_text()
 
-    _flip_a_weight_bit(ckpts[-1])   # the newest: resume goes back to step 2 and redoes the rest
-    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step_00000004.pt"):
+    _flip_a_weight_bit(ckpts[-1])   # the newest: resume goes back to step 4 and redoes the rest
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step_00000006.pt"):
         assert main(["run", "good.yaml", "--out", "run", "--resume"]) == 0
     assert (project / "run" / "losses.json").read_text() == full   # the same losses, bit for bit
-    assert (project / "run" / "checkpoints" / "abandoned" / "step_00000004.pt").is_file()  # kept aside
+    assert (project / "run" / "checkpoints" / "abandoned" / "step_00000006.pt").is_file()  # kept aside
 
     for p in sorted((project / "run" / "checkpoints").glob("step_*.pt")):
         _flip_a_weight_bit(p)
@@ -168,7 +169,7 @@ def test_resume_skips_a_corrupt_checkpoint_and_exits_2_when_all_are(project, cap
     p = lowprec_forks.run(["run", "good.yaml", "--out", "run", "--resume"], project, timeout=300)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr.startswith("lowprec run: --resume: every checkpoint in run/checkpoints is unusable"), p.stderr
-    for name in ("step_00000000.pt", "step_00000002.pt", "step_00000004.pt"):
+    for name in ("step_00000000.pt", "step_00000002.pt", "step_00000004.pt", "step_00000006.pt"):
         assert name in p.stderr
     assert _tree(project) == before   # nothing written, nothing removed
 

@@ -134,10 +134,10 @@ def test_a_resume_names_its_checkpoint_and_warns_once_per_skipped_one(project, c
     (project / "run.yaml").write_text(yaml.safe_dump({**CFG, "tracking": {"enabled": False}}))
     assert main(["run", "run.yaml", "--out", "run"]) == 0
     (project / "run" / "summary.json").unlink()   # as if killed before the end: the folder is STOPPED
-    _flip_a_weight_bit(project / "run" / "checkpoints" / "step_00000004.pt")
+    _flip_a_weight_bit(project / "run" / "checkpoints" / "step_00000006.pt")   # the last step's
     capsys.readouterr()
     assert main(["run", "run.yaml", "--out", "run", "--resume"]) == 0
     err = capsys.readouterr().err
-    assert err.count("skipping checkpoint") == 1 and "step_00000004.pt" in err, err
-    assert "--resume: continuing from run/checkpoints/step_00000002.pt at step 2 of 6" in err, err
+    assert err.count("skipping checkpoint") == 1 and "step_00000006.pt" in err, err
+    assert "--resume: continuing from run/checkpoints/step_00000004.pt at step 4 of 6" in err, err
     assert err.index("skipping checkpoint") < err.index("continuing from")

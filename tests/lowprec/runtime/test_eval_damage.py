@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 
 from lowprec.policy.events import EventKind
 from lowprec.runtime import Injection

@@ -41,10 +41,11 @@ STEPS = 48
 SEED = 12
 EVAL_AFTER = (15, 31, STEPS - 1)   # the steps after which an eval runs (eval.every 16, the final one)
 
-def _config(uri: str, experiment: str, slow_while: str | None = None) -> dict:
+def _config(uri: str, experiment: str, slow_while: str | None = None, eval_slow_while: str | None = None) -> dict:
     return {
         "model": {"factory": "killlm:build", "args": {"vocab": 256, "width": 32, "step_seconds": 0.25,
-                                                      "slow_while": slow_while}},
+                                                      "slow_while": slow_while, "eval_seconds": 0.1,
+                                                      "eval_slow_while": eval_slow_while}},
         "data": {"factory": "killlm:tokens", "args": {"vocab": 256, "seed": 0}, "block_size": 16},
         "train": {"steps": STEPS, "batch_size": 4, "warmup": 2, "ckpt_every": 3, "log_every": 2},
         "precision": {"backend": "emulated", "default": "bf16", "keep_high_precision": [{"fqns": ["head"]}],
@@ -167,11 +168,13 @@ def _events_jsonl(out: Path) -> list[tuple]:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, sqlite_store, tiny_lm, lowprec_forks):
     """The folder with run.yaml (tracked in its own store; its steps slow while the file `slow`
-    exists) and `ref`, the run trained once without interruption, at full speed."""
+    exists, its logits calls while `eval_slow` exists) and `ref`, the run trained once without
+    interruption, at full speed."""
     root = tmp_path_factory.mktemp("kill_resume")
     uri = sqlite_store(root / "store")
     tiny_lm(root, "killlm")
-    (root / "run.yaml").write_text(yaml.safe_dump(_config(uri, "kill", slow_while=str(root / "slow"))))
+    (root / "run.yaml").write_text(yaml.safe_dump(_config(uri, "kill", slow_while=str(root / "slow"),
+                                                          eval_slow_while=str(root / "eval_slow"))))
     _finish(_start(lowprec_forks, root, "ref", resume=False))
     assert any(e[1] == EventKind.PROMOTE for e in _events_jsonl(root / "ref")), "the rollout must promote a stage"
     return root, uri
@@ -310,6 +313,51 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line_and_the_resume_ends_as_an_u
                                                 "the newest checkpoint"), stderr[-3000:]
     _finish(_start(lowprec_forks, root, "twice", resume=True))
     assert (root / "twice" / "losses.json").read_bytes() == (root / "ref" / "losses.json").read_bytes()
+
+
+@pytest.mark.slow
+def test_a_signal_in_the_final_eval_stops_at_once_and_the_resume_redoes_only_that_eval(uninterrupted, lowprec_forks):
+    """The last step writes a checkpoint (the trained weights) before the final eval; Ctrl-C during
+    that eval stopped nothing until it ended (the run then FINISHED, exit 0). Now it stops at once:
+    exit 130, the MLflow run KILLED at the last step, and `--resume` runs only the final eval, whose
+    numbers are the uninterrupted run's, logged once."""
+    from mlflow.tracking import MlflowClient
+    root, uri = uninterrupted
+    name, slow = "stopped_in_eval", root / "eval_slow"
+    slow.touch()   # each logits call sleeps: the final eval lasts seconds
+    p = _start(lowprec_forks, root, name, resume=False)
+    last = root / name / "checkpoints" / f"step_{STEPS:08d}.pt"
+    deadline = time.monotonic() + 120
+    while not last.is_file():
+        assert p.poll() is None and time.monotonic() < deadline, "the run ended before its last checkpoint"
+        time.sleep(0.02)
+    time.sleep(0.5)   # inside the final eval
+    assert p.poll() is None, "the final eval ended before the signal"
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=60)
+    slow.unlink()
+    assert p.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+    assert "SIGINT: stopping now, during the final eval; --resume redoes it" in stderr, stderr[-3000:]
+    assert f"stopped by SIGINT at step {STEPS}, with a checkpoint there" in stderr.splitlines()[-1], stderr[-3000:]
+    assert not (root / name / "summary.json").exists()
+    client = MlflowClient(uri)
+    run_id = json.loads((root / name / "tracking" / "run.json").read_text())["run_id"]
+    run = client.get_run(run_id)
+    assert run.info.status == "KILLED" and run.data.tags["lowprec.stopped"].startswith(f"SIGINT at step {STEPS}")
+
+    p = _start(lowprec_forks, root, name, resume=True)
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0, stderr[-3000:]
+    assert "(nothing left to train: the final eval only)" in stdout + stderr
+    out, ref = root / name, root / "ref"
+    assert (out / "losses.json").read_bytes() == (ref / "losses.json").read_bytes()
+    final, ref_final = (json.loads((d / "summary.json").read_text())["final_eval"] for d in (out, ref))
+    assert final == ref_final and final["step"] == STEPS
+    assert client.get_run(run_id).info.status == "FINISHED"
+    key = "eval/heldout_shakespeare/bits_per_byte"
+    ref_id = (ref / "run_id").read_text().strip()
+    assert [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)] == \
+        [(m.step, m.value) for m in sorted(client.get_metric_history(ref_id, key), key=lambda m: m.step)]
 
 
 def test_a_signal_before_training_began_trains_and_tracks_nothing(tmp_path, sqlite_store, tiny_lm, capsys):

@@ -43,3 +43,26 @@ def test_a_second_ctrl_c_stops_at_once_in_one_process_and_changes_nothing_in_a_j
 def test_the_exit_code_is_the_shells():
     assert RunStopped(signal.SIGINT, 7).exit_code == 130 and RunStopped(signal.SIGTERM, 7).exit_code == 143
     assert str(RunStopped(signal.SIGTERM, 12)) == "stopped by SIGTERM at step 12"
+
+
+def test_within_interrupting_a_signal_stops_at_once_past_a_catch_all_and_not_in_a_job():
+    said, ran = [], []
+    with StopRequest(said.append) as stop:
+        with pytest.raises(RunStopped) as e:
+            with stop.interrupting(48):
+                try:   # an evaluator's own catch-all does not hold the stop
+                    signal.raise_signal(signal.SIGTERM)
+                except Exception:
+                    ran.append("caught")
+                ran.append("went on")
+        assert (e.value.signum, e.value.step, ran) == (signal.SIGTERM, 48, [])
+        assert said == ["SIGTERM: stopping now, during the final eval; --resume redoes it"]
+        with pytest.raises(RunStopped):   # the signal came before: nothing starts
+            with stop.interrupting(48):
+                ran.append("started")
+        assert ran == []
+    with StopRequest(rank=0) as stop:   # a job's ranks evaluate together: the eval goes on
+        with stop.interrupting(48):
+            signal.raise_signal(signal.SIGTERM)
+            ran.append("went on")
+        assert stop.requested == signal.SIGTERM and ran == ["went on"]

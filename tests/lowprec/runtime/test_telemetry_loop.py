@@ -17,7 +17,7 @@ from lowprec.runtime.trainer.loop import train
 from lowprec.runtime.trainer.run import prepare_run
 from lowprec.policy.events import EventKind
 from lowprec.tracking.report_sources import from_run_dir
-from lowprec.tracking.telemetry import Telemetry, TelemetryConfig
+from lowprec.tracking.telemetry import Telemetry
 from lowprec.tracking.tracker import Tracker
 
 pytestmark = pytest.mark.slow   # three short training runs

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import warnings
 
-import pytest
 
 from lowprec.policy.events import Event, EventKind
 from lowprec.tracking.records import LR_SENSITIVITY

@@ -36,7 +36,7 @@ for _p in (str(ROOT), str(ROOT / "tests" / "lowprec")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from dist_worker import BATCH as DATA_BATCH, DATA_SEED, MODEL, SEQ, SITES, make_model  # noqa: E402
+from dist_worker import BATCH as DATA_BATCH, DATA_SEED, MODEL, SEQ, make_model  # noqa: E402
 from small_gpt import batches  # noqa: E402
 from fast_path_checks import ScaledMMFlags  # noqa: E402
 from lowprec import prepare  # noqa: E402
