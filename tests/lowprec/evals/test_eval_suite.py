@@ -199,3 +199,24 @@ def test_a_torchrun_rank_other_than_local_rank_0_runs_the_same_forwards_and_gets
     assert run_suite(suite, counted(1), ByteTokenizer(), MAX_LEN, mode="fast", bootstrap_iters=0, model=gpt) is None
     assert r.n == {"heldout_shakespeare": 3, "cloze_shakespeare": 3}
     assert shapes[0] and shapes[1] == shapes[0]
+
+
+def test_sigterm_during_an_evaluation_reaches_the_runs_handler(gpt):
+    """`lowprec run`'s StopRequest stays the SIGTERM handler while lm-eval runs: a scheduler's
+    SIGTERM during an eval checkpoint is a stop request (a checkpoint at the next step), not the
+    instant kill the default handler lowprec swapped in made it (lm-eval's bootstrap pool, which
+    the swap was for, is not forked: DISABLE_MULTIPROC)."""
+    import signal
+
+    from lowprec.runtime.trainer.stop_request import StopRequest
+    suite = EvalSuite("tiny", ("heldout_shakespeare",), fast_limit=2)
+    sent = []
+
+    def forward(x):
+        if not sent:
+            sent.append(signal.raise_signal(signal.SIGTERM))
+        return gpt(x)
+
+    with StopRequest() as stop:
+        r = run_suite(suite, forward, ByteTokenizer(), MAX_LEN, mode="fast", bootstrap_iters=0, model=gpt)
+    assert sent and stop.requested == signal.SIGTERM and r.n == {"heldout_shakespeare": 2}
