@@ -28,7 +28,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # The files whose tests run again under the interpreter, with the fewest tests each must pass there;
 # one pytest process runs them all (test_fp8_ops.py::test_fast_path_files_under_interpreter).
-INTERPRETED_FILES = {"test_fp8_ops.py": 16, "test_fp8_linear.py": 13, "test_fast_path_traffic.py": 12}
+INTERPRETED_FILES = {"test_fp8_ops.py": 16, "test_fp8_linear.py": 12, "test_fast_path_traffic.py": 12}
 
 
 def run_interpreted(files: dict[str, int]) -> str:

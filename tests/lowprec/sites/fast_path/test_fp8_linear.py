@@ -257,6 +257,8 @@ def test_weight_cast_cached_across_micro_batches():
     assert all(torch.equal(a, b) for a, b in zip(outs[True][0], outs[False][0]))
 
 
+@pytest.mark.skipif(INTERPRETED, reason="the graph is the same with the kernels behind the ops (opaque to "
+                    "dynamo); 23 s under the interpreter for nothing new")
 def test_compile_one_graph_and_one_recompile_per_switch():
     """torch._dynamo.explain: one graph, no break, over PrecisionLinears on the fast path
     (tensor-wise and delayed); compiled training equals eager; switching one site's format
