@@ -101,17 +101,26 @@ class StopRequest:
             signal.signal(s, handler)
         self._previous = {}
 
+    def _tell(self, text: str) -> None:
+        """Say `text` from the handler. The signal may have come while the main thread was writing
+        to the same stream, and Python's buffered streams refuse a reentrant write (RuntimeError):
+        the line is then left out, never the stop."""
+        if self._say is not None:
+            try:
+                self._say(text)
+            except RuntimeError:
+                pass
+
     def _handle(self, signum: int, frame) -> None:
         if self.requested is None and self._interrupt_at is not None:
             self.requested, self._interrupt_at = signum, None
-            if self._say is not None:
-                self._say(f"{signal.Signals(signum).name}: stopping now, during the final eval; --resume redoes it")
+            self._tell(f"{signal.Signals(signum).name}: stopping now, during the final eval; --resume redoes it")
             raise _Interrupted(signum)
         if self.requested is None:
             self.requested = signum
-            if self._say is not None and not self._in_job:   # a job's rank 0 says it once the ranks agree
-                self._say(f"{signal.Signals(signum).name}: stopping at the next step, with a checkpoint there; "
-                          f"Ctrl-C again stops at once, without one")
+            if not self._in_job:   # a job's rank 0 says it once the ranks agree
+                self._tell(f"{signal.Signals(signum).name}: stopping at the next step, with a checkpoint there; "
+                           f"Ctrl-C again stops at once, without one")
             return
         if signum == signal.SIGINT and not self._in_job:   # a second Ctrl-C: at once, as before
             self._restore()

@@ -66,3 +66,18 @@ def test_within_interrupting_a_signal_stops_at_once_past_a_catch_all_and_not_in_
             signal.raise_signal(signal.SIGTERM)
             ran.append("went on")
         assert stop.requested == signal.SIGTERM and ran == ["went on"]
+
+
+def test_a_line_the_handler_cannot_write_never_loses_the_stop():
+    """The signal came while the main thread wrote to the same stream (Python's buffered streams
+    refuse the handler's reentrant write with RuntimeError): the request stands, the eval stops."""
+    def busy(text):
+        raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+
+    with StopRequest(busy) as stop:
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.requested == signal.SIGTERM
+    with StopRequest(busy) as stop:
+        with pytest.raises(RunStopped):
+            with stop.interrupting(5):
+                signal.raise_signal(signal.SIGINT)
