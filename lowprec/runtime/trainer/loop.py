@@ -135,9 +135,14 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     finally:
         injected.remove()
         session.close()
+    trained = n_steps - first   # 0: resumed at the last step's checkpoint, for the final eval only
+    if trained == 0 and n_steps > 0:   # no step ran to record the precision map at the end: as it was loaded
+        after.record.formats[n_steps - 1] = tracked.formats()
+        after.record.flops_share[n_steps - 1] = tracked.flops_share()
     final_eval = stop.interrupting(n_steps) if stop is not None and checkpoints else contextlib.nullcontext()
     _conclude(res, after.record, engine, state, session, evals, tracker, tele, rank=process_rank(), out=out,
-              n_steps=n_steps, seconds=(time.perf_counter() - t0) / max(n_steps - first, 1), final_eval=final_eval)
+              n_steps=n_steps, seconds=(time.perf_counter() - t0) / trained if trained > 0 else 0.0,
+              final_eval=final_eval)
     return res
 
 
@@ -245,21 +250,24 @@ def _steps(lp: _Loop, res: "RunResult", n_steps: int, iteration: int) -> None:
 def _conclude(res: "RunResult", rec, engine: Engine, state, session: Session, evals, tracker, tele: Telemetry, *,
               rank: int, out: Path, n_steps: int, seconds: float, final_eval=contextlib.nullcontext()) -> None:
     """Fill `res` from the record, the final evaluation (within `final_eval`: a signal may stop
-    it, `StopRequest.interrupting`) and the telemetry; rank 0 writes the files."""
+    it, `StopRequest.interrupting`) and the telemetry; rank 0 writes the files. seconds: per
+    step this process trained (0.0: it trained none, resumed for the final eval only)."""
     clock = tele.clock
     res.losses, res.grad_norms, res.formats, res.flops_share = rec.losses, rec.grad_norms, rec.formats, rec.flops_share
     res.rewinds = rec.rewinds
     res.seconds_per_step = seconds
     if evals is not None:
         clock.lap(Phase.OTHER)
-        with final_eval:
-            evals.final(n_steps)
+        try:
+            with final_eval:
+                evals.final(n_steps)
+        except RunStopped:   # the telemetry of the steps this process trained and of its eval so far
+            clock.lap(Phase.EVAL)
+            _telemetry(res, tele, tracker, n_steps, rank, out, trained=seconds > 0)
+            raise
         clock.lap(Phase.EVAL)
         res.evals, res.final_eval = evals.history, evals.last
-    res.telemetry = tele.finish()
-    if tracker is not None and res.telemetry:
-        tracker.log_metrics(n_steps, res.telemetry)
-        tracker.log_tags(tele.sources())
+    _telemetry(res, tele, tracker, n_steps, rank, out, trained=seconds > 0)
     res.site_paths = site_paths(state, engine)   # a collective: every rank's counts
     if tracker is not None and res.site_paths:
         tracker.log_metrics(n_steps, path_metrics(res.site_paths))
@@ -273,9 +281,22 @@ def _conclude(res: "RunResult", rec, engine: Engine, state, session: Session, ev
         (out / "summary.json").write_text(json.dumps(res.summary(), indent=1))
         if res.lr_probes:   # the probes this process ran (a resumed run: those since the resume)
             (out / "lr_probes.json").write_text(json.dumps([dataclasses.asdict(r) for r in res.lr_probes], indent=1))
-        if res.telemetry:
-            (out / "telemetry.json").write_text(json.dumps({"metrics": res.telemetry, "sources": tele.sources()},
-                                                           indent=1))
+
+
+def _telemetry(res: "RunResult", tele: Telemetry, tracker, n_steps: int, rank: int, out: Path, *, trained: bool) -> None:
+    """The run's telemetry/* numbers, logged and (rank 0) in telemetry.json: this process's. A
+    process that trained no step (resumed for the final eval) measured no speed: it logs none,
+    and the numbers of the life that trained the steps stand."""
+    numbers = tele.finish()
+    res.telemetry = numbers if trained else {}
+    if not res.telemetry:
+        return
+    if tracker is not None:
+        tracker.log_metrics(n_steps, res.telemetry)
+        tracker.log_tags(tele.sources())
+    if rank == 0:
+        (out / "telemetry.json").write_text(json.dumps({"metrics": res.telemetry, "sources": tele.sources()},
+                                                       indent=1))
 
 
 HELD_SEED_OFFSET = 7919   # the LR probe's held batch: a TokenBatches of seed train.seed + this

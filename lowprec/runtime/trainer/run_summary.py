@@ -19,7 +19,8 @@ def summary_text(name: str, res, prepared, out: Path, run_id: str | None, uri: s
     tail = min(50, len(res.losses))
     kept = [s for s in range(len(res.losses) - tail, len(res.losses)) if math.isfinite(res.losses[s])]
     mean = sum(res.losses[s] for s in kept) / len(kept) if kept else math.nan   # skipped NaN steps trained nothing
-    lines = [f"run {name}: {len(res.losses)} steps, {res.seconds_per_step * 1e3:.0f} ms/step, "
+    pace = f"{res.seconds_per_step * 1e3:.0f} ms/step" if res.seconds_per_step > 0 else "none trained in this process"
+    lines = [f"run {name}: {len(res.losses)} steps, {pace}, "
              f"{res.rewinds} rewinds, {res.skipped} skipped steps, {len(res.events)} events"]
     line = f"  loss (mean of the last {tail} steps{f', {len(kept)} finite' if len(kept) < tail else ''}) {mean:.4f}"
     base = prepared.baseline

@@ -351,9 +351,15 @@ def test_a_signal_in_the_final_eval_stops_at_once_and_the_resume_redoes_only_tha
     assert "(nothing left to train: the final eval only)" in stdout + stderr
     out, ref = root / name, root / "ref"
     assert (out / "losses.json").read_bytes() == (ref / "losses.json").read_bytes()
-    final, ref_final = (json.loads((d / "summary.json").read_text())["final_eval"] for d in (out, ref))
-    assert final == ref_final and final["step"] == STEPS
+    summary, ref_summary = (json.loads((d / "summary.json").read_text()) for d in (out, ref))
+    assert summary["final_eval"]["step"] == STEPS and summary["formats"] and summary["seconds_per_step"] == 0.0
+    # the precision map at the end as loaded (no step ran to record it), the final eval the uninterrupted run's
+    assert {**summary, "seconds_per_step": 0} == {**ref_summary, "seconds_per_step": 0}
+    assert "none trained in this process" in stdout, stdout
     assert client.get_run(run_id).info.status == "FINISHED"
+    # the speed is the stopped life's, which trained the steps (the resumed one measured none: it logs none)
+    speed = client.get_metric_history(run_id, "telemetry/tokens_per_s")
+    assert len(speed) == 1 and speed[0].value > 0 and speed[0].step == STEPS, speed
     key = "eval/heldout_shakespeare/bits_per_byte"
     ref_id = (ref / "run_id").read_text().strip()
     assert [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)] == \
