@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from lowprec.state.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
+from lowprec.state.checkpoint import checkpoint_to_resume, list_checkpoints, load_checkpoint, save_checkpoint
 from lowprec.runtime.trainer.stop_request import RunStopped
 from lowprec.runtime.trainer.data import TokenBatches
 from lowprec.state.ranks import on_any_rank, process_rank
@@ -120,9 +120,12 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     # resume: None = no checkpoint yet (start at 0); every checkpoint bad: NoUsableCheckpointError
     iteration = 0   # loop passes, rewinds included: injected faults happen once, in time
     last = resume if isinstance(resume, Path) else checkpoint_to_resume(out / "checkpoints") if resume else None
+    written = None   # the step whose checkpoint is on disk as loaded, the newest there: not written again
     if last is not None:
         iteration = _resume(last, engine, opt, sched, state, data, session, after, res)
         regather(tracked)   # every rank loaded its sites' formats
+        newest = max((s for s, _ in list_checkpoints(out / "checkpoints")), default=-1) == session.step_index
+        written = session.step_index if not on_any_rank(not newest) else None   # every rank alike
     if tracker is not None:
         tracker.log_precision(session.step_index, tracked.formats(), tracked.flops_share())
     injected = Faults(engine.module, faults)
@@ -131,7 +134,7 @@ def train(tc, engine: Engine, state, data, *, out_dir: str | Path, controller=No
     t0 = time.perf_counter()
     try:
         _steps(_Loop(tc, engine, opt, sched, state, data, session, after, tele, injected, progress, checkpoints,
-                     out / "checkpoints", stop), res, n_steps, iteration)
+                     out / "checkpoints", stop, written), res, n_steps, iteration)
     finally:
         injected.remove()
         session.close()
@@ -200,11 +203,14 @@ class _Loop:
     checkpoints: bool
     ckpt_dir: Path
     stop: object = None   # a StopRequest (see `train`)
+    written: int | None = None   # the step resumed at, whose checkpoint is the newest: its boundary writes none
 
 
 def _steps(lp: _Loop, res: "RunResult", n_steps: int, iteration: int) -> None:
     """Run passes until the session reaches `n_steps` (rewound passes included); a checkpoint
-    every `train.ckpt_every` steps, at `n_steps` and where a signal stops the run."""
+    every `train.ckpt_every` steps, at `n_steps` and where a signal stops the run, except the
+    one a resume just loaded (`lp.written`): writing it again cost a whole checkpoint's time and,
+    after a full disk, the room for a second copy that the resume may not have."""
     tc, engine, opt, sched, state, data = lp.tc, lp.engine, lp.opt, lp.sched, lp.state, lp.data
     session, after, tele, injected, progress = lp.session, lp.after, lp.tele, lp.injected, lp.progress
     clock = tele.clock
@@ -212,7 +218,9 @@ def _steps(lp: _Loop, res: "RunResult", n_steps: int, iteration: int) -> None:
         step = session.step_index
         clock.lap(Phase.OTHER)
         signum = lp.stop.agreed(step) if lp.stop is not None else None
-        if lp.checkpoints and (step % tc.ckpt_every == 0 or signum is not None or step >= n_steps):
+        again = step == lp.written   # the resume's first boundary: that checkpoint was just loaded
+        lp.written = None            # (a rewind back to this step writes it again, moving later ones aside)
+        if lp.checkpoints and not again and (step % tc.ckpt_every == 0 or signum is not None or step >= n_steps):
             save_checkpoint(lp.ckpt_dir, step, model=engine.module, optimizer=opt, precision=state,
                             controller=session, data_state=data.state_dict(), keep=tc.ckpt_keep,
                             extra={**after.state_dict(), "scheduler": sched.state_dict(),

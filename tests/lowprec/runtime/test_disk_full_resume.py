@@ -141,3 +141,25 @@ def test_a_resume_names_its_checkpoint_and_warns_once_per_skipped_one(project, c
     assert err.count("skipping checkpoint") == 1 and "step_00000006.pt" in err, err
     assert "--resume: continuing from run/checkpoints/step_00000004.pt at step 4 of 6" in err, err
     assert err.index("skipping checkpoint") < err.index("continuing from")
+
+
+def test_a_resume_does_not_write_the_checkpoint_it_loaded_again(project):
+    """Writing it again cost a whole checkpoint's time on every resume and, after a full disk, room
+    for a second copy. (A newer checkpoint that was skipped as corrupt is another case: then the
+    step is written again, which moves the newer one aside, as after a rewind.)"""
+    (project / "run.yaml").write_text(yaml.safe_dump({**CFG, "tracking": {"enabled": False}}))
+    assert main(["run", "run.yaml", "--out", "run"]) == 0
+    ckpts = project / "run" / "checkpoints"
+
+    def stamp(p: Path) -> tuple[int, int]:
+        return p.stat().st_ino, p.stat().st_mtime_ns
+
+    (ckpts / "step_00000006.pt").unlink()   # as if killed before the last step's checkpoint
+    (project / "run" / "summary.json").unlink()
+    four = stamp(ckpts / "step_00000004.pt")
+    assert main(["run", "run.yaml", "--out", "run", "--resume"]) == 0
+    assert stamp(ckpts / "step_00000004.pt") == four and (ckpts / "step_00000006.pt").is_file()
+    (project / "run" / "summary.json").unlink()   # as if stopped in the final eval: the final eval only
+    six = stamp(ckpts / "step_00000006.pt")
+    assert main(["run", "run.yaml", "--out", "run", "--resume"]) == 0
+    assert stamp(ckpts / "step_00000006.pt") == six
