@@ -17,7 +17,10 @@ reaching a thread) in those seconds used to leave a database that no later run c
 (`table spans already exists`: the tables of a migration whose version was never recorded).
 `mlflow_client` builds a new store's schema in a `<database>.creating-*` file beside it and renames that
 file onto the database only once the schema is complete; a leftover `.creating-*` file from
-a killed process is deleted by the next creator, who holds the lock.
+a killed process is deleted by the next creator, who holds the lock. A store left half-made
+before that (or by MLflow itself, or half-migrated by a newer MLflow) cannot be opened:
+`HalfMadeStoreError` names it, says whether it holds runs and how to move it aside, instead
+of MLflow's `table _alembic_tmp_params already exists` on every send.
 Other stores (an HTTP server, PostgreSQL behind a server) are opened as they are: a server
 creates its schema once, at its own start.
 """
@@ -31,7 +34,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["mlflow_client", "schema_lock", "sqlite_path", "LOCK_SUFFIX", "CREATING_SUFFIX"]
+__all__ = ["mlflow_client", "schema_lock", "sqlite_path", "HalfMadeStoreError", "LOCK_SUFFIX", "CREATING_SUFFIX"]
 
 LOCK_SUFFIX = ".lock"
 CREATING_SUFFIX = ".creating"
@@ -87,8 +90,33 @@ def mlflow_client(tracking_uri: str):
         db = sqlite_path(tracking_uri)
         if db is not None and not db.exists():
             _create_sqlite_store(db)
-        client = MlflowClient(tracking_uri)   # opens the store: creates or migrates a SQL store's tables
+        try:
+            client = MlflowClient(tracking_uri)   # opens the store: creates or migrates a SQL store's tables
+        except Exception as e:
+            if db is not None and "already exists" in str(e):
+                raise HalfMadeStoreError(db, e) from None
+            raise
     return client
+
+
+class HalfMadeStoreError(ValueError):
+    """A SQLite store whose schema a killed process left half-made (created by a lowprec before
+    the whole-or-nothing creation above, or by MLflow itself, or half-migrated by a newer
+    MLflow): MLflow can neither finish nor open it. Says what it holds and what to do."""
+
+    def __init__(self, db: Path, error: BaseException):
+        import sqlite3
+        self.error = error   # MLflow's (SQL) error
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
+                runs = con.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
+        except sqlite3.Error:
+            runs = 0
+        aside = f"mv {db} {db}.half-made"
+        holds = (f"it holds no run: move it aside ({aside}); the next use makes a new one" if not runs else
+                 f"it holds {runs} runs: restore it from a backup, or move it aside ({aside}) for a new one")
+        super().__init__(f"{db} is a half-made MLflow store (a process was killed while MLflow built or migrated "
+                         f"its tables; MLflow cannot open it): {holds}")
 
 
 def _create_sqlite_store(db: Path) -> None:

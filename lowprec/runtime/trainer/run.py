@@ -391,6 +391,6 @@ def unsent_line(tracker) -> str | None:
     pending = tracker.outbox.n_pending()
     if not pending:
         return None
-    why = f" ({tracker.last_error.splitlines()[0][:200]})" if tracker.last_error else ""
+    why = f" ({tracker.last_error.splitlines()[0][:400]})" if tracker.last_error else ""
     return (f"tracking failed{why}: {pending} records wait in the outbox {tracker.run_dir}; "
             f"send them with `lowprec sync {tracker.run_dir}`")

@@ -7,6 +7,7 @@ exists`; seen when a 4-rank job was killed during its first start-up, and its `-
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -65,3 +66,28 @@ def test_an_existing_store_is_opened_where_it_is(tmp_path):
     assert again.get_experiment_by_name("kept").experiment_id == exp
     assert (tmp_path / "mlflow.db").stat().st_ino == inode
     assert not list(tmp_path.glob("mlflow.db" + CREATING_SUFFIX + "*"))
+
+
+
+def test_a_half_made_store_is_named_with_what_it_holds_and_what_to_do(tmp_path):
+    """A store half-made before lowprec created stores whole (or by MLflow itself): every send failed
+    with MLflow's `table _alembic_tmp_params already exists`, and `lowprec sync` could never succeed.
+    The file here is that state as a SIGKILL inside MLflow's batch migration of `params` left it
+    (seen by killing a bare `MlflowClient(uri)` mid-creation; where a kill lands decides whether
+    MLflow can go on, so the state is built directly). Now the error names the file, says it holds
+    no run and how to move it aside (a new store is then made, as
+    test_a_process_killed_while_creating_the_store_leaves_none_or_a_whole_one shows)."""
+    import sqlite3
+
+    from lowprec.tracking.store import HalfMadeStoreError
+    db = tmp_path / "mlflow.db"
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        con.execute("CREATE TABLE _alembic_tmp_params (x INTEGER)")
+        con.commit()
+    uri = f"sqlite:///{db}"
+    with pytest.raises(HalfMadeStoreError) as e:
+        mlflow_client(uri)
+    assert str(e.value) == (f"{db} is a half-made MLflow store (a process was killed while MLflow built or migrated "
+                            f"its tables; MLflow cannot open it): it holds no run: move it aside (mv {db} "
+                            f"{db}.half-made); the next use makes a new one")
+    assert db.is_file()   # not removed: the user decides (MLflow's failed attempt added tables to it)
