@@ -260,7 +260,7 @@ def _conclude(res: "RunResult", rec, engine: Engine, state, session: Session, ev
     """Fill `res` from the record, the final evaluation (within `final_eval`: a signal may stop
     it, `StopRequest.interrupting`) and the telemetry; rank 0 writes the files. seconds: per
     step this process trained (0.0: it trained none, resumed for the final eval only)."""
-    clock = tele.clock
+    clock, trained = tele.clock, seconds > 0
     res.losses, res.grad_norms, res.formats, res.flops_share = rec.losses, rec.grad_norms, rec.formats, rec.flops_share
     res.rewinds = rec.rewinds
     res.seconds_per_step = seconds
@@ -271,11 +271,11 @@ def _conclude(res: "RunResult", rec, engine: Engine, state, session: Session, ev
                 evals.final(n_steps)
         except RunStopped:   # the telemetry of the steps this process trained and of its eval so far
             clock.lap(Phase.EVAL)
-            _telemetry(res, tele, tracker, n_steps, rank, out, trained=seconds > 0)
+            _telemetry(res, tele, tracker, n_steps, rank, out, trained=trained)
             raise
         clock.lap(Phase.EVAL)
         res.evals, res.final_eval = evals.history, evals.last
-    _telemetry(res, tele, tracker, n_steps, rank, out, trained=seconds > 0)
+    _telemetry(res, tele, tracker, n_steps, rank, out, trained=trained)
     res.site_paths = site_paths(state, engine)   # a collective: every rank's counts
     if tracker is not None and res.site_paths:
         tracker.log_metrics(n_steps, path_metrics(res.site_paths))

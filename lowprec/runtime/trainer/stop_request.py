@@ -86,7 +86,7 @@ class StopRequest:
         self._in_job = rank is not None
         self._say = say if not rank else None
         self._previous: dict[int, object] = {}
-        self._interrupt_at: int | None = None   # within `interrupting(step)`: the step it stops at
+        self._interrupting = False   # within `interrupting`: the first signal stops at once
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
@@ -106,14 +106,12 @@ class StopRequest:
         to the same stream, and Python's buffered streams refuse a reentrant write (RuntimeError):
         the line is then left out, never the stop."""
         if self._say is not None:
-            try:
+            with contextlib.suppress(RuntimeError):
                 self._say(text)
-            except RuntimeError:
-                pass
 
     def _handle(self, signum: int, frame) -> None:
-        if self.requested is None and self._interrupt_at is not None:
-            self.requested, self._interrupt_at = signum, None
+        if self.requested is None and self._interrupting:
+            self.requested = signum
             self._tell(f"{signal.Signals(signum).name}: stopping now, during the final eval; --resume redoes it")
             raise _Interrupted(signum)
         if self.requested is None:
@@ -147,11 +145,11 @@ class StopRequest:
             return
         if self.requested is not None:   # came before: stop without starting
             raise RunStopped(self.requested, step)
-        self._interrupt_at = step
+        self._interrupting = True
         try:
             yield
         except _Interrupted as e:
             raise RunStopped(e.signum, step) from None
         finally:
-            self._interrupt_at = None
+            self._interrupting = False
 
