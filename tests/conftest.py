@@ -94,53 +94,69 @@ def rank_forks():
     forks.close()
 
 
-# The longest files (measured with `--durations` in a fresh clone), taken first in this order: the
-# ones that launch several processes at once (marked `launches`) alternate with long ones that run in
-# one process, so that while one worker holds the launch lock (below) the other has a long file of its
-# own to run; the other files that hold a `slow` test follow, then the rest. A hint for balance only: a
-# stale list costs time, not correctness.
-LONGEST_FIRST = ("test_torchtitan_trainer.py", "test_wheel_install.py", "test_kill_resume.py", "test_fp8_ops.py",
-                 "test_parallel_run.py", "test_smoke.py", "test_gate_e2e.py",
-                 "test_parallel_parity.py", "test_hf_gate.py",
-                 "test_fast_path_distributed.py", "test_run_output.py",
-                 "test_torchtitan_moe.py", "test_one_writer.py", "test_run_tracking.py")
+# The longest files that run in one process each (measured with `--durations` in a fresh clone), taken
+# first in this order; the other files that hold a `slow` test follow, then the rest. A hint for balance
+# only: a stale list costs time, not correctness.
+LONGEST_FIRST = ("test_wheel_install.py", "test_kill_resume.py", "test_gate_e2e.py", "test_smoke.py",
+                 "test_fp8_ops.py", "test_checkpoint.py", "test_run_output.py", "test_gpu_bench.py",
+                 "test_tracking_postgres.py", "test_loop_faults.py", "test_tracking_ui.py", "test_fp8_cast.py",
+                 "test_quantize_errors.py", "test_tracking.py", "test_tracking_resume.py")
+# The files whose tests are marked `launches` (several busy processes at once: torchrun ranks, concurrent
+# jobs): one unit of work under `make test` (LaunchesTogether). xdist's scheduler sees test ids, not marks,
+# so they are named here; `pytest_collection_modifyitems` refuses a run where the marks and this list differ.
+LAUNCH_FILES = ("test_parallel_run.py", "test_torchtitan_trainer.py", "test_parallel_parity.py",
+                "test_fast_path_distributed.py", "test_torchtitan_moe.py", "test_parallel_multinode.py",
+                "test_fast_path_faults.py", "test_distributed.py", "test_profile_distributed.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest test files first, each file's tests kept together and in order.
+    """The launching files first (in LAUNCH_FILES' order), then the longest ones, each file's tests
+    kept together and in order.
 
     `make test` hands whole files to two workers (`--dist loadfile --no-loadscope-reorder`), each
-    taking the next file when it is done: a long file taken last would leave one worker running
-    it alone, so the long ones are taken first (LONGEST_FIRST, then the files that hold a `slow`
-    test) and the short ones fill in at the end."""
+    taking the next unit when it is done, in this order: a long file taken last would leave one
+    worker running it alone, so the long ones are taken first (LONGEST_FIRST, then the files that
+    hold a `slow` test) and the short ones fill in at the end. The launching files are one unit
+    (`LaunchesTogether`), taken first."""
+    marked = {item.path.name for item in items if item.get_closest_marker("launches")}
+    collected = {item.path.name for item in items}
+    if marked != {f for f in LAUNCH_FILES if f in collected}:
+        raise pytest.UsageError(f"tests/conftest.py: LAUNCH_FILES {sorted(LAUNCH_FILES)} must name exactly the "
+                                f"files with tests marked `launches`: {sorted(marked)}")
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     first_seen: dict = {}
     for i, item in enumerate(items):
         first_seen.setdefault(item.path, i)
 
-    def rank(path) -> int:
+    def rank(path) -> tuple:
+        if path.name in LAUNCH_FILES:
+            return (0, LAUNCH_FILES.index(path.name))
         if path.name in LONGEST_FIRST:
-            return LONGEST_FIRST.index(path.name)
-        return len(LONGEST_FIRST) + (path not in slow_files)
+            return (1, LONGEST_FIRST.index(path.name))
+        return (2 + (path not in slow_files), 0)
 
     order = {id(item): (rank(item.path), first_seen[item.path], i) for i, item in enumerate(items)}
     items.sort(key=lambda item: order[id(item)])
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """A test marked `launches` (several busy processes at once: torchrun ranks, concurrent jobs)
-    runs while no other worker's such test does: on 2 cores, two of them side by side took 12% more
-    CPU time and 15% more wall time than one after the other (a 13-process and a 6-process launch,
-    measured 2026-12-02), while a one-process test beside a launch costs it little. The lock is a
-    file lock in the session's base folder, held from the test's setup (its module's launch fixture)
-    to its teardown; without xdist nothing is locked."""
-    run_id = getattr(item.config, "workerinput", {}).get("testrunuid")
-    if run_id is None or item.get_closest_marker("launches") is None:
-        yield
-        return
-    import fcntl
-    # xdist gives each worker <the session's base folder>/<worker id> as its basetemp
-    with open(Path(item.config.option.basetemp).parent / f"launch-{run_id}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes
-        yield
+def pytest_xdist_make_scheduler(config, log):
+    """Under `--dist loadfile`: LaunchesTogether (below) in place of xdist's file scheduler."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LaunchesTogether(LoadFileScheduling):
+        """xdist's `loadfile` (a test file is a unit of work, run on one worker, its module fixtures
+        set up once), except that the files of LAUNCH_FILES are one unit: their tests run one after
+        the other on one worker while the other worker runs one-process files. On 2 cores, two launches
+        side by side took 12% more CPU time and 15% more wall time than one after the other (a
+        13-process and a 6-process launch, measured 2026-12-02), and a lock that made one worker wait
+        for the other's launch instead left the waiting worker idle (175 s of worker time in a full
+        run, 2026-12-04). (xdist's `loadgroup` would do this from marks, but it renames test ids
+        through an attribute pytest 9 no longer has.)"""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "launches" if path.rsplit("/", 1)[-1] in LAUNCH_FILES else path
+
+    return LaunchesTogether(config, log)
