@@ -113,7 +113,7 @@ def pytest_collection_modifyitems(config, items):
     """The launching files first (in LAUNCH_FILES' order), then the longest ones, each file's tests
     kept together and in order.
 
-    `make test` hands whole files to two workers (`--dist loadfile --no-loadscope-reorder`), each
+    `make test` hands whole files to three workers (`--dist loadfile --no-loadscope-reorder`), each
     taking the next unit when it is done, in this order: a long file taken last would leave one
     worker running it alone, so the long ones are taken first (LONGEST_FIRST, then the files that
     hold a `slow` test) and the short ones fill in at the end. The launching files are one unit
@@ -148,7 +148,7 @@ def pytest_xdist_make_scheduler(config, log):
     class LaunchesTogether(LoadFileScheduling):
         """xdist's `loadfile` (a test file is a unit of work, run on one worker, its module fixtures
         set up once), except that the files of LAUNCH_FILES are one unit: their tests run one after
-        the other on one worker while the other worker runs one-process files. On 2 cores, two launches
+        the other on one worker while the other workers run one-process files. On 2 cores, two launches
         side by side took 12% more CPU time and 15% more wall time than one after the other (a
         13-process and a 6-process launch, measured 2026-12-02), and a lock that made one worker wait
         for the other's launch instead left the waiting worker idle (175 s of worker time in a full
