@@ -139,6 +139,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: order[id(item)])
 
 
+@pytest.hookimpl(optionalhook=True)   # xdist's hook: without xdist, nothing to schedule
 def pytest_xdist_make_scheduler(config, log):
     """Under `--dist loadfile`: LaunchesTogether (below) in place of xdist's file scheduler."""
     if config.getvalue("dist") != "loadfile":
