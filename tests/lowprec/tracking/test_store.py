@@ -68,7 +68,6 @@ def test_an_existing_store_is_opened_where_it_is(tmp_path):
     assert not list(tmp_path.glob("mlflow.db" + CREATING_SUFFIX + "*"))
 
 
-
 def test_a_half_made_store_is_named_with_what_it_holds_and_what_to_do(tmp_path):
     """A store half-made before lowprec created stores whole (or by MLflow itself): every send failed
     with MLflow's `table _alembic_tmp_params already exists`, and `lowprec sync` could never succeed.
