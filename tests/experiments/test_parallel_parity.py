@@ -167,7 +167,8 @@ def runs(tmp_path_factory, gloo, rank_forks):
 
 def _tracked(d: Path, name: str) -> dict:
     """The tracking section of a run tracked into its own SQLite store in `d`."""
-    return {"tracking": {"uri": f"sqlite:///{d / name}.db", "experiment": "parity", "run_name": name}}
+    return {"tracking": {"uri": f"sqlite:///{d / name}.db", "experiment": "parity", "run_name": name,
+                         "report": False}}
 
 
 def _tracked_precision(d: Path, name: str) -> dict:

@@ -19,7 +19,8 @@ first step and end the run through it:
 * `end` ends the run once, whichever host and however training ended: `on_end(status)` (a
   framework host's final eval) first, a finished run's loss curve uploaded (`losses.json`, the
   next run's `rollout.baseline`), a KILLED run tagged with why (`lowprec.stopped`) and drawn no
-  report (a full disk has no room for pictures), the MLflow run given its status. `running()`
+  report (a full disk has no room for pictures; nor is one drawn with `tracking.report: false`), the
+  MLflow run given its status. `running()`
   ends it FAILED when the training raises, FINISHED when it returns.
 """
 
@@ -112,7 +113,8 @@ class RunLife:
             t.log_artifact(losses)
         if status is RunStatus.KILLED and reason:
             t.log_tags({STOPPED_TAG: reason})
-        t.finish(status, warn_unsent=self.warn_unsent, report=status is not RunStatus.KILLED)
+        t.finish(status, warn_unsent=self.warn_unsent,
+                 report=status is not RunStatus.KILLED and self.config.tracking.report)
 
     @contextlib.contextmanager
     def running(self, losses: Callable[[], Path | list | None] = lambda: None):

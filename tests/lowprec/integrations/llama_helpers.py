@@ -35,6 +35,8 @@ precision:
   rules:
     - {name: all, select: {module_type: Linear}, format: bf16}
 """
+# the gate tests' runs: the gate reads their numbers; the report pictures are tested elsewhere
+NO_PICTURES = "tracking: {report: false}\n"
 FINAL_EVAL = "eval: {suite: default, every: 0, mode: fast, final_mode: fast, gates: null, high_precision: false, limit: 8}\n"
 
 

@@ -18,7 +18,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from llama_helpers import BF16_CONFIG, CONFIG, FINAL_EVAL, gate_table, shakespeare_blocks, tiny_llama  # noqa: E402
+from llama_helpers import (BF16_CONFIG, CONFIG, FINAL_EVAL, NO_PICTURES, gate_table, shakespeare_blocks,  # noqa: E402
+                           tiny_llama)
 
 # the Trainer's own lines (its logged metrics; disable_tqdm) and lowprec's (`lowprec`, a name, a colon)
 TRAINER_LINE, LOWPREC_LINE = re.compile(r"^\{'\w+': "), re.compile(r"^lowprec( [\w.-]+)*: ")
@@ -38,7 +39,7 @@ def _train(tmp: Path, name: str, config: str, spike_at: int | None = None) -> tu
 
         def on_step_begin(self, args, state, control, **kw):
             self.faults.tick(state.global_step)
-    (tmp / f"{name}.yaml").write_text(config + FINAL_EVAL)
+    (tmp / f"{name}.yaml").write_text(config + FINAL_EVAL + NO_PICTURES)
     model = tiny_llama()
     lp = LowprecCallback.from_yaml(tmp / f"{name}.yaml", model)
     spikes = [Injection(FaultKind.LOSS_SPIKE, spike_at, spike_at + 2, factor=100.0)] if spike_at is not None else []

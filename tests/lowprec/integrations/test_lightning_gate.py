@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("lightning")
 
 from lightning_helpers import LlamaModule, experiment, loader  # noqa: E402
-from llama_helpers import BF16_CONFIG, CONFIG, FINAL_EVAL, gate_table  # noqa: E402
+from llama_helpers import BF16_CONFIG, CONFIG, FINAL_EVAL, NO_PICTURES, gate_table  # noqa: E402
 from test_hf_gate import GATED  # noqa: E402
 
 # what lm-eval, datasets and MLflow print while lowprec evaluates and tracks (Lightning's own lines,
@@ -25,7 +25,7 @@ def _train(tmp: Path, name: str, config: str, uri: str) -> tuple[str, list[str]]
     from lightning.pytorch.loggers import MLFlowLogger
 
     from lowprec.integrations.lightning import LowprecCallback
-    (tmp / f"{name}.yaml").write_text(config + FINAL_EVAL)
+    (tmp / f"{name}.yaml").write_text(config + FINAL_EVAL + NO_PICTURES)
     module = LlamaModule()
     callback = LowprecCallback.from_yaml(tmp / f"{name}.yaml", module.model)
     logger = MLFlowLogger(experiment_name="lightning-gate", tracking_uri=uri, run_name=name)

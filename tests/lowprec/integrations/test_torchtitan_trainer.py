@@ -77,7 +77,7 @@ FULL = PLAN.replace("  thresholds: {site_patience: 1}", """\
   thresholds: {site_patience: 1, large_warmup: 2, large_factor: 3.0}
   rewind: {enabled: true, snapshot_every: 2, keep: 3}
   lr_probe: {enabled: true, every_checks: 1}""").replace("tracking: {enabled: false}",
-                                                        'tracking: {uri: "URI", experiment: titan}\n'
+                                                        'tracking: {uri: "URI", experiment: titan, report: false}\n'
                                                         'telemetry: {energy: "off"}')
 NAN_AT = 3       # the 4th step (lowprec counts from 0, torchtitan's log from 1): a NaN in SITE on rank 0
 SPIKE_AT = 6     # steps 6 and 7: the logits x100 on every rank (a data fault: no precision to blame)

@@ -55,7 +55,7 @@ def _config(uri: str, experiment: str, slow_while: str | None = None, eval_slow_
                     "stages": [{"name": "mlp", "select": {"fqns": ["up", "down"]}, "format": "fp8_tensorwise"}]},
         "eval": {"suite": "shakespeare", "every": 16, "mode": "fast", "final_mode": "fast", "gates": None,
                  "high_precision": False, "batch_size": 8, "limit": 8},
-        "tracking": {"uri": uri, "experiment": experiment, "run_name": "k"},
+        "tracking": {"uri": uri, "experiment": experiment, "run_name": "k", "report": False},
         # no energy meter: on a CPU it is codecarbon's estimate, whose start takes ~1.2 s of every
         # life (before its first step) and which no assertion here reads
         "telemetry": {"energy": "off"},

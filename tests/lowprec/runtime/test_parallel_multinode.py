@@ -80,6 +80,8 @@ def test_two_agents_on_one_machine_finish_one_mlflow_run(tmp_path, gloo, sqlite_
     assert run.data.tags["lowprec.parallel"] == "dp_shard4 (4 processes)"
     assert run.data.tags["lowprec.parallel.backend"] == "gloo"   # this machine has no GPU
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == list(range(STEPS))
+    pictures = {a.path for a in client.list_artifacts(run.info.run_id, "report")}   # drawn by the job's rank 0
+    assert {"report/loss.png", "report/precision_timeline.png"} <= pictures, pictures
     # the fast path and the FP8 all-gather, per site: summary.json and MLflow
     paths = json.loads((out / "summary.json").read_text())["site_paths"]
     for site in MLP:   # STEPS forwards on each of the 4 ranks, on the fast path, gathered as FP8

@@ -100,7 +100,7 @@ def short_main_job(uri: str, **parallel) -> dict:
     ro.pop("baseline")
     ro["thresholds"].pop("loss_gap")
     cfg.pop("eval")
-    cfg["tracking"] = {"uri": uri, "experiment": "parallel-run", "run_name": "job"}
+    cfg["tracking"] = {"uri": uri, "experiment": "parallel-run", "run_name": "job", "report": False}
     if parallel:
         cfg["parallel"] = parallel
     return cfg
@@ -117,7 +117,7 @@ def tiny_job(uri: str, name: str, **parallel) -> dict:
                                     "ladder": ["fp8_tensorwise", "bf16"]}]},
            "rollout": {"check_every": 2, "min_steps": 2,
                        "stages": [{"name": "mlp", "select": {"glob": "blocks.*.mlp.*"}, "format": "fp8_tensorwise"}]},
-           "tracking": {"uri": uri, "experiment": "parallel-run", "run_name": name},
+           "tracking": {"uri": uri, "experiment": "parallel-run", "run_name": name, "report": False},
            "telemetry": {"energy": "off"}}   # no energy meter in each process: nothing here reads energy
     return {**cfg, "parallel": parallel} if parallel else cfg
 

@@ -6,7 +6,8 @@ when a process first opens it, without a lock, and the second process used to fa
 must now track live: every metric in the store, nothing left in either outbox, and no
 "not taking records" warning. A run whose records cannot be sent ends with a line that
 says how many wait in the outbox and the command that sends them, and exits 3 (0 with
-`--tracking-optional`); that command sends them. The `lowprec run` processes are forked from the
+`--tracking-optional`); that command sends them. `tracking.report: false` leaves the run's
+report pictures undrawn. The `lowprec run` processes are forked from the
 session's pre-imported server (`lowprec_forks`, tests/cli_forks.py).
 """
 
@@ -35,9 +36,9 @@ CONFIG = {
 }
 
 
-def _write(folder: Path, uri: str) -> Path:
-    path = folder / "tiny.yaml"
-    path.write_text(yaml.safe_dump({**CONFIG, "tracking": {"uri": uri, "experiment": "together"}}))
+def _write(folder: Path, uri: str, name: str = "tiny.yaml", **tracking) -> Path:
+    path = folder / name
+    path.write_text(yaml.safe_dump({**CONFIG, "tracking": {"uri": uri, "experiment": "together", **tracking}}))
     return path
 
 
@@ -57,9 +58,10 @@ def test_two_runs_started_together_on_one_new_sqlite_store_both_track_live(tmp_p
     db = tmp_path / "store" / "mlflow.db"
     uri = f"sqlite:///{db}"
     _write(tmp_path, uri)
+    _write(tmp_path, uri, "no_report.yaml", report=False)   # b: no report pictures at its end
     assert not db.exists()
-    procs = {name: lowprec_forks.start(["run", "tiny.yaml", "--out", name, "--run-name", name], tmp_path)
-             for name in ("a", "b")}
+    procs = {name: lowprec_forks.start(["run", config, "--out", name, "--run-name", name], tmp_path)
+             for name, config in (("a", "tiny.yaml"), ("b", "no_report.yaml"))}
     client = None
     for name, p in procs.items():
         out, err = p.communicate(timeout=600)
@@ -76,6 +78,11 @@ def test_two_runs_started_together_on_one_new_sqlite_store_both_track_live(tmp_p
         for key, points in journal.items():   # every metric point the run recorded is in the store
             stored = {(m.step, m.value) for m in client.get_metric_history(run_id, key)}
             assert stored == points, key
+        pictures = sorted(a.path for a in client.list_artifacts(run_id, "report"))
+        if name == "a":
+            assert {"report/loss.png", "report/precision_timeline.png"} <= set(pictures), pictures
+        else:
+            assert pictures == [] and not (run_dir / "tracking" / "files" / "report").exists(), pictures
 
 
 @pytest.mark.slow
