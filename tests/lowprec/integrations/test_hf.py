@@ -71,10 +71,10 @@ class Recorder(TrainerCallback):
 
 
 @pytest.fixture(scope="module")
-def hf_run(tmp_path_factory):
+def hf_run(tmp_path_factory, sqlite_store):
     tmp = tmp_path_factory.mktemp("hf")
     (tmp / "lowprec.yaml").write_text(CONFIG)
-    uri = f"sqlite:///{tmp}/mlflow.db"
+    uri = sqlite_store(tmp)   # a migrated store (a copy of the session's)
     mp = pytest.MonkeyPatch()
     mp.setenv("MLFLOW_TRACKING_URI", uri)   # the Trainer's MLflow reporting is configured this way
     mp.setenv("MLFLOW_EXPERIMENT_NAME", "hf-integration")

@@ -114,10 +114,10 @@ class _Norms(lightning.pytorch.Callback):
         self.norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
 
 
-def test_clipping_is_lowprecs_and_sees_the_norm_before_it(tmp_path):
+def test_clipping_is_lowprecs_and_sees_the_norm_before_it(tmp_path, sqlite_store):
     """gradient_clip_val=0.05: lowprec clips at that value (Lightning's is off meanwhile),
     measures the norm before clipping, and tracks into its own run (no MLflow logger)."""
-    uri = f"sqlite:///{tmp_path}/own.db"
+    uri = sqlite_store(tmp_path / "store")
     cfg = CONFIG.replace("tracking: {experiment: hf-integration}", f"tracking: {{experiment: own, uri: '{uri}'}}")
     (tmp_path / "lowprec.yaml").write_text(cfg)
     experiment(uri, "own", tmp_path)
@@ -151,10 +151,10 @@ class _Stopped(LlamaModule):
 
 
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
-def test_a_signal_ends_the_run_killed_with_the_reason_not_failed(tmp_path, how):
+def test_a_signal_ends_the_run_killed_with_the_reason_not_failed(tmp_path, how, sqlite_store):
     """Lightning hands Ctrl-C and SIGTERM to on_exception: the MLflow run is KILLED and tagged
     `lowprec.stopped` with the signal (resumable), as `lowprec run` marks a stopped run, never FAILED."""
-    uri = f"sqlite:///{tmp_path}/stop.db"
+    uri = sqlite_store(tmp_path / "store")
     cfg = CONFIG.replace("tracking: {experiment: hf-integration}", f"tracking: {{experiment: stop, uri: '{uri}'}}")
     (tmp_path / "lowprec.yaml").write_text(cfg)
     experiment(uri, "stop", tmp_path)
@@ -217,11 +217,11 @@ def test_without_lightning_the_import_names_the_extra(monkeypatch):
         importlib.import_module("lowprec.integrations.lightning")
 
 
-def test_lightning_module_with_accumulation_and_evals(tmp_path):
+def test_lightning_module_with_accumulation_and_evals(tmp_path, sqlite_store):
     """The callback on the LightningModule itself (FQNs relative to it), two micro-batches per
     step: the NaN step's replays re-run both through training_step, demote exactly its layer
     and skip the step; the `eval:` suite runs at its checkpoints through eval_forward."""
-    uri = f"sqlite:///{tmp_path}/acc.db"
+    uri = sqlite_store(tmp_path / "store")
     cfg = (CONFIG.replace("fqns: [lm_head]", "fqns: [model.lm_head]")
            .replace("tracking: {experiment: hf-integration}", f"tracking: {{experiment: acc, uri: '{uri}'}}")
            + "eval: {suite: shakespeare, every: 10, mode: fast, final_mode: fast, gates: null, batch_size: 8, limit: 8}\n")

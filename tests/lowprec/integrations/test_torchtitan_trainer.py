@@ -161,9 +161,10 @@ def _check_fp8_all_gather(reports: list[dict], resumed: bool = False, hp_bytes: 
         assert {m for m, _ in check.values()} == {"fp8", "hp"} and check[SITE][0] == "hp", check
 
 
-def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(tmp_path, gloo, free_port, rank_forks):
+def test_fsdp2_nan_on_one_rank_skip_rewind_probe_tracking_kill_resume_and_eval(tmp_path, gloo, free_port, rank_forks,
+                                                                                sqlite_store):
     """Under FSDP 2 with the torch backend and lowprec's FP8 all-gather (LowprecConverter.Config)."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)   # a migrated store (a copy): no schema migration in the job
     faults = [fault("nan", SITE, NAN_AT, NAN_AT + 1, rank=0), fault("loss_spike", "", SPIKE_AT, SPIKE_AT + 2, 100.0)]
     steps, plan = 10, FULL.replace("URI", uri).replace("backend: emulated", "backend: torch")
     # first a setting lowprec refuses (the default in-loop gate needs Milton, the shakespeare suite has none):
@@ -307,7 +308,7 @@ PP_EVAL = "eval: {suite: shakespeare, every: 0, mode: fast, final_mode: fast, ga
 PP_SITE_RANK = 1   # torchtitan's default Interleaved1F1B, 2 ranks: 4 stages, layers.1 in stage 1 on rank 1
 
 
-def test_pipeline_2_stages_nan_skip_rewind_probe_and_eval(tmp_path, gloo, free_port, rank_forks):
+def test_pipeline_2_stages_nan_skip_rewind_probe_and_eval(tmp_path, gloo, free_port, rank_forks, sqlite_store):
     """Pipeline parallelism 2 (torchtitan's default looped schedule: two stages per rank, each a model
     part): every rank sees the last stage's loss, the NaN planted on the rank whose stage holds SITE
     is bisected by replays through torchtitan's pipeline schedule and that site falls back there
@@ -317,7 +318,7 @@ def test_pipeline_2_stages_nan_skip_rewind_probe_and_eval(tmp_path, gloo, free_p
     (at every check) and the final eval run as steps of the pipeline schedule on both ranks: each
     rank has the same eval outcome, probe result and eval logits, equal to the whole model's in one
     process (`_check_against_one_process`)."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)   # a migrated store (a copy): no schema migration in the job
     plan = FULL.replace("URI", uri) + PP_EVAL
     steps = 10
     job = TitanJob(tmp_path, plan, steps=steps, checkpoint_every=steps, validator=True, reference=True, param_dtype="float32",
