@@ -67,10 +67,38 @@ def _lowprec(*args: str) -> list[str]:
     return [sys.executable, "-m", "lowprec.cli", "run", *args]
 
 
-def _start(cmd: list[str], log: Path, **env) -> subprocess.Popen:
+def _start(cmd: list[str], log: Path, environ: dict | None = None, **env) -> subprocess.Popen:
     with open(log, "w") as f:   # a file, not a pipe: jobs run at once and nobody reads
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=_env(**env),
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=environ or _env(**env),
                                 start_new_session=True)
+
+
+# the launcher's process with `sys.executable` (the program its torchrun agent starts each rank with) set
+# to its first argument; the rest is `lowprec`'s command line
+LAUNCHER = "import sys; sys.executable = sys.argv.pop(1); from lowprec.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+class Launcher:
+    """`lowprec run --nproc-per-node N` whose ranks are forked from the session's rank server
+    (tests/rank_forks.py) instead of each importing torch, lowprec, MLflow and lm-eval (about 4 s
+    of CPU a rank): its torchrun agent starts `python` (a script running rank_forks.py's client)
+    as each rank. The launcher, torchrun's agent, its rendezvous and failure handling are
+    `lowprec run`'s own; `cmd(ARGS)` is the launcher's command for `lowprec run ARGS`, `env` its
+    environment (the rank server's socket in it)."""
+
+    def __init__(self, python: Path, env: dict):
+        self.python, self.env = python, env
+
+    def cmd(self, *args: str) -> list[str]:
+        return [sys.executable, "-c", LAUNCHER, str(self.python), "run", *args]
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory, rank_forks) -> Launcher:
+    python = tmp_path_factory.mktemp("ranks") / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{rank_forks.rank()[0]}" "$@"\n')
+    python.chmod(0o755)
+    return Launcher(python, rank_forks.env(_env()))
 
 
 def _wait(jobs: dict[str, subprocess.Popen], logs: Path, t0: float) -> dict[str, int]:
@@ -142,7 +170,7 @@ def _loss_steps(client, run_id: str) -> list[int]:
 # ----------------------------------------------------------------------------- the main job, 2 x 2
 
 @pytest.fixture(scope="module")
-def main_job(tmp_path_factory, gloo, sqlite_store):
+def main_job(tmp_path_factory, gloo, sqlite_store, launcher):
     d = tmp_path_factory.mktemp("main_job")
     uri = sqlite_store(d)
     par = _write(d, "parallel", short_main_job(uri, dp_shard=2, tp=2))
@@ -150,8 +178,8 @@ def main_job(tmp_path_factory, gloo, sqlite_store):
     one["tracking"]["run_name"] = "one-process"
     one = _write(d, "one", one)
     t0 = time.perf_counter()
-    jobs = {"parallel": _start(_lowprec(str(par), "--out", str(d / "parallel"), "--nproc-per-node", "4"),
-                               d / "parallel.log"),
+    jobs = {"parallel": _start(launcher.cmd(str(par), "--out", str(d / "parallel"), "--nproc-per-node", "4"),
+                               d / "parallel.log", launcher.env),
             "one": _start(_lowprec(str(one), "--out", str(d / "one")), d / "one.log")}
     codes = _wait(jobs, d, t0)
     for name, code in codes.items():
@@ -225,7 +253,7 @@ EVAL = {"evaluator": "lm_eval", "suite": "default", "every": 0, "mode": "fast", 
 
 
 @pytest.fixture(scope="module")
-def killed_job(tmp_path_factory, gloo, sqlite_store):
+def killed_job(tmp_path_factory, gloo, sqlite_store, launcher):
     """The tiny job with evals under `{dp_shard: 2, tp: 2}`, rank 2 SIGKILLed after the step-10
     checkpoint, then `--resume`d; beside it the same job in one process, never killed. Returns
     what each step left (the launcher's exit code and log, the MLflow run between the two) for
@@ -236,7 +264,7 @@ def killed_job(tmp_path_factory, gloo, sqlite_store):
     clean = _write(d, "clean", {**tiny_job(uri, "clean"), "eval": EVAL})
     out = d / "out"
     t0 = time.perf_counter()
-    job = _start(_lowprec(str(cfg), "--out", str(out), "--nproc-per-node", "4"), d / "job.log")
+    job = _start(launcher.cmd(str(cfg), "--out", str(out), "--nproc-per-node", "4"), d / "job.log", launcher.env)
     ref = _start(_lowprec(str(clean), "--out", str(d / "clean")), d / "clean.log")
     try:
         while not (out / "checkpoints" / "step_00000010").is_dir():
@@ -252,8 +280,8 @@ def killed_job(tmp_path_factory, gloo, sqlite_store):
     _, runs = _mlflow_runs(uri, "killed")
     killed = {"code": codes["job"], "pid": pid, "log": (d / "job.log").read_text(),
               "runs": [(r.info.run_id, r.info.status) for r in runs]}
-    resumed = subprocess.run(_lowprec(str(cfg), "--out", str(out), "--nproc-per-node", "4", "--resume"), cwd=ROOT,
-                             env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    resumed = subprocess.run(launcher.cmd(str(cfg), "--out", str(out), "--nproc-per-node", "4", "--resume"),
+                             cwd=ROOT, env=launcher.env, capture_output=True, text=True, timeout=TIMEOUT_S)
     return {"dir": d, "uri": uri, "cfg": cfg, "out": out, "killed": killed, "resumed": resumed}
 
 
@@ -295,7 +323,8 @@ def _last_loss_step(journal: Path) -> int:
                 if m[0] == "train/loss"), default=-1)
 
 
-def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_the_resume_finishes(tmp_path, gloo, sqlite_store):
+def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_the_resume_finishes(tmp_path, gloo, sqlite_store,
+                                                                                         launcher):
     """A scheduler's SIGTERM (or a terminal's Ctrl-C) to the launcher's process group: the ranks agree
     on one step, write a sharded checkpoint there, rank 0 says one line with the command (its
     --nproc-per-node included), the job exits 143, the MLflow run is KILLED; `--resume` finishes it."""
@@ -304,7 +333,7 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_the_resume_f
     cfg["train"].update(steps=40, ckpt_every=10)
     path = _write(tmp_path, "job", cfg)
     out = tmp_path / "out"
-    job = _start(_lowprec(str(path), "--out", str(out), "--nproc-per-node", "2"), tmp_path / "job.log")
+    job = _start(launcher.cmd(str(path), "--out", str(out), "--nproc-per-node", "2"), tmp_path / "job.log", launcher.env)
     try:
         t0 = time.perf_counter()
         while _last_loss_step(out / "tracking" / "outbox.jsonl") < 3:
@@ -328,8 +357,8 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_the_resume_f
     client, runs = _mlflow_runs(uri, "stopped")
     assert [r.info.status for r in runs] == ["KILLED"] and "SIGTERM" in runs[0].data.tags["lowprec.stopped"]
 
-    resumed = subprocess.run(_lowprec(str(path), "--out", str(out), "--nproc-per-node", "2", "--resume"), cwd=ROOT,
-                             env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    resumed = subprocess.run(launcher.cmd(str(path), "--out", str(out), "--nproc-per-node", "2", "--resume"),
+                             cwd=ROOT, env=launcher.env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     client, runs = _mlflow_runs(uri, "stopped")
     assert [r.info.status for r in runs] == ["FINISHED"]
