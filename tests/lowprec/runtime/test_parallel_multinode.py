@@ -45,19 +45,20 @@ def _env() -> dict:
     return {**env, "OMP_NUM_THREADS": "1"}
 
 
-def test_two_agents_on_one_machine_finish_one_mlflow_run(tmp_path, gloo, sqlite_store, free_port):
+def test_two_agents_on_one_machine_finish_one_mlflow_run(tmp_path, gloo, sqlite_store, free_port, rank_forks):
     uri = sqlite_store(tmp_path)
     cfg = tmp_path / "job.yaml"
     cfg.write_text(yaml.safe_dump(_job(uri)))
     out = tmp_path / "out"
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "lowprec-two-agents",
-             "-m", "lowprec.cli", "run", str(cfg), "--out", str(out)]
+             *rank_forks.rank("-m", "lowprec.cli", "run", cfg, "--out", out)]   # ranks forked from the rank server
     logs = [tmp_path / f"agent{i}.log" for i in range(2)]
     agents = []
     for log in logs:
         with open(log, "w") as f:
-            agents.append(subprocess.Popen(agent, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=_env(),
+            agents.append(subprocess.Popen(agent, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                           env=rank_forks.env(_env()),
                                            start_new_session=True))
     t0 = time.perf_counter()
     try:

@@ -333,7 +333,8 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_the_resume_f
     cfg["train"].update(steps=40, ckpt_every=10)
     path = _write(tmp_path, "job", cfg)
     out = tmp_path / "out"
-    job = _start(launcher.cmd(str(path), "--out", str(out), "--nproc-per-node", "2"), tmp_path / "job.log", launcher.env)
+    job = _start(launcher.cmd(str(path), "--out", str(out), "--nproc-per-node", "2"), tmp_path / "job.log",
+                 launcher.env)
     try:
         t0 = time.perf_counter()
         while _last_loss_step(out / "tracking" / "outbox.jsonl") < 3:
