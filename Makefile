@@ -32,7 +32,8 @@ $(STAMP): pyproject.toml
 # workers end together: --no-loadscope-reorder, since xdist would otherwise order the units by their
 # number of tests). Three, not two: many tests wait (for a server to answer, a process to die, a step
 # that sleeps while it is killed), and two workers left part of the cores idle: the whole run took
-# 939 s with two and 839 s with three (194% CPU), measured 2026-12-04 on a 2-core machine.
+# 939 s with two and 839 s with three (194% CPU), measured 2026-12-04 on a 2-core machine; a fresh
+# clone's `make test`, set-up included, 786 s there once the distributed tests forked their ranks.
 # One BLAS thread per process, so that the workers do not oversubscribe the cores further (the
 # processes the tests start inherit it).
 PYTEST := OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q
