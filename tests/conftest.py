@@ -95,8 +95,8 @@ def rank_forks():
 
 
 # The longest files that run in one process each (measured with `--durations` in two full runs of the
-# checkout, 2026-12-04), taken first in this order; the other files that hold a `slow` test follow, then the rest. A hint for balance
-# only: a stale list costs time, not correctness.
+# checkout, 2026-12-04), taken first in this order; the other files that hold a `slow` test follow,
+# then the rest. A hint for balance only: a stale list costs time, not correctness.
 LONGEST_FIRST = ("test_wheel_install.py", "test_kill_resume.py", "test_gate_e2e.py", "test_smoke.py",
                  "test_fp8_ops.py", "test_checkpoint.py", "test_run_output.py", "test_gpu_bench.py",
                  "test_tracking_postgres.py", "test_loop_faults.py", "test_tracking_ui.py", "test_fp8_cast.py",

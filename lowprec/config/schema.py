@@ -151,8 +151,8 @@ class EvalConfig:
 @dataclass(frozen=True)
 class TrackingConfig:
     """`tracking:` where the run is recorded (MLflow). `report`: the report pictures
-    (`lowprec.tracking.report`) are drawn and logged at the run's end; False: none (they cost a
-    few seconds of CPU a run; `lowprec report RUN` draws them from the store at any time)."""
+    (`lowprec.tracking.report`) are drawn and logged at the run's end; False: none (they cost about a
+    second of CPU a run; `lowprec report RUN` draws them from the store at any time)."""
     uri: str | None = None
     experiment: str = "lowprec"
     run_name: str | None = None

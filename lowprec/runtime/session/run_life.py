@@ -19,9 +19,9 @@ first step and end the run through it:
 * `end` ends the run once, whichever host and however training ended: `on_end(status)` (a
   framework host's final eval) first, a finished run's loss curve uploaded (`losses.json`, the
   next run's `rollout.baseline`), a KILLED run tagged with why (`lowprec.stopped`) and drawn no
-  report (a full disk has no room for pictures; nor is one drawn with `tracking.report: false`), the
-  MLflow run given its status. `running()`
-  ends it FAILED when the training raises, FINISHED when it returns.
+  report (a full disk has no room for pictures; nor is one drawn with `tracking.report: false`),
+  the MLflow run given its status. `running()` ends it FAILED when the training raises, FINISHED
+  when it returns.
 """
 
 from __future__ import annotations
